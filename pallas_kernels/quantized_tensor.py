@@ -1,0 +1,177 @@
+"""`QuantizedTensor`: a weight matrix that stays quantized in memory.
+
+Logical shape is ``(K, N)`` = (in_features, out_features), so a linear layer is
+``y = x @ W``. Quantization groups run along K (the reduction axis), which is
+what GGUF, AWQ and GPTQ all do, and what a fused matmul kernel wants: one scale
+per (group of K rows, output column).
+
+Storage (``bits`` and ``group_size`` are static pytree fields):
+
+* 4-bit: ``packed`` uint8 ``[K // 2, N]``. The low nibble of ``packed[i, n]``
+  holds ``q[i, n]`` and the high nibble holds ``q[i + K // 2, n]`` ("split
+  halves"). A kernel therefore never interleaves nibbles: it multiplies the low
+  nibbles by ``x[:, :K/2]`` and the high nibbles by ``x[:, K/2:]``.
+  Values: ``w = (q - 8) * scale`` when ``minimum is None`` (Q4_0, symmetric
+  AWQ/GPTQ), else ``w = q * scale + minimum`` (Q4_1; an asymmetric zero point z
+  is ``minimum = -z * scale``).
+* 8-bit: ``packed`` int8 ``[K, N]``, ``w = q * scale`` (Q8_0).
+
+``scale`` and ``minimum`` are ``[K // group_size, N]`` in float16/bfloat16/float32.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_BITS = (4, 8)
+
+
+@flax.struct.dataclass
+class QuantizedTensor:
+  packed: jax.Array  # uint8 [K//2, N] (4-bit) or int8 [K, N] (8-bit)
+  scale: jax.Array  # [K // group_size, N]
+  minimum: jax.Array | None  # [K // group_size, N] or None (symmetric)
+  bits: int = flax.struct.field(pytree_node=False, default=4)
+  group_size: int = flax.struct.field(pytree_node=False, default=32)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    rows, cols = self.packed.shape[-2:]
+    return (rows * 2 if self.bits == 4 else rows, cols)
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def nbytes(self) -> int:
+    total = self.packed.size * self.packed.dtype.itemsize
+    total += self.scale.size * self.scale.dtype.itemsize
+    if self.minimum is not None:
+      total += self.minimum.size * self.minimum.dtype.itemsize
+    return int(total)
+
+  def validate(self, name: str = "QuantizedTensor") -> "QuantizedTensor":
+    """Checks field shapes/dtypes; raises ValueError naming `name`."""
+    if self.bits not in SUPPORTED_BITS:
+      raise ValueError(f"{name}: bits={self.bits} not in {SUPPORTED_BITS}")
+    want = np.uint8 if self.bits == 4 else np.int8
+    if self.packed.dtype != want:
+      raise ValueError(f"{name}: {self.bits}-bit packed must be {np.dtype(want).name}, "
+                       f"got {self.packed.dtype}")
+    k, n = self.shape
+    if k % self.group_size:
+      raise ValueError(f"{name}: K={k} is not a multiple of group_size={self.group_size}")
+    if self.scale.shape != (k // self.group_size, n):
+      raise ValueError(f"{name}: scale shape {self.scale.shape} != {(k // self.group_size, n)}")
+    if self.minimum is not None and self.minimum.shape != self.scale.shape:
+      raise ValueError(f"{name}: minimum shape {self.minimum.shape} != scale {self.scale.shape}")
+    if self.minimum is not None and self.bits == 8:
+      raise ValueError(f"{name}: 8-bit weights are symmetric; minimum must be None")
+    return self
+
+
+# --- pack / unpack -------------------------------------------------------------
+
+
+def pack_int4(q):
+  """[K, N] integer values in 0..15 -> uint8 [K//2, N], split-halves layout."""
+  xp = jnp if isinstance(q, jax.Array) else np
+  k = q.shape[0]
+  if k % 2:
+    raise ValueError(f"pack_int4: K={k} must be even")
+  q = q.astype(xp.uint8)
+  return (q[: k // 2] | (q[k // 2 :] << 4)).astype(xp.uint8)
+
+
+def unpack_int4(packed):
+  """uint8 [K//2, N] -> uint8 [K, N] values in 0..15 (inverse of pack_int4)."""
+  xp = jnp if isinstance(packed, jax.Array) else np
+  return xp.concatenate([packed & 0xF, packed >> 4], axis=0)
+
+
+# --- reference dequantization ----------------------------------------------------
+
+
+def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
+  """Full [K, N] weight in `dtype` (f32 arithmetic, matches llama.cpp's dequant)."""
+  k, n = qt.shape
+  g = qt.group_size
+  if qt.bits == 4:
+    q = unpack_int4(qt.packed).astype(jnp.float32)
+  else:
+    q = qt.packed.astype(jnp.float32)
+  q = q.reshape(k // g, g, n)
+  scale = qt.scale.astype(jnp.float32)[:, None, :]
+  if qt.minimum is not None:
+    w = q * scale + qt.minimum.astype(jnp.float32)[:, None, :]
+  elif qt.bits == 4:
+    w = (q - 8.0) * scale
+  else:
+    w = q * scale
+  return w.reshape(k, n).astype(dtype)
+
+
+def dequantize_columns(qt: QuantizedTensor, columns: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """Dequantizes only the given columns: returns [len(columns), K] (rows of W.T).
+
+  Used for embedding lookup from a tied, quantized embedding table stored as
+  W[K=d_model, N=vocab]."""
+  sub = QuantizedTensor(
+      packed=jnp.take(qt.packed, columns, axis=1),
+      scale=jnp.take(qt.scale, columns, axis=1),
+      minimum=None if qt.minimum is None else jnp.take(qt.minimum, columns, axis=1),
+      bits=qt.bits,
+      group_size=qt.group_size,
+  )
+  return dequantize(sub, dtype).T
+
+
+# --- quantizers (tests, AWQ/GPTQ-style conversion of dense checkpoints) -----------
+
+
+def quantize(w, bits: int = 4, group_size: int = 32, symmetric: bool = True,
+             scale_dtype=np.float16) -> QuantizedTensor:
+  """Round-to-nearest quantization of a dense [K, N] matrix (numpy, host side)."""
+  w = np.asarray(w, np.float32)
+  k, n = w.shape
+  if k % group_size:
+    raise ValueError(f"quantize: K={k} is not a multiple of group_size={group_size}")
+  wg = w.reshape(k // group_size, group_size, n)
+  if bits == 8:
+    amax = np.abs(wg).max(axis=1)
+    scale = (amax / 127.0).astype(scale_dtype)
+    s = scale.astype(np.float32)[:, None, :]
+    q = np.where(s > 0, np.round(wg / np.where(s > 0, s, 1)), 0)
+    q = np.clip(q, -127, 127).astype(np.int8).reshape(k, n)
+    return QuantizedTensor(packed=q, scale=scale, minimum=None, bits=8, group_size=group_size)
+  if bits != 4:
+    raise ValueError(f"quantize: bits={bits} not in {SUPPORTED_BITS}")
+  if symmetric:
+    # Q4_0 convention: the value of largest magnitude maps to -8.
+    idx = np.abs(wg).argmax(axis=1)
+    signed_max = np.take_along_axis(wg, idx[:, None, :], axis=1)[:, 0, :]
+    scale = (signed_max / -8.0).astype(scale_dtype)
+    s = scale.astype(np.float32)[:, None, :]
+    q = np.where(s != 0, np.round(wg / np.where(s != 0, s, 1)) + 8, 8)
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(k, n)
+    return QuantizedTensor(packed=pack_int4(q), scale=scale, minimum=None, bits=4,
+                           group_size=group_size)
+  lo = wg.min(axis=1)
+  hi = wg.max(axis=1)
+  scale = ((hi - lo) / 15.0).astype(scale_dtype)
+  minimum = lo.astype(scale_dtype)
+  s = scale.astype(np.float32)[:, None, :]
+  m = minimum.astype(np.float32)[:, None, :]
+  q = np.where(s > 0, np.round((wg - m) / np.where(s > 0, s, 1)), 0)
+  q = np.clip(q, 0, 15).astype(np.uint8).reshape(k, n)
+  return QuantizedTensor(packed=pack_int4(q), scale=scale, minimum=minimum, bits=4,
+                         group_size=group_size)
+
+
+def as_jax(qt: QuantizedTensor) -> QuantizedTensor:
+  """Moves numpy fields onto the default device."""
+  return jax.tree.map(jnp.asarray, qt)
