@@ -1,19 +1,233 @@
-"""Quantized matmul `y = x @ dequant(W)`: reference (XLA) implementation.
+"""Quantized matmul `y = x @ dequant(W)`: XLA reference + fused Pallas kernel.
 
-The Pallas kernel lives beside it (see `ops.quantized_matmul` for dispatch)."""
+Backend: the kernel targets the Pallas *Triton* GPU backend (selected by
+passing `plt.CompilerParams`; without it recent JAX routes GPU Pallas to Mosaic
+GPU). It also runs with `interpret=True` on any platform (tests).
+
+Kernel layout (one program = one [block_m, block_n] output tile and one slice
+of K when split-K is on):
+  * The loop runs over quantization groups. A 4-bit iteration loads one group
+    of packed rows `[g, block_n]` (uint8), which holds two groups of weights
+    (low nibble: rows r..r+g, high nibble: rows K/2+r..K/2+r+g) thanks to the
+    split-halves layout, so no nibble interleaving is ever needed.
+  * The integer codes (exact in bf16/f16) go straight into the MXU/tensor-core
+    dot; the per-column group scale is applied to the [block_m, block_n] dot
+    result, and Q4_1's `minimum` term is `rowsum(x_group) * minimum`. So the
+    dequantized weight never exists, not even per tile in f32.
+  * f32 accumulation; split-K partials are summed by the wrapper in f32.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
+FP8_DTYPES = (jnp.float8_e4m3fn,)
+ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32) + FP8_DTYPES
 
-def quantized_matmul_reference(x: jax.Array, w: QuantizedTensor) -> jax.Array:
+
+# --- reference -------------------------------------------------------------------
+
+
+def quantized_matmul_reference(x: jax.Array, w: QuantizedTensor,
+                               x_scale: jax.Array | None = None,
+                               out_dtype=None) -> jax.Array:
   """x: [..., K] -> [..., N]; dequantizes W to f32 and accumulates in f32.
 
-  Exact on CPU (f32 dot at HIGHEST precision); output in x's dtype."""
+  Exact on CPU (f32 dot at HIGHEST precision). `x_scale` ([...] or [..., 1],
+  f32) multiplies each activation row (the FP8 variant: x_real = x * x_scale).
+  Output dtype: `out_dtype`, else x's dtype (bf16 for FP8 activations)."""
+  if out_dtype is None:
+    out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
   wf = dequantize(w, jnp.float32)
   y = jnp.dot(x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
-  return y.astype(x.dtype)
+  if x_scale is not None:
+    y = y * _row_scale(x_scale, x.shape[:-1])
+  return y.astype(out_dtype)
+
+
+def _row_scale(x_scale: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+  """[...] or [..., 1] per-row scale -> [..., 1] f32."""
+  return x_scale.astype(jnp.float32).reshape(*lead, 1)
+
+
+# --- kernel ----------------------------------------------------------------------
+
+
+def _compute_dtype(x_dtype):
+  # fp8 e4m3 -> bf16 is exact (more mantissa and range), and 4/8-bit integer
+  # codes are exact in bf16/f16, so the dot only rounds where x itself does.
+  if x_dtype in FP8_DTYPES:
+    return jnp.bfloat16
+  return x_dtype
+
+
+def _qmm_kernel(*refs, bits: int, group: int, half_k: int, groups_per_split: int,
+                asymmetric: bool, compute_dtype):
+  if asymmetric:
+    x_ref, p_ref, s_ref, m_ref, o_ref = refs
+  else:
+    x_ref, p_ref, s_ref, o_ref = refs
+    m_ref = None
+  # x_ref,  # [block_m, K]
+  # p_ref,  # [K//2, block_n] uint8 (4-bit) or [K, block_n] int8 (8-bit)
+  # s_ref,  # [K//group, block_n]
+  # m_ref,  # [K//group, block_n] (Q4_1 only)
+  # o_ref,  # [block_m, block_n] f32 partial sum of this K split
+  split = pl.program_id(2)
+  block_m, block_n = o_ref.shape
+  first = split * groups_per_split
+  # Groups in the high nibble start this many scale rows later.
+  high_group_offset = half_k // group
+  precision = (jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32
+               else jax.lax.Precision.DEFAULT)
+
+  def group_term(xg, codes, gi):
+    """dot(x_group, codes) * scale (+ rowsum(x_group) * minimum) for group gi."""
+    y = jnp.dot(xg, codes, preferred_element_type=jnp.float32, precision=precision)
+    y = y * s_ref[pl.ds(gi, 1), :].astype(jnp.float32)
+    if m_ref is not None:
+      rowsum = jnp.sum(xg.astype(jnp.float32), axis=1, keepdims=True)
+      y = y + rowsum * m_ref[pl.ds(gi, 1), :].astype(jnp.float32)
+    return y
+
+  def body(it, acc):
+    gi = first + it
+    r0 = pl.multiple_of(gi * group, group)
+    if bits == 4:
+      # Triton has no 8-bit shifts/masks on some versions: widen first. `& 0xFF`
+      # keeps this right even if the widening sign-extends.
+      p = p_ref[pl.ds(r0, group), :].astype(jnp.int32) & 0xFF
+      lo = p & 0xF
+      hi = p >> 4
+      if not asymmetric:
+        lo = lo - 8
+        hi = hi - 8
+      x_lo = x_ref[:, pl.ds(r0, group)].astype(compute_dtype)
+      x_hi = x_ref[:, pl.ds(half_k + r0, group)].astype(compute_dtype)
+      acc += group_term(x_lo, lo.astype(jnp.float32).astype(compute_dtype), gi)
+      acc += group_term(x_hi, hi.astype(jnp.float32).astype(compute_dtype),
+                        gi + high_group_offset)
+    else:
+      q = p_ref[pl.ds(r0, group), :].astype(jnp.int32)
+      xg = x_ref[:, pl.ds(r0, group)].astype(compute_dtype)
+      acc += group_term(xg, q.astype(jnp.float32).astype(compute_dtype), gi)
+    return acc
+
+  acc = jnp.zeros((block_m, block_n), jnp.float32)
+  acc = jax.lax.fori_loop(0, groups_per_split, body, acc)
+  o_ref[...] = acc
+
+
+def _largest_pow2_divisor(n: int, cap: int, floor: int = 16) -> int | None:
+  b = cap
+  while b >= floor:
+    if n % b == 0:
+      return b
+    b //= 2
+  return None
+
+
+def pallas_support_error(k: int, n: int, w: QuantizedTensor) -> str | None:
+  """Why the kernel cannot take this weight (None if it can)."""
+  g = w.group_size
+  if g < 16 or g & (g - 1):
+    return f"group_size={g} must be a power of two >= 16"
+  if w.bits == 4 and (k // 2) % g:
+    return (f"4-bit K={k}: K//2={k // 2} must be a multiple of group_size={g} "
+            "(a group may not straddle the two nibble halves)")
+  if _largest_pow2_divisor(n, 128) is None:
+    return f"N={n} must be a multiple of 16"
+  return None
+
+
+def choose_config(m: int, k: int, n: int, w: QuantizedTensor, *, target_programs: int = 264):
+  """Default (block_m, block_n, k_splits) for an [m, k] x [k, n] problem.
+
+  Decode (small m) is bandwidth bound: split K until there are enough programs
+  to keep every SM streaming weights (~2 per SM on H100/H200)."""
+  block_m = min(64, max(16, pl.next_power_of_2(m)))
+  block_n = _largest_pow2_divisor(n, 128)
+  loop_groups = (k // 2 if w.bits == 4 else k) // w.group_size
+  programs = pl.cdiv(m, block_m) * (n // block_n)
+  k_splits = 1
+  for s in (2, 4, 8, 16):
+    if programs * k_splits >= target_programs:
+      break
+    if loop_groups % s == 0:
+      k_splits = s
+  return block_m, block_n, k_splits
+
+
+def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array | None = None,
+                            *, out_dtype=None, block_m: int | None = None,
+                            block_n: int | None = None, k_splits: int | None = None,
+                            num_warps: int = 4, num_stages: int = 3,
+                            interpret: bool = False) -> jax.Array:
+  """x: [M, K] -> [M, N] with the fused kernel. Inputs assumed validated.
+
+  M is padded to a multiple of block_m here (activations are small)."""
+  m, k = x.shape
+  _, n = w.shape
+  if out_dtype is None:
+    out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
+  bm, bn, ks = choose_config(m, k, n, w)
+  bm = block_m or bm
+  bn = block_n or bn
+  ks = k_splits or ks
+  g = w.group_size
+  loop_groups = (k // 2 if w.bits == 4 else k) // g
+  if loop_groups % ks:
+    raise ValueError(f"quantized_matmul: k_splits={ks} must divide {loop_groups} groups")
+  if n % bn:
+    raise ValueError(f"quantized_matmul: block_n={bn} must divide N={n}")
+  mp = pl.cdiv(m, bm) * bm
+  if mp != m:
+    x = jnp.pad(x, ((0, mp - m), (0, 0)))
+  asymmetric = w.minimum is not None
+  kernel = functools.partial(
+      _qmm_kernel, bits=w.bits, group=g, half_k=k // 2, groups_per_split=loop_groups // ks,
+      asymmetric=asymmetric, compute_dtype=_compute_dtype(x.dtype))
+  prow = w.packed.shape[0]
+  in_specs = [
+      pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+      pl.BlockSpec((prow, bn), lambda i, j, s: (0, j)),
+      pl.BlockSpec((k // g, bn), lambda i, j, s: (0, j)),
+  ]
+  args = [x, w.packed, w.scale]
+  if asymmetric:
+    in_specs.append(pl.BlockSpec((k // g, bn), lambda i, j, s: (0, j)))
+    args.append(w.minimum)
+  partial = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((ks, mp, n), jnp.float32),
+      grid=(mp // bm, n // bn, ks),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"quantized_matmul_q{w.bits}_g{g}",
+  )(*args)
+  y = partial[0] if ks == 1 else jnp.sum(partial, axis=0)
+  y = y[:m]
+  if x_scale is not None:
+    y = y * _row_scale(x_scale, (m,))
+  return y.astype(out_dtype)
+
+
+def flops_and_bytes(m: int, k: int, n: int, w: QuantizedTensor, x_itemsize: int = 2,
+                    out_itemsize: int = 2) -> tuple[int, int]:
+  """Useful FLOPs and minimum HBM bytes (weights + activations + output)."""
+  return 2 * m * k * n, w.nbytes + m * k * x_itemsize + m * n * out_itemsize
+
+
+__all__ = [
+    "ACT_DTYPES", "FP8_DTYPES", "choose_config", "flops_and_bytes", "pallas_support_error",
+    "quantized_matmul_pallas", "quantized_matmul_reference",
+]

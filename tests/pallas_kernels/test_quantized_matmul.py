@@ -1,0 +1,197 @@
+"""Quantized matmul: reference by hand, pack/unpack, kernel vs reference, CUDA lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_testing import lowers_for_cuda, rel_err, tol_for
+from pallas_kernels import ops
+from pallas_kernels.quantized_matmul import quantized_matmul_reference
+from pallas_kernels.quantized_tensor import QuantizedTensor, as_jax, pack_int4, quantize, unpack_int4
+
+# q codes [K=4, N=2] for the hand-computed 4-bit cases (groups of 2 rows).
+Q4 = np.array([[8, 15], [0, 7], [9, 8], [10, 12]], np.uint8)
+X4 = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
+
+
+def _q4(minimum=None):
+  return QuantizedTensor(
+      packed=jnp.asarray(pack_int4(Q4)),
+      scale=jnp.asarray([[1.0, 0.5], [2.0, 1.0]], jnp.float32),
+      minimum=None if minimum is None else jnp.asarray(minimum, jnp.float32),
+      bits=4, group_size=2)
+
+
+class TestReference:
+
+  def test_q4_symmetric_by_hand(self):
+    # w = (q - 8) * scale: rows [0, 3.5], [-8, -0.5], [2, 0], [4, 4]
+    # y = 1*[0, 3.5] + 2*[-8, -0.5] + 3*[2, 0] + 4*[4, 4] = [6, 18.5]
+    y = quantized_matmul_reference(jnp.asarray(X4), _q4())
+    np.testing.assert_array_equal(np.asarray(y), [[6.0, 18.5]])
+
+  def test_q4_1_scale_min_by_hand(self):
+    # minimum [[-1, 0], [0.5, 1]]; w = q * scale + minimum:
+    # rows [7, 7.5], [-1, 3.5], [18.5, 9], [20.5, 13]
+    # y = [7 - 2 + 55.5 + 82, 7.5 + 7 + 27 + 52] = [142.5, 93.5]
+    y = quantized_matmul_reference(jnp.asarray(X4), _q4([[-1.0, 0.0], [0.5, 1.0]]))
+    np.testing.assert_array_equal(np.asarray(y), [[142.5, 93.5]])
+
+  def test_q8_by_hand(self):
+    # w = q * scale = [[1, -2], [3, 4]] * [0.5, 2] = [[0.5, -4], [1.5, 8]]
+    # y = 2*[0.5, -4] - 1*[1.5, 8] = [-0.5, -16]
+    w = QuantizedTensor(packed=jnp.asarray([[1, -2], [3, 4]], jnp.int8),
+                        scale=jnp.asarray([[0.5, 2.0]], jnp.float32), minimum=None,
+                        bits=8, group_size=2)
+    y = quantized_matmul_reference(jnp.asarray([[2.0, -1.0]]), w)
+    np.testing.assert_array_equal(np.asarray(y), [[-0.5, -16.0]])
+
+  def test_fp8_row_scale_by_hand(self):
+    # 1..4 are exact in e4m3; x_scale 0.5 halves [6, 18.5] -> [3, 9.25] (bf16-exact)
+    x = jnp.asarray(X4).astype(jnp.float8_e4m3fn)
+    y = quantized_matmul_reference(x, _q4(), x_scale=jnp.asarray([0.5]))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), [[3.0, 9.25]])
+
+
+class TestPackUnpack:
+
+  def test_split_halves_bit_exact(self):
+    # Every (low, high) nibble pair, including 0, 7, 8, 15 at both ends.
+    lo, hi = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    q = np.concatenate([lo.reshape(1, -1), hi.reshape(1, -1)], axis=0).astype(np.uint8)
+    packed = pack_int4(q)
+    assert packed.dtype == np.uint8 and packed.shape == (1, 256)
+    np.testing.assert_array_equal(packed[0], (q[0] | (q[1] << 4)))
+    for special in (0, 7, 8, 15):
+      col = int(np.flatnonzero((q[0] == special) & (q[1] == 15 - special))[0])
+      assert packed[0, col] == special | ((15 - special) << 4)
+    np.testing.assert_array_equal(unpack_int4(packed), q)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed))), q)
+    np.testing.assert_array_equal(np.asarray(pack_int4(jnp.asarray(q))), packed)
+
+
+def _case(rng, bits, group, symmetric, m, k, n, dtype):
+  w = as_jax(quantize(rng.normal(size=(k, n)).astype(np.float32), bits=bits,
+                      group_size=group, symmetric=symmetric))
+  x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+  xs = None
+  if dtype == jnp.float8_e4m3fn:
+    amax = jnp.max(jnp.abs(x), axis=1)
+    xs = amax / 448.0
+    x = (x / xs[:, None]).astype(dtype)
+  else:
+    x = x.astype(dtype)
+  return x, w, xs
+
+
+# (bits, group, symmetric): Q4_0 g32 / g128, Q4_1 g32, Q8_0 g32
+FORMATS = [(4, 32, True), (4, 128, True), (4, 32, False), (8, 32, True)]
+SWEEP = [
+    # fmt index, M, K, N, dtype
+    (0, 1, 64, 16, jnp.bfloat16),
+    (0, 5, 192, 48, jnp.float32),  # M, N not multiples of the tiles
+    (0, 64, 128, 64, jnp.float16),
+    (1, 3, 256, 32, jnp.bfloat16),
+    (1, 130, 256, 16, jnp.float32),  # prefill-sized M, padded
+    (2, 1, 64, 32, jnp.float32),
+    (2, 17, 128, 80, jnp.bfloat16),
+    (3, 1, 32, 16, jnp.float16),
+    (3, 9, 96, 48, jnp.bfloat16),
+    (0, 2, 128, 32, jnp.float8_e4m3fn),
+    (2, 4, 64, 16, jnp.float8_e4m3fn),
+    (3, 3, 64, 32, jnp.float8_e4m3fn),
+]
+
+
+@pytest.mark.gpu_only
+class TestQuantizedMatmulKernel:
+  INTERPRET = False
+
+  @pytest.mark.parametrize("fmt,m,k,n,dtype", SWEEP)
+  def test_matches_reference(self, fmt, m, k, n, dtype):
+    bits, group, symmetric = FORMATS[fmt]
+    x, w, xs = _case(np.random.default_rng(m * 1000 + k + n), bits, group, symmetric, m, k, n,
+                     dtype)
+    got = ops.quantized_matmul(x, w, x_scale=xs, backend="pallas", interpret=self.INTERPRET)
+    want = ops.quantized_matmul(x, w, x_scale=xs, backend="reference")
+    assert got.shape == (m, n) and got.dtype == want.dtype
+    assert rel_err(got, want) <= tol_for(want.dtype)
+
+  @pytest.mark.parametrize("k_splits", [1, 2, 4])
+  def test_split_k_and_batch_dims(self, k_splits):
+    x, w, _ = _case(np.random.default_rng(1), 4, 32, True, 6, 256, 32, jnp.float32)
+    x = x.reshape(2, 3, 256)
+    got = ops.quantized_matmul(x, w, backend="pallas", interpret=self.INTERPRET,
+                               k_splits=k_splits)
+    want = ops.quantized_matmul(x, w, backend="reference")
+    assert got.shape == (2, 3, 32)
+    assert rel_err(got, want) <= tol_for(jnp.float32)
+
+  def test_in_kernel_unpack_bit_exact(self):
+    # x = identity picks out each weight row, scale 1: y must equal q - 8 exactly,
+    # for every nibble value in both halves.
+    k, n = 64, 16
+    q = (np.arange(k * n).reshape(k, n) * 7 % 16).astype(np.uint8)
+    q[0, :4] = [0, 7, 8, 15]
+    q[k // 2, :4] = [15, 8, 7, 0]
+    w = QuantizedTensor(packed=jnp.asarray(pack_int4(q)), scale=jnp.ones((2, n), jnp.float16),
+                        minimum=None, bits=4, group_size=32)
+    y = ops.quantized_matmul(jnp.eye(k, dtype=jnp.bfloat16), w, backend="pallas",
+                             interpret=self.INTERPRET)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), q.astype(np.float32) - 8)
+
+
+class TestQuantizedMatmulKernelInterpret(TestQuantizedMatmulKernel):
+  INTERPRET = True
+
+
+@pytest.mark.parametrize("fmt", range(len(FORMATS)))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_lowers_for_cuda(fmt, dtype):
+  bits, group, symmetric = FORMATS[fmt]
+  x, w, xs = _case(np.random.default_rng(0), bits, group, symmetric, 4, 256, 64, dtype)
+  text = lowers_for_cuda(
+      lambda x, w, xs: ops.quantized_matmul(x, w, x_scale=xs, backend="pallas"), x, w, xs)
+  assert "__gpu$xla.gpu.triton" in text and "quantized_matmul" in text
+
+
+class TestValidation:
+
+  def test_k_mismatch(self):
+    w = as_jax(quantize(np.ones((64, 16), np.float32)))
+    with pytest.raises(ValueError, match=r"x.shape=\(2, 32\).*W.shape=\(64, 16\)"):
+      ops.quantized_matmul(jnp.ones((2, 32)), w)
+
+  def test_bad_dtype(self):
+    w = as_jax(quantize(np.ones((64, 16), np.float32)))
+    with pytest.raises(ValueError, match=r"x.dtype=int32.*\(2, 64\)"):
+      ops.quantized_matmul(jnp.ones((2, 64), jnp.int32), w)
+
+  def test_fp8_needs_scale(self):
+    w = as_jax(quantize(np.ones((64, 16), np.float32)))
+    x = jnp.ones((2, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"x_scale of shape \(2,\)"):
+      ops.quantized_matmul(x, w)
+    with pytest.raises(ValueError, match=r"x_scale.shape=\(3,\)"):
+      ops.quantized_matmul(x, w, x_scale=jnp.ones((3,)))
+
+  def test_bad_weight_fields(self):
+    w = as_jax(quantize(np.ones((64, 16), np.float32)))
+    bad = QuantizedTensor(packed=w.packed, scale=w.scale[:1], minimum=None, bits=4,
+                          group_size=32)
+    with pytest.raises(ValueError, match=r"scale shape \(1, 16\)"):
+      ops.quantized_matmul(jnp.ones((2, 64)), bad)
+
+  def test_pallas_rejects_untileable_weight(self):
+    # K=96, group 32: K//2 = 48 straddles a group; the reference still works.
+    w = as_jax(quantize(np.ones((96, 16), np.float32)))
+    with pytest.raises(ValueError, match=r"W.shape=\(96, 16\).*straddle"):
+      ops.quantized_matmul(jnp.ones((1, 96)), w, backend="pallas", interpret=True)
+    assert ops.quantized_matmul(jnp.ones((1, 96)), w, backend="auto").shape == (1, 16)
+
+  def test_bad_backend(self):
+    w = as_jax(quantize(np.ones((64, 16), np.float32)))
+    with pytest.raises(ValueError, match="backend"):
+      ops.quantized_matmul(jnp.ones((1, 64)), w, backend="cuda")
