@@ -1,0 +1,135 @@
+"""Common record types shared by every dataset loader and task.
+
+Loaders never raise on a bad input line: they yield a `DeadLetter` instead, so a
+Beam pipeline can route it to a side output with the file and line number while
+the good `Example`s carry on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Any, Union
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One evaluation problem, whatever dataset it came from.
+
+  Attributes:
+    id: stable identifier, e.g. ``gsm8k/test/17`` or ``HumanEval/0``; reruns
+      over the same input give the same ids so results can be joined.
+    dataset: dataset name (``gsm8k``, ``gsm_synthetic``, ``humaneval``, ...).
+    question: the problem text shown to the model; for code tasks this is the
+      code prompt (also reachable as `prompt`).
+    reference: normalized gold answer (a number string for GSM-style data, the
+      canonical solution for HumanEval).
+    metadata: dataset-specific extras (level, entry_point, test, solution, ...).
+  """
+  id: str
+  dataset: str
+  question: str
+  reference: str
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def prompt(self) -> str:
+    """Alias of `question`; reads better for code-completion tasks."""
+    return self.question
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready dict, for text sinks and for crossing process boundaries."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Example":
+    return cls(id=d["id"], dataset=d["dataset"], question=d["question"],
+               reference=d["reference"], metadata=dict(d.get("metadata") or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+  """An input line that could not become an `Example`, and why.
+
+  Attributes:
+    source: the file path / URL the line came from.
+    line_number: 1-based line number in `source` (0 when not line-based).
+    reason: short human-readable cause, e.g. ``invalid JSON: ...``.
+    raw: the offending line as read (decoded leniently), for inspection.
+  """
+  source: str
+  line_number: int
+  reason: str
+  raw: str
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+LoadResult = Union[Example, DeadLetter]
+
+
+class RecordError(ValueError):
+  """Raised by per-record parsers; loaders turn it into a `DeadLetter`."""
+
+
+def content_id(dataset: str, *parts: str, length: int = 16) -> str:
+  """Content-hash id for records without a natural key (stable across files)."""
+  h = hashlib.sha256()
+  for p in parts:
+    h.update(p.encode("utf-8"))
+    h.update(b"\x00")
+  return f"{dataset}/{h.hexdigest()[:length]}"
+
+
+# The lm-evaluation-harness GSM8K metric strips these (in this order) from both
+# prediction and reference before an exact string comparison.
+_IGNORE_PATTERNS = (re.compile(","), re.compile(r"\$"),
+                    re.compile(r"(?s).*#### "), re.compile(r"\.$"))
+_NUMBER_RE = re.compile(r"-?(\d+(\.\d*)?|\.\d+)")
+
+
+def normalize_answer(text: str) -> str:
+  """Normalize an answer string the way lm-evaluation-harness does for GSM8K.
+
+  Removes commas and ``$``, anything up to a ``#### `` marker and one trailing
+  period, so ``"$1,234."`` and ``"#### 1234"`` both become ``"1234"``. Kept as a
+  pure string transform (no float parsing) so scores match the harness.
+  """
+  s = text.strip()
+  for pat in _IGNORE_PATTERNS:
+    s = pat.sub("", s)
+  return s.strip()
+
+
+def is_number(text: str) -> bool:
+  """True for a plain decimal number such as ``-12``, ``3.5`` or ``7.``."""
+  return _NUMBER_RE.fullmatch(text) is not None
+
+
+_FINAL_ANSWER_RE = re.compile(r"####\s*(.*?)\s*$", re.DOTALL)
+
+
+def split_gsm8k_answer(answer: str) -> tuple[str, str]:
+  """Split a GSM8K answer into (worked solution, normalized final number).
+
+  Raises `RecordError` when there is no ``#### N`` with a numeric N, which is
+  what makes a line a dead letter.
+  """
+  idx = answer.rfind("####")
+  if idx < 0:
+    raise RecordError("answer has no '#### N' final-answer marker")
+  m = _FINAL_ANSWER_RE.match(answer, idx)
+  final = normalize_answer(m.group(1)) if m else ""
+  if not is_number(final):
+    raise RecordError(f"final answer after '####' is not a number: {m.group(1)!r}")
+  return answer[:idx].rstrip(), final
+
+
+def dumps_line(record: Union[Example, DeadLetter, dict[str, Any]]) -> str:
+  """One compact JSON line (no trailing newline), key order kept."""
+  if isinstance(record, (Example, DeadLetter)):
+    record = record.to_dict()
+  return json.dumps(record, ensure_ascii=False)
