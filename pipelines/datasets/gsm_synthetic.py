@@ -335,7 +335,9 @@ def _change(c: _Ctx):
   one, many, lo, hi = c.pick(_GOODS)
   n, price = c.n(2, 5), c.n(lo, hi)
   cost = n * price
-  bill = next(b for b in (10, 20, 50, 100) if b > cost)
+  bill = next((b for b in (10, 20, 50, 100) if b > cost), None)
+  if bill is None:
+    raise _Retry()
   q = (f"{p.name} buys {n} {many} that cost ${price} each. {p.He} pays with a ${bill} bill. "
        f"How much change does {p.he} get, in dollars?")
   t, s1 = _calc(n, "*", price)
