@@ -1,0 +1,224 @@
+"""GSM8K task: prompts (zero-shot chat, 8-shot chain of thought) and scoring.
+
+Scoring follows the lm-evaluation-harness GSM8K conventions so numbers are
+comparable with published ones: a *strict* extraction (``#### N`` or ``The
+answer is N.``), a *flexible* one (the last number-like span), the harness's
+string normalization (commas, ``$``, one trailing period) and exact match.
+
+The few-shot exemplars below are original to this project (written in the
+standard "Q: ... A: ... The answer is N." layout). The few-shot prefix is a
+module constant so it is byte-identical for every problem, which lets the
+engine share its KV cache across requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from pipelines.datasets.records import Example, normalize_answer
+from pipelines.tasks.text import ChatMessage, truncate_at_stop
+
+
+@dataclasses.dataclass(frozen=True)
+class Exemplar:
+  """A worked example: question, reasoning (without the final sentence), answer."""
+  question: str
+  reasoning: str
+  answer: str
+
+  @property
+  def solution(self) -> str:
+    return f"{self.reasoning} The answer is {self.answer}."
+
+
+FEWSHOT_EXEMPLARS: tuple[Exemplar, ...] = (
+    Exemplar(
+        "A library shelf holds 48 books. A teacher borrows 15 of them and later "
+        "returns 6. How many books are on the shelf now?",
+        "The shelf starts with 48 books. After 15 are borrowed, 48 - 15 = 33 books "
+        "are left. When 6 come back, there are 33 + 6 = 39 books.",
+        "39"),
+    Exemplar(
+        "Marco buys 4 packs of markers with 12 markers in each pack. He gives 10 "
+        "markers to his sister. How many markers does he keep?",
+        "Marco buys 4 * 12 = 48 markers. After giving away 10, he keeps 48 - 10 = 38 "
+        "markers.",
+        "38"),
+    Exemplar(
+        "A bakery sells muffins for $3 each. It sold 25 muffins on Saturday and 31 "
+        "on Sunday. How many dollars did it make from muffins over the weekend?",
+        "Over the weekend it sold 25 + 31 = 56 muffins. At $3 each, that is "
+        "56 * 3 = 168 dollars.",
+        "168"),
+    Exemplar(
+        "Priya plants 6 rows of tulips with 8 tulips in each row. Rabbits eat 5 of "
+        "the tulips. How many tulips are left?",
+        "Priya plants 6 * 8 = 48 tulips. After the rabbits eat 5, there are "
+        "48 - 5 = 43 tulips left.",
+        "43"),
+    Exemplar(
+        "A train trip lasts 2 hours and 45 minutes. How many minutes long is the trip?",
+        "Each hour has 60 minutes, so 2 hours is 2 * 60 = 120 minutes. Adding the 45 "
+        "minutes gives 120 + 45 = 165 minutes.",
+        "165"),
+    Exemplar(
+        "Leo has $50. He buys a book for $18 and two notebooks that cost $4 each. "
+        "How many dollars does he have left?",
+        "The notebooks cost 2 * 4 = 8 dollars. Altogether he spends 18 + 8 = 26 "
+        "dollars. He has 50 - 26 = 24 dollars left.",
+        "24"),
+    Exemplar(
+        "A school has 240 students. 25% of them walk to school and the rest ride "
+        "the bus. How many students ride the bus?",
+        "25% of 240 is 240 * 25 / 100 = 60 students who walk. The other "
+        "240 - 60 = 180 students ride the bus.",
+        "180"),
+    Exemplar(
+        "Nadia's book has 210 pages and she has already read 70 of them. She reads "
+        "14 pages every day. How many more days will it take her to finish?",
+        "She still has 210 - 70 = 140 pages to read. At 14 pages a day, that takes "
+        "140 / 14 = 10 days.",
+        "10"),
+)
+
+ZERO_SHOT_SYSTEM = (
+    "You are a careful math tutor. Solve the problem step by step. End your reply "
+    "with a final sentence of the form \"The answer is N.\" where N is a number.")
+FEWSHOT_SYSTEM = (
+    "Answer each grade-school math question. Reason step by step and end with "
+    "\"The answer is N.\"")
+
+# Where a plain-text few-shot completion should stop (the next "Q:" starts a new
+# problem); chat turns end on the model's own end-of-turn token.
+COMPLETION_STOP_SEQUENCES: tuple[str, ...] = ("Q:", "</s>", "<|im_end|>")
+
+
+def _q(question: str) -> str:
+  return question.strip()
+
+
+def zero_shot_messages(question: str,
+                       system: Optional[str] = ZERO_SHOT_SYSTEM) -> list[ChatMessage]:
+  """Zero-shot chat: optional system instruction, then the problem as the user turn."""
+  msgs: list[ChatMessage] = []
+  if system:
+    msgs.append({"role": "system", "content": system})
+  msgs.append({"role": "user", "content": _q(question)})
+  return msgs
+
+
+def _fewshot_chat_prefix(system: Optional[str]) -> list[ChatMessage]:
+  msgs: list[ChatMessage] = []
+  if system:
+    msgs.append({"role": "system", "content": system})
+  for ex in FEWSHOT_EXEMPLARS:
+    msgs.append({"role": "user", "content": ex.question})
+    msgs.append({"role": "assistant", "content": ex.solution})
+  return msgs
+
+
+def fewshot_messages(question: str,
+                     system: Optional[str] = FEWSHOT_SYSTEM) -> list[ChatMessage]:
+  """8-shot chain of thought as a multi-turn chat (exemplars as prior turns).
+
+  The first 16 (+1 system) messages are identical for every question, so the
+  rendered chat prefix is too.
+  """
+  return _fewshot_chat_prefix(system) + [{"role": "user", "content": _q(question)}]
+
+
+FEWSHOT_PREFIX: str = "".join(
+    f"Q: {ex.question}\nA: {ex.solution}\n\n" for ex in FEWSHOT_EXEMPLARS)
+
+
+def fewshot_prompt(question: str) -> str:
+  """8-shot chain of thought as a plain completion prompt.
+
+  Always `FEWSHOT_PREFIX` followed by ``Q: <question>\\nA:``; generate after it
+  and stop at `COMPLETION_STOP_SEQUENCES`.
+  """
+  return f"{FEWSHOT_PREFIX}Q: {_q(question)}\nA:"
+
+
+def example_prompt(example: Example, style: str = "fewshot_text"):
+  """Prompt for an `Example` in one of: zero_shot_chat, fewshot_chat, fewshot_text."""
+  if style == "zero_shot_chat":
+    return zero_shot_messages(example.question)
+  if style == "fewshot_chat":
+    return fewshot_messages(example.question)
+  if style == "fewshot_text":
+    return fewshot_prompt(example.question)
+  raise ValueError(f"unknown prompt style {style!r}")
+
+
+# --------------------------------------------------------------------------
+# Answer extraction (lm-evaluation-harness patterns, verbatim regexes).
+
+STRICT_HASH_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+STRICT_ANSWER_IS_RE = re.compile(r"The answer is (\-?[0-9\.\,]+).")
+STRICT_PATTERNS = (STRICT_HASH_RE, STRICT_ANSWER_IS_RE)
+FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+
+
+def _group(match) -> Optional[str]:
+  # With several groups, findall gives tuples; take the first non-empty group.
+  if isinstance(match, tuple):
+    match = next((m for m in match if m), None)
+  return match.strip() if match else None
+
+
+def extract_strict(text: str) -> Optional[str]:
+  """First ``#### N``; failing that, first ``The answer is N.``; else None.
+
+  Kept byte-for-byte with the harness regexes, including their quirks: the
+  pattern is case-sensitive, and its trailing ``.`` matches any character, so
+  "The answer is 42" at the very end of a text yields "4" and "The answer is
+  12. Then" yields "12." (normalized to "12" when scoring).
+  """
+  for pat in STRICT_PATTERNS:
+    found = pat.findall(text)
+    if found:
+      return _group(found[0])
+  return None
+
+
+def extract_flexible(text: str) -> Optional[str]:
+  """Last number-like span (harness "flexible-extract"); None if there is none."""
+  found = FLEXIBLE_RE.findall(text)
+  return _group(found[-1]) if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class GSM8KScore:
+  """Both harness metrics for one completion (extractions kept for debugging)."""
+  strict_answer: Optional[str]
+  flexible_answer: Optional[str]
+  strict_correct: bool
+  flexible_correct: bool
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def answers_match(predicted: Optional[str], reference: str) -> bool:
+  """Exact match after the harness normalization of both sides."""
+  if predicted is None:
+    return False
+  return normalize_answer(predicted) == normalize_answer(reference)
+
+
+def score_gsm8k(completion: str, reference: str,
+                stop_sequences: tuple[str, ...] = ()) -> GSM8KScore:
+  """Score a completion against a gold answer (number string or ``... #### N``).
+
+  `stop_sequences` (e.g. `COMPLETION_STOP_SEQUENCES` for plain-text few-shot)
+  are applied first, so text the model wrote for an imagined next question
+  cannot be extracted.
+  """
+  text = truncate_at_stop(completion, stop_sequences) if stop_sequences else completion
+  strict = extract_strict(text)
+  flexible = extract_flexible(text)
+  return GSM8KScore(strict, flexible, answers_match(strict, reference),
+                    answers_match(flexible, reference))

