@@ -1,0 +1,6 @@
+"""Checkpoint import: GGUF, HF safetensors, orbax; tokenizer and chat template."""
+
+from o1jax.checkpoint.embedded import embedded_model_path
+from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.loader import EMBEDDED, LoadedCheckpoint, load_checkpoint
+from o1jax.checkpoint.tokenizer import Tokenizer

@@ -1,0 +1,59 @@
+"""One entry point for every checkpoint format."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+from o1jax.checkpoint import gguf_loader, orbax_io, safetensors_loader
+from o1jax.checkpoint.embedded import embedded_model_path
+from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.params import Params
+from o1jax.checkpoint.tokenizer import Tokenizer
+from o1jax.model.config import ModelConfig
+
+EMBEDDED = "embedded"
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+  config: ModelConfig
+  params: Params  # numpy tree; see o1jax.checkpoint.params
+  tokenizer: Tokenizer
+  source: str
+  format: str  # "gguf" | "safetensors" | "orbax"
+
+
+def detect_format(path: pathlib.Path) -> str:
+  if path.is_file():
+    with open(path, "rb") as f:
+      if f.read(4) == b"GGUF":
+        return "gguf"
+    raise CheckpointError(f"{path}: not a GGUF file, and not a checkpoint directory")
+  if path.is_dir():
+    if orbax_io.is_orbax_checkpoint(path):
+      return "orbax"
+    if (path / "config.json").is_file():
+      return "safetensors"
+    raise CheckpointError(f"{path}: directory holds neither {orbax_io.MANIFEST} (orbax) "
+                          f"nor config.json (HF safetensors)")
+  raise CheckpointError(f"{path}: no such file or directory")
+
+
+def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
+  """Loads "embedded" (the shipped SmolLM2-135M GGUF), a .gguf file, an HF
+  safetensors directory or an o1jax orbax directory."""
+  path = embedded_model_path() if str(source) == EMBEDDED else pathlib.Path(source)
+  fmt = detect_format(path)
+  if fmt == "gguf":
+    config, params, meta = gguf_loader.load_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(meta, path)
+  elif fmt == "orbax":
+    config, params, tokenizer = orbax_io.load_orbax(path)
+  else:
+    config, params = safetensors_loader.load_safetensors(path)
+    tokenizer = Tokenizer.load(path)
+  if not tokenizer.eos_ids and config.eos_ids:
+    tokenizer.eos_ids = config.eos_ids
+  return LoadedCheckpoint(config=config, params=params, tokenizer=tokenizer, source=str(path), format=fmt)

@@ -1,0 +1,73 @@
+"""Orbax checkpoints of (param tree, model config, tokenizer).
+
+Layout of a converted checkpoint directory:
+  params/             orbax PyTree checkpoint of the flat parameter arrays
+  o1jax_model.json    {"config": ModelConfig, "param_spec": quantization spec}
+  tokenizer/          tokenizer.json + tokenizer_config.json
+Quantized weights are stored quantized, so loading skips all GGUF parsing and
+re-layout work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.params import Params, flatten, unflatten
+from o1jax.checkpoint.tokenizer import Tokenizer
+from o1jax.model.config import ModelConfig
+
+MANIFEST = "o1jax_model.json"
+
+
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+  return (pathlib.Path(path) / MANIFEST).is_file()
+
+
+def save_orbax(directory: str | os.PathLike, config: ModelConfig, params: Params,
+               tokenizer: Tokenizer) -> None:
+  import orbax.checkpoint as ocp
+
+  directory = pathlib.Path(directory).absolute()
+  if directory.exists() and any(directory.iterdir()):
+    raise CheckpointError(f"{directory}: destination exists and is not empty")
+  directory.mkdir(parents=True, exist_ok=True)
+  arrays, spec = flatten(params)
+  # Orbax treats dots in keys as nothing special, but keep keys path-safe anyway.
+  with ocp.PyTreeCheckpointer() as ckpt:
+    ckpt.save(directory / "params", {k.replace(".", "/"): v for k, v in arrays.items()})
+  manifest = {"config": json.loads(config.to_json()), "param_spec": spec}
+  (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+  tokenizer.save(directory / "tokenizer")
+
+
+def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Tokenizer]:
+  import orbax.checkpoint as ocp
+
+  directory = pathlib.Path(directory).absolute()
+  if not is_orbax_checkpoint(directory):
+    raise CheckpointError(f"{directory}: not an o1jax orbax checkpoint ({MANIFEST} is missing)")
+  manifest = json.loads((directory / MANIFEST).read_text())
+  config = ModelConfig.from_json(json.dumps(manifest["config"]))
+  try:
+    with ocp.PyTreeCheckpointer() as ckpt:
+      restored = ckpt.restore(directory / "params")
+  except Exception as e:
+    raise CheckpointError(f"{directory / 'params'}: cannot be restored ({e})") from e
+  arrays = {}
+
+  def collect(prefix, node):
+    if isinstance(node, dict):
+      for k, v in node.items():
+        collect(f"{prefix}.{k}" if prefix else k, v)
+    else:
+      arrays[prefix] = np.asarray(node)
+
+  collect("", restored)
+  arrays = {k.replace("/", "."): v for k, v in arrays.items()}
+  params = unflatten(arrays, manifest["param_spec"])
+  return config, params, Tokenizer.load(directory / "tokenizer")

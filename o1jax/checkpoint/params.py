@@ -1,0 +1,95 @@
+"""The parameter tree every loader produces, and a flat form for storage.
+
+Tree: {"embed": W[d_model, vocab], "layers": [{name: W}], "final_norm": [d],
+"lm_head": W[d_model, vocab] (untied only)}; each W is a dense array or a
+`QuantizedTensor`, always in the [in_features, out_features] layout.
+
+The flat form maps "layers.3.wq.packed"-style names to numpy arrays, plus a
+JSON-able spec recording which weights are quantized (bits, group size), so
+the tree can be rebuilt exactly from any key/value store (orbax, safetensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.quantized_tensor import QuantizedTensor
+
+Params = dict[str, Any]
+
+
+def flatten(params: Params) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  arrays: dict[str, np.ndarray] = {}
+  spec: dict[str, Any] = {"quantized": {}, "n_layers": len(params["layers"])}
+
+  def put(name, value):
+    if isinstance(value, QuantizedTensor):
+      spec["quantized"][name] = {"bits": value.bits, "group_size": value.group_size,
+                                 "has_minimum": value.minimum is not None}
+      arrays[name + ".packed"] = np.asarray(value.packed)
+      arrays[name + ".scale"] = np.asarray(value.scale)
+      if value.minimum is not None:
+        arrays[name + ".minimum"] = np.asarray(value.minimum)
+    else:
+      arrays[name] = np.asarray(value)
+
+  for key, value in params.items():
+    if key == "layers":
+      for i, layer in enumerate(value):
+        for name, w in layer.items():
+          put(f"layers.{i}.{name}", w)
+    else:
+      put(key, value)
+  return arrays, spec
+
+
+def unflatten(arrays: dict[str, Any], spec: dict[str, Any]) -> Params:
+  quantized = spec["quantized"]
+  consumed = set()
+
+  def get(name):
+    if name in quantized:
+      q = quantized[name]
+      parts = [name + ".packed", name + ".scale"] + ([name + ".minimum"] if q["has_minimum"] else [])
+      consumed.update(parts)
+      return QuantizedTensor(packed=arrays[parts[0]], scale=arrays[parts[1]],
+                             minimum=arrays[parts[2]] if q["has_minimum"] else None,
+                             bits=int(q["bits"]), group_size=int(q["group_size"]))
+    consumed.add(name)
+    return arrays[name]
+
+  names = {k.rsplit(".", 1)[0] if k.rsplit(".", 1)[0] in quantized else k for k in arrays}
+  params: Params = {"layers": [dict() for _ in range(spec["n_layers"])]}
+  for name in sorted(names):
+    if name.startswith("layers."):
+      _, i, wname = name.split(".", 2)
+      params["layers"][int(i)][wname] = get(name)
+    else:
+      params[name] = get(name)
+  return params
+
+
+def to_device(params: Params, dtype=None) -> Params:
+  """numpy tree -> jax arrays (dense float weights optionally cast to `dtype`)."""
+  def move(x):
+    x = jnp.asarray(x)
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      x = x.astype(dtype)
+    return x
+
+  def move_weight(w):
+    if isinstance(w, QuantizedTensor):
+      return jax.tree.map(jnp.asarray, w)
+    return move(w)
+
+  out = {k: move_weight(v) for k, v in params.items() if k != "layers"}
+  out["layers"] = [{k: move_weight(v) for k, v in layer.items()} for layer in params["layers"]]
+  return out
+
+
+def param_bytes(params: Params) -> int:
+  return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))

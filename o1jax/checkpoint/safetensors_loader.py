@@ -1,0 +1,151 @@
+"""HF-style checkpoints: `config.json` + `*.safetensors` (single file or sharded index).
+
+Supports the Llama, Mistral, Qwen2 and SmolLM families in bf16/f16/f32. Also
+writes such a checkpoint (dense f32 weights) from any loaded model, which is
+how `scripts/convert_checkpoint.py` exports GGUF models for HF tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.params import Params
+from o1jax.model.config import ModelConfig
+from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+# Our per-layer names -> HF names (weights are [out, in] in HF files).
+_LAYER_NAMES = {
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+}
+
+
+def config_from_hf(hf: dict, path) -> ModelConfig:
+  model_type = hf.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+  try:
+    n_heads = int(hf["num_attention_heads"])
+    d_model = int(hf["hidden_size"])
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
+        n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or d_model // n_heads),
+        ffn_dim=int(hf["intermediate_size"]), rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=hf.get("rope_scaling"), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_context=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        bos_id=hf.get("bos_token_id"), eos_ids=eos_ids, architecture=model_type,
+        name=str(hf.get("_name_or_path", "")))
+  except KeyError as e:
+    raise CheckpointError(f"{path}: config.json lacks the key {e.args[0]!r}") from e
+
+
+def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
+  index = directory / "model.safetensors.index.json"
+  if index.is_file():
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    files = sorted({directory / f for f in weight_map.values()})
+  else:
+    files = sorted(directory.glob("*.safetensors"))
+  if not files:
+    raise CheckpointError(f"{directory}: no *.safetensors files")
+  for f in files:
+    if not f.is_file():
+      raise CheckpointError(f"{directory}: shard {f.name} listed in the index is missing")
+  return files
+
+
+def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]:
+  """Reads an HF checkpoint directory into (config, params) with [in, out] weights."""
+  from safetensors import safe_open
+
+  directory = pathlib.Path(directory)
+  cfg_file = directory / "config.json"
+  if not cfg_file.is_file():
+    raise CheckpointError(f"{directory}: config.json is missing")
+  config = config_from_hf(json.loads(cfg_file.read_text()), cfg_file)
+  tensors: dict[str, np.ndarray] = {}
+  for shard in _shard_files(directory):
+    try:
+      with safe_open(str(shard), framework="numpy") as f:
+        for name in f.keys():
+          tensors[name] = f.get_tensor(name)
+    except Exception as e:
+      raise CheckpointError(f"{shard}: cannot be read as safetensors ({e})") from e
+  for name, t in tensors.items():
+    if t.dtype.name not in _FLOAT_DTYPES:
+      raise CheckpointError(f"{directory}: tensor {name!r} has dtype {t.dtype.name}, "
+                            f"supported: {', '.join(_FLOAT_DTYPES)}")
+
+  def get(name, transpose):
+    if name not in tensors:
+      raise CheckpointError(f"{directory}: tensor {name!r} is missing")
+    t = tensors[name]
+    return np.ascontiguousarray(t.T) if transpose else t
+
+  layers = []
+  for i in range(config.n_layers):
+    layer = {}
+    for ours, theirs in _LAYER_NAMES.items():
+      if ours.startswith("b") and not config.attention_bias:
+        continue
+      layer[ours] = get(f"model.layers.{i}.{theirs}", transpose=ours.startswith("w"))
+    layers.append(layer)
+  params: Params = {"embed": get("model.embed_tokens.weight", transpose=True), "layers": layers,
+                    "final_norm": get("model.norm.weight", transpose=False)}
+  if not config.tie_embeddings:
+    params["lm_head"] = get("lm_head.weight", transpose=True)
+  return config, params
+
+
+def _dense(w) -> np.ndarray:
+  if isinstance(w, QuantizedTensor):
+    return np.asarray(dequantize(w))
+  return np.asarray(w, np.float32)
+
+
+def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: Params,
+                     dtype=np.float32) -> None:
+  """Writes config.json + model.safetensors (quantized weights dequantized)."""
+  from safetensors.numpy import save_file
+
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  out = {"model.embed_tokens.weight": _dense(params["embed"]).T,
+         "model.norm.weight": _dense(params["final_norm"])}
+  if "lm_head" in params:
+    out["lm_head.weight"] = _dense(params["lm_head"]).T
+  for i, layer in enumerate(params["layers"]):
+    for ours, w in layer.items():
+      out[f"model.layers.{i}.{_LAYER_NAMES[ours]}"] = _dense(w).T if ours.startswith("w") else _dense(w)
+  save_file({k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()},
+            str(directory / "model.safetensors"))
+  hf = {
+      "model_type": config.architecture if config.architecture in SUPPORTED_MODEL_TYPES else "llama",
+      "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+      "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+      "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim,
+      "intermediate_size": config.ffn_dim, "rope_theta": config.rope_theta,
+      "rope_scaling": config.rope_scaling, "rms_norm_eps": config.rms_eps,
+      "max_position_embeddings": config.max_context, "tie_word_embeddings": config.tie_embeddings,
+      "attention_bias": config.attention_bias, "bos_token_id": config.bos_id,
+      "eos_token_id": list(config.eos_ids), "torch_dtype": np.dtype(dtype).name,
+      "architectures": ["Qwen2ForCausalLM" if config.architecture == "qwen2" else "LlamaForCausalLM"],
+  }
+  (directory / "config.json").write_text(json.dumps(hf, indent=2))

@@ -1,0 +1,158 @@
+"""Tokenizer + chat template, built from GGUF metadata or an HF `tokenizer.json`.
+
+The heavy lifting is done by the `tokenizers` library; this module only
+assembles a byte-level BPE from llama.cpp's metadata (vocab, merges, token
+types, pre-tokenizer name) and renders the checkpoint's Jinja chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Iterable, Sequence
+
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from o1jax.checkpoint.errors import CheckpointError
+
+# llama.cpp token types (gguf TokenType): 3 = CONTROL, 4 = USER_DEFINED.
+_SPECIAL_TOKEN_TYPES = (3, 4)
+
+# Pre-tokenizers by llama.cpp's `tokenizer.ggml.pre` name. "smollm" (like the
+# StarCoder family) splits every digit on its own, then applies GPT-2's regex.
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r")
+_GPT2_PRE = ("gpt2", "default", "gpt-2", None)
+
+# ChatML, used when a checkpoint has no template of its own.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _byte_level_pre(pre_name: str | None, path) -> pre_tokenizers.PreTokenizer:
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre_name in _DIGIT_SPLIT_PRE:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+  if pre_name in _GPT2_PRE:
+    return byte_level
+  raise CheckpointError(
+      f"{path}: tokenizer pre-tokenizer {pre_name!r} is not supported "
+      f"(supported: {', '.join(str(p) for p in _DIGIT_SPLIT_PRE + _GPT2_PRE[:3])})")
+
+
+class Tokenizer:
+  """Text <-> token ids, special tokens, and the chat template."""
+
+  def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None, eos_ids: Sequence[int],
+               add_bos: bool = False, chat_template: str | None = None):
+    self.backend = backend
+    self.bos_id = bos_id
+    self.eos_ids = tuple(int(i) for i in eos_ids)
+    self.add_bos = add_bos
+    self.chat_template = chat_template or CHATML_TEMPLATE
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    self._template = env.from_string(self.chat_template)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    """Token ids; special tokens written in `text` (e.g. <|im_start|>) are parsed as such."""
+    ids = self.backend.encode(text, add_special_tokens=False).ids
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+      ids = [self.bos_id] + ids
+    return ids
+
+  def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+    return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+  def token_to_id(self, token: str) -> int | None:
+    return self.backend.token_to_id(token)
+
+  def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    """Renders chat messages ([{"role", "content"}]) with the checkpoint's template."""
+    for i, m in enumerate(messages):
+      if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+    bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
+    eos = self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
+    return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                 bos_token=bos, eos_token=eos)
+
+  def save(self, directory: str | os.PathLike) -> None:
+    """Writes HF-style tokenizer.json + tokenizer_config.json."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    self.backend.save(str(directory / "tokenizer.json"))
+    cfg = {
+        "bos_token": self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None,
+        "eos_token": self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
+        "o1jax_eos_token_ids": list(self.eos_ids),
+        "add_bos_token": self.add_bos,
+        "chat_template": self.chat_template,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+  @classmethod
+  def load(cls, directory: str | os.PathLike) -> "Tokenizer":
+    """Reads tokenizer.json (+ tokenizer_config.json) from an HF-style directory."""
+    directory = pathlib.Path(directory)
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
+      raise CheckpointError(f"{directory}: tokenizer.json is missing")
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as e:
+      raise CheckpointError(f"{tok_file}: cannot be parsed ({e})") from e
+    cfg = {}
+    cfg_file = directory / "tokenizer_config.json"
+    if cfg_file.is_file():
+      cfg = json.loads(cfg_file.read_text())
+
+    def tok_id(entry):
+      if isinstance(entry, dict):
+        entry = entry.get("content")
+      return None if entry is None else backend.token_to_id(entry)
+
+    eos_ids = cfg.get("o1jax_eos_token_ids")
+    if eos_ids is None:
+      eos = tok_id(cfg.get("eos_token"))
+      eos_ids = [] if eos is None else [eos]
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # HF allows a list of named templates
+      template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return cls(backend, bos_id=tok_id(cfg.get("bos_token")), eos_ids=eos_ids,
+               add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
+
+  @classmethod
+  def from_gguf_metadata(cls, meta: dict, path="GGUF") -> "Tokenizer":
+    """Builds the tokenizer from `tokenizer.ggml.*` metadata (gpt2-style BPE only)."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+      raise CheckpointError(f"{path}: tokenizer model {model!r} is not supported (supported: gpt2 BPE)")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre"), path)
+    backend.decoder = decoders.ByteLevel()
+    special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+               for i, kind in enumerate(types) if int(kind) in _SPECIAL_TOKEN_TYPES]
+    backend.add_special_tokens(special)
+    eos_ids = sorted({int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+                      if meta.get(k) is not None})
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return cls(backend, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
+               add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+               chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _raise_template_error(message):
+  raise ValueError(f"chat template: {message}")

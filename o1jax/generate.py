@@ -1,0 +1,76 @@
+"""Chat with a model from the terminal, streaming the answer.
+
+  python -m o1jax.generate --prompt "What is 12 times 7?"
+  python -m o1jax.generate --model path/to/model.gguf --temperature 0.7 --seed 3 --prompt "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from o1jax.checkpoint import EMBEDDED, CheckpointError, load_checkpoint
+from o1jax.compilation_cache import enable_compilation_cache
+from o1jax.model import Generator, Llama, SamplingParams
+
+
+def build_generator(model: str = EMBEDDED, backend: str = "auto", interpret: bool = False) -> Generator:
+  ckpt = load_checkpoint(model)
+  return Generator(Llama(ckpt.config, ckpt.params, backend=backend, interpret=interpret), ckpt.tokenizer)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--prompt", required=True, help="the user message")
+  parser.add_argument("--system", default=None, help="optional system message")
+  parser.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+  parser.add_argument("--model", default=EMBEDDED, help="'embedded', a .gguf file, an HF or orbax directory")
+  parser.add_argument("--max_new_tokens", type=int, default=256)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  parser.add_argument("--top_k", type=int, default=0)
+  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--min_p", type=float, default=0.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--backend", default="auto", choices=("auto", "pallas", "reference"))
+  args = parser.parse_args(argv)
+
+  enable_compilation_cache()
+  try:
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed)
+    t0 = time.perf_counter()
+    gen = build_generator(args.model, args.backend)
+    load_s = time.perf_counter() - t0
+    if args.raw:
+      prompt = args.prompt
+    else:
+      messages = ([{"role": "system", "content": args.system}] if args.system else [])
+      prompt = messages + [{"role": "user", "content": args.prompt}]
+    prompt_ids = gen.encode_prompt(prompt)
+    printed, tokens = "", []
+    t_start = time.perf_counter()
+    t_first = None
+    for tok in gen.stream(prompt_ids, args.max_new_tokens, params):
+      t_first = t_first or time.perf_counter()
+      tokens.append(tok)
+      text = gen.tokenizer.decode(tokens, skip_special=True)
+      if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+    t_end = time.perf_counter()
+  except (CheckpointError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print()
+  decode_s = t_end - (t_first or t_end)
+  rate = (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else float("nan")
+  print(f"[{len(prompt_ids)} prompt tokens, {len(tokens)} generated; load {load_s:.1f}s, "
+        f"first token {(t_first or t_end) - t_start:.2f}s (incl. compile), decode {rate:.1f} tok/s]",
+        file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,171 @@
+"""Simple batched generation over a contiguous KV cache.
+
+This is the foundation path (one static batch, prefill then decode); the
+engine package adds paging, continuous batching and metrics on top of the
+same model call. Shapes are bucketed (prompt length, cache length, batch) so
+repeated calls reuse compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from o1jax.checkpoint.tokenizer import Tokenizer
+from o1jax.model.llama import KVCache, Llama
+from o1jax.model.sampling import SamplingParams, sample, sequence_key
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+  token_ids: list[int]
+  text: str
+  finish_reason: str  # "stop" (eos / stop string) or "length"
+  prompt_tokens: int
+  seconds: float
+
+
+class Generator:
+  """Greedy / sampled generation for a batch of prompts with one model."""
+
+  def __init__(self, model: Llama, tokenizer: Tokenizer):
+    self.model = model
+    self.tokenizer = tokenizer
+    self.config = model.config
+    self._graphdef, self._state = nnx.split(model)
+    self._eos = np.array(sorted(set(tokenizer.eos_ids) | set(model.config.eos_ids)) or [-1])
+
+  # -- jitted steps (graphdef static, parameters passed in: STYLE.md #4) --------
+
+  @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+  def _prefill(self, state, tokens, starts, cache, last_index):
+    model = nnx.merge(self._graphdef, state)
+    return model(tokens, starts, cache, logits_at=last_index)
+
+  @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+  def _decode(self, state, tokens, positions, cache, keys, temperature, top_k, top_p, min_p):
+    model = nnx.merge(self._graphdef, state)
+    logits, cache = model(tokens[:, None], positions, cache, logits_at=jnp.zeros_like(positions))
+    next_ids = sample(logits, keys, temperature, top_k, top_p, min_p)
+    return next_ids, cache
+
+  @functools.partial(jax.jit, static_argnums=(0,))
+  def _sample_first(self, logits, keys, temperature, top_k, top_p, min_p):
+    return sample(logits, keys, temperature, top_k, top_p, min_p)
+
+  def __hash__(self):
+    return id(self)
+
+  def __eq__(self, other):
+    return self is other
+
+  # -- helpers --------------------------------------------------------------------
+
+  def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
+    """Text, token ids, or chat messages -> token ids (chat template applied)."""
+    if isinstance(prompt, str):
+      ids = self.tokenizer.encode(prompt)
+    elif len(prompt) and isinstance(prompt[0], dict):
+      ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+    else:
+      ids = [int(i) for i in prompt]
+    if not ids:
+      raise ValueError("prompt is empty: nothing to condition generation on")
+    bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+    if bad:
+      raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+    return ids
+
+  def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
+    limit = self.config.max_context
+    if n_prompt >= limit:
+      raise ValueError(f"prompt has {n_prompt} tokens but the model's context is {limit} tokens")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+  def _keys(self, params: Sequence[SamplingParams], request_ids: Sequence[int], step: int) -> jax.Array:
+    return jnp.stack([jax.random.fold_in(sequence_key(p.seed, r, 0), step)
+                      for p, r in zip(params, request_ids)])
+
+  # -- public API -----------------------------------------------------------------
+
+  def stream(self, prompt, max_new_tokens: int = 256, params: SamplingParams = SamplingParams(),
+             request_id: int = 0, stop: Sequence[str] = ()) -> Iterator[int]:
+    """Yields generated token ids one at a time (batch of one)."""
+    yield from self._run([self.encode_prompt(prompt)], max_new_tokens, [params], [request_id],
+                         stop, stream=True)
+
+  def generate(self, prompts: Sequence, max_new_tokens: int = 256,
+               params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               request_ids: Sequence[int] | None = None, stop: Sequence[str] = ()) -> list[GenerationOutput]:
+    """Generates for every prompt (text, ids or chat messages) in one static batch."""
+    t0 = time.perf_counter()
+    ids = [self.encode_prompt(p) for p in prompts]
+    if isinstance(params, SamplingParams):
+      params = [params] * len(ids)
+    request_ids = list(range(len(ids))) if request_ids is None else list(request_ids)
+    tokens, reasons = next(self._run(ids, max_new_tokens, params, request_ids, stop, stream=False))
+    elapsed = time.perf_counter() - t0
+    return [GenerationOutput(token_ids=t, text=self.tokenizer.decode(t, skip_special=True),
+                             finish_reason=r, prompt_tokens=len(p), seconds=elapsed)
+            for t, r, p in zip(tokens, reasons, ids)]
+
+  def _run(self, ids, max_new_tokens, params, request_ids, stop, stream):
+    n = len(ids)
+    longest = max(len(p) for p in ids)
+    self._check_length(longest, max_new_tokens)
+    max_new_tokens = min(max_new_tokens, self.config.max_context - longest)
+    b = bucket(n, 1)
+    t = bucket(longest)
+    cache_len = bucket(t + max_new_tokens, 256)
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(ids):
+      tokens[i, :len(p)] = p
+    lengths = np.array([len(p) for p in ids] + [1] * (b - n), np.int32)
+    params = list(params) + [SamplingParams()] * (b - n)
+    request_ids = list(request_ids) + [0] * (b - n)
+    arr = lambda f, dt: jnp.asarray(np.array([f(p) for p in params], dt))
+    sampling = (arr(lambda p: p.temperature, np.float32), arr(lambda p: p.top_k, np.int32),
+                arr(lambda p: p.top_p, np.float32), arr(lambda p: p.min_p, np.float32))
+
+    cache = KVCache.zeros(self.config, b, cache_len)
+    logits, cache = self._prefill(self._state, jnp.asarray(tokens), jnp.zeros((b,), jnp.int32),
+                                  cache, jnp.asarray(lengths - 1))
+    next_ids = self._sample_first(logits, self._keys(params, request_ids, 0), *sampling)
+    out = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    done = np.zeros(n, bool)
+    positions = lengths.copy()
+    for step in range(max_new_tokens):
+      host_ids = np.asarray(next_ids)
+      for i in range(n):
+        if done[i]:
+          continue
+        tok = int(host_ids[i])
+        if tok in self._eos:
+          done[i], reasons[i] = True, "stop"
+          continue
+        out[i].append(tok)
+        if stream:
+          yield tok
+        if stop and any(s in self.tokenizer.decode(out[i][-32:]) for s in stop):
+          done[i], reasons[i] = True, "stop"
+      if done.all() or step == max_new_tokens - 1:
+        break
+      next_ids, cache = self._decode(self._state, next_ids, jnp.asarray(positions), cache,
+                                     self._keys(params, request_ids, step + 1), *sampling)
+      positions += 1
+    if not stream:
+      yield out, reasons

@@ -1,0 +1,108 @@
+"""Building blocks of the decoder, as pure functions (f32 math on CPU).
+
+Every matmul goes through `linear`, which takes a dense array or a
+`QuantizedTensor` and dispatches quantized weights to `pallas_kernels.ops`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import ops as kernel_ops
+from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "auto",
+           interpret: bool = False) -> jax.Array:
+  """x: [..., K] @ w: [K, N] (+ bias [N]) -> [..., N]."""
+  if isinstance(w, QuantizedTensor):
+    y = kernel_ops.quantized_matmul(x, w, backend=backend, interpret=interpret)
+  else:
+    y = jnp.dot(x, w.astype(x.dtype), precision=_HIGHEST)
+  if bias is not None:
+    y = y + bias.astype(y.dtype)
+  return y
+
+
+def embed(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """Rows of the embedding table. table: [d_model, vocab] (head layout); ids: [...] -> [..., d]."""
+  flat = ids.reshape(-1)
+  if isinstance(table, QuantizedTensor):
+    rows = dequantize_columns(table, flat, dtype)
+  else:
+    rows = jnp.take(table, flat, axis=1).T.astype(dtype)
+  return rows.reshape(*ids.shape, rows.shape[-1])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """x / sqrt(mean(x^2) + eps) * weight, computed in f32."""
+  xf = x.astype(jnp.float32)
+  var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+  return (xf * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
+  """Inverse frequencies [head_dim/2], with HF-style linear or llama3 scaling."""
+  inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if not scaling:
+    return inv
+  kind = scaling.get("rope_type", scaling.get("type"))
+  factor = float(scaling.get("factor", 1.0))
+  if kind == "linear":
+    return inv / factor
+  if kind == "llama3":
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = jnp.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return jnp.where(is_mid, mid, scaled)
+  raise ValueError(f"rope scaling type {kind!r} is not supported (linear, llama3)")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotate-half rotary embedding. x: [B, T, heads, D]; positions: [B, T]."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array,
+              kv_valid: jax.Array | None = None) -> jax.Array:
+  """Causal grouped-query attention against a contiguous cache.
+
+  q: [B, T, H, D]; k_cache, v_cache: [B, KVH, S, D]; q_positions: [B, T] absolute
+  positions (key s is visible to query t iff s <= q_positions[b, t]);
+  kv_valid: optional [B, S] bool of keys that may be attended at all.
+  Returns [B, T, H, D]."""
+  b, t, h, d = q.shape
+  kvh, s = k_cache.shape[1], k_cache.shape[2]
+  g = h // kvh
+  qg = q.reshape(b, t, kvh, g, d).astype(jnp.float32) * (1.0 / math.sqrt(d))
+  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(jnp.float32), precision=_HIGHEST)
+  mask = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+  if kv_valid is not None:
+    mask = mask & kv_valid[:, None, :]
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key -> 0
+  out = jnp.einsum("bkgts,bksd->btkgd", probs, v_cache.astype(jnp.float32), precision=_HIGHEST)
+  return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def swiglu(x: jax.Array, w_gate, w_up, w_down, **kw) -> jax.Array:
+  gate = linear(x, w_gate, **kw)
+  up = linear(x, w_up, **kw)
+  return linear(jax.nn.silu(gate) * up, w_down, **kw)

@@ -1,0 +1,178 @@
+"""Tiny random checkpoints for tests: GGUF and HF safetensors, written on the fly.
+
+The GGUF writer quantizes with gguf-py's own numpy quantizers and stores Q/K
+rows in llama.cpp's permuted order, exactly like llama.cpp's converter, so a
+tiny file exercises the same code paths as the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from o1jax.model.config import ModelConfig
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+  base = dict(vocab_size=len(SPECIAL_TOKENS) + 256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+              head_dim=16, ffn_dim=128, rope_theta=10000.0, rms_eps=1e-5, max_context=128,
+              tie_embeddings=True, bos_id=1, eos_ids=(2,), architecture="llama", name="tiny")
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+def byte_vocab() -> list[str]:
+  """Special tokens then the 256 byte-level symbols: a BPE with no merges."""
+  from tokenizers import pre_tokenizers
+
+  return list(SPECIAL_TOKENS) + sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+  """HF-named f32 weights ([out, in] matrices), scaled so activations stay O(1)."""
+  rng = np.random.default_rng(seed)
+  d, f, hd = config.d_model, config.ffn_dim, config.head_dim
+
+  def mat(out_dim, in_dim):
+    return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+  def norm(n):
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+  w = {"model.embed_tokens.weight": rng.standard_normal((config.vocab_size, d)).astype(np.float32),
+       "model.norm.weight": norm(d)}
+  if not config.tie_embeddings:
+    w["lm_head.weight"] = mat(config.vocab_size, d)
+  for i in range(config.n_layers):
+    p = f"model.layers.{i}."
+    w[p + "self_attn.q_proj.weight"] = mat(config.n_heads * hd, d)
+    w[p + "self_attn.k_proj.weight"] = mat(config.n_kv_heads * hd, d)
+    w[p + "self_attn.v_proj.weight"] = mat(config.n_kv_heads * hd, d)
+    w[p + "self_attn.o_proj.weight"] = mat(d, config.n_heads * hd)
+    if config.attention_bias:
+      w[p + "self_attn.q_proj.bias"] = 0.1 * rng.standard_normal(config.n_heads * hd).astype(np.float32)
+      w[p + "self_attn.k_proj.bias"] = 0.1 * rng.standard_normal(config.n_kv_heads * hd).astype(np.float32)
+      w[p + "self_attn.v_proj.bias"] = 0.1 * rng.standard_normal(config.n_kv_heads * hd).astype(np.float32)
+    w[p + "mlp.gate_proj.weight"] = mat(f, d)
+    w[p + "mlp.up_proj.weight"] = mat(f, d)
+    w[p + "mlp.down_proj.weight"] = mat(d, f)
+    w[p + "input_layernorm.weight"] = norm(d)
+    w[p + "post_attention_layernorm.weight"] = norm(d)
+  return w
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp converter's Q/K row permutation ([out, ...] rows regrouped in pairs)."""
+  return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed: int = 0,
+                        dtype=np.float32, shards: int = 1) -> dict[str, np.ndarray]:
+  """Writes config.json, (sharded) safetensors and a byte-level tokenizer. Returns the weights."""
+  import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+  from safetensors.numpy import save_file
+
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  weights = {k: v.astype(dtype) for k, v in random_hf_weights(config, seed).items()}
+  names = sorted(weights)
+  if shards == 1:
+    save_file(weights, str(directory / "model.safetensors"))
+  else:
+    weight_map = {}
+    for s in range(shards):
+      fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+      part = {n: weights[n] for n in names[s::shards]}
+      save_file(part, str(directory / fname))
+      weight_map.update({n: fname for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  hf = {"model_type": config.architecture, "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
+        "intermediate_size": config.ffn_dim, "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_eps, "max_position_embeddings": config.max_context,
+        "tie_word_embeddings": config.tie_embeddings, "bos_token_id": config.bos_id,
+        "eos_token_id": list(config.eos_ids), "rope_scaling": config.rope_scaling}
+  if config.architecture == "qwen2":
+    hf["attention_bias"] = config.attention_bias
+  (directory / "config.json").write_text(json.dumps(hf))
+  _tiny_tokenizer().save(directory)
+  return {k: np.asarray(v, np.float32) for k, v in weights.items()}
+
+
+def _tiny_tokenizer():
+  from o1jax.checkpoint.tokenizer import Tokenizer
+
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+          "tokenizer.ggml.tokens": byte_vocab(), "tokenizer.ggml.merges": [],
+          "tokenizer.ggml.token_type": [3] * len(SPECIAL_TOKENS) + [1] * 256,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+  return Tokenizer.from_gguf_metadata(meta)
+
+
+def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: int = 0,
+                          matrix_type: str = "Q4_1", embed_type: str = "Q8_0",
+                          architecture: str | None = None) -> dict[str, np.ndarray]:
+  """Writes a llama GGUF with random weights quantized to `matrix_type`.
+
+  Returns the HF-layout f32 weights it was made from (before quantization)."""
+  import gguf
+
+  arch = architecture or config.architecture
+  weights = random_hf_weights(config, seed)
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_name(config.name or "tiny")
+  writer.add_block_count(config.n_layers)
+  writer.add_context_length(config.max_context)
+  writer.add_embedding_length(config.d_model)
+  writer.add_feed_forward_length(config.ffn_dim)
+  writer.add_head_count(config.n_heads)
+  writer.add_head_count_kv(config.n_kv_heads)
+  writer.add_rope_freq_base(config.rope_theta)
+  writer.add_layer_norm_rms_eps(config.rms_eps)
+  writer.add_vocab_size(config.vocab_size)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("smollm")
+  writer.add_token_list(byte_vocab())
+  writer.add_token_merges([])
+  writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * 256)
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_add_bos_token(False)
+
+  def add(name, w, kind):
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "F32":
+      writer.add_tensor(name, w.astype(np.float32))
+    elif kind == "F16":
+      writer.add_tensor(name, w.astype(np.float16))
+    else:
+      writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+
+  add("token_embd.weight", weights["model.embed_tokens.weight"], embed_type)
+  add("output_norm.weight", weights["model.norm.weight"], "F32")
+  if not config.tie_embeddings:
+    add("output.weight", weights["lm_head.weight"], matrix_type)
+  for i in range(config.n_layers):
+    p, h = f"model.layers.{i}.", f"blk.{i}."
+    add(h + "attn_q.weight", llama_cpp_permute(weights[p + "self_attn.q_proj.weight"], config.n_heads),
+        matrix_type)
+    add(h + "attn_k.weight", llama_cpp_permute(weights[p + "self_attn.k_proj.weight"], config.n_kv_heads),
+        matrix_type)
+    add(h + "attn_v.weight", weights[p + "self_attn.v_proj.weight"], matrix_type)
+    add(h + "attn_output.weight", weights[p + "self_attn.o_proj.weight"], matrix_type)
+    add(h + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"], matrix_type)
+    add(h + "ffn_up.weight", weights[p + "mlp.up_proj.weight"], matrix_type)
+    add(h + "ffn_down.weight", weights[p + "mlp.down_proj.weight"], matrix_type)
+    add(h + "attn_norm.weight", weights[p + "input_layernorm.weight"], "F32")
+    add(h + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], "F32")
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return weights
