@@ -4,6 +4,7 @@ import ast
 import json
 import operator
 import re
+import pathlib
 import subprocess
 import sys
 from fractions import Fraction
@@ -145,6 +146,7 @@ def test_cli_as_module(tmp_path):
   out = tmp_path / "m.jsonl"
   subprocess.run([sys.executable, "-m", "pipelines.datasets.gsm_synthetic", "--n", "5",
                   "--seed", "2", "--levels", "1", "--out", str(out)], check=True,
-                 capture_output=True, timeout=120)
+                 capture_output=True, timeout=120,
+                 cwd=pathlib.Path(__file__).resolve().parents[3])  # repo root
   recs = [json.loads(l) for l in out.read_text().splitlines()]
   assert len(recs) == 5 and {r["level"] for r in recs} == {1}
