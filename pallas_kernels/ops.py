@@ -11,18 +11,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import paged_attention as pa
 from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
 BACKENDS = ("auto", "pallas", "reference")
 
 
-def _resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str) -> str:
+  """'auto' -> 'pallas' on GPU, 'reference' elsewhere; validates the name."""
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} not in {BACKENDS}")
   if backend == "auto":
     return "pallas" if jax.default_backend() == "gpu" else "reference"
   return backend
+
+
+_resolve_backend = resolve_backend  # old private name
 
 
 def _dtype_name(dtype) -> str:
@@ -54,7 +59,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
   if x_scale is not None and x_scale.shape not in (lead, lead + (1,)):
     raise ValueError(f"quantized_matmul: x_scale.shape={x_scale.shape} must be {lead} or "
                      f"{lead + (1,)} for x.shape={x.shape}")
-  requested, backend = backend, _resolve_backend(backend)
+  requested, backend = backend, resolve_backend(backend)
   if backend == "pallas":
     why = qmm.pallas_support_error(k, n, w)
     if why is not None and requested == "pallas":
@@ -72,3 +77,104 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
   y = qmm.quantized_matmul_pallas(x2, w, xs2, out_dtype=out_dtype, block_m=block_m,
                                   block_n=block_n, k_splits=k_splits, interpret=interpret)
   return y.reshape(*lead, n)
+
+
+# --- paged attention ------------------------------------------------------------------
+
+_Q_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _check_scale(name: str, scale, num_blocks: int, kv_heads: int):
+  """[NB, KVH] / per-block [NB, 1] / per-head [1, KVH] -> [NB, KVH] f32 (or None)."""
+  if scale is None:
+    return None
+  ok = ((num_blocks, kv_heads), (num_blocks, 1), (1, kv_heads))
+  if scale.shape not in ok:
+    raise ValueError(f"{name}.shape={scale.shape} must be one of {list(ok)} "
+                     f"(num_blocks={num_blocks}, kv_heads={kv_heads})")
+  return jnp.broadcast_to(scale.astype(jnp.float32), (num_blocks, kv_heads))
+
+
+def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, block_tables,
+                 batch: int, k_scale, v_scale, sliding_window, pallas: bool):
+  """Shared validation of the paged cache arguments; returns the [NB, KVH] scales."""
+  if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+    raise ValueError(f"{op}: k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} "
+                     "must both be [num_blocks, block_size, kv_heads, head_dim]")
+  nb, bs, kvh, d = k_pages.shape
+  if d != head_dim:
+    raise ValueError(f"{op}: q head_dim={head_dim} != k_pages.shape={k_pages.shape}[-1]")
+  if heads % kvh:
+    raise ValueError(f"{op}: q heads={heads} not a multiple of kv_heads={kvh} "
+                     f"(k_pages.shape={k_pages.shape})")
+  if q_dtype not in _Q_DTYPES:
+    raise ValueError(f"{op}: q.dtype={_dtype_name(q_dtype)} not in bf16/f16/f32")
+  if k_pages.dtype != v_pages.dtype:
+    raise ValueError(f"{op}: k_pages.dtype={_dtype_name(k_pages.dtype)} != "
+                     f"v_pages.dtype={_dtype_name(v_pages.dtype)}")
+  if k_pages.dtype not in pa.FP8_DTYPES and k_pages.dtype != q_dtype:
+    raise ValueError(f"{op}: KV dtype {_dtype_name(k_pages.dtype)} (k_pages.shape="
+                     f"{k_pages.shape}) must equal q.dtype={_dtype_name(q_dtype)} or be "
+                     "float8_e4m3fn")
+  if (k_scale is not None or v_scale is not None) and k_pages.dtype not in pa.FP8_DTYPES:
+    raise ValueError(f"{op}: k_scale/v_scale are for float8_e4m3fn pools, got "
+                     f"{_dtype_name(k_pages.dtype)}")
+  if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+    raise ValueError(f"{op}: block_tables.shape={block_tables.shape} must be [batch={batch}, "
+                     "max_blocks]")
+  if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+    raise ValueError(f"{op}: block_tables.dtype={_dtype_name(block_tables.dtype)} must be int32")
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"{op}: sliding_window={sliding_window} must be >= 1 or None")
+  if pallas:
+    if bs & (bs - 1) or not 8 <= bs <= 128:
+      raise ValueError(f"{op} (pallas): block_size={bs} (k_pages.shape={k_pages.shape}) must "
+                       "be a power of two in [8, 128]")
+    if d & (d - 1) or d < 16:
+      raise ValueError(f"{op} (pallas): head_dim={d} (k_pages.shape={k_pages.shape}) must be a "
+                       "power of two >= 16")
+  ks = _check_scale("k_scale", k_scale, nb, kvh)
+  vs = _check_scale("v_scale", v_scale, nb, kvh)
+  if (ks is None) != (vs is None):  # one given: the other is 1
+    ones = jnp.ones((nb, kvh), jnp.float32)
+    ks = ones if ks is None else ks
+    vs = ones if vs is None else vs
+  return ks, vs
+
+
+def _check_per_seq(op: str, name: str, arr, batch: int):
+  if arr.shape != (batch,) or not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise ValueError(f"{op}: {name}.shape={arr.shape} dtype={_dtype_name(arr.dtype)} must be "
+                     f"int32 [batch={batch}]")
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, lengths: jax.Array, *,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                           sliding_window: int | None = None, sm_scale: float | None = None,
+                           backend: str = "auto", interpret: bool = False,
+                           block_kv: int | None = None,
+                           num_splits: int | None = None) -> jax.Array:
+  """One decode step of attention over a paged KV cache.
+
+  q [B, H, D]; k_pages, v_pages [num_blocks, block_size, KVH, D] (H % KVH == 0);
+  block_tables [B, max_blocks] int32; lengths [B] int32 (<= max_blocks *
+  block_size; 0 -> zeros). FP8 (float8_e4m3fn) pools take k_scale/v_scale of
+  shape [num_blocks, KVH], per-block [num_blocks, 1] or per-head [1, KVH].
+  sliding_window=w: attend to the last w keys. sm_scale defaults to D**-0.5.
+  Returns [B, H, D] in q's dtype."""
+  op = "paged_decode_attention"
+  if q.ndim != 3:
+    raise ValueError(f"{op}: q.shape={q.shape} must be [batch, heads, head_dim]")
+  b, h, d = q.shape
+  backend = resolve_backend(backend)
+  ks, vs = _check_cache(op, q.dtype, h, d, k_pages, v_pages, block_tables, b, k_scale, v_scale,
+                        sliding_window, backend == "pallas")
+  _check_per_seq(op, "lengths", lengths, b)
+  if backend == "reference":
+    return pa.paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, ks, vs,
+                                               sliding_window=sliding_window, sm_scale=sm_scale)
+  return pa.paged_decode_attention_pallas(q, k_pages, v_pages, block_tables, lengths, ks, vs,
+                                          sliding_window=sliding_window, sm_scale=sm_scale,
+                                          block_kv=block_kv, num_splits=num_splits,
+                                          interpret=interpret)

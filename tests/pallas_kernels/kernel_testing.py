@@ -24,3 +24,35 @@ def tol_for(dtype) -> float:
 def lowers_for_cuda(fn, *args) -> str:
   """Lowers `fn(*args)` for CUDA on any host (no GPU needed); returns the text."""
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def make_paged_cache(rng, batch, kv_heads, head_dim, block_size, max_blocks, used, dtype,
+                     fp8=False, scale_shape=None):
+  """Random paged K/V pools whose unused slots are NaN (kernels must never read them).
+
+  used[b] = tokens of sequence b that are real. Pages are assigned in a random
+  order with spare blocks. Returns (k_pages, v_pages, block_tables, k_scale, v_scale);
+  FP8 pools are float8_e4m3fn with scales of `scale_shape` (default per block-and-head)."""
+  import jax.numpy as jnp
+  nb = batch * max_blocks + 3
+  shape = (nb, block_size, kv_heads, head_dim)
+  perm = rng.permutation(nb)[: batch * max_blocks].reshape(batch, max_blocks).astype(np.int32)
+  live = np.zeros((nb, block_size), bool)
+  for b in range(batch):
+    for t in range(int(used[b])):
+      live[perm[b, t // block_size], t % block_size] = True
+  pools = []
+  for _ in range(2):
+    x = rng.normal(size=shape).astype(np.float32)
+    x[~live] = np.nan
+    pools.append(x)
+  ks = vs = None
+  if fp8:
+    scale_shape = scale_shape or (nb, kv_heads)
+    scale_shape = tuple(nb if s == "nb" else s for s in scale_shape)
+    ks = jnp.asarray(rng.uniform(0.25, 2.0, size=scale_shape), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.25, 2.0, size=scale_shape), jnp.float32)
+    kp, vp = (jnp.asarray(p).astype(jnp.float8_e4m3fn) for p in pools)
+  else:
+    kp, vp = (jnp.asarray(p, dtype) for p in pools)
+  return kp, vp, jnp.asarray(perm), ks, vs
