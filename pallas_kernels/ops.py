@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import paged_attention as pa
+from pallas_kernels import prefill_attention as fa
 from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
@@ -178,3 +179,36 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                           sliding_window=sliding_window, sm_scale=sm_scale,
                                           block_kv=block_kv, num_splits=num_splits,
                                           interpret=interpret)
+
+
+def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            block_tables: jax.Array, starts: jax.Array, chunk_lens: jax.Array, *,
+                            k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                            sliding_window: int | None = None, sm_scale: float | None = None,
+                            backend: str = "auto", interpret: bool = False,
+                            block_q: int | None = None,
+                            block_kv: int | None = None) -> jax.Array:
+  """Causal attention of a chunk of new queries against the paged cache.
+
+  q [B, T, H, D]: query t of sequence b is at position starts[b] + t and its
+  K/V are already in the pages; it attends to keys 0..starts[b]+t (or the last
+  `sliding_window`). chunk_lens [B] (<= T): rows t >= chunk_lens[b] return 0.
+  starts[b] + chunk_lens[b] must be <= max_blocks * block_size. Cache args as
+  in `paged_decode_attention`. Returns [B, T, H, D] in q's dtype."""
+  op = "paged_prefill_attention"
+  if q.ndim != 4:
+    raise ValueError(f"{op}: q.shape={q.shape} must be [batch, chunk, heads, head_dim]")
+  b, _, h, d = q.shape
+  backend = resolve_backend(backend)
+  ks, vs = _check_cache(op, q.dtype, h, d, k_pages, v_pages, block_tables, b, k_scale, v_scale,
+                        sliding_window, backend == "pallas")
+  _check_per_seq(op, "starts", starts, b)
+  _check_per_seq(op, "chunk_lens", chunk_lens, b)
+  if backend == "reference":
+    return fa.paged_prefill_attention_reference(q, k_pages, v_pages, block_tables, starts,
+                                                chunk_lens, ks, vs, sliding_window=sliding_window,
+                                                sm_scale=sm_scale)
+  return fa.paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, starts, chunk_lens,
+                                           ks, vs, sliding_window=sliding_window,
+                                           sm_scale=sm_scale, block_q=block_q, block_kv=block_kv,
+                                           interpret=interpret)

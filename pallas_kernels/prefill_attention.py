@@ -1,0 +1,180 @@
+"""Chunked-prefill attention over the paged KV cache (flash-style online softmax).
+
+A chunk of T new queries per sequence sits at absolute positions
+start..start+T-1; its own K/V are already written into the pages, so query
+position p attends to cached keys 0..p (or the last `sliding_window` of them).
+That one layout serves full prefill (start=0), chunked prefill and prefix reuse
+(start = length of the reused prefix). Same cache layout and FP8 scales as
+`paged_attention.py`. Rows t >= chunk_lens[b] are padding and come back as 0.
+
+Backend: Pallas *Triton* GPU backend (`plt.CompilerParams`); `interpret=True`
+anywhere. One program = (sequence, kv head, tile of block_q query rows), where
+the rows of a tile are (query, head-in-GQA-group) pairs, row = t * group + j, so
+the whole group shares each K/V load. Keys are gathered `block_kv` tokens at a
+time through the block table; the loop stops at the tile's last causal key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.paged_attention import (NEG_INF, _HIGHEST, attend_chunk, compute_dtype,
+                                            gather_kv, load_token_rows)
+
+
+# --- reference ---------------------------------------------------------------------
+
+
+def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables, starts, chunk_lens,
+                                      k_scale=None, v_scale=None, *,
+                                      sliding_window: int | None = None,
+                                      sm_scale: float | None = None):
+  """q [B, T, H, D] -> [B, T, H, D] (q's dtype). f32 math, masked softmax, no batch loop."""
+  b, t, h, d = q.shape
+  kvh = k_pages.shape[2]
+  r = h // kvh
+  sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+  k = gather_kv(k_pages, k_scale, block_tables)  # [B, L, KVH, D]
+  v = gather_kv(v_pages, v_scale, block_tables)
+  kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
+  tq = jnp.arange(t, dtype=jnp.int32)
+  qpos = starts.astype(jnp.int32)[:, None] + tq[None, :]  # [B, T]
+  row_ok = tq[None, :] < chunk_lens.astype(jnp.int32)[:, None]  # [B, T]
+  mask = (kpos[None, None, :] <= qpos[:, :, None]) & row_ok[:, :, None]  # [B, T, L]
+  if sliding_window is not None:
+    mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+  kv_used = jnp.any(mask, axis=1)  # [B, L]: slots some query reads
+  k = jnp.where(kv_used[:, :, None, None], k, 0.0)
+  v = jnp.where(kv_used[:, :, None, None], v, 0.0)
+  qg = q.astype(jnp.float32).reshape(b, t, kvh, r, d)
+  s = jnp.einsum("btgrd,blgd->bgrtl", qg, k, precision=_HIGHEST) * sm_scale
+  mask5 = mask[:, None, None, :, :]
+  s = jnp.where(mask5, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(mask5, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  o = jnp.einsum("bgrtl,blgd->btgrd", p, v, precision=_HIGHEST)
+  l = jnp.moveaxis(l[..., 0], 3, 1)[..., None]  # [B, T, KVH, r, 1]
+  o = o / jnp.where(l > 0, l, 1.0)
+  return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+# --- kernel ---------------------------------------------------------------------------
+
+
+def _prefill_kernel(*refs, block_size: int, num_blocks: int, max_blocks: int, block_kv: int,
+                    group: int, sliding_window: int | None, sm_scale: float, has_scale: bool,
+                    cd):
+  if has_scale:
+    q_ref, bt_ref, start_ref, clen_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref = refs
+  else:
+    q_ref, bt_ref, start_ref, clen_ref, k_ref, v_ref, o_ref = refs
+    ks_ref = vs_ref = None
+  # q_ref,      # [block_q, head_dim]  rows = (query t, head j in group) -> t * group + j
+  # bt_ref,     # [batch, max_blocks] int32 (whole array)
+  # start_ref,  # [batch] int32 absolute position of query 0
+  # clen_ref,   # [batch] int32 valid queries in the chunk
+  # k_ref,      # [num_blocks * block_size, kv_heads, head_dim] (whole pool)
+  # v_ref,      # [num_blocks * block_size, kv_heads, head_dim]
+  # ks_ref,     # [num_blocks, kv_heads] f32 (FP8 only)
+  # o_ref,      # [block_q, head_dim] normalised output
+  b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  block_q, d = q_ref.shape
+  q = q_ref[...].astype(cd)
+  start = start_ref[b]
+  clen = clen_ref[b]
+  row = tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  tq = row // group
+  qpos = start + tq
+  row_ok = tq < clen
+  first_t = (tile * block_q) // group
+  last_t = jnp.minimum(((tile + 1) * block_q - 1) // group, clen - 1)
+  hi = jnp.where(first_t < clen, start + last_t + 1, 0)  # one past the last key needed
+  lo = jnp.int32(0)
+  if sliding_window is not None:
+    lo = jnp.maximum(start + first_t - sliding_window + 1, 0)
+  n_steps = pl.cdiv(jnp.maximum(hi - lo, 0), block_kv)
+  load = functools.partial(load_token_rows, block_size=block_size, num_blocks=num_blocks,
+                           max_blocks=max_blocks)
+
+  def body(i, carry):
+    t = lo + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+    kv_valid = t < hi
+    k, ks = load(t, b, h, bt_ref, k_ref, ks_ref)
+    v, vs = load(t, b, h, bt_ref, v_ref, vs_ref)
+    mask = (t[None, :] <= qpos[:, None]) & row_ok[:, None] & kv_valid[None, :]
+    if sliding_window is not None:
+      mask &= t[None, :] > qpos[:, None] - sliding_window
+    return attend_chunk(q, k, v, ks, vs, mask, kv_valid, carry, sm_scale=sm_scale, cd=cd)
+
+  carry = (jnp.full((block_q,), NEG_INF, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+           jnp.zeros((block_q, d), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n_steps, body, carry)
+  o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+  o_ref[...] = o.astype(o_ref.dtype)
+
+
+def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, starts, chunk_lens,
+                                   k_scale=None, v_scale=None, *,
+                                   sliding_window: int | None = None,
+                                   sm_scale: float | None = None, block_q: int | None = None,
+                                   block_kv: int | None = None, num_warps: int = 4,
+                                   num_stages: int = 2, interpret: bool = False):
+  """q [B, T, H, D] -> [B, T, H, D]. Inputs assumed validated by the ops wrapper;
+  k_scale/v_scale are [num_blocks, kv_heads] f32 or None."""
+  b, t, h, d = q.shape
+  nb, bs, kvh, _ = k_pages.shape
+  mb = block_tables.shape[1]
+  r = h // kvh
+  sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+  n_rows = t * r
+  bq = block_q or min(64, max(16, pl.next_power_of_2(n_rows)))
+  bkv = block_kv or 32
+  rows_p = pl.cdiv(n_rows, bq) * bq
+  # [B, T, KVH, r, D] -> [B, KVH, T * r, D]: a tile's rows share one kv head.
+  qg = jnp.moveaxis(q.reshape(b, t, kvh, r, d), 2, 1).reshape(b, kvh, n_rows, d)
+  if rows_p != n_rows:
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_p - n_rows), (0, 0)))
+  has_scale = k_scale is not None
+  kernel = functools.partial(
+      _prefill_kernel, block_size=bs, num_blocks=nb, max_blocks=mb, block_kv=bkv, group=r,
+      sliding_window=sliding_window, sm_scale=sm_scale, has_scale=has_scale,
+      cd=compute_dtype(q.dtype, k_pages.dtype))
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  tile_spec = pl.BlockSpec((None, None, bq, d), lambda i, j, s: (i, j, s, 0))
+  in_specs = [tile_spec] + [whole] * 5
+  args = [qg, block_tables.astype(jnp.int32), starts.astype(jnp.int32),
+          chunk_lens.astype(jnp.int32), k_pages.reshape(nb * bs, kvh, d),
+          v_pages.reshape(nb * bs, kvh, d)]
+  if has_scale:
+    in_specs += [whole, whole]
+    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+  o = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((b, kvh, rows_p, d), q.dtype),
+      grid=(b, kvh, rows_p // bq),
+      in_specs=in_specs,
+      out_specs=tile_spec,
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="paged_prefill_attention",
+  )(*args)
+  o = o[:, :, :n_rows].reshape(b, kvh, t, r, d)
+  return jnp.moveaxis(o, 1, 2).reshape(b, t, h, d)
+
+
+def prefill_bytes_and_flops(batch: int, chunk: int, heads: int, kv_heads: int, head_dim: int,
+                            start: int, kv_itemsize: int = 2, q_itemsize: int = 2):
+  """Minimum HBM bytes and causal FLOPs of one prefill chunk per sequence."""
+  ctx = start + chunk
+  nbytes = 2 * batch * ctx * kv_heads * head_dim * kv_itemsize
+  nbytes += 2 * batch * chunk * heads * head_dim * q_itemsize
+  # Each query attends to start + its index + 1 keys on average.
+  keys = chunk * start + chunk * (chunk + 1) // 2
+  return nbytes, 4 * batch * heads * keys * head_dim
