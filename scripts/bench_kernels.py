@@ -1,0 +1,203 @@
+"""Benchmark the Pallas kernels against plain XLA and the chip's peak.
+
+For every kernel and shape: median time, achieved bytes/s and FLOP/s, speedup
+over the same op done densely in bf16 XLA (`jnp.dot` / contiguous-KV attention),
+and the fraction of the chip's HBM bandwidth / bf16 peak. On GPU the op runs
+the Pallas kernel; elsewhere (CPU) it runs the XLA reference, so the numbers
+only say the reference path is usable.
+
+  python scripts/bench_kernels.py [--quick] [--out results.json] [--only qmm,decode,prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ops
+from pallas_kernels.paged_attention import decode_bytes_and_flops
+from pallas_kernels.prefill_attention import prefill_bytes_and_flops
+from pallas_kernels.quantized_matmul import flops_and_bytes
+from pallas_kernels.quantized_tensor import QuantizedTensor
+
+# Dense (no sparsity) peaks: HBM bytes/s, bf16 FLOP/s.
+PEAKS = {
+    "H200": (4.8e12, 989e12),
+    "H100 SXM": (3.35e12, 989e12),
+    "H100 PCIe": (2.0e12, 756e12),
+    "H100": (3.35e12, 989e12),
+}
+
+LLAMA8B_QMM = [(4096, 4096), (4096, 14336), (14336, 4096)]
+SMOL_QMM = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+# (name, heads, kv_heads, head_dim)
+LLAMA8B_ATTN = ("llama3-8b", 32, 8, 128)
+SMOL_ATTN = ("smollm2-135m", 9, 3, 64)
+
+
+def chip_peaks():
+  dev = jax.devices()[0]
+  kind = getattr(dev, "device_kind", dev.platform)
+  for name, peaks in PEAKS.items():
+    if name.lower() in kind.lower():
+      return kind, peaks
+  return kind, None
+
+
+def bench(fn, *args, iters: int = 10, warmup: int = 2) -> float:
+  """Median seconds of jitted fn(*args)."""
+  f = jax.jit(fn)
+  for _ in range(warmup):
+    jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def report(rows, name, t, t_dense, nbytes, flops, peaks, extra=""):
+  row = dict(name=name, ms=t * 1e3, dense_ms=t_dense * 1e3, speedup_vs_dense=t_dense / t,
+             gbytes_per_s=nbytes / t / 1e9, tflops=flops / t / 1e12)
+  line = (f"{name:<44s} {t * 1e3:9.3f} ms  dense {t_dense * 1e3:9.3f} ms  x{t_dense / t:5.2f}  "
+          f"{nbytes / t / 1e9:8.1f} GB/s  {flops / t / 1e12:7.2f} TFLOP/s")
+  if peaks:
+    row["hbm_frac"] = nbytes / t / peaks[0]
+    row["flop_frac"] = flops / t / peaks[1]
+    line += f"  {100 * row['hbm_frac']:5.1f}% HBM  {100 * row['flop_frac']:5.1f}% bf16"
+  print(line + extra, flush=True)
+  rows.append(row)
+
+
+def random_q4(key, k, n, group=32):
+  """Random Q4_0 weight built on device (no host quantization of big matrices)."""
+  k1, k2 = jax.random.split(key)
+  packed = jax.random.randint(k1, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+  scale = (jax.random.uniform(k2, (k // group, n), jnp.float32, 0.001, 0.01)).astype(jnp.float16)
+  return QuantizedTensor(packed=packed, scale=scale, minimum=None, bits=4, group_size=group)
+
+
+def bench_qmm(rows, peaks, backend, quick, iters):
+  shapes = SMOL_QMM[:3] if quick else LLAMA8B_QMM + SMOL_QMM
+  ms = (1, 8) if quick else (1, 8, 16, 64, 256)
+  key = jax.random.PRNGKey(0)
+  for k, n in shapes:
+    w = random_q4(key, k, n)
+    wd = jax.random.normal(key, (k, n), jnp.bfloat16)
+    for m in ms:
+      x = jax.random.normal(key, (m, k), jnp.bfloat16)
+      t = bench(lambda x, w: ops.quantized_matmul(x, w, backend=backend), x, w, iters=iters)
+      td = bench(lambda x, w: jnp.dot(x, w), x, wd, iters=iters)
+      flops, nbytes = flops_and_bytes(m, k, n, w)
+      report(rows, f"qmm q4_0 g32 M={m} {k}x{n}", t, td, nbytes, flops, peaks)
+
+
+def make_cache(key, batch, ctx, kvh, d, bs=16, dtype=jnp.bfloat16):
+  nbp = -(-ctx // bs)
+  nb = batch * nbp
+  k1, k2, k3 = jax.random.split(key, 3)
+  kp = jax.random.normal(k1, (nb, bs, kvh, d), dtype)
+  vp = jax.random.normal(k2, (nb, bs, kvh, d), dtype)
+  bt = jax.random.permutation(k3, nb).reshape(batch, nbp).astype(jnp.int32)
+  return kp, vp, bt
+
+
+def dense_decode(q, k, v):
+  """Contiguous-KV bf16 attention of one query per sequence: q [B,H,D], k/v [B,L,KVH,D]."""
+  b, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, kvh, h // kvh, d)
+  s = jnp.einsum("bgrd,blgd->bgrl", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  return jnp.einsum("bgrl,blgd->bgrd", p, v).reshape(b, h, d)
+
+
+def bench_decode(rows, peaks, backend, quick, iters):
+  if quick:
+    cases = [(SMOL_ATTN, 2, 256)]
+  else:
+    cases = [(LLAMA8B_ATTN, b, c) for b in (1, 8, 64) for c in (1024, 4096)]
+    cases += [(SMOL_ATTN, 8, 2048)]
+  key = jax.random.PRNGKey(1)
+  for (name, h, kvh, d), batch, ctx in cases:
+    kp, vp, bt = make_cache(key, batch, ctx, kvh, d)
+    q = jax.random.normal(key, (batch, h, d), jnp.bfloat16)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    t = bench(lambda *a: ops.paged_decode_attention(*a, backend=backend), q, kp, vp, bt,
+              lengths, iters=iters)
+    kd = jax.random.normal(key, (batch, ctx, kvh, d), jnp.bfloat16)
+    td = bench(dense_decode, q, kd, kd, iters=iters)
+    nbytes, flops = decode_bytes_and_flops(batch, h, kvh, d, ctx)
+    report(rows, f"decode {name} B={batch} ctx={ctx}", t, td, nbytes, flops, peaks)
+
+
+def dense_prefill(q, k, v, start):
+  """Contiguous-KV causal attention: q [B,T,H,D], k/v [B,L,KVH,D] with L = start + T."""
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  s = jnp.einsum("btgrd,blgd->bgrtl", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+  mask = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
+  s = jnp.where(mask, s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  return jnp.einsum("bgrtl,blgd->btgrd", p, v).reshape(b, t, h, d)
+
+
+def bench_prefill(rows, peaks, backend, quick, iters):
+  if quick:
+    cases = [(SMOL_ATTN, 1, 64, 0)]
+  else:
+    cases = [(LLAMA8B_ATTN, 1, 2048, 0), (LLAMA8B_ATTN, 1, 512, 2048), (LLAMA8B_ATTN, 4, 512, 0),
+             (SMOL_ATTN, 4, 256, 256)]
+  key = jax.random.PRNGKey(2)
+  for (name, h, kvh, d), batch, chunk, start in cases:
+    ctx = start + chunk
+    kp, vp, bt = make_cache(key, batch, ctx, kvh, d)
+    q = jax.random.normal(key, (batch, chunk, h, d), jnp.bfloat16)
+    starts = jnp.full((batch,), start, jnp.int32)
+    clens = jnp.full((batch,), chunk, jnp.int32)
+    t = bench(lambda *a: ops.paged_prefill_attention(*a, backend=backend), q, kp, vp, bt, starts,
+              clens, iters=iters)
+    kd = jax.random.normal(key, (batch, ctx, kvh, d), jnp.bfloat16)
+    td = bench(lambda q, k, v: dense_prefill(q, k, v, start), q, kd, kd, iters=iters)
+    nbytes, flops = prefill_bytes_and_flops(batch, chunk, h, kvh, d, start)
+    report(rows, f"prefill {name} B={batch} T={chunk} start={start}", t, td, nbytes, flops, peaks)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="a few small shapes (CPU smoke run)")
+  p.add_argument("--out", help="write the rows as JSON here")
+  p.add_argument("--only", default="qmm,decode,prefill", help="comma-separated kernels")
+  p.add_argument("--iters", type=int, default=None)
+  args = p.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  backend = "pallas" if on_gpu else "reference"
+  iters = args.iters or (20 if on_gpu else 3)
+  kind, peaks = chip_peaks()
+  print(f"jax {jax.__version__} on {kind} ({jax.default_backend()}); op backend={backend}; "
+        f"peaks={peaks}", flush=True)
+  rows = []
+  only = set(args.only.split(","))
+  for name, fn in (("qmm", bench_qmm), ("decode", bench_decode), ("prefill", bench_prefill)):
+    if name in only:
+      try:
+        fn(rows, peaks, backend, args.quick, iters)
+      except Exception as e:  # keep the other kernels' numbers when one fails
+        print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+        rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(jax=jax.__version__, device=kind, backend=backend, rows=rows), f, indent=1)
+  return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
