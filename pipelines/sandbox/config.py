@@ -1,0 +1,79 @@
+"""Value types of the sandbox API: configuration, programs and results."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+
+class Status(str, enum.Enum):
+  """How one execution ended. Only PASSED counts as a pass; SANDBOX_ERROR is never the model's fault."""
+  PASSED = 'passed'
+  FAILED = 'failed'
+  TIMED_OUT = 'timed_out'
+  MEMORY_EXCEEDED = 'memory_exceeded'
+  CRASHED = 'crashed'
+  SANDBOX_ERROR = 'sandbox_error'
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+  """Limits and isolation settings; the defaults suit HumanEval-style programs.
+
+  timeout_s is the wall-clock limit. When both timeout_floor_s and timeout_factor
+  are set and a reference time is passed to run(), the limit is EvalPlus-style:
+  max(timeout_floor_s, timeout_factor * reference_time_s).
+  """
+  timeout_s: float = 3.0
+  timeout_floor_s: float | None = None
+  timeout_factor: float | None = None
+  cpu_seconds: int | None = None  # default: the wall-clock limit rounded up, plus one
+  memory_bytes: int = 1 << 30  # address space
+  max_processes: int = 64  # processes and threads of the sandbox's uid
+  max_open_files: int = 128
+  max_file_bytes: int = 16 << 20  # largest file the program may write
+  tmp_bytes: int = 32 << 20  # size of its private /tmp
+  max_output_bytes: int = 1 << 20  # stdout or stderr beyond this ends the run (FAILED)
+  stderr_tail_bytes: int = 4096
+  workers: int | None = None  # run_many's pool size; default: number of usable CPUs
+  pin_cpus: bool = True  # pin each execution to one CPU (best effort, see docs)
+  # Paths the program must not see even where they sit under a system directory.
+  # The host's working directory and $HOME are always hidden (see hide_cwd_and_home).
+  hidden_paths: tuple[str, ...] = ()
+  hide_cwd_and_home: bool = True
+  allow_subprocesses: bool = False  # fork/exec from the program (still inside the sandbox)
+  strict_return_types: bool = True  # candidate results must be plain built-in data
+  python: str | None = None  # interpreter for the program; default: this one's base
+  unsafe_no_isolation: bool = False  # run with only rlimits if namespaces are unavailable
+
+  def timeout_for(self, reference_time_s: float | None = None) -> float:
+    if (reference_time_s is not None and self.timeout_floor_s is not None
+        and self.timeout_factor is not None):
+      return max(self.timeout_floor_s, self.timeout_factor * reference_time_s)
+    return self.timeout_s
+
+  def cpu_limit_for(self, timeout_s: float) -> int:
+    return self.cpu_seconds if self.cpu_seconds is not None else math.ceil(timeout_s) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HumanEvalProgram:
+  """prompt + completion is the untrusted module; test defines check(candidate)."""
+  prompt: str
+  completion: str
+  test: str
+  entry_point: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionResult:
+  status: Status
+  detail: str = ''  # why it was not a pass, in one line
+  stdout: str = ''  # truncated
+  stderr_tail: str = ''
+  duration_s: float = 0.0
+  isolated: bool = True  # False only under unsafe_no_isolation
+
+  @property
+  def passed(self) -> bool:
+    return self.status is Status.PASSED

