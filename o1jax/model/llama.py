@@ -29,12 +29,22 @@ class Weight(nnx.Param):
   """A dense array or a QuantizedTensor pytree, stored as one parameter."""
 
 
+def _write(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+  """cache: [B, KVH, S, D]; new: [B, T, KVH, D] written at positions starts[b]..+T."""
+  new = new.transpose(0, 2, 1, 3).astype(cache.dtype)
+  return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache, new, starts)
+
+
 @flax.struct.dataclass
 class KVCache:
-  """Contiguous per-layer cache. k[i], v[i]: [batch, kv_heads, max_len, head_dim]."""
+  """Contiguous per-layer cache. k[i], v[i]: [batch, kv_heads, max_len, head_dim].
+
+  Any cache type works with the model if it has `attend` with this signature
+  (the engine's paged cache does); the model never looks inside it."""
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
+  kv_valid: jax.Array | None = None  # optional [B, max_len] mask of attendable slots
 
   @property
   def batch_size(self) -> int:
@@ -50,11 +60,21 @@ class KVCache:
     return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
                v=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)))
 
+  def check_fits(self, tokens_shape) -> None:
+    b, t = tokens_shape
+    if t > self.max_len or b != self.batch_size:
+      raise ValueError(f"tokens shape {tuple(tokens_shape)} does not fit a KV cache of batch "
+                       f"{self.batch_size} and length {self.max_len}")
 
-def _write(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-  """cache: [B, KVH, S, D]; new: [B, T, KVH, D] written at positions starts[b]..+T."""
-  new = new.transpose(0, 2, 1, 3).astype(cache.dtype)
-  return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache, new, starts)
+  def attend(self, layer: int, q, k, v, positions, starts, *, backend: str = "auto",
+             interpret: bool = False):
+    """Writes this step's k/v ([B, T, KVH, D]) at starts[b].., then attends q ([B, T, H, D])
+    causally over the cache. Returns (output [B, T, H, D], updated cache)."""
+    k_cache = _write(self.k[layer], k, starts)
+    v_cache = _write(self.v[layer], v, starts)
+    out = layers.attention(q, k_cache, v_cache, positions, self.kv_valid)
+    replace = lambda xs, x: xs[:layer] + (x,) + xs[layer + 1:]
+    return out, self.replace(k=replace(self.k, k_cache), v=replace(self.v, v_cache))
 
 
 class DecoderLayer(nnx.Module):
@@ -69,8 +89,8 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = Weight(p["ffn_norm"])
     self.w_gate, self.w_up, self.w_down = (Weight(p[n]) for n in ("w_gate", "w_up", "w_down"))
 
-  def __call__(self, x, positions, starts, k_cache, v_cache, inv_freq, kv_valid):
-    """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, k_cache, v_cache)."""
+  def __call__(self, x, positions, starts, cache, index: int, inv_freq):
+    """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
     c = self.config
     kw = dict(backend=self.backend, interpret=self.interpret)
     val = lambda w: None if w is None else w.get_value()
@@ -81,13 +101,11 @@ class DecoderLayer(nnx.Module):
     v = layers.linear(h, val(self.wv), val(self.bv), **kw).reshape(b, t, c.n_kv_heads, c.head_dim)
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
-    k_cache = _write(k_cache, k, starts)
-    v_cache = _write(v_cache, v, starts)
-    attn = layers.attention(q, k_cache, v_cache, positions, kv_valid)
+    attn, cache = cache.attend(index, q, k, v, positions, starts, **kw)
     x = x + layers.linear(attn.reshape(b, t, -1), val(self.wo), **kw)
     h = layers.rms_norm(x, val(self.ffn_norm), c.rms_eps)
     x = x + layers.swiglu(h, val(self.w_gate), val(self.w_up), val(self.w_down), **kw)
-    return x, k_cache, v_cache
+    return x, cache
 
 
 class Llama(nnx.Module):
@@ -121,27 +139,25 @@ class Llama(nnx.Module):
     self.backend = backend
     self.interpret = interpret
 
-  def __call__(self, tokens: jax.Array, starts: jax.Array, cache: KVCache,
-               logits_at: jax.Array | None = None, kv_valid: jax.Array | None = None):
+  def __call__(self, tokens: jax.Array, starts: jax.Array, cache,
+               logits_at: jax.Array | None = None):
     """Runs T new tokens per sequence and returns (logits, new cache).
 
     tokens: [B, T] int32, at absolute positions starts[b] + t.
     logits_at: None -> logits for all T positions [B, T, V]; else [B] int32 index
       into T -> logits for that position only [B, V] (prefill needs just the last).
-    kv_valid: optional [B, S] mask of cache slots that may be attended."""
+    cache: a KVCache, or any pytree with the same `attend` / `check_fits` methods."""
     c = self.config
     b, t = tokens.shape
+    cache.check_fits(tokens.shape)
     positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]
     x = layers.embed(self.embed.get_value(), tokens, self.dtype)
     inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-    new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      x, k, v = layer(x, positions, starts, cache.k[i], cache.v[i], inv_freq, kv_valid)
-      new_k.append(k)
-      new_v.append(v)
+      x, cache = layer(x, positions, starts, cache, i, inv_freq)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     x = layers.rms_norm(x, self.final_norm.get_value(), c.rms_eps)
     head = (self.lm_head if self.lm_head is not None else self.embed).get_value()
     logits = layers.linear(x, head, backend=self.backend, interpret=self.interpret)
-    return logits.astype(jnp.float32), KVCache(k=tuple(new_k), v=tuple(new_v))
+    return logits.astype(jnp.float32), cache

@@ -1,0 +1,116 @@
+"""HF safetensors import, orbax conversion, and identical logits across formats."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from o1jax import numpy_reference, testing
+from o1jax.checkpoint import CheckpointError, load_checkpoint
+from o1jax.checkpoint.orbax_io import save_orbax
+from o1jax.checkpoint.safetensors_loader import save_safetensors
+from o1jax.model import KVCache, Llama
+
+TOKENS = np.array([5, 17, 42, 99, 200, 7, 3, 250, 11, 64])
+
+
+def _logits(ck, tokens=TOKENS):
+  model = Llama(ck.config, ck.params)
+  logits, _ = model(jnp.asarray(tokens)[None], jnp.zeros((1,), jnp.int32),
+                    KVCache.zeros(ck.config, 1, len(tokens)))
+  return np.asarray(logits[0])
+
+
+def _hp(config):
+  return {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
+          "head_dim": config.head_dim, "theta": config.rope_theta, "eps": config.rms_eps}
+
+
+@pytest.mark.parametrize("dtype,shards,overrides", [
+    (np.float32, 1, {}),
+    (ml_dtypes.bfloat16, 1, {}),
+    (np.float16, 3, {"tie_embeddings": False}),
+    (np.float32, 2, {"architecture": "qwen2", "attention_bias": True}),
+    (np.float32, 1, {"architecture": "mistral", "n_kv_heads": 1}),
+])
+def test_hf_checkpoint_matches_numpy_reference(tmp_path, dtype, shards, overrides):
+  config = testing.tiny_config(**overrides)
+  weights = testing.write_hf_checkpoint(tmp_path, config, seed=1, dtype=dtype, shards=shards)
+  ck = load_checkpoint(tmp_path)
+  assert ck.format == "safetensors"
+  assert ck.config.attention_bias == config.attention_bias
+  assert ck.config.tie_embeddings == config.tie_embeddings
+  ref = numpy_reference.forward(weights, _hp(config), TOKENS, interleaved_rotary=False)
+  np.testing.assert_allclose(_logits(ck), ref, atol=2e-4, rtol=0)
+
+
+def test_tiny_gguf_safetensors_orbax_give_identical_logits(tmp_path):
+  gguf_path = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(gguf_path, testing.tiny_config(), seed=2)
+  ck = load_checkpoint(gguf_path)
+  save_safetensors(tmp_path / "hf", ck.config, ck.params)
+  ck.tokenizer.save(tmp_path / "hf")
+  save_orbax(tmp_path / "orbax", ck.config, ck.params, ck.tokenizer)
+  from_gguf = _logits(ck)
+  np.testing.assert_array_equal(_logits(load_checkpoint(tmp_path / "hf")), from_gguf)
+  orbax_ck = load_checkpoint(tmp_path / "orbax")
+  assert orbax_ck.config == ck.config
+  np.testing.assert_array_equal(_logits(orbax_ck), from_gguf)
+  text = "<|im_start|>user\nhello 123<|im_end|>"
+  assert orbax_ck.tokenizer.encode(text) == ck.tokenizer.encode(text)
+
+
+@pytest.mark.slow
+def test_embedded_model_identical_logits_across_formats(tmp_path, embedded_checkpoint):
+  """GGUF -> orbax via the convert script, GGUF -> safetensors; same logits bit for bit."""
+  ck = embedded_checkpoint
+  ids = ck.tokenizer.encode(ck.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there!"}]))
+  out = subprocess.run([sys.executable, "scripts/convert_checkpoint.py", "embedded", str(tmp_path / "orbax")],
+                       capture_output=True, text=True, check=True)
+  assert "load gguf source" in out.stdout and "load converted orbax" in out.stdout
+  save_safetensors(tmp_path / "hf", ck.config, ck.params)
+  ck.tokenizer.save(tmp_path / "hf")
+  ref = _logits(ck, ids)
+  np.testing.assert_array_equal(_logits(load_checkpoint(tmp_path / "orbax"), ids), ref)
+  np.testing.assert_array_equal(_logits(load_checkpoint(tmp_path / "hf"), ids), ref)
+
+
+def test_hf_errors_name_the_file(tmp_path):
+  with pytest.raises(CheckpointError, match="neither o1jax_model.json"):
+    load_checkpoint(tmp_path)
+  config = testing.tiny_config()
+  testing.write_hf_checkpoint(tmp_path, config)
+  cfg = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
+  with pytest.raises(CheckpointError, match="model_type 'gpt_neox' is not supported"):
+    load_checkpoint(tmp_path)
+  del cfg["hidden_size"]
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match="config.json lacks the key 'hidden_size'"):
+    load_checkpoint(tmp_path)
+
+
+def test_hf_missing_tensor_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+
+  testing.write_hf_checkpoint(tmp_path, testing.tiny_config())
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  save_file(tensors, str(tmp_path / "model.safetensors"))
+  with pytest.raises(CheckpointError, match="tensor 'model.layers.1.mlp.up_proj.weight' is missing"):
+    load_checkpoint(tmp_path)
+
+
+def test_orbax_refuses_to_overwrite(tmp_path):
+  (tmp_path / "x").mkdir()
+  (tmp_path / "x" / "keep.txt").write_text("precious")
+  gguf_path = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(gguf_path, testing.tiny_config())
+  ck = load_checkpoint(gguf_path)
+  with pytest.raises(CheckpointError, match="destination exists and is not empty"):
+    save_orbax(tmp_path / "x", ck.config, ck.params, ck.tokenizer)
+  assert (tmp_path / "x" / "keep.txt").read_text() == "precious"
