@@ -181,9 +181,8 @@ def drop_privileges(cfg):
   last_cap = cfg['last_cap']
   if cfg['userns']:
     check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS_ALL_LOCKED, 0, 0, 0), 'securebits')
-  if cfg['userns'] or os.getuid() == 0:
-    for cap in range(last_cap + 1):
-      check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), 'capbset drop')
+  for cap in range(last_cap + 1):
+    check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), 'capbset drop')
   if cfg['userns']:
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     data = (ctypes.c_uint32 * 6)()
@@ -229,7 +228,9 @@ def main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cfg['isolate']:
       build_root(cfg)
-    drop_privileges(cfg)
+      drop_privileges(cfg)
+    else:  # unsafe mode: the caller's own user, resource limits only
+      check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 'no_new_privs')
     if cfg['cpu'] >= 0:
       os.sched_setaffinity(0, {cfg['cpu']})
   except Exception as exc:

@@ -36,11 +36,13 @@ _SPAWN_EVENTS = frozenset({
   'subprocess.Popen', 'pty.spawn',
 })
 _BLOCKED_MODULES = frozenset({
-  'ctypes', '_ctypes', 'signal', '_signal', '_testcapi', '_testinternalcapi', '_testbuffer',
+  'ctypes', '_ctypes', '_testcapi', '_testinternalcapi', '_testbuffer',
   '_testmultiphase', '_testsinglephase', '_testclinic', '_xxsubinterpreters',
   '_xxinterpchannels', '_posixshmem',
 })
-_SPAWN_MODULES = frozenset({'_posixsubprocess'})
+# Signal handlers receive the interrupted frame; subprocess needs the module, so it is
+# only allowed together with subprocesses (which weaken the guarantee anyway, see docs).
+_SPAWN_MODULES = frozenset({'_posixsubprocess', 'signal', '_signal'})
 # Modules the harness imports before the guard so the untrusted code need not.
 _PRELOAD = ('typing',)
 
@@ -202,6 +204,7 @@ def _describe(exc):
 def main():
   payload_fd, result_fd = int(sys.argv[1]), int(sys.argv[2])
   allow_subprocesses = sys.argv[3] == '1'
+  _write(result_fd, b'started\n')  # before any untrusted code: absent means a sandbox fault
   data = _read_payload(payload_fd)
   sentinel, _, data = data.partition(b'\n')
   kind, strict, prompt, completion, test, entry_point = _decode_fields(data)
@@ -216,8 +219,9 @@ def main():
               for name in _imported_modules(prompt + '\n' + test) if name in sys.modules}
   pristine = dict(builtins.__dict__)
   real_streams = (sys.stdout, sys.stderr)
-  for name in ('signal', '_signal'):
-    sys.modules.pop(name, None)
+  if not allow_subprocesses:
+    for name in ('signal', '_signal'):
+      sys.modules.pop(name, None)
   # Later imports compile from source: loading .pyc needs marshal.loads, which is refused.
   sys.pycache_prefix = '/nonexistent-pycache'
   sys.addaudithook(_make_guard(allow_subprocesses))

@@ -350,6 +350,9 @@ class _Watch:
         return made(Status.SANDBOX_ERROR, 'sandbox setup did not finish before the deadline')
       return made(Status.SANDBOX_ERROR,
                   f'sandbox did not start (exit status {self.proc.returncode})')
+    if not self.out['result'].startswith(b'started\n'):
+      return made(Status.SANDBOX_ERROR, 'the worker interpreter did not start'
+                  + (' before the deadline' if self.killed_for == 'timeout' else ''))
     ending = next((line for line in status_lines if line.startswith(('exit ', 'signal '))), '')
     errors = [line[6:].decode('utf-8', 'replace') for line in result_lines
               if line.startswith(b'error ')]

