@@ -153,7 +153,7 @@ _UNPRIVILEGED_SCRIPT = textwrap.dedent('''\
     'socket': 'import socket\\nsocket.create_connection(("127.0.0.1", 9), timeout=1)',
     'repo': f'import os\\nprint(os.listdir({sys.argv[1]!r}))',
     'write_usr': 'open("/usr/pwned", "w")',
-    'capabilities': 'import os\nos.chroot("/")',  # needs CAP_SYS_CHROOT in the namespace
+    'capabilities': 'import os\\nos.chroot("/")',  # needs CAP_SYS_CHROOT in the namespace
     'daemon': ('import subprocess\\nsubprocess.Popen(["sleep", sys_marker], start_new_session=True)\\n'
                'while True:\\n    pass').replace('sys_marker', repr(sys.argv[2])),
   }
