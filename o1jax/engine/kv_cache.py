@@ -1,0 +1,372 @@
+"""Paged KV cache: a block pool per layer, addressed through per-sequence block tables.
+
+Layout (one pool per layer, K and V separate, as `pallas_kernels.ops` expects):
+  k_pages[i], v_pages[i]  [num_blocks, block_size, kv_heads, head_dim]
+  k_scale[i], v_scale[i]  [num_blocks, kv_heads] f32, only for FP8 (e4m3) pools
+  block_tables            [batch, max_blocks] int32: logical block j of row b -> physical block
+  write_lens              [batch] int32: how many of this call's T tokens are real
+
+`PagedKVCache` is a pytree that implements the model's cache protocol
+(`check_fits`, `attend`), so `Llama.__call__` runs unchanged on it. The host
+(`allocator.BlockAllocator`) decides which physical blocks a sequence owns; the
+functions at the bottom of this file (`fork_rows`, `truncate_rows`,
+`reserve_for_append`) do the same bookkeeping on device arrays so a
+`jax.lax.while_loop` can fork, roll back and grow sequences without the host.
+
+All functions here are pure and jittable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import ops as kernel_ops
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float8_e4m3fn": FP8}
+
+
+# --- writes ------------------------------------------------------------------------
+
+
+def token_slots(block_tables: jax.Array, starts: jax.Array, write_lens: jax.Array, t: int,
+                block_size: int, num_blocks: int):
+  """Physical (block, offset) of token t' of row b, at position starts[b] + t'.
+
+  Returns (block [B, T], offset [B, T]); tokens t' >= write_lens[b] get block =
+  num_blocks, which `.at[].set(mode="drop")` discards."""
+  ts = jnp.arange(t, dtype=jnp.int32)
+  pos = starts.astype(jnp.int32)[:, None] + ts[None, :]  # [B, T]
+  logical = jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)
+  block = jnp.take_along_axis(block_tables, logical, axis=1)
+  valid = ts[None, :] < write_lens[:, None]
+  return jnp.where(valid, block, num_blocks), pos % block_size
+
+
+def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, starts: jax.Array,
+                write_lens: jax.Array) -> jax.Array:
+  """Scatters new K or V rows into a float pool.
+
+  1. slot of each new token from the block table (`token_slots`);
+  2. one scatter of the B*T rows; padding rows are dropped.
+  pages [NB, bs, KVH, D]; new [B, T, KVH, D]. Returns the updated pool."""
+  nb, bs, kvh, d = pages.shape
+  b, t = new.shape[:2]
+  block, offset = token_slots(block_tables, starts, write_lens, t, bs, nb)
+  rows = new.reshape(b * t, kvh, d).astype(pages.dtype)
+  return pages.at[block.reshape(-1), offset.reshape(-1)].set(rows, mode="drop")
+
+
+def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_tables: jax.Array,
+                    starts: jax.Array, write_lens: jax.Array):
+  """Writes new rows into an FP8 pool with one scale per (block, kv head).
+
+  A block's scale must cover every value in it, so each touched block is
+  rewritten whole (read-modify-write):
+  1. gather the blocks the T new tokens land in and dequantize them: [B, nt, bs, KVH, D];
+  2. keep the old values at positions before starts[b] (this sequence's
+     history), put the new ones at their positions, zero the rest;
+  3. new scale = max |value| / 448 per (block, head); requantize; scatter back.
+  Blocks are exclusively owned when written (the allocator copies shared
+  blocks first), so rewriting a whole block is safe.
+  pages [NB, bs, KVH, D] float8_e4m3fn; scale [NB, KVH] f32; new [B, T, KVH, D].
+  Returns (pages, scale)."""
+  nb, bs, kvh, d = pages.shape
+  b, t = new.shape[:2]
+  mb = block_tables.shape[1]
+  nt = (t + bs - 2) // bs + 1  # blocks a run of t tokens can touch
+  starts = starts.astype(jnp.int32)
+  logical = starts[:, None] // bs + jnp.arange(nt, dtype=jnp.int32)[None, :]  # [B, nt]
+  phys = jnp.take_along_axis(block_tables, jnp.clip(logical, 0, mb - 1), axis=1)
+  ends = starts + write_lens
+  touched = (logical * bs < ends[:, None]) & (write_lens[:, None] > 0) & (logical < mb)
+  old = jnp.take(pages, phys, axis=0).astype(jnp.float32)  # [B, nt, bs, KVH, D]
+  old = old * jnp.take(scale, phys, axis=0)[:, :, None, :, None]
+  pos = logical[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, nt, bs]
+  rel = pos - starts[:, None, None]
+  is_new = (rel >= 0) & (rel < write_lens[:, None, None])
+  is_old = pos < starts[:, None, None]
+  new_rows = jnp.take_along_axis(new.astype(jnp.float32)[:, :, None, :, :].reshape(b, t, kvh * d),
+                                 jnp.clip(rel, 0, t - 1).reshape(b, nt * bs)[:, :, None], axis=1)
+  new_rows = new_rows.reshape(b, nt, bs, kvh, d)
+  vals = jnp.where(is_new[..., None, None], new_rows, jnp.where(is_old[..., None, None], old, 0.0))
+  amax = jnp.max(jnp.abs(vals), axis=(2, 4))  # [B, nt, KVH]
+  block_scale = jnp.maximum(amax / FP8_MAX, 1e-12)
+  quant = (vals / block_scale[:, :, None, :, None]).astype(pages.dtype)
+  target = jnp.where(touched, phys, nb).reshape(-1)
+  pages = pages.at[target].set(quant.reshape(-1, bs, kvh, d), mode="drop")
+  scale = scale.at[target].set(block_scale.reshape(-1, kvh), mode="drop")
+  return pages, scale
+
+
+# --- attention ---------------------------------------------------------------------
+
+
+def gather_rows(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array) -> jax.Array:
+  """Pages of each row in logical order as f32: [B, MB * bs, KVH, D]."""
+  nb, bs, kvh, d = pages.shape
+  b, mb = block_tables.shape
+  kv = jnp.take(pages, block_tables, axis=0, mode="clip").astype(jnp.float32)
+  if scale is not None:
+    kv = kv * jnp.take(scale, block_tables, axis=0, mode="clip")[:, :, None, :, None]
+  return kv.reshape(b, mb * bs, kvh, d)
+
+
+def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, k_scale=None,
+                         v_scale=None) -> jax.Array:
+  """One query per row against its paged keys, written for the CPU.
+
+  1. gather the row's pages: K, V [B, L, KVH, D] with L = max_blocks * block_size;
+  2. scores by multiply-then-sum over D (faster than a batched dot for one
+     query, see DESIGN.md): [B, L, KVH, G];
+  3. masked softmax over L (keys >= lengths[b] masked; length 0 -> zeros);
+  4. output = sum over L of p * V: [B, KVH, G, D] -> [B, H, D].
+  q [B, H, D]; lengths [B] int32 (keys 0..lengths[b]-1 are visible)."""
+  b, h, d = q.shape
+  kvh = k_pages.shape[2]
+  g = h // kvh
+  k = gather_rows(k_pages, k_scale, block_tables)
+  v = gather_rows(v_pages, v_scale, block_tables)
+  qg = q.astype(jnp.float32).reshape(b, 1, kvh, g, d) * (1.0 / math.sqrt(d))
+  s = jnp.sum(qg * k[:, :, :, None, :], axis=-1)  # [B, L, KVH, G]
+  valid = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, L]
+  s = jnp.where(valid[:, :, None, None], s, -jnp.inf)
+  m = jnp.max(s, axis=1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(valid[:, :, None, None], jnp.exp(s - m), 0.0)
+  denom = jnp.sum(p, axis=1)  # [B, KVH, G]
+  out = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)  # [B, KVH, G, D]
+  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return out.reshape(b, h, d).astype(q.dtype)
+
+
+# --- the cache pytree --------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """Block pools for every layer plus this call's block tables (see module doc).
+
+  The pools persist across calls; `block_tables` / `write_lens` describe the
+  batch of the next model call and are replaced with `for_batch` each step."""
+
+  k_pages: tuple[jax.Array, ...]
+  v_pages: tuple[jax.Array, ...]
+  k_scale: tuple[jax.Array, ...] | None
+  v_scale: tuple[jax.Array, ...] | None
+  block_tables: jax.Array  # [B, MB] int32
+  write_lens: jax.Array  # [B] int32
+
+  @classmethod
+  def create(cls, n_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+             dtype=jnp.float32, batch: int = 1, max_blocks: int = 1) -> "PagedKVCache":
+    """Zero-filled pools (finite garbage only: masked keys never make NaNs)."""
+    dtype = KV_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    fp8 = jnp.dtype(dtype) == jnp.dtype(FP8)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layers))
+    scales = lambda: tuple(jnp.ones((num_blocks, kv_heads), jnp.float32) for _ in range(n_layers))
+    return cls(k_pages=zeros(), v_pages=zeros(), k_scale=scales() if fp8 else None,
+               v_scale=scales() if fp8 else None,
+               block_tables=jnp.zeros((batch, max_blocks), jnp.int32),
+               write_lens=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.k_pages[0].shape[0]
+
+  @property
+  def block_size(self) -> int:
+    return self.k_pages[0].shape[1]
+
+  @property
+  def is_fp8(self) -> bool:
+    return self.k_scale is not None
+
+  def bytes_per_block(self) -> int:
+    """K and V bytes of one block over all layers (plus FP8 scales)."""
+    nb, bs, kvh, d = self.k_pages[0].shape
+    per_layer = 2 * bs * kvh * d * jnp.dtype(self.k_pages[0].dtype).itemsize
+    if self.is_fp8:
+      per_layer += 2 * kvh * 4
+    return per_layer * len(self.k_pages)
+
+  def for_batch(self, block_tables: jax.Array, write_lens: jax.Array) -> "PagedKVCache":
+    """The same pools addressed by a new batch: tables [B, MB], write_lens [B]."""
+    return self.replace(block_tables=jnp.asarray(block_tables, jnp.int32),
+                        write_lens=jnp.asarray(write_lens, jnp.int32))
+
+  def check_fits(self, tokens_shape) -> None:
+    b, t = tokens_shape
+    rows, mb = self.block_tables.shape
+    if b != rows:
+      raise ValueError(f"tokens shape {tuple(tokens_shape)} has batch {b} but the paged cache's "
+                       f"block tables have {rows} rows")
+    if t > mb * self.block_size:
+      raise ValueError(f"tokens shape {tuple(tokens_shape)}: {t} tokens do not fit {mb} blocks of "
+                       f"{self.block_size}")
+
+  def attend(self, layer: int, q, k, v, positions, starts, *, backend: str = "auto",
+             interpret: bool = False):
+    """Writes k/v into the pages, then attends q causally over the row's cache.
+
+    1. write k, v [B, T, KVH, D] at positions starts[b].. through the block
+       table (only the first write_lens[b] tokens; FP8 pools rescale blocks);
+    2. T == 1 (decode): lengths = starts + write_lens; on CPU the
+       multiply-then-sum path, on GPU the Pallas paged decode kernel;
+       T > 1 (chunked prefill): the paged prefill op (rows past write_lens -> 0).
+    q [B, T, H, D]; positions [B, T] (= starts[b] + t). Returns (out [B, T, H, D], cache)."""
+    del positions  # = starts + arange(T); the write and the ops derive it
+    tables, lens = self.block_tables, self.write_lens
+    starts = starts.astype(jnp.int32)
+    if self.is_fp8:
+      kp, ks = write_pages_fp8(self.k_pages[layer], self.k_scale[layer], k, tables, starts, lens)
+      vp, vs = write_pages_fp8(self.v_pages[layer], self.v_scale[layer], v, tables, starts, lens)
+    else:
+      kp = write_pages(self.k_pages[layer], k, tables, starts, lens)
+      vp = write_pages(self.v_pages[layer], v, tables, starts, lens)
+      ks = vs = None
+    b, t, h, d = q.shape
+    resolved = kernel_ops.resolve_backend(backend)
+    if t == 1 and resolved == "reference":
+      out = decode_attention_xla(q[:, 0], kp, vp, tables, starts + lens, ks, vs)[:, None]
+    elif t == 1:
+      out = kernel_ops.paged_decode_attention(q[:, 0], kp, vp, tables, starts + lens, k_scale=ks,
+                                              v_scale=vs, backend=backend,
+                                              interpret=interpret)[:, None]
+    else:
+      out = kernel_ops.paged_prefill_attention(q, kp, vp, tables, starts, lens, k_scale=ks,
+                                               v_scale=vs, backend=backend, interpret=interpret)
+    replace = lambda xs, x: xs[:layer] + (x,) + xs[layer + 1:]
+    new = self.replace(k_pages=replace(self.k_pages, kp), v_pages=replace(self.v_pages, vp))
+    if self.is_fp8:
+      new = new.replace(k_scale=replace(self.k_scale, ks), v_scale=replace(self.v_scale, vs))
+    return out, new
+
+
+def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+  """Copy-on-write: block src[i] -> dst[i] in every layer (dst = num_blocks: no-op).
+
+  src, dst [N] int32 (pad with dst = num_blocks to keep N a fixed bucket)."""
+  src = jnp.clip(src, 0, cache.num_blocks - 1)
+  cp = lambda pools: tuple(p.at[dst].set(p[src], mode="drop") for p in pools)
+  new = cache.replace(k_pages=cp(cache.k_pages), v_pages=cp(cache.v_pages))
+  if cache.is_fp8:
+    new = new.replace(k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))
+  return new
+
+
+# --- block bookkeeping on device arrays (for jit / while_loop) ----------------------
+
+
+@flax.struct.dataclass
+class BlockState:
+  """Block tables, lengths and reference counts as device arrays.
+
+  tables [S, MB] int32 (entries past `used` are 0 and meaningless);
+  used [S] int32 blocks held per row; lengths [S] int32 tokens in the cache;
+  refcounts [NB] int32 (0 = free). Blocks the host's prefix cache keeps must
+  carry a count of at least 1 here so the device allocator never takes them."""
+
+  tables: jax.Array
+  used: jax.Array
+  lengths: jax.Array
+  refcounts: jax.Array
+  block_size: int = flax.struct.field(pytree_node=False, default=16)
+
+  @classmethod
+  def create(cls, tables, used, lengths, refcounts, block_size: int) -> "BlockState":
+    return cls(tables=jnp.asarray(tables, jnp.int32), used=jnp.asarray(used, jnp.int32),
+               lengths=jnp.asarray(lengths, jnp.int32),
+               refcounts=jnp.asarray(refcounts, jnp.int32), block_size=int(block_size))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.refcounts.shape[0]
+
+
+def _held_mask(state: BlockState) -> jax.Array:
+  """[S, MB] bool: table entries a row holds."""
+  mb = state.tables.shape[1]
+  return jnp.arange(mb, dtype=jnp.int32)[None, :] < state.used[:, None]
+
+
+def _add_refs(refcounts: jax.Array, tables: jax.Array, mask: jax.Array, amount) -> jax.Array:
+  nb = refcounts.shape[0]
+  ids = jnp.where(mask, tables, nb).reshape(-1)
+  return refcounts.at[ids].add(jnp.broadcast_to(amount, ids.shape).astype(refcounts.dtype),
+                               mode="drop")
+
+
+def fork_rows(state: BlockState, parent: jax.Array, children: jax.Array) -> BlockState:
+  """Rows `children` [C] become copies of row `parent` sharing all its blocks.
+
+  1. children's old blocks are released (their counts drop);
+  2. the parent's table/lengths are copied into the children's rows;
+  3. each shared block's count rises by C. The last partial block is shared
+     too: `reserve_for_append` copies it on the first write (copy-on-write)."""
+  c = children.shape[0]
+  refcounts = _add_refs(state.refcounts, state.tables[children], _held_mask(state)[children], -1)
+  row = state.tables[parent]
+  held = jnp.arange(row.shape[0]) < state.used[parent]
+  refcounts = _add_refs(refcounts, row[None], held[None], c)
+  return state.replace(tables=state.tables.at[children].set(row),
+                       used=state.used.at[children].set(state.used[parent]),
+                       lengths=state.lengths.at[children].set(state.lengths[parent]),
+                       refcounts=refcounts)
+
+
+def truncate_rows(state: BlockState, new_lengths: jax.Array) -> BlockState:
+  """Rolls rows back to new_lengths [S] (<= lengths; larger values are ignored).
+
+  Blocks wholly past the new length are released; the kept partial block stays
+  (if shared, the next write copies it)."""
+  new_lengths = jnp.minimum(new_lengths, state.lengths)
+  block_size = state.block_size
+  keep = (new_lengths + block_size - 1) // block_size
+  keep = jnp.minimum(keep, state.used)
+  idx = jnp.arange(state.tables.shape[1], dtype=jnp.int32)[None, :]
+  drop = (idx >= keep[:, None]) & (idx < state.used[:, None])
+  refcounts = _add_refs(state.refcounts, state.tables, drop, -1)
+  return state.replace(used=keep, lengths=new_lengths, refcounts=refcounts,
+                       tables=jnp.where(drop, 0, state.tables))
+
+
+def reserve_for_append(state: BlockState, append: jax.Array):
+  """Makes room for one more token in each row where append [S] is True.
+
+  A row needs a fresh block when its next position starts a new block, or when
+  the block it writes into is shared (count > 1: copy-on-write). Fresh blocks
+  are the lowest-numbered free ones, handed out in row order.
+  Returns (state, copy_src [S], copy_dst [S], ok [S]): pass copy_src/copy_dst
+  to `copy_blocks` (dst = num_blocks: nothing to copy); ok is False where no
+  block was free (the caller must preempt or stop). Lengths are not advanced."""
+  s, mb = state.tables.shape
+  nb = state.num_blocks
+  block_size = state.block_size
+  pos = state.lengths
+  logical = pos // block_size
+  fresh = append & (logical >= state.used)
+  cur = jnp.take_along_axis(state.tables, jnp.clip(logical, 0, mb - 1)[:, None], axis=1)[:, 0]
+  shared = append & ~fresh & (state.refcounts[cur] > 1)
+  need = (fresh | shared) & (logical < mb)
+  rank = jnp.cumsum(need.astype(jnp.int32)) - 1
+  free_ids = jnp.nonzero(state.refcounts == 0, size=s, fill_value=nb)[0]
+  got = jnp.where(need, free_ids[jnp.clip(rank, 0, s - 1)], nb)
+  ok = ~need | (got < nb)
+  take = need & ok
+  refcounts = state.refcounts.at[jnp.where(take, got, nb)].add(1, mode="drop")
+  refcounts = refcounts.at[jnp.where(take & shared, cur, nb)].add(-1, mode="drop")
+  rows = jnp.arange(s)
+  tables = state.tables.at[jnp.where(take, rows, s), jnp.clip(logical, 0, mb - 1)].set(
+      got, mode="drop")
+  used = jnp.where(take & fresh, state.used + 1, state.used)
+  copy_src = jnp.where(take & shared, cur, 0)
+  copy_dst = jnp.where(take & shared, got, nb)
+  new = state.replace(tables=tables, used=used, refcounts=refcounts)
+  return new, copy_src, copy_dst, ok
