@@ -1,50 +1,38 @@
-"""GSM-style evaluation of the embedded model (the default job).
+"""GSM-style math evaluation; with no flags, the embedded default job (< 10 min on 2 cores).
 
-  python -m pipelines.eval                                   # embedded default
-  python -m pipelines.eval --config=configs/gsm8k.py:smoke=True --config.dataset.n=8
-Variants after the colon: comma-separated key=value (smoke=True|False).
+  python -m pipelines.eval                                          # embedded default
+  python -m pipelines.eval --config=configs/gsm8k.py:smoke=True
+  python -m pipelines.eval --config=configs/gsm8k.py:policy=self_consistency \
+      --config.policy.n=8 --output_dir=runs/sc8
+  python -m pipelines.eval --config.dataset.name=gsm8k_jsonl --config.dataset.path=test.jsonl \
+      --config.dataset.n=0 --config.prompt.style=fewshot
+
+Variants after the colon (comma-separated key=value): smoke=True|False,
+policy=<registered policy name> (greedy, sample_n, self_consistency, ...).
 """
 
-import ml_collections
-
-
-def parse_arg(arg: str) -> dict:
-  """"smoke=True,foo=bar" -> {"smoke": "True", "foo": "bar"}; unknown keys are an error."""
-  known = {"smoke": "False"}
-  if not arg:
-    return known
-  for part in arg.split(","):
-    key, sep, value = part.partition("=")
-    if not sep or key not in known:
-      raise ValueError(f"config variant {part!r}: expected key=value with key in {sorted(known)}")
-    known[key] = value
-  return known
+from configs import common
 
 
 def get_config(arg: str = ""):
-  variant = parse_arg(arg)
-  smoke = variant["smoke"].lower() in ("1", "true", "yes")
+  variant = common.parse_arg(arg, {"smoke": "False", "policy": "greedy"})
+  smoke = common.is_true(variant["smoke"])
 
-  config = ml_collections.ConfigDict()
-  config.model = ml_collections.ConfigDict()
-  config.model.source = "embedded"  # 'embedded', a .gguf file, an HF or orbax directory
-  config.model.backend = "auto"  # auto | pallas | reference
-
-  config.dataset = ml_collections.ConfigDict()
-  config.dataset.name = "gsm_synthetic"  # gsm_synthetic | gsm8k_jsonl
-  config.dataset.path = ""  # for gsm8k_jsonl: official GSM8K JSONL (local, gs://, s3://)
-  config.dataset.n = 8 if smoke else 40  # examples to evaluate (0 = all, for files)
-  config.dataset.seed = 0
-  config.dataset.levels = (1,) if smoke else (1, 2)
-
-  config.prompt = "zero_shot"  # zero_shot | fewshot
-  config.sampling = ml_collections.ConfigDict()
-  config.sampling.max_new_tokens = 96 if smoke else 192
-  config.sampling.temperature = 0.0
-  config.sampling.top_p = 1.0
-  config.sampling.top_k = 0
-  config.sampling.seed = 0
-  config.batch_size = 8
+  config = common.section()
+  config.task = "gsm8k"  # registry in pipelines/task_specs.py
+  config.model = common.model_section()
+  config.dataset = common.section(
+      name="gsm_synthetic",  # gsm_synthetic | gsm8k_jsonl
+      path="",  # gsm8k_jsonl: official GSM8K JSONL (local, gs://, s3://)
+      n=8 if smoke else 48,  # examples (0 = all, for files)
+      seed=0,
+      levels=(1,),  # synthetic difficulty levels; the 135M model is near zero beyond 1
+  )
+  # Few short worked examples, then one short sentence ending "The answer is N.":
+  # the verbose 135M model otherwise spends its budget before answering.
+  config.prompt = common.section(style="shortshot", system="short_answer")
+  config.sampling = common.sampling_section(max_new_tokens=48 if smoke else 64)
+  config.policy = common.policy_section(variant["policy"])
+  config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke
-  config.lock()
-  return config
+  return common.finish(config)

@@ -1,0 +1,85 @@
+"""Pieces shared by the config files: variant parsing and the common sections.
+
+A config file's `get_config(arg)` reads variants after the colon
+(`configs/gsm8k.py:policy=sample_n,smoke=True`), builds its sections with the
+helpers here, then locks the config so a mistyped override is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import ml_collections
+
+from pipelines.policies import POLICIES, policy_defaults
+
+TRUE = ("1", "true", "yes", "on")
+
+
+def parse_arg(arg: str, known: Mapping[str, str]) -> dict[str, str]:
+  """"smoke=True,policy=sample_n" -> {"smoke": "True", "policy": "sample_n"}.
+
+  Keys not in `known` are an error that lists the valid ones; missing keys
+  keep the defaults in `known`.
+  """
+  values = dict(known)
+  if not arg:
+    return values
+  for part in arg.split(","):
+    key, sep, value = part.partition("=")
+    key = key.strip()
+    if not sep or key not in known:
+      raise ValueError(f"config variant {part!r}: expected key=value with key in {sorted(known)}")
+    values[key] = value.strip()
+  return values
+
+
+def is_true(value: str) -> bool:
+  return str(value).lower() in TRUE
+
+
+def section(**fields: Any) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(fields)
+
+
+def model_section() -> ml_collections.ConfigDict:
+  return section(
+      predictor="generator",  # registry in pipelines/predictors.py: generator | fake
+      source="embedded",  # 'embedded', a .gguf file, an HF or orbax directory
+      backend="auto",  # auto | pallas | reference
+      fake_delay_s=0.0,  # predictor=fake only: seconds per predicted batch
+  )
+
+
+def sampling_section(max_new_tokens: int, seed: int = 0) -> ml_collections.ConfigDict:
+  # Policies may override temperature/top_p/top_k per sample (see pipelines/policies.py).
+  return section(max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=seed)
+
+
+def policy_section(name: str, **overrides: Any) -> ml_collections.ConfigDict:
+  """name + the registered policy's params with their defaults (so `--config.policy.n=8` works)."""
+  if name not in POLICIES:
+    raise ValueError(f"config variant policy={name!r}: registered policies are {sorted(POLICIES)}")
+  params = policy_defaults(name)
+  params.update(overrides)
+  return section(name=name, **params)
+
+
+def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDict:
+  return section(
+      name="DirectRunner",  # or DataflowRunner / FlinkRunner / SparkRunner (+ flags after --)
+      direct_num_workers=workers,
+      direct_running_mode="multi_processing",  # in_memory | multi_threading | multi_processing
+      batch_size=batch_size,  # RunInference batch (the engine's slots once it lands)
+      share_model=True,  # one model per machine, shared by the worker processes
+      progress=True,  # progress bar with ETA on stderr (local output dirs only)
+  )
+
+
+def sandbox_section() -> ml_collections.ConfigDict:
+  return section(timeout_s=3.0, memory_mb=1024, workers=2)
+
+
+def finish(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  config.lock()
+  return config

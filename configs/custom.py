@@ -1,0 +1,41 @@
+"""Any JSONL dataset, mapped onto question/answer by field names.
+
+  python -m pipelines.eval --config=configs/custom.py --config.dataset.path=data.jsonl \
+      --config.dataset.question_field=prompt --config.dataset.answer_field=target \
+      --config.dataset.answer_format=number --output_dir=runs/custom
+
+answer_format: number (GSM8K normalization + strict/flexible scoring), gsm8k (worked
+solution ending "#### N"), text (exact match of the reply's last line).
+Variants: smoke=True|False, policy=<registered name>.
+"""
+
+from configs import common
+
+
+def get_config(arg: str = ""):
+  variant = common.parse_arg(arg, {"smoke": "False", "policy": "greedy"})
+  smoke = common.is_true(variant["smoke"])
+
+  config = common.section()
+  config.task = "custom"
+  config.model = common.model_section()
+  config.dataset = common.section(
+      name="custom",  # dataset name used in example ids ("custom/<id or content hash>")
+      path="",  # required: JSONL file (local, gs://, s3://; .gz ok)
+      n=8 if smoke else 0,  # 0 = all
+      question_field="question",  # dotted paths reach nested fields ("meta.q")
+      answer_field="answer",
+      id_field="",  # empty: content-hash ids
+      answer_format="number",  # number | gsm8k | text
+  )
+  config.prompt = common.section(
+      style="chat",  # chat (system + user turn) | completion (raw text)
+      template="{question}",
+      system="short_answer",  # short_answer | tutor | none | any literal text
+      stop=(),
+  )
+  config.sampling = common.sampling_section(max_new_tokens=48 if smoke else 128)
+  config.policy = common.policy_section(variant["policy"])
+  config.runner = common.runner_section(batch_size=8)
+  config.smoke = smoke
+  return common.finish(config)

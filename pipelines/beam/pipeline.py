@@ -1,0 +1,295 @@
+"""The evaluation job as a Beam graph: read → samples → skip finished → RunInference → score → store.
+
+  plan = build_plan(config, output_dir)
+  with beam.Pipeline(options=...) as p:
+    build_pipeline(p, plan)
+
+Data flow:
+  1. `ReadDataset`: the task's loader runs inside the job (so gs:// inputs are read by
+     workers); examples are numbered in file order, malformed lines become dead letters
+     with file and line number.
+  2. `Samples`: each example becomes `policy.num_samples` `WorkItem`s keyed by a content
+     hash of (model, generation config, example, sample index); `Reshuffle` spreads them
+     over workers.
+  3. `SkipFinished`: items whose key is already in the store emit the stored record
+     instead (this is what makes reruns resume).
+  4. `RunInference` with `PredictorModelHandler`; failed batches go to dead letters.
+  5. `Score`: the task scores batches of completions (HumanEval: in the sandbox) and each
+     record is written to the store the moment it is done.
+  6. `WriteResults`: stored + new records, sorted by (example index, sample index), become
+     results.jsonl; all dead letters become dead_letters.jsonl.
+Per-sample records are fully determined by their inputs except their `timing` field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import traceback
+import uuid
+from typing import Any, Iterable, Iterator
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import RunInference
+
+from pipelines.beam.handler import PredictorModelHandler
+from pipelines.beam.store import ResultStore, is_local
+from pipelines.datasets import DeadLetter, Example
+from pipelines.policies import Policy, SamplingSpec, build_policy
+from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for)
+from pipelines.task_specs import build_task
+
+STORE_VERSION = 1  # bump when the record layout changes, so old stores are not reused
+NAMESPACE = "o1jax_eval"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+  """Everything the stages need, picklable (no model, no open files)."""
+  task: Any  # a pipelines.task_specs task
+  policy: Policy
+  sampling: SamplingSpec
+  predictor: PredictorSpec
+  model_fp: dict
+  output_dir: str
+  batch_size: int = 8
+  share_model: bool = True
+
+  @property
+  def store_dir(self) -> str:
+    return f"{self.output_dir.rstrip('/')}/store"
+
+
+def build_plan(config, output_dir: str) -> EvalPlan:
+  """Config → plan; raises ValueError on an unknown task, policy or predictor."""
+  policy = build_policy(config.policy.to_dict())
+  s = config.sampling
+  sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
+                          top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
+  spec = PredictorSpec.from_config(config.model)
+  from pipelines.predictors import PREDICTORS
+  if spec.name not in PREDICTORS:
+    raise ValueError(f"model.predictor={spec.name!r}: registered predictors are {sorted(PREDICTORS)}")
+  return EvalPlan(task=build_task(config), policy=policy, sampling=sampling, predictor=spec,
+                  model_fp=model_fingerprint(spec), output_dir=output_dir,
+                  batch_size=int(config.runner.batch_size), share_model=bool(config.runner.share_model))
+
+
+def _canonical(obj) -> bytes:
+  return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=list).encode()
+
+
+def prompt_sha256(prompt) -> str:
+  return hashlib.sha256(_canonical(prompt)).hexdigest()
+
+
+def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[WorkItem]:
+  """The work of one example: one item per sample index, each keyed by content hash."""
+  prompt, stop = plan.task.prompt(example)
+  items = []
+  for i in range(plan.policy.num_samples):
+    sampling = plan.policy.sampling(plan.sampling, i)
+    scoring = dict(getattr(plan.task, "sandbox_cfg", {}) or {})
+    scoring.pop("workers", None)  # pool size does not change a verdict
+    key = hashlib.sha256(_canonical({
+        "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
+        "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
+        "scoring": scoring, "example": example.to_dict(), "sample_index": i})).hexdigest()
+    items.append(WorkItem(key=key, example=example.to_dict(), example_index=example_index,
+                          sample_index=i, prompt=prompt, stop=tuple(stop), sampling=sampling,
+                          request_id=request_id_for(example.id, i)))
+  return items
+
+
+def plan_items(plan: EvalPlan) -> tuple[list[WorkItem], list[DeadLetter]]:
+  """All work items and input dead letters, computed in this process (progress bar, tests)."""
+  items, dead, index = [], [], 0
+  for rec in plan.task.load():
+    if isinstance(rec, DeadLetter):
+      dead.append(rec)
+      continue
+    items.extend(work_items(plan, rec, index))
+    index += 1
+  return items, dead
+
+
+def dead_letter(stage: str, reason: str, **fields) -> dict:
+  return {"stage": stage, "reason": reason, **fields}
+
+
+class ReadDataset(beam.DoFn):
+  """Loader → (example index, Example) on the main output, dead letters tagged 'dead'."""
+
+  def __init__(self, task):
+    self.task = task
+
+  def process(self, _unused) -> Iterator:
+    index = 0
+    for rec in self.task.load():
+      if isinstance(rec, DeadLetter):
+        Metrics.counter(NAMESPACE, "input_dead_letters").inc()
+        yield beam.pvalue.TaggedOutput("dead", dead_letter(
+            "input", rec.reason, source=rec.source, line_number=rec.line_number, raw=rec.raw))
+        continue
+      yield index, rec
+      index += 1
+
+
+class SkipFinished(beam.DoFn):
+  """Items with a stored record emit that record (tag 'finished'); the rest go on."""
+
+  def __init__(self, store_dir: str):
+    self.store_dir = store_dir
+
+  def setup(self):
+    self.store = ResultStore(self.store_dir)
+
+  def process(self, item: WorkItem) -> Iterator:
+    record = self.store.get(item.key)
+    if record is not None:
+      Metrics.counter(NAMESPACE, "samples_resumed").inc()
+      yield beam.pvalue.TaggedOutput("finished", record)
+    else:
+      yield item
+
+
+def make_record(plan: EvalPlan, item: WorkItem, prediction: dict, score: dict) -> dict:
+  """One results.jsonl line (key order fixed; everything but `timing` is deterministic)."""
+  ex = item.example
+  extras = {k: v for k, v in score.items() if k not in ("answer", "correct")}
+  return {
+      "key": item.key, "example_id": ex["id"], "example_index": item.example_index,
+      "sample_index": item.sample_index, "dataset": ex["dataset"], "task": plan.task.name,
+      "policy": plan.policy.name, "level": ex["metadata"].get("level"),
+      "prompt_sha256": prompt_sha256(item.prompt),
+      "reference": None if plan.task.name == "humaneval" else ex["reference"],
+      "output": prediction["text"], "answer": score.get("answer"), "correct": bool(score.get("correct")),
+      "score": extras, "tokens": dict(prediction.get("tokens", {})),
+      "finish_reason": prediction.get("finish_reason"),
+      "trace": {"policy": plan.policy.to_dict(), "sampling": item.sampling.to_dict(),
+                "request_id": item.request_id, **(prediction.get("trace") or {})},
+      "timing": prediction.get("timing", {}),
+  }
+
+
+class ScoreAndStore(beam.DoFn):
+  """Batches of PredictionResults → scored records, each stored as soon as it exists."""
+
+  def __init__(self, plan: EvalPlan):
+    self.plan = plan
+
+  def setup(self):
+    self.store = ResultStore(self.plan.store_dir)
+    self.sandbox = self.plan.task.sandbox() if hasattr(self.plan.task, "sandbox") else None
+
+  def process(self, batch) -> Iterator[dict]:
+    items = [(Example.from_dict(r.example.example), r.inference["text"], r.example.stop) for r in batch]
+    if self.sandbox is not None:
+      scores = self.plan.task.score_batch(items, sandbox=self.sandbox)
+    else:
+      scores = self.plan.task.score_batch(items)
+    for result, score in zip(batch, scores):
+      record = make_record(self.plan, result.example, result.inference, score)
+      self.store.put(result.example.key, record)
+      Metrics.counter(NAMESPACE, "samples_computed").inc()
+      yield record
+
+
+def _failed_items(element) -> Iterable:
+  """A failed element (batch, or single item/result) → its work items."""
+  if isinstance(element, (list, tuple)) and element and not isinstance(element, WorkItem):
+    for e in element:
+      yield from _failed_items(e)
+  elif isinstance(element, WorkItem):
+    yield element
+  elif hasattr(element, "example") and isinstance(element.example, WorkItem):
+    yield element.example
+
+
+def failure_dead_letters(stage: str):
+  def convert(bad) -> Iterator[dict]:
+    element, error = bad
+    reason = error[1] if isinstance(error, tuple) and len(error) > 1 else repr(error)
+    if isinstance(error, BaseException):
+      reason = "".join(traceback.format_exception_only(type(error), error)).strip()
+    items = list(_failed_items(element))
+    Metrics.counter(NAMESPACE, f"{stage}_dead_letters").inc(max(1, len(items)))
+    if not items:
+      yield dead_letter(stage, str(reason))
+    for item in items:
+      yield dead_letter(stage, str(reason), key=item.key, example_id=item.example["id"],
+                        sample_index=item.sample_index)
+  return convert
+
+
+def write_text(path: str, text: str) -> None:
+  """Whole-file write; local files appear atomically (temp file + rename)."""
+  if is_local(path):
+    path = path[len("file://"):] if path.startswith("file://") else path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+    return
+  from apache_beam.io.filesystems import FileSystems
+  with FileSystems.create(path) as f:
+    f.write(text.encode("utf-8"))
+
+
+def _write_jsonl(records: list[dict], path: str, sort_key) -> int:
+  lines = [json.dumps(r, ensure_ascii=False) for r in sorted(records, key=sort_key)]
+  write_text(path, "".join(line + "\n" for line in lines))
+  return len(lines)
+
+
+def _record_order(r: dict):
+  return (r["example_index"], r["sample_index"])
+
+
+def _dead_order(d: dict):
+  return (d["stage"], str(d.get("source", "")), d.get("line_number") or 0, str(d.get("example_id", "")),
+          d.get("sample_index") or 0, d["reason"])
+
+
+def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loader=None):
+  """Adds the evaluation graph to `p`; returns (records, dead letters) PCollections.
+
+  `clock` (an object with time_ns()) and `loader` (spec → predictor) are injection
+  points for tests.
+  """
+  read = (p
+          | "Start" >> beam.Create([None])
+          | "ReadDataset" >> beam.ParDo(ReadDataset(plan.task)).with_outputs("dead", main="examples"))
+  items = (read.examples
+           | "Samples" >> beam.FlatMapTuple(lambda index, ex: work_items(plan, ex, index))
+           | "KeyByWork" >> beam.Map(lambda item: (item.key, item))
+           | "Spread" >> beam.Reshuffle()
+           | "DropKey" >> beam.Values())
+  split = items | "SkipFinished" >> beam.ParDo(SkipFinished(plan.store_dir)).with_outputs(
+      "finished", main="todo")
+  handler = PredictorModelHandler(plan.predictor, plan.batch_size, share_model=plan.share_model,
+                                  clock=clock, loader=loader)
+  predictions, dlq = (split.todo
+                      | "RunInference" >> RunInference(handler, clock=clock).with_exception_handling())
+  scored, score_failures = (predictions
+                            | "ScoreBatches" >> beam.BatchElements(min_batch_size=1,
+                                                                   max_batch_size=max(plan.batch_size, 8))
+                            | "Score" >> beam.ParDo(ScoreAndStore(plan)).with_exception_handling())
+  records = (split.finished, scored) | "AllRecords" >> beam.Flatten()
+  dead = ((read.dead,
+           dlq.failed_inferences | "InferenceFailures" >> beam.FlatMap(failure_dead_letters("inference")),
+           score_failures | "ScoreFailures" >> beam.FlatMap(failure_dead_letters("scoring")))
+          | "AllDeadLetters" >> beam.Flatten())
+  out = plan.output_dir.rstrip("/")
+  _ = (records
+       | "CollectRecords" >> beam.combiners.ToList()
+       | "WriteResults" >> beam.Map(_write_jsonl, f"{out}/results.jsonl", _record_order))
+  _ = (dead
+       | "CollectDeadLetters" >> beam.combiners.ToList()
+       | "WriteDeadLetters" >> beam.Map(_write_jsonl, f"{out}/dead_letters.jsonl", _dead_order))
+  return records, dead

@@ -1,0 +1,251 @@
+"""Markdown report and plots for one run, or a comparison of several: `python -m pipelines.report`.
+
+  python -m pipelines.report runs/default             # (re)writes runs/default/report.md + PNGs
+  python -m pipelines.report runs/*                   # each run's report + runs/comparison.md
+
+Data flow: 1. read each run's summary.json and results.jsonl; 2. plot with matplotlib's
+Agg backend (no display): latency histogram over the fixed buckets 0/10/50/100/200/500/1000
+ms (request latency and latency per generated token), a heatmap of per-token latency
+buckets over time since the run started, and reasoning-path statistics when the
+traces carry them; 3. write report.md with the tables and the plots; 4. with several
+runs, plot accuracy against completion tokens per example, one point per run
+labelled by policy, and write comparison.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from typing import Optional, Sequence
+
+from pipelines.summary import LATENCY_BUCKETS_MS, bucket_index, bucket_label
+
+HEATMAP_TIME_BINS = 20
+
+
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg")  # files only; never needs a display
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+  run_dir = pathlib.Path(run_dir)
+  summary = json.loads((run_dir / "summary.json").read_text())
+  records = []
+  path = run_dir / "results.jsonl"
+  if path.exists():
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  return summary, records
+
+
+def _per_token_ms(r: dict) -> float:
+  return r["timing"]["latency_ms"] / max(int(r.get("tokens", {}).get("completion", 0)), 1)
+
+
+def plot_latency(records: Sequence[dict], path: pathlib.Path) -> None:
+  plt = _plt()
+  labels = [bucket_label(i) for i in range(len(LATENCY_BUCKETS_MS))]
+  timed = [r for r in records if r.get("timing")]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  for ax, values, title in ((axes[0], [r["timing"]["latency_ms"] for r in timed], "request latency"),
+                            (axes[1], [_per_token_ms(r) for r in timed], "latency per generated token")):
+    counts = [0] * len(labels)
+    for v in values:
+      counts[bucket_index(v)] += 1
+    ax.bar(range(len(labels)), counts, color="#4c72b0")
+    ax.set_xticks(range(len(labels)), labels, rotation=30)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("samples")
+    ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_heatmap(records: Sequence[dict], path: pathlib.Path) -> None:
+  """Samples per (time bin since the first batch started, per-token latency bucket)."""
+  plt = _plt()
+  import numpy as np
+  timed = [r for r in records if r.get("timing")]
+  grid = np.zeros((len(LATENCY_BUCKETS_MS), HEATMAP_TIME_BINS), int)
+  t0 = min((r["timing"]["start_ms"] for r in timed), default=0.0)
+  t1 = max((r["timing"]["end_ms"] for r in timed), default=1.0)
+  width = max(t1 - t0, 1e-3) / HEATMAP_TIME_BINS
+  for r in timed:
+    col = min(int((r["timing"]["end_ms"] - t0) / width), HEATMAP_TIME_BINS - 1)
+    grid[bucket_index(_per_token_ms(r)), col] += 1
+  fig, ax = plt.subplots(figsize=(8, 3.6))
+  im = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis",
+                 extent=(0, (t1 - t0) / 1e3, -0.5, len(LATENCY_BUCKETS_MS) - 0.5))
+  ax.set_yticks(range(len(LATENCY_BUCKETS_MS)), [bucket_label(i) for i in range(len(LATENCY_BUCKETS_MS))])
+  ax.set_xlabel("seconds since the first batch started (by finish time)")
+  ax.set_ylabel("ms per token")
+  fig.colorbar(im, ax=ax, label="samples")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_reasoning(records: Sequence[dict], path: pathlib.Path) -> bool:
+  """Histograms of steps / backtracks per sample and early-exit share; False when no traces."""
+  traced = [r["trace"] for r in records if any(k in (r.get("trace") or {}) for k in ("steps", "backtracks"))]
+  if not traced:
+    return False
+  plt = _plt()
+  fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
+  for ax, key in zip(axes[:2], ("steps", "backtracks")):
+    ax.hist([float(t.get(key, 0) or 0) for t in traced], bins=20, color="#55a868")
+    ax.set_title(key)
+  exits = sum(bool(t.get("early_exit")) for t in traced)
+  axes[2].bar(["early exit", "full"], [exits, len(traced) - exits], color="#c44e52")
+  axes[2].set_title("early exits")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def accuracy_value(summary: dict) -> Optional[float]:
+  """Headline accuracy: pass@1 for HumanEval, else flexible (then strict / exact)."""
+  acc = summary.get("accuracy") or {}
+  for k in ("pass@1", "flexible", "strict", "exact"):
+    if acc.get(k) is not None:
+      return acc[k]
+  return None
+
+
+def plot_accuracy_vs_tokens(runs: Sequence[tuple[str, dict]], path: pathlib.Path) -> None:
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, s in runs:
+    x, y = s["tokens"].get("completion_per_example", 0), accuracy_value(s)
+    if y is None:
+      continue
+    ax.scatter([x], [y], s=40)
+    ax.annotate(f"{s.get('policy')} ({name})", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+  ax.set_xlabel("completion tokens per example")
+  ax.set_ylabel("accuracy")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _table(rows: Sequence[Sequence], header: Sequence[str]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def _fmt(x, nd=1):
+  return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
+  """report.md + latency_histogram.png + latency_heatmap.png (+ reasoning.png) in `run_dir`."""
+  run_dir = pathlib.Path(run_dir)
+  summary, records = load_run(run_dir)
+  plot_latency(records, run_dir / "latency_histogram.png")
+  plot_heatmap(records, run_dir / "latency_heatmap.png")
+  has_reasoning = plot_reasoning(records, run_dir / "reasoning.png")
+  cfg = summary.get("config") or {}
+  model = summary.get("model") or {}
+  out = [f"# Evaluation report: {summary['task']} / {summary.get('policy')}", ""]
+  out.append(f"Model `{model.get('source', '?')}` ({model.get('predictor', '?')}), dataset "
+             f"`{(cfg.get('dataset') or {}).get('name', '?')}`: {summary['examples']} examples, "
+             f"{summary['samples']} samples ({_fmt(summary['samples_per_example'], 2)} per example).")
+  out += ["", "## Accuracy", ""]
+  out.append(_table([[k, _fmt(v, 4)] for k, v in (summary.get("accuracy") or {}).items()]
+                    + [["per-sample (mean)", _fmt(summary.get("sample_accuracy"), 4)]], ["metric", "value"]))
+  if summary.get("pass_at_k"):
+    out += ["", "### pass@k", "", _table([[f"pass@{k}", _fmt(v, 4)] for k, v in summary["pass_at_k"].items()],
+                                         ["k", "value"])]
+  if summary.get("sample_accuracy_by_level"):
+    out += ["", "Per-sample accuracy by level: " + ", ".join(
+        f"level {k}: {_fmt(v, 3)}" for k, v in summary["sample_accuracy_by_level"].items())]
+  tok = summary["tokens"]
+  out += ["", "## Tokens", "", _table([[k, v] for k, v in tok.items()], ["kind", "value"])]
+  lat, ptl, thr = summary["latency_ms"], summary["latency_ms_per_token"], summary["throughput"]
+  out += ["", "## Latency and throughput", "",
+          _table([[name, *(_fmt(d.get(f"p{p}")) for p in (50, 90, 95, 99)), _fmt(d.get("mean")), _fmt(d.get("max"))]
+                  for name, d in (("request (ms)", lat), ("per token (ms)", ptl))],
+                 ["", "P50", "P90", "P95", "P99", "mean", "max"]), "",
+          f"Computed this run: {thr['samples_computed']} samples in {_fmt(thr['span_s'])} s "
+          f"({_fmt(thr['samples_per_s'], 3)} samples/s, {_fmt(thr['completion_tokens_per_s'])} completion tok/s); "
+          f"resumed from the store: {_fmt((summary.get('run') or {}).get('resumed'))}; "
+          f"wall time {_fmt((summary.get('run') or {}).get('wall_s'))} s.", "",
+          "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]
+  out += ["", "## Reasoning paths", ""]
+  if has_reasoning:
+    r = summary.get("reasoning") or {}
+    out += [_table([[k, _fmt(v.get("total")), _fmt(v.get("mean"), 2)] for k, v in r.items() if isinstance(v, dict)],
+                   ["", "total", "mean per sample"]), "", "![reasoning](reasoning.png)"]
+  else:
+    out.append("No step/backtrack/early-exit traces: plain sampling policies do not produce them "
+               "(the reasoning controller will).")
+  dead = summary["dead_letters"]
+  out += ["", "## Dead letters", "", f"{dead['total']} total; by stage: {dead['by_stage'] or 'none'}."]
+  dl_path = run_dir / "dead_letters.jsonl"
+  if dead["total"] and dl_path.exists():
+    for line in dl_path.read_text().splitlines()[:10]:
+      d = json.loads(line)
+      where = f"{d.get('source')}:{d.get('line_number')}" if d.get("source") else f"{d.get('example_id')}#{d.get('sample_index')}"
+      out.append(f"- `{where}` ({d['stage']}): {d['reason'][:160]}")
+  out += ["", "## Sample outputs", ""]
+  for r in records[:3]:
+    text = r["output"].strip().replace("\n", " ")[:300]
+    out.append(f"- `{r['example_id']}` #{r['sample_index']}: answer `{r['answer']}` "
+               f"({'correct' if r['correct'] else 'wrong'}; reference `{r.get('reference')}`): {text}")
+  out += ["", "## Config", "", "```json", json.dumps(cfg, indent=2, default=list), "```", ""]
+  path = run_dir / "report.md"
+  path.write_text("\n".join(out))
+  return path
+
+
+def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os.PathLike) -> pathlib.Path:
+  """comparison.md + accuracy_vs_tokens.png over several runs."""
+  output_dir = pathlib.Path(output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  runs = [(pathlib.Path(d).name, load_run(d)[0]) for d in run_dirs]
+  plot_accuracy_vs_tokens(runs, output_dir / "accuracy_vs_tokens.png")
+  rows = [[name, s["task"], s.get("policy"), s["examples"], s["samples"], _fmt(accuracy_value(s), 4),
+           _fmt(s["tokens"].get("completion_per_example")), _fmt(s["latency_ms"].get("p50")),
+           _fmt(s["throughput"].get("completion_tokens_per_s"))] for name, s in runs]
+  text = "\n".join(["# Run comparison", "",
+                    _table(rows, ["run", "task", "policy", "examples", "samples", "accuracy",
+                                  "tokens/example", "P50 ms", "tok/s"]), "",
+                    "![accuracy vs tokens](accuracy_vs_tokens.png)", ""])
+  path = output_dir / "comparison.md"
+  path.write_text(text)
+  return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("runs", nargs="+", help="run directories (each with summary.json)")
+  parser.add_argument("--output_dir", default=None,
+                      help="where comparison.md goes with several runs (default: the runs' common parent)")
+  args = parser.parse_args(argv)
+  runs = [d for d in args.runs if (pathlib.Path(d) / "summary.json").exists()]
+  skipped = sorted(set(args.runs) - set(runs))
+  if skipped:
+    print(f"skipping (no summary.json): {skipped}", file=sys.stderr)
+  if not runs:
+    print("error: no run directory with a summary.json", file=sys.stderr)
+    return 2
+  for d in runs:
+    print(write_run_report(d))
+  if len(runs) > 1:
+    out = args.output_dir or os.path.commonpath([os.path.abspath(d) for d in runs])
+    print(write_comparison(runs, out))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,179 @@
+"""Metrics of one run from its per-sample records: accuracy, pass@k, tokens, latency, throughput.
+
+  summary = summarize(records, dead_letters, task="gsm8k", vote=True)
+
+Data flow: 1. group records by example (in dataset order); 2. score each example —
+GSM-style: majority vote over the samples' extracted answers when the policy votes
+(strict and flexible separately), else the mean over samples; HumanEval: pass@k
+for every k <= n; 3. sum tokens by kind; 4. latency percentiles (P50/P90/P95/P99)
+and fixed-bucket histograms over request latency and per-token latency; 5.
+throughput over the samples computed in this run; 6. dead letters by stage;
+7. reasoning-path statistics when traces carry them (absent until the controller).
+Pure Python: the report and tests use it directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+from pipelines.datasets.records import normalize_answer
+from pipelines.tasks import mean_pass_at_k
+
+LATENCY_BUCKETS_MS = (0, 10, 50, 100, 200, 500, 1000)  # lower edges; the last is open-ended
+PERCENTILES = (50, 90, 95, 99)
+REASONING_KEYS = ("steps", "backtracks", "early_exit")
+
+
+def percentile(values: Sequence[float], p: float) -> Optional[float]:
+  """Linear-interpolated percentile (numpy's default), None for no values."""
+  if not values:
+    return None
+  xs = sorted(values)
+  rank = (len(xs) - 1) * p / 100.0
+  lo, hi = math.floor(rank), math.ceil(rank)
+  return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+def bucket_label(i: int) -> str:
+  lo = LATENCY_BUCKETS_MS[i]
+  return f"{lo}-{LATENCY_BUCKETS_MS[i + 1]}" if i + 1 < len(LATENCY_BUCKETS_MS) else f"{lo}+"
+
+
+def bucket_index(ms: float) -> int:
+  i = 0
+  while i + 1 < len(LATENCY_BUCKETS_MS) and ms >= LATENCY_BUCKETS_MS[i + 1]:
+    i += 1
+  return i
+
+
+def histogram(values_ms: Iterable[float]) -> dict[str, int]:
+  counts = [0] * len(LATENCY_BUCKETS_MS)
+  for v in values_ms:
+    counts[bucket_index(v)] += 1
+  return {bucket_label(i): c for i, c in enumerate(counts)}
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+  out = {f"p{p}": _round(percentile(values, p)) for p in PERCENTILES}
+  out["mean"] = _round(sum(values) / len(values)) if values else None
+  out["max"] = _round(max(values)) if values else None
+  return out
+
+
+def _round(x, nd=3):
+  return None if x is None else round(float(x), nd)
+
+
+def majority(answers: Sequence[Optional[str]]) -> Optional[str]:
+  """Most common normalized answer; ties go to the one seen first (sample order)."""
+  normed = [normalize_answer(a) for a in answers if a is not None and normalize_answer(a)]
+  if not normed:
+    return None
+  counts = collections.Counter(normed)
+  best = max(counts.values())
+  return next(a for a in normed if counts[a] == best)
+
+
+def group_by_example(records: Iterable[dict]) -> list[list[dict]]:
+  groups: dict[str, list[dict]] = {}
+  for r in sorted(records, key=lambda r: (r["example_index"], r["sample_index"])):
+    groups.setdefault(r["example_id"], []).append(r)
+  return list(groups.values())
+
+
+def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]:
+  n_ex = max(len(groups), 1)
+  samples = [r for g in groups for r in g]
+  out: dict[str, Any] = {"sample_accuracy": _round(sum(r["correct"] for r in samples) / max(len(samples), 1), 4)}
+  if task == "humaneval":
+    counts = [(len(g), sum(r["correct"] for r in g)) for g in groups]
+    pass_k = mean_pass_at_k(counts) if counts else {}
+    out["pass_at_k"] = {str(k): _round(v, 4) for k, v in pass_k.items()}
+    out["accuracy"] = {"pass@1": out["pass_at_k"].get("1")}
+    out["sandbox_errors"] = sum(bool(r["score"].get("sandbox_error")) for r in samples)
+    return out
+  if task == "gsm8k" or any("strict_answer" in r["score"] for r in samples):
+    kinds = (("strict", "strict_answer", "strict_correct"), ("flexible", "flexible_answer", "flexible_correct"))
+  else:
+    kinds = (("exact", None, "correct"),)
+  acc = {}
+  for kind, answer_field, correct_field in kinds:
+    if vote and answer_field:
+      right = 0
+      for g in groups:
+        voted = majority([r["score"].get(answer_field) for r in g])
+        right += voted is not None and voted == normalize_answer(g[0]["reference"] or "")
+      acc[kind] = _round(right / n_ex, 4)
+    elif vote:
+      right = sum(majority([r["answer"] for r in g]) == normalize_answer(g[0]["reference"] or "") for g in groups)
+      acc[kind] = _round(right / n_ex, 4)
+    else:
+      vals = [(r["score"].get(correct_field) if correct_field in r["score"] else r["correct"]) for r in samples]
+      acc[kind] = _round(sum(bool(v) for v in vals) / max(len(vals), 1), 4)
+  out["accuracy"] = acc
+  levels = collections.defaultdict(list)
+  for r in samples:
+    if r.get("level") is not None:
+      levels[str(r["level"])].append(bool(r["correct"]))
+  if levels:
+    out["sample_accuracy_by_level"] = {k: _round(sum(v) / len(v), 4) for k, v in sorted(levels.items())}
+  return out
+
+
+def _reasoning(records: Sequence[dict]) -> Optional[dict[str, Any]]:
+  traced = [r for r in records if any(k in (r.get("trace") or {}) for k in REASONING_KEYS)]
+  if not traced:
+    return None
+  out = {"samples_with_traces": len(traced)}
+  for k in REASONING_KEYS:
+    vals = [float(r["trace"].get(k, 0) or 0) for r in traced]
+    out[k] = {"total": _round(sum(vals)), "mean": _round(sum(vals) / len(vals))}
+  return out
+
+
+def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, task: str,
+              vote: bool = False, run: Optional[dict] = None, config: Optional[dict] = None) -> dict:
+  """summary.json's content (see the module docstring for what each part means)."""
+  records = list(records)
+  groups = group_by_example(records)
+  tokens: dict[str, int] = collections.Counter()
+  for r in records:
+    tokens.update({k: int(v) for k, v in (r.get("tokens") or {}).items()})
+  completion = [int((r.get("tokens") or {}).get("completion", 0)) for r in records]
+  latency = [float(r["timing"]["latency_ms"]) for r in records if r.get("timing")]
+  per_token = [float(r["timing"]["latency_ms"]) / max(c, 1) for r, c in zip(records, completion) if r.get("timing")]
+  run = dict(run or {})
+  since = run.get("started_ms")
+  fresh = [r for r in records if r.get("timing") and (since is None or r["timing"]["start_ms"] >= since)]
+  span_s = ((max(r["timing"]["end_ms"] for r in fresh) - min(r["timing"]["start_ms"] for r in fresh)) / 1e3
+            if fresh else 0.0)
+  fresh_tokens = sum(int((r.get("tokens") or {}).get("completion", 0)) for r in fresh)
+  stages = collections.Counter(d.get("stage", "unknown") for d in dead_letters)
+  summary = {
+      "task": task,
+      "policy": records[0]["policy"] if records else None,
+      "examples": len(groups),
+      "samples": len(records),
+      "samples_per_example": (len(records) / len(groups)) if groups else 0,
+      **_accuracy(groups, task, vote),
+      "tokens": {**dict(sorted(tokens.items())),
+                 "completion_per_sample": _round(sum(completion) / max(len(records), 1), 2),
+                 "completion_per_example": _round(sum(completion) / max(len(groups), 1), 2)},
+      "latency_ms": {**_stats(latency), "histogram": histogram(latency)},
+      "latency_ms_per_token": {**_stats(per_token), "histogram": histogram(per_token)},
+      "throughput": {"samples_computed": len(fresh), "span_s": _round(span_s, 2),
+                     "samples_per_s": _round(len(fresh) / span_s, 3) if span_s > 0 else None,
+                     "completion_tokens_per_s": _round(fresh_tokens / span_s, 2) if span_s > 0 else None},
+      "finish_reasons": dict(sorted(collections.Counter(r.get("finish_reason") for r in records).items(),
+                                    key=lambda kv: str(kv[0]))),
+      "dead_letters": {"total": len(dead_letters), "by_stage": dict(sorted(stages.items()))},
+      "run": run,
+  }
+  reasoning = _reasoning(records)
+  if reasoning is not None:
+    summary["reasoning"] = reasoning
+  if config is not None:
+    summary["config"] = config
+  return summary

@@ -1,0 +1,210 @@
+"""Evaluation tasks by name: where examples come from, how they are prompted and scored.
+
+  task = build_task(config)           # "gsm8k" | "humaneval" | "custom"
+  for rec in task.load(): ...         # Example | DeadLetter, in file order
+  prompt, stop = task.prompt(example)
+  scores = task.score_batch([(example, text), ...])   # one dict per sample
+
+Data flow: 1. `load` reads the dataset through `pipelines.datasets` (bad lines
+come back as `DeadLetter`s with file and line); 2. `prompt` renders the chat
+messages or completion text plus stop sequences; 3. `score_batch` turns
+completions into per-sample scores (HumanEval programs run in the sandbox, a
+pool per batch); every score dict has `answer` and `correct`, plus task extras.
+Beam-free, so tests and tools can use it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm8k_jsonl,
+                                synthetic_examples)
+from pipelines.datasets.humaneval import load_humaneval
+from pipelines.datasets.records import normalize_answer
+from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
+                             fewshot_prompt, score_gsm8k, truncate_completion, zero_shot_messages)
+
+Prompt = Union[str, list]  # completion text, or chat messages [{"role", "content"}]
+
+# One short sentence keeps the 135M embedded model from rambling past its budget.
+SHORT_ANSWER_SYSTEM = (
+    "Solve the math problem. Answer in one short sentence that ends with "
+    "\"The answer is N.\" where N is a number.")
+SYSTEM_PROMPTS = {"short_answer": SHORT_ANSWER_SYSTEM, "tutor": None, "none": ""}
+
+# "shortshot": four one-line worked examples (one per operation) as prior chat turns.
+# Written for this project; they show the model the length and the final sentence.
+SHORT_SHOTS: tuple[tuple[str, str], ...] = (
+    ("A farmer has 23 cows and buys 9 more cows. How many cows does the farmer have now?",
+     "The farmer has 23 + 9 = 32 cows. The answer is 32."),
+    ("A jar holds 40 marbles. Ben takes out 15 marbles. How many marbles are in the jar?",
+     "The jar has 40 - 15 = 25 marbles. The answer is 25."),
+    ("There are 6 boxes with 4 pencils in each box. How many pencils are there?",
+     "There are 6 * 4 = 24 pencils. The answer is 24."),
+    ("Ana shares 18 stickers equally among 3 friends. How many stickers does each friend get?",
+     "Each friend gets 18 / 3 = 6 stickers. The answer is 6."),
+)
+
+
+def shortshot_messages(question: str, system: Optional[str]) -> list:
+  msgs = [{"role": "system", "content": system}] if system else []
+  for q, a in SHORT_SHOTS:
+    msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+  return msgs + [{"role": "user", "content": question.strip()}]
+
+
+def _plain(cfg_section) -> dict[str, Any]:
+  return cfg_section.to_dict() if hasattr(cfg_section, "to_dict") else dict(cfg_section)
+
+
+def _system(name: str) -> Optional[str]:
+  """Named system prompt; 'tutor' is the task module's default, other text is used as is."""
+  if name == "tutor":
+    from pipelines.tasks.gsm8k import ZERO_SHOT_SYSTEM
+    return ZERO_SHOT_SYSTEM
+  return SYSTEM_PROMPTS.get(name, name) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class GSMTask:
+  """GSM8K-style math: synthetic or GSM8K JSONL; strict + flexible exact match."""
+  dataset: Mapping[str, Any]
+  prompt_cfg: Mapping[str, Any]
+  name: str = "gsm8k"
+  vote_field: str = "flexible_answer"
+
+  def load(self) -> Iterator[Union[Example, DeadLetter]]:
+    ds = self.dataset
+    if ds["name"] == "gsm_synthetic":
+      yield from synthetic_examples(ds["n"], seed=ds["seed"], levels=tuple(ds["levels"]))
+      return
+    if ds["name"] == "gsm8k_jsonl":
+      if not ds["path"]:
+        raise ValueError("dataset.name=gsm8k_jsonl needs --config.dataset.path=FILE.jsonl")
+      yield from _first_n(read_gsm8k_jsonl(ds["path"]), ds["n"])
+      return
+    raise ValueError(f"dataset.name={ds['name']!r}: expected gsm_synthetic or gsm8k_jsonl")
+
+  def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
+    style = self.prompt_cfg["style"]
+    if style == "shortshot":
+      return shortshot_messages(example.question, _system(self.prompt_cfg["system"])), ()
+    if style == "zero_shot":
+      return zero_shot_messages(example.question, system=_system(self.prompt_cfg["system"])), ()
+    if style == "fewshot_chat":
+      return fewshot_messages(example.question), ()
+    if style == "fewshot":
+      return fewshot_prompt(example.question), COMPLETION_STOP_SEQUENCES
+    raise ValueError(f"prompt.style={style!r}: expected shortshot, zero_shot, fewshot or fewshot_chat")
+
+  def score_batch(self, items: Sequence[tuple[Example, str, tuple[str, ...]]]) -> list[dict]:
+    out = []
+    for example, text, stop in items:
+      s = score_gsm8k(text, example.reference, stop_sequences=tuple(stop))
+      out.append({"answer": s.strict_answer if s.strict_answer is not None else s.flexible_answer,
+                  "correct": s.strict_correct, **s.to_dict()})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HumanEvalTask:
+  """HumanEval: the problem's code as a completion prompt; completions run in the sandbox."""
+  dataset: Mapping[str, Any]
+  prompt_cfg: Mapping[str, Any]
+  sandbox_cfg: Mapping[str, Any]
+  name: str = "humaneval"
+  vote_field: str = ""
+
+  def load(self) -> Iterator[Union[Example, DeadLetter]]:
+    path = self.dataset["path"] or None
+    yield from _first_n(load_humaneval(path), self.dataset["n"])
+
+  def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
+    return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
+
+  def sandbox(self):
+    from pipelines.sandbox import Sandbox, SandboxConfig
+    c = self.sandbox_cfg
+    return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
+                                 workers=int(c["workers"])))
+
+  def score_batch(self, items, sandbox=None) -> list[dict]:
+    """Runs every completion (truncated at the stop sequences) in the sandbox, as a pool."""
+    from pipelines.sandbox import HumanEvalProgram
+    sandbox = sandbox or self.sandbox()
+    programs, completions = [], []
+    for example, text, stop in items:
+      completion = truncate_completion(text, tuple(stop) or HUMANEVAL_STOP_SEQUENCES)
+      completions.append(completion)
+      programs.append(HumanEvalProgram(prompt=example.question, completion=completion,
+                                       test=example.metadata["test"],
+                                       entry_point=example.metadata["entry_point"]))
+    results = sandbox.run_many(programs)
+    return [{"answer": c, "correct": r.passed, "status": r.status.value, "detail": r.detail,
+             "sandbox_error": r.status.value == "sandbox_error"}
+            for c, r in zip(completions, results)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomTask:
+  """Any JSONL mapped by field names; numbers score like GSM8K, text by exact match."""
+  dataset: Mapping[str, Any]
+  prompt_cfg: Mapping[str, Any]
+  name: str = "custom"
+  vote_field: str = "answer"
+
+  def load(self) -> Iterator[Union[Example, DeadLetter]]:
+    ds = self.dataset
+    if not ds["path"]:
+      raise ValueError("task custom needs --config.dataset.path=FILE.jsonl")
+    mapping = {"question": ds["question_field"], "answer": ds["answer_field"]}
+    if ds["id_field"]:
+      mapping["id"] = ds["id_field"]
+    yield from _first_n(read_custom_jsonl(ds["path"], mapping, dataset=ds["name"],
+                                          answer_format=ds["answer_format"]), ds["n"])
+
+  def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
+    template = self.prompt_cfg["template"]
+    if self.prompt_cfg["style"] == "completion":
+      return template.format(question=example.question), tuple(self.prompt_cfg["stop"])
+    user = template.format(question=example.question)
+    return zero_shot_messages(user, system=_system(self.prompt_cfg["system"])), tuple(self.prompt_cfg["stop"])
+
+  def score_batch(self, items) -> list[dict]:
+    out = []
+    for example, text, stop in items:
+      if self.dataset["answer_format"] in ("number", "gsm8k"):
+        s = score_gsm8k(text, example.reference, stop_sequences=tuple(stop))
+        answer = s.strict_answer if s.strict_answer is not None else s.flexible_answer
+        out.append({"answer": answer, "correct": s.flexible_correct, **s.to_dict()})
+      else:
+        answer = text.strip().splitlines()[-1].strip() if text.strip() else ""
+        out.append({"answer": answer,
+                    "correct": normalize_answer(answer).lower() == normalize_answer(example.reference).lower()})
+    return out
+
+
+def _first_n(records, n: int):
+  """Pass dead letters through; stop after `n` examples (0 = all)."""
+  kept = 0
+  for rec in records:
+    if isinstance(rec, Example):
+      if n and kept >= n:
+        return
+      kept += 1
+    yield rec
+
+
+TASKS = {"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask}
+
+
+def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask]:
+  """The task named by `config.task`, holding plain copies of the sections it reads."""
+  name = config.task
+  if name not in TASKS:
+    raise ValueError(f"task={name!r}: registered tasks are {sorted(TASKS)}")
+  kwargs = {"dataset": _plain(config.dataset), "prompt_cfg": _plain(config.prompt)}
+  if name == "humaneval":
+    kwargs["sandbox_cfg"] = _plain(config.sandbox)
+  return TASKS[name](**kwargs)
