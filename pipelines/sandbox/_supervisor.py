@@ -226,6 +226,10 @@ def main():
   say = lambda text: os.write(status_fd, text.encode() + b'\n')
   try:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # kill(0, ...) from the program must not reach the host-side unshare process; the
+    # host still kills PID 1 by pid, and --kill-child takes it down with unshare.
+    if cfg['isolate']:
+      os.setsid()
     if cfg['isolate']:
       build_root(cfg)
       drop_privileges(cfg)

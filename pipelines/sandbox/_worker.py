@@ -25,6 +25,7 @@ _str = str
 _len = len
 _PLAIN_SCALARS = (_type(None), bool, int, float, complex, str, bytes)
 _PLAIN_CONTAINERS = (list, tuple, set, frozenset)
+_MEMORY_ERROR_LINE = b'error MemoryError: memory limit reached\n'
 _FRAME_ATTRIBUTES = frozenset({'tb_frame', 'gi_frame', 'cr_frame', 'ag_frame'})
 _BLOCKED_EVENTS = frozenset({
   'sys._current_frames', 'sys._current_exceptions', 'sys.settrace', 'sys.setprofile',
@@ -232,9 +233,14 @@ def main():
     else:
       exec(compile(completion, '<program>', 'exec', dont_inherit=True, optimize=0),
            {'__name__': '__main__', '__builtins__': builtins})
+  except MemoryError:  # report without allocating: the program may still hold the memory
+    _write(result_fd, _MEMORY_ERROR_LINE)
+    _exit(1)
   except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures too
     try:
       _write(result_fd, b'error ' + _describe(exc).encode('utf-8', 'replace') + b'\n')
+    except MemoryError:
+      _write(result_fd, _MEMORY_ERROR_LINE)
     except BaseException:
       pass
     _flush(real_streams)

@@ -223,6 +223,10 @@ def _cases(host):
       import os
       os.kill(-1, 9)
       '''), fail),
+    'kill_process_group': ('guarded', program(WRONG, '''
+      import os
+      os.kill(0, 9)
+      '''), {Status.FAILED, Status.CRASHED}),
     'ctypes_call': ('guarded', program(RIGHT, '''
       import ctypes
       ctypes.CDLL(None).system(b'true')
