@@ -37,6 +37,12 @@ class GenerationOutput:
   seconds: float
 
 
+def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
+  """Text up to (not including) the earliest stop string."""
+  cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=len(text))
+  return text[:cut]
+
+
 class Generator:
   """Greedy / sampled generation for a batch of prompts with one model."""
 
@@ -118,7 +124,7 @@ class Generator:
     request_ids = list(range(len(ids))) if request_ids is None else list(request_ids)
     tokens, reasons = next(self._run(ids, max_new_tokens, params, request_ids, stop, stream=False))
     elapsed = time.perf_counter() - t0
-    return [GenerationOutput(token_ids=t, text=self.tokenizer.decode(t, skip_special=True),
+    return [GenerationOutput(token_ids=t, text=_cut_at_stop(self.tokenizer.decode(t, skip_special=True), stop),
                              finish_reason=r, prompt_tokens=len(p), seconds=elapsed)
             for t, r, p in zip(tokens, reasons, ids)]
 

@@ -1,0 +1,9 @@
+"""Serving engine: paged KV cache, continuous batching, chunked prefill, metrics."""
+
+from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
+from o1jax.engine.engine import (Engine, EngineConfig, GenerationParams, Request, RequestResult,
+                                 SampleResult, StreamEvent)
+from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks, fork_rows,
+                                   reserve_for_append, truncate_rows)
+from o1jax.engine.metrics import LatencyHistogram, MetricsCollector, RequestMetrics
+from o1jax.engine.steps import DecodeBatch, DecodeOutput, decode_step, prefill_step

@@ -1,0 +1,707 @@
+"""Continuous-batching engine over the paged KV cache.
+
+One engine iteration (`Engine.step`):
+  1. admit waiting sequences into free decode slots (policy order), reusing
+     cached prefix blocks so shared prompt text is not recomputed;
+  2. run at most one prefill call: a chunk of up to `prefill_chunk` prompt
+     tokens spread over up to `max_prefill_seqs` sequences (so a long prompt
+     never stalls decoding for more than one chunk);
+  3. prompts that finished prefilling fork into their n samples (shared blocks);
+  4. run one decode step for every decoding sequence: each writes its last
+     token's K/V and samples the next one (the first generated token too);
+  5. append tokens, check eos / stop ids / stop strings / budget, free finished
+     sequences' blocks and slots at once.
+When a sequence needs a block and none is free, the lowest-priority sequence
+(latest arrival) is preempted: its blocks are freed and it is recomputed later
+from its tokens. Prefill covers prompt[:-1]; the last prompt token is the first
+decode input, so every token, first included, is sampled by the same step.
+
+Shapes are bucketed (decode batch, block-table width, prefill batch and chunk
+length) so a long run compiles a small fixed set of programs; each trace is
+logged and counted in `Engine.trace_counts`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import time
+import zlib
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from o1jax.engine import steps
+from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
+from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
+from o1jax.engine.metrics import MetricsCollector, RequestMetrics
+from o1jax.model.sampling import sequence_key
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("fifo", "shortest_budget", "length_groups")
+
+
+def pow2_bucket(n: int, minimum: int = 1) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+# --- configuration, requests, results -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static engine settings (memory, batching, shapes, policy)."""
+
+  max_slots: int = 32  # decode slots = largest decode batch
+  block_size: int = 16
+  num_blocks: int | None = None  # KV pool size in blocks; or derive from kv_cache_bytes
+  kv_cache_bytes: int | None = None  # used when num_blocks is None (default 256 MiB)
+  kv_dtype: str = "float32"  # or "float8_e4m3fn" (per-block scales)
+  max_context: int | None = None  # default: the model's max_context
+  prefill_chunk: int = 128  # prompt tokens per prefill call (all rows together)
+  max_prefill_seqs: int = 4  # rows of a prefill call
+  min_chunk_bucket: int = 16
+  min_table_blocks: int = 8  # smallest block-table width bucket (widths are powers of two)
+  # Decode batch sizes that get a program; a batch runs in the smallest one that fits.
+  decode_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
+  policy: str = "fifo"  # "fifo" | "shortest_budget" | "length_groups"
+  prefix_caching: bool = True
+  max_top_logprobs: int = 20
+  backend: str = "auto"
+  interpret: bool = False
+
+  def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise ValueError(f"policy={self.policy!r} not in {POLICIES}")
+    if self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"kv_dtype={self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
+    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+  """Sampling and stopping for one request (all n samples)."""
+
+  temperature: float = 0.0  # 0 -> greedy
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  max_new_tokens: int = 256
+  stop: tuple[str, ...] = ()  # stop strings (not included in the text)
+  stop_token_ids: tuple[int, ...] = ()  # extra stop ids (not included)
+  ignore_eos: bool = False
+  n: int = 1  # samples of the prompt (prefilled once, blocks shared)
+  seed: int = 0
+  logprobs: bool = False  # per-token log p of the sampled tokens
+  top_logprobs: int = 0  # and this many most likely alternatives per token
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0.0 <= self.min_p < 1.0:
+      raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.n < 1:
+      raise ValueError(f"n must be >= 1, got {self.n}")
+    if self.top_logprobs < 0:
+      raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+    if any(not s for s in self.stop):
+      raise ValueError("stop strings must be non-empty")
+
+  @classmethod
+  def from_dict(cls, values: dict) -> "GenerationParams":
+    """Builds params from a dict, naming any unknown keys."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"unknown generation parameter(s) {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+
+@dataclasses.dataclass
+class Request:
+  """prompt: text, token ids, or chat messages [{"role", "content"}]."""
+
+  prompt: str | Sequence[int] | Sequence[dict]
+  params: GenerationParams | dict = dataclasses.field(default_factory=GenerationParams)
+  request_id: int | str | None = None
+
+
+@dataclasses.dataclass
+class SampleResult:
+  index: int
+  text: str
+  token_ids: list[int]
+  finish_reason: str  # "stop" (eos, stop id or stop string) or "length"
+  logprobs: list[float] | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
+  preemptions: int = 0
+
+
+@dataclasses.dataclass
+class RequestResult:
+  request_id: int | str
+  prompt_token_ids: list[int]
+  samples: list[SampleResult]
+  metrics: RequestMetrics
+
+  # Sample 0 as the result, for n == 1.
+  @property
+  def text(self) -> str:
+    return self.samples[0].text
+
+  @property
+  def token_ids(self) -> list[int]:
+    return self.samples[0].token_ids
+
+  @property
+  def finish_reason(self) -> str:
+    return self.samples[0].finish_reason
+
+  @property
+  def logprobs(self) -> list[float] | None:
+    return self.samples[0].logprobs
+
+
+@dataclasses.dataclass
+class StreamEvent:
+  sample: int
+  token_id: int | None  # None on the closing event of a sample
+  text: str  # text added by this token
+  logprob: float | None
+  finish_reason: str | None  # set on the sample's last event
+
+
+# --- host-side sequence state ---------------------------------------------------------------
+
+
+class _Group:
+  """One request: its samples, metrics and stream buffer."""
+
+  def __init__(self, index, request_id, key_id, prompt_ids, params, metrics):
+    self.index = index  # position in submission order
+    self.request_id = request_id
+    self.key_id = key_id  # int used to derive sampling keys
+    self.prompt_ids = prompt_ids
+    self.params: GenerationParams = params
+    self.metrics: RequestMetrics = metrics
+    self.samples: list[_Seq | None] = [None] * params.n
+    self.unfinished = params.n
+    self.events: collections.deque[StreamEvent] | None = None
+
+
+class _Seq:
+  """One sequence: tokens (prompt + generated), its blocks and progress."""
+
+  def __init__(self, group: _Group, sample: int, tokens: list[int], arrival: int, fork_n: int):
+    self.group = group
+    self.sample = sample
+    self.tokens = tokens
+    self.arrival = arrival  # priority: lower = older = kept under memory pressure
+    self.fork_n = fork_n  # > 1: unforked prompt of an n-sample request
+    self.blocks: list[int] = []
+    self.n_computed = 0  # tokens whose K/V are in the blocks
+    self.generated: list[int] = []
+    self.logprobs: list[float] = []
+    self.top: list[list[tuple[int, float]]] = []
+    self.finish_reason: str | None = None
+    self.preemptions = 0
+    self.text_len = 0  # characters already streamed
+    self.key = None  # np.uint32 [2]
+
+  @property
+  def n_prompt(self) -> int:
+    return len(self.group.prompt_ids)
+
+  @property
+  def prefill_target(self) -> int:
+    return len(self.tokens) - 1  # the last token is fed by the decode step
+
+  @property
+  def remaining_budget(self) -> int:
+    return self.group.params.max_new_tokens - len(self.generated)
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+
+class Engine:
+  """Offline batch generation, streaming, and the jitted pieces for the controller."""
+
+  def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *,
+               clock: Callable[[], float] = time.perf_counter):
+    self.model = model
+    self.tokenizer = tokenizer
+    self.config = config
+    self.model_config = mc = model.config
+    self.clock = clock
+    self.max_context = min(config.max_context or mc.max_context, mc.max_context)
+    self._graphdef, self._state = nnx.split(model)
+    self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(mc.eos_ids)
+    probe = PagedKVCache.create(1, 1, config.block_size, mc.n_kv_heads, mc.head_dim,
+                                config.kv_dtype)
+    per_block = probe.bytes_per_block() * mc.n_layers
+    if config.num_blocks is not None:
+      num_blocks = config.num_blocks
+    else:
+      num_blocks = max(1, (config.kv_cache_bytes or 256 << 20) // per_block)
+    self.num_blocks = int(num_blocks)
+    self.cache = PagedKVCache.create(mc.n_layers, self.num_blocks, config.block_size,
+                                     mc.n_kv_heads, mc.head_dim, config.kv_dtype)
+    self.allocator = BlockAllocator(self.num_blocks, config.block_size,
+                                    prefix_caching=config.prefix_caching)
+    self.kv_bytes = per_block * self.num_blocks
+    log.info("engine: KV pool %d blocks x %d tokens (%s) = %.1f MiB; %d decode slots",
+             self.num_blocks, config.block_size, config.kv_dtype, self.kv_bytes / 2**20,
+             config.max_slots)
+    self.trace_counts: collections.Counter[str] = collections.Counter()
+    self.metrics = MetricsCollector()
+    self.metrics.set_blocks(0, self.num_blocks)
+    self._waiting: list[_Seq] = []
+    self._prefilling: list[_Seq] = []
+    self._running: list[_Seq] = []
+    self._groups: list[_Group] = []
+    self._arrivals = 0
+    self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
+                                  config.min_table_blocks)
+    self._decode_jit = jax.jit(self._traced("decode", steps.decode_step), static_argnums=(0, 4),
+                               donate_argnums=(2,))
+    self._prefill_jit = jax.jit(self._traced("prefill", steps.prefill_step), static_argnums=(0,),
+                                donate_argnums=(2,))
+    self._copy_jit = jax.jit(self._traced("copy", copy_blocks), donate_argnums=(0,))
+
+  # -- jitted pieces ---------------------------------------------------------------
+
+  def _traced(self, name: str, fn):
+    """fn, counting and logging each trace (= each compilation of a new shape)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+      shapes = [tuple(x.shape) for x in jax.tree.leaves(args[1:]) if hasattr(x, "shape")][-12:]
+      self.trace_counts[name] += 1
+      log.info("engine: compiling %s (#%d) for shapes %s", name, self.trace_counts[name], shapes)
+      return fn(*args)
+
+    return wrapper
+
+  @property
+  def graphdef(self):
+    return self._graphdef
+
+  @property
+  def state(self):
+    return self._state
+
+  def decode(self, cache: PagedKVCache, batch: steps.DecodeBatch, top_logprobs: int = 0):
+    """The jitted decode step (cache donated). Returns (DecodeOutput, cache)."""
+    return self._decode_jit(self._graphdef, self._state, cache, batch, top_logprobs)
+
+  def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
+    """The jitted prefill step (cache donated). Returns the cache."""
+    return self._prefill_jit(self._graphdef, self._state, cache, tokens, starts, chunk_lens,
+                             block_tables)
+
+  # -- request intake ----------------------------------------------------------------
+
+  def encode_prompt(self, prompt) -> list[int]:
+    """Text, token ids, or chat messages -> token ids (chat template applied)."""
+    if isinstance(prompt, str):
+      ids = self.tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[0], dict):
+      ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+    elif isinstance(prompt, (list, tuple, np.ndarray)):
+      ids = [int(i) for i in prompt]
+    else:
+      raise ValueError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
+    if not ids:
+      raise ValueError("prompt is empty: nothing to condition generation on")
+    vocab = self.model_config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+      raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return ids
+
+  def _make_group(self, request: Request | dict | str, index: int) -> _Group:
+    if isinstance(request, str):
+      request = Request(prompt=request)
+    elif isinstance(request, dict):
+      unknown = sorted(set(request) - {"prompt", "params", "request_id"})
+      if unknown:
+        raise ValueError(f"unknown request field(s) {unknown}; known: prompt, params, request_id")
+      request = Request(**request)
+    params = request.params
+    if isinstance(params, dict):
+      params = GenerationParams.from_dict(params)
+    elif not isinstance(params, GenerationParams):
+      raise ValueError(f"params must be GenerationParams or a dict, got {type(params).__name__}")
+    ids = self.encode_prompt(request.prompt)
+    if len(ids) >= self.max_context:
+      raise ValueError(f"request {request.request_id!r}: prompt has {len(ids)} tokens but the "
+                       f"context is {self.max_context} tokens (room for >= 1 new token needed)")
+    if params.n > self.config.max_slots:
+      raise ValueError(f"n={params.n} samples exceed the engine's {self.config.max_slots} decode slots")
+    if params.top_logprobs > self.config.max_top_logprobs:
+      raise ValueError(f"top_logprobs={params.top_logprobs} > max_top_logprobs="
+                       f"{self.config.max_top_logprobs} of the engine config")
+    worst = min(len(ids) + params.max_new_tokens, self.max_context)
+    need = math.ceil(worst / self.config.block_size)
+    if need > self.num_blocks:
+      raise ValueError(f"request {request.request_id!r} may need {need} KV blocks but the pool "
+                       f"has {self.num_blocks}: raise num_blocks/kv_cache_bytes")
+    rid = index if request.request_id is None else request.request_id
+    key_id = rid if isinstance(rid, int) else zlib.crc32(str(rid).encode())
+    metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
+    return _Group(index, rid, key_id, ids, params, metrics)
+
+  def add_request(self, request: Request | dict | str, index: int | None = None) -> _Group:
+    """Validates and queues one request; returns its handle."""
+    group = self._make_group(request, len(self._groups) if index is None else index)
+    self._groups.append(group)
+    seq = _Seq(group, 0, list(group.prompt_ids), self._arrivals, group.params.n)
+    self._arrivals += 1
+    self._waiting.append(seq)
+    return group
+
+  # -- public API ------------------------------------------------------------------------
+
+  def generate(self, requests: Sequence[Request | dict | str]) -> list[RequestResult]:
+    """Runs every request to completion; results in input order.
+
+    All requests are validated before any work starts (a bad one raises
+    ValueError and nothing runs). A request without request_id uses its
+    position in `requests` as id (for its sampling keys)."""
+    groups = [self._make_group(r, i) for i, r in enumerate(requests)]
+    for g in groups:
+      self._groups.append(g)
+      self._waiting.append(_Seq(g, 0, list(g.prompt_ids), self._arrivals, g.params.n))
+      self._arrivals += 1
+    self.run_until_idle()
+    return [self._result(g) for g in groups]
+
+  def stream(self, request: Request | dict | str) -> Iterator[StreamEvent]:
+    """Yields one StreamEvent per generated token (all samples), as they come.
+
+    Other queued requests keep running in the same batches."""
+    group = self.add_request(request, index=0)
+    group.events = collections.deque()
+    while group.unfinished or group.events:
+      while group.events:
+        yield group.events.popleft()
+      if group.unfinished:
+        self.step()
+    self._groups.remove(group)
+
+  def run_until_idle(self) -> None:
+    while self._waiting or self._prefilling or self._running:
+      self.step()
+
+  def has_work(self) -> bool:
+    return bool(self._waiting or self._prefilling or self._running)
+
+  # -- one iteration -----------------------------------------------------------------------
+
+  def step(self) -> None:
+    """One scheduler iteration: admit, one prefill chunk, one decode step (see module doc)."""
+    t0 = self.clock()
+    self._admit()
+    self._prefill_once()
+    self._decode_once()
+    self.metrics.busy_seconds += self.clock() - t0
+    self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
+
+  def _slots_in_use(self) -> int:
+    return len(self._running) + sum(s.fork_n for s in self._prefilling)
+
+  def _admission_order(self) -> list[_Seq]:
+    """Preempted sequences first (they already paid), then by policy."""
+    policy = self.config.policy
+    if policy == "fifo":
+      key = lambda s: (s.preemptions == 0, s.arrival)
+    elif policy == "shortest_budget":
+      key = lambda s: (s.preemptions == 0, s.remaining_budget, s.arrival)
+    else:  # length_groups: similar prompt lengths admitted together
+      key = lambda s: (s.preemptions == 0, pow2_bucket(len(s.tokens), 16), s.arrival)
+    return sorted(self._waiting, key=key)
+
+  def _admit(self) -> None:
+    for seq in self._admission_order():
+      if self._slots_in_use() + seq.fork_n > self.config.max_slots:
+        if self.config.policy == "fifo":
+          break  # keep arrival order strict
+        continue
+      # Admit only if its uncached prompt fits now: avoids admitting into thrash.
+      target = seq.prefill_target
+      cached = self.allocator.match_prefix(seq.tokens, target)
+      need = math.ceil(target / self.config.block_size) - len(cached) + seq.fork_n
+      if need > self.allocator.num_free and (self._running or self._prefilling):
+        self.allocator.free_all(cached)
+        break
+      self._waiting.remove(seq)
+      seq.blocks = cached
+      seq.n_computed = len(cached) * self.config.block_size
+      if seq.preemptions == 0:
+        seq.group.metrics.prompt_tokens_computed += target - seq.n_computed
+      if seq.n_computed >= target:
+        self._start_decoding(seq)
+      else:
+        self._prefilling.append(seq)
+
+  def _start_decoding(self, seq: _Seq) -> None:
+    """Prompt done: fork into the request's samples (sharing every block)."""
+    group = seq.group
+    seq.key = np.asarray(sequence_key(group.params.seed, group.key_id, seq.sample), np.uint32)
+    group.samples[seq.sample] = seq
+    self._running.append(seq)
+    for j in range(1, seq.fork_n):
+      child = _Seq(group, j, list(seq.tokens), seq.arrival, 1)
+      child.blocks = list(seq.blocks)
+      for b in child.blocks:
+        self.allocator.incref(b)
+      child.n_computed = seq.n_computed
+      child.key = np.asarray(sequence_key(group.params.seed, group.key_id, j), np.uint32)
+      group.samples[j] = child
+      self._running.append(child)
+    seq.fork_n = 1
+
+  # -- memory ------------------------------------------------------------------------------
+
+  def _preempt(self, seq: _Seq) -> None:
+    """Frees a sequence's blocks and requeues it for recomputation."""
+    log.info("engine: preempting request %r sample %d (%d tokens)", seq.group.request_id,
+             seq.sample, len(seq.tokens))
+    self.allocator.free_all(seq.blocks)
+    seq.blocks, seq.n_computed = [], 0
+    seq.preemptions += 1
+    self.metrics.preemptions += 1
+    if seq in self._running:
+      self._running.remove(seq)
+    if seq in self._prefilling:
+      self._prefilling.remove(seq)
+    self._waiting.append(seq)
+
+  def _allocate_for(self, seq: _Seq) -> int | None:
+    """A block for `seq`, preempting lower-priority sequences (maybe `seq` itself)."""
+    while True:
+      try:
+        return self.allocator.allocate()
+      except OutOfBlocks:
+        victim = max(self._running + self._prefilling, key=lambda s: s.arrival)
+        self._preempt(victim)
+        if victim is seq:
+          return None
+
+  def _ensure_blocks(self, seq: _Seq, upto: int, copies: list[tuple[int, int]]) -> bool:
+    """Blocks for positions [n_computed, upto) owned by `seq` alone (copy-on-write
+    of a shared partial block). False if `seq` itself had to be preempted."""
+    bs = self.config.block_size
+    first = seq.n_computed // bs
+    if first < len(seq.blocks) and self.allocator.is_shared(seq.blocks[first]):
+      new = self._allocate_for(seq)
+      if new is None:
+        return False
+      copies.append((seq.blocks[first], new))
+      self.allocator.decref(seq.blocks[first])
+      seq.blocks[first] = new
+    while len(seq.blocks) * bs < upto:
+      new = self._allocate_for(seq)
+      if new is None:
+        return False
+      seq.blocks.append(new)
+    return True
+
+  def _run_copies(self, copies: list[tuple[int, int]]) -> None:
+    if not copies:
+      return
+    n = pow2_bucket(len(copies), 8)
+    src = np.zeros(n, np.int32)
+    dst = np.full(n, self.num_blocks, np.int32)
+    for i, (a, b) in enumerate(copies):
+      src[i], dst[i] = a, b
+    self.cache = self._copy_jit(self.cache, jnp.asarray(src), jnp.asarray(dst))
+
+  def _decode_rows(self, n: int) -> int:
+    fits = [b for b in self.config.decode_buckets if b >= n]
+    return min(fits) if fits else pow2_bucket(n)
+
+  def _table(self, seqs: Sequence[_Seq], rows: int) -> np.ndarray:
+    width = pow2_bucket(max(len(s.blocks) for s in seqs), self.config.min_table_blocks)
+    width = min(width, self._table_cap)
+    tables = np.zeros((rows, width), np.int32)
+    for i, s in enumerate(seqs):
+      tables[i, :len(s.blocks)] = s.blocks
+    return tables
+
+  # -- prefill -----------------------------------------------------------------------------
+
+  def _prefill_once(self) -> None:
+    cfg = self.config
+    budget = cfg.prefill_chunk
+    batch: list[tuple[_Seq, int]] = []
+    copies: list[tuple[int, int]] = []
+    for seq in sorted(self._prefilling, key=lambda s: s.arrival):
+      if budget <= 0 or len(batch) == cfg.max_prefill_seqs:
+        break
+      if seq not in self._prefilling:  # preempted while making room for another
+        continue
+      n = min(seq.prefill_target - seq.n_computed, budget)
+      if not self._ensure_blocks(seq, seq.n_computed + n, copies):
+        continue
+      batch.append((seq, n))
+      budget -= n
+    batch = [(s, n) for s, n in batch if s in self._prefilling]
+    if not batch:
+      return
+    self._run_copies(copies)
+    # Two row counts only: one sequence, or the full prefill batch.
+    rows = 1 if len(batch) == 1 else self.config.max_prefill_seqs
+    t = min(pow2_bucket(max(n for _, n in batch), cfg.min_chunk_bucket),
+            pow2_bucket(cfg.prefill_chunk, cfg.min_chunk_bucket))
+    tokens = np.zeros((rows, t), np.int32)
+    starts = np.zeros(rows, np.int32)
+    lens = np.zeros(rows, np.int32)
+    for i, (s, n) in enumerate(batch):
+      tokens[i, :n] = s.tokens[s.n_computed:s.n_computed + n]
+      starts[i], lens[i] = s.n_computed, n
+    tables = self._table([s for s, _ in batch], rows)
+    self.cache = self.prefill(self.cache, jnp.asarray(tokens), jnp.asarray(starts),
+                              jnp.asarray(lens), jnp.asarray(tables))
+    for s, n in batch:
+      s.n_computed += n
+      self.allocator.register_prefix(s.tokens, s.blocks, s.n_computed)
+      if s.n_computed >= s.prefill_target:
+        self._prefilling.remove(s)
+        self._start_decoding(s)
+
+  # -- decode ------------------------------------------------------------------------------
+
+  def _decode_once(self) -> None:
+    copies: list[tuple[int, int]] = []
+    for seq in sorted(self._running, key=lambda s: s.arrival):
+      if seq in self._running:
+        self._ensure_blocks(seq, len(seq.tokens), copies)
+    seqs = sorted(self._running, key=lambda s: s.arrival)
+    if not seqs:
+      return
+    self._run_copies(copies)
+    rows = self._decode_rows(len(seqs))
+    f32, i32 = np.float32, np.int32
+    tokens, positions, steps_ = (np.zeros(rows, i32) for _ in range(3))
+    active = np.zeros(rows, bool)
+    keys = np.zeros((rows, 2), np.uint32)
+    temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
+    top_k = np.zeros(rows, i32)
+    want_top = 0
+    for i, s in enumerate(seqs):
+      p = s.group.params
+      tokens[i], positions[i], steps_[i], active[i] = s.tokens[-1], len(s.tokens) - 1, len(s.generated), True
+      keys[i] = s.key
+      temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+      want_top = max(want_top, p.top_logprobs)
+    batch = steps.DecodeBatch(
+        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), active=jnp.asarray(active),
+        block_tables=jnp.asarray(self._table(seqs, rows)), keys=jnp.asarray(keys),
+        steps=jnp.asarray(steps_), temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
+        top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
+    # Two programs at most: without and with the engine's top-K alternatives.
+    top_n = self.config.max_top_logprobs if want_top else 0
+    out, self.cache = self.decode(self.cache, batch, top_n)
+    out = jax.device_get(out)
+    now = self.clock()
+    for i, s in enumerate(seqs):
+      s.n_computed = len(s.tokens)
+      self._append(s, int(out.tokens[i]), float(out.logprobs[i]),
+                   out.top_ids[i], out.top_logprobs[i], now)
+
+  def _append(self, seq: _Seq, token: int, logprob: float, top_ids, top_lps, now: float) -> None:
+    """Records a sampled token and finishes the sequence when a stop rule fires."""
+    group, p = seq.group, seq.group.params
+    group.metrics.record_token(seq.sample, now)
+    reason = None
+    appended = not ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids)
+    if not appended:
+      reason = "stop"  # eos / stop ids end the sample and are not part of its output
+    else:
+      seq.generated.append(token)
+      seq.tokens.append(token)
+      if p.logprobs or p.top_logprobs:
+        seq.logprobs.append(logprob)
+      if p.top_logprobs:
+        seq.top.append([(int(a), float(b)) for a, b in zip(top_ids[:p.top_logprobs],
+                                                           top_lps[:p.top_logprobs])])
+      if p.stop and self._hits_stop(seq):
+        reason = "stop"
+      elif len(seq.generated) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
+        reason = "length"
+    if group.events is not None:
+      self._emit(seq, token if appended else None, logprob, reason)
+    if reason is not None:
+      self._finish(seq, reason)
+
+  def _hits_stop(self, seq: _Seq) -> bool:
+    tail = self.tokenizer.decode(seq.generated[-64:])
+    return any(s in tail for s in seq.group.params.stop)
+
+  def _text(self, seq: _Seq) -> str:
+    text = self.tokenizer.decode(seq.generated, skip_special=True)
+    cuts = [text.find(s) for s in seq.group.params.stop if s in text]
+    return text[:min(cuts)] if cuts else text
+
+  def _emit(self, seq: _Seq, token: int | None, logprob: float, reason: str | None) -> None:
+    text = self._text(seq)
+    delta, seq.text_len = text[seq.text_len:], len(text)
+    seq.group.events.append(StreamEvent(sample=seq.sample, token_id=token, text=delta,
+                                        logprob=logprob if token is not None else None,
+                                        finish_reason=reason))
+
+  def _finish(self, seq: _Seq, reason: str) -> None:
+    seq.finish_reason = reason
+    self._running.remove(seq)
+    self.allocator.free_all(seq.blocks)
+    seq.blocks = []
+    group = seq.group
+    group.unfinished -= 1
+    if group.unfinished == 0:
+      group.metrics.finish = self.clock()
+      self.metrics.add_request(group.metrics)
+
+  def _result(self, group: _Group) -> RequestResult:
+    self._groups.remove(group)
+    p = group.params
+    samples = [SampleResult(index=s.sample, text=self._text(s), token_ids=list(s.generated),
+                            finish_reason=s.finish_reason,
+                            logprobs=list(s.logprobs) if (p.logprobs or p.top_logprobs) else None,
+                            top_logprobs=list(s.top) if p.top_logprobs else None,
+                            preemptions=s.preemptions)
+               for s in group.samples]
+    return RequestResult(request_id=group.request_id, prompt_token_ids=list(group.prompt_ids),
+                         samples=samples, metrics=group.metrics)
+
+  # -- pure pieces for the controller ---------------------------------------------------------
+
+  def new_cache(self) -> PagedKVCache:
+    """A fresh, empty pool with this engine's geometry (the engine keeps its own)."""
+    mc = self.model_config
+    return PagedKVCache.create(mc.n_layers, self.num_blocks, self.config.block_size,
+                               mc.n_kv_heads, mc.head_dim, self.config.kv_dtype)
+
+  def info(self) -> dict[str, Any]:
+    return {"num_blocks": self.num_blocks, "block_size": self.config.block_size,
+            "kv_bytes": self.kv_bytes, "kv_dtype": self.config.kv_dtype,
+            "max_slots": self.config.max_slots, "max_context": self.max_context}

@@ -1,0 +1,93 @@
+"""The engine's jittable steps: chunked prefill and one batched decode step.
+
+Both are pure functions of (model graphdef, model state, paged cache, batch
+arrays), so the reasoning controller can call `decode_step` inside its own
+`jax.lax.while_loop`; the engine jits them with the graphdef static and the
+cache donated (updated in place).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from o1jax.engine.kv_cache import PagedKVCache
+from o1jax.model.sampling import sample
+
+
+@flax.struct.dataclass
+class DecodeBatch:
+  """Per-slot inputs of one decode step (B slots; inactive slots are padding).
+
+  Token `steps[b]` of a sample draws with key fold_in(keys[b], steps[b]), where
+  keys[b] = sequence_key(seed, request_id, sample_index): the draw never
+  depends on the slot or on the other rows."""
+
+  tokens: jax.Array  # [B] int32: last token of each row (its K/V is written this step)
+  positions: jax.Array  # [B] int32: position of that token
+  active: jax.Array  # [B] bool
+  block_tables: jax.Array  # [B, MB] int32
+  keys: jax.Array  # [B, 2] uint32 base key of each sample
+  steps: jax.Array  # [B] int32 index of the token being sampled (0 = first generated)
+  temperature: jax.Array  # [B] f32 (0 = greedy)
+  top_k: jax.Array  # [B] int32 (0 = off)
+  top_p: jax.Array  # [B] f32 (1 = off)
+  min_p: jax.Array  # [B] f32 (0 = off)
+
+
+@flax.struct.dataclass
+class DecodeOutput:
+  tokens: jax.Array  # [B] int32 sampled next tokens
+  logprobs: jax.Array  # [B] f32 log p(token) under the model (temperature 1, unfiltered)
+  top_ids: jax.Array  # [B, K] int32 most likely alternatives (K = top_logprobs, may be 0)
+  top_logprobs: jax.Array  # [B, K] f32
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
+  """log-softmax of logits [B, V] at tokens [B]; plus the top_n best (ids, logprobs)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  if top_n:
+    top_lp, top_ids = jax.lax.top_k(logp, top_n)
+  else:
+    top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+  return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
+                top_logprobs: int = 0):
+  """One token for every active row.
+
+  1. point the cache at this batch (block tables; inactive rows write nothing);
+  2. model forward on T=1: writes K/V at `positions`, logits [B, V];
+  3. sample with per-sample keys fold_in(keys, steps) and per-row params;
+  4. log-probs of the sampled tokens (+ top-K alternatives).
+  Returns (DecodeOutput, cache)."""
+  model = nnx.merge(graphdef, state)
+  active = batch.active
+  cache = cache.for_batch(batch.block_tables, active.astype(jnp.int32))
+  starts = jnp.where(active, batch.positions, 0).astype(jnp.int32)
+  logits, cache = model(batch.tokens[:, None].astype(jnp.int32), starts, cache,
+                        logits_at=jnp.zeros_like(starts))
+  keys = jax.vmap(jax.random.fold_in)(batch.keys, batch.steps)
+  next_ids = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+  chosen, top_ids, top_lp = token_logprobs(logits, next_ids, top_logprobs)
+  return DecodeOutput(tokens=next_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp), cache
+
+
+def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens: jax.Array,
+                 starts: jax.Array, chunk_lens: jax.Array, block_tables: jax.Array) -> PagedKVCache:
+  """Writes the K/V of one prompt chunk per row; no sampling.
+
+  tokens [B, T] int32 at positions starts[b] + t; only t < chunk_lens[b] are
+  real (chunk_lens 0 = padding row). The engine samples every first token in
+  the decode step, so prefill never needs logits (the model still returns one
+  row per sequence, which is cheap). Returns the updated cache."""
+  model = nnx.merge(graphdef, state)
+  cache = cache.for_batch(block_tables, chunk_lens)
+  last = jnp.maximum(chunk_lens - 1, 0).astype(jnp.int32)
+  _, cache = model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache, logits_at=last)
+  return cache

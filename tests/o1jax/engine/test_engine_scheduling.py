@@ -1,0 +1,148 @@
+"""Engine behaviour on the tiny model: correctness vs the contiguous Generator,
+determinism across batch sizes, fork / prefix reuse / preemption, compilation
+counts, stop rules, streaming and bad input."""
+
+import numpy as np
+import pytest
+
+from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+from o1jax.model import Generator
+
+SAMPLED = [GenerationParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+           GenerationParams(max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02,
+                            seed=1, ignore_eos=True)]
+GREEDY = GenerationParams(max_new_tokens=12, ignore_eos=True)
+
+
+def test_greedy_matches_contiguous_generator(tiny, engine32, make_prompts):
+  prompts = make_prompts(5, seed=0, low=2, high=70)
+  got = engine32.generate([Request(p, GREEDY) for p in prompts])
+  want = Generator(tiny.model, tiny.tokenizer).generate(prompts, max_new_tokens=12)
+  for g, w in zip(got, want):
+    assert g.token_ids == w.token_ids[:len(g.token_ids)]
+    assert len(g.token_ids) == 12 and g.finish_reason == "length"
+
+
+@pytest.mark.parametrize("params", [GREEDY] + SAMPLED, ids=["greedy", "temperature", "filtered"])
+def test_same_tokens_at_batch_1_7_and_32(engine32, make_prompts, params):
+  """A fixed request (id 1234) alone, among 6 and among 31 other requests, in
+  different slots: identical tokens (its keys come from seed, id, sample index)."""
+  target = Request(make_prompts(1, seed=99, low=20, high=21)[0], params, request_id=1234)
+  alone = engine32.generate([target])[0].token_ids
+  fillers = make_prompts(31, seed=5)
+  batch7 = [Request(p, SAMPLED[0]) for p in fillers[:3]] + [target] + \
+           [Request(p, GREEDY) for p in fillers[3:6]]
+  batch32 = [Request(p, SAMPLED[i % 2]) for i, p in enumerate(fillers)] + [target]
+  assert engine32.generate(batch7)[3].token_ids == alone
+  assert engine32.generate(batch32)[31].token_ids == alone
+  assert len(alone) == 12
+
+
+def test_steady_state_does_not_recompile(tiny, make_prompts):
+  """After one run, a new workload with the same length profile (different
+  tokens, so nothing comes from the prefix cache) compiles nothing new."""
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=8, num_blocks=256,
+                                                           prefill_chunk=32))
+  params = GenerationParams(max_new_tokens=10, ignore_eos=True)
+  warmup = make_prompts(12, seed=1)
+  engine.generate([Request(p, params) for p in warmup])
+  warm = dict(engine.trace_counts)
+  assert warm["decode"] >= 1 and warm["prefill"] >= 1
+  rng = np.random.default_rng(2)
+  fresh = [rng.integers(3, 259, size=len(p)).tolist() for p in warmup]
+  engine.generate([Request(p, params) for p in fresh])
+  assert dict(engine.trace_counts) == warm
+  assert sum(warm.values()) <= 12  # a small fixed set of bucketed programs
+
+
+def test_fork_prefills_prompt_once_and_frees_everything(engine32, make_prompts):
+  prompt = make_prompts(1, seed=3, low=37, high=38)[0]
+  params = GenerationParams(max_new_tokens=8, temperature=1.0, n=4, seed=3, ignore_eos=True,
+                            logprobs=True, top_logprobs=3)
+  res = engine32.generate([Request(prompt, params, request_id=5)])[0]
+  assert res.metrics.prompt_tokens_computed <= len(prompt) - 1  # once, not 4 times
+  assert len(res.samples) == 4 and len({tuple(s.token_ids) for s in res.samples}) > 1
+  for s in res.samples:
+    assert len(s.logprobs) == 8 and all(lp <= 0 for lp in s.logprobs)
+    assert len(s.top_logprobs) == 8 and len(s.top_logprobs[0]) == 3
+    # the best alternative is at least as likely as the sampled token
+    assert all(top[0][1] >= lp - 1e-5 for top, lp in zip(s.top_logprobs, s.logprobs))
+  assert engine32.allocator.refcounts.sum() == 0
+  # Each sample equals the same request run as sample j of a fresh n-sample run.
+  again = engine32.generate([Request(prompt, params, request_id=5)])[0]
+  assert [s.token_ids for s in again.samples] == [s.token_ids for s in res.samples]
+
+
+def test_prefix_reuse_computes_only_the_suffix(tiny, make_prompts):
+  shared = make_prompts(1, seed=4, low=50, high=51)[0]  # 3 full blocks of 16 + 2
+  a, b = (shared + s for s in make_prompts(2, seed=6, low=5, high=9))
+  cfg = EngineConfig(max_slots=4, num_blocks=64)
+  engine = Engine(tiny.model, tiny.tokenizer, cfg)
+  first = engine.generate([Request(a, GREEDY)])[0]
+  second = engine.generate([Request(b, GREEDY)])[0]
+  assert first.metrics.prompt_tokens_computed == len(a) - 1
+  assert second.metrics.prompt_tokens_computed == len(b) - 1 - 48
+  cold = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64,
+                                                         prefix_caching=False))
+  assert cold.generate([Request(b, GREEDY)])[0].token_ids == second.token_ids
+
+
+def test_out_of_blocks_preempts_and_recomputes(tiny, engine32, make_prompts):
+  prompts = make_prompts(8, seed=8, low=20, high=40)
+  params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+  small = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=8, num_blocks=10,
+                                                          prefill_chunk=64))
+  got = small.generate([Request(p, params) for p in prompts])
+  want = engine32.generate([Request(p, params) for p in prompts])
+  assert small.metrics.preemptions > 0
+  assert [g.token_ids for g in got] == [w.token_ids for w in want]
+  assert small.allocator.refcounts.sum() == 0 and small.metrics.kv_blocks_peak <= 10
+
+
+def test_shortest_budget_policy_runs_short_requests_first(tiny):
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=1, num_blocks=32,
+                                                           policy="shortest_budget"))
+  budgets = [9, 2, 5]
+  res = engine.generate([Request([5, 6, 7], GenerationParams(max_new_tokens=b, ignore_eos=True))
+                         for b in budgets])
+  finish = [r.metrics.finish for r in res]
+  # the first admitted (9) was alone; then 2 before 5
+  assert finish[1] < finish[2] < finish[0] or finish[0] < finish[1] < finish[2]
+  assert finish[1] < finish[2]
+
+
+def test_stop_ids_stop_strings_and_stream(tiny, engine32, make_prompts):
+  prompt = make_prompts(1, seed=10)[0]
+  free = engine32.generate([Request(prompt, GenerationParams(max_new_tokens=16, ignore_eos=True))])[0]
+  stop_id = free.token_ids[5]
+  first = free.token_ids.index(stop_id)
+  by_id = engine32.generate([Request(prompt, GenerationParams(max_new_tokens=16, ignore_eos=True,
+                                                              stop_token_ids=(stop_id,)))])[0]
+  assert by_id.token_ids == free.token_ids[:first] and by_id.finish_reason == "stop"
+  stop_text = tiny.tokenizer.decode(free.token_ids[6:8])
+  by_text = engine32.generate([Request(prompt, GenerationParams(max_new_tokens=16, ignore_eos=True,
+                                                                stop=(stop_text,)))])[0]
+  assert stop_text not in by_text.text and by_text.finish_reason == "stop"
+  assert free.text.startswith(by_text.text)
+  events = list(engine32.stream(Request(prompt, GenerationParams(max_new_tokens=16, ignore_eos=True),
+                                        request_id=0)))
+  assert [e.token_id for e in events if e.token_id is not None] == free.token_ids
+  assert "".join(e.text for e in events) == free.text and events[-1].finish_reason == "length"
+
+
+def test_bad_input_gives_clear_errors(engine32):
+  with pytest.raises(ValueError, match="empty"):
+    engine32.generate([Request("")])
+  with pytest.raises(ValueError, match="context"):
+    engine32.generate([Request(list(range(3, 259)) + [5])])
+  with pytest.raises(ValueError, match="unknown generation parameter.*temprature"):
+    engine32.generate([Request("hi", {"temprature": 0.5})])
+  with pytest.raises(ValueError, match="unknown request field"):
+    engine32.generate([{"prompt": "hi", "max_tokens": 3}])
+  with pytest.raises(ValueError, match="decode slots"):
+    engine32.generate([Request("hi", GenerationParams(n=64))])
+  with pytest.raises(ValueError, match="temperature"):
+    GenerationParams(temperature=-1)
+  with pytest.raises(ValueError, match="vocabulary"):
+    engine32.generate([Request([1, 2, 999999])])
+  assert not engine32.has_work()  # nothing was queued by the failed calls
