@@ -31,7 +31,7 @@ def get_config(arg: str = ""):
   # Few short worked examples, then one short sentence ending "The answer is N.":
   # the verbose 135M model otherwise spends its budget before answering.
   config.prompt = common.section(style="shortshot", system="short_answer")
-  config.sampling = common.sampling_section(max_new_tokens=48 if smoke else 64)
+  config.sampling = common.sampling_section(max_new_tokens=32 if smoke else 48)
   config.policy = common.policy_section(variant["policy"])
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke

@@ -1,0 +1,117 @@
+"""The Beam graph with fakes: records, dead letters, handler contract, runner options."""
+
+import json
+import pathlib
+
+import apache_beam as beam
+import pytest
+from apache_beam.ml.inference.base import PredictionResult
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from configs import custom as custom_config
+from configs import gsm8k as gsm8k_config
+from pipelines.beam import PredictorModelHandler, build_pipeline, build_plan, plan_items
+from pipelines.beam.testing import FakeClock, FlakyLoader
+from pipelines.predictors import FakePredictor, PredictorSpec
+
+
+def fake_config(n=6, policy="greedy"):
+  cfg = gsm8k_config.get_config(f"smoke=True,policy={policy}")
+  cfg.model.predictor = "fake"
+  cfg.dataset.n = n
+  cfg.runner.batch_size = 4
+  return cfg
+
+
+def test_records_are_the_fake_answers_and_results_file_is_sorted(tmp_path):
+  cfg = fake_config(n=6)
+  plan = build_plan(cfg, str(tmp_path))
+  items, dead = plan_items(plan)
+  assert len(items) == 6 and not dead
+  # FakePredictor's docstring: "The answer is R." unless sha256(key) % 4 == 0 (then R + 1).
+  expected = [(i.example["id"], i.sample_index, FakePredictor.text_for(i) == f"The answer is {i.example['reference']}.")
+              for i in items]
+  with TestPipeline() as p:
+    records, dead_pc = build_pipeline(p, plan, clock=FakeClock())
+    assert_that(records | beam.Map(lambda r: (r["example_id"], r["sample_index"], r["correct"])),
+                equal_to(expected), label="records")
+    assert_that(dead_pc, equal_to([]), label="no_dead_letters")
+  lines = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert [r["example_index"] for r in lines] == list(range(6))
+  assert all(r["timing"]["latency_ms"] == 25.0 for r in lines)  # one FakeClock step per batch
+  assert len(list((tmp_path / "store").glob("*.json"))) == 6
+
+
+def test_samples_are_keyed_by_example_and_index(tmp_path):
+  cfg = fake_config(n=3, policy="sample_n")
+  cfg.policy.n = 4
+  plan = build_plan(cfg, str(tmp_path))
+  items, _ = plan_items(plan)
+  assert [(i.example_index, i.sample_index) for i in items] == [(e, s) for e in range(3) for s in range(4)]
+  assert len({i.key for i in items}) == 12 and len({i.request_id for i in items}) == 12
+  # The key is a content hash: a different seed or model changes every key.
+  cfg.sampling.seed = 1
+  assert not {i.key for i in plan_items(build_plan(cfg, str(tmp_path)))[0]} & {i.key for i in items}
+
+
+def test_malformed_lines_and_failed_batches_become_dead_letters(tmp_path):
+  data = tmp_path / "data.jsonl"
+  data.write_text("\n".join([
+      json.dumps({"q": "What is 2 + 3?", "a": "5", "id": "a"}),
+      "{not json",
+      json.dumps({"q": "What is 4 + 4?", "id": "b"}),  # no answer field
+      json.dumps({"q": "What is 9 - 1?", "a": "8", "id": "c"}),
+      json.dumps({"q": "What is 1 + 1?", "a": "2", "id": "d"}),
+  ]) + "\n")
+  cfg = custom_config.get_config("smoke=True")
+  cfg.model.predictor = "fake"
+  cfg.dataset.update(path=str(data), question_field="q", answer_field="a", id_field="id")
+  cfg.runner.batch_size = 1  # so only the failing example's batch fails
+  plan = build_plan(cfg, str(tmp_path / "run"))
+  with TestPipeline() as p:
+    records, dead = build_pipeline(p, plan, clock=FakeClock(), loader=FlakyLoader(frozenset({"custom/c"})))
+    assert_that(records | beam.Map(lambda r: r["example_id"]), equal_to(["custom/a", "custom/d"]), label="ok")
+    assert_that(dead | beam.Map(lambda d: (d["stage"], d.get("line_number"), d.get("example_id"))),
+                equal_to([("input", 2, None), ("input", 3, None), ("inference", None, "custom/c")]),
+                label="dead")
+  dead_lines = [json.loads(l) for l in (tmp_path / "run" / "dead_letters.jsonl").read_text().splitlines()]
+  assert {d["source"] for d in dead_lines if d["stage"] == "input"} == {str(data)}
+  assert "injected failure" in [d for d in dead_lines if d["stage"] == "inference"][0]["reason"]
+
+
+def test_handler_contract():
+  handler = PredictorModelHandler(PredictorSpec(name="fake"), batch_size=3, clock=FakeClock(step_ms=10))
+  assert handler.share_model_across_processes() is True
+  assert handler.batch_elements_kwargs() == {"min_batch_size": 3, "max_batch_size": 3}
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.model.predictor = "fake"
+  items, _ = plan_items(build_plan(cfg, "unused"))
+  model = handler.load_model()
+  out = handler.run_inference(items[:3], model)
+  assert all(isinstance(r, PredictionResult) for r in out)
+  assert [r.example for r in out] == items[:3]
+  assert [r.inference["text"] for r in out] == [FakePredictor.text_for(i) for i in items[:3]]
+  assert {r.inference["timing"]["latency_ms"] for r in out} == {10.0}
+  assert out[0].inference["timing"]["batch_size"] == 3
+
+
+@pytest.mark.parametrize("args", [
+    ["--runner=DataflowRunner", "--project=my-project-123", "--region=us-central1",
+     "--temp_location=gs://my-bucket/tmp"],
+    ["--runner=FlinkRunner", "--flink_master=localhost:8081", "--environment_type=LOOPBACK"],
+    ["--runner=SparkRunner", "--spark_master_url=spark://localhost:7077", "--environment_type=LOOPBACK"],
+])
+def test_graph_builds_for_each_runner(tmp_path, args):
+  from pipelines.beam import beam_args
+  cfg = fake_config()
+  full = beam_args(cfg.runner, args)
+  assert not any(a.startswith("--direct_") for a in full)  # DirectRunner flags are dropped
+  p = beam.Pipeline(options=PipelineOptions(full))
+  assert type(p.runner).__name__ == args[0].split("=")[1]
+  build_pipeline(p, build_plan(cfg, "gs://my-bucket/run"))
+  proto = p.to_runner_api()  # serializes every DoFn, as submission would
+  names = {t.unique_name for t in proto.components.transforms.values()}
+  for stage in ("ReadDataset", "SkipFinished", "RunInference", "Score", "WriteResults", "WriteDeadLetters"):
+    assert any(n == stage or n.startswith(stage + "/") for n in names), stage
