@@ -59,7 +59,15 @@ def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, start
   b, t = new.shape[:2]
   block, offset = token_slots(block_tables, starts, write_lens, t, bs, nb)
   rows = new.reshape(b * t, kvh, d).astype(pages.dtype)
-  return pages.at[block.reshape(-1), offset.reshape(-1)].set(rows, mode="drop")
+  block, offset = block.reshape(-1), offset.reshape(-1)
+  if b * t == 1:
+    # XLA turns a one-row scatter into a dynamic-update-slice that made it copy
+    # the whole pool every step (batch-1 decode: 250 ms at 256 blocks); a
+    # second, dropped row keeps it a scatter, which updates in place.
+    block = jnp.concatenate([block, jnp.array([nb], block.dtype)])
+    offset = jnp.concatenate([offset, jnp.zeros((1,), offset.dtype)])
+    rows = jnp.concatenate([rows, rows])
+  return pages.at[block, offset].set(rows, mode="drop")
 
 
 def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_tables: jax.Array,
