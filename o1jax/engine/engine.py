@@ -225,6 +225,7 @@ class _Seq:
     self.preemptions = 0
     self.text_len = 0  # characters already streamed
     self.key = None  # np.uint32 [2]
+    self.pending_keys: set = set()  # prefix keys of blocks it is prefilling
 
   @property
   def n_prompt(self) -> int:
@@ -440,11 +441,23 @@ class Engine:
       key = lambda s: (s.preemptions == 0, pow2_bucket(len(s.tokens), 16), s.arrival)
     return sorted(self._waiting, key=key)
 
+  def _prefix_keys(self, seq: _Seq) -> set:
+    """Prefix-cache keys of the full blocks this sequence's prefill covers."""
+    if not self.config.prefix_caching:
+      return set()
+    return set(self.allocator.block_keys(seq.tokens, seq.prefill_target // self.config.block_size))
+
   def _admit(self) -> None:
+    # Blocks some admitted sequence is computing right now: a request sharing
+    # one of them waits for it instead of computing the same prefix again.
+    in_flight = set().union(*(s.pending_keys for s in self._prefilling))
     for seq in self._admission_order():
       if self._slots_in_use() + seq.fork_n > self.config.max_slots:
         if self.config.policy == "fifo":
           break  # keep arrival order strict
+        continue
+      keys = self._prefix_keys(seq)
+      if keys & in_flight:
         continue
       # Admit only if its uncached prompt fits now: avoids admitting into thrash.
       target = seq.prefill_target
@@ -461,6 +474,8 @@ class Engine:
       if seq.n_computed >= target:
         self._start_decoding(seq)
       else:
+        seq.pending_keys = keys
+        in_flight |= keys
         self._prefilling.append(seq)
 
   def _start_decoding(self, seq: _Seq) -> None:
@@ -586,6 +601,7 @@ class Engine:
       s.n_computed += n
       self.allocator.register_prefix(s.tokens, s.blocks, s.n_computed)
       if s.n_computed >= s.prefill_target:
+        s.pending_keys = set()
         self._prefilling.remove(s)
         self._start_decoding(s)
 

@@ -145,3 +145,20 @@ def test_bad_input_gives_clear_errors(engine32):
   with pytest.raises(ValueError, match="vocabulary"):
     engine32.generate([Request([1, 2, 999999])])
   assert not engine32.has_work()  # nothing was queued by the failed calls
+
+
+def test_concurrent_requests_share_a_prefix_being_computed(tiny, make_prompts):
+  """Four requests with one 64-token prefix arrive together: the first computes
+  it, the others wait for its blocks and compute only their suffixes."""
+  shared = make_prompts(1, seed=11, low=64, high=65)[0]
+  prompts = [shared + s for s in make_prompts(4, seed=12, low=4, high=12)]
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64,
+                                                           prefill_chunk=32))
+  res = engine.generate([Request(p, GREEDY) for p in prompts])
+  computed = [r.metrics.prompt_tokens_computed for r in res]
+  assert computed[0] == len(prompts[0]) - 1
+  assert computed[1:] == [len(p) - 1 - 64 for p in prompts[1:]]
+  cold = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64,
+                                                         prefix_caching=False))
+  assert [r.token_ids for r in cold.generate([Request(p, GREEDY) for p in prompts])] == \
+         [r.token_ids for r in res]
