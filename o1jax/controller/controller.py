@@ -1,0 +1,418 @@
+"""Host side of the controller: requests in, reasoning traces out.
+
+`Controller.generate` is the primitive every policy uses:
+
+  1. encode the prompts; prefill each request's prompt once (batch R);
+  2. fork the prompt cache into R x n rows (sample j of request r is row
+     r * n + j; rows are padded to a power of two so programs are reused);
+  3. build the `ReasoningState` (knobs from `LoopSettings`, keys from
+     (seed, request id, sample index)) and call the jitted while_loop; the
+     host acts only between invocations (adaptive step budget);
+  4. one device -> host transfer of the final state; decode every row into a
+     `Trace` (steps, scores, actions, token accounting, confidences).
+
+`Controller.run(requests, policy)` hands the requests to a policy (see
+policies.py), which calls `generate` one or more times and aggregates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from o1jax.controller import state as S
+from o1jax.controller.answers import extract_number
+from o1jax.controller.budget import AdaptiveBudget
+from o1jax.controller.decode_model import DecodeModel
+from o1jax.controller.loop import ReasoningLoop
+from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
+                                      Trace)
+from o1jax.controller.state import Knobs, ReasoningState
+from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
+from o1jax.model.sampling import sequence_key
+
+NEVER = 1 << 30
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+  """Everything one `generate` call varies; policies build these from their params."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  temp_bump: float = 0.0  # added to the temperature per backtrack of the current step
+  backtrack_threshold: float = -math.inf  # backtrack a step whose score is below
+  max_step_backtracks: int = 0
+  max_backtracks: int = 0
+  step_delimiter: str = "\n\n"
+  step_max_tokens: int = 64
+  max_steps: int = NEVER
+  min_thinking_tokens: int = 0
+  max_thinking_tokens: int = 256
+  max_answer_tokens: int = 16
+  answer_prefix: str = "The answer is"
+  wait_text: str = " Wait"
+  answer_on_eos: bool = False  # end of sequence while thinking -> force the answer prefix
+  exit_tau: float = 2.0  # > 1 disables early exit
+  conf_window: int = 16  # DeepConf group window (a shape: changing it recompiles)
+  verifier: Verifier = MeanLogprob()
+  answer_probe: bool = False  # compile the answer-confidence probe (needed for exit_tau)
+
+  def __post_init__(self):
+    if self.min_thinking_tokens > self.max_thinking_tokens:
+      raise ValueError(f"min_thinking_tokens {self.min_thinking_tokens} > max_thinking_tokens "
+                       f"{self.max_thinking_tokens}")
+    if self.step_max_tokens < 1 or self.max_answer_tokens < 1:
+      raise ValueError("step_max_tokens and max_answer_tokens must be >= 1")
+    if self.exit_tau <= 1.0 and not self.answer_probe:
+      raise ValueError("exit_tau <= 1 needs answer_probe=True (the confidence comes from it)")
+
+
+@dataclasses.dataclass
+class Batch:
+  """What `generate` returns: traces per request plus host-side accounting."""
+
+  traces: list[list[Trace]]
+  wall_time_s: list[float]  # per request: wall time of the chunk it ran in
+  invocations: list[int]  # per request: jitted loop calls (host round trips)
+  iterations: int = 0
+
+
+class Controller:
+  """Runs reasoning policies on a DecodeModel.
+
+  Args:
+    model: a DecodeModel (ContiguousLlama, MockDecodeModel, ...).
+    tokenizer: encode / decode / eos_ids / apply_chat_template.
+    max_rows: most rows (request x sample) in one compiled batch.
+    top_k: log-probs averaged into a DeepConf token confidence.
+    max_records: step records kept per trace.
+    force_capacity / probe_capacity / pattern_capacity: array sizes of forced
+      texts, probe texts and delimiter / prefix tokenizations.
+    iterations_per_call: loop iterations per invocation (0 = until done);
+      AdaptiveBudget re-plans between invocations.
+    extract_answer: text -> answer string (GSM-style number by default)."""
+
+  def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
+               max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
+               pattern_capacity: int = 8, iterations_per_call: int = 0,
+               extract_answer: Callable[[str], Optional[str]] | None = None):
+    self.model = model
+    self.tokenizer = tokenizer
+    self.max_rows = max_rows
+    self.top_k = top_k
+    self.max_records = max_records
+    self.force_capacity = force_capacity
+    self.probe_capacity = probe_capacity
+    self.pattern_capacity = pattern_capacity
+    self.iterations_per_call = iterations_per_call
+    self.extract_answer = extract_answer
+    eos = set(getattr(tokenizer, "eos_ids", ()) or ())
+    eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
+    self.eos_ids = tuple(sorted(eos))
+    self._masks: dict[str, np.ndarray] = {}
+
+  def __hash__(self):
+    return id(self)
+
+  def __eq__(self, other):
+    return self is other
+
+  # -- public API -------------------------------------------------------------------
+
+  def run(self, requests: Sequence[ReasoningRequest | Any], policy) -> list[ReasoningResult]:
+    """Runs `policy` (a Policy, a registered name, or {"name": ..., **params})."""
+    from o1jax.controller.policies import Policy, build_policy
+
+    if not isinstance(policy, Policy):
+      policy = build_policy({"name": policy} if isinstance(policy, str) else policy)
+    reqs = [r if isinstance(r, ReasoningRequest) else ReasoningRequest(prompt=r, request_id=i)
+            for i, r in enumerate(requests)]
+    return policy.run(self, reqs)
+
+  def generate(self, requests: Sequence[ReasoningRequest], settings: LoopSettings, n: int = 1, *,
+               sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
+               budget: AdaptiveBudget | None = None) -> Batch:
+    """n traces per request (sample indices sample_offset ..); see the module doc."""
+    if n < 1:
+      raise ValueError(f"n must be >= 1, got {n}")
+    stops = [-math.inf] * len(requests) if conf_stop is None else (
+        [float(conf_stop)] * len(requests) if np.isscalar(conf_stop) else list(conf_stop))
+    per_chunk = max(1, self.max_rows // n)
+    out = Batch(traces=[], wall_time_s=[], invocations=[])
+    for lo in range(0, len(requests), per_chunk):
+      part = self._generate_chunk(requests[lo:lo + per_chunk], settings, n, sample_offset,
+                                  stops[lo:lo + per_chunk], budget)
+      out.traces += part.traces
+      out.wall_time_s += part.wall_time_s
+      out.invocations += part.invocations
+      out.iterations += part.iterations
+    return out
+
+  def result(self, request: ReasoningRequest, policy: str, traces: list[Trace],
+             chosen: Optional[int], answer: Optional[str], wall_time_s: float, invocations: int,
+             votes: Mapping[str, float] | None = None, **info) -> ReasoningResult:
+    """Assembles a ReasoningResult; token counts are summed over every trace."""
+    tokens = TokenCounts()
+    for t in traces:
+      tokens = tokens + t.tokens
+    pick = traces[chosen] if chosen is not None else None
+    return ReasoningResult(
+        request_id=request.request_id, policy=policy, answer_text=pick.text if pick else "",
+        answer=answer, traces=traces, chosen=chosen, tokens=tokens,
+        steps=sum(t.n_steps for t in traces), backtracks=sum(t.backtracks for t in traces),
+        early_exit=any(t.early_exit for t in traces), wall_time_s=wall_time_s,
+        loop_invocations=invocations, votes=dict(votes or {}), info=info)
+
+  def encode(self, prompt) -> list[int]:
+    if isinstance(prompt, str):
+      ids = self.tokenizer.encode(prompt)
+    elif len(prompt) and isinstance(prompt[0], Mapping):
+      ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+    else:
+      ids = [int(i) for i in prompt]
+    if not ids:
+      raise ValueError("empty prompt")
+    return ids
+
+  def extract(self, text: str, settings: LoopSettings) -> Optional[str]:
+    if self.extract_answer is not None:
+      return self.extract_answer(text)
+    return extract_number(text, settings.answer_prefix.strip())
+
+  # -- knobs ------------------------------------------------------------------------
+
+  def _pad(self, ids: Sequence[int], size: int, what: str) -> np.ndarray:
+    if len(ids) > size:
+      raise ValueError(f"{what} is {len(ids)} tokens; capacity is {size}")
+    out = np.zeros(size, np.int32)
+    out[:len(ids)] = ids
+    return out
+
+  def _variants(self, text: str) -> list[list[int]]:
+    """Tokenizations of `text` as it may appear inside generated text."""
+    out = []
+    for cand in (text, " " + text if not text.startswith(" ") else text.lstrip()):
+      try:
+        out.append(self.tokenizer.encode(cand))
+      except ValueError:
+        pass
+    try:  # character by character (e.g. "\n\n" as two "\n" tokens)
+      out.append([i for c in text for i in self.tokenizer.encode(c)])
+    except ValueError:
+      pass
+    seen, uniq = set(), []
+    for v in out:
+      if v and tuple(v) not in seen and len(v) <= self.pattern_capacity:
+        seen.add(tuple(v))
+        uniq.append(v)
+    return uniq[:4]
+
+  def _patterns(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    seqs = np.zeros((4, self.pattern_capacity), np.int32)
+    lens = np.zeros(4, np.int32)
+    for i, v in enumerate(self._variants(text) if text else []):
+      seqs[i, :len(v)] = v
+      lens[i] = len(v)
+    return seqs, lens
+
+  def _delim_mask(self, delim: str) -> np.ndarray:
+    """[V] tokens whose own text contains the delimiter (e.g. "\\n\\n", ".\\n\\n")."""
+    if delim not in self._masks:
+      v = self.model.vocab_size
+      mask = np.zeros(v, bool)
+      if delim:
+        for i in range(min(v, getattr(self.tokenizer, "vocab_size", v))):
+          mask[i] = delim in self.tokenizer.decode([i])
+      self._masks[delim] = mask
+    return self._masks[delim]
+
+  def knobs(self, settings: LoopSettings, b: int, conf_stop: np.ndarray) -> Knobs:
+    """Per-row arrays for `b` rows from one LoopSettings (conf_stop: [b])."""
+    st = settings
+    v = self.model.vocab_size
+    full = lambda x, dt: jnp.full((b,), x, dt)
+    eos = np.zeros(v, bool)
+    eos[list(self.eos_ids)] = True
+    answer = self.tokenizer.encode(st.answer_prefix)
+    wait = self.tokenizer.encode(st.wait_text)
+    probe = yes = no = [0]
+    if isinstance(st.verifier, SelfVerify):
+      probe = self.tokenizer.encode(st.verifier.probe)
+      yes, no = self.tokenizer.encode(st.verifier.yes), self.tokenizer.encode(st.verifier.no)
+    delim_seqs, delim_lens = self._patterns(st.step_delimiter)
+    prefix_seqs, prefix_lens = self._patterns(st.answer_prefix.strip())
+    max_answer = max(st.max_answer_tokens, len(answer))
+    max_gen = (st.max_thinking_tokens + max_answer + len(wait)
+               + (st.max_backtracks + 1) * st.step_max_tokens + 8)
+    return Knobs(
+        temperature=full(st.temperature, jnp.float32), top_k=full(st.top_k, jnp.int32),
+        top_p=full(st.top_p, jnp.float32), min_p=full(st.min_p, jnp.float32),
+        temp_bump=full(st.temp_bump, jnp.float32),
+        bt_threshold=full(st.backtrack_threshold, jnp.float32),
+        max_step_bt=full(st.max_step_backtracks, jnp.int32),
+        max_bt=full(st.max_backtracks, jnp.int32), step_cap=full(st.step_max_tokens, jnp.int32),
+        max_steps=full(min(st.max_steps, NEVER), jnp.int32),
+        min_think=full(st.min_thinking_tokens, jnp.int32),
+        max_think=full(st.max_thinking_tokens, jnp.int32), max_answer=full(max_answer, jnp.int32),
+        max_generated=full(max_gen, jnp.int32), exit_tau=full(st.exit_tau, jnp.float32),
+        conf_stop=jnp.asarray(conf_stop, jnp.float32),
+        answer_on_eos=full(st.answer_on_eos, jnp.bool_),
+        eos_mask=jnp.asarray(eos), delim_mask=jnp.asarray(self._delim_mask(st.step_delimiter)),
+        delim_seqs=jnp.asarray(delim_seqs), delim_lens=jnp.asarray(delim_lens),
+        prefix_seqs=jnp.asarray(prefix_seqs), prefix_lens=jnp.asarray(prefix_lens),
+        answer_ids=jnp.asarray(self._pad(answer, self.force_capacity, "answer_prefix")),
+        answer_len=jnp.int32(len(answer)),
+        wait_ids=jnp.asarray(self._pad(wait, self.force_capacity, "wait_text")),
+        wait_len=jnp.int32(len(wait)),
+        probe_ids=jnp.asarray(self._pad(probe, self.probe_capacity, "verifier probe")),
+        probe_len=jnp.int32(len(probe)), yes_id=jnp.int32(yes[-1]), no_id=jnp.int32(no[-1]),
+        answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
+        answer_probe_len=jnp.int32(len(answer)))
+
+  # -- the batch --------------------------------------------------------------------
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _prefill(self, params, cache, tokens, last):
+    _, cache = self.model.forward(params, cache, tokens, jnp.zeros_like(last), last)
+    return cache
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _fork(self, cache, parents):
+    return self.model.fork(cache, parents)
+
+  def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
+    answer = len(self.tokenizer.encode(settings.answer_prefix))
+    need = (longest_prompt + settings.max_thinking_tokens + max(settings.max_answer_tokens, answer)
+            + len(self.tokenizer.encode(settings.wait_text)) + self.probe_capacity + 8)
+    return pow2(need, 64)
+
+  def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop) -> ReasoningState:
+    """Prefill + fork + fresh per-row state for len(requests) x n rows."""
+    r = len(requests)
+    rows = r * n
+    b = pow2(rows)
+    longest = max(len(p) for p in prompts)
+    length = self.cache_length(settings, longest)
+    # 1. prefill each prompt once.
+    rb = pow2(r)
+    t = pow2(longest, 16)
+    tok = np.zeros((rb, t), np.int32)
+    lens = np.ones(rb, np.int32)
+    for i, p in enumerate(prompts):
+      tok[i, :len(p)] = p
+      lens[i] = len(p)
+    cache = self._prefill(self.model.params, self.model.init_cache(rb, length), jnp.asarray(tok),
+                          jnp.asarray(lens - 1))
+    # 2. fork into rows: row i * n + j is sample (sample_offset + j) of request i.
+    parents = np.array([i for i in range(r) for _ in range(n)] + [0] * (b - rows), np.int32)
+    cache = self._fork(cache, jnp.asarray(parents))
+    tokens = np.zeros((b, length), np.int32)
+    tokens[:, :t] = tok[parents]
+    prompt_len = lens[parents].copy()
+    phase = np.where(np.arange(b) < rows, S.THINK, S.DONE).astype(np.int32)
+    keys = np.zeros((b, 2), np.uint32)
+    for i, req in enumerate(requests):
+      for j in range(n):
+        keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
+    stops = np.full(b, -np.inf, np.float32)
+    stops[:rows] = np.repeat(np.asarray(conf_stop, np.float32), n)
+    zi = lambda: jnp.zeros((b,), jnp.int32)
+    w, rec = settings.conf_window, self.max_records
+    return ReasoningState(
+        tokens=jnp.asarray(tokens), length=jnp.asarray(prompt_len), prompt_len=jnp.asarray(prompt_len),
+        phase=jnp.asarray(phase), step_index=zi(), step_start=jnp.asarray(prompt_len), step_len=zi(),
+        step_lp=jnp.zeros((b,)), step_bt=zi(), backtracks=zi(), think_tokens=zi(),
+        answer_tokens=zi(), probe_tokens=zi(), discarded=zi(), waits=zi(), generated=zi(),
+        lp_total=jnp.zeros((b,)), answer_start=jnp.full((b,), -1, jnp.int32),
+        conf_ring=jnp.zeros((b, w)), conf_count=zi(), conf_sum=jnp.zeros((b,)),
+        lowest_conf=jnp.full((b,), jnp.inf), exit_reason=zi(),
+        early_exit=jnp.zeros((b,), bool), force_buf=jnp.zeros((b, self.force_capacity), jnp.int32),
+        force_pos=zi(), force_len=zi(), rec_start=jnp.zeros((b, rec), jnp.int32),
+        rec_end=jnp.zeros((b, rec), jnp.int32), rec_score=jnp.full((b, rec), jnp.nan),
+        rec_action=jnp.zeros((b, rec), jnp.int32), n_rec=zi(), keys=jnp.asarray(keys),
+        iteration=jnp.int32(0), stop_at=jnp.int32(NEVER), knobs=self.knobs(settings, b, stops),
+        cache=cache)
+
+  def loop(self, settings: LoopSettings) -> ReasoningLoop:
+    return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k)
+
+  def _generate_chunk(self, requests, settings, n, sample_offset, conf_stop, budget) -> Batch:
+    t0 = time.perf_counter()
+    prompts = [self.encode(r.prompt) for r in requests]
+    state = self.initial_state(requests, prompts, settings, n, sample_offset, conf_stop)
+    if budget is not None:
+      state = state.replace(knobs=state.knobs.replace(
+          max_steps=jnp.full_like(state.knobs.max_steps, budget.max_steps)))
+    loop = self.loop(settings)
+    calls = 0
+    while True:
+      chunk = self.iterations_per_call or NEVER
+      start_iter = int(state.iteration)
+      state = state.replace(stop_at=jnp.int32(min(start_iter + chunk, NEVER)))
+      t_call = time.perf_counter()
+      state = loop.run(self.model.params, state)
+      done = np.asarray(state.phase) == S.DONE  # one sync per invocation
+      dt = time.perf_counter() - t_call
+      calls += 1
+      if done.all():
+        break
+      if budget is not None:
+        iters = max(1, int(state.iteration) - start_iter)
+        steps = np.maximum(np.asarray(state.step_index), 1)
+        per_step = np.asarray(state.think_tokens) / steps * dt / iters
+        new = budget.observe(per_step[~done], float((~done).mean()))
+        state = state.replace(knobs=state.knobs.replace(
+            max_steps=jnp.full_like(state.knobs.max_steps, new)))
+    host = jax.device_get(state.replace(cache=None))
+    wall = time.perf_counter() - t0
+    traces = [[self._trace(host, i * n + j, sample_offset + j, settings) for j in range(n)]
+              for i in range(len(requests))]
+    return Batch(traces=traces, wall_time_s=[wall] * len(requests),
+                 invocations=[calls] * len(requests), iterations=int(host.iteration))
+
+  def _trace(self, h: ReasoningState, row: int, sample_index: int, settings: LoopSettings) -> Trace:
+    dec = lambda ids: self.tokenizer.decode([int(i) for i in ids], skip_special=True)
+    pl, ln = int(h.prompt_len[row]), int(h.length[row])
+    gen = h.tokens[row, pl:ln]
+    a0 = int(h.answer_start[row])
+    a0 = ln if a0 < 0 else a0
+    steps = []
+    for i in range(min(int(h.n_rec[row]), self.max_records)):
+      start, end = int(h.rec_start[row, i]), int(h.rec_end[row, i])
+      action = S.ACTION_NAMES[int(h.rec_action[row, i])]
+      text = "" if action == "backtrack" else dec(h.tokens[row, start:end])
+      steps.append(StepRecord(start=start - pl, end=end - pl, score=float(h.rec_score[row, i]),
+                              action=action, text=text))
+    kept = int(h.think_tokens[row]) + int(h.answer_tokens[row])
+    w = h.conf_ring.shape[1]
+    nw = min(int(h.conf_count[row]), w)
+    tail = float(h.conf_ring[row].sum() / nw) if nw else math.inf
+    lowest = float(h.lowest_conf[row])
+    text = dec(gen)
+    reason = S.EXIT_NAMES[int(h.exit_reason[row])]
+    return Trace(
+        sample_index=sample_index, token_ids=[int(x) for x in gen], text=text,
+        thinking_text=dec(h.tokens[row, pl:a0]), answer_text=dec(h.tokens[row, a0:ln]),
+        answer=self.extract(text, settings), steps=steps,
+        tokens=TokenCounts(thinking=int(h.think_tokens[row]), answer=int(h.answer_tokens[row]),
+                           probe=int(h.probe_tokens[row]), discarded=int(h.discarded[row]),
+                           waits=int(h.waits[row])),
+        backtracks=int(h.backtracks[row]), early_exit=bool(h.early_exit[row]), exit_reason=reason,
+        mean_logprob=float(h.lp_total[row]) / max(kept, 1),
+        mean_confidence=float(h.conf_sum[row]) / max(int(h.conf_count[row]), 1),
+        lowest_group_confidence=lowest if math.isfinite(lowest) else tail,
+        tail_confidence=tail, stopped_low_confidence=reason == "low_confidence")

@@ -1,0 +1,304 @@
+"""The reasoning loop: think / verify / backtrack as one jitted `jax.lax.while_loop`.
+
+`ReasoningLoop` is a frozen dataclass holding only static configuration (the
+decode model, the verifier class, the probe switch); everything a policy
+varies is an array in `ReasoningState.knobs`. One iteration = one token for
+every row, with step-boundary decisions applied by masks:
+
+  1. feed token length-1 of every row at its position (one T=1 forward);
+  2. draw the next token with key fold_in(fold_in(base, attempt), position)
+     and temperature + bump * (backtracks of this step); forced tokens
+     ("Wait", the answer prefix) replace the draw while a force queue is open;
+  3. budget forcing: end of sequence while thinking below `min_think` becomes
+     "Wait"; above it, the sequence ends (or the answer is forced);
+  4. append the token, update counters and the DeepConf confidence window;
+  5. step boundary (delimiter, step cap, or the answer prefix written by the
+     model): run the probes if any row needs them, score the step, and
+     decide: backtrack (length = step start, attempt + 1) / early exit /
+     answer (step budget) / continue; one record per event;
+  6. token budgets: thinking tokens reaching `max_think` force the answer
+     prefix; answer tokens reaching `max_answer` end the row; DeepConf stops a
+     row whose full-window group confidence falls below its threshold.
+
+`run` loops until every row is done or `state.stop_at` iterations have run
+(the host may then adapt budgets or admit work and call again); `run_python`
+is the debugging twin that calls the same `_step` one iteration at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from o1jax.controller import state as S
+from o1jax.controller.decode_model import DecodeModel
+from o1jax.controller.state import Knobs, ReasoningState
+from o1jax.controller.verifiers import MeanLogprob, StepStats, Verifier
+from o1jax.model.sampling import sample
+
+
+def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.Array,
+               available: jax.Array) -> jax.Array:
+  """Length of the pattern variant that tokens[b, :length[b]] ends with (0 = none).
+
+  tokens [B, L]; seqs [M, D] padded variants with lens [M] (0 = unused);
+  only the last `available[b]` tokens may take part."""
+  b, l = tokens.shape
+  m, d = seqs.shape
+  j = jnp.arange(d)
+  # pos[b, m, j]: where pattern token j of variant m must sit.
+  pos = length[:, None, None] - lens[None, :, None] + j[None, None, :]
+  got = jnp.take_along_axis(tokens, jnp.clip(pos, 0, l - 1).reshape(b, m * d), axis=1)
+  got = got.reshape(b, m, d)
+  used = j[None, None, :] < lens[None, :, None]
+  ok = jnp.all(jnp.where(used, got == seqs[None], True), axis=-1)
+  ok &= (lens[None, :] > 0) & (lens[None, :] <= available[:, None])
+  return jnp.max(jnp.where(ok, lens[None, :], 0), axis=1)
+
+
+def _set_row(buf: jax.Array, index: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
+  """buf[b, index[b]] = value[b] where mask[b]; indices past the end are dropped."""
+  rows = jnp.arange(buf.shape[0])
+  idx = jnp.where(mask, index, buf.shape[1])
+  return buf.at[rows, idx].set(value.astype(buf.dtype), mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningLoop:
+  """Static configuration of the compiled loop (hashable; jitted with static self).
+
+  model: a DecodeModel (hashed by identity). verifier: scores steps.
+  answer_probe: compile the answer-confidence probe used for early exit.
+  top_k: log-probs averaged into one token confidence (DeepConf)."""
+
+  model: DecodeModel
+  verifier: Verifier = MeanLogprob()
+  answer_probe: bool = False
+  top_k: int = 5
+
+  # -- one iteration --------------------------------------------------------------
+
+  def _cond(self, s: ReasoningState) -> jax.Array:
+    return (jnp.any(s.phase != S.DONE)  # some row still thinking or answering
+            & (s.iteration < s.stop_at))  # this invocation's share of iterations is left
+
+  def _probe(self, params, cache, tokens, length, ids, n):
+    """Runs [last token, probe ids] past the sequence end; returns (probs [B, V], cache).
+
+    The probe's K/V land at positions >= length, which the sequence rewrites
+    before it can attend to them: the sequence itself is untouched."""
+    b = tokens.shape[0]
+    last = tokens[jnp.arange(b), length - 1]
+    seq = jnp.concatenate([last[:, None], jnp.broadcast_to(ids, (b, ids.shape[0]))], axis=1)
+    logits, cache = self.model.forward(params, cache, seq, length - 1, jnp.full((b,), n))
+    return jax.nn.softmax(logits, axis=-1), cache
+
+  def _step(self, params, s: ReasoningState) -> ReasoningState:
+    k: Knobs = s.knobs
+    b, l = s.tokens.shape
+    rows = jnp.arange(b)
+    f = s.force_buf.shape[1]
+    active = s.phase != S.DONE
+    think = active & (s.phase == S.THINK)
+    answer = active & (s.phase == S.ANSWER)
+
+    # 1. forward the last token of every row.
+    last = s.tokens[rows, s.length - 1]
+    logits, cache = self.model.forward(params, s.cache, last[:, None], s.length - 1,
+                                       jnp.zeros((b,), jnp.int32))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+
+    # 2. draw, then let an open force queue override the draw.
+    keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(s.keys, s.backtracks),
+                                        s.length)
+    temperature = k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32)
+    drawn = sample(logits, keys, temperature, k.top_k, k.top_p, k.min_p)
+    forcing = s.force_pos < s.force_len
+    tok = jnp.where(forcing, s.force_buf[rows, jnp.clip(s.force_pos, 0, f - 1)], drawn)
+    force_buf, force_pos, force_len = s.force_buf, s.force_pos + forcing, s.force_len
+    is_eos = k.eos_mask[tok] & ~forcing
+
+    def start_forcing(mask, ids, n, tok, buf, pos, ln, first_now):
+      """Opens a force queue of ids[:n]; first_now emits ids[0] in this iteration."""
+      tok = jnp.where(mask & first_now, ids[0], tok)
+      buf = jnp.where(mask[:, None], ids[None, :], buf)
+      pos = jnp.where(mask, jnp.where(first_now, 1, 0), pos)
+      ln = jnp.where(mask, n, ln)
+      return tok, buf, pos, ln
+
+    # 3. end of sequence while thinking: "Wait" below the minimum, else end / answer.
+    wait_now = think & is_eos & (s.think_tokens < k.min_think)
+    tok, force_buf, force_pos, force_len = start_forcing(
+        wait_now, k.wait_ids, k.wait_len, tok, force_buf, force_pos, force_len, True)
+    eos_think = think & is_eos & ~wait_now
+    eos_to_answer = eos_think & k.answer_on_eos
+    tok, force_buf, force_pos, force_len = start_forcing(
+        eos_to_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, True)
+    finish_eos = (eos_think & ~k.answer_on_eos) | (answer & is_eos)
+
+    # 4. append and count.
+    append = active & ~finish_eos
+    tokens = _set_row(s.tokens, s.length, tok, append)
+    length = s.length + append
+    in_think = append & think & ~eos_to_answer
+    in_answer = append & (answer | eos_to_answer)
+    tok_lp = logp[rows, tok]
+    step_len = s.step_len + in_think
+    step_lp = s.step_lp + jnp.where(in_think, tok_lp, 0.0)
+    think_tokens = s.think_tokens + in_think
+    answer_tokens = s.answer_tokens + in_answer
+    generated = s.generated + append
+    lp_total = s.lp_total + jnp.where(append, tok_lp, 0.0)
+    answer_start = jnp.where(eos_to_answer, s.length, s.answer_start)
+    phase = jnp.where(eos_to_answer, S.ANSWER, s.phase)
+    # DeepConf token confidence: -mean of the top-k log-probs.
+    conf = -jnp.mean(jax.lax.top_k(logp, self.top_k)[0], axis=-1)
+    w = s.conf_ring.shape[1]
+    conf_ring = _set_row(s.conf_ring, s.conf_count % w, conf, append)
+    conf_count = s.conf_count + append
+    conf_sum = s.conf_sum + jnp.where(append, conf, 0.0)
+    n_win = jnp.minimum(conf_count, w)
+    group_conf = jnp.where(n_win > 0, jnp.sum(conf_ring, axis=1) / jnp.maximum(n_win, 1), jnp.inf)
+    full = append & (conf_count >= w)
+    lowest_conf = jnp.where(full, jnp.minimum(s.lowest_conf, group_conf), s.lowest_conf)
+
+    # 5. step boundary (never inside a forced run such as "Wait").
+    pending = force_pos < force_len
+    can_end = in_think & ~pending
+    delim = tail_match(tokens, length, k.delim_seqs, k.delim_lens, step_len) > 0
+    delim |= k.delim_mask[tok]
+    prefix_n = tail_match(tokens, length, k.prefix_seqs, k.prefix_lens, think_tokens)
+    prefix_hit = can_end & (prefix_n > 0)
+    # The model wrote the answer prefix below the thinking minimum: roll it back, "Wait".
+    prefix_early = prefix_hit & (think_tokens - prefix_n < k.min_think)
+    model_answer = prefix_hit & ~prefix_early
+    boundary = can_end & (delim | (step_len >= k.step_cap)) & ~prefix_hit
+
+    p_yes = jnp.full((b,), jnp.nan)
+    answer_conf = jnp.zeros((b,))
+    probe_tokens = s.probe_tokens
+    probing = boundary & (s.step_index + 1 < k.max_steps)
+    if self.verifier.needs_probe:
+      def verify(c):
+        probs, c = self._probe(params, c, tokens, length, k.probe_ids, k.probe_len)
+        return probs[:, k.yes_id] / (probs[:, k.yes_id] + probs[:, k.no_id] + 1e-30), c
+      p_yes, cache = jax.lax.cond(jnp.any(boundary), verify, lambda c: (p_yes, c), cache)
+      probe_tokens += jnp.where(boundary, k.probe_len, 0)
+    if self.answer_probe:
+      wants = probing & (k.exit_tau <= 1.0)
+      def confidence(c):
+        probs, c = self._probe(params, c, tokens, length, k.answer_probe_ids, k.answer_probe_len)
+        return jnp.max(probs, axis=-1), c
+      answer_conf, cache = jax.lax.cond(jnp.any(wants), confidence, lambda c: (answer_conf, c),
+                                        cache)
+      answer_conf = jnp.where(wants, answer_conf, 0.0)
+      probe_tokens += jnp.where(wants, k.answer_probe_len, 0)
+    score = self.verifier.score(StepStats(lp_sum=step_lp, n_tokens=step_len, group_conf=group_conf,
+                                          lowest_conf=lowest_conf, p_yes=p_yes))
+    score = score.astype(jnp.float32)
+
+    backtrack = (boundary
+                 & (score < k.bt_threshold)  # the verifier rejects the step
+                 & (s.step_bt < k.max_step_bt)  # this step may still be retried
+                 & (s.backtracks < k.max_bt))  # and the sequence's total allows it
+    accept = boundary & ~backtrack
+    exit_early = accept & (answer_conf >= k.exit_tau)
+    out_of_steps = accept & ~exit_early & (s.step_index + 1 >= k.max_steps)
+
+    # Backtrack: roll the row back to its step start; the attempt counter gives a fresh key.
+    rollback = jnp.where(backtrack, step_len, 0) + jnp.where(prefix_early, prefix_n, 0)
+    length = length - rollback
+    think_tokens = think_tokens - rollback
+    discarded = s.discarded + rollback
+    lp_total = lp_total - jnp.where(backtrack, step_lp, 0.0)
+    cache = self.model.truncate(cache, length)
+    step_bt = jnp.where(backtrack, s.step_bt + 1, jnp.where(accept, 0, s.step_bt))
+    backtracks = s.backtracks + backtrack
+    step_len = jnp.where(backtrack | accept, 0, step_len - jnp.where(prefix_early, prefix_n, 0))
+    step_len = jnp.maximum(step_len, 0)
+    step_lp = jnp.where(backtrack | accept, 0.0, step_lp)
+    step_index = s.step_index + accept
+    step_end = length  # after a rollback: the new end
+    rec_start_val = s.step_start
+    step_start = jnp.where(accept, length, s.step_start)
+    # Model-written prefix: its tokens belong to the answer.
+    think_tokens = think_tokens - jnp.where(model_answer, prefix_n, 0)
+    answer_tokens = answer_tokens + jnp.where(model_answer, prefix_n, 0)
+    answer_start = jnp.where(model_answer, length - prefix_n, answer_start)
+    phase = jnp.where(model_answer, S.ANSWER, phase)
+    waits = s.waits + wait_now + prefix_early
+    _, force_buf, force_pos, force_len = start_forcing(
+        prefix_early, k.wait_ids, k.wait_len, tok, force_buf, force_pos, force_len, False)
+
+    # 6. budgets.
+    still_thinking = active & (phase == S.THINK) & ~pending & ~prefix_early
+    over_think = still_thinking & (think_tokens >= k.max_think) & ~exit_early & ~out_of_steps
+    force_answer = exit_early | out_of_steps | over_think
+    _, force_buf, force_pos, force_len = start_forcing(
+        force_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, False)
+    answer_start = jnp.where(force_answer, length, answer_start)
+    phase = jnp.where(force_answer, S.ANSWER, phase)
+    low_conf = (active & (phase == S.THINK)  # only thinking is cut short
+                & (conf_count >= w)  # a full window was seen
+                & (group_conf < k.conf_stop))  # below this trace's threshold
+    answer_full = append & (phase == S.ANSWER) & (answer_tokens >= k.max_answer)
+    answer_full &= ~(force_len > force_pos)  # the forced prefix always completes
+    too_long = active & ((length + s.knobs.probe_ids.shape[0] + 2 >= l)
+                         | (generated >= k.max_generated))
+    exit_reason = s.exit_reason
+    for cond, code in ((too_long, S.EXIT_LENGTH), (answer_full, S.EXIT_ANSWER_BUDGET),
+                       (low_conf, S.EXIT_LOW_CONF), (finish_eos & think, S.EXIT_EOS),
+                       (finish_eos & answer, S.EXIT_ANSWER_EOS)):
+      exit_reason = jnp.where(cond & (exit_reason == S.RUNNING), code, exit_reason)
+    finished = active & (exit_reason != S.RUNNING)
+    phase = jnp.where(finished, S.DONE, phase)
+
+    # One record per event, highest priority first.
+    action = jnp.full((b,), -1, jnp.int32)
+    for cond, code in ((finish_eos & think, S.END), (low_conf, S.LOW_CONF_STOP),
+                       (over_think & ~boundary, S.THINK_BUDGET), (wait_now | prefix_early, S.WAIT),
+                       (model_answer, S.MODEL_ANSWER), (accept & over_think, S.THINK_BUDGET),
+                       (exit_early, S.EARLY_EXIT), (out_of_steps, S.ANSWER_STEPS),
+                       (backtrack, S.BACKTRACK), (accept, S.CONTINUE)):
+      action = jnp.where(cond & (action < 0), code, action)
+    record = action >= 0
+    scored = boundary
+    rec_end_val = jnp.where(backtrack, s.length + 1, step_end)  # backtrack: the discarded span
+    rec_end_val = jnp.where(finish_eos, s.length, rec_end_val)
+    return s.replace(
+        tokens=tokens, length=length, phase=phase, step_index=step_index, step_start=step_start,
+        step_len=step_len, step_lp=step_lp, step_bt=step_bt, backtracks=backtracks,
+        think_tokens=think_tokens, answer_tokens=answer_tokens, probe_tokens=probe_tokens,
+        discarded=discarded, waits=waits, generated=generated, lp_total=lp_total, answer_start=answer_start,
+        conf_ring=conf_ring, conf_count=conf_count, conf_sum=conf_sum, lowest_conf=lowest_conf,
+        exit_reason=exit_reason, early_exit=s.early_exit | exit_early, force_buf=force_buf,
+        force_pos=force_pos, force_len=force_len,
+        rec_start=_set_row(s.rec_start, s.n_rec, rec_start_val, record),
+        rec_end=_set_row(s.rec_end, s.n_rec, rec_end_val, record),
+        rec_score=_set_row(s.rec_score, s.n_rec, jnp.where(scored, score, jnp.nan), record),
+        rec_action=_set_row(s.rec_action, s.n_rec, action, record),
+        n_rec=s.n_rec + record, iteration=s.iteration + 1, cache=cache)
+
+  # -- drivers --------------------------------------------------------------------
+
+  @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
+  def run(self, params, state: ReasoningState) -> ReasoningState:
+    """Iterates `_step` inside one while_loop until all rows are done or stop_at."""
+    return jax.lax.while_loop(self._cond, functools.partial(self._step, params), state)
+
+  @functools.partial(jax.jit, static_argnames=("self",))
+  def step(self, params, state: ReasoningState) -> ReasoningState:
+    return self._step(params, state)
+
+  def run_python(self, params, state: ReasoningState,
+                 on_step: Callable[[ReasoningState], None] | None = None) -> ReasoningState:
+    """Debugging twin of `run`: the same `_step`, one jitted iteration per host call."""
+    while bool(self._cond(state)):
+      state = self.step(params, state)
+      if on_step is not None:
+        on_step(state)
+    return state

@@ -1,0 +1,293 @@
+"""Reasoning policies: small frozen classes chosen by name, every parameter in config.
+
+A policy implements one method, `run(controller, requests) -> [ReasoningResult]`,
+usually as: build `LoopSettings` from its fields -> `controller.generate(...)`
+-> aggregate the traces -> `controller.result(...)`. Register a new class with
+`@register` and name it in a config (see docs/controller.md for a worked example).
+
+  greedy_cot              one greedy chain of thought
+  self_consistency        n samples sharing the prompt's cache; majority vote
+  best_of_n               n samples; the best by a named scorer
+  deepconf                warm-up traces set a confidence threshold (percentile of
+                          their lowest group confidence); later traces stop once their
+                          group confidence falls below it; confidence-weighted vote
+  think_verify_backtrack  step verifier + backtracking + early exit at tau
+  budget_forcing          s1: "Wait" below a minimum of thinking tokens, answer at a maximum
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from o1jax.controller.answers import majority_vote, weighted_vote
+from o1jax.controller.budget import AdaptiveBudget, allocate_budget
+from o1jax.controller.controller import Controller, LoopSettings
+from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
+from o1jax.controller.verifiers import SCORERS, get_verifier
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy(abc.ABC):
+  """Base: the decoding / budget parameters every policy shares."""
+
+  name: ClassVar[str]
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_thinking_tokens: int = 256
+  max_answer_tokens: int = 16
+  step_delimiter: str = "\n\n"
+  step_max_tokens: int = 64
+  answer_prefix: str = "The answer is"
+  answer_on_eos: bool = True  # a trace that ends without an answer gets the prefix forced
+
+  @abc.abstractmethod
+  def run(self, ctl: Controller, requests: Sequence[ReasoningRequest]) -> list[ReasoningResult]:
+    """One result per request, same order."""
+
+  def settings(self, **overrides) -> LoopSettings:
+    """LoopSettings from this policy's shared fields (+ overrides)."""
+    base = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                max_thinking_tokens=self.max_thinking_tokens,
+                max_answer_tokens=self.max_answer_tokens, step_delimiter=self.step_delimiter,
+                step_max_tokens=self.step_max_tokens, answer_prefix=self.answer_prefix,
+                answer_on_eos=self.answer_on_eos)
+    base.update(overrides)
+    return LoopSettings(**base)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"name": self.name, **dataclasses.asdict(self)}
+
+
+def _first(traces: list[Trace], among: list[Trace], answer) -> int | None:
+  """Index of the first trace in `among` whose answer is `answer`."""
+  ids = {id(t) for t in among}
+  return next((j for j, t in enumerate(traces) if id(t) in ids and t.answer == answer), None)
+
+
+def _vote_results(ctl, policy, requests, batch, settings, weights_fn=None, keep_fn=None):
+  """Majority (or weighted) vote over each request's traces."""
+  out = []
+  for i, req in enumerate(requests):
+    traces = batch.traces[i]
+    keep = [t for t in traces if keep_fn is None or keep_fn(t)] or traces
+    weights = None if weights_fn is None else [weights_fn(t) for t in keep]
+    winner, votes = weighted_vote([t.answer for t in keep], weights)
+    chosen = _first(traces, keep, winner)
+    out.append(ctl.result(req, policy.name, traces, chosen, winner, batch.wall_time_s[i],
+                          batch.invocations[i], votes))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyCoT(Policy):
+  """One greedy chain of thought, then the answer."""
+
+  name: ClassVar[str] = "greedy_cot"
+
+  def run(self, ctl, requests):
+    st = self.settings()
+    batch = ctl.generate(requests, st, 1)
+    return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
+                       batch.wall_time_s[i], batch.invocations[i])
+            for i, r in enumerate(requests)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfConsistency(Policy):
+  """n sampled traces sharing the prompt's cache; majority vote (Wang et al., 2022)."""
+
+  name: ClassVar[str] = "self_consistency"
+  n: int = 8
+  temperature: float = 0.7
+  top_p: float = 0.95
+
+  def __post_init__(self):
+    if self.n < 1:
+      raise ValueError(f"{self.name}: n must be >= 1")
+
+  def run(self, ctl, requests):
+    st = self.settings()
+    return _vote_results(ctl, self, requests, ctl.generate(requests, st, self.n), st)
+
+
+@dataclasses.dataclass(frozen=True)
+class BestOfN(Policy):
+  """n sampled traces; the one with the best `score` (a registered host scorer:
+  mean_logprob, mean_confidence, lowest_group_confidence, tail_confidence, or
+  one the pipeline registered with `register_scorer`)."""
+
+  name: ClassVar[str] = "best_of_n"
+  n: int = 4
+  temperature: float = 0.7
+  top_p: float = 0.95
+  score: str = "mean_logprob"
+
+  def run(self, ctl, requests):
+    if self.score not in SCORERS:
+      raise ValueError(f"{self.name}: unknown scorer {self.score!r}; registered: {sorted(SCORERS)}")
+    scorer = SCORERS[self.score]
+    batch = ctl.generate(requests, self.settings(), self.n)
+    out = []
+    for i, req in enumerate(requests):
+      traces = batch.traces[i]
+      for t in traces:
+        t.score = float(scorer(req, t))
+      chosen = int(np.argmax([t.score for t in traces]))
+      out.append(ctl.result(req, self.name, traces, chosen, traces[chosen].answer,
+                            batch.wall_time_s[i], batch.invocations[i]))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepConf(Policy):
+  """DeepConf online (Fu et al., 2025), per request:
+
+  1. `warmup` traces run to the end; each trace's confidence is its lowest
+     group confidence (window `window` tokens, token confidence = -mean top-k log p);
+  2. threshold s = percentile(warm-up confidences, 100 - keep_percent): keep_percent 10
+     is DeepConf-low (aggressive), 90 is DeepConf-high;
+  3. the other n - warmup traces run with s as a stop threshold: a trace
+     stops as soon as its group confidence (full window) falls below s, and
+     stopped traces do not vote;
+  4. vote weighted by trace confidence over the finished traces whose
+     confidence is in the top keep_percent of all finished traces."""
+
+  name: ClassVar[str] = "deepconf"
+  n: int = 8
+  warmup: int = 2
+  keep_percent: float = 10.0
+  window: int = 16
+  temperature: float = 0.7
+  top_p: float = 0.95
+
+  def __post_init__(self):
+    if not 1 <= self.warmup <= self.n:
+      raise ValueError(f"{self.name}: need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")
+    if not 0 < self.keep_percent <= 100:
+      raise ValueError(f"{self.name}: keep_percent must be in (0, 100]")
+
+  def run(self, ctl, requests):
+    st = self.settings(conf_window=self.window)
+    warm = ctl.generate(requests, st, self.warmup)
+    thresholds = [float(np.percentile([t.lowest_group_confidence for t in traces],
+                                      100.0 - self.keep_percent))
+                  for traces in warm.traces]
+    rest = None
+    if self.n > self.warmup:
+      rest = ctl.generate(requests, st, self.n - self.warmup, sample_offset=self.warmup,
+                          conf_stop=thresholds)
+    out = []
+    for i, req in enumerate(requests):
+      traces = warm.traces[i] + (rest.traces[i] if rest else [])
+      finished = [t for t in traces if not t.stopped_low_confidence]
+      confs = [t.lowest_group_confidence for t in finished]
+      cut = float(np.percentile(confs, 100.0 - self.keep_percent)) if confs else -math.inf
+      voters = [t for t in finished if t.lowest_group_confidence >= cut] or finished
+      winner, votes = weighted_vote([t.answer for t in voters],
+                                    [t.lowest_group_confidence for t in voters])
+      chosen = _first(traces, voters, winner)
+      wall = warm.wall_time_s[i] + (rest.wall_time_s[i] if rest else 0.0)
+      calls = warm.invocations[i] + (rest.invocations[i] if rest else 0)
+      out.append(ctl.result(req, self.name, traces, chosen, winner, wall, calls, votes,
+                            threshold=thresholds[i],
+                            stopped=sum(t.stopped_low_confidence for t in traces)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinkVerifyBacktrack(Policy):
+  """The full loop: score every step with `verifier`; backtrack a step scoring
+  below `backtrack_threshold` (resampled with a fresh key and temperature +
+  temp_bump per retry), at most `max_step_backtracks` per step and
+  `max_backtracks` per trace; exit early once the answer confidence (max
+  next-token probability after the answer prefix) reaches `exit_tau`.
+  Steps: `max_steps`, or allocate_budget(latency_slo_s, load) when
+  max_steps = 0; `adaptive` re-plans it between loop invocations."""
+
+  name: ClassVar[str] = "think_verify_backtrack"
+  verifier: str = "self_verify"
+  backtrack_threshold: float = 0.5
+  max_step_backtracks: int = 2
+  max_backtracks: int = 6
+  temp_bump: float = 0.3
+  exit_tau: float = 0.85
+  max_steps: int = 0
+  latency_slo_s: float = 0.5
+  load: float = 0.8
+  adaptive: bool = False
+  step_delimiter: str = "\n"
+
+  def run(self, ctl, requests):
+    steps = self.max_steps or allocate_budget(self.latency_slo_s, self.load)
+    st = self.settings(verifier=get_verifier(self.verifier),
+                       backtrack_threshold=self.backtrack_threshold,
+                       max_step_backtracks=self.max_step_backtracks,
+                       max_backtracks=self.max_backtracks, temp_bump=self.temp_bump,
+                       exit_tau=self.exit_tau, answer_probe=self.exit_tau <= 1.0, max_steps=steps)
+    budget = AdaptiveBudget(self.latency_slo_s, self.load) if self.adaptive else None
+    batch = ctl.generate(requests, st, 1, budget=budget)
+    return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
+                       batch.wall_time_s[i], batch.invocations[i], max_steps=steps,
+                       budget_history=list(budget.history) if budget else [])
+            for i, r in enumerate(requests)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetForcing(Policy):
+  """s1 budget forcing (Muennighoff et al., 2025): while fewer than
+  `min_thinking_tokens` were thought, the end of thinking is replaced by
+  `wait_text`; at `max_thinking_tokens` the answer prefix is forced."""
+
+  name: ClassVar[str] = "budget_forcing"
+  min_thinking_tokens: int = 64
+  max_thinking_tokens: int = 256
+  wait_text: str = " Wait"
+
+  def run(self, ctl, requests):
+    st = self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)
+    batch = ctl.generate(requests, st, 1)
+    return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
+                       batch.wall_time_s[i], batch.invocations[i])
+            for i, r in enumerate(requests)]
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+  """Class decorator: adds a policy under its `name` (a later one replaces an earlier one)."""
+  POLICIES[cls.name] = cls
+  return cls
+
+
+for _cls in (GreedyCoT, SelfConsistency, BestOfN, DeepConf, ThinkVerifyBacktrack, BudgetForcing):
+  register(_cls)
+
+
+def get_policy(name: str, **params) -> Policy:
+  """A registered policy by name; unknown names or params list the valid ones."""
+  if name not in POLICIES:
+    raise ValueError(f"unknown policy {name!r}; registered: {sorted(POLICIES)}")
+  cls = POLICIES[name]
+  valid = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(params) - valid)
+  if unknown:
+    raise ValueError(f"policy {name!r} has no params {unknown}; valid: {sorted(valid)}")
+  return cls(**params)
+
+
+def build_policy(section: Mapping[str, Any]) -> Policy:
+  """{"name": ..., **params} (a dict or an ml_collections.ConfigDict) -> Policy."""
+  params = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  return get_policy(params.pop("name"), **params)
+
+
+def policy_defaults(name: str) -> dict[str, Any]:
+  """Every param of policy `name` with its default (what a config section holds)."""
+  return get_policy(name).to_dict()

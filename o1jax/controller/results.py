@@ -1,0 +1,113 @@
+"""Per-request output: the reasoning-path trace and token accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningRequest:
+  """One problem. prompt: text, chat messages [{"role", "content"}] or token ids.
+
+  request_id and seed fix every random draw: sample j of this request uses
+  sequence_key(seed, request_id, j), then the attempt and the position."""
+
+  prompt: Any
+  request_id: int = 0
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class StepRecord:
+  """One event of a trace: token span [start, end) relative to the first
+  generated token, the verifier score (nan if not scored) and the action."""
+
+  start: int
+  end: int
+  score: float
+  action: str
+  text: str = ""
+
+
+@dataclasses.dataclass
+class TokenCounts:
+  thinking: int = 0  # kept thinking tokens (incl. forced "Wait")
+  answer: int = 0  # answer tokens (incl. the answer prefix)
+  probe: int = 0  # tokens run through verification / answer-confidence probes
+  discarded: int = 0  # generated, then rolled back by backtracking
+  waits: int = 0  # "Wait" insertions (budget forcing)
+
+  @property
+  def generated(self) -> int:
+    """Every token the model produced for this trace (kept + discarded)."""
+    return self.thinking + self.answer + self.discarded
+
+  def __add__(self, other: "TokenCounts") -> "TokenCounts":
+    return TokenCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                          for f in dataclasses.fields(self)})
+
+  def to_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "generated": self.generated}
+
+
+@dataclasses.dataclass
+class Trace:
+  """One sampled reasoning path."""
+
+  sample_index: int
+  token_ids: list[int]  # generated tokens kept in the sequence
+  text: str
+  thinking_text: str
+  answer_text: str
+  answer: Optional[str]  # extracted
+  steps: list[StepRecord]
+  tokens: TokenCounts
+  backtracks: int
+  early_exit: bool
+  exit_reason: str
+  mean_logprob: float  # mean log p of the kept tokens
+  mean_confidence: float  # DeepConf mean token confidence of the trace
+  lowest_group_confidence: float  # lowest full-window group confidence (tail if none)
+  tail_confidence: float  # group confidence of the last window
+  stopped_low_confidence: bool = False
+  score: Optional[float] = None  # set by best_of_n's scorer
+
+  @property
+  def n_steps(self) -> int:
+    return sum(1 for s in self.steps if s.action not in ("backtrack", "wait"))
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["tokens"] = self.tokens.to_dict()
+    for key in ("mean_logprob", "mean_confidence", "lowest_group_confidence", "tail_confidence"):
+      if not math.isfinite(d[key]):
+        d[key] = None
+    return d
+
+
+@dataclasses.dataclass
+class ReasoningResult:
+  """What `Controller.run` returns per request (the "reasoning path trace")."""
+
+  request_id: int
+  policy: str
+  answer_text: str  # final text of the chosen trace (or the winning answer's first trace)
+  answer: Optional[str]  # extracted final answer
+  traces: list[Trace]
+  chosen: Optional[int]  # index into traces
+  tokens: TokenCounts
+  steps: int
+  backtracks: int
+  early_exit: bool
+  wall_time_s: float  # wall time of the batch this request ran in
+  loop_invocations: int  # host round trips (jitted loop calls) for this request
+  votes: dict[str, float] = dataclasses.field(default_factory=dict)
+  info: dict = dataclasses.field(default_factory=dict)
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["tokens"] = self.tokens.to_dict()
+    d["traces"] = [t.to_dict() for t in self.traces]
+    return d

@@ -1,0 +1,143 @@
+"""The loop's carried state: one `ReasoningState` pytree for a batch of B sequences.
+
+Every field is a device array with a fixed shape, so the whole state is the
+carry of one `jax.lax.while_loop`. Per-row policy settings live in `Knobs`
+(also arrays), so policies that differ only in numbers share one compiled
+program; only the verifier class and the probe switch are static.
+
+Shapes: B rows (request x sample), L cache/token length, W confidence window,
+F forced-token capacity, P probe capacity, M pattern variants, D pattern
+capacity, R step records, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+# Phases of a sequence.
+THINK, ANSWER, DONE = 0, 1, 2
+
+# Actions recorded at step boundaries and other events (rec_action).
+CONTINUE = 0  # step accepted, keep thinking
+BACKTRACK = 1  # step rolled back and resampled
+ANSWER_STEPS = 2  # step accepted, step budget reached: answer forced
+EARLY_EXIT = 3  # step accepted, answer confidence >= tau: answer forced
+MODEL_ANSWER = 4  # the model wrote the answer prefix itself
+THINK_BUDGET = 5  # thinking-token budget reached (mid-step): answer forced
+WAIT = 6  # end of thinking below the minimum: "Wait" forced (budget forcing)
+LOW_CONF_STOP = 7  # DeepConf: group confidence fell below the trace threshold
+END = 8  # end of sequence during thinking (no answer phase)
+ACTION_NAMES = ("continue", "backtrack", "answer_steps", "early_exit", "model_answer",
+                "think_budget", "wait", "low_conf_stop", "end")
+
+# Why a sequence finished (exit_reason).
+RUNNING, EXIT_EOS, EXIT_ANSWER_EOS, EXIT_ANSWER_BUDGET, EXIT_LOW_CONF, EXIT_LENGTH = range(6)
+EXIT_NAMES = ("running", "eos", "answer_eos", "answer_budget", "low_confidence", "length")
+
+
+@flax.struct.dataclass
+class Knobs:
+  """Policy settings as arrays: per row [B] unless noted. Passed into jit, never static."""
+
+  temperature: jax.Array  # [B] f32 base temperature (0 = greedy)
+  top_k: jax.Array  # [B] i32
+  top_p: jax.Array  # [B] f32
+  min_p: jax.Array  # [B] f32
+  temp_bump: jax.Array  # [B] f32 added per backtrack of the current step
+  bt_threshold: jax.Array  # [B] f32 backtrack when step score < this
+  max_step_bt: jax.Array  # [B] i32 backtracks allowed per step
+  max_bt: jax.Array  # [B] i32 backtracks allowed per sequence
+  step_cap: jax.Array  # [B] i32 tokens per step before a forced boundary
+  max_steps: jax.Array  # [B] i32 accepted steps before the answer is forced
+  min_think: jax.Array  # [B] i32 budget forcing: "Wait" while below
+  max_think: jax.Array  # [B] i32 thinking tokens before the answer is forced
+  max_answer: jax.Array  # [B] i32 answer tokens (incl. the forced prefix)
+  max_generated: jax.Array  # [B] i32 all tokens incl. discarded ones
+  exit_tau: jax.Array  # [B] f32 early exit when answer confidence >= tau (> 1 = off)
+  conf_stop: jax.Array  # [B] f32 DeepConf stop threshold (-inf = off)
+  answer_on_eos: jax.Array  # [B] bool end of sequence while thinking -> force the answer
+  eos_mask: jax.Array  # [V] bool
+  delim_mask: jax.Array  # [V] bool tokens whose text contains the step delimiter
+  delim_seqs: jax.Array  # [M, D] i32 delimiter tokenizations (tail match)
+  delim_lens: jax.Array  # [M] i32 (0 = unused variant)
+  prefix_seqs: jax.Array  # [M, D] i32 answer-prefix tokenizations (tail match)
+  prefix_lens: jax.Array  # [M] i32
+  answer_ids: jax.Array  # [F] i32 forced answer prefix
+  answer_len: jax.Array  # [] i32
+  wait_ids: jax.Array  # [F] i32 forced "Wait"
+  wait_len: jax.Array  # [] i32
+  probe_ids: jax.Array  # [P] i32 self-verification probe
+  probe_len: jax.Array  # [] i32
+  yes_id: jax.Array  # [] i32
+  no_id: jax.Array  # [] i32
+  answer_probe_ids: jax.Array  # [P] i32 answer-confidence probe (the answer prefix)
+  answer_probe_len: jax.Array  # [] i32
+
+
+@flax.struct.dataclass
+class ReasoningState:
+  """Per-row reasoning state; `tokens[b, :length[b]]` is row b's sequence.
+
+  The cache holds K/V for positions < length - 1: each iteration feeds
+  token length-1 and samples token `length`, so truncating to a step start
+  is just `length = step_start` (stale cache entries are rewritten before
+  any query can see them)."""
+
+  tokens: jax.Array  # [B, L] i32 prompt + generated tokens
+  length: jax.Array  # [B] i32
+  prompt_len: jax.Array  # [B] i32
+  phase: jax.Array  # [B] i32 THINK / ANSWER / DONE
+  step_index: jax.Array  # [B] i32 accepted steps
+  step_start: jax.Array  # [B] i32 position of the current step's first token
+  step_len: jax.Array  # [B] i32 tokens in the current step
+  step_lp: jax.Array  # [B] f32 sum of log p of the current step's tokens
+  step_bt: jax.Array  # [B] i32 backtracks of the current step
+  backtracks: jax.Array  # [B] i32 total backtracks (= sampling attempt)
+  think_tokens: jax.Array  # [B] i32 thinking tokens kept in the sequence
+  answer_tokens: jax.Array  # [B] i32
+  probe_tokens: jax.Array  # [B] i32 tokens run through verification / answer probes
+  discarded: jax.Array  # [B] i32 tokens rolled back by backtracking
+  waits: jax.Array  # [B] i32 "Wait" insertions
+  generated: jax.Array  # [B] i32 every appended token (incl. discarded)
+  lp_total: jax.Array  # [B] f32 sum of log p of the tokens kept in the sequence
+  answer_start: jax.Array  # [B] i32 position where the answer phase began (-1 = none)
+  conf_ring: jax.Array  # [B, W] f32 last W token confidences
+  conf_count: jax.Array  # [B] i32 token confidences seen
+  conf_sum: jax.Array  # [B] f32 their sum (mean trace confidence)
+  lowest_conf: jax.Array  # [B] f32 lowest full-window group confidence (+inf = none yet)
+  exit_reason: jax.Array  # [B] i32
+  early_exit: jax.Array  # [B] bool
+  force_buf: jax.Array  # [B, F] i32 tokens to emit instead of sampling
+  force_pos: jax.Array  # [B] i32
+  force_len: jax.Array  # [B] i32
+  rec_start: jax.Array  # [B, R] i32 step records: token span [start, end)
+  rec_end: jax.Array  # [B, R] i32
+  rec_score: jax.Array  # [B, R] f32 (nan = not scored)
+  rec_action: jax.Array  # [B, R] i32
+  n_rec: jax.Array  # [B] i32 records written (may exceed R; extra ones are dropped)
+  keys: jax.Array  # [B, 2] u32 base key of each sample: sequence_key(seed, request, sample)
+  iteration: jax.Array  # [] i32 iterations run so far (all invocations)
+  stop_at: jax.Array  # [] i32 this invocation returns to the host at this iteration
+  knobs: Knobs
+  cache: object  # the decode model's cache pytree (batch B)
+
+  @property
+  def done(self) -> jax.Array:
+    return self.phase == DONE
+
+  @property
+  def window(self) -> int:
+    return self.conf_ring.shape[1]
+
+  @property
+  def group_conf(self) -> jax.Array:
+    """[B] DeepConf group confidence: mean token confidence over the last
+    min(W, seen) tokens (+inf before any token)."""
+    n = jnp.minimum(self.conf_count, self.window)
+    return jnp.where(n > 0, jnp.sum(self.conf_ring, axis=1) / jnp.maximum(n, 1), jnp.inf)
+
+  @property
+  def mean_conf(self) -> jax.Array:
+    return jnp.where(self.conf_count > 0, self.conf_sum / jnp.maximum(self.conf_count, 1), jnp.inf)
