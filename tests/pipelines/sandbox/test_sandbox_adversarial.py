@@ -33,6 +33,7 @@ WRONG = '    return a - b\n'
 WRONG_ON_ISCLOSE = '    return int(a + b)\n'  # passes everything but the math.isclose line
 WRONG_ON_ABS = '    return a + b if a < 1 else 0\n'  # passes everything but the abs() line
 TIMEOUT_S = 1.5
+PATIENT_TIMEOUT_S = 20.0
 SECRET_ENV = 'O1JAX_SANDBOX_TEST_SECRET'
 PROJECT_DIR = pathlib.Path(__file__).resolve().parents[3]
 SANDBOX_UIDS = range(1 << 28, (1 << 28) + (1 << 24))  # see Sandbox._command
@@ -106,10 +107,10 @@ def _cases(host):
       import time
       time.sleep(60)
       '''), timeout),
-    'memory_bomb': ('guarded', program(RIGHT, '''
+    'memory_bomb': ('guarded_patient', program(RIGHT, '''
       hoard = bytearray(8 << 30)
       '''), {Status.MEMORY_EXCEEDED}),
-    'memory_growth': ('guarded', program(RIGHT, '''
+    'memory_growth': ('guarded_patient', program(RIGHT, '''
       hoard = []
       while True:
           hoard.append(bytearray(200 << 20))
@@ -345,7 +346,11 @@ def battery(tmp_path_factory):
           'port': server.port, 'marker': f'98{secrets.randbelow(10**6)}.5'}
   try:
     config = dict(timeout_s=TIMEOUT_S, hidden_paths=(str(store), str(PROJECT_DIR)), workers=2)
+    # Memory cases get a long wall clock: the address-space limit must end them,
+    # and on a loaded machine growing to 1 GiB can take longer than TIMEOUT_S.
+    patient = dict(config, timeout_s=PATIENT_TIMEOUT_S)
     sandboxes = {'guarded': Sandbox(SandboxConfig(**config)),
+                 'guarded_patient': Sandbox(SandboxConfig(**patient)),
                  'permissive': Sandbox(SandboxConfig(allow_subprocesses=True, **config))}
     cases = _cases(host)
     results = {}
