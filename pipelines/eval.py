@@ -106,14 +106,16 @@ class Progress:
   def __enter__(self):
     from tqdm import tqdm
     self.bar = tqdm(total=len(self.keys), initial=self.done(), unit="sample", file=sys.stderr,
-                    desc="eval", dynamic_ncols=True)
+                    desc="eval", dynamic_ncols=True, miniters=1, mininterval=1.0)
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
     return self
 
   def _run(self):
     while not self._stop.wait(self.interval_s):
-      self.bar.update(self.done() - self.bar.n)
+      done = self.done()
+      if done != self.bar.n:
+        self.bar.update(done - self.bar.n)
 
   def __exit__(self, *exc):
     self._stop.set()

@@ -28,6 +28,8 @@ def beam_args(runner_cfg, extra: Sequence[str] = ()) -> list[str]:
   if runner == "DirectRunner":
     args += [f"--direct_num_workers={int(runner_cfg.direct_num_workers)}",
              f"--direct_running_mode={runner_cfg.direct_running_mode}"]
+    if not any(a.startswith("--default_sdk_harness_log_level") for a in extra):
+      args.append("--default_sdk_harness_log_level=WARNING")  # worker INFO lines bury the progress bar
   return args + [a for a in extra if not a.startswith("--runner=")]
 
 

@@ -1,0 +1,108 @@
+"""Metrics by hand, the report files, the config files and the policy registry."""
+
+import json
+
+import pytest
+from absl import app
+
+from configs import custom as custom_config
+from configs import gsm8k as gsm8k_config
+from configs import humaneval as humaneval_config
+from pipelines import report
+from pipelines.policies import build_policy
+from pipelines.summary import histogram, majority, percentile, summarize
+
+
+def _rec(ex, idx, strict, flexible, ref, latency_ms, completion, start_ms=0.0, trace=None):
+  return {"example_id": f"e{ex}", "example_index": ex, "sample_index": idx, "policy": "sample_n",
+          "reference": ref, "answer": strict, "correct": strict == ref,
+          "score": {"strict_answer": strict, "flexible_answer": flexible,
+                    "strict_correct": strict == ref, "flexible_correct": flexible == ref},
+          "tokens": {"prompt": 10, "completion": completion}, "finish_reason": "stop", "level": 1,
+          "trace": trace or {}, "output": f"The answer is {strict}.",
+          "timing": {"start_ms": start_ms, "end_ms": start_ms + latency_ms, "latency_ms": latency_ms}}
+
+
+def test_majority_vote_percentiles_histogram_by_hand():
+  assert majority(["7", "8", "8.", None, "7"]) == "7"  # tie 7:2 vs 8:2 -> first seen
+  assert majority([None, None]) is None
+  assert percentile([10, 20, 30, 40], 50) == 25.0  # halfway between 20 and 30
+  assert percentile([10, 20, 30, 40], 90) == pytest.approx(37.0)  # rank 2.7 -> 30 + 0.7 * 10
+  assert histogram([0, 9.9, 10, 49, 50, 150, 999, 1000, 5000]) == {
+      "0-10": 2, "10-50": 2, "50-100": 1, "100-200": 1, "200-500": 0, "500-1000": 1, "1000+": 2}
+
+
+def test_summary_votes_per_example_and_reports_tokens_latency_deadletters():
+  records = [
+      # e0: strict answers 5, 5, 6 -> vote 5 (right); flexible 5, 4, 4 -> vote 4 (wrong).
+      _rec(0, 0, "5", "5", "5", 10, 4), _rec(0, 1, "5", "4", "5", 20, 6), _rec(0, 2, "6", "4", "5", 30, 8),
+      # e1: strict None, 3, 2 -> vote 3 (right); flexible 3, 3, 2 -> vote 3 (right).
+      _rec(1, 0, None, "3", "3", 40, 2, 100), _rec(1, 1, "3", "3", "3", 400, 10, 100),
+      _rec(1, 2, "2", "2", "3", 2000, 10, 100),
+  ]
+  dead = [{"stage": "input", "reason": "bad", "source": "f", "line_number": 3}]
+  s = summarize(records, dead, task="gsm8k", vote=True, run={"started_ms": 0.0})
+  assert s["examples"] == 2 and s["samples"] == 6
+  assert s["accuracy"] == {"strict": 1.0, "flexible": 0.5}
+  assert s["sample_accuracy"] == pytest.approx(3 / 6, abs=1e-4)  # correct = strict right: 5,5,3
+  assert s["tokens"]["completion"] == 40 and s["tokens"]["completion_per_example"] == 20.0
+  assert s["latency_ms"]["p50"] == 35.0 and s["latency_ms"]["max"] == 2000.0
+  assert s["latency_ms"]["histogram"]["1000+"] == 1
+  assert s["throughput"]["span_s"] == 2.1  # first start 0 ms, last end 2100 ms
+  assert s["dead_letters"] == {"total": 1, "by_stage": {"input": 1}}
+  assert "reasoning" not in s
+  no_vote = summarize(records, task="gsm8k", vote=False)
+  # Without a vote: strict right 5,5 + 3 -> 3/6; flexible right 5 + 3,3 -> 3/6.
+  assert no_vote["accuracy"] == {"strict": 0.5, "flexible": 0.5}
+
+
+def test_report_files_and_comparison(tmp_path):
+  for name, policy, steps in (("greedy", "greedy", None), ("sc", "sample_n", 4)):
+    d = tmp_path / name
+    d.mkdir()
+    recs = [_rec(0, i, "5", "5", "5", 20 * (i + 1), 5, trace={"steps": steps, "backtracks": 1} if steps else None)
+            for i in range(3)]
+    (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = summarize(recs, task="gsm8k", vote=policy != "greedy", config={"dataset": {"name": "x"}})
+    s["policy"] = policy
+    (d / "summary.json").write_text(json.dumps(s))
+  assert report.main([str(tmp_path / "greedy"), str(tmp_path / "sc")]) == 0
+  for f in ("report.md", "latency_histogram.png", "latency_heatmap.png"):
+    assert (tmp_path / "greedy" / f).stat().st_size > 0
+  assert not (tmp_path / "greedy" / "reasoning.png").exists()  # no traces without the controller
+  assert (tmp_path / "sc" / "reasoning.png").exists()
+  md = (tmp_path / "sc" / "report.md").read_text()
+  assert "| strict | 1.0000 |" in md and "P99" in md and "![latency heatmap]" in md
+  assert (tmp_path / "accuracy_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+  assert "| greedy | gsm8k | greedy |" in (tmp_path / "comparison.md").read_text()
+
+
+def test_configs_variants_smoke_and_unknown_keys():
+  default, smoke = gsm8k_config.get_config(), gsm8k_config.get_config("smoke=True")
+  assert smoke.dataset.n < default.dataset.n and smoke.sampling.max_new_tokens < default.sampling.max_new_tokens
+  sc = gsm8k_config.get_config("policy=self_consistency")
+  assert sc.policy.name == "self_consistency" and sc.policy.n == 8 and build_policy(sc.policy.to_dict()).vote
+  assert humaneval_config.get_config().task == "humaneval" and custom_config.get_config().task == "custom"
+  with pytest.raises(ValueError, match=r"\['policy', 'smoke'\]"):
+    gsm8k_config.get_config("smok=True")
+  with pytest.raises(ValueError, match="registered policies"):
+    gsm8k_config.get_config("policy=nope")
+  with pytest.raises(AttributeError):
+    default.dataset.nn = 1  # locked: no new keys
+
+  from pipelines.eval import check_overrides
+  check_overrides(default, ["--config.policy.name=greedy", "--config.dataset.n=3"])
+  with pytest.raises(app.UsageError, match=r"dataset has keys \['levels', 'n', 'name', 'path', 'seed'\]"):
+    check_overrides(default, ["--config.dataset.nn=3"])
+  with pytest.raises(app.UsageError, match="config has keys"):
+    check_overrides(default, ["--config.polcy.n=3"])
+
+
+def test_policy_registry_params():
+  assert build_policy({"name": "greedy"}).num_samples == 1
+  p = build_policy({"name": "sample_n", "n": 5, "temperature": 0.9, "top_p": 0.9, "top_k": 0})
+  assert p.num_samples == 5
+  with pytest.raises(ValueError, match=r"valid: \['n', 'temperature', 'top_k', 'top_p'\]"):
+    build_policy({"name": "sample_n", "m": 2})
+  with pytest.raises(ValueError, match="registered"):
+    build_policy({"name": "deepconf"})
