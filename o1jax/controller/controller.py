@@ -104,12 +104,15 @@ class Controller:
       texts, probe texts and delimiter / prefix tokenizations.
     iterations_per_call: loop iterations per invocation (0 = until done);
       AdaptiveBudget re-plans between invocations.
-    extract_answer: text -> answer string (GSM-style number by default)."""
+    extract_answer: text -> answer string (GSM-style number by default).
+    python_twin: run the debugging twin (one jitted `_step` per host call)
+      instead of the while_loop; results must be identical."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
-               extract_answer: Callable[[str], Optional[str]] | None = None):
+               extract_answer: Callable[[str], Optional[str]] | None = None,
+               python_twin: bool = False):
     self.model = model
     self.tokenizer = tokenizer
     self.max_rows = max_rows
@@ -120,6 +123,7 @@ class Controller:
     self.pattern_capacity = pattern_capacity
     self.iterations_per_call = iterations_per_call
     self.extract_answer = extract_answer
+    self.python_twin = python_twin
     eos = set(getattr(tokenizer, "eos_ids", ()) or ())
     eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
     self.eos_ids = tuple(sorted(eos))
@@ -364,7 +368,8 @@ class Controller:
       start_iter = int(state.iteration)
       state = state.replace(stop_at=jnp.int32(min(start_iter + chunk, NEVER)))
       t_call = time.perf_counter()
-      state = loop.run(self.model.params, state)
+      run = loop.run_python if self.python_twin else loop.run
+      state = run(self.model.params, state)
       done = np.asarray(state.phase) == S.DONE  # one sync per invocation
       dt = time.perf_counter() - t_call
       calls += 1

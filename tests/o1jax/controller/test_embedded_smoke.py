@@ -1,0 +1,38 @@
+"""Each policy once on the embedded SmolLM2-135M with very small budgets."""
+
+import pytest
+
+from o1jax.controller import Controller, ContiguousLlama, configs
+from o1jax.controller.policies import build_policy
+
+QUESTION = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does "
+                                        "he have now? Answer step by step."}]
+
+
+@pytest.fixture(scope="module")
+def controller(embedded_checkpoint):
+  from o1jax.model import Llama
+
+  ck = embedded_checkpoint
+  return Controller(ContiguousLlama(Llama(ck.config, ck.params)), ck.tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["greedy_cot", "self_consistency", "best_of_n", "deepconf",
+                                  "think_verify_backtrack", "budget_forcing"])
+def test_policy_smoke(controller, name):
+  cfg = configs.policy_config(name, smoke=True, step_delimiter="\n")
+  res, = controller.run([QUESTION], build_policy(cfg))
+  assert res.policy == name and res.traces and res.wall_time_s > 0
+  for t in res.traces:
+    assert t.tokens.thinking <= cfg.max_thinking_tokens
+    assert t.tokens.answer <= max(cfg.max_answer_tokens, 4)
+    assert t.tokens.generated == len(t.token_ids) + t.tokens.discarded
+    assert t.steps and t.text
+  if name == "greedy_cot":
+    # Greedy SmolLM2 gets this one right within 24 thinking tokens.
+    assert res.answer == "7", res.answer_text
+  if name == "think_verify_backtrack":
+    assert res.tokens.probe > 0  # the self-verification probe ran
+  if name == "budget_forcing":
+    assert res.traces[0].tokens.thinking >= min(cfg.min_thinking_tokens, cfg.max_thinking_tokens)

@@ -1,0 +1,131 @@
+"""Policies on the mock: registry, votes, best-of-N, DeepConf stopping, budgets, configs."""
+
+import math
+
+import ml_collections
+import numpy as np
+import pytest
+
+from o1jax.controller import (AdaptiveBudget, POLICIES, ReasoningRequest, allocate_budget,
+                              build_policy, configs, extract_number, get_policy, majority_vote,
+                              weighted_vote)
+from tests.o1jax.controller.conftest import ID, VOCAB, MockWorld
+
+POLICY_NAMES = ["greedy_cot", "self_consistency", "best_of_n", "deepconf",
+                "think_verify_backtrack", "budget_forcing"]
+
+
+@pytest.mark.parametrize("slo, load, steps", [
+    (0.5, 0.8, 64),  # base
+    (0.25, 0.8, 32),  # half the SLO
+    (1.0, 0.8, 128),  # 64 * 2 = 128 (the upper clamp exactly)
+    (1.0, 0.4, 128),  # 64 * 2 / 0.5 = 256 -> 128
+    (0.5, 3.2, 32),  # load factor clamps at 2: 64 / 2
+    (0.5, 0.2, 128),  # load factor clamps at 0.5: 64 / 0.5
+    (0.5, 1.2, 43),  # 64 / 1.5 = 42.67 -> 43
+    (0.1, 0.8, 16),  # 12.8 -> 16 (lower clamp)
+    (0.3, 1.0, 31),  # 64 * 0.6 / 1.25 = 30.72 -> 31
+])
+def test_allocate_budget_table(slo, load, steps):
+  assert allocate_budget(slo, load) == steps
+
+
+def test_adaptive_budget_recomputes_from_p95_and_load():
+  b = AdaptiveBudget(latency_slo_s=2.0, initial_load=0.8)
+  assert b.max_steps == 128  # 64 * 4 -> clamped
+  # P95 of 100 latencies 0.01 .. 1.00 s is 0.9505 s; busy share 0.8 -> factor 1: 2 / 0.9505 = 2.1 -> 16.
+  assert b.observe(np.arange(1, 101) / 100, 0.8) == 16
+  # 0.05 s per step, load 1.6 (factor 2): 2 / 0.05 / 2 = 20.
+  assert b.observe([0.05] * 10, 1.6) == 20
+  assert [h["max_steps"] for h in b.history] == [16, 20]
+
+
+def test_extract_and_vote():
+  assert extract_number("so 3 + 4 = 7.\nThe answer is $1,200.00.") == "1200"
+  assert extract_number("first 12 then 15 apples") == "15"
+  assert extract_number("The answer is 5. Later 9.") == "5"
+  assert extract_number("no digits") is None
+  assert majority_vote(["3", None, "7", "3"]) == ("3", {"3": 2.0, "7": 1.0})
+  assert weighted_vote(["3", "7", "3"], [1.0, 5.0, 1.0])[0] == "7"
+  assert majority_vote(["7", "3"])[0] == "7"  # ties: first seen
+  assert majority_vote([None]) == (None, {})
+
+
+def test_registry_and_configs():
+  assert set(POLICY_NAMES) <= set(POLICIES)
+  with pytest.raises(ValueError, match="registered"):
+    get_policy("nope")
+  with pytest.raises(ValueError, match="valid"):
+    get_policy("self_consistency", m=3)
+  for name in POLICY_NAMES:
+    cfg = configs.get_config(f"{name},smoke")
+    assert isinstance(cfg, ml_collections.ConfigDict) and cfg.name == name
+    policy = build_policy(cfg)
+    assert policy.name == name and policy.max_thinking_tokens == 24
+  assert build_policy({"name": "deepconf", "n": 16, "warmup": 4}).n == 16
+
+
+# Two ways out of "Q": " A" (logit 2) and " B" (logit 1); " A" leads to answer 7, " B" to 3.
+FORK = [("Q", " A", 2.0), ("Q", " B", 1.0), (" A", "The answer is", 9), (" B", "The answer is", 9),
+        ("The answer is", " 7", 9), (" 7", "</s>", 9), (" 3", "</s>", 9)]
+
+
+def _fork_world():
+  # After " B", the answer is " 3": a " B" in the context adds 20 to " 3".
+  return MockWorld(FORK, triggers=[(" B", {" 3": 20.0})])
+
+
+def test_self_consistency_votes_the_majority():
+  ctl = _fork_world().controller()
+  res, = ctl.run([ReasoningRequest("Q", request_id=1, seed=0)],
+                 get_policy("self_consistency", n=16, temperature=1.0, top_p=1.0))
+  answers = [t.answer for t in res.traces]
+  assert set(answers) == {"7", "3"}
+  assert res.answer == max(set(answers), key=answers.count)
+  assert res.votes == {a: float(answers.count(a)) for a in set(answers)}
+  assert res.traces[res.chosen].answer == res.answer
+  assert res.tokens.generated == sum(t.tokens.generated for t in res.traces)
+  assert res.loop_invocations == 1
+
+
+def test_best_of_n_picks_the_highest_scoring_trace():
+  ctl = _fork_world().controller()
+  res, = ctl.run(["Q"], get_policy("best_of_n", n=8, temperature=1.0, top_p=1.0))
+  scores = [t.score for t in res.traces]
+  assert len(set(scores)) > 1 and scores == [t.mean_logprob for t in res.traces]
+  assert res.chosen == int(np.argmax(scores))
+  assert res.answer == res.traces[res.chosen].answer
+
+
+def test_deepconf_stops_low_confidence_traces_and_saves_tokens():
+  # From " A" the chain is sure (logit 9); from " B" it wanders through a flat row
+  # (" B" -> " C" -> " D" ... logit 0.5), so B traces have a low group confidence.
+  edges = [("Q", " A", 2.0), ("Q", " B", 2.0), (" A", " E", 9), (" E", " A", 9),
+           (" B", " C", 0.5), (" C", " D", 0.5), (" D", " B", 0.5),
+           ("The answer is", " 7", 9), (" 7", "</s>", 9)]
+  ctl = MockWorld(edges).controller()
+  kw = dict(n=12, warmup=4, keep_percent=50.0, window=4, temperature=1.0, top_p=1.0,
+            max_thinking_tokens=16)
+  res, = ctl.run([ReasoningRequest("Q", request_id=5)], get_policy("deepconf", **kw))
+  stopped = [t for t in res.traces if t.stopped_low_confidence]
+  assert res.info["stopped"] == len(stopped) > 0
+  assert all(t.sample_index >= 4 for t in stopped)  # warm-up traces always finish
+  assert all(t.lowest_group_confidence < res.info["threshold"] for t in stopped)
+  assert all(t.tokens.thinking < 16 for t in stopped)
+  full, = ctl.run([ReasoningRequest("Q", request_id=5)],
+                  get_policy("self_consistency", n=12, temperature=1.0, top_p=1.0,
+                             max_thinking_tokens=16))
+  assert res.tokens.generated < full.tokens.generated
+  assert res.loop_invocations == 2
+
+
+def test_think_verify_backtrack_policy_and_budget_forcing_policy():
+  edges = [("Q", " A", 5), (" A", " B", 5), (" B", " C", 5), (" C", "</s>", 5), (" Wait", " A", 5),
+           ("The answer is", " 7", 5), (" 7", "</s>", 5)]
+  ctl = MockWorld(edges).controller()
+  res, = ctl.run(["Q"], get_policy("budget_forcing", min_thinking_tokens=8, max_thinking_tokens=20))
+  assert res.traces[0].tokens.waits == 2 and res.answer == "7"
+  tvb = get_policy("think_verify_backtrack", verifier="mean_logprob", backtrack_threshold=0.0,
+                   exit_tau=2.0, latency_slo_s=0.25, step_delimiter="\n\n")
+  res, = ctl.run(["Q"], tvb)
+  assert res.info["max_steps"] == 32 and res.answer == "7"
