@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from o1jax.engine.kv_cache import PagedKVCache
+from o1jax.model import layers
 from o1jax.model.sampling import sample
 
 
@@ -57,21 +58,46 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
   return chosen, top_ids.astype(jnp.int32), top_lp
 
 
+def forward(model, tokens: jax.Array, starts: jax.Array, cache, logits_at: jax.Array,
+            head_t: jax.Array | None = None):
+  """`Llama.__call__`, optionally with a faster output head.
+
+  head_t: None -> the model's own call. Else the dense head pre-transposed to
+  [vocab, d_model]: logits = x @ head_t^T. XLA's CPU dot of [B, 576] by the
+  stored [576, 49152] head ran ~1.6x slower at B >= 8 than against the
+  transposed copy (measured 34 vs 21 ms at B=32). Same layers, same values.
+  Returns (logits [B, V] at logits_at, cache)."""
+  if head_t is None:
+    return model(tokens, starts, cache, logits_at=logits_at)
+  c = model.config
+  cache.check_fits(tokens.shape)
+  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=starts.dtype)[None, :]
+  x = layers.embed(model.embed.get_value(), tokens, model.dtype)
+  inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+  for i, layer in enumerate(model.layers):
+    x, cache = layer(x, positions, starts, cache, i, inv_freq)
+  x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+  x = layers.rms_norm(x, model.final_norm.get_value(), c.rms_eps)
+  logits = jnp.einsum("bk,nk->bn", x, head_t.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+  return logits.astype(jnp.float32), cache
+
+
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
-                top_logprobs: int = 0):
+                top_logprobs: int = 0, head_t: jax.Array | None = None):
   """One token for every active row.
 
   1. point the cache at this batch (block tables; inactive rows write nothing);
   2. model forward on T=1: writes K/V at `positions`, logits [B, V];
   3. sample with per-sample keys fold_in(keys, steps) and per-row params;
   4. log-probs of the sampled tokens (+ top-K alternatives).
+  head_t: optional [V, d] transposed dense head (see `forward`).
   Returns (DecodeOutput, cache)."""
   model = nnx.merge(graphdef, state)
   active = batch.active
   cache = cache.for_batch(batch.block_tables, active.astype(jnp.int32))
   starts = jnp.where(active, batch.positions, 0).astype(jnp.int32)
-  logits, cache = model(batch.tokens[:, None].astype(jnp.int32), starts, cache,
-                        logits_at=jnp.zeros_like(starts))
+  logits, cache = forward(model, batch.tokens[:, None].astype(jnp.int32), starts, cache,
+                          jnp.zeros_like(starts), head_t)
   keys = jax.vmap(jax.random.fold_in)(batch.keys, batch.steps)
   next_ids = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
   chosen, top_ids, top_lp = token_logprobs(logits, next_ids, top_logprobs)
