@@ -31,9 +31,15 @@ from ml_collections import config_flags
 import configs
 
 DEFAULT_CONFIG = str(pathlib.Path(configs.__file__).parent / "gsm8k.py")
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "evaluation config file[:variants]",
-                                          lock_config=True)
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs/default", "where results, summary and report go")
+_FLAGS: dict = {}
+
+
+def define_flags() -> None:
+  """Defined only when run as a program: ml_collections applies overrides at definition time."""
+  _FLAGS["config"] = config_flags.DEFINE_config_file(
+      "config", DEFAULT_CONFIG, "evaluation config file[:variants]", lock_config=True)
+  _FLAGS["output_dir"] = flags.DEFINE_string("output_dir", "runs/default",
+                                             "where results, summary and report go")
 
 
 # -- command line -------------------------------------------------------------------
@@ -79,15 +85,14 @@ def check_overrides(config, argv: Sequence[str]) -> None:
       node, walked = node[part], walked + [part]
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl flags before `--`; what follows `--` is handed to Beam unchanged."""
+def validate_argv(argv: Sequence[str]) -> None:
+  """Config variants and `--config.*` keys, checked before ml_collections sees them."""
   path, arg = _config_path_and_arg(argv)
   try:
     cfg = load_config_file(path, arg)
   except ValueError as e:  # a bad variant: the config file says which keys are valid
     raise app.UsageError(str(e)) from e
   check_overrides(cfg, argv[1:])
-  return flags.FLAGS(argv)
 
 
 # -- progress -----------------------------------------------------------------------
@@ -205,15 +210,22 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Beam's INFO chatter would drown the progress bar
   from o1jax.checkpoint import CheckpointError
   try:
-    summary = run(_CONFIG.value, _OUTPUT_DIR.value, beam_flags)
+    summary = run(_FLAGS["config"].value, _FLAGS["output_dir"].value, beam_flags)
   except (CheckpointError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
-  print(f"wrote results.jsonl, summary.json and report.md under {_OUTPUT_DIR.value}", file=sys.stderr)
+  print(f"wrote results.jsonl, summary.json and report.md under {_FLAGS['output_dir'].value}",
+        file=sys.stderr)
   return 0
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  try:
+    validate_argv(sys.argv)
+  except app.UsageError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  define_flags()
+  app.run(main)
