@@ -89,6 +89,7 @@ class Batch:
   wall_time_s: list[float]  # per request: wall time of the chunk it ran in
   invocations: list[int]  # per request: jitted loop calls (host round trips)
   iterations: int = 0
+  loop_seconds: float = 0.0  # time inside the jitted loop calls (no prefill, no decoding)
 
 
 class Controller:
@@ -164,6 +165,7 @@ class Controller:
       out.wall_time_s += part.wall_time_s
       out.invocations += part.invocations
       out.iterations += part.iterations
+      out.loop_seconds += part.loop_seconds
     return out
 
   def result(self, request: ReasoningRequest, policy: str, traces: list[Trace],
@@ -362,7 +364,7 @@ class Controller:
       state = state.replace(knobs=state.knobs.replace(
           max_steps=jnp.full_like(state.knobs.max_steps, budget.max_steps)))
     loop = self.loop(settings)
-    calls = 0
+    calls, loop_seconds = 0, 0.0
     while True:
       chunk = self.iterations_per_call or NEVER
       start_iter = int(state.iteration)
@@ -372,6 +374,7 @@ class Controller:
       state = run(self.model.params, state)
       done = np.asarray(state.phase) == S.DONE  # one sync per invocation
       dt = time.perf_counter() - t_call
+      loop_seconds += dt
       calls += 1
       if done.all():
         break
@@ -387,7 +390,8 @@ class Controller:
     traces = [[self._trace(host, i * n + j, sample_offset + j, settings) for j in range(n)]
               for i in range(len(requests))]
     return Batch(traces=traces, wall_time_s=[wall] * len(requests),
-                 invocations=[calls] * len(requests), iterations=int(host.iteration))
+                 invocations=[calls] * len(requests), iterations=int(host.iteration),
+                 loop_seconds=loop_seconds)
 
   def _trace(self, h: ReasoningState, row: int, sample_index: int, settings: LoopSettings) -> Trace:
     dec = lambda ids: self.tokenizer.decode([int(i) for i in ids], skip_special=True)

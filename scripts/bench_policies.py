@@ -1,0 +1,212 @@
+"""Accuracy versus tokens for every reasoning policy on an offline GSM-style set.
+
+  python scripts/bench_policies.py --problems 16 --n 8 --out /tmp/bench_policies
+
+On the embedded SmolLM2-135M and `synthetic_examples` (levels 1-2 by default):
+  1. controller overhead: seconds per decode iteration of the jitted loop
+     (greedy, batch B) versus the plain `Generator` decoding the same number of
+     tokens at the same batch, both warm, measured in this run;
+  2. every policy on every problem: accuracy, generated tokens per problem
+     (mean / median; thinking + answer + discarded, probes listed apart), P50 /
+     P95 latency of a problem (the wall time of the batch it ran in), backtracks,
+     early exits, host round trips (jitted loop calls) per problem;
+  3. deepconf versus self_consistency at the same n: token savings and the
+     accuracy difference;
+  4. writes results.json, table.md and pareto.png (accuracy vs mean tokens,
+     Pareto frontier marked) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--problems", type=int, default=16)
+  p.add_argument("--levels", default="1,2")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--n", type=int, default=8, help="samples for self_consistency / deepconf / best_of_n")
+  p.add_argument("--warmup", type=int, default=2, help="deepconf warm-up traces")
+  p.add_argument("--max-thinking", type=int, default=96)
+  p.add_argument("--max-answer", type=int, default=12)
+  p.add_argument("--max-rows", type=int, default=16)
+  p.add_argument("--policies", default="greedy_cot,self_consistency,deepconf,best_of_n,"
+                                       "think_verify_backtrack,budget_forcing")
+  p.add_argument("--overhead-tokens", type=int, default=64)
+  p.add_argument("--out", default="bench_policies_out")
+  return p.parse_args(argv)
+
+
+def policy_params(name: str, a) -> dict:
+  common = dict(max_thinking_tokens=a.max_thinking, max_answer_tokens=a.max_answer,
+                step_delimiter="\n", step_max_tokens=48)
+  extra = {
+      "greedy_cot": {},
+      "self_consistency": dict(n=a.n, temperature=0.7),
+      "best_of_n": dict(n=a.n, temperature=0.7, score="mean_logprob"),
+      "deepconf": dict(n=a.n, warmup=a.warmup, keep_percent=10.0, window=16, temperature=0.7),
+      "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
+                                     max_step_backtracks=1, max_backtracks=3, exit_tau=0.85),
+      "budget_forcing": dict(min_thinking_tokens=a.max_thinking // 2),
+  }[name]
+  return {**common, **extra}
+
+
+def measure_overhead(ctl, generator, prompts, tokens: int, rows: int) -> dict:
+  """Seconds per decode step: jitted controller loop vs the plain Generator, same batch."""
+  from o1jax.controller import LoopSettings, ReasoningRequest
+  from o1jax.model import SamplingParams
+
+  reqs = [ReasoningRequest(prompt=p, request_id=i) for i, p in enumerate(prompts[:rows])]
+  # min_thinking = max_thinking: every row decodes exactly `tokens` thinking tokens.
+  st = LoopSettings(max_thinking_tokens=tokens, min_thinking_tokens=tokens, max_answer_tokens=1,
+                    step_delimiter="\n", step_max_tokens=48, answer_prefix=" so", wait_text=" Wait")
+  ctl.generate(reqs, st, 1)  # compile
+  runs = [ctl.generate(reqs, st, 1) for _ in range(3)]
+  ctl_step = min(b.loop_seconds / b.iterations for b in runs)
+  msgs = [r.prompt for r in reqs]
+  greedy = SamplingParams()
+  generator.generate(msgs, max_new_tokens=tokens, params=greedy)  # compile
+  generator.generate(msgs, max_new_tokens=1, params=greedy)
+  t_full, t_prefill = [], []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    out = generator.generate(msgs, max_new_tokens=tokens, params=greedy)
+    t_full.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    generator.generate(msgs, max_new_tokens=1, params=greedy)
+    t_prefill.append(time.perf_counter() - t0)
+  steps = max(len(o.token_ids) for o in out)
+  gen_step = (min(t_full) - min(t_prefill)) / max(steps - 1, 1)
+  return {"rows": len(reqs), "tokens": tokens, "controller_s_per_step": ctl_step,
+          "generator_s_per_step": gen_step, "generator_steps": steps,
+          "overhead": ctl_step / gen_step - 1.0}
+
+
+def pareto(points):
+  """Indices of points (tokens, accuracy) not dominated (fewer tokens and >= accuracy)."""
+  front = []
+  for i, (t, a) in enumerate(points):
+    if not any((t2 <= t and a2 >= a) and (t2 < t or a2 > a) for t2, a2 in points):
+      front.append(i)
+  return front
+
+
+def main(argv=None) -> int:
+  a = parse_args(argv)
+  enable_compilation_cache()
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.controller import ContiguousLlama, Controller, ReasoningRequest, get_policy
+  from o1jax.model import Generator, Llama
+  from pipelines.datasets import gsm_synthetic
+  from pipelines.tasks.gsm8k import answers_match, zero_shot_messages
+
+  out = pathlib.Path(a.out)
+  out.mkdir(parents=True, exist_ok=True)
+  ck = load_checkpoint("embedded")
+  llama = Llama(ck.config, ck.params)
+  ctl = Controller(ContiguousLlama(llama), ck.tokenizer, max_rows=a.max_rows)
+  levels = [int(x) for x in a.levels.split(",")]
+  examples = list(gsm_synthetic.synthetic_examples(a.problems, a.seed, levels))
+  prompts = [zero_shot_messages(e.question) for e in examples]
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=a.seed) for i, p in enumerate(prompts)]
+
+  overhead = measure_overhead(ctl, Generator(llama, ck.tokenizer), prompts, a.overhead_tokens,
+                              min(8, len(prompts)))
+  print(f"overhead: {json.dumps(overhead)}", flush=True)
+
+  rows = []
+  for name in a.policies.split(","):
+    policy = get_policy(name, **policy_params(name, a))
+    per_chunk = max(1, a.max_rows // getattr(policy, "n", 1))
+    ctl.run(requests[:per_chunk], policy)  # compile the full-batch program outside the timing
+    t0 = time.perf_counter()
+    results = ctl.run(requests, policy)
+    total = time.perf_counter() - t0
+    correct = [answers_match(r.answer, e.reference) for r, e in zip(results, examples)]
+    gen = np.array([r.tokens.generated for r in results])
+    lat = np.array([r.wall_time_s for r in results])
+    row = {"policy": name, "params": policy.to_dict(), "problems": len(results),
+           "accuracy": float(np.mean(correct)), "tokens_mean": float(gen.mean()),
+           "tokens_median": float(np.median(gen)),
+           "probe_tokens_mean": float(np.mean([r.tokens.probe for r in results])),
+           "discarded_mean": float(np.mean([r.tokens.discarded for r in results])),
+           "latency_p50_s": float(np.percentile(lat, 50)),
+           "latency_p95_s": float(np.percentile(lat, 95)),
+           "backtracks_mean": float(np.mean([r.backtracks for r in results])),
+           "early_exits": int(sum(r.early_exit for r in results)),
+           "round_trips_per_problem": float(np.mean([r.loop_invocations for r in results])),
+           "total_s": total}
+    if name == "deepconf":
+      row["stopped_traces"] = int(sum(r.info.get("stopped", 0) for r in results))
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
+    with open(out / f"traces_{name}.jsonl", "w") as f:
+      for r, ok in zip(results, correct):
+        f.write(json.dumps({**r.to_dict(), "correct": ok}) + "\n")
+
+  by = {r["policy"]: r for r in rows}
+  summary = {"overhead": overhead, "policies": rows}
+  if "deepconf" in by and "self_consistency" in by:
+    sc, dc = by["self_consistency"], by["deepconf"]
+    summary["deepconf_vs_self_consistency"] = {
+        "n": a.n, "token_savings": 1.0 - dc["tokens_mean"] / sc["tokens_mean"],
+        "accuracy_delta_points": 100.0 * (dc["accuracy"] - sc["accuracy"])}
+  front = pareto([(r["tokens_mean"], r["accuracy"]) for r in rows])
+  for i, r in enumerate(rows):
+    r["pareto"] = i in front
+  (out / "results.json").write_text(json.dumps(summary, indent=1))
+
+  lines = [f"{len(examples)} synthetic GSM problems (levels {a.levels}), embedded SmolLM2-135M, "
+           f"n={a.n}, max thinking {a.max_thinking} tokens", "",
+           "| policy | accuracy | tokens mean | tokens median | probe tokens | P50 s | P95 s | "
+           "backtracks | early exits | round trips | Pareto |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['policy']} | {r['accuracy']:.3f} | {r['tokens_mean']:.1f} | "
+                 f"{r['tokens_median']:.0f} | {r['probe_tokens_mean']:.1f} | "
+                 f"{r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
+                 f"{r['backtracks_mean']:.2f} | {r['early_exits']} | "
+                 f"{r['round_trips_per_problem']:.1f} | {'yes' if r['pareto'] else ''} |")
+  o = overhead
+  lines += ["", f"controller overhead: {o['controller_s_per_step'] * 1e3:.1f} ms/step vs plain "
+            f"Generator {o['generator_s_per_step'] * 1e3:.1f} ms/step at batch {o['rows']} "
+            f"({100 * o['overhead']:+.1f}%)"]
+  if "deepconf_vs_self_consistency" in summary:
+    d = summary["deepconf_vs_self_consistency"]
+    lines.append(f"deepconf vs self_consistency (n={a.n}): {100 * d['token_savings']:.1f}% fewer "
+                 f"tokens, accuracy {d['accuracy_delta_points']:+.1f} points")
+  (out / "table.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in rows:
+    ax.scatter(r["tokens_mean"], r["accuracy"], marker="o" if r["pareto"] else "x")
+    ax.annotate(r["policy"], (r["tokens_mean"], r["accuracy"]), fontsize=8)
+  pts = sorted((rows[i]["tokens_mean"], rows[i]["accuracy"]) for i in front)
+  ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", lw=1)
+  ax.set_xlabel("generated tokens per problem (mean)")
+  ax.set_ylabel("accuracy")
+  ax.set_title(f"{len(examples)} synthetic GSM problems, SmolLM2-135M")
+  fig.tight_layout()
+  fig.savefig(out / "pareto.png", dpi=120)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
