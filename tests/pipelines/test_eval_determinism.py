@@ -5,8 +5,6 @@ Per-sample output = every results.jsonl field except `timing` (wall-clock stamps
 
 import json
 
-import pytest
-
 from configs import custom as custom_config
 from configs import gsm8k as gsm8k_config
 from pipelines.beam.testing import FakeClock

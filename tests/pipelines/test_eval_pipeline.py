@@ -1,7 +1,6 @@
 """The Beam graph with fakes: records, dead letters, handler contract, runner options."""
 
 import json
-import pathlib
 
 import apache_beam as beam
 import pytest
