@@ -292,7 +292,7 @@ class Engine:
   @staticmethod
   def _transposed_head(model) -> jax.Array | None:
     """[V, d] copy of a dense f32 output head for batched decode (see steps.forward)."""
-    head = (model.lm_head if model.lm_head is not None else model.embed).get_value()
+    head = model.head_weight
     if not isinstance(head, jax.Array) or model.weight_mode != "dense":
       return None
     return jnp.asarray(head.T)

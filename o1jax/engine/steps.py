@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from o1jax.engine.kv_cache import PagedKVCache
-from o1jax.model import layers
 from o1jax.model.sampling import sample
 
 
@@ -67,17 +66,9 @@ def forward(model, tokens: jax.Array, starts: jax.Array, cache, logits_at: jax.A
   stored [576, 49152] head ran ~1.6x slower at B >= 8 than against the
   transposed copy (measured 34 vs 21 ms at B=32). Same layers, same values.
   Returns (logits [B, V] at logits_at, cache)."""
+  x, cache = model.hidden_states(tokens, starts, cache, logits_at)
   if head_t is None:
-    return model(tokens, starts, cache, logits_at=logits_at)
-  c = model.config
-  cache.check_fits(tokens.shape)
-  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=starts.dtype)[None, :]
-  x = layers.embed(model.embed.get_value(), tokens, model.dtype)
-  inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-  for i, layer in enumerate(model.layers):
-    x, cache = layer(x, positions, starts, cache, i, inv_freq)
-  x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-  x = layers.rms_norm(x, model.final_norm.get_value(), c.rms_eps)
+    return model.output_logits(x), cache
   logits = jnp.einsum("bk,nk->bn", x, head_t.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
   return logits.astype(jnp.float32), cache
 

@@ -147,17 +147,29 @@ class Llama(nnx.Module):
     logits_at: None -> logits for all T positions [B, T, V]; else [B] int32 index
       into T -> logits for that position only [B, V] (prefill needs just the last).
     cache: a KVCache, or any pytree with the same `attend` / `check_fits` methods."""
+    x, cache = self.hidden_states(tokens, starts, cache, logits_at)
+    return self.output_logits(x), cache
+
+  def hidden_states(self, tokens: jax.Array, starts: jax.Array, cache,
+                    logits_at: jax.Array | None = None):
+    """The final-normed hidden states ([B, T, d] or [B, d] at logits_at) and the cache."""
     c = self.config
-    b, t = tokens.shape
     cache.check_fits(tokens.shape)
-    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=starts.dtype)[None, :]
     x = layers.embed(self.embed.get_value(), tokens, self.dtype)
     inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, positions, starts, cache, i, inv_freq)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-    x = layers.rms_norm(x, self.final_norm.get_value(), c.rms_eps)
-    head = (self.lm_head if self.lm_head is not None else self.embed).get_value()
-    logits = layers.linear(x, head, backend=self.backend, interpret=self.interpret)
-    return logits.astype(jnp.float32), cache
+    return layers.rms_norm(x, self.final_norm.get_value(), c.rms_eps), cache
+
+  @property
+  def head_weight(self):
+    """The output head [d_model, vocab] (the embedding table when tied)."""
+    return (self.lm_head if self.lm_head is not None else self.embed).get_value()
+
+  def output_logits(self, x: jax.Array) -> jax.Array:
+    """f32 logits of final-normed hidden states x: [..., d] -> [..., V]."""
+    logits = layers.linear(x, self.head_weight, backend=self.backend, interpret=self.interpret)
+    return logits.astype(jnp.float32)
