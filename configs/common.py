@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from pipelines.policies import POLICIES, policy_defaults
+from pipelines.policies import all_policy_names, is_controller_policy, policy_defaults
 
 TRUE = ("1", "true", "yes", "on")
 
@@ -42,9 +42,11 @@ def section(**fields: Any) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(fields)
 
 
-def model_section() -> ml_collections.ConfigDict:
+def model_section(predictor: str = "engine") -> ml_collections.ConfigDict:
   return section(
-      predictor="generator",  # registry in pipelines/predictors.py: generator | fake
+      # registry in pipelines/predictors.py: engine | generator | controller | fake.
+      # A controller policy switches engine/generator to controller by itself.
+      predictor=predictor,
       source="embedded",  # 'embedded', a .gguf file, an HF or orbax directory
       backend="auto",  # auto | pallas | reference
       fake_delay_s=0.0,  # predictor=fake only: seconds per predicted batch
@@ -56,13 +58,34 @@ def sampling_section(max_new_tokens: int, seed: int = 0) -> ml_collections.Confi
   return section(max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=seed)
 
 
-def policy_section(name: str, **overrides: Any) -> ml_collections.ConfigDict:
-  """name + the registered policy's params with their defaults (so `--config.policy.n=8` works)."""
-  if name not in POLICIES:
-    raise ValueError(f"config variant policy={name!r}: registered policies are {sorted(POLICIES)}")
-  params = policy_defaults(name)
+def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
+  """`o1jax.engine.EngineConfig` knobs for predictor=engine (and the controller's row count)."""
+  return section(
+      max_slots=0,  # decode slots; 0 = runner.batch_size (one Beam batch fills the slots)
+      num_blocks=0,  # KV pool in blocks; 0 = derive from kv_cache_bytes
+      kv_cache_bytes=(32 if smoke else 64) << 20,
+      block_size=16,
+      prefill_chunk=128,  # prompt tokens per prefill call
+      max_prefill_seqs=4,
+      prefix_caching=True,  # the shared few-shot prefix is prefilled once
+  )
+
+
+def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_collections.ConfigDict:
+  """name + the policy's params with their defaults (so `--config.policy.n=8` works).
+
+  Controller policies (greedy_cot, self_consistency, deepconf, ...) take
+  `o1jax.controller.configs.policy_config(name, smoke)`; plain ones their fields.
+  """
+  if name not in all_policy_names():
+    raise ValueError(f"config variant policy={name!r}: valid policies are {all_policy_names()}")
+  params = policy_defaults(name, smoke=smoke)
   params.update(overrides)
   return section(name=name, **params)
+
+
+def uses_controller(name: str) -> bool:
+  return is_controller_policy(name)
 
 
 def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDict:

@@ -35,7 +35,8 @@ def get_config(arg: str = ""):
       stop=(),
   )
   config.sampling = common.sampling_section(max_new_tokens=48 if smoke else 128)
-  config.policy = common.policy_section(variant["policy"])
+  config.policy = common.policy_section(variant["policy"], smoke=smoke)
+  config.engine = common.engine_section(smoke)
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke
   return common.finish(config)

@@ -32,7 +32,8 @@ def get_config(arg: str = ""):
   # the verbose 135M model otherwise spends its budget before answering.
   config.prompt = common.section(style="shortshot", system="short_answer")
   config.sampling = common.sampling_section(max_new_tokens=32 if smoke else 48)
-  config.policy = common.policy_section(variant["policy"])
+  config.policy = common.policy_section(variant["policy"], smoke=smoke)
+  config.engine = common.engine_section(smoke)
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke
   return common.finish(config)

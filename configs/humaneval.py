@@ -24,8 +24,9 @@ def get_config(arg: str = ""):
   )
   config.prompt = common.section(style="completion")  # the problem's code, unchanged
   config.sampling = common.sampling_section(max_new_tokens=96 if smoke else 384)
-  config.policy = common.policy_section(variant["policy"])
+  config.policy = common.policy_section(variant["policy"], smoke=smoke)
   config.sandbox = common.sandbox_section()
+  config.engine = common.engine_section(smoke)
   config.runner = common.runner_section(batch_size=4 if smoke else 8)
   config.smoke = smoke
   return common.finish(config)

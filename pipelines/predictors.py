@@ -4,15 +4,22 @@
   predictions = predictor.predict(work_items)   # one dict per item, same order
 
 A prediction dict holds:
-  text: the generated text (stop sequences not yet cut; scoring cuts them)
+  text: the generated text (cut at the first stop sequence; scoring cuts again, harmlessly)
   tokens: {"prompt": n, "completion": n}  (the controller adds kinds: "thinking", ...)
   finish_reason: "stop" | "length"
   latency_s: seconds from submit to the last token of this item
-  trace: policy trace (steps, backtracks, early_exit, ...; {} for plain sampling)
+  trace: policy trace (steps, backtracks, early_exit, ...; {} for plain sampling);
+    deterministic, it goes into the stored record
+  metrics (optional): measured, non-deterministic numbers the Beam handler merges
+    into the record's `timing`: latency_ms (this request's own), ttft_ms, token_ms
+    (one latency per generated token: TTFT, then the gaps), prompt_tokens_computed
 
-Implementations: `GeneratorPredictor` over today's `o1jax.model.Generator`, and
-`FakePredictor`, whose outputs are worked out on paper (see its docstring).
-Register an engine- or controller-backed class in `PREDICTORS` under a new name.
+Implementations (registry `PREDICTORS`, chosen by `model.predictor`):
+  engine      `o1jax.engine.Engine`: continuous batching, paged KV cache, prefix sharing,
+              real per-request metrics (the default for plain sampling policies)
+  generator   the simple static-batch `o1jax.model.Generator` (batch latency only)
+  controller  `o1jax.controller.Controller.run` for the controller's reasoning policies
+  fake        `FakePredictor`, whose outputs are worked out on paper (see its docstring)
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -65,16 +73,60 @@ class Predictor(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class PredictorSpec:
-  """What a worker needs to build its predictor (picklable; no model inside)."""
+  """What a worker needs to build its predictor (picklable; no model inside).
+
+  Attributes beyond the model: batch_size (the runner's; the engine's default
+  slot count), engine (sorted items of the config's `engine` section), policy
+  (sorted items of a controller policy's `{"name", **params}`; controller only).
+  """
   name: str = "generator"
   source: str = "embedded"
   backend: str = "auto"
   fake_delay_s: float = 0.0
+  batch_size: int = 8
+  engine: tuple[tuple[str, Any], ...] = ()
+  policy: tuple[tuple[str, Any], ...] = ()
 
   @classmethod
-  def from_config(cls, model_cfg) -> "PredictorSpec":
-    return cls(name=model_cfg.predictor, source=model_cfg.source, backend=model_cfg.backend,
-               fake_delay_s=float(model_cfg.fake_delay_s))
+  def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8, engine=None,
+                  policy=None) -> "PredictorSpec":
+    def items(section):
+      if section is None:
+        return ()
+      plain = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+      return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in plain.items()))
+    return cls(name=name or model_cfg.predictor, source=model_cfg.source, backend=model_cfg.backend,
+               fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
+               engine=items(engine), policy=items(policy))
+
+
+def _load_model(spec: PredictorSpec):
+  """(Llama, tokenizer) from the spec's source, with the compilation cache on."""
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.compilation_cache import enable_compilation_cache
+  from o1jax.model import Llama
+  enable_compilation_cache()
+  ck = load_checkpoint(spec.source)
+  return Llama(ck.config, ck.params, backend=spec.backend), ck.tokenizer
+
+
+TRACE_FLOAT_DIGITS = 4
+
+
+def _finite(x):
+  """JSON-safe copy: NaN/inf floats (unscored steps) become None, tuples lists.
+
+  Finite floats are rounded to TRACE_FLOAT_DIGITS decimals: log-probs and
+  confidences move by ~1e-7 with the compiled batch shape (f32 reductions), and
+  the record must not depend on the batch the example ran in.
+  """
+  if isinstance(x, float):
+    return round(x, TRACE_FLOAT_DIGITS) if math.isfinite(x) else None
+  if isinstance(x, dict):
+    return {k: _finite(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite(v) for v in x]
+  return x
 
 
 class GeneratorPredictor:
@@ -91,10 +143,8 @@ class GeneratorPredictor:
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "GeneratorPredictor":
-    from o1jax.compilation_cache import enable_compilation_cache
-    from o1jax.generate import build_generator
-    enable_compilation_cache()
-    return cls(build_generator(spec.source, spec.backend))
+    from o1jax.model import Generator
+    return cls(Generator(*_load_model(spec)))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.model import SamplingParams
@@ -113,6 +163,130 @@ class GeneratorPredictor:
         out[i] = {"text": o.text, "tokens": {"prompt": o.prompt_tokens, "completion": len(o.token_ids)},
                   "finish_reason": o.finish_reason, "latency_s": elapsed, "trace": {}}
     return out  # type: ignore[return-value]
+
+
+def engine_config(spec: PredictorSpec):
+  """`EngineConfig` from the spec's engine section; 0 / unset sizes take defaults.
+
+  1. max_slots 0 -> the runner's batch size (one Beam batch fills the slots);
+  2. num_blocks 0 -> derived from kv_cache_bytes; 3. other keys map 1:1 onto
+  EngineConfig fields (an unknown one lists the valid fields).
+  """
+  from o1jax.engine import EngineConfig
+  values = dict(spec.engine)
+  valid = {f.name for f in dataclasses.fields(EngineConfig)}
+  unknown = sorted(set(values) - valid)
+  if unknown:
+    raise ValueError(f"engine section has no keys {unknown}; EngineConfig fields: {sorted(valid)}")
+  values["max_slots"] = int(values.get("max_slots") or spec.batch_size)
+  values["num_blocks"] = int(values.get("num_blocks") or 0) or None
+  for key in ("decode_buckets",):
+    if key in values:
+      values[key] = tuple(values[key])
+  if spec.backend != "auto":
+    values.setdefault("backend", spec.backend)
+  return EngineConfig(**values)
+
+
+class EnginePredictor:
+  """`o1jax.engine.Engine`, built once per worker; one `generate` call per batch.
+
+  1. each work item becomes a `Request` (prompt, stop sequences, sampling params,
+     seed; `request_id` = the item's, so its random stream is the same in any
+     batch, slot or worker); 2. the engine runs the whole batch with continuous
+     batching (finished rows free their slots at once; a shared few-shot prefix
+     is prefilled once and its KV blocks reused); 3. each result's own metrics
+     become the prediction's `metrics`: end-to-end latency, TTFT, and one latency
+     per generated token (TTFT, then the gaps between tokens).
+  """
+
+  def __init__(self, engine):
+    self.engine = engine
+
+  @classmethod
+  def load(cls, spec: PredictorSpec) -> "EnginePredictor":
+    from o1jax.engine import Engine
+    model, tokenizer = _load_model(spec)
+    return cls(Engine(model, tokenizer, engine_config(spec)))
+
+  def predict(self, items: Sequence[WorkItem]) -> list[dict]:
+    from o1jax.engine import GenerationParams, Request
+    requests = [Request(prompt=i.prompt, request_id=i.request_id, params=GenerationParams(
+        temperature=i.sampling.temperature, top_p=i.sampling.top_p, top_k=i.sampling.top_k,
+        max_new_tokens=i.sampling.max_new_tokens, stop=tuple(i.stop), seed=i.sampling.seed))
+        for i in items]
+    out = []
+    for result in self.engine.generate(requests):
+      sample, m = result.samples[0], result.metrics
+      times = m.token_times[0] if m.token_times else []
+      # Every decode step counts, the one that sampled eos too: it is real work.
+      token_s = [t - prev for prev, t in zip([m.arrival] + times[:-1], times)]
+      metrics = {"latency_ms": _ms(m.e2e), "ttft_ms": _ms(m.ttft),
+                 "token_ms": [_ms(x) for x in token_s],
+                 "prompt_tokens_computed": int(m.prompt_tokens_computed)}
+      out.append({"text": sample.text,
+                  "tokens": {"prompt": len(result.prompt_token_ids), "completion": len(sample.token_ids)},
+                  "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0, "trace": {},
+                  "metrics": metrics})
+    return out
+
+
+def _ms(seconds) -> float | None:
+  return None if seconds is None else round(float(seconds) * 1e3, 3)
+
+
+class ControllerPredictor:
+  """`o1jax.controller.Controller.run` with the config's controller policy.
+
+  1. each work item (sample index 0 of an example) becomes a `ReasoningRequest`
+     (prompt, request_id, seed); 2. `Controller.run(requests, policy)` runs the
+     policy (n traces share the prompt's cache; vote / best / threshold inside);
+  3. each `ReasoningResult` becomes a prediction: text = the chosen trace's text
+     (scored by the task like any completion), tokens by kind (thinking, answer,
+     probe, discarded, waits; completion = every generated token), and the
+     reasoning path in `trace`: answer, votes, chosen, steps, backtracks,
+     early_exit, loop invocations and every trace with its steps. The batch's
+     wall time is each request's latency.
+  """
+
+  def __init__(self, controller, policy: dict):
+    self.controller = controller
+    self.policy = dict(policy)
+
+  @classmethod
+  def load(cls, spec: PredictorSpec) -> "ControllerPredictor":
+    from o1jax.controller import ContiguousLlama, Controller
+    if not spec.policy:
+      raise ValueError("predictor=controller needs a controller policy (policy.name = one of the "
+                       "controller's policies)")
+    model, tokenizer = _load_model(spec)
+    policy = dict(spec.policy)
+    engine = dict(spec.engine)
+    # One Beam batch x n traces in one compiled loop, unless engine.max_slots caps the rows.
+    rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
+    return cls(Controller(ContiguousLlama(model), tokenizer, max_rows=max(rows, 1)), policy)
+
+  def predict(self, items: Sequence[WorkItem]) -> list[dict]:
+    from o1jax.controller import ReasoningRequest
+    requests = [ReasoningRequest(prompt=i.prompt, request_id=i.request_id, seed=i.sampling.seed)
+                for i in items]
+    out = []
+    for item, result in zip(items, self.controller.run(requests, self.policy)):
+      text = result.answer_text or (result.traces[0].text if result.traces else "")
+      counts = result.tokens.to_dict()
+      tokens = {"prompt": len(self.controller.encode(item.prompt)), "completion": counts.pop("generated"),
+                **counts}
+      chosen = result.traces[result.chosen] if result.chosen is not None else None
+      finish = "stop" if chosen is None or chosen.exit_reason != "length" else "length"
+      trace = _finite({"answer": result.answer, "chosen": result.chosen, "votes": result.votes,
+                       "steps": result.steps, "backtracks": result.backtracks,
+                       "early_exit": result.early_exit, "loop_invocations": result.loop_invocations,
+                       "exit_reasons": [t.exit_reason for t in result.traces],
+                       "traces": [t.to_dict() for t in result.traces]})
+      out.append({"text": text, "tokens": tokens, "finish_reason": finish,
+                  "latency_s": result.wall_time_s, "trace": trace,
+                  "metrics": {"latency_ms": _ms(result.wall_time_s)}})
+    return out
 
 
 class FakePredictor:
@@ -160,9 +334,12 @@ class FakePredictor:
 
 
 PREDICTORS: dict[str, Callable[[PredictorSpec], Predictor]] = {
+    "engine": EnginePredictor.load,
     "generator": GeneratorPredictor.load,
+    "controller": ControllerPredictor.load,
     "fake": FakePredictor.load,
 }
+PLAIN_MODEL_PREDICTORS = ("engine", "generator")  # what a controller policy replaces
 
 
 def build_predictor(spec: PredictorSpec) -> Predictor:

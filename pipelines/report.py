@@ -21,7 +21,7 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from pipelines.summary import LATENCY_BUCKETS_MS, bucket_index, bucket_label
+from pipelines.summary import LATENCY_BUCKETS_MS, bucket_index, bucket_label, per_token_latencies
 
 HEATMAP_TIME_BINS = 20
 
@@ -44,6 +44,10 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
 
 
 def _per_token_ms(r: dict) -> float:
+  """Mean ms per generated token of one sample: the engine's real per-token times when present."""
+  times = [v for v in (r["timing"].get("token_ms") or []) if v is not None]
+  if times:
+    return sum(times) / len(times)
   return r["timing"]["latency_ms"] / max(int(r.get("tokens", {}).get("completion", 0)), 1)
 
 
@@ -51,16 +55,20 @@ def plot_latency(records: Sequence[dict], path: pathlib.Path) -> None:
   plt = _plt()
   labels = [bucket_label(i) for i in range(len(LATENCY_BUCKETS_MS))]
   timed = [r for r in records if r.get("timing")]
+  per_token, source = per_token_latencies(timed)
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-  for ax, values, title in ((axes[0], [r["timing"]["latency_ms"] for r in timed], "request latency"),
-                            (axes[1], [_per_token_ms(r) for r in timed], "latency per generated token")):
+  for ax, values, title, unit in (
+      (axes[0], [r["timing"]["latency_ms"] for r in timed], "request latency", "samples"),
+      (axes[1], per_token, "latency per generated token" + (" (measured)" if source == "tokens" else
+                                                             " (request / tokens)"),
+       "tokens" if source == "tokens" else "samples")):
     counts = [0] * len(labels)
     for v in values:
       counts[bucket_index(v)] += 1
     ax.bar(range(len(labels)), counts, color="#4c72b0")
     ax.set_xticks(range(len(labels)), labels, rotation=30)
     ax.set_xlabel("ms")
-    ax.set_ylabel("samples")
+    ax.set_ylabel(unit)
     ax.set_title(title)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
@@ -174,21 +182,32 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   lat, ptl, thr = summary["latency_ms"], summary["latency_ms_per_token"], summary["throughput"]
   out += ["", "## Latency and throughput", "",
           _table([[name, *(_fmt(d.get(f"p{p}")) for p in (50, 90, 95, 99)), _fmt(d.get("mean")), _fmt(d.get("max"))]
-                  for name, d in (("request (ms)", lat), ("per token (ms)", ptl))],
+                  for name, d in (("request (ms)", lat), ("per token (ms)", ptl),
+                                  *((("time to first token (ms)", summary["ttft_ms"]),)
+                                    if summary.get("ttft_ms") else ()))],
                  ["", "P50", "P90", "P95", "P99", "mean", "max"]), "",
           f"Computed this run: {thr['samples_computed']} samples in {_fmt(thr['span_s'])} s "
           f"({_fmt(thr['samples_per_s'], 3)} samples/s, {_fmt(thr['completion_tokens_per_s'])} completion tok/s); "
           f"resumed from the store: {_fmt((summary.get('run') or {}).get('resumed'))}; "
           f"wall time {_fmt((summary.get('run') or {}).get('wall_s'))} s.", "",
+          f"Per-token latency source: {ptl.get('source', 'request_latency/completion')} "
+          f"({_fmt(ptl.get('count'))} values).", "",
           "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]
   out += ["", "## Reasoning paths", ""]
   if has_reasoning:
     r = summary.get("reasoning") or {}
     out += [_table([[k, _fmt(v.get("total")), _fmt(v.get("mean"), 2)] for k, v in r.items() if isinstance(v, dict)],
-                   ["", "total", "mean per sample"]), "", "![reasoning](reasoning.png)"]
+                   ["", "total", "mean per sample"]), "", "![reasoning](reasoning.png)", ""]
+    out += ["First reasoning paths (traces, steps, backtracks, early exit, exit reasons, votes):", ""]
+    for rec in [x for x in records if "steps" in (x.get("trace") or {})][:5]:
+      t = rec["trace"]
+      out.append(f"- `{rec['example_id']}`: answer `{t.get('answer')}` "
+                 f"({'correct' if rec['correct'] else 'wrong'}); {len(t.get('traces') or [])} traces, "
+                 f"{t.get('steps')} steps, {t.get('backtracks')} backtracks, early exit "
+                 f"{bool(t.get('early_exit'))}; exits {t.get('exit_reasons')}; votes {t.get('votes')}")
   else:
     out.append("No step/backtrack/early-exit traces: plain sampling policies do not produce them "
-               "(the reasoning controller will).")
+               "(run a controller policy, e.g. policy=self_consistency or deepconf).")
   dead = summary["dead_letters"]
   out += ["", "## Dead letters", "", f"{dead['total']} total; by stage: {dead['by_stage'] or 'none'}."]
   dl_path = run_dir / "dead_letters.jsonl"

@@ -6,7 +6,10 @@ Data flow: 1. group records by example (in dataset order); 2. score each example
 GSM-style: majority vote over the samples' extracted answers when the policy votes
 (strict and flexible separately), else the mean over samples; HumanEval: pass@k
 for every k <= n; 3. sum tokens by kind; 4. latency percentiles (P50/P90/P95/P99)
-and fixed-bucket histograms over request latency and per-token latency; 5.
+and fixed-bucket histograms over request latency, time to first token and
+per-token latency — the engine's real per-token times (`timing.token_ms`, one
+value per generated token) where records carry them, else request latency /
+completion tokens (one value per sample); 5.
 throughput over the samples computed in this run; 6. dead letters by stage;
 7. reasoning-path statistics when traces carry them (absent until the controller).
 Pure Python: the report and tests use it directly.
@@ -122,6 +125,15 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
   return out
 
 
+def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
+  """(values in ms, source): real per-token times when every timed record has them."""
+  timed = [r for r in records if r.get("timing")]
+  if timed and all(r["timing"].get("token_ms") for r in timed):
+    return [float(v) for r in timed for v in r["timing"]["token_ms"] if v is not None], "tokens"
+  return [float(r["timing"]["latency_ms"]) / max(int((r.get("tokens") or {}).get("completion", 0)), 1)
+          for r in timed], "request_latency/completion"
+
+
 def _reasoning(records: Sequence[dict]) -> Optional[dict[str, Any]]:
   traced = [r for r in records if any(k in (r.get("trace") or {}) for k in REASONING_KEYS)]
   if not traced:
@@ -143,7 +155,9 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
     tokens.update({k: int(v) for k, v in (r.get("tokens") or {}).items()})
   completion = [int((r.get("tokens") or {}).get("completion", 0)) for r in records]
   latency = [float(r["timing"]["latency_ms"]) for r in records if r.get("timing")]
-  per_token = [float(r["timing"]["latency_ms"]) / max(c, 1) for r, c in zip(records, completion) if r.get("timing")]
+  per_token, per_token_source = per_token_latencies(records)
+  ttft = [float(r["timing"]["ttft_ms"]) for r in records
+          if r.get("timing") and r["timing"].get("ttft_ms") is not None]
   run = dict(run or {})
   since = run.get("started_ms")
   fresh = [r for r in records if r.get("timing") and (since is None or r["timing"]["start_ms"] >= since)]
@@ -162,7 +176,8 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
                  "completion_per_sample": _round(sum(completion) / max(len(records), 1), 2),
                  "completion_per_example": _round(sum(completion) / max(len(groups), 1), 2)},
       "latency_ms": {**_stats(latency), "histogram": histogram(latency)},
-      "latency_ms_per_token": {**_stats(per_token), "histogram": histogram(per_token)},
+      "latency_ms_per_token": {**_stats(per_token), "histogram": histogram(per_token),
+                               "source": per_token_source, "count": len(per_token)},
       "throughput": {"samples_computed": len(fresh), "span_s": _round(span_s, 2),
                      "samples_per_s": _round(len(fresh) / span_s, 3) if span_s > 0 else None,
                      "completion_tokens_per_s": _round(fresh_tokens / span_s, 2) if span_s > 0 else None},
@@ -171,6 +186,8 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "dead_letters": {"total": len(dead_letters), "by_stage": dict(sorted(stages.items()))},
       "run": run,
   }
+  if ttft:
+    summary["ttft_ms"] = {**_stats(ttft), "histogram": histogram(ttft)}
   reasoning = _reasoning(records)
   if reasoning is not None:
     summary["reasoning"] = reasoning

@@ -9,7 +9,9 @@ processes call it through a proxy); 2. Beam's `BatchElements` groups work items
 into batches of `batch_size` (the engine's slots once it lands); 3.
 `run_inference` stamps the batch with the injected clock, calls
 `predictor.predict`, and emits one `PredictionResult(item, prediction)` per item,
-with `timing` added to the prediction; 4. an exception fails the whole batch,
+with `timing` added to the prediction: the batch's stamps, overlaid by the
+predictor's own per-request `metrics` when it measures them (the engine: its
+request latency, TTFT and per-token latencies); 4. an exception fails the whole batch,
 which `with_exception_handling()` routes to the dead-letter output.
 """
 
@@ -60,7 +62,8 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
       raise RuntimeError(f"predictor returned {len(predictions)} predictions for {len(batch)} items")
     timing = {"start_ms": start_ns / 1e6, "end_ms": end_ns / 1e6,
               "latency_ms": (end_ns - start_ns) / 1e6, "batch_size": len(batch), "worker_pid": os.getpid()}
-    return [PredictionResult(item, {**pred, "timing": dict(timing)}, model_id=self.spec.name)
+    return [PredictionResult(item, {**pred, "timing": _timing(timing, pred.get("metrics"))},
+                             model_id=self.spec.name)
             for item, pred in zip(batch, predictions)]
 
   def batch_elements_kwargs(self):
@@ -74,3 +77,12 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
 
   def get_metrics_namespace(self) -> str:
     return "o1jax_eval"
+
+
+def _timing(batch_timing: dict, metrics: Optional[dict]) -> dict:
+  """Batch stamps + the predictor's measured numbers (None values keep the batch's)."""
+  out = dict(batch_timing)
+  for k, v in (metrics or {}).items():
+    if v is not None:
+      out[k] = v
+  return out

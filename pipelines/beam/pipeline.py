@@ -64,16 +64,39 @@ class EvalPlan:
     return f"{self.output_dir.rstrip('/')}/store"
 
 
+def resolve_predictor(name: str, policy: Policy, task_name: str) -> str:
+  """The predictor that runs `policy`: controller policies need the controller.
+
+  1. unknown names list the registered ones; 2. a controller policy turns
+  engine/generator into controller (fake stays fake); 3. the controller without a
+  controller policy, or a controller policy on HumanEval, is an error.
+  """
+  from pipelines.predictors import PLAIN_MODEL_PREDICTORS, PREDICTORS
+  if name not in PREDICTORS:
+    raise ValueError(f"model.predictor={name!r}: registered predictors are {sorted(PREDICTORS)}")
+  if policy.controller:
+    if task_name == "humaneval":
+      raise ValueError(f"policy {policy.name!r} is a reasoning-controller policy; HumanEval needs "
+                       f"code completions with stop sequences and pass@k over samples: use "
+                       f"policy=greedy or policy=sample_n")
+    return "controller" if name in PLAIN_MODEL_PREDICTORS else name
+  if name == "controller":
+    from pipelines.policies import controller_policy_names
+    raise ValueError(f"model.predictor=controller runs only controller policies "
+                     f"{list(controller_policy_names())}, not {policy.name!r}")
+  return name
+
+
 def build_plan(config, output_dir: str) -> EvalPlan:
   """Config → plan; raises ValueError on an unknown task, policy or predictor."""
   policy = build_policy(config.policy.to_dict())
   s = config.sampling
   sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                           top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
-  spec = PredictorSpec.from_config(config.model)
-  from pipelines.predictors import PREDICTORS
-  if spec.name not in PREDICTORS:
-    raise ValueError(f"model.predictor={spec.name!r}: registered predictors are {sorted(PREDICTORS)}")
+  name = resolve_predictor(config.model.predictor, policy, config.task)
+  spec = PredictorSpec.from_config(
+      config.model, name=name, batch_size=int(config.runner.batch_size),
+      engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None)
   return EvalPlan(task=build_task(config), policy=policy, sampling=sampling, predictor=spec,
                   model_fp=model_fingerprint(spec), output_dir=output_dir,
                   batch_size=int(config.runner.batch_size), share_model=bool(config.runner.share_model))

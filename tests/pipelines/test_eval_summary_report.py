@@ -81,11 +81,14 @@ def test_configs_variants_smoke_and_unknown_keys():
   default, smoke = gsm8k_config.get_config(), gsm8k_config.get_config("smoke=True")
   assert smoke.dataset.n < default.dataset.n and smoke.sampling.max_new_tokens < default.sampling.max_new_tokens
   sc = gsm8k_config.get_config("policy=self_consistency")
-  assert sc.policy.name == "self_consistency" and sc.policy.n == 8 and build_policy(sc.policy.to_dict()).vote
+  # The controller's self_consistency: it votes itself, so the pipeline does not vote again.
+  sn = gsm8k_config.get_config("policy=sample_n")
+  assert sc.policy.name == "self_consistency" and sc.policy.n == 8 and build_policy(sc.policy.to_dict()).controller
+  assert build_policy(sn.policy.to_dict()).vote and not build_policy(sc.policy.to_dict()).vote
   assert humaneval_config.get_config().task == "humaneval" and custom_config.get_config().task == "custom"
   with pytest.raises(ValueError, match=r"\['policy', 'smoke'\]"):
     gsm8k_config.get_config("smok=True")
-  with pytest.raises(ValueError, match="registered policies"):
+  with pytest.raises(ValueError, match="valid policies"):
     gsm8k_config.get_config("policy=nope")
   with pytest.raises(AttributeError):
     default.dataset.nn = 1  # locked: no new keys

@@ -1,0 +1,155 @@
+"""The engine and controller predictors inside the Beam graph, on a tiny random model.
+
+Per-sample record = every results.jsonl field except `key` (its content hash names
+the predictor, so engine and generator runs never share stored results) and
+`timing` (wall-clock measurements).
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import app
+
+from configs import custom as custom_config
+from configs import gsm8k as gsm8k_config
+from configs import humaneval as humaneval_config
+from pipelines.beam import build_plan
+from pipelines.eval import run, validate_argv
+from pipelines.policies import build_policy
+from pipelines.report import write_run_report
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+QUESTIONS = (("2+3?", "5"), ("7-1?", "6"), ("4*2?", "8"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  root = tmp_path_factory.mktemp("tiny")
+  write_gguf_checkpoint(root / "tiny.gguf", tiny_config(), seed=0)
+  (root / "q.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
+                                        for q, a in QUESTIONS))
+  return root
+
+
+def _config(tiny, policy="greedy", predictor="engine", batch=2):
+  cfg = custom_config.get_config(f"policy={policy},smoke=True")
+  cfg.model.update(source=str(tiny / "tiny.gguf"), predictor=predictor)
+  cfg.dataset.path = str(tiny / "q.jsonl")
+  cfg.prompt.update(style="completion", template="Q: {question}\nA:")
+  cfg.sampling.max_new_tokens = 8
+  cfg.runner.update(direct_num_workers=1, direct_running_mode="in_memory", batch_size=batch)
+  return cfg
+
+
+def _records(run_dir):
+  return [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines()]
+
+
+def _stable(records):
+  return [{k: v for k, v in r.items() if k not in ("key", "timing")} for r in records]
+
+
+def test_engine_predictor_matches_generator_greedy_and_records_real_token_times(tiny, tmp_path):
+  summaries = {}
+  for predictor in ("generator", "engine"):
+    summaries[predictor] = run(_config(tiny, predictor=predictor), str(tmp_path / predictor),
+                               progress=False, report=False)
+  gen, eng = _records(tmp_path / "generator"), _records(tmp_path / "engine")
+  assert len(eng) == len(QUESTIONS)
+  assert sum(r["tokens"]["completion"] for r in eng) > 0
+  assert _stable(eng) == _stable(gen)
+  assert {r["key"] for r in eng}.isdisjoint(r["key"] for r in gen)
+  for r in eng:
+    t = r["timing"]
+    # One latency per decode step: every kept token, plus the step that sampled eos.
+    assert r["tokens"]["completion"] <= len(t["token_ms"]) <= r["tokens"]["completion"] + 1
+    assert t["token_ms"][0] == pytest.approx(t["ttft_ms"], abs=1e-2)
+    assert 0 < t["ttft_ms"] <= t["latency_ms"]
+    assert sum(t["token_ms"]) == pytest.approx(t["latency_ms"], rel=1e-3, abs=0.05)
+  s = summaries["engine"]
+  assert s["latency_ms_per_token"]["source"] == "tokens"
+  assert s["latency_ms_per_token"]["count"] == sum(len(r["timing"]["token_ms"]) for r in eng)
+  assert s["ttft_ms"]["p50"] > 0
+  assert summaries["generator"]["latency_ms_per_token"]["source"] == "request_latency/completion"
+  assert "ttft_ms" not in summaries["generator"]
+
+
+def test_controller_policy_records_traces_token_kinds_and_report(tiny, tmp_path):
+  cfg = _config(tiny, policy="self_consistency", batch=3)
+  cfg.policy.update(n=2, max_thinking_tokens=6, max_answer_tokens=4, temperature=5.0, top_p=1.0)
+  summary = run(cfg, str(tmp_path / "sc"), progress=False)
+  records = _records(tmp_path / "sc")
+  assert summary["model"]["predictor"] == "controller"  # engine was swapped for the controller
+  assert [r["sample_index"] for r in records] == [0, 0, 0]
+  for r in records:
+    t = r["trace"]
+    assert t["policy"]["name"] == "self_consistency" and t["policy"]["n"] == 2
+    assert len(t["traces"]) == 2 and len(t["exit_reasons"]) == 2
+    assert t["traces"][0]["text"] != t["traces"][1]["text"] or t["traces"][0]["answer"] is None
+    kinds = r["tokens"]
+    assert kinds["thinking"] + kinds["answer"] + kinds["discarded"] == kinds["completion"] > 0
+    assert kinds["thinking"] <= 2 * 6 and kinds["prompt"] > 0
+    assert r["output"] in [x["text"] for x in t["traces"]]
+  assert summary["tokens"]["thinking"] == sum(r["tokens"]["thinking"] for r in records)
+  assert summary["reasoning"]["samples_with_traces"] == 3
+  report = (tmp_path / "sc" / "report.md").read_text()
+  assert "First reasoning paths" in report and "2 traces" in report
+  assert (tmp_path / "sc" / "reasoning.png").stat().st_size > 0
+
+  # Batch size does not change a controller record (keys come from request ids, not rows).
+  again = _config(tiny, policy="self_consistency", batch=1)
+  again.policy.update(n=2, max_thinking_tokens=6, max_answer_tokens=4, temperature=5.0, top_p=1.0)
+  run(again, str(tmp_path / "sc1"), progress=False, report=False)
+  assert _stable(_records(tmp_path / "sc1")) == _stable(records)
+
+
+def test_policy_registry_and_config_errors():
+  sc = gsm8k_config.get_config("policy=deepconf,smoke=True")
+  assert sc.policy.name == "deepconf" and sc.policy.n == 2 and sc.policy.warmup == 1
+  policy = build_policy(sc.policy.to_dict())
+  assert policy.controller and policy.num_samples == 1 and not policy.vote
+  assert policy.controller_section()["keep_percent"] == sc.policy.keep_percent
+  assert build_policy({"name": "sample_n", "n": 3}).num_samples == 3
+
+  with pytest.raises(ValueError, match=r"valid policies are .*'deepconf'.*'greedy'.*'sample_n'"):
+    gsm8k_config.get_config("policy=no_such_policy")
+  with pytest.raises(ValueError, match=r"no params \['bogus'\]; valid: .*'warmup'"):
+    build_policy({"name": "deepconf", "bogus": 1})
+  with pytest.raises(app.UsageError, match=r"unknown config key 'policy.n'.*policy has keys"):
+    validate_argv(["eval", "--config=configs/gsm8k.py:policy=greedy_cot", "--config.policy.n=4"])
+  validate_argv(["eval", "--config=configs/gsm8k.py:policy=best_of_n", "--config.policy.score=x"])
+
+  he = humaneval_config.get_config("policy=greedy_cot,smoke=True")
+  with pytest.raises(ValueError, match="HumanEval.*policy=greedy or policy=sample_n"):
+    build_plan(he, "/tmp/unused")
+  plain = gsm8k_config.get_config("smoke=True")
+  plain.model.predictor = "controller"
+  with pytest.raises(ValueError, match="runs only controller policies"):
+    build_plan(plain, "/tmp/unused")
+
+
+@pytest.mark.slow
+def test_embedded_model_cli_self_consistency_through_the_controller(tmp_path):
+  out = tmp_path / "sc"
+  cmd = [sys.executable, "-m", "pipelines.eval",
+         "--config=configs/gsm8k.py:policy=self_consistency,smoke=True",
+         "--config.dataset.n=2", "--config.policy.n=2", "--config.policy.max_thinking_tokens=16",
+         "--config.policy.max_answer_tokens=6", "--config.runner.batch_size=2",
+         "--config.runner.direct_running_mode=in_memory", "--config.runner.direct_num_workers=1",
+         f"--output_dir={out}"]
+  done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["policy"] == "self_consistency" and summary["model"]["predictor"] == "controller"
+  assert summary["samples"] == 2 and summary["dead_letters"]["total"] == 0
+  assert summary["tokens"]["thinking"] > 0 and summary["reasoning"]["samples_with_traces"] == 2
+  assert set(summary["accuracy"]) == {"strict", "flexible"}
+  records = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+  assert all(len(r["trace"]["traces"]) == 2 for r in records)
+  report = (out / "report.md").read_text()
+  assert "## Reasoning paths" in report and "First reasoning paths" in report
+  assert (out / "reasoning.png").stat().st_size > 0
