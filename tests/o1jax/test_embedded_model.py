@@ -37,12 +37,17 @@ def test_embedded_logits_match_numpy_reference(embedded_checkpoint):
 
 
 def test_pallas_backend_interpret_matches_reference_greedy(embedded_checkpoint, embedded_generator):
-  """Quantized weights through the Pallas matmul kernel (interpret mode on CPU)."""
+  """Every heavy op through the Pallas kernels (interpret mode on CPU): quantized
+  weights through the fused matmul, the engine's paged cache through the paged
+  prefill and decode attention kernels. Same greedy tokens as the XLA reference."""
+  from o1jax.engine import Engine, EngineConfig, Request
+
   ck = embedded_checkpoint
-  pallas = Generator(Llama(ck.config, ck.params, backend="pallas", interpret=True, weight_mode="quantized"),
-                     ck.tokenizer)
-  want = embedded_generator.generate([CHAT], max_new_tokens=4)[0].token_ids
-  assert pallas.generate([CHAT], max_new_tokens=4)[0].token_ids == want
+  model = Llama(ck.config, ck.params, backend="pallas", interpret=True, weight_mode="quantized")
+  engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=1, num_blocks=64, max_context=256,
+                                                    backend="pallas", interpret=True))
+  got = engine.generate([Request(prompt=CHAT, params={"max_new_tokens": 4})])[0].token_ids
+  assert got == embedded_generator.generate([CHAT], max_new_tokens=4)[0].token_ids
 
 
 def test_generate_cli_streams_an_answer():
