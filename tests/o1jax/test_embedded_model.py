@@ -63,3 +63,17 @@ def test_generate_cli_reports_bad_model_path(tmp_path):
                         str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=300)
   assert out.returncode == 2
   assert "missing.gguf: no such file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_engine_greedy_equals_generator_on_chat_prompts(embedded_checkpoint, embedded_generator):
+  """The serving engine (paged cache, continuous batching) against the simple generator."""
+  from o1jax.engine import Engine, EngineConfig, Request
+
+  ck = embedded_checkpoint
+  prompts = [CHAT, [{"role": "user", "content": "Name three primary colors."}],
+             [{"role": "user", "content": "Write a Python function that reverses a string."}]]
+  engine = Engine(Llama(ck.config, ck.params), ck.tokenizer, EngineConfig(max_slots=4, max_context=512))
+  got = engine.generate([Request(prompt=p, params={"max_new_tokens": 24}) for p in prompts])
+  want = embedded_generator.generate(prompts, max_new_tokens=24)
+  assert [r.token_ids for r in got] == [w.token_ids for w in want]
+  assert [r.text for r in got] == [w.text for w in want]
