@@ -107,5 +107,6 @@ def test_policy_registry_params():
   assert p.num_samples == 5
   with pytest.raises(ValueError, match=r"valid: \['n', 'temperature', 'top_k', 'top_p'\]"):
     build_policy({"name": "sample_n", "m": 2})
-  with pytest.raises(ValueError, match="registered"):
-    build_policy({"name": "deepconf"})
+  assert build_policy({"name": "deepconf"}).controller  # the controller's policies are valid names
+  with pytest.raises(ValueError, match="valid policies.*reasoning controller"):
+    build_policy({"name": "no_such_policy"})
