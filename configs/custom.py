@@ -6,7 +6,7 @@
 
 answer_format: number (GSM8K normalization + strict/flexible scoring), gsm8k (worked
 solution ending "#### N"), text (exact match of the reply's last line).
-Variants: smoke=True|False, policy=<registered name>.
+Variants: smoke=True|False, policy=<name> (see configs/gsm8k.py).
 """
 
 from configs import common

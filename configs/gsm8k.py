@@ -8,7 +8,11 @@
       --config.dataset.n=0 --config.prompt.style=fewshot
 
 Variants after the colon (comma-separated key=value): smoke=True|False,
-policy=<registered policy name> (greedy, sample_n, self_consistency, ...).
+policy=<name>: plain sampling (greedy, sample_n; run by model.predictor=engine or
+generator) or a reasoning-controller policy (greedy_cot, self_consistency,
+best_of_n, deepconf, think_verify_backtrack, budget_forcing; run by the controller,
+params from o1jax.controller.configs.policy_config(name, smoke), each settable as
+--config.policy.<param>=...).
 """
 
 from configs import common

@@ -4,7 +4,7 @@
   python -m pipelines.eval --config=configs/humaneval.py:policy=sample_n --config.policy.n=10 \
       --output_dir=runs/he_n10
 
-Variants: smoke=True|False, policy=<registered name>.
+Variants: smoke=True|False, policy=greedy|sample_n (controller policies are rejected for HumanEval).
 """
 
 from configs import common

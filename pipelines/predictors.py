@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -202,6 +203,9 @@ class EnginePredictor:
 
   def __init__(self, engine):
     self.engine = engine
+    # A model shared across worker processes is served by one process, one thread per
+    # client: the engine's queues and donated cache must see one batch at a time.
+    self._lock = threading.Lock()
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "EnginePredictor":
@@ -215,8 +219,10 @@ class EnginePredictor:
         temperature=i.sampling.temperature, top_p=i.sampling.top_p, top_k=i.sampling.top_k,
         max_new_tokens=i.sampling.max_new_tokens, stop=tuple(i.stop), seed=i.sampling.seed))
         for i in items]
+    with self._lock:
+      results = self.engine.generate(requests)
     out = []
-    for result in self.engine.generate(requests):
+    for result in results:
       sample, m = result.samples[0], result.metrics
       times = m.token_times[0] if m.token_times else []
       # Every decode step counts, the one that sampled eos too: it is real work.
@@ -252,6 +258,7 @@ class ControllerPredictor:
   def __init__(self, controller, policy: dict):
     self.controller = controller
     self.policy = dict(policy)
+    self._lock = threading.Lock()  # one batch at a time, as for the engine
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "ControllerPredictor":
@@ -270,8 +277,10 @@ class ControllerPredictor:
     from o1jax.controller import ReasoningRequest
     requests = [ReasoningRequest(prompt=i.prompt, request_id=i.request_id, seed=i.sampling.seed)
                 for i in items]
+    with self._lock:
+      results = self.controller.run(requests, self.policy)
     out = []
-    for item, result in zip(items, self.controller.run(requests, self.policy)):
+    for item, result in zip(items, results):
       text = result.answer_text or (result.traces[0].text if result.traces else "")
       counts = result.tokens.to_dict()
       tokens = {"prompt": len(self.controller.encode(item.prompt)), "completion": counts.pop("generated"),
