@@ -93,7 +93,7 @@ def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDi
       name="DirectRunner",  # or DataflowRunner / FlinkRunner / SparkRunner (+ flags after --)
       direct_num_workers=workers,
       direct_running_mode="multi_processing",  # in_memory | multi_threading | multi_processing
-      batch_size=batch_size,  # RunInference batch (the engine's slots once it lands)
+      batch_size=batch_size,  # RunInference batch = the engine's decode slots (engine.max_slots=0)
       share_model=True,  # one model per machine, shared by the worker processes
       progress=True,  # progress bar with ETA on stderr (local output dirs only)
   )
