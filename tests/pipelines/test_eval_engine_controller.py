@@ -125,11 +125,11 @@ def test_policy_registry_and_config_errors():
 
   he = humaneval_config.get_config("policy=greedy_cot,smoke=True")
   with pytest.raises(ValueError, match="HumanEval.*policy=greedy or policy=sample_n"):
-    build_plan(he, "/tmp/unused")
+    build_plan(he, "unused_output_dir")
   plain = gsm8k_config.get_config("smoke=True")
   plain.model.predictor = "controller"
   with pytest.raises(ValueError, match="runs only controller policies"):
-    build_plan(plain, "/tmp/unused")
+    build_plan(plain, "unused_output_dir")
 
 
 @pytest.mark.slow
