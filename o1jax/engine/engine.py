@@ -569,9 +569,10 @@ class Engine:
   def _table(self, seqs: Sequence[_Seq], rows: int) -> np.ndarray:
     need = max(len(s.blocks) for s in seqs)
     width = pow2_bucket(need, self.config.min_table_blocks)
-    # Decode cost grows with the width (every row gathers all of it): batch 32
-    # took 142 / 162 / 185 ms per step at 8 / 12 / 16 blocks, so a 3/4 bucket
-    # sits between powers of two (at most one extra program per octave).
+    # Decode cost grows with the width (every row gathers all of it): a CPU
+    # step at 12 vs 16 blocks took 41 vs 44 / 86 vs 92 / 190 vs 211 ms at
+    # batch 1 / 8 / 32, so a 3/4 bucket sits between powers of two (at most
+    # one extra program per octave).
     if width > self.config.min_table_blocks and width % 4 == 0 and need <= width * 3 // 4:
       width = width * 3 // 4
     width = min(width, self._table_cap)

@@ -28,7 +28,6 @@ from pallas_kernels import ops as kernel_ops
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_HIGHEST = jax.lax.Precision.HIGHEST
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float8_e4m3fn": FP8}
 
 
@@ -131,28 +130,29 @@ def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, 
   """One query per row against its paged keys, written for the CPU.
 
   1. gather the row's pages: K, V [B, L, KVH, D] with L = max_blocks * block_size;
-  2. scores as a batched dot over D: [B, KVH, G, L];
+  2. scores by multiply-then-sum over D (faster than a batched dot for one
+     query, see DESIGN.md): [B, L, KVH, G];
   3. masked softmax over L (keys >= lengths[b] masked; length 0 -> zeros);
-  4. output = p @ V as a batched dot over L: [B, KVH, G, D] -> [B, H, D].
-  Dots instead of the former multiply-then-sum: 30 layers alone at L=256 took
-  15 vs 90 ms at B=32 (0.7 vs 28 ms at B=1); in the whole decode step that is
-  179 vs 192 ms at B=32, 38 vs 40 ms at B=1, ~2 ms slower at B=8. What is left
-  is mostly the gather (~0.7 ms per layer and pool at B=32, L=256).
+  4. output = sum over L of p * V: [B, KVH, G, D] -> [B, H, D].
+  Batched dots (einsum bkgd,blkd->bkgl and bkgl,blkd->bkgd) ran 30 layers
+  alone in 15 vs 90 ms at B=32, L=256, but the whole decode step was the same
+  within noise (interleaved, dots vs this: 162 vs 167 ms at L=128, 208 vs 208
+  at L=256); the gather (~0.75 ms per 6.3 MB pool per layer) dominates.
   q [B, H, D]; lengths [B] int32 (keys 0..lengths[b]-1 are visible)."""
   b, h, d = q.shape
   kvh = k_pages.shape[2]
   g = h // kvh
   k = gather_rows(k_pages, k_scale, block_tables)
   v = gather_rows(v_pages, v_scale, block_tables)
-  qg = q.astype(jnp.float32).reshape(b, kvh, g, d) * (1.0 / math.sqrt(d))
-  s = jnp.einsum("bkgd,blkd->bkgl", qg, k, precision=_HIGHEST)  # [B, KVH, G, L]
+  qg = q.astype(jnp.float32).reshape(b, 1, kvh, g, d) * (1.0 / math.sqrt(d))
+  s = jnp.sum(qg * k[:, :, :, None, :], axis=-1)  # [B, L, KVH, G]
   valid = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, L]
-  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
+  s = jnp.where(valid[:, :, None, None], s, -jnp.inf)
+  m = jnp.max(s, axis=1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(valid[:, None, None, :], jnp.exp(s - m), 0.0)
-  denom = jnp.sum(p, axis=-1)  # [B, KVH, G]
-  out = jnp.einsum("bkgl,blkd->bkgd", p, v, precision=_HIGHEST)  # [B, KVH, G, D]
+  p = jnp.where(valid[:, :, None, None], jnp.exp(s - m), 0.0)
+  denom = jnp.sum(p, axis=1)  # [B, KVH, G]
+  out = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)  # [B, KVH, G, D]
   out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
   return out.reshape(b, h, d).astype(q.dtype)
 
