@@ -69,7 +69,7 @@ class EngineConfig:
   prefill_chunk: int = 128  # prompt tokens per prefill call (all rows together)
   max_prefill_seqs: int = 4  # rows of a prefill call
   min_chunk_bucket: int = 16
-  min_table_blocks: int = 8  # smallest block-table width bucket (then powers of two and 3/4 of them)
+  min_table_blocks: int = 8  # smallest table width bucket (then powers of two; decode also 3/4)
   # Decode batch sizes that get a program; a batch runs in the smallest one that fits.
   decode_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
   policy: str = "fifo"  # "fifo" | "shortest_budget" | "length_groups"
@@ -566,14 +566,16 @@ class Engine:
     fits = [b for b in self.config.decode_buckets if b >= n]
     return min(fits) if fits else pow2_bucket(n)
 
-  def _table(self, seqs: Sequence[_Seq], rows: int) -> np.ndarray:
+  def _table(self, seqs: Sequence[_Seq], rows: int, decode: bool = False) -> np.ndarray:
     need = max(len(s.blocks) for s in seqs)
     width = pow2_bucket(need, self.config.min_table_blocks)
     # Decode cost grows with the width (every row gathers all of it): a CPU
     # step at 12 vs 16 blocks took 41 vs 44 / 86 vs 92 / 190 vs 211 ms at
     # batch 1 / 8 / 32, so a 3/4 bucket sits between powers of two (at most
-    # one extra program per octave).
-    if width > self.config.min_table_blocks and width % 4 == 0 and need <= width * 3 // 4:
+    # one extra program per octave). Decode only: a prefill chunk of T tokens
+    # needs width * block_size >= T, which the power of two guarantees.
+    if (decode and width > self.config.min_table_blocks and width % 4 == 0
+        and need <= width * 3 // 4):
       width = width * 3 // 4
     width = min(width, self._table_cap)
     tables = np.zeros((rows, width), np.int32)
@@ -650,7 +652,7 @@ class Engine:
       want_top = max(want_top, p.top_logprobs)
     batch = steps.DecodeBatch(
         tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), active=jnp.asarray(active),
-        block_tables=jnp.asarray(self._table(seqs, rows)), keys=jnp.asarray(keys),
+        block_tables=jnp.asarray(self._table(seqs, rows, decode=True)), keys=jnp.asarray(keys),
         steps=jnp.asarray(steps_), temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
         top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
     # Two programs at most: without and with the engine's top-K alternatives.
