@@ -37,12 +37,9 @@ from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRec
 from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.model.sampling import sequence_key
+from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
-
-
-def pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,18 +301,18 @@ class Controller:
     answer = len(self.tokenizer.encode(settings.answer_prefix))
     need = (longest_prompt + settings.max_thinking_tokens + max(settings.max_answer_tokens, answer)
             + len(self.tokenizer.encode(settings.wait_text)) + self.probe_capacity + 8)
-    return pow2(need, 64)
+    return pow2_bucket(need, 64)
 
   def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop) -> ReasoningState:
     """Prefill + fork + fresh per-row state for len(requests) x n rows."""
     r = len(requests)
     rows = r * n
-    b = pow2(rows)
+    b = pow2_bucket(rows)
     longest = max(len(p) for p in prompts)
     length = self.cache_length(settings, longest)
     # 1. prefill each prompt once.
-    rb = pow2(r)
-    t = pow2(longest, 16)
+    rb = pow2_bucket(r)
+    t = pow2_bucket(longest, 16)
     tok = np.zeros((rb, t), np.int32)
     lens = np.ones(rb, np.int32)
     for i, p in enumerate(prompts):

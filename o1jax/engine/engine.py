@@ -42,15 +42,11 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
 from o1jax.model.sampling import sequence_key
+from o1jax.model.shapes import pow2_bucket
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("fifo", "shortest_budget", "length_groups")
-
-
-def pow2_bucket(n: int, minimum: int = 1) -> int:
-  """Smallest power of two >= max(n, minimum)."""
-  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 # --- configuration, requests, results -------------------------------------------------

@@ -21,11 +21,7 @@ from flax import nnx
 from o1jax.checkpoint.tokenizer import Tokenizer
 from o1jax.model.llama import KVCache, Llama
 from o1jax.model.sampling import SamplingParams, sample, sequence_key
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-  """Smallest power of two >= max(n, minimum)."""
-  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+from o1jax.model.shapes import pow2_bucket
 
 
 @dataclasses.dataclass
@@ -133,9 +129,9 @@ class Generator:
     longest = max(len(p) for p in ids)
     self._check_length(longest, max_new_tokens)
     max_new_tokens = min(max_new_tokens, self.config.max_context - longest)
-    b = bucket(n, 1)
-    t = bucket(longest)
-    cache_len = bucket(t + max_new_tokens, 256)
+    b = pow2_bucket(n)
+    t = pow2_bucket(longest, 16)
+    cache_len = pow2_bucket(t + max_new_tokens, 256)
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(ids):
       tokens[i, :len(p)] = p
