@@ -57,9 +57,10 @@ class Generator:
     return model(tokens, starts, cache, logits_at=last_index)
 
   @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-  def _decode(self, state, tokens, positions, cache, keys, temperature, top_k, top_p, min_p):
+  def _decode(self, state, tokens, positions, cache, base_keys, step, temperature, top_k, top_p, min_p):
     model = nnx.merge(self._graphdef, state)
     logits, cache = model(tokens[:, None], positions, cache, logits_at=jnp.zeros_like(positions))
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
     next_ids = sample(logits, keys, temperature, top_k, top_p, min_p)
     return next_ids, cache
 
@@ -97,9 +98,10 @@ class Generator:
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
-  def _keys(self, params: Sequence[SamplingParams], request_ids: Sequence[int], step: int) -> jax.Array:
-    return jnp.stack([jax.random.fold_in(sequence_key(p.seed, r, 0), step)
-                      for p, r in zip(params, request_ids)])
+  @staticmethod
+  def _base_keys(params: Sequence[SamplingParams], request_ids: Sequence[int]) -> jax.Array:
+    """[B, 2] per-sequence keys, computed once per call; the step is folded in under jit."""
+    return jnp.stack([sequence_key(p.seed, r, 0) for p, r in zip(params, request_ids)])
 
   # -- public API -----------------------------------------------------------------
 
@@ -145,7 +147,9 @@ class Generator:
     cache = KVCache.zeros(self.config, b, cache_len)
     logits, cache = self._prefill(self._state, jnp.asarray(tokens), jnp.zeros((b,), jnp.int32),
                                   cache, jnp.asarray(lengths - 1))
-    next_ids = self._sample_first(logits, self._keys(params, request_ids, 0), *sampling)
+    base_keys = self._base_keys(params, request_ids)
+    first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, 0)
+    next_ids = self._sample_first(logits, first_keys, *sampling)
     out = [[] for _ in range(n)]
     reasons = ["length"] * n
     done = np.zeros(n, bool)
@@ -167,7 +171,7 @@ class Generator:
       if done.all() or step == max_new_tokens - 1:
         break
       next_ids, cache = self._decode(self._state, next_ids, jnp.asarray(positions), cache,
-                                     self._keys(params, request_ids, step + 1), *sampling)
+                                     base_keys, jnp.int32(step + 1), *sampling)
       positions += 1
     if not stream:
       yield out, reasons
