@@ -258,8 +258,8 @@ class Controller:
       yes, no = self.tokenizer.encode(st.verifier.yes), self.tokenizer.encode(st.verifier.no)
     delim_seqs, delim_lens = self._patterns(st.step_delimiter)
     prefix_seqs, prefix_lens = self._patterns(st.answer_prefix.strip())
-    max_answer = max(st.max_answer_tokens, len(answer))
-    max_gen = (st.max_thinking_tokens + max_answer + len(wait)
+    max_answer = st.max_answer_tokens  # tokens after the prefix (the prefix is not budgeted)
+    max_gen = (st.max_thinking_tokens + len(answer) + max_answer + len(wait)
                + (st.max_backtracks + 1) * st.step_max_tokens + 8)
     return Knobs(
         temperature=full(st.temperature, jnp.float32), top_k=full(st.top_k, jnp.int32),
@@ -299,7 +299,7 @@ class Controller:
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
     answer = len(self.tokenizer.encode(settings.answer_prefix))
-    need = (longest_prompt + settings.max_thinking_tokens + max(settings.max_answer_tokens, answer)
+    need = (longest_prompt + settings.max_thinking_tokens + answer + settings.max_answer_tokens
             + len(self.tokenizer.encode(settings.wait_text)) + self.probe_capacity + 8)
     return pow2_bucket(need, 64)
 
@@ -339,7 +339,7 @@ class Controller:
         tokens=jnp.asarray(tokens), length=jnp.asarray(prompt_len), prompt_len=jnp.asarray(prompt_len),
         phase=jnp.asarray(phase), step_index=zi(), step_start=jnp.asarray(prompt_len), step_len=zi(),
         step_lp=jnp.zeros((b,)), step_bt=zi(), backtracks=zi(), think_tokens=zi(),
-        answer_tokens=zi(), probe_tokens=zi(), discarded=zi(), waits=zi(), generated=zi(),
+        answer_tokens=zi(), prefix_tokens=zi(), probe_tokens=zi(), discarded=zi(), waits=zi(), generated=zi(),
         lp_total=jnp.zeros((b,)), answer_start=jnp.full((b,), -1, jnp.int32),
         conf_ring=jnp.zeros((b, w)), conf_count=zi(), conf_sum=jnp.zeros((b,)),
         lowest_conf=jnp.full((b,), jnp.inf), exit_reason=zi(),
@@ -415,7 +415,7 @@ class Controller:
         thinking_text=dec(h.tokens[row, pl:a0]), answer_text=dec(h.tokens[row, a0:ln]),
         answer=self.extract(text, settings), steps=steps,
         tokens=TokenCounts(thinking=int(h.think_tokens[row]), answer=int(h.answer_tokens[row]),
-                           probe=int(h.probe_tokens[row]), discarded=int(h.discarded[row]),
+                           prefix=int(h.prefix_tokens[row]), probe=int(h.probe_tokens[row]), discarded=int(h.discarded[row]),
                            waits=int(h.waits[row])),
         backtracks=int(h.backtracks[row]), early_exit=bool(h.early_exit[row]), exit_reason=reason,
         mean_logprob=float(h.lp_total[row]) / max(kept, 1),

@@ -17,7 +17,7 @@ every row, with step-boundary decisions applied by masks:
      decide: backtrack (length = step start, attempt + 1) / early exit /
      answer (step budget) / continue; one record per event;
   6. token budgets: thinking tokens reaching `max_think` force the answer
-     prefix; answer tokens reaching `max_answer` end the row; DeepConf stops a
+     prefix; `max_answer` tokens after the prefix end the row; DeepConf stops a
      row whose full-window group confidence falls below its threshold.
 
 `run` loops until every row is done or `state.stop_at` iterations have run
@@ -130,8 +130,10 @@ class ReasoningLoop:
       ln = jnp.where(mask, n, ln)
       return tok, buf, pos, ln
 
-    # 3. end of sequence while thinking: "Wait" below the minimum, else end / answer.
-    wait_now = think & is_eos & (s.think_tokens < k.min_think)
+    # 3. end of sequence while thinking: "Wait" below the minimum (if the whole "Wait"
+    # still fits the thinking budget), else end / answer.
+    wait_fits = s.think_tokens + k.wait_len <= k.max_think
+    wait_now = think & is_eos & (s.think_tokens < k.min_think) & wait_fits
     tok, force_buf, force_pos, force_len = start_forcing(
         wait_now, k.wait_ids, k.wait_len, tok, force_buf, force_pos, force_len, True)
     eos_think = think & is_eos & ~wait_now
@@ -151,6 +153,9 @@ class ReasoningLoop:
     step_lp = s.step_lp + jnp.where(in_think, tok_lp, 0.0)
     think_tokens = s.think_tokens + in_think
     answer_tokens = s.answer_tokens + in_answer
+    # Forced tokens in the answer phase are always the answer prefix ("Wait" is only
+    # forced while thinking); eos_to_answer emits its first prefix token right now.
+    prefix_tokens = s.prefix_tokens + (in_answer & (forcing | eos_to_answer))
     generated = s.generated + append
     lp_total = s.lp_total + jnp.where(append, tok_lp, 0.0)
     answer_start = jnp.where(eos_to_answer, s.length, s.answer_start)
@@ -173,8 +178,11 @@ class ReasoningLoop:
     delim |= k.delim_mask[tok]
     prefix_n = tail_match(tokens, length, k.prefix_seqs, k.prefix_lens, think_tokens)
     prefix_hit = can_end & (prefix_n > 0)
-    # The model wrote the answer prefix below the thinking minimum: roll it back, "Wait".
-    prefix_early = prefix_hit & (think_tokens - prefix_n < k.min_think)
+    # The model wrote the answer prefix below the thinking minimum: roll it back, "Wait"
+    # (unless "Wait" would overrun the thinking budget: then the answer stands).
+    kept_think = think_tokens - prefix_n
+    prefix_early = (prefix_hit & (kept_think < k.min_think)
+                    & (kept_think + k.wait_len <= k.max_think))
     model_answer = prefix_hit & ~prefix_early
     boundary = can_end & (delim | (step_len >= k.step_cap)) & ~prefix_hit
 
@@ -228,6 +236,7 @@ class ReasoningLoop:
     # Model-written prefix: its tokens belong to the answer.
     think_tokens = think_tokens - jnp.where(model_answer, prefix_n, 0)
     answer_tokens = answer_tokens + jnp.where(model_answer, prefix_n, 0)
+    prefix_tokens = prefix_tokens + jnp.where(model_answer, prefix_n, 0)
     answer_start = jnp.where(model_answer, length - prefix_n, answer_start)
     phase = jnp.where(model_answer, S.ANSWER, phase)
     waits = s.waits + wait_now + prefix_early
@@ -245,7 +254,9 @@ class ReasoningLoop:
     low_conf = (active & (phase == S.THINK)  # only thinking is cut short
                 & (conf_count >= w)  # a full window was seen
                 & (group_conf < k.conf_stop))  # below this trace's threshold
-    answer_full = append & (phase == S.ANSWER) & (answer_tokens >= k.max_answer)
+    # The answer budget counts only what follows the prefix, so a long prefix (13 byte
+    # tokens for "The answer is") cannot eat the answer.
+    answer_full = append & (phase == S.ANSWER) & (answer_tokens - prefix_tokens >= k.max_answer)
     answer_full &= ~(force_len > force_pos)  # the forced prefix always completes
     too_long = active & ((length + s.knobs.probe_ids.shape[0] + 2 >= l)
                          | (generated >= k.max_generated))
@@ -272,7 +283,8 @@ class ReasoningLoop:
     return s.replace(
         tokens=tokens, length=length, phase=phase, step_index=step_index, step_start=step_start,
         step_len=step_len, step_lp=step_lp, step_bt=step_bt, backtracks=backtracks,
-        think_tokens=think_tokens, answer_tokens=answer_tokens, probe_tokens=probe_tokens,
+        think_tokens=think_tokens, answer_tokens=answer_tokens, prefix_tokens=prefix_tokens,
+        probe_tokens=probe_tokens,
         discarded=discarded, waits=waits, generated=generated, lp_total=lp_total, answer_start=answer_start,
         conf_ring=conf_ring, conf_count=conf_count, conf_sum=conf_sum, lowest_conf=lowest_conf,
         exit_reason=exit_reason, early_exit=s.early_exit | exit_early, force_buf=force_buf,

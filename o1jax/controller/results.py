@@ -33,8 +33,13 @@ class StepRecord:
 
 @dataclasses.dataclass
 class TokenCounts:
+  """Token split of a trace: thinking + answer + discarded = generated (every
+  token appended, = len(token_ids) + discarded); probe tokens ran in scratch
+  and are not part of the sequence; prefix and waits are breakdowns."""
+
   thinking: int = 0  # kept thinking tokens (incl. forced "Wait")
-  answer: int = 0  # answer tokens (incl. the answer prefix)
+  answer: int = 0  # kept answer-phase tokens: the answer prefix + what follows it
+  prefix: int = 0  # of `answer`: the answer prefix; answer - prefix <= max_answer_tokens
   probe: int = 0  # tokens run through verification / answer-confidence probes
   discarded: int = 0  # generated, then rolled back by backtracking
   waits: int = 0  # "Wait" insertions (budget forcing)

@@ -53,7 +53,7 @@ class Knobs:
   max_steps: jax.Array  # [B] i32 accepted steps before the answer is forced
   min_think: jax.Array  # [B] i32 budget forcing: "Wait" while below
   max_think: jax.Array  # [B] i32 thinking tokens before the answer is forced
-  max_answer: jax.Array  # [B] i32 answer tokens (incl. the forced prefix)
+  max_answer: jax.Array  # [B] i32 answer tokens after the answer prefix
   max_generated: jax.Array  # [B] i32 all tokens incl. discarded ones
   exit_tau: jax.Array  # [B] f32 early exit when answer confidence >= tau (> 1 = off)
   conf_stop: jax.Array  # [B] f32 DeepConf stop threshold (-inf = off)
@@ -96,7 +96,8 @@ class ReasoningState:
   step_bt: jax.Array  # [B] i32 backtracks of the current step
   backtracks: jax.Array  # [B] i32 total backtracks (= sampling attempt)
   think_tokens: jax.Array  # [B] i32 thinking tokens kept in the sequence
-  answer_tokens: jax.Array  # [B] i32
+  answer_tokens: jax.Array  # [B] i32 answer-phase tokens (the answer prefix included)
+  prefix_tokens: jax.Array  # [B] i32 of answer_tokens: the answer prefix (forced or model-written)
   probe_tokens: jax.Array  # [B] i32 tokens run through verification / answer probes
   discarded: jax.Array  # [B] i32 tokens rolled back by backtracking
   waits: jax.Array  # [B] i32 "Wait" insertions

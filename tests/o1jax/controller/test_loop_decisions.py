@@ -110,9 +110,10 @@ def test_early_exit_at_tau():
 def test_think_and_answer_budgets_to_the_token():
   edges = CHAIN[:-1] + [(" 7", " 3", 5), (" 3", " 7", 5)]
   t, = one(MockWorld(edges), LoopSettings(max_thinking_tokens=10, max_answer_tokens=3))
-  assert t.tokens.thinking == 10 and t.tokens.answer == 3
+  # The answer budget counts the 3 tokens after the 1-token prefix.
+  assert (t.tokens.thinking, t.tokens.answer, t.tokens.prefix) == (10, 4, 1)
   assert t.thinking_text == " A B\n\n C D\n\n C D\n\n C"
-  assert t.answer_text == "The answer is 7 3"
+  assert t.answer_text == "The answer is 7 3 7"
   assert t.steps[-1].action == "think_budget" and t.exit_reason == "answer_budget"
 
 
