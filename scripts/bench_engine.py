@@ -68,11 +68,12 @@ def few_shot_prefix() -> str:
 # --- o1jax -------------------------------------------------------------------------
 
 
-def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int) -> dict:
+def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
+                matmul_dtype: str = "float32") -> dict:
   from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
   from o1jax.model import Llama
 
-  model = Llama(ck.config, ck.params)
+  model = Llama(ck.config, ck.params, matmul_dtype=matmul_dtype)
   out = {}
   for c in concurrency:
     cfg = EngineConfig(max_slots=c, num_blocks=max(256, c * 16), prefill_chunk=256,
@@ -96,10 +97,20 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int) -> dict:
     out[c] = {"gen_tok_s": generated / wall, "prompt_tok_s": prompt_tokens / prompt_wall,
               "wall_s": wall, "warmup_s": warm, "programs": traces,
               "new_traces_after_warmup": sum(engine.trace_counts.values()) - traces,
-              "rss_mib": peak_rss_mib(), "first_text": results[0].text[:60]}
-    print(f"o1jax c={c}: {out[c]['gen_tok_s']:.1f} gen tok/s, {out[c]['prompt_tok_s']:.1f} "
+              "rss_mib": peak_rss_mib(), "first_text": results[0].text[:60],
+              "token_ids": [r.token_ids for r in results]}
+    print(f"o1jax {matmul_dtype} c={c}: {out[c]['gen_tok_s']:.1f} gen tok/s, {out[c]['prompt_tok_s']:.1f} "
           f"prompt tok/s (warm-up {warm:.0f} s, {traces} programs)", flush=True)
   return out
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> float:
+  """Mean over sequences of (common prefix length / length of want)."""
+  shares = []
+  for g, w in zip(got, want):
+    same = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+    shares.append(same / max(len(w), 1))
+  return sum(shares) / max(len(shares), 1)
 
 
 def bench_prefix(ck, new_tokens: int = 16) -> list[tuple[int, int]]:
@@ -229,6 +240,8 @@ def main(argv=None) -> int:
   ap.add_argument("--concurrency", default="1,8,32,64")
   ap.add_argument("--hf-batches", default="1,8,32")
   ap.add_argument("--threads", type=int, default=os.cpu_count())
+  ap.add_argument("--matmul-dtypes", default="float32,bfloat16",
+                  help="o1jax rows for each Llama matmul_dtype (float32 = exact reference)")
   ap.add_argument("--skip-llamacpp", action="store_true")
   ap.add_argument("--skip-hf", action="store_true")
   ap.add_argument("--skip-prefix", action="store_true")
@@ -261,22 +274,32 @@ def main(argv=None) -> int:
 
   lcpp = None if args.skip_llamacpp else run_reference("llamacpp", args, gguf, prompts)
   hf = None if args.skip_hf else run_reference("transformers", args, gguf, prompts)
-  ours = bench_o1jax(ck, prompts, concurrency, args.new_tokens)
+  dtypes = [d for d in args.matmul_dtypes.split(",") if d]
+  ours = {d: bench_o1jax(ck, prompts, concurrency, args.new_tokens, d) for d in dtypes}
 
-  print("\n| system | concurrency | gen tok/s | prompt tok/s | peak RSS MiB | x llama.cpp | x transformers |")
-  print("|---|---|---|---|---|---|---|")
-  for c, r in ours.items():
-    vs_l = f"{r['gen_tok_s'] / lcpp['decode_tok_s']:.2f}" if lcpp else "-"
-    vs_h = f"{r['gen_tok_s'] / hf[c]['gen_tok_s']:.2f}" if hf and c in hf else "-"
-    print(f"| o1jax | {c} | {r['gen_tok_s']:.1f} | {r['prompt_tok_s']:.1f} | {r['rss_mib']:.0f} | "
-          f"{vs_l} | {vs_h} |")
+  print("\n| system | matmuls | concurrency | gen tok/s | prompt tok/s | peak RSS MiB | x llama.cpp "
+        "| x transformers |")
+  print("|---|---|---|---|---|---|---|---|")
+  for d, rows in ours.items():
+    for c, r in rows.items():
+      vs_l = f"{r['gen_tok_s'] / lcpp['decode_tok_s']:.2f}" if lcpp else "-"
+      vs_h = f"{r['gen_tok_s'] / hf[c]['gen_tok_s']:.2f}" if hf and c in hf else "-"
+      print(f"| o1jax | {d} | {c} | {r['gen_tok_s']:.1f} | {r['prompt_tok_s']:.1f} | "
+            f"{r['rss_mib']:.0f} | {vs_l} | {vs_h} |")
   if lcpp:
-    print(f"| llama.cpp (decode only) | 1 | {lcpp['decode_tok_s']:.1f} | {lcpp['prompt_tok_s']:.1f} | "
-          f"{lcpp['rss_mib']:.0f} | 1.00 | - |")
+    print(f"| llama.cpp (decode only) | q8 act. | 1 | {lcpp['decode_tok_s']:.1f} | "
+          f"{lcpp['prompt_tok_s']:.1f} | {lcpp['rss_mib']:.0f} | 1.00 | - |")
   for b, r in (hf or {}).items():
-    print(f"| transformers | {b} | {r['gen_tok_s']:.1f} | - | {r['rss_mib']:.0f} | - | 1.00 |")
-  print("o1jax steady state: new traces after warm-up per concurrency: "
-        f"{ {c: r['new_traces_after_warmup'] for c, r in ours.items()} }")
+    print(f"| transformers | float32 | {b} | {r['gen_tok_s']:.1f} | - | {r['rss_mib']:.0f} | - | 1.00 |")
+  for d, rows in ours.items():
+    print(f"o1jax {d} steady state: new traces after warm-up per concurrency: "
+          f"{ {c: r['new_traces_after_warmup'] for c, r in rows.items()} }")
+  if "float32" in ours:
+    for d, rows in ours.items():
+      if d != "float32":
+        print(f"greedy tokens of {d} equal to float32 (share of each sequence before the first "
+              f"difference, mean over requests): "
+              f"{ {c: round(agreement(r['token_ids'], ours['float32'][c]['token_ids']), 3) for c, r in rows.items()} }")
 
   if not args.skip_prefix:
     n_prefix, rows = bench_prefix(ck)

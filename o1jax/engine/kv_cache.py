@@ -24,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import native
 from pallas_kernels import ops as kernel_ops
 
 FP8 = jnp.float8_e4m3fn
@@ -229,8 +230,10 @@ class PagedKVCache:
 
     1. write k, v [B, T, KVH, D] at positions starts[b].. through the block
        table (only the first write_lens[b] tokens; FP8 pools rescale blocks);
-    2. T == 1 (decode): lengths = starts + write_lens; on CPU the
-       multiply-then-sum path, on GPU the Pallas paged decode kernel;
+    2. T == 1 (decode): lengths = starts + write_lens; on GPU the Pallas
+       paged decode kernel; on CPU with backend "auto" the native kernel
+       (`pallas_kernels.native`, f32 pools; it reads pages in place), else
+       the XLA multiply-then-sum path (backend "reference" forces it);
        T > 1 (chunked prefill): the paged prefill op (rows past write_lens -> 0).
     q [B, T, H, D]; positions [B, T] (= starts[b] + t). Returns (out [B, T, H, D], cache)."""
     del positions  # = starts + arange(T); the write and the ops derive it
@@ -245,7 +248,11 @@ class PagedKVCache:
       ks = vs = None
     b, t, h, d = q.shape
     resolved = kernel_ops.resolve_backend(backend)
-    if t == 1 and resolved == "reference":
+    use_native = (backend == "auto" and resolved == "reference" and not self.is_fp8
+                  and kp.dtype == jnp.float32 and native.available())
+    if t == 1 and use_native:
+      out = native.paged_decode_attention(q[:, 0], kp, vp, tables, starts + lens)[:, None]
+    elif t == 1 and resolved == "reference":
       out = decode_attention_xla(q[:, 0], kp, vp, tables, starts + lens, ks, vs)[:, None]
     elif t == 1:
       out = kernel_ops.paged_decode_attention(q[:, 0], kp, vp, tables, starts + lens, k_scale=ks,

@@ -17,11 +17,38 @@ from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# A bf16 x bf16 dot with f32 accumulation takes XLA's fast CPU path (AMX /
+# AVX512-BF16) only from this many rows: one row runs ~6x slower than f32, and
+# two rows round differently from three or more. Fewer rows are zero-padded,
+# so a row's result never depends on how many other rows are in the batch.
+BF16_MIN_ROWS = 4
+
+
+def bf16_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] (rounded to bf16) @ w [K, N] bf16, accumulated in f32 -> f32 [..., N]."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = math.prod(lead)
+  x2 = x.reshape(rows, k).astype(jnp.bfloat16)
+  if rows < BF16_MIN_ROWS:
+    x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - rows), (0, 0)))
+  y = jnp.dot(x2, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  return y[:rows].reshape(*lead, w.shape[-1])
+
+
+MATMUL_DTYPES = ("float32", "bfloat16")
+
+
 def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "auto",
-           interpret: bool = False) -> jax.Array:
-  """x: [..., K] @ w: [K, N] (+ bias [N]) -> [..., N]."""
+           interpret: bool = False, matmul_dtype: str = "float32") -> jax.Array:
+  """x: [..., K] @ w: [K, N] (+ bias [N]) -> [..., N].
+
+  matmul_dtype "bfloat16": dense weights go through `bf16_dot` (x rounded to
+  bf16, f32 accumulation and output); "float32": dense weights are cast to
+  x's dtype (exact f32 math for f32 x). Quantized weights ignore it."""
   if isinstance(w, QuantizedTensor):
     y = kernel_ops.quantized_matmul(x, w, backend=backend, interpret=interpret)
+  elif matmul_dtype == "bfloat16":
+    y = bf16_dot(x, w)
   else:
     y = jnp.dot(x, w.astype(x.dtype), precision=_HIGHEST)
   if bias is not None:
@@ -103,6 +130,7 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions:
 
 
 def swiglu(x: jax.Array, w_gate, w_up, w_down, **kw) -> jax.Array:
+  """silu(x @ w_gate) * (x @ w_up) @ w_down; kw as for `linear`."""
   gate = linear(x, w_gate, **kw)
   up = linear(x, w_up, **kw)
   return linear(jax.nn.silu(gate) * up, w_down, **kw)

@@ -20,6 +20,7 @@ class Tiny:
   model: Llama
   tokenizer: object
   config: object
+  params: dict
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +31,7 @@ def tiny(tmp_path_factory):
   params = dict(ck.params)
   params["embed"] = np.asarray(params["embed"]) * 0.05
   model = Llama(ck.config, params)
-  return Tiny(model=model, tokenizer=ck.tokenizer, config=ck.config)
+  return Tiny(model=model, tokenizer=ck.tokenizer, config=ck.config, params=params)
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +50,10 @@ def make_prompts():
     return [rng.integers(3, 259, size=int(rng.integers(low, high))).tolist() for _ in range(n)]
 
   return make
+
+
+@pytest.fixture(scope="session")
+def engine32_bf16(tiny):
+  """engine32 on the same weights with bf16 matmuls (matmul_dtype="bfloat16")."""
+  model = Llama(tiny.config, tiny.params, matmul_dtype="bfloat16")
+  return Engine(model, tiny.tokenizer, EngineConfig(max_slots=32, num_blocks=512, prefill_chunk=64))

@@ -1,0 +1,123 @@
+"""Native CPU kernels (C++ through XLA's FFI), built on first use.
+
+XLA's CPU backend lacks a fast gather, so the paged decode attention reads the
+KV pages in place in `paged_decode_attention.cc` instead of copying each row's
+pages out first. The source is compiled once per machine with the system C++
+compiler against the headers jaxlib ships (`jax.ffi.include_dir()`), cached
+under $O1JAX_CACHE_DIR (default ~/.cache/o1jax) keyed by source, compiler
+flags, jaxlib version and CPU, and registered as an FFI target.
+
+Everything degrades gracefully: no compiler, a failed build, a non-CPU
+backend, or O1JAX_NATIVE_KERNELS=0 -> `available()` is False and callers keep
+the XLA path (logged once, with the reason).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+_SOURCE = pathlib.Path(__file__).with_name("paged_decode_attention.cc")
+_TARGET = "o1jax_paged_decode_attention"
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
+
+
+def _cpu_signature() -> str:
+  """CPU model + flags: -march=native code must not run on another CPU."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("flags"):
+        return platform.machine() + line
+  except OSError:
+    pass
+  return platform.machine() + platform.processor()
+
+
+def _cache_dir() -> pathlib.Path:
+  root = os.environ.get("O1JAX_CACHE_DIR") or os.path.join(pathlib.Path.home(), ".cache", "o1jax")
+  return pathlib.Path(root) / "native"
+
+
+def _build() -> pathlib.Path:
+  """Compiles the kernel library (atomic rename: parallel workers may race). Returns its path."""
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (g++/c++) on PATH")
+  source = _SOURCE.read_bytes()
+  key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(),
+                                   jax.__version__.encode(), _cpu_signature().encode()]))
+  out = _cache_dir() / f"libo1jax_native_{key.hexdigest()[:16]}.so"
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    tmp_lib = pathlib.Path(tmp) / out.name
+    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_lib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+      raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+    os.replace(tmp_lib, out)
+  log.info("native kernels: built %s", out)
+  return out
+
+
+@functools.cache
+def _load() -> str | None:
+  """Builds and registers the FFI target once. Returns None if ready, else why not."""
+  if os.environ.get("O1JAX_NATIVE_KERNELS", "1") == "0":
+    return "disabled by O1JAX_NATIVE_KERNELS=0"
+  if jax.default_backend() != "cpu":
+    return f"default backend is {jax.default_backend()}, not cpu"
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.O1jaxPagedDecodeAttention),
+                                platform="cpu")
+  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    log.warning("native kernels unavailable, using the XLA path: %s", e)
+    return str(e)
+  return None
+
+
+def available() -> bool:
+  """True when the native CPU kernels are built and registered."""
+  return _load() is None
+
+
+def unavailable_reason() -> str | None:
+  return _load()
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
+  """One query per row against its paged f32 keys/values, read in place.
+
+  q [B, H, D] f32; k_pages, v_pages [NB, BS, KVH, D] f32; block_tables [B, MB]
+  int32; lengths [B] int32 (keys 0..lengths[b]-1 visible; 0 -> zeros; capped at
+  MB * BS; table entries are clipped to [0, NB)). Returns [B, H, D] f32.
+  Same math as `o1jax.engine.kv_cache.decode_attention_xla` (to f32 rounding)."""
+  if not available():
+    raise RuntimeError(f"native paged_decode_attention unavailable: {unavailable_reason()}")
+  b, h, d = q.shape
+  nb, bs, kvh, dk = k_pages.shape
+  if (dk != d or h % kvh or v_pages.shape != k_pages.shape or block_tables.ndim != 2
+      or block_tables.shape[0] != b or lengths.shape != (b,)):
+    raise ValueError(f"paged_decode_attention (native): q{q.shape}, k_pages{k_pages.shape}, "
+                     f"v_pages{v_pages.shape}, block_tables{block_tables.shape}, "
+                     f"lengths{lengths.shape} are inconsistent")
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, h, d), jnp.float32),
+                          vmap_method="sequential")
+  return call(q.astype(jnp.float32), k_pages.astype(jnp.float32), v_pages.astype(jnp.float32),
+              block_tables.astype(jnp.int32), lengths.astype(jnp.int32))
