@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_attention.cc")
 _TARGET = "o1jax_paged_decode_attention"
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
+          "-mprefer-vector-width=512", "-w"]
 
 
 def _cpu_signature() -> str:

@@ -11,9 +11,9 @@
 //   lengths [B]                  s32  keys 0..lengths[b]-1 are visible
 //   out     [B, H, D]            f32  (rows with length 0 -> zeros)
 //
-// Work items are (row, kv head) pairs, split over XLA's intra-op thread pool.
-// Each item is computed by one thread in a fixed order, so a row's result
-// never depends on the other rows or on the thread count.
+// Rows (or (row, kv head) pairs for tiny batches) are split over XLA's
+// intra-op thread pool. Each head's result is computed by one thread in a
+// fixed order, so it never depends on the other rows or on the thread count.
 
 #include <algorithm>
 #include <atomic>
@@ -29,63 +29,117 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// exp(x) for x <= 0 (softmax after subtracting the max), to ~2 ulp: 2^n * e^r
+// with |r| <= ln2/2 and a degree-6 Taylor polynomial. Written out so the loop
+// vectorises (glibc's expf is a scalar call here).
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38: keeps 2^n a normal float
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two parts
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
 struct Dims {
   int64_t batch, heads, head_dim, num_blocks, block_size, kv_heads, max_blocks;
 };
 
-// One (row, kv head): scores for the G query heads of the group, softmax, weighted V.
-void AttendGroup(const Dims& d, const float* q, const float* kp, const float* vp,
-                 const int32_t* tables, const int32_t* lengths, float* out, int64_t item,
-                 std::vector<float>& scores) {
-  const int64_t b = item / d.kv_heads, kh = item % d.kv_heads;
-  const int64_t g = d.heads / d.kv_heads, hd = d.head_dim;
+// Attention of row b for kv heads [kh_lo, kh_hi): for each query head, scores
+// over the row's positions, softmax, weighted V. Loops run head-major so the
+// query (and the output accumulator) stay in registers; a kv head's keys of
+// one row (len * D floats) stay in L2 across the G query heads that read them.
+template <int64_t kHeadDim>
+void AttendRow(const Dims& d, const float* q, const float* kp, const float* vp,
+               const int32_t* tables, const int32_t* lengths, float* out, int64_t b,
+               int64_t kh_lo, int64_t kh_hi, std::vector<float>& scores,
+               std::vector<int64_t>& rows) {
+  // kHeadDim > 0: the compiler sees the trip count and unrolls the dot loops.
+  const int64_t g = d.heads / d.kv_heads, hd = kHeadDim > 0 ? kHeadDim : d.head_dim;
   const int64_t len = std::min<int64_t>(lengths[b], d.max_blocks * d.block_size);
-  float* o = out + (b * d.heads + kh * g) * hd;
-  std::fill(o, o + g * hd, 0.0f);
+  float* o = out + (b * d.heads + kh_lo * g) * hd;
+  std::fill(o, o + (kh_hi - kh_lo) * g * hd, 0.0f);
   if (len <= 0) return;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* qg = q + (b * d.heads + kh * g) * hd;
   const int32_t* table = tables + b * d.max_blocks;
   const int64_t row_stride = d.kv_heads * hd;  // floats between positions in a block
-  scores.resize(g * len);
-  // 1. scores s[j, p] = (q_j . k_p) / sqrt(D)
+  // Offset (in floats) of position p's row inside a pool, through the block table.
+  rows.resize(len);
   for (int64_t p = 0; p < len; ++p) {
-    int64_t block = std::clamp<int64_t>(table[p / d.block_size], 0, d.num_blocks - 1);
-    const float* k = kp + (block * d.block_size + p % d.block_size) * row_stride + kh * hd;
-    for (int64_t j = 0; j < g; ++j) {
-      const float* qj = qg + j * hd;
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < hd; ++i) acc += qj[i] * k[i];
-      scores[j * len + p] = acc * scale;
-    }
+    const int64_t block = std::clamp<int64_t>(table[p / d.block_size], 0, d.num_blocks - 1);
+    rows[p] = (block * d.block_size + p % d.block_size) * row_stride;
   }
-  // 2. softmax over p, per query head
-  std::vector<float> denom(g);
-  for (int64_t j = 0; j < g; ++j) {
-    float* s = scores.data() + j * len;
-    float m = *std::max_element(s, s + len);
-    float sum = 0.0f;
-    for (int64_t p = 0; p < len; ++p) {
-      s[p] = std::exp(s[p] - m);
-      sum += s[p];
-    }
-    denom[j] = sum;
-  }
-  // 3. out_j = sum_p s[j, p] v_p / denom_j
-  for (int64_t p = 0; p < len; ++p) {
-    int64_t block = std::clamp<int64_t>(table[p / d.block_size], 0, d.num_blocks - 1);
-    const float* v = vp + (block * d.block_size + p % d.block_size) * row_stride + kh * hd;
+  auto at = [&](const float* pool, int64_t p, int64_t kh) {
+    return pool + rows[p] + kh * hd;
+  };
+  scores.resize(len);
+  float* s = scores.data();
+  for (int64_t kh = kh_lo; kh < kh_hi; ++kh) {
     for (int64_t j = 0; j < g; ++j) {
-      const float w = scores[j * len + p];
-      float* oj = o + j * hd;
+      const int64_t h = kh * g + j;
+      const float* qh = q + (b * d.heads + h) * hd;
+      // 1. scores, four positions at a time (independent accumulators)
+      int64_t p = 0;
+      for (; p + 4 <= len; p += 4) {
+        const float *k0 = at(kp, p, kh), *k1 = at(kp, p + 1, kh), *k2 = at(kp, p + 2, kh),
+                    *k3 = at(kp, p + 3, kh);
+        if (p + 12 < len) {  // the next rows' keys: blocks are scattered, prefetchers miss them
+          for (int64_t a = 8; a < 12; ++a) {
+            const char* f = reinterpret_cast<const char*>(at(kp, p + a, kh));
+            for (int64_t c = 0; c < hd * 4; c += 64) __builtin_prefetch(f + c);
+          }
+        }
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t i = 0; i < hd; ++i) {
+          a0 += qh[i] * k0[i];
+          a1 += qh[i] * k1[i];
+          a2 += qh[i] * k2[i];
+          a3 += qh[i] * k3[i];
+        }
+        s[p] = a0 * scale;
+        s[p + 1] = a1 * scale;
+        s[p + 2] = a2 * scale;
+        s[p + 3] = a3 * scale;
+      }
+      for (; p < len; ++p) {
+        const float* k = at(kp, p, kh);
+        float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t i = 0; i < hd; ++i) a += qh[i] * k[i];
+        s[p] = a * scale;
+      }
+      // 2. softmax weights (unnormalised; divided at the end)
+      const float m = *std::max_element(s, s + len);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < len; ++t) {
+        s[t] = ExpNonPositive(s[t] - m);
+        sum += s[t];
+      }
+      // 3. out_h = sum_p s[p] v_p / sum
+      float* oh = o + (h - kh_lo * g) * hd;
+      for (int64_t t = 0; t < len; ++t) {
+        const float w = s[t];
+        const float* v = at(vp, t, kh);
+        if (t + 8 < len) {
+          const char* f = reinterpret_cast<const char*>(at(vp, t + 8, kh));
+          for (int64_t c = 0; c < hd * 4; c += 64) __builtin_prefetch(f + c);
+        }
 #pragma omp simd
-      for (int64_t i = 0; i < hd; ++i) oj[i] += w * v[i];
+        for (int64_t i = 0; i < hd; ++i) oh[i] += w * v[i];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t i = 0; i < hd; ++i) oh[i] *= inv;
     }
-  }
-  for (int64_t j = 0; j < g; ++j) {
-    const float inv = 1.0f / denom[j];
-    for (int64_t i = 0; i < hd; ++i) o[j * hd + i] *= inv;
   }
 }
 
@@ -105,7 +159,11 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       lengths.dimensions()[0] != d.batch || v_pages.element_count() != k_pages.element_count()) {
     return ffi::Error::InvalidArgument("paged_decode_attention: inconsistent shapes");
   }
-  const int64_t items = d.batch * d.kv_heads;
+  // Work items: whole rows; with fewer rows than threads, (row, kv head) pairs.
+  // An item's arithmetic is the same either way (heads are independent).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const bool split_heads = d.batch < threads;
+  const int64_t items = split_heads ? d.batch * d.kv_heads : d.batch;
   const float* qp = q.typed_data();
   const float* kp = k_pages.typed_data();
   const float* vp = v_pages.typed_data();
@@ -114,12 +172,24 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   float* op = out->typed_data();
 
   // Contiguous chunks of items, one per worker; the caller thread takes the first.
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
+  const int64_t workers = std::min<int64_t>(threads, items);
   std::atomic<int64_t> pending(workers - 1);
   auto run_chunk = [&](int64_t w) {
     std::vector<float> scores;
+    std::vector<int64_t> rows;
     const int64_t lo = items * w / workers, hi = items * (w + 1) / workers;
-    for (int64_t it = lo; it < hi; ++it) AttendGroup(d, qp, kp, vp, tp, lp, op, it, scores);
+    auto attend = d.head_dim == 64    ? AttendRow<64>
+                  : d.head_dim == 128 ? AttendRow<128>
+                  : d.head_dim == 32  ? AttendRow<32>
+                                      : AttendRow<0>;
+    for (int64_t it = lo; it < hi; ++it) {
+      if (split_heads) {
+        const int64_t kh = it % d.kv_heads;
+        attend(d, qp, kp, vp, tp, lp, op, it / d.kv_heads, kh, kh + 1, scores, rows);
+      } else {
+        attend(d, qp, kp, vp, tp, lp, op, it, 0, d.kv_heads, scores, rows);
+      }
+    }
   };
   for (int64_t w = 1; w < workers; ++w) {
     pool.Schedule([&, w] {
