@@ -83,6 +83,7 @@ class PredictorSpec:
   name: str = "generator"
   source: str = "embedded"
   backend: str = "auto"
+  matmul_dtype: str = "float32"
   fake_delay_s: float = 0.0
   batch_size: int = 8
   engine: tuple[tuple[str, Any], ...] = ()
@@ -97,6 +98,7 @@ class PredictorSpec:
       plain = section.to_dict() if hasattr(section, "to_dict") else dict(section)
       return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in plain.items()))
     return cls(name=name or model_cfg.predictor, source=model_cfg.source, backend=model_cfg.backend,
+               matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
                engine=items(engine), policy=items(policy))
 
@@ -108,7 +110,8 @@ def _load_model(spec: PredictorSpec):
   from o1jax.model import Llama
   enable_compilation_cache()
   ck = load_checkpoint(spec.source)
-  return Llama(ck.config, ck.params, backend=spec.backend), ck.tokenizer
+  return (Llama(ck.config, ck.params, backend=spec.backend, matmul_dtype=spec.matmul_dtype),
+          ck.tokenizer)
 
 
 TRACE_FLOAT_DIGITS = 4
@@ -365,6 +368,8 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   """
   import os
   fp = {"predictor": spec.name, "source": spec.source, "backend": spec.backend}
+  if spec.matmul_dtype != "float32":  # other numerics, other results (f32 keeps old hashes)
+    fp["matmul_dtype"] = spec.matmul_dtype
   if spec.name == "fake":
     return fp
   path = spec.source

@@ -1,0 +1,20 @@
+"""PredictorSpec: the model section's matmul_dtype reaches the model and the content hash."""
+
+from configs import gsm8k as gsm8k_config
+from o1jax.testing import tiny_config, write_hf_checkpoint
+from pipelines.predictors import PredictorSpec, _load_model, model_fingerprint
+
+
+def test_matmul_dtype_flows_from_config_to_model_and_fingerprint(tmp_path):
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.model.source = str(tmp_path)
+  default = PredictorSpec.from_config(cfg.model, name="generator")
+  assert default.matmul_dtype == "float32"
+  cfg.model.matmul_dtype = "bfloat16"
+  fast = PredictorSpec.from_config(cfg.model, name="generator")
+  model, _ = _load_model(fast)
+  assert model.matmul_dtype == "bfloat16"
+  # results computed with other numerics must not be reused from the store
+  assert model_fingerprint(fast) != model_fingerprint(default)
+  assert "matmul_dtype" not in model_fingerprint(default)  # f32 hashes stay as before
