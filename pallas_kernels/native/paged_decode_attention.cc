@@ -53,94 +53,112 @@ struct Dims {
   int64_t batch, heads, head_dim, num_blocks, block_size, kv_heads, max_blocks;
 };
 
-// Attention of row b for kv heads [kh_lo, kh_hi): for each query head, scores
-// over the row's positions, softmax, weighted V. Loops run head-major so the
-// query (and the output accumulator) stay in registers; a kv head's keys of
-// one row (len * D floats) stay in L2 across the G query heads that read them.
-template <int64_t kHeadDim>
-void AttendRow(const Dims& d, const float* q, const float* kp, const float* vp,
-               const int32_t* tables, const int32_t* lengths, float* out, int64_t b,
-               int64_t kh_lo, int64_t kh_hi, std::vector<float>& scores,
-               std::vector<int64_t>& rows) {
-  // kHeadDim > 0: the compiler sees the trip count and unrolls the dot loops.
-  const int64_t g = d.heads / d.kv_heads, hd = kHeadDim > 0 ? kHeadDim : d.head_dim;
-  const int64_t len = std::min<int64_t>(lengths[b], d.max_blocks * d.block_size);
-  float* o = out + (b * d.heads + kh_lo * g) * hd;
-  std::fill(o, o + (kh_hi - kh_lo) * g * hd, 0.0f);
-  if (len <= 0) return;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int32_t* table = tables + b * d.max_blocks;
-  const int64_t row_stride = d.kv_heads * hd;  // floats between positions in a block
-  // Offset (in floats) of position p's row inside a pool, through the block table.
+// Offsets (in floats) of a row's positions inside a pool, through its block table.
+void RowOffsets(const Dims& d, const int32_t* table, int64_t len, std::vector<int64_t>& rows) {
+  const int64_t row_stride = d.kv_heads * d.head_dim;  // floats between positions in a block
   rows.resize(len);
   for (int64_t p = 0; p < len; ++p) {
     const int64_t block = std::clamp<int64_t>(table[p / d.block_size], 0, d.num_blocks - 1);
     rows[p] = (block * d.block_size + p % d.block_size) * row_stride;
   }
-  auto at = [&](const float* pool, int64_t p, int64_t kh) {
-    return pool + rows[p] + kh * hd;
-  };
-  scores.resize(len);
+}
+
+inline void PrefetchRow(const float* row, int64_t floats) {
+  const char* f = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < floats * 4; c += 64) __builtin_prefetch(f + c);
+}
+
+// Attention of row b's G query heads that share kv head kh: scores over the
+// row's positions, softmax, weighted V. Each key and value row is loaded once
+// for all G heads; the G output rows stay in registers (kD, kG > 0 are
+// compile-time sizes; 0 means "read from Dims"). Blocks are scattered in the
+// pool, so the next rows are prefetched by hand.
+template <int64_t kD, int64_t kG>
+void AttendKvHead(const Dims& d, const float* q, const float* kp, const float* vp, float* out,
+                  int64_t b, int64_t kh, int64_t len, const std::vector<int64_t>& rows,
+                  std::vector<float>& scores) {
+  constexpr int64_t kAhead = 8;
+  const int64_t hd = kD > 0 ? kD : d.head_dim;
+  const int64_t g = kG > 0 ? kG : d.heads / d.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* qg = q + (b * d.heads + kh * g) * hd;
+  float* og = out + (b * d.heads + kh * g) * hd;
+  const int64_t head_off = kh * hd;
+  scores.resize(g * len);
   float* s = scores.data();
-  for (int64_t kh = kh_lo; kh < kh_hi; ++kh) {
+  // 1. s[j, p] = (q_j . k_p) / sqrt(D)
+  for (int64_t p = 0; p < len; ++p) {
+    const float* k = kp + rows[p] + head_off;
+    if (p + kAhead < len) PrefetchRow(kp + rows[p + kAhead] + head_off, hd);
     for (int64_t j = 0; j < g; ++j) {
-      const int64_t h = kh * g + j;
-      const float* qh = q + (b * d.heads + h) * hd;
-      // 1. scores, four positions at a time (independent accumulators)
-      int64_t p = 0;
-      for (; p + 4 <= len; p += 4) {
-        const float *k0 = at(kp, p, kh), *k1 = at(kp, p + 1, kh), *k2 = at(kp, p + 2, kh),
-                    *k3 = at(kp, p + 3, kh);
-        if (p + 12 < len) {  // the next rows' keys: blocks are scattered, prefetchers miss them
-          for (int64_t a = 8; a < 12; ++a) {
-            const char* f = reinterpret_cast<const char*>(at(kp, p + a, kh));
-            for (int64_t c = 0; c < hd * 4; c += 64) __builtin_prefetch(f + c);
-          }
-        }
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int64_t i = 0; i < hd; ++i) {
-          a0 += qh[i] * k0[i];
-          a1 += qh[i] * k1[i];
-          a2 += qh[i] * k2[i];
-          a3 += qh[i] * k3[i];
-        }
-        s[p] = a0 * scale;
-        s[p + 1] = a1 * scale;
-        s[p + 2] = a2 * scale;
-        s[p + 3] = a3 * scale;
-      }
-      for (; p < len; ++p) {
-        const float* k = at(kp, p, kh);
-        float a = 0.0f;
+      const float* qj = qg + j * hd;
+      float a = 0.0f;
 #pragma omp simd reduction(+ : a)
-        for (int64_t i = 0; i < hd; ++i) a += qh[i] * k[i];
-        s[p] = a * scale;
-      }
-      // 2. softmax weights (unnormalised; divided at the end)
-      const float m = *std::max_element(s, s + len);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < len; ++t) {
-        s[t] = ExpNonPositive(s[t] - m);
-        sum += s[t];
-      }
-      // 3. out_h = sum_p s[p] v_p / sum
-      float* oh = o + (h - kh_lo * g) * hd;
-      for (int64_t t = 0; t < len; ++t) {
-        const float w = s[t];
-        const float* v = at(vp, t, kh);
-        if (t + 8 < len) {
-          const char* f = reinterpret_cast<const char*>(at(vp, t + 8, kh));
-          for (int64_t c = 0; c < hd * 4; c += 64) __builtin_prefetch(f + c);
-        }
-#pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) oh[i] += w * v[i];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t i = 0; i < hd; ++i) oh[i] *= inv;
+      for (int64_t i = 0; i < hd; ++i) a += qj[i] * k[i];
+      s[j * len + p] = a * scale;
     }
   }
+  // 2. softmax weights per head (unnormalised; divided at the end)
+  float denom[kG > 0 ? kG : 64];
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = s + j * len;
+    const float m = *std::max_element(sj, sj + len);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sj[t] = ExpNonPositive(sj[t] - m);
+      sum += sj[t];
+    }
+    denom[j] = sum;
+  }
+  // 3. o_j = sum_p s[j, p] v_p / denom_j
+  float acc[(kG > 0 ? kG : 64) * (kD > 0 ? kD : 256)];
+  std::fill(acc, acc + g * hd, 0.0f);
+  for (int64_t p = 0; p < len; ++p) {
+    const float* v = vp + rows[p] + head_off;
+    if (p + kAhead < len) PrefetchRow(vp + rows[p + kAhead] + head_off, hd);
+    for (int64_t j = 0; j < g; ++j) {
+      const float w = s[j * len + p];
+      float* aj = acc + j * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) aj[i] += w * v[i];
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float inv = 1.0f / denom[j];
+    for (int64_t i = 0; i < hd; ++i) og[j * hd + i] = acc[j * hd + i] * inv;
+  }
+}
+
+using AttendFn = void (*)(const Dims&, const float*, const float*, const float*, float*, int64_t,
+                          int64_t, int64_t, const std::vector<int64_t>&, std::vector<float>&);
+
+// Specialisations for the common (head_dim, group) shapes; the generic one
+// handles group <= 64 and head_dim <= 256 (checked by the caller).
+AttendFn PickAttend(int64_t hd, int64_t g) {
+  if (hd == 64 && g == 3) return AttendKvHead<64, 3>;
+  if (hd == 64 && g == 4) return AttendKvHead<64, 4>;
+  if (hd == 128 && g == 4) return AttendKvHead<128, 4>;
+  if (hd == 128 && g == 8) return AttendKvHead<128, 8>;
+  if (hd == 64) return AttendKvHead<64, 0>;
+  if (hd == 128) return AttendKvHead<128, 0>;
+  return AttendKvHead<0, 0>;
+}
+
+// Row b, kv heads [kh_lo, kh_hi). Rows with nothing visible give zeros.
+void AttendRow(const Dims& d, AttendFn attend, const float* q, const float* kp, const float* vp,
+               const int32_t* tables, const int32_t* lengths, float* out, int64_t b,
+               int64_t kh_lo, int64_t kh_hi, std::vector<float>& scores,
+               std::vector<int64_t>& rows) {
+  const int64_t g = d.heads / d.kv_heads;
+  const int64_t len = std::min<int64_t>(lengths[b], d.max_blocks * d.block_size);
+  if (len <= 0) {
+    float* o = out + (b * d.heads + kh_lo * g) * d.head_dim;
+    std::fill(o, o + (kh_hi - kh_lo) * g * d.head_dim, 0.0f);
+    return;
+  }
+  RowOffsets(d, tables + b * d.max_blocks, len, rows);
+  for (int64_t kh = kh_lo; kh < kh_hi; ++kh) attend(d, q, kp, vp, out, b, kh, len, rows, scores);
 }
 
 ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -155,7 +173,8 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
                                        "tables rank 2");
   }
   Dims d{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1]};
-  if (kd[3] != d.head_dim || d.heads % d.kv_heads != 0 || td[0] != d.batch ||
+  if (kd[3] != d.head_dim || d.heads % d.kv_heads != 0 || d.head_dim > 256 ||
+      d.heads / d.kv_heads > 64 || td[0] != d.batch ||
       lengths.dimensions()[0] != d.batch || v_pages.element_count() != k_pages.element_count()) {
     return ffi::Error::InvalidArgument("paged_decode_attention: inconsistent shapes");
   }
@@ -178,16 +197,13 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     std::vector<float> scores;
     std::vector<int64_t> rows;
     const int64_t lo = items * w / workers, hi = items * (w + 1) / workers;
-    auto attend = d.head_dim == 64    ? AttendRow<64>
-                  : d.head_dim == 128 ? AttendRow<128>
-                  : d.head_dim == 32  ? AttendRow<32>
-                                      : AttendRow<0>;
+    const AttendFn attend = PickAttend(d.head_dim, d.heads / d.kv_heads);
     for (int64_t it = lo; it < hi; ++it) {
       if (split_heads) {
         const int64_t kh = it % d.kv_heads;
-        attend(d, qp, kp, vp, tp, lp, op, it / d.kv_heads, kh, kh + 1, scores, rows);
+        AttendRow(d, attend, qp, kp, vp, tp, lp, op, it / d.kv_heads, kh, kh + 1, scores, rows);
       } else {
-        attend(d, qp, kp, vp, tp, lp, op, it, 0, d.kv_heads, scores, rows);
+        AttendRow(d, attend, qp, kp, vp, tp, lp, op, it, 0, d.kv_heads, scores, rows);
       }
     }
   };
