@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from o1jax.controller import state as S
+from o1jax.controller import answers
 from o1jax.controller.answers import extract_number
 from o1jax.controller.budget import AdaptiveBudget
 from o1jax.controller.decode_model import DecodeModel
@@ -67,6 +68,11 @@ class LoopSettings:
   conf_window: int = 16  # DeepConf group window (a shape: changing it recompiles)
   verifier: Verifier = MeanLogprob()
   answer_probe: bool = False  # compile the answer-confidence probe (needed for exit_tau)
+  # Vote inside the loop (DeepConf): answer keys per row, and the consensus stop.
+  answer_vote: bool = False  # compile the answer keys and the consensus stop
+  consensus_share: float = 2.0  # stop a request's rows once its leader holds this share (> 1 off)
+  consensus_min_votes: int = 1  # ... of at least this many votes
+  stop_when_decided: bool = False  # stop once the running rows cannot change the winner
 
   def __post_init__(self):
     if self.min_thinking_tokens > self.max_thinking_tokens:
@@ -76,6 +82,11 @@ class LoopSettings:
       raise ValueError("step_max_tokens and max_answer_tokens must be >= 1")
     if self.exit_tau <= 1.0 and not self.answer_probe:
       raise ValueError("exit_tau <= 1 needs answer_probe=True (the confidence comes from it)")
+    consensus = self.consensus_share <= 1.0 or self.stop_when_decided
+    if consensus and not self.answer_vote:
+      raise ValueError("a consensus stop needs answer_vote=True (the answer keys come from it)")
+    if self.consensus_share <= 0.5:
+      raise ValueError("consensus_share must be > 0.5 (a share <= 1/2 can be tied)")
 
 
 @dataclasses.dataclass
@@ -104,13 +115,15 @@ class Controller:
       AdaptiveBudget re-plans between invocations.
     extract_answer: text -> answer string (GSM-style number by default).
     python_twin: run the debugging twin (one jitted `_step` per host call)
-      instead of the while_loop; results must be identical."""
+      instead of the while_loop; results must be identical.
+    key_capacity / key_classes: answer-key characters kept per row, and
+      character classes read per token (LoopSettings.answer_vote)."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
                extract_answer: Callable[[str], Optional[str]] | None = None,
-               python_twin: bool = False):
+               python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8):
     self.model = model
     self.tokenizer = tokenizer
     self.max_rows = max_rows
@@ -122,6 +135,9 @@ class Controller:
     self.iterations_per_call = iterations_per_call
     self.extract_answer = extract_answer
     self.python_twin = python_twin
+    self.key_capacity = key_capacity
+    self.key_classes = key_classes
+    self._key_tables: tuple[np.ndarray, np.ndarray] | None = None
     eos = set(getattr(tokenizer, "eos_ids", ()) or ())
     eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
     self.eos_ids = tuple(sorted(eos))
@@ -147,17 +163,30 @@ class Controller:
 
   def generate(self, requests: Sequence[ReasoningRequest], settings: LoopSettings, n: int = 1, *,
                sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
-               budget: AdaptiveBudget | None = None) -> Batch:
-    """n traces per request (sample indices sample_offset ..); see the module doc."""
+               budget: AdaptiveBudget | None = None,
+               vote_floor: Sequence[float] | float | None = None,
+               prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None) -> Batch:
+    """n traces per request (sample indices sample_offset ..); see the module doc.
+
+    conf_stop: DeepConf stop threshold per request. With settings.answer_vote:
+    vote_floor (a finished row votes only with confidence >= it) and prior_votes
+    (per request, (answer key or None, weight) of votes cast before this call,
+    e.g. DeepConf's warm-up traces) feed the consensus stop."""
     if n < 1:
       raise ValueError(f"n must be >= 1, got {n}")
-    stops = [-math.inf] * len(requests) if conf_stop is None else (
-        [float(conf_stop)] * len(requests) if np.isscalar(conf_stop) else list(conf_stop))
+    per_request = lambda x, fill: [fill] * len(requests) if x is None else (
+        [float(x)] * len(requests) if np.isscalar(x) else list(x))
+    stops = per_request(conf_stop, -math.inf)
+    floors = per_request(vote_floor, -math.inf)
+    priors = [list(p) for p in prior_votes] if prior_votes is not None else [[]] * len(requests)
+    if (vote_floor is not None or prior_votes is not None) and not settings.answer_vote:
+      raise ValueError("vote_floor / prior_votes need settings.answer_vote=True")
     per_chunk = max(1, self.max_rows // n)
     out = Batch(traces=[], wall_time_s=[], invocations=[])
     for lo in range(0, len(requests), per_chunk):
-      part = self._generate_chunk(requests[lo:lo + per_chunk], settings, n, sample_offset,
-                                  stops[lo:lo + per_chunk], budget)
+      sl = slice(lo, lo + per_chunk)
+      part = self._generate_chunk(requests[sl], settings, n, sample_offset, stops[sl], budget,
+                                  floors[sl], priors[sl])
       out.traces += part.traces
       out.wall_time_s += part.wall_time_s
       out.invocations += part.invocations
@@ -243,8 +272,29 @@ class Controller:
       self._masks[delim] = mask
     return self._masks[delim]
 
-  def knobs(self, settings: LoopSettings, b: int, conf_stop: np.ndarray) -> Knobs:
-    """Per-row arrays for `b` rows from one LoopSettings (conf_stop: [b])."""
+  def key_tables(self) -> tuple[np.ndarray, np.ndarray]:
+    """[V, C] character classes of every token's text (-1 = none) and [V] overflow
+    (more than C classes, or a digit the automaton cannot read)."""
+    if self._key_tables is None:
+      v, c = self.model.vocab_size, self.key_classes
+      classes = np.full((v, c), -1, np.int32)
+      overflow = np.zeros(v, bool)
+      special = set(self.eos_ids)
+      for i in range(min(v, getattr(self.tokenizer, "vocab_size", v))):
+        seq = [] if i in special else answers.char_classes(
+            self.tokenizer.decode([i], skip_special=True))
+        if seq is None or len(seq) > c:
+          overflow[i] = True
+          seq = (seq or [])[:c]
+        classes[i, :len(seq)] = seq
+      self._key_tables = (classes, overflow)
+    return self._key_tables
+
+  def knobs(self, settings: LoopSettings, b: int, conf_stop: np.ndarray,
+            group: np.ndarray | None = None, vote_floor: np.ndarray | None = None,
+            prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] = ()) -> Knobs:
+    """Per-row arrays for `b` rows from one LoopSettings (conf_stop, group, vote_floor:
+    [b]; prior_votes: per group, (answer key or None, weight))."""
     st = settings
     v = self.model.vocab_size
     full = lambda x, dt: jnp.full((b,), x, dt)
@@ -284,7 +334,44 @@ class Controller:
         probe_ids=jnp.asarray(self._pad(probe, self.probe_capacity, "verifier probe")),
         probe_len=jnp.int32(len(probe)), yes_id=jnp.int32(yes[-1]), no_id=jnp.int32(no[-1]),
         answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
-        answer_probe_len=jnp.int32(len(answer)))
+        answer_probe_len=jnp.int32(len(answer)),
+        **self._vote_knobs(st, b, group, vote_floor, prior_votes))
+
+  def _vote_knobs(self, st: LoopSettings, b, group, vote_floor, prior_votes) -> dict:
+    """The vote knobs (1-element placeholders when the vote is not compiled)."""
+    a = self.key_capacity
+    q = pow2_bucket(max(1, sum(len(p) for p in prior_votes)), 8)
+    prior_group = np.full(q, -1, np.int32)
+    prior_key = np.zeros((q, a), np.int32)
+    prior_len = np.zeros(q, np.int32)
+    prior_known = np.zeros(q, bool)
+    prior_weight = np.zeros(q, np.float32)
+    i = 0
+    for g, votes in enumerate(prior_votes):
+      for key, weight in votes:
+        codes = None if key is None else answers.text_key(key)
+        known = codes is not None and len(codes) <= a
+        prior_group[i], prior_known[i], prior_weight[i] = g, known, weight
+        if known:
+          prior_key[i, :len(codes)] = codes
+          prior_len[i] = len(codes)
+        i += 1
+    if st.answer_vote:
+      classes, overflow = self.key_tables()
+    else:
+      classes, overflow = np.full((1, 1), -1, np.int32), np.zeros(1, bool)
+    full = lambda x, dt: jnp.full((b,), x, dt)
+    return dict(
+        key_classes=jnp.asarray(classes), key_overflow=jnp.asarray(overflow),
+        group=jnp.asarray(np.full(b, -1, np.int32) if group is None else group, jnp.int32),
+        vote_floor=jnp.asarray(np.full(b, -np.inf) if vote_floor is None else vote_floor,
+                               jnp.float32),
+        consensus=full(st.consensus_share, jnp.float32),
+        consensus_min=full(st.consensus_min_votes, jnp.int32),
+        stop_decided=full(st.stop_when_decided, jnp.bool_),
+        prior_group=jnp.asarray(prior_group), prior_key=jnp.asarray(prior_key),
+        prior_key_len=jnp.asarray(prior_len), prior_known=jnp.asarray(prior_known),
+        prior_weight=jnp.asarray(prior_weight))
 
   # -- the batch --------------------------------------------------------------------
 
@@ -303,7 +390,8 @@ class Controller:
             + len(self.tokenizer.encode(settings.wait_text)) + self.probe_capacity + 8)
     return pow2_bucket(need, 64)
 
-  def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop) -> ReasoningState:
+  def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop,
+                    vote_floor=None, prior_votes=()) -> ReasoningState:
     """Prefill + fork + fresh per-row state for len(requests) x n rows."""
     r = len(requests)
     rows = r * n
@@ -333,6 +421,12 @@ class Controller:
         keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
     stops = np.full(b, -np.inf, np.float32)
     stops[:rows] = np.repeat(np.asarray(conf_stop, np.float32), n)
+    group = np.full(b, -1, np.int32)
+    floors = np.full(b, -np.inf, np.float32)
+    if settings.answer_vote:  # every real row votes in its request's group
+      group[:rows] = np.repeat(np.arange(r), n)
+      if vote_floor is not None:
+        floors[:rows] = np.repeat(np.asarray(vote_floor, np.float32), n)
     zi = lambda: jnp.zeros((b,), jnp.int32)
     w, rec = settings.conf_window, self.max_records
     return ReasoningState(
@@ -343,20 +437,25 @@ class Controller:
         lp_total=jnp.zeros((b,)), answer_start=jnp.full((b,), -1, jnp.int32),
         conf_ring=jnp.zeros((b, w)), conf_count=zi(), conf_sum=jnp.zeros((b,)),
         lowest_conf=jnp.full((b,), jnp.inf), exit_reason=zi(),
+        key_state=zi(), key=jnp.zeros((b, self.key_capacity), jnp.int32), key_len=zi(),
+        key_commit=zi(), key_unknown=jnp.zeros((b,), bool),
         early_exit=jnp.zeros((b,), bool), force_buf=jnp.zeros((b, self.force_capacity), jnp.int32),
         force_pos=zi(), force_len=zi(), rec_start=jnp.zeros((b, rec), jnp.int32),
         rec_end=jnp.zeros((b, rec), jnp.int32), rec_score=jnp.full((b, rec), jnp.nan),
         rec_action=jnp.zeros((b, rec), jnp.int32), n_rec=zi(), keys=jnp.asarray(keys),
-        iteration=jnp.int32(0), stop_at=jnp.int32(NEVER), knobs=self.knobs(settings, b, stops),
+        iteration=jnp.int32(0), stop_at=jnp.int32(NEVER), knobs=self.knobs(settings, b, stops, group, floors, prior_votes),
         cache=cache)
 
   def loop(self, settings: LoopSettings) -> ReasoningLoop:
-    return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k)
+    return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
+                         settings.answer_vote)
 
-  def _generate_chunk(self, requests, settings, n, sample_offset, conf_stop, budget) -> Batch:
+  def _generate_chunk(self, requests, settings, n, sample_offset, conf_stop, budget,
+                      vote_floor=None, prior_votes=()) -> Batch:
     t0 = time.perf_counter()
     prompts = [self.encode(r.prompt) for r in requests]
-    state = self.initial_state(requests, prompts, settings, n, sample_offset, conf_stop)
+    state = self.initial_state(requests, prompts, settings, n, sample_offset, conf_stop,
+                               vote_floor, prior_votes)
     if budget is not None:
       state = state.replace(knobs=state.knobs.replace(
           max_steps=jnp.full_like(state.knobs.max_steps, budget.max_steps)))
@@ -410,6 +509,10 @@ class Controller:
     lowest = float(h.lowest_conf[row])
     text = dec(gen)
     reason = S.EXIT_NAMES[int(h.exit_reason[row])]
+    key = None
+    if (settings.answer_vote and int(h.answer_start[row]) >= 0
+        and int(h.key_state[row]) >= S.KEY_INT and not bool(h.key_unknown[row])):
+      key = answers.key_text(h.key[row, :int(h.key_commit[row])])
     return Trace(
         sample_index=sample_index, token_ids=[int(x) for x in gen], text=text,
         thinking_text=dec(h.tokens[row, pl:a0]), answer_text=dec(h.tokens[row, a0:ln]),
@@ -421,4 +524,5 @@ class Controller:
         mean_logprob=float(h.lp_total[row]) / max(kept, 1),
         mean_confidence=float(h.conf_sum[row]) / max(int(h.conf_count[row]), 1),
         lowest_group_confidence=lowest if math.isfinite(lowest) else tail,
-        tail_confidence=tail, stopped_low_confidence=reason == "low_confidence")
+        tail_confidence=tail, stopped_low_confidence=reason == "low_confidence",
+        stopped_consensus=reason == "consensus", answer_key=key)

@@ -18,7 +18,11 @@ every row, with step-boundary decisions applied by masks:
      answer (step budget) / continue; one record per event;
   6. token budgets: thinking tokens reaching `max_think` force the answer
      prefix; `max_answer` tokens after the prefix end the row; DeepConf stops a
-     row whose full-window group confidence falls below its threshold.
+     row whose full-window group confidence falls below its threshold;
+  7. with `vote`: answer tokens feed a per-row answer key (answers.py), and the
+     running rows of a request stop as soon as its confidence-weighted vote is
+     decided (consensus share reached, or the rows still running could not
+     change the winner).
 
 `run` loops until every row is done or `state.stop_at` iterations have run
 (the host may then adapt budgets or admit work and call again); `run_python`
@@ -34,6 +38,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.controller.decode_model import DecodeModel
 from o1jax.controller.state import Knobs, ReasoningState
@@ -73,12 +78,14 @@ class ReasoningLoop:
 
   model: a DecodeModel (hashed by identity). verifier: scores steps.
   answer_probe: compile the answer-confidence probe used for early exit.
-  top_k: log-probs averaged into one token confidence (DeepConf)."""
+  top_k: log-probs averaged into one token confidence (DeepConf).
+  vote: compile the answer keys and the consensus stop (DeepConf)."""
 
   model: DecodeModel
   verifier: Verifier = MeanLogprob()
   answer_probe: bool = False
   top_k: int = 5
+  vote: bool = False
 
   # -- one iteration --------------------------------------------------------------
 
@@ -96,6 +103,84 @@ class ReasoningLoop:
     seq = jnp.concatenate([last[:, None], jnp.broadcast_to(ids, (b, ids.shape[0]))], axis=1)
     logits, cache = self.model.forward(params, cache, seq, length - 1, jnp.full((b,), n))
     return jax.nn.softmax(logits, axis=-1), cache
+
+  def _read_key(self, k: Knobs, s: ReasoningState, tok, feed, restart):
+    """Advances the answer-key automaton over the characters of `tok` where `feed`;
+    `restart` (the answer prefix again) starts it over, as extract_number reads
+    after the last prefix. Returns (state, key, key_len, key_commit, unknown)."""
+    nxt, pre = jnp.asarray(answers.KEY_NEXT), jnp.asarray(answers.KEY_PRE)
+    write, commit_t = jnp.asarray(answers.KEY_WRITE), jnp.asarray(answers.KEY_COMMIT)
+    st, key, n, commit, unknown = s.key_state, s.key, s.key_len, s.key_commit, s.key_unknown
+    cls = k.key_classes[tok]  # [B, C]
+    unknown |= feed & k.key_overflow[tok] & (st != S.KEY_DONE)
+    for i in range(cls.shape[1]):
+      c = cls[:, i]
+      on = feed & (c >= 0)
+      cc = jnp.maximum(c, 0)
+      p = pre[st, cc]
+      key = _set_row(key, n, p, on & (p >= 0))
+      n = n + (on & (p >= 0))
+      w = on & write[st, cc]
+      key = _set_row(key, n, cc, w)
+      n = n + w
+      commit = jnp.where(w & commit_t[st, cc], n, commit)
+      st = jnp.where(on, nxt[st, cc], st)
+    unknown |= n > key.shape[1]  # longer than the key capacity
+    st = jnp.where(restart, S.KEY_SEARCH, st)
+    n = jnp.where(restart, 0, n)
+    commit = jnp.where(restart, 0, commit)
+    unknown = jnp.where(restart, False, unknown)
+    return st, key, n, commit, unknown
+
+  def _decided(self, k: Knobs, s: ReasoningState, phase, exit_reason, known, weight,
+               lowest_conf):
+    """[B] rows whose request's confidence-weighted vote is decided (see DeepConf).
+
+    Candidates are this batch's rows plus the prior votes of the host. A finished
+    row votes (weight = its confidence) unless it was stopped or is below the
+    vote floor; a running row may still add at most its current lowest group
+    confidence (min only falls; +inf before a full window), 0 if that is below
+    the floor. Decided: the leader's lead over the runner-up exceeds what the
+    running rows and the unknown-key votes could add (stop_decided), or the
+    leader holds `consensus` of the cast votes with >= consensus_min voters."""
+    b = phase.shape[0]
+    done = phase == S.DONE
+    voting = k.group >= 0
+    voter = (voting & done & (exit_reason != S.EXIT_LOW_CONF)
+             & (exit_reason != S.EXIT_CONSENSUS) & (weight >= k.vote_floor))
+    bound = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, jnp.inf)
+    bound = jnp.where(voting & ~done & (bound >= k.vote_floor), bound, 0.0)
+    q = k.prior_group.shape[0]
+    group = jnp.concatenate([k.group, k.prior_group])
+    f = jnp.concatenate([voter, (k.prior_group >= 0) & (k.prior_weight > 0)])
+    w = jnp.where(f, jnp.concatenate([weight, k.prior_weight]), 0.0)
+    kn = f & jnp.concatenate([known, k.prior_known])
+    width = max(s.key.shape[1], k.prior_key.shape[1])
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+    ln = jnp.concatenate([s.key_commit, k.prior_key_len])
+    keys = jnp.concatenate([pad(s.key), pad(k.prior_key)])
+    keys = jnp.where(jnp.arange(width)[None, :] < ln[:, None], keys, -1)
+    same = (group[:, None] == group[None, :]) & (group[:, None] >= 0)
+    agree = (same & kn[:, None] & kn[None, :]
+             & jnp.all(keys[:, None, :] == keys[None, :, :], axis=-1))
+    votes = jnp.sum(jnp.where(agree, w[None, :], 0.0), axis=1)  # for candidate i's answer
+    rival = jnp.max(jnp.where(same & ~agree & kn[None, :], votes[None, :], 0.0), axis=1)
+    running = jnp.concatenate([bound, jnp.zeros((q,))])
+    wild = jnp.where(f & ~kn, w, 0.0)
+    slack = jnp.sum(jnp.where(same, (running + wild)[None, :], 0.0), axis=1)
+    total = jnp.sum(jnp.where(same, w[None, :], 0.0), axis=1)
+    count = jnp.sum(same & f[None, :], axis=1)
+    # A request's settings, read from its rows (priors have none of their own).
+    of_rows = same[:, :b]
+    stop_decided = jnp.any(of_rows & k.stop_decided[None, :], axis=1)
+    tau = jnp.min(jnp.where(of_rows, k.consensus[None, :], jnp.inf), axis=1)
+    min_votes = jnp.max(jnp.where(of_rows, k.consensus_min[None, :], 0), axis=1)
+    # The lead must beat every rival even if all the slack went to it (strict: no ties).
+    sure = stop_decided & (votes - rival > slack)
+    share = (votes >= tau * total) & (count >= min_votes)
+    decided = kn & (votes > 0) & (sure | share)
+    row_decided = jnp.any(same & decided[None, :], axis=1)[:b]
+    return voting & row_decided
 
   def _step(self, params, s: ReasoningState) -> ReasoningState:
     k: Knobs = s.knobs
@@ -155,7 +240,8 @@ class ReasoningLoop:
     answer_tokens = s.answer_tokens + in_answer
     # Forced tokens in the answer phase are always the answer prefix ("Wait" is only
     # forced while thinking); eos_to_answer emits its first prefix token right now.
-    prefix_tokens = s.prefix_tokens + (in_answer & (forcing | eos_to_answer))
+    prefix_now = in_answer & (forcing | eos_to_answer)
+    prefix_tokens = s.prefix_tokens + prefix_now
     generated = s.generated + append
     lp_total = s.lp_total + jnp.where(append, tok_lp, 0.0)
     answer_start = jnp.where(eos_to_answer, s.length, s.answer_start)
@@ -243,6 +329,16 @@ class ReasoningLoop:
     _, force_buf, force_pos, force_len = start_forcing(
         prefix_early, k.wait_ids, k.wait_len, tok, force_buf, force_pos, force_len, False)
 
+    key_fields = {}
+    if self.vote:
+      # The answer key reads every answer token after the prefix; the prefix again
+      # (written by the model inside its answer) restarts it.
+      body = in_answer & ~prefix_now
+      again = body & (tail_match(tokens, length, k.prefix_seqs, k.prefix_lens,
+                                 answer_tokens - prefix_tokens) > 0)
+      key_fields = dict(zip(("key_state", "key", "key_len", "key_commit", "key_unknown"),
+                            self._read_key(k, s, tok, body, again)))
+
     # 6. budgets.
     still_thinking = active & (phase == S.THINK) & ~pending & ~prefix_early
     over_think = still_thinking & (think_tokens >= k.max_think) & ~exit_early & ~out_of_steps
@@ -268,9 +364,22 @@ class ReasoningLoop:
     finished = active & (exit_reason != S.RUNNING)
     phase = jnp.where(finished, S.DONE, phase)
 
+    # 7. consensus (DeepConf): stop the running rows of a request whose vote is decided.
+    consensus = jnp.zeros((b,), bool)
+    if self.vote:
+      known = (answer_start >= 0) & (key_fields["key_state"] >= S.KEY_INT)
+      known &= ~key_fields["key_unknown"]
+      weight = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, group_conf)
+      decided = self._decided(k, s.replace(**key_fields), phase, exit_reason, known, weight,
+                              lowest_conf)
+      consensus = decided & active & (phase != S.DONE)
+      exit_reason = jnp.where(consensus, S.EXIT_CONSENSUS, exit_reason)
+      phase = jnp.where(consensus, S.DONE, phase)
+
     # One record per event, highest priority first.
     action = jnp.full((b,), -1, jnp.int32)
     for cond, code in ((finish_eos & think, S.END), (low_conf, S.LOW_CONF_STOP),
+                       (consensus, S.CONSENSUS_STOP),
                        (over_think & ~boundary, S.THINK_BUDGET), (wait_now | prefix_early, S.WAIT),
                        (model_answer, S.MODEL_ANSWER), (accept & over_think, S.THINK_BUDGET),
                        (exit_early, S.EARLY_EXIT), (out_of_steps, S.ANSWER_STEPS),
@@ -293,7 +402,7 @@ class ReasoningLoop:
         rec_end=_set_row(s.rec_end, s.n_rec, rec_end_val, record),
         rec_score=_set_row(s.rec_score, s.n_rec, jnp.where(scored, score, jnp.nan), record),
         rec_action=_set_row(s.rec_action, s.n_rec, action, record),
-        n_rec=s.n_rec + record, iteration=s.iteration + 1, cache=cache)
+        n_rec=s.n_rec + record, iteration=s.iteration + 1, cache=cache, **key_fields)
 
   # -- drivers --------------------------------------------------------------------
 

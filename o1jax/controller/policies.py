@@ -10,7 +10,8 @@ usually as: build `LoopSettings` from its fields -> `controller.generate(...)`
   best_of_n               n samples; the best by a named scorer
   deepconf                warm-up traces set a confidence threshold (percentile of
                           their lowest group confidence); later traces stop once their
-                          group confidence falls below it; confidence-weighted vote
+                          group confidence falls below it, and all stop once the
+                          confidence-weighted vote is decided (consensus)
   think_verify_backtrack  step verifier + backtracking + early exit at tau
   budget_forcing          s1: "Wait" below a minimum of thinking tokens, answer at a maximum
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -152,17 +152,27 @@ class DeepConf(Policy):
      group confidence (window `window` tokens, token confidence = -mean top-k log p);
   2. threshold s = percentile(warm-up confidences, 100 - keep_percent): keep_percent 10
      is DeepConf-low (aggressive), 90 is DeepConf-high;
-  3. the other n - warmup traces run with s as a stop threshold: a trace
-     stops as soon as its group confidence (full window) falls below s, and
-     stopped traces do not vote;
-  4. vote weighted by trace confidence over the finished traces whose
-     confidence is in the top keep_percent of all finished traces."""
+  3. the other n - warmup traces run in one batch with s as a stop threshold: a
+     trace stops as soon as its group confidence (full window) falls below s;
+  4. the vote: traces that were not stopped and whose confidence is >= s (warm-up
+     traces included), weighted by confidence;
+  5. consensus stop, checked in the loop at every token: the request's running
+     traces stop once the vote's leader holds `consensus` of the weight cast by at
+     least `consensus_min_votes` traces, or (stop_when_decided) once the running
+     traces could no longer change the winner even if each voted with its current
+     lowest group confidence. `consensus` > 1 and stop_when_decided=False turn it off.
+
+  Consensus needs the loop to read answers the way the host does: it is used
+  with the default numeric extraction only (not with a custom extract_answer)."""
 
   name: ClassVar[str] = "deepconf"
   n: int = 8
   warmup: int = 2
   keep_percent: float = 10.0
   window: int = 16
+  consensus: float = 0.95
+  consensus_min_votes: int = 2
+  stop_when_decided: bool = True
   temperature: float = 0.7
   top_p: float = 0.95
 
@@ -171,32 +181,51 @@ class DeepConf(Policy):
       raise ValueError(f"{self.name}: need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")
     if not 0 < self.keep_percent <= 100:
       raise ValueError(f"{self.name}: keep_percent must be in (0, 100]")
+    if self.consensus <= 0.5:
+      raise ValueError(f"{self.name}: consensus must be > 0.5 (> 1 turns it off)")
 
   def run(self, ctl, requests):
-    st = self.settings(conf_window=self.window)
+    # The loop's answer keys mirror the default extraction only.
+    consensus = ctl.extract_answer is None
+    st = self.settings(conf_window=self.window, answer_vote=consensus)
     warm = ctl.generate(requests, st, self.warmup)
-    thresholds = [float(np.percentile([t.lowest_group_confidence for t in traces],
-                                      100.0 - self.keep_percent))
+    # f32 like the loop's confidences, so host and loop compare the same numbers.
+    thresholds = [float(np.float32(np.percentile([t.lowest_group_confidence for t in traces],
+                                                 100.0 - self.keep_percent)))
                   for traces in warm.traces]
     rest = None
     if self.n > self.warmup:
-      rest = ctl.generate(requests, st, self.n - self.warmup, sample_offset=self.warmup,
-                          conf_stop=thresholds)
+      online = st
+      if consensus:
+        online = dataclasses.replace(st, consensus_share=self.consensus,
+                                     consensus_min_votes=self.consensus_min_votes,
+                                     stop_when_decided=self.stop_when_decided)
+      extra = {}
+      if consensus:
+        extra = dict(vote_floor=thresholds, prior_votes=[
+            [(t.answer_key, t.lowest_group_confidence) for t in traces
+             if t.lowest_group_confidence >= s] for traces, s in zip(warm.traces, thresholds)])
+      rest = ctl.generate(requests, online, self.n - self.warmup, sample_offset=self.warmup,
+                          conf_stop=thresholds, **extra)
     out = []
     for i, req in enumerate(requests):
       traces = warm.traces[i] + (rest.traces[i] if rest else [])
-      finished = [t for t in traces if not t.stopped_low_confidence]
-      confs = [t.lowest_group_confidence for t in finished]
-      cut = float(np.percentile(confs, 100.0 - self.keep_percent)) if confs else -math.inf
-      voters = [t for t in finished if t.lowest_group_confidence >= cut] or finished
+      s = thresholds[i]
+      voted = [t for t in traces if not (t.stopped_low_confidence or t.stopped_consensus)]
+      voters = [t for t in voted if t.lowest_group_confidence >= s] or voted
       winner, votes = weighted_vote([t.answer for t in voters],
                                     [t.lowest_group_confidence for t in voters])
       chosen = _first(traces, voters, winner)
       wall = warm.wall_time_s[i] + (rest.wall_time_s[i] if rest else 0.0)
       calls = warm.invocations[i] + (rest.invocations[i] if rest else 0)
+      # Voters whose loop-read answer differs from the host's extraction (expected 0):
+      # the consensus stop is exact only when they agree.
+      mismatched = sum(t.answer_key is not None and t.answer_key != t.answer for t in voters)
       out.append(ctl.result(req, self.name, traces, chosen, winner, wall, calls, votes,
-                            threshold=thresholds[i],
-                            stopped=sum(t.stopped_low_confidence for t in traces)))
+                            threshold=s,
+                            stopped=sum(t.stopped_low_confidence for t in traces),
+                            consensus_stopped=sum(t.stopped_consensus for t in traces),
+                            key_mismatches=mismatched))
     return out
 
 

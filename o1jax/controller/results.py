@@ -77,6 +77,8 @@ class Trace:
   lowest_group_confidence: float  # lowest full-window group confidence (tail if none)
   tail_confidence: float  # group confidence of the last window
   stopped_low_confidence: bool = False
+  stopped_consensus: bool = False  # stopped because its request's vote was decided
+  answer_key: Optional[str] = None  # the loop's reading of the answer (LoopSettings.answer_vote)
   score: Optional[float] = None  # set by best_of_n's scorer
 
   @property

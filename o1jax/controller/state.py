@@ -7,7 +7,8 @@ program; only the verifier class and the probe switch are static.
 
 Shapes: B rows (request x sample), L cache/token length, W confidence window,
 F forced-token capacity, P probe capacity, M pattern variants, D pattern
-capacity, R step records, V vocabulary.
+capacity, R step records, V vocabulary, C character classes per token, A
+answer-key capacity, Q prior votes.
 """
 
 from __future__ import annotations
@@ -29,12 +30,19 @@ THINK_BUDGET = 5  # thinking-token budget reached (mid-step): answer forced
 WAIT = 6  # end of thinking below the minimum: "Wait" forced (budget forcing)
 LOW_CONF_STOP = 7  # DeepConf: group confidence fell below the trace threshold
 END = 8  # end of sequence during thinking (no answer phase)
+CONSENSUS_STOP = 9  # the request's vote was decided: the row stops (DeepConf consensus)
 ACTION_NAMES = ("continue", "backtrack", "answer_steps", "early_exit", "model_answer",
-                "think_budget", "wait", "low_conf_stop", "end")
+                "think_budget", "wait", "low_conf_stop", "end", "consensus_stop")
 
 # Why a sequence finished (exit_reason).
-RUNNING, EXIT_EOS, EXIT_ANSWER_EOS, EXIT_ANSWER_BUDGET, EXIT_LOW_CONF, EXIT_LENGTH = range(6)
-EXIT_NAMES = ("running", "eos", "answer_eos", "answer_budget", "low_confidence", "length")
+(RUNNING, EXIT_EOS, EXIT_ANSWER_EOS, EXIT_ANSWER_BUDGET, EXIT_LOW_CONF, EXIT_LENGTH,
+ EXIT_CONSENSUS) = range(7)
+EXIT_NAMES = ("running", "eos", "answer_eos", "answer_budget", "low_confidence", "length",
+              "consensus")
+
+# Answer-key automaton (answers.py documents it): reads the answer after the prefix
+# the way `extract_number` does, one character class at a time.
+(KEY_SEARCH, KEY_NEG, KEY_NEG_DOLLAR, KEY_INT, KEY_DOT, KEY_FRAC, KEY_DONE) = range(7)
 
 
 @flax.struct.dataclass
@@ -74,6 +82,19 @@ class Knobs:
   no_id: jax.Array  # [] i32
   answer_probe_ids: jax.Array  # [P] i32 answer-confidence probe (the answer prefix)
   answer_probe_len: jax.Array  # [] i32
+  # Vote (compiled only with ReasoningLoop.vote): answer keys and the consensus stop.
+  key_classes: jax.Array  # [V, C] i32 character classes of each token's text (-1 = none)
+  key_overflow: jax.Array  # [V] bool the token has more than C classes (key unknown)
+  group: jax.Array  # [B] i32 request of the row within the batch (-1 = not voting)
+  vote_floor: jax.Array  # [B] f32 a finished row votes only with confidence >= this
+  consensus: jax.Array  # [B] f32 stop once the leader holds this share of the votes (> 1 = off)
+  consensus_min: jax.Array  # [B] i32 ... and at least this many rows have voted
+  stop_decided: jax.Array  # [B] bool stop once unfinished rows cannot change the winner
+  prior_group: jax.Array  # [Q] i32 votes cast before this call (e.g. warm-up traces), -1 = none
+  prior_key: jax.Array  # [Q, A] i32 their answer keys
+  prior_key_len: jax.Array  # [Q] i32
+  prior_known: jax.Array  # [Q] bool False: the answer is unknown (a wildcard vote)
+  prior_weight: jax.Array  # [Q] f32
 
 
 @flax.struct.dataclass
@@ -109,6 +130,11 @@ class ReasoningState:
   conf_sum: jax.Array  # [B] f32 their sum (mean trace confidence)
   lowest_conf: jax.Array  # [B] f32 lowest full-window group confidence (+inf = none yet)
   exit_reason: jax.Array  # [B] i32
+  key_state: jax.Array  # [B] i32 answer-key automaton state (KEY_*)
+  key: jax.Array  # [B, A] i32 normalized answer characters (0-9 digits, 10 ".", 12 "-")
+  key_len: jax.Array  # [B] i32 characters written
+  key_commit: jax.Array  # [B] i32 characters that count (trailing fraction zeros do not)
+  key_unknown: jax.Array  # [B] bool the key could not be followed (too long, odd token)
   early_exit: jax.Array  # [B] bool
   force_buf: jax.Array  # [B, F] i32 tokens to emit instead of sampling
   force_pos: jax.Array  # [B] i32

@@ -104,8 +104,9 @@ def test_deepconf_stops_low_confidence_traces_and_saves_tokens():
            (" B", " C", 0.5), (" C", " D", 0.5), (" D", " B", 0.5),
            ("The answer is", " 7", 9), (" 7", "</s>", 9)]
   ctl = MockWorld(edges).controller()
+  # Every trace answers 7: the consensus stop (tested below) would end all of them at once.
   kw = dict(n=12, warmup=4, keep_percent=50.0, window=4, temperature=1.0, top_p=1.0,
-            max_thinking_tokens=16)
+            max_thinking_tokens=16, consensus=2.0, stop_when_decided=False)
   res, = ctl.run([ReasoningRequest("Q", request_id=5)], get_policy("deepconf", **kw))
   stopped = [t for t in res.traces if t.stopped_low_confidence]
   assert res.info["stopped"] == len(stopped) > 0
@@ -117,6 +118,36 @@ def test_deepconf_stops_low_confidence_traces_and_saves_tokens():
                              max_thinking_tokens=16))
   assert res.tokens.generated < full.tokens.generated
   assert res.loop_invocations == 2
+
+
+# " A" (likely) loops a while and answers 7; " B" answers 3 (a " B" in the context boosts " 3",
+# cancelled in the rows where it must not win).
+VOTING = [("Q", " A", 9), ("Q", " B", 7.5), (" A", " A", 8), (" A", "The answer is", 8),
+          (" B", "The answer is", 9), ("The answer is", " 7", 9), (" 7", "</s>", 9),
+          (" 3", "</s>", 9), (" B", " 3", -1000), (" 3", " 3", -1000)]
+
+
+def test_deepconf_consensus_stop_saves_tokens_and_keeps_the_decided_answer():
+  ctl = MockWorld(VOTING, triggers=[(" B", {" 3": 30.0})]).controller()
+  reqs = [ReasoningRequest("Q", request_id=r) for r in range(3)]
+  kw = dict(n=12, warmup=2, keep_percent=90.0, window=2, temperature=1.0, top_p=1.0,
+            max_thinking_tokens=24)
+  off = ctl.run(reqs, get_policy("deepconf", **kw, consensus=2.0, stop_when_decided=False))
+  sure = ctl.run(reqs, get_policy("deepconf", **kw, consensus=2.0, stop_when_decided=True))
+  share = ctl.run(reqs, get_policy("deepconf", **kw, consensus=0.8, consensus_min_votes=2,
+                                        stop_when_decided=False))
+  assert {"7", "3"} <= {t.answer for r in off for t in r.traces}
+  for a, b, c in zip(off, sure, share):
+    # Stopping once the running traces cannot change the winner never changes the answer.
+    assert b.answer == a.answer and b.tokens.generated <= a.tokens.generated
+    assert c.tokens.generated <= a.tokens.generated
+    for r in (b, c):
+      assert r.info["key_mismatches"] == 0
+      assert all(t.sample_index >= 2 for t in r.traces if t.stopped_consensus)
+      assert r.info["consensus_stopped"] == sum(t.stopped_consensus for t in r.traces)
+  assert sum(r.info["consensus_stopped"] for r in sure) > 0
+  assert sum(r.tokens.generated for r in sure) < sum(r.tokens.generated for r in off)
+  assert sum(r.tokens.generated for r in share) < sum(r.tokens.generated for r in off)
 
 
 def test_think_verify_backtrack_policy_and_budget_forcing_policy():
