@@ -58,6 +58,23 @@ def test_steady_state_does_not_recompile(tiny, make_prompts):
   assert sum(warm.values()) <= 12  # a small fixed set of bucketed programs
 
 
+def test_alternating_workloads_do_not_recompile(tiny, make_prompts):
+  """A long run then a prompt-only run, repeated: the second round compiles
+  nothing (the cache a step returns carries its block tables; their width must
+  not leak into the next call's signature)."""
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=1, num_blocks=64,
+                                                           prefill_chunk=64, prefix_caching=False))
+  prompt = make_prompts(1, seed=4, low=40, high=41)[0]
+  long_run = [Request(prompt, GenerationParams(max_new_tokens=150, ignore_eos=True))]
+  prompt_only = [Request(prompt, GenerationParams(max_new_tokens=1, ignore_eos=True))]
+  engine.generate(long_run)
+  engine.generate(prompt_only)
+  warm = dict(engine.trace_counts)
+  engine.generate(long_run)
+  engine.generate(prompt_only)
+  assert dict(engine.trace_counts) == warm
+
+
 def test_fork_prefills_prompt_once_and_frees_everything(engine32, make_prompts):
   prompt = make_prompts(1, seed=3, low=37, high=38)[0]
   params = GenerationParams(max_new_tokens=8, temperature=1.0, n=4, seed=3, ignore_eos=True,
