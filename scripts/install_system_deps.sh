@@ -6,6 +6,10 @@
 # installs nothing. It also needs the kernel to allow namespaces; the check at the end
 # reports (without failing) when unprivileged user namespaces are off, which only
 # matters for running the sandbox as a non-root user.
+#
+# The native CPU attention kernel (pallas_kernels/native) is compiled with g++ on
+# first use; without it the engine falls back to the slower XLA path, so g++ is
+# installed when missing (best effort: an offline machine keeps the fallback).
 set -euo pipefail
 
 if [[ "$(id -u)" -ne 0 ]]; then
@@ -20,6 +24,11 @@ if [[ ${#missing[@]} -gt 0 ]]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update
   apt-get install -y --no-install-recommends util-linux
+fi
+if ! command -v g++ >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update && apt-get install -y --no-install-recommends g++; } \
+    || echo "warning: g++ not installed; the engine uses the XLA attention path" >&2
 fi
 
 if [[ "$(cat /proc/sys/kernel/unprivileged_userns_clone 2>/dev/null || echo 1)" != 1 ]] \
