@@ -42,7 +42,7 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
 from o1jax.model.sampling import sequence_key
-from o1jax.model.shapes import pow2_bucket
+from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 
 log = logging.getLogger(__name__)
 
@@ -586,15 +586,13 @@ class Engine:
 
   def _table(self, seqs: Sequence[_Seq], rows: int, decode: bool = False) -> np.ndarray:
     need = max(len(s.blocks) for s in seqs)
-    width = pow2_bucket(need, self.config.min_table_blocks)
-    # Decode cost grows with the width (every row gathers all of it): a CPU
-    # step at 12 vs 16 blocks took 41 vs 44 / 86 vs 92 / 190 vs 211 ms at
-    # batch 1 / 8 / 32, so a 3/4 bucket sits between powers of two (at most
-    # one extra program per octave). Decode only: a prefill chunk of T tokens
-    # needs width * block_size >= T, which the power of two guarantees.
-    if (decode and width > self.config.min_table_blocks and width % 4 == 0
-        and need <= width * 3 // 4):
-      width = width * 3 // 4
+    # Decode cost grows with the width on the XLA attention path (every row
+    # gathers all of it): a CPU step at 12 vs 16 blocks took 41 vs 44 / 86 vs
+    # 92 / 190 vs 211 ms at batch 1 / 8 / 32, so decode also uses 3/4 buckets.
+    # Prefill keeps powers of two: a chunk of T tokens needs width * block_size
+    # >= T, which a power-of-two width over the rows' blocks guarantees.
+    bucket = three_quarter_bucket if decode else pow2_bucket
+    width = bucket(need, self.config.min_table_blocks)
     width = min(width, self._table_cap)
     tables = np.zeros((rows, width), np.int32)
     for i, s in enumerate(seqs):
@@ -624,7 +622,9 @@ class Engine:
     self._run_copies(copies)
     # Two row counts only: one sequence, or the full prefill batch.
     rows = 1 if len(batch) == 1 else self.config.max_prefill_seqs
-    t = min(pow2_bucket(max(n for _, n in batch), cfg.min_chunk_bucket),
+    # Chunk lengths bucket to powers of two and 3/4 of them: prefill is
+    # compute-bound, and 40-token prompts padded to 64 wasted 37% of it.
+    t = min(three_quarter_bucket(max(n for _, n in batch), cfg.min_chunk_bucket),
             pow2_bucket(cfg.prefill_chunk, cfg.min_chunk_bucket))
     tokens = np.zeros((rows, t), np.int32)
     starts = np.zeros(rows, np.int32)
