@@ -500,6 +500,8 @@ class Engine:
       seq.n_computed = len(cached) * self.config.block_size
       if seq.preemptions == 0:
         seq.group.metrics.prompt_tokens_computed += target - seq.n_computed
+      else:  # the cost of preemption: its prompt and generated tokens run again
+        seq.group.metrics.recomputed_tokens += target - seq.n_computed
       if seq.n_computed >= target:
         self._start_decoding(seq)
       else:

@@ -29,6 +29,7 @@ class RequestMetrics:
   arrival: float
   prompt_tokens: int = 0
   prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
+  recomputed_tokens: int = 0  # tokens run again after a preemption freed their KV
   first_token: float | None = None
   finish: float | None = None
   token_times: list[list[float]] = dataclasses.field(default_factory=list)  # [sample][token]
@@ -154,6 +155,7 @@ class MetricsCollector:
         "kv_blocks_total": self.kv_blocks_total,
         "kv_blocks_peak": self.kv_blocks_peak,
         "preemptions": self.preemptions,
+        "recomputed_tokens": sum(r.recomputed_tokens for r in self.requests),
     }
     for name in LATENCY_NAMES:
       out[name] = summarize(getattr(r, name) for r in self.requests)

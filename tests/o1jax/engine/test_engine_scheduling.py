@@ -116,6 +116,11 @@ def test_out_of_blocks_preempts_and_recomputes(tiny, engine32, make_prompts):
   want = engine32.generate([Request(p, params) for p in prompts])
   assert small.metrics.preemptions > 0
   assert [g.token_ids for g in got] == [w.token_ids for w in want]
+  # every re-admission recomputes at least its first block's worth of tokens
+  recomputed = [g.metrics.recomputed_tokens for g in got]
+  assert small.metrics.summary()["recomputed_tokens"] == sum(recomputed) >= small.metrics.preemptions
+  preempted = [sum(s.preemptions for s in g.samples) > 0 for g in got]
+  assert [r > 0 for r in recomputed] == preempted
   assert small.allocator.refcounts.sum() == 0 and small.metrics.kv_blocks_peak <= 10
 
 
