@@ -11,7 +11,7 @@ On the embedded SmolLM2-135M and `synthetic_examples` (levels 1-2 by default):
      P95 latency of a problem (the wall time of the batch it ran in), backtracks,
      early exits, host round trips (jitted loop calls) per problem;
   3. deepconf versus self_consistency at the same n: token savings and the
-     accuracy difference;
+     accuracy difference (deepconf's settings come from o1jax.controller.configs);
   4. writes results.json, table.md and pareto.png (accuracy vs mean tokens,
      Pareto frontier marked) to --out.
 """
@@ -49,14 +49,20 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+def _deepconf_example() -> dict:
+  from o1jax.controller.configs import EXAMPLES
+  return dict(EXAMPLES["deepconf"])
+
+
 def policy_params(name: str, a) -> dict:
+  DEEPCONF = _deepconf_example()
   common = dict(max_thinking_tokens=a.max_thinking, max_answer_tokens=a.max_answer,
                 step_delimiter="\n", step_max_tokens=48)
   extra = {
       "greedy_cot": {},
       "self_consistency": dict(n=a.n, temperature=0.7),
       "best_of_n": dict(n=a.n, temperature=0.7, score="mean_logprob"),
-      "deepconf": dict(n=a.n, warmup=a.warmup, keep_percent=10.0, window=16, temperature=0.7),
+      "deepconf": {**DEEPCONF, "n": a.n, "warmup": a.warmup, "temperature": 0.7},
       "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
                                      max_step_backtracks=1, max_backtracks=3, exit_tau=0.85),
       "budget_forcing": dict(min_thinking_tokens=a.max_thinking // 2),
@@ -115,6 +121,8 @@ def main(argv=None) -> int:
 
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
+  t_start = time.perf_counter()
+  load_start = os.getloadavg()  # the machine may be shared: recorded with the results
   ck = load_checkpoint("embedded")
   llama = Llama(ck.config, ck.params)
   ctl = Controller(ContiguousLlama(llama), ck.tokenizer, max_rows=a.max_rows)
@@ -151,6 +159,10 @@ def main(argv=None) -> int:
            "total_s": total}
     if name == "deepconf":
       row["stopped_traces"] = int(sum(r.info.get("stopped", 0) for r in results))
+      row["consensus_stopped_traces"] = int(sum(r.info.get("consensus_stopped", 0)
+                                                for r in results))
+      row["decided_problems"] = int(sum(r.info.get("consensus_stopped", 0) > 0 for r in results))
+      row["key_mismatches"] = int(sum(r.info.get("key_mismatches", 0) for r in results))
     rows.append(row)
     print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
     with open(out / f"traces_{name}.jsonl", "w") as f:
@@ -158,19 +170,27 @@ def main(argv=None) -> int:
         f.write(json.dumps({**r.to_dict(), "correct": ok}) + "\n")
 
   by = {r["policy"]: r for r in rows}
-  summary = {"overhead": overhead, "policies": rows}
+  summary = {"overhead": overhead, "policies": rows, "problems": len(examples), "n": a.n,
+             "total_s": time.perf_counter() - t_start,
+             "load_average_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
+             "cpus": os.cpu_count()}
   if "deepconf" in by and "self_consistency" in by:
     sc, dc = by["self_consistency"], by["deepconf"]
+    savings = 1.0 - dc["tokens_mean"] / sc["tokens_mean"]
+    delta = 100.0 * (dc["accuracy"] - sc["accuracy"])
     summary["deepconf_vs_self_consistency"] = {
-        "n": a.n, "token_savings": 1.0 - dc["tokens_mean"] / sc["tokens_mean"],
-        "accuracy_delta_points": 100.0 * (dc["accuracy"] - sc["accuracy"])}
+        "n": a.n, "token_savings": savings, "accuracy_delta_points": delta,
+        "target_savings_met": savings >= 0.40, "target_accuracy_met": delta >= -2.0}
   front = pareto([(r["tokens_mean"], r["accuracy"]) for r in rows])
   for i, r in enumerate(rows):
     r["pareto"] = i in front
   (out / "results.json").write_text(json.dumps(summary, indent=1))
 
   lines = [f"{len(examples)} synthetic GSM problems (levels {a.levels}), embedded SmolLM2-135M, "
-           f"n={a.n}, max thinking {a.max_thinking} tokens", "",
+           f"n={a.n}, max thinking {a.max_thinking} tokens, max answer {a.max_answer} tokens "
+           f"after the prefix; {summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
+           f"1-min load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+           "",
            "| policy | accuracy | tokens mean | tokens median | probe tokens | P50 s | P95 s | "
            "backtracks | early exits | round trips | Pareto |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -186,8 +206,14 @@ def main(argv=None) -> int:
             f"({100 * o['overhead']:+.1f}%)"]
   if "deepconf_vs_self_consistency" in summary:
     d = summary["deepconf_vs_self_consistency"]
+    dc = by["deepconf"]
     lines.append(f"deepconf vs self_consistency (n={a.n}): {100 * d['token_savings']:.1f}% fewer "
-                 f"tokens, accuracy {d['accuracy_delta_points']:+.1f} points")
+                 f"tokens (target >= 40%: {'met' if d['target_savings_met'] else 'missed'}), "
+                 f"accuracy {d['accuracy_delta_points']:+.1f} points (target within 2: "
+                 f"{'met' if d['target_accuracy_met'] else 'missed'}); deepconf stopped "
+                 f"{dc['stopped_traces']} traces for low confidence and "
+                 f"{dc['consensus_stopped_traces']} by consensus ({dc['decided_problems']} "
+                 f"problems decided early), {dc['key_mismatches']} loop/host answer mismatches")
   (out / "table.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
 

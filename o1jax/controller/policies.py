@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -154,8 +155,8 @@ class DeepConf(Policy):
      is DeepConf-low (aggressive), 90 is DeepConf-high;
   3. the other n - warmup traces run in one batch with s as a stop threshold: a
      trace stops as soon as its group confidence (full window) falls below s;
-  4. the vote: traces that were not stopped and whose confidence is >= s (warm-up
-     traces included), weighted by confidence;
+  4. the vote: every trace that was not stopped (warm-up traces included),
+     weighted by its confidence; with filter_votes only those with confidence >= s;
   5. consensus stop, checked in the loop at every token: the request's running
      traces stop once the vote's leader holds `consensus` of the weight cast by at
      least `consensus_min_votes` traces, or (stop_when_decided) once the running
@@ -163,16 +164,19 @@ class DeepConf(Policy):
      lowest group confidence. `consensus` > 1 and stop_when_decided=False turn it off.
 
   Consensus needs the loop to read answers the way the host does: it is used
-  with the default numeric extraction only (not with a custom extract_answer)."""
+  with the default numeric extraction only (not with a custom extract_answer).
+  The defaults (window 8, keep 10, consensus 0.95 of >= 2 votes) were chosen on
+  synthetic GSM problems that the benchmark does not use (docs/controller.md)."""
 
   name: ClassVar[str] = "deepconf"
   n: int = 8
   warmup: int = 2
   keep_percent: float = 10.0
-  window: int = 16
+  window: int = 8
   consensus: float = 0.95
   consensus_min_votes: int = 2
   stop_when_decided: bool = True
+  filter_votes: bool = False
   temperature: float = 0.7
   top_p: float = 0.95
 
@@ -193,6 +197,7 @@ class DeepConf(Policy):
     thresholds = [float(np.float32(np.percentile([t.lowest_group_confidence for t in traces],
                                                  100.0 - self.keep_percent)))
                   for traces in warm.traces]
+    floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
     rest = None
     if self.n > self.warmup:
       online = st
@@ -202,9 +207,9 @@ class DeepConf(Policy):
                                      stop_when_decided=self.stop_when_decided)
       extra = {}
       if consensus:
-        extra = dict(vote_floor=thresholds, prior_votes=[
+        extra = dict(vote_floor=floors, prior_votes=[
             [(t.answer_key, t.lowest_group_confidence) for t in traces
-             if t.lowest_group_confidence >= s] for traces, s in zip(warm.traces, thresholds)])
+             if t.lowest_group_confidence >= f] for traces, f in zip(warm.traces, floors)])
       rest = ctl.generate(requests, online, self.n - self.warmup, sample_offset=self.warmup,
                           conf_stop=thresholds, **extra)
     out = []
@@ -212,7 +217,7 @@ class DeepConf(Policy):
       traces = warm.traces[i] + (rest.traces[i] if rest else [])
       s = thresholds[i]
       voted = [t for t in traces if not (t.stopped_low_confidence or t.stopped_consensus)]
-      voters = [t for t in voted if t.lowest_group_confidence >= s] or voted
+      voters = [t for t in voted if t.lowest_group_confidence >= floors[i]] or voted
       winner, votes = weighted_vote([t.answer for t in voters],
                                     [t.lowest_group_confidence for t in voters])
       chosen = _first(traces, voters, winner)

@@ -118,6 +118,14 @@ def test_deepconf_stops_low_confidence_traces_and_saves_tokens():
                              max_thinking_tokens=16))
   assert res.tokens.generated < full.tokens.generated
   assert res.loop_invocations == 2
+  # Every unstopped trace votes by default; filter_votes keeps those at or above the threshold.
+  voted = [t for t in res.traces if not t.stopped_low_confidence]
+  assert sum(res.votes.values()) == pytest.approx(sum(t.lowest_group_confidence for t in voted))
+  high, = ctl.run([ReasoningRequest("Q", request_id=5)],
+                  get_policy("deepconf", **kw, filter_votes=True))
+  above = [t.lowest_group_confidence for t in high.traces
+           if not t.stopped_low_confidence and t.lowest_group_confidence >= high.info["threshold"]]
+  assert sum(high.votes.values()) == pytest.approx(sum(above)) and len(above) < len(voted)
 
 
 # " A" (likely) loops a while and answers 7; " B" answers 3 (a " B" in the context boosts " 3",
