@@ -239,13 +239,6 @@ class _Seq:
 # --- the engine -------------------------------------------------------------------------------
 
 
-def _bare(cache: PagedKVCache) -> PagedKVCache:
-  """The pools with placeholder tables: a cache returned by a step still carries
-  that step's block tables, whose shape would otherwise become part of the next
-  call's jit signature (one needless compilation per table-width sequence)."""
-  return cache.for_batch(np.zeros((1, 1), np.int32), np.zeros((1,), np.int32))
-
-
 class Engine:
   """Offline batch generation, streaming, and the jitted pieces for the controller."""
 
@@ -301,8 +294,7 @@ class Engine:
     """[V, d] copy of a dense f32 output head for batched decode (see steps.forward).
     None for bf16 matmuls: their head dot is fast in the stored layout."""
     head = model.head_weight
-    if (not isinstance(head, jax.Array) or model.weight_mode != "dense"
-        or getattr(model, "matmul_dtype", "float32") != "float32"):
+    if not isinstance(head, jax.Array) or head.dtype != jnp.float32:
       return None
     return jnp.asarray(head.T)
 
@@ -341,11 +333,11 @@ class Engine:
     """The jitted decode step (cache donated). Returns (DecodeOutput, cache)."""
     # The transposed head only pays off from batch 8 (at batch 1 the stored layout is faster).
     head_t = self._head_t if batch.tokens.shape[0] >= 8 else None
-    return self._decode_jit(self._state_leaves, _bare(cache), batch, top_logprobs, head_t)
+    return self._decode_jit(self._state_leaves, cache, batch, top_logprobs, head_t)
 
   def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
     """The jitted prefill step (cache donated). Returns the cache."""
-    return self._prefill_jit(self._state_leaves, _bare(cache), tokens, starts, chunk_lens,
+    return self._prefill_jit(self._state_leaves, cache, tokens, starts, chunk_lens,
                              block_tables)
 
   # -- request intake ----------------------------------------------------------------
@@ -580,7 +572,7 @@ class Engine:
     dst = np.full(n, self.num_blocks, np.int32)
     for i, (a, b) in enumerate(copies):
       src[i], dst[i] = a, b
-    self.cache = self._copy_jit(_bare(self.cache), jnp.asarray(src), jnp.asarray(dst))
+    self.cache = self._copy_jit(self.cache, jnp.asarray(src), jnp.asarray(dst))
 
   def _decode_rows(self, n: int) -> int:
     fits = [b for b in self.config.decode_buckets if b >= n]

@@ -214,6 +214,11 @@ class PagedKVCache:
     return self.replace(block_tables=jnp.asarray(block_tables, jnp.int32),
                         write_lens=jnp.asarray(write_lens, jnp.int32))
 
+  def pools_only(self) -> "PagedKVCache":
+    """The same pools with 1x1 placeholder tables. Steps return this, so the
+    table width of one call never becomes part of the next call's jit signature."""
+    return self.for_batch(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+
   def check_fits(self, tokens_shape) -> None:
     b, t = tokens_shape
     rows, mb = self.block_tables.shape

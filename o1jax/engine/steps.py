@@ -82,7 +82,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   3. sample with per-sample keys fold_in(keys, steps) and per-row params;
   4. log-probs of the sampled tokens (+ top-K alternatives).
   head_t: optional [V, d] transposed dense head (see `forward`).
-  Returns (DecodeOutput, cache)."""
+  Returns (DecodeOutput, cache with placeholder tables: `pools_only`)."""
   model = nnx.merge(graphdef, state)
   active = batch.active
   cache = cache.for_batch(batch.block_tables, active.astype(jnp.int32))
@@ -92,7 +92,8 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   keys = jax.vmap(jax.random.fold_in)(batch.keys, batch.steps)
   next_ids = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
   chosen, top_ids, top_lp = token_logprobs(logits, next_ids, top_logprobs)
-  return DecodeOutput(tokens=next_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp), cache
+  out = DecodeOutput(tokens=next_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+  return out, cache.pools_only()
 
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens: jax.Array,
@@ -102,9 +103,9 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
   tokens [B, T] int32 at positions starts[b] + t; only t < chunk_lens[b] are
   real (chunk_lens 0 = padding row). The engine samples every first token in
   the decode step, so prefill never needs logits (the model still returns one
-  row per sequence, which is cheap). Returns the updated cache."""
+  row per sequence, which is cheap). Returns the updated cache (`pools_only`)."""
   model = nnx.merge(graphdef, state)
   cache = cache.for_batch(block_tables, chunk_lens)
   last = jnp.maximum(chunk_lens - 1, 0).astype(jnp.int32)
   _, cache = model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache, logits_at=last)
-  return cache
+  return cache.pools_only()
