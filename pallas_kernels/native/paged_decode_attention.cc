@@ -11,7 +11,7 @@
 //   lengths [B]                  s32  keys 0..lengths[b]-1 are visible
 //   out     [B, H, D]            f32  (rows with length 0 -> zeros)
 //
-// Rows (or (row, kv head) pairs for tiny batches) are split over XLA's
+// Rows (or (row, kv head) pairs for tiny batches) are shared out over XLA's
 // intra-op thread pool. Each head's result is computed by one thread in a
 // fixed order, so it never depends on the other rows or on the thread count.
 
@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -161,6 +162,35 @@ void AttendRow(const Dims& d, AttendFn attend, const float* q, const float* kp, 
   for (int64_t kh = kh_lo; kh < kh_hi; ++kh) attend(d, q, kp, vp, out, b, kh, len, rows, scores);
 }
 
+// One call's work, shared by the calling thread and the pool tasks it schedules.
+// Items (rows, or (row, kv head) pairs for tiny batches) are handed out through
+// `next`, so the caller can do all of them itself when the pool is busy (another
+// kernel call may hold every pool thread: waiting for a task to start could then
+// deadlock). A task that starts after the call returned finds no item left and
+// touches only this heap object, which it co-owns.
+struct Work {
+  Dims d;
+  AttendFn attend;
+  bool split_heads;
+  int64_t items;
+  const float *q, *kp, *vp;
+  const int32_t *tables, *lengths;
+  float* out;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void Drain(Work& w) {
+  std::vector<float> scores;
+  std::vector<int64_t> rows;
+  for (int64_t it; (it = w.next.fetch_add(1, std::memory_order_relaxed)) < w.items;) {
+    const int64_t b = w.split_heads ? it / w.d.kv_heads : it;
+    const int64_t lo = w.split_heads ? it % w.d.kv_heads : 0;
+    const int64_t hi = w.split_heads ? lo + 1 : w.d.kv_heads;
+    AttendRow(w.d, w.attend, w.q, w.kp, w.vp, w.tables, w.lengths, w.out, b, lo, hi, scores, rows);
+    w.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
 ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                     ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
@@ -178,43 +208,26 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       lengths.dimensions()[0] != d.batch || v_pages.element_count() != k_pages.element_count()) {
     return ffi::Error::InvalidArgument("paged_decode_attention: inconsistent shapes");
   }
-  // Work items: whole rows; with fewer rows than threads, (row, kv head) pairs.
-  // An item's arithmetic is the same either way (heads are independent).
+  // Whole rows; with fewer rows than threads, (row, kv head) pairs. Either way a
+  // head is computed by one thread in a fixed order (heads are independent).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const bool split_heads = d.batch < threads;
-  const int64_t items = split_heads ? d.batch * d.kv_heads : d.batch;
-  const float* qp = q.typed_data();
-  const float* kp = k_pages.typed_data();
-  const float* vp = v_pages.typed_data();
-  const int32_t* tp = tables.typed_data();
-  const int32_t* lp = lengths.typed_data();
-  float* op = out->typed_data();
-
-  // Contiguous chunks of items, one per worker; the caller thread takes the first.
-  const int64_t workers = std::min<int64_t>(threads, items);
-  std::atomic<int64_t> pending(workers - 1);
-  auto run_chunk = [&](int64_t w) {
-    std::vector<float> scores;
-    std::vector<int64_t> rows;
-    const int64_t lo = items * w / workers, hi = items * (w + 1) / workers;
-    const AttendFn attend = PickAttend(d.head_dim, d.heads / d.kv_heads);
-    for (int64_t it = lo; it < hi; ++it) {
-      if (split_heads) {
-        const int64_t kh = it % d.kv_heads;
-        AttendRow(d, attend, qp, kp, vp, tp, lp, op, it / d.kv_heads, kh, kh + 1, scores, rows);
-      } else {
-        AttendRow(d, attend, qp, kp, vp, tp, lp, op, it, 0, d.kv_heads, scores, rows);
-      }
-    }
-  };
-  for (int64_t w = 1; w < workers; ++w) {
-    pool.Schedule([&, w] {
-      run_chunk(w);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
+  auto work = std::make_shared<Work>();
+  work->d = d;
+  work->attend = PickAttend(d.head_dim, d.heads / d.kv_heads);
+  work->split_heads = d.batch < threads;
+  work->items = work->split_heads ? d.batch * d.kv_heads : d.batch;
+  work->q = q.typed_data();
+  work->kp = k_pages.typed_data();
+  work->vp = v_pages.typed_data();
+  work->tables = tables.typed_data();
+  work->lengths = lengths.typed_data();
+  work->out = out->typed_data();
+  for (int64_t t = 1; t < std::min<int64_t>(threads, work->items); ++t) {
+    pool.Schedule([work] { Drain(*work); });
   }
-  run_chunk(0);
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  Drain(*work);
+  // Items other threads took are still running: the buffers must outlive them.
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

@@ -66,3 +66,33 @@ def test_bad_shapes_name_the_arrays():
     native.paged_decode_attention(q, kp[..., :32], vp[..., :32], tables, lengths)
   with pytest.raises(ValueError, match="lengths"):
     native.paged_decode_attention(q, kp, vp, tables, lengths[:2])
+
+
+def test_concurrent_calls_finish_and_agree():
+  """Calls from several threads at once share one 2-thread pool: each call can do
+  all its work itself, so none waits for a pool thread another call holds."""
+  if not native.available():
+    pytest.skip(native.unavailable_reason())
+  import threading
+
+  q, kp, vp, tables, lengths = _case(3, 16, 9, 3, 64, 16, 64, 8)
+  fn = jax.jit(native.paged_decode_attention)
+  want = np.asarray(fn(q, kp, vp, tables, lengths))
+  results, errors = [], []
+
+  def worker():
+    try:
+      for _ in range(20):
+        results.append(np.asarray(fn(q, kp, vp, tables, lengths)))
+    except Exception as e:  # noqa: BLE001 - reported below
+      errors.append(e)
+
+  threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  assert not any(t.is_alive() for t in threads), "a concurrent call did not finish"
+  assert not errors and len(results) == 80
+  for r in results:
+    np.testing.assert_array_equal(r, want)
