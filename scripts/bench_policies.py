@@ -49,20 +49,16 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def _deepconf_example() -> dict:
-  from o1jax.controller.configs import EXAMPLES
-  return dict(EXAMPLES["deepconf"])
-
-
 def policy_params(name: str, a) -> dict:
-  DEEPCONF = _deepconf_example()
+  from o1jax.controller.configs import EXAMPLES  # deepconf's chosen settings
+
   common = dict(max_thinking_tokens=a.max_thinking, max_answer_tokens=a.max_answer,
                 step_delimiter="\n", step_max_tokens=48)
   extra = {
       "greedy_cot": {},
       "self_consistency": dict(n=a.n, temperature=0.7),
       "best_of_n": dict(n=a.n, temperature=0.7, score="mean_logprob"),
-      "deepconf": {**DEEPCONF, "n": a.n, "warmup": a.warmup, "temperature": 0.7},
+      "deepconf": {**EXAMPLES["deepconf"], "n": a.n, "warmup": a.warmup, "temperature": 0.7},
       "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
                                      max_step_backtracks=1, max_backtracks=3, exit_tau=0.85),
       "budget_forcing": dict(min_thinking_tokens=a.max_thinking // 2),

@@ -71,6 +71,9 @@ def majority_vote(answers: Sequence[Optional[str]]) -> tuple[Optional[str], dict
 
 DOT, COMMA, MINUS, DOLLAR, OTHER = 10, 11, 12, 13, 14
 N_CLASSES = 15
+# Automaton states: before a number, after "-" / "-$", in the integer part, after
+# ".", in the fraction, past the number.
+(KEY_SEARCH, KEY_NEG, KEY_NEG_DOLLAR, KEY_INT, KEY_DOT, KEY_FRAC, KEY_DONE) = range(7)
 _CHAR_CLASS = {".": DOT, ",": COMMA, "-": MINUS, "$": DOLLAR}
 
 
@@ -93,9 +96,6 @@ def char_classes(text: str) -> list[int] | None:
 def _key_tables():
   """NEXT[state, class], PRE (code written before the digit, -1 none), WRITE (the
   class is a digit that is written), COMMIT (it counts in the normalized key)."""
-  from o1jax.controller.state import (KEY_DONE, KEY_DOT, KEY_FRAC, KEY_INT, KEY_NEG,
-                                      KEY_NEG_DOLLAR, KEY_SEARCH)
-
   n_states = 7
   nxt = np.zeros((n_states, N_CLASSES), np.int32)
   pre = np.full((n_states, N_CLASSES), -1, np.int32)
@@ -128,8 +128,6 @@ KEY_NEXT, KEY_PRE, KEY_WRITE, KEY_COMMIT = _key_tables()
 
 def key_of_classes(classes) -> tuple[int, list[int]]:
   """Runs the automaton on the host: (final state, normalized key codes)."""
-  from o1jax.controller.state import KEY_SEARCH
-
   st, codes, commit = KEY_SEARCH, [], 0
   for c in classes:
     if KEY_PRE[st, c] >= 0:

@@ -17,6 +17,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+# Answer-key automaton states: answers.py owns the automaton; the loop reads them here.
+from o1jax.controller.answers import (KEY_DONE, KEY_DOT, KEY_FRAC, KEY_INT,  # noqa: F401
+                                      KEY_NEG, KEY_NEG_DOLLAR, KEY_SEARCH)
+
 # Phases of a sequence.
 THINK, ANSWER, DONE = 0, 1, 2
 
@@ -40,9 +44,6 @@ ACTION_NAMES = ("continue", "backtrack", "answer_steps", "early_exit", "model_an
 EXIT_NAMES = ("running", "eos", "answer_eos", "answer_budget", "low_confidence", "length",
               "consensus")
 
-# Answer-key automaton (answers.py documents it): reads the answer after the prefix
-# the way `extract_number` does, one character class at a time.
-(KEY_SEARCH, KEY_NEG, KEY_NEG_DOLLAR, KEY_INT, KEY_DOT, KEY_FRAC, KEY_DONE) = range(7)
 
 
 @flax.struct.dataclass
