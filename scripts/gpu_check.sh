@@ -1,33 +1,47 @@
 #!/usr/bin/env bash
-# Kernel check on a machine with one NVIDIA GPU and JAX (with CUDA) already
-# installed; needs no network. Runs the kernel tests in compiled (non-interpret)
-# mode, then the benchmark; about 8 minutes at most.
-#   scripts/gpu_check.sh OUTDIR
-# OUTDIR gets env.txt, tests.log, tests.rc, bench.log, bench.json, bench.rc.
+# GPU check on a machine with one NVIDIA GPU and JAX (with CUDA) already
+# installed; needs no network and no checkpoint. Stages (default: all but
+# throughput, about 8 minutes at most):
+#   tests       the kernel tests in compiled (non-interpret) mode
+#   engine      the engine through the Pallas kernels vs the XLA reference
+#               (scripts/gpu_engine_check.py correctness)
+#   bench       scripts/bench_kernels.py
+#   throughput  engine decode throughput, Pallas vs reference backend
+#               (scripts/gpu_engine_check.py throughput)
+#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,throughput]
+# OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
 set -u
-OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
+STAGES=,${2:-tests,engine,bench},
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Leave room for the dense bf16 comparators of the benchmark.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())" 2>&1
+  python -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__); print(jax.devices())" 2>&1
 } > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  [[ $STAGES == *,$name,* ]] || return 0
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo $? > "$OUT/$name.rc"
+  echo "== $name: rc=$(cat "$OUT/$name.rc") in $((SECONDS - t0)) s"
+  tail -n 25 "$OUT/$name.log"
+}
 
 # Compiled-mode classes only: the *Interpret twins are covered on CPU.
-timeout 270 python -m pytest tests/pallas_kernels -q -rA -k "not Interpret" -p no:cacheprovider \
-  > "$OUT/tests.log" 2>&1
-echo $? > "$OUT/tests.rc"
-
-timeout 200 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json" \
-  > "$OUT/bench.log" 2>&1
-echo $? > "$OUT/bench.rc"
-
-echo "tests rc=$(cat "$OUT/tests.rc") bench rc=$(cat "$OUT/bench.rc")"
-tail -n 3 "$OUT/tests.log"
-cat "$OUT/bench.log"
+stage tests 200 python -m pytest tests/pallas_kernels -q -rA -k "not Interpret" -p no:cacheprovider
+# No gemm autotuning: the check compiles a dozen programs and only compares results.
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json"
+stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json"
+stage throughput 240 python scripts/gpu_engine_check.py throughput --out "$OUT/throughput.json"
