@@ -1,0 +1,51 @@
+"""The GPU check scripts, run on CPU at toy sizes (the GPU run is scripts/gpu_check.sh)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_kernels_copies_exceed_the_l2_and_targets_read_the_rows():
+  bk = load("bench_kernels")
+  assert bk.copies_for(30 * 2 ** 20, 16) == 6  # 6 x 30 MiB >= 3 x 60 MiB
+  assert bk.copies_for(2 ** 30, 16) == 1
+  assert bk.copies_for(1000, 16) == 16  # never more copies than calls
+  rows = [dict(name="qmm q4_0 g32 M=1 4096x14336", speedup_vs_dense=3.1),
+          dict(name="qmm q4_0 g32 M=8 4096x14336", speedup_vs_dense=2.9),
+          dict(name="decode llama3-8b B=64 ctx=4096", hbm_frac=0.71),
+          dict(name="prefill", error="boom")]
+  got = {t["target"].split(" >=")[0]: t["met"] for t in bk.check_targets(rows)}
+  assert got == {"qmm M=1 4096x14336": True, "qmm M=8 4096x14336": False,
+                 "paged decode B=64 ctx=4096": True}
+
+
+def test_bench_kernels_quick_run_writes_rows(tmp_path):
+  bk = load("bench_kernels")
+  out = tmp_path / "bench.json"
+  assert bk.main(["--quick", "--only", "decode", "--iters", "1", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["name"] for r in rows] == ["decode smollm2-135m B=2 ctx=256"]
+  assert rows[0]["ms"] > 0 and rows[0]["dense_ms"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_engine_check_correctness_in_interpret_mode(tmp_path):
+  """The Pallas kernels in interpret mode against the reference, through the engine."""
+  check = load("gpu_engine_check")
+  out = tmp_path / "engine.json"
+  assert check.main(["correctness", "--layers", "1", "--new-tokens", "3", "--sequences", "2",
+                     "--max-prompt", "40", "--interpret", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["identical_token_share"] == 1.0
+  assert result["max_abs_logprob_diff"] < 1e-3
