@@ -12,6 +12,9 @@ On the embedded SmolLM2-135M and `synthetic_examples` (levels 1-2 by default):
      early exits, host round trips (jitted loop calls) per problem;
   3. deepconf versus self_consistency at the same n: token savings and the
      accuracy difference (deepconf's settings come from o1jax.controller.configs);
+     the row `deepconf_calibrated` is deepconf with a fixed stop threshold from
+     `DeepConf.calibrate` on --calibration-problems held-out problems (another
+     seed; their tokens are not counted) instead of each problem's warm-up traces;
   4. writes results.json, table.md and pareto.png (accuracy vs mean tokens,
      Pareto frontier marked) to --out.
 """
@@ -42,8 +45,10 @@ def parse_args(argv=None):
   p.add_argument("--max-thinking", type=int, default=96)
   p.add_argument("--max-answer", type=int, default=12)
   p.add_argument("--max-rows", type=int, default=16)
-  p.add_argument("--policies", default="greedy_cot,self_consistency,deepconf,best_of_n,"
-                                       "think_verify_backtrack,budget_forcing")
+  p.add_argument("--policies", default="greedy_cot,self_consistency,deepconf,deepconf_calibrated,"
+                                       "best_of_n,think_verify_backtrack,budget_forcing")
+  p.add_argument("--calibration-problems", type=int, default=8,
+                 help="held-out problems (seed + 1000) that calibrate deepconf_calibrated")
   p.add_argument("--overhead-tokens", type=int, default=64)
   p.add_argument("--out", default="bench_policies_out")
   return p.parse_args(argv)
@@ -59,6 +64,8 @@ def policy_params(name: str, a) -> dict:
       "self_consistency": dict(n=a.n, temperature=0.7),
       "best_of_n": dict(n=a.n, temperature=0.7, score="mean_logprob"),
       "deepconf": {**EXAMPLES["deepconf"], "n": a.n, "warmup": a.warmup, "temperature": 0.7},
+      "deepconf_calibrated": {**EXAMPLES["deepconf"], "n": a.n, "warmup": a.warmup,
+                              "temperature": 0.7},
       "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
                                      max_step_backtracks=1, max_backtracks=3, exit_tau=0.85),
       "budget_forcing": dict(min_thinking_tokens=a.max_thinking // 2),
@@ -132,8 +139,22 @@ def main(argv=None) -> int:
   print(f"overhead: {json.dumps(overhead)}", flush=True)
 
   rows = []
+  calibration = None
   for name in a.policies.split(","):
-    policy = get_policy(name, **policy_params(name, a))
+    if name == "deepconf_calibrated":
+      policy = get_policy("deepconf", **policy_params(name, a))
+      held_out = [ReasoningRequest(prompt=zero_shot_messages(e.question), request_id=i,
+                                   seed=a.seed + 1000)
+                  for i, e in enumerate(gsm_synthetic.synthetic_examples(
+                      a.calibration_problems, a.seed + 1000, levels))]
+      t0 = time.perf_counter()
+      threshold = policy.calibrate(ctl, held_out)
+      calibration = {"problems": len(held_out), "seed": a.seed + 1000, "threshold": threshold,
+                     "seconds": time.perf_counter() - t0}
+      print(f"calibration: {json.dumps(calibration)}", flush=True)
+      policy = get_policy("deepconf", **policy_params(name, a), threshold=threshold)
+    else:
+      policy = get_policy(name, **policy_params(name, a))
     per_chunk = max(1, a.max_rows // getattr(policy, "n", 1))
     ctl.run(requests[:per_chunk], policy)  # compile the full-batch program outside the timing
     t0 = time.perf_counter()
@@ -153,7 +174,8 @@ def main(argv=None) -> int:
            "early_exits": int(sum(r.early_exit for r in results)),
            "round_trips_per_problem": float(np.mean([r.loop_invocations for r in results])),
            "total_s": total}
-    if name == "deepconf":
+    if name.startswith("deepconf"):
+      row["threshold_mean"] = float(np.mean([r.info["threshold"] for r in results]))
       row["stopped_traces"] = int(sum(r.info.get("stopped", 0) for r in results))
       row["consensus_stopped_traces"] = int(sum(r.info.get("consensus_stopped", 0)
                                                 for r in results))
@@ -170,13 +192,16 @@ def main(argv=None) -> int:
              "total_s": time.perf_counter() - t_start,
              "load_average_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
              "cpus": os.cpu_count()}
-  if "deepconf" in by and "self_consistency" in by:
-    sc, dc = by["self_consistency"], by["deepconf"]
-    savings = 1.0 - dc["tokens_mean"] / sc["tokens_mean"]
-    delta = 100.0 * (dc["accuracy"] - sc["accuracy"])
-    summary["deepconf_vs_self_consistency"] = {
-        "n": a.n, "token_savings": savings, "accuracy_delta_points": delta,
-        "target_savings_met": savings >= 0.40, "target_accuracy_met": delta >= -2.0}
+  if calibration:
+    summary["deepconf_calibration"] = calibration
+  for variant in ("deepconf", "deepconf_calibrated"):
+    if variant in by and "self_consistency" in by:
+      sc, dc = by["self_consistency"], by[variant]
+      savings = 1.0 - dc["tokens_mean"] / sc["tokens_mean"]
+      delta = 100.0 * (dc["accuracy"] - sc["accuracy"])
+      summary[f"{variant}_vs_self_consistency"] = {
+          "n": a.n, "token_savings": savings, "accuracy_delta_points": delta,
+          "target_savings_met": savings >= 0.40, "target_accuracy_met": delta >= -2.0}
   front = pareto([(r["tokens_mean"], r["accuracy"]) for r in rows])
   for i, r in enumerate(rows):
     r["pareto"] = i in front
@@ -200,16 +225,23 @@ def main(argv=None) -> int:
   lines += ["", f"controller overhead: {o['controller_s_per_step'] * 1e3:.1f} ms/step vs plain "
             f"Generator {o['generator_s_per_step'] * 1e3:.1f} ms/step at batch {o['rows']} "
             f"({100 * o['overhead']:+.1f}%)"]
-  if "deepconf_vs_self_consistency" in summary:
-    d = summary["deepconf_vs_self_consistency"]
-    dc = by["deepconf"]
-    lines.append(f"deepconf vs self_consistency (n={a.n}): {100 * d['token_savings']:.1f}% fewer "
+  if calibration:
+    lines.append(f"deepconf_calibrated: threshold {calibration['threshold']:.3f} from "
+                 f"{calibration['problems']} held-out problems (seed {calibration['seed']}, "
+                 f"{a.n} unstopped traces each, {calibration['seconds']:.0f} s, not counted above)")
+  for variant in ("deepconf", "deepconf_calibrated"):
+    if f"{variant}_vs_self_consistency" not in summary:
+      continue
+    d = summary[f"{variant}_vs_self_consistency"]
+    dc = by[variant]
+    lines.append(f"{variant} vs self_consistency (n={a.n}): {100 * d['token_savings']:.1f}% fewer "
                  f"tokens (target >= 40%: {'met' if d['target_savings_met'] else 'missed'}), "
                  f"accuracy {d['accuracy_delta_points']:+.1f} points (target within 2: "
-                 f"{'met' if d['target_accuracy_met'] else 'missed'}); deepconf stopped "
-                 f"{dc['stopped_traces']} traces for low confidence and "
-                 f"{dc['consensus_stopped_traces']} by consensus ({dc['decided_problems']} "
-                 f"problems decided early), {dc['key_mismatches']} loop/host answer mismatches")
+                 f"{'met' if d['target_accuracy_met'] else 'missed'}); stopped "
+                 f"{dc['stopped_traces']} traces for low confidence (mean threshold "
+                 f"{dc['threshold_mean']:.3f}) and {dc['consensus_stopped_traces']} by consensus "
+                 f"({dc['decided_problems']} problems decided early), {dc['key_mismatches']} "
+                 f"loop/host answer mismatches")
   (out / "table.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
 

@@ -166,7 +166,12 @@ class DeepConf(Policy):
   Consensus needs the loop to read answers the way the host does: it is used
   with the default numeric extraction only (not with a custom extract_answer).
   The defaults (window 8, keep 10, consensus 0.95 of >= 2 votes) were chosen on
-  synthetic GSM problems that the benchmark does not use (docs/controller.md)."""
+  synthetic GSM problems that the benchmark does not use (docs/controller.md).
+
+  `threshold`: a fixed stop threshold in place of step 2's per-request
+  percentile, e.g. `calibrate()` on held-out problems (a percentile over many
+  traces rather than over a request's few warm-up traces). Warm-up traces still
+  run in full and vote. None (default) is the paper's per-request threshold."""
 
   name: ClassVar[str] = "deepconf"
   n: int = 8
@@ -177,12 +182,16 @@ class DeepConf(Policy):
   consensus_min_votes: int = 2
   stop_when_decided: bool = True
   filter_votes: bool = False
+  threshold: float | None = None
   temperature: float = 0.7
   top_p: float = 0.95
 
   def __post_init__(self):
     if not 1 <= self.warmup <= self.n:
       raise ValueError(f"{self.name}: need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")
+    if self.threshold is not None and not math.isfinite(self.threshold):
+      raise ValueError(f"{self.name}: threshold must be a finite number or None, "
+                       f"got {self.threshold}")
     if not 0 < self.keep_percent <= 100:
       raise ValueError(f"{self.name}: keep_percent must be in (0, 100]")
     if self.consensus <= 0.5:
@@ -194,9 +203,11 @@ class DeepConf(Policy):
     st = self.settings(conf_window=self.window, answer_vote=consensus)
     warm = ctl.generate(requests, st, self.warmup)
     # f32 like the loop's confidences, so host and loop compare the same numbers.
-    thresholds = [float(np.float32(np.percentile([t.lowest_group_confidence for t in traces],
-                                                 100.0 - self.keep_percent)))
-                  for traces in warm.traces]
+    if self.threshold is not None:
+      thresholds = [float(np.float32(self.threshold))] * len(requests)
+    else:
+      thresholds = [self._percentile([t.lowest_group_confidence for t in traces])
+                    for traces in warm.traces]
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
     rest = None
     if self.n > self.warmup:
@@ -232,6 +243,17 @@ class DeepConf(Policy):
                             consensus_stopped=sum(t.stopped_consensus for t in traces),
                             key_mismatches=mismatched))
     return out
+
+  def _percentile(self, confidences) -> float:
+    return float(np.float32(np.percentile(confidences, 100.0 - self.keep_percent)))
+
+  def calibrate(self, ctl, requests) -> float:
+    """A fixed threshold from held-out requests: `n` traces each, run in full
+    (no stopping) with this policy's sampling and window; the (100 - keep_percent)th
+    percentile of all their confidences. Use it as `threshold` on other problems."""
+    batch = ctl.generate(requests, self.settings(conf_window=self.window), self.n)
+    return self._percentile([t.lowest_group_confidence for traces in batch.traces
+                             for t in traces])
 
 
 @dataclasses.dataclass(frozen=True)

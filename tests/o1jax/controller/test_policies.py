@@ -128,6 +128,40 @@ def test_deepconf_stops_low_confidence_traces_and_saves_tokens():
   assert sum(high.votes.values()) == pytest.approx(sum(above)) and len(above) < len(voted)
 
 
+def test_deepconf_fixed_threshold_and_calibration():
+  edges = [("Q", " A", 2.0), ("Q", " B", 2.0), (" A", " E", 9), (" E", " A", 9),
+           (" B", " C", 0.5), (" C", " D", 0.5), (" D", " B", 0.5),
+           ("The answer is", " 7", 9), (" 7", "</s>", 9)]
+  ctl = MockWorld(edges).controller()
+  req = [ReasoningRequest("Q", request_id=5)]
+  kw = dict(n=12, warmup=4, keep_percent=50.0, window=4, temperature=1.0, top_p=1.0,
+            max_thinking_tokens=16, consensus=2.0, stop_when_decided=False)
+  # A threshold below every confidence stops nothing: the same traces as self_consistency.
+  never, = ctl.run(req, get_policy("deepconf", **kw, threshold=-1e9))
+  full, = ctl.run(req, get_policy("self_consistency", n=12, temperature=1.0, top_p=1.0,
+                                  max_thinking_tokens=16))
+  assert never.info["stopped"] == 0 and never.tokens.generated == full.tokens.generated
+  assert [t.token_ids for t in never.traces] == [t.token_ids for t in full.traces]
+  # calibrate(): the percentile over n unstopped traces of the held-out requests.
+  policy = get_policy("deepconf", **kw)
+  s = policy.calibrate(ctl, req)
+  confs = [t.lowest_group_confidence for t in never.traces]
+  assert s == pytest.approx(float(np.percentile(confs, 50.0)), rel=1e-6)
+  fixed, = ctl.run(req, get_policy("deepconf", **kw, threshold=s))
+  assert fixed.info["threshold"] == float(np.float32(s))
+  stopped = [t for t in fixed.traces if t.stopped_low_confidence]
+  assert stopped and all(t.sample_index >= 4 and t.lowest_group_confidence < s for t in stopped)
+  # A threshold above every confidence stops every later trace at its first full window
+  # (traces whose thinking ends sooner never have one).
+  always, = ctl.run(req, get_policy("deepconf", **kw, threshold=1e9))
+  later = always.traces[4:]
+  assert always.info["stopped"] > 0
+  assert all(t.tokens.thinking == 4 if t.stopped_low_confidence else t.tokens.thinking < 4
+             for t in later)
+  with pytest.raises(ValueError, match="threshold"):
+    get_policy("deepconf", threshold=float("nan"))
+
+
 # " A" (likely) loops a while and answers 7; " B" answers 3 (a " B" in the context boosts " 3",
 # cancelled in the rows where it must not win).
 VOTING = [("Q", " A", 9), ("Q", " B", 7.5), (" A", " A", 8), (" A", "The answer is", 8),
