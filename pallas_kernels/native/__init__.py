@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_attention.cc")
 _TARGET = "o1jax_paged_decode_attention"
+_WRITE_TARGET = "o1jax_write_pool_rows"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-mprefer-vector-width=512", "-w"]
 
@@ -86,10 +87,16 @@ def _load() -> str | None:
     lib = ctypes.cdll.LoadLibrary(str(_build()))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.O1jaxPagedDecodeAttention),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_WRITE_TARGET, jax.ffi.pycapsule(lib.O1jaxWritePoolRows),
+                                platform="cpu")
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning("native kernels unavailable, using the XLA path: %s", e)
     return str(e)
   return None
+
+
+# KV pool element types the native paged decode attention reads.
+POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def available() -> bool:
@@ -105,7 +112,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
   """One query per row against its paged f32 keys/values, read in place.
 
-  q [B, H, D] f32; k_pages, v_pages [NB, BS, KVH, D] f32; block_tables [B, MB]
+  q [B, H, D] f32; k_pages, v_pages [NB, BS, KVH, D] f32 or bf16 (read as they
+  are stored, widened to f32 in the kernel); block_tables [B, MB]
   int32; lengths [B] int32 (keys 0..lengths[b]-1 visible; 0 -> zeros; capped at
   MB * BS; table entries are clipped to [0, NB)). Returns [B, H, D] f32.
   Same math as `o1jax.engine.kv_cache.decode_attention_xla` (to f32 rounding)."""
@@ -120,5 +128,27 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                      f"lengths{lengths.shape} are inconsistent")
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, h, d), jnp.float32),
                           vmap_method="sequential")
-  return call(q.astype(jnp.float32), k_pages.astype(jnp.float32), v_pages.astype(jnp.float32),
-              block_tables.astype(jnp.int32), lengths.astype(jnp.int32))
+  if k_pages.dtype not in POOL_DTYPES or v_pages.dtype != k_pages.dtype:
+    raise ValueError(f"paged_decode_attention (native): pools are {k_pages.dtype} / "
+                     f"{v_pages.dtype}; both must be one of {[str(t) for t in POOL_DTYPES]}")
+  return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
+              lengths.astype(jnp.int32))
+
+
+def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array,
+                    offset: jax.Array) -> jax.Array:
+  """pool.at[block, offset].set(rows, mode="drop"), updating the pool in place.
+
+  pool [NB, BS, KVH, D]; rows [R, KVH, D] of the pool's dtype; block, offset [R]
+  int32 (block outside [0, NB) drops the row). For bf16 pools: XLA's CPU
+  scatter copies the whole pool twice (through f32) on every update."""
+  if not available():
+    raise RuntimeError(f"native write_pool_rows unavailable: {unavailable_reason()}")
+  if (pool.ndim != 4 or rows.ndim != 3 or rows.shape[1:] != pool.shape[2:]
+      or rows.dtype != pool.dtype or block.shape != (rows.shape[0],)
+      or offset.shape != (rows.shape[0],)):
+    raise ValueError(f"write_pool_rows (native): pool{pool.shape} {pool.dtype}, rows{rows.shape} "
+                     f"{rows.dtype}, block{block.shape}, offset{offset.shape} are inconsistent")
+  call = jax.ffi.ffi_call(_WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                          input_output_aliases={0: 0}, vmap_method="sequential")
+  return call(pool, rows, block.astype(jnp.int32), offset.astype(jnp.int32))

@@ -46,6 +46,43 @@ def test_matches_xla_path(heads, kv_heads, head_dim, block_size):
   assert not np.asarray(got[0]).any()  # length 0 -> zeros
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 16), (6, 2, 128)])
+def test_bf16_pools_match_xla_path(heads, kv_heads, head_dim):
+  """bf16 pools are read as stored (widened to f32 exactly): same keys and values
+  as the XLA path gets from the same bf16 pools."""
+  if not native.available():
+    pytest.skip(native.unavailable_reason())
+  q, kp, vp, tables, lengths = _case(4, 5, heads, kv_heads, head_dim, 16, 24, 5)
+  kp, vp = kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16)
+  lengths = lengths.at[0].set(0).at[1].set(1)
+  got = jax.jit(native.paged_decode_attention)(q, kp, vp, tables, lengths)
+  want = jax.jit(decode_attention_xla)(q, kp, vp, tables, lengths)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  with pytest.raises(ValueError, match="pools are bfloat16 / float32"):
+    native.paged_decode_attention(q, kp, vp.astype(jnp.float32), tables, lengths)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_write_pool_rows_matches_scatter(dtype):
+  """In place when XLA can alias the pool, copied when the old pool is still
+  needed; rows whose block is out of range are dropped, like mode="drop"."""
+  if not native.available():
+    pytest.skip(native.unavailable_reason())
+  rng = np.random.default_rng(5)
+  pool = jnp.asarray(rng.standard_normal((6, 4, 3, 16)), dtype)
+  rows = jnp.asarray(rng.standard_normal((5, 3, 16)), dtype)
+  block = jnp.asarray([2, 0, 6, 5, 9], jnp.int32)  # 6 and 9: past the pool, dropped
+  offset = jnp.asarray([1, 3, 0, 0, 2], jnp.int32)
+  want = pool.at[block, offset].set(rows, mode="drop")
+  both = jax.jit(lambda p, *a: (native.write_pool_rows(p, *a), p))(pool, rows, block, offset)
+  np.testing.assert_array_equal(np.asarray(both[0]), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(both[1]), np.asarray(pool))  # old pool intact
+  donated = jax.jit(native.write_pool_rows, donate_argnums=0)(jnp.array(pool), rows, block, offset)
+  np.testing.assert_array_equal(np.asarray(donated), np.asarray(want))
+  with pytest.raises(ValueError, match="rows"):
+    native.write_pool_rows(pool, rows.astype(jnp.float16), block, offset)
+
+
 def test_row_result_independent_of_batch():
   """A row gives bit-identical output alone and inside a batch of 33 rows."""
   if not native.available():

@@ -138,8 +138,16 @@ class TestValidation:
 
   def test_kv_dtype(self):
     q, kp, vp, bt, n = self._args()
+    kb, vb = kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16)
+    # The kernels read FP8 or q's dtype; the reference also widens bf16 under f32 q.
     with pytest.raises(ValueError, match=r"KV dtype bfloat16"):
-      ops.paged_decode_attention(q, kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16), bt, n)
+      ops.paged_decode_attention(q, kb, vb, bt, n, backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match=r"KV dtype bfloat16"):
+      ops.paged_decode_attention(q.astype(jnp.float16), kb, vb, bt, n, backend="reference")
+    got = ops.paged_decode_attention(q, kb, vb, bt, n, backend="reference")
+    want = ops.paged_decode_attention(q, kb.astype(jnp.float32), vb.astype(jnp.float32), bt, n,
+                                      backend="reference")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
   def test_scale_shape(self):
     q, kp, vp, bt, n = self._args()

@@ -57,3 +57,10 @@ def engine32_bf16(tiny):
   """engine32 on the same weights with bf16 matmuls (matmul_dtype="bfloat16")."""
   model = Llama(tiny.config, tiny.params, matmul_dtype="bfloat16")
   return Engine(model, tiny.tokenizer, EngineConfig(max_slots=32, num_blocks=512, prefill_chunk=64))
+
+
+@pytest.fixture(scope="session")
+def engine32_bf16kv(tiny):
+  """engine32 with bf16 KV pools (f32 matmuls)."""
+  return Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=32, num_blocks=512,
+                                                         prefill_chunk=64, kv_dtype="bfloat16"))
