@@ -14,7 +14,8 @@ eos ignored), same thread count for every system:
 Prints a table and the ratios o1jax / llama.cpp and o1jax / transformers.
 
   python scripts/bench_engine.py [--new-tokens 128] [--concurrency 1,8,32,64]
-      [--hf-batches 1,8,32] [--threads 2] [--skip-llamacpp] [--skip-hf]
+      [--hf-batches 1,8,32] [--matmul-dtypes float32,bfloat16] [--kv-dtypes float32]
+      [--threads 2] [--skip-llamacpp] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def few_shot_prefix() -> str:
 
 
 def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
-                matmul_dtype: str = "float32") -> dict:
+                matmul_dtype: str = "float32", kv_dtype: str = "float32") -> dict:
   from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
   from o1jax.model import Llama
 
@@ -77,7 +78,7 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
   out = {}
   for c in concurrency:
     cfg = EngineConfig(max_slots=c, num_blocks=max(256, c * 16), prefill_chunk=256,
-                       max_prefill_seqs=8, prefix_caching=False)
+                       max_prefill_seqs=8, prefix_caching=False, kv_dtype=kv_dtype)
     engine = Engine(model, ck.tokenizer, cfg)
     params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
     batch = [Request(p, params) for p in prompts[:c]]
@@ -101,7 +102,7 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
               "new_traces_after_warmup": sum(engine.trace_counts.values()) - traces,
               "rss_mib": peak_rss_mib(), "first_text": results[0].text[:60],
               "token_ids": [r.token_ids for r in results]}
-    print(f"o1jax {matmul_dtype} c={c}: {out[c]['gen_tok_s']:.1f} gen tok/s, {out[c]['prompt_tok_s']:.1f} "
+    print(f"o1jax {matmul_dtype} kv {kv_dtype} c={c}: {out[c]['gen_tok_s']:.1f} gen tok/s, {out[c]['prompt_tok_s']:.1f} "
           f"prompt tok/s (warm-up {warm:.0f} s, {traces} programs)", flush=True)
   return out
 
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", type=int, default=os.cpu_count())
   ap.add_argument("--matmul-dtypes", default="float32,bfloat16",
                   help="o1jax rows for each Llama matmul_dtype (float32 = exact reference)")
+  ap.add_argument("--kv-dtypes", default="float32",
+                  help="o1jax rows for each KV cache dtype (EngineConfig.kv_dtype)")
   ap.add_argument("--skip-llamacpp", action="store_true")
   ap.add_argument("--skip-hf", action="store_true")
   ap.add_argument("--skip-prefix", action="store_true")
@@ -277,7 +280,12 @@ def main(argv=None) -> int:
   lcpp = None if args.skip_llamacpp else run_reference("llamacpp", args, gguf, prompts)
   hf = None if args.skip_hf else run_reference("transformers", args, gguf, prompts)
   dtypes = [d for d in args.matmul_dtypes.split(",") if d]
-  ours = {d: bench_o1jax(ck, prompts, concurrency, args.new_tokens, d) for d in dtypes}
+  kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
+  ours = {}  # row label -> results; the label names the KV dtype when it is not f32
+  for d in dtypes:
+    for kv in kv_dtypes:
+      label = d if kv == "float32" else f"{d}, kv {kv}"
+      ours[label] = bench_o1jax(ck, prompts, concurrency, args.new_tokens, d, kv)
 
   print("\n| system | matmuls | concurrency | gen tok/s | prompt tok/s | peak RSS MiB | x llama.cpp "
         "| x transformers |")
