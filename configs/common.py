@@ -68,6 +68,7 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       num_blocks=0,  # KV pool in blocks; 0 = derive from kv_cache_bytes
       kv_cache_bytes=(32 if smoke else 64) << 20,
       block_size=16,
+      kv_dtype="float32",  # or bfloat16 (half the KV bytes) / float8_e4m3fn (per-block scales)
       prefill_chunk=128,  # prompt tokens per prefill call
       max_prefill_seqs=4,
       prefix_caching=True,  # the shared few-shot prefix is prefilled once

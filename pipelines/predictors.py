@@ -370,6 +370,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   fp = {"predictor": spec.name, "source": spec.source, "backend": spec.backend}
   if spec.matmul_dtype != "float32":  # other numerics, other results (f32 keeps old hashes)
     fp["matmul_dtype"] = spec.matmul_dtype
+  kv_dtype = dict(spec.engine).get("kv_dtype", "float32")
+  if kv_dtype != "float32":  # likewise for a narrower KV cache
+    fp["kv_dtype"] = kv_dtype
   if spec.name == "fake":
     return fp
   path = spec.source

@@ -1,8 +1,9 @@
-"""PredictorSpec: the model section's matmul_dtype reaches the model and the content hash."""
+"""PredictorSpec: the model section's matmul_dtype and the engine section's kv_dtype reach
+the model / engine and the content hash."""
 
 from configs import gsm8k as gsm8k_config
 from o1jax.testing import tiny_config, write_hf_checkpoint
-from pipelines.predictors import PredictorSpec, _load_model, model_fingerprint
+from pipelines.predictors import PredictorSpec, _load_model, engine_config, model_fingerprint
 
 
 def test_matmul_dtype_flows_from_config_to_model_and_fingerprint(tmp_path):
@@ -18,3 +19,14 @@ def test_matmul_dtype_flows_from_config_to_model_and_fingerprint(tmp_path):
   # results computed with other numerics must not be reused from the store
   assert model_fingerprint(fast) != model_fingerprint(default)
   assert "matmul_dtype" not in model_fingerprint(default)  # f32 hashes stay as before
+
+
+def test_kv_dtype_flows_from_config_to_engine_and_fingerprint():
+  cfg = gsm8k_config.get_config("smoke=True")
+  default = PredictorSpec.from_config(cfg.model, name="engine", batch_size=4, engine=cfg.engine)
+  assert engine_config(default).kv_dtype == "float32"
+  assert "kv_dtype" not in model_fingerprint(default)  # f32 hashes stay as before
+  cfg.engine.kv_dtype = "bfloat16"
+  narrow = PredictorSpec.from_config(cfg.model, name="engine", batch_size=4, engine=cfg.engine)
+  assert engine_config(narrow).kv_dtype == "bfloat16"
+  assert model_fingerprint(narrow)["kv_dtype"] == "bfloat16"
