@@ -15,6 +15,9 @@
 // Rows (or (row, kv head) pairs for tiny batches) are shared out over XLA's
 // intra-op thread pool. Each head's result is computed by one thread in a
 // fixed order, so it never depends on the other rows or on the thread count.
+//
+// Also here: O1jaxWritePoolRows, the in-place write of a step's new K/V rows
+// into a bf16 pool (see WritePoolRowsImpl).
 
 #include <immintrin.h>
 
@@ -186,12 +189,11 @@ template <typename T, int64_t kG>
 void AttendKvHead64(const Dims& d, const float* q, const T* kp, const T* vp, float* out,
                     int64_t b, int64_t kh, int64_t len, const std::vector<int64_t>& rows,
                     std::vector<float>& scores) {
-  constexpr int64_t kAhead = 12;
+  constexpr int64_t kAhead = 8;
   const __m512 scale = _mm512_set1_ps(0.125f);  // 1 / sqrt(64)
   const float* qg = q + (b * d.heads + kh * kG) * 64;
   float* og = out + (b * d.heads + kh * kG) * 64;
   const int64_t head_off = kh * 64;
-  const int64_t fetch = kh ? 64 : 64 * d.kv_heads;  // floats prefetched per position
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize(kG * padded);
   float* s = scores.data();
@@ -208,9 +210,7 @@ void AttendKvHead64(const Dims& d, const float* q, const T* kp, const T* vp, flo
         continue;
       }
       const int64_t p = p0 + t;
-      // The first kv head's pass fetches whole positions (every kv head's
-      // slice): the later passes over this row then read from the L2.
-      if (p + kAhead < len) PrefetchRow(kp + rows[p + kAhead] + (kh ? head_off : 0), fetch);
+      if (p + kAhead < len) PrefetchRow(kp + rows[p + kAhead] + head_off, 64);
       const T* k = kp + rows[p] + head_off;
       const __m512 k0 = Load16(k), k1 = Load16(k + 16), k2 = Load16(k + 32), k3 = Load16(k + 48);
       for (int64_t j = 0; j < kG; ++j) {
@@ -242,7 +242,7 @@ void AttendKvHead64(const Dims& d, const float* q, const T* kp, const T* vp, flo
   for (int64_t j = 0; j < kG; ++j)
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < len; ++p) {
-    if (p + kAhead < len) PrefetchRow(vp + rows[p + kAhead] + (kh ? head_off : 0), fetch);
+    if (p + kAhead < len) PrefetchRow(vp + rows[p + kAhead] + head_off, 64);
     const T* v = vp + rows[p] + head_off;
     const __m512 v0 = Load16(v), v1 = Load16(v + 16), v2 = Load16(v + 32), v3 = Load16(v + 48);
     for (int64_t j = 0; j < kG; ++j) {
