@@ -1,4 +1,5 @@
-"""The GPU check scripts, run on CPU at toy sizes (the GPU run is scripts/gpu_check.sh)."""
+"""Scripts at toy sizes on CPU: the GPU check scripts (the GPU run is scripts/gpu_check.sh)
+and the DeepConf threshold calibration."""
 
 import importlib.util
 import json
@@ -49,3 +50,14 @@ def test_gpu_engine_check_correctness_in_interpret_mode(tmp_path):
   result = json.loads(out.read_text())
   assert result["identical_token_share"] == 1.0
   assert result["max_abs_logprob_diff"] < 1e-3
+
+
+@pytest.mark.slow
+def test_calibrate_deepconf_prints_a_threshold_and_its_flag(capsys):
+  calibrate = load("calibrate_deepconf")
+  assert calibrate.main(["--problems", "1", "--n", "2", "--max-thinking", "6", "--max-answer", "3",
+                         "--max-rows", "2"]) == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  result = json.loads(out[0])
+  assert result["problems"] == 1 and result["n"] == 2 and result["threshold"] > 0
+  assert out[1] == f"--config.policy.threshold={result['threshold']:.6g}"

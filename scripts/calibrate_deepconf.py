@@ -1,0 +1,72 @@
+"""A fixed DeepConf stop threshold for a model, from held-out GSM-style problems.
+
+  python scripts/calibrate_deepconf.py [--problems 8] [--seed 1000] [--n 8]
+      [--keep-percent 10] [--window 8] [--model embedded]
+
+Runs `n` unstopped traces per problem (synthetic level-1/2 problems of --seed: keep it
+apart from the seeds you evaluate on) with deepconf's sampling and confidence window,
+and prints the (100 - keep_percent)th percentile of their confidences
+(`DeepConf.calibrate`) and the config flag that uses it:
+
+  python -m pipelines.eval --config=configs/gsm8k.py:policy=deepconf \\
+      --config.policy.threshold=<printed value> ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--problems", type=int, default=8)
+  p.add_argument("--seed", type=int, default=1000)
+  p.add_argument("--levels", default="1,2")
+  p.add_argument("--n", type=int, default=8)
+  p.add_argument("--keep-percent", type=float, default=None,
+                 help="default: deepconf's configured keep_percent")
+  p.add_argument("--window", type=int, default=None, help="default: deepconf's configured window")
+  p.add_argument("--max-thinking", type=int, default=96)
+  p.add_argument("--max-answer", type=int, default=12)
+  p.add_argument("--max-rows", type=int, default=16)
+  p.add_argument("--model", default="embedded", help="checkpoint: embedded, a GGUF, an HF dir")
+  a = p.parse_args(argv)
+  enable_compilation_cache()
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.controller import ContiguousLlama, Controller, ReasoningRequest, get_policy
+  from o1jax.controller.configs import EXAMPLES
+  from o1jax.model import Llama
+  from pipelines.datasets import gsm_synthetic
+  from pipelines.tasks.gsm8k import zero_shot_messages
+
+  params = {**EXAMPLES["deepconf"], "n": a.n, "max_thinking_tokens": a.max_thinking,
+            "max_answer_tokens": a.max_answer}
+  if a.keep_percent is not None:
+    params["keep_percent"] = a.keep_percent
+  if a.window is not None:
+    params["window"] = a.window
+  policy = get_policy("deepconf", **params)
+  ck = load_checkpoint(a.model)
+  ctl = Controller(ContiguousLlama(Llama(ck.config, ck.params)), ck.tokenizer, max_rows=a.max_rows)
+  levels = [int(x) for x in a.levels.split(",")]
+  requests = [ReasoningRequest(prompt=zero_shot_messages(e.question), request_id=i, seed=a.seed)
+              for i, e in enumerate(gsm_synthetic.synthetic_examples(a.problems, a.seed, levels))]
+  t0 = time.perf_counter()
+  threshold = policy.calibrate(ctl, requests)
+  print(json.dumps({"threshold": threshold, "problems": len(requests), "seed": a.seed, "n": a.n,
+                    "keep_percent": policy.keep_percent, "window": policy.window,
+                    "seconds": round(time.perf_counter() - t0, 1)}))
+  print(f"--config.policy.threshold={threshold:.6g}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
