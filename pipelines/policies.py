@@ -163,7 +163,9 @@ def policy_defaults(name: str, smoke: bool = False) -> dict[str, Any]:
   """
   if is_controller_policy(name):
     from o1jax.controller.configs import policy_config
-    values = policy_config(name, smoke=smoke).to_dict()
+    cfg = policy_config(name, smoke=smoke)
+    # Unset optional params stay typed placeholders (settable from the command line).
+    values = {k: cfg.get_ref(k) if cfg[k] is None else cfg[k] for k in cfg.keys()}
     values.pop("name", None)
     return values
   cls = _lookup(name)

@@ -49,7 +49,26 @@ def policy_config(name: str, smoke: bool = False, **overrides) -> ml_collections
     if "min_thinking_tokens" in values:
       values["min_thinking_tokens"] = 8
   values.update(overrides)
+  # An unset optional param (None) becomes a typed placeholder, so the command
+  # line can still set it (`--config.policy.threshold=3.1`).
+  for key, value in values.items():
+    if value is None:
+      values[key] = ml_collections.config_dict.placeholder(_optional_type(name, key))
   return ml_collections.ConfigDict(values)
+
+
+def _optional_type(name: str, field: str) -> type:
+  """The X of a policy field annotated `X | None` (float, int, str; else object)."""
+  import dataclasses
+
+  from o1jax.controller.policies import POLICIES
+
+  annotation = {f.name: f.type for f in dataclasses.fields(POLICIES[name])}[field]
+  text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+  for candidate in (float, int, str):
+    if text.split("|")[0].strip() == candidate.__name__:
+      return candidate
+  return object
 
 
 def get_config(arg: str = "greedy_cot") -> ml_collections.ConfigDict:

@@ -202,3 +202,18 @@ def test_think_verify_backtrack_policy_and_budget_forcing_policy():
                    exit_tau=2.0, latency_slo_s=0.25, step_delimiter="\n\n")
   res, = ctl.run(["Q"], tvb)
   assert res.info["max_steps"] == 32 and res.answer == "7"
+
+
+def test_unset_optional_params_are_typed_config_placeholders():
+  """deepconf's threshold defaults to None, yet `--config.policy.threshold=3.1` must parse:
+  the config holds a float placeholder, in the controller's and the pipeline's configs."""
+  from configs import gsm8k as gsm8k_config
+
+  cfg = configs.policy_config("deepconf")
+  assert cfg.threshold is None and cfg.get_ref("threshold").get_type() is float
+  assert build_policy(cfg).threshold is None
+  cfg.threshold = 3.1
+  assert build_policy(cfg).threshold == 3.1
+  pipeline = gsm8k_config.get_config("policy=deepconf,smoke=True")
+  assert pipeline.policy.threshold is None
+  assert pipeline.policy.get_ref("threshold").get_type() is float
