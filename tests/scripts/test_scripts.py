@@ -61,3 +61,13 @@ def test_calibrate_deepconf_prints_a_threshold_and_its_flag(capsys):
   result = json.loads(out[0])
   assert result["problems"] == 1 and result["n"] == 2 and result["threshold"] > 0
   assert out[1] == f"--config.policy.threshold={result['threshold']:.6g}"
+
+
+def test_tune_qmm_checks_each_tiling_against_the_reference(tmp_path):
+  tune = load("tune_qmm")
+  out = tmp_path / "tune.json"
+  assert tune.main(["--shape", "256x256", "--ms", "1", "--block-n", "128", "--k-splits", "1,2",
+                    "--warps", "4", "--stages", "3", "--iters", "1", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["k_splits"], r["m"]) for r in rows] == [(1, 1), (2, 1)]
+  assert all(r["rel_err"] < 2e-2 and r["us"] > 0 for r in rows)
