@@ -165,10 +165,13 @@ class Controller:
                sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
                budget: AdaptiveBudget | None = None,
                vote_floor: Sequence[float] | float | None = None,
-               prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None) -> Batch:
+               prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None,
+               unstopped_samples: int = 0) -> Batch:
     """n traces per request (sample indices sample_offset ..); see the module doc.
 
-    conf_stop: DeepConf stop threshold per request. With settings.answer_vote:
+    conf_stop: DeepConf stop threshold per request; the first `unstopped_samples`
+    traces of each request ignore it (DeepConf's warm-up traces, when they run in
+    the same call as the others). With settings.answer_vote:
     vote_floor (a finished row votes only with confidence >= it) and prior_votes
     (per request, (answer key or None, weight) of votes cast before this call,
     e.g. DeepConf's warm-up traces) feed the consensus stop."""
@@ -186,7 +189,7 @@ class Controller:
     for lo in range(0, len(requests), per_chunk):
       sl = slice(lo, lo + per_chunk)
       part = self._generate_chunk(requests[sl], settings, n, sample_offset, stops[sl], budget,
-                                  floors[sl], priors[sl])
+                                  floors[sl], priors[sl], unstopped_samples)
       out.traces += part.traces
       out.wall_time_s += part.wall_time_s
       out.invocations += part.invocations
@@ -391,7 +394,7 @@ class Controller:
     return pow2_bucket(need, 64)
 
   def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop,
-                    vote_floor=None, prior_votes=()) -> ReasoningState:
+                    vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> ReasoningState:
     """Prefill + fork + fresh per-row state for len(requests) x n rows."""
     r = len(requests)
     rows = r * n
@@ -421,6 +424,8 @@ class Controller:
         keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
     stops = np.full(b, -np.inf, np.float32)
     stops[:rows] = np.repeat(np.asarray(conf_stop, np.float32), n)
+    for i in range(r):  # warm-up samples of request i: never stopped for low confidence
+      stops[i * n:i * n + min(unstopped_samples, n)] = -np.inf
     group = np.full(b, -1, np.int32)
     floors = np.full(b, -np.inf, np.float32)
     if settings.answer_vote:  # every real row votes in its request's group
@@ -451,11 +456,11 @@ class Controller:
                          settings.answer_vote)
 
   def _generate_chunk(self, requests, settings, n, sample_offset, conf_stop, budget,
-                      vote_floor=None, prior_votes=()) -> Batch:
+                      vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> Batch:
     t0 = time.perf_counter()
     prompts = [self.encode(r.prompt) for r in requests]
     state = self.initial_state(requests, prompts, settings, n, sample_offset, conf_stop,
-                               vote_floor, prior_votes)
+                               vote_floor, prior_votes, unstopped_samples)
     if budget is not None:
       state = state.replace(knobs=state.knobs.replace(
           max_steps=jnp.full_like(state.knobs.max_steps, budget.max_steps)))

@@ -170,8 +170,10 @@ class DeepConf(Policy):
 
   `threshold`: a fixed stop threshold in place of step 2's per-request
   percentile, e.g. `calibrate()` on held-out problems (a percentile over many
-  traces rather than over a request's few warm-up traces). Warm-up traces still
-  run in full and vote. None (default) is the paper's per-request threshold."""
+  traces rather than over a request's few warm-up traces). The warm-up traces
+  are then never stopped for low confidence and run in the same loop call as
+  the others (one host round trip; the consensus stop may still end them). None
+  (default) is the paper's per-request threshold."""
 
   name: ClassVar[str] = "deepconf"
   n: int = 8
@@ -201,6 +203,8 @@ class DeepConf(Policy):
     # The loop's answer keys mirror the default extraction only.
     consensus = ctl.extract_answer is None
     st = self.settings(conf_window=self.window, answer_vote=consensus)
+    if self.threshold is not None:
+      return self._run_fixed_threshold(ctl, requests, st, consensus)
     warm = ctl.generate(requests, st, self.warmup)
     # f32 like the loop's confidences, so host and loop compare the same numbers.
     if self.threshold is not None:
@@ -211,11 +215,7 @@ class DeepConf(Policy):
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
     rest = None
     if self.n > self.warmup:
-      online = st
-      if consensus:
-        online = dataclasses.replace(st, consensus_share=self.consensus,
-                                     consensus_min_votes=self.consensus_min_votes,
-                                     stop_when_decided=self.stop_when_decided)
+      online = self._online_settings(st, consensus)
       extra = {}
       if consensus:
         extra = dict(vote_floor=floors, prior_votes=[
@@ -226,23 +226,43 @@ class DeepConf(Policy):
     out = []
     for i, req in enumerate(requests):
       traces = warm.traces[i] + (rest.traces[i] if rest else [])
-      s = thresholds[i]
-      voted = [t for t in traces if not (t.stopped_low_confidence or t.stopped_consensus)]
-      voters = [t for t in voted if t.lowest_group_confidence >= floors[i]] or voted
-      winner, votes = weighted_vote([t.answer for t in voters],
-                                    [t.lowest_group_confidence for t in voters])
-      chosen = _first(traces, voters, winner)
       wall = warm.wall_time_s[i] + (rest.wall_time_s[i] if rest else 0.0)
       calls = warm.invocations[i] + (rest.invocations[i] if rest else 0)
-      # Voters whose loop-read answer differs from the host's extraction (expected 0):
-      # the consensus stop is exact only when they agree.
-      mismatched = sum(t.answer_key is not None and t.answer_key != t.answer for t in voters)
-      out.append(ctl.result(req, self.name, traces, chosen, winner, wall, calls, votes,
-                            threshold=s,
-                            stopped=sum(t.stopped_low_confidence for t in traces),
-                            consensus_stopped=sum(t.stopped_consensus for t in traces),
-                            key_mismatches=mismatched))
+      out.append(self._result(ctl, req, traces, thresholds[i], floors[i], wall, calls))
     return out
+
+  def _online_settings(self, st, consensus: bool):
+    if not consensus:
+      return st
+    return dataclasses.replace(st, consensus_share=self.consensus,
+                               consensus_min_votes=self.consensus_min_votes,
+                               stop_when_decided=self.stop_when_decided)
+
+  def _run_fixed_threshold(self, ctl, requests, st, consensus: bool):
+    """A known threshold needs no warm-up call: all n traces run in one loop call,
+    the first `warmup` of them never stopped for low confidence. The warm-up
+    traces vote as they finish (in the loop too, for the consensus stop)."""
+    s = float(np.float32(self.threshold))
+    floor = s if self.filter_votes else -math.inf
+    extra = dict(vote_floor=[floor] * len(requests)) if consensus else {}
+    batch = ctl.generate(requests, self._online_settings(st, consensus), self.n,
+                         conf_stop=[s] * len(requests), unstopped_samples=self.warmup, **extra)
+    return [self._result(ctl, req, traces, s, floor, wall, calls)
+            for req, traces, wall, calls in zip(requests, batch.traces, batch.wall_time_s,
+                                                batch.invocations)]
+
+  def _result(self, ctl, req, traces, s, floor, wall, calls):
+    voted = [t for t in traces if not (t.stopped_low_confidence or t.stopped_consensus)]
+    voters = [t for t in voted if t.lowest_group_confidence >= floor] or voted
+    winner, votes = weighted_vote([t.answer for t in voters],
+                                  [t.lowest_group_confidence for t in voters])
+    # Voters whose loop-read answer differs from the host's extraction (expected 0):
+    # the consensus stop is exact only when they agree.
+    mismatched = sum(t.answer_key is not None and t.answer_key != t.answer for t in voters)
+    return ctl.result(req, self.name, traces, _first(traces, voters, winner), winner, wall, calls,
+                      votes, threshold=s, stopped=sum(t.stopped_low_confidence for t in traces),
+                      consensus_stopped=sum(t.stopped_consensus for t in traces),
+                      key_mismatches=mismatched)
 
   def _percentile(self, confidences) -> float:
     return float(np.float32(np.percentile(confidences, 100.0 - self.keep_percent)))

@@ -155,11 +155,19 @@ def test_deepconf_fixed_threshold_and_calibration():
   # (traces whose thinking ends sooner never have one).
   always, = ctl.run(req, get_policy("deepconf", **kw, threshold=1e9))
   later = always.traces[4:]
-  assert always.info["stopped"] > 0
+  assert always.info["stopped"] > 0 and always.loop_invocations == 1
+  assert not any(t.stopped_low_confidence for t in always.traces[:4])  # the warm-up
   assert all(t.tokens.thinking == 4 if t.stopped_low_confidence else t.tokens.thinking < 4
              for t in later)
   with pytest.raises(ValueError, match="threshold"):
     get_policy("deepconf", threshold=float("nan"))
+  # One loop call gives the traces of a warm-up call followed by an online call.
+  st = policy.settings(conf_window=4, answer_vote=True)
+  warm = ctl.generate(req, st, 4).traces[0]
+  rest = ctl.generate(req, st, 8, sample_offset=4, conf_stop=[s]).traces[0]
+  assert [t.token_ids for t in fixed.traces] == [t.token_ids for t in warm + rest]
+  assert [t.stopped_low_confidence for t in fixed.traces] == [
+      t.stopped_low_confidence for t in warm + rest]
 
 
 # " A" (likely) loops a while and answers 7; " B" answers 3 (a " B" in the context boosts " 3",
