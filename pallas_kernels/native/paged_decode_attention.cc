@@ -56,6 +56,18 @@ inline float ExpNonPositive(float x) {
   return p * two_n;
 }
 
+// s[0..len) -> exp(s - max s), in place; returns their sum (the softmax's denominator).
+inline float SoftmaxWeights(float* s, int64_t len) {
+  const float m = *std::max_element(s, s + len);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = ExpNonPositive(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 struct Dims {
   int64_t batch, heads, head_dim, num_blocks, block_size, kv_heads, max_blocks;
 };
@@ -121,17 +133,7 @@ void AttendKvHead(const Dims& d, const float* q, const T* kp, const T* vp, float
   }
   // 2. softmax weights per head (unnormalised; divided at the end)
   float denom[kG > 0 ? kG : 64];
-  for (int64_t j = 0; j < g; ++j) {
-    float* sj = s + j * len;
-    const float m = *std::max_element(sj, sj + len);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      sj[t] = ExpNonPositive(sj[t] - m);
-      sum += sj[t];
-    }
-    denom[j] = sum;
-  }
+  for (int64_t j = 0; j < g; ++j) denom[j] = SoftmaxWeights(s + j * len, len);
   // 3. o_j = sum_p s[j, p] v_p / denom_j
   float acc[(kG > 0 ? kG : 64) * (kD > 0 ? kD : 256)];
   std::fill(acc, acc + g * hd, 0.0f);
@@ -226,17 +228,7 @@ void AttendKvHead64(const Dims& d, const float* q, const T* kp, const T* vp, flo
   }
   // 2. softmax weights per head (unnormalised; divided at the end)
   float denom[kG];
-  for (int64_t j = 0; j < kG; ++j) {
-    float* sj = s + j * padded;
-    const float m = *std::max_element(sj, sj + len);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      sj[t] = ExpNonPositive(sj[t] - m);
-      sum += sj[t];
-    }
-    denom[j] = sum;
-  }
+  for (int64_t j = 0; j < kG; ++j) denom[j] = SoftmaxWeights(s + j * padded, len);
   // 3. o_j = sum_p s[j, p] v_p / denom_j
   __m512 acc[kG][4];
   for (int64_t j = 0; j < kG; ++j)
