@@ -64,8 +64,6 @@ def policy_params(name: str, a) -> dict:
       "self_consistency": dict(n=a.n, temperature=0.7),
       "best_of_n": dict(n=a.n, temperature=0.7, score="mean_logprob"),
       "deepconf": {**EXAMPLES["deepconf"], "n": a.n, "warmup": a.warmup, "temperature": 0.7},
-      "deepconf_calibrated": {**EXAMPLES["deepconf"], "n": a.n, "warmup": a.warmup,
-                              "temperature": 0.7},
       "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
                                      max_step_backtracks=1, max_backtracks=3, exit_tau=0.85),
       "budget_forcing": dict(min_thinking_tokens=a.max_thinking // 2),
@@ -104,6 +102,17 @@ def measure_overhead(ctl, generator, prompts, tokens: int, rows: int) -> dict:
           "overhead": ctl_step / gen_step - 1.0}
 
 
+def gsm_requests(problems: int, seed: int, levels: list[int]):
+  """(examples, zero-shot ReasoningRequests) of `problems` synthetic GSM problems of `seed`."""
+  from o1jax.controller import ReasoningRequest
+  from pipelines.datasets import gsm_synthetic
+  from pipelines.tasks.gsm8k import zero_shot_messages
+
+  examples = list(gsm_synthetic.synthetic_examples(problems, seed, levels))
+  return examples, [ReasoningRequest(prompt=zero_shot_messages(e.question), request_id=i, seed=seed)
+                    for i, e in enumerate(examples)]
+
+
 def pareto(points):
   """Indices of points (tokens, accuracy) not dominated (fewer tokens and >= accuracy)."""
   front = []
@@ -117,10 +126,9 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   enable_compilation_cache()
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.controller import ContiguousLlama, Controller, ReasoningRequest, get_policy
+  from o1jax.controller import ContiguousLlama, Controller, get_policy
   from o1jax.model import Generator, Llama
-  from pipelines.datasets import gsm_synthetic
-  from pipelines.tasks.gsm8k import answers_match, zero_shot_messages
+  from pipelines.tasks.gsm8k import answers_match
 
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -130,9 +138,8 @@ def main(argv=None) -> int:
   llama = Llama(ck.config, ck.params)
   ctl = Controller(ContiguousLlama(llama), ck.tokenizer, max_rows=a.max_rows)
   levels = [int(x) for x in a.levels.split(",")]
-  examples = list(gsm_synthetic.synthetic_examples(a.problems, a.seed, levels))
-  prompts = [zero_shot_messages(e.question) for e in examples]
-  requests = [ReasoningRequest(prompt=p, request_id=i, seed=a.seed) for i, p in enumerate(prompts)]
+  examples, requests = gsm_requests(a.problems, a.seed, levels)
+  prompts = [r.prompt for r in requests]
 
   overhead = measure_overhead(ctl, Generator(llama, ck.tokenizer), prompts, a.overhead_tokens,
                               min(8, len(prompts)))
@@ -142,17 +149,14 @@ def main(argv=None) -> int:
   calibration = None
   for name in a.policies.split(","):
     if name == "deepconf_calibrated":
-      policy = get_policy("deepconf", **policy_params(name, a))
-      held_out = [ReasoningRequest(prompt=zero_shot_messages(e.question), request_id=i,
-                                   seed=a.seed + 1000)
-                  for i, e in enumerate(gsm_synthetic.synthetic_examples(
-                      a.calibration_problems, a.seed + 1000, levels))]
+      policy = get_policy("deepconf", **policy_params("deepconf", a))
+      _, held_out = gsm_requests(a.calibration_problems, a.seed + 1000, levels)
       t0 = time.perf_counter()
       threshold = policy.calibrate(ctl, held_out)
       calibration = {"problems": len(held_out), "seed": a.seed + 1000, "threshold": threshold,
                      "seconds": time.perf_counter() - t0}
       print(f"calibration: {json.dumps(calibration)}", flush=True)
-      policy = get_policy("deepconf", **policy_params(name, a), threshold=threshold)
+      policy = get_policy("deepconf", **policy_params("deepconf", a), threshold=threshold)
     else:
       policy = get_policy(name, **policy_params(name, a))
     per_chunk = max(1, a.max_rows // getattr(policy, "n", 1))

@@ -21,6 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
 
@@ -41,11 +42,10 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   enable_compilation_cache()
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.controller import ContiguousLlama, Controller, ReasoningRequest, get_policy
+  from bench_policies import gsm_requests
+  from o1jax.controller import ContiguousLlama, Controller, get_policy
   from o1jax.controller.configs import EXAMPLES
   from o1jax.model import Llama
-  from pipelines.datasets import gsm_synthetic
-  from pipelines.tasks.gsm8k import zero_shot_messages
 
   params = {**EXAMPLES["deepconf"], "n": a.n, "max_thinking_tokens": a.max_thinking,
             "max_answer_tokens": a.max_answer}
@@ -57,8 +57,7 @@ def main(argv=None) -> int:
   ck = load_checkpoint(a.model)
   ctl = Controller(ContiguousLlama(Llama(ck.config, ck.params)), ck.tokenizer, max_rows=a.max_rows)
   levels = [int(x) for x in a.levels.split(",")]
-  requests = [ReasoningRequest(prompt=zero_shot_messages(e.question), request_id=i, seed=a.seed)
-              for i, e in enumerate(gsm_synthetic.synthetic_examples(a.problems, a.seed, levels))]
+  _, requests = gsm_requests(a.problems, a.seed, levels)
   t0 = time.perf_counter()
   threshold = policy.calibrate(ctl, requests)
   print(json.dumps({"threshold": threshold, "problems": len(requests), "seed": a.seed, "n": a.n,

@@ -58,17 +58,14 @@ def policy_config(name: str, smoke: bool = False, **overrides) -> ml_collections
 
 
 def _optional_type(name: str, field: str) -> type:
-  """The X of a policy field annotated `X | None` (float, int, str; else object)."""
-  import dataclasses
+  """The X of a policy field annotated `X | None` (object if it is not that simple)."""
+  import typing
 
   from o1jax.controller.policies import POLICIES
 
-  annotation = {f.name: f.type for f in dataclasses.fields(POLICIES[name])}[field]
-  text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-  for candidate in (float, int, str):
-    if text.split("|")[0].strip() == candidate.__name__:
-      return candidate
-  return object
+  hint = typing.get_type_hints(POLICIES[name])[field]
+  types = [t for t in typing.get_args(hint) if t is not type(None)]
+  return types[0] if len(types) == 1 and isinstance(types[0], type) else object
 
 
 def get_config(arg: str = "greedy_cot") -> ml_collections.ConfigDict:

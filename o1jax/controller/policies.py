@@ -206,12 +206,8 @@ class DeepConf(Policy):
     if self.threshold is not None:
       return self._run_fixed_threshold(ctl, requests, st, consensus)
     warm = ctl.generate(requests, st, self.warmup)
-    # f32 like the loop's confidences, so host and loop compare the same numbers.
-    if self.threshold is not None:
-      thresholds = [float(np.float32(self.threshold))] * len(requests)
-    else:
-      thresholds = [self._percentile([t.lowest_group_confidence for t in traces])
-                    for traces in warm.traces]
+    thresholds = [self._percentile([t.lowest_group_confidence for t in traces])
+                  for traces in warm.traces]
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
     rest = None
     if self.n > self.warmup:
@@ -265,6 +261,7 @@ class DeepConf(Policy):
                       key_mismatches=mismatched)
 
   def _percentile(self, confidences) -> float:
+    # f32 like the loop's confidences, so host and loop compare the same numbers.
     return float(np.float32(np.percentile(confidences, 100.0 - self.keep_percent)))
 
   def calibrate(self, ctl, requests) -> float:

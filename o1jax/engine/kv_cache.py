@@ -54,13 +54,18 @@ def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, start
   """Scatters new K or V rows into a float pool.
 
   1. slot of each new token from the block table (`token_slots`);
-  2. one scatter of the B*T rows; padding rows are dropped.
+  2. one scatter of the B*T rows; padding rows are dropped (bf16 pools on a CPU:
+     the native in-place write, `native.write_pool_rows`).
   pages [NB, bs, KVH, D]; new [B, T, KVH, D]. Returns the updated pool."""
   nb, bs, kvh, d = pages.shape
   b, t = new.shape[:2]
   block, offset = token_slots(block_tables, starts, write_lens, t, bs, nb)
   rows = new.reshape(b * t, kvh, d).astype(pages.dtype)
   block, offset = block.reshape(-1), offset.reshape(-1)
+  if pages.dtype == jnp.bfloat16 and native.available():
+    # XLA's CPU scatter widens a bf16 pool to f32 and back around the update
+    # (two copies of the whole pool per write: ~80 ms a step at batch 32).
+    return native.write_pool_rows(pages, rows, block, offset)
   if b * t == 1:
     # XLA turns a one-row scatter into a dynamic-update-slice that made it copy
     # the whole pool every step (batch-1 decode: 250 ms at 256 blocks); a
@@ -68,10 +73,6 @@ def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, start
     block = jnp.concatenate([block, jnp.array([nb], block.dtype)])
     offset = jnp.concatenate([offset, jnp.zeros((1,), offset.dtype)])
     rows = jnp.concatenate([rows, rows])
-  if pages.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" and native.available():
-    # XLA's CPU scatter widens a bf16 pool to f32 and back around the update
-    # (two copies of the whole pool per write: ~80 ms a step at batch 32).
-    return native.write_pool_rows(pages, rows, block, offset)
   return pages.at[block, offset].set(rows, mode="drop")
 
 

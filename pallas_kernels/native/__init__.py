@@ -126,11 +126,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     raise ValueError(f"paged_decode_attention (native): q{q.shape}, k_pages{k_pages.shape}, "
                      f"v_pages{v_pages.shape}, block_tables{block_tables.shape}, "
                      f"lengths{lengths.shape} are inconsistent")
-  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, h, d), jnp.float32),
-                          vmap_method="sequential")
   if k_pages.dtype not in POOL_DTYPES or v_pages.dtype != k_pages.dtype:
     raise ValueError(f"paged_decode_attention (native): pools are {k_pages.dtype} / "
                      f"{v_pages.dtype}; both must be one of {[str(t) for t in POOL_DTYPES]}")
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, h, d), jnp.float32),
+                          vmap_method="sequential")
   return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
               lengths.astype(jnp.int32))
 
