@@ -3,7 +3,7 @@
 Public API (see docs/controller.md):
 
   from o1jax.controller import Controller, ContiguousLlama, get_policy
-  ctl = Controller(ContiguousLlama(llama), tokenizer)
+  ctl = Controller(ContiguousLlama(llama), tokenizer)    # or PagedLlama(llama): shared prompt blocks
   results = ctl.run(prompts_or_requests, get_policy("self_consistency", n=8))
   results = ctl.run(requests, {"name": "deepconf", "n": 16, "warmup": 4})  # dict / ConfigDict
   results[0].answer, results[0].tokens.to_dict(), results[0].traces[0].steps
@@ -19,8 +19,10 @@ Extending: a Verifier (verifiers.py, `register_verifier`), a host scorer
 from o1jax.controller.answers import extract_number, majority_vote, weighted_vote
 from o1jax.controller.budget import AdaptiveBudget, allocate_budget
 from o1jax.controller.controller import Batch, Controller, LoopSettings
-from o1jax.controller.decode_model import ContiguousLlama, DecodeModel
+from o1jax.controller.configs import build_decode_model, cache_config
+from o1jax.controller.decode_model import CachePlan, ContiguousLlama, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
+from o1jax.controller.paged_model import PagedCache, PagedCacheOverflow, PagedLlama
 from o1jax.controller.policies import (POLICIES, Policy, build_policy, get_policy, policy_defaults,
                                        register)
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,

@@ -9,9 +9,16 @@
 (`name[,smoke]`): the smoke variant shrinks samples and token budgets for a
 quick local run. The sections hold every parameter of the policy class, so
 an unknown key fails in `build_policy` with the list of valid ones.
+
+The KV cache behind the loop is not a policy setting but the controller's:
+
+  section = configs.cache_config(cache="paged")  # contiguous | paged
+  ctl = Controller(configs.build_decode_model(llama, section), tokenizer)
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import ml_collections
 
@@ -72,3 +79,49 @@ def get_config(arg: str = "greedy_cot") -> ml_collections.ConfigDict:
   """`name` or `name,smoke`."""
   parts = [p for p in (arg or "greedy_cot").split(",") if p]
   return policy_config(parts[0], smoke="smoke" in parts[1:])
+
+
+# -- the decode model's KV cache ----------------------------------------------------------
+
+CACHES = ("contiguous", "paged")
+CACHE_DEFAULTS = dict(
+    cache="contiguous",  # ContiguousLlama: every row holds all its positions
+    block_size=16,  # paged: tokens per block
+    num_blocks=0,  # paged: pool size; 0 = sized from the controller's plan (never runs out)
+)
+
+
+def check_cache_config(section: Mapping[str, Any]) -> dict[str, Any]:
+  """The cache section as a dict (defaults filled in); an unknown key, cache name or
+  size raises ValueError naming the bad value."""
+  values = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  unknown = sorted(set(values) - set(CACHE_DEFAULTS))
+  if unknown:
+    raise ValueError(f"controller cache section has no keys {unknown}; valid: "
+                     f"{sorted(CACHE_DEFAULTS)}")
+  values = {**CACHE_DEFAULTS, **values}
+  if values["cache"] not in CACHES:
+    raise ValueError(f"controller cache={values['cache']!r}: valid caches are {list(CACHES)}")
+  if int(values["block_size"]) < 1 or int(values["num_blocks"]) < 0:
+    raise ValueError(f"controller cache block_size={values['block_size']} must be >= 1 and "
+                     f"num_blocks={values['num_blocks']} >= 0 (0 = sized from the plan)")
+  return values
+
+
+def cache_config(**overrides) -> ml_collections.ConfigDict:
+  """The controller's cache section: CACHE_DEFAULTS < overrides (checked)."""
+  return ml_collections.ConfigDict(check_cache_config({**CACHE_DEFAULTS, **overrides}))
+
+
+def build_decode_model(model, section: Mapping[str, Any] | None = None):
+  """The DecodeModel for a `Llama` as the cache section says (None: contiguous).
+
+  contiguous -> ContiguousLlama; paged -> PagedLlama(block_size, num_blocks or None)."""
+  from o1jax.controller.decode_model import ContiguousLlama
+  from o1jax.controller.paged_model import PagedLlama
+
+  values = check_cache_config(section or {})
+  if values["cache"] == "paged":
+    return PagedLlama(model, block_size=int(values["block_size"]),
+                      num_blocks=int(values["num_blocks"]) or None)
+  return ContiguousLlama(model)

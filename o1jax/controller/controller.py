@@ -31,7 +31,7 @@ from o1jax.controller import state as S
 from o1jax.controller import answers
 from o1jax.controller.answers import extract_number
 from o1jax.controller.budget import AdaptiveBudget
-from o1jax.controller.decode_model import DecodeModel
+from o1jax.controller.decode_model import CachePlan, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
                                       Trace)
@@ -312,8 +312,6 @@ class Controller:
     delim_seqs, delim_lens = self._patterns(st.step_delimiter)
     prefix_seqs, prefix_lens = self._patterns(st.answer_prefix.strip())
     max_answer = st.max_answer_tokens  # tokens after the prefix (the prefix is not budgeted)
-    max_gen = (st.max_thinking_tokens + len(answer) + max_answer + len(wait)
-               + (st.max_backtracks + 1) * st.step_max_tokens + 8)
     return Knobs(
         temperature=full(st.temperature, jnp.float32), top_k=full(st.top_k, jnp.int32),
         top_p=full(st.top_p, jnp.float32), min_p=full(st.min_p, jnp.float32),
@@ -324,7 +322,8 @@ class Controller:
         max_steps=full(min(st.max_steps, NEVER), jnp.int32),
         min_think=full(st.min_thinking_tokens, jnp.int32),
         max_think=full(st.max_thinking_tokens, jnp.int32), max_answer=full(max_answer, jnp.int32),
-        max_generated=full(max_gen, jnp.int32), exit_tau=full(st.exit_tau, jnp.float32),
+        max_generated=full(self.max_generated(st), jnp.int32),
+        exit_tau=full(st.exit_tau, jnp.float32),
         conf_stop=jnp.asarray(conf_stop, jnp.float32),
         answer_on_eos=full(st.answer_on_eos, jnp.bool_),
         eos_mask=jnp.asarray(eos), delim_mask=jnp.asarray(self._delim_mask(st.step_delimiter)),
@@ -387,6 +386,19 @@ class Controller:
   def _fork(self, cache, parents):
     return self.model.fork(cache, parents)
 
+  def max_generated(self, settings: LoopSettings) -> int:
+    """Tokens a row may append in all, discarded ones included (the loop ends it there)."""
+    st = settings
+    return (st.max_thinking_tokens + len(self.tokenizer.encode(st.answer_prefix))
+            + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text))
+            + (st.max_backtracks + 1) * st.step_max_tokens + 8)
+
+  def cache_plan(self, settings: LoopSettings, rows: int, longest_prompt: int) -> CachePlan:
+    """What the rows will do with the cache: a row writes from its last prompt token
+    up to max_generated past the prompt, plus a probe past that end."""
+    return CachePlan(rows=rows, prompt_tokens=longest_prompt,
+                     new_tokens=self.max_generated(settings) + self.probe_capacity)
+
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
     answer = len(self.tokenizer.encode(settings.answer_prefix))
     need = (longest_prompt + settings.max_thinking_tokens + answer + settings.max_answer_tokens
@@ -409,8 +421,9 @@ class Controller:
     for i, p in enumerate(prompts):
       tok[i, :len(p)] = p
       lens[i] = len(p)
-    cache = self._prefill(self.model.params, self.model.init_cache(rb, length), jnp.asarray(tok),
-                          jnp.asarray(lens - 1))
+    plan = self.cache_plan(settings, b, longest)
+    cache = self._prefill(self.model.params, self.model.init_cache(rb, length, plan),
+                          jnp.asarray(tok), jnp.asarray(lens - 1))
     # 2. fork into rows: row i * n + j is sample (sample_offset + j) of request i.
     parents = np.array([i for i in range(r) for _ in range(n)] + [0] * (b - rows), np.int32)
     cache = self._fork(cache, jnp.asarray(parents))
@@ -475,6 +488,7 @@ class Controller:
       state = run(self.model.params, state)
       done = np.asarray(state.phase) == S.DONE  # one sync per invocation
       dt = time.perf_counter() - t_call
+      self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
       calls += 1
       if done.all():

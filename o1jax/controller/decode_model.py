@@ -4,26 +4,35 @@ A `DecodeModel` is what the reasoning loop needs from a model, and nothing more:
 
   params                                   pytree passed into jit (never closed over)
   vocab_size                               int
-  init_cache(batch, length) -> cache       empty cache pytree for `batch` rows
+  init_cache(batch, length, plan=None)     empty cache pytree for `batch` rows of
+      -> cache                             `length` positions; plan: a `CachePlan`
+                                           (what the rows will do; a paged cache sizes
+                                           its block pool from it)
   forward(params, cache, tokens [B, T], starts [B], logits_at [B])
       -> (logits [B, V] f32 at token logits_at[b], cache)
-                                           writes the T tokens at positions starts[b]..;
+                                           writes the tokens at positions starts[b]..
+                                           (at least up to logits_at[b]; later ones
+                                           cannot change the logits and may be dropped);
                                            attends causally (key s visible iff s <= query)
   fork(cache, parents [B']) -> cache       row i of the result is a copy of row parents[i]
   truncate(cache, lengths [B]) -> cache    forget positions >= lengths[b]
+  check(cache) -> None                     host side, after a loop call: raises if the
+                                           cache lost data (a paged pool that ran out)
 
 `forward` serves prefill (T = prompt bucket), decode (T = 1) and scratch
 probes (T = 1 + probe). With a causal cache whose key s is visible only to
 queries at positions >= s, truncation is free (stale entries are rewritten
 before they are visible), which is what `ContiguousLlama.truncate` relies on;
-a paged cache would release blocks there instead (see docs/controller.md).
+the paged cache (`paged_model.PagedLlama`) releases blocks there instead.
 
-Implementations: `ContiguousLlama` (o1jax Llama + contiguous KVCache) and
+Implementations: `ContiguousLlama` (o1jax Llama + contiguous KVCache),
+`PagedLlama` (the engine's paged KV cache: rows share the prompt's blocks) and
 `o1jax.controller.testing.MockDecodeModel` (hand-computable logits).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -33,12 +42,26 @@ from flax import nnx
 from o1jax.model.llama import KVCache, Llama
 
 
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+  """What the controller knows about a batch before it allocates the cache.
+
+  rows: rows after the fork (requests x samples, padded); prompt_tokens: the
+  longest prompt; new_tokens: the most positions a row writes past its prompt
+  (the loop ends a row at `max_generated` tokens, and a scratch probe reaches
+  at most `probe_capacity` past the end). A contiguous cache needs none of it."""
+
+  rows: int
+  prompt_tokens: int
+  new_tokens: int
+
+
 @runtime_checkable
 class DecodeModel(Protocol):
   params: Any
   vocab_size: int
 
-  def init_cache(self, batch: int, length: int) -> Any:
+  def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> Any:
     ...
 
   def forward(self, params, cache, tokens: jax.Array, starts: jax.Array, logits_at: jax.Array):
@@ -48,6 +71,9 @@ class DecodeModel(Protocol):
     ...
 
   def truncate(self, cache, lengths: jax.Array) -> Any:
+    ...
+
+  def check(self, cache) -> None:
     ...
 
 
@@ -69,7 +95,8 @@ class ContiguousLlama:
     self.vocab_size = model.config.vocab_size
     self.cache_dtype = cache_dtype
 
-  def init_cache(self, batch: int, length: int) -> KVCache:
+  def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> KVCache:
+    del plan  # every row holds all `length` positions
     return KVCache.zeros(self.config, batch, length, self.cache_dtype)
 
   def forward(self, params, cache, tokens, starts, logits_at):
@@ -83,3 +110,6 @@ class ContiguousLlama:
   def truncate(self, cache, lengths):
     del lengths  # causal visibility by position makes stale entries harmless
     return cache
+
+  def check(self, cache):
+    del cache  # a contiguous cache cannot run out

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from o1jax.controller.decode_model import fork_rows
+from o1jax.controller.decode_model import CachePlan, fork_rows
 
 
 @flax.struct.dataclass
@@ -53,7 +53,8 @@ class MockDecodeModel:
                    "triggers": jnp.asarray(np.asarray(triggers, np.int32).reshape(-1)),
                    "boosts": jnp.asarray(boosts)}
 
-  def init_cache(self, batch: int, length: int) -> MockCache:
+  def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> MockCache:
+    del plan
     return MockCache(tokens=jnp.zeros((batch, length), jnp.int32))
 
   def forward(self, params, cache: MockCache, tokens, starts, logits_at):
@@ -76,6 +77,9 @@ class MockDecodeModel:
   def truncate(self, cache, lengths):
     del lengths
     return cache
+
+  def check(self, cache):
+    del cache
 
 
 class MockTokenizer:

@@ -1,0 +1,211 @@
+"""`PagedLlama`: the controller's DecodeModel over the engine's paged KV cache.
+
+Rows share blocks instead of holding copies: the n samples of a prompt hold
+its blocks once (reference counts) plus blocks of their own for what they
+write; a backtrack releases the blocks past the step start. The bookkeeping
+is the engine's device-side `BlockState`, so it runs inside the controller's
+jitted while_loop with no host sync.
+
+  init_cache  zero pools ([NB, bs, KVH, D] per layer, NB below) and empty
+              block tables [batch, MB], MB = ceil(length / bs)
+  forward     1. every block the written span touches is made present and
+                 private, in position order (`reserve_for_append` once per
+                 block: a fresh block past the row's last, or a copy of a
+                 shared one: copy-on-write); 2. `copy_blocks` for the copies;
+              3. the Llama forward through `PagedKVCache.attend` (writes the
+                 K/V through the tables, then paged attention). Only tokens up
+                 to logits_at are written: later ones (prompt and probe
+                 padding) cannot change the logits and would hold blocks
+  fork        children take their parents' tables; each block's count rises
+              by its new holders and drops by its old ones (a prefill row
+              nobody forks frees its blocks). Nothing is copied: the first
+              write into a shared partial block copies it (step 1 above)
+  truncate    `truncate_rows`: blocks wholly past the new length are released
+  check       host side: raises `PagedCacheOverflow` if a write found no block
+
+Pool size. With `num_blocks=None` the pool is sized from the `CachePlan` the
+controller passes to `init_cache`, and a run always fits: a prefill row holds
+at most ceil(prompt_tokens / bs) blocks, and a forked row writes only
+positions prompt_len - 1 .. prompt_len - 1 + new_tokens (the loop ends a row
+at `max_generated` tokens; a probe reaches at most `probe_capacity` past the
+end), so besides the shared prompt blocks it owns at most
+ceil(new_tokens / bs) + 1 blocks at any time. NB = batch * ceil(prompt_tokens / bs)
++ rows * (ceil(new_tokens / bs) + 1). A fixed `num_blocks` (to cap memory
+below that bound) may run out; then the write of the row that found no block
+is dropped (that row only: no other row's blocks are touched), a sticky flag
+is set, and `check`, which the controller calls after every loop call,
+raises on the host with the pool size, so such a run's results are never
+returned. The alternative, sizing the pool for every row filling `length`,
+would hold more than the contiguous cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from o1jax.controller.decode_model import CachePlan
+from o1jax.engine.kv_cache import (KV_DTYPES, BlockState, PagedKVCache, copy_blocks,
+                                   reserve_for_append, truncate_rows)
+from o1jax.model.llama import Llama
+
+
+class PagedCacheOverflow(RuntimeError):
+  """The block pool ran out during a run: its results are incomplete."""
+
+
+@flax.struct.dataclass
+class PagedCache:
+  """The pools plus the block bookkeeping of B rows (one pytree: the loop's carry)."""
+
+  pages: PagedKVCache  # pools of every layer; its tables are the rows' (set per forward)
+  blocks: BlockState  # tables [B, MB], used [B], lengths [B] (positions held), refcounts [NB]
+  overflow: jax.Array  # [] bool: some write found no free block (sticky)
+  peak_blocks: jax.Array  # [] i32: most blocks held at once
+
+  @property
+  def blocks_in_use(self) -> jax.Array:
+    return jnp.sum(self.blocks.refcounts > 0).astype(jnp.int32)
+
+
+def _count_refs(refcounts: jax.Array, tables: jax.Array, used: jax.Array, amount: int) -> jax.Array:
+  """refcounts + amount for every block a row holds (tables [S, MB], used [S])."""
+  nb = refcounts.shape[0]
+  held = jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :] < used[:, None]
+  ids = jnp.where(held, tables, nb).reshape(-1)
+  return refcounts.at[ids].add(amount, mode="drop")
+
+
+def reserve_span(blocks: BlockState, starts: jax.Array, write_lens: jax.Array, t: int):
+  """Makes the blocks of positions starts[b] .. starts[b] + write_lens[b] - 1 present
+  and private to row b, block by block in position order.
+
+  t: static bound on write_lens (the call's token count). A row fails (ok False,
+  nothing reserved past the failure) when no block is free, when the span runs
+  past its table, or when it starts past the row's held blocks (a gap).
+  Returns (blocks, copy_src [N], copy_dst [N], ok [B]); dst = num_blocks: no copy."""
+  bs = blocks.block_size
+  nb, mb = blocks.num_blocks, blocks.tables.shape[1]
+  b = starts.shape[0]
+  starts = starts.astype(jnp.int32)
+  end = starts + write_lens.astype(jnp.int32)
+  ok = (end <= mb * bs) & (starts // bs <= blocks.used)
+  held = blocks.lengths
+  nt = (t + bs - 2) // bs + 1  # blocks a run of t tokens can touch
+
+  def one_block(j, carry):
+    blocks, ok, src, dst = carry
+    pos = jnp.maximum(starts, (starts // bs + j) * bs)  # first position written in block j
+    blocks, s, d, got = reserve_for_append(blocks.replace(lengths=pos), ok & (pos < end))
+    return blocks, ok & got, src.at[j].set(s), dst.at[j].set(d)
+
+  carry = (blocks, ok, jnp.zeros((nt, b), jnp.int32), jnp.full((nt, b), nb, jnp.int32))
+  if nt <= 2:  # decode and probes: unrolled
+    for j in range(nt):
+      carry = one_block(j, carry)
+  else:  # prefill: one compiled block step, not nt copies of it
+    carry = jax.lax.fori_loop(0, nt, one_block, carry)
+  blocks, ok, src, dst = carry
+  src, dst = src.reshape(-1), dst.reshape(-1)
+  if src.shape[0] < 2:
+    # One copy would become a dynamic-update-slice that copies the whole pool
+    # (see write_pages); a dropped second one keeps it a scatter.
+    src = jnp.concatenate([src, jnp.zeros((1,), jnp.int32)])
+    dst = jnp.concatenate([dst, jnp.full((1,), nb, jnp.int32)])
+  return blocks.replace(lengths=held), src, dst, ok
+
+
+class PagedLlama:
+  """`Llama` over the engine's `PagedKVCache` + `BlockState` (see the module doc).
+
+  block_size: tokens per block. num_blocks: a fixed pool (None: sized from the
+  controller's CachePlan so that a run always fits). kv_dtype: "float32",
+  "bfloat16" or "float8_e4m3fn" (as the engine's EngineConfig.kv_dtype).
+  Hash and equality are by identity (a valid static jit argument)."""
+
+  def __init__(self, model: Llama, block_size: int = 16, num_blocks: int | None = None,
+               kv_dtype: str = "float32"):
+    if block_size < 1:
+      raise ValueError(f"block_size={block_size} must be >= 1")
+    if num_blocks is not None and num_blocks < 1:
+      raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or None: sized from the plan)")
+    if kv_dtype not in KV_DTYPES:
+      raise ValueError(f"kv_dtype={kv_dtype!r} not in {sorted(KV_DTYPES)}")
+    self.graphdef, self.params = nnx.split(model)
+    self.config = model.config
+    self.vocab_size = model.config.vocab_size
+    self.block_size = int(block_size)
+    self.num_blocks = num_blocks
+    self.kv_dtype = kv_dtype
+
+  def pool_blocks(self, batch: int, length: int, plan: CachePlan | None) -> int:
+    """Blocks of the pool for `batch` prefill rows (see the module doc)."""
+    if self.num_blocks is not None:
+      return self.num_blocks
+    per_row = math.ceil(length / self.block_size)
+    if plan is None:  # nothing known: every row may fill its table, and no more rows come
+      return batch * per_row
+    prompt = math.ceil(plan.prompt_tokens / self.block_size)
+    own = min(math.ceil(plan.new_tokens / self.block_size) + 1, per_row)
+    return batch * min(prompt, per_row) + plan.rows * own
+
+  def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> PagedCache:
+    c = self.config
+    mb = math.ceil(length / self.block_size)
+    nb = self.pool_blocks(batch, length, plan)
+    pages = PagedKVCache.create(c.n_layers, nb, self.block_size, c.n_kv_heads, c.head_dim,
+                                self.kv_dtype, batch=batch, max_blocks=mb)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    blocks = BlockState.create(jnp.zeros((batch, mb), jnp.int32), zeros, zeros,
+                               jnp.zeros((nb,), jnp.int32), self.block_size)
+    return PagedCache(pages=pages, blocks=blocks, overflow=jnp.zeros((), bool),
+                      peak_blocks=jnp.zeros((), jnp.int32))
+
+  def forward(self, params, cache: PagedCache, tokens, starts, logits_at):
+    b, t = tokens.shape
+    starts = starts.astype(jnp.int32)
+    logits_at = logits_at.astype(jnp.int32)
+    write_lens = logits_at + 1  # later tokens cannot change these logits
+    blocks, src, dst, ok = reserve_span(cache.blocks, starts, write_lens, t)
+    write_lens = jnp.where(ok, write_lens, 0)  # a row without its blocks writes nothing
+    pages = copy_blocks(cache.pages, src, dst).for_batch(blocks.tables, write_lens)
+    model = nnx.merge(self.graphdef, params)
+    logits, pages = model(tokens.astype(jnp.int32), starts, pages, logits_at=logits_at)
+    blocks = blocks.replace(lengths=jnp.maximum(blocks.lengths, starts + write_lens))
+    return logits, self._note(cache.replace(pages=pages, blocks=blocks,
+                                            overflow=cache.overflow | ~jnp.all(ok)))
+
+  def fork(self, cache: PagedCache, parents):
+    old = cache.blocks
+    tables, used, lengths = old.tables[parents], old.used[parents], old.lengths[parents]
+    refcounts = _count_refs(old.refcounts, old.tables, old.used, -1)
+    refcounts = _count_refs(refcounts, tables, used, 1)
+    blocks = old.replace(tables=tables, used=used, lengths=lengths, refcounts=refcounts)
+    pages = cache.pages.for_batch(tables, jnp.zeros_like(used))
+    return self._note(cache.replace(pages=pages, blocks=blocks))
+
+  def truncate(self, cache: PagedCache, lengths):
+    return cache.replace(blocks=truncate_rows(cache.blocks, lengths.astype(jnp.int32)))
+
+  def check(self, cache: PagedCache) -> None:
+    if bool(cache.overflow):
+      raise PagedCacheOverflow(
+          f"the paged KV cache ran out of blocks: a pool of {cache.blocks.num_blocks} blocks of "
+          f"{self.block_size} tokens was too small for this batch (num_blocks={self.num_blocks}); "
+          f"raise num_blocks, or leave it None to size the pool from the controller's plan")
+
+  @staticmethod
+  def _note(cache: PagedCache) -> PagedCache:
+    return cache.replace(peak_blocks=jnp.maximum(cache.peak_blocks, cache.blocks_in_use))
+
+  # -- host-side accounting -----------------------------------------------------------
+
+  def bytes_per_block(self) -> int:
+    c = self.config
+    probe = PagedKVCache.create(c.n_layers, 1, self.block_size, c.n_kv_heads, c.head_dim,
+                                self.kv_dtype)
+    return probe.bytes_per_block()

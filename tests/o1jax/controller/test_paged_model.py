@@ -1,0 +1,233 @@
+"""PagedLlama: the controller over the engine's paged KV cache gives ContiguousLlama's
+traces, shares a prompt's blocks across its samples, and frees blocks on truncate.
+
+Tolerance: paged and contiguous attention add the same f32 products in another
+order (~1e-6 relative on logits), so tokens and decisions are compared exactly,
+scores to rtol 1e-5, and every test asserts its verifier scores stay clear of
+the backtrack threshold (no decision hangs on that rounding).
+Block size 4, so prompts span several blocks, probes cross block boundaries and
+"0123456789abcdef" (16 tokens) ends on a full block that the first decode step
+rewrites (copy-on-write of a full shared block).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from o1jax.controller import (Controller, LoopSettings, PagedCacheOverflow, PagedLlama,
+                              ReasoningRequest, SelfVerify, build_decode_model, cache_config,
+                              get_policy)
+from o1jax.controller.configs import check_cache_config
+from o1jax.controller.testing import MockDecodeModel, MockTokenizer
+from tests.o1jax.controller.conftest import VOCAB
+
+BS = 4
+PROMPTS = ["hello there", "a longer prompt!", "xyz", "0123456789abcdef"]  # 11, 16, 3, 16 tokens
+COMMON = dict(max_thinking_tokens=16, max_answer_tokens=3, step_delimiter="a", step_max_tokens=5)
+PROBE = SelfVerify(probe=" ok?", yes="y", no="n")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama):
+  contiguous, tok = tiny_llama
+  llama = nnx.merge(contiguous.graphdef, contiguous.params)
+  return contiguous, PagedLlama(llama, block_size=BS), tok
+
+
+@pytest.fixture(scope="module")
+def controllers(models):
+  contiguous, paged, tok = models
+  return Controller(contiguous, tok), Controller(paged, tok)
+
+
+def _requests(prompts=PROMPTS):
+  return [ReasoningRequest(p, request_id=20 + i, seed=4) for i, p in enumerate(prompts)]
+
+
+def _same_trace(a, b):
+  assert a.token_ids == b.token_ids
+  assert [(s.start, s.end, s.action) for s in a.steps] == [(s.start, s.end, s.action) for s in b.steps]
+  np.testing.assert_allclose([s.score for s in a.steps], [s.score for s in b.steps], rtol=1e-5)
+  assert (a.tokens, a.exit_reason, a.backtracks, a.early_exit) == (
+      b.tokens, b.exit_reason, b.backtracks, b.early_exit)
+  assert a.answer_key == b.answer_key
+
+
+def _same_results(contiguous, paged):
+  for a, b in zip(contiguous, paged, strict=True):
+    assert (a.answer, a.chosen, a.steps, a.backtracks) == (b.answer, b.chosen, b.steps, b.backtracks)
+    assert a.votes == pytest.approx(b.votes, rel=1e-5)
+    for ta, tb in zip(a.traces, b.traces, strict=True):
+      _same_trace(ta, tb)
+
+
+def _clear_of(results, threshold, margin=1e-4):
+  scores = [s.score for r in results for t in r.traces for s in t.steps if not math.isnan(s.score)]
+  assert scores and all(abs(s - threshold) > margin for s in scores)
+
+
+# One compiled loop per verifier / vote setting: every case has 4 rows.
+CASES = {
+    "greedy_cot": (PROMPTS, dict(name="greedy_cot")),
+    "self_consistency": (PROMPTS[:1], dict(name="self_consistency", n=4, temperature=0.8)),
+    "backtrack": (PROMPTS, dict(name="think_verify_backtrack", verifier="mean_logprob",
+                                backtrack_threshold=0.0045, max_step_backtracks=1, max_backtracks=3,
+                                temperature=0.8, exit_tau=2.0, max_steps=4)),
+    "self_verify": (PROMPTS, dict(name="think_verify_backtrack", verifier=PROBE,
+                                  backtrack_threshold=0.5, max_step_backtracks=1, max_backtracks=2,
+                                  temperature=0.8, exit_tau=0.9, max_steps=4)),
+    "deepconf": (PROMPTS[3:], dict(name="deepconf", n=4, warmup=1, threshold=4.59, window=4,
+                                   consensus=0.6, consensus_min_votes=2, temperature=0.8)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_policy_gives_the_contiguous_traces(controllers, case):
+  prompts, policy = CASES[case]
+  policy = get_policy(**{**COMMON, **policy})
+  contiguous, paged = (ctl.run(_requests(prompts), policy) for ctl in controllers)
+  _same_results(contiguous, paged)
+  if case == "self_verify":  # the Python twin on the paged cache: the same traces again
+    paged_ctl = controllers[1]
+    twin = Controller(paged_ctl.model, paged_ctl.tokenizer, python_twin=True)
+    _same_results(paged, twin.run(_requests(prompts), policy))
+  if case == "backtrack":
+    assert sum(r.backtracks for r in paged) > 0
+    _clear_of(paged, 0.0045, margin=1e-6)
+  if case == "deepconf":
+    assert any(t.stopped_low_confidence for r in paged for t in r.traces)
+  if case == "self_verify":
+    assert all(r.tokens.probe > 0 for r in paged) and sum(r.backtracks for r in paged) > 0
+    _clear_of(paged, 0.5)
+
+
+def _refs_match_tables(blocks) -> bool:
+  """Every block's count = the rows holding it (the device bookkeeping is consistent)."""
+  tables, used = np.asarray(blocks.tables), np.asarray(blocks.used)
+  counts = np.zeros(blocks.num_blocks, np.int64)
+  for row, n in zip(tables, used):
+    np.add.at(counts, row[:n], 1)
+  return bool(np.array_equal(counts, np.asarray(blocks.refcounts)))
+
+
+def test_samples_share_the_prompt_blocks(models):
+  _, paged, tok = models
+  ctl = Controller(paged, tok)
+  st = LoopSettings(temperature=0.8, **COMMON)
+  prompt = PROMPTS[0]  # 11 tokens: blocks 0, 1 full, block 2 holds 3 positions
+  state = ctl.initial_state(_requests([prompt]), [ctl.encode(prompt)], st, 4, 0, [-math.inf])
+  cache = state.cache
+  assert int(cache.blocks_in_use) == 3  # the prompt's blocks, once for 4 samples
+  assert (np.asarray(cache.blocks.refcounts)[np.asarray(cache.blocks.tables)[0, :3]] == 4).all()
+  out = ctl.loop(st).run(paged.params, state)
+  blocks = out.cache.blocks
+  assert _refs_match_tables(blocks)
+  tables, used = np.asarray(blocks.tables), np.asarray(blocks.used)
+  # Positions 0..9 stay shared; each sample rewrote position 10 (its first decode step),
+  # so it owns block 2 (a copy) onwards: prompt_blocks + per-sample blocks, not 4 copies.
+  shared = (11 - 1) // BS
+  assert (tables[:, :shared] == tables[0, :shared]).all()
+  own = used - shared
+  assert int(out.cache.blocks_in_use) == shared + own.sum() < used.sum()
+  private = [b for row, n in zip(tables, used) for b in row[shared:n]]
+  assert len(set(private)) == len(private) == own.sum()  # no block of one sample in another
+  lengths = np.asarray(out.length)
+  assert (used <= -(-lengths // BS)).all() and int(out.cache.peak_blocks) <= blocks.num_blocks
+
+
+def test_truncate_frees_blocks_and_rewrites_read_right(models):
+  """Prefill 10 tokens, fork into 2 rows, decode 8 each; roll row 0 back to 12 and write
+  other tokens there. Logits match a contiguous run over each row's final sequence."""
+  contiguous, paged, _ = models
+  rng = np.random.default_rng(3)
+  prompt = rng.integers(3, 259, 10).astype(np.int32)
+  fwd = jax.jit(paged.forward)
+  cache = paged.init_cache(1, 32)
+  _, cache = fwd(paged.params, cache, jnp.asarray(prompt[None]), jnp.zeros(1, jnp.int32),
+                 jnp.array([9]))
+  cache = jax.jit(paged.fork)(cache, jnp.array([0, 0]))
+  seqs = [list(prompt), list(prompt)]
+  step = lambda cache, toks, pos: fwd(paged.params, cache, jnp.asarray(toks)[:, None],
+                                      jnp.asarray(pos, jnp.int32), jnp.zeros(2, jnp.int32))
+  for p in range(10, 18):
+    toks = rng.integers(3, 259, 2)
+    _, cache = step(cache, toks, [p, p])
+    for s, t in zip(seqs, toks):
+      s.append(int(t))
+  assert _refs_match_tables(cache.blocks)
+  # 18 positions: blocks 0, 1 shared; 2 (a copy of the partial prompt block), 3, 4 per row.
+  assert int(cache.blocks_in_use) == 2 + 2 * 3
+  cache = jax.jit(paged.truncate)(cache, jnp.array([12, 18]))
+  assert np.asarray(cache.blocks.used).tolist() == [3, 5]
+  assert int(cache.blocks_in_use) == 2 + 1 + 3 and _refs_match_tables(cache.blocks)
+  seqs[0] = seqs[0][:12]
+  for p in range(12, 16):  # row 0 writes past its new end, row 1 rewrites its last position
+    tok = int(rng.integers(3, 259))
+    logits, cache = step(cache, [tok, seqs[1][17]], [p, 17])
+    seqs[0].append(tok)
+  assert _refs_match_tables(cache.blocks)
+  padded = np.zeros((2, 18), np.int32)
+  for row, seq in enumerate(seqs):
+    padded[row, :len(seq)] = seq
+  ref, _ = jax.jit(contiguous.forward)(contiguous.params, contiguous.init_cache(2, 32),
+                                       jnp.asarray(padded), jnp.zeros(2, jnp.int32),
+                                       jnp.array([len(s) - 1 for s in seqs]))
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=2e-4)
+
+
+def test_a_pool_that_runs_out_raises_and_spares_the_other_rows(models):
+  """Row 0 (8 tokens, 2 blocks) fits a 3-block pool; row 1 (12 tokens) does not."""
+  contiguous, paged, _ = models
+  small = PagedLlama(nnx.merge(paged.graphdef, paged.params), block_size=BS, num_blocks=3)
+  tokens = np.random.default_rng(1).integers(3, 259, (2, 12)).astype(np.int32)
+  logits, cache = jax.jit(small.forward)(small.params, small.init_cache(2, 16),
+                                         jnp.asarray(tokens), jnp.zeros(2, jnp.int32),
+                                         jnp.array([7, 11]))
+  assert bool(cache.overflow)
+  with pytest.raises(PagedCacheOverflow, match="ran out of blocks: a pool of 3 blocks"):
+    small.check(cache)
+  ref, _ = jax.jit(contiguous.forward)(contiguous.params, contiguous.init_cache(1, 16),
+                                       jnp.asarray(tokens[:1]), jnp.zeros(1, jnp.int32),
+                                       jnp.array([7]))
+  np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref[0]), atol=2e-4)
+
+
+class _OutOfBlocks(MockDecodeModel):
+  def check(self, cache):
+    raise PagedCacheOverflow("the paged KV cache ran out of blocks")
+
+
+def test_the_controller_checks_the_cache_after_each_loop_call():
+  model = _OutOfBlocks(np.zeros((len(VOCAB), len(VOCAB)), np.float32))
+  with pytest.raises(PagedCacheOverflow):  # the loop call's results are never returned
+    Controller(model, MockTokenizer(VOCAB)).run(["Q"], {"name": "greedy_cot", "max_thinking_tokens": 2})
+
+
+def test_plan_sized_pool_is_smaller_than_the_contiguous_cache(models):
+  _, paged, tok = models
+  ctl = Controller(paged, tok)
+  st = LoopSettings(**COMMON)
+  length = ctl.cache_length(st, 16)
+  plan = ctl.cache_plan(st, 4, 16)
+  pool = paged.pool_blocks(1, length, plan)
+  assert pool == 16 // BS + 4 * (math.ceil(plan.new_tokens / BS) + 1)
+  assert pool * BS < 4 * length
+
+
+def test_cache_config_selects_the_model_and_names_bad_values(models):
+  contiguous, paged, _ = models
+  llama = nnx.merge(paged.graphdef, paged.params)
+  assert type(build_decode_model(llama)).__name__ == "ContiguousLlama"
+  built = build_decode_model(llama, cache_config(cache="paged", block_size=8, num_blocks=64))
+  assert isinstance(built, PagedLlama) and (built.block_size, built.num_blocks) == (8, 64)
+  assert build_decode_model(llama, {"cache": "paged"}).num_blocks is None  # 0 = from the plan
+  with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
+    check_cache_config({"cache": "pagd"})
+  with pytest.raises(ValueError, match=r"no keys \['blocks'\]"):
+    cache_config(blocks=4)
+  with pytest.raises(ValueError, match="block_size=0"):
+    check_cache_config({"cache": "paged", "block_size": 0})
