@@ -1,7 +1,8 @@
 """Building blocks of the decoder, as pure functions (f32 math on CPU).
 
-Every matmul goes through `linear`, which takes a dense array or a
-`QuantizedTensor` and dispatches quantized weights to `pallas_kernels.ops`.
+Every matmul goes through `linear`, which takes a dense array, a
+`QuantizedTensor` (dispatched to `pallas_kernels.ops`) or a `VnniWeight`
+(int8 activations, `pallas_kernels.vnni_matmul`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import ops as kernel_ops
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
+from pallas_kernels.vnni_matmul import VnniWeight, vnni_matmul
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -35,7 +37,7 @@ def bf16_dot(x: jax.Array, w: jax.Array) -> jax.Array:
   return y[:rows].reshape(*lead, w.shape[-1])
 
 
-MATMUL_DTYPES = ("float32", "bfloat16")
+MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "auto",
@@ -44,8 +46,11 @@ def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "au
 
   matmul_dtype "bfloat16": dense weights go through `bf16_dot` (x rounded to
   bf16, f32 accumulation and output); "float32": dense weights are cast to
-  x's dtype (exact f32 math for f32 x). Quantized weights ignore it."""
-  if isinstance(w, QuantizedTensor):
+  x's dtype (exact f32 math for f32 x). Quantized weights ignore it; a
+  `VnniWeight` (the model's "int8" matmuls) always quantizes x to int8."""
+  if isinstance(w, VnniWeight):
+    y = vnni_matmul(x, w, backend=backend).astype(x.dtype)
+  elif isinstance(w, QuantizedTensor):
     y = kernel_ops.quantized_matmul(x, w, backend=backend, interpret=interpret)
   elif matmul_dtype == "bfloat16":
     y = bf16_dot(x, w)

@@ -2,10 +2,12 @@
 
 XLA's CPU backend lacks a fast gather, so the paged decode attention reads the
 KV pages in place in `paged_decode_attention.cc` instead of copying each row's
-pages out first. The source is compiled once per machine with the system C++
-compiler against the headers jaxlib ships (`jax.ffi.include_dir()`), cached
-under $O1JAX_CACHE_DIR (default ~/.cache/o1jax) keyed by source, compiler
-flags, jaxlib version and CPU, and registered as an FFI target.
+pages out first; `int8_matmul.cc` multiplies 4-/8-bit weights by int8-quantized
+activations with VNNI dot products (llama.cpp's arithmetic) instead of
+streaming f32 weights. The sources are compiled once per machine with the
+system C++ compiler against the headers jaxlib ships (`jax.ffi.include_dir()`),
+cached under $O1JAX_CACHE_DIR (default ~/.cache/o1jax) keyed by sources,
+compiler flags, jaxlib version and CPU, and registered as FFI targets.
 
 Everything degrades gracefully: no compiler, a failed build, a non-CPU
 backend, or O1JAX_NATIVE_KERNELS=0 -> `available()` is False and callers keep
@@ -27,12 +29,15 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).with_name("paged_decode_attention.cc")
+_SOURCES = [pathlib.Path(__file__).with_name(name)
+            for name in ("paged_decode_attention.cc", "int8_matmul.cc")]
 _TARGET = "o1jax_paged_decode_attention"
 _WRITE_TARGET = "o1jax_write_pool_rows"
+_INT8_MATMUL_TARGET = "o1jax_int8_matmul"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-mprefer-vector-width=512", "-w"]
 
@@ -58,8 +63,8 @@ def _build() -> pathlib.Path:
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++/c++) on PATH")
-  source = _SOURCE.read_bytes()
-  key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(),
+  sources = b"\0".join(path.read_bytes() for path in _SOURCES)
+  key = hashlib.sha256(b"\0".join([sources, " ".join(_FLAGS).encode(), compiler.encode(),
                                    jax.__version__.encode(), _cpu_signature().encode()]))
   out = _cache_dir() / f"libo1jax_native_{key.hexdigest()[:16]}.so"
   if out.exists():
@@ -67,10 +72,12 @@ def _build() -> pathlib.Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     tmp_lib = pathlib.Path(tmp) / out.name
-    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_lib)]
+    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o",
+           str(tmp_lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-      raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+      names = ", ".join(path.name for path in _SOURCES)
+      raise RuntimeError(f"compiling {names} failed:\n{proc.stderr[-2000:]}")
     os.replace(tmp_lib, out)
   log.info("native kernels: built %s", out)
   return out
@@ -89,10 +96,16 @@ def _load() -> str | None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(_WRITE_TARGET, jax.ffi.pycapsule(lib.O1jaxWritePoolRows),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.O1jaxInt8Matmul),
+                                platform="cpu")
+    _INT8_MATMUL_SUPPORTED.append(bool(lib.O1jaxInt8MatmulSupported()))
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning("native kernels unavailable, using the XLA path: %s", e)
     return str(e)
   return None
+
+
+_INT8_MATMUL_SUPPORTED: list[bool] = []  # set by _load: the build has AVX512-VNNI
 
 
 # KV pool element types the native paged decode attention reads.
@@ -152,3 +165,29 @@ def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array,
   call = jax.ffi.ffi_call(_WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                           input_output_aliases={0: 0}, vmap_method="sequential")
   return call(pool, rows, block.astype(jnp.int32), offset.astype(jnp.int32))
+
+
+def int8_matmul_available() -> bool:
+  """True when the native int8 matmul runs here (kernels built, AVX512-VNNI)."""
+  return available() and _INT8_MATMUL_SUPPORTED[-1]
+
+
+def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, *,
+                bits: int, zero: int, has_min: bool) -> jax.Array:
+  """x f32 [M, K] times a weight in `pallas_kernels.vnni_matmul`'s tiled layout
+  (packed uint8, scale / minimum f16 [Np/16, K/32, 16]) -> f32 [M, Np]."""
+  if not int8_matmul_available():
+    why = unavailable_reason() or "this CPU lacks AVX512-VNNI"
+    raise RuntimeError(f"native int8_matmul unavailable: {why}")
+  m, k = x.shape
+  tiles, blocks, tile = scale.shape
+  if (x.dtype != jnp.float32 or packed.dtype != jnp.uint8 or scale.dtype != jnp.float16
+      or minimum.shape != scale.shape or minimum.dtype != jnp.float16 or tile != 16
+      or blocks * 32 != k or packed.size * (2 if bits == 4 else 1) != k * tiles * tile):
+    raise ValueError(f"int8_matmul (native): x{x.shape} {x.dtype}, packed{packed.shape} "
+                     f"{packed.dtype}, scale{scale.shape} {scale.dtype}, minimum{minimum.shape} "
+                     f"{minimum.dtype} (bits={bits}) are inconsistent")
+  call = jax.ffi.ffi_call(_INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, tiles * tile), jnp.float32),
+                          vmap_method="sequential")
+  return call(x, packed, scale, minimum, bits=np.int64(bits), zero=np.int64(zero),
+              has_min=bool(has_min))

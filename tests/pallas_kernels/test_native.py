@@ -133,3 +133,11 @@ def test_concurrent_calls_finish_and_agree():
   assert not errors and len(results) == 80
   for r in results:
     np.testing.assert_array_equal(r, want)
+
+
+def test_int8_matmul_builds_where_the_cpu_has_vnni():
+  if shutil.which("g++") is None and shutil.which("c++") is None:
+    pytest.skip("no C++ compiler: int8 matmuls use the XLA reference")
+  flags = open("/proc/cpuinfo").read().split()
+  vnni = all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
+  assert native.int8_matmul_available() == vnni, native.unavailable_reason()

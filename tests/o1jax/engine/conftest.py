@@ -60,6 +60,15 @@ def engine32_bf16(tiny):
 
 
 @pytest.fixture(scope="session")
+def engine32_int8(tiny):
+  """engine32 with int8 activations and 8-bit weights (matmul_dtype="int8"; the
+  tiny checkpoint is dense, so its matrices become Q8_0), bf16 KV pools."""
+  model = Llama(tiny.config, tiny.params, matmul_dtype="int8")
+  return Engine(model, tiny.tokenizer, EngineConfig(max_slots=32, num_blocks=512, prefill_chunk=64,
+                                                    kv_dtype="bfloat16"))
+
+
+@pytest.fixture(scope="session")
 def engine32_bf16kv(tiny):
   """engine32 with bf16 KV pools (f32 matmuls)."""
   return Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=32, num_blocks=512,

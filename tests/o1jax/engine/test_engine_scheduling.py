@@ -24,14 +24,15 @@ def test_greedy_matches_contiguous_generator(tiny, engine32, make_prompts):
 
 
 @pytest.mark.parametrize("params", [GREEDY] + SAMPLED, ids=["greedy", "temperature", "filtered"])
-@pytest.mark.parametrize("variant", ["f32", "bf16", "bf16kv"])
+@pytest.mark.parametrize("variant", ["f32", "bf16", "bf16kv", "int8"])
 def test_same_tokens_at_batch_1_7_and_32(request, make_prompts, params, variant):
   """A fixed request (id 1234) alone, among 6 and among 31 other requests, in
   different slots: identical tokens (its keys come from seed, id, sample index).
   Also with bf16 matmuls, whose rows are padded to stay batch-invariant, and
-  with bf16 KV pools (written and read by the native CPU kernels)."""
+  with bf16 KV pools (written and read by the native CPU kernels), and with
+  int8 activations (each row quantized on its own)."""
   engine32 = request.getfixturevalue({"f32": "engine32", "bf16": "engine32_bf16",
-                                      "bf16kv": "engine32_bf16kv"}[variant])
+                                      "bf16kv": "engine32_bf16kv", "int8": "engine32_int8"}[variant])
   target = Request(make_prompts(1, seed=99, low=20, high=21)[0], params, request_id=1234)
   alone = engine32.generate([target])[0].token_ids
   fillers = make_prompts(31, seed=5)

@@ -1,0 +1,286 @@
+// Quantized weights x int8-quantized activations for the CPU (AVX512-VNNI), as
+// an XLA FFI custom call.
+//
+// XLA's CPU dot reads f32 (or bf16) weights: a decode step streams 540 MB (270 MB)
+// of weights for the embedded model, which bounds batch-1 decoding by memory
+// bandwidth. Here the weights stay 4-bit (or 8-bit) and each activation row is
+// quantized per block of 32 to two int8 levels, so each block's dot product is
+// exact integer arithmetic (vpdpbusd) scaled once:
+//
+//   s = max|x| / 127;  xa = rint(x / s);  xr = rint((x - s xa) / (s / 127))
+//   x ~ (s / 127) (127 xa + xr)           (~15 bits; one level, as llama.cpp's
+//                                          Q8 activations, moved the embedded
+//                                          model's logits 8x more than bf16 does)
+//   y[m, n] = sum over blocks b of
+//             d[b, n] (s / 127) (127 sum_k q xa + sum_k q xr - zero (127 sum xa + sum xr))
+//             + min[b, n] xsum[m, b]                              (asymmetric weights)
+//
+//   w = (q - zero) d (+ min):  zero 8 (Q4_0), 0 with min (Q4_1), 128 (Q8_0 stored q+128).
+//
+// Layout (built by `pallas_kernels.vnni_matmul.pack`), per tile of 16 columns:
+//   w      u8  [N/16, K/8, 16, 4] (4-bit: byte j of (t, kb, c) = q[8kb+j] | q[8kb+4+j] << 4)
+//          u8  [N/16, K/4, 16, 4] (8-bit: byte j of (t, kb, c) = q[4kb+j] + 128)
+//   scale  f16 [N/16, K/32, 16];  minimum f16 [N/16, K/32, 16] (read when has_min)
+//   x      f32 [M, K];            out f32 [M, N]
+//
+// Determinism: row m's activations are quantized from row m alone, its integer
+// block sums are exact, and its f32 accumulation runs over the blocks in order
+// whatever the number of rows, the row's position in a row group, or the thread
+// that computes the tile: a row's result never depends on the other rows.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// Built with -march=native: without AVX512-VNNI the handler only reports that
+// (O1jaxInt8MatmulSupported() lets Python check before calling it).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define O1JAX_INT8_MATMUL 1
+#else
+#define O1JAX_INT8_MATMUL 0
+#endif
+
+extern "C" int O1jaxInt8MatmulSupported() { return O1JAX_INT8_MATMUL; }
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // quantization block along K (weights and activations)
+constexpr int64_t kTile = 16;   // output columns per tile (one zmm of f32)
+
+#if O1JAX_INT8_MATMUL
+
+struct Problem {
+  int64_t m, k, n, bits, zero;
+  bool has_min;
+  const uint8_t* w;
+  const uint16_t* scale;
+  const uint16_t* minimum;
+  // Quantized activations (filled by the calling thread before the tiles run).
+  const int8_t* xa;     // [M, K] coarse level
+  const int8_t* xr;     // [M, K] fine level (the rounding residual of xa)
+  const float* xs;      // [M, K/32] s / 127: the fine level's step
+  const int32_t* xsum;  // [M, K/32] 127 sum xa + sum xr (for `zero`)
+  const float* fsum;    // [M, K/32] f32 sum of the block's values (for `min`)
+  float* out;
+};
+
+inline void StoreInt8(const __m512i v, int8_t* dst) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(v));
+}
+
+// Row x[0..k) -> two int8 levels per block (see the top). The reference
+// (`vnni_matmul.quantize_activations`) does the same f32 operations.
+void QuantizeRow(const float* x, int64_t k, int8_t* xa, int8_t* xr, float* xs, int32_t* xsum,
+                 float* fsum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float step = amax / 127.0f;
+    xs[b] = step / 127.0f;
+    float s = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) s += xb[i];  // sequential: a fixed order
+    fsum[b] = s;
+    __m512i total = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      // cvtps_epi32 rounds to nearest even (the default MXCSR mode), like jnp.round.
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+      const __m512 r = _mm512_sub_ps(v[h], _mm512_mul_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(step)));
+      __m512i qr = _mm512_cvtps_epi32(_mm512_mul_ps(r, _mm512_set1_ps(inv * 127.0f)));
+      qr = _mm512_max_epi32(_mm512_min_epi32(qr, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(qa, _mm512_set1_epi32(127)), qr));
+      StoreInt8(qa, xa + b * kBlock + 16 * h);
+      StoreInt8(qr, xr + b * kBlock + 16 * h);
+    }
+    xsum[b] = _mm512_reduce_add_epi32(total);
+  }
+}
+
+inline __m512i Bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 LoadF16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Rows m0..m0+MR of tile t.
+template <int MR, int BITS, bool HAS_MIN>
+void TileRows(const Problem& p, int64_t t, int64_t m0) {
+  const int64_t blocks = p.k / kBlock;
+  constexpr int64_t kLoads = BITS == 4 ? 4 : 8;  // 64-byte weight loads per block
+  const uint8_t* wt = p.w + t * blocks * kLoads * 64;
+  const uint16_t* st = p.scale + t * blocks * kTile;
+  const uint16_t* mt = HAS_MIN ? p.minimum + t * blocks * kTile : nullptr;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i c127 = _mm512_set1_epi32(127);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i coarse[MR], fine[MR];
+    for (int r = 0; r < MR; ++r) coarse[r] = fine[r] = _mm512_setzero_si512();
+    const uint8_t* wb = wt + b * kLoads * 64;
+    for (int j = 0; j < kLoads; ++j) {
+      const __m512i raw = _mm512_loadu_si512(wb + j * 64);
+      if constexpr (BITS == 4) {
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        const int64_t kk = b * kBlock + j * 8;
+        for (int r = 0; r < MR; ++r) {
+          const int64_t at = (m0 + r) * p.k + kk;
+          coarse[r] = _mm512_dpbusd_epi32(coarse[r], lo, Bcast4(p.xa + at));
+          coarse[r] = _mm512_dpbusd_epi32(coarse[r], hi, Bcast4(p.xa + at + 4));
+          fine[r] = _mm512_dpbusd_epi32(fine[r], lo, Bcast4(p.xr + at));
+          fine[r] = _mm512_dpbusd_epi32(fine[r], hi, Bcast4(p.xr + at + 4));
+        }
+      } else {
+        const int64_t kk = b * kBlock + j * 4;
+        for (int r = 0; r < MR; ++r) {
+          const int64_t at = (m0 + r) * p.k + kk;
+          coarse[r] = _mm512_dpbusd_epi32(coarse[r], raw, Bcast4(p.xa + at));
+          fine[r] = _mm512_dpbusd_epi32(fine[r], raw, Bcast4(p.xr + at));
+        }
+      }
+    }
+    const __m512 d = LoadF16(st + b * kTile);
+    __m512 mn;
+    if constexpr (HAS_MIN) mn = LoadF16(mt + b * kTile);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb = (m0 + r) * blocks + b;
+      __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(coarse[r], c127), fine[r]);
+      if (p.zero != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(int32_t(p.zero) * p.xsum[rb]));
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(p.xs[rb]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ds, acc[r]);
+      if constexpr (HAS_MIN) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.fsum[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(p.out + (m0 + r) * p.n + t * kTile, acc[r]);
+}
+
+template <int BITS, bool HAS_MIN>
+void Tile(const Problem& p, int64_t t) {
+  constexpr int kRows = 4;  // rows sharing each weight load
+  int64_t m0 = 0;
+  for (; m0 + kRows <= p.m; m0 += kRows) TileRows<kRows, BITS, HAS_MIN>(p, t, m0);
+  switch (p.m - m0) {
+    case 3: TileRows<3, BITS, HAS_MIN>(p, t, m0); break;
+    case 2: TileRows<2, BITS, HAS_MIN>(p, t, m0); break;
+    case 1: TileRows<1, BITS, HAS_MIN>(p, t, m0); break;
+    default: break;
+  }
+}
+
+using TileFn = void (*)(const Problem&, int64_t);
+
+TileFn PickTile(int64_t bits, bool has_min) {
+  if (bits == 4) return has_min ? Tile<4, true> : Tile<4, false>;
+  return has_min ? Tile<8, true> : Tile<8, false>;
+}
+
+// Tiles are handed out through `next`, so the calling thread can do all of them
+// when the pool is busy (as in the paged attention kernel: waiting for a pool
+// task to start could deadlock). Pool tasks co-own this object.
+struct Work {
+  Problem p;
+  TileFn tile;
+  int64_t tiles, tiles_per_item, items;
+  std::vector<int8_t> xa, xr;
+  std::vector<float> xs, fsum;
+  std::vector<int32_t> xsum;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void Drain(Work& w) {
+  for (int64_t it; (it = w.next.fetch_add(1, std::memory_order_relaxed)) < w.items;) {
+    const int64_t t_end = std::min(w.tiles, (it + 1) * w.tiles_per_item);
+    for (int64_t t = it * w.tiles_per_item; t < t_end; ++t) w.tile(w.p, t);
+    w.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+#endif  // O1JAX_INT8_MATMUL
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> minimum,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t bits, int64_t zero,
+                          bool has_min) {
+  auto xd = x.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || od[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("int8_matmul: x must be [M, K] and out [M, N]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = od[1];
+  if ((bits != 4 && bits != 8) || k % kBlock != 0 || n % kTile != 0 ||
+      w.element_count() != k * n / (bits == 4 ? 2 : 1) || scale.element_count() != k / kBlock * n ||
+      (has_min && minimum.element_count() != scale.element_count())) {
+    return ffi::Error::InvalidArgument("int8_matmul: inconsistent shapes");
+  }
+  if (m == 0) return ffi::Error::Success();
+#if !O1JAX_INT8_MATMUL
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "int8_matmul: this CPU (or build) lacks AVX512-VNNI");
+#else
+  auto work = std::make_shared<Work>();
+  const int64_t blocks = k / kBlock;
+  work->xa.resize(m * k);
+  work->xr.resize(m * k);
+  work->xs.resize(m * blocks);
+  work->xsum.resize(m * blocks);
+  work->fsum.resize(m * blocks);
+  const float* xp = x.typed_data();
+  for (int64_t r = 0; r < m; ++r) {
+    QuantizeRow(xp + r * k, k, work->xa.data() + r * k, work->xr.data() + r * k,
+                work->xs.data() + r * blocks, work->xsum.data() + r * blocks,
+                work->fsum.data() + r * blocks);
+  }
+  work->p = Problem{m, k, n, bits, zero, has_min,
+                    w.typed_data(), reinterpret_cast<const uint16_t*>(scale.untyped_data()),
+                    reinterpret_cast<const uint16_t*>(minimum.untyped_data()),
+                    work->xa.data(), work->xr.data(), work->xs.data(), work->xsum.data(),
+                    work->fsum.data(), out->typed_data()};
+  work->tile = PickTile(bits, has_min);
+  work->tiles = n / kTile;
+  // Small products run on the calling thread: handing work to the pool costs
+  // more than it saves below ~1M multiply-adds.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const bool parallel = threads > 1 && m * k * n >= (int64_t{1} << 20) && work->tiles > 1;
+  const int64_t want_items = parallel ? threads * 4 : 1;
+  work->tiles_per_item = std::max<int64_t>(1, (work->tiles + want_items - 1) / want_items);
+  work->items = (work->tiles + work->tiles_per_item - 1) / work->tiles_per_item;
+  if (parallel) {
+    for (int64_t t = 1; t < std::min<int64_t>(threads, work->items); ++t) {
+      pool.Schedule([work] { Drain(*work); });
+    }
+  }
+  Drain(*work);
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  return ffi::Error::Success();
+#endif
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(O1jaxInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("zero")
+                                  .Attr<bool>("has_min"));

@@ -1,0 +1,184 @@
+"""4-/8-bit weights times int8-quantized activations (AVX512-VNNI on the CPU).
+
+`pack(w)` lays a `QuantizedTensor` (Q4_0, Q4_1, Q8_0 or any group size that is
+a multiple of 32) or a dense [K, N] matrix (quantized to Q8_0 here) out for the
+native kernel (`native/int8_matmul.cc`). `vnni_matmul(x, w)` quantizes each row
+of x per block of 32 to two int8 levels (step s = max|x| / 127, then the
+rounding residual in steps of s / 127: ~15 bits), takes exact integer dot
+products per block and scales them:
+
+  x ~ (s / 127) (127 xa + xr)
+  y[m, n] = sum_b d[b, n] (s / 127) (sum_k q[k, n] (127 xa + xr)[m, k] - zero sum_k (127 xa + xr))
+            + min[b, n] sum_k x[m, k]
+
+with w = (q - zero) d + min. Weights keep their exact values (scales are stored
+as f16, exact for GGUF's). One int8 level per block, as llama.cpp's Q8
+activations, moved the embedded model's logits ~8x more than bf16 matmuls do
+(outlier channels coarsen their whole block); two levels move them less than
+bf16. A row's result depends only on that row (batch-invariant): its own
+quantization, exact integer sums, f32 accumulation over the blocks in a fixed
+order.
+
+Without the native kernel (no compiler, no VNNI, not a CPU) the XLA reference
+below computes the same quantities (same activation rounding; f32 sums in
+another order).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import native
+from pallas_kernels.quantized_tensor import QuantizedTensor, quantize, unpack_int4
+
+BLOCK = 32  # quantization block along K, for weights and activations
+TILE = 16  # output columns per tile of the layout (one AVX-512 register of f32)
+
+
+@flax.struct.dataclass
+class VnniWeight:
+  """A [K, N] weight in the native kernel's tiled layout (see int8_matmul.cc).
+
+  packed: uint8 [Np/16, K/8, 16, 4] (4-bit: byte j of (t, kb, c) holds q[8kb+j]
+    in its low and q[8kb+4+j] in its high nibble) or [Np/16, K/4, 16, 4]
+    (8-bit: q[4kb+j] + 128); Np = N rounded up to 16 (padding columns are 0).
+  scale, minimum: float16 [Np/16, K/32, 16] (minimum: zeros when symmetric).
+  w[k, n] = (q[k, n] - zero) * scale + minimum."""
+
+  packed: jax.Array
+  scale: jax.Array
+  minimum: jax.Array
+  bits: int = flax.struct.field(pytree_node=False, default=4)
+  zero: int = flax.struct.field(pytree_node=False, default=8)
+  has_min: bool = flax.struct.field(pytree_node=False, default=False)
+  n: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    tiles, rows = self.packed.shape[:2]
+    return (rows * (8 if self.bits == 4 else 4), self.n)
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.packed.nbytes + self.scale.nbytes + (self.minimum.nbytes if self.has_min else 0))
+
+
+def _tiles(a: np.ndarray, np_cols: int) -> np.ndarray:
+  """[R, N] -> [Np/16, R, 16], zero-padding columns up to Np."""
+  r, n = a.shape
+  a = np.pad(a, ((0, 0), (0, np_cols - n)))
+  return np.ascontiguousarray(a.reshape(r, np_cols // TILE, TILE).transpose(1, 0, 2))
+
+
+def pack(w, name: str = "weight") -> VnniWeight:
+  """QuantizedTensor (4-/8-bit, group_size a multiple of 32) or dense [K, N] ->
+  VnniWeight (host-side numpy). Dense matrices are quantized to Q8_0 first."""
+  if not isinstance(w, QuantizedTensor):
+    w = np.asarray(jax.device_get(w), np.float32)
+    if w.ndim != 2:
+      raise ValueError(f"vnni_matmul.pack: {name} has shape {w.shape}; need a [K, N] matrix")
+    if w.shape[0] % BLOCK:
+      raise ValueError(f"vnni_matmul.pack: {name} has K={w.shape[0]}, not a multiple of {BLOCK}")
+    w = quantize(w, bits=8, group_size=BLOCK)
+  w = jax.device_get(w).validate(f"vnni_matmul.pack: {name}")
+  k, n = w.shape
+  if w.group_size % BLOCK:
+    raise ValueError(f"vnni_matmul.pack: {name} has group_size {w.group_size}, not a multiple "
+                     f"of {BLOCK}")
+  np_cols = -(-n // TILE) * TILE
+  repeat = w.group_size // BLOCK  # one scale per 32-row block
+  scale = np.repeat(np.asarray(w.scale, np.float32), repeat, axis=0).astype(np.float16)
+  has_min = w.minimum is not None
+  minimum = (np.repeat(np.asarray(w.minimum, np.float32), repeat, axis=0).astype(np.float16)
+             if has_min else np.zeros_like(scale))
+  if w.bits == 4:
+    q = np.asarray(unpack_int4(np.asarray(w.packed)), np.uint8)  # [K, N] in 0..15
+    q = q.reshape(k // 8, 2, 4, n)  # (kb, low/high nibble, j, n)
+    q = (q[:, 0] | (q[:, 1] << 4)).astype(np.uint8)  # [K/8, 4, N]
+    zero = 0 if has_min else 8
+  else:
+    q = (np.asarray(w.packed, np.int16) + 128).astype(np.uint8).reshape(k // 4, 4, n)
+    zero = 128
+  rows = q.shape[0]
+  q = np.pad(q, ((0, 0), (0, 0), (0, np_cols - n)))
+  packed = np.ascontiguousarray(
+      q.reshape(rows, 4, np_cols // TILE, TILE).transpose(2, 0, 3, 1))  # [T, rows, 16, 4]
+  return VnniWeight(packed=packed, scale=_tiles(scale, np_cols), minimum=_tiles(minimum, np_cols),
+                    bits=w.bits, zero=zero, has_min=has_min, n=n)
+
+
+def unpack(w: VnniWeight) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(q int32 [K, Np] with w = (q - zero) * scale + minimum, scale f32 [K/32, Np],
+  minimum f32 [K/32, Np]) from the tiled layout (the reference's view of it)."""
+  tiles, rows = w.packed.shape[:2]
+  p = jnp.transpose(w.packed, (1, 3, 0, 2)).reshape(rows, 4, tiles * TILE)  # [rows, j, Np]
+  if w.bits == 4:
+    q = jnp.stack([p & 0xF, p >> 4], axis=1)  # [K/8, 2, 4, Np]
+  else:
+    q = p
+  q = q.reshape(-1, tiles * TILE).astype(jnp.int32)
+  per_block = lambda a: jnp.transpose(a, (1, 0, 2)).reshape(a.shape[1], -1).astype(jnp.float32)
+  return q, per_block(w.scale), per_block(w.minimum)
+
+
+def quantize_activations(x: jax.Array):
+  """x f32 [M, K] -> (xa, xr int32 [M, K] in -127..127, xs f32 [M, K/32] (the fine
+  step s / 127), xsum int32 [M, K/32] (sum of 127 xa + xr), fsum f32 [M, K/32]
+  (sum of x)) with the kernel's f32 operations: s = max|x| / 127, xa = rint(x *
+  (127 / max|x|)), xr = rint((x - xa s) * (127 * 127 / max|x|)) (zeros for a
+  zero block)."""
+  m, k = x.shape
+  xb = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
+  amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+  inv = jnp.where(amax > 0, jnp.float32(127.0) / jnp.where(amax > 0, amax, 1.0), 0.0)
+  step = amax / jnp.float32(127.0)
+  xa = jnp.round(xb * inv)
+  xr = jnp.clip(jnp.round((xb - xa * step) * (inv * jnp.float32(127.0))), -127, 127)
+  xa, xr = xa.astype(jnp.int32), xr.astype(jnp.int32)
+  xsum = jnp.sum(127 * xa + xr, axis=-1)
+  return (xa.reshape(m, k), xr.reshape(m, k), (step / jnp.float32(127.0))[..., 0], xsum,
+          jnp.sum(xb, axis=-1))
+
+
+def vnni_matmul_reference(x: jax.Array, w: VnniWeight) -> jax.Array:
+  """XLA version of the kernel: x [M, K] -> f32 [M, N]."""
+  m, k = x.shape
+  q, scale, minimum = unpack(w)
+  xa, xr, xs, xsum, fsum = quantize_activations(x)
+  blocks = k // BLOCK
+  combined = (127 * xa + xr).reshape(m, blocks, BLOCK)
+  isum = jnp.einsum("mbk,bkn->mbn", combined, q.reshape(blocks, BLOCK, -1),
+                    preferred_element_type=jnp.int32)
+  isum = isum - w.zero * xsum[..., None]
+  y = jnp.sum(isum.astype(jnp.float32) * (scale[None] * xs[..., None]), axis=1)
+  if w.has_min:
+    y = y + jnp.einsum("mb,bn->mn", fsum, minimum, precision=jax.lax.Precision.HIGHEST)
+  return y[:, :w.n]
+
+
+def native_supported() -> bool:
+  """True when the native kernel can run here (built, CPU backend, AVX512-VNNI)."""
+  return native.int8_matmul_available()
+
+
+def vnni_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Array:
+  """x [..., K] @ w -> f32 [..., N]. backend "reference" forces the XLA version;
+  otherwise the native kernel runs where it can (else the XLA version)."""
+  k, n = w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"vnni_matmul: x.shape={x.shape} does not match W.shape={w.shape}")
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, k).astype(jnp.float32)
+  if backend != "reference" and native_supported():
+    y = native.int8_matmul(x2, w.packed, w.scale, w.minimum, bits=w.bits, zero=w.zero,
+                           has_min=w.has_min)[:, :n]
+  else:
+    y = vnni_matmul_reference(x2, w)
+  return y.reshape(*lead, n)

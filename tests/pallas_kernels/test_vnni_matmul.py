@@ -1,0 +1,127 @@
+"""Quantized weights x int8-quantized activations (`pallas_kernels.vnni_matmul`).
+
+The layout round-trips to the exact dequantized weights; the native kernel
+matches the XLA reference (same activation rounding, f32 sums in another order);
+both stay within the two-level activation rounding of an exact f32 matmul; and a
+row's result is bit-identical whatever other rows share the call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import vnni_matmul as vm
+from pallas_kernels.quantized_tensor import dequantize, quantize
+
+FORMATS = {"q4_0": dict(bits=4, symmetric=True), "q4_1": dict(bits=4, symmetric=False),
+           "q8_0": dict(bits=8)}
+
+
+def _weight(fmt, k, n, seed=0, group_size=32):
+  w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+  return quantize(w, group_size=group_size, **FORMATS[fmt])
+
+
+def _packed(qt):
+  return jax.tree.map(jnp.asarray, vm.pack(qt))
+
+
+def _activations(m, k, seed=1):
+  x = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+  x[0, :32] = 0.0  # an all-zero block
+  if m > 1:
+    x[1, 5] = 80.0  # an outlier that sets its block's scale
+  return x
+
+
+def _needs_native():
+  if not vm.native_supported():
+    pytest.skip("native int8 matmul unavailable (no compiler, no AVX512-VNNI, or not a CPU)")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k,n,group", [(64, 40, 32), (576, 192, 32), (128, 48, 64)])
+def test_layout_round_trips_to_the_dequantized_weight(fmt, k, n, group):
+  qt = _weight(fmt, k, n, group_size=group)
+  w = _packed(qt)
+  assert w.shape == (k, n) and w.has_min == (fmt == "q4_1")
+  q, scale, minimum = vm.unpack(w)
+  deq = (q.astype(jnp.float32) - w.zero).reshape(k // 32, 32, -1) * scale[:, None] + minimum[:, None]
+  deq = np.asarray(deq.reshape(k, -1))
+  np.testing.assert_array_equal(deq[:, :n], np.asarray(dequantize(qt)))
+  assert not deq[:, n:].any()  # padding columns are zero
+
+
+def test_dense_matrices_become_q8_0():
+  w = np.random.default_rng(2).standard_normal((64, 20)).astype(np.float32)
+  packed = vm.pack(w)
+  assert packed.bits == 8 and packed.zero == 128
+  q, scale, _ = vm.unpack(jax.tree.map(jnp.asarray, packed))
+  deq = (q.astype(jnp.float32) - 128).reshape(2, 32, -1) * scale[:, None]
+  np.testing.assert_array_equal(np.asarray(deq.reshape(64, -1))[:, :20],
+                                np.asarray(dequantize(quantize(w, bits=8))))
+
+
+def test_activation_levels_reconstruct_each_block():
+  x = _activations(3, 96)
+  xa, xr, xs, xsum, fsum = (np.asarray(a) for a in vm.quantize_activations(jnp.asarray(x)))
+  assert np.abs(xa).max() <= 127 and np.abs(xr).max() <= 64
+  combined = 127 * xa + xr
+  recon = (combined.reshape(3, 3, 32) * xs[..., None]).reshape(3, 96)
+  step = np.repeat(xs, 32, axis=1)  # the fine step s / 127 of each value's block
+  assert np.all(np.abs(recon - x) <= 0.5 * step + 1e-6 * np.abs(x))
+  np.testing.assert_array_equal(xsum, combined.reshape(3, 3, 32).sum(-1))
+  np.testing.assert_allclose(fsum, x.reshape(3, 3, 32).sum(-1), rtol=1e-6, atol=1e-6)
+  assert not recon[0, :32].any()  # the zero block stays zero
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_is_an_f32_matmul_up_to_activation_rounding(fmt):
+  qt = _weight(fmt, 576, 192)
+  x = _activations(5, 576)
+  got = np.asarray(jax.jit(vm.vnni_matmul_reference)(jnp.asarray(x), _packed(qt)))
+  want = x.astype(np.float64) @ np.asarray(dequantize(qt), np.float64)
+  # ~15-bit activations: each row's error is a few 1e-5 of its largest output.
+  err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+  assert err.max() < 3e-4, err
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 192), (5, 1536, 576), (33, 64, 40)])
+def test_native_matches_reference(fmt, m, k, n):
+  _needs_native()
+  qt = _weight(fmt, k, n, seed=m)
+  w, x = _packed(qt), jnp.asarray(_activations(m, k, seed=k))
+  got = np.asarray(jax.jit(lambda x: vm.vnni_matmul(x, w))(x))
+  want = np.asarray(jax.jit(lambda x: vm.vnni_matmul(x, w, backend="reference"))(x))
+  assert got.shape == (m, n)
+  # Same integers; the f32 sums over blocks run in another order (and a residual
+  # may round one step apart when the compiler fuses x - xa*s).
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_row_does_not_depend_on_the_other_rows(fmt):
+  _needs_native()
+  w = _packed(_weight(fmt, 576, 1536))
+  x = jnp.asarray(_activations(40, 576, seed=7))
+  fn = jax.jit(lambda x: vm.vnni_matmul(x, w))
+  full = np.asarray(fn(x))
+  for rows in (1, 2, 3, 5, 7, 32):  # row groups of 4 plus every remainder size
+    np.testing.assert_array_equal(np.asarray(fn(x[:rows])), full[:rows])
+  np.testing.assert_array_equal(np.asarray(fn(x[np.array([9, 3, 9])])), full[[9, 3, 9]])
+
+
+def test_leading_dims_and_errors():
+  w = _packed(_weight("q4_1", 64, 40))
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.float32)
+  y = vm.vnni_matmul(x, w)
+  assert y.shape == (2, 3, 40)
+  np.testing.assert_allclose(np.asarray(y).reshape(6, 40),
+                             np.asarray(vm.vnni_matmul(x.reshape(6, 64), w)), rtol=0, atol=0)
+  with pytest.raises(ValueError, match=r"x.shape=\(2, 3, 64\) does not match W.shape=\(96, 40\)"):
+    vm.vnni_matmul(x, _packed(_weight("q4_1", 96, 40)))
+  with pytest.raises(ValueError, match="layers.3.wq has K=40, not a multiple of 32"):
+    vm.pack(np.zeros((40, 16), np.float32), "layers.3.wq")
+  with pytest.raises(ValueError, match="w_up has shape"):
+    vm.pack(np.zeros((4, 4, 4), np.float32), "w_up")
