@@ -75,6 +75,20 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
   )
 
 
+def controller_section() -> ml_collections.ConfigDict:
+  """The reasoning controller's KV cache (controller policies only; see docs/controller.md).
+
+  Checked by `o1jax.controller.configs.check_cache_config` when the plan is built."""
+  return section(
+      # paged: the engine's paged cache, samples share the prompt's blocks (less KV memory,
+      # and faster on CPU); contiguous: every row holds all its positions. Not contiguous:
+      # part of the content hash (other attention kernels, other rounding).
+      cache="paged",
+      block_size=16,  # paged: tokens per block
+      num_blocks=0,  # paged: pool size; 0 = sized from the controller's plan (never runs out)
+  )
+
+
 def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_collections.ConfigDict:
   """name + the policy's params with their defaults (so `--config.policy.n=8` works).
 

@@ -78,7 +78,8 @@ class PredictorSpec:
 
   Attributes beyond the model: batch_size (the runner's; the engine's default
   slot count), engine (sorted items of the config's `engine` section), policy
-  (sorted items of a controller policy's `{"name", **params}`; controller only).
+  (sorted items of a controller policy's `{"name", **params}`; controller only),
+  controller (sorted items of the `controller` section: its KV cache; controller only).
   """
   name: str = "generator"
   source: str = "embedded"
@@ -88,10 +89,11 @@ class PredictorSpec:
   batch_size: int = 8
   engine: tuple[tuple[str, Any], ...] = ()
   policy: tuple[tuple[str, Any], ...] = ()
+  controller: tuple[tuple[str, Any], ...] = ()
 
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8, engine=None,
-                  policy=None) -> "PredictorSpec":
+                  policy=None, controller=None) -> "PredictorSpec":
     def items(section):
       if section is None:
         return ()
@@ -100,7 +102,7 @@ class PredictorSpec:
     return cls(name=name or model_cfg.predictor, source=model_cfg.source, backend=model_cfg.backend,
                matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
-               engine=items(engine), policy=items(policy))
+               engine=items(engine), policy=items(policy), controller=items(controller))
 
 
 def _load_model(spec: PredictorSpec):
@@ -249,7 +251,8 @@ class ControllerPredictor:
 
   1. each work item (sample index 0 of an example) becomes a `ReasoningRequest`
      (prompt, request_id, seed); 2. `Controller.run(requests, policy)` runs the
-     policy (n traces share the prompt's cache; vote / best / threshold inside);
+     policy (n traces share the prompt's cache; vote / best / threshold inside)
+     on the decode model the `controller` section names (paged or contiguous KV);
   3. each `ReasoningResult` becomes a prediction: text = the chosen trace's text
      (scored by the task like any completion), tokens by kind (thinking, answer,
      probe, discarded, waits; completion = every generated token), and the
@@ -265,7 +268,7 @@ class ControllerPredictor:
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "ControllerPredictor":
-    from o1jax.controller import ContiguousLlama, Controller
+    from o1jax.controller import Controller, build_decode_model
     if not spec.policy:
       raise ValueError("predictor=controller needs a controller policy (policy.name = one of the "
                        "controller's policies)")
@@ -274,7 +277,8 @@ class ControllerPredictor:
     engine = dict(spec.engine)
     # One Beam batch x n traces in one compiled loop, unless engine.max_slots caps the rows.
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
-    return cls(Controller(ContiguousLlama(model), tokenizer, max_rows=max(rows, 1)), policy)
+    decode_model = build_decode_model(model, dict(spec.controller))
+    return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1)), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest
@@ -373,6 +377,12 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   kv_dtype = dict(spec.engine).get("kv_dtype", "float32")
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
+  cache = dict(spec.controller)
+  if spec.name == "controller" and cache.get("cache", "contiguous") != "contiguous":
+    # The paged cache's attention kernels add in another order (contiguous keeps old hashes);
+    # the pool size cannot change a result (a pool that runs out raises).
+    fp["controller_cache"] = {"cache": cache["cache"],
+                              "block_size": int(cache.get("block_size", 16))}
   if spec.name == "fake":
     return fp
   path = spec.source

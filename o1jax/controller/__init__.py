@@ -3,7 +3,7 @@
 Public API (see docs/controller.md):
 
   from o1jax.controller import Controller, ContiguousLlama, get_policy
-  ctl = Controller(ContiguousLlama(llama), tokenizer)    # or PagedLlama(llama): shared prompt blocks
+  ctl = Controller(ContiguousLlama(llama), tokenizer)  # or PagedLlama(llama): shared KV blocks
   results = ctl.run(prompts_or_requests, get_policy("self_consistency", n=8))
   results = ctl.run(requests, {"name": "deepconf", "n": 16, "warmup": 4})  # dict / ConfigDict
   results[0].answer, results[0].tokens.to_dict(), results[0].traces[0].steps

@@ -85,7 +85,9 @@ def get_config(arg: str = "greedy_cot") -> ml_collections.ConfigDict:
 
 CACHES = ("contiguous", "paged")
 CACHE_DEFAULTS = dict(
-    cache="contiguous",  # ContiguousLlama: every row holds all its positions
+    # paged: PagedLlama, samples share the prompt's blocks (measured faster on CPU too, see
+    # docs/controller.md); contiguous: ContiguousLlama, every row holds all its positions
+    cache="paged",
     block_size=16,  # paged: tokens per block
     num_blocks=0,  # paged: pool size; 0 = sized from the controller's plan (never runs out)
 )
@@ -114,7 +116,7 @@ def cache_config(**overrides) -> ml_collections.ConfigDict:
 
 
 def build_decode_model(model, section: Mapping[str, Any] | None = None):
-  """The DecodeModel for a `Llama` as the cache section says (None: contiguous).
+  """The DecodeModel for a `Llama` as the cache section says (None: CACHE_DEFAULTS).
 
   contiguous -> ContiguousLlama; paged -> PagedLlama(block_size, num_blocks or None)."""
   from o1jax.controller.decode_model import ContiguousLlama

@@ -94,9 +94,14 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                           top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
   name = resolve_predictor(config.model.predictor, policy, config.task)
+  controller = None
+  if policy.controller:  # its cache section, checked now rather than in a worker
+    from o1jax.controller.configs import check_cache_config
+    controller = check_cache_config(config.get("controller") or {})
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
-      engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None)
+      engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
+      controller=controller)
   return EvalPlan(task=build_task(config), policy=policy, sampling=sampling, predictor=spec,
                   model_fp=model_fingerprint(spec), output_dir=output_dir,
                   batch_size=int(config.runner.batch_size), share_model=bool(config.runner.share_model))

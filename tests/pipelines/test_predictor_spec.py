@@ -1,5 +1,7 @@
-"""PredictorSpec: the model section's matmul_dtype and the engine section's kv_dtype reach
-the model / engine and the content hash."""
+"""PredictorSpec: the model section's matmul_dtype, the engine section's kv_dtype and the
+controller section's cache reach the model / engine / controller and the content hash."""
+
+import pytest
 
 from configs import gsm8k as gsm8k_config
 from o1jax.testing import tiny_config, write_hf_checkpoint
@@ -30,3 +32,25 @@ def test_kv_dtype_flows_from_config_to_engine_and_fingerprint():
   narrow = PredictorSpec.from_config(cfg.model, name="engine", batch_size=4, engine=cfg.engine)
   assert engine_config(narrow).kv_dtype == "bfloat16"
   assert model_fingerprint(narrow)["kv_dtype"] == "bfloat16"
+
+
+def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(tmp_path):
+  from pipelines.beam import build_plan
+  from pipelines.predictors import build_predictor
+
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.model.source = str(tmp_path)
+  paged = build_plan(cfg, "unused_output_dir").predictor
+  assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0}
+  assert model_fingerprint(paged)["controller_cache"] == {"cache": "paged", "block_size": 16}
+  assert type(build_predictor(paged).controller.model).__name__ == "PagedLlama"
+  cfg.controller.num_blocks = 512  # fits or raises: never another result, so not in the hash
+  assert model_fingerprint(build_plan(cfg, "unused_output_dir").predictor) == model_fingerprint(paged)
+  cfg.controller.cache = "contiguous"
+  contiguous = build_plan(cfg, "unused_output_dir").predictor
+  assert "controller_cache" not in model_fingerprint(contiguous)  # contiguous hashes stay as before
+  assert type(build_predictor(contiguous).controller.model).__name__ == "ContiguousLlama"
+  cfg.controller.cache = "pagd"
+  with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
+    build_plan(cfg, "unused_output_dir")

@@ -50,7 +50,8 @@ def _requests(prompts=PROMPTS):
 
 def _same_trace(a, b):
   assert a.token_ids == b.token_ids
-  assert [(s.start, s.end, s.action) for s in a.steps] == [(s.start, s.end, s.action) for s in b.steps]
+  span = lambda t: [(s.start, s.end, s.action) for s in t.steps]
+  assert span(a) == span(b)
   np.testing.assert_allclose([s.score for s in a.steps], [s.score for s in b.steps], rtol=1e-5)
   assert (a.tokens, a.exit_reason, a.backtracks, a.early_exit) == (
       b.tokens, b.exit_reason, b.backtracks, b.early_exit)
@@ -59,7 +60,8 @@ def _same_trace(a, b):
 
 def _same_results(contiguous, paged):
   for a, b in zip(contiguous, paged, strict=True):
-    assert (a.answer, a.chosen, a.steps, a.backtracks) == (b.answer, b.chosen, b.steps, b.backtracks)
+    summary = lambda r: (r.answer, r.chosen, r.steps, r.backtracks)
+    assert summary(a) == summary(b)
     assert a.votes == pytest.approx(b.votes, rel=1e-5)
     for ta, tb in zip(a.traces, b.traces, strict=True):
       _same_trace(ta, tb)
@@ -204,7 +206,8 @@ class _OutOfBlocks(MockDecodeModel):
 def test_the_controller_checks_the_cache_after_each_loop_call():
   model = _OutOfBlocks(np.zeros((len(VOCAB), len(VOCAB)), np.float32))
   with pytest.raises(PagedCacheOverflow):  # the loop call's results are never returned
-    Controller(model, MockTokenizer(VOCAB)).run(["Q"], {"name": "greedy_cot", "max_thinking_tokens": 2})
+    Controller(model, MockTokenizer(VOCAB)).run(["Q"], {"name": "greedy_cot",
+                                                        "max_thinking_tokens": 2})
 
 
 def test_plan_sized_pool_is_smaller_than_the_contiguous_cache(models):
