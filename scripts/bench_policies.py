@@ -45,6 +45,8 @@ def parse_args(argv=None):
   p.add_argument("--max-thinking", type=int, default=96)
   p.add_argument("--max-answer", type=int, default=12)
   p.add_argument("--max-rows", type=int, default=16)
+  p.add_argument("--cache", default="contiguous", choices=("contiguous", "paged"),
+                 help="the controller's KV cache (the README's tables used contiguous)")
   p.add_argument("--policies", default="greedy_cot,self_consistency,deepconf,deepconf_calibrated,"
                                        "best_of_n,think_verify_backtrack,budget_forcing")
   p.add_argument("--calibration-problems", type=int, default=8,
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   enable_compilation_cache()
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.controller import ContiguousLlama, Controller, get_policy
+  from o1jax.controller import Controller, build_decode_model, cache_config, get_policy
   from o1jax.model import Generator, Llama
   from pipelines.tasks.gsm8k import answers_match
 
@@ -136,7 +138,8 @@ def main(argv=None) -> int:
   load_start = os.getloadavg()  # the machine may be shared: recorded with the results
   ck = load_checkpoint("embedded")
   llama = Llama(ck.config, ck.params)
-  ctl = Controller(ContiguousLlama(llama), ck.tokenizer, max_rows=a.max_rows)
+  ctl = Controller(build_decode_model(llama, cache_config(cache=a.cache)), ck.tokenizer,
+                   max_rows=a.max_rows)
   levels = [int(x) for x in a.levels.split(",")]
   examples, requests = gsm_requests(a.problems, a.seed, levels)
   prompts = [r.prompt for r in requests]
@@ -193,6 +196,7 @@ def main(argv=None) -> int:
 
   by = {r["policy"]: r for r in rows}
   summary = {"overhead": overhead, "policies": rows, "problems": len(examples), "n": a.n,
+             "cache": a.cache,
              "total_s": time.perf_counter() - t_start,
              "load_average_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
              "cpus": os.cpu_count()}
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
 
   lines = [f"{len(examples)} synthetic GSM problems (levels {a.levels}), embedded SmolLM2-135M, "
            f"n={a.n}, max thinking {a.max_thinking} tokens, max answer {a.max_answer} tokens "
-           f"after the prefix; {summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
+           f"after the prefix, {a.cache} KV cache; {summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
            f"1-min load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end",
            "",
            "| policy | accuracy | tokens mean | tokens median | probe tokens | P50 s | P95 s | "

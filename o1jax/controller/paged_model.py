@@ -166,7 +166,7 @@ class PagedLlama:
                       peak_blocks=jnp.zeros((), jnp.int32))
 
   def forward(self, params, cache: PagedCache, tokens, starts, logits_at):
-    b, t = tokens.shape
+    t = tokens.shape[1]
     starts = starts.astype(jnp.int32)
     logits_at = logits_at.astype(jnp.int32)
     write_lens = logits_at + 1  # later tokens cannot change these logits
@@ -192,11 +192,16 @@ class PagedLlama:
     return cache.replace(blocks=truncate_rows(cache.blocks, lengths.astype(jnp.int32)))
 
   def check(self, cache: PagedCache) -> None:
-    if bool(cache.overflow):
-      raise PagedCacheOverflow(
-          f"the paged KV cache ran out of blocks: a pool of {cache.blocks.num_blocks} blocks of "
-          f"{self.block_size} tokens was too small for this batch (num_blocks={self.num_blocks}); "
-          f"raise num_blocks, or leave it None to size the pool from the controller's plan")
+    """Raises PagedCacheOverflow if a write found no block (one scalar to the host)."""
+    if not bool(cache.overflow):
+      return
+    fix = ("raise num_blocks, or leave it None to size the pool from the controller's plan"
+           if self.num_blocks is not None else
+           "pass the controller's CachePlan to init_cache, or set num_blocks")
+    raise PagedCacheOverflow(
+        f"the paged KV cache ran out of blocks: a pool of {cache.blocks.num_blocks} blocks of "
+        f"{self.block_size} tokens was too small for this batch (or a write ran past a row's "
+        f"block table); {fix}")
 
   @staticmethod
   def _note(cache: PagedCache) -> PagedCache:
