@@ -14,7 +14,7 @@ eos ignored), same thread count for every system:
 Prints a table and the ratios o1jax / llama.cpp and o1jax / transformers.
 
   python scripts/bench_engine.py [--new-tokens 128] [--concurrency 1,8,32,64]
-      [--hf-batches 1,8,32] [--matmul-dtypes float32,bfloat16] [--kv-dtypes float32]
+      [--hf-batches 1,8,32] [--matmul-dtypes float32,bfloat16,int8] [--kv-dtypes float32]
       [--threads 2] [--skip-llamacpp] [--skip-hf]
 """
 
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
   ap.add_argument("--concurrency", default="1,8,32,64")
   ap.add_argument("--hf-batches", default="1,8,32")
   ap.add_argument("--threads", type=int, default=os.cpu_count())
-  ap.add_argument("--matmul-dtypes", default="float32,bfloat16",
+  ap.add_argument("--matmul-dtypes", default="float32,bfloat16,int8",
                   help="o1jax rows for each Llama matmul_dtype (float32 = exact reference)")
   ap.add_argument("--kv-dtypes", default="float32",
                   help="o1jax rows for each KV cache dtype (EngineConfig.kv_dtype)")
