@@ -104,9 +104,7 @@ void QuantizeRow(const float* x, int64_t k, int8_t* xa, int8_t* xr, float* xs, i
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const float step = amax / 127.0f;
     xs[b] = step / 127.0f;
-    float s = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) s += xb[i];  // sequential: a fixed order
-    fsum[b] = s;
+    fsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));  // a fixed order of adds
     __m512i total = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
       // cvtps_epi32 rounds to nearest even (the default MXCSR mode), like jnp.round.
