@@ -224,7 +224,8 @@ def test_plan_sized_pool_is_smaller_than_the_contiguous_cache(models):
 def test_cache_config_selects_the_model_and_names_bad_values(models):
   contiguous, paged, _ = models
   llama = nnx.merge(paged.graphdef, paged.params)
-  assert type(build_decode_model(llama)).__name__ == "ContiguousLlama"
+  assert isinstance(build_decode_model(llama), PagedLlama)  # the default
+  assert type(build_decode_model(llama, {"cache": "contiguous"})).__name__ == "ContiguousLlama"
   built = build_decode_model(llama, cache_config(cache="paged", block_size=8, num_blocks=64))
   assert isinstance(built, PagedLlama) and (built.block_size, built.num_blocks) == (8, 64)
   assert build_decode_model(llama, {"cache": "paged"}).num_blocks is None  # 0 = from the plan
