@@ -282,6 +282,9 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
   """Copy-on-write: block src[i] -> dst[i] in every layer (dst = num_blocks: no-op).
 
   src, dst [N] int32 (pad with dst = num_blocks to keep N a fixed bucket)."""
+  if src.shape[0] == 1:  # XLA's CPU scatter of one row may copy the whole pool: pad to two
+    src = jnp.concatenate([src, src])
+    dst = jnp.concatenate([dst, jnp.full_like(dst, cache.num_blocks)])
   src = jnp.clip(src, 0, cache.num_blocks - 1)
   cp = lambda pools: tuple(p.at[dst].set(p[src], mode="drop") for p in pools)
   new = cache.replace(k_pages=cp(cache.k_pages), v_pages=cp(cache.v_pages))

@@ -193,3 +193,22 @@ def test_allocator_counts_prefix_cache_and_eviction():
     alloc.allocate()
   with pytest.raises(AssertionError):
     alloc.free_all(got + [got[0]])
+
+
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_copy_blocks_copies_only_the_named_blocks(pairs):
+  """One pair is padded internally (a one-row XLA scatter may rewrite the whole
+  pool); dst = num_blocks is a no-op either way."""
+  rng = np.random.default_rng(0)
+  cache = PagedKVCache.create(2, 6, 4, 2, 8)
+  fill = lambda pools: tuple(jnp.asarray(rng.standard_normal(p.shape), jnp.float32) for p in pools)
+  cache = cache.replace(k_pages=fill(cache.k_pages), v_pages=fill(cache.v_pages))
+  src = jnp.array([2, 5, 0][:pairs], jnp.int32)
+  dst = jnp.array([4, 6, 1][:pairs], jnp.int32)  # 6 = num_blocks: dropped
+  out = jax.jit(copy_blocks)(cache, src, dst)
+  for before, after in zip(cache.k_pages + cache.v_pages, out.k_pages + out.v_pages):
+    want = np.asarray(before).copy()
+    for s, d in zip(np.asarray(src), np.asarray(dst)):
+      if d < 6:
+        want[d] = np.asarray(before)[s]
+    np.testing.assert_array_equal(np.asarray(after), want)
