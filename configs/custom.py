@@ -6,14 +6,14 @@
 
 answer_format: number (GSM8K normalization + strict/flexible scoring), gsm8k (worked
 solution ending "#### N"), text (exact match of the reply's last line).
-Variants: smoke=True|False, policy=<name> (see configs/gsm8k.py).
+Variants: smoke=True|False, fast=True|False, policy=<name> (see configs/gsm8k.py).
 """
 
 from configs import common
 
 
 def get_config(arg: str = ""):
-  variant = common.parse_arg(arg, {"smoke": "False", "policy": "greedy"})
+  variant = common.parse_arg(arg, common.VARIANTS)
   smoke = common.is_true(variant["smoke"])
 
   config = common.section()
@@ -40,4 +40,5 @@ def get_config(arg: str = ""):
   config.controller = common.controller_section()
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke
+  common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)

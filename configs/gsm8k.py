@@ -8,6 +8,7 @@
       --config.dataset.n=0 --config.prompt.style=fewshot
 
 Variants after the colon (comma-separated key=value): smoke=True|False,
+fast=True|False (int8 matmuls + bf16 KV: the fastest CPU mode, see the README),
 policy=<name>: plain sampling (greedy, sample_n; run by model.predictor=engine or
 generator) or a reasoning-controller policy (greedy_cot, self_consistency,
 best_of_n, deepconf, think_verify_backtrack, budget_forcing; run by the controller,
@@ -19,7 +20,7 @@ from configs import common
 
 
 def get_config(arg: str = ""):
-  variant = common.parse_arg(arg, {"smoke": "False", "policy": "greedy"})
+  variant = common.parse_arg(arg, common.VARIANTS)
   smoke = common.is_true(variant["smoke"])
 
   config = common.section()
@@ -41,4 +42,5 @@ def get_config(arg: str = ""):
   config.controller = common.controller_section()
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke
+  common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)

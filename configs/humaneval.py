@@ -4,14 +4,15 @@
   python -m pipelines.eval --config=configs/humaneval.py:policy=sample_n --config.policy.n=10 \
       --output_dir=runs/he_n10
 
-Variants: smoke=True|False, policy=greedy|sample_n (controller policies are rejected for HumanEval).
+Variants: smoke=True|False, fast=True|False (int8 matmuls + bf16 KV),
+policy=greedy|sample_n (controller policies are rejected for HumanEval).
 """
 
 from configs import common
 
 
 def get_config(arg: str = ""):
-  variant = common.parse_arg(arg, {"smoke": "False", "policy": "greedy"})
+  variant = common.parse_arg(arg, common.VARIANTS)
   smoke = common.is_true(variant["smoke"])
 
   config = common.section()
@@ -29,4 +30,5 @@ def get_config(arg: str = ""):
   config.engine = common.engine_section(smoke)
   config.runner = common.runner_section(batch_size=4 if smoke else 8)
   config.smoke = smoke
+  common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)

@@ -54,3 +54,18 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   cfg.controller.cache = "pagd"
   with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
     build_plan(cfg, "unused_output_dir")
+
+
+@pytest.mark.parametrize("config_module", ["gsm8k", "humaneval", "custom"])
+def test_fast_variant_sets_int8_matmuls_and_bf16_kv(config_module):
+  import importlib
+
+  module = importlib.import_module(f"configs.{config_module}")
+  exact = module.get_config("smoke=True")
+  fast = module.get_config("smoke=True,fast=True")
+  assert (exact.model.matmul_dtype, exact.engine.kv_dtype) == ("float32", "float32")
+  assert (fast.model.matmul_dtype, fast.engine.kv_dtype) == ("int8", "bfloat16")
+  spec = PredictorSpec.from_config(fast.model, name="engine", batch_size=4, engine=fast.engine)
+  assert model_fingerprint(spec)["matmul_dtype"] == "int8"
+  with pytest.raises(ValueError, match="'fats=True'.*'fast'"):
+    module.get_config("fats=True")
