@@ -114,6 +114,25 @@ def pack(w, name: str = "weight") -> VnniWeight:
                     bits=w.bits, zero=zero, has_min=has_min, n=n)
 
 
+def concat_columns(weights: list[VnniWeight], name: str = "weights") -> VnniWeight:
+  """[W1 | W2 | ...] along N: one call computes every part's columns bit for bit as
+  its own call would (columns are independent; x is quantized the same way), with
+  one activation quantization and one thread hand-off instead of several. Every
+  part but the last must have N a multiple of 16 (no padding columns inside)."""
+  first = weights[0]
+  for w in weights:
+    if (w.bits, w.zero, w.has_min) != (first.bits, first.zero, first.has_min) \
+        or w.packed.shape[1:] != first.packed.shape[1:]:
+      raise ValueError(f"vnni_matmul.concat_columns: {name} differ in format or K: "
+                       f"{[(w.bits, w.zero, w.has_min, w.shape) for w in weights]}")
+  if any(w.n % TILE for w in weights[:-1]):
+    raise ValueError(f"vnni_matmul.concat_columns: {name}: N {[w.n for w in weights]} must be "
+                     f"multiples of {TILE} (but the last)")
+  cat = lambda field: jnp.concatenate([getattr(w, field) for w in weights], axis=0)
+  return first.replace(packed=cat("packed"), scale=cat("scale"), minimum=cat("minimum"),
+                       n=sum(w.n for w in weights))
+
+
 def unpack(w: VnniWeight) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(q int32 [K, Np] with w = (q - zero) * scale + minimum, scale f32 [K/32, Np],
   minimum f32 [K/32, Np]) from the tiled layout (the reference's view of it)."""

@@ -18,7 +18,7 @@ from o1jax.model import layers
 from o1jax.model.config import ModelConfig
 from pallas_kernels.ops import resolve_backend
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
-from pallas_kernels.vnni_matmul import pack as pack_vnni
+from pallas_kernels.vnni_matmul import concat_columns, pack as pack_vnni
 
 WEIGHT_MODES = ("auto", "quantized", "dense")
 # "auto" materialises f32 weights for the XLA path only below this size: on a
@@ -26,16 +26,31 @@ WEIGHT_MODES = ("auto", "quantized", "dense")
 AUTO_DENSE_LIMIT_BYTES = 4 << 30
 
 
+# Matrices that read the same input, fused for the int8 kernel (see `concat_columns`).
+INT8_FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
 def _pack_int8_matrices(params: Params) -> Params:
   """Every matrix of `params` (and the output head) in the int8 kernel's layout.
 
   Quantized weights keep their exact values; dense ones become Q8_0. A tied
-  head gets its own packed copy: the embedding lookup keeps the table."""
+  head gets its own packed copy: the embedding lookup keeps the table. The
+  q/k/v and gate/up projections are fused into one matrix each where their
+  formats agree (same numbers, fewer kernel calls)."""
   is_matrix = lambda w: isinstance(w, QuantizedTensor) or getattr(w, "ndim", 0) == 2
   pack = lambda name, w: jax.tree.map(jnp.asarray, pack_vnni(w, name)) if is_matrix(w) else w
   out = dict(params)
-  out["layers"] = [{name: pack(f"layers.{i}.{name}", w) for name, w in layer.items()}
-                   for i, layer in enumerate(params["layers"])]
+  out["layers"] = []
+  for i, layer in enumerate(params["layers"]):
+    packed = {name: pack(f"layers.{i}.{name}", w) for name, w in layer.items()}
+    for fused, parts in INT8_FUSED.items():
+      try:
+        packed[fused] = concat_columns([packed[n] for n in parts], f"layers.{i}.{fused}")
+      except ValueError:  # mixed formats (e.g. a Q8_0 wv among Q4 weights): keep them apart
+        continue
+      for n in parts:
+        del packed[n]
+    out["layers"].append(packed)
   out["lm_head"] = pack("lm_head", params["lm_head"] if "lm_head" in params else params["embed"])
   return out
 
@@ -100,11 +115,15 @@ class DecoderLayer(nnx.Module):
     self.backend = backend
     self.interpret = interpret
     self.matmul_dtype = matmul_dtype
+    weight = lambda n: Weight(p[n]) if n in p else None
     self.attn_norm = Weight(p["attn_norm"])
-    self.wq, self.wk, self.wv, self.wo = (Weight(p[n]) for n in ("wq", "wk", "wv", "wo"))
-    self.bq, self.bk, self.bv = (Weight(p[n]) if n in p else None for n in ("bq", "bk", "bv"))
+    # Either q/k/v and gate/up apart, or fused (int8 matmuls: INT8_FUSED).
+    self.wq, self.wk, self.wv, self.wqkv = (weight(n) for n in ("wq", "wk", "wv", "wqkv"))
+    self.wo = Weight(p["wo"])
+    self.bq, self.bk, self.bv = (weight(n) for n in ("bq", "bk", "bv"))
     self.ffn_norm = Weight(p["ffn_norm"])
-    self.w_gate, self.w_up, self.w_down = (Weight(p[n]) for n in ("w_gate", "w_up", "w_down"))
+    self.w_gate, self.w_up, self.w_gate_up = (weight(n) for n in ("w_gate", "w_up", "w_gate_up"))
+    self.w_down = Weight(p["w_down"])
 
   def __call__(self, x, positions, starts, cache, index: int, inv_freq):
     """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
@@ -113,16 +132,31 @@ class DecoderLayer(nnx.Module):
     val = lambda w: None if w is None else w.get_value()
     b, t, _ = x.shape
     h = layers.rms_norm(x, val(self.attn_norm), c.rms_eps)
-    q = layers.linear(h, val(self.wq), val(self.bq), **kw).reshape(b, t, c.n_heads, c.head_dim)
-    k = layers.linear(h, val(self.wk), val(self.bk), **kw).reshape(b, t, c.n_kv_heads, c.head_dim)
-    v = layers.linear(h, val(self.wv), val(self.bv), **kw).reshape(b, t, c.n_kv_heads, c.head_dim)
+    if self.wqkv is not None:
+      nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+      qkv = layers.linear(h, val(self.wqkv), **kw)
+      q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+      add = lambda y, bias: y if bias is None else y + bias.get_value().astype(y.dtype)
+      q, k, v = add(q, self.bq), add(k, self.bk), add(v, self.bv)
+    else:
+      q = layers.linear(h, val(self.wq), val(self.bq), **kw)
+      k = layers.linear(h, val(self.wk), val(self.bk), **kw)
+      v = layers.linear(h, val(self.wv), val(self.bv), **kw)
+    q = q.reshape(b, t, c.n_heads, c.head_dim)
+    k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,
                                interpret=self.interpret)
     x = x + layers.linear(attn.reshape(b, t, -1), val(self.wo), **kw)
     h = layers.rms_norm(x, val(self.ffn_norm), c.rms_eps)
-    x = x + layers.swiglu(h, val(self.w_gate), val(self.w_up), val(self.w_down), **kw)
+    if self.w_gate_up is not None:
+      gate_up = layers.linear(h, val(self.w_gate_up), **kw)
+      gate, up = gate_up[..., :c.ffn_dim], gate_up[..., c.ffn_dim:]
+      x = x + layers.linear(jax.nn.silu(gate) * up, val(self.w_down), **kw)
+    else:
+      x = x + layers.swiglu(h, val(self.w_gate), val(self.w_up), val(self.w_down), **kw)
     return x, cache
 
 

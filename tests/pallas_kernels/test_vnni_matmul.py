@@ -114,6 +114,26 @@ def test_native_row_does_not_depend_on_the_other_rows(fmt):
   np.testing.assert_array_equal(np.asarray(fn(x[np.array([9, 3, 9])])), full[[9, 3, 9]])
 
 
+@pytest.mark.parametrize("m", [1, 20])
+def test_concatenated_columns_compute_each_part_bit_for_bit(m):
+  parts = [_packed(_weight("q4_1", 64, n, seed=n)) for n in (48, 16, 40)]
+  fused = vm.concat_columns(parts)
+  assert fused.shape == (64, 104)
+  x = jnp.asarray(_activations(m, 64, seed=3))
+  for backend in ("auto", "reference"):
+    whole = np.asarray(jax.jit(lambda x: vm.vnni_matmul(x, fused, backend=backend))(x))
+    alone = np.concatenate([np.asarray(jax.jit(lambda x, w=w: vm.vnni_matmul(
+        x, w, backend=backend))(x)) for w in parts], axis=1)
+    if backend == "auto" and vm.native_supported():  # the kernel: bit for bit
+      np.testing.assert_array_equal(whole, alone)
+    else:  # XLA may order the f32 sums over blocks differently for another N
+      np.testing.assert_allclose(whole, alone, rtol=0, atol=1e-6 * np.abs(alone).max())
+  with pytest.raises(ValueError, match="multiples of 16"):
+    vm.concat_columns([parts[2], parts[0]])
+  with pytest.raises(ValueError, match="differ in format"):
+    vm.concat_columns([parts[0], _packed(_weight("q8_0", 64, 16))])
+
+
 def test_leading_dims_and_errors():
   w = _packed(_weight("q4_1", 64, 40))
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.float32)

@@ -33,8 +33,12 @@ def test_int8_keeps_the_quantized_weights_exactly(tiny_gguf):
   model = Llama(tiny_gguf.config, tiny_gguf.params, matmul_dtype="int8")
   wq = tiny_gguf.params["layers"][0]["wq"]
   assert isinstance(wq, QuantizedTensor) and wq.bits == 4
-  packed = model.layers[0].wq.get_value()
+  # q/k/v are fused into one matrix: wq is its first columns
+  assert model.layers[0].wq is None and model.layers[0].w_up is None
+  packed = model.layers[0].wqkv.get_value()
   assert isinstance(packed, VnniWeight) and isinstance(model.head_weight, VnniWeight)
+  config = tiny_gguf.config
+  assert packed.shape == (wq.shape[0], (config.n_heads + 2 * config.n_kv_heads) * config.head_dim)
   q, scale, minimum = unpack(packed)
   k = wq.shape[0]
   deq = (q.astype(jnp.float32) - packed.zero).reshape(k // 32, 32, -1) * scale[:, None] \

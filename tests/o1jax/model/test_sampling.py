@@ -56,3 +56,32 @@ def test_sequence_key_depends_on_request_and_sample_only():
   assert np.array_equal(np.asarray(a), np.asarray(sequence_key(1, 5, 0)))
   others = [sequence_key(2, 5, 0), sequence_key(1, 6, 0), sequence_key(1, 5, 1)]
   assert all(not np.array_equal(np.asarray(a), np.asarray(o)) for o in others)
+
+
+def test_first_argmax_is_argmax_including_ties():
+  from o1jax.model.sampling import first_argmax
+
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((6, 300)).astype(np.float32)
+  logits[1, [7, 40, 299]] = 9.0  # a three-way tie: the first index wins
+  logits[2, :] = -np.inf
+  logits[2, 5] = 0.0
+  logits[3, :] = 1.0  # all equal
+  got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+  assert got[1] == 7 and got[3] == 0
+
+
+def test_token_logprobs_without_alternatives_match_log_softmax():
+  from o1jax.engine.steps import token_logprobs
+
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.standard_normal((5, 1000)) * 4, jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 1000, size=5), jnp.int32)
+  chosen, ids, lps = jax.jit(token_logprobs, static_argnums=2)(logits, tokens, 0)
+  want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, None], -1)[:, 0]
+  np.testing.assert_allclose(np.asarray(chosen), np.asarray(want), rtol=0, atol=1e-6)
+  assert ids.shape == (5, 0) and lps.shape == (5, 0)
+  with_top, _, top_lp = jax.jit(token_logprobs, static_argnums=2)(logits, tokens, 3)
+  np.testing.assert_allclose(np.asarray(with_top), np.asarray(want), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(top_lp[:, 0]), np.asarray(jnp.max(jax.nn.log_softmax(logits, -1), -1)), atol=1e-6)
