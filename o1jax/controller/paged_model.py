@@ -110,13 +110,7 @@ def reserve_span(blocks: BlockState, starts: jax.Array, write_lens: jax.Array, t
   else:  # prefill: one compiled block step, not nt copies of it
     carry = jax.lax.fori_loop(0, nt, one_block, carry)
   blocks, ok, src, dst = carry
-  src, dst = src.reshape(-1), dst.reshape(-1)
-  if src.shape[0] < 2:
-    # One copy would become a dynamic-update-slice that copies the whole pool
-    # (see write_pages); a dropped second one keeps it a scatter.
-    src = jnp.concatenate([src, jnp.zeros((1,), jnp.int32)])
-    dst = jnp.concatenate([dst, jnp.full((1,), nb, jnp.int32)])
-  return blocks.replace(lengths=held), src, dst, ok
+  return blocks.replace(lengths=held), src.reshape(-1), dst.reshape(-1), ok
 
 
 class PagedLlama:
