@@ -277,7 +277,8 @@ class ControllerPredictor:
     engine = dict(spec.engine)
     # One Beam batch x n traces in one compiled loop, unless engine.max_slots caps the rows.
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
-    decode_model = build_decode_model(model, dict(spec.controller))
+    decode_model = build_decode_model(model, dict(spec.controller),
+                                      kv_dtype=str(engine.get("kv_dtype", "float32")))
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1)), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:

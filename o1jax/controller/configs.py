@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import jax.numpy as jnp
 import ml_collections
 
 from o1jax.controller.policies import policy_defaults
@@ -115,15 +116,22 @@ def cache_config(**overrides) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(check_cache_config({**CACHE_DEFAULTS, **overrides}))
 
 
-def build_decode_model(model, section: Mapping[str, Any] | None = None):
+def build_decode_model(model, section: Mapping[str, Any] | None = None,
+                       kv_dtype: str = "float32"):
   """The DecodeModel for a `Llama` as the cache section says (None: CACHE_DEFAULTS).
 
-  contiguous -> ContiguousLlama; paged -> PagedLlama(block_size, num_blocks or None)."""
+  contiguous -> ContiguousLlama; paged -> PagedLlama(block_size, num_blocks or None).
+  kv_dtype (the engine section's): float32 or bfloat16 for either cache,
+  float8_e4m3fn (per-block scales) for the paged one only."""
   from o1jax.controller.decode_model import ContiguousLlama
   from o1jax.controller.paged_model import PagedLlama
 
   values = check_cache_config(section or {})
   if values["cache"] == "paged":
     return PagedLlama(model, block_size=int(values["block_size"]),
-                      num_blocks=int(values["num_blocks"]) or None)
-  return ContiguousLlama(model)
+                      num_blocks=int(values["num_blocks"]) or None, kv_dtype=kv_dtype)
+  dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+  if kv_dtype not in dtypes:
+    raise ValueError(f"kv_dtype={kv_dtype!r}: the contiguous controller cache stores "
+                     f"{sorted(dtypes)} (float8_e4m3fn needs cache='paged')")
+  return ContiguousLlama(model, cache_dtype=dtypes[kv_dtype])

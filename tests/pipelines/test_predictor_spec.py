@@ -1,6 +1,7 @@
 """PredictorSpec: the model section's matmul_dtype, the engine section's kv_dtype and the
 controller section's cache reach the model / engine / controller and the content hash."""
 
+import jax.numpy as jnp
 import pytest
 
 from configs import gsm8k as gsm8k_config
@@ -69,3 +70,20 @@ def test_fast_variant_sets_int8_matmuls_and_bf16_kv(config_module):
   assert model_fingerprint(spec)["matmul_dtype"] == "int8"
   with pytest.raises(ValueError, match="'fats=True'.*'fast'"):
     module.get_config("fats=True")
+
+
+def test_engine_kv_dtype_reaches_the_controller_cache(tmp_path):
+  from pipelines.beam import build_plan
+  from pipelines.predictors import build_predictor
+
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True,fast=True")
+  cfg.model.source = str(tmp_path)
+  paged = build_predictor(build_plan(cfg, "unused_output_dir").predictor).controller.model
+  assert paged.kv_dtype == "bfloat16"
+  cfg.controller.cache = "contiguous"
+  contiguous = build_predictor(build_plan(cfg, "unused_output_dir").predictor).controller.model
+  assert contiguous.cache_dtype == jnp.bfloat16
+  cfg.engine.kv_dtype = "float8_e4m3fn"
+  with pytest.raises(ValueError, match="float8_e4m3fn needs cache='paged'"):
+    build_predictor(build_plan(cfg, "unused_output_dir").predictor)
