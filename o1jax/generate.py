@@ -15,9 +15,11 @@ from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.model import Generator, Llama, SamplingParams
 
 
-def build_generator(model: str = EMBEDDED, backend: str = "auto", interpret: bool = False) -> Generator:
+def build_generator(model: str = EMBEDDED, backend: str = "auto", interpret: bool = False,
+                    matmul_dtype: str = "float32") -> Generator:
   ckpt = load_checkpoint(model)
-  return Generator(Llama(ckpt.config, ckpt.params, backend=backend, interpret=interpret), ckpt.tokenizer)
+  return Generator(Llama(ckpt.config, ckpt.params, backend=backend, interpret=interpret,
+                         matmul_dtype=matmul_dtype), ckpt.tokenizer)
 
 
 def main(argv=None) -> int:
@@ -33,6 +35,8 @@ def main(argv=None) -> int:
   parser.add_argument("--min_p", type=float, default=0.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--backend", default="auto", choices=("auto", "pallas", "reference"))
+  parser.add_argument("--matmul_dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                      help="float32 = exact; int8 = the fast CPU mode (see the README)")
   args = parser.parse_args(argv)
 
   enable_compilation_cache()
@@ -40,7 +44,7 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed)
     t0 = time.perf_counter()
-    gen = build_generator(args.model, args.backend)
+    gen = build_generator(args.model, args.backend, matmul_dtype=args.matmul_dtype)
     load_s = time.perf_counter() - t0
     if args.raw:
       prompt = args.prompt

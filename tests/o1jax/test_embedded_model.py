@@ -50,9 +50,11 @@ def test_pallas_backend_interpret_matches_reference_greedy(embedded_checkpoint, 
   assert got == embedded_generator.generate([CHAT], max_new_tokens=4)[0].token_ids
 
 
-def test_generate_cli_streams_an_answer():
+@pytest.mark.parametrize("matmul_dtype", ["float32", "int8"])
+def test_generate_cli_streams_an_answer(matmul_dtype):
   out = subprocess.run([sys.executable, "-m", "o1jax.generate", "--prompt", "What is the capital of France?",
-                        "--max_new_tokens", "24"], capture_output=True, text=True, timeout=600)
+                        "--max_new_tokens", "24", "--matmul_dtype", matmul_dtype],
+                       capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr
   assert "Paris" in out.stdout
   assert "tok/s" in out.stderr

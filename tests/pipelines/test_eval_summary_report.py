@@ -86,7 +86,7 @@ def test_configs_variants_smoke_and_unknown_keys():
   assert sc.policy.name == "self_consistency" and sc.policy.n == 8 and build_policy(sc.policy.to_dict()).controller
   assert build_policy(sn.policy.to_dict()).vote and not build_policy(sc.policy.to_dict()).vote
   assert humaneval_config.get_config().task == "humaneval" and custom_config.get_config().task == "custom"
-  with pytest.raises(ValueError, match=r"\['policy', 'smoke'\]"):
+  with pytest.raises(ValueError, match=r"\['fast', 'policy', 'smoke'\]"):
     gsm8k_config.get_config("smok=True")
   with pytest.raises(ValueError, match="valid policies"):
     gsm8k_config.get_config("policy=nope")
