@@ -49,8 +49,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from o1jax.controller.decode_model import CachePlan
-from o1jax.engine.kv_cache import (KV_DTYPES, BlockState, PagedKVCache, copy_blocks,
-                                   reserve_for_append, truncate_rows)
+from o1jax.engine.kv_cache import (KV_DTYPES, BlockState, PagedKVCache, add_row_refs,
+                                   copy_blocks, reserve_for_append, truncate_rows)
 from o1jax.model.llama import Llama
 
 
@@ -70,14 +70,6 @@ class PagedCache:
   @property
   def blocks_in_use(self) -> jax.Array:
     return jnp.sum(self.blocks.refcounts > 0).astype(jnp.int32)
-
-
-def _count_refs(refcounts: jax.Array, tables: jax.Array, used: jax.Array, amount: int) -> jax.Array:
-  """refcounts + amount for every block a row holds (tables [S, MB], used [S])."""
-  nb = refcounts.shape[0]
-  held = jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :] < used[:, None]
-  ids = jnp.where(held, tables, nb).reshape(-1)
-  return refcounts.at[ids].add(amount, mode="drop")
 
 
 def reserve_span(blocks: BlockState, starts: jax.Array, write_lens: jax.Array, t: int):
@@ -176,8 +168,8 @@ class PagedLlama:
   def fork(self, cache: PagedCache, parents):
     old = cache.blocks
     tables, used, lengths = old.tables[parents], old.used[parents], old.lengths[parents]
-    refcounts = _count_refs(old.refcounts, old.tables, old.used, -1)
-    refcounts = _count_refs(refcounts, tables, used, 1)
+    refcounts = add_row_refs(old.refcounts, old.tables, old.used, -1)
+    refcounts = add_row_refs(refcounts, tables, used, 1)
     blocks = old.replace(tables=tables, used=used, lengths=lengths, refcounts=refcounts)
     pages = cache.pages.for_batch(tables, jnp.zeros_like(used))
     return self._note(cache.replace(pages=pages, blocks=blocks))

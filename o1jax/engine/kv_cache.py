@@ -335,6 +335,12 @@ def _add_refs(refcounts: jax.Array, tables: jax.Array, mask: jax.Array, amount) 
                                mode="drop")
 
 
+def add_row_refs(refcounts: jax.Array, tables: jax.Array, used: jax.Array, amount) -> jax.Array:
+  """refcounts + amount for every block the rows hold (tables [S, MB], used [S])."""
+  held = jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :] < used[:, None]
+  return _add_refs(refcounts, tables, held, amount)
+
+
 def fork_rows(state: BlockState, parent: jax.Array, children: jax.Array) -> BlockState:
   """Rows `children` [C] become copies of row `parent` sharing all its blocks.
 
