@@ -2,7 +2,7 @@
 
 Every matmul goes through `linear`, which takes a dense array, a
 `QuantizedTensor` (dispatched to `pallas_kernels.ops`) or a `VnniWeight`
-(int8 activations, `pallas_kernels.vnni_matmul`).
+(int8 activation levels, `pallas_kernels.vnni_matmul`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "au
   matmul_dtype "bfloat16": dense weights go through `bf16_dot` (x rounded to
   bf16, f32 accumulation and output); "float32": dense weights are cast to
   x's dtype (exact f32 math for f32 x). Quantized weights ignore it; a
-  `VnniWeight` (the model's "int8" matmuls) always quantizes x to int8."""
+  `VnniWeight` (the model's "int8" matmuls) always quantizes x to two int8
+  levels per block of 32."""
   if isinstance(w, VnniWeight):
     y = vnni_matmul(x, w, backend=backend).astype(x.dtype)
   elif isinstance(w, QuantizedTensor):

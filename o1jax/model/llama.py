@@ -177,11 +177,12 @@ class Llama(nnx.Module):
     AMX / AVX512-BF16 that runs batched decode ~2x faster; logits move by
     ~1e-2 (like llama.cpp's 8-bit activations). Norms, attention, softmax and
     the KV cache stay f32. Quantized weights are unaffected.
-    "int8": llama.cpp's CPU arithmetic (`pallas_kernels.vnni_matmul`): every
-    matrix stays 4-/8-bit (dense ones are quantized to Q8_0) and each matmul
-    quantizes its input rows to int8 per block of 32; the native AVX512-VNNI
-    kernel reads ~1/4 of the f32 weight bytes (~6x faster batch-1 decoding
-    here), with an XLA fallback elsewhere. Logits move like bf16's."""
+    "int8" (`pallas_kernels.vnni_matmul`): every matrix stays 4-/8-bit (dense
+    ones are quantized to Q8_0) and each matmul quantizes its input rows per
+    block of 32 to two int8 levels (~15 bits); the native VNNI/AMX kernel reads
+    ~1/4 of the f32 weight bytes (~4x faster batch-1 decoding here), with an
+    XLA fallback elsewhere. Logits move ~100x less than bf16's (in KL); q/k/v
+    and gate/up are fused into one matrix each (INT8_FUSED)."""
     if weight_mode not in WEIGHT_MODES:
       raise ValueError(f"weight_mode={weight_mode!r} not in {WEIGHT_MODES}")
     if matmul_dtype not in layers.MATMUL_DTYPES:

@@ -2,9 +2,9 @@
 
 XLA's CPU backend lacks a fast gather, so the paged decode attention reads the
 KV pages in place in `paged_decode_attention.cc` instead of copying each row's
-pages out first; `int8_matmul.cc` multiplies 4-/8-bit weights by int8-quantized
-activations with VNNI dot products (llama.cpp's arithmetic) instead of
-streaming f32 weights. The sources are compiled once per machine with the
+pages out first; `int8_matmul.cc` multiplies 4-/8-bit weights by activations
+quantized to two int8 levels, with exact VNNI / AMX integer dot products,
+instead of streaming f32 weights (see `pallas_kernels.vnni_matmul`). The sources are compiled once per machine with the
 system C++ compiler against the headers jaxlib ships (`jax.ffi.include_dir()`),
 cached under $O1JAX_CACHE_DIR (default ~/.cache/o1jax) keyed by sources,
 compiler flags, jaxlib version and CPU, and registered as FFI targets.
