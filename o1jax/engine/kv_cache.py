@@ -49,6 +49,20 @@ def token_slots(block_tables: jax.Array, starts: jax.Array, write_lens: jax.Arra
   return jnp.where(valid, block, num_blocks), pos % block_size
 
 
+def scatter_rows(pool: jax.Array, index: tuple[jax.Array, ...], rows: jax.Array) -> jax.Array:
+  """pool.at[index].set(rows, mode="drop"): index is a tuple of [R] int arrays, the
+  first into axis 0 (out of range: the row is dropped).
+
+  XLA turns a one-row scatter into a dynamic-update-slice that made it copy the
+  whole pool (batch-1 decode: 250 ms a step at 256 blocks), so a single row
+  gets a dropped twin and stays a scatter, which updates in place."""
+  if index[0].shape[0] == 1:
+    index = (jnp.concatenate([index[0], jnp.full_like(index[0], pool.shape[0])]),
+             *(jnp.concatenate([i, i]) for i in index[1:]))
+    rows = jnp.concatenate([rows, rows])
+  return pool.at[index].set(rows, mode="drop")
+
+
 def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, starts: jax.Array,
                 write_lens: jax.Array) -> jax.Array:
   """Scatters new K or V rows into a float pool.
@@ -66,14 +80,7 @@ def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, start
     # XLA's CPU scatter widens a bf16 pool to f32 and back around the update
     # (two copies of the whole pool per write: ~80 ms a step at batch 32).
     return native.write_pool_rows(pages, rows, block, offset)
-  if b * t == 1:
-    # XLA turns a one-row scatter into a dynamic-update-slice that made it copy
-    # the whole pool every step (batch-1 decode: 250 ms at 256 blocks); a
-    # second, dropped row keeps it a scatter, which updates in place.
-    block = jnp.concatenate([block, jnp.array([nb], block.dtype)])
-    offset = jnp.concatenate([offset, jnp.zeros((1,), offset.dtype)])
-    rows = jnp.concatenate([rows, rows])
-  return pages.at[block, offset].set(rows, mode="drop")
+  return scatter_rows(pages, (block, offset), rows)
 
 
 def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_tables: jax.Array,
@@ -113,8 +120,8 @@ def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_ta
   block_scale = jnp.maximum(amax / FP8_MAX, 1e-12)
   quant = (vals / block_scale[:, :, None, :, None]).astype(pages.dtype)
   target = jnp.where(touched, phys, nb).reshape(-1)
-  pages = pages.at[target].set(quant.reshape(-1, bs, kvh, d), mode="drop")
-  scale = scale.at[target].set(block_scale.reshape(-1, kvh), mode="drop")
+  pages = scatter_rows(pages, (target,), quant.reshape(-1, bs, kvh, d))
+  scale = scatter_rows(scale, (target,), block_scale.reshape(-1, kvh))
   return pages, scale
 
 
@@ -282,11 +289,8 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
   """Copy-on-write: block src[i] -> dst[i] in every layer (dst = num_blocks: no-op).
 
   src, dst [N] int32 (pad with dst = num_blocks to keep N a fixed bucket)."""
-  if src.shape[0] == 1:  # XLA's CPU scatter of one row may copy the whole pool: pad to two
-    src = jnp.concatenate([src, src])
-    dst = jnp.concatenate([dst, jnp.full_like(dst, cache.num_blocks)])
   src = jnp.clip(src, 0, cache.num_blocks - 1)
-  cp = lambda pools: tuple(p.at[dst].set(p[src], mode="drop") for p in pools)
+  cp = lambda pools: tuple(scatter_rows(p, (dst,), p[src]) for p in pools)
   new = cache.replace(k_pages=cp(cache.k_pages), v_pages=cp(cache.v_pages))
   if cache.is_fp8:
     new = new.replace(k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))

@@ -86,6 +86,7 @@ def _build() -> pathlib.Path:
 @functools.cache
 def _load() -> str | None:
   """Builds and registers the FFI target once. Returns None if ready, else why not."""
+  global _int8_matmul_built
   if os.environ.get("O1JAX_NATIVE_KERNELS", "1") == "0":
     return "disabled by O1JAX_NATIVE_KERNELS=0"
   if jax.default_backend() != "cpu":
@@ -98,14 +99,14 @@ def _load() -> str | None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(_INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.O1jaxInt8Matmul),
                                 platform="cpu")
-    _INT8_MATMUL_SUPPORTED.append(bool(lib.O1jaxInt8MatmulSupported()))
+    _int8_matmul_built = bool(lib.O1jaxInt8MatmulSupported())
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning("native kernels unavailable, using the XLA path: %s", e)
     return str(e)
   return None
 
 
-_INT8_MATMUL_SUPPORTED: list[bool] = []  # set by _load: the build has AVX512-VNNI
+_int8_matmul_built = False  # set by _load: the build has AVX512-VNNI
 
 
 # KV pool element types the native paged decode attention reads.
@@ -169,7 +170,7 @@ def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array,
 
 def int8_matmul_available() -> bool:
   """True when the native int8 matmul runs here (kernels built, AVX512-VNNI)."""
-  return available() and _INT8_MATMUL_SUPPORTED[-1]
+  return available() and _int8_matmul_built
 
 
 def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, *,
