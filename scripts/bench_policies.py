@@ -47,11 +47,17 @@ def parse_args(argv=None):
   p.add_argument("--max-rows", type=int, default=16)
   p.add_argument("--cache", default="contiguous", choices=("contiguous", "paged"),
                  help="the controller's KV cache (the README's tables used contiguous)")
+  p.add_argument("--matmul-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                 help="the model's matmul numerics (int8: the engine's fast CPU path)")
+  p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="the controller's KV cache dtype")
+  p.add_argument("--bootstrap", type=int, default=10000,
+                 help="paired bootstrap resamples for the accuracy-difference interval")
   p.add_argument("--policies", default="greedy_cot,self_consistency,deepconf,deepconf_calibrated,"
                                        "best_of_n,think_verify_backtrack,budget_forcing")
   p.add_argument("--calibration-problems", type=int, default=8,
                  help="held-out problems (seed + 1000) that calibrate deepconf_calibrated")
-  p.add_argument("--overhead-tokens", type=int, default=64)
+  p.add_argument("--overhead-tokens", type=int, default=64, help="0 skips the overhead row")
   p.add_argument("--out", default="bench_policies_out")
   return p.parse_args(argv)
 
@@ -115,6 +121,16 @@ def gsm_requests(problems: int, seed: int, levels: list[int]):
                     for i, e in enumerate(examples)]
 
 
+def paired_interval(a_correct, b_correct, resamples: int, seed: int) -> tuple[float, float]:
+  """95% percentile interval of accuracy(a) - accuracy(b) in points, resampling problems
+  (both policies ran on the same problems, so their results are paired)."""
+  diff = a_correct.astype(np.float64) - b_correct.astype(np.float64)
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, len(diff), size=(resamples, len(diff)))
+  means = 100.0 * diff[idx].mean(axis=1)
+  return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
 def pareto(points):
   """Indices of points (tokens, accuracy) not dominated (fewer tokens and >= accuracy)."""
   front = []
@@ -137,18 +153,25 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   load_start = os.getloadavg()  # the machine may be shared: recorded with the results
   ck = load_checkpoint("embedded")
-  llama = Llama(ck.config, ck.params)
-  ctl = Controller(build_decode_model(llama, cache_config(cache=a.cache)), ck.tokenizer,
+  llama = Llama(ck.config, ck.params, matmul_dtype=a.matmul_dtype)
+  ctl = Controller(build_decode_model(llama, cache_config(cache=a.cache), kv_dtype=a.kv_dtype),
+                   ck.tokenizer,
                    max_rows=a.max_rows)
   levels = [int(x) for x in a.levels.split(",")]
   examples, requests = gsm_requests(a.problems, a.seed, levels)
   prompts = [r.prompt for r in requests]
 
-  overhead = measure_overhead(ctl, Generator(llama, ck.tokenizer), prompts, a.overhead_tokens,
-                              min(8, len(prompts)))
-  print(f"overhead: {json.dumps(overhead)}", flush=True)
+  overhead = None
+  if a.overhead_tokens:
+    # The Generator keeps an f32 contiguous cache: compare with the same cache.
+    same_cache = Controller(build_decode_model(llama, cache_config(cache="contiguous")),
+                            ck.tokenizer, max_rows=a.max_rows)
+    overhead = measure_overhead(same_cache, Generator(llama, ck.tokenizer), prompts,
+                                a.overhead_tokens, min(8, len(prompts)))
+    print(f"overhead: {json.dumps(overhead)}", flush=True)
 
   rows = []
+  correct_by = {}
   calibration = None
   for name in a.policies.split(","):
     if name == "deepconf_calibrated":
@@ -168,6 +191,7 @@ def main(argv=None) -> int:
     results = ctl.run(requests, policy)
     total = time.perf_counter() - t0
     correct = [answers_match(r.answer, e.reference) for r, e in zip(results, examples)]
+    correct_by[name] = np.array(correct, bool)
     gen = np.array([r.tokens.generated for r in results])
     lat = np.array([r.wall_time_s for r in results])
     row = {"policy": name, "params": policy.to_dict(), "problems": len(results),
@@ -196,7 +220,7 @@ def main(argv=None) -> int:
 
   by = {r["policy"]: r for r in rows}
   summary = {"overhead": overhead, "policies": rows, "problems": len(examples), "n": a.n,
-             "cache": a.cache,
+             "cache": a.cache, "kv_dtype": a.kv_dtype, "matmul_dtype": a.matmul_dtype,
              "total_s": time.perf_counter() - t_start,
              "load_average_1m": {"start": load_start[0], "end": os.getloadavg()[0]},
              "cpus": os.cpu_count()}
@@ -207,8 +231,12 @@ def main(argv=None) -> int:
       sc, dc = by["self_consistency"], by[variant]
       savings = 1.0 - dc["tokens_mean"] / sc["tokens_mean"]
       delta = 100.0 * (dc["accuracy"] - sc["accuracy"])
+      lo, hi = paired_interval(correct_by[variant], correct_by["self_consistency"], a.bootstrap,
+                               a.seed)
+      both = correct_by[variant] == correct_by["self_consistency"]
       summary[f"{variant}_vs_self_consistency"] = {
           "n": a.n, "token_savings": savings, "accuracy_delta_points": delta,
+          "accuracy_delta_95ci_points": [lo, hi], "problems_disagreeing": int((~both).sum()),
           "target_savings_met": savings >= 0.40, "target_accuracy_met": delta >= -2.0}
   front = pareto([(r["tokens_mean"], r["accuracy"]) for r in rows])
   for i, r in enumerate(rows):
@@ -217,7 +245,8 @@ def main(argv=None) -> int:
 
   lines = [f"{len(examples)} synthetic GSM problems (levels {a.levels}), embedded SmolLM2-135M, "
            f"n={a.n}, max thinking {a.max_thinking} tokens, max answer {a.max_answer} tokens "
-           f"after the prefix, {a.cache} KV cache; {summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
+           f"after the prefix, {a.cache} KV cache ({a.kv_dtype}), {a.matmul_dtype} matmuls; "
+           f"{summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
            f"1-min load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end",
            "",
            "| policy | accuracy | tokens mean | tokens median | probe tokens | P50 s | P95 s | "
@@ -230,9 +259,11 @@ def main(argv=None) -> int:
                  f"{r['backtracks_mean']:.2f} | {r['early_exits']} | "
                  f"{r['round_trips_per_problem']:.1f} | {'yes' if r['pareto'] else ''} |")
   o = overhead
-  lines += ["", f"controller overhead: {o['controller_s_per_step'] * 1e3:.1f} ms/step vs plain "
-            f"Generator {o['generator_s_per_step'] * 1e3:.1f} ms/step at batch {o['rows']} "
-            f"({100 * o['overhead']:+.1f}%)"]
+  lines.append("")
+  if o:
+    lines.append(f"controller overhead: {o['controller_s_per_step'] * 1e3:.1f} ms/step vs plain "
+                 f"Generator {o['generator_s_per_step'] * 1e3:.1f} ms/step at batch {o['rows']} "
+                 f"({100 * o['overhead']:+.1f}%)")
   if calibration:
     lines.append(f"deepconf_calibrated: threshold {calibration['threshold']:.3f} from "
                  f"{calibration['problems']} held-out problems (seed {calibration['seed']}, "
@@ -245,7 +276,10 @@ def main(argv=None) -> int:
     lines.append(f"{variant} vs self_consistency (n={a.n}): {100 * d['token_savings']:.1f}% fewer "
                  f"tokens (target >= 40%: {'met' if d['target_savings_met'] else 'missed'}), "
                  f"accuracy {d['accuracy_delta_points']:+.1f} points (target within 2: "
-                 f"{'met' if d['target_accuracy_met'] else 'missed'}); stopped "
+                 f"{'met' if d['target_accuracy_met'] else 'missed'}; paired bootstrap 95% "
+                 f"interval {d['accuracy_delta_95ci_points'][0]:+.1f} .. "
+                 f"{d['accuracy_delta_95ci_points'][1]:+.1f}, {d['problems_disagreeing']} "
+                 f"problems answered right by one policy only); stopped "
                  f"{dc['stopped_traces']} traces for low confidence (mean threshold "
                  f"{dc['threshold_mean']:.3f}) and {dc['consensus_stopped_traces']} by consensus "
                  f"({dc['decided_problems']} problems decided early), {dc['key_mismatches']} "

@@ -42,25 +42,89 @@ def sequence_key(seed: int, request_id: int, sample_index: int) -> jax.Array:
   return jax.random.fold_in(key, sample_index)
 
 
-def _filtered_logits(logits, temperature, top_k, top_p, min_p):
-  """Scaled logits with tokens outside top-k / top-p / min-p set to -inf. [B, V]."""
-  v = logits.shape[-1]
-  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-  sorted_desc = -jnp.sort(-scaled, axis=-1)
-  # top-k: threshold at the k-th largest value (ties at the threshold are kept).
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-  kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-  keep = scaled >= kth
-  # top-p: keep the smallest prefix of sorted tokens whose mass reaches p.
-  probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-  mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-  n_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
-  pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-  keep &= scaled >= pth
-  # min-p: drop tokens whose probability is below min_p * max probability.
-  logp = jax.nn.log_softmax(scaled, axis=-1)
-  keep &= logp >= (jnp.max(logp, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None])
-  return jnp.where(keep, scaled, -jnp.inf)
+CANDIDATES = 256  # largest values per row read by `lax.top_k` (5 ms on [32, 49152])
+_SEARCH_STEPS = 32  # a bisection over the 32-bit order of f32 values is exact in 32 steps
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+  """f32 -> uint32 with the same order (-inf < ... < -0 < +0 < ... < +inf)."""
+  i = jax.lax.bitcast_convert_type(x, jnp.int32)
+  i = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+  return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _from_order_key(u: jax.Array) -> jax.Array:
+  i = jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
+  i = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+  return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
+def _filters(scaled, top_k, top_p, min_p):
+  """Which filters are on per row, log-sum-exp, and the min-p threshold in scaled units."""
+  v = scaled.shape[-1]
+  k_on = (top_k > 0) & (top_k < v)
+  p_on = top_p < 1.0
+  lse = jax.nn.logsumexp(scaled, axis=-1)
+  # min-p: keep log p >= max log p + log(min_p), i.e. scaled >= max + log(min_p).
+  m_cut = jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(min_p, 1e-30))
+  m_cut = jnp.where(min_p > 0, m_cut, -jnp.inf)
+  return k_on, p_on, lse, m_cut
+
+
+def _threshold_from_candidates(vals, lse, top_k, top_p, k_on, p_on, vocab: int):
+  """(threshold [B], known [B]) from each row's C largest scaled values `vals` (descending).
+
+  top-k: the k-th largest value (ties at it are kept); top-p: the value of the
+  last token of the smallest prefix whose mass reaches p. Known when it lies
+  among the candidates; filters that are off give -inf."""
+  c = vals.shape[-1]
+  kth = jnp.take_along_axis(vals, (jnp.clip(top_k, 1, c) - 1)[:, None], axis=-1)[:, 0]
+  k_known = ~k_on | (top_k <= c)
+  probs = jnp.exp(vals - lse[:, None])
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  n_keep = jnp.sum(mass_before < top_p[:, None], axis=-1)
+  pth = jnp.take_along_axis(vals, (jnp.clip(n_keep, 1, c) - 1)[:, None], axis=-1)[:, 0]
+  p_known = ~p_on | (n_keep < c) | (c >= vocab)  # the prefix ends inside the candidates
+  cut = jnp.maximum(jnp.where(k_on, kth, -jnp.inf), jnp.where(p_on, pth, -jnp.inf))
+  return cut, k_known & p_known
+
+
+def _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on):
+  """The same threshold over the whole row, without sorting: the largest value t
+  with (count(x >= t) >= k) or (mass(x >= t) >= p) is max(k-th value, top-p value).
+  Bisection over the order keys of f32 (exact in 32 steps). [B]"""
+  probs = jnp.exp(scaled - lse[:, None])
+  lo = _order_key(jnp.min(scaled, axis=-1))  # every filter holds at the minimum
+  hi = _order_key(jnp.max(scaled, axis=-1)) + 1
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    kept = scaled >= _from_order_key(mid)[:, None]
+    holds = ((k_on & (jnp.sum(kept, axis=-1) >= top_k))
+             | (p_on & (jnp.sum(jnp.where(kept, probs, 0.0), axis=-1) >= top_p)))
+    return jnp.where(holds, mid, lo), jnp.where(holds, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, _SEARCH_STEPS, halve, (lo, hi))
+  return jnp.where(k_on | p_on, _from_order_key(lo), -jnp.inf)
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+  """Index drawn with probability weights / sum(weights) from uniforms u [B] in [0, 1)."""
+  cum = jnp.cumsum(weights, axis=-1)
+  target = u * cum[:, -1]
+  j = jnp.sum(cum <= target[:, None], axis=-1)  # first index whose cum passes the target
+  # u * total rounded up to total: take the last index with weight instead.
+  last = weights.shape[-1] - 1 - first_argmax((weights > 0)[:, ::-1].astype(jnp.float32))
+  return jnp.where(j < weights.shape[-1], j, last).astype(jnp.int32)
+
+
+def filter_threshold(logits, temperature, top_k, top_p, min_p) -> jax.Array:
+  """[B] the smallest scaled logit (logits / temperature) a row keeps after top-k,
+  top-p and min-p: `sample` draws from softmax(scaled) restricted to scaled >= it."""
+  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+  k_on, p_on, lse, m_cut = _filters(scaled, top_k, top_p, min_p)
+  return jnp.maximum(_threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on), m_cut)
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:
@@ -78,13 +142,43 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
            top_p: jax.Array, min_p: jax.Array) -> jax.Array:
   """Samples one token per row. logits: [B, V]; keys: [B, 2]; params: [B]. Returns [B] int32.
 
-  Rows with temperature 0 take the argmax; the sort for filtering runs only
-  if some row samples."""
+  Rows with temperature 0 take the argmax. A sampled row draws from
+  softmax(logits / temperature) restricted to the tokens its top-k / top-p /
+  min-p filters keep, by inverse CDF on one uniform from its key. Nothing is
+  sorted: the filter thresholds come from the row's `CANDIDATES` largest
+  values when they lie among them (the usual case: the draw then reads only
+  those), else from a bisection over the whole row, and a row that keeps more
+  than the candidates draws over the whole vocabulary. Which way a row goes
+  depends on that row alone, so its token does not depend on the batch.
+  (A full sort of [32, 49152] f32 logits took 290 ms on a 2-core CPU; this
+  takes ~9 ms when every row's kept set is among its candidates.)"""
   greedy_ids = first_argmax(logits)
 
   def sampled(_):
-    filtered = _filtered_logits(logits.astype(jnp.float32), temperature, top_k, top_p, min_p)
-    ids = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, ids, greedy_ids)
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    v = scaled.shape[-1]
+    k_on, p_on, lse, m_cut = _filters(scaled, top_k, top_p, min_p)
+    # The barrier keeps XLA (CPU) from rewriting top_k + a static slice of its
+    # result (vals[:, :1] below) into a full sort, which undid the point of top_k.
+    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(CANDIDATES, v)))
+    cut, known = _threshold_from_candidates(vals, lse, top_k, top_p, k_on, p_on, v)
+    cut = jnp.maximum(cut, m_cut)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    # Kept set inside the candidates: draw among them (vals[:, 0] is always kept).
+    among = known & ((vals[:, -1] < cut) | (vals.shape[-1] == v))
+    weights = jnp.where(vals >= cut[:, None], jnp.exp(vals - vals[:, :1]), 0.0)
+    ids = jnp.take_along_axis(idx, _inverse_cdf(weights, u)[:, None], axis=-1)[:, 0]
+
+    def whole_row(_):
+      search = lambda _: jnp.maximum(
+          _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on), m_cut)
+      exact = jax.lax.cond(jnp.any(~known), search, lambda _: cut, None)
+      full_cut = jnp.where(known, cut, exact)
+      top = jnp.max(scaled, axis=-1, keepdims=True)
+      w = jnp.where(scaled >= full_cut[:, None], jnp.exp(scaled - top), 0.0)
+      return _inverse_cdf(w, u)
+
+    ids = jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids, whole_row, None))
+    return jnp.where(temperature > 0, ids.astype(jnp.int32), greedy_ids)
 
   return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy_ids, None)

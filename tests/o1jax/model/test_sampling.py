@@ -85,3 +85,91 @@ def test_token_logprobs_without_alternatives_match_log_softmax():
   with_top, _, top_lp = jax.jit(token_logprobs, static_argnums=2)(logits, tokens, 3)
   np.testing.assert_allclose(np.asarray(with_top), np.asarray(want), rtol=0, atol=1e-6)
   np.testing.assert_allclose(np.asarray(top_lp[:, 0]), np.asarray(jnp.max(jax.nn.log_softmax(logits, -1), -1)), atol=1e-6)
+
+
+# -- vocabularies larger than the candidates: every path of `sample` ------------------
+
+def _kept_reference(scaled, top_k, top_p, min_p):
+  """numpy: the kept mask of one row by a full sort (the textbook definitions)."""
+  order = np.argsort(-scaled, kind="stable")
+  s = scaled[order]
+  keep = np.ones_like(scaled, bool)
+  if 0 < top_k < len(s):
+    keep &= scaled >= s[top_k - 1]
+  if top_p < 1.0:
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    n_keep = max(int((before < top_p).sum()), 1)
+    keep &= scaled >= s[n_keep - 1]
+  if min_p > 0:
+    logp = scaled - np.log(np.exp(scaled - scaled.max()).sum()) - scaled.max()
+    keep &= logp >= logp.max() + np.log(min_p)
+  return keep
+
+
+# (top_k, top_p, min_p, temperature): inside the 256 candidates (top-k 40, peaked
+# top-p), more kept than the candidates (pure temperature, min-p), and thresholds
+# that lie past the candidates (top-k 400, top-p of a flat row): bisection.
+CASES = [(40, 1.0, 0.0, 0.7), (0, 0.9, 0.0, 0.7), (0, 1.0, 0.0, 1.3), (0, 1.0, 0.001, 1.0),
+         (400, 1.0, 0.0, 1.0), (0, 0.95, 0.0, 3.0), (300, 0.99, 0.0, 2.0)]
+
+
+def _rows(n, vocab=1000, seed=3):
+  rng = np.random.default_rng(seed)
+  # Zipf-like: a peaked head and a long tail, so the cases above land where intended.
+  base = -1.1 * np.log(np.arange(1, vocab + 1)) + 0.3 * rng.standard_normal(vocab)
+  return np.stack([base[rng.permutation(vocab)] for _ in range(n)]).astype(np.float32)
+
+
+def test_filter_threshold_keeps_exactly_the_reference_set():
+  from o1jax.model.sampling import filter_threshold
+
+  logits = _rows(len(CASES))
+  k, p, m, t = (np.array(c) for c in zip(*CASES))
+  cut = np.asarray(jax.jit(filter_threshold)(jnp.asarray(logits), jnp.asarray(t, jnp.float32),
+                                             jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
+                                             jnp.asarray(m, jnp.float32)))
+  for i, (ki, pi, mi, ti) in enumerate(CASES):
+    scaled = (logits[i] / np.float32(ti)).astype(np.float32)
+    want = _kept_reference(scaled, ki, pi, mi)
+    np.testing.assert_array_equal(scaled >= cut[i], want, err_msg=f"case {CASES[i]}")
+  sizes = [int((logits[i] / np.float32(c[3]) >= cut[i]).sum()) for i, c in enumerate(CASES)]
+  assert sizes[0] == 40 and sizes[2] == 1000 and sizes[4] == 400
+  assert sizes[1] < 256 and sizes[5] > 256  # one top-p case on each side of the candidates
+
+
+def test_every_path_draws_from_the_filtered_distribution():
+  """Empirical frequencies of 20000 draws per case against the exact filtered
+  softmax: nothing outside the kept set, and mass per rank decile within 0.015."""
+  n = 20000
+  logits = _rows(1)[0]
+  for top_k, top_p, min_p, t in CASES:
+    scaled = (logits / np.float32(t)).astype(np.float32)
+    keep = _kept_reference(scaled, top_k, top_p, min_p)
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    keys = jax.random.split(jax.random.PRNGKey(7), n)
+    full = lambda v, dt: jnp.full((n,), v, dt)
+    ids = np.asarray(jax.jit(sample)(jnp.asarray(np.repeat(logits[None], n, 0)), keys,
+                                     full(t, jnp.float32), full(top_k, jnp.int32),
+                                     full(top_p, jnp.float32), full(min_p, jnp.float32)))
+    assert keep[ids].all(), f"case {(top_k, top_p, min_p, t)} drew a filtered token"
+    freq = np.bincount(ids, minlength=len(logits)) / n
+    order = np.argsort(-probs)
+    for chunk in np.array_split(order[:max(int(keep.sum()), 10)], 10):
+      assert abs(freq[chunk].sum() - probs[chunk].sum()) < 0.015, (top_k, top_p, min_p, t)
+
+
+def test_a_rows_token_does_not_depend_on_the_other_rows():
+  """Rows of every path in one batch draw what each draws alone."""
+  logits = jnp.asarray(_rows(len(CASES), seed=5))
+  k, p, m, t = (np.array(c) for c in zip(*CASES))
+  keys = jax.random.split(jax.random.PRNGKey(11), len(CASES))
+  args = (jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
+          jnp.asarray(m, jnp.float32))
+  f = jax.jit(sample)
+  together = np.asarray(f(logits, keys, *args))
+  alone = [int(f(logits[i:i + 1], keys[i:i + 1], *(a[i:i + 1] for a in args))[0])
+           for i in range(len(CASES))]
+  assert together.tolist() == alone
