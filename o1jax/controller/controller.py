@@ -17,6 +17,7 @@ policies.py), which calls `generate` one or more times and aggregates.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -184,18 +185,8 @@ class Controller:
     priors = [list(p) for p in prior_votes] if prior_votes is not None else [[]] * len(requests)
     if (vote_floor is not None or prior_votes is not None) and not settings.answer_vote:
       raise ValueError("vote_floor / prior_votes need settings.answer_vote=True")
-    per_chunk = max(1, self.max_rows // n)
-    out = Batch(traces=[], wall_time_s=[], invocations=[])
-    for lo in range(0, len(requests), per_chunk):
-      sl = slice(lo, lo + per_chunk)
-      part = self._generate_chunk(requests[sl], settings, n, sample_offset, stops[sl], budget,
-                                  floors[sl], priors[sl], unstopped_samples)
-      out.traces += part.traces
-      out.wall_time_s += part.wall_time_s
-      out.invocations += part.invocations
-      out.iterations += part.iterations
-      out.loop_seconds += part.loop_seconds
-    return out
+    return self._generate_slots(requests, settings, n, sample_offset, stops, budget, floors,
+                                priors, unstopped_samples)
 
   def result(self, request: ReasoningRequest, policy: str, traces: list[Trace],
              chosen: Optional[int], answer: Optional[str], wall_time_s: float, invocations: int,
@@ -295,9 +286,11 @@ class Controller:
 
   def knobs(self, settings: LoopSettings, b: int, conf_stop: np.ndarray,
             group: np.ndarray | None = None, vote_floor: np.ndarray | None = None,
-            prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] = ()) -> Knobs:
+            prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] = (),
+            priors_per_group: int = 0) -> Knobs:
     """Per-row arrays for `b` rows from one LoopSettings (conf_stop, group, vote_floor:
-    [b]; prior_votes: per group, (answer key or None, weight))."""
+    [b]; prior_votes: per group, (answer key or None, weight); priors_per_group > 0:
+    group g's prior votes sit at g * priors_per_group .. (room for admitted requests))."""
     st = settings
     v = self.model.vocab_size
     full = lambda x, dt: jnp.full((b,), x, dt)
@@ -337,12 +330,35 @@ class Controller:
         probe_len=jnp.int32(len(probe)), yes_id=jnp.int32(yes[-1]), no_id=jnp.int32(no[-1]),
         answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
         answer_probe_len=jnp.int32(len(answer)),
-        **self._vote_knobs(st, b, group, vote_floor, prior_votes))
+        **self._vote_knobs(st, b, group, vote_floor, prior_votes, priors_per_group))
 
-  def _vote_knobs(self, st: LoopSettings, b, group, vote_floor, prior_votes) -> dict:
+  def prior_entries(self, votes, q: int, group: int, at: Sequence[int] | None = None):
+    """Arrays (group, key, key_len, known, weight) of [q] prior-vote entries holding
+    `votes` ((answer key or None, weight)) of `group` at positions `at` (default
+    0..); the other entries are empty (group -1)."""
+    a = self.key_capacity
+    prior_group = np.full(q, -1, np.int32)
+    prior_key = np.zeros((q, a), np.int32)
+    prior_len = np.zeros(q, np.int32)
+    prior_known = np.zeros(q, bool)
+    prior_weight = np.zeros(q, np.float32)
+    for i, (key, weight) in zip(range(q) if at is None else at, votes):
+      codes = None if key is None else answers.text_key(key)
+      known = codes is not None and len(codes) <= a
+      prior_group[i], prior_known[i], prior_weight[i] = group, known, weight
+      if known:
+        prior_key[i, :len(codes)] = codes
+        prior_len[i] = len(codes)
+    return prior_group, prior_key, prior_len, prior_known, prior_weight
+
+  def _vote_knobs(self, st: LoopSettings, b, group, vote_floor, prior_votes,
+                  priors_per_group: int = 0) -> dict:
     """The vote knobs (1-element placeholders when the vote is not compiled)."""
     a = self.key_capacity
-    q = pow2_bucket(max(1, sum(len(p) for p in prior_votes)), 8)
+    if priors_per_group:
+      q = pow2_bucket(max(1, priors_per_group * len(prior_votes)), 8)
+    else:
+      q = pow2_bucket(max(1, sum(len(p) for p in prior_votes)), 8)
     prior_group = np.full(q, -1, np.int32)
     prior_key = np.zeros((q, a), np.int32)
     prior_len = np.zeros(q, np.int32)
@@ -350,14 +366,14 @@ class Controller:
     prior_weight = np.zeros(q, np.float32)
     i = 0
     for g, votes in enumerate(prior_votes):
-      for key, weight in votes:
-        codes = None if key is None else answers.text_key(key)
-        known = codes is not None and len(codes) <= a
-        prior_group[i], prior_known[i], prior_weight[i] = g, known, weight
-        if known:
-          prior_key[i, :len(codes)] = codes
-          prior_len[i] = len(codes)
-        i += 1
+      if priors_per_group:
+        if len(votes) > priors_per_group:
+          raise ValueError(f"{len(votes)} prior votes for group {g}; room for {priors_per_group}")
+        i = g * priors_per_group
+      entry = self.prior_entries(votes, len(votes), g)
+      for arr, val in zip((prior_group, prior_key, prior_len, prior_known, prior_weight), entry):
+        arr[i:i + len(votes)] = val
+      i += len(votes)
     if st.answer_vote:
       classes, overflow = self.key_tables()
     else:
@@ -377,15 +393,6 @@ class Controller:
 
   # -- the batch --------------------------------------------------------------------
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def _prefill(self, params, cache, tokens, last):
-    _, cache = self.model.forward(params, cache, tokens, jnp.zeros_like(last), last)
-    return cache
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def _fork(self, cache, parents):
-    return self.model.fork(cache, parents)
-
   def max_generated(self, settings: LoopSettings) -> int:
     """Tokens a row may append in all, discarded ones included (the loop ends it there)."""
     st = settings
@@ -393,11 +400,14 @@ class Controller:
             + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text))
             + (st.max_backtracks + 1) * st.step_max_tokens + 8)
 
-  def cache_plan(self, settings: LoopSettings, rows: int, longest_prompt: int) -> CachePlan:
+  def cache_plan(self, settings: LoopSettings, rows: int, longest_prompt: int,
+                 prompts: int | None = None) -> CachePlan:
     """What the rows will do with the cache: a row writes from its last prompt token
-    up to max_generated past the prompt, plus a probe past that end."""
+    up to max_generated past the prompt, plus a probe past that end; `prompts`
+    requests are in flight at once."""
     return CachePlan(rows=rows, prompt_tokens=longest_prompt,
-                     new_tokens=self.max_generated(settings) + self.probe_capacity)
+                     new_tokens=self.max_generated(settings) + self.probe_capacity,
+                     prompts=prompts)
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
     answer = len(self.tokenizer.encode(settings.answer_prefix))
@@ -405,54 +415,24 @@ class Controller:
             + len(self.tokenizer.encode(settings.wait_text)) + self.probe_capacity + 8)
     return pow2_bucket(need, 64)
 
-  def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop,
-                    vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> ReasoningState:
-    """Prefill + fork + fresh per-row state for len(requests) x n rows."""
-    r = len(requests)
-    rows = r * n
-    b = pow2_bucket(rows)
-    longest = max(len(p) for p in prompts)
-    length = self.cache_length(settings, longest)
-    # 1. prefill each prompt once.
-    rb = pow2_bucket(r)
-    t = pow2_bucket(longest, 16)
-    tok = np.zeros((rb, t), np.int32)
-    lens = np.ones(rb, np.int32)
-    for i, p in enumerate(prompts):
-      tok[i, :len(p)] = p
-      lens[i] = len(p)
-    plan = self.cache_plan(settings, b, longest)
-    cache = self._prefill(self.model.params, self.model.init_cache(rb, length, plan),
-                          jnp.asarray(tok), jnp.asarray(lens - 1))
-    # 2. fork into rows: row i * n + j is sample (sample_offset + j) of request i.
-    parents = np.array([i for i in range(r) for _ in range(n)] + [0] * (b - rows), np.int32)
-    cache = self._fork(cache, jnp.asarray(parents))
-    tokens = np.zeros((b, length), np.int32)
-    tokens[:, :t] = tok[parents]
-    prompt_len = lens[parents].copy()
-    phase = np.where(np.arange(b) < rows, S.THINK, S.DONE).astype(np.int32)
-    keys = np.zeros((b, 2), np.uint32)
-    for i, req in enumerate(requests):
-      for j in range(n):
-        keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
-    stops = np.full(b, -np.inf, np.float32)
-    stops[:rows] = np.repeat(np.asarray(conf_stop, np.float32), n)
-    for i in range(r):  # warm-up samples of request i: never stopped for low confidence
-      stops[i * n:i * n + min(unstopped_samples, n)] = -np.inf
-    group = np.full(b, -1, np.int32)
-    floors = np.full(b, -np.inf, np.float32)
-    if settings.answer_vote:  # every real row votes in its request's group
-      group[:rows] = np.repeat(np.arange(r), n)
-      if vote_floor is not None:
-        floors[:rows] = np.repeat(np.asarray(vote_floor, np.float32), n)
+  def empty_state(self, settings: LoopSettings, n: int, slots: int, length: int,
+                  plan: CachePlan | None = None, priors_per_slot: int = 1) -> ReasoningState:
+    """`slots` request slots of n rows each (padded to a power of two), all done and
+    empty; `admit` puts requests into them."""
+    b = pow2_bucket(slots * n)
     zi = lambda: jnp.zeros((b,), jnp.int32)
     w, rec = settings.conf_window, self.max_records
+    ones = lambda: jnp.ones((b,), jnp.int32)  # an empty row holds one token so it can be fed
+    slot = np.full(b, -1, np.int32)
+    slot[:slots * n] = np.repeat(np.arange(slots), n)
+    knobs = self.knobs(settings, b, np.full(b, -np.inf, np.float32),
+                       prior_votes=[[]] * slots, priors_per_group=max(1, priors_per_slot))
     return ReasoningState(
-        tokens=jnp.asarray(tokens), length=jnp.asarray(prompt_len), prompt_len=jnp.asarray(prompt_len),
-        phase=jnp.asarray(phase), step_index=zi(), step_start=jnp.asarray(prompt_len), step_len=zi(),
+        tokens=jnp.zeros((b, length), jnp.int32), length=ones(), prompt_len=ones(),
+        phase=jnp.full((b,), S.DONE, jnp.int32), step_index=zi(), step_start=ones(), step_len=zi(),
         step_lp=jnp.zeros((b,)), step_bt=zi(), backtracks=zi(), think_tokens=zi(),
-        answer_tokens=zi(), prefix_tokens=zi(), probe_tokens=zi(), discarded=zi(), waits=zi(), generated=zi(),
-        lp_total=jnp.zeros((b,)), answer_start=jnp.full((b,), -1, jnp.int32),
+        answer_tokens=zi(), prefix_tokens=zi(), probe_tokens=zi(), discarded=zi(), waits=zi(),
+        generated=zi(), lp_total=jnp.zeros((b,)), answer_start=jnp.full((b,), -1, jnp.int32),
         conf_ring=jnp.zeros((b, w)), conf_count=zi(), conf_sum=jnp.zeros((b,)),
         lowest_conf=jnp.full((b,), jnp.inf), exit_reason=zi(),
         key_state=zi(), key=jnp.zeros((b, self.key_capacity), jnp.int32), key_len=zi(),
@@ -460,53 +440,217 @@ class Controller:
         early_exit=jnp.zeros((b,), bool), force_buf=jnp.zeros((b, self.force_capacity), jnp.int32),
         force_pos=zi(), force_len=zi(), rec_start=jnp.zeros((b, rec), jnp.int32),
         rec_end=jnp.zeros((b, rec), jnp.int32), rec_score=jnp.full((b, rec), jnp.nan),
-        rec_action=jnp.zeros((b, rec), jnp.int32), n_rec=zi(), keys=jnp.asarray(keys),
-        iteration=jnp.int32(0), stop_at=jnp.int32(NEVER), knobs=self.knobs(settings, b, stops, group, floors, prior_votes),
-        cache=cache)
+        rec_action=jnp.zeros((b, rec), jnp.int32), n_rec=zi(), keys=jnp.zeros((b, 2), jnp.uint32),
+        iteration=jnp.int32(0), stop_at=jnp.int32(NEVER), slot=jnp.asarray(slot),
+        slot_live=jnp.zeros((slots,), bool), return_on_free=jnp.asarray(False), knobs=knobs,
+        cache=self.model.init_cache(b, length, plan))
+
+  def admit(self, state: ReasoningState, settings: LoopSettings, n: int,
+            admissions: Sequence[tuple[int, ReasoningRequest, Sequence[int]]], *,
+            sample_offset: int = 0, conf_stop: Sequence[float] | None = None,
+            vote_floor: Sequence[float] | None = None,
+            prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None,
+            unstopped_samples: int = 0) -> ReasoningState:
+    """Puts requests into slots: admissions = (slot, request, prompt ids) each, with
+    per-admission conf_stop / vote_floor / prior_votes. The slots' rows are released,
+    each prompt is prefilled once into the slot's first row and shared by its other
+    rows, and the rows start fresh (sample j of the request is row slot * n + j)."""
+    b, length = state.tokens.shape
+    m = len(admissions)
+    if m == 0:
+      return state
+    rp = pow2_bucket(m)
+    t = pow2_bucket(max(len(p) for _, _, p in admissions), 16)
+    if t > length:
+      t = length
+    leaders = np.full(rp, b, np.int32)  # padding: row b (dropped)
+    tok = np.zeros((rp, t), np.int32)
+    last = np.zeros(rp, np.int32)
+    rows = np.full(rp * n, b, np.int32)
+    fresh_tokens = np.zeros((rp * n, length), np.int32)
+    prompt_len = np.ones(rp * n, np.int32)
+    keys = np.zeros((rp * n, 2), np.uint32)
+    stops = np.full(rp * n, -np.inf, np.float32)
+    floors = np.full(rp * n, -np.inf, np.float32)
+    group = np.full(rp * n, -1, np.int32)
+    q = state.knobs.prior_group.shape[0]
+    per_slot = q // max(1, state.slot_live.shape[0])
+    prior_at = np.full(rp * per_slot, q, np.int32)  # padding: entry q (dropped)
+    prior = [np.zeros((rp * per_slot,) + a.shape[1:], a.dtype)
+             for a in self.prior_entries([], 1, -1)]
+    prior[0][:] = -1
+    for i, (slot, req, ids) in enumerate(admissions):
+      if len(ids) > length:
+        raise ValueError(f"prompt of request {req.request_id} is {len(ids)} tokens; the cache "
+                         f"holds {length}")
+      leaders[i] = slot * n
+      tok[i, :len(ids)] = ids
+      last[i] = len(ids) - 1
+      span = slice(i * n, (i + 1) * n)
+      rows[span] = np.arange(slot * n, slot * n + n)
+      fresh_tokens[span, :len(ids)] = ids
+      prompt_len[span] = len(ids)
+      for j in range(n):
+        keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
+      stops[span] = -np.inf if conf_stop is None else conf_stop[i]
+      stops[i * n:i * n + min(unstopped_samples, n)] = -np.inf  # warm-up samples: never stopped
+      if settings.answer_vote:  # every row votes in its slot's group
+        group[span] = slot
+        if vote_floor is not None:
+          floors[span] = vote_floor[i]
+      votes = list(prior_votes[i]) if prior_votes is not None else []
+      if len(votes) > per_slot:
+        raise ValueError(f"{len(votes)} prior votes for request {req.request_id}; room for "
+                         f"{per_slot}")
+      prior_at[i * per_slot:(i + 1) * per_slot] = np.arange(slot * per_slot,
+                                                            (slot + 1) * per_slot)
+      entry = self.prior_entries(votes, per_slot, slot)
+      for arr, val in zip(prior, entry):
+        arr[i * per_slot:(i + 1) * per_slot] = val
+    children = np.array([[leaders[i] + j for j in range(1, n)] if i < m else [b] * (n - 1)
+                         for i in range(rp)], np.int32).reshape(-1)
+    parents = np.repeat(np.minimum(leaders, b - 1), n - 1)
+    fresh = dict(tokens=fresh_tokens, length=prompt_len, prompt_len=prompt_len,
+                 step_start=prompt_len, keys=keys)
+    knobs = dict(conf_stop=stops, vote_floor=floors, group=group)
+    priors = dict(zip(("prior_group", "prior_key", "prior_key_len", "prior_known",
+                       "prior_weight"), prior))
+    return self._admit_device(self.model.params, state, jnp.asarray(leaders), jnp.asarray(tok),
+                              jnp.asarray(last), jnp.asarray(children), jnp.asarray(parents),
+                              jnp.asarray(rows), fresh, knobs, jnp.asarray(prior_at), priors)
+
+  @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+  def _admit_device(self, params, state, leaders, tokens, last, children, parents, rows, fresh,
+                    knobs, prior_at, priors):
+    b = state.tokens.shape[0]
+    cache = state.cache
+    # Release everything the slots' rows held, then prefill and share the prompts.
+    held = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32).at[rows].set(0, mode="drop")
+    cache = self.model.truncate(cache, held)
+    cache = self.model.prefill_rows(params, cache, leaders, tokens, last)
+    if children.shape[0]:
+      cache = self.model.copy_rows(cache, children, parents)
+    blank = self.empty_state_rows(state)  # every per-row field at its start value
+    put = lambda x, v: x.at[rows].set(jnp.asarray(v, x.dtype), mode="drop")
+    updates = {f: put(getattr(state, f), jnp.broadcast_to(v, (rows.shape[0],) + v.shape[1:]))
+               for f, v in blank.items()}
+    updates.update({f: put(getattr(state, f), v) for f, v in fresh.items()})
+    updates["phase"] = put(state.phase, jnp.full(rows.shape, S.THINK, jnp.int32))
+    k = state.knobs
+    k = k.replace(**{f: put(getattr(k, f), v) for f, v in knobs.items()},
+                  **{f: getattr(k, f).at[prior_at].set(v, mode="drop") for f, v in priors.items()})
+    return state.replace(**updates, knobs=k, cache=cache)
+
+  @staticmethod
+  def empty_state_rows(state: ReasoningState) -> dict[str, jax.Array]:
+    """Start values of the per-row fields a fresh row resets (one row each; the
+    prompt-dependent ones come from `admit`)."""
+    w, rec = state.conf_ring.shape[1], state.rec_start.shape[1]
+    a, f = state.key.shape[1], state.force_buf.shape[1]
+    zi = jnp.zeros((1,), jnp.int32)
+    zf = jnp.zeros((1,), jnp.float32)
+    return dict(
+        step_index=zi, step_len=zi, step_lp=zf, step_bt=zi, backtracks=zi, think_tokens=zi,
+        answer_tokens=zi, prefix_tokens=zi, probe_tokens=zi, discarded=zi, waits=zi,
+        generated=zi, lp_total=zf, answer_start=zi - 1, conf_ring=jnp.zeros((1, w)),
+        conf_count=zi, conf_sum=zf, lowest_conf=jnp.full((1,), jnp.inf), exit_reason=zi,
+        key_state=zi, key=jnp.zeros((1, a), jnp.int32), key_len=zi, key_commit=zi,
+        key_unknown=jnp.zeros((1,), bool), early_exit=jnp.zeros((1,), bool),
+        force_buf=jnp.zeros((1, f), jnp.int32), force_pos=zi, force_len=zi,
+        rec_start=jnp.zeros((1, rec), jnp.int32), rec_end=jnp.zeros((1, rec), jnp.int32),
+        rec_score=jnp.full((1, rec), jnp.nan), rec_action=jnp.zeros((1, rec), jnp.int32),
+        n_rec=zi)
+
+  def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop,
+                    vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> ReasoningState:
+    """len(requests) x n rows: request i in slot i (an empty state + `admit`)."""
+    r = len(requests)
+    longest = max(len(p) for p in prompts)
+    per_slot = max([1] + [len(p) for p in prior_votes or ()])
+    state = self.empty_state(settings, n, r, self.cache_length(settings, longest),
+                             self.cache_plan(settings, pow2_bucket(r * n), longest, r), per_slot)
+    return self.admit(state, settings, n, list(zip(range(r), requests, prompts)),
+                      sample_offset=sample_offset, conf_stop=list(conf_stop),
+                      vote_floor=None if vote_floor is None else list(vote_floor),
+                      prior_votes=list(prior_votes) if prior_votes else None,
+                      unstopped_samples=unstopped_samples)
 
   def loop(self, settings: LoopSettings) -> ReasoningLoop:
     return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
                          settings.answer_vote)
 
-  def _generate_chunk(self, requests, settings, n, sample_offset, conf_stop, budget,
-                      vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> Batch:
-    t0 = time.perf_counter()
+  def _generate_slots(self, requests, settings, n, sample_offset, conf_stop, budget,
+                      vote_floor, prior_votes, unstopped_samples: int = 0) -> Batch:
+    """Streams the requests through max(1, max_rows // n) slots of n rows: each loop
+    call returns when a request's rows are all done while others wait; the host
+    collects its traces and admits the next request into the freed slot."""
     prompts = [self.encode(r.prompt) for r in requests]
-    state = self.initial_state(requests, prompts, settings, n, sample_offset, conf_stop,
-                               vote_floor, prior_votes, unstopped_samples)
+    r = len(requests)
+    slots = max(1, min(self.max_rows // n, r))
+    b = pow2_bucket(slots * n)
+    longest = max(len(p) for p in prompts)  # of all requests: the rows are reused
+    length = self.cache_length(settings, longest)
+    per_slot = max([1] + [len(p) for p in prior_votes])
+    state = self.empty_state(settings, n, slots, length,
+                             self.cache_plan(settings, b, longest, slots), per_slot)
     if budget is not None:
       state = state.replace(knobs=state.knobs.replace(
           max_steps=jnp.full_like(state.knobs.max_steps, budget.max_steps)))
+    waiting = collections.deque(range(r))
+    in_slot: dict[int, list] = {}  # slot -> [request index, admitted at, loop calls]
+
+    def fill(state, free):
+      picked = [(g, waiting.popleft()) for g in free[:len(waiting)]]
+      for g, i in picked:
+        in_slot[g] = [i, time.perf_counter(), 0]
+      return self.admit(state, settings, n, [(g, requests[i], prompts[i]) for g, i in picked],
+                        sample_offset=sample_offset, conf_stop=[conf_stop[i] for _, i in picked],
+                        vote_floor=[vote_floor[i] for _, i in picked],
+                        prior_votes=[prior_votes[i] for _, i in picked],
+                        unstopped_samples=unstopped_samples)
+
+    state = fill(state, list(range(slots)))
     loop = self.loop(settings)
-    calls, loop_seconds = 0, 0.0
-    while True:
-      chunk = self.iterations_per_call or NEVER
+    run = loop.run_python if self.python_twin else loop.run
+    traces: list = [None] * r
+    wall = [0.0] * r
+    calls_of = [0] * r
+    loop_seconds = 0.0
+    while in_slot:
+      live = np.zeros(slots, bool)
+      live[list(in_slot)] = True
       start_iter = int(state.iteration)
-      state = state.replace(stop_at=jnp.int32(min(start_iter + chunk, NEVER)))
+      state = state.replace(
+          stop_at=jnp.int32(min(start_iter + (self.iterations_per_call or NEVER), NEVER)),
+          slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
       t_call = time.perf_counter()
-      run = loop.run_python if self.python_twin else loop.run
       state = run(self.model.params, state)
       done = np.asarray(state.phase) == S.DONE  # one sync per invocation
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
-      calls += 1
-      if done.all():
-        break
-      if budget is not None:
+      for entry in in_slot.values():
+        entry[2] += 1
+      finished = [g for g in sorted(in_slot) if done[g * n:(g + 1) * n].all()]
+      if finished:
+        host = jax.device_get(state.replace(cache=None, knobs=None))
+        now = time.perf_counter()
+        for g in finished:
+          i, admitted, calls = in_slot.pop(g)
+          traces[i] = [self._trace(host, g * n + j, sample_offset + j, settings)
+                       for j in range(n)]
+          wall[i], calls_of[i] = now - admitted, calls
+        if waiting:
+          state = fill(state, finished)
+      elif budget is not None:
         iters = max(1, int(state.iteration) - start_iter)
         steps = np.maximum(np.asarray(state.step_index), 1)
         per_step = np.asarray(state.think_tokens) / steps * dt / iters
         new = budget.observe(per_step[~done], float((~done).mean()))
         state = state.replace(knobs=state.knobs.replace(
             max_steps=jnp.full_like(state.knobs.max_steps, new)))
-    host = jax.device_get(state.replace(cache=None))
-    wall = time.perf_counter() - t0
-    traces = [[self._trace(host, i * n + j, sample_offset + j, settings) for j in range(n)]
-              for i in range(len(requests))]
-    return Batch(traces=traces, wall_time_s=[wall] * len(requests),
-                 invocations=[calls] * len(requests), iterations=int(host.iteration),
-                 loop_seconds=loop_seconds)
+    return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
+                 iterations=int(state.iteration), loop_seconds=loop_seconds)
 
   def _trace(self, h: ReasoningState, row: int, sample_index: int, settings: LoopSettings) -> Trace:
     dec = lambda ids: self.tokenizer.decode([int(i) for i in ids], skip_special=True)

@@ -15,6 +15,13 @@ A `DecodeModel` is what the reasoning loop needs from a model, and nothing more:
                                            cannot change the logits and may be dropped);
                                            attends causally (key s visible iff s <= query)
   fork(cache, parents [B']) -> cache       row i of the result is a copy of row parents[i]
+  prefill_rows(params, cache, rows [R],    rows[i] drops what it held and takes the prompt
+      tokens [R, T], last [R]) -> cache    tokens[i, :last[i] + 1] (positions 0..last[i]);
+                                           the other rows are untouched; rows[i] >= B is
+                                           padding (ignored). Admits requests between
+                                           loop calls
+  copy_rows(cache, dst [C], src [C])       row dst[i] becomes a copy of row src[i] (dst
+      -> cache                             distinct and disjoint from src; >= B: padding)
   truncate(cache, lengths [B]) -> cache    forget positions >= lengths[b]
   check(cache) -> None                     host side, after a loop call: raises if the
                                            cache lost data (a paged pool that ran out)
@@ -49,11 +56,13 @@ class CachePlan:
   rows: rows after the fork (requests x samples, padded); prompt_tokens: the
   longest prompt; new_tokens: the most positions a row writes past its prompt
   (the loop ends a row at `max_generated` tokens, and a scratch probe reaches
-  at most `probe_capacity` past the end). A contiguous cache needs none of it."""
+  at most `probe_capacity` past the end); prompts: how many prompts the rows
+  hold at once (requests in flight). A contiguous cache needs none of it."""
 
   rows: int
   prompt_tokens: int
   new_tokens: int
+  prompts: int | None = None  # prompts held at once (requests in flight); None: the batch
 
 
 @runtime_checkable
@@ -70,6 +79,13 @@ class DecodeModel(Protocol):
   def fork(self, cache, parents: jax.Array) -> Any:
     ...
 
+  def prefill_rows(self, params, cache, rows: jax.Array, tokens: jax.Array,
+                   last: jax.Array) -> Any:
+    ...
+
+  def copy_rows(self, cache, dst: jax.Array, src: jax.Array) -> Any:
+    ...
+
   def truncate(self, cache, lengths: jax.Array) -> Any:
     ...
 
@@ -80,6 +96,20 @@ class DecodeModel(Protocol):
 def fork_rows(cache, parents: jax.Array):
   """Gathers rows of every batch-major leaf (all leaves of a contiguous cache)."""
   return jax.tree.map(lambda x: jnp.take(x, parents, axis=0), cache)
+
+
+def prefill_batch_major_rows(forward, params, cache, rows, tokens, last):
+  """`prefill_rows` for a cache whose every leaf is batch-major: gather the rows,
+  run the prompt through them, scatter them back (padding rows >= B are dropped)."""
+  sub = jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), cache)
+  _, sub = forward(params, sub, tokens, jnp.zeros_like(last), last)
+  return jax.tree.map(lambda x, y: x.at[rows].set(y, mode="drop"), cache, sub)
+
+
+def copy_batch_major_rows(cache, dst, src):
+  """`copy_rows` for a cache whose every leaf is batch-major."""
+  return jax.tree.map(
+      lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), cache)
 
 
 class ContiguousLlama:
@@ -106,6 +136,13 @@ class ContiguousLlama:
 
   def fork(self, cache, parents):
     return fork_rows(cache, parents)
+
+  def prefill_rows(self, params, cache, rows, tokens, last):
+    # Positions past the new prompt keep stale K/V: rewritten before they are visible.
+    return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last)
+
+  def copy_rows(self, cache, dst, src):
+    return copy_batch_major_rows(cache, dst, src)
 
   def truncate(self, cache, lengths):
     del lengths  # causal visibility by position makes stale entries harmless

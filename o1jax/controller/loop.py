@@ -24,8 +24,10 @@ every row, with step-boundary decisions applied by masks:
      decided (consensus share reached, or the rows still running could not
      change the winner).
 
-`run` loops until every row is done or `state.stop_at` iterations have run
-(the host may then adapt budgets or admit work and call again); `run_python`
+`run` loops until every row is done, `state.stop_at` iterations have run, or
+(with `return_on_free`) a request's rows are all done while another request
+waits; the host then adapts budgets or admits the waiting request into the
+freed slot and calls again. `run_python`
 is the debugging twin that calls the same `_step` one iteration at a time.
 """
 
@@ -90,8 +92,10 @@ class ReasoningLoop:
   # -- one iteration --------------------------------------------------------------
 
   def _cond(self, s: ReasoningState) -> jax.Array:
+    freed = s.return_on_free & jnp.any(s.slot_live & s.slot_done())
     return (jnp.any(s.phase != S.DONE)  # some row still thinking or answering
-            & (s.iteration < s.stop_at))  # this invocation's share of iterations is left
+            & (s.iteration < s.stop_at)  # this invocation's share of iterations is left
+            & ~freed)  # no request finished while another one waits for its slot
 
   def _probe(self, params, cache, tokens, length, ids, n):
     """Runs [last token, probe ids] past the sequence end; returns (probs [B, V], cache).

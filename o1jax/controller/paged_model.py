@@ -137,7 +137,8 @@ class PagedLlama:
       return batch * per_row
     prompt = math.ceil(plan.prompt_tokens / self.block_size)
     own = min(math.ceil(plan.new_tokens / self.block_size) + 1, per_row)
-    return batch * min(prompt, per_row) + plan.rows * own
+    prompts = batch if plan.prompts is None else plan.prompts
+    return prompts * min(prompt, per_row) + plan.rows * own
 
   def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> PagedCache:
     c = self.config
@@ -145,17 +146,20 @@ class PagedLlama:
     nb = self.pool_blocks(batch, length, plan)
     pages = PagedKVCache.create(c.n_layers, nb, self.block_size, c.n_kv_heads, c.head_dim,
                                 self.kv_dtype, batch=batch, max_blocks=mb)
-    zeros = jnp.zeros((batch,), jnp.int32)
-    blocks = BlockState.create(jnp.zeros((batch, mb), jnp.int32), zeros, zeros,
+    zeros = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the state is donated
+    blocks = BlockState.create(jnp.zeros((batch, mb), jnp.int32), zeros(), zeros(),
                                jnp.zeros((nb,), jnp.int32), self.block_size)
     return PagedCache(pages=pages, blocks=blocks, overflow=jnp.zeros((), bool),
                       peak_blocks=jnp.zeros((), jnp.int32))
 
   def forward(self, params, cache: PagedCache, tokens, starts, logits_at):
+    logits_at = logits_at.astype(jnp.int32)
+    # Tokens past logits_at cannot change these logits: they are not written.
+    return self._forward(params, cache, tokens, starts, logits_at, logits_at + 1)
+
+  def _forward(self, params, cache: PagedCache, tokens, starts, logits_at, write_lens):
     t = tokens.shape[1]
     starts = starts.astype(jnp.int32)
-    logits_at = logits_at.astype(jnp.int32)
-    write_lens = logits_at + 1  # later tokens cannot change these logits
     blocks, src, dst, ok = reserve_span(cache.blocks, starts, write_lens, t)
     write_lens = jnp.where(ok, write_lens, 0)  # a row without its blocks writes nothing
     pages = copy_blocks(cache.pages, src, dst).for_batch(blocks.tables, write_lens)
@@ -172,6 +176,44 @@ class PagedLlama:
     refcounts = add_row_refs(refcounts, tables, used, 1)
     blocks = old.replace(tables=tables, used=used, lengths=lengths, refcounts=refcounts)
     pages = cache.pages.for_batch(tables, jnp.zeros_like(used))
+    return self._note(cache.replace(pages=pages, blocks=blocks))
+
+  def prefill_rows(self, params, cache: PagedCache, rows, tokens, last):
+    """The rows release their blocks, then the prompts are written through a view
+    of those rows over the same pool (fresh blocks; padding rows write nothing)."""
+    b = cache.blocks.tables.shape[0]
+    rows = rows.astype(jnp.int32)
+    real = rows < b
+    at = jnp.minimum(rows, b - 1)
+    keep_all = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32)
+    blocks = truncate_rows(cache.blocks, keep_all.at[rows].set(0, mode="drop"))
+    zero = jnp.zeros_like(rows)
+    view = blocks.replace(tables=jnp.where(real[:, None], blocks.tables[at], 0),
+                          used=zero, lengths=zero)
+    last = last.astype(jnp.int32)
+    _, sub = self._forward(params, cache.replace(blocks=view), tokens, zero,
+                           jnp.where(real, last, 0), jnp.where(real, last + 1, 0))
+    put = lambda x, y: x.at[rows].set(y, mode="drop")
+    blocks = blocks.replace(tables=put(blocks.tables, sub.blocks.tables),
+                            used=put(blocks.used, sub.blocks.used),
+                            lengths=put(blocks.lengths, sub.blocks.lengths),
+                            refcounts=sub.blocks.refcounts)
+    return sub.replace(blocks=blocks, pages=sub.pages.for_batch(blocks.tables,
+                                                               jnp.zeros((b,), jnp.int32)))
+
+  def copy_rows(self, cache: PagedCache, dst, src):
+    """dst rows release their blocks and share src's (counts rise; nothing copied)."""
+    old = cache.blocks
+    b = old.tables.shape[0]
+    dst, src = dst.astype(jnp.int32), jnp.minimum(src.astype(jnp.int32), b - 1)
+    real = dst < b
+    d = jnp.minimum(dst, b - 1)
+    refcounts = add_row_refs(old.refcounts, old.tables[d], jnp.where(real, old.used[d], 0), -1)
+    refcounts = add_row_refs(refcounts, old.tables[src], jnp.where(real, old.used[src], 0), 1)
+    put = lambda x: x.at[dst].set(x[src], mode="drop")
+    blocks = old.replace(tables=put(old.tables), used=put(old.used), lengths=put(old.lengths),
+                         refcounts=refcounts)
+    pages = cache.pages.for_batch(blocks.tables, jnp.zeros((b,), jnp.int32))
     return self._note(cache.replace(pages=pages, blocks=blocks))
 
   def truncate(self, cache: PagedCache, lengths):

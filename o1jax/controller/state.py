@@ -8,7 +8,8 @@ program; only the verifier class and the probe switch are static.
 Shapes: B rows (request x sample), L cache/token length, W confidence window,
 F forced-token capacity, P probe capacity, M pattern variants, D pattern
 capacity, R step records, V vocabulary, C character classes per token, A
-answer-key capacity, Q prior votes.
+answer-key capacity, Q prior votes, G request slots (the n rows of slot g are
+rows g * n .. g * n + n - 1).
 """
 
 from __future__ import annotations
@@ -148,12 +149,23 @@ class ReasoningState:
   keys: jax.Array  # [B, 2] u32 base key of each sample: sequence_key(seed, request, sample)
   iteration: jax.Array  # [] i32 iterations run so far (all invocations)
   stop_at: jax.Array  # [] i32 this invocation returns to the host at this iteration
+  # Request slots (the host admits a new request into a slot whose rows are all done).
+  slot: jax.Array  # [B] i32 slot of each row (-1 = padding)
+  slot_live: jax.Array  # [G] bool the slot holds a request the host has not collected
+  return_on_free: jax.Array  # [] bool return as soon as a live slot's rows are all done
   knobs: Knobs
   cache: object  # the decode model's cache pytree (batch B)
 
   @property
   def done(self) -> jax.Array:
     return self.phase == DONE
+
+  def slot_done(self) -> jax.Array:
+    """[G] every row of the slot is done (a slot without rows counts as done)."""
+    g = self.slot_live.shape[0]
+    seg = jnp.where(self.slot >= 0, self.slot, g)
+    running = jax.ops.segment_max((~self.done).astype(jnp.int32), seg, num_segments=g + 1)
+    return running[:g] <= 0
 
   @property
   def window(self) -> int:

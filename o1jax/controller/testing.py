@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from o1jax.controller.decode_model import CachePlan, fork_rows
+from o1jax.controller.decode_model import (CachePlan, copy_batch_major_rows, fork_rows,
+                                           prefill_batch_major_rows)
 
 
 @flax.struct.dataclass
@@ -73,6 +74,12 @@ class MockDecodeModel:
 
   def fork(self, cache, parents):
     return fork_rows(cache, parents)
+
+  def prefill_rows(self, params, cache, rows, tokens, last):
+    return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last)
+
+  def copy_rows(self, cache, dst, src):
+    return copy_batch_major_rows(cache, dst, src)
 
   def truncate(self, cache, lengths):
     del lengths

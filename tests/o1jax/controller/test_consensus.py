@@ -26,7 +26,9 @@ from tests.o1jax.controller.conftest import VOCAB, MockWorld
 C = math.log(math.exp(5) + 19) - 1
 LOOP = [("Q", " A", 5), (" A", " B", 5), (" B", " A", 5), ("The answer is", " 7", 5),
         (" 7", "</s>", 5)]
-REQ = [ReasoningRequest(prompt="Q", request_id=0)]
+# Seed 5: its 16 samples at temperature 1 reach all three answers (7, 3 and none),
+# which the consensus cases below need (they assert it).
+REQ = [ReasoningRequest(prompt="Q", request_id=0, seed=5)]
 VOTE = dict(answer_vote=True, conf_window=4, max_thinking_tokens=12, answer_on_eos=True)
 
 

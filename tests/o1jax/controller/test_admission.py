@@ -1,0 +1,134 @@
+"""Admission between loop calls: more requests than slots stream through the slots.
+
+A loop call returns as soon as a request's rows are all done while another request
+waits; the host collects the finished request and prefills the next one into the
+freed slot. Every request must get exactly the traces it gets when it runs alone
+(rows never depend on their neighbours), on the mock, on a tiny Llama over both
+KV caches, and with DeepConf's prior votes (which live per slot)."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from o1jax.controller import (Controller, LoopSettings, PagedLlama, ReasoningRequest, SelfVerify,
+                              get_policy)
+from o1jax.controller.testing import MockTokenizer
+from tests.o1jax.controller.conftest import VOCAB
+from tests.o1jax.controller.test_twin_and_batch import SAMPLED, _random_mock, _same
+
+
+def _check_streamed(streamed, alone, rtol=1e-6):
+  for ts, ta in zip(streamed.traces, alone, strict=True):
+    for a, b in zip(ts, ta, strict=True):
+      _same(a, b) if rtol == 1e-6 else _same_scores(a, b, rtol)
+
+
+def _same_scores(a, b, rtol):
+  assert a.token_ids == b.token_ids
+  assert [(s.start, s.end, s.action) for s in a.steps] == [(s.start, s.end, s.action)
+                                                            for s in b.steps]
+  np.testing.assert_allclose([s.score for s in a.steps], [s.score for s in b.steps], rtol=rtol)
+  assert a.tokens == b.tokens and a.exit_reason == b.exit_reason
+
+
+MOCK_PROMPTS = [" A", " B C", " D", " C C C", " bad", " A B", " 7"]
+
+
+def test_streamed_requests_equal_each_alone_on_the_mock():
+  model, tok = _random_mock(1), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt=p, request_id=30 + i, seed=2)
+              for i, p in enumerate(MOCK_PROMPTS)]
+  streamed = Controller(model, tok, max_rows=4).generate(requests, SAMPLED, 2)  # 2 slots
+  alone = [Controller(model, tok).generate([r], SAMPLED, 2).traces[0] for r in requests]
+  _check_streamed(streamed, alone)
+  # Requests were admitted while others ran: later ones started in later loop calls,
+  # and no request waited for the whole batch (each call returned when one finished).
+  assert len(set(streamed.invocations)) > 1 and max(streamed.invocations) < len(requests)
+  lengths = [max(t.tokens.generated for t in ts) for ts in streamed.traces]
+  assert len(set(lengths)) > 1  # requests of different lengths shared the slots
+  twin = Controller(model, tok, max_rows=4, python_twin=True).generate(requests, SAMPLED, 2)
+  _check_streamed(twin, streamed.traces)
+  assert twin.invocations == streamed.invocations
+
+
+def test_one_slot_runs_requests_one_after_another():
+  model, tok = _random_mock(2), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=9) for i, p in enumerate(MOCK_PROMPTS[:3])]
+  one = Controller(model, tok, max_rows=2).generate(requests, SAMPLED, 2)
+  alone = [Controller(model, tok).generate([r], SAMPLED, 2).traces[0] for r in requests]
+  _check_streamed(one, alone)
+  assert one.invocations == [1, 1, 1]  # each request: one loop call of its own
+
+
+PROMPTS = ["hello there", "a much longer prompt than the others", "xyz", "0123456789abcdef", "q"]
+SETTINGS = LoopSettings(temperature=0.8, temp_bump=0.3, backtrack_threshold=0.5,
+                        max_step_backtracks=1, max_backtracks=2, step_delimiter="a",
+                        step_max_tokens=5, max_thinking_tokens=14, max_answer_tokens=3,
+                        max_steps=4, verifier=SelfVerify(probe=" ok?", yes="y", no="n"))
+
+
+@pytest.fixture(scope="module")
+def llama_models(tiny_llama):
+  contiguous, tok = tiny_llama
+  llama = nnx.merge(contiguous.graphdef, contiguous.params)
+  return contiguous, PagedLlama(llama, block_size=4), tok
+
+
+def test_streamed_requests_equal_each_alone_on_a_tiny_llama(llama_models):
+  contiguous, paged, tok = llama_models
+  requests = [ReasoningRequest(p, request_id=50 + i, seed=3) for i, p in enumerate(PROMPTS)]
+  alone = [Controller(contiguous, tok).generate([r], SETTINGS, 2).traces[0] for r in requests]
+  assert sum(t.backtracks for ts in alone for t in ts) > 0  # decisions were exercised
+  for model, rtol in ((contiguous, 1e-6), (paged, 1e-5)):  # paged: f32 sums in another order
+    streamed = Controller(model, tok, max_rows=4).generate(requests, SETTINGS, 2)
+    _check_streamed(streamed, alone, rtol)
+
+
+def test_deepconf_prior_votes_follow_their_request_through_the_slots(llama_models):
+  """Per-request DeepConf: the warm-up traces' votes are priors of the second call;
+  streamed through 2 slots they must land in the right slot's vote."""
+  contiguous, paged, tok = llama_models
+  policy = get_policy("deepconf", n=4, warmup=2, window=4, max_thinking_tokens=14,
+                      max_answer_tokens=3, step_delimiter="a", step_max_tokens=5, temperature=0.9)
+  requests = [ReasoningRequest(p, request_id=70 + i, seed=6) for i, p in enumerate(PROMPTS)]
+  together = Controller(contiguous, tok, max_rows=64).run(requests, policy)
+  for model in (contiguous, paged):
+    streamed = Controller(model, tok, max_rows=4).run(requests, policy)
+    for a, b in zip(together, streamed, strict=True):
+      assert (a.answer, a.chosen) == (b.answer, b.chosen)
+      # Batch shapes differ (64 rows vs 4): f32 sums may round apart (~1e-7).
+      assert a.info["threshold"] == pytest.approx(b.info["threshold"], rel=1e-5)
+      assert [t.token_ids for t in a.traces] == [t.token_ids for t in b.traces]
+      assert [t.exit_reason for t in a.traces] == [t.exit_reason for t in b.traces]
+      assert a.votes == pytest.approx(b.votes, rel=1e-5)
+
+
+def test_prior_votes_stay_with_their_request_in_a_reused_slot(world):
+  """Consensus stops hang on the prior votes: a request whose prior (a heavy vote
+  for 3) blocks the stop must keep it after its slot held another request."""
+  from tests.o1jax.controller.test_consensus import BRANCH, TRIGGERS
+
+  ctl = lambda **kw: world(BRANCH, triggers=TRIGGERS).controller(**kw)
+  st = LoopSettings(temperature=1.0, answer_vote=True, conf_window=2, max_thinking_tokens=24,
+                    answer_on_eos=True, stop_when_decided=True)
+  requests = [ReasoningRequest(prompt="Q", request_id=0, seed=5) for _ in range(3)]
+  priors = [[], [("3", 40.0)], []]
+  streamed = ctl(max_rows=16).generate(requests, st, 16, prior_votes=priors)  # one slot
+  assert streamed.invocations == [1, 1, 1]
+  alone = [ctl().generate([r], st, 16, prior_votes=[p]).traces[0]
+           for r, p in zip(requests, priors)]
+  _check_streamed(streamed, alone)
+  stopped = [any(t.stopped_consensus for t in ts) for ts in streamed.traces]
+  assert stopped == [True, False, True]  # the prior of request 1 decided its run
+
+
+def test_paged_pool_is_sized_for_the_slots_not_the_requests(llama_models):
+  contiguous, paged, tok = llama_models
+  ctl = Controller(paged, tok, max_rows=4)
+  requests = [ReasoningRequest(p, request_id=i, seed=1) for i, p in enumerate(PROMPTS * 2)]
+  ctl.generate(requests, SETTINGS, 2)  # 10 requests through 2 slots; raises if the pool ran out
+  longest = max(len(ctl.encode(p)) for p in PROMPTS)
+  plan = ctl.cache_plan(SETTINGS, 4, longest, prompts=2)
+  length = ctl.cache_length(SETTINGS, longest)
+  assert paged.pool_blocks(4, length, plan) < paged.pool_blocks(4, length, ctl.cache_plan(
+      SETTINGS, 4, longest, prompts=10))
