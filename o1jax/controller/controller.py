@@ -2,14 +2,18 @@
 
 `Controller.generate` is the primitive every policy uses:
 
-  1. encode the prompts; prefill each request's prompt once (batch R);
-  2. fork the prompt cache into R x n rows (sample j of request r is row
-     r * n + j; rows are padded to a power of two so programs are reused);
-  3. build the `ReasoningState` (knobs from `LoopSettings`, keys from
-     (seed, request id, sample index)) and call the jitted while_loop; the
-     host acts only between invocations (adaptive step budget);
-  4. one device -> host transfer of the final state; decode every row into a
-     `Trace` (steps, scores, actions, token accounting, confidences).
+  1. encode the prompts; an empty `ReasoningState` of G = max(1, max_rows // n)
+     request slots of n rows (sample j of the request in slot g is row g * n + j;
+     rows are padded to a power of two so programs are reused);
+  2. `admit` the first G requests: each prompt is prefilled once into its
+     slot's first row and shared by the slot's other rows; the rows start fresh
+     (knobs from `LoopSettings`, keys from (seed, request id, sample index));
+  3. call the jitted while_loop. It returns when every row is done, after
+     `iterations_per_call` iterations (adaptive step budget), or, while
+     requests wait, as soon as one request's rows are all done: the host reads
+     the state once, decodes that request's rows into `Trace`s (steps, scores,
+     actions, token accounting, confidences) and admits the next request into
+     the freed slot; repeat until every request is done.
 
 `Controller.run(requests, policy)` hands the requests to a policy (see
 policies.py), which calls `generate` one or more times and aggregates.
@@ -95,8 +99,8 @@ class Batch:
   """What `generate` returns: traces per request plus host-side accounting."""
 
   traces: list[list[Trace]]
-  wall_time_s: list[float]  # per request: wall time of the chunk it ran in
-  invocations: list[int]  # per request: jitted loop calls (host round trips)
+  wall_time_s: list[float]  # per request: from its admission to the call that finished it
+  invocations: list[int]  # per request: jitted loop calls it was in (host round trips)
   iterations: int = 0
   loop_seconds: float = 0.0  # time inside the jitted loop calls (no prefill, no decoding)
 
@@ -393,12 +397,17 @@ class Controller:
 
   # -- the batch --------------------------------------------------------------------
 
+  def _kept_tokens(self, settings: LoopSettings) -> int:
+    """Most tokens a row's sequence holds past its prompt: thinking, answer prefix,
+    answer, and a "Wait" that may be forced at the thinking budget."""
+    st = settings
+    return (st.max_thinking_tokens + len(self.tokenizer.encode(st.answer_prefix))
+            + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text)))
+
   def max_generated(self, settings: LoopSettings) -> int:
     """Tokens a row may append in all, discarded ones included (the loop ends it there)."""
     st = settings
-    return (st.max_thinking_tokens + len(self.tokenizer.encode(st.answer_prefix))
-            + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text))
-            + (st.max_backtracks + 1) * st.step_max_tokens + 8)
+    return self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens + 8
 
   def cache_plan(self, settings: LoopSettings, rows: int, longest_prompt: int,
                  prompts: int | None = None) -> CachePlan:
@@ -410,10 +419,8 @@ class Controller:
                      prompts=prompts)
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
-    answer = len(self.tokenizer.encode(settings.answer_prefix))
-    need = (longest_prompt + settings.max_thinking_tokens + answer + settings.max_answer_tokens
-            + len(self.tokenizer.encode(settings.wait_text)) + self.probe_capacity + 8)
-    return pow2_bucket(need, 64)
+    """Positions per row: the longest prompt, what a row keeps, and a probe past it."""
+    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.probe_capacity + 8, 64)
 
   def empty_state(self, settings: LoopSettings, n: int, slots: int, length: int,
                   plan: CachePlan | None = None, priors_per_slot: int = 1) -> ReasoningState:
