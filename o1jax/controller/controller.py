@@ -638,6 +638,13 @@ class Controller:
       loop_seconds += dt
       for entry in in_slot.values():
         entry[2] += 1
+      if budget is not None and not done.all():  # re-plan from this call's step latency
+        iters = max(1, int(state.iteration) - start_iter)
+        steps = np.maximum(np.asarray(state.step_index), 1)
+        per_step = np.asarray(state.think_tokens) / steps * dt / iters
+        new = budget.observe(per_step[~done], float((~done).mean()))
+        state = state.replace(knobs=state.knobs.replace(
+            max_steps=jnp.full_like(state.knobs.max_steps, new)))
       finished = [g for g in sorted(in_slot) if done[g * n:(g + 1) * n].all()]
       if finished:
         host = jax.device_get(state.replace(cache=None, knobs=None))
@@ -649,13 +656,6 @@ class Controller:
           wall[i], calls_of[i] = now - admitted, calls
         if waiting:
           state = fill(state, finished)
-      elif budget is not None:
-        iters = max(1, int(state.iteration) - start_iter)
-        steps = np.maximum(np.asarray(state.step_index), 1)
-        per_step = np.asarray(state.think_tokens) / steps * dt / iters
-        new = budget.observe(per_step[~done], float((~done).mean()))
-        state = state.replace(knobs=state.knobs.replace(
-            max_steps=jnp.full_like(state.knobs.max_steps, new)))
     return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
                  iterations=int(state.iteration), loop_seconds=loop_seconds)
 

@@ -132,3 +132,19 @@ def test_paged_pool_is_sized_for_the_slots_not_the_requests(llama_models):
   length = ctl.cache_length(SETTINGS, longest)
   assert paged.pool_blocks(4, length, plan) < paged.pool_blocks(4, length, ctl.cache_plan(
       SETTINGS, 4, longest, prompts=10))
+
+
+def test_adaptive_budget_keeps_replanning_while_requests_stream():
+  """iterations_per_call with admission: the step budget is re-planned after every
+  call (also the calls that free a slot), and every request still finishes."""
+  model, tok = _random_mock(3), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=4) for i, p in enumerate(MOCK_PROMPTS)]
+  policy = get_policy("think_verify_backtrack", verifier="mean_logprob", adaptive=True,
+                      max_thinking_tokens=30, step_delimiter="\n\n", step_max_tokens=6,
+                      exit_tau=2.0)
+  results = Controller(model, tok, max_rows=2, iterations_per_call=3).run(requests, policy)
+  assert len(results) == len(requests) and all(r.traces[0].tokens.generated > 0 for r in results)
+  assert max(r.loop_invocations for r in results) > 1  # the budget had calls to act between
+  history = results[0].info["budget_history"]
+  assert len(history) > len(requests)  # re-planned throughout, not once per request
+  assert {h["busy_share"] for h in history} == {0.5, 1.0}  # one or both slots busy
