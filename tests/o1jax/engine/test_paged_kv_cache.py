@@ -212,3 +212,36 @@ def test_copy_blocks_copies_only_the_named_blocks(pairs):
       if d < 6:
         want[d] = np.asarray(before)[s]
     np.testing.assert_array_equal(np.asarray(after), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("n_rows", [1, 3])
+def test_scatter_rows_copies_exact_bits_and_drops_out_of_range(dtype, n_rows):
+  from o1jax.engine.kv_cache import scatter_rows
+
+  rng = np.random.default_rng(n_rows)
+  pool = jnp.asarray(rng.standard_normal((10, 4, 2, 3)), dtype)
+  rows = jnp.asarray(rng.standard_normal((n_rows, 4, 2, 3)), dtype)
+  dst = np.array([7, 10, 2][:n_rows], np.int32)  # 10: past the pool, dropped
+  got = np.asarray(jax.jit(lambda p, r, d: scatter_rows(p, (d,), r))(pool, rows, jnp.asarray(dst)))
+  want = np.asarray(pool).copy()
+  for i, d in enumerate(dst):
+    if d < 10:
+      want[d] = np.asarray(rows)[i]
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_bf16_pool_scatter_never_converts_the_whole_pool():
+  """XLA's CPU scatter upcast 2-byte float pools to f32 around the scatter; the
+  pool must only ever appear in its own dtype (or its bits) in the program."""
+  from o1jax.engine.kv_cache import scatter_rows
+
+  pool = jnp.zeros((440, 16, 3, 64), jnp.bfloat16)
+  rows = jnp.ones((4, 16, 3, 64), jnp.bfloat16)
+  f = jax.jit(lambda p, r, d: scatter_rows(p, (d,), p[d] + r))
+  hlo = f.lower(pool, rows, jnp.arange(4, dtype=jnp.int32)).compile().as_text()
+  # A fusion whose result is the pool in f32 is a whole-pool conversion; an
+  # f32 convert inside a gather fusion only touches the gathered blocks.
+  whole = [l for l in hlo.splitlines() if "= f32[440,16,3,64]" in l and "fusion(" in l]
+  assert not whole, whole
