@@ -55,21 +55,13 @@ def scatter_rows(pool: jax.Array, index: tuple[jax.Array, ...], rows: jax.Array)
 
   XLA turns a one-row scatter into a dynamic-update-slice that made it copy the
   whole pool (batch-1 decode: 250 ms a step at 256 blocks), so a single row
-  gets a dropped twin and stays a scatter, which updates in place.
-
-  Pools of 1- and 2-byte floats are scattered as unsigned ints (the same bits):
-  XLA's CPU scatter upcast a bf16 pool to f32 and back around every scatter, two
-  whole-pool conversions per layer per decode step in the controller loop
-  (91 ms of a 176 ms step at 32 rows)."""
+  gets a dropped twin and stays a scatter, which updates in place. (A bf16 pool
+  on a CPU: XLA's scatter converts the whole pool to f32 and back; the callers
+  use `native.write_pool_rows` there.)"""
   if index[0].shape[0] == 1:
     index = (jnp.concatenate([index[0], jnp.full_like(index[0], pool.shape[0])]),
              *(jnp.concatenate([i, i]) for i in index[1:]))
     rows = jnp.concatenate([rows, rows])
-  if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize in (1, 2):
-    uint = jnp.uint8 if pool.dtype.itemsize == 1 else jnp.uint16
-    bits = lambda x: jax.lax.bitcast_convert_type(x, uint)
-    out = bits(pool).at[index].set(bits(rows.astype(pool.dtype)), mode="drop")
-    return jax.lax.bitcast_convert_type(out, pool.dtype)
   return pool.at[index].set(rows, mode="drop")
 
 
@@ -300,7 +292,19 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
 
   src, dst [N] int32 (pad with dst = num_blocks to keep N a fixed bucket)."""
   src = jnp.clip(src, 0, cache.num_blocks - 1)
-  cp = lambda pools: tuple(scatter_rows(p, (dst,), p[src]) for p in pools)
+
+  def copy(pool):
+    if pool.dtype == jnp.bfloat16 and pool.ndim == 4 and native.available():
+      # XLA's CPU scatter converts a bf16 pool to f32 and back around the update:
+      # two whole-pool copies per layer (91 of 176 ms per controller step at 32
+      # rows). The native row write updates in place: every row of each block.
+      n, bs = src.shape[0], pool.shape[1]
+      rows = pool[src].reshape(n * bs, *pool.shape[2:])
+      return native.write_pool_rows(pool, rows, jnp.repeat(dst, bs),
+                                    jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
+    return scatter_rows(pool, (dst,), pool[src])
+
+  cp = lambda pools: tuple(copy(p) for p in pools)
   new = cache.replace(k_pages=cp(cache.k_pages), v_pages=cp(cache.v_pages))
   if cache.is_fp8:
     new = new.replace(k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))

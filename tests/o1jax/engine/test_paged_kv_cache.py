@@ -4,6 +4,8 @@ Tolerance: paged and contiguous attention sum the same f32 products in a
 different order (gathered pages, multiply-then-sum vs a dot), so logits agree
 to ~1e-5 relative; we assert atol 2e-4 on logits of magnitude <~ 10."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from flax import nnx
 from o1jax.engine import BlockAllocator, BlockState, OutOfBlocks, PagedKVCache, copy_blocks
 from o1jax.engine import fork_rows, reserve_for_append, truncate_rows
 from o1jax.engine.kv_cache import gather_rows, write_pages, write_pages_fp8
+from pallas_kernels import native
 from o1jax.model import KVCache
 
 ATOL = 2e-4
@@ -232,16 +235,30 @@ def test_scatter_rows_copies_exact_bits_and_drops_out_of_range(dtype, n_rows):
   np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
-def test_bf16_pool_scatter_never_converts_the_whole_pool():
-  """XLA's CPU scatter upcast 2-byte float pools to f32 around the scatter; the
-  pool must only ever appear in its own dtype (or its bits) in the program."""
-  from o1jax.engine.kv_cache import scatter_rows
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_copy_blocks_copies_exact_blocks_and_skips_dropped(dtype):
+  cache = PagedKVCache.create(2, 12, 4, 2, 3, dtype)
+  rng = np.random.default_rng(0)
+  fill = lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype)
+  cache = cache.replace(k_pages=tuple(map(fill, cache.k_pages)),
+                        v_pages=tuple(map(fill, cache.v_pages)))
+  src, dst = jnp.asarray([3, 5, 0], jnp.int32), jnp.asarray([7, 12, 1], jnp.int32)  # 12: dropped
+  out = jax.jit(copy_blocks)(cache, src, dst)
+  for before, after in zip(cache.k_pages + cache.v_pages, out.k_pages + out.v_pages):
+    want = np.asarray(before).copy()
+    want[7], want[1] = want[3], want[0]
+    np.testing.assert_array_equal(np.asarray(after).view(np.uint8), want.view(np.uint8))
 
-  pool = jnp.zeros((440, 16, 3, 64), jnp.bfloat16)
-  rows = jnp.ones((4, 16, 3, 64), jnp.bfloat16)
-  f = jax.jit(lambda p, r, d: scatter_rows(p, (d,), p[d] + r))
-  hlo = f.lower(pool, rows, jnp.arange(4, dtype=jnp.int32)).compile().as_text()
-  # A fusion whose result is the pool in f32 is a whole-pool conversion; an
-  # f32 convert inside a gather fusion only touches the gathered blocks.
-  whole = [l for l in hlo.splitlines() if "= f32[440,16,3,64]" in l and "fusion(" in l]
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+def test_bf16_copy_blocks_never_converts_the_whole_pool():
+  """XLA's CPU scatter converts a bf16 pool to f32 and back around the update;
+  copy_blocks must not (the controller calls it in every decode step)."""
+  cache = PagedKVCache.create(1, 440, 16, 3, 64, "bfloat16")
+  f = jax.jit(copy_blocks)
+  hlo = f.lower(cache, jnp.arange(4, dtype=jnp.int32), jnp.arange(4, 8, dtype=jnp.int32))
+  hlo = hlo.compile().as_text()
+  # A fusion whose result is the pool in f32 is a whole-pool conversion; an f32
+  # convert inside a gather fusion only touches the gathered blocks.
+  whole = re.findall(r"= f32\[440,16,3,64\]\{[^}]*\} (?:fusion|scatter)\(", hlo)
   assert not whole, whole
