@@ -1,10 +1,11 @@
-"""Scripts at toy sizes on CPU: the GPU check scripts (the GPU run is scripts/gpu_check.sh)
-and the DeepConf threshold calibration."""
+"""Scripts at toy sizes on CPU: the GPU check scripts (the GPU run is scripts/gpu_check.sh),
+the DeepConf threshold calibration, the sampling benchmark and bench_policies' statistics."""
 
 import importlib.util
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
@@ -71,3 +72,20 @@ def test_tune_qmm_checks_each_tiling_against_the_reference(tmp_path):
   rows = json.loads(out.read_text())["rows"]
   assert [(r["k_splits"], r["m"]) for r in rows] == [(1, 1), (2, 1)]
   assert all(r["rel_err"] < 2e-2 and r["us"] > 0 for r in rows)
+
+
+def test_bench_sampling_prints_both_samplers_for_every_setting(capsys):
+  bs = load("bench_sampling")
+  assert bs.main(["--rows", "4", "--vocab", "600", "--repeats", "1"]) == 0
+  rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| temperature")]
+  assert len(rows) == 5 and all(l.rstrip().endswith("x |") for l in rows)
+
+
+def test_bench_policies_paired_interval():
+  bp = load("bench_policies")
+  same = np.array([1, 0, 1, 0], bool)
+  assert bp.paired_interval(same, same, 200, 0) == (0.0, 0.0)  # no problem differs
+  a = np.array([1] * 10 + [0] * 90, bool)  # a right on 10 problems that b misses
+  b = np.zeros(100, bool)
+  lo, hi = bp.paired_interval(a, b, 2000, 0)
+  assert 3.0 < lo < 10.0 < hi < 17.0  # around +10 points, all above 0
