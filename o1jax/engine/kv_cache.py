@@ -56,13 +56,27 @@ def scatter_rows(pool: jax.Array, index: tuple[jax.Array, ...], rows: jax.Array)
   XLA turns a one-row scatter into a dynamic-update-slice that made it copy the
   whole pool (batch-1 decode: 250 ms a step at 256 blocks), so a single row
   gets a dropped twin and stays a scatter, which updates in place. (A bf16 pool
-  on a CPU: XLA's scatter converts the whole pool to f32 and back; the callers
-  use `native.write_pool_rows` there.)"""
+  on a CPU: XLA's scatter converts the whole pool to f32 and back; `write_blocks`
+  and `write_pages` use the native row write there.)"""
   if index[0].shape[0] == 1:
     index = (jnp.concatenate([index[0], jnp.full_like(index[0], pool.shape[0])]),
              *(jnp.concatenate([i, i]) for i in index[1:]))
     rows = jnp.concatenate([rows, rows])
   return pool.at[index].set(rows, mode="drop")
+
+
+def write_blocks(pool: jax.Array, dst: jax.Array, blocks: jax.Array) -> jax.Array:
+  """pool.at[dst].set(blocks, mode="drop") for a pool [NB, bs, KVH, D] and blocks
+  [N, bs, KVH, D] (dst >= NB: dropped). A bf16 pool goes through the native
+  in-place row write when it is built: XLA's CPU scatter converts a bf16 pool to
+  f32 and back around the update (two whole-pool copies per layer; in the
+  controller's decode step that was 91 of 176 ms at 32 rows)."""
+  if pool.ndim == 4 and pool.dtype == jnp.bfloat16 and native.available():
+    n, bs = dst.shape[0], pool.shape[1]
+    rows = blocks.astype(pool.dtype).reshape(n * bs, *pool.shape[2:])
+    return native.write_pool_rows(pool, rows, jnp.repeat(dst, bs),
+                                  jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
+  return scatter_rows(pool, (dst,), blocks)
 
 
 def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, starts: jax.Array,
@@ -122,7 +136,7 @@ def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_ta
   block_scale = jnp.maximum(amax / FP8_MAX, 1e-12)
   quant = (vals / block_scale[:, :, None, :, None]).astype(pages.dtype)
   target = jnp.where(touched, phys, nb).reshape(-1)
-  pages = scatter_rows(pages, (target,), quant.reshape(-1, bs, kvh, d))
+  pages = write_blocks(pages, target, quant.reshape(-1, bs, kvh, d))
   scale = scatter_rows(scale, (target,), block_scale.reshape(-1, kvh))
   return pages, scale
 
@@ -292,19 +306,7 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
 
   src, dst [N] int32 (pad with dst = num_blocks to keep N a fixed bucket)."""
   src = jnp.clip(src, 0, cache.num_blocks - 1)
-
-  def copy(pool):
-    if pool.dtype == jnp.bfloat16 and pool.ndim == 4 and native.available():
-      # XLA's CPU scatter converts a bf16 pool to f32 and back around the update:
-      # two whole-pool copies per layer (91 of 176 ms per controller step at 32
-      # rows). The native row write updates in place: every row of each block.
-      n, bs = src.shape[0], pool.shape[1]
-      rows = pool[src].reshape(n * bs, *pool.shape[2:])
-      return native.write_pool_rows(pool, rows, jnp.repeat(dst, bs),
-                                    jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
-    return scatter_rows(pool, (dst,), pool[src])
-
-  cp = lambda pools: tuple(copy(p) for p in pools)
+  cp = lambda pools: tuple(write_blocks(p, dst, p[src]) for p in pools)
   new = cache.replace(k_pages=cp(cache.k_pages), v_pages=cp(cache.v_pages))
   if cache.is_fp8:
     new = new.replace(k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))

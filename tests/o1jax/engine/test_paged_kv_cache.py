@@ -251,10 +251,11 @@ def test_copy_blocks_copies_exact_blocks_and_skips_dropped(dtype):
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels not built here")
-def test_bf16_copy_blocks_never_converts_the_whole_pool():
-  """XLA's CPU scatter converts a bf16 pool to f32 and back around the update;
-  copy_blocks must not (the controller calls it in every decode step)."""
-  cache = PagedKVCache.create(1, 440, 16, 3, 64, "bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_copy_blocks_never_converts_the_whole_pool(dtype):
+  """XLA's CPU scatter converts a bf16 or FP8 pool to f32 and back around the
+  update; copy_blocks must not (the controller calls it in every decode step)."""
+  cache = PagedKVCache.create(1, 440, 16, 3, 64, dtype)
   f = jax.jit(copy_blocks)
   hlo = f.lower(cache, jnp.arange(4, dtype=jnp.int32), jnp.arange(4, 8, dtype=jnp.int32))
   hlo = hlo.compile().as_text()
