@@ -71,7 +71,8 @@ def main(argv=None) -> int:
               ("temperature 0.7, top-k 40", 0.7, 40, 1.0, 0.0),
               ("temperature 1.0 (no filter)", 1.0, 0, 1.0, 0.0),
               ("temperature 1.0, top-p 0.999", 1.0, 0, 0.999, 0.0),
-              ("temperature 0.7, min-p 0.05", 0.7, 0, 1.0, 0.05)]
+              ("temperature 0.7, min-p 0.05", 0.7, 0, 1.0, 0.05),
+              ("temperature 4.0, top-p 0.95 (cut past the 256)", 4.0, 0, 0.95, 0.0)]
   new, old = jax.jit(sample), jax.jit(sort_sample)
   print(f"rows {a.rows}, vocab {a.vocab}, {jax.devices()[0].platform}; ms per call (median)")
   print("| setting | sample | full sort | speed-up |\n|---|---|---|---|")
