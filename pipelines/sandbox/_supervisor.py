@@ -103,7 +103,11 @@ def inside(path, tree):
 
 
 def build_root(cfg):
-  """Whitelist view: system dirs and the interpreter read-only, a private /tmp, nothing else."""
+  """Whitelist view: system dirs and the interpreter read-only, a private /tmp, nothing else.
+
+  Of the Python extension modules only the allowed ones of the interpreter's own
+  directory exist (`masked`, `native_dir`, `native_files`).
+  """
   root = cfg['root']
   mount('tmpfs', root, 'tmpfs', MS_NOSUID | MS_NODEV, 'size=1m,mode=0755')
   bound = []
@@ -153,6 +157,21 @@ def build_root(cfg):
       mount('tmpfs', target, 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'size=4k,mode=0555')
     elif os.path.isfile(target) and not os.path.islink(target):
       bind('/dev/null', target)
+
+  # Native code: other extension directories are empty, and the interpreter's own holds
+  # only the allowed modules, so a refused module is not there under any name or path.
+  for masked in cfg['masked']:
+    target = root + masked
+    if any(inside(masked, b) for b in bound) and os.path.isdir(target) \
+        and not os.path.islink(target):
+      mount('tmpfs', target, 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'size=4k,mode=0555')
+  native_dir = cfg['native_dir']
+  if native_dir and os.path.isdir(root + native_dir):
+    target = root + native_dir
+    mount('tmpfs', target, 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'size=64k,mode=0755')
+    for name in cfg['native_files']:
+      touch(f'{target}/{name}')
+      bind(f'{native_dir}/{name}', f'{target}/{name}')
 
   os.mkdir(root + '/tmp')
   owner = '' if cfg['userns'] else ',uid=%d,gid=%d' % (cfg['uid'], cfg['gid'])
@@ -211,9 +230,9 @@ def parse_args(argv):
   cfg = {}
   for item in argv:
     key, _, value = item.partition('=')
-    if key in ('ro_trees', 'hidden'):
+    if key in ('ro_trees', 'hidden', 'masked', 'native_files'):
       cfg[key] = [p for p in value.split('\n') if p]
-    elif key in ('python', 'root', 'worker_src'):
+    elif key in ('python', 'root', 'worker_src', 'native_dir'):
       cfg[key] = value
     else:
       cfg[key] = int(value)

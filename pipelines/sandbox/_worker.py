@@ -6,12 +6,18 @@ code cannot reach (or patch) the harness's own functions and builtins.
 
 Proof of a pass: the host sends a random sentinel on the payload pipe; it lives only
 in a local of `main()` and is written to the result pipe after `check()` returned
-normally, called the candidate, and every candidate result was plain data. Before
-any untrusted code runs, an audit hook removes the ways Python code can look at
-other frames or at raw memory (frames, tracebacks' frames, gc, ctypes, signal
-handlers, tracing, crafted code objects), so the sentinel cannot be read early.
+normally, called the candidate, and every candidate result was plain data (types
+compared by identity). Before any untrusted code runs, an audit hook removes the
+ways Python code can look at other frames or at raw memory (frames, tracebacks'
+frames, gc, signal handlers, tracing, crafted code objects), and the import policy
+admits native code only from the interpreter's own extension directory, by file
+and by every part of the module's name, including modules made through `_imp`.
+The test runs on private instances of the modules it imports (its randomness
+included), made before the untrusted code runs.
 """
 import builtins
+import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
@@ -23,8 +29,12 @@ _exit = os._exit
 _type = type
 _str = str
 _len = len
-_PLAIN_SCALARS = (_type(None), bool, int, float, complex, str, bytes)
-_PLAIN_CONTAINERS = (list, tuple, set, frozenset)
+_id = id
+# Types are compared by identity (id of the real type), never with ==: a metaclass
+# decides what == means for its classes.
+_PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, str, bytes)))
+_PLAIN_CONTAINER_IDS = frozenset(map(id, (list, tuple, set, frozenset)))
+_DICT_ID = id(dict)
 _MEMORY_ERROR_LINE = b'error MemoryError: memory limit reached\n'
 _FRAME_ATTRIBUTES = frozenset({'tb_frame', 'gi_frame', 'cr_frame', 'ag_frame'})
 _BLOCKED_EVENTS = frozenset({
@@ -52,9 +62,28 @@ class _Refused(Exception):
   pass
 
 
-def _make_guard(allow_subprocesses):
-  """Audit hook; it cannot be removed, and it refuses any later hook."""
-  blocked_modules = _BLOCKED_MODULES if allow_subprocesses else _BLOCKED_MODULES | _SPAWN_MODULES
+def _blocked_modules(allow_subprocesses):
+  return _BLOCKED_MODULES if allow_subprocesses else _BLOCKED_MODULES | _SPAWN_MODULES
+
+
+def _refused_name(name, blocked_modules):
+  """Why a module name may not be imported, or None; every dotted part counts."""
+  if _type(name) is not _str:
+    return 'sandbox: module names must be str'
+  for part in name.split('.'):
+    if part in blocked_modules:
+      return f'sandbox: import of {name} is disabled'
+  return None
+
+
+def _make_guard(allow_subprocesses, native_files):
+  """Audit hook; it cannot be removed, and it refuses any later hook.
+
+  native_files: the full paths of the extension modules that may be loaded. The
+  `import` event of an extension load (from `_imp.create_dynamic`, whatever called
+  it) carries the very name and path objects the loader then uses.
+  """
+  blocked_modules = _blocked_modules(allow_subprocesses)
   spawn_events = frozenset() if allow_subprocesses else _SPAWN_EVENTS
 
   def guard(event, args):
@@ -66,11 +95,14 @@ def _make_guard(allow_subprocesses):
         raise AttributeError('sandbox: frame introspection is disabled')
       return
     if event == 'import':
-      name = args[0]
-      if _type(name) is not _str:
-        raise ImportError('sandbox: module names must be str')
-      if name.partition('.')[0] in blocked_modules:
-        raise ImportError(f'sandbox: import of {name} is disabled')
+      name, path = args[0], args[1]
+      refused = _refused_name(name, blocked_modules)
+      if refused is not None:
+        raise ImportError(refused)
+      if path is not None:  # an extension module: its file must be one of the allowed ones
+        if (_type(path) is not _str or path not in native_files
+            or native_files[path] != name.rpartition('.')[2]):
+          raise ImportError(f'sandbox: native module {name} from {path!r} is not allowed')
       return
     if event in _BLOCKED_EVENTS or event in spawn_events:
       raise RuntimeError(f'sandbox: {event} is disabled')
@@ -94,7 +126,8 @@ def _decode_fields(data):
   while pos < _len(data):
     newline = data.index(b'\n', pos)
     size = int(data[pos:newline])
-    fields.append(data[newline + 1:newline + 1 + size].decode('utf-8'))
+    # surrogatepass: a lone surrogate reaches compile(), which fails that one program.
+    fields.append(data[newline + 1:newline + 1 + size].decode('utf-8', 'surrogatepass'))
     pos = newline + 1 + size
   return fields
 
@@ -118,23 +151,142 @@ def _module_copy(module):
   return copy
 
 
+def _new_instance(name, private_builtins):
+  """A new, unregistered instance of module `name`, or None where there can be none.
+
+  Pure-Python modules run their code again, in a namespace whose builtins are
+  `private_builtins`; extension modules with multi-phase init get a new module
+  object and new heap types (_random.Random). A package's `__init__` runs again; its
+  submodules stay shared. Built-ins and frozen modules get None (the caller falls
+  back to a shallow copy).
+  """
+  spec = importlib.util.find_spec(name)
+  if spec is None or spec.origin is None:
+    return None
+  loader = spec.loader
+  if _type(loader) is importlib.machinery.ExtensionFileLoader:
+    module = importlib.util.module_from_spec(spec)
+    if module is sys.modules.get(name):
+      return None
+    loader.exec_module(module)
+    return module
+  if _type(loader) is importlib.machinery.SourceFileLoader:
+    module = types.ModuleType(name)
+    module.__dict__.update(__file__=spec.origin, __spec__=spec, __loader__=loader,
+                           __package__=spec.parent, __builtins__=private_builtins)
+    if spec.submodule_search_locations is not None:
+      module.__path__ = list(spec.submodule_search_locations)
+    exec(loader.get_code(name), module.__dict__)
+    return module
+  return None
+
+
+def _private_modules(names, pristine):
+  """The test's own instances of the modules it and the prompt import, made now.
+
+  The untrusted code shares sys.modules and every class in it; the test must not
+  share anything it can steer: `random`'s hidden generator (seed, setstate), its
+  classes (random.Random.randrange) and their C bases (_random.Random.getrandbits).
+  The extension modules these modules import directly get new instances too.
+  """
+  real_import = pristine['__import__']
+  natives = {}
+
+  def private_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and '.' not in name:
+      if name not in natives:
+        spec = importlib.util.find_spec(name)
+        natives[name] = (_new_instance(name, private_builtins)
+                         if spec is not None
+                         and _type(spec.loader) is importlib.machinery.ExtensionFileLoader
+                         else None)
+      if natives[name] is not None:
+        return natives[name]
+    return real_import(name, globals, locals, fromlist, level)
+
+  private_builtins = dict(pristine)
+  private_builtins['__import__'] = private_import
+  modules = {}
+  for name in names:
+    if name not in sys.modules:
+      continue
+    try:
+      module = _new_instance(name, private_builtins)
+    except Exception:
+      module = None
+    modules[name] = module if module is not None else _module_copy(sys.modules[name])
+  return modules
+
+
+def _guard_builtin_modules(blocked_modules):
+  """`_imp.create_builtin` makes a built-in module from a name and raises no audit event.
+
+  Through it (or BuiltinImporter, which calls it) `_signal` could be made although its
+  import is refused, and a signal handler receives frames. It is replaced by a checked
+  version; the original lives only in the frame of a suspended generator, which
+  untrusted code cannot open (gi_frame is refused), so it cannot be called directly.
+  """
+  import _imp
+  refused_names = blocked_modules | {'_imp'}  # a new _imp would carry the original
+
+  def serve(original):
+    outcome = None
+    while True:
+      name = yield outcome
+      try:
+        outcome = (True, original(types.SimpleNamespace(name=name)))
+      except BaseException as exc:
+        outcome = (False, exc)
+
+  server = serve(_imp.create_builtin)
+  next(server)
+  send = server.send
+
+  def create_builtin(spec):
+    name = spec.name  # read once: a property could answer differently the second time
+    refused = _refused_name(name, refused_names)
+    if refused is not None:
+      raise ImportError(refused)
+    made, value = send(name)
+    if made:
+      return value
+    raise value
+
+  _imp.create_builtin = create_builtin
+
+
+def _native_files(allowed_stems):
+  """{path: module name} of the allowed extension modules in the interpreter's own directory."""
+  suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+  files = {}
+  for directory in sys.path:
+    if not directory.endswith('/lib-dynload') or not os.path.isdir(directory):
+      continue
+    for entry in os.listdir(directory):
+      stem = entry.partition('.')[0]
+      if stem in allowed_stems and any(entry == stem + suffix for suffix in suffixes):
+        files[directory + '/' + entry] = stem
+  return files
+
+
 def _assert_plain(value):
   """Candidate results must be built-in data: an object with a forged __eq__ fails."""
   stack, seen = [value], set()
   while stack:
     item = stack.pop()
     kind = _type(item)
-    if kind in _PLAIN_SCALARS:
+    kind_id = _id(kind)
+    if kind_id in _PLAIN_SCALAR_IDS:
       continue
-    if id(item) in seen:
+    if _id(item) in seen:
       continue
-    if kind in _PLAIN_CONTAINERS:
-      seen.add(id(item))
+    if kind_id in _PLAIN_CONTAINER_IDS:
+      seen.add(_id(item))
       stack.extend(item)
-    elif kind is dict:
-      seen.add(id(item))
-      stack.extend(item.keys())
-      stack.extend(item.values())
+    elif kind_id == _DICT_ID:
+      seen.add(_id(item))
+      stack.extend(dict.keys(item))
+      stack.extend(dict.values(item))
     else:
       raise _Refused(f'candidate returned {kind.__name__!r}, not plain built-in data')
 
@@ -208,24 +360,26 @@ def main():
   _write(result_fd, b'started\n')  # before any untrusted code: absent means a sandbox fault
   data = _read_payload(payload_fd)
   sentinel, _, data = data.partition(b'\n')
-  kind, strict, prompt, completion, test, entry_point = _decode_fields(data)
+  kind, strict, native, prompt, completion, test, entry_point = _decode_fields(data)
   del data
 
-  for name in _PRELOAD + tuple(_imported_modules(prompt + '\n' + test)):
+  trusted_modules = tuple(_imported_modules(prompt + '\n' + test))
+  for name in _PRELOAD + trusted_modules:
     try:
       __import__(name)
-    except ImportError:
+    except Exception:  # a missing or broken module fails the test later, in the open
       pass
-  snapshot = {name: _module_copy(sys.modules[name])
-              for name in _imported_modules(prompt + '\n' + test) if name in sys.modules}
   pristine = dict(builtins.__dict__)
+  snapshot = _private_modules(trusted_modules, pristine)
   real_streams = (sys.stdout, sys.stderr)
   if not allow_subprocesses:
     for name in ('signal', '_signal'):
       sys.modules.pop(name, None)
+  native_files = _native_files(frozenset(native.split()))
+  _guard_builtin_modules(_blocked_modules(allow_subprocesses))
   # Later imports compile from source: loading .pyc needs marshal.loads, which is refused.
   sys.pycache_prefix = '/nonexistent-pycache'
-  sys.addaudithook(_make_guard(allow_subprocesses))
+  sys.addaudithook(_make_guard(allow_subprocesses, native_files))
 
   try:
     if kind == 'humaneval':

@@ -16,6 +16,22 @@ class Status(str, enum.Enum):
   SANDBOX_ERROR = 'sandbox_error'
 
 
+# The extension modules (lib-dynload) a program may load: computation, text, data
+# formats, hashing, compression. Absent from the sandbox's file system and refused by
+# the import policy: ctypes and cffi (raw memory), the _test* modules, subinterpreters,
+# shared memory, process spawning (_posixsubprocess, unless allow_subprocesses),
+# profilers, sqlite (loads shared libraries), terminal, GUI and system-database modules.
+NATIVE_MODULES = (
+  '_bisect', '_heapq', '_random', 'math', 'cmath', '_struct', 'array', 'binascii', '_json',
+  '_datetime', '_decimal', '_statistics', '_contextvars', '_typing', '_zoneinfo', '_csv',
+  '_pickle', '_queue', '_asyncio', 'select', '_socket', '_opcode', '_elementtree', 'pyexpat',
+  'unicodedata', '_multibytecodec', '_codecs_cn', '_codecs_hk', '_codecs_iso2022', '_codecs_jp',
+  '_codecs_kr', '_codecs_tw', '_md5', '_sha1', '_sha2', '_sha256', '_sha512', '_sha3', '_blake2',
+  '_hashlib', 'zlib', '_bz2', '_lzma', '_uuid', 'fcntl', 'grp', 'resource',
+)
+SUBPROCESS_NATIVE_MODULES = ('_posixsubprocess',)
+
+
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
   """Limits and isolation settings; the defaults suit HumanEval-style programs.
@@ -44,6 +60,7 @@ class SandboxConfig:
   allow_subprocesses: bool = False  # fork/exec from the program (still inside the sandbox)
   strict_return_types: bool = True  # candidate results must be plain built-in data
   python: str | None = None  # interpreter for the program; default: this one's base
+  native_modules: tuple[str, ...] = NATIVE_MODULES  # see NATIVE_MODULES
   unsafe_no_isolation: bool = False  # run with only rlimits if namespaces are unavailable
 
   def timeout_for(self, reference_time_s: float | None = None) -> float:
@@ -51,6 +68,10 @@ class SandboxConfig:
         and self.timeout_factor is not None):
       return max(self.timeout_floor_s, self.timeout_factor * reference_time_s)
     return self.timeout_s
+
+  def allowed_native_modules(self) -> tuple[str, ...]:
+    extra = SUBPROCESS_NATIVE_MODULES if self.allow_subprocesses else ()
+    return tuple(self.native_modules) + extra
 
   def cpu_limit_for(self, timeout_s: float) -> int:
     return self.cpu_seconds if self.cpu_seconds is not None else math.ceil(timeout_s) + 1

@@ -50,12 +50,61 @@ def _base_python() -> str:
   return os.path.realpath(getattr(sys, '_base_executable', None) or sys.executable)
 
 
-def _python_prefix(python: str) -> str:
-  if python == _base_python():
-    return os.path.realpath(sys.base_prefix)
-  out = subprocess.run([python, '-I', '-S', '-c', 'import sys; print(sys.base_prefix)'],
-                       capture_output=True, text=True, check=True, env=_HOST_ENV)
-  return os.path.realpath(out.stdout.strip())
+_LAYOUT_QUERY = ('import importlib.machinery, sys\n'
+                 'print(sys.base_prefix)\n'
+                 'print(next((p for p in sys.path if p.endswith("/lib-dynload")), ""))\n'
+                 'print(" ".join(importlib.machinery.EXTENSION_SUFFIXES))\n')
+# Directories that hold Python extension modules in the usual layouts.
+_EXTENSION_DIR_NAMES = ('site-packages', 'dist-packages', 'lib-dynload')
+_SYSTEM_TREES = ('/usr', '/bin', '/sbin', '/lib', '/lib32', '/lib64', '/libx32')  # see _supervisor
+_layout_cache: dict[tuple, tuple] = {}
+
+
+def _python_layout(python: str) -> tuple[str, str, tuple[str, ...]]:
+  """(prefix, extension-module directory, extension suffixes) of an interpreter."""
+  out = subprocess.run([python, '-I', '-S', '-c', _LAYOUT_QUERY], capture_output=True,
+                       text=True, check=True, env=_HOST_ENV).stdout.splitlines()
+  return os.path.realpath(out[0]), out[1], tuple(out[2].split())
+
+
+def _extension_dirs(trees: Sequence[str]) -> list[str]:
+  """site-packages, dist-packages and lib-dynload directories under the bound trees.
+
+  Inside the sandbox they become empty: the program runs without site-packages, and
+  the extension modules of other interpreters (a system Python next to the one used)
+  are other copies of the modules the policy refuses.
+  """
+  found = []
+  for tree in trees:
+    if not os.path.isdir(tree) or os.path.islink(tree):
+      continue
+    for top, dirs, _ in os.walk(tree):
+      keep = []
+      for name in dirs:
+        path = os.path.join(top, name)
+        if name in _EXTENSION_DIR_NAMES and not os.path.islink(path):
+          found.append(path)
+        else:
+          keep.append(name)
+      dirs[:] = keep
+  return found
+
+
+def _native_layout(python: str, allowed: Sequence[str]) -> tuple[str, list[str], str, list[str]]:
+  """(prefix, allowed extension files, their directory, directories to mask); cached."""
+  key = (python, tuple(allowed))
+  if key not in _layout_cache:
+    prefix, native_dir, suffixes = _python_layout(python)
+    files = []
+    if native_dir and os.path.isdir(native_dir):
+      stems = set(allowed)
+      files = sorted(entry for entry in os.listdir(native_dir)
+                     if entry.partition('.')[0] in stems
+                     and any(entry == entry.partition('.')[0] + s for s in suffixes))
+    trees = list(_SYSTEM_TREES) + [prefix]
+    masked = [d for d in _extension_dirs(trees) if d != native_dir]
+    _layout_cache[key] = (prefix, files, native_dir, masked)
+  return _layout_cache[key]
 
 
 def _last_cap() -> int:
@@ -68,7 +117,8 @@ def _last_cap() -> int:
 def _encode_payload(sentinel: bytes, fields: Sequence[str]) -> bytes:
   parts = [sentinel, b'\n']
   for field in fields:
-    data = field.encode('utf-8')
+    # A lone surrogate travels as is; compile() in the worker fails that program alone.
+    data = field.encode('utf-8', 'surrogatepass')
     parts += [str(len(data)).encode(), b'\n', data]
   return b''.join(parts)
 
@@ -117,7 +167,9 @@ class Sandbox:
     self.config = config or SandboxConfig()
     self._python = os.path.realpath(self.config.python or _base_python())
     self._userns = os.geteuid() != 0
-    self._ro_trees = [_python_prefix(self._python), os.path.dirname(self._python)]
+    prefix, self._native_files, self._native_dir, self._masked = _native_layout(
+      self._python, self.config.allowed_native_modules())
+    self._ro_trees = [prefix, os.path.dirname(self._python)]
     self._hidden = self._hidden_paths()
     self._cpus = _CpuLeases()
     self._last_cap = _last_cap()
@@ -187,6 +239,8 @@ class Sandbox:
       'isolate': int(isolate), 'userns': int(isolate and self._userns), 'root': root,
       'uid': uid, 'gid': uid, 'last_cap': self._last_cap, 'python': self._python,
       'ro_trees': '\n'.join(self._ro_trees), 'hidden': '\n'.join(self._hidden),
+      'masked': '\n'.join(self._masked), 'native_dir': self._native_dir,
+      'native_files': '\n'.join(self._native_files),
       'tmp_bytes': c.tmp_bytes, 'memory_bytes': c.memory_bytes,
       'cpu_seconds': c.cpu_limit_for(timeout_s), 'max_processes': c.max_processes,
       'max_open_files': c.max_open_files, 'max_file_bytes': c.max_file_bytes, 'cpu': cpu,
@@ -203,17 +257,18 @@ class Sandbox:
 
   def _execute(self, program: HumanEvalProgram | str, timeout_s: float,
                isolate: bool) -> ExecutionResult:
+    native = ' '.join(self.config.allowed_native_modules())
     if isinstance(program, HumanEvalProgram):
-      fields = ('humaneval', '1' if self.config.strict_return_types else '0', program.prompt,
-                program.completion, program.test, program.entry_point)
+      fields = ('humaneval', '1' if self.config.strict_return_types else '0', native,
+                program.prompt, program.completion, program.test, program.entry_point)
     else:
-      fields = ('script', '0', '', program, '', '')
+      fields = ('script', '0', native, '', program, '', '')
     sentinel = secrets.token_hex(16).encode()
-    payload = _encode_payload(sentinel, fields)
     start = time.monotonic()
     cpu = self._cpus.acquire() if self.config.pin_cpus else -1
     root = tempfile.mkdtemp(prefix='o1jax-sandbox-')
     try:
+      payload = _encode_payload(sentinel, fields)
       watch = _Watch(self.config)
       watch.launch(self._command, isolate, root, timeout_s, cpu, payload)
       watch.follow(start + timeout_s)

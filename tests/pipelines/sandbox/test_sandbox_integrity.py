@@ -10,6 +10,7 @@ targets, the cheat turns it into a pass. The classes:
   reachable by the candidate (seed, state, class or C-base patches);
 - text the host cannot encode (lone surrogates) must fail that sample only.
 """
+import os
 import textwrap
 
 import pytest
@@ -65,6 +66,8 @@ import os, sys
 _dynload = next(p for p in sys.path if p.endswith('lib-dynload'))
 def _native(stem):
     names = [n for n in os.listdir(_dynload) if n.split('.')[0] == stem]
+    if not names:
+        raise FileNotFoundError(f'{stem} is absent')
     return os.path.join(_dynload, names[0])
 '''
 
@@ -119,7 +122,7 @@ NATIVE_CASES = {
             for name in files:
                 if name.startswith(('_ctypes.', '_cffi_backend.')) and name.endswith('.so'):
                     found = found or os.path.join(top, name)
-    assert found, 'no copy visible'
+    assert found, 'every copy is absent'
     spec = importlib.util.spec_from_file_location('x.' + os.path.basename(found).split('.')[0], found)
     importlib.util.module_from_spec(spec)
     '''),
@@ -235,10 +238,26 @@ STEERED_RANDOM_CASES = {
     ''', body='    return next(_expected)\n'),
   'reseed_inside_candidate': random_program('''
     import random
-    _replay = random.Random()
-    ''', body=('    random.seed(n)\n    _replay.seed(n)\n    nxt = _replay.randint(1, 10 ** 9)\n'
-               '    random.seed(n)\n    return 2 * n\n')),
+    random.seed(7)
+    _answer = 2 * random.Random(7).randint(1, 10 ** 9)
+    ''', body='    random.seed(7)\n    return _answer\n'),
 }
+
+
+# The same class beyond randomness: a package the test uses must not run on the
+# untrusted side's builtins (Counter.most_common calls sorted()).
+COUNT_PROMPT = 'def most_common(text):\n    """Letters with their counts, most common first."""\n'
+COUNT_TEST = textwrap.dedent('''\
+  import collections
+
+
+  def check(candidate):
+      assert candidate('abbccc') == collections.Counter('abbccc').most_common()
+''')
+STEERED_RANDOM_CASES['builtins_under_a_package'] = program('    return []\n', '''
+    import builtins
+    builtins.sorted = lambda *args, **kwargs: []
+    ''', prompt=COUNT_PROMPT, test=COUNT_TEST, entry='most_common')
 
 
 SURROGATE_COMPLETIONS = {
@@ -255,21 +274,51 @@ def sandbox():
 
 @pytest.fixture(scope='module')
 def results(sandbox):
+  # The import policy alone: every extension module of the host is visible.
+  # The payloads are harmless there: they load modules and read their own frames.
+  bare = Sandbox(SandboxConfig(timeout_s=5.0, workers=2))
+  bare._native_files = sorted(os.listdir(bare._native_dir))
+  bare._masked = []
+  bare_results = bare.run_many(NATIVE_CASES.values())
   cases = {**{f'native/{k}': v for k, v in NATIVE_CASES.items()},
            **{f'type/{k}': v for k, v in FORGED_TYPE_CASES.items()},
            **{f'random/{k}': v for k, v in STEERED_RANDOM_CASES.items()},
            'control/right': program(RIGHT),
-           'control/random_right': random_program('', body=RANDOM_RIGHT)}
+           'control/random_right': random_program('', body=RANDOM_RIGHT),
+           'control/count_right': program('    return collections.Counter(text).most_common()\n',
+                                          'import collections\n', prompt=COUNT_PROMPT,
+                                          test=COUNT_TEST, entry='most_common')}
   names = list(cases)
-  return dict(zip(names, sandbox.run_many(cases[n] for n in names)))
+  results = dict(zip(names, sandbox.run_many(cases[n] for n in names)))
+  results.update({f'bare/{k}': r for k, r in zip(NATIVE_CASES, bare_results)})
+  return results
+
 
 
 @pytest.mark.parametrize('name', sorted(NATIVE_CASES))
-def test_forbidden_native_code_is_refused(results, name):
+def test_forbidden_native_code_is_absent_or_refused(results, name):
   result = results[f'native/{name}']
   assert result.status is Status.FAILED, (result.status, result.detail, result.stderr_tail[-600:])
-  # Refused by the import policy, not by an unrelated error on the way.
+  # Not there, or refused by the import policy; not an unrelated error on the way.
+  assert any(word in result.detail for word in ('absent', 'disabled', 'not allowed')), result.detail
+
+
+@pytest.mark.parametrize('name', sorted(NATIVE_CASES))
+def test_import_policy_refuses_native_code_that_is_present(results, name):
+  result = results[f'bare/{name}']
+  assert result.status is Status.FAILED, (result.status, result.detail, result.stderr_tail[-600:])
   assert 'disabled' in result.detail or 'not allowed' in result.detail, result.detail
+
+
+def test_extension_directory_holds_only_allowed_modules(sandbox):
+  result = sandbox.run(textwrap.dedent('''
+    import os, sys
+    dynload = next(p for p in sys.path if p.endswith('lib-dynload'))
+    stems = {name.split('.')[0] for name in os.listdir(dynload)}
+    assert {'math', '_random', '_json'} <= stems, stems
+    assert not stems & {'_ctypes', '_testcapi', '_posixsubprocess', '_sqlite3'}, stems
+    '''))
+  assert result.status is Status.PASSED, result.detail
 
 
 @pytest.mark.parametrize('name', sorted(FORGED_TYPE_CASES))
@@ -288,7 +337,8 @@ def test_the_tests_randomness_is_private(results, name):
 
 def test_controls_pass(results):
   assert results['control/right'].status is Status.PASSED, results['control/right']
-  assert results['control/random_right'].status is Status.PASSED, results['control/random_right']
+  for name in ('control/random_right', 'control/count_right'):
+    assert results[name].status is Status.PASSED, results[name]
 
 
 @pytest.mark.parametrize('where', sorted(SURROGATE_COMPLETIONS))
