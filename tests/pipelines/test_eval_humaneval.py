@@ -44,3 +44,18 @@ def test_wrong_and_truncated_completions_fail_and_pass_at_k_covers_every_k(tmp_p
   # pass@k with n=3, c=1: 1 - C(2,k)/C(3,k) -> k=1: 1/3, k=2: 2/3, k=3: 1.
   assert summary["pass_at_k"] == {"1": pytest.approx(1 / 3, abs=1e-4), "2": pytest.approx(2 / 3, abs=1e-4),
                                   "3": 1.0}
+
+
+def test_a_lone_surrogate_fails_its_own_completion_and_no_other(tmp_path):
+  cfg = humaneval_config.get_config()
+  cfg.dataset.n = 1
+  plan = build_plan(cfg, str(tmp_path))
+  example = Example.from_dict(plan_items(plan)[0][0].example)
+  canonical = example.metadata["canonical_solution"]
+  stop = plan.task.prompt(example)[1]
+  scores = plan.task.score_batch([(example, canonical, stop),
+                                  (example, canonical + "    # \ud800\n", stop),
+                                  (example, "    x = '\udcff'\n" + canonical, stop)] + [(example, canonical, stop)])
+  assert [s["correct"] for s in scores] == [True, False, False, True]
+  assert [s["status"] for s in scores[1:3]] == ["failed", "failed"]
+  assert "surrogate" in scores[1]["detail"]
