@@ -85,6 +85,7 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       prefill_chunk=128,  # prompt tokens per prefill call
       max_prefill_seqs=4,
       prefix_caching=True,  # the shared few-shot prefix is prefilled once
+      decode_steps=8,  # decode steps per device call (1 = a host round trip per token)
   )
 
 

@@ -6,4 +6,5 @@ from o1jax.engine.engine import (Engine, EngineConfig, GenerationParams, Request
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks, fork_rows,
                                    reserve_for_append, truncate_rows)
 from o1jax.engine.metrics import LatencyHistogram, MetricsCollector, RequestMetrics
-from o1jax.engine.steps import DecodeBatch, DecodeOutput, decode_step, prefill_step
+from o1jax.engine.steps import (DecodeBatch, DecodeOutput, LoopOutput, decode_loop, decode_step,
+                                prefill_step)

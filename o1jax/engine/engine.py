@@ -7,10 +7,18 @@ One engine iteration (`Engine.step`):
      tokens spread over up to `max_prefill_seqs` sequences (so a long prompt
      never stalls decoding for more than one chunk);
   3. prompts that finished prefilling fork into their n samples (shared blocks);
-  4. run one decode step for every decoding sequence: each writes its last
-     token's K/V and samples the next one (the first generated token too);
-  5. append tokens, check eos / stop ids / stop strings / budget, free finished
-     sequences' blocks and slots at once.
+  4. run the decode loop for every decoding sequence, one device call of up to
+     `decode_steps` steps: each step writes a row's last token's K/V and samples
+     the next one (the first generated token too); eos, stop ids, the budget and
+     the context stop a row on the device (blocks for the whole call are
+     reserved before it);
+  5. append tokens, check eos / stop ids / stop strings / budget (a stop string
+     drops what the row sampled past it), free finished sequences' blocks and
+     slots at once.
+The host is visited once per call, not once per token. A call runs a single
+step while a prompt is prefilling or a waiting request could take a free slot
+(so prefill chunks interleave with decoding as before), and while requests wait
+for a slot it stops at the first row's budget (so no slot idles).
 When a sequence needs a block and none is free, the lowest-priority sequence
 (latest arrival) is preempted: its blocks are freed and it is recomputed later
 from its tokens. Prefill covers prompt[:-1]; the last prompt token is the first
@@ -68,6 +76,8 @@ class EngineConfig:
   min_table_blocks: int = 8  # smallest table width bucket (then powers of two; decode also 3/4)
   # Decode batch sizes that get a program; a batch runs in the smallest one that fits.
   decode_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
+  # Decode steps per device call (see the module doc); 1 = a host round trip per token.
+  decode_steps: int = 8
   policy: str = "fifo"  # "fifo" | "shortest_budget" | "length_groups"
   prefix_caching: bool = True
   max_top_logprobs: int = 20
@@ -79,7 +89,7 @@ class EngineConfig:
       raise ValueError(f"policy={self.policy!r} not in {POLICIES}")
     if self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype={self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
-    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs"):
+    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -282,8 +292,8 @@ class Engine:
     # passed per call: hashing a static graphdef and flattening the NNX state
     # cost ~3 ms of host time per decode step. Calls pass the flat leaves.
     self._state_leaves, self._state_def = jax.tree.flatten(self._state)
-    self._decode_jit = jax.jit(self._traced("decode", self._bound(steps.decode_step)),
-                               static_argnums=(3,), donate_argnums=(1,))
+    self._decode_jit = jax.jit(self._traced("decode", self._bound(steps.decode_loop)),
+                               static_argnums=(6, 7), donate_argnums=(1,))
     self._prefill_jit = jax.jit(self._traced("prefill", self._bound(steps.prefill_step)),
                                 donate_argnums=(1,))
     self._copy_jit = jax.jit(self._traced("copy", copy_blocks), donate_argnums=(0,))
@@ -329,11 +339,15 @@ class Engine:
   def state(self):
     return self._state
 
-  def decode(self, cache: PagedKVCache, batch: steps.DecodeBatch, top_logprobs: int = 0):
-    """The jitted decode step (cache donated). Returns (DecodeOutput, cache)."""
+  def decode(self, cache: PagedKVCache, batch: steps.DecodeBatch, limits, stop_ids,
+             max_iterations: int, top_logprobs: int = 0):
+    """The jitted decode loop (`steps.decode_loop`, cache donated): up to
+    `config.decode_steps` steps, `max_iterations` of them. Returns (LoopOutput, cache)."""
     # The transposed head only pays off from batch 8 (at batch 1 the stored layout is faster).
     head_t = self._head_t if batch.tokens.shape[0] >= 8 else None
-    return self._decode_jit(self._state_leaves, cache, batch, top_logprobs, head_t)
+    return self._decode_jit(self._state_leaves, cache, batch, limits, stop_ids,
+                            jnp.int32(max_iterations), self.config.decode_steps, top_logprobs,
+                            head_t)
 
   def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
     """The jitted prefill step (cache donated). Returns the cache."""
@@ -640,25 +654,37 @@ class Engine:
   # -- decode ------------------------------------------------------------------------------
 
   def _decode_once(self) -> None:
+    running = sorted(self._running, key=lambda s: s.arrival)
+    if not running:
+      return
+    iterations = self._call_iterations(running)
     copies: list[tuple[int, int]] = []
-    for seq in sorted(self._running, key=lambda s: s.arrival):
+    limits = {}
+    for seq in running:
       if seq in self._running:
-        self._ensure_blocks(seq, len(seq.tokens), copies)
+        limits[seq] = self._row_limit(seq, iterations)
+        # Blocks for every position the call may write: len(tokens) - 1 onwards.
+        self._ensure_blocks(seq, len(seq.tokens) + limits[seq] - 1, copies)
     seqs = sorted(self._running, key=lambda s: s.arrival)
     if not seqs:
       return
     self._run_copies(copies)
+    self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
     rows = self._decode_rows(len(seqs))
     f32, i32 = np.float32, np.int32
-    tokens, positions, steps_ = (np.zeros(rows, i32) for _ in range(3))
+    tokens, positions, steps_, row_limits = (np.zeros(rows, i32) for _ in range(4))
     active = np.zeros(rows, bool)
     keys = np.zeros((rows, 2), np.uint32)
     temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
     top_k = np.zeros(rows, i32)
+    stop_lists = [self._stop_ids(s.group.params) for s in seqs]
+    stop_ids = np.full((rows, pow2_bucket(max(map(len, stop_lists)), 8)), -1, i32)
     want_top = 0
     for i, s in enumerate(seqs):
       p = s.group.params
       tokens[i], positions[i], steps_[i], active[i] = s.tokens[-1], len(s.tokens) - 1, len(s.generated), True
+      row_limits[i] = limits[s]
+      stop_ids[i, :len(stop_lists[i])] = stop_lists[i]
       keys[i] = s.key
       temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
       want_top = max(want_top, p.top_logprobs)
@@ -669,13 +695,43 @@ class Engine:
         top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
     # Two programs at most: without and with the engine's top-K alternatives.
     top_n = self.config.max_top_logprobs if want_top else 0
-    out, self.cache = self.decode(self.cache, batch, top_n)
+    start = self.clock()
+    out, self.cache = self.decode(self.cache, batch, jnp.asarray(row_limits), jnp.asarray(stop_ids),
+                                  iterations, top_n)
     out = jax.device_get(out)
-    now = self.clock()
+    end = self.clock()
+    # Per-token times: the call's wall time spread evenly over the steps it ran.
+    ran = max(int(out.iterations), 1)
+    self.metrics.decode_calls += 1
+    self.metrics.decode_steps += ran
+    times = [start + (end - start) * (j + 1) / ran for j in range(ran)]
     for i, s in enumerate(seqs):
-      s.n_computed = len(s.tokens)
-      self._append(s, int(out.tokens[i]), float(out.logprobs[i]),
-                   out.top_ids[i], out.top_logprobs[i], now)
+      for j in range(int(out.counts[i])):
+        s.n_computed = len(s.tokens)
+        self._append(s, int(out.tokens[j, i]), float(out.logprobs[j, i]),
+                     out.top_ids[j, i], out.top_logprobs[j, i], times[j])
+        if s.finish_reason is not None:
+          break  # a stop string: what the row sampled past it is dropped
+
+  def _call_iterations(self, running: Sequence[_Seq]) -> int:
+    """Decode steps for the next call (see the module doc)."""
+    if self._prefilling or (self._waiting and self._slots_in_use() < self.config.max_slots):
+      return 1
+    steps_ = self.config.decode_steps
+    if self._waiting:  # requests wait for a slot: stop when the first row's budget ends
+      steps_ = min([steps_] + [self._row_limit(s, steps_) for s in running])
+    return steps_
+
+  def _row_limit(self, seq: _Seq, iterations: int) -> int:
+    """Tokens `seq` may sample in a call of `iterations` steps: budget and context."""
+    return max(1, min(iterations, seq.remaining_budget, self.max_context - len(seq.tokens)))
+
+  def _stop_ids(self, params: GenerationParams) -> list[int]:
+    """Tokens that end a sample on the device: eos (unless ignored) and stop ids."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+      ids |= self.eos_ids
+    return sorted(ids) or [-1]
 
   def _append(self, seq: _Seq, token: int, logprob: float, top_ids, top_lps, now: float) -> None:
     """Records a sampled token and finishes the sequence when a stop rule fires."""
@@ -713,7 +769,14 @@ class Engine:
 
   def _emit(self, seq: _Seq, token: int | None, logprob: float, reason: str | None) -> None:
     text = self._text(seq)
-    delta, seq.text_len = text[seq.text_len:], len(text)
+    if reason is None:
+      # Hold back what may still change: the start of a stop string (cut if it
+      # completes) and an unfinished UTF-8 character (decoded as U+FFFD for now).
+      hold = max((k for s in seq.group.params.stop for k in range(1, len(s))
+                  if text.endswith(s[:k])), default=0)
+      text = text[:len(text) - hold].rstrip("\ufffd")
+    text = text if len(text) >= seq.text_len else text[:seq.text_len]
+    delta, seq.text_len = text[seq.text_len:], max(len(text), seq.text_len)
     seq.group.events.append(StreamEvent(sample=seq.sample, token_id=token, text=delta,
                                         logprob=logprob if token is not None else None,
                                         finish_reason=reason))

@@ -3,7 +3,9 @@
 Times come from an injectable clock (seconds, monotonic); tests pass a fake one.
 Per request: TTFT = first token - arrival; TPOT = mean gap between consecutive
 tokens of a sample (over all samples); end-to-end = finish - arrival; and the
-emit timestamp of every token. Aggregates: throughput, P50/P90/P95/P99, mean,
+emit timestamp of every token. The engine samples up to `decode_steps` tokens per
+device call; a token's timestamp is the call's start plus its step's share of
+the call's wall time (step j of a call that ran k steps: start + (j+1)/k of it). Aggregates: throughput, P50/P90/P95/P99, mean,
 coefficient of variation (population std / mean) and a fixed-bucket histogram
 per latency that adds up across workers.
 """
@@ -112,6 +114,8 @@ class MetricsCollector:
     self.kv_blocks_in_use = 0
     self.kv_blocks_peak = 0
     self.preemptions = 0
+    self.decode_calls = 0  # device calls of the decode loop (= host round trips)
+    self.decode_steps = 0  # decode steps those calls ran
 
   def add_request(self, m: RequestMetrics) -> None:
     self.requests.append(m)
@@ -135,6 +139,8 @@ class MetricsCollector:
     out.kv_blocks_in_use = self.kv_blocks_in_use + other.kv_blocks_in_use
     out.kv_blocks_peak = self.kv_blocks_peak + other.kv_blocks_peak
     out.preemptions = self.preemptions + other.preemptions
+    out.decode_calls = self.decode_calls + other.decode_calls
+    out.decode_steps = self.decode_steps + other.decode_steps
     return out
 
   def summary(self) -> dict:
@@ -156,6 +162,8 @@ class MetricsCollector:
         "kv_blocks_peak": self.kv_blocks_peak,
         "preemptions": self.preemptions,
         "recomputed_tokens": sum(r.recomputed_tokens for r in self.requests),
+        "decode_calls": self.decode_calls,
+        "decode_steps_per_call": self.decode_steps / self.decode_calls if self.decode_calls else 0.0,
     }
     for name in LATENCY_NAMES:
       out[name] = summarize(getattr(r, name) for r in self.requests)

@@ -1,9 +1,10 @@
-"""The engine's jittable steps: chunked prefill and one batched decode step.
+"""The engine's jittable steps: chunked prefill, one batched decode step, and
+the device-resident decode loop that runs several decode steps per call.
 
-Both are pure functions of (model graphdef, model state, paged cache, batch
+All are pure functions of (model graphdef, model state, paged cache, batch
 arrays), so the reasoning controller can call `decode_step` inside its own
-`jax.lax.while_loop`; the engine jits them with the graphdef static and the
-cache donated (updated in place).
+`jax.lax.while_loop`; the engine jits `prefill_step` and `decode_loop` with the
+graphdef static and the cache donated (updated in place).
 """
 
 from __future__ import annotations
@@ -114,3 +115,59 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
   last = jnp.maximum(chunk_lens - 1, 0).astype(jnp.int32)
   _, cache = model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache, logits_at=last)
   return cache.pools_only()
+
+
+@flax.struct.dataclass
+class LoopOutput:
+  """Tokens of up to `num_steps` decode steps; row b's real ones are [:counts[b]]."""
+
+  tokens: jax.Array  # [K, B] int32
+  logprobs: jax.Array  # [K, B] f32
+  top_ids: jax.Array  # [K, B, N] int32
+  top_logprobs: jax.Array  # [K, B, N] f32
+  counts: jax.Array  # [B] int32 tokens sampled per row (0 for inactive rows)
+  iterations: jax.Array  # [] int32 decode steps the call ran
+
+
+def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
+                limits: jax.Array, stop_ids: jax.Array, max_iterations: jax.Array,
+                num_steps: int = 1, top_logprobs: int = 0, head_t: jax.Array | None = None):
+  """Up to `num_steps` decode steps in one device call, without the host in between.
+
+  Each iteration is `decode_step` on the rows still running: a row feeds back the
+  token it sampled, its position and step advance, and it stops after `limits[b]`
+  tokens (budget, context and the blocks the host reserved) or on a token in its
+  `stop_ids[b]` row (eos and stop ids; -1 pads). The loop ends after
+  `max_iterations` (<= num_steps; dynamic, so one program serves single steps
+  too) or when every row stopped. Draws use fold_in(keys, steps) as in one step,
+  so a sequence gets the same tokens whatever the number of steps per call.
+  Stop strings are the host's: it drops what a row sampled past a match.
+  Returns (LoopOutput, cache with placeholder tables)."""
+  rows = batch.tokens.shape[0]
+  n = top_logprobs
+
+  def cond(carry):
+    i, running = carry[0], carry[2]
+    return (i < max_iterations) & jnp.any(running)
+
+  def body(carry):
+    i, cache, running, counts, tokens, positions, steps_, out = carry
+    step_batch = batch.replace(tokens=tokens, positions=positions, steps=steps_, active=running)
+    result, cache = decode_step(graphdef, state, cache, step_batch, n, head_t)
+    out = (out[0].at[i].set(result.tokens), out[1].at[i].set(result.logprobs),
+           out[2].at[i].set(result.top_ids), out[3].at[i].set(result.top_logprobs))
+    counts = counts + running.astype(jnp.int32)
+    stopped = jnp.any(result.tokens[:, None] == stop_ids, axis=1) | (counts >= limits)
+    advance = running.astype(jnp.int32)
+    tokens = jnp.where(running, result.tokens, tokens)
+    return (i + 1, cache, running & ~stopped, counts, tokens, positions + advance,
+            steps_ + advance, out)
+
+  out = (jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
+         jnp.zeros((num_steps, rows, n), jnp.int32), jnp.zeros((num_steps, rows, n), jnp.float32))
+  running = batch.active & (limits > 0)
+  carry = (jnp.int32(0), cache.pools_only(), running, jnp.zeros(rows, jnp.int32), batch.tokens.astype(jnp.int32),
+           batch.positions.astype(jnp.int32), batch.steps.astype(jnp.int32), out)
+  iterations, cache, _, counts, _, _, _, out = jax.lax.while_loop(cond, body, carry)
+  return LoopOutput(tokens=out[0], logprobs=out[1], top_ids=out[2], top_logprobs=out[3],
+                    counts=counts, iterations=iterations), cache

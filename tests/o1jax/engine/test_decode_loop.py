@@ -1,0 +1,98 @@
+"""The device-resident decode loop: several decode steps per call give the same
+tokens, log-probs and decisions as one step per call, with fewer host round trips."""
+
+import numpy as np
+import pytest
+
+from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+
+
+def _engines(tiny, **config):
+  return [Engine(tiny.model, tiny.tokenizer, EngineConfig(decode_steps=k, **config)) for k in (1, 8)]
+
+
+def _same(a, b):
+  assert [r.request_id for r in a] == [r.request_id for r in b]
+  for ra, rb in zip(a, b):
+    for sa, sb in zip(ra.samples, rb.samples):
+      assert sa.token_ids == sb.token_ids
+      assert sa.finish_reason == sb.finish_reason
+      assert sa.text == sb.text
+      if sa.logprobs is not None:
+        np.testing.assert_allclose(sa.logprobs, sb.logprobs, rtol=1e-5, atol=1e-5)
+      if sa.top_logprobs is not None:
+        assert [[i for i, _ in t] for t in sa.top_logprobs] == [[i for i, _ in t] for t in sb.top_logprobs]
+
+
+def test_mixed_workload_matches_one_step_per_call(tiny, make_prompts):
+  """Greedy, sampled, filtered, n=3, eos honoured, stop ids, log-probs and top-K,
+  short and long budgets, more requests than slots (so requests wait for slots)."""
+  prompts = make_prompts(10, seed=21)
+  free = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=8, num_blocks=128)).generate(
+      [Request(prompts[0], GenerationParams(max_new_tokens=20, ignore_eos=True))])[0]
+  params = [
+      GenerationParams(max_new_tokens=20, ignore_eos=True),
+      GenerationParams(max_new_tokens=17, temperature=1.0, seed=3, logprobs=True),
+      GenerationParams(max_new_tokens=9, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=5,
+                       top_logprobs=3),
+      GenerationParams(max_new_tokens=13, temperature=1.0, seed=2, n=3, ignore_eos=True),
+      GenerationParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(free.token_ids[4],)),
+      GenerationParams(max_new_tokens=3, ignore_eos=True),
+  ]
+  requests = [Request(p, params[i % len(params)], request_id=i) for i, p in enumerate(prompts)]
+  one, many = _engines(tiny, max_slots=8, num_blocks=128)
+  _same(one.generate(requests), many.generate(requests))
+  assert many.metrics.decode_calls < one.metrics.decode_calls
+  assert one.metrics.summary()["decode_steps_per_call"] == 1.0
+  # The stop id ended request 4 early, on the device, without the id in its output.
+  assert many.metrics.summary()["decode_steps_per_call"] > 1.5
+
+
+def test_stop_string_inside_a_call_drops_the_tokens_after_it(tiny, make_prompts):
+  prompt = make_prompts(1, seed=30)[0]
+  one, many = _engines(tiny, max_slots=4, num_blocks=64)
+  free = many.generate([Request(prompt, GenerationParams(max_new_tokens=24, ignore_eos=True))])[0]
+  # A stop string that completes at token 5: mid-call for 8 steps per call.
+  stop = tiny.tokenizer.decode(free.token_ids[4:6])
+  params = GenerationParams(max_new_tokens=24, ignore_eos=True, stop=(stop,))
+  a = one.generate([Request(prompt, params)])
+  b = many.generate([Request(prompt, params)])
+  _same(a, b)
+  assert b[0].finish_reason == "stop" and stop not in b[0].text
+  assert len(b[0].token_ids) < 24
+  assert many.allocator.num_used == 0 or many.config.prefix_caching  # finished: blocks released
+  events = list(many.stream(Request(prompt, params, request_id=0)))
+  assert [e.token_id for e in events if e.token_id is not None] == b[0].token_ids
+  assert "".join(e.text for e in events) == b[0].text
+
+
+def test_preemption_and_context_limit_match_one_step_per_call(tiny, make_prompts):
+  """A pool too small for all rows (preemption while reserving a call's blocks)
+  and budgets that run into the context limit."""
+  prompts = make_prompts(6, seed=40, low=20, high=60)
+  params = GenerationParams(max_new_tokens=400, temperature=1.0, seed=9, ignore_eos=True)
+  config = dict(max_slots=6, num_blocks=24, max_context=96, prefill_chunk=32)
+  one, many = _engines(tiny, **config)
+  a = one.generate([Request(p, params) for p in prompts])
+  b = many.generate([Request(p, params) for p in prompts])
+  _same(a, b)
+  assert all(r.finish_reason == "length" and len(r.prompt_token_ids) + len(r.token_ids) == 96
+             for r in b)
+  assert many.metrics.preemptions > 0
+  assert many.allocator.num_used == 0 or many.config.prefix_caching
+
+
+def test_token_times_spread_over_the_steps_of_a_call(tiny):
+  ticks = iter(np.arange(0.0, 1e6, 0.001))
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=2, num_blocks=32, decode_steps=8),
+                  clock=lambda: float(next(ticks)))
+  res = engine.generate([Request([5, 6, 7, 8], GenerationParams(max_new_tokens=16, ignore_eos=True))])
+  times = res[0].metrics.token_times[0]
+  assert len(times) == 16 and all(a < b for a, b in zip(times, times[1:]))
+  assert engine.metrics.decode_calls == 2 and engine.metrics.decode_steps == 16
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_decode_steps_must_be_positive(steps):
+  with pytest.raises(ValueError, match="decode_steps"):
+    EngineConfig(decode_steps=steps)
