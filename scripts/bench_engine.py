@@ -15,7 +15,10 @@ Prints a table and the ratios o1jax / llama.cpp and o1jax / transformers.
 
   python scripts/bench_engine.py [--new-tokens 128] [--concurrency 1,8,32,64]
       [--hf-batches 1,8,32] [--matmul-dtypes float32,bfloat16,int8] [--kv-dtypes float32]
-      [--threads 2] [--skip-llamacpp] [--skip-hf]
+      [--decode-steps 8] [--threads 2] [--skip-llamacpp] [--skip-hf]
+
+--decode-steps 1,8 adds a row per value (decode steps per device call; 1 = one
+host round trip per token): the ratio between them is the host's share per step.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def few_shot_prefix() -> str:
 
 
 def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
-                matmul_dtype: str = "float32", kv_dtype: str = "float32") -> dict:
+                matmul_dtype: str = "float32", kv_dtype: str = "float32",
+                decode_steps: int = 8) -> dict:
   from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
   from o1jax.model import Llama
 
@@ -78,7 +82,8 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
   out = {}
   for c in concurrency:
     cfg = EngineConfig(max_slots=c, num_blocks=max(256, c * 16), prefill_chunk=256,
-                       max_prefill_seqs=8, prefix_caching=False, kv_dtype=kv_dtype)
+                       max_prefill_seqs=8, prefix_caching=False, kv_dtype=kv_dtype,
+                       decode_steps=decode_steps)
     engine = Engine(model, ck.tokenizer, cfg)
     params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
     batch = [Request(p, params) for p in prompts[:c]]
@@ -89,9 +94,11 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
     engine.generate(prompt_only)
     warm = time.perf_counter() - t0
     traces = sum(engine.trace_counts.values())
+    calls_before = engine.metrics.decode_calls
     t0 = time.perf_counter()
     results = engine.generate(batch)
     wall = time.perf_counter() - t0
+    calls = engine.metrics.decode_calls - calls_before
     generated = sum(len(r.token_ids) for r in results)
     t0 = time.perf_counter()
     engine.generate(prompt_only)
@@ -101,8 +108,11 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
               "wall_s": wall, "warmup_s": warm, "programs": traces,
               "new_traces_after_warmup": sum(engine.trace_counts.values()) - traces,
               "rss_mib": peak_rss_mib(), "first_text": results[0].text[:60],
+              "ms_per_step": 1e3 * wall / new_tokens,
+              "decode_calls": calls,
               "token_ids": [r.token_ids for r in results]}
-    print(f"o1jax {matmul_dtype} kv {kv_dtype} c={c}: {out[c]['gen_tok_s']:.1f} gen tok/s, {out[c]['prompt_tok_s']:.1f} "
+    print(f"o1jax {matmul_dtype} kv {kv_dtype} steps {decode_steps} c={c}: "
+          f"{out[c]['gen_tok_s']:.1f} gen tok/s, {out[c]['prompt_tok_s']:.1f} "
           f"prompt tok/s (warm-up {warm:.0f} s, {traces} programs)", flush=True)
   return out
 
@@ -247,6 +257,7 @@ def main(argv=None) -> int:
                   help="o1jax rows for each Llama matmul_dtype (float32 = exact reference)")
   ap.add_argument("--kv-dtypes", default="float32",
                   help="o1jax rows for each KV cache dtype (EngineConfig.kv_dtype)")
+  ap.add_argument("--decode-steps", default="8", help="decode steps per device call (comma list)")
   ap.add_argument("--skip-llamacpp", action="store_true")
   ap.add_argument("--skip-hf", action="store_true")
   ap.add_argument("--skip-prefix", action="store_true")
@@ -281,11 +292,14 @@ def main(argv=None) -> int:
   hf = None if args.skip_hf else run_reference("transformers", args, gguf, prompts)
   dtypes = [d for d in args.matmul_dtypes.split(",") if d]
   kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
+  step_counts = [int(x) for x in args.decode_steps.split(",") if x]
   ours = {}  # row label -> results; the label names the KV dtype when it is not f32
   for d in dtypes:
     for kv in kv_dtypes:
-      label = d if kv == "float32" else f"{d}, kv {kv}"
-      ours[label] = bench_o1jax(ck, prompts, concurrency, args.new_tokens, d, kv)
+      for k in step_counts:
+        label = d if kv == "float32" else f"{d}, kv {kv}"
+        label += f", {k} steps/call" if len(step_counts) > 1 else ""
+        ours[label] = bench_o1jax(ck, prompts, concurrency, args.new_tokens, d, kv, k)
 
   print("\n| system | matmuls | concurrency | gen tok/s | prompt tok/s | peak RSS MiB | x llama.cpp "
         "| x transformers |")
@@ -304,6 +318,11 @@ def main(argv=None) -> int:
   for d, rows in ours.items():
     print(f"o1jax {d} steady state: new traces after warm-up per concurrency: "
           f"{ {c: r['new_traces_after_warmup'] for c, r in rows.items()} }")
+  if len(step_counts) > 1:
+    print("\nms per decode step (wall / new tokens) by decode steps per call:")
+    for d, rows in ours.items():
+      print(f"  {d}: " + ", ".join(f"c={c}: {r['ms_per_step']:.2f} ms ({r['decode_calls']} calls)"
+                                   for c, r in rows.items()))
   if "float32" in ours:
     for d, rows in ours.items():
       if d != "float32":
