@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # GPU check on a machine with one NVIDIA GPU and JAX (with CUDA) already
-# installed; needs no network and no checkpoint. Stages (default: all but
-# throughput, about 8 minutes at most):
+# installed; needs no network and no checkpoint. Stages (default: engine,
+# throughput, hf, ablate; about 8 minutes at most):
 #   tests       the kernel tests in compiled (non-interpret) mode
 #   engine      the engine through the Pallas kernels vs the XLA reference
 #               (scripts/gpu_engine_check.py correctness)
 #   bench       scripts/bench_kernels.py
-#   throughput  engine decode throughput, Pallas vs reference backend
-#               (scripts/gpu_engine_check.py throughput)
-#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,throughput]
+#   throughput  engine decode throughput, Pallas vs reference backend, 8 decode
+#               steps per device call, concurrency 1/64/256
+#   hoststeps   the reference backend at 1 decode step per call (the host's share)
+#   hf          HF transformers bf16 `generate`, same shape, same run
+#   ablate      the Pallas path with one op at a time on XLA (what is slow)
+#   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
+#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,throughput,hoststeps,hf,ablate,llama8b]
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
-STAGES=,${2:-tests,engine,bench},
+STAGES=,${2:-engine,throughput,hf,ablate},
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -44,4 +48,12 @@ stage tests 200 python -m pytest tests/pallas_kernels -q -rA -k "not Interpret" 
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json"
 stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json"
-stage throughput 240 python scripts/gpu_engine_check.py throughput --out "$OUT/throughput.json"
+stage throughput 200 python scripts/gpu_engine_check.py throughput --concurrency 1,64,256 \
+  --decode-steps 8 --out "$OUT/throughput.json"
+stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \
+  --backends reference --decode-steps 1 --out "$OUT/hoststeps.json"
+stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json"
+stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 --out "$OUT/ablate.json"
+stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape llama3-8b \
+  --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python scripts/gpu_engine_check.py hf \
+  --shape llama3-8b --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b_hf.json'"

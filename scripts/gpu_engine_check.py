@@ -14,12 +14,25 @@ compares two backends on the same weights, which is what it needs.
     greedy, new tokens with logprobs: share of identical tokens (common prefix
     per sequence) and the largest |log p| difference on the common prefix.
   throughput: aggregate generated tok/s at each concurrency, both backends (a
-    warm-up run compiles every program the timed run needs first).
+    warm-up run compiles every program the timed run needs first), at each
+    number of decode steps per device call (--decode-steps 1,8: 1 is a host
+    round trip per token).
+  ablate: the Pallas path with one op at a time sent to the XLA reference
+    (quantized matmul / decode attention / prefill attention), at one
+    concurrency: which op makes the Pallas path slow.
+  hf: the peer in the same run: HF transformers `LlamaForCausalLM` of the same
+    shape, random init, bf16, `generate` (greedy, exactly --new-tokens) at each
+    concurrency.
+  --shape llama3-8b (throughput, hf): a Llama-3-8B-shaped model with random
+    weights made on the device: the engine with int4 weights (pallas) vs dense
+    bf16 weights (reference backend, bf16 matmuls).
 
   python scripts/gpu_engine_check.py correctness [--layers 2] [--sequences 8] [--max-prompt 120]
       [--new-tokens 16] [--interpret] [--out F]
   python scripts/gpu_engine_check.py throughput [--layers 30] [--concurrency 1,64]
-      [--new-tokens 128] [--backends pallas,reference] [--out F]
+      [--new-tokens 128] [--backends pallas,reference] [--decode-steps 1,8] [--out F]
+  python scripts/gpu_engine_check.py ablate [--concurrency 64] [--out F]
+  python scripts/gpu_engine_check.py hf [--concurrency 1,64,256] [--shape smollm2|llama3-8b] [--out F]
 
 On a CPU, correctness with --interpret runs the kernels in Pallas interpret
 mode (slow; use --layers 1); throughput runs the reference path only.
@@ -36,6 +49,9 @@ import numpy as np
 
 SMOLLM2_SHAPE = dict(d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
                      vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5)
+LLAMA3_8B_SHAPE = dict(d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                       vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5)
+SHAPES = {"smollm2": (SMOLLM2_SHAPE, 30, True), "llama3-8b": (LLAMA3_8B_SHAPE, 32, False)}
 
 
 def random_model_params(n_layers: int, seed: int = 0, max_context: int = 2048):
@@ -67,6 +83,46 @@ def random_model_params(n_layers: int, seed: int = 0, max_context: int = 2048):
   return c, {"embed": embed, "layers": layers, "final_norm": norm(d)}
 
 
+def random_device_params(shape: dict, n_layers: int, tied: bool, dense_bf16: bool, seed: int = 0,
+                         max_context: int = 4096):
+  """(ModelConfig, params) with random weights made on the device (nothing travels).
+
+  int4: random packed codes and per-group scales (Q4_0 layout, std ~1/sqrt(K) per
+  output); dense_bf16: bf16 matrices of the same statistics. The values only need
+  to be finite and non-degenerate: the work per token does not depend on them."""
+  import jax
+  import jax.numpy as jnp
+
+  from o1jax.model.config import ModelConfig
+  from pallas_kernels.quantized_tensor import QuantizedTensor
+
+  c = ModelConfig(n_layers=n_layers, max_context=max_context, tie_embeddings=tied, bos_id=1,
+                  eos_ids=(2,), architecture="llama", name="random-" + str(shape["d_model"]),
+                  **shape)
+  keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16 * n_layers + 8))
+
+  def matrix(k, n):
+    if dense_bf16:
+      return (jax.random.normal(next(keys), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    packed = jax.random.randint(next(keys), (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    # (q - 8) has std ~4.6: scale so that each output has unit variance.
+    scale = jnp.full((k // 32, n), 1.0 / (4.6 * np.sqrt(k)), jnp.float16)
+    return QuantizedTensor(packed=packed, scale=scale, minimum=None, bits=4, group_size=32)
+
+  def norm(n):
+    return jnp.ones((n,), jnp.float32)
+
+  d, f, hd = c.d_model, c.ffn_dim, c.head_dim
+  layers = [{"attn_norm": norm(d), "wq": matrix(d, c.n_heads * hd),
+             "wk": matrix(d, c.n_kv_heads * hd), "wv": matrix(d, c.n_kv_heads * hd),
+             "wo": matrix(c.n_heads * hd, d), "ffn_norm": norm(d), "w_gate": matrix(d, f),
+             "w_up": matrix(d, f), "w_down": matrix(f, d)} for _ in range(n_layers)]
+  params = {"embed": matrix(d, c.vocab_size), "layers": layers, "final_norm": norm(d)}
+  if not tied:
+    params["head"] = matrix(d, c.vocab_size)
+  return c, params
+
+
 def byte_tokenizer():
   from o1jax.testing import _tiny_tokenizer
 
@@ -74,15 +130,17 @@ def byte_tokenizer():
 
 
 def make_engine(config, params, backend: str, max_slots: int, interpret: bool = False,
-                num_blocks: int = 2048):
+                num_blocks: int = 2048, decode_steps: int = 8, matmul_dtype: str = "float32",
+                weight_mode: str | None = None):
   from o1jax.engine import Engine, EngineConfig
   from o1jax.model import Llama
 
-  weight_mode = "dense" if backend == "reference" else "quantized"
-  model = Llama(config, params, backend=backend, interpret=interpret, weight_mode=weight_mode)
+  weight_mode = weight_mode or ("dense" if backend == "reference" else "quantized")
+  model = Llama(config, params, backend=backend, interpret=interpret, weight_mode=weight_mode,
+                matmul_dtype=matmul_dtype)
   cfg = EngineConfig(max_slots=max_slots, num_blocks=num_blocks, prefill_chunk=256,
                      max_prefill_seqs=8, prefix_caching=False, backend=backend,
-                     interpret=interpret)
+                     interpret=interpret, decode_steps=decode_steps)
   return Engine(model, byte_tokenizer(), cfg)
 
 
@@ -125,40 +183,138 @@ def correctness(args) -> dict:
   return out
 
 
+def _timed_generate(engine, batch) -> tuple[float, float, int, int]:
+  """(warm-up s, timed wall s, generated tokens, programs compiled) of one workload."""
+  t0 = time.perf_counter()
+  engine.generate(batch)
+  warm = time.perf_counter() - t0
+  programs = sum(engine.trace_counts.values())
+  t0 = time.perf_counter()
+  results = engine.generate(batch)
+  wall = time.perf_counter() - t0
+  return warm, wall, sum(len(r.token_ids) for r in results), programs
+
+
+def _engine_variants(args):
+  """(label, config, params, make_engine kwargs) of the engines to time."""
+  if args.shape == "smollm2":
+    config, params = random_model_params(args.layers)
+    return [(b, config, params, dict(backend=b)) for b in args.backends.split(",")]
+  shape, layers, tied = SHAPES[args.shape]
+  layers = args.layers or layers
+  c4, p4 = random_device_params(shape, layers, tied, dense_bf16=False)
+  c16, p16 = random_device_params(shape, layers, tied, dense_bf16=True)
+  return [("int4 pallas", c4, p4, dict(backend="pallas", weight_mode="quantized")),
+          ("bf16 reference", c16, p16, dict(backend="reference", weight_mode="dense",
+                                            matmul_dtype="bfloat16"))]
+
+
 def throughput(args) -> dict:
   from o1jax.engine import GenerationParams, Request
 
-  config, params = random_model_params(args.layers)
   concurrency = [int(c) for c in args.concurrency.split(",")]
-  ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=config.vocab_size)
   gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-  out = {"layers": args.layers, "new_tokens": args.new_tokens, "rows": []}
-  for backend in args.backends.split(","):
-    for c in concurrency:
-      engine = make_engine(config, params, backend, max_slots=c,
-                           num_blocks=max(256, c * (args.new_tokens // 16 + 4)))
-      batch = [Request(p, gp) for p in ps[:c]]
+  out = {"shape": args.shape, "layers": args.layers, "new_tokens": args.new_tokens, "rows": []}
+  for label, config, params, kw in _engine_variants(args):
+    ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=config.vocab_size)
+    for steps in [int(k) for k in args.decode_steps.split(",")]:
+      for c in concurrency:
+        engine = make_engine(config, params, max_slots=c, decode_steps=steps,
+                             num_blocks=max(256, c * (args.new_tokens // 16 + 4)), **kw)
+        warm, wall, generated, programs = _timed_generate(engine, [Request(p, gp) for p in ps[:c]])
+        row = {"engine": label, "decode_steps": steps, "concurrency": c,
+               "gen_tok_s": generated / wall, "ms_per_step": 1e3 * wall / args.new_tokens,
+               "warmup_s": warm, "programs": programs,
+               "recompiled": sum(engine.trace_counts.values()) - programs}
+        out["rows"].append(row)
+        print(f"{label:15s} steps/call {steps} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
+              f"{row['ms_per_step']:.2f} ms per decode step (prefill included), warm-up {warm:.0f} s, "
+              f"{programs} programs", flush=True)
+        del engine
+  return out
+
+
+def ablate(args) -> dict:
+  """The Pallas path with one op at a time on the XLA reference."""
+  from o1jax.engine import GenerationParams, Request
+  from pallas_kernels import ops
+
+  config, params = random_model_params(args.layers)
+  c = int(args.concurrency.split(",")[-1])
+  ps = prompts(c, seed=2, low=30, high=40, vocab=config.vocab_size)
+  gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+  originals = {name: getattr(ops, name) for name in
+               ("quantized_matmul", "paged_decode_attention", "paged_prefill_attention")}
+  out = {"concurrency": c, "layers": args.layers, "new_tokens": args.new_tokens, "rows": []}
+  for on_reference in [None] + list(originals):
+    for name, fn in originals.items():
+      if name == on_reference:
+        setattr(ops, name, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "backend": "reference"}))
+      else:
+        setattr(ops, name, fn)
+    engine = make_engine(config, params, "pallas", max_slots=c,
+                         num_blocks=max(256, c * (args.new_tokens // 16 + 4)))
+    _, wall, generated, _ = _timed_generate(engine, [Request(p, gp) for p in ps])
+    row = {"on_reference": on_reference or "none", "gen_tok_s": generated / wall,
+           "ms_per_step": 1e3 * wall / args.new_tokens}
+    out["rows"].append(row)
+    print(f"pallas, {row['on_reference']:24s} on XLA: {row['gen_tok_s']:9.1f} gen tok/s, "
+          f"{row['ms_per_step']:.2f} ms per step", flush=True)
+  for name, fn in originals.items():
+    setattr(ops, name, fn)
+  return out
+
+
+def hf(args) -> dict:
+  """HF transformers, same shape, random init, bf16 on the GPU, `generate` greedy."""
+  import torch
+  import transformers
+
+  shape, layers, tied = SHAPES[args.shape]
+  layers = args.layers or layers
+  cfg = transformers.LlamaConfig(
+      vocab_size=shape["vocab_size"], hidden_size=shape["d_model"],
+      intermediate_size=shape["ffn_dim"], num_hidden_layers=layers,
+      num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
+      head_dim=shape["head_dim"], rope_theta=shape["rope_theta"], rms_norm_eps=shape["rms_eps"],
+      tie_word_embeddings=tied, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+      pad_token_id=0)
+  torch.manual_seed(0)
+  with torch.device("cuda"):
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+  out = {"shape": args.shape, "layers": layers, "new_tokens": args.new_tokens,
+         "torch": torch.__version__, "transformers": transformers.__version__, "rows": []}
+  for c in [int(x) for x in args.concurrency.split(",")]:
+    ps = prompts(c, seed=2, low=30, high=40, vocab=shape["vocab_size"])
+    width = max(map(len, ps))
+    ids = torch.zeros((c, width), dtype=torch.long)
+    mask = torch.zeros((c, width), dtype=torch.long)
+    for i, p in enumerate(ps):  # left padding
+      ids[i, width - len(p):] = torch.tensor(p)
+      mask[i, width - len(p):] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
+              min_new_tokens=args.new_tokens, pad_token_id=0)
+    with torch.inference_mode():
+      model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+      torch.cuda.synchronize()
       t0 = time.perf_counter()
-      engine.generate(batch)
-      warm = time.perf_counter() - t0
-      programs = sum(engine.trace_counts.values())
-      t0 = time.perf_counter()
-      results = engine.generate(batch)
+      gen = model.generate(ids, **kw)
+      torch.cuda.synchronize()
       wall = time.perf_counter() - t0
-      generated = sum(len(r.token_ids) for r in results)
-      row = {"backend": backend, "concurrency": c, "gen_tok_s": generated / wall,
-             "ms_per_step": 1e3 * wall / args.new_tokens, "warmup_s": warm, "programs": programs,
-             "recompiled": sum(engine.trace_counts.values()) - programs}
-      out["rows"].append(row)
-      print(f"{backend:9s} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, {row['ms_per_step']:.2f} "
-            f"ms per decode step (prefill included), warm-up {warm:.0f} s, {programs} programs",
-            flush=True)
+    row = {"concurrency": c, "gen_tok_s": (gen.shape[1] - width) * c / wall,
+           "ms_per_step": 1e3 * wall / args.new_tokens}
+    out["rows"].append(row)
+    print(f"transformers bf16 c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
+          f"{row['ms_per_step']:.2f} ms per step", flush=True)
   return out
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("mode", choices=("correctness", "throughput"))
+  ap.add_argument("mode", choices=("correctness", "throughput", "ablate", "hf"))
+  ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+  ap.add_argument("--decode-steps", default="8")
   ap.add_argument("--layers", type=int, default=None)
   ap.add_argument("--new-tokens", type=int, default=None)
   ap.add_argument("--interpret", action="store_true")
@@ -176,9 +332,10 @@ def main(argv=None) -> int:
     args.new_tokens = args.new_tokens or 16
     result = correctness(args)
   else:
-    args.layers = args.layers or 30
+    if args.shape == "smollm2":
+      args.layers = args.layers or SHAPES["smollm2"][1]
     args.new_tokens = args.new_tokens or 128
-    result = throughput(args)
+    result = {"throughput": throughput, "ablate": ablate, "hf": hf}[args.mode](args)
   result["device"] = jax.devices()[0].device_kind
   if args.out:
     with open(args.out, "w") as f:

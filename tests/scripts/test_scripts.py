@@ -53,6 +53,33 @@ def test_gpu_engine_check_correctness_in_interpret_mode(tmp_path):
   assert result["max_abs_logprob_diff"] < 1e-3
 
 
+def test_gpu_engine_check_throughput_rows_per_decode_steps_on_cpu(tmp_path):
+  check = load("gpu_engine_check")
+  out = tmp_path / "throughput.json"
+  assert check.main(["throughput", "--layers", "1", "--concurrency", "2", "--new-tokens", "4",
+                     "--backends", "reference", "--decode-steps", "1,4", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["decode_steps"], r["concurrency"]) for r in rows] == [(1, 2), (4, 2)]
+  assert all(r["gen_tok_s"] > 0 and r["recompiled"] == 0 for r in rows)
+
+
+def test_gpu_engine_check_device_weights_int4_and_bf16():
+  """The Llama-3-8B stage's random weights (made with jax.random), at a toy shape."""
+  from o1jax.engine import GenerationParams, Request
+  from pallas_kernels.quantized_tensor import QuantizedTensor
+
+  check = load("gpu_engine_check")
+  shape = dict(check.LLAMA3_8B_SHAPE, d_model=128, ffn_dim=256, n_heads=2, n_kv_heads=1,
+               head_dim=64, vocab_size=512)
+  for dense in (False, True):
+    config, params = check.random_device_params(shape, 1, tied=False, dense_bf16=dense)
+    assert isinstance(params["layers"][0]["wq"], QuantizedTensor) != dense
+    kw = dict(weight_mode="dense", matmul_dtype="bfloat16") if dense else dict(weight_mode="quantized")
+    engine = check.make_engine(config, params, "reference", max_slots=1, num_blocks=16, **kw)
+    result = engine.generate([Request([5, 6, 7], GenerationParams(max_new_tokens=3, ignore_eos=True))])
+    assert len(result[0].token_ids) == 3 and all(0 <= t < 512 for t in result[0].token_ids)
+
+
 @pytest.mark.slow
 def test_calibrate_deepconf_prints_a_threshold_and_its_flag(capsys):
   calibrate = load("calibrate_deepconf")
