@@ -11,6 +11,7 @@ rotate-half layout and gives bit-identical logits.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 
@@ -27,9 +28,7 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _BLOCK = 32  # elements per Q4_0/Q4_1/Q8_0 block
 
 
-def _open_reader(path: pathlib.Path):
-  import gguf  # local import: only GGUF loading needs it
-
+def _check_file(path: pathlib.Path) -> None:
   if not path.exists():
     raise CheckpointError(f"{path}: no such file")
   if not path.is_file():
@@ -38,17 +37,150 @@ def _open_reader(path: pathlib.Path):
     magic = f.read(4)
   if magic != b"GGUF":
     raise CheckpointError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+
+
+def _corrupt(path, e: Exception) -> CheckpointError:
+  return CheckpointError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})")
+
+
+def _check_extent(path, name: str, end: int, size: int) -> None:
+  if end > size:
+    raise CheckpointError(
+        f"{path}: truncated GGUF file: tensor {name!r} ends at byte {end} but the file has {size}")
+
+
+def _open_reader(path: pathlib.Path):
+  import gguf  # local import: only GGUF loading needs it
+
+  _check_file(path)
   try:
     reader = gguf.GGUFReader(str(path), "r")
   except Exception as e:  # the reader raises assorted errors on bad bytes
-    raise CheckpointError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+    raise _corrupt(path, e) from e
   size = os.path.getsize(path)
   for t in reader.tensors:
-    end = int(t.data_offset) + int(t.n_bytes)
-    if end > size:
-      raise CheckpointError(
-          f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {end} but the file has {size}")
+    _check_extent(path, t.name, int(t.data_offset) + int(t.n_bytes), size)
   return reader
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format of one value.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_HEADER_KEYS = ("general.architecture", "general.alignment", "tokenizer.ggml.model")
+
+
+class _Header:
+  """Walks a GGUF header in place (memory-mapped): metadata and the tensor table, no tensor
+  data. gguf-py's reader builds an object per vocabulary entry (seconds on a 49152-token
+  model); this skips them, for a check a launcher can afford on every run."""
+
+  def __init__(self, buf):
+    self.buf, self.size, self.order = buf, len(buf), "<"
+
+  def unpack(self, fmt: str, off: int):
+    import struct
+    return struct.unpack_from(self.order + fmt, self.buf, off)
+
+  def string(self, off: int) -> tuple[bytes, int]:
+    (n,) = self.unpack("Q", off)
+    if off + 8 + n > self.size:
+      raise ValueError(f"a string at byte {off} runs past the end of the file")
+    return bytes(self.buf[off + 8:off + 8 + n]), off + 8 + n
+
+  def value(self, vtype: int, off: int):
+    """(value or None when skipped, offset after it)."""
+    import struct
+    if vtype in _SCALARS:
+      return self.unpack(_SCALARS[vtype], off)[0], off + struct.calcsize(_SCALARS[vtype])
+    if vtype == _STRING:
+      raw, off = self.string(off)
+      return raw.decode("utf-8", "replace"), off
+    if vtype == _ARRAY:
+      item, count = self.unpack("IQ", off)
+      off += 12
+      if item in _SCALARS:  # fixed size: skip the whole array at once
+        off += count * struct.calcsize(_SCALARS[item])
+        if off > self.size:
+          raise ValueError("an array runs past the end of the file")
+        return None, off
+      if count > self.size:
+        raise ValueError(f"an array claims {count} items")
+      for _ in range(count):
+        _, off = self.value(item, off)
+      return None, off
+    raise ValueError(f"unknown metadata value type {vtype}")
+
+  def walk(self):
+    """(metadata of _HEADER_KEYS, every key, [(tensor name, type id, element count, offset)],
+    offset of the tensor data)."""
+    (version,) = self.unpack("I", 4)
+    if version & 0xFFFF == 0:  # written on a big-endian machine
+      self.order = ">"
+      (version,) = self.unpack("I", 4)
+    if version not in (2, 3):
+      raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = self.unpack("QQ", 8)
+    if n_kv > self.size or n_tensors > self.size:
+      raise ValueError(f"{n_tensors} tensors and {n_kv} metadata keys cannot fit in the file")
+    off, meta, keys = 24, {}, set()
+    for _ in range(n_kv):
+      key, off = self.string(off)
+      key = key.decode("utf-8", "replace")
+      (vtype,) = self.unpack("I", off)
+      value, off = self.value(vtype, off + 4)
+      keys.add(key)
+      if key in _HEADER_KEYS:
+        meta[key] = value
+    tensors = []
+    for _ in range(n_tensors):
+      name, off = self.string(off)
+      (n_dims,) = self.unpack("I", off)
+      if n_dims > 8:
+        raise ValueError(f"tensor {name.decode('utf-8', 'replace')!r} claims {n_dims} dimensions")
+      dims = self.unpack(f"{n_dims}Q", off + 4)
+      ttype, offset = self.unpack("IQ", off + 4 + 8 * n_dims)
+      off += 4 + 8 * n_dims + 12
+      tensors.append((name.decode("utf-8", "replace"), ttype, math.prod(dims), offset))
+    align = int(meta.get("general.alignment") or 32)
+    if align <= 0 or align & (align - 1):
+      raise ValueError(f"alignment {align} is not a power of two")
+    return meta, keys, tensors, off + (-off % align)
+
+
+def check_gguf(path: str | os.PathLike) -> None:
+  """Validates a GGUF file without loading it: magic, the header's structure, every tensor's
+  type and extent (a truncated file), the architecture and the metadata keys the config needs,
+  the tokenizer model. Raises the `CheckpointError` that loading would raise."""
+  import mmap
+
+  import gguf
+
+  path = pathlib.Path(path)
+  _check_file(path)
+  size = os.path.getsize(path)
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    try:
+      meta, keys, tensors, data_start = _Header(buf).walk()
+    except Exception as e:  # struct.error past the end, or our own ValueErrors
+      raise _corrupt(path, e) from e
+  for name, ttype, n_elements, offset in tensors:
+    try:
+      qtype = gguf.GGMLQuantizationType(ttype)
+    except ValueError:
+      raise CheckpointError(f"{path}: tensor {name!r} has unknown type id {ttype}") from None
+    _check_type_name(path, name, qtype.name)
+    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    _check_extent(path, name, data_start + offset + n_elements * type_bytes // block, size)
+  arch = meta.get("general.architecture")
+  if arch is None:
+    raise CheckpointError(f"{path}: GGUF metadata key 'general.architecture' is missing")
+  _check_architecture(path, arch)
+  for key in _REQUIRED_ARCH_KEYS:
+    if f"{arch}.{key}" not in keys:
+      raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is missing")
+  if meta.get("tokenizer.ggml.model") != "gpt2":
+    raise CheckpointError(f"{path}: tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
+                          f"supported (supported: gpt2 BPE)")
 
 
 def _field(reader, key: str, default=None, *, path=None, required=False):
@@ -66,11 +198,18 @@ def read_metadata(path: str | os.PathLike) -> dict:
   return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
-  arch = _field(reader, "general.architecture", path=path, required=True)
+_REQUIRED_ARCH_KEYS = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
+
+
+def _check_architecture(path, arch) -> None:
   if arch not in SUPPORTED_ARCHITECTURES:
     raise CheckpointError(
         f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
+  arch = _field(reader, "general.architecture", path=path, required=True)
+  _check_architecture(path, arch)
   g = lambda k, d=None, req=False: _field(reader, f"{arch}.{k}", d, path=path, required=req)
   n_heads = int(g("attention.head_count", req=True))
   d_model = int(g("embedding_length", req=True))
@@ -188,9 +327,13 @@ def read_tensors(path: str | os.PathLike, names=None) -> dict:
 
 
 def _check_type(t, path):
-  if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+  _check_type_name(path, t.name, t.tensor_type.name)
+
+
+def _check_type_name(path, name: str, type_name: str) -> None:
+  if type_name not in SUPPORTED_TENSOR_TYPES:
     raise CheckpointError(
-        f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported "
+        f"{path}: tensor {name!r} has type {type_name}, which is not supported "
         f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
 
 

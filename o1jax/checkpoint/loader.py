@@ -41,6 +41,23 @@ def detect_format(path: pathlib.Path) -> str:
   raise CheckpointError(f"{path}: no such file or directory")
 
 
+def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
+  """Cheap validation of what `load_checkpoint(source)` would read, without reading weights:
+  GGUF: the header walked in place (magic, tensor table, types, extents, architecture,
+  tokenizer); HF: config.json and every shard's safetensors header; orbax: the manifest and
+  the layout. Raises the `CheckpointError` loading would raise (missing, random bytes,
+  truncated, unsupported); returns the format. For launchers, before any worker loads it."""
+  path = embedded_model_path() if str(source) == EMBEDDED else pathlib.Path(source)
+  fmt = detect_format(path)
+  if fmt == "gguf":
+    gguf_loader.check_gguf(path)
+  elif fmt == "orbax":
+    orbax_io.check_orbax(path)
+  else:
+    safetensors_loader.check_safetensors(path)
+  return fmt
+
+
 def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
   """Loads "embedded" (the shipped SmolLM2-135M GGUF), a .gguf file, an HF
   safetensors directory or an o1jax orbax directory."""

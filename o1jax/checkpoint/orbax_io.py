@@ -45,14 +45,35 @@ def save_orbax(directory: str | os.PathLike, config: ModelConfig, params: Params
   tokenizer.save(directory / "tokenizer")
 
 
+def _read_manifest(directory: pathlib.Path) -> tuple[dict, ModelConfig]:
+  if not is_orbax_checkpoint(directory):
+    raise CheckpointError(f"{directory}: not an o1jax orbax checkpoint ({MANIFEST} is missing)")
+  try:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    config = ModelConfig.from_json(json.dumps(manifest["config"]))
+    manifest["param_spec"]  # pylint: disable=pointless-statement
+  except (ValueError, TypeError, KeyError) as e:
+    raise CheckpointError(f"{directory / MANIFEST}: not a valid manifest "
+                          f"({type(e).__name__}: {e}); expected keys config and param_spec") from e
+  return manifest, config
+
+
+def check_orbax(directory: str | os.PathLike) -> None:
+  """Validates an orbax checkpoint's manifest and layout without restoring its arrays."""
+  directory = pathlib.Path(directory).absolute()
+  _read_manifest(directory)
+  params = directory / "params"
+  if not params.is_dir() or not any(params.iterdir()):
+    raise CheckpointError(f"{params}: missing or empty (the parameter arrays)")
+  if not (directory / "tokenizer" / "tokenizer.json").is_file():
+    raise CheckpointError(f"{directory / 'tokenizer'}: tokenizer.json is missing")
+
+
 def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Tokenizer]:
   import orbax.checkpoint as ocp
 
   directory = pathlib.Path(directory).absolute()
-  if not is_orbax_checkpoint(directory):
-    raise CheckpointError(f"{directory}: not an o1jax orbax checkpoint ({MANIFEST} is missing)")
-  manifest = json.loads((directory / MANIFEST).read_text())
-  config = ModelConfig.from_json(json.dumps(manifest["config"]))
+  manifest, config = _read_manifest(directory)
   try:
     with ocp.PyTreeCheckpointer() as ckpt:
       restored = ckpt.restore(directory / "params")

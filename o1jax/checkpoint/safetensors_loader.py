@@ -71,15 +71,47 @@ def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
   return files
 
 
+def _read_config(directory: pathlib.Path) -> ModelConfig:
+  cfg_file = directory / "config.json"
+  if not cfg_file.is_file():
+    raise CheckpointError(f"{directory}: config.json is missing")
+  try:
+    hf = json.loads(cfg_file.read_text())
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+  return config_from_hf(hf, cfg_file)
+
+
+_HEADER_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def check_safetensors(directory: str | os.PathLike) -> None:
+  """Validates an HF checkpoint without reading its tensors: config.json, and every shard's
+  safetensors header (which the library checks against the file's length) and dtypes."""
+  from safetensors import safe_open
+
+  directory = pathlib.Path(directory)
+  _read_config(directory)
+  for shard in _shard_files(directory):
+    try:
+      with safe_open(str(shard), framework="numpy") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    except Exception as e:
+      raise CheckpointError(f"{shard}: cannot be read as safetensors ({e})") from e
+    for name, dtype in dtypes.items():
+      if dtype not in _HEADER_DTYPES:
+        raise CheckpointError(f"{directory}: tensor {name!r} has dtype {dtype}, "
+                              f"supported: {', '.join(_FLOAT_DTYPES)}")
+  if not (directory / "tokenizer.json").is_file():
+    raise CheckpointError(f"{directory}: tokenizer.json is missing")
+
+
 def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]:
   """Reads an HF checkpoint directory into (config, params) with [in, out] weights."""
   from safetensors import safe_open
 
   directory = pathlib.Path(directory)
-  cfg_file = directory / "config.json"
-  if not cfg_file.is_file():
-    raise CheckpointError(f"{directory}: config.json is missing")
-  config = config_from_hf(json.loads(cfg_file.read_text()), cfg_file)
+  config = _read_config(directory)
   tensors: dict[str, np.ndarray] = {}
   for shard in _shard_files(directory):
     try:

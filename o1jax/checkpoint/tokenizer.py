@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 from typing import Iterable, Sequence
 
 import jinja2.sandbox
@@ -17,6 +18,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from o1jax.checkpoint.errors import CheckpointError
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # llama.cpp token types (gguf TokenType): 3 = CONTROL, 4 = USER_DEFINED.
 _SPECIAL_TOKEN_TYPES = (3, 4)
@@ -63,8 +66,17 @@ class Tokenizer:
     return self.backend.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-    """Token ids; special tokens written in `text` (e.g. <|im_start|>) are parsed as such."""
-    ids = self.backend.encode(text, add_special_tokens=False).ids
+    """Token ids; special tokens written in `text` (e.g. <|im_start|>) are parsed as such.
+
+    A lone surrogate (text that is not valid Unicode, e.g. from a JSON "\\ud800" escape),
+    which the tokenizers library refuses, is read as U+FFFD, the replacement character."""
+    try:
+      ids = self.backend.encode(text, add_special_tokens=False).ids
+    except (TypeError, UnicodeError):
+      well_formed = _LONE_SURROGATE.sub("\ufffd", text)
+      if well_formed == text:
+        raise
+      ids = self.backend.encode(well_formed, add_special_tokens=False).ids
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
       ids = [self.bos_id] + ids
     return ids

@@ -1,0 +1,91 @@
+"""`check_checkpoint`: the cheap header check a launcher runs before loading anything, and
+text the tokenizer cannot take as it is."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from o1jax import testing
+from o1jax.checkpoint import CheckpointError, check_checkpoint
+from o1jax.checkpoint.orbax_io import MANIFEST
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  p = tmp_path_factory.mktemp("ck") / "tiny.gguf"
+  testing.write_gguf_checkpoint(p, testing.tiny_config())
+  return p
+
+
+def test_good_checkpoints_pass(tiny_gguf, tmp_path):
+  check_checkpoint(tiny_gguf)
+  testing.write_hf_checkpoint(tmp_path / "hf", testing.tiny_config())
+  check_checkpoint(tmp_path / "hf")
+
+
+def test_embedded_model_check_is_cheap():
+  t0 = time.perf_counter()
+  check_checkpoint("embedded")
+  # gguf-py's reader takes seconds on its 49152-token vocabulary; the check walks the header only.
+  assert time.perf_counter() - t0 < 1.5
+
+
+def test_missing_random_and_truncated_files(tiny_gguf, tmp_path):
+  with pytest.raises(CheckpointError, match=r"nope.gguf: no such file or directory"):
+    check_checkpoint(tmp_path / "nope.gguf")
+  rnd = tmp_path / "random.gguf"
+  rnd.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+  with pytest.raises(CheckpointError, match=r"random.gguf: not a GGUF file"):
+    check_checkpoint(rnd)
+  empty = tmp_path / "empty.gguf"
+  empty.write_bytes(b"")
+  with pytest.raises(CheckpointError, match=r"empty.gguf: not a GGUF file"):
+    check_checkpoint(empty)
+  data = tiny_gguf.read_bytes()
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(data[:-1000])
+  with pytest.raises(CheckpointError, match=r"cut.gguf: truncated GGUF file: tensor '.*' ends at byte \d+ "
+                                            rf"but the file has {len(data) - 1000}"):
+    check_checkpoint(cut)
+  for n in (40, 200, 2000):  # cut inside the metadata / the tensor table
+    head = tmp_path / f"head{n}.gguf"
+    head.write_bytes(data[:n])
+    with pytest.raises(CheckpointError, match=rf"head{n}.gguf: corrupt or truncated GGUF file"):
+      check_checkpoint(head)
+  # GGUF magic followed by garbage: counts that cannot fit in the file.
+  garbage = tmp_path / "garbage.gguf"
+  garbage.write_bytes(b"GGUF" + np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+  with pytest.raises(CheckpointError, match=r"garbage.gguf: corrupt or truncated GGUF file"):
+    check_checkpoint(garbage)
+
+
+def test_unsupported_architecture_in_header(tmp_path):
+  p = tmp_path / "arch.gguf"
+  testing.write_gguf_checkpoint(p, testing.tiny_config(), architecture="gpt2")
+  with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported"):
+    check_checkpoint(p)
+
+
+def test_bad_hf_and_orbax_directories(tmp_path):
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:-64])
+  with pytest.raises(CheckpointError, match=r"model.safetensors: cannot be read as safetensors"):
+    check_checkpoint(hf)
+  (hf / "config.json").write_text("{not json")
+  with pytest.raises(CheckpointError, match=r"config.json: not valid JSON"):
+    check_checkpoint(hf)
+  orbax = tmp_path / "orbax"
+  orbax.mkdir()
+  (orbax / MANIFEST).write_text(json.dumps({"config": {}}))
+  with pytest.raises(CheckpointError, match=rf"orbax/{MANIFEST}: not a valid manifest"):
+    check_checkpoint(orbax)
+
+
+def test_tokenizer_takes_text_with_lone_surrogates():
+  tok = testing._tiny_tokenizer()  # pylint: disable=protected-access
+  # A lone surrogate is not text the tokenizer library accepts; it becomes U+FFFD.
+  assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
+  assert tok.encode("plain") == tok.backend.encode("plain", add_special_tokens=False).ids
