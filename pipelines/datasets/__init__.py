@@ -1,7 +1,9 @@
 """Dataset loaders for the evaluation pipelines (Beam-free, pure Python).
 
-Every loader yields `Example` or `DeadLetter` records, so malformed input is
-routed aside with its source and line number instead of stopping a run.
+Every loader yields `Example` or `DeadLetter` records (JSONL files also `Duplicate`
+for a repeated line), so malformed input is routed aside with its source and line
+number instead of stopping a run; only a dataset that cannot be used at all (missing,
+unreadable) raises `DatasetError`.
 """
 
 from pipelines.datasets.custom_jsonl import FieldMapping, read_custom_jsonl
@@ -10,12 +12,12 @@ from pipelines.datasets.gsm8k import (DatasetUnavailableError, load_gsm8k_hf,
 from pipelines.datasets.gsm_synthetic import (SyntheticProblem, generate,
                                               synthetic_examples)
 from pipelines.datasets.humaneval import humaneval_examples, load_humaneval
-from pipelines.datasets.records import (DeadLetter, Example, LoadResult,
-                                        normalize_answer)
+from pipelines.datasets.records import (DatasetError, DeadLetter, Duplicate, Example,
+                                        LoadResult, normalize_answer)
 
 __all__ = [
-    "DatasetUnavailableError", "DeadLetter", "Example", "FieldMapping", "LoadResult",
-    "SyntheticProblem", "generate", "humaneval_examples", "load_gsm8k_hf",
+    "DatasetError", "DatasetUnavailableError", "DeadLetter", "Duplicate", "Example", "FieldMapping",
+    "LoadResult", "SyntheticProblem", "generate", "humaneval_examples", "load_gsm8k_hf",
     "load_gsm8k_tfds", "load_humaneval", "normalize_answer", "read_custom_jsonl",
     "read_gsm8k_jsonl", "synthetic_examples",
 ]

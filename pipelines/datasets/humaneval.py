@@ -11,7 +11,7 @@ import importlib.resources
 from typing import Iterator, Optional
 
 from pipelines.datasets.jsonl import JsonLine, load_jsonl, require_str
-from pipelines.datasets.records import Example, LoadResult
+from pipelines.datasets.records import Duplicate, Example, LoadResult
 
 DATASET = "humaneval"
 NUM_PROBLEMS = 164
@@ -54,6 +54,8 @@ def humaneval_examples() -> list[Example]:
   """All packaged problems as a list; raises if any packaged line is malformed."""
   out = []
   for rec in load_humaneval():
+    if isinstance(rec, Duplicate):
+      continue
     if not isinstance(rec, Example):
       raise ValueError(f"packaged HumanEval data is malformed: {rec}")
     out.append(rec)

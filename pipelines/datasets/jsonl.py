@@ -11,29 +11,42 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gzip
+import hashlib
 import json
 import re
 from typing import Any, Callable, IO, Iterator, Optional, Union
 
-from pipelines.datasets.records import DeadLetter, Example, RecordError
+from pipelines.datasets.records import (DatasetError, DeadLetter, Duplicate, Example, RecordError,
+                                        lone_surrogate)
 
 _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
 @contextlib.contextmanager
 def open_binary(path: str) -> Iterator[IO[bytes]]:
-  """Open `path` for binary reading via Beam FileSystems (auto compression)."""
+  """Open `path` for binary reading via Beam FileSystems (auto compression).
+
+  A file that is missing or cannot be opened raises `DatasetError` naming it (one line
+  for the user, not an OSError traceback).
+  """
   try:
     from apache_beam.io.filesystems import FileSystems  # pylint: disable=g-import-not-at-top
   except ImportError:
     FileSystems = None  # pylint: disable=invalid-name
-  if FileSystems is not None:
-    f = FileSystems.open(path)
-  elif _SCHEME_RE.match(path) and not path.startswith("file://"):
-    raise RuntimeError(f"reading {path!r} needs apache-beam with the scheme's extra")
-  else:
-    local = path[len("file://"):] if path.startswith("file://") else path
-    f = gzip.open(local, "rb") if local.endswith(".gz") else open(local, "rb")
+  try:
+    if FileSystems is not None:
+      if not FileSystems.exists(path):  # object stores raise assorted errors for a missing key
+        raise FileNotFoundError(path)
+      f = FileSystems.open(path)
+    elif _SCHEME_RE.match(path) and not path.startswith("file://"):
+      raise RuntimeError(f"reading {path!r} needs apache-beam with the scheme's extra")
+    else:
+      local = path[len("file://"):] if path.startswith("file://") else path
+      f = gzip.open(local, "rb") if local.endswith(".gz") else open(local, "rb")
+  except FileNotFoundError as e:
+    raise DatasetError(f"dataset file not found: {path}") from e
+  except OSError as e:
+    raise DatasetError(f"cannot read dataset file {path}: {e.strerror or e}") from e
   try:
     yield f
   finally:
@@ -61,8 +74,9 @@ class JsonLine:
 def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   """Yield each non-blank line of a JSONL file as `JsonLine` or `DeadLetter`.
 
-  Bad UTF-8, invalid JSON and non-object values become dead letters carrying
-  the 1-based line number; blank lines are skipped silently.
+  Bad UTF-8, invalid JSON, non-object values and strings that are not text (a
+  "\\ud800" escape: a lone surrogate) become dead letters carrying the 1-based line
+  number; blank lines are skipped silently.
   """
   with open_binary(path) as f:
     for line_number, raw_bytes in enumerate(_read_lines(f), start=1):
@@ -83,22 +97,47 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
         yield DeadLetter(path, line_number,
                          f"expected a JSON object, got {type(obj).__name__}", raw)
         continue
+      bad = lone_surrogate(obj) if "\\u" in text else None  # only a \uXXXX escape makes one
+      if bad:
+        where = f"field {bad[0]!r}" if bad[0] else "a top-level key"
+        yield DeadLetter(path, line_number, f"invalid JSON: lone surrogate {bad[1]!r} in {where}", raw)
+        continue
       yield JsonLine(path, line_number, raw, obj)
 
 
 def load_jsonl(
     path: str,
     parse: Callable[[JsonLine], Example],
-) -> Iterator[Union[Example, DeadLetter]]:
-  """Run `parse` over every decoded line; its `RecordError`s become dead letters."""
+) -> Iterator[Union[Example, DeadLetter, Duplicate]]:
+  """Run `parse` over every decoded line; its `RecordError`s become dead letters.
+
+  A line holding the same JSON object as an earlier one (key order and spacing aside)
+  becomes a `Duplicate` and is skipped: the first line keeps the example. A different
+  line whose example takes an id already taken is a dead letter (results, votes and
+  request ids are per example id).
+  """
+  first_line: dict[bytes, int] = {}  # sha256 of the canonical object -> its first line
+  id_line: dict[str, int] = {}
   for item in iter_json_lines(path):
     if isinstance(item, DeadLetter):
       yield item
       continue
+    digest = hashlib.sha256(json.dumps(item.obj, sort_keys=True).encode()).digest()
+    if digest in first_line:
+      yield Duplicate(item.source, item.line_number, first_line[digest])
+      continue
+    first_line[digest] = item.line_number
     try:
-      yield parse(item)
+      example = parse(item)
     except RecordError as e:
       yield DeadLetter(item.source, item.line_number, str(e), item.raw)
+      continue
+    taken = id_line.setdefault(example.id, item.line_number)
+    if taken != item.line_number:
+      yield DeadLetter(item.source, item.line_number,
+                       f"example id {example.id!r} is already used by line {taken}", item.raw)
+      continue
+    yield example
 
 
 def require_str(obj: dict[str, Any], key: str, *, what: Optional[str] = None) -> str:

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +68,70 @@ class DeadLetter:
     return dataclasses.asdict(self)
 
 
-LoadResult = Union[Example, DeadLetter]
+@dataclasses.dataclass(frozen=True)
+class Duplicate:
+  """An input line holding the same JSON object as an earlier line: skipped, so each
+  example runs once (the first line keeps it, and its line-based id).
+
+  Attributes:
+    source: the file path / URL.
+    line_number: 1-based line number of this (skipped) copy.
+    first_line_number: the line that was kept.
+  """
+  source: str
+  line_number: int
+  first_line_number: int
+
+
+LoadResult = Union[Example, DeadLetter, Duplicate]
 
 
 class RecordError(ValueError):
   """Raised by per-record parsers; loaders turn it into a `DeadLetter`."""
 
 
+class DatasetError(ValueError):
+  """The dataset as a whole cannot be used (missing, unreadable, no examples): the run
+  stops before any work, with this one-line message."""
+
+
+def text_bytes(text: str) -> bytes:
+  """UTF-8 for hashing that never raises: a lone surrogate (which UTF-8 cannot encode)
+  gets its own 3 bytes, which no valid text has, so distinct strings stay distinct."""
+  return text.encode("utf-8", "surrogatepass")
+
+
+def lone_surrogate(value: Any, field: str = "") -> Optional[tuple[str, str]]:
+  """(field path, character) of the first lone surrogate in a decoded JSON value, else None.
+
+  A JSON escape such as "\\ud800" decodes to a lone surrogate: valid JSON, but not text
+  (it cannot be encoded, hashed as UTF-8, tokenized or written back); keys are checked too.
+  """
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:
+      return field, value[e.start]
+    return None
+  if isinstance(value, dict):
+    for k, v in value.items():
+      sub = f"{field}.{k}" if field else str(k)
+      found = lone_surrogate(k, field) or lone_surrogate(v, sub)  # a bad key: the object's path
+      if found:
+        return found
+  elif isinstance(value, list):
+    for i, v in enumerate(value):
+      found = lone_surrogate(v, f"{field}[{i}]")
+      if found:
+        return found
+  return None
+
+
 def content_id(dataset: str, *parts: str, length: int = 16) -> str:
   """Content-hash id for records without a natural key (stable across files)."""
   h = hashlib.sha256()
   for p in parts:
-    h.update(p.encode("utf-8"))
+    h.update(text_bytes(p))
     h.update(b"\x00")
   return f"{dataset}/{h.hexdigest()[:length]}"
 

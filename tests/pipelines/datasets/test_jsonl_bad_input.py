@@ -1,0 +1,69 @@
+"""Bad JSONL input at the reader: missing files, lone surrogates, duplicate lines and ids."""
+
+import json
+
+import pytest
+
+from pipelines.datasets import DatasetError, DeadLetter, Duplicate, Example
+from pipelines.datasets.custom_jsonl import read_custom_jsonl
+from pipelines.datasets.gsm8k import read_gsm8k_jsonl
+from pipelines.datasets.records import content_id, lone_surrogate
+
+
+def _lines(path, *lines):
+  path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+  return str(path)
+
+
+def test_missing_or_unreadable_file_is_one_dataset_error(tmp_path):
+  with pytest.raises(DatasetError, match=r"^dataset file not found: .*nope\.jsonl$"):
+    list(read_gsm8k_jsonl(str(tmp_path / "nope.jsonl")))
+  with pytest.raises(DatasetError, match=r"^cannot read dataset file .*: Is a directory$"):
+    list(read_gsm8k_jsonl(str(tmp_path)))
+
+
+def test_lone_surrogate_line_is_a_dead_letter_with_file_and_line(tmp_path):
+  path = _lines(tmp_path / "s.jsonl",
+                json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}),
+                '{"question": "bad \\ud800 text", "answer": "#### 1"}',  # a JSON escape, valid JSON
+                '{"question": "ok", "answer": "#### 2", "meta": {"\\udfff": 1}}',  # in a key
+                json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}))
+  out = list(read_gsm8k_jsonl(path))
+  assert [type(r).__name__ for r in out] == ["Example", "DeadLetter", "DeadLetter", "Example"]
+  assert (out[1].source, out[1].line_number) == (path, 2)
+  assert out[1].reason == r"invalid JSON: lone surrogate '\ud800' in field 'question'"
+  assert (out[2].line_number, out[2].reason) == (3, r"invalid JSON: lone surrogate '\udfff' in field 'meta'")
+  # The custom reader would hash the text into the id: it gets the same dead letter instead of a crash.
+  (dead,) = [r for r in read_custom_jsonl(path, {"question": "question", "answer": "answer"})
+             if isinstance(r, DeadLetter)][:1]
+  assert dead.line_number == 2
+
+
+def test_lone_surrogate_finder():
+  assert lone_surrogate({"a": ["x", {"b": "y\udc80"}]}) == ("a[1].b", "\udc80")
+  assert lone_surrogate({"a": "ok", "é": ["ü", 1, None]}) is None
+  # Content ids hash any text, even one that cannot be UTF-8, instead of raising.
+  assert content_id("c", "q\ud800", "a") != content_id("c", "q", "a")
+
+
+def test_duplicate_lines_are_skipped_and_reported(tmp_path):
+  a = json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"})
+  b = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
+  # Same object with other key order and spacing: still the same line.
+  a2 = json.dumps({"answer": "#### 5", "question": "What is 2 + 3?"}, indent=None, separators=(", ", ":"))
+  path = _lines(tmp_path / "d.jsonl", a, b, a, a2, b)
+  out = list(read_gsm8k_jsonl(path))
+  examples = [r for r in out if isinstance(r, Example)]
+  dups = [r for r in out if isinstance(r, Duplicate)]
+  assert [e.id for e in examples] == ["gsm8k/test/0", "gsm8k/test/1"]  # the first of each is kept
+  assert [(d.source, d.line_number, d.first_line_number) for d in dups] == [(path, 3, 1), (path, 4, 1), (path, 5, 2)]
+
+
+def test_same_id_with_other_content_is_a_dead_letter(tmp_path):
+  path = _lines(tmp_path / "ids.jsonl",
+                json.dumps({"id": "x", "q": "What is 2 + 3?", "a": "5"}),
+                json.dumps({"id": "x", "q": "What is 1 + 1?", "a": "2"}),
+                json.dumps({"id": "y", "q": "What is 1 + 1?", "a": "2"}))
+  out = list(read_custom_jsonl(path, {"question": "q", "answer": "a", "id": "id"}))
+  assert [type(r).__name__ for r in out] == ["Example", "DeadLetter", "Example"]
+  assert out[1].line_number == 2 and out[1].reason == "example id 'custom/x' is already used by line 1"
