@@ -8,22 +8,34 @@
 
 Steps: 1. read the config (variants after the colon, `--config.a.b=v` overrides; an
 unknown key is an error listing the valid ones) and Beam flags after `--`;
-2. build the plan (task, policy, predictor, model fingerprint) and, for local runs,
-list the work items to drive a progress bar with ETA on stderr; 3. run the Beam
-graph (`pipelines/beam/pipeline.py`): finished samples are skipped, new ones are
-stored as they finish, results.jsonl and dead_letters.jsonl are written at the end;
-4. summarize into summary.json; 5. write report.md and plots (`pipelines/report.py`).
-Rerunning the same command resumes: nothing already stored is recomputed.
+2. build the plan (task, policy, predictor, model fingerprint); 3. check, before any
+work, that the output directory and its store can be written, that the model's
+checkpoint is sound (header only) and that the dataset exists and holds examples (it
+is read once here: the work items drive a progress bar with ETA on stderr, duplicate
+lines are reported); 4. run the Beam graph (`pipelines/beam/pipeline.py`): finished
+samples are skipped, new ones are stored as they finish, results.jsonl and
+dead_letters.jsonl are written at the end; 5. summarize into summary.json; 6. write
+report.md and plots (`pipelines/report.py`). Rerunning the same command resumes:
+nothing already stored is recomputed.
+
+Output: the progress bar, warnings, the summary and `error: ...` lines (exit code 2,
+no traceback) for bad input; what Beam, absl, JAX and the worker processes log goes
+to OUTPUT_DIR/eval.log, or to stderr with --verbose (which also prints tracebacks).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
+import signal
 import sys
+import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+import traceback
+from typing import IO, Optional, Sequence
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -31,6 +43,7 @@ from ml_collections import config_flags
 import configs
 
 DEFAULT_CONFIG = str(pathlib.Path(configs.__file__).parent / "gsm8k.py")
+LOG_NAME = "eval.log"  # under the output directory: what the default output leaves out
 _FLAGS: dict = {}
 
 
@@ -40,6 +53,16 @@ def define_flags() -> None:
       "config", DEFAULT_CONFIG, "evaluation config file[:variants]", lock_config=True)
   _FLAGS["output_dir"] = flags.DEFINE_string("output_dir", "runs/default",
                                              "where results, summary and report go")
+  _FLAGS["verbose"] = flags.DEFINE_boolean(
+      "verbose", False, f"show what Beam, absl, JAX and the workers log on stderr (by default it "
+      f"goes to OUTPUT_DIR/{LOG_NAME}) and the traceback of an error")
+
+
+def _verbose(argv: Sequence[str]) -> bool:
+  """--verbose as absl will parse it, for errors found before absl runs."""
+  flags_part = list(argv[:list(argv).index("--")] if "--" in argv else argv)
+  on = [a for a in flags_part if a in ("--verbose", "--noverbose") or a.startswith("--verbose=")]
+  return bool(on) and on[-1] != "--noverbose" and on[-1].split("=", 1)[-1].lower() not in ("false", "0")
 
 
 # -- command line -------------------------------------------------------------------
@@ -58,13 +81,26 @@ def _config_path_and_arg(argv: Sequence[str]) -> tuple[str, str]:
 
 
 def load_config_file(path: str, arg: str = ""):
-  """get_config(arg) of a config file, loaded the way ml_collections does."""
+  """get_config(arg) of a config file, loaded the way ml_collections does.
+
+  A missing file, or one that cannot be executed or has no get_config, is a UsageError
+  naming it (the traceback of the file's own error stays behind --verbose).
+  """
   import importlib.util
+  if not os.path.exists(path):
+    raise app.UsageError(f"config file not found: {path}")
+  if not os.path.isfile(path):
+    raise app.UsageError(f"config file is not a file: {path}")
   module_spec = importlib.util.spec_from_file_location("_o1jax_eval_config", path)
   if module_spec is None or module_spec.loader is None:
     raise app.UsageError(f"--config={path}: not a Python config file")
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # whatever the file raises: SyntaxError, ImportError, ...
+    raise app.UsageError(f"config file {path} cannot be loaded: {type(e).__name__}: {e}") from e
+  if not callable(getattr(module, "get_config", None)):
+    raise app.UsageError(f"config file {path} has no get_config(arg) function")
   return module.get_config(arg) if arg else module.get_config()
 
 
@@ -100,8 +136,9 @@ def validate_argv(argv: Sequence[str]) -> None:
 class Progress:
   """tqdm bar fed by counting the plan's keys in the local store (works across worker processes)."""
 
-  def __init__(self, store, keys: set[str], interval_s: float = 1.0):
+  def __init__(self, store, keys: set[str], interval_s: float = 1.0, file: Optional[IO[str]] = None):
     self.store, self.keys, self.interval_s = store, keys, interval_s
+    self.file = file
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
 
@@ -110,7 +147,7 @@ class Progress:
 
   def __enter__(self):
     from tqdm import tqdm
-    self.bar = tqdm(total=len(self.keys), initial=self.done(), unit="sample", file=sys.stderr,
+    self.bar = tqdm(total=len(self.keys), initial=self.done(), unit="sample", file=self.file or sys.stderr,
                     desc="eval", dynamic_ncols=True, miniters=1, mininterval=1.0)
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
@@ -144,36 +181,53 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, loader=None,
-        progress: Optional[bool] = None, report: bool = True) -> dict:
+        progress: Optional[bool] = None, report: bool = True, console: Optional[IO[str]] = None) -> dict:
   """Runs the whole evaluation; returns summary.json's content.
 
-  `clock` and `loader` are passed to the pipeline (tests inject fakes).
+  Before any work it checks, in this order, and raises a ValueError subclass with a
+  one-line message naming the file or directory: the config (`build_plan`), the output
+  directory and its store (`OutputError`: not writable), the model (`CheckpointError`),
+  the dataset (`DatasetError`: missing, unreadable, no examples). `clock` and `loader`
+  are passed to the pipeline (tests inject fakes); `console` gets the progress bar and
+  warnings (default stderr).
   """
   import apache_beam as beam
 
-  from pipelines.beam import ResultStore, build_pipeline, build_plan, pipeline_options, plan_items
+  from pipelines.beam import ResultStore, build_pipeline, build_plan, pipeline_options
   from pipelines.beam.options import is_direct
-  from pipelines.beam.pipeline import write_text
-  from pipelines.beam.store import is_local
+  from pipelines.beam.pipeline import scan_dataset, write_text
+  from pipelines.beam.store import check_writable, is_local
+  from pipelines.beam.worker import mark_launcher
   from pipelines.summary import summarize
 
+  console = console or sys.stderr
   plan = build_plan(config, output_dir)
   options = pipeline_options(config.runner, beam_flags)
-  local = is_local(output_dir) and is_direct(options)
+  direct = is_direct(options)
+  local = is_local(output_dir) and direct
+  out = output_dir.rstrip("/")
+  # Found now, not after every sample was computed: results go here, each sample to the store.
+  check_writable(out)
   store = ResultStore(plan.store_dir)
-  keys: set[str] = set()
-  resumed_before = None
-  if local:
-    items, _ = plan_items(plan)
-    keys = {i.key for i in items}
-    resumed_before = len(keys & store.keys())
+  store.check_writable()
+  _check_model(plan, direct)
+  scan = scan_dataset(plan)  # DatasetError: missing or unreadable file
+  if not scan.examples:
+    raise _no_examples(plan, scan, out)
+  for source, count in sorted(scan.duplicates.items()):
+    print(f"warning: {source}: {count} duplicate line{'s' if count > 1 else ''} skipped "
+          f"(the first line of each example is kept)", file=console)
+  keys = {i.key for i in scan.items}
+  resumed_before = len(keys & store.keys()) if local else None
   show = config.runner.progress if progress is None else progress
   started_ms = clock.time_ns() / 1e6
   t0 = time.perf_counter()
+  if direct:
+    mark_launcher()  # local worker processes watch this process and exit with it
   pipeline = beam.Pipeline(options=options)
   build_pipeline(pipeline, plan, clock=clock, loader=loader)
   if local and show:
-    with Progress(store, keys):
+    with Progress(store, keys, file=console):
       result = pipeline.run()
       result.wait_until_finish()
   else:
@@ -181,12 +235,12 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     result.wait_until_finish()
   wall_s = time.perf_counter() - t0
 
-  out = output_dir.rstrip("/")
   records = _read_jsonl(f"{out}/results.jsonl")
   dead = _read_jsonl(f"{out}/dead_letters.jsonl")
   run_info = {"started_ms": started_ms, "wall_s": round(wall_s, 2),
               "resumed": resumed_before, "computed": (len(records) - resumed_before)
               if resumed_before is not None else None,
+              "duplicate_lines_skipped": sum(scan.duplicates.values()),
               "beam_args": pipeline_args_for_summary(config, beam_flags)}
   summary = summarize(records, dead, task=plan.task.name, vote=plan.policy.vote, run=run_info,
                       config=config.to_dict())
@@ -198,26 +252,141 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   return summary
 
 
+def _check_model(plan, direct: bool) -> None:
+  """The checkpoint's header, checked here rather than failing in every worker. Other
+  runners load the model on their own machines (a container image): a local copy, if any,
+  is checked."""
+  from pipelines.predictors import check_model_source
+  if direct or os.path.exists(plan.predictor.source):
+    check_model_source(plan.predictor)
+
+
+def _no_examples(plan, scan, out: str) -> ValueError:
+  """The error for a dataset without a single usable example (nothing would be measured)."""
+  from pipelines.beam.pipeline import input_dead_letter, write_dead_letters
+  from pipelines.datasets import DatasetError
+  source = plan.task.source
+  is_file = source == plan.task.dataset.get("path")
+  if not scan.dead:
+    if is_file:
+      return DatasetError(f"dataset file is empty: {source}")
+    return DatasetError(f"dataset {source} has no examples (see dataset.n and dataset.levels)")
+  # Every line is bad: the dead letters say why, line by line.
+  write_dead_letters([input_dead_letter(d) for d in scan.dead], f"{out}/dead_letters.jsonl")
+  first, n = scan.dead[0], len(scan.dead)
+  lines = "its only line is" if n == 1 else f"all {n} lines are"
+  return DatasetError(f"no usable examples in dataset file {source}: {lines} malformed "
+                      f"(line {first.line_number}: {first.reason}); each line's reason is in "
+                      f"{out}/dead_letters.jsonl")
+
+
 def pipeline_args_for_summary(config, beam_flags: Sequence[str]) -> list[str]:
   from pipelines.beam.options import beam_args
   return beam_args(config.runner, beam_flags)
 
 
+class _LogFile:
+  """Default output: fd 2, which Beam, absl, JAX, Python warnings and the worker processes
+  (they inherit it) all write to, goes to a log file; `console` keeps the terminal for the
+  progress bar, warnings and errors. `close` puts fd 2 back and keeps the log at a path."""
+
+  def __init__(self):
+    sys.stderr.flush()
+    self._saved = os.dup(2)
+    fd, self.path = tempfile.mkstemp(prefix="o1jax-eval-", suffix=".log")
+    os.close(fd)
+    with open(self.path, "ab") as log:  # O_APPEND: the processes' lines never overwrite each other
+      os.dup2(log.fileno(), 2)
+    self.console = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8",
+                        errors="backslashreplace")
+    self._lock, self._closed = threading.Lock(), False
+
+  def close(self, keep: bool = True, move_to: Optional[str] = None) -> Optional[str]:
+    """Restores stderr; keeps the log (moved to `move_to` if it can be) or deletes it.
+    Returns where the log is. Once only (a signal may end the run while it closes)."""
+    with self._lock:
+      if self._closed:
+        return self.path
+      self._closed = True
+    sys.stderr.flush()
+    self.console.flush()
+    os.dup2(self._saved, 2)
+    os.close(self._saved)
+    self.console.close()
+    if not keep:
+      os.remove(self.path)
+      self.path = None
+    elif move_to:
+      try:
+        shutil.move(self.path, move_to)
+        self.path = move_to
+      except OSError:
+        pass  # e.g. the output directory was never created: the log stays where it is
+    return self.path
+
+
+def _exit_on_signals(on_signal) -> None:
+  """SIGINT and SIGTERM call `on_signal(signum)` at once in a thread of their own (which
+  ends the process). A Python handler would run only when the main thread next runs
+  Python code, and while it waits inside Beam's job-state gRPC stream that took ~1 s, with
+  the workers computing. The interpreter's C handler writes each signal to a wakeup fd
+  immediately; the thread reads it."""
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  signal.set_wakeup_fd(write_fd)
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: None)  # a Python handler, so the C handler writes the fd
+
+  def watch():
+    while True:
+      for signum in os.read(read_fd, 64):
+        if signum in (signal.SIGINT, signal.SIGTERM):
+          on_signal(signum)
+
+  threading.Thread(target=watch, name="o1jax-eval-signals", daemon=True).start()
+
+
 def main(argv):
   beam_flags = argv[1:]  # everything after `--`
+  verbose = _FLAGS["verbose"].value
+  output_dir = _FLAGS["output_dir"].value
   if not flags.FLAGS["verbosity"].present:
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # Beam's INFO chatter would drown the progress bar
-  from o1jax.checkpoint import CheckpointError
+  log = None if verbose else _LogFile()  # first: importing Beam already logs
+  console = log.console if log else sys.stderr
+  from pipelines.beam.store import is_local
+  # The log ends up next to the results (a local output directory that exists by then).
+  local_log = f"{output_dir.rstrip('/')}/{LOG_NAME}" if is_local(output_dir) else None
+
+  def stop(signum: int):
+    # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
+    kept = log.close(move_to=local_log) if log else None
+    print(f"stopped by {signal.Signals(signum).name}: finished samples are kept in the store; rerun "
+          f"the same command to resume" + (f" (log: {kept})" if kept else ""), file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signum)  # at once: Beam's threads would hold the process up
+
+  _exit_on_signals(stop)
   try:
-    summary = run(_FLAGS["config"].value, _FLAGS["output_dir"].value, beam_flags)
-  except (CheckpointError, ValueError) as e:
+    summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
+  except ValueError as e:  # bad input: config, output directory, checkpoint, dataset
+    if log:
+      log.close(keep=False)
+    if verbose:
+      traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except BaseException:
+    if log:
+      kept = log.close(move_to=local_log)
+      print(f"the run failed; what Beam and the workers logged is in {kept}", file=sys.stderr)
+    raise
+  if log:
+    log.close(keep=bool(local_log), move_to=local_log)
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
-  print(f"wrote results.jsonl, summary.json and report.md under {_FLAGS['output_dir'].value}",
-        file=sys.stderr)
+  print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
   return 0
 
 
@@ -225,6 +394,8 @@ if __name__ == "__main__":
   try:
     validate_argv(sys.argv)
   except app.UsageError as e:
+    if _verbose(sys.argv[1:]):
+      traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   define_flags()

@@ -61,7 +61,8 @@ class WorkItem:
 
 
 def request_id_for(example_id: str, sample_index: int) -> int:
-  digest = hashlib.sha256(f"{example_id}\x00{sample_index}".encode()).digest()
+  # surrogatepass: an id that is not valid Unicode still hashes (the same way every time)
+  digest = hashlib.sha256(f"{example_id}\x00{sample_index}".encode("utf-8", "surrogatepass")).digest()
   return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
@@ -114,6 +115,16 @@ def _load_model(spec: PredictorSpec):
   ck = load_checkpoint(spec.source)
   return (Llama(ck.config, ck.params, backend=spec.backend, matmul_dtype=spec.matmul_dtype),
           ck.tokenizer)
+
+
+def check_model_source(spec: PredictorSpec) -> None:
+  """Cheap check of the model a predictor will load (file header, directory layout), so a
+  missing or corrupt checkpoint is one `CheckpointError` line from the launcher rather than
+  a failure inside every worker. The fake predictor loads no model."""
+  if spec.name == "fake":
+    return
+  from o1jax.checkpoint import check_checkpoint
+  check_checkpoint(spec.source)
 
 
 TRACE_FLOAT_DIGITS = 4

@@ -223,7 +223,7 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
                f"({'correct' if r['correct'] else 'wrong'}; reference `{r.get('reference')}`): {text}")
   out += ["", "## Config", "", "```json", json.dumps(cfg, indent=2, default=list), "```", ""]
   path = run_dir / "report.md"
-  path.write_text("\n".join(out))
+  path.write_text("\n".join(out), encoding="utf-8", errors="backslashreplace")  # even a lone surrogate
   return path
 
 
@@ -241,7 +241,7 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
                                   "tokens/example", "P50 ms", "tok/s"]), "",
                     "![accuracy vs tokens](accuracy_vs_tokens.png)", ""])
   path = output_dir / "comparison.md"
-  path.write_text(text)
+  path.write_text(text, encoding="utf-8", errors="backslashreplace")
   return path
 
 

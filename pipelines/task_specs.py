@@ -1,7 +1,8 @@
 """Evaluation tasks by name: where examples come from, how they are prompted and scored.
 
   task = build_task(config)           # "gsm8k" | "humaneval" | "custom"
-  for rec in task.load(): ...         # Example | DeadLetter, in file order
+  for rec in task.load(): ...         # Example | DeadLetter | Duplicate, in file order
+  task.source                         # the dataset file (or generator), for messages
   prompt, stop = task.prompt(example)
   scores = task.score_batch([(example, text), ...])   # one dict per sample
 
@@ -74,6 +75,11 @@ class GSMTask:
   name: str = "gsm8k"
   vote_field: str = "flexible_answer"
 
+  @property
+  def source(self) -> str:
+    """The dataset file, or the generator's name (for messages)."""
+    return self.dataset["path"] if self.dataset["name"] == "gsm8k_jsonl" else self.dataset["name"]
+
   def load(self) -> Iterator[Union[Example, DeadLetter]]:
     ds = self.dataset
     if ds["name"] == "gsm_synthetic":
@@ -116,6 +122,10 @@ class HumanEvalTask:
   name: str = "humaneval"
   vote_field: str = ""
 
+  @property
+  def source(self) -> str:
+    return self.dataset["path"] or "the packaged HumanEval.jsonl.gz"
+
   def load(self) -> Iterator[Union[Example, DeadLetter]]:
     path = self.dataset["path"] or None
     yield from _first_n(load_humaneval(path), self.dataset["n"])
@@ -154,6 +164,10 @@ class CustomTask:
   name: str = "custom"
   vote_field: str = "answer"
 
+  @property
+  def source(self) -> str:
+    return self.dataset["path"]
+
   def load(self) -> Iterator[Union[Example, DeadLetter]]:
     ds = self.dataset
     if not ds["path"]:
@@ -186,7 +200,7 @@ class CustomTask:
 
 
 def _first_n(records, n: int):
-  """Pass dead letters through; stop after `n` examples (0 = all)."""
+  """Pass dead letters and skipped duplicates through; stop after `n` examples (0 = all)."""
   kept = 0
   for rec in records:
     if isinstance(rec, Example):

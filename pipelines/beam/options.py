@@ -2,7 +2,8 @@
 
   options = pipeline_options(config.runner, ["--runner=DataflowRunner", "--project=p", ...])
 
-1. the config gives the runner name and the DirectRunner settings (workers, mode);
+1. the config gives the runner name and the DirectRunner settings (workers, mode; each
+   worker process imports `pipelines.beam.worker` first, which ends it with the launcher);
 2. Beam flags passed after `--` on the command line override them (any runner:
    Dataflow, Flink, Spark, Prism); 3. DirectRunner-only flags are dropped for
    other runners so their option validation does not trip over them.
@@ -14,6 +15,7 @@ from typing import Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+WORKER_PLUGIN = "pipelines.beam.worker"  # imported by each worker process at start-up
 RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner", "PrismRunner",
            "PortableRunner")
 
@@ -27,7 +29,8 @@ def beam_args(runner_cfg, extra: Sequence[str] = ()) -> list[str]:
   args = [f"--runner={runner}"]
   if runner == "DirectRunner":
     args += [f"--direct_num_workers={int(runner_cfg.direct_num_workers)}",
-             f"--direct_running_mode={runner_cfg.direct_running_mode}"]
+             f"--direct_running_mode={runner_cfg.direct_running_mode}",
+             f"--beam_plugins={WORKER_PLUGIN}"]  # worker processes exit with the launcher
     if not any(a.startswith("--default_sdk_harness_log_level") for a in extra):
       args.append("--default_sdk_harness_log_level=WARNING")  # worker INFO lines bury the progress bar
   return args + [a for a in extra if not a.startswith("--runner=")]

@@ -7,7 +7,8 @@
 Data flow:
   1. `ReadDataset`: the task's loader runs inside the job (so gs:// inputs are read by
      workers); examples are numbered in file order, malformed lines become dead letters
-     with file and line number.
+     with file and line number, repeated lines are skipped. (The launcher has read the
+     same records once already, `scan_dataset`, to stop early on a missing or empty file.)
   2. `Samples`: each example becomes `policy.num_samples` `WorkItem`s keyed by a content
      hash of (model, generation config, example, sample index); `Reshuffle` spreads them
      over workers.
@@ -37,8 +38,9 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import RunInference
 
 from pipelines.beam.handler import PredictorModelHandler
-from pipelines.beam.store import ResultStore, is_local
-from pipelines.datasets import DeadLetter, Example
+from pipelines.beam.store import ResultStore, is_local, utf8
+from pipelines.datasets import DeadLetter, Duplicate, Example
+from pipelines.datasets.records import text_bytes
 from pipelines.policies import Policy, SamplingSpec, build_policy
 from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for)
 from pipelines.task_specs import build_task
@@ -108,7 +110,8 @@ def build_plan(config, output_dir: str) -> EvalPlan:
 
 
 def _canonical(obj) -> bytes:
-  return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=list).encode()
+  text = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=list)
+  return text_bytes(text)  # never raises, also on text that is not valid Unicode
 
 
 def prompt_sha256(prompt) -> str:
@@ -133,38 +136,75 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
   return items
 
 
+def numbered_examples(task) -> Iterator:
+  """The task's records with examples numbered in file order: (index, Example),
+  DeadLetter or Duplicate. The launcher's scan and the job's ReadDataset both read
+  through here, so they see the same examples under the same indices."""
+  index = 0
+  for rec in task.load():
+    if isinstance(rec, Example):
+      yield index, rec
+      index += 1
+    else:
+      yield rec
+
+
+@dataclasses.dataclass
+class DatasetScan:
+  """What the dataset holds, read once by the launcher before the job starts."""
+  items: list  # WorkItems
+  dead: list  # input DeadLetters
+  examples: int = 0
+  duplicates: dict = dataclasses.field(default_factory=dict)  # source -> lines skipped
+
+
+def scan_dataset(plan: EvalPlan) -> DatasetScan:
+  """All work items, input dead letters and skipped duplicate lines, in this process.
+
+  Raises `DatasetError` for a missing or unreadable dataset file.
+  """
+  scan = DatasetScan(items=[], dead=[])
+  for rec in numbered_examples(plan.task):
+    if isinstance(rec, DeadLetter):
+      scan.dead.append(rec)
+    elif isinstance(rec, Duplicate):
+      scan.duplicates[rec.source] = scan.duplicates.get(rec.source, 0) + 1
+    else:
+      scan.items.extend(work_items(plan, rec[1], rec[0]))
+      scan.examples += 1
+  return scan
+
+
 def plan_items(plan: EvalPlan) -> tuple[list[WorkItem], list[DeadLetter]]:
   """All work items and input dead letters, computed in this process (progress bar, tests)."""
-  items, dead, index = [], [], 0
-  for rec in plan.task.load():
-    if isinstance(rec, DeadLetter):
-      dead.append(rec)
-      continue
-    items.extend(work_items(plan, rec, index))
-    index += 1
-  return items, dead
+  scan = scan_dataset(plan)
+  return scan.items, scan.dead
 
 
 def dead_letter(stage: str, reason: str, **fields) -> dict:
   return {"stage": stage, "reason": reason, **fields}
 
 
+def input_dead_letter(rec: DeadLetter) -> dict:
+  return dead_letter("input", rec.reason, source=rec.source, line_number=rec.line_number, raw=rec.raw)
+
+
 class ReadDataset(beam.DoFn):
-  """Loader → (example index, Example) on the main output, dead letters tagged 'dead'."""
+  """Loader → (example index, Example) on the main output, dead letters tagged 'dead';
+  duplicate lines are skipped (counted)."""
 
   def __init__(self, task):
     self.task = task
 
   def process(self, _unused) -> Iterator:
-    index = 0
-    for rec in self.task.load():
+    for rec in numbered_examples(self.task):
       if isinstance(rec, DeadLetter):
         Metrics.counter(NAMESPACE, "input_dead_letters").inc()
-        yield beam.pvalue.TaggedOutput("dead", dead_letter(
-            "input", rec.reason, source=rec.source, line_number=rec.line_number, raw=rec.raw))
-        continue
-      yield index, rec
-      index += 1
+        yield beam.pvalue.TaggedOutput("dead", input_dead_letter(rec))
+      elif isinstance(rec, Duplicate):
+        Metrics.counter(NAMESPACE, "input_duplicates").inc()
+      else:
+        yield rec
 
 
 class SkipFinished(beam.DoFn):
@@ -256,23 +296,29 @@ def failure_dead_letters(stage: str):
 
 def write_text(path: str, text: str) -> None:
   """Whole-file write; local files appear atomically (temp file + rename)."""
+  data = utf8(text)
   if is_local(path):
     path = path[len("file://"):] if path.startswith("file://") else path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
+    with open(tmp, "wb") as f:
+      f.write(data)
     os.replace(tmp, path)
     return
   from apache_beam.io.filesystems import FileSystems
   with FileSystems.create(path) as f:
-    f.write(text.encode("utf-8"))
+    f.write(data)
 
 
 def _write_jsonl(records: list[dict], path: str, sort_key) -> int:
   lines = [json.dumps(r, ensure_ascii=False) for r in sorted(records, key=sort_key)]
   write_text(path, "".join(line + "\n" for line in lines))
   return len(lines)
+
+
+def write_dead_letters(dead: list[dict], path: str) -> int:
+  """dead_letters.jsonl: one line per dead letter, by stage, source, line, example."""
+  return _write_jsonl(dead, path, _dead_order)
 
 
 def _record_order(r: dict):
@@ -319,5 +365,5 @@ def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loade
        | "WriteResults" >> beam.Map(_write_jsonl, f"{out}/results.jsonl", _record_order))
   _ = (dead
        | "CollectDeadLetters" >> beam.combiners.ToList()
-       | "WriteDeadLetters" >> beam.Map(_write_jsonl, f"{out}/dead_letters.jsonl", _dead_order))
+       | "WriteDeadLetters" >> beam.Map(write_dead_letters, f"{out}/dead_letters.jsonl"))
   return records, dead

@@ -3,6 +3,7 @@
   store = ResultStore("runs/sc8/store")
   store.get(key)            # the record dict, or None when not finished
   store.put(key, record)    # visible all at once, or not at all
+  store.check_writable()    # raises OutputError now rather than after the samples are computed
 
 Why it makes runs resumable: 1. every work item's key is a content hash of (model,
 generation config, example, sample index); 2. a sample counts as finished only
@@ -24,12 +25,44 @@ _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _SUFFIX = ".json"
 
 
+class OutputError(ValueError):
+  """The output directory (or its store) cannot be written: found before any work starts."""
+
+
 def is_local(path: str) -> bool:
   return not _SCHEME_RE.match(path) or path.startswith("file://")
 
 
 def _local(path: str) -> str:
   return path[len("file://"):] if path.startswith("file://") else path
+
+
+def utf8(text: str) -> bytes:
+  """UTF-8 that never raises. A lone surrogate (a command-line byte that is not UTF-8,
+  or a JSON "\\ud800" escape) cannot be encoded; it is written as the escape `\\udXXX`,
+  which inside a JSON string reads back as the same text (elsewhere: a visible escape)."""
+  return text.encode("utf-8", "backslashreplace")
+
+
+def check_writable(directory: str) -> None:
+  """Creates `directory` and writes, renames and deletes a probe file in it, the way the
+  store and the result files are written; raises `OutputError` naming it if that fails."""
+  probe = f"{directory.rstrip('/')}/.o1jax-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+  try:
+    if is_local(directory):
+      os.makedirs(_local(directory), exist_ok=True)
+      with open(_local(probe) + ".tmp", "wb") as f:
+        f.write(b"{}\n")
+      os.replace(_local(probe) + ".tmp", _local(probe))
+      os.remove(_local(probe))
+      return
+    from apache_beam.io.filesystems import FileSystems
+    with FileSystems.create(probe) as f:
+      f.write(b"{}\n")
+    FileSystems.delete([probe])
+  except Exception as e:  # OSError locally; object stores raise their own types
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+    raise OutputError(f"output directory is not writable: {directory} ({reason})") from e
 
 
 class ResultStore:
@@ -63,8 +96,12 @@ class ResultStore:
     except ValueError:
       return None  # never written by put(); treat as not finished so it is recomputed
 
+  def check_writable(self) -> None:
+    """Raises `OutputError` unless a record could be stored now (checked before any work)."""
+    check_writable(self.root)
+
   def put(self, key: str, record: dict) -> None:
-    data = (json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n").encode()
+    data = utf8(json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n")
     path = self.path(key)
     if self.local:
       final = _local(path)

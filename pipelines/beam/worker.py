@@ -1,0 +1,84 @@
+"""Worker processes end with their launcher: imported by every DirectRunner worker at start-up.
+
+  launcher: mark_launcher()   # before pipeline.run(); its pid goes into the workers' environment
+  workers:  --beam_plugins=pipelines.beam.worker (options.py adds it) imports this module first
+
+Why: the DirectRunner starts each worker through `/bin/sh -c`, so when the launcher is
+killed (SIGTERM, SIGKILL, or Ctrl-C on it alone) a worker notices only when its gRPC
+channel breaks, about a second later, computing meanwhile; and a parent-death signal set
+in the worker would watch the shell, which outlives the launcher. Here a daemon thread
+waits on a pidfd of the launcher (an fd that becomes readable when that process exits)
+and kills its own process at once. The store stays consistent: a record file appears
+whole (temp file + rename) or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from typing import Optional
+
+LAUNCHER_PID_ENV = "O1JAX_EVAL_LAUNCHER_PID"
+
+
+def mark_launcher() -> None:
+  """This process launches the job: worker processes started from now on watch it."""
+  os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
+def _parent(pid: int) -> Optional[int]:
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return int(f.read().rsplit(b")", 1)[1].split()[1])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _started_by(pid: int) -> bool:
+  """Whether `pid` is this process's parent or the shell's parent (Beam's `sh -c`)."""
+  parent = os.getppid()
+  return pid in (parent, _parent(parent))
+
+
+def _wait_for_exit(pid: int) -> None:
+  try:
+    fd = os.pidfd_open(pid)  # Linux >= 5.3
+  except (AttributeError, OSError):
+    fd = None
+  if fd is not None:
+    select.select([fd], [], [])
+    return
+  while True:  # no pidfd: poll
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return
+    except PermissionError:
+      pass
+    time.sleep(0.05)
+
+
+def watch_launcher() -> bool:
+  """In a worker process started by a marked launcher: kill this process when the launcher
+  exits. Returns whether a watch started (not in the launcher itself, not elsewhere)."""
+  try:
+    pid = int(os.environ.get(LAUNCHER_PID_ENV, ""))
+  except ValueError:
+    return False
+  # In-process runners run here in the launcher; a process the launcher did not start
+  # (a pid since reused) is left alone.
+  if pid == os.getpid() or not _started_by(pid):
+    return False
+
+  def watch():
+    _wait_for_exit(pid)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+  threading.Thread(target=watch, name="o1jax-launcher-watch", daemon=True).start()
+  return True
+
+
+watch_launcher()

@@ -1,0 +1,156 @@
+"""Bad input to the launcher (`pipelines.eval.run`): every case stops before any work with
+an error naming the file or directory, or goes on with a dead letter / a warning."""
+
+import io
+import json
+import pathlib
+
+import pytest
+
+from configs import custom as custom_config
+from o1jax.checkpoint import CheckpointError
+from pipelines.beam.store import OutputError
+from pipelines.beam.testing import FakeClock
+from pipelines.datasets import DatasetError
+from pipelines.eval import run
+
+Q = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8"), ("What is 9 - 1?", "8")]
+
+
+def _config(data, **model):
+  cfg = custom_config.get_config("smoke=True")
+  cfg.model.predictor = "fake"
+  cfg.model.update(model)
+  cfg.dataset.path = str(data)
+  cfg.runner.update(direct_num_workers=1, direct_running_mode="in_memory", batch_size=2)
+  return cfg
+
+
+def _write(path, lines):
+  path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+  return path
+
+
+def _good_lines():
+  return [json.dumps({"question": q, "answer": a}) for q, a in Q]
+
+
+def _run(cfg, out, console=None):
+  return run(cfg, str(out), clock=FakeClock(), progress=False, report=False, console=console)
+
+
+def _nothing_written(out):
+  return not list(pathlib.Path(out).glob("store/*.json")) and not (pathlib.Path(out) / "results.jsonl").exists()
+
+
+# -- 1. no examples ------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"])
+def test_empty_dataset_file_is_an_error_naming_it(tmp_path, content):
+  data = tmp_path / "empty.jsonl"
+  data.write_text(content)
+  with pytest.raises(DatasetError, match=rf"^dataset file is empty: {data}$"):
+    _run(_config(data), tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
+def test_dataset_with_only_bad_lines_is_an_error_and_lists_them(tmp_path):
+  data = _write(tmp_path / "bad.jsonl", ["{not json", json.dumps({"question": "no answer"}), "[1]"])
+  with pytest.raises(DatasetError) as e:
+    _run(_config(data), tmp_path / "out")
+  assert str(e.value) == (f"no usable examples in dataset file {data}: all 3 lines are malformed "
+                          f"(line 1: invalid JSON: Expecting property name enclosed in double quotes); "
+                          f"each line's reason is in {tmp_path / 'out' / 'dead_letters.jsonl'}")
+  dead = [json.loads(l) for l in (tmp_path / "out" / "dead_letters.jsonl").read_text().splitlines()]
+  assert [(d["stage"], d["line_number"]) for d in dead] == [("input", 1), ("input", 2), ("input", 3)]
+  assert _nothing_written(tmp_path / "out")
+
+
+# -- 2. duplicate lines ----------------------------------------------------------------
+
+def test_duplicate_lines_run_once_with_one_warning(tmp_path):
+  lines = _good_lines()
+  data = _write(tmp_path / "dup.jsonl", lines + [lines[0], lines[2], lines[0]])
+  console = io.StringIO()
+  summary = _run(_config(data), tmp_path / "out", console=console)
+  assert console.getvalue() == (f"warning: {data}: 3 duplicate lines skipped "
+                                f"(the first line of each example is kept)\n")
+  records = [json.loads(l) for l in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+  assert len(records) == 3 and len({r["key"] for r in records}) == 3
+  assert [r["example_index"] for r in records] == [0, 1, 2]
+  assert summary["examples"] == 3 and summary["run"]["duplicate_lines_skipped"] == 3
+  assert summary["dead_letters"]["total"] == 0
+
+
+# -- 3. lone surrogates ----------------------------------------------------------------
+
+def test_lone_surrogate_line_is_a_dead_letter_and_the_job_goes_on(tmp_path):
+  lines = _good_lines()
+  data = _write(tmp_path / "s.jsonl", [lines[0], '{"question": "What is \\ud800?", "answer": "1"}', lines[1]])
+  summary = _run(_config(data), tmp_path / "out")
+  assert summary["examples"] == 2
+  (dead,) = [json.loads(l) for l in (tmp_path / "out" / "dead_letters.jsonl").read_text().splitlines()]
+  assert (dead["stage"], dead["source"], dead["line_number"]) == ("input", str(data), 2)
+  assert "lone surrogate" in dead["reason"]
+
+
+def test_lone_surrogates_elsewhere_never_kill_a_run(tmp_path):
+  # Text that cannot be UTF-8 can still come from the config (a command-line byte that is not
+  # UTF-8 arrives as a lone surrogate): it is hashed, stored, summarized and reported.
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data)
+  cfg.prompt.system = "Answer\udcff briefly."
+  cfg.prompt.template = "Q\ud800: {question}"
+  summary = run(cfg, str(tmp_path / "out"), clock=FakeClock(), progress=False, report=True)
+  assert summary["examples"] == 3 and summary["config"]["prompt"]["system"] == "Answer\udcff briefly."
+  records = [json.loads(l) for l in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+  assert len(records) == 3
+  stored = [json.loads(p.read_bytes()) for p in (tmp_path / "out" / "store").glob("*.json")]
+  assert sorted(r["key"] for r in stored) == sorted(r["key"] for r in records)
+  assert "briefly" in (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+  # The rerun finds every sample in the store (same keys).
+  again = run(cfg, str(tmp_path / "out"), clock=FakeClock(), progress=False, report=False)
+  assert again["run"]["resumed"] == 3 and again["run"]["computed"] == 0
+
+
+# -- 4. missing files ------------------------------------------------------------------
+
+def test_missing_dataset_file_is_an_error_naming_it(tmp_path):
+  with pytest.raises(DatasetError, match=rf"^dataset file not found: {tmp_path / 'nope.jsonl'}$"):
+    _run(_config(tmp_path / "nope.jsonl"), tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
+# -- 5. output directory ---------------------------------------------------------------
+
+def test_unwritable_output_dir_is_found_before_any_work(tmp_path):
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  with pytest.raises(OutputError, match=rf"^output directory is not writable: {blocker}/out \(.*\)$"):
+    _run(_config(data), blocker / "out")
+  # The output directory is fine but its store is not: also found first.
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "store").write_text("not a directory")
+  with pytest.raises(OutputError, match=rf"^output directory is not writable: {out}/store \(.*\)$"):
+    _run(_config(data), out)
+  assert not (out / "results.jsonl").exists()
+
+
+# -- 6. bad checkpoints ----------------------------------------------------------------
+
+def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  junk = tmp_path / "junk.gguf"
+  junk.write_bytes(bytes(range(256)) * 64)
+  with pytest.raises(CheckpointError, match=rf"^{junk}: not a GGUF file"):
+    _run(_config(data, predictor="engine", source=str(junk)), tmp_path / "out")
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  good = tmp_path / "tiny.gguf"
+  write_gguf_checkpoint(good, tiny_config())
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(good.read_bytes()[:-1000])
+  with pytest.raises(CheckpointError, match=rf"^{cut}: truncated GGUF file: tensor '.*' ends at byte"):
+    _run(_config(data, predictor="engine", source=str(cut)), tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")

@@ -1,0 +1,93 @@
+"""What a user sees from `python -m pipelines.eval`: one `error:` line and exit code 2 for bad
+input, and a clean default output (progress bar, summary, errors) with the rest under --verbose."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FAKE = ["--config=configs/custom.py:smoke=True", "--config.model.predictor=fake"]
+IN_MEMORY = ["--config.runner.direct_running_mode=in_memory", "--config.runner.direct_num_workers=1"]
+# Python logging ("WARNING:root:..."), absl ("W1201 02:48:49.005 ..."), and tracebacks.
+LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)[:\s]|^[DIWEF]\d{4} |Traceback|UserWarning|"
+                      r"DeprecationWarning", re.M)
+
+
+def _cli(*args, timeout=180):
+  return subprocess.run([sys.executable, "-m", "pipelines.eval", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def _data(tmp_path, n=3):
+  path = tmp_path / "data.jsonl"
+  path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                          for i in range(n)))
+  return path
+
+
+def _assert_one_error_line(proc, expected):
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr == f"error: {expected}\n"
+  assert proc.stdout == ""
+
+
+def test_missing_config_file(tmp_path):
+  proc = _cli(f"--config={tmp_path}/nope.py", f"--output_dir={tmp_path}/out")
+  _assert_one_error_line(proc, f"config file not found: {tmp_path}/nope.py")
+
+
+def test_broken_config_file(tmp_path):
+  cfg = tmp_path / "broken.py"
+  cfg.write_text("def get_config(:\n")
+  proc = _cli(f"--config={cfg}", f"--output_dir={tmp_path}/out")
+  assert proc.returncode == 2 and proc.stderr.startswith(f"error: config file {cfg} cannot be loaded: SyntaxError")
+  assert proc.stderr.count("\n") == 1
+  verbose = _cli(f"--config={cfg}", f"--output_dir={tmp_path}/out", "--verbose")
+  assert verbose.returncode == 2 and "Traceback" in verbose.stderr  # the details on request
+
+
+@pytest.mark.parametrize("case", ["missing_dataset", "empty_dataset", "unwritable_output", "bad_checkpoint"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
+  data, out, extra = _data(tmp_path), tmp_path / "out", []
+  if case == "missing_dataset":
+    data = tmp_path / "missing.jsonl"
+    expected = f"dataset file not found: {data}"
+  elif case == "empty_dataset":
+    data.write_text("")
+    expected = f"dataset file is empty: {data}"
+  elif case == "unwritable_output":
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    expected = f"output directory is not writable: {out} (Not a directory)"
+  else:
+    junk = tmp_path / "model.gguf"
+    junk.write_bytes(b"\x00" * 4096)
+    extra = ["--config.model.predictor=engine", f"--config.model.source={junk}"]
+    expected = f"{junk}: not a GGUF file, and not a checkpoint directory"
+  _assert_one_error_line(_cli(*FAKE, *IN_MEMORY, f"--config.dataset.path={data}", f"--output_dir={out}", *extra),
+                         expected)
+
+
+def test_default_output_is_clean_and_verbose_shows_the_rest(tmp_path):
+  data = _data(tmp_path, n=4)
+  # Two worker processes: where most of Beam's chatter comes from.
+  args = [*FAKE, f"--config.dataset.path={data}", "--config.runner.direct_num_workers=2",
+          "--config.runner.direct_running_mode=multi_processing", "--config.runner.batch_size=2"]
+  proc = _cli(*args, f"--output_dir={tmp_path}/quiet")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not LOG_LINE.search(proc.stderr), proc.stderr
+  assert json.loads(proc.stdout)["examples"] == 4
+  lines = [l for l in re.split(r"[\r\n]", proc.stderr) if l.strip()]
+  assert all(l.startswith("eval:") for l in lines[:-1]), lines  # the progress bar
+  assert lines[-1] == f"wrote results.jsonl, summary.json and report.md under {tmp_path}/quiet"
+  # What Beam, absl and JAX logged is kept next to the results.
+  assert (tmp_path / "quiet" / "eval.log").exists()
+
+  verbose = _cli(*args, f"--output_dir={tmp_path}/loud", "--verbose")
+  assert verbose.returncode == 0, verbose.stderr[-3000:]
+  assert LOG_LINE.search(verbose.stderr)
+  assert json.loads(verbose.stdout) == json.loads(proc.stdout)

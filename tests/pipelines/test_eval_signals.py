@@ -1,0 +1,90 @@
+"""Killing the launcher stops its Beam worker processes with it, and the store stays valid."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> dict[int, int]:
+  """pid -> parent pid of every descendant of `pid` (from /proc)."""
+  parents = {}
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+      except OSError:
+        continue
+      parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+  out, frontier = {}, [pid]
+  while frontier:
+    p = frontier.pop()
+    for child, parent in parents.items():
+      if parent == p and child not in out:
+        out[child] = parent
+        frontier.append(child)
+  return out
+
+
+def _alive(pid: int) -> bool:
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except OSError:
+    return False
+  return state not in ("Z", "X")  # a zombie has stopped; only its parent's wait is missing
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
+def test_killing_the_launcher_stops_its_workers(tmp_path, sig):
+  out = tmp_path / "run"
+  store = out / "store"
+  # Each batch of one sleeps 2 s in the fake predictor: a worker is always mid-batch.
+  cmd = [sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True,policy=sample_n",
+         "--config.model.predictor=fake", "--config.model.fake_delay_s=2.0", "--config.dataset.n=8",
+         "--config.policy.n=2", "--config.runner.batch_size=1", "--config.runner.direct_num_workers=2",
+         "--config.runner.direct_running_mode=multi_processing", "--config.runner.progress=False",
+         f"--output_dir={out}"]
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)  # the test kills only the launcher, not its group
+  workers = []
+  try:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(store.glob("*.json"))) < 2:
+      assert proc.poll() is None, "the run ended before it could be killed"
+      time.sleep(0.05)
+    workers = [p for p in _children(proc.pid) if "sdk_worker_main" in _cmdline(p)]
+    assert len(workers) >= 2, _children(proc.pid)
+    killed = time.monotonic()
+    os.kill(proc.pid, sig)
+    # The workers were sleeping in a 2 s batch; before they watched the launcher they noticed
+    # its death through their gRPC channel about 1 s later (SIGINT: the launcher took 1 s to exit).
+    while time.monotonic() < killed + 0.5 and any(_alive(p) for p in workers):
+      time.sleep(0.02)
+    assert not [p for p in workers if _alive(p)]
+    assert proc.wait(timeout=1) == (-sig if sig == signal.SIGKILL else 128 + sig)
+  finally:
+    for p in workers + list(_children(proc.pid)):
+      try:
+        os.kill(p, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+      proc.kill()
+  files = list(store.glob("*.json"))
+  assert files and all(isinstance(json.loads(f.read_text()), dict) for f in files)
+  assert not (out / "results.jsonl").exists()
+
+
+def _cmdline(pid: int) -> str:
+  try:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+  except OSError:
+    return ""
