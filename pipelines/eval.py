@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import sys
@@ -288,13 +289,27 @@ def pipeline_args_for_summary(config, beam_flags: Sequence[str]) -> list[str]:
 class _LogFile:
   """Default output: fd 2, which Beam, absl, JAX, Python warnings and the worker processes
   (they inherit it) all write to, goes to a log file; `console` keeps the terminal for the
-  progress bar, warnings and errors. `close` puts fd 2 back and keeps the log at a path."""
+  progress bar, warnings and errors. `close` puts fd 2 back and keeps the log at a path.
 
-  def __init__(self):
+  The log is `path` (OUTPUT_DIR/eval.log, so a killed run leaves it there) when that can
+  be created; otherwise (an object store, a directory that cannot be written: the run
+  will say so) a temporary file.
+  """
+
+  def __init__(self, path: Optional[str] = None):
     sys.stderr.flush()
     self._saved = os.dup(2)
-    fd, self.path = tempfile.mkstemp(prefix="o1jax-eval-", suffix=".log")
-    os.close(fd)
+    self.path = None
+    if path:
+      try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path, "wb").close()  # this run's log only
+        self.path = path
+      except OSError:
+        pass
+    if self.path is None:
+      fd, self.path = tempfile.mkstemp(prefix="o1jax-eval-", suffix=".log")
+      os.close(fd)
     with open(self.path, "ab") as log:  # O_APPEND: the processes' lines never overwrite each other
       os.dup2(log.fileno(), 2)
     self.console = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8",
@@ -316,7 +331,7 @@ class _LogFile:
     if not keep:
       os.remove(self.path)
       self.path = None
-    elif move_to:
+    elif move_to and self.path != move_to:
       try:
         shutil.move(self.path, move_to)
         self.path = move_to
@@ -353,11 +368,12 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # Beam's INFO chatter would drown the progress bar
-  log = None if verbose else _LogFile()  # first: importing Beam already logs
+  # The log goes next to the results in a local output directory (store.is_local's test:
+  # importing it would import Beam, which logs before the log is open).
+  remote = re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", output_dir) and not output_dir.startswith("file://")
+  local_log = None if remote else f"{output_dir.removeprefix('file://').rstrip('/')}/{LOG_NAME}"
+  log = None if verbose else _LogFile(local_log)  # before anything imports Beam, which logs
   console = log.console if log else sys.stderr
-  from pipelines.beam.store import is_local
-  # The log ends up next to the results (a local output directory that exists by then).
-  local_log = f"{output_dir.rstrip('/')}/{LOG_NAME}" if is_local(output_dir) else None
 
   def stop(signum: int):
     # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
