@@ -10,11 +10,16 @@ _ctypes gives pure Python arbitrary memory reads.
 Protocol on the status fd (the host trusts only this channel for setup):
   `ready\n` once the sandbox is built, then `exit <code>\n` or `signal <n>\n` for
   the worker, or `error <message>\n` if setup failed.
+
+The lifeline fd is the read end of a pipe whose write end only the host process
+holds: end of file there means the host is gone (killed with the job that runs
+it), and PID 1 exits at once, which ends every process of the sandbox.
 """
 import ctypes
 import os
 import signal
 import sys
+import threading
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -239,6 +244,23 @@ def parse_args(argv):
   return cfg
 
 
+def follow_host(lifeline_fd, worker_pid):
+  """Exits PID 1 (and with it the whole sandbox) when the host process is gone."""
+  while True:
+    try:
+      if not os.read(lifeline_fd, 64):
+        break
+    except InterruptedError:
+      continue
+    except OSError:
+      break
+  try:  # without a PID namespace (unsafe mode) the worker does not die with us
+    os.kill(worker_pid, signal.SIGKILL)
+  except OSError:
+    pass
+  os._exit(137)
+
+
 def main():
   cfg = parse_args(sys.argv[1:])
   status_fd = cfg['status_fd']
@@ -267,6 +289,7 @@ def main():
   if pid == 0:
     try:
       os.close(status_fd)
+      os.close(cfg['lifeline_fd'])
       for fd in (cfg['payload_fd'], cfg['result_fd']):
         os.set_inheritable(fd, True)
       signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -276,6 +299,7 @@ def main():
       os._exit(127)
   os.close(cfg['payload_fd'])
   os.close(cfg['result_fd'])
+  threading.Thread(target=follow_host, args=(cfg['lifeline_fd'], pid), daemon=True).start()
   while True:  # as PID 1 we also reap whatever the worker orphans
     child, status = os.waitpid(-1, 0)
     if child == pid:

