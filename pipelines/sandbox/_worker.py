@@ -46,10 +46,15 @@ _SPAWN_EVENTS = frozenset({
   'os.system', 'os.exec', 'os.posix_spawn', 'os.spawn', 'os.fork', 'os.forkpty',
   'subprocess.Popen', 'pty.spawn',
 })
+# Refused by name wherever they come from (a build may have some of them built in, where
+# no file whitelist applies): raw memory, C-API test hooks, subinterpreters (3.11-3.14
+# names), shared memory, remote debugging.
 _BLOCKED_MODULES = frozenset({
-  'ctypes', '_ctypes', '_testcapi', '_testinternalcapi', '_testbuffer',
-  '_testmultiphase', '_testsinglephase', '_testclinic', '_xxsubinterpreters',
-  '_xxinterpchannels', '_posixshmem',
+  'ctypes', '_ctypes', '_ctypes_test', '_cffi_backend', '_testcapi', '_testinternalcapi',
+  '_testlimitedcapi', '_testbuffer', '_testmultiphase', '_testsinglephase', '_testclinic',
+  '_testclinic_limited', '_testimportmultiple', '_testexternalinspection', '_xxtestfuzz',
+  '_xxsubinterpreters', '_xxinterpchannels', '_interpreters', '_interpchannels',
+  '_interpqueues', '_posixshmem', '_remote_debugging',
 })
 # Signal handlers receive the interrupted frame; subprocess needs the module, so it is
 # only allowed together with subprocesses (which weaken the guarantee anyway, see docs).
