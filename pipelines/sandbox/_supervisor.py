@@ -48,7 +48,6 @@ STATVFS_TO_MS = (
   (os.ST_RELATIME, MS_RELATIME),
 )
 PIVOT_ROOT_SYSCALL = {'x86_64': 155, 'aarch64': 41, 'riscv64': 41, 'ppc64le': 203, 's390x': 217}
-SYSTEM_TREES = ('/usr', '/bin', '/sbin', '/lib', '/lib32', '/lib64', '/libx32')
 DEVICES = ('null', 'zero', 'full', 'random', 'urandom')
 ETC_FILES = ('ld.so.cache', 'ld.so.conf', 'localtime')
 
@@ -116,7 +115,7 @@ def build_root(cfg):
   root = cfg['root']
   mount('tmpfs', root, 'tmpfs', MS_NOSUID | MS_NODEV, 'size=1m,mode=0755')
   bound = []
-  for tree in SYSTEM_TREES:
+  for tree in cfg['system_trees']:
     if os.path.islink(tree):
       os.symlink(os.readlink(tree), root + tree)
     elif os.path.isdir(tree):
@@ -235,7 +234,7 @@ def parse_args(argv):
   cfg = {}
   for item in argv:
     key, _, value = item.partition('=')
-    if key in ('ro_trees', 'hidden', 'masked', 'native_files'):
+    if key in ('system_trees', 'ro_trees', 'hidden', 'masked', 'native_files'):
       cfg[key] = [p for p in value.split('\n') if p]
     elif key in ('python', 'root', 'worker_src', 'native_dir'):
       cfg[key] = value

@@ -260,18 +260,9 @@ def _guard_builtin_modules(blocked_modules):
   _imp.create_builtin = create_builtin
 
 
-def _native_files(allowed_stems):
-  """{path: module name} of the allowed extension modules in the interpreter's own directory."""
-  suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
-  files = {}
-  for directory in sys.path:
-    if not directory.endswith('/lib-dynload') or not os.path.isdir(directory):
-      continue
-    for entry in os.listdir(directory):
-      stem = entry.partition('.')[0]
-      if stem in allowed_stems and any(entry == stem + suffix for suffix in suffixes):
-        files[directory + '/' + entry] = stem
-  return files
+def _native_files(paths):
+  """{path: module name} of the extension files the host allows (newline-separated)."""
+  return {path: path.rpartition('/')[2].partition('.')[0] for path in paths.split('\n') if path}
 
 
 def _assert_plain(value):
@@ -380,7 +371,7 @@ def main():
   if not allow_subprocesses:
     for name in ('signal', '_signal'):
       sys.modules.pop(name, None)
-  native_files = _native_files(frozenset(native.split()))
+  native_files = _native_files(native)
   _guard_builtin_modules(_blocked_modules(allow_subprocesses))
   # Later imports compile from source: loading .pyc needs marshal.loads, which is refused.
   sys.pycache_prefix = '/nonexistent-pycache'

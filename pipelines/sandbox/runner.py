@@ -56,7 +56,8 @@ _LAYOUT_QUERY = ('import importlib.machinery, sys\n'
                  'print(" ".join(importlib.machinery.EXTENSION_SUFFIXES))\n')
 # Directories that hold Python extension modules in the usual layouts.
 _EXTENSION_DIR_NAMES = ('site-packages', 'dist-packages', 'lib-dynload')
-_SYSTEM_TREES = ('/usr', '/bin', '/sbin', '/lib', '/lib32', '/lib64', '/libx32')  # see _supervisor
+# Bound read-only into every sandbox (with the interpreter's prefix); nothing else of the host.
+SYSTEM_TREES = ('/usr', '/bin', '/sbin', '/lib', '/lib32', '/lib64', '/libx32')
 _layout_cache: dict[tuple, tuple] = {}
 
 
@@ -101,7 +102,7 @@ def _native_layout(python: str, allowed: Sequence[str]) -> tuple[str, list[str],
       files = sorted(entry for entry in os.listdir(native_dir)
                      if entry.partition('.')[0] in stems
                      and any(entry == entry.partition('.')[0] + s for s in suffixes))
-    trees = list(_SYSTEM_TREES) + [prefix]
+    trees = list(SYSTEM_TREES) + [prefix]
     masked = [d for d in _extension_dirs(trees) if d != native_dir]
     _layout_cache[key] = (prefix, files, native_dir, masked)
   return _layout_cache[key]
@@ -169,6 +170,8 @@ class Sandbox:
     self._userns = os.geteuid() != 0
     prefix, self._native_files, self._native_dir, self._masked = _native_layout(
       self._python, self.config.allowed_native_modules())
+    # The worker's import policy admits exactly these files (the supervisor binds the same).
+    self._native_paths = '\n'.join(f'{self._native_dir}/{f}' for f in self._native_files)
     self._ro_trees = [prefix, os.path.dirname(self._python)]
     self._hidden = self._hidden_paths()
     self._cpus = _CpuLeases()
@@ -237,6 +240,7 @@ class Sandbox:
     uid = (1 << 28) + secrets.randbelow(1 << 24)
     settings = {
       'isolate': int(isolate), 'userns': int(isolate and self._userns), 'root': root,
+      'system_trees': '\n'.join(SYSTEM_TREES),
       'uid': uid, 'gid': uid, 'last_cap': self._last_cap, 'python': self._python,
       'ro_trees': '\n'.join(self._ro_trees), 'hidden': '\n'.join(self._hidden),
       'masked': '\n'.join(self._masked), 'native_dir': self._native_dir,
@@ -257,7 +261,7 @@ class Sandbox:
 
   def _execute(self, program: HumanEvalProgram | str, timeout_s: float,
                isolate: bool) -> ExecutionResult:
-    native = ' '.join(self.config.allowed_native_modules())
+    native = self._native_paths
     if isinstance(program, HumanEvalProgram):
       fields = ('humaneval', '1' if self.config.strict_return_types else '0', native,
                 program.prompt, program.completion, program.test, program.entry_point)

@@ -1,8 +1,7 @@
 """Adversarial battery: hostile completions must fail or time out and leave the host untouched.
 
-The battery runs once per module (in parallel, on the sandbox's own pool) against a
-small problem whose test mixes `==`, math.isclose and abs(), so that each cheat
-below would turn into a pass if the defence it targets were missing.
+The battery runs once per module (in parallel, on the sandbox's own pool) against the
+small problem of `add_problem.py`.
 """
 import json
 import os
@@ -10,26 +9,13 @@ import pathlib
 import secrets
 import socket
 import sys
-import textwrap
 import threading
 
 import pytest
 
-from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status
+from add_problem import RIGHT, WRONG, program
+from pipelines.sandbox import Sandbox, SandboxConfig, Status
 
-PROMPT = 'import math\n\n\ndef add(a, b):\n    """Return a + b."""\n'
-TEST = textwrap.dedent('''\
-  import math
-
-
-  def check(candidate):
-      assert candidate(2, 3) == 5
-      assert candidate(-1, 1) == 0
-      assert math.isclose(candidate(0.1, 0.2), 0.3)
-      assert abs(candidate(1.5, 1.5) - 3.0) < 1e-9
-''')
-RIGHT = '    return a + b\n'
-WRONG = '    return a - b\n'
 WRONG_ON_ISCLOSE = '    return int(a + b)\n'  # passes everything but the math.isclose line
 WRONG_ON_ABS = '    return a + b if a < 1 else 0\n'  # passes everything but the abs() line
 TIMEOUT_S = 1.5
@@ -37,10 +23,6 @@ PATIENT_TIMEOUT_S = 20.0
 SECRET_ENV = 'O1JAX_SANDBOX_TEST_SECRET'
 PROJECT_DIR = pathlib.Path(__file__).resolve().parents[3]
 SANDBOX_UIDS = range(1 << 28, (1 << 28) + (1 << 24))  # see Sandbox._command
-
-
-def program(body, module_code=''):
-  return HumanEvalProgram(PROMPT, body + textwrap.dedent(module_code), TEST, 'add')
 
 
 class _CountingServer:

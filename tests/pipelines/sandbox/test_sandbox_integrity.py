@@ -15,21 +15,8 @@ import textwrap
 
 import pytest
 
+from add_problem import PROMPT, RIGHT, TEST, WRONG, program
 from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status
-
-PROMPT = 'import math\n\n\ndef add(a, b):\n    """Return a + b."""\n'
-TEST = textwrap.dedent('''\
-  import math
-
-
-  def check(candidate):
-      assert candidate(2, 3) == 5
-      assert candidate(-1, 1) == 0
-      assert math.isclose(candidate(0.1, 0.2), 0.3)
-      assert abs(candidate(1.5, 1.5) - 3.0) < 1e-9
-''')
-RIGHT = '    return a + b\n'
-WRONG = '    return a - b\n'
 
 # A randomized test in the style of HumanEval/53: inputs come from the module-level
 # generator, so a candidate that could steer it would only need to be right there.
@@ -70,11 +57,6 @@ def _native(stem):
         raise FileNotFoundError(f'{stem} is absent')
     return os.path.join(_dynload, names[0])
 '''
-
-
-def program(body, module_code='', prompt=PROMPT, test=TEST, entry='add', helpers=()):
-  source = body + ''.join(helpers) + textwrap.dedent(module_code)
-  return HumanEvalProgram(prompt, source, test, entry)
 
 
 NATIVE_CASES = {
