@@ -32,7 +32,8 @@ compares two backends on the same weights, which is what it needs.
   python scripts/gpu_engine_check.py throughput [--layers 30] [--concurrency 1,64]
       [--new-tokens 128] [--backends pallas,reference] [--decode-steps 1,8] [--out F]
   python scripts/gpu_engine_check.py ablate [--concurrency 64] [--out F]
-  python scripts/gpu_engine_check.py hf [--concurrency 1,64,256] [--shape smollm2|llama3-8b] [--out F]
+  python scripts/gpu_engine_check.py hf [--concurrency 1,64,256] [--shape smollm2|llama3-8b]
+      [--out F]
 
 On a CPU, correctness with --interpret runs the kernels in Pallas interpret
 mode (slow; use --layers 1); throughput runs the reference path only.
@@ -228,7 +229,8 @@ def throughput(args) -> dict:
                "recompiled": sum(engine.trace_counts.values()) - programs}
         out["rows"].append(row)
         print(f"{label:15s} steps/call {steps} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
-              f"{row['ms_per_step']:.2f} ms per decode step (prefill included), warm-up {warm:.0f} s, "
+              f"{row['ms_per_step']:.2f} ms per decode step (prefill included), "
+              f"warm-up {warm:.0f} s, "
               f"{programs} programs", flush=True)
         del engine
   return out

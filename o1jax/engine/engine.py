@@ -211,6 +211,7 @@ class _Group:
     self.samples: list[_Seq | None] = [None] * params.n
     self.unfinished = params.n
     self.events: collections.deque[StreamEvent] | None = None
+    self.stop_ids: list[int] = []  # tokens that end a sample on the device (_make_group)
 
 
 class _Seq:
@@ -404,7 +405,11 @@ class Engine:
     rid = index if request.request_id is None else request.request_id
     key_id = rid if isinstance(rid, int) else zlib.crc32(str(rid).encode())
     metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
-    return _Group(index, rid, key_id, ids, params, metrics)
+    group = _Group(index, rid, key_id, ids, params, metrics)
+    # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+    group.stop_ids = sorted(stop) or [-1]
+    return group
 
   def add_request(self, request: Request | dict | str, index: int | None = None) -> _Group:
     """Validates and queues one request; returns its handle."""
@@ -677,7 +682,7 @@ class Engine:
     keys = np.zeros((rows, 2), np.uint32)
     temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
     top_k = np.zeros(rows, i32)
-    stop_lists = [self._stop_ids(s.group.params) for s in seqs]
+    stop_lists = [s.group.stop_ids for s in seqs]
     stop_ids = np.full((rows, pow2_bucket(max(map(len, stop_lists)), 8)), -1, i32)
     want_top = 0
     for i, s in enumerate(seqs):
@@ -726,13 +731,6 @@ class Engine:
     """Tokens `seq` may sample in a call of `iterations` steps: budget and context."""
     return max(1, min(iterations, seq.remaining_budget, self.max_context - len(seq.tokens)))
 
-  def _stop_ids(self, params: GenerationParams) -> list[int]:
-    """Tokens that end a sample on the device: eos (unless ignored) and stop ids."""
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-      ids |= self.eos_ids
-    return sorted(ids) or [-1]
-
   def _append(self, seq: _Seq, token: int, logprob: float, top_ids, top_lps, now: float) -> None:
     """Records a sampled token and finishes the sequence when a stop rule fires."""
     group, p = seq.group, seq.group.params
@@ -775,7 +773,6 @@ class Engine:
       hold = max((k for s in seq.group.params.stop for k in range(1, len(s))
                   if text.endswith(s[:k])), default=0)
       text = text[:len(text) - hold].rstrip("\ufffd")
-    text = text if len(text) >= seq.text_len else text[:seq.text_len]
     delta, seq.text_len = text[seq.text_len:], max(len(text), seq.text_len)
     seq.group.events.append(StreamEvent(sample=seq.sample, token_id=token, text=delta,
                                         logprob=logprob if token is not None else None,

@@ -5,9 +5,10 @@ Per request: TTFT = first token - arrival; TPOT = mean gap between consecutive
 tokens of a sample (over all samples); end-to-end = finish - arrival; and the
 emit timestamp of every token. The engine samples up to `decode_steps` tokens per
 device call; a token's timestamp is the call's start plus its step's share of
-the call's wall time (step j of a call that ran k steps: start + (j+1)/k of it). Aggregates: throughput, P50/P90/P95/P99, mean,
-coefficient of variation (population std / mean) and a fixed-bucket histogram
-per latency that adds up across workers.
+the call's wall time (step j of a call that ran k steps: start + (j+1)/k of it).
+Aggregates: throughput, P50/P90/P95/P99, mean, coefficient of variation
+(population std / mean) and a fixed-bucket histogram per latency that adds up
+across workers.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ class MetricsCollector:
         "preemptions": self.preemptions,
         "recomputed_tokens": sum(r.recomputed_tokens for r in self.requests),
         "decode_calls": self.decode_calls,
-        "decode_steps_per_call": self.decode_steps / self.decode_calls if self.decode_calls else 0.0,
+        "decode_steps_per_call": (self.decode_steps / self.decode_calls
+                                  if self.decode_calls else 0.0),
     }
     for name in LATENCY_NAMES:
       out[name] = summarize(getattr(r, name) for r in self.requests)

@@ -166,8 +166,9 @@ def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   out = (jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
          jnp.zeros((num_steps, rows, n), jnp.int32), jnp.zeros((num_steps, rows, n), jnp.float32))
   running = batch.active & (limits > 0)
-  carry = (jnp.int32(0), cache.pools_only(), running, jnp.zeros(rows, jnp.int32), batch.tokens.astype(jnp.int32),
-           batch.positions.astype(jnp.int32), batch.steps.astype(jnp.int32), out)
+  carry = (jnp.int32(0), cache.pools_only(), running, jnp.zeros(rows, jnp.int32),
+           batch.tokens.astype(jnp.int32), batch.positions.astype(jnp.int32),
+           batch.steps.astype(jnp.int32), out)
   iterations, cache, _, counts, _, _, _, out = jax.lax.while_loop(cond, body, carry)
   return LoopOutput(tokens=out[0], logprobs=out[1], top_ids=out[2], top_logprobs=out[3],
                     counts=counts, iterations=iterations), cache
