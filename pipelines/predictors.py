@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
+from pipelines.datasets.records import text_bytes
 from pipelines.policies import SamplingSpec
 
 
@@ -61,8 +62,7 @@ class WorkItem:
 
 
 def request_id_for(example_id: str, sample_index: int) -> int:
-  # surrogatepass: an id that is not valid Unicode still hashes (the same way every time)
-  digest = hashlib.sha256(f"{example_id}\x00{sample_index}".encode("utf-8", "surrogatepass")).digest()
+  digest = hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
   return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from o1jax import testing
 from o1jax.checkpoint import CheckpointError, check_checkpoint
+from o1jax.checkpoint.gguf_loader import load_gguf
 from o1jax.checkpoint.orbax_io import MANIFEST
 
 
@@ -62,10 +63,12 @@ def test_missing_random_and_truncated_files(tiny_gguf, tmp_path):
 
 
 def test_unsupported_architecture_in_header(tmp_path):
+  """The header check and the full load refuse it with the same message."""
   p = tmp_path / "arch.gguf"
   testing.write_gguf_checkpoint(p, testing.tiny_config(), architecture="gpt2")
-  with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported"):
-    check_checkpoint(p)
+  for read in (check_checkpoint, load_gguf):
+    with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported"):
+      read(p)
 
 
 def test_bad_hf_and_orbax_directories(tmp_path):

@@ -128,10 +128,3 @@ def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
   _write_raw(p, {"blk.0.attn_q.weight": (raw, Q.Q4_K)})
   with pytest.raises(CheckpointError, match=r"tensor 'blk.0.attn_q.weight' has type Q4_K"):
     read_tensors(p)
-
-
-def test_unsupported_architecture(tmp_path):
-  p = tmp_path / "arch.gguf"
-  testing.write_gguf_checkpoint(p, testing.tiny_config(), architecture="gpt2")
-  with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported"):
-    load_gguf(p)
