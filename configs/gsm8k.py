@@ -39,6 +39,7 @@ def get_config(arg: str = ""):
   config.sampling = common.sampling_section(max_new_tokens=32 if smoke else 48)
   config.policy = common.policy_section(variant["policy"], smoke=smoke)
   config.engine = common.engine_section(smoke)
+  config.budget = common.budget_section()
   config.controller = common.controller_section()
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke

@@ -80,7 +80,8 @@ class PredictorSpec:
   Attributes beyond the model: batch_size (the runner's; the engine's default
   slot count), engine (sorted items of the config's `engine` section), policy
   (sorted items of a controller policy's `{"name", **params}`; controller only),
-  controller (sorted items of the `controller` section: its KV cache; controller only).
+  controller (sorted items of the `controller` section: its KV cache; controller only),
+  budget (sorted items of the `budget` section: the latency-aware budget; engine and controller).
   """
   name: str = "generator"
   source: str = "embedded"
@@ -91,10 +92,11 @@ class PredictorSpec:
   engine: tuple[tuple[str, Any], ...] = ()
   policy: tuple[tuple[str, Any], ...] = ()
   controller: tuple[tuple[str, Any], ...] = ()
+  budget: tuple[tuple[str, Any], ...] = ()
 
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8, engine=None,
-                  policy=None, controller=None) -> "PredictorSpec":
+                  policy=None, controller=None, budget=None) -> "PredictorSpec":
     def items(section):
       if section is None:
         return ()
@@ -103,7 +105,14 @@ class PredictorSpec:
     return cls(name=name or model_cfg.predictor, source=model_cfg.source, backend=model_cfg.backend,
                matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
-               engine=items(engine), policy=items(policy), controller=items(controller))
+               engine=items(engine), policy=items(policy), controller=items(controller),
+               budget=items(budget))
+
+  def budget_loop(self):
+    """A live `BudgetLoop` when the budget section says adaptive, else None."""
+    from o1jax.engine.budget import BudgetConfig, BudgetLoop
+    config = BudgetConfig.from_dict(dict(self.budget))
+    return BudgetLoop(config) if config.mode == "adaptive" else None
 
 
 def _load_model(spec: PredictorSpec):
@@ -222,12 +231,13 @@ class EnginePredictor:
     # A model shared across worker processes is served by one process, one thread per
     # client: the engine's queues and donated cache must see one batch at a time.
     self._lock = threading.Lock()
+    self._queue = _QueuedItems(getattr(engine, "budget", None))
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "EnginePredictor":
     from o1jax.engine import Engine
     model, tokenizer = _load_model(spec)
-    return cls(Engine(model, tokenizer, engine_config(spec)))
+    return cls(Engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop()))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.engine import GenerationParams, Request
@@ -235,7 +245,9 @@ class EnginePredictor:
         temperature=i.sampling.temperature, top_p=i.sampling.top_p, top_k=i.sampling.top_k,
         max_new_tokens=i.sampling.max_new_tokens, stop=tuple(i.stop), seed=i.sampling.seed))
         for i in items]
+    self._queue.add(len(items))
     with self._lock:
+      self._queue.add(-len(items))
       results = self.engine.generate(requests)
     out = []
     for result in results:
@@ -246,11 +258,29 @@ class EnginePredictor:
       metrics = {"latency_ms": _ms(m.e2e), "ttft_ms": _ms(m.ttft),
                  "token_ms": [_ms(x) for x in token_s],
                  "prompt_tokens_computed": int(m.prompt_tokens_computed)}
+      if m.budget:  # the token limits it ran under, and why they changed
+        metrics["budget"] = m.budget
       out.append({"text": sample.text,
                   "tokens": {"prompt": len(result.prompt_token_ids), "completion": len(sample.token_ids)},
                   "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0, "trace": {},
                   "metrics": metrics})
     return out
+
+
+class _QueuedItems:
+  """Items of batches waiting for the shared model: the budget's `queued_outside` (its
+  load counts requests queued before the engine as well as those queued inside it)."""
+
+  def __init__(self, budget):
+    self.budget = budget
+    self.count = 0
+    self._lock = threading.Lock()
+
+  def add(self, n: int) -> None:
+    with self._lock:
+      self.count += n
+      if self.budget is not None:
+        self.budget.queued_outside = self.count
 
 
 def _ms(seconds) -> float | None:
@@ -276,6 +306,7 @@ class ControllerPredictor:
     self.controller = controller
     self.policy = dict(policy)
     self._lock = threading.Lock()  # one batch at a time, as for the engine
+    self._queue = _QueuedItems(getattr(controller, "budget", None))
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "ControllerPredictor":
@@ -290,13 +321,16 @@ class ControllerPredictor:
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
     decode_model = build_decode_model(model, dict(spec.controller),
                                       kv_dtype=str(engine.get("kv_dtype", "float32")))
-    return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1)), policy)
+    return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
+                          budget=spec.budget_loop()), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest
     requests = [ReasoningRequest(prompt=i.prompt, request_id=i.request_id, seed=i.sampling.seed)
                 for i in items]
+    self._queue.add(len(items))
     with self._lock:
+      self._queue.add(-len(items))
       results = self.controller.run(requests, self.policy)
     out = []
     for item, result in zip(items, results):
@@ -311,9 +345,11 @@ class ControllerPredictor:
                        "early_exit": result.early_exit, "loop_invocations": result.loop_invocations,
                        "exit_reasons": [t.exit_reason for t in result.traces],
                        "traces": [t.to_dict() for t in result.traces]})
+      metrics = {"latency_ms": _ms(result.wall_time_s)}
+      if result.info.get("budget"):  # the step limits it ran under, and why they changed
+        metrics["budget"] = result.info["budget"]
       out.append({"text": text, "tokens": tokens, "finish_reason": finish,
-                  "latency_s": result.wall_time_s, "trace": trace,
-                  "metrics": {"latency_ms": _ms(result.wall_time_s)}})
+                  "latency_s": result.wall_time_s, "trace": trace, "metrics": metrics})
     return out
 
 
@@ -389,6 +425,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   kv_dtype = dict(spec.engine).get("kv_dtype", "float32")
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
+  budget = dict(spec.budget)
+  if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing
+    fp["budget"] = budget
   cache = dict(spec.controller)
   if spec.name == "controller" and cache.get("cache", "contiguous") != "contiguous":
     # The paged cache's attention kernels add in another order (contiguous keeps old hashes);

@@ -17,7 +17,6 @@ Extending: a Verifier (verifiers.py, `register_verifier`), a host scorer
 """
 
 from o1jax.controller.answers import extract_number, majority_vote, weighted_vote
-from o1jax.controller.budget import AdaptiveBudget, allocate_budget
 from o1jax.controller.controller import Batch, Controller, LoopSettings
 from o1jax.controller.configs import build_decode_model, cache_config
 from o1jax.controller.decode_model import CachePlan, ContiguousLlama, DecodeModel
@@ -28,6 +27,7 @@ from o1jax.controller.policies import (POLICIES, Policy, build_policy, get_polic
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
                                       Trace)
 from o1jax.controller.state import Knobs, ReasoningState
+from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
 from o1jax.controller.verifiers import (SCORERS, VERIFIERS, GroupConfidence, LowestGroupConfidence,
                                         MeanLogprob, SelfVerify, StepStats, Verifier, get_verifier,
                                         register_scorer, register_verifier)

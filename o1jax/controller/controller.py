@@ -35,13 +35,13 @@ import numpy as np
 from o1jax.controller import state as S
 from o1jax.controller import answers
 from o1jax.controller.answers import extract_number
-from o1jax.controller.budget import AdaptiveBudget
 from o1jax.controller.decode_model import CachePlan, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
                                       Trace)
 from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
+from o1jax.engine.budget import BudgetLoop
 from o1jax.model.sampling import sequence_key
 from o1jax.model.shapes import pow2_bucket
 
@@ -116,8 +116,11 @@ class Controller:
     max_records: step records kept per trace.
     force_capacity / probe_capacity / pattern_capacity: array sizes of forced
       texts, probe texts and delimiter / prefix tokenizations.
-    iterations_per_call: loop iterations per invocation (0 = until done);
-      AdaptiveBudget re-plans between invocations.
+    iterations_per_call: loop iterations per invocation (0 = until done).
+    budget: a live latency-aware budget (engine/budget.py) applied to every
+      `generate` call: the step limit of running rows is re-evaluated on its
+      clock between loop calls (each call then lasts about its interval), and
+      it prunes traces when latency or KV use is over its limits.
     extract_answer: text -> answer string (GSM-style number by default).
     python_twin: run the debugging twin (one jitted `_step` per host call)
       instead of the while_loop; results must be identical.
@@ -128,8 +131,12 @@ class Controller:
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
                extract_answer: Callable[[str], Optional[str]] | None = None,
-               python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8):
+               python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
+               budget: BudgetLoop | None = None):
     self.model = model
+    self.budget = budget
+    # Budget decisions per request id while it ran, until `result` attaches them.
+    self._budget_log: dict[Any, list[dict]] = collections.defaultdict(list)
     self.tokenizer = tokenizer
     self.max_rows = max_rows
     self.top_k = top_k
@@ -168,7 +175,7 @@ class Controller:
 
   def generate(self, requests: Sequence[ReasoningRequest], settings: LoopSettings, n: int = 1, *,
                sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
-               budget: AdaptiveBudget | None = None,
+               budget: BudgetLoop | None = None,
                vote_floor: Sequence[float] | float | None = None,
                prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None,
                unstopped_samples: int = 0) -> Batch:
@@ -179,7 +186,8 @@ class Controller:
     the same call as the others). With settings.answer_vote:
     vote_floor (a finished row votes only with confidence >= it) and prior_votes
     (per request, (answer key or None, weight) of votes cast before this call,
-    e.g. DeepConf's warm-up traces) feed the consensus stop."""
+    e.g. DeepConf's warm-up traces) feed the consensus stop. budget: a live budget for
+    this call (default: the controller's)."""
     if n < 1:
       raise ValueError(f"n must be >= 1, got {n}")
     per_request = lambda x, fill: [fill] * len(requests) if x is None else (
@@ -189,8 +197,8 @@ class Controller:
     priors = [list(p) for p in prior_votes] if prior_votes is not None else [[]] * len(requests)
     if (vote_floor is not None or prior_votes is not None) and not settings.answer_vote:
       raise ValueError("vote_floor / prior_votes need settings.answer_vote=True")
-    return self._generate_slots(requests, settings, n, sample_offset, stops, budget, floors,
-                                priors, unstopped_samples)
+    return self._generate_slots(requests, settings, n, sample_offset, stops,
+                                budget or self.budget, floors, priors, unstopped_samples)
 
   def result(self, request: ReasoningRequest, policy: str, traces: list[Trace],
              chosen: Optional[int], answer: Optional[str], wall_time_s: float, invocations: int,
@@ -200,6 +208,8 @@ class Controller:
     for t in traces:
       tokens = tokens + t.tokens
     pick = traces[chosen] if chosen is not None else None
+    if request.request_id in self._budget_log:  # the step limits it ran under, and why
+      info = {**info, "budget": self._budget_log.pop(request.request_id)}
     return ReasoningResult(
         request_id=request.request_id, policy=policy, answer_text=pick.text if pick else "",
         answer=answer, traces=traces, chosen=chosen, tokens=tokens,
@@ -600,9 +610,6 @@ class Controller:
     per_slot = max([1] + [len(p) for p in prior_votes])
     state = self.empty_state(settings, n, slots, length,
                              self.cache_plan(settings, b, longest, slots), per_slot)
-    if budget is not None:
-      state = state.replace(knobs=state.knobs.replace(
-          max_steps=jnp.full_like(state.knobs.max_steps, budget.max_steps)))
     waiting = collections.deque(range(r))
     in_slot: dict[int, list] = {}  # slot -> [request index, admitted at, loop calls]
 
@@ -623,12 +630,17 @@ class Controller:
     wall = [0.0] * r
     calls_of = [0] * r
     loop_seconds = 0.0
+    per_call = self.iterations_per_call or NEVER
+    if budget is not None:  # the first call is short: the budget has nothing measured yet
+      per_call = min(per_call, 8)
     while in_slot:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
+      if budget is not None:
+        state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
       start_iter = int(state.iteration)
       state = state.replace(
-          stop_at=jnp.int32(min(start_iter + (self.iterations_per_call or NEVER), NEVER)),
+          stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
       t_call = time.perf_counter()
       state = run(self.model.params, state)
@@ -638,13 +650,11 @@ class Controller:
       loop_seconds += dt
       for entry in in_slot.values():
         entry[2] += 1
-      if budget is not None and not done.all():  # re-plan from this call's step latency
-        iters = max(1, int(state.iteration) - start_iter)
-        steps = np.maximum(np.asarray(state.step_index), 1)
-        per_step = np.asarray(state.think_tokens) / steps * dt / iters
-        new = budget.observe(per_step[~done], float((~done).mean()))
-        state = state.replace(knobs=state.knobs.replace(
-            max_steps=jnp.full_like(state.knobs.max_steps, new)))
+      if budget is not None:  # a loop call lasts about the budget's interval
+        ran = max(1, int(state.iteration) - start_iter)
+        budget.observe_step(dt / ran)
+        per_call = min(self.iterations_per_call or NEVER,
+                       max(1, int(budget.interval_s / max(dt / ran, 1e-6))))
       finished = [g for g in sorted(in_slot) if done[g * n:(g + 1) * n].all()]
       if finished:
         host = jax.device_get(state.replace(cache=None, knobs=None))
@@ -654,10 +664,45 @@ class Controller:
           traces[i] = [self._trace(host, g * n + j, sample_offset + j, settings)
                        for j in range(n)]
           wall[i], calls_of[i] = now - admitted, calls
+          if budget is not None:
+            budget.observe_request(wall[i])
         if waiting:
           state = fill(state, finished)
     return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
                  iterations=int(state.iteration), loop_seconds=loop_seconds)
+
+  def _apply_budget(self, budget: BudgetLoop, state: ReasoningState, n: int, live: np.ndarray,
+                    queued: int, requests, in_slot: dict) -> ReasoningState:
+    """Before a loop call: re-evaluates the budget (on its clock), gives every row its step
+    limit (a row past it answers at its next step boundary), logs the limit per request,
+    and when the budget says prune, stops the lowest-confidence running trace of every
+    slot with two or more running traces (exit "pruned"; it does not vote)."""
+    cache = state.cache
+    # Paged: the share of the block pool held. A contiguous cache is allocated whole up
+    # front, so pruning cannot relieve it: its use reads 0.
+    kv_use = (float(cache.blocks_in_use) / cache.blocks.num_blocks
+              if hasattr(cache, "blocks_in_use") else 0.0)
+    # Load against the controller's capacity (max_rows // n slots), not this call's slots.
+    decision = budget.tick(busy=int(live.sum()), queued=queued,
+                           slots=max(len(live), self.max_rows // n), kv_use=kv_use)
+    last = decision or (budget.decisions[-1] if budget.decisions else None)
+    for g, (i, admitted, _) in in_slot.items():
+      log = self._budget_log[requests[i].request_id]
+      if last is not None and (decision is not None or not log):
+        log.append(last.to_dict(since=admitted))
+    state = state.replace(knobs=state.knobs.replace(
+        max_steps=jnp.full_like(state.knobs.max_steps, budget.steps)))
+    if decision is None or not decision.prune or n < 2:
+      return state
+    phase = np.array(state.phase)
+    exit_reason = np.array(state.exit_reason)
+    conf = np.asarray(state.conf_sum) / np.maximum(np.asarray(state.conf_count), 1)
+    for g in in_slot:
+      rows = [g * n + j for j in range(n) if phase[g * n + j] != S.DONE]
+      if len(rows) >= 2:
+        weakest = min(rows, key=lambda row: (conf[row], -row))
+        phase[weakest], exit_reason[weakest] = S.DONE, S.EXIT_PRUNED
+    return state.replace(phase=jnp.asarray(phase), exit_reason=jnp.asarray(exit_reason))
 
   def _trace(self, h: ReasoningState, row: int, sample_index: int, settings: LoopSettings) -> Trace:
     dec = lambda ids: self.tokenizer.decode([int(i) for i in ids], skip_special=True)
@@ -686,7 +731,7 @@ class Controller:
     return Trace(
         sample_index=sample_index, token_ids=[int(x) for x in gen], text=text,
         thinking_text=dec(h.tokens[row, pl:a0]), answer_text=dec(h.tokens[row, a0:ln]),
-        answer=self.extract(text, settings), steps=steps,
+        answer=None if reason == "pruned" else self.extract(text, settings), steps=steps,
         tokens=TokenCounts(thinking=int(h.think_tokens[row]), answer=int(h.answer_tokens[row]),
                            prefix=int(h.prefix_tokens[row]), probe=int(h.probe_tokens[row]), discarded=int(h.discarded[row]),
                            waits=int(h.waits[row])),

@@ -151,7 +151,8 @@ class ReasoningLoop:
     done = phase == S.DONE
     voting = k.group >= 0
     voter = (voting & done & (exit_reason != S.EXIT_LOW_CONF)
-             & (exit_reason != S.EXIT_CONSENSUS) & (weight >= k.vote_floor))
+             & (exit_reason != S.EXIT_CONSENSUS) & (exit_reason != S.EXIT_PRUNED)
+             & (weight >= k.vote_floor))
     bound = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, jnp.inf)
     bound = jnp.where(voting & ~done & (bound >= k.vote_floor), bound, 0.0)
     q = k.prior_group.shape[0]

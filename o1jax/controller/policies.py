@@ -26,10 +26,10 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from o1jax.controller.answers import majority_vote, weighted_vote
-from o1jax.controller.budget import AdaptiveBudget, allocate_budget
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
 from o1jax.controller.verifiers import SCORERS, get_verifier
+from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +281,9 @@ class ThinkVerifyBacktrack(Policy):
   `max_backtracks` per trace; exit early once the answer confidence (max
   next-token probability after the answer prefix) reaches `exit_tau`.
   Steps: `max_steps`, or allocate_budget(latency_slo_s, load) when
-  max_steps = 0; `adaptive` re-plans it between loop invocations."""
+  max_steps = 0; `adaptive` runs a live budget with this SLO instead
+  (o1jax/engine/budget.py: re-evaluated on a wall clock between loop calls
+  from the measured load and latency), unless the controller has its own."""
 
   name: ClassVar[str] = "think_verify_backtrack"
   verifier: str = "self_verify"
@@ -303,11 +305,12 @@ class ThinkVerifyBacktrack(Policy):
                        max_step_backtracks=self.max_step_backtracks,
                        max_backtracks=self.max_backtracks, temp_bump=self.temp_bump,
                        exit_tau=self.exit_tau, answer_probe=self.exit_tau <= 1.0, max_steps=steps)
-    budget = AdaptiveBudget(self.latency_slo_s, self.load) if self.adaptive else None
+    # adaptive: a live budget with this SLO for the call, unless the controller has one.
+    budget = (BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=self.latency_slo_s))
+              if self.adaptive and ctl.budget is None else None)
     batch = ctl.generate(requests, st, 1, budget=budget)
     return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
-                       batch.wall_time_s[i], batch.invocations[i], max_steps=steps,
-                       budget_history=list(budget.history) if budget else [])
+                       batch.wall_time_s[i], batch.invocations[i], max_steps=steps)
             for i, r in enumerate(requests)]
 
 

@@ -40,10 +40,11 @@ ACTION_NAMES = ("continue", "backtrack", "answer_steps", "early_exit", "model_an
                 "think_budget", "wait", "low_conf_stop", "end", "consensus_stop")
 
 # Why a sequence finished (exit_reason).
+# EXIT_PRUNED: stopped from the host by the latency-aware budget (engine/budget.py).
 (RUNNING, EXIT_EOS, EXIT_ANSWER_EOS, EXIT_ANSWER_BUDGET, EXIT_LOW_CONF, EXIT_LENGTH,
- EXIT_CONSENSUS) = range(7)
+ EXIT_CONSENSUS, EXIT_PRUNED) = range(8)
 EXIT_NAMES = ("running", "eos", "answer_eos", "answer_budget", "low_confidence", "length",
-              "consensus")
+              "consensus", "pruned")
 
 
 

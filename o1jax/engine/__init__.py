@@ -1,6 +1,8 @@
 """Serving engine: paged KV cache, continuous batching, chunked prefill, metrics."""
 
 from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
+from o1jax.engine.budget import (BudgetConfig, BudgetLoop, Decision, LatencyWindow,
+                                 allocate_budget, measured_load, token_limit)
 from o1jax.engine.engine import (Engine, EngineConfig, GenerationParams, Request, RequestResult,
                                  SampleResult, StreamEvent)
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks, fork_rows,

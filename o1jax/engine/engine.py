@@ -47,6 +47,7 @@ from flax import nnx
 
 from o1jax.engine import steps
 from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
+from o1jax.engine.budget import BudgetLoop, token_limit
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
 from o1jax.model.sampling import sequence_key
@@ -78,6 +79,9 @@ class EngineConfig:
   decode_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
   # Decode steps per device call (see the module doc); 1 = a host round trip per token.
   decode_steps: int = 8
+  # Admission order. shortest_budget = priority by remaining steps: the waiting request
+  # with the fewest tokens left to its limit gets a slot first, and under memory pressure
+  # the running one with the most left is preempted first.
   policy: str = "fifo"  # "fifo" | "shortest_budget" | "length_groups"
   prefix_caching: bool = True
   max_top_logprobs: int = 20
@@ -212,6 +216,7 @@ class _Group:
     self.unfinished = params.n
     self.events: collections.deque[StreamEvent] | None = None
     self.stop_ids: list[int] = []  # tokens that end a sample on the device (_make_group)
+    self.limit = params.max_new_tokens  # tokens per sample: max_new_tokens, or the budget's
 
 
 class _Seq:
@@ -244,7 +249,7 @@ class _Seq:
 
   @property
   def remaining_budget(self) -> int:
-    return self.group.params.max_new_tokens - len(self.generated)
+    return self.group.limit - len(self.generated)
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -254,10 +259,13 @@ class Engine:
   """Offline batch generation, streaming, and the jitted pieces for the controller."""
 
   def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter, budget: BudgetLoop | None = None):
     self.model = model
     self.tokenizer = tokenizer
     self.config = config
+    # The latency-aware budget (engine/budget.py): it scales every request's token
+    # limit, re-evaluated on its clock between device calls. None: max_new_tokens.
+    self.budget = budget
     self.model_config = mc = model.config
     self.clock = clock
     self.max_context = min(config.max_context or mc.max_context, mc.max_context)
@@ -409,6 +417,8 @@ class Engine:
     # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
     group.stop_ids = sorted(stop) or [-1]
+    if self.budget is not None:
+      self._set_limit(group, self.budget.steps, "budget at arrival")
     return group
 
   def add_request(self, request: Request | dict | str, index: int | None = None) -> _Group:
@@ -434,7 +444,7 @@ class Engine:
       self._waiting.append(_Seq(g, 0, list(g.prompt_ids), self._arrivals, g.params.n))
       self._arrivals += 1
     self.run_until_idle()
-    return [self._result(g) for g in groups]
+    return [self.result(g) for g in groups]
 
   def stream(self, request: Request | dict | str) -> Iterator[StreamEvent]:
     """Yields one StreamEvent per generated token (all samples), as they come.
@@ -461,11 +471,40 @@ class Engine:
   def step(self) -> None:
     """One scheduler iteration: admit, one prefill chunk, one decode step (see module doc)."""
     t0 = self.clock()
+    self._apply_budget()
     self._admit()
     self._prefill_once()
     self._decode_once()
     self.metrics.busy_seconds += self.clock() - t0
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
+
+  def _apply_budget(self) -> None:
+    """Re-evaluates the budget (on its clock) and applies it to every unfinished request:
+    a running sample at or past its new limit stops now ("length")."""
+    if self.budget is None:
+      return
+    queued = sum(s.fork_n for s in self._waiting)
+    decision = self.budget.tick(busy=self._slots_in_use(), queued=queued,
+                                slots=self.config.max_slots,
+                                kv_use=self.allocator.num_used / self.num_blocks)
+    if decision is None:
+      return
+    for group in {id(s.group): s.group for s in self._waiting + self._prefilling + self._running
+                  }.values():
+      self._set_limit(group, decision.steps, decision.why)
+    for seq in list(self._running):
+      if seq.remaining_budget <= 0:
+        if seq.group.events is not None:
+          self._emit(seq, None, 0.0, "length")
+        self._finish(seq, "length")
+
+  def _set_limit(self, group: _Group, steps: int, why: str) -> None:
+    limit = token_limit(group.params.max_new_tokens, steps)
+    if group.metrics.budget and limit == group.limit:
+      return
+    group.limit = limit
+    group.metrics.budget.append({"at_ms": round((self.clock() - group.metrics.arrival) * 1e3, 1),
+                                 "steps": steps, "tokens": limit, "why": why})
 
   def _slots_in_use(self) -> int:
     return len(self._running) + sum(s.fork_n for s in self._prefilling)
@@ -559,10 +598,17 @@ class Engine:
       try:
         return self.allocator.allocate()
       except OutOfBlocks:
-        victim = max(self._running + self._prefilling, key=lambda s: s.arrival)
+        victim = max(self._running + self._prefilling, key=self._preemption_rank)
         self._preempt(victim)
         if victim is seq:
           return None
+
+  def _preemption_rank(self, seq: _Seq):
+    """Higher = preempted first: the latest arrival, or under shortest_budget the most
+    remaining steps (then the latest arrival)."""
+    if self.config.policy == "shortest_budget":
+      return (seq.remaining_budget, seq.arrival)
+    return (seq.arrival,)
 
   def _ensure_blocks(self, seq: _Seq, upto: int, copies: list[tuple[int, int]]) -> bool:
     """Blocks for positions [n_computed, upto) owned by `seq` alone (copy-on-write
@@ -707,6 +753,8 @@ class Engine:
     end = self.clock()
     # Per-token times: the call's wall time spread evenly over the steps it ran.
     ran = max(int(out.iterations), 1)
+    if self.budget is not None:
+      self.budget.observe_step((end - start) / ran)
     self.metrics.decode_calls += 1
     self.metrics.decode_steps += ran
     times = [start + (end - start) * (j + 1) / ran for j in range(ran)]
@@ -749,7 +797,7 @@ class Engine:
                                                            top_lps[:p.top_logprobs])])
       if p.stop and self._hits_stop(seq):
         reason = "stop"
-      elif len(seq.generated) >= p.max_new_tokens or len(seq.tokens) >= self.max_context:
+      elif len(seq.generated) >= group.limit or len(seq.tokens) >= self.max_context:
         reason = "length"
     if group.events is not None:
       self._emit(seq, token if appended else None, logprob, reason)
@@ -788,8 +836,13 @@ class Engine:
     if group.unfinished == 0:
       group.metrics.finish = self.clock()
       self.metrics.add_request(group.metrics)
+      if self.budget is not None:
+        self.budget.observe_request(group.metrics.e2e)
 
-  def _result(self, group: _Group) -> RequestResult:
+  def result(self, group: _Group) -> RequestResult:
+    """The result of a finished request queued with `add_request` (the engine forgets it)."""
+    if group.unfinished:
+      raise ValueError(f"request {group.request_id!r} has {group.unfinished} unfinished samples")
     self._groups.remove(group)
     p = group.params
     samples = [SampleResult(index=s.sample, text=self._text(s), token_ids=list(s.generated),

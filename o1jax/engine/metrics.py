@@ -36,6 +36,8 @@ class RequestMetrics:
   first_token: float | None = None
   finish: float | None = None
   token_times: list[list[float]] = dataclasses.field(default_factory=list)  # [sample][token]
+  # Token limits it ran under (a latency-aware budget): {"at_ms", "steps", "tokens", "why"}.
+  budget: list[dict] = dataclasses.field(default_factory=list)
 
   def record_token(self, sample: int, now: float) -> None:
     while len(self.token_times) <= sample:

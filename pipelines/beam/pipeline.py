@@ -100,10 +100,14 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   if policy.controller:  # its cache section, checked now rather than in a worker
     from o1jax.controller.configs import check_cache_config
     controller = check_cache_config(config.get("controller") or {})
+  budget = config.get("budget")
+  if budget is not None:  # checked now rather than in a worker
+    from o1jax.engine.budget import BudgetConfig
+    BudgetConfig.from_dict(budget.to_dict() if hasattr(budget, "to_dict") else budget)
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
-      controller=controller)
+      controller=controller, budget=budget)
   return EvalPlan(task=build_task(config), policy=policy, sampling=sampling, predictor=spec,
                   model_fp=model_fingerprint(spec), output_dir=output_dir,
                   batch_size=int(config.runner.batch_size), share_model=bool(config.runner.share_model))

@@ -107,6 +107,39 @@ def test_controller_policy_records_traces_token_kinds_and_report(tiny, tmp_path)
   assert _stable(_records(tmp_path / "sc1")) == _stable(records)
 
 
+@pytest.mark.parametrize("policy", ["greedy", "self_consistency"])
+def test_adaptive_budget_changes_limits_during_a_run_and_records_them(tiny, tmp_path, policy):
+  """3 examples in batches of 2 on 2 slots, SLO 0.5 s, interval 1 ms: the first batch runs
+  at the measured load of a full batch (2 of 2 slots: 64 / 1.25 -> 51 steps), the last
+  one alone (1 of 2: 64 / 0.625 -> 102 steps, less if the first batch's P95 latency,
+  compilation included, exceeded the SLO). Every record carries the limits it ran under
+  and why; a live budget enters the content hash."""
+  if policy == "greedy":
+    fixed = _config(tiny, policy=policy, batch=2)
+    fixed.sampling.max_new_tokens = 16
+    run(fixed, str(tmp_path / "fixed"), progress=False, report=False)
+  adaptive = _config(tiny, policy=policy, batch=2)
+  adaptive.sampling.max_new_tokens = 16
+  adaptive.budget.update(mode="adaptive", latency_slo_s=0.5, interval_ms=1.0)
+  run(adaptive, str(tmp_path / "adaptive"), progress=False, report=False)
+  records = _records(tmp_path / "adaptive")
+  if policy == "greedy":
+    assert {r["key"] for r in records}.isdisjoint(r["key"] for r in _records(tmp_path / "fixed"))
+  first = min(r["timing"]["start_ms"] for r in records)
+  batches = ([r for r in records if r["timing"]["start_ms"] == first],
+             [r for r in records if r["timing"]["start_ms"] != first])
+  assert [len(b) for b in batches] == [2, 1]
+  for r in batches[0]:
+    entries = r["timing"]["budget"]
+    assert any(e["why"] == "load 1.00" and e["steps"] == 51 for e in entries)
+  last = batches[1][0]["timing"]["budget"]
+  assert any(e["why"].startswith("load 0.50") for e in last)
+  if policy == "greedy":  # a plain request's token limit: ceil(16 * steps / 128), kept to
+    for r in records:
+      assert r["tokens"]["completion"] <= r["timing"]["budget"][-1]["tokens"]
+    assert batches[0][0]["timing"]["budget"][-1]["tokens"] == 7
+
+
 def test_policy_registry_and_config_errors():
   sc = gsm8k_config.get_config("policy=deepconf,smoke=True")
   assert sc.policy.name == "deepconf" and sc.policy.n == 2 and sc.policy.warmup == 1

@@ -116,3 +116,55 @@ def test_bench_policies_paired_interval():
   b = np.zeros(100, bool)
   lo, hi = bp.paired_interval(a, b, 2000, 0)
   assert 3.0 < lo < 10.0 < hi < 17.0  # around +10 points, all above 0
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  """A tiny random GGUF with room for the GSM prompts (byte tokens)."""
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  path = tmp_path_factory.mktemp("tiny_scripts") / "tiny.gguf"
+  write_gguf_checkpoint(path, tiny_config(max_context=2048), seed=0)
+  return str(path)
+
+
+TINY_NUMERICS = ["--matmul-dtype", "float32", "--kv-dtype", "float32"]
+
+
+def test_bench_budget_runs_every_variant_on_the_same_arrivals(tiny_gguf, tmp_path):
+  out = load("bench_budget").main(["--source", tiny_gguf, "--requests", "4", "--loads", "1.0",
+                                   "--slots", "2", "--max-new-tokens", "8", "--slo", "0.01",
+                                   "--interval-ms", "1", "--json", str(tmp_path / "b.json"),
+                                   *TINY_NUMERICS])
+  runs = out["runs"]
+  assert [(r["mode"], r["policy"]) for r in runs] == [
+      ("fixed", "fifo"), ("fixed", "shortest_budget"), ("adaptive", "fifo"),
+      ("adaptive", "shortest_budget")]
+  for r in runs:
+    lat = r["latency_s"]
+    assert 0 < lat["p5"] <= lat["p50"] <= lat["p95"] <= lat["p99"]
+    assert r["variation"] == pytest.approx((lat["p95"] - lat["p5"]) / 2 / lat["p50"])
+    assert len(r["correct"]) == 4 and r["delta_accuracy"][1] >= 0
+  fixed, adaptive = runs[0], runs[2]
+  assert not fixed["budget"] and adaptive["budget"]
+  # SLO 10 ms: nothing meets it, so the adaptive budget falls to its floor (16 steps: a
+  # token limit of ceil(8 * 16 / 128) = 1) once requests have finished.
+  assert min(s for _, s in adaptive["budget"]) == 16
+  assert adaptive["tokens"] < fixed["tokens"] == 8
+  assert json.loads((tmp_path / "b.json").read_text())["slo_s"] == 0.01
+
+
+def test_study_scripts_run_at_toy_size(tiny_gguf, tmp_path):
+  temps = load("study_temperature").main(
+      ["--source", tiny_gguf, "--problems", "3", "--temperatures", "0.3,1.2",
+       "--max-new-tokens", "6", "--long", "4", "--slots", "4", *TINY_NUMERICS])
+  for row in temps["rows"]:
+    assert len(row["lengths"]) == 3 and max(row["lengths"]) <= 6
+    assert row["long_share"] == np.mean(np.asarray(row["lengths"]) > 4)
+  batches = load("study_batch_latency").main(
+      ["--source", tiny_gguf, "--batches", "1,2", "--new-tokens", "4", *TINY_NUMERICS,
+       "--png", str(tmp_path / "b.png")])
+  assert [r["batch"] for r in batches["rows"]] == [1, 2]
+  assert [r["decode_batch"] for r in batches["rows"]] == [1, 8]  # the engine's buckets
+  assert batches["peak_read_gb_s"] > 0 and (tmp_path / "b.png").stat().st_size > 0
+  r = batches["rows"][1]
+  assert r["bytes_per_step"] > batches["weight_bytes"] and r["gb_s"] > 0

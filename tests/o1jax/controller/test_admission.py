@@ -135,16 +135,46 @@ def test_paged_pool_is_sized_for_the_slots_not_the_requests(llama_models):
 
 
 def test_adaptive_budget_keeps_replanning_while_requests_stream():
-  """iterations_per_call with admission: the step budget is re-planned after every
-  call (also the calls that free a slot), and every request still finishes."""
+  """A live budget with admission: re-evaluated on its clock (here a fake one that
+  passes the 200 ms interval at every reading) between loop calls, the calls that
+  free a slot too; every request still finishes and carries the limits it ran under."""
+  import itertools
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
   model, tok = _random_mock(3), MockTokenizer(VOCAB)
   requests = [ReasoningRequest(prompt=p, request_id=i, seed=4) for i, p in enumerate(MOCK_PROMPTS)]
-  policy = get_policy("think_verify_backtrack", verifier="mean_logprob", adaptive=True,
+  policy = get_policy("think_verify_backtrack", verifier="mean_logprob",
                       max_thinking_tokens=30, step_delimiter="\n\n", step_max_tokens=6,
                       exit_tau=2.0)
-  results = Controller(model, tok, max_rows=2, iterations_per_call=3).run(requests, policy)
+  clock = itertools.count(0.0, 0.25).__next__
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5), clock=clock)
+  results = Controller(model, tok, max_rows=2, budget=budget).run(requests, policy)
   assert len(results) == len(requests) and all(r.traces[0].tokens.generated > 0 for r in results)
   assert max(r.loop_invocations for r in results) > 1  # the budget had calls to act between
-  history = results[0].info["budget_history"]
-  assert len(history) > len(requests)  # re-planned throughout, not once per request
-  assert {h["busy_share"] for h in history} == {0.5, 1.0}  # one or both slots busy
+  assert len(budget.decisions) > len(requests)  # re-planned throughout, not once per request
+  # Measured load: 7 requests on 2 slots start at (2 busy + 5 queued) / 2 = 3.5; each
+  # admission takes one off the queue (-0.5) until both slots hold the last two (1.0).
+  loads = [d.load for d in budget.decisions]
+  assert loads[0] == 3.5 and loads == sorted(loads, reverse=True)
+  assert {1.0, 1.5, 2.0, 2.5, 3.0} <= set(loads) and min(loads) <= 1.0
+  for r in results:
+    assert r.info["budget"] and all(entry["steps"] >= 16 for entry in r.info["budget"])
+
+
+def test_budget_over_slo_prunes_the_weakest_running_trace():
+  """An SLO no request can meet (1 us): once a request has finished, every decision
+  prunes the lowest-confidence running trace of each request with two or more running.
+  A pruned trace stops where it is, does not vote (answer None), and every request
+  keeps at least one trace that ran to its own end."""
+  import itertools
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  model, tok = _random_mock(1), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt=p, request_id=50 + i, seed=2)
+              for i, p in enumerate(MOCK_PROMPTS[:4])]
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=1e-6, interval_ms=50),
+                      clock=itertools.count().__next__)  # 1 s per reading: always due
+  batch = Controller(model, tok, max_rows=8, budget=budget).generate(requests, SAMPLED, 4)
+  assert not budget.decisions[0].prune and budget.decisions[-1].prune
+  pruned = [t for ts in batch.traces for t in ts if t.exit_reason == "pruned"]
+  assert pruned and all(t.answer is None for t in pruned)
+  for ts in batch.traces:
+    assert any(t.exit_reason != "pruned" for t in ts)

@@ -6,38 +6,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from o1jax.controller import (AdaptiveBudget, POLICIES, ReasoningRequest, allocate_budget,
-                              build_policy, configs, extract_number, get_policy, majority_vote,
+from o1jax.controller import (POLICIES, ReasoningRequest, build_policy, configs, extract_number, get_policy, majority_vote,
                               weighted_vote)
 from tests.o1jax.controller.conftest import ID, VOCAB, MockWorld
 
 POLICY_NAMES = ["greedy_cot", "self_consistency", "best_of_n", "deepconf",
                 "think_verify_backtrack", "budget_forcing"]
-
-
-@pytest.mark.parametrize("slo, load, steps", [
-    (0.5, 0.8, 64),  # base
-    (0.25, 0.8, 32),  # half the SLO
-    (1.0, 0.8, 128),  # 64 * 2 = 128 (the upper clamp exactly)
-    (1.0, 0.4, 128),  # 64 * 2 / 0.5 = 256 -> 128
-    (0.5, 3.2, 32),  # load factor clamps at 2: 64 / 2
-    (0.5, 0.2, 128),  # load factor clamps at 0.5: 64 / 0.5
-    (0.5, 1.2, 43),  # 64 / 1.5 = 42.67 -> 43
-    (0.1, 0.8, 16),  # 12.8 -> 16 (lower clamp)
-    (0.3, 1.0, 31),  # 64 * 0.6 / 1.25 = 30.72 -> 31
-])
-def test_allocate_budget_table(slo, load, steps):
-  assert allocate_budget(slo, load) == steps
-
-
-def test_adaptive_budget_recomputes_from_p95_and_load():
-  b = AdaptiveBudget(latency_slo_s=2.0, initial_load=0.8)
-  assert b.max_steps == 128  # 64 * 4 -> clamped
-  # P95 of 100 latencies 0.01 .. 1.00 s is 0.9505 s; busy share 0.8 -> factor 1: 2 / 0.9505 = 2.1 -> 16.
-  assert b.observe(np.arange(1, 101) / 100, 0.8) == 16
-  # 0.05 s per step, load 1.6 (factor 2): 2 / 0.05 / 2 = 20.
-  assert b.observe([0.05] * 10, 1.6) == 20
-  assert [h["max_steps"] for h in b.history] == [16, 20]
 
 
 def test_extract_and_vote():

@@ -1,0 +1,168 @@
+"""The latency-aware budget: the reference formula, the live loop on a fake clock, and the
+engine applying it to running requests (and priority by remaining steps)."""
+
+import itertools
+
+import pytest
+
+from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+from o1jax.engine.budget import (BudgetConfig, BudgetLoop, LatencyWindow, allocate_budget,
+                                 measured_load, token_limit)
+
+
+@pytest.mark.parametrize("slo, load, steps", [
+    (0.5, 0.8, 64),  # base
+    (0.3, 1.0, 30),  # 64 * 0.6 / 1.25 = 30.72 -> 30 (truncated, as the reference does)
+    (0.5, 1.2, 42),  # 64 / 1.5 = 42.67 -> 42
+    (0.25, 0.8, 32),  # half the SLO
+    (1.0, 0.8, 128),  # 64 * 2 = 128 (the upper clamp exactly)
+    (1.0, 0.4, 128),  # 64 * 2 / 0.5 = 256 -> 128
+    (0.5, 3.2, 32),  # the load factor clamps at 2: 64 / 2
+    (0.5, 0.2, 128),  # the load factor clamps at 0.5: 64 / 0.5
+    (0.1, 0.8, 16),  # 12.8 -> 12 -> 16 (lower clamp)
+    (0.26, 0.8, 33),  # 33.28 -> 33
+])
+def test_allocate_budget_is_the_reference_formula(slo, load, steps):
+  assert allocate_budget(slo, load) == steps
+  reference = max(16, min(128, int(64 * (slo / 0.5) / min(max(load / 0.8, 0.5), 2.0))))
+  assert allocate_budget(slo, load) == reference
+
+
+@pytest.mark.parametrize("slo, load", [(0, 0.8), (-1, 0.8), (0.5, -0.1), (float("nan"), 0.8)])
+def test_allocate_budget_rejects_bad_input(slo, load):
+  with pytest.raises(ValueError):
+    allocate_budget(slo, load)
+
+
+def test_token_limit_and_measured_load():
+  assert token_limit(200, 128) == 200  # the largest budget runs the configured limit
+  assert token_limit(200, 64) == 100 and token_limit(200, 16) == 25
+  assert token_limit(200, 51) == 80  # ceil(79.69)
+  assert token_limit(3, 16) == 1  # ceil(0.375)
+  assert measured_load(busy_slots=6, queued=0, slots=8) == 0.75
+  assert measured_load(busy_slots=8, queued=4, slots=8) == 1.5
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("mode", "live", "budget.mode='live': valid modes are"),
+    ("latency_slo_s", 0.0, "budget.latency_slo_s"),
+    ("interval_ms", 0, "budget.interval_ms"),
+    ("window", 0, "budget.window"),
+    ("kv_limit", 1.5, "budget.kv_limit"),
+])
+def test_budget_config_errors_name_the_field(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    BudgetConfig(**{field: value})
+  with pytest.raises(ValueError, match=r"budget section has no keys \['slo'\]"):
+    BudgetConfig.from_dict({"slo": 1.0})
+
+
+def test_latency_window_keeps_the_last_values():
+  w = LatencyWindow(4)
+  assert w.p95() is None
+  for x in [10.0, 1.0, 2.0, 3.0, 4.0, float("nan"), -1.0]:  # nan / negative are ignored
+    w.add(x)
+  assert list(w.values) == [1.0, 2.0, 3.0, 4.0]
+  assert w.p95() == pytest.approx(3.85)  # numpy's linear interpolation: 3 + 0.85 * (4 - 3)
+
+
+def test_budget_loop_decides_on_its_clock_from_a_latency_and_load_trace():
+  """A fake clock read once per tick: 0, 0.125, 0.25, ... s (exact in binary); interval 250 ms."""
+  clock = itertools.count(0.0, 0.125)
+  loop = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5, interval_ms=250, window=3),
+                    clock=clock.__next__)
+  assert loop.steps == 64  # before any decision: the nominal load
+  d = loop.tick(busy=8, queued=0, slots=8)  # t=0: the first tick always decides
+  assert (d.steps, d.load, d.prune, d.why) == (51, 1.0, False, "load 1.00")  # 64 / 1.25 = 51.2
+  assert loop.tick(busy=8, queued=8, slots=8) is None  # t=0.125: inside the interval
+  d = loop.tick(busy=8, queued=8, slots=8)  # t=0.25: load 2 -> factor 2 (clamped): 32
+  assert (d.steps, d.load) == (32, 2.0)
+  # Requests of 0.4, 0.6, 1.0 s: P95 = 0.96 s > SLO 0.5 s -> shrink by 0.5 / 0.96, and prune.
+  for seconds in (0.4, 0.6, 1.0):
+    loop.observe_request(seconds)
+  assert loop.tick(busy=4, queued=0, slots=8) is None  # t=0.375
+  d = loop.tick(busy=4, queued=0, slots=8)  # t=0.5: load 0.5 -> 64 / 0.625 = 102.4 -> 102
+  assert d.steps == int(102 * 0.5 / 0.96) == 53 and d.prune
+  assert d.why == "load 0.50, P95 0.960 s > SLO 0.5 s"
+  # Fast requests push the slow ones out of the window (3): P95 under the SLO again.
+  for seconds in (0.1, 0.1, 0.1):
+    loop.observe_request(seconds)
+  loop.tick(busy=4, queued=0, slots=8)  # t=0.625
+  d = loop.tick(busy=4, queued=0, slots=8, kv_use=0.9)  # t=0.75: KV above 85% alone prunes
+  assert (d.steps, d.prune, d.why) == (102, True, "load 0.50, KV 90% > 85%")
+  assert loop.steps == 102 and [x.steps for x in loop.decisions] == [51, 32, 53, 102]
+  record = d.to_dict(since=0.5)
+  assert record["at_ms"] == 250.0 and record["p95_request_ms"] == 100.0 and record["prune"]
+
+
+def _fake_clock(step_s=0.01):
+  ticks = itertools.count()
+  return lambda: next(ticks) * step_s
+
+
+def test_engine_applies_the_budget_to_running_requests(tiny, make_prompts):
+  """8 greedy requests on 4 slots under a live budget (fake clock: every reading 10 ms
+  later; interval 20 ms). At the start 4 run and 4 wait: load (4 + 4) / 4 = 2 -> 32 steps
+  -> ceil(40 * 32 / 128) = 10 tokens. When the queue has drained the load falls and the
+  limits rise. Every output is a prefix of the same request run without a budget (the
+  budget only stops requests), and its length is the last limit it ran under."""
+  prompts = make_prompts(8, seed=11, low=4, high=12)
+  params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+  config = EngineConfig(max_slots=4, num_blocks=128, decode_steps=4)
+  free = Engine(tiny.model, tiny.tokenizer, config).generate([Request(p, params) for p in prompts])
+  clock = _fake_clock()
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5, interval_ms=20),
+                      clock=clock)
+  engine = Engine(tiny.model, tiny.tokenizer, config, clock=clock, budget=budget)
+  got = engine.generate([Request(p, params) for p in prompts])
+  # 4 running + 4 queued: load 2 -> 32 steps; once the first 4 finish, the last 4 run
+  # with nothing queued: load 1 -> 51 steps -> ceil(40 * 51 / 128) = 16 tokens.
+  assert {(d.load, d.steps) for d in budget.decisions} == {(2.0, 32), (1.0, 51)}
+  for g, f in zip(got, free):
+    changes = g.metrics.budget
+    assert changes[0]["why"] == "budget at arrival" and changes[1]["why"] == "load 2.00"
+    assert g.token_ids == f.token_ids[:len(g.token_ids)]
+    assert len(g.token_ids) == changes[-1]["tokens"] and g.finish_reason == "length"
+  assert [len(g.token_ids) for g in got] == [10] * 4 + [16] * 4
+  assert [c["tokens"] for c in got[-1].metrics.budget] == [20, 10, 16]
+
+
+def test_budget_stops_a_request_already_past_its_new_limit(tiny, make_prompts):
+  """A request that generated more than a lowered limit stops at the next tick."""
+  prompt = make_prompts(1, seed=12, low=5, high=6)[0]
+  clock = _fake_clock()
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", interval_ms=10_000), clock=clock)
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64,
+                                                           decode_steps=8),
+                  clock=clock, budget=budget)
+  engine.add_request(Request(prompt, GenerationParams(max_new_tokens=64, ignore_eos=True)))
+  for _ in range(4):
+    engine.step()
+  group = engine._groups[0]
+  seq = group.samples[0]
+  assert len(seq.generated) > 8 and seq.finish_reason is None
+  budget.observe_request(5.0)  # P95 10x the SLO: the next decision shrinks to 16 steps
+  budget.decisions[-1] = budget.decisions[-1].__class__(**{**budget.decisions[-1].__dict__,
+                                                           "at_s": -1e9})  # interval passed
+  engine.step()
+  assert seq.finish_reason == "length" and len(seq.generated) > token_limit(64, 16) == 8
+  assert group.metrics.budget[-1]["tokens"] == 8
+  assert "P95 5.000 s > SLO 0.5 s" in group.metrics.budget[-1]["why"]
+
+
+@pytest.mark.parametrize("policy, preempted", [("fifo", "short"), ("shortest_budget", "long")])
+def test_remaining_steps_priority_preempts_the_longest_remaining(tiny, make_prompts, policy,
+                                                                  preempted):
+  """Two requests that cannot both fit the pool: FIFO preempts the later arrival (the
+  short one); priority by remaining steps preempts the one with the most tokens left."""
+  long_prompt, short_prompt = make_prompts(2, seed=13, low=15, high=16)
+  engine = Engine(tiny.model, tiny.tokenizer,
+                  EngineConfig(max_slots=2, block_size=4, num_blocks=16, decode_steps=1,
+                               prefix_caching=False, policy=policy))
+  results = engine.generate([
+      Request(long_prompt, GenerationParams(max_new_tokens=40, ignore_eos=True)),
+      Request(short_prompt, GenerationParams(max_new_tokens=24, ignore_eos=True))])
+  long_, short = (r.samples[0].preemptions for r in results)
+  assert engine.metrics.preemptions > 0
+  assert (long_ > 0, short > 0) == ((True, False) if preempted == "long" else (False, True))
+  assert [len(r.token_ids) for r in results] == [40, 24]
