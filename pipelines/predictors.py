@@ -298,8 +298,9 @@ class ControllerPredictor:
      (scored by the task like any completion), tokens by kind (thinking, answer,
      probe, discarded, waits; completion = every generated token), and the
      reasoning path in `trace`: answer, votes, chosen, steps, backtracks,
-     early_exit, loop invocations and every trace with its steps. The batch's
-     wall time is each request's latency.
+     early_exit, loop invocations and every trace with its steps. Metrics: the
+     request's latency (admission to finish), TTFT and one latency per kept token as
+     the host sees the device loop (see `o1jax.controller.Batch`).
   """
 
   def __init__(self, controller, policy: dict):
@@ -345,7 +346,10 @@ class ControllerPredictor:
                        "early_exit": result.early_exit, "loop_invocations": result.loop_invocations,
                        "exit_reasons": [t.exit_reason for t in result.traces],
                        "traces": [t.to_dict() for t in result.traces]})
-      metrics = {"latency_ms": _ms(result.wall_time_s)}
+      # Per-token times as the host sees a device loop: each token's loop call's wall
+      # time / the iterations it ran (o1jax.controller.Batch); TTFT from its admission.
+      metrics = {"latency_ms": _ms(result.wall_time_s), "ttft_ms": _ms(result.info.get("ttft_s")),
+                 "token_ms": [round(float(x), 3) for x in result.info.get("token_ms", [])]}
       if result.info.get("budget"):  # the step limits it ran under, and why they changed
         metrics["budget"] = result.info["budget"]
       out.append({"text": text, "tokens": tokens, "finish_reason": finish,

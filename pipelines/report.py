@@ -145,6 +145,19 @@ def plot_accuracy_vs_tokens(runs: Sequence[tuple[str, dict]], path: pathlib.Path
   plt.close(fig)
 
 
+def _stability_lines(summary: dict) -> list[str]:
+  """Latency stability against the reference thresholds, one pass/fail line each."""
+  st = summary.get("latency_stability")
+  if not st:
+    return []
+  values = {"per_token_cv": _fmt(st.get("per_token_cv"), 3),
+            "ttft_p95_ms": _fmt(st.get("ttft_p95_ms"))}
+  verdict = {True: "PASS", False: "FAIL", None: "not measured"}
+  return ["Latency stability:", ""] + [
+      f"- {verdict[ok]}: {rule} (measured: {values[rule.split(' ')[0]]})"
+      for rule, ok in st["pass"].items()]
+
+
 def _table(rows: Sequence[Sequence], header: Sequence[str]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
@@ -191,7 +204,7 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
           f"resumed from the store: {_fmt((summary.get('run') or {}).get('resumed'))}; "
           f"wall time {_fmt((summary.get('run') or {}).get('wall_s'))} s.", "",
           f"Per-token latency source: {ptl.get('source', 'request_latency/completion')} "
-          f"({_fmt(ptl.get('count'))} values).", "",
+          f"({_fmt(ptl.get('count'))} values).", "", *_stability_lines(summary), "",
           "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]
   out += ["", "## Reasoning paths", ""]
   if has_reasoning:

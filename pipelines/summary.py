@@ -8,8 +8,10 @@ GSM-style: majority vote over the samples' extracted answers when the policy vot
 for every k <= n; 3. sum tokens by kind; 4. latency percentiles (P50/P90/P95/P99)
 and fixed-bucket histograms over request latency, time to first token and
 per-token latency — the engine's real per-token times (`timing.token_ms`, one
-value per generated token) where records carry them, else request latency /
-completion tokens (one value per sample); 5.
+value per generated token; the controller's as the host sees its device loop)
+where records carry them, else request latency / completion tokens (one value
+per sample) — and latency stability: per-token CV and first-token P95 against
+the reference thresholds (CV < 0.15, P95 < 320 ms), pass/fail; 5.
 throughput over the samples computed in this run; 6. dead letters by stage;
 7. reasoning-path statistics when traces carry them (absent until the controller).
 Pure Python: the report and tests use it directly.
@@ -134,6 +136,27 @@ def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
           for r in timed], "request_latency/completion"
 
 
+# The reference system's stability thresholds: per-token latency CV and first-token P95.
+STABILITY_THRESHOLDS = {"per_token_cv": 0.15, "ttft_p95_ms": 320.0}
+
+
+def latency_stability(per_token_ms: Sequence[float], ttft_ms: Sequence[float]) -> dict[str, Any]:
+  """Per-token latency coefficient of variation (population std / mean), first-token P95,
+  and pass/fail against STABILITY_THRESHOLDS (None where nothing was measured)."""
+  cv = None
+  if per_token_ms:
+    mean = sum(per_token_ms) / len(per_token_ms)
+    var = sum((x - mean) ** 2 for x in per_token_ms) / len(per_token_ms)
+    cv = math.sqrt(var) / mean if mean > 0 else None
+  p95 = percentile(list(ttft_ms), 95)
+  limits = STABILITY_THRESHOLDS
+  return {"per_token_cv": _round(cv, 4), "ttft_p95_ms": _round(p95),
+          "pass": {f"per_token_cv < {limits['per_token_cv']:g}":
+                   None if cv is None else cv < limits["per_token_cv"],
+                   f"ttft_p95_ms < {limits['ttft_p95_ms']:g}":
+                   None if p95 is None else p95 < limits["ttft_p95_ms"]}}
+
+
 def _reasoning(records: Sequence[dict]) -> Optional[dict[str, Any]]:
   traced = [r for r in records if any(k in (r.get("trace") or {}) for k in REASONING_KEYS)]
   if not traced:
@@ -178,6 +201,7 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "latency_ms": {**_stats(latency), "histogram": histogram(latency)},
       "latency_ms_per_token": {**_stats(per_token), "histogram": histogram(per_token),
                                "source": per_token_source, "count": len(per_token)},
+      "latency_stability": latency_stability(per_token, ttft),
       "throughput": {"samples_computed": len(fresh), "span_s": _round(span_s, 2),
                      "samples_per_s": _round(len(fresh) / span_s, 3) if span_s > 0 else None,
                      "completion_tokens_per_s": _round(fresh_tokens / span_s, 2) if span_s > 0 else None},

@@ -103,6 +103,12 @@ class Batch:
   invocations: list[int]  # per request: jitted loop calls it was in (host round trips)
   iterations: int = 0
   loop_seconds: float = 0.0  # time inside the jitted loop calls (no prefill, no decoding)
+  # Per request, seen from the host (it sees only loop-call boundaries): one latency per
+  # kept token, each the wall time of its loop call / the iterations that call ran (an
+  # iteration writes one token per running row); and the time from its admission
+  # (prefill included) to the end of the first iteration that gave it a token.
+  token_ms: list[list[float]] = dataclasses.field(default_factory=list)
+  ttft_s: list[Optional[float]] = dataclasses.field(default_factory=list)
 
 
 class Controller:
@@ -135,8 +141,12 @@ class Controller:
                budget: BudgetLoop | None = None):
     self.model = model
     self.budget = budget
-    # Budget decisions per request id while it ran, until `result` attaches them.
+    # Per request id, until `result` attaches them: budget decisions while it ran, and
+    # its host-side token latencies (see Batch), summed over the policy's calls.
+    # Kept only inside `run` (cleared when it starts), so direct `generate` calls leave none.
     self._budget_log: dict[Any, list[dict]] = collections.defaultdict(list)
+    self._latency_log: dict[Any, dict] = {}
+    self._logging = False
     self.tokenizer = tokenizer
     self.max_rows = max_rows
     self.top_k = top_k
@@ -171,7 +181,13 @@ class Controller:
       policy = build_policy({"name": policy} if isinstance(policy, str) else policy)
     reqs = [r if isinstance(r, ReasoningRequest) else ReasoningRequest(prompt=r, request_id=i)
             for i, r in enumerate(requests)]
-    return policy.run(self, reqs)
+    self._budget_log.clear()
+    self._latency_log.clear()
+    self._logging = True
+    try:
+      return policy.run(self, reqs)
+    finally:
+      self._logging = False
 
   def generate(self, requests: Sequence[ReasoningRequest], settings: LoopSettings, n: int = 1, *,
                sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
@@ -210,6 +226,8 @@ class Controller:
     pick = traces[chosen] if chosen is not None else None
     if request.request_id in self._budget_log:  # the step limits it ran under, and why
       info = {**info, "budget": self._budget_log.pop(request.request_id)}
+    if request.request_id in self._latency_log:
+      info = {**info, **self._latency_log.pop(request.request_id)}
     return ReasoningResult(
         request_id=request.request_id, policy=policy, answer_text=pick.text if pick else "",
         answer=answer, traces=traces, chosen=chosen, tokens=tokens,
@@ -629,6 +647,8 @@ class Controller:
     traces: list = [None] * r
     wall = [0.0] * r
     calls_of = [0] * r
+    token_ms: list[list[float]] = [[] for _ in range(r)]
+    ttft: list[Optional[float]] = [None] * r
     loop_seconds = 0.0
     per_call = self.iterations_per_call or NEVER
     if budget is not None:  # the first call is short: the budget has nothing measured yet
@@ -639,6 +659,7 @@ class Controller:
       if budget is not None:
         state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
       start_iter = int(state.iteration)
+      before = np.asarray(state.length)
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
@@ -648,10 +669,15 @@ class Controller:
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
-      for entry in in_slot.values():
+      ran = max(1, int(state.iteration) - start_iter)
+      grown = np.clip(np.asarray(state.length) - before, 0, ran)
+      for g, entry in in_slot.items():
         entry[2] += 1
+        i, tokens = entry[0], int(grown[g * n:(g + 1) * n].max())
+        token_ms[i] += [dt / ran * 1e3] * tokens
+        if ttft[i] is None and tokens:
+          ttft[i] = t_call - entry[1] + dt / ran
       if budget is not None:  # a loop call lasts about the budget's interval
-        ran = max(1, int(state.iteration) - start_iter)
         budget.observe_step(dt / ran)
         per_call = min(self.iterations_per_call or NEVER,
                        max(1, int(budget.interval_s / max(dt / ran, 1e-6))))
@@ -664,12 +690,17 @@ class Controller:
           traces[i] = [self._trace(host, g * n + j, sample_offset + j, settings)
                        for j in range(n)]
           wall[i], calls_of[i] = now - admitted, calls
+          if self._logging:
+            log = self._latency_log.setdefault(requests[i].request_id,
+                                               {"token_ms": [], "ttft_s": ttft[i]})
+            log["token_ms"] += token_ms[i]
           if budget is not None:
             budget.observe_request(wall[i])
         if waiting:
           state = fill(state, finished)
     return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
-                 iterations=int(state.iteration), loop_seconds=loop_seconds)
+                 iterations=int(state.iteration), loop_seconds=loop_seconds, token_ms=token_ms,
+                 ttft_s=ttft)
 
   def _apply_budget(self, budget: BudgetLoop, state: ReasoningState, n: int, live: np.ndarray,
                     queued: int, requests, in_slot: dict) -> ReasoningState:
@@ -687,7 +718,7 @@ class Controller:
                            slots=max(len(live), self.max_rows // n), kv_use=kv_use)
     last = decision or (budget.decisions[-1] if budget.decisions else None)
     for g, (i, admitted, _) in in_slot.items():
-      log = self._budget_log[requests[i].request_id]
+      log = self._budget_log[requests[i].request_id] if self._logging else []
       if last is not None and (decision is not None or not log):
         log.append(last.to_dict(since=admitted))
     state = state.replace(knobs=state.knobs.replace(

@@ -96,6 +96,14 @@ def test_controller_policy_records_traces_token_kinds_and_report(tiny, tmp_path)
     assert r["output"] in [x["text"] for x in t["traces"]]
   assert summary["tokens"]["thinking"] == sum(r["tokens"]["thinking"] for r in records)
   assert summary["reasoning"]["samples_with_traces"] == 3
+  for r in records:  # host-side token times of the device loop: at most one per kept token
+    t = r["timing"]
+    assert 0 < len(t["token_ms"]) <= max(x["tokens"]["generated"] for x in r["trace"]["traces"])
+    assert 0 < t["ttft_ms"] <= t["latency_ms"] and min(t["token_ms"]) > 0
+  assert summary["latency_ms_per_token"]["source"] == "tokens"
+  stability = summary["latency_stability"]
+  assert stability["per_token_cv"] >= 0 and stability["ttft_p95_ms"] > 0
+  assert set(stability["pass"]) == {"per_token_cv < 0.15", "ttft_p95_ms < 320"}
   report = (tmp_path / "sc" / "report.md").read_text()
   assert "First reasoning paths" in report and "2 traces" in report
   assert (tmp_path / "sc" / "reasoning.png").stat().st_size > 0

@@ -110,3 +110,16 @@ def test_policy_registry_params():
   assert build_policy({"name": "deepconf"}).controller  # the controller's policies are valid names
   with pytest.raises(ValueError, match="valid policies.*reasoning controller"):
     build_policy({"name": "no_such_policy"})
+
+
+def test_latency_stability_against_the_reference_thresholds():
+  from pipelines.summary import latency_stability
+  # Per token 10, 10, 10, 14 ms: mean 11, population std sqrt((1 + 1 + 1 + 9) / 4) = sqrt(3),
+  # CV 0.1575 >= 0.15. First tokens 100..500 ms: P95 at rank 3.8 = 400 + 0.8 * 100 = 480.
+  st = latency_stability([10, 10, 10, 14], [100, 200, 300, 400, 500])
+  assert st["per_token_cv"] == round(3 ** 0.5 / 11, 4) and st["ttft_p95_ms"] == 480.0
+  assert st["pass"] == {"per_token_cv < 0.15": False, "ttft_p95_ms < 320": False}
+  st = latency_stability([10, 10, 11], [100, 120])
+  assert st["pass"] == {"per_token_cv < 0.15": True, "ttft_p95_ms < 320": True}
+  assert latency_stability([], [])["pass"] == {"per_token_cv < 0.15": None,
+                                               "ttft_p95_ms < 320": None}
