@@ -109,9 +109,10 @@ def budget_section() -> ml_collections.ConfigDict:
   fixed: no live budget (engine requests run sampling.max_new_tokens, controller
   policies their own step limits). adaptive: the budget is re-evaluated every
   interval_ms from the measured load and the P95 of the last `window` request
-  latencies against latency_slo_s, and applied to running requests; it enters the
+  latencies (none older than window_s) against latency_slo_s, and applied to running requests; it enters the
   content hash (outputs then depend on timing)."""
-  return section(mode="fixed", latency_slo_s=0.5, interval_ms=200.0, window=64, kv_limit=0.85)
+  return section(mode="fixed", latency_slo_s=0.5, interval_ms=200.0, window=64, window_s=10.0,
+                 kv_limit=0.85)
 
 
 def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_collections.ConfigDict:

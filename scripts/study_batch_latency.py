@@ -50,9 +50,15 @@ def peak_read_gb_s(mib: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
+  """Bytes of weights one decode step reads: every parameter, except the embedding table
+  when a separate output head exists (then only the batch's rows of it are read)."""
   from flax import nnx
   _, state = nnx.split(model)
-  return int(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state)))
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  names = [jax.tree_util.keystr(path) for path, _ in leaves]
+  untied = any("lm_head" in n for n in names)
+  return int(sum(np.asarray(leaf).nbytes for n, (_, leaf) in zip(names, leaves)
+                 if not (untied and n.startswith("['embed']"))))
 
 
 def main(argv=None):
@@ -92,7 +98,7 @@ def main(argv=None):
     step_s = float(np.mean(gaps))
     ttft_s = float(np.mean([r.metrics.ttft for r in results]))
     context = float(np.mean([len(r.prompt_token_ids) + args.new_tokens / 2 for r in results]))
-    step_bytes = weights + b * context * kv_per_token
+    step_bytes = weights + b * (context * kv_per_token + mc.d_model * 4)  # + embedding rows
     row = {"batch": b, "decode_batch": engine._decode_rows(b), "step_ms": step_s * 1e3,
            "ttft_ms": ttft_s * 1e3, "tok_s": b / step_s, "bytes_per_step": step_bytes,
            "gb_s": step_bytes / step_s / 1e9, "share_of_peak": step_bytes / step_s / 1e9 / peak}

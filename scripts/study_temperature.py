@@ -82,7 +82,8 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.boxplot([r["lengths"] for r in rows], labels=[f"T={r['temperature']:.1f}" for r in rows])
+    ax.boxplot([r["lengths"] for r in rows])
+    ax.set_xticks(range(1, len(rows) + 1), [f"T={r['temperature']:.1f}" for r in rows])
     ax.axhline(args.long, color="gray", lw=0.8)
     ax.set(ylabel="reasoning path (generated tokens)",
            title=f"path length by temperature ({len(examples)} problems; gray: {args.long})")

@@ -14,8 +14,10 @@ The live loop (`BudgetLoop`, used by the engine and the controller) closes it:
     (busy = decode slots holding a running or prefilling sequence; queued = requests
     waiting for a slot, plus, in a pipeline, the requests of Beam batches waiting for
     the model). 0.8 is nominal; a full batch with nothing queued is 1.0.
-  * a latency observer keeps sliding windows (the last `window` values) of end-to-end
-    request latency and of per-step latency, and reports their P95.
+  * a latency observer keeps sliding windows of end-to-end request latency and of
+    per-step latency: the last `window` values, none older than `window_s` seconds (so
+    a slow start, compilation included, stops steering the budget once it is past),
+    and reports their P95.
   * every `interval_s` of wall clock (`tick`) the budget is re-evaluated:
         steps = allocate_budget(slo, measured load)
     and, once requests have finished, when their P95 end-to-end latency exceeds the
@@ -83,7 +85,8 @@ class BudgetConfig:
   mode: str = "fixed"  # fixed | adaptive
   latency_slo_s: float = 0.5
   interval_ms: float = 200.0  # adaptive: re-evaluate the budget this often (wall clock)
-  window: int = 64  # adaptive: latencies kept for the P95s
+  window: int = 64  # adaptive: latencies kept for the P95s ...
+  window_s: float = 10.0  # ... and none older than this (seconds)
   kv_limit: float = 0.85  # adaptive: prune above this share of the KV pool in use
 
   def __post_init__(self):
@@ -95,6 +98,8 @@ class BudgetConfig:
       raise ValueError(f"budget.interval_ms must be > 0, got {self.interval_ms}")
     if self.window < 1:
       raise ValueError(f"budget.window must be >= 1, got {self.window}")
+    if not self.window_s > 0:
+      raise ValueError(f"budget.window_s must be > 0, got {self.window_s}")
     if not 0 < self.kv_limit <= 1:
       raise ValueError(f"budget.kv_limit must be in (0, 1], got {self.kv_limit}")
 
@@ -109,17 +114,20 @@ class BudgetConfig:
 
 
 class LatencyWindow:
-  """The last `size` latencies (seconds) and their P95."""
+  """The last `size` latencies (seconds), each stamped with when it was observed; the P95
+  of those no older than `max_age_s` at `now`."""
 
-  def __init__(self, size: int):
-    self.values: collections.deque[float] = collections.deque(maxlen=size)
+  def __init__(self, size: int, max_age_s: float = math.inf):
+    self.values: collections.deque[tuple[float, float]] = collections.deque(maxlen=size)
+    self.max_age_s = max_age_s
 
-  def add(self, seconds: float) -> None:
+  def add(self, seconds: float, at: float = 0.0) -> None:
     if seconds is not None and math.isfinite(seconds) and seconds >= 0:
-      self.values.append(float(seconds))
+      self.values.append((float(at), float(seconds)))
 
-  def p95(self) -> Optional[float]:
-    return float(np.percentile(np.fromiter(self.values, float), 95)) if self.values else None
+  def p95(self, now: float = 0.0) -> Optional[float]:
+    recent = [v for t, v in self.values if now - t <= self.max_age_s]
+    return float(np.percentile(recent, 95)) if recent else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +166,9 @@ class BudgetLoop:
     import time
     self.config = config
     self.clock = clock or time.perf_counter
-    self.requests = LatencyWindow(config.window)
-    self.steps_window = LatencyWindow(config.window)
+    self.requests = LatencyWindow(config.window, config.window_s)
+    self.steps_window = LatencyWindow(config.window, config.window_s)
+    self._now = 0.0  # the clock at the last tick: stamps what is observed until the next
     self.queued_outside = 0  # requests waiting before the owner (e.g. Beam batches on a lock)
     self.decisions: list[Decision] = []
     self.steps = allocate_budget(config.latency_slo_s, NOMINAL_LOAD)
@@ -173,17 +182,17 @@ class BudgetLoop:
     return bool(self.decisions) and self.decisions[-1].prune
 
   def observe_request(self, seconds: float) -> None:
-    self.requests.add(seconds)
+    self.requests.add(seconds, self._now)
 
   def observe_step(self, seconds: float) -> None:
-    self.steps_window.add(seconds)
+    self.steps_window.add(seconds, self._now)
 
   def decide(self, now: float, load: float, kv_use: float) -> Decision:
     """The budget for this load and the latencies observed so far (pure but for the windows)."""
     slo = self.config.latency_slo_s
     steps = allocate_budget(slo, load)
     why = f"load {load:.2f}"
-    p95 = self.requests.p95()
+    p95 = self.requests.p95(now)
     over_slo = p95 is not None and p95 > slo
     if over_slo:
       steps = max(MIN_STEPS, int(steps * slo / p95))
@@ -192,11 +201,11 @@ class BudgetLoop:
     if over_kv:
       why += f", KV {kv_use:.0%} > {self.config.kv_limit:.0%}"
     return Decision(at_s=now, steps=steps, load=load, p95_request_s=p95,
-                    p95_step_s=self.steps_window.p95(), kv_use=kv_use, prune=over_slo or over_kv,
+                    p95_step_s=self.steps_window.p95(now), kv_use=kv_use, prune=over_slo or over_kv,
                     why=why)
 
   def tick(self, busy: int, queued: int, slots: int, kv_use: float = 0.0) -> Optional[Decision]:
-    now = self.clock()
+    now = self._now = self.clock()
     if self.decisions and now - self.decisions[-1].at_s < self.interval_s:
       return None
     decision = self.decide(now, measured_load(busy, queued + self.queued_outside, slots), kv_use)

@@ -57,13 +57,15 @@ def test_budget_config_errors_name_the_field(field, value, match):
     BudgetConfig.from_dict({"slo": 1.0})
 
 
-def test_latency_window_keeps_the_last_values():
-  w = LatencyWindow(4)
+def test_latency_window_keeps_the_last_and_recent_values():
+  w = LatencyWindow(4, max_age_s=10.0)
   assert w.p95() is None
-  for x in [10.0, 1.0, 2.0, 3.0, 4.0, float("nan"), -1.0]:  # nan / negative are ignored
-    w.add(x)
-  assert list(w.values) == [1.0, 2.0, 3.0, 4.0]
-  assert w.p95() == pytest.approx(3.85)  # numpy's linear interpolation: 3 + 0.85 * (4 - 3)
+  for t, x in enumerate([10.0, 1.0, 2.0, 3.0, 4.0, float("nan"), -1.0]):  # nan, < 0 ignored
+    w.add(x, at=float(t))
+  assert [v for _, v in w.values] == [1.0, 2.0, 3.0, 4.0]
+  assert w.p95(now=4.0) == pytest.approx(3.85)  # numpy's linear interpolation: 3 + 0.85 * 1
+  assert w.p95(now=12.0) == pytest.approx(3.9)  # 1.0 (at 1 s) is 11 s old: 2, 3, 4 remain
+  assert w.p95(now=100.0) is None
 
 
 def test_budget_loop_decides_on_its_clock_from_a_latency_and_load_trace():
@@ -93,6 +95,20 @@ def test_budget_loop_decides_on_its_clock_from_a_latency_and_load_trace():
   assert loop.steps == 102 and [x.steps for x in loop.decisions] == [51, 32, 53, 102]
   record = d.to_dict(since=0.5)
   assert record["at_ms"] == 250.0 and record["p95_request_ms"] == 100.0 and record["prune"]
+
+
+def test_a_slow_start_stops_steering_the_budget_once_it_is_past():
+  """Requests of 50 s (a cold start) push the budget to its floor; window_s later they no
+  longer count, and the budget returns to what the load gives."""
+  clock = iter([0.0, 1.0, 12.0])
+  loop = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5, window_s=10.0),
+                    clock=clock.__next__)
+  loop.tick(busy=4, queued=0, slots=8)  # t=0: load 0.5 -> 102 steps
+  for _ in range(8):
+    loop.observe_request(50.0)  # stamped 0 s
+  assert loop.tick(busy=4, queued=0, slots=8).steps == 16  # t=1: P95 50 s
+  d = loop.tick(busy=4, queued=0, slots=8)  # t=12: the 50 s latencies are 12 s old
+  assert (d.steps, d.p95_request_s, d.prune) == (102, None, False)
 
 
 def _fake_clock(step_s=0.01):
