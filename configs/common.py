@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from pipelines.policies import all_policy_names, is_controller_policy, policy_defaults
+from o1jax.controller import policy_names
+from o1jax.controller.configs import policy_params
 
 TRUE = ("1", "true", "yes", "on")
 
@@ -70,7 +71,8 @@ def fast_numerics(config: ml_collections.ConfigDict, fast: bool) -> None:
 
 
 def sampling_section(max_new_tokens: int, seed: int = 0) -> ml_collections.ConfigDict:
-  # Policies may override temperature/top_p/top_k per sample (see pipelines/policies.py).
+  # Policies may override temperature/top_p/top_k per sample (see
+  # o1jax/controller/sampling_policies.py).
   return section(max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=seed)
 
 
@@ -121,15 +123,12 @@ def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_colle
   Controller policies (greedy_cot, self_consistency, deepconf, ...) take
   `o1jax.controller.configs.policy_config(name, smoke)`; plain ones their fields.
   """
-  if name not in all_policy_names():
-    raise ValueError(f"config variant policy={name!r}: valid policies are {all_policy_names()}")
-  params = policy_defaults(name, smoke=smoke)
+  if name not in policy_names():
+    raise ValueError(f"config variant policy={name!r}: valid policies are {policy_names()} "
+                     f"(one of your own: --config.imports=the.module.defining.it)")
+  params = policy_params(name, smoke=smoke)
   params.update(overrides)
   return section(name=name, **params)
-
-
-def uses_controller(name: str) -> bool:
-  return is_controller_policy(name)
 
 
 def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDict:
@@ -148,5 +147,9 @@ def sandbox_section() -> ml_collections.ConfigDict:
 
 
 def finish(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  if "imports" not in config:
+    # Modules imported first, by the launcher and every worker: your own policies,
+    # verifiers, scorers or tasks (`--config.imports=mypkg.policies`; several: a,b).
+    config.imports = ()
   config.lock()
   return config

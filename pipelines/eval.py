@@ -123,7 +123,13 @@ def check_overrides(config, argv: Sequence[str]) -> None:
 
 
 def validate_argv(argv: Sequence[str]) -> None:
-  """Config variants and `--config.*` keys, checked before ml_collections sees them."""
+  """Config variants and `--config.*` keys, checked before ml_collections sees them; the
+  modules of `--config.imports=` are imported first (they may define the variant's policy)."""
+  from pipelines.config_imports import ConfigImportError, import_modules, imports_in_argv
+  try:
+    import_modules(imports_in_argv(argv[1:]))
+  except ConfigImportError as e:
+    raise app.UsageError(str(e)) from e
   path, arg = _config_path_and_arg(argv)
   try:
     cfg = load_config_file(path, arg)
@@ -202,8 +208,8 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   from pipelines.summary import summarize
 
   console = console or sys.stderr
-  plan = build_plan(config, output_dir)
-  options = pipeline_options(config.runner, beam_flags)
+  plan = build_plan(config, output_dir)  # imports the config's modules first
+  options = pipeline_options(config.runner, beam_flags, plan.imports)
   direct = is_direct(options)
   local = is_local(output_dir) and direct
   out = output_dir.rstrip("/")
@@ -242,7 +248,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
               "resumed": resumed_before, "computed": (len(records) - resumed_before)
               if resumed_before is not None else None,
               "duplicate_lines_skipped": sum(scan.duplicates.values()),
-              "beam_args": pipeline_args_for_summary(config, beam_flags)}
+              "beam_args": pipeline_args_for_summary(config, beam_flags, plan.imports)}
   summary = summarize(records, dead, task=plan.task.name, vote=plan.policy.vote, run=run_info,
                       config=config.to_dict())
   summary["model"] = plan.model_fp
@@ -281,9 +287,10 @@ def _no_examples(plan, scan, out: str) -> ValueError:
                       f"{out}/dead_letters.jsonl")
 
 
-def pipeline_args_for_summary(config, beam_flags: Sequence[str]) -> list[str]:
+def pipeline_args_for_summary(config, beam_flags: Sequence[str],
+                              plugins: Sequence[str] = ()) -> list[str]:
   from pipelines.beam.options import beam_args
-  return beam_args(config.runner, beam_flags)
+  return beam_args(config.runner, beam_flags, plugins)
 
 
 class _LogFile:

@@ -32,8 +32,9 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
+from o1jax.controller.sampling_policies import SamplingSpec
+from pipelines.config_imports import import_modules
 from pipelines.datasets.records import text_bytes
-from pipelines.policies import SamplingSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,9 @@ class PredictorSpec:
   slot count), engine (sorted items of the config's `engine` section), policy
   (sorted items of a controller policy's `{"name", **params}`; controller only),
   controller (sorted items of the `controller` section: its KV cache; controller only),
-  budget (sorted items of the `budget` section: the latency-aware budget; engine and controller).
+  budget (sorted items of the `budget` section: the latency-aware budget; engine and controller),
+  imports (the config's modules, imported before the predictor is built: they may
+  define the policy, its verifier or scorer; not part of the model's identity).
   """
   name: str = "generator"
   source: str = "embedded"
@@ -93,10 +96,11 @@ class PredictorSpec:
   policy: tuple[tuple[str, Any], ...] = ()
   controller: tuple[tuple[str, Any], ...] = ()
   budget: tuple[tuple[str, Any], ...] = ()
+  imports: tuple[str, ...] = ()
 
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8, engine=None,
-                  policy=None, controller=None, budget=None) -> "PredictorSpec":
+                  policy=None, controller=None, budget=None, imports=()) -> "PredictorSpec":
     def items(section):
       if section is None:
         return ()
@@ -106,7 +110,7 @@ class PredictorSpec:
                matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
                engine=items(engine), policy=items(policy), controller=items(controller),
-               budget=items(budget))
+               budget=items(budget), imports=tuple(imports))
 
   def budget_loop(self):
     """A live `BudgetLoop` when the budget section says adaptive, else None."""
@@ -411,6 +415,7 @@ PLAIN_MODEL_PREDICTORS = ("engine", "generator")  # what a controller policy rep
 
 
 def build_predictor(spec: PredictorSpec) -> Predictor:
+  import_modules(spec.imports)  # this may be a process of its own (a model shared across workers)
   if spec.name not in PREDICTORS:
     raise ValueError(f"model.predictor={spec.name!r}: registered predictors are {sorted(PREDICTORS)}")
   return PREDICTORS[spec.name](spec)

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import ml_collections
 
-from o1jax.controller.policies import policy_defaults
+from o1jax.controller.registry import POLICIES, policy_class, policy_defaults
 
 # Values that differ from the class defaults, per policy.
 EXAMPLES: dict[str, dict] = {
@@ -45,10 +45,11 @@ SMOKE_SAMPLES = dict(n=2)
 
 
 def policy_config(name: str, smoke: bool = False, **overrides) -> ml_collections.ConfigDict:
-  """Every param of policy `name` (class defaults < EXAMPLES < smoke < overrides)."""
+  """Every param of policy `name` (class defaults < EXAMPLES < smoke < overrides); smoke
+  shrinks the reasoning policies only (a plain policy's samples are the config's)."""
   values = policy_defaults(name)
   values.update(EXAMPLES.get(name, {}))
-  if smoke:
+  if smoke and policy_class(name).controller:
     values.update(SMOKE)
     if "n" in values:
       values.update(SMOKE_SAMPLES)
@@ -65,11 +66,16 @@ def policy_config(name: str, smoke: bool = False, **overrides) -> ml_collections
   return ml_collections.ConfigDict(values)
 
 
+def policy_params(name: str, smoke: bool = False) -> dict[str, Any]:
+  """A pipeline config's `policy` section after its name: `policy_config(name, smoke)`,
+  unset optional params kept as typed placeholders (settable from the command line)."""
+  cfg = policy_config(name, smoke=smoke)
+  return {k: cfg.get_ref(k) if cfg[k] is None else cfg[k] for k in cfg.keys() if k != "name"}
+
+
 def _optional_type(name: str, field: str) -> type:
   """The X of a policy field annotated `X | None` (object if it is not that simple)."""
   import typing
-
-  from o1jax.controller.policies import POLICIES
 
   hint = typing.get_type_hints(POLICIES[name])[field]
   types = [t for t in typing.get_args(hint) if t is not type(None)]

@@ -37,6 +37,7 @@ from o1jax.controller import answers
 from o1jax.controller.answers import extract_number
 from o1jax.controller.decode_model import CachePlan, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
+from o1jax.controller.registry import BasePolicy, build_policy, policy_names
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
                                       Trace)
 from o1jax.controller.state import Knobs, ReasoningState
@@ -175,10 +176,11 @@ class Controller:
 
   def run(self, requests: Sequence[ReasoningRequest | Any], policy) -> list[ReasoningResult]:
     """Runs `policy` (a Policy, a registered name, or {"name": ..., **params})."""
-    from o1jax.controller.policies import Policy, build_policy
-
-    if not isinstance(policy, Policy):
+    if not isinstance(policy, BasePolicy):
       policy = build_policy({"name": policy} if isinstance(policy, str) else policy)
+    if not policy.controller:
+      raise ValueError(f"policy {policy.name!r} samples plainly (the engine runs it); the "
+                       f"controller runs {policy_names(controller=True)}")
     reqs = [r if isinstance(r, ReasoningRequest) else ReasoningRequest(prompt=r, request_id=i)
             for i, r in enumerate(requests)]
     self._budget_log.clear()

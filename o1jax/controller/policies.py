@@ -3,7 +3,8 @@
 A policy implements one method, `run(controller, requests) -> [ReasoningResult]`,
 usually as: build `LoopSettings` from its fields -> `controller.generate(...)`
 -> aggregate the traces -> `controller.result(...)`. Register a new class with
-`@register` and name it in a config (see docs/controller.md for a worked example).
+`@register` and name it in a config (see docs/controller.md for a worked example);
+the registry (registry.py) also holds the plain sampling policies (sampling_policies.py).
 
   greedy_cot              one greedy chain of thought
   self_consistency        n samples sharing the prompt's cache; majority vote
@@ -21,22 +22,25 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
 from o1jax.controller.answers import majority_vote, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
+from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
 from o1jax.controller.verifiers import SCORERS, get_verifier
 from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy(abc.ABC):
-  """Base: the decoding / budget parameters every policy shares."""
+class Policy(BasePolicy):
+  """Base of the reasoning policies: the decoding / budget parameters they all share.
 
-  name: ClassVar[str]
+  One work item per example: the policy draws its traces itself, sharing the prompt's cache."""
+
+  controller: ClassVar[bool] = True
   temperature: float = 0.0
   top_p: float = 1.0
   top_k: int = 0
@@ -51,6 +55,10 @@ class Policy(abc.ABC):
   def run(self, ctl: Controller, requests: Sequence[ReasoningRequest]) -> list[ReasoningResult]:
     """One result per request, same order."""
 
+  @property
+  def num_samples(self) -> int:
+    return 1
+
   def settings(self, **overrides) -> LoopSettings:
     """LoopSettings from this policy's shared fields (+ overrides)."""
     base = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -62,7 +70,8 @@ class Policy(abc.ABC):
     return LoopSettings(**base)
 
   def to_dict(self) -> dict[str, Any]:
-    return {"name": self.name, **dataclasses.asdict(self)}
+    # Params in name order: how results.jsonl records have always spelled a reasoning policy.
+    return {"name": self.name, **dict(sorted(dataclasses.asdict(self).items()))}
 
 
 def _first(traces: list[Trace], among: list[Trace], answer) -> int | None:
@@ -333,37 +342,5 @@ class BudgetForcing(Policy):
             for i, r in enumerate(requests)]
 
 
-POLICIES: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-  """Class decorator: adds a policy under its `name` (a later one replaces an earlier one)."""
-  POLICIES[cls.name] = cls
-  return cls
-
-
 for _cls in (GreedyCoT, SelfConsistency, BestOfN, DeepConf, ThinkVerifyBacktrack, BudgetForcing):
   register(_cls)
-
-
-def get_policy(name: str, **params) -> Policy:
-  """A registered policy by name; unknown names or params list the valid ones."""
-  if name not in POLICIES:
-    raise ValueError(f"unknown policy {name!r}; registered: {sorted(POLICIES)}")
-  cls = POLICIES[name]
-  valid = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(params) - valid)
-  if unknown:
-    raise ValueError(f"policy {name!r} has no params {unknown}; valid: {sorted(valid)}")
-  return cls(**params)
-
-
-def build_policy(section: Mapping[str, Any]) -> Policy:
-  """{"name": ..., **params} (a dict or an ml_collections.ConfigDict) -> Policy."""
-  params = dict(section.to_dict() if hasattr(section, "to_dict") else section)
-  return get_policy(params.pop("name"), **params)
-
-
-def policy_defaults(name: str) -> dict[str, Any]:
-  """Every param of policy `name` with its default (what a config section holds)."""
-  return get_policy(name).to_dict()

@@ -6,7 +6,9 @@
    worker process imports `pipelines.beam.worker` first, which ends it with the launcher);
 2. Beam flags passed after `--` on the command line override them (any runner:
    Dataflow, Flink, Spark, Prism); 3. DirectRunner-only flags are dropped for
-   other runners so their option validation does not trip over them.
+   other runners so their option validation does not trip over them; 4. the modules of
+   the config's `imports` become Beam plugins too, so every worker process of any runner
+   imports them at start-up (a researcher's own policies, verifiers, tasks).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner", "Pris
            "PortableRunner")
 
 
-def beam_args(runner_cfg, extra: Sequence[str] = ()) -> list[str]:
+def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:
   extra = list(extra)
   runner = runner_cfg.name
   for arg in extra:
@@ -33,11 +35,13 @@ def beam_args(runner_cfg, extra: Sequence[str] = ()) -> list[str]:
              f"--beam_plugins={WORKER_PLUGIN}"]  # worker processes exit with the launcher
     if not any(a.startswith("--default_sdk_harness_log_level") for a in extra):
       args.append("--default_sdk_harness_log_level=WARNING")  # worker INFO lines bury the progress bar
+  args += [f"--beam_plugins={name}" for name in plugins]
   return args + [a for a in extra if not a.startswith("--runner=")]
 
 
-def pipeline_options(runner_cfg, extra: Sequence[str] = ()) -> PipelineOptions:
-  return PipelineOptions(beam_args(runner_cfg, extra))
+def pipeline_options(runner_cfg, extra: Sequence[str] = (),
+                     plugins: Sequence[str] = ()) -> PipelineOptions:
+  return PipelineOptions(beam_args(runner_cfg, extra, plugins))
 
 
 def is_direct(options: PipelineOptions) -> bool:

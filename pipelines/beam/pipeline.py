@@ -39,9 +39,10 @@ from apache_beam.ml.inference.base import RunInference
 
 from pipelines.beam.handler import PredictorModelHandler
 from pipelines.beam.store import ResultStore, is_local, utf8
+from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
-from pipelines.policies import Policy, SamplingSpec, build_policy
+from o1jax.controller import BasePolicy, SamplingSpec, build_policy, policy_names
 from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for)
 from pipelines.task_specs import build_task
 
@@ -53,20 +54,21 @@ NAMESPACE = "o1jax_eval"
 class EvalPlan:
   """Everything the stages need, picklable (no model, no open files)."""
   task: Any  # a pipelines.task_specs task
-  policy: Policy
+  policy: BasePolicy
   sampling: SamplingSpec
   predictor: PredictorSpec
   model_fp: dict
   output_dir: str
   batch_size: int = 8
   share_model: bool = True
+  imports: tuple[str, ...] = ()  # the config's modules (pipelines/config_imports.py)
 
   @property
   def store_dir(self) -> str:
     return f"{self.output_dir.rstrip('/')}/store"
 
 
-def resolve_predictor(name: str, policy: Policy, task_name: str) -> str:
+def resolve_predictor(name: str, policy: BasePolicy, task_name: str) -> str:
   """The predictor that runs `policy`: controller policies need the controller.
 
   1. unknown names list the registered ones; 2. a controller policy turns
@@ -83,14 +85,15 @@ def resolve_predictor(name: str, policy: Policy, task_name: str) -> str:
                        f"policy=greedy or policy=sample_n")
     return "controller" if name in PLAIN_MODEL_PREDICTORS else name
   if name == "controller":
-    from pipelines.policies import controller_policy_names
     raise ValueError(f"model.predictor=controller runs only controller policies "
-                     f"{list(controller_policy_names())}, not {policy.name!r}")
+                     f"{policy_names(controller=True)}, not {policy.name!r}")
   return name
 
 
 def build_plan(config, output_dir: str) -> EvalPlan:
-  """Config → plan; raises ValueError on an unknown task, policy or predictor."""
+  """Config → plan; raises ValueError on a module of `imports` that cannot be imported,
+  or an unknown task, policy or predictor."""
+  imports = import_modules(config.get("imports", ()))  # they may register what follows
   policy = build_policy(config.policy.to_dict())
   s = config.sampling
   sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
@@ -107,10 +110,11 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
-      controller=controller, budget=budget)
+      controller=controller, budget=budget, imports=imports)
   return EvalPlan(task=build_task(config), policy=policy, sampling=sampling, predictor=spec,
                   model_fp=model_fingerprint(spec), output_dir=output_dir,
-                  batch_size=int(config.runner.batch_size), share_model=bool(config.runner.share_model))
+                  batch_size=int(config.runner.batch_size),
+                  share_model=bool(config.runner.share_model), imports=imports)
 
 
 def _canonical(obj) -> bytes:

@@ -16,23 +16,13 @@ from absl import app
 from configs import custom as custom_config
 from configs import gsm8k as gsm8k_config
 from configs import humaneval as humaneval_config
+from o1jax.controller import build_policy
 from pipelines.beam import build_plan
 from pipelines.eval import run, validate_argv
-from pipelines.policies import build_policy
 from pipelines.report import write_run_report
+from tests.pipelines.conftest import QUESTIONS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-QUESTIONS = (("2+3?", "5"), ("7-1?", "6"), ("4*2?", "8"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-  from o1jax.testing import tiny_config, write_gguf_checkpoint
-  root = tmp_path_factory.mktemp("tiny")
-  write_gguf_checkpoint(root / "tiny.gguf", tiny_config(), seed=0)
-  (root / "q.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
-                                        for q, a in QUESTIONS))
-  return root
 
 
 def _config(tiny, policy="greedy", predictor="engine", batch=2):
@@ -153,7 +143,7 @@ def test_policy_registry_and_config_errors():
   assert sc.policy.name == "deepconf" and sc.policy.n == 2 and sc.policy.warmup == 1
   policy = build_policy(sc.policy.to_dict())
   assert policy.controller and policy.num_samples == 1 and not policy.vote
-  assert policy.controller_section()["keep_percent"] == sc.policy.keep_percent
+  assert policy.to_dict()["keep_percent"] == sc.policy.keep_percent
   assert build_policy({"name": "sample_n", "n": 3}).num_samples == 3
 
   with pytest.raises(ValueError, match=r"valid policies are .*'deepconf'.*'greedy'.*'sample_n'"):

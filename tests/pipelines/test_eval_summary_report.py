@@ -1,4 +1,4 @@
-"""Metrics by hand, the report files, the config files and the policy registry."""
+"""Metrics by hand, the report files and the config files."""
 
 import json
 
@@ -8,8 +8,8 @@ from absl import app
 from configs import custom as custom_config
 from configs import gsm8k as gsm8k_config
 from configs import humaneval as humaneval_config
+from o1jax.controller import build_policy
 from pipelines import report
-from pipelines.policies import build_policy
 from pipelines.summary import histogram, majority, percentile, summarize
 
 
@@ -99,17 +99,6 @@ def test_configs_variants_smoke_and_unknown_keys():
     check_overrides(default, ["--config.dataset.nn=3"])
   with pytest.raises(app.UsageError, match="config has keys"):
     check_overrides(default, ["--config.polcy.n=3"])
-
-
-def test_policy_registry_params():
-  assert build_policy({"name": "greedy"}).num_samples == 1
-  p = build_policy({"name": "sample_n", "n": 5, "temperature": 0.9, "top_p": 0.9, "top_k": 0})
-  assert p.num_samples == 5
-  with pytest.raises(ValueError, match=r"valid: \['n', 'temperature', 'top_k', 'top_p'\]"):
-    build_policy({"name": "sample_n", "m": 2})
-  assert build_policy({"name": "deepconf"}).controller  # the controller's policies are valid names
-  with pytest.raises(ValueError, match="valid policies.*reasoning controller"):
-    build_policy({"name": "no_such_policy"})
 
 
 def test_latency_stability_against_the_reference_thresholds():

@@ -1,4 +1,5 @@
-"""Policies on the mock: registry, votes, best-of-N, DeepConf stopping, budgets, configs."""
+"""Policies on the mock: registry (reasoning and plain sampling), votes, best-of-N, DeepConf
+stopping, budgets, configs."""
 
 import math
 
@@ -6,7 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from o1jax.controller import (POLICIES, ReasoningRequest, build_policy, configs, extract_number, get_policy, majority_vote,
+from o1jax.controller import (POLICIES, ReasoningRequest, SamplingSpec, build_policy, configs,
+                              extract_number, get_policy, majority_vote, policy_names,
                               weighted_vote)
 from tests.o1jax.controller.conftest import ID, VOCAB, MockWorld
 
@@ -27,7 +29,7 @@ def test_extract_and_vote():
 
 def test_registry_and_configs():
   assert set(POLICY_NAMES) <= set(POLICIES)
-  with pytest.raises(ValueError, match="registered"):
+  with pytest.raises(ValueError, match="valid policies.*reasoning controller"):
     get_policy("nope")
   with pytest.raises(ValueError, match="valid"):
     get_policy("self_consistency", m=3)
@@ -37,6 +39,26 @@ def test_registry_and_configs():
     policy = build_policy(cfg)
     assert policy.name == name and policy.max_thinking_tokens == 24
   assert build_policy({"name": "deepconf", "n": 16, "warmup": 4}).n == 16
+
+
+def test_plain_sampling_policies_share_the_namespace():
+  assert policy_names(controller=False) == ["greedy", "sample_n"]
+  assert set(POLICY_NAMES) <= set(policy_names(controller=True))  # + any a test registered
+  assert build_policy({"name": "greedy"}).num_samples == 1
+  p = build_policy({"name": "sample_n", "n": 5, "temperature": 0.9, "top_p": 0.9, "top_k": 0})
+  assert p.num_samples == 5 and p.vote and not p.controller
+  base = SamplingSpec(max_new_tokens=8, seed=3)
+  assert p.sampling(base, 4) == SamplingSpec(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=3)
+  with pytest.raises(ValueError, match=r"valid: \['n', 'temperature', 'top_k', 'top_p'\]"):
+    build_policy({"name": "sample_n", "m": 2})
+  sc = build_policy({"name": "self_consistency"})
+  assert sc.controller and sc.num_samples == 1 and not sc.vote and sc.sampling(base, 0) is base
+  # A plain policy is sampled by the engine, one work item per sample: the controller refuses it.
+  with pytest.raises(ValueError, match="'greedy' samples plainly"):
+    MockWorld(FORK).controller().run(["Q"], "greedy")
+  # Smoke shrinks reasoning budgets only; a plain policy keeps its class defaults.
+  assert configs.policy_params("sample_n", smoke=True) == {"n": 4, "temperature": 0.7,
+                                                            "top_p": 0.95, "top_k": 0}
 
 
 # Two ways out of "Q": " A" (logit 2) and " B" (logit 1); " A" leads to answer 7, " B" to 3.

@@ -1,0 +1,70 @@
+"""Plain sampling policies: independent samples per example, each drawn by the engine.
+
+  policy = build_policy({"name": "sample_n", "n": 8, "temperature": 0.7})
+  policy.num_samples            # 8 work items per example
+  policy.sampling(base, 3)      # the SamplingSpec of sample 3
+
+The pipeline makes `num_samples` work items per example, samples each with its
+`SamplingSpec` (the engine or generator predictor), scores them, and with `vote`
+takes the majority of the extracted answers (HumanEval: pass@k for every k <= n).
+The reasoning controller's policies (policies.py) share their namespace (registry.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from o1jax.controller.registry import BasePolicy, register
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+  """Decoding settings of one sample; `seed` and the work key fix its random stream."""
+  max_new_tokens: int = 256
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Greedy(BasePolicy):
+  """One sample per example with the config's sampling (temperature 0 by default)."""
+  name: ClassVar[str] = "greedy"
+
+  @property
+  def num_samples(self) -> int:
+    return 1
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SampleN(BasePolicy):
+  """`n` independent samples at `temperature`; every k <= n is scored (pass@k, vote)."""
+  name: ClassVar[str] = "sample_n"
+  vote: ClassVar[bool] = True
+  n: int = 4
+  temperature: float = 0.7
+  top_p: float = 0.95
+  top_k: int = 0
+
+  def __post_init__(self):
+    if self.n < 1:
+      raise ValueError(f"policy {self.name}: n must be >= 1, got {self.n}")
+    if self.temperature <= 0 and self.n > 1:
+      # n greedy samples would be n copies of the same text.
+      raise ValueError(f"policy {self.name}: n={self.n} samples need temperature > 0")
+
+  @property
+  def num_samples(self) -> int:
+    return self.n
+
+  def sampling(self, base: SamplingSpec, sample_index: int) -> SamplingSpec:
+    del sample_index  # the work key, not the seed, separates samples
+    return dataclasses.replace(base, temperature=self.temperature, top_p=self.top_p,
+                               top_k=self.top_k)

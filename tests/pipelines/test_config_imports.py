@@ -1,0 +1,89 @@
+"""A researcher's own policy from the command line: `--config.imports=` names a module outside
+the package, which the launcher and every worker process import; a bad name is one `error:` line."""
+
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from configs import custom as custom_config
+from pipelines.beam import build_plan
+from pipelines.config_imports import ConfigImportError, imports_in_argv, module_names
+from tests.o1jax.controller.test_docs_example import GreedyThenVote
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# The worked example of docs/controller.md as a package of the researcher's own; each process
+# that imports it appends its pid to $MYLAB_IMPORTS.
+MYLAB_POLICIES = "\n".join([
+    "import dataclasses", "import os", "from typing import ClassVar", "",
+    "from o1jax.controller import Policy, majority_vote, register", "",
+    "with open(os.environ['MYLAB_IMPORTS'], 'a') as log:", "  log.write(f'{os.getpid()}\\n')", "", "",
+    inspect.getsource(GreedyThenVote)])  # from `@register` on
+
+
+@pytest.fixture(scope="module")
+def lab(tiny):
+  """The tiny checkpoint and questions, and the package `mylab` (not importable here)."""
+  (tiny / "mylab").mkdir()
+  (tiny / "mylab" / "__init__.py").write_text("")
+  (tiny / "mylab" / "policies.py").write_text(MYLAB_POLICIES)
+  return tiny
+
+
+def _cli(lab, *args, imports_log=None):
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(lab), str(REPO)]),
+         "MYLAB_IMPORTS": str(imports_log or lab / "unused.log")}
+  return subprocess.run([sys.executable, "-m", "pipelines.eval", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_module_names_as_ml_collections_parses_the_flag():
+  assert module_names(("a.b", "c, d")) == ("a.b", "c", "d")
+  assert imports_in_argv(["--config.imports=mylab.policies"]) == ("mylab.policies",)
+  assert imports_in_argv(["--config.imports=a,b", "--", "--config.imports=c"]) == ("a", "b")
+  assert imports_in_argv(["--config.imports=('a', 'b')"]) == ("a", "b")
+  assert imports_in_argv(["--config.dataset.n=2"]) == ()
+
+
+def test_own_policy_runs_on_two_workers_and_every_process_imports_it(lab, tmp_path):
+  log, out = tmp_path / "imports.log", tmp_path / "out"
+  proc = _cli(lab, "--config=configs/custom.py:policy=greedy_then_vote,smoke=True",
+              "--config.imports=mylab.policies", "--config.policy.n=2",
+              "--config.policy.max_thinking_tokens=6", "--config.policy.max_answer_tokens=4",
+              f"--config.model.source={lab / 'tiny.gguf'}", f"--config.dataset.path={lab / 'q.jsonl'}",
+              "--config.prompt.style=completion", "--config.prompt.template=Q: {question}\nA:",
+              "--config.runner.direct_num_workers=2", "--config.runner.direct_running_mode=multi_processing",
+              "--config.runner.batch_size=2", "--config.runner.progress=False", f"--output_dir={out}",
+              imports_log=log)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["policy"] == "greedy_then_vote" and summary["model"]["predictor"] == "controller"
+  assert summary["samples"] == 3 and summary["dead_letters"]["total"] == 0
+  assert "--beam_plugins=mylab.policies" in summary["run"]["beam_args"]
+  records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+  for r in records:
+    assert r["trace"]["policy"]["name"] == "greedy_then_vote" and r["trace"]["policy"]["n"] == 2
+    assert len(r["trace"]["traces"]) in (1, 3)  # greedy alone, or greedy + n votes
+  # The launcher and both worker processes imported the module.
+  assert len(set(log.read_text().split())) >= 3
+
+
+@pytest.mark.parametrize("where", ["flag", "config"])
+def test_a_module_that_cannot_be_imported_is_one_error_line(lab, tmp_path, where):
+  if where == "flag":  # checked before the config file is read
+    expected = ("error: cannot import module 'mylab.nope' named in config.imports: "
+                "ModuleNotFoundError: No module named 'mylab.nope'\n")
+    proc = _cli(lab, "--config=configs/custom.py:smoke=True", "--config.imports=mylab.nope",
+                f"--config.dataset.path={lab / 'q.jsonl'}", f"--output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and proc.stderr == expected and proc.stdout == ""
+    assert not (tmp_path / "out").exists()  # before any work
+  else:  # a config built in Python: the plan imports them first
+    cfg = custom_config.get_config("smoke=True")
+    cfg.imports = ("json", "no_such_module_anywhere")
+    with pytest.raises(ConfigImportError, match="'no_such_module_anywhere' named in config.imports"):
+      build_plan(cfg, str(tmp_path / "out"))
