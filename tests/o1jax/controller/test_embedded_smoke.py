@@ -2,8 +2,7 @@
 
 import pytest
 
-from o1jax.controller import Controller, ContiguousLlama, configs
-from o1jax.controller.policies import build_policy
+from o1jax.controller import Controller, ContiguousLlama, build_policy, configs
 
 QUESTION = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does "
                                         "he have now? Answer step by step."}]
