@@ -28,8 +28,6 @@ def resolve_backend(backend: str) -> str:
   return backend
 
 
-_resolve_backend = resolve_backend  # old private name
-
 
 def _dtype_name(dtype) -> str:
   return np.dtype(dtype).name

@@ -192,12 +192,6 @@ def _field(reader, key: str, default=None, *, path=None, required=False):
   return f.contents()
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-  """All metadata key/values of a GGUF file (large arrays included)."""
-  reader = _open_reader(pathlib.Path(path))
-  return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
 _REQUIRED_ARCH_KEYS = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
 
 

@@ -90,6 +90,3 @@ def to_device(params: Params, dtype=None) -> Params:
   out["layers"] = [{k: move_weight(v) for k, v in layer.items()} for layer in params["layers"]]
   return out
 
-
-def param_bytes(params: Params) -> int:
-  return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))

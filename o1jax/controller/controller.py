@@ -457,8 +457,6 @@ class Controller:
     """`slots` request slots of n rows each (padded to a power of two), all done and
     empty; `admit` puts requests into them."""
     b = pow2_bucket(slots * n)
-    zi = lambda: jnp.zeros((b,), jnp.int32)
-    w, rec = settings.conf_window, self.max_records
     ones = lambda: jnp.ones((b,), jnp.int32)  # an empty row holds one token so it can be fed
     slot = np.full(b, -1, np.int32)
     slot[:slots * n] = np.repeat(np.arange(slots), n)
@@ -466,21 +464,13 @@ class Controller:
                        prior_votes=[[]] * slots, priors_per_group=max(1, priors_per_slot))
     return ReasoningState(
         tokens=jnp.zeros((b, length), jnp.int32), length=ones(), prompt_len=ones(),
-        phase=jnp.full((b,), S.DONE, jnp.int32), step_index=zi(), step_start=ones(), step_len=zi(),
-        step_lp=jnp.zeros((b,)), step_bt=zi(), backtracks=zi(), think_tokens=zi(),
-        answer_tokens=zi(), prefix_tokens=zi(), probe_tokens=zi(), discarded=zi(), waits=zi(),
-        generated=zi(), lp_total=jnp.zeros((b,)), answer_start=jnp.full((b,), -1, jnp.int32),
-        conf_ring=jnp.zeros((b, w)), conf_count=zi(), conf_sum=jnp.zeros((b,)),
-        lowest_conf=jnp.full((b,), jnp.inf), exit_reason=zi(),
-        key_state=zi(), key=jnp.zeros((b, self.key_capacity), jnp.int32), key_len=zi(),
-        key_commit=zi(), key_unknown=jnp.zeros((b,), bool),
-        early_exit=jnp.zeros((b,), bool), force_buf=jnp.zeros((b, self.force_capacity), jnp.int32),
-        force_pos=zi(), force_len=zi(), rec_start=jnp.zeros((b, rec), jnp.int32),
-        rec_end=jnp.zeros((b, rec), jnp.int32), rec_score=jnp.full((b, rec), jnp.nan),
-        rec_action=jnp.zeros((b, rec), jnp.int32), n_rec=zi(), keys=jnp.zeros((b, 2), jnp.uint32),
-        iteration=jnp.int32(0), stop_at=jnp.int32(NEVER), slot=jnp.asarray(slot),
-        slot_live=jnp.zeros((slots,), bool), return_on_free=jnp.asarray(False), knobs=knobs,
-        cache=self.model.init_cache(b, length, plan))
+        phase=jnp.full((b,), S.DONE, jnp.int32), step_start=ones(),
+        keys=jnp.zeros((b, 2), jnp.uint32), iteration=jnp.int32(0), stop_at=jnp.int32(NEVER),
+        slot=jnp.asarray(slot), slot_live=jnp.zeros((slots,), bool),
+        return_on_free=jnp.asarray(False), knobs=knobs,
+        cache=self.model.init_cache(b, length, plan),
+        **S.row_start_values(b, window=settings.conf_window, records=self.max_records,
+                             key_capacity=self.key_capacity, force_capacity=self.force_capacity))
 
   def admit(self, state: ReasoningState, settings: LoopSettings, n: int,
             admissions: Sequence[tuple[int, ReasoningRequest, Sequence[int]]], *,
@@ -567,7 +557,10 @@ class Controller:
     cache = self.model.prefill_rows(params, cache, leaders, tokens, last)
     if children.shape[0]:
       cache = self.model.copy_rows(cache, children, parents)
-    blank = self.empty_state_rows(state)  # every per-row field at its start value
+    # Every per-row field at its start value (one row, broadcast to the admitted rows).
+    blank = S.row_start_values(1, window=state.conf_ring.shape[1],
+                               records=state.rec_start.shape[1], key_capacity=state.key.shape[1],
+                               force_capacity=state.force_buf.shape[1])
     put = lambda x, v: x.at[rows].set(jnp.asarray(v, x.dtype), mode="drop")
     updates = {f: put(getattr(state, f), jnp.broadcast_to(v, (rows.shape[0],) + v.shape[1:]))
                for f, v in blank.items()}
@@ -577,26 +570,6 @@ class Controller:
     k = k.replace(**{f: put(getattr(k, f), v) for f, v in knobs.items()},
                   **{f: getattr(k, f).at[prior_at].set(v, mode="drop") for f, v in priors.items()})
     return state.replace(**updates, knobs=k, cache=cache)
-
-  @staticmethod
-  def empty_state_rows(state: ReasoningState) -> dict[str, jax.Array]:
-    """Start values of the per-row fields a fresh row resets (one row each; the
-    prompt-dependent ones come from `admit`)."""
-    w, rec = state.conf_ring.shape[1], state.rec_start.shape[1]
-    a, f = state.key.shape[1], state.force_buf.shape[1]
-    zi = jnp.zeros((1,), jnp.int32)
-    zf = jnp.zeros((1,), jnp.float32)
-    return dict(
-        step_index=zi, step_len=zi, step_lp=zf, step_bt=zi, backtracks=zi, think_tokens=zi,
-        answer_tokens=zi, prefix_tokens=zi, probe_tokens=zi, discarded=zi, waits=zi,
-        generated=zi, lp_total=zf, answer_start=zi - 1, conf_ring=jnp.zeros((1, w)),
-        conf_count=zi, conf_sum=zf, lowest_conf=jnp.full((1,), jnp.inf), exit_reason=zi,
-        key_state=zi, key=jnp.zeros((1, a), jnp.int32), key_len=zi, key_commit=zi,
-        key_unknown=jnp.zeros((1,), bool), early_exit=jnp.zeros((1,), bool),
-        force_buf=jnp.zeros((1, f), jnp.int32), force_pos=zi, force_len=zi,
-        rec_start=jnp.zeros((1, rec), jnp.int32), rec_end=jnp.zeros((1, rec), jnp.int32),
-        rec_score=jnp.full((1, rec), jnp.nan), rec_action=jnp.zeros((1, rec), jnp.int32),
-        n_rec=zi)
 
   def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop,
                     vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> ReasoningState:

@@ -14,7 +14,6 @@ A `DecodeModel` is what the reasoning loop needs from a model, and nothing more:
                                            (at least up to logits_at[b]; later ones
                                            cannot change the logits and may be dropped);
                                            attends causally (key s visible iff s <= query)
-  fork(cache, parents [B']) -> cache       row i of the result is a copy of row parents[i]
   prefill_rows(params, cache, rows [R],    rows[i] drops what it held and takes the prompt
       tokens [R, T], last [R]) -> cache    tokens[i, :last[i] + 1] (positions 0..last[i]);
                                            the other rows are untouched; rows[i] >= B is
@@ -53,7 +52,7 @@ from o1jax.model.llama import KVCache, Llama
 class CachePlan:
   """What the controller knows about a batch before it allocates the cache.
 
-  rows: rows after the fork (requests x samples, padded); prompt_tokens: the
+  rows: rows sharing prompts (requests x samples, padded); prompt_tokens: the
   longest prompt; new_tokens: the most positions a row writes past its prompt
   (the loop ends a row at `max_generated` tokens, and a scratch probe reaches
   at most `probe_capacity` past the end); prompts: how many prompts the rows
@@ -76,9 +75,6 @@ class DecodeModel(Protocol):
   def forward(self, params, cache, tokens: jax.Array, starts: jax.Array, logits_at: jax.Array):
     ...
 
-  def fork(self, cache, parents: jax.Array) -> Any:
-    ...
-
   def prefill_rows(self, params, cache, rows: jax.Array, tokens: jax.Array,
                    last: jax.Array) -> Any:
     ...
@@ -91,11 +87,6 @@ class DecodeModel(Protocol):
 
   def check(self, cache) -> None:
     ...
-
-
-def fork_rows(cache, parents: jax.Array):
-  """Gathers rows of every batch-major leaf (all leaves of a contiguous cache)."""
-  return jax.tree.map(lambda x: jnp.take(x, parents, axis=0), cache)
 
 
 def prefill_batch_major_rows(forward, params, cache, rows, tokens, last):
@@ -133,9 +124,6 @@ class ContiguousLlama:
     model = nnx.merge(self.graphdef, params)
     return model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache,
                  logits_at=logits_at.astype(jnp.int32))
-
-  def fork(self, cache, parents):
-    return fork_rows(cache, parents)
 
   def prefill_rows(self, params, cache, rows, tokens, last):
     # Positions past the new prompt keep stale K/V: rewritten before they are visible.

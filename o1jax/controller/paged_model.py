@@ -16,16 +16,17 @@ jitted while_loop with no host sync.
                  K/V through the tables, then paged attention). Only tokens up
                  to logits_at are written: later ones (prompt and probe
                  padding) cannot change the logits and would hold blocks
-  fork        children take their parents' tables; each block's count rises
-              by its new holders and drops by its old ones (a prefill row
-              nobody forks frees its blocks). Nothing is copied: the first
-              write into a shared partial block copies it (step 1 above)
+  prefill_rows  the rows release their blocks and write their prompts into
+              fresh ones
+  copy_rows   dst rows release their blocks and take src's tables; each
+              block's count rises by its new holders. Nothing is copied: the
+              first write into a shared partial block copies it (step 1 above)
   truncate    `truncate_rows`: blocks wholly past the new length are released
   check       host side: raises `PagedCacheOverflow` if a write found no block
 
 Pool size. With `num_blocks=None` the pool is sized from the `CachePlan` the
 controller passes to `init_cache`, and a run always fits: a prefill row holds
-at most ceil(prompt_tokens / bs) blocks, and a forked row writes only
+at most ceil(prompt_tokens / bs) blocks, and a row sharing a prompt writes only
 positions prompt_len - 1 .. prompt_len - 1 + new_tokens (the loop ends a row
 at `max_generated` tokens; a probe reaches at most `probe_capacity` past the
 end), so besides the shared prompt blocks it owns at most
@@ -168,15 +169,6 @@ class PagedLlama:
     blocks = blocks.replace(lengths=jnp.maximum(blocks.lengths, starts + write_lens))
     return logits, self._note(cache.replace(pages=pages, blocks=blocks,
                                             overflow=cache.overflow | ~jnp.all(ok)))
-
-  def fork(self, cache: PagedCache, parents):
-    old = cache.blocks
-    tables, used, lengths = old.tables[parents], old.used[parents], old.lengths[parents]
-    refcounts = add_row_refs(old.refcounts, old.tables, old.used, -1)
-    refcounts = add_row_refs(refcounts, tables, used, 1)
-    blocks = old.replace(tables=tables, used=used, lengths=lengths, refcounts=refcounts)
-    pages = cache.pages.for_batch(tables, jnp.zeros_like(used))
-    return self._note(cache.replace(pages=pages, blocks=blocks))
 
   def prefill_rows(self, params, cache: PagedCache, rows, tokens, last):
     """The rows release their blocks, then the prompts are written through a view

@@ -179,6 +179,25 @@ class ReasoningState:
     n = jnp.minimum(self.conf_count, self.window)
     return jnp.where(n > 0, jnp.sum(self.conf_ring, axis=1) / jnp.maximum(n, 1), jnp.inf)
 
-  @property
-  def mean_conf(self) -> jax.Array:
-    return jnp.where(self.conf_count > 0, self.conf_sum / jnp.maximum(self.conf_count, 1), jnp.inf)
+
+def row_start_values(rows: int, *, window: int, records: int, key_capacity: int,
+                     force_capacity: int) -> dict[str, jax.Array]:
+  """The start value of every per-row field a fresh row resets, for `rows` rows (the
+  prompt-dependent ones, tokens, lengths and keys, come from the controller's `admit`).
+  Each field gets a buffer of its own: the loop's state is donated."""
+  zi = lambda: jnp.zeros((rows,), jnp.int32)
+  zf = lambda: jnp.zeros((rows,), jnp.float32)
+  no = lambda: jnp.zeros((rows,), bool)
+  return dict(
+      step_index=zi(), step_len=zi(), step_lp=zf(), step_bt=zi(), backtracks=zi(),
+      think_tokens=zi(), answer_tokens=zi(), prefix_tokens=zi(), probe_tokens=zi(),
+      discarded=zi(), waits=zi(), generated=zi(), lp_total=zf(),
+      answer_start=jnp.full((rows,), -1, jnp.int32), conf_ring=jnp.zeros((rows, window)),
+      conf_count=zi(), conf_sum=zf(), lowest_conf=jnp.full((rows,), jnp.inf), exit_reason=zi(),
+      key_state=zi(), key=jnp.zeros((rows, key_capacity), jnp.int32), key_len=zi(),
+      key_commit=zi(), key_unknown=no(), early_exit=no(),
+      force_buf=jnp.zeros((rows, force_capacity), jnp.int32), force_pos=zi(), force_len=zi(),
+      rec_start=jnp.zeros((rows, records), jnp.int32),
+      rec_end=jnp.zeros((rows, records), jnp.int32),
+      rec_score=jnp.full((rows, records), jnp.nan),
+      rec_action=jnp.zeros((rows, records), jnp.int32), n_rec=zi())

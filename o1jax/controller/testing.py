@@ -10,7 +10,7 @@ text depend on what came before (e.g. each delimiter seen raises the logit of
 the answer digit; each "bad" token raises the logit of " No" after the
 verification probe). Its cache is the token buffer itself ([B, S] int32);
 positions past the query are masked, exactly like a causal KV cache, so
-truncation is free and forking gathers rows.
+truncation is free and copying a row copies its tokens.
 
 Worked example (tests/o1jax/controller use this vocabulary): table[A] puts
 logit 3 on B and 0 elsewhere in a 16-token vocabulary, so
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from o1jax.controller.decode_model import (CachePlan, copy_batch_major_rows, fork_rows,
+from o1jax.controller.decode_model import (CachePlan, copy_batch_major_rows,
                                            prefill_batch_major_rows)
 
 
@@ -71,9 +71,6 @@ class MockDecodeModel:
     counts = jnp.sum(hits, axis=1).astype(jnp.float32)  # [B, K]
     logits = params["table"][last] + counts @ params["boosts"]
     return logits.astype(jnp.float32), MockCache(tokens=buf)
-
-  def fork(self, cache, parents):
-    return fork_rows(cache, parents)
 
   def prefill_rows(self, params, cache, rows, tokens, last):
     return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last)

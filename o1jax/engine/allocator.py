@@ -135,11 +135,3 @@ class BlockAllocator:
       self._parked.pop(block, None)
       if self.refcounts[block] == 0:
         self._free.append(block)
-
-  def device_refcounts(self) -> np.ndarray:
-    """Counts for `kv_cache.BlockState`: parked prefix blocks count 1, so a
-    device-side allocator never hands them out."""
-    counts = self.refcounts.copy()
-    for block in self._parked:
-      counts[block] = max(counts[block], 1)
-    return counts

@@ -38,7 +38,7 @@ import logging
 import math
 import time
 import zlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -853,16 +853,3 @@ class Engine:
                for s in group.samples]
     return RequestResult(request_id=group.request_id, prompt_token_ids=list(group.prompt_ids),
                          samples=samples, metrics=group.metrics)
-
-  # -- pure pieces for the controller ---------------------------------------------------------
-
-  def new_cache(self) -> PagedKVCache:
-    """A fresh, empty pool with this engine's geometry (the engine keeps its own)."""
-    mc = self.model_config
-    return PagedKVCache.create(mc.n_layers, self.num_blocks, self.config.block_size,
-                               mc.n_kv_heads, mc.head_dim, self.config.kv_dtype)
-
-  def info(self) -> dict[str, Any]:
-    return {"num_blocks": self.num_blocks, "block_size": self.config.block_size,
-            "kv_bytes": self.kv_bytes, "kv_dtype": self.config.kv_dtype,
-            "max_slots": self.config.max_slots, "max_context": self.max_context}

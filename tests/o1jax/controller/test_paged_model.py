@@ -142,16 +142,16 @@ def test_samples_share_the_prompt_blocks(models):
 
 
 def test_truncate_frees_blocks_and_rewrites_read_right(models):
-  """Prefill 10 tokens, fork into 2 rows, decode 8 each; roll row 0 back to 12 and write
-  other tokens there. Logits match a contiguous run over each row's final sequence."""
+  """Prefill 10 tokens into row 0, share them with row 1 (`copy_rows`, as the controller
+  does), decode 8 each; roll row 0 back to 12 and write other tokens there. Logits match a
+  contiguous run over each row's final sequence."""
   contiguous, paged, _ = models
   rng = np.random.default_rng(3)
   prompt = rng.integers(3, 259, 10).astype(np.int32)
   fwd = jax.jit(paged.forward)
-  cache = paged.init_cache(1, 32)
-  _, cache = fwd(paged.params, cache, jnp.asarray(prompt[None]), jnp.zeros(1, jnp.int32),
-                 jnp.array([9]))
-  cache = jax.jit(paged.fork)(cache, jnp.array([0, 0]))
+  cache = jax.jit(paged.prefill_rows)(paged.params, paged.init_cache(2, 32), jnp.array([0]),
+                                      jnp.asarray(prompt[None]), jnp.array([9]))
+  cache = jax.jit(paged.copy_rows)(cache, jnp.array([1]), jnp.array([0]))
   seqs = [list(prompt), list(prompt)]
   step = lambda cache, toks, pos: fwd(paged.params, cache, jnp.asarray(toks)[:, None],
                                       jnp.asarray(pos, jnp.int32), jnp.zeros(2, jnp.int32))
