@@ -13,7 +13,7 @@ import pathlib
 
 import numpy as np
 
-from o1jax.model.config import ModelConfig
+from o1jax.checkpoint.model_config import ModelConfig
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

@@ -57,7 +57,7 @@ SHAPES = {"smollm2": (SMOLLM2_SHAPE, 30, True), "llama3-8b": (LLAMA3_8B_SHAPE, 3
 
 def random_model_params(n_layers: int, seed: int = 0, max_context: int = 2048):
   """(ModelConfig, params) of a SmolLM2-shaped model with 4-bit random weights."""
-  from o1jax.model.config import ModelConfig
+  from o1jax.checkpoint.model_config import ModelConfig
   from pallas_kernels.quantized_tensor import quantize
 
   c = ModelConfig(n_layers=n_layers, max_context=max_context, tie_embeddings=True, bos_id=1,
@@ -94,7 +94,7 @@ def random_device_params(shape: dict, n_layers: int, tied: bool, dense_bf16: boo
   import jax
   import jax.numpy as jnp
 
-  from o1jax.model.config import ModelConfig
+  from o1jax.checkpoint.model_config import ModelConfig
   from pallas_kernels.quantized_tensor import QuantizedTensor
 
   c = ModelConfig(n_layers=n_layers, max_context=max_context, tie_embeddings=tied, bos_id=1,

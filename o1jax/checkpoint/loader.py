@@ -9,9 +9,9 @@ import pathlib
 from o1jax.checkpoint import gguf_loader, orbax_io, safetensors_loader
 from o1jax.checkpoint.embedded import embedded_model_path
 from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
 from o1jax.checkpoint.tokenizer import Tokenizer
-from o1jax.model.config import ModelConfig
 
 EMBEDDED = "embedded"
 

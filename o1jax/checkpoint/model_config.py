@@ -1,4 +1,4 @@
-"""Model configuration shared by every checkpoint format."""
+"""Model configuration shared by every checkpoint format (the model layer reads it from here)."""
 
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ import pathlib
 import numpy as np
 
 from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, flatten, unflatten
 from o1jax.checkpoint.tokenizer import Tokenizer
-from o1jax.model.config import ModelConfig
 
 MANIFEST = "o1jax_model.json"
 

@@ -14,8 +14,8 @@ import pathlib
 import numpy as np
 
 from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
-from o1jax.model.config import ModelConfig
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -1,6 +1,6 @@
 """Flax Llama-family model, sampling and simple generation."""
 
-from o1jax.model.config import ModelConfig
+from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.model.generation import GenerationOutput, Generator
 from o1jax.model.llama import KVCache, Llama
 from o1jax.model.sampling import SamplingParams

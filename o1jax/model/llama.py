@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, to_device
 from o1jax.model import layers
-from o1jax.model.config import ModelConfig
 from pallas_kernels.ops import resolve_backend
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 from pallas_kernels.vnni_matmul import concat_columns, pack as pack_vnni
