@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from o1jax.controller.sampling_policies import SamplingSpec
+from o1jax.model.sampling import SamplingParams
 from pipelines.config_imports import import_modules
 from pipelines.datasets.records import text_bytes
 
@@ -177,14 +178,12 @@ class GeneratorPredictor:
     return cls(Generator(*_load_model(spec)))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
-    from o1jax.model import SamplingParams
     out: list[dict | None] = [None] * len(items)
     order = sorted(range(len(items)), key=lambda i: (items[i].stop, items[i].sampling.max_new_tokens))
     for (stop, max_new), group in itertools.groupby(
         order, key=lambda i: (items[i].stop, items[i].sampling.max_new_tokens)):
       idx = list(group)
-      params = [SamplingParams(temperature=items[i].sampling.temperature, top_p=items[i].sampling.top_p,
-                               top_k=items[i].sampling.top_k, seed=items[i].sampling.seed) for i in idx]
+      params = [SamplingParams(**_sampling_fields(items[i].sampling)) for i in idx]
       t0 = self.clock()
       outputs = self.generator.generate([items[i].prompt for i in idx], max_new, params,
                                         request_ids=[items[i].request_id for i in idx], stop=stop)
@@ -193,6 +192,11 @@ class GeneratorPredictor:
         out[i] = {"text": o.text, "tokens": {"prompt": o.prompt_tokens, "completion": len(o.token_ids)},
                   "finish_reason": o.finish_reason, "latency_s": elapsed, "trace": {}}
     return out  # type: ignore[return-value]
+
+
+def _sampling_fields(spec: SamplingSpec) -> dict[str, Any]:
+  """The `SamplingParams` fields of a sample's settings (what the samplers read)."""
+  return {f.name: getattr(spec, f.name) for f in dataclasses.fields(SamplingParams)}
 
 
 def engine_config(spec: PredictorSpec):
@@ -246,9 +250,8 @@ class EnginePredictor:
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.engine import GenerationParams, Request
     requests = [Request(prompt=i.prompt, request_id=i.request_id, params=GenerationParams(
-        temperature=i.sampling.temperature, top_p=i.sampling.top_p, top_k=i.sampling.top_k,
-        max_new_tokens=i.sampling.max_new_tokens, stop=tuple(i.stop), seed=i.sampling.seed))
-        for i in items]
+        **_sampling_fields(i.sampling),
+        max_new_tokens=i.sampling.max_new_tokens, stop=tuple(i.stop))) for i in items]
     self._queue.add(len(items))
     with self._lock:
       self._queue.add(-len(items))

@@ -43,20 +43,18 @@ from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRec
 from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
-from o1jax.model.sampling import sequence_key
+from o1jax.model.sampling import Sampling, sequence_key
 from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopSettings:
-  """Everything one `generate` call varies; policies build these from their params."""
+class LoopSettings(Sampling):
+  """Everything one `generate` call varies; policies build these from their params.
+  Sampling (temperature, top_k, top_p, min_p) is `o1jax.model.sampling.Sampling`'s,
+  checked there; seeds are per request (`ReasoningRequest.seed`)."""
 
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  min_p: float = 0.0
   temp_bump: float = 0.0  # added to the temperature per backtrack of the current step
   backtrack_threshold: float = -math.inf  # backtrack a step whose score is below
   max_step_backtracks: int = 0
@@ -81,6 +79,7 @@ class LoopSettings:
   stop_when_decided: bool = False  # stop once the running rows cannot change the winner
 
   def __post_init__(self):
+    super().__post_init__()
     if self.min_thinking_tokens > self.max_thinking_tokens:
       raise ValueError(f"min_thinking_tokens {self.min_thinking_tokens} > max_thinking_tokens "
                        f"{self.max_thinking_tokens}")

@@ -16,19 +16,23 @@ import dataclasses
 from typing import Any, ClassVar
 
 from o1jax.controller.registry import BasePolicy, register
+from o1jax.model.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingSpec:
-  """Decoding settings of one sample; `seed` and the work key fix its random stream."""
+class SamplingSpec(SamplingParams):
+  """Decoding settings of one sample (`SamplingParams` + its token budget); `seed` and the
+  work key fix its random stream."""
   max_new_tokens: int = 256
-  temperature: float = 0.0
-  top_p: float = 1.0
-  top_k: int = 0
-  seed: int = 0
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """What enters the sample's content hash and record; min_p only when set (it is not a
+    config setting), so earlier records keep their keys."""
+    out = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+           "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+    if self.min_p:
+      out["min_p"] = self.min_p
+    return out
 
 
 @register

@@ -50,7 +50,7 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
-from o1jax.model.sampling import sequence_key
+from o1jax.model.sampling import SamplingParams, sequence_key
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 
 log = logging.getLogger(__name__)
@@ -99,33 +99,22 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationParams:
-  """Sampling and stopping for one request (all n samples)."""
+class GenerationParams(SamplingParams):
+  """Sampling (temperature, top_k, top_p, min_p, seed: `SamplingParams`, checked there) and
+  stopping for one request (all n samples)."""
 
-  temperature: float = 0.0  # 0 -> greedy
-  top_p: float = 1.0
-  top_k: int = 0
-  min_p: float = 0.0
   max_new_tokens: int = 256
   stop: tuple[str, ...] = ()  # stop strings (not included in the text)
   stop_token_ids: tuple[int, ...] = ()  # extra stop ids (not included)
   ignore_eos: bool = False
   n: int = 1  # samples of the prompt (prefilled once, blocks shared)
-  seed: int = 0
   logprobs: bool = False  # per-token log p of the sampled tokens
   top_logprobs: int = 0  # and this many most likely alternatives per token
 
   def __post_init__(self):
+    super().__post_init__()
     object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if not 0.0 <= self.min_p < 1.0:
-      raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if self.n < 1:

@@ -14,12 +14,15 @@ import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class Sampling:
+  """How the next token is drawn, checked once here for every class that carries it:
+  `SamplingParams` (+ seed), the engine's `GenerationParams` (+ stopping) and the
+  controller's `LoopSettings` (+ the reasoning loop's knobs)."""
+
   temperature: float = 0.0  # 0 -> greedy
   top_k: int = 0  # 0 -> off
   top_p: float = 1.0  # 1 -> off
   min_p: float = 0.0  # 0 -> off
-  seed: int = 0
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -34,6 +37,13 @@ class SamplingParams:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams(Sampling):
+  """`Sampling` of one sequence plus the seed of its random stream (see the module doc)."""
+
+  seed: int = 0
 
 
 def sequence_key(seed: int, request_id: int, sample_index: int) -> jax.Array:

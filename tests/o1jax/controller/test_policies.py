@@ -49,6 +49,11 @@ def test_plain_sampling_policies_share_the_namespace():
   assert p.num_samples == 5 and p.vote and not p.controller
   base = SamplingSpec(max_new_tokens=8, seed=3)
   assert p.sampling(base, 4) == SamplingSpec(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=3)
+  # What a sample's content hash and record hold (min_p only when set: old keys stay valid).
+  assert list(base.to_dict()) == ["max_new_tokens", "temperature", "top_p", "top_k", "seed"]
+  assert SamplingSpec(min_p=0.05).to_dict()["min_p"] == 0.05
+  with pytest.raises(ValueError, match="top_p must be in"):
+    SamplingSpec(top_p=0.0)  # checked once, by o1jax.model.sampling.Sampling
   with pytest.raises(ValueError, match=r"valid: \['n', 'temperature', 'top_k', 'top_p'\]"):
     build_policy({"name": "sample_n", "m": 2})
   sc = build_policy({"name": "self_consistency"})
