@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import native
 from pallas_kernels import ops as kernel_ops
+from pallas_kernels.paged_attention import gather_kv
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -144,16 +145,6 @@ def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_ta
 # --- attention ---------------------------------------------------------------------
 
 
-def gather_rows(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array) -> jax.Array:
-  """Pages of each row in logical order as f32: [B, MB * bs, KVH, D]."""
-  nb, bs, kvh, d = pages.shape
-  b, mb = block_tables.shape
-  kv = jnp.take(pages, block_tables, axis=0, mode="clip").astype(jnp.float32)
-  if scale is not None:
-    kv = kv * jnp.take(scale, block_tables, axis=0, mode="clip")[:, :, None, :, None]
-  return kv.reshape(b, mb * bs, kvh, d)
-
-
 def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, k_scale=None,
                          v_scale=None) -> jax.Array:
   """One query per row against its paged keys, written for the CPU.
@@ -171,8 +162,8 @@ def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, 
   b, h, d = q.shape
   kvh = k_pages.shape[2]
   g = h // kvh
-  k = gather_rows(k_pages, k_scale, block_tables)
-  v = gather_rows(v_pages, v_scale, block_tables)
+  k = gather_kv(k_pages, k_scale, block_tables)  # the reference's gather: f32, scales applied
+  v = gather_kv(v_pages, v_scale, block_tables)
   qg = q.astype(jnp.float32).reshape(b, 1, kvh, g, d) * (1.0 / math.sqrt(d))
   s = jnp.sum(qg * k[:, :, :, None, :], axis=-1)  # [B, L, KVH, G]
   valid = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, L]

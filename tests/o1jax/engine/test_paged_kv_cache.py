@@ -14,8 +14,9 @@ from flax import nnx
 
 from o1jax.engine import BlockAllocator, BlockState, OutOfBlocks, PagedKVCache, copy_blocks
 from o1jax.engine import fork_rows, reserve_for_append, truncate_rows
-from o1jax.engine.kv_cache import gather_rows, write_pages, write_pages_fp8
+from o1jax.engine.kv_cache import write_pages, write_pages_fp8
 from pallas_kernels import native
+from pallas_kernels.paged_attention import gather_kv
 from o1jax.model import KVCache
 
 ATOL = 2e-4
@@ -89,8 +90,8 @@ def test_fp8_writes_keep_values_within_e4m3_precision():
     chunk, starts, lens = jnp.asarray(new[:, start:start + n]), jnp.full(2, start), jnp.full(2, n)
     pages, scale = write_pages_fp8(pages, scale, chunk, tables, starts, lens)
     exact = write_pages(exact, chunk, tables, starts, lens)
-  got = np.asarray(gather_rows(pages, scale, tables))[:, :11]
-  want = np.asarray(gather_rows(exact, None, tables))[:, :11]
+  got = np.asarray(gather_kv(pages, scale, tables))[:, :11]
+  want = np.asarray(gather_kv(exact, None, tables))[:, :11]
   np.testing.assert_array_equal(want, new)
   # e4m3 has 3 mantissa bits: relative error per value <= 1/16, ~2-3% in norm.
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.04
