@@ -1,7 +1,6 @@
 """A researcher's own policy from the command line: `--config.imports=` names a module outside
 the package, which the launcher and every worker process import; a bad name is one `error:` line."""
 
-import inspect
 import json
 import os
 import pathlib
@@ -13,17 +12,19 @@ import pytest
 from configs import custom as custom_config
 from pipelines.beam import build_plan
 from pipelines.config_imports import ConfigImportError, imports_in_argv, module_names
-from tests.o1jax.controller.test_docs_example import GreedyThenVote
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-# The worked example of docs/controller.md as a package of the researcher's own; each process
-# that imports it appends its pid to $MYLAB_IMPORTS.
-MYLAB_POLICIES = "\n".join([
-    "import dataclasses", "import os", "from typing import ClassVar", "",
-    "from o1jax.controller import Policy, majority_vote, register", "",
-    "with open(os.environ['MYLAB_IMPORTS'], 'a') as log:", "  log.write(f'{os.getpid()}\\n')", "", "",
-    inspect.getsource(GreedyThenVote)])  # from `@register` on
+
+def docs_example_policy() -> str:
+  """The policy module of docs/controller.md's worked example, as the docs print it."""
+  text = (REPO / "docs" / "controller.md").read_text()
+  start = text.index("```python\n", text.index("## Adding a policy")) + len("```python\n")
+  return text[start:text.index("\n```", start) + 1]
+
+
+# Each process that imports the researcher's module appends its pid to $MYLAB_IMPORTS.
+IMPORT_LOG = "import os\nwith open(os.environ['MYLAB_IMPORTS'], 'a') as log:\n  log.write(f'{os.getpid()}\\n')\n"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def lab(tiny):
   """The tiny checkpoint and questions, and the package `mylab` (not importable here)."""
   (tiny / "mylab").mkdir()
   (tiny / "mylab" / "__init__.py").write_text("")
-  (tiny / "mylab" / "policies.py").write_text(MYLAB_POLICIES)
+  (tiny / "mylab" / "policies.py").write_text(IMPORT_LOG + docs_example_policy())
   return tiny
 
 
