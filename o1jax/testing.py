@@ -176,3 +176,45 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   writer.write_tensors_to_file()
   writer.close()
   return weights
+
+
+# Byte ranges of each GGUF block format's float scales: (start, end, dtype). Random bytes
+# elsewhere are valid codes; these get finite values so tests exercise real numbers.
+_BLOCK_SCALE_FIELDS = {
+    "Q4_0": ((0, 2, np.float16),), "Q4_1": ((0, 2, np.float16), (2, 4, np.float16)),
+    "Q8_0": ((0, 2, np.float16),),
+    "Q2_K": ((80, 82, np.float16), (82, 84, np.float16)), "Q3_K": ((108, 110, np.float16),),
+    "Q4_K": ((0, 2, np.float16), (2, 4, np.float16)),
+    "Q5_K": ((0, 2, np.float16), (2, 4, np.float16)), "Q6_K": ((208, 210, np.float16),),
+    "Q8_K": ((0, 4, np.float32),),
+}
+
+
+def random_gguf_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
+                       scales=(0.01, 0.01)) -> np.ndarray:
+  """Raw bytes [rows, K / block * nbytes] of a GGUF tensor of type `kind`: random codes,
+  and per block the float fields (d, then dmin/m where the format has one) drawn as
+  |N(0, 1)| * scales[i] (Q4_1's m as N(0, 1) * scales[1]: it is a signed offset)."""
+  import gguf
+
+  block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+  raw = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
+  for i, (start, end, dtype) in enumerate(_BLOCK_SCALE_FIELDS[kind]):
+    v = rng.standard_normal((rows, k // block)) * scales[i]
+    v = v if kind == "Q4_1" and i == 1 else np.abs(v)
+    raw[..., start:end] = v.astype(dtype)[..., None].view(np.uint8)
+  return raw.reshape(rows, -1)
+
+
+def kquant_scales(kind: str, in_features: int) -> tuple[float, float]:
+  """(d, dmin) magnitudes for `random_gguf_blocks` that give weights of RMS ~ 1/sqrt(K)
+  and mean ~ 0: random codes have mean sc * q ~ (scale max / 2)(code max / 2), which the
+  min term cancels on average."""
+  target = 1.0 / np.sqrt(in_features)
+  # (largest scale, largest code, mean of the min term per unit dmin)
+  sc_max, q_max, min_mean = {"Q2_K": (15, 3, 7.5), "Q3_K": (32, 4, 0), "Q4_K": (63, 15, 31.5),
+                             "Q5_K": (63, 31, 31.5), "Q6_K": (128, 32, 0),
+                             "Q8_K": (1, 128, 0)}.get(kind, (1, 8, 0))
+  d = target * 2 / (sc_max * q_max)
+  dmin = d * (sc_max / 2) * (q_max / 2) / min_mean if min_mean else 0.0
+  return d, dmin

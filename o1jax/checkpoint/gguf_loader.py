@@ -17,15 +17,15 @@ import pathlib
 
 import numpy as np
 
+from o1jax.checkpoint import gguf_blocks
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.params import Params
 from o1jax.model.config import ModelConfig
-from pallas_kernels.quantized_tensor import QuantizedTensor, pack_int4
+from pallas_kernels.quantized_tensor import QuantizedTensor
 
 # GGUF architectures that are plain Llama-style decoders in our model.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-_BLOCK = 32  # elements per Q4_0/Q4_1/Q8_0 block
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16") + tuple(gguf_blocks.FORMATS)
 
 
 def _check_file(path: pathlib.Path) -> None:
@@ -247,43 +247,6 @@ def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
   )
 
 
-def _blocks(t, nbytes_per_block):
-  """Raw bytes of a quantized tensor as [rows, blocks_per_row, bytes_per_block]."""
-  data = np.asarray(t.data)
-  rows = data.shape[0]
-  return data.reshape(rows, -1, nbytes_per_block)
-
-
-def _f16(b):
-  return np.ascontiguousarray(b).view(np.float16)[..., 0]
-
-
-def _quantized_from_gguf(t) -> QuantizedTensor:
-  """A 2-D GGUF tensor (rows = N outputs, each of K inputs) -> QuantizedTensor [K, N]."""
-  kind = t.tensor_type.name
-  if kind == "Q8_0":
-    b = _blocks(t, 34)  # f16 d, 32 x int8
-    scale = _f16(b[..., 0:2])  # [N, K/32]
-    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(b.shape[0], -1)  # [N, K]
-    return QuantizedTensor(packed=np.ascontiguousarray(q.T), scale=np.ascontiguousarray(scale.T),
-                           minimum=None, bits=8, group_size=_BLOCK)
-  if kind == "Q4_0":
-    b = _blocks(t, 18)  # f16 d, 16 bytes of nibbles
-    scale, minimum, qs = _f16(b[..., 0:2]), None, b[..., 2:]
-  elif kind == "Q4_1":
-    b = _blocks(t, 20)  # f16 d, f16 m, 16 bytes of nibbles
-    scale, minimum, qs = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:]
-  else:
-    raise AssertionError(kind)
-  # Within a block, byte j holds element j (low nibble) and element j + 16 (high).
-  q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(b.shape[0], -1)  # [N, K]
-  return QuantizedTensor(
-      packed=pack_int4(np.ascontiguousarray(q.T)),
-      scale=np.ascontiguousarray(scale.T),
-      minimum=None if minimum is None else np.ascontiguousarray(minimum.T),
-      bits=4, group_size=_BLOCK)
-
-
 def _dense_from_gguf(t) -> np.ndarray:
   """F32/F16/BF16 tensor in numpy's row-major order (GGUF's ne reversed)."""
   data = np.asarray(t.data)
@@ -296,8 +259,8 @@ def _dense_from_gguf(t) -> np.ndarray:
 
 def _matrix(t):
   """A GGUF weight (rows = outputs) as our [K, N] layout: quantized or dense."""
-  if t.tensor_type.name in ("Q8_0", "Q4_0", "Q4_1"):
-    return _quantized_from_gguf(t)
+  if t.tensor_type.name in gguf_blocks.FORMATS:
+    return gguf_blocks.quantized_from_gguf(t.tensor_type.name, np.asarray(t.data))
   return np.ascontiguousarray(_dense_from_gguf(t).T)
 
 
