@@ -3,10 +3,11 @@
 Quantized tensors stay quantized: Q4_0/Q4_1/Q8_0 blocks are re-laid out into
 `QuantizedTensor` ([K, N], groups of 32 along K) without going through f32.
 
-llama.cpp's converter permutes the rows of Q and K so that rotary embedding can
-be applied to adjacent pairs; we undo that permutation (an exact column
-shuffle of the quantized weight) so every checkpoint format shares HF's
-rotate-half layout and gives bit-identical logits.
+For Llama-style architectures llama.cpp's converter permutes the rows of Q and K
+so that rotary embedding can be applied to adjacent pairs; we undo that
+permutation (an exact column shuffle of the quantized weight) so every
+checkpoint format shares HF's rotate-half layout and gives bit-identical
+logits. Qwen2/Qwen3 files keep HF's order (llama.cpp rotates them NEOX-style).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from o1jax.checkpoint.params import Params
 from o1jax.model.config import ModelConfig
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
-# GGUF architectures that are plain Llama-style decoders in our model.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp rotates these with NEOX RoPE (pairs i, i + d/2, as HF): their converter leaves
+# Q/K rows as they are. The others ("normal" RoPE on adjacent pairs) have them permuted.
+_ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16") + tuple(gguf_blocks.FORMATS)
 
 
@@ -207,7 +211,7 @@ def _check_architecture(path, arch) -> None:
         f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
-def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
+def _config_from_metadata(reader, path, tensors) -> ModelConfig:
   arch = _field(reader, "general.architecture", path=path, required=True)
   _check_architecture(path, arch)
   g = lambda k, d=None, req=False: _field(reader, f"{arch}.{k}", d, path=path, required=req)
@@ -221,7 +225,16 @@ def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
   if scaling_type == "linear":
     rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
   elif scaling_type not in (None, "none"):
-    raise CheckpointError(f"{path}: rope scaling type {scaling_type!r} is not supported")
+    raise CheckpointError(f"{path}: rope scaling type {scaling_type!r} is not supported "
+                          f"(supported: linear, and Llama 3's rope_freqs tensor)")
+  if "rope_freqs.weight" in tensors:  # Llama 3: theta_i / factor_i, written by the converter
+    if rope_scaling is not None:
+      raise CheckpointError(f"{path}: both rope_freqs and rope scaling {scaling_type!r}")
+    factors = np.asarray(_dense_from_gguf(tensors["rope_freqs.weight"]), np.float32)
+    if factors.shape != (head_dim // 2,):
+      raise CheckpointError(f"{path}: rope_freqs.weight has shape {factors.shape}, expected "
+                            f"({head_dim // 2},)")
+    rope_scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
   eos = _field(reader, "tokenizer.ggml.eos_token_id")
   eot = _field(reader, "tokenizer.ggml.eot_token_id")
   eos_ids = tuple(sorted({int(i) for i in (eos, eot) if i is not None}))
@@ -238,8 +251,9 @@ def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
       rope_scaling=rope_scaling,
       rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
       max_context=int(g("context_length", 2048)),
-      tie_embeddings="output.weight" not in tensor_names,
-      attention_bias="blk.0.attn_q.bias" in tensor_names,
+      tie_embeddings="output.weight" not in tensors,
+      attention_bias="blk.0.attn_q.bias" in tensors,
+      qk_norm="blk.0.attn_q_norm.weight" in tensors,
       bos_id=None if bos is None else int(bos),
       eos_ids=eos_ids,
       architecture=arch,
@@ -320,13 +334,17 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   def vector(name):
     return np.asarray(_dense_from_gguf(get(name)), np.float32)
 
+  if config.architecture in _ROTATE_HALF_ARCHITECTURES:
+    hf_order = lambda w, n_heads: w
+  else:
+    hf_order = lambda w, n_heads: unpermute_columns(w, n_heads, config.head_dim)
   layers = []
   for i in range(config.n_layers):
     p = f"blk.{i}."
     layer = {
         "attn_norm": vector(p + "attn_norm.weight"),
-        "wq": unpermute_columns(_matrix(get(p + "attn_q.weight")), config.n_heads, config.head_dim),
-        "wk": unpermute_columns(_matrix(get(p + "attn_k.weight")), config.n_kv_heads, config.head_dim),
+        "wq": hf_order(_matrix(get(p + "attn_q.weight")), config.n_heads),
+        "wk": hf_order(_matrix(get(p + "attn_k.weight")), config.n_kv_heads),
         "wv": _matrix(get(p + "attn_v.weight")),
         "wo": _matrix(get(p + "attn_output.weight")),
         "ffn_norm": vector(p + "ffn_norm.weight"),
@@ -335,9 +353,15 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
         "w_down": _matrix(get(p + "ffn_down.weight")),
     }
     if config.attention_bias:
-      layer["bq"] = unpermute_columns(vector(p + "attn_q.bias"), config.n_heads, config.head_dim)
-      layer["bk"] = unpermute_columns(vector(p + "attn_k.bias"), config.n_kv_heads, config.head_dim)
+      layer["bq"] = hf_order(vector(p + "attn_q.bias"), config.n_heads)
+      layer["bk"] = hf_order(vector(p + "attn_k.bias"), config.n_kv_heads)
       layer["bv"] = vector(p + "attn_v.bias")
+    if config.qk_norm:  # per head, over head_dim: no permutation for rotate-half files
+      if config.architecture not in _ROTATE_HALF_ARCHITECTURES:
+        raise CheckpointError(f"{path}: q/k norms in a {config.architecture!r} file (permuted "
+                              f"Q/K rows) are not supported")
+      layer["q_norm"] = vector(p + "attn_q_norm.weight")
+      layer["k_norm"] = vector(p + "attn_k_norm.weight")
     layers.append(layer)
   params: Params = {
       "embed": _matrix(get("token_embd.weight")),

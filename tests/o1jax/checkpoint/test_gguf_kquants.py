@@ -28,6 +28,18 @@ def test_dequantize_bit_exact_against_gguf_py(kind):
     np.testing.assert_array_equal(got, want, err_msg=f"{kind} scale {scale}")
 
 
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_pallas_matmul_on_gguf_blocks(kind):
+  """The fused kernel (interpret mode) on a loaded K-quant weight = x @ gguf-py's values."""
+  rng = np.random.default_rng(7)
+  raw = testing.random_gguf_blocks(kind, 32, 512, rng, testing.kquant_scales(kind, 512))
+  x = rng.standard_normal((3, 512)).astype(np.float32)
+  want = x.astype(np.float64) @ gguf.quants.dequantize(raw, Q[kind]).T.astype(np.float64)
+  got = ops.quantized_matmul(jnp.asarray(x), quantized_from_gguf(kind, raw), backend="pallas",
+                             interpret=True)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_q8_k_by_hand():  # gguf-py has no Q8_K dequantizer
   # One super-block: f32 d = 0.5, codes 0..127 then -128..-1; w = d * q.
   q = np.arange(-128, 128, dtype=np.int8)
@@ -57,3 +69,58 @@ def test_q4_k_sub_block_by_hand():
   want = np.repeat(2.0 * sc * 3 - mn, 32).astype(np.float32)
   want[0], want[32] = 0.0, 2.0 * 2 * 15 - 1
   np.testing.assert_array_equal(w, want)
+
+
+# Q4_K_M's mix: Q4_K matrices, Q6_K for attn_v, ffn_down and the embedding table; plus one
+# layer of each other K-quant. K = 256 everywhere (a K-quant super-block).
+KQUANT_CONFIG = dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256)
+KQUANT_MIX = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "blk.1.ffn_up.weight": "Q5_K",
+              "blk.1.attn_output.weight": "Q3_K", "blk.1.ffn_gate.weight": "Q2_K",
+              "blk.1.attn_k.weight": "Q8_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+  path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
+  config = testing.tiny_config(tie_embeddings=True, **KQUANT_CONFIG)
+  testing.write_gguf_checkpoint(path, config, seed=5, matrix_type="Q4_K", embed_type="Q6_K",
+                                tensor_types=KQUANT_MIX)
+  return path
+
+
+TOKENS = np.array([5, 17, 42, 99, 200, 7, 3, 250])
+
+
+def _logits(ck, **kw):
+  model = Llama(ck.config, ck.params, **kw)
+  logits, _ = model(jnp.asarray(TOKENS)[None], jnp.zeros((1,), jnp.int32),
+                    KVCache.zeros(ck.config, 1, 16))
+  return np.asarray(logits[0])
+
+
+def test_kquant_model_matches_numpy_reference(kquant_gguf):
+  """Weights stay quantized (every K-quant in the file) and give the reference's logits."""
+  ck = load_checkpoint(kquant_gguf)
+  types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(kquant_gguf)).tensors}
+  assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"} <= set(types.values())
+  assert ck.params["layers"][0]["wq"].bits == 4 and ck.params["layers"][0]["wv"].group_size == 16
+  ref = numpy_reference.gguf_forward(kquant_gguf, TOKENS)  # gguf-py's dequantizer, f32 numpy
+  for mode in ("dense", "quantized"):
+    # f32 throughout; differences are summation order only (|logits| ~ 10).
+    np.testing.assert_allclose(_logits(ck, weight_mode=mode), ref, atol=2e-4, rtol=0)
+
+
+def test_kquant_model_int8_matmuls(kquant_gguf):
+  """The int8 path (Q6_K/Q3_K/Q2_K requantized to Q8_0, f32 scales rounded to f16) stays
+  near the exact logits; measured here: KL and top-1 agreement."""
+  ck = load_checkpoint(kquant_gguf)
+  exact = _logits(ck)
+  int8 = _logits(ck, matmul_dtype="int8")
+  log_softmax = lambda z: z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - z.max(-1, keepdims=True)
+  p, q = log_softmax(exact.astype(np.float64)), log_softmax(int8.astype(np.float64))
+  kl = (np.exp(p) * (p - q)).sum(-1)
+  print(f"int8 matmuls on a K-quant mix: max KL {kl.max():.1e}, max |logit change| "
+        f"{np.abs(int8 - exact).max():.1e}")
+  assert kl.max() < 1e-3, kl
+  np.testing.assert_array_equal(int8.argmax(-1), exact.argmax(-1))
