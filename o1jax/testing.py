@@ -227,7 +227,8 @@ def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarra
 # elsewhere are valid codes; these get finite values so tests exercise real numbers.
 _BLOCK_SCALE_FIELDS = {
     "Q4_0": ((0, 2, np.float16),), "Q4_1": ((0, 2, np.float16), (2, 4, np.float16)),
-    "Q8_0": ((0, 2, np.float16),),
+    "Q8_0": ((0, 2, np.float16),), "Q5_0": ((0, 2, np.float16),),
+    "Q5_1": ((0, 2, np.float16), (2, 4, np.float16)),
     "Q2_K": ((80, 82, np.float16), (82, 84, np.float16)), "Q3_K": ((108, 110, np.float16),),
     "Q4_K": ((0, 2, np.float16), (2, 4, np.float16)),
     "Q5_K": ((0, 2, np.float16), (2, 4, np.float16)), "Q6_K": ((208, 210, np.float16),),
@@ -239,14 +240,14 @@ def random_gguf_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
                        scales=(0.01, 0.01)) -> np.ndarray:
   """Raw bytes [rows, K / block * nbytes] of a GGUF tensor of type `kind`: random codes,
   and per block the float fields (d, then dmin/m where the format has one) drawn as
-  |N(0, 1)| * scales[i] (Q4_1's m as N(0, 1) * scales[1]: it is a signed offset)."""
+  |N(0, 1)| * scales[i] (Q4_1's and Q5_1's m as N(0, 1) * scales[1]: a signed offset)."""
   import gguf
 
   block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
   raw = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
   for i, (start, end, dtype) in enumerate(_BLOCK_SCALE_FIELDS[kind]):
     v = rng.standard_normal((rows, k // block)) * scales[i]
-    v = v if kind == "Q4_1" and i == 1 else np.abs(v)
+    v = v if kind in ("Q4_1", "Q5_1") and i == 1 else np.abs(v)
     raw[..., start:end] = v.astype(dtype)[..., None].view(np.uint8)
   return raw.reshape(rows, -1)
 

@@ -10,6 +10,8 @@ function and a `FORMATS` entry, never a new kernel.
   Q4_0      144      4-bit, 32, f16                            0..15, w = (q - 8) d
   Q4_1      160      4-bit, 32, f16 (+ f16 min)                0..15
   Q8_0      272      8-bit, 32, f16                            -128..127
+  Q5_0      176      8-bit, 32, f16                            -16..15
+  Q5_1      192      8-bit, 32, f16 (+ f16 min)                0..31
   Q2_K       84      4-bit, 16, f32 (+ f32 min)                0..3
   Q3_K      110      8-bit, 16, f32                            -4..3
   Q4_K      144      4-bit, 32, f32 (+ f32 min)                0..15
@@ -96,6 +98,22 @@ def _unpack_q4_0(b):  # f16 d, 16 bytes: byte j holds element j (low) and j + 16
 def _unpack_q4_1(b):  # f16 d, f16 m, 16 bytes as Q4_0
   return Codes(_rows(_low_high(b[..., 4:])), _f16(b[..., 0:2]), _f16(b[..., 2:4]), bits=4,
                group=32)
+
+
+def _high_bits(b: np.ndarray) -> np.ndarray:
+  """Q5_0/Q5_1's 4 bytes qh (a little-endian uint32) [..., 4] -> bit 4 of element j [..., 32]."""
+  return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _unpack_q5_0(b):  # f16 d, 4 bytes qh, 16 bytes as Q4_0; w = (q - 16) d
+  q = _rows(_low_high(b[..., 6:22])) | (_rows(_high_bits(b[..., 2:6])) << 4)
+  return Codes((q.astype(np.int16) - 16).astype(np.int8), _f16(b[..., 0:2]), None, bits=8,
+               group=32)
+
+
+def _unpack_q5_1(b):  # f16 d, f16 m, 4 bytes qh, 16 bytes as Q4_0; w = q d + m
+  q = _rows(_low_high(b[..., 8:24])) | (_rows(_high_bits(b[..., 4:8])) << 4)
+  return Codes(q.astype(np.int8), _f16(b[..., 0:2]), _f16(b[..., 2:4]), bits=8, group=32)
 
 
 # --- K-quants: 256-element super-blocks --------------------------------------------
@@ -197,6 +215,8 @@ FORMATS: dict[str, BlockFormat] = {
     "Q4_0": BlockFormat(32, 18, _unpack_q4_0),
     "Q4_1": BlockFormat(32, 20, _unpack_q4_1),
     "Q8_0": BlockFormat(32, 34, _unpack_q8_0),
+    "Q5_0": BlockFormat(32, 22, _unpack_q5_0),
+    "Q5_1": BlockFormat(32, 24, _unpack_q5_1),
     "Q2_K": BlockFormat(QK_K, 84, _unpack_q2_k),
     "Q3_K": BlockFormat(QK_K, 110, _unpack_q3_k),
     "Q4_K": BlockFormat(QK_K, 144, _unpack_q4_k),

@@ -72,11 +72,13 @@ def test_q4_k_sub_block_by_hand():
 
 
 # Q4_K_M's mix: Q4_K matrices, Q6_K for attn_v, ffn_down and the embedding table; plus one
-# layer of each other K-quant. K = 256 everywhere (a K-quant super-block).
+# matrix of each other K-quant, and Q5_0/Q5_1 (llama.cpp's fallback where K is not a
+# multiple of 256). K = 256 everywhere (a K-quant super-block).
 KQUANT_CONFIG = dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256)
 KQUANT_MIX = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "blk.1.ffn_up.weight": "Q5_K",
               "blk.1.attn_output.weight": "Q3_K", "blk.1.ffn_gate.weight": "Q2_K",
-              "blk.1.attn_k.weight": "Q8_K"}
+              "blk.1.attn_k.weight": "Q8_K", "blk.0.ffn_up.weight": "Q5_0",
+              "blk.0.ffn_gate.weight": "Q5_1"}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +104,7 @@ def test_kquant_model_matches_numpy_reference(kquant_gguf):
   """Weights stay quantized (every K-quant in the file) and give the reference's logits."""
   ck = load_checkpoint(kquant_gguf)
   types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(kquant_gguf)).tensors}
-  assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"} <= set(types.values())
+  assert set(FORMATS) - {"Q4_0", "Q4_1", "Q8_0"} <= set(types.values())
   assert ck.params["layers"][0]["wq"].bits == 4 and ck.params["layers"][0]["wv"].group_size == 16
   ref = numpy_reference.gguf_forward(kquant_gguf, TOKENS)  # gguf-py's dequantizer, f32 numpy
   for mode in ("dense", "quantized"):
@@ -111,7 +113,8 @@ def test_kquant_model_matches_numpy_reference(kquant_gguf):
 
 
 def test_kquant_model_int8_matmuls(kquant_gguf):
-  """The int8 path (Q6_K/Q3_K/Q2_K requantized to Q8_0, f32 scales rounded to f16) stays
+  """The int8 path (Q6_K/Q3_K/Q2_K requantized to Q8_0, f32 scales rounded to f16; Q5_0/Q5_1
+  exact) stays
   near the exact logits; measured here: KL and top-1 agreement."""
   ck = load_checkpoint(kquant_gguf)
   exact = _logits(ck)
