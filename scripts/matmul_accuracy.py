@@ -120,15 +120,12 @@ def main(argv=None) -> int:
     # adds on its weights (int8 vs f32 on the same K-quant weights): the conversion of
     # groups of 16 to Q8_0 / f32 scales to f16, plus the activation rounding that the
     # "int8" row above shows alone.
-    own, int8 = {}, {}
-    for kind in args.kquant.split(","):
+    for kind in args.kquant.split(","):  # a table per kind as it completes (each takes minutes)
       params = kquantize_params(ck.params, kind)
       exact = logits_of(Llama(ck.config, params))
-      own[f"{kind} (f32 matmuls)"] = exact
-      int8[f"{kind}: int8 vs f32 on its weights"] = (
-          exact, logits_of(Llama(ck.config, params, matmul_dtype="int8")))
-    print_table("K-quant weights vs the original f32", reference, own)
-    print_table("int8 matmuls on K-quant weights", None, int8)
+      int8 = logits_of(Llama(ck.config, params, matmul_dtype="int8"))
+      print_table(f"{kind} weights", None, {"f32 matmuls vs the original f32": (reference, exact),
+                                            "int8 vs f32 matmuls on them": (exact, int8)})
   return 0
 
 
@@ -143,7 +140,7 @@ def print_table(title: str, reference, results) -> None:
     kl = np.concatenate([(np.exp(log_softmax(a)) * (log_softmax(a) - log_softmax(b))).sum(-1)
                          for a, b in zip(ref, logits)])
     top1 = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref, logits)])
-    print(f"| {name} | {diff:.3f} | {kl.mean():.2e} | {top1.mean():.1%} |")
+    print(f"| {name} | {diff:.3f} | {kl.mean():.2e} | {top1.mean():.1%} |", flush=True)
 
 
 # K-quant value sets: (group, lowest code, highest code, largest 6/4/8-bit scale,
