@@ -58,6 +58,9 @@ def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarra
       w[p + "self_attn.q_proj.bias"] = 0.1 * rng.standard_normal(config.n_heads * hd).astype(np.float32)
       w[p + "self_attn.k_proj.bias"] = 0.1 * rng.standard_normal(config.n_kv_heads * hd).astype(np.float32)
       w[p + "self_attn.v_proj.bias"] = 0.1 * rng.standard_normal(config.n_kv_heads * hd).astype(np.float32)
+    if config.qk_norm:
+      w[p + "self_attn.q_norm.weight"] = norm(hd)
+      w[p + "self_attn.k_norm.weight"] = norm(hd)
     w[p + "mlp.gate_proj.weight"] = mat(f, d)
     w[p + "mlp.up_proj.weight"] = mat(f, d)
     w[p + "mlp.down_proj.weight"] = mat(d, f)
@@ -98,8 +101,9 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
         "rms_norm_eps": config.rms_eps, "max_position_embeddings": config.max_context,
         "tie_word_embeddings": config.tie_embeddings, "bos_token_id": config.bos_id,
         "eos_token_id": list(config.eos_ids), "rope_scaling": config.rope_scaling}
-  if config.architecture == "qwen2":
+  if config.architecture in ("qwen2", "qwen3"):
     hf["attention_bias"] = config.attention_bias
+  hf["head_dim"] = config.head_dim  # transformers' Qwen3 default (128) is not d_model / heads
   (directory / "config.json").write_text(json.dumps(hf))
   _tiny_tokenizer().save(directory)
   return {k: np.asarray(v, np.float32) for k, v in weights.items()}
@@ -117,14 +121,19 @@ def _tiny_tokenizer():
 
 def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: int = 0,
                           matrix_type: str = "Q4_1", embed_type: str = "Q8_0",
-                          architecture: str | None = None) -> dict[str, np.ndarray]:
+                          architecture: str | None = None,
+                          tensor_types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
   """Writes a llama GGUF with random weights quantized to `matrix_type`.
 
+  tensor_types: a type per GGUF name suffix (e.g. {"attn_v.weight": "Q6_K"}), overriding
+  matrix_type, as llama.cpp's mixes (Q4_K_M) do. gguf-py cannot quantize to K-quants:
+  those tensors get random codes (`random_gguf_blocks`) instead of the returned weights.
   Returns the HF-layout f32 weights it was made from (before quantization)."""
   import gguf
 
   arch = architecture or config.architecture
   weights = random_hf_weights(config, seed)
+  block_rng = np.random.default_rng(seed + 1)
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_name(config.name or "tiny")
   writer.add_block_count(config.n_layers)
@@ -134,6 +143,9 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   writer.add_head_count(config.n_heads)
   writer.add_head_count_kv(config.n_kv_heads)
   writer.add_rope_freq_base(config.rope_theta)
+  if config.head_dim != config.d_model // config.n_heads:
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
   writer.add_layer_norm_rms_eps(config.rms_eps)
   writer.add_vocab_size(config.vocab_size)
   writer.add_tokenizer_model("gpt2")
@@ -146,24 +158,42 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   writer.add_add_bos_token(False)
 
   def add(name, w, kind):
+    kind = next((t for suffix, t in (tensor_types or {}).items() if name.endswith(suffix)), kind)
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind == "F32":
+    if kind.endswith("_K"):
+      raw = random_gguf_blocks(kind, w.shape[0], w.shape[1], block_rng,
+                               kquant_scales(kind, w.shape[1]))
+      writer.add_tensor(name, raw, raw_dtype=qtype)
+    elif kind == "F32":
       writer.add_tensor(name, w.astype(np.float32))
     elif kind == "F16":
       writer.add_tensor(name, w.astype(np.float16))
     else:
       writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
 
+  # llama.cpp's converter permutes Q/K rows for adjacent-pair RoPE, not for Qwen's rotate-half.
+  permute = (lambda w, n: w) if arch in ("qwen2", "qwen3") else llama_cpp_permute
   add("token_embd.weight", weights["model.embed_tokens.weight"], embed_type)
   add("output_norm.weight", weights["model.norm.weight"], "F32")
+  if (config.rope_scaling or {}).get("rope_type") == "llama3":
+    add("rope_freqs.weight", llama3_rope_factors(config.head_dim, config.rope_theta,
+                                                 config.rope_scaling), "F32")
   if not config.tie_embeddings:
     add("output.weight", weights["lm_head.weight"], matrix_type)
   for i in range(config.n_layers):
     p, h = f"model.layers.{i}.", f"blk.{i}."
-    add(h + "attn_q.weight", llama_cpp_permute(weights[p + "self_attn.q_proj.weight"], config.n_heads),
+    add(h + "attn_q.weight", permute(weights[p + "self_attn.q_proj.weight"], config.n_heads),
         matrix_type)
-    add(h + "attn_k.weight", llama_cpp_permute(weights[p + "self_attn.k_proj.weight"], config.n_kv_heads),
+    add(h + "attn_k.weight", permute(weights[p + "self_attn.k_proj.weight"], config.n_kv_heads),
         matrix_type)
+    if config.attention_bias:
+      add(h + "attn_q.bias", permute(weights[p + "self_attn.q_proj.bias"], config.n_heads), "F32")
+      add(h + "attn_k.bias", permute(weights[p + "self_attn.k_proj.bias"], config.n_kv_heads),
+          "F32")
+      add(h + "attn_v.bias", weights[p + "self_attn.v_proj.bias"], "F32")
+    if config.qk_norm:
+      add(h + "attn_q_norm.weight", weights[p + "self_attn.q_norm.weight"], "F32")
+      add(h + "attn_k_norm.weight", weights[p + "self_attn.k_norm.weight"], "F32")
     add(h + "attn_v.weight", weights[p + "self_attn.v_proj.weight"], matrix_type)
     add(h + "attn_output.weight", weights[p + "self_attn.o_proj.weight"], matrix_type)
     add(h + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"], matrix_type)
@@ -176,3 +206,61 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   writer.write_tensors_to_file()
   writer.close()
   return weights
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+  """The per-frequency divisors llama.cpp's converter writes as a Llama 3 GGUF's rope_freqs:
+  1 below wavelength original_ctx / high_freq_factor, `factor` above original_ctx /
+  low_freq_factor, 1 / ((1 - a) / factor + a) in between, a = (ctx / wavelength - low) /
+  (high - low)."""
+  freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  ctx = scaling["original_max_position_embeddings"]
+  wavelength = 2 * np.pi / freqs
+  a = (ctx / wavelength - low) / (high - low)
+  out = np.where(wavelength < ctx / high, 1.0,
+                 np.where(wavelength > ctx / low, factor, 1 / ((1 - a) / factor + a)))
+  return out.astype(np.float32)
+
+
+# Byte ranges of each GGUF block format's float scales: (start, end, dtype). Random bytes
+# elsewhere are valid codes; these get finite values so tests exercise real numbers.
+_BLOCK_SCALE_FIELDS = {
+    "Q4_0": ((0, 2, np.float16),), "Q4_1": ((0, 2, np.float16), (2, 4, np.float16)),
+    "Q8_0": ((0, 2, np.float16),), "Q5_0": ((0, 2, np.float16),),
+    "Q5_1": ((0, 2, np.float16), (2, 4, np.float16)),
+    "Q2_K": ((80, 82, np.float16), (82, 84, np.float16)), "Q3_K": ((108, 110, np.float16),),
+    "Q4_K": ((0, 2, np.float16), (2, 4, np.float16)),
+    "Q5_K": ((0, 2, np.float16), (2, 4, np.float16)), "Q6_K": ((208, 210, np.float16),),
+    "Q8_K": ((0, 4, np.float32),),
+}
+
+
+def random_gguf_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
+                       scales=(0.01, 0.01)) -> np.ndarray:
+  """Raw bytes [rows, K / block * nbytes] of a GGUF tensor of type `kind`: random codes,
+  and per block the float fields (d, then dmin/m where the format has one) drawn as
+  |N(0, 1)| * scales[i] (Q4_1's and Q5_1's m as N(0, 1) * scales[1]: a signed offset)."""
+  import gguf
+
+  block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+  raw = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
+  for i, (start, end, dtype) in enumerate(_BLOCK_SCALE_FIELDS[kind]):
+    v = rng.standard_normal((rows, k // block)) * scales[i]
+    v = v if kind in ("Q4_1", "Q5_1") and i == 1 else np.abs(v)
+    raw[..., start:end] = v.astype(dtype)[..., None].view(np.uint8)
+  return raw.reshape(rows, -1)
+
+
+def kquant_scales(kind: str, in_features: int) -> tuple[float, float]:
+  """(d, dmin) magnitudes for `random_gguf_blocks` that give weights of RMS ~ 1/sqrt(K)
+  and mean ~ 0: random codes have mean sc * q ~ (scale max / 2)(code max / 2), which the
+  min term cancels on average."""
+  target = 1.0 / np.sqrt(in_features)
+  # (largest scale, largest code, mean of the min term per unit dmin)
+  sc_max, q_max, min_mean = {"Q2_K": (15, 3, 7.5), "Q3_K": (32, 4, 0), "Q4_K": (63, 15, 31.5),
+                             "Q5_K": (63, 31, 31.5), "Q6_K": (128, 32, 0),
+                             "Q8_K": (1, 128, 0)}.get(kind, (1, 8, 0))
+  d = target * 2 / (sc_max * q_max)
+  dmin = d * (sc_max / 2) * (q_max / 2) / min_mean if min_mean else 0.0
+  return d, dmin

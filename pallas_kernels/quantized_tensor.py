@@ -14,7 +14,8 @@ Storage (``bits`` and ``group_size`` are static pytree fields):
   Values: ``w = (q - 8) * scale`` when ``minimum is None`` (Q4_0, symmetric
   AWQ/GPTQ), else ``w = q * scale + minimum`` (Q4_1; an asymmetric zero point z
   is ``minimum = -z * scale``).
-* 8-bit: ``packed`` int8 ``[K, N]``, ``w = q * scale`` (Q8_0).
+* 8-bit: ``packed`` int8 ``[K, N]``, ``w = q * scale`` (Q8_0), or ``w = q * scale +
+  minimum`` (codes of 5-/6-bit formats with a per-group minimum, e.g. GGUF Q5_K).
 
 ``scale`` and ``minimum`` are ``[K // group_size, N]`` in float16/bfloat16/float32.
 """
@@ -69,8 +70,6 @@ class QuantizedTensor:
       raise ValueError(f"{name}: scale shape {self.scale.shape} != {(k // self.group_size, n)}")
     if self.minimum is not None and self.minimum.shape != self.scale.shape:
       raise ValueError(f"{name}: minimum shape {self.minimum.shape} != scale {self.scale.shape}")
-    if self.minimum is not None and self.bits == 8:
-      raise ValueError(f"{name}: 8-bit weights are symmetric; minimum must be None")
     return self
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native
-from pallas_kernels.quantized_tensor import QuantizedTensor, quantize, unpack_int4
+from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize, quantize, unpack_int4
 
 BLOCK = 32  # quantization block along K, for weights and activations
 TILE = 16  # output columns per tile of the layout (one AVX-512 register of f32)
@@ -77,9 +77,24 @@ def _tiles(a: np.ndarray, np_cols: int) -> np.ndarray:
   return np.ascontiguousarray(a.reshape(r, np_cols // TILE, TILE).transpose(1, 0, 2))
 
 
+def exactly_packable(w: QuantizedTensor) -> bool:
+  """Whether `pack` keeps w's values exactly: groups a multiple of BLOCK and every scale
+  and minimum representable in f16 (true of GGUF Q4_0/Q4_1/Q8_0, whose scales are f16)."""
+  if w.group_size % BLOCK:
+    return False
+  fields = [np.asarray(w.scale)] + ([] if w.minimum is None else [np.asarray(w.minimum)])
+  return all(np.array_equal(f.astype(np.float16).astype(f.dtype), f) for f in fields)
+
+
 def pack(w, name: str = "weight") -> VnniWeight:
-  """QuantizedTensor (4-/8-bit, group_size a multiple of 32) or dense [K, N] ->
-  VnniWeight (host-side numpy). Dense matrices are quantized to Q8_0 first."""
+  """QuantizedTensor (4-/8-bit) or dense [K, N] -> VnniWeight (host-side numpy).
+
+  The kernel takes one f16 scale (and minimum) per block of 32 along K. Dense matrices
+  are quantized to Q8_0 first; so are weights in groups of 16 (GGUF Q2_K/Q3_K/Q6_K:
+  two groups' scales cannot share one block); f32 scales (the other K-quants) are
+  rounded to f16. Q8_0 moves a value by at most ~1/254 of its block's largest; f16 moves
+  a scale or minimum by at most 2^-11 of itself (`exactly_packable` says whether either
+  happens; the accuracy cost is measured by scripts/matmul_accuracy.py --kquant)."""
   if not isinstance(w, QuantizedTensor):
     w = np.asarray(jax.device_get(w), np.float32)
     if w.ndim != 2:
@@ -88,10 +103,11 @@ def pack(w, name: str = "weight") -> VnniWeight:
       raise ValueError(f"vnni_matmul.pack: {name} has K={w.shape[0]}, not a multiple of {BLOCK}")
     w = quantize(w, bits=8, group_size=BLOCK)
   w = jax.device_get(w).validate(f"vnni_matmul.pack: {name}")
-  k, n = w.shape
   if w.group_size % BLOCK:
-    raise ValueError(f"vnni_matmul.pack: {name} has group_size {w.group_size}, not a multiple "
-                     f"of {BLOCK}")
+    if w.shape[0] % BLOCK:
+      raise ValueError(f"vnni_matmul.pack: {name} has K={w.shape[0]}, not a multiple of {BLOCK}")
+    w = quantize(np.asarray(dequantize(w)), bits=8, group_size=BLOCK)
+  k, n = w.shape
   np_cols = -(-n // TILE) * TILE
   repeat = w.group_size // BLOCK  # one scale per 32-row block
   scale = np.repeat(np.asarray(w.scale, np.float32), repeat, axis=0).astype(np.float16)

@@ -7,6 +7,7 @@ logit change, mean KL(f32 || mode) over positions, and how often its top-1
 token equals f32's.
 
   python scripts/matmul_accuracy.py [--modes bfloat16,int8] [--new-tokens 100]
+      [--kquant Q4_K,Q6_K]
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
   ap.add_argument("--modes", default="bfloat16,int8")
   ap.add_argument("--new-tokens", type=int, default=100)
   ap.add_argument("--skip-llamacpp", action="store_true")
+  ap.add_argument("--kquant", default="", help="comma-separated K-quants (Q2_K,Q3_K,Q4_K,"
+                  "Q5_K,Q6_K): re-encode the weights into each and measure the int8 path on them")
   ap.add_argument("--llamacpp-child", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.llamacpp_child:  # no JAX in this process
@@ -111,15 +114,90 @@ def main(argv=None) -> int:
 
   n = sum(len(s) for s in sequences)
   print(f"{len(sequences)} sequences, {n} positions (prompt + {args.new_tokens} f32 greedy tokens)")
-  print("| matmuls | max |logit change| | mean KL(f32 ‖ mode) | top-1 = f32's |")
+  print_table("matmuls", reference, results)
+  if args.kquant:
+    # Each K-quant's own cost (its f32 model vs the original f32), then what the int8 path
+    # adds on its weights (int8 vs f32 on the same K-quant weights): the conversion of
+    # groups of 16 to Q8_0 / f32 scales to f16, plus the activation rounding that the
+    # "int8" row above shows alone.
+    for kind in args.kquant.split(","):  # a table per kind as it completes (each takes minutes)
+      params = kquantize_params(ck.params, kind)
+      exact = logits_of(Llama(ck.config, params))
+      int8 = logits_of(Llama(ck.config, params, matmul_dtype="int8"))
+      print_table(f"{kind} weights", None, {"f32 matmuls vs the original f32": (reference, exact),
+                                            "int8 vs f32 matmuls on them": (exact, int8)})
+  return 0
+
+
+def print_table(title: str, reference, results) -> None:
+  """results: name -> logits per sequence (against `reference`), or name -> (reference,
+  logits) pairs when reference is None."""
+  print(f"| {title} | max |logit change| | mean KL(ref ‖ mode) | top-1 = ref's |")
   print("|---|---|---|---|")
   for name, logits in results.items():
-    diff = max(np.abs(a - b).max() for a, b in zip(reference, logits))
+    ref, logits = (reference, logits) if reference is not None else logits
+    diff = max(np.abs(a - b).max() for a, b in zip(ref, logits))
     kl = np.concatenate([(np.exp(log_softmax(a)) * (log_softmax(a) - log_softmax(b))).sum(-1)
-                         for a, b in zip(reference, logits)])
-    top1 = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(reference, logits)])
-    print(f"| {name} | {diff:.3f} | {kl.mean():.2e} | {top1.mean():.1%} |")
-  return 0
+                         for a, b in zip(ref, logits)])
+    top1 = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref, logits)])
+    print(f"| {name} | {diff:.3f} | {kl.mean():.2e} | {top1.mean():.1%} |", flush=True)
+
+
+# K-quant value sets: (group, lowest code, highest code, largest 6/4/8-bit scale,
+# largest min or None when symmetric, signed scales).
+KQUANTS = {"Q2_K": (16, 0, 3, 15, 15), "Q3_K": (16, -4, 3, 31, None),
+           "Q4_K": (32, 0, 15, 63, 63), "Q5_K": (32, 0, 31, 63, 63),
+           "Q6_K": (16, -32, 31, 127, None)}
+
+
+def kquantize(w: np.ndarray, kind: str):
+  """Round-to-nearest into `kind`'s value set: per group an integer scale (and min) under
+  an f16 super-block d (and dmin), as llama.cpp's formats store them; returned as the
+  QuantizedTensor gguf_blocks would load (f32 products). Super-blocks are gcd(K, 256)
+  rows (the embedded model's K = 576 is not a multiple of 256). Plain RTN, not llama.cpp's
+  error-minimising search: the weights differ, the value set does not."""
+  from pallas_kernels.quantized_tensor import QuantizedTensor, pack_int4
+
+  group, lo, hi, sc_max, m_max = KQUANTS[kind]
+  k, n = w.shape
+  sb = np.gcd(k, 256)
+  wg = w.astype(np.float32).reshape(k // sb, sb // group, group, n)
+  f16 = lambda a: a.astype(np.float16).astype(np.float32)
+  safe = lambda a: np.where(a > 0, a, 1)
+  if m_max is None:  # symmetric: w = d sc q
+    s = np.abs(wg).max(axis=2) / -lo
+    d = f16(s.max(axis=1, keepdims=True) / sc_max)
+    scale = d * np.clip(np.round(s / safe(d)), 0, sc_max)
+    minimum = None
+    q = np.clip(np.round(wg / safe(scale)[:, :, None]), lo, hi)
+  else:  # w = d sc q - dmin m, with the min the group's lowest value (or 0)
+    low = np.minimum(wg.min(axis=2), 0)
+    s = (wg.max(axis=2) - low) / hi
+    d = f16(s.max(axis=1, keepdims=True) / sc_max)
+    dmin = f16((-low).max(axis=1, keepdims=True) / m_max)
+    scale = d * np.clip(np.round(s / safe(d)), 0, sc_max)
+    minimum = -(dmin * np.clip(np.round(-low / safe(dmin)), 0, m_max))
+    q = np.clip(np.round((wg - minimum[:, :, None]) / safe(scale)[:, :, None]), lo, hi)
+  q = q.reshape(k, n)
+  flat = lambda a: None if a is None else a.reshape(k // group, n).astype(np.float32)
+  bits = 4 if lo >= 0 and hi <= 15 else 8
+  packed = pack_int4(q.astype(np.uint8)) if bits == 4 else q.astype(np.int8)
+  return QuantizedTensor(packed=packed, scale=flat(scale), minimum=flat(minimum), bits=bits,
+                         group_size=group)
+
+
+def kquantize_params(params, kind: str):
+  """Every matrix of a parameter tree re-encoded into `kind`'s value set."""
+  from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
+
+  def convert(w):
+    if isinstance(w, QuantizedTensor):
+      return kquantize(np.asarray(dequantize(w)), kind)
+    return kquantize(np.asarray(w), kind) if np.ndim(w) == 2 else w
+
+  out = {k: convert(v) for k, v in params.items() if k != "layers"}
+  out["layers"] = [{k: convert(v) for k, v in layer.items()} for layer in params["layers"]]
+  return out
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 Quantized tensors stay quantized: Q4_0/Q4_1/Q8_0 blocks are re-laid out into
 `QuantizedTensor` ([K, N], groups of 32 along K) without going through f32.
 
-llama.cpp's converter permutes the rows of Q and K so that rotary embedding can
-be applied to adjacent pairs; we undo that permutation (an exact column
-shuffle of the quantized weight) so every checkpoint format shares HF's
-rotate-half layout and gives bit-identical logits.
+For Llama-style architectures llama.cpp's converter permutes the rows of Q and K
+so that rotary embedding can be applied to adjacent pairs; we undo that
+permutation (an exact column shuffle of the quantized weight) so every
+checkpoint format shares HF's rotate-half layout and gives bit-identical
+logits. Qwen2/Qwen3 files keep HF's order (llama.cpp rotates them NEOX-style).
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ import pathlib
 
 import numpy as np
 
+from o1jax.checkpoint import gguf_blocks
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
-from pallas_kernels.quantized_tensor import QuantizedTensor, pack_int4
+from pallas_kernels.quantized_tensor import QuantizedTensor
 
-# GGUF architectures that are plain Llama-style decoders in our model.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-_BLOCK = 32  # elements per Q4_0/Q4_1/Q8_0 block
+# GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp rotates these with NEOX RoPE (pairs i, i + d/2, as HF): their converter leaves
+# Q/K rows as they are. The others ("normal" RoPE on adjacent pairs) have them permuted.
+_ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16") + tuple(gguf_blocks.FORMATS)
 
 
 def _check_file(path: pathlib.Path) -> None:
@@ -201,7 +205,7 @@ def _check_architecture(path, arch) -> None:
         f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
-def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
+def _config_from_metadata(reader, path, tensors) -> ModelConfig:
   arch = _field(reader, "general.architecture", path=path, required=True)
   _check_architecture(path, arch)
   g = lambda k, d=None, req=False: _field(reader, f"{arch}.{k}", d, path=path, required=req)
@@ -215,7 +219,16 @@ def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
   if scaling_type == "linear":
     rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
   elif scaling_type not in (None, "none"):
-    raise CheckpointError(f"{path}: rope scaling type {scaling_type!r} is not supported")
+    raise CheckpointError(f"{path}: rope scaling type {scaling_type!r} is not supported "
+                          f"(supported: linear, and Llama 3's rope_freqs tensor)")
+  if "rope_freqs.weight" in tensors:  # Llama 3: theta_i / factor_i, written by the converter
+    if rope_scaling is not None:
+      raise CheckpointError(f"{path}: both rope_freqs and rope scaling {scaling_type!r}")
+    factors = np.asarray(_dense_from_gguf(tensors["rope_freqs.weight"]), np.float32)
+    if factors.shape != (head_dim // 2,):
+      raise CheckpointError(f"{path}: rope_freqs.weight has shape {factors.shape}, expected "
+                            f"({head_dim // 2},)")
+    rope_scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
   eos = _field(reader, "tokenizer.ggml.eos_token_id")
   eot = _field(reader, "tokenizer.ggml.eot_token_id")
   eos_ids = tuple(sorted({int(i) for i in (eos, eot) if i is not None}))
@@ -232,50 +245,14 @@ def _config_from_metadata(reader, path, tensor_names) -> ModelConfig:
       rope_scaling=rope_scaling,
       rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
       max_context=int(g("context_length", 2048)),
-      tie_embeddings="output.weight" not in tensor_names,
-      attention_bias="blk.0.attn_q.bias" in tensor_names,
+      tie_embeddings="output.weight" not in tensors,
+      attention_bias="blk.0.attn_q.bias" in tensors,
+      qk_norm="blk.0.attn_q_norm.weight" in tensors,
       bos_id=None if bos is None else int(bos),
       eos_ids=eos_ids,
       architecture=arch,
       name=str(_field(reader, "general.name", "") or ""),
   )
-
-
-def _blocks(t, nbytes_per_block):
-  """Raw bytes of a quantized tensor as [rows, blocks_per_row, bytes_per_block]."""
-  data = np.asarray(t.data)
-  rows = data.shape[0]
-  return data.reshape(rows, -1, nbytes_per_block)
-
-
-def _f16(b):
-  return np.ascontiguousarray(b).view(np.float16)[..., 0]
-
-
-def _quantized_from_gguf(t) -> QuantizedTensor:
-  """A 2-D GGUF tensor (rows = N outputs, each of K inputs) -> QuantizedTensor [K, N]."""
-  kind = t.tensor_type.name
-  if kind == "Q8_0":
-    b = _blocks(t, 34)  # f16 d, 32 x int8
-    scale = _f16(b[..., 0:2])  # [N, K/32]
-    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(b.shape[0], -1)  # [N, K]
-    return QuantizedTensor(packed=np.ascontiguousarray(q.T), scale=np.ascontiguousarray(scale.T),
-                           minimum=None, bits=8, group_size=_BLOCK)
-  if kind == "Q4_0":
-    b = _blocks(t, 18)  # f16 d, 16 bytes of nibbles
-    scale, minimum, qs = _f16(b[..., 0:2]), None, b[..., 2:]
-  elif kind == "Q4_1":
-    b = _blocks(t, 20)  # f16 d, f16 m, 16 bytes of nibbles
-    scale, minimum, qs = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:]
-  else:
-    raise AssertionError(kind)
-  # Within a block, byte j holds element j (low nibble) and element j + 16 (high).
-  q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(b.shape[0], -1)  # [N, K]
-  return QuantizedTensor(
-      packed=pack_int4(np.ascontiguousarray(q.T)),
-      scale=np.ascontiguousarray(scale.T),
-      minimum=None if minimum is None else np.ascontiguousarray(minimum.T),
-      bits=4, group_size=_BLOCK)
 
 
 def _dense_from_gguf(t) -> np.ndarray:
@@ -290,8 +267,8 @@ def _dense_from_gguf(t) -> np.ndarray:
 
 def _matrix(t):
   """A GGUF weight (rows = outputs) as our [K, N] layout: quantized or dense."""
-  if t.tensor_type.name in ("Q8_0", "Q4_0", "Q4_1"):
-    return _quantized_from_gguf(t)
+  if t.tensor_type.name in gguf_blocks.FORMATS:
+    return gguf_blocks.quantized_from_gguf(t.tensor_type.name, np.asarray(t.data))
   return np.ascontiguousarray(_dense_from_gguf(t).T)
 
 
@@ -351,13 +328,17 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   def vector(name):
     return np.asarray(_dense_from_gguf(get(name)), np.float32)
 
+  if config.architecture in _ROTATE_HALF_ARCHITECTURES:
+    hf_order = lambda w, n_heads: w
+  else:
+    hf_order = lambda w, n_heads: unpermute_columns(w, n_heads, config.head_dim)
   layers = []
   for i in range(config.n_layers):
     p = f"blk.{i}."
     layer = {
         "attn_norm": vector(p + "attn_norm.weight"),
-        "wq": unpermute_columns(_matrix(get(p + "attn_q.weight")), config.n_heads, config.head_dim),
-        "wk": unpermute_columns(_matrix(get(p + "attn_k.weight")), config.n_kv_heads, config.head_dim),
+        "wq": hf_order(_matrix(get(p + "attn_q.weight")), config.n_heads),
+        "wk": hf_order(_matrix(get(p + "attn_k.weight")), config.n_kv_heads),
         "wv": _matrix(get(p + "attn_v.weight")),
         "wo": _matrix(get(p + "attn_output.weight")),
         "ffn_norm": vector(p + "ffn_norm.weight"),
@@ -366,9 +347,15 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
         "w_down": _matrix(get(p + "ffn_down.weight")),
     }
     if config.attention_bias:
-      layer["bq"] = unpermute_columns(vector(p + "attn_q.bias"), config.n_heads, config.head_dim)
-      layer["bk"] = unpermute_columns(vector(p + "attn_k.bias"), config.n_kv_heads, config.head_dim)
+      layer["bq"] = hf_order(vector(p + "attn_q.bias"), config.n_heads)
+      layer["bk"] = hf_order(vector(p + "attn_k.bias"), config.n_kv_heads)
       layer["bv"] = vector(p + "attn_v.bias")
+    if config.qk_norm:  # per head, over head_dim: no permutation for rotate-half files
+      if config.architecture not in _ROTATE_HALF_ARCHITECTURES:
+        raise CheckpointError(f"{path}: q/k norms in a {config.architecture!r} file (permuted "
+                              f"Q/K rows) are not supported")
+      layer["q_norm"] = vector(p + "attn_q_norm.weight")
+      layer["k_norm"] = vector(p + "attn_k_norm.weight")
     layers.append(layer)
   params: Params = {
       "embed": _matrix(get("token_embd.weight")),

@@ -1,6 +1,6 @@
 """HF-style checkpoints: `config.json` + `*.safetensors` (single file or sharded index).
 
-Supports the Llama, Mistral, Qwen2 and SmolLM families in bf16/f16/f32. Also
+Supports the Llama (2 and 3), Mistral, Qwen2, Qwen3 and SmolLM families in bf16/f16/f32. Also
 writes such a checkpoint (dense f32 weights) from any loaded model, which is
 how `scripts/convert_checkpoint.py` exports GGUF models for HF tools.
 """
@@ -18,7 +18,7 @@ from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 # Our per-layer names -> HF names (weights are [out, in] in HF files).
@@ -28,7 +28,21 @@ _LAYER_NAMES = {
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+  """(theta, scaling) from config.json: `rope_theta` + `rope_scaling` (transformers 4), or
+  one `rope_parameters` dict holding both (transformers 5)."""
+  params = hf.get("rope_parameters") or {}
+  theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+  scaling = hf.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+  if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    return theta, None
+  return theta, scaling
 
 
 def config_from_hf(hf: dict, path) -> ModelConfig:
@@ -41,19 +55,23 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     d_model = int(hf["hidden_size"])
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope_theta, rope_scaling = _rope(hf)
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
         n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=int(hf.get("head_dim") or d_model // n_heads),
-        ffn_dim=int(hf["intermediate_size"]), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rope_scaling=hf.get("rope_scaling"), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        ffn_dim=int(hf["intermediate_size"]), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_context=int(hf.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        qk_norm=model_type == "qwen3",
         bos_id=hf.get("bos_token_id"), eos_ids=eos_ids, architecture=model_type,
         name=str(hf.get("_name_or_path", "")))
   except KeyError as e:
     raise CheckpointError(f"{path}: config.json lacks the key {e.args[0]!r}") from e
+  except ValueError as e:  # e.g. an unsupported rope scaling type
+    raise CheckpointError(f"{path}: {e}") from e
 
 
 def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -137,6 +155,8 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
     for ours, theirs in _LAYER_NAMES.items():
       if ours.startswith("b") and not config.attention_bias:
         continue
+      if ours.endswith("_norm") and ours.startswith(("q", "k")) and not config.qk_norm:
+        continue
       layer[ours] = get(f"model.layers.{i}.{theirs}", transpose=ours.startswith("w"))
     layers.append(layer)
   params: Params = {"embed": get("model.embed_tokens.weight", transpose=True), "layers": layers,
@@ -178,6 +198,8 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
       "max_position_embeddings": config.max_context, "tie_word_embeddings": config.tie_embeddings,
       "attention_bias": config.attention_bias, "bos_token_id": config.bos_id,
       "eos_token_id": list(config.eos_ids), "torch_dtype": np.dtype(dtype).name,
-      "architectures": ["Qwen2ForCausalLM" if config.architecture == "qwen2" else "LlamaForCausalLM"],
+      # A GGUF's rope_freqs ({"rope_type": "freq_factors"}) has no HF spelling: our loader
+      # reads it back, transformers does not.
+      "architectures": [_HF_CLASSES.get(config.architecture, "LlamaForCausalLM")],
   }
   (directory / "config.json").write_text(json.dumps(hf, indent=2))

@@ -36,15 +36,30 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+# Split regexes of llama.cpp's pre-tokenizers that differ from GPT-2's (as in the models'
+# own tokenizer.json): Llama 3 keeps runs of up to 3 digits, Qwen2 (also Qwen3 and the
+# DeepSeek-R1 Qwen distills) splits every digit; both take case-insensitive contractions
+# and split newlines from other whitespace.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+              "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
+              "deepseek-r1-qwen": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+
+
 def _byte_level_pre(pre_name: str | None, path) -> pre_tokenizers.PreTokenizer:
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   if pre_name in _DIGIT_SPLIT_PRE:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
   if pre_name in _GPT2_PRE:
     return byte_level
-  raise CheckpointError(
-      f"{path}: tokenizer pre-tokenizer {pre_name!r} is not supported "
-      f"(supported: {', '.join(str(p) for p in _DIGIT_SPLIT_PRE + _GPT2_PRE[:3])})")
+  if pre_name in _REGEX_PRE:
+    split = pre_tokenizers.Split(tokenizers.Regex(_REGEX_PRE[pre_name]), behavior="isolated")
+    return pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  supported = _DIGIT_SPLIT_PRE + _GPT2_PRE[:3] + tuple(_REGEX_PRE)
+  raise CheckpointError(f"{path}: tokenizer pre-tokenizer {pre_name!r} is not supported "
+                        f"(supported: {', '.join(supported)})")
 
 
 class Tokenizer:

@@ -80,7 +80,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
-  """Inverse frequencies [head_dim/2], with HF-style linear or llama3 scaling."""
+  """Inverse frequencies [head_dim/2], with HF-style linear or llama3 scaling, or divided
+  by llama.cpp's per-frequency factors (GGUF rope_freqs)."""
   inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   if not scaling:
     return inv
@@ -88,6 +89,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> j
   factor = float(scaling.get("factor", 1.0))
   if kind == "linear":
     return inv / factor
+  if kind == "freq_factors":
+    return inv / jnp.asarray(scaling["factors"], jnp.float32)
   if kind == "llama3":
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
@@ -98,7 +101,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> j
     mid = (1 - smooth) * inv / factor + smooth * inv
     is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
     return jnp.where(is_mid, mid, scaled)
-  raise ValueError(f"rope scaling type {kind!r} is not supported (linear, llama3)")
+  raise ValueError(f"rope scaling type {kind!r} is not supported (linear, llama3, freq_factors)")
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:

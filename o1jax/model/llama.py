@@ -1,4 +1,4 @@
-"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
+"""Flax NNX Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM).
 
 The same forward serves prefill (T new tokens per sequence) and decode (T=1)
 against a contiguous KV cache. Layers are unrolled in Python: on CPU that was
@@ -121,6 +121,7 @@ class DecoderLayer(nnx.Module):
     self.wq, self.wk, self.wv, self.wqkv = (weight(n) for n in ("wq", "wk", "wv", "wqkv"))
     self.wo = Weight(p["wo"])
     self.bq, self.bk, self.bv = (weight(n) for n in ("bq", "bk", "bv"))
+    self.q_norm, self.k_norm = weight("q_norm"), weight("k_norm")  # Qwen3 (config.qk_norm)
     self.ffn_norm = Weight(p["ffn_norm"])
     self.w_gate, self.w_up, self.w_gate_up = (weight(n) for n in ("w_gate", "w_up", "w_gate_up"))
     self.w_down = Weight(p["w_down"])
@@ -145,6 +146,9 @@ class DecoderLayer(nnx.Module):
     q = q.reshape(b, t, c.n_heads, c.head_dim)
     k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+    if c.qk_norm:
+      q = layers.rms_norm(q, val(self.q_norm), c.rms_eps)
+      k = layers.rms_norm(k, val(self.k_norm), c.rms_eps)
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,

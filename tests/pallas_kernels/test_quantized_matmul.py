@@ -105,6 +105,29 @@ SWEEP = [
 ]
 
 
+# The layouts GGUF K-quants load into (o1jax.checkpoint.gguf_blocks): f32 per-group scales,
+# groups of 16, 8-bit codes with a minimum. (bits, group, has minimum, M, K, N)
+KQUANT_LAYOUTS = [
+    (4, 32, True, 3, 256, 32),  # Q4_K
+    (8, 32, True, 2, 256, 48),  # Q5_K: 5-bit codes as int8
+    (8, 16, False, 5, 256, 32),  # Q6_K, Q3_K
+    (4, 16, True, 1, 512, 16),  # Q2_K
+    (8, 256, False, 4, 512, 16),  # Q8_K
+]
+
+
+def _kquant_case(rng, bits, group, has_min, m, k, n):
+  """Random codes in the format's range, f32 scales that are not f16 values."""
+  lo, hi = (0, 16) if bits == 4 else (-32, 32)
+  q = rng.integers(lo, hi, (k, n))
+  scale = (rng.uniform(0.5, 1.5, (k // group, n)) / 16).astype(np.float32)
+  minimum = (-rng.uniform(0, 1, (k // group, n))).astype(np.float32) if has_min else None
+  packed = pack_int4(q.astype(np.uint8)) if bits == 4 else q.astype(np.int8)
+  w = as_jax(QuantizedTensor(packed=packed, scale=scale, minimum=minimum, bits=bits,
+                             group_size=group))
+  return jnp.asarray(rng.normal(size=(m, k)), jnp.float32), w
+
+
 @pytest.mark.gpu_only
 class TestQuantizedMatmulKernel:
   INTERPRET = False
@@ -143,6 +166,14 @@ class TestQuantizedMatmulKernel:
     np.testing.assert_array_equal(np.asarray(y, np.float32), q.astype(np.float32) - 8)
 
 
+  @pytest.mark.parametrize("bits,group,has_min,m,k,n", KQUANT_LAYOUTS)
+  def test_kquant_layouts_match_reference(self, bits, group, has_min, m, k, n):
+    x, w = _kquant_case(np.random.default_rng(k + n + group), bits, group, has_min, m, k, n)
+    got = ops.quantized_matmul(x, w, backend="pallas", interpret=self.INTERPRET)
+    want = ops.quantized_matmul(x, w, backend="reference")
+    assert rel_err(got, want) <= tol_for(jnp.float32)
+
+
 class TestQuantizedMatmulKernelInterpret(TestQuantizedMatmulKernel):
   INTERPRET = True
 
@@ -154,6 +185,14 @@ def test_lowers_for_cuda(fmt, dtype):
   x, w, xs = _case(np.random.default_rng(0), bits, group, symmetric, 4, 256, 64, dtype)
   text = lowers_for_cuda(
       lambda x, w, xs: ops.quantized_matmul(x, w, x_scale=xs, backend="pallas"), x, w, xs)
+  assert "__gpu$xla.gpu.triton" in text and "quantized_matmul" in text
+
+
+@pytest.mark.parametrize("bits,group,has_min,m,k,n", KQUANT_LAYOUTS[:3])
+def test_kquant_layouts_lower_for_cuda(bits, group, has_min, m, k, n):
+  x, w = _kquant_case(np.random.default_rng(0), bits, group, has_min, m, k, n)
+  text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x.astype(jnp.bfloat16), w,
+                                                           backend="pallas"), x, w)
   assert "__gpu$xla.gpu.triton" in text and "quantized_matmul" in text
 
 

@@ -1,0 +1,113 @@
+"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Llama 3 (RoPE frequency scaling),
+from safetensors and GGUF, against the independent numpy reference and HF transformers."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from o1jax import numpy_reference, testing
+from o1jax.checkpoint import CheckpointError, load_checkpoint
+from o1jax.model import KVCache, Llama
+
+TOKENS = np.array([5, 17, 42, 99, 200, 7, 3, 250, 11, 64, 128, 9])
+# Llama 3's scaling with a 32-position "original context" so that a 32-dim head has
+# frequencies of all three kinds: wavelengths 6.3 (kept: < 32 / 4), 11 and 20
+# (interpolated: 8..32), 35 and up (divided by 8).
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+ARCHITECTURES = {
+    "qwen2": dict(architecture="qwen2", attention_bias=True),
+    # head_dim 32 != d_model / n_heads = 16, as in Qwen3 (explicit head_dim)
+    "qwen3": dict(architecture="qwen3", qk_norm=True, head_dim=32),
+    "llama3": dict(architecture="llama", head_dim=32, rope_scaling=LLAMA3_SCALING),
+}
+
+
+def _config(name):
+  return testing.tiny_config(tie_embeddings=False, **ARCHITECTURES[name])
+
+
+def _hp(config):
+  return {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
+          "head_dim": config.head_dim, "theta": config.rope_theta, "eps": config.rms_eps,
+          "rope_scaling": config.rope_scaling}
+
+
+def _logits(ck):
+  model = Llama(ck.config, ck.params)
+  logits, _ = model(jnp.asarray(TOKENS)[None], jnp.zeros((1,), jnp.int32),
+                    KVCache.zeros(ck.config, 1, len(TOKENS)))
+  return np.asarray(logits[0])
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def hf_checkpoint(request, tmp_path_factory):
+  directory = tmp_path_factory.mktemp(request.param)
+  weights = testing.write_hf_checkpoint(directory, _config(request.param), seed=4)
+  return request.param, directory, weights
+
+
+def test_safetensors_matches_numpy_reference(hf_checkpoint):
+  name, directory, weights = hf_checkpoint
+  ck = load_checkpoint(directory)
+  config = _config(name)
+  assert (ck.config.attention_bias, ck.config.qk_norm, ck.config.head_dim) == (
+      config.attention_bias, config.qk_norm, config.head_dim)
+  assert ck.config.rope_scaling == config.rope_scaling
+  ref = numpy_reference.forward(weights, _hp(config), TOKENS, interleaved_rotary=False)
+  np.testing.assert_allclose(_logits(ck), ref, atol=2e-4, rtol=0)
+
+
+def test_safetensors_matches_transformers(hf_checkpoint):
+  """HF transformers (torch f32, eager attention) on the same config.json + safetensors."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  name, directory, _ = hf_checkpoint
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, dtype=torch.float32, attn_implementation="eager")
+  expected_class = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "llama3": "LlamaForCausalLM"}[name]
+  assert type(hf_model).__name__ == expected_class
+  with torch.no_grad():
+    want = hf_model(torch.tensor(TOKENS)[None]).logits[0].numpy()
+  np.testing.assert_allclose(_logits(load_checkpoint(directory)), want, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_gguf_matches_numpy_reference_and_safetensors(tmp_path, name):
+  """An F32 GGUF of the same weights (as llama.cpp's converter lays them out: Q/K rows
+  permuted for Llama only, Llama 3's scaling as a rope_freqs tensor) gives the reference's
+  logits, and the safetensors checkpoint's up to rounding."""
+  config = _config(name)
+  testing.write_gguf_checkpoint(tmp_path / "m.gguf", config, seed=4, matrix_type="F32",
+                                embed_type="F32")
+  ck = load_checkpoint(tmp_path / "m.gguf")
+  assert (ck.config.attention_bias, ck.config.qk_norm) == (config.attention_bias, config.qk_norm)
+  if name == "llama3":
+    assert ck.config.rope_scaling["rope_type"] == "freq_factors"
+  logits = _logits(ck)
+  np.testing.assert_allclose(logits, numpy_reference.gguf_forward(tmp_path / "m.gguf", TOKENS),
+                             atol=2e-4, rtol=0)
+  testing.write_hf_checkpoint(tmp_path / "hf", config, seed=4)
+  np.testing.assert_allclose(logits, _logits(load_checkpoint(tmp_path / "hf")), atol=2e-4, rtol=0)
+
+
+def test_unsupported_rope_scaling_is_named(tmp_path):
+  testing.write_hf_checkpoint(tmp_path, _config("qwen2"))
+  cfg = tmp_path / "config.json"
+  cfg.write_text(cfg.read_text().replace('"rope_scaling": null',
+                                         '"rope_scaling": {"rope_type": "yarn", "factor": 4.0}'))
+  with pytest.raises(CheckpointError, match="rope scaling type 'yarn' is not supported"):
+    load_checkpoint(tmp_path)
+
+
+def test_gemma3_is_named_as_unsupported(tmp_path):
+  """Still out of scope: both formats refuse it by name before reading weights."""
+  testing.write_gguf_checkpoint(tmp_path / "g.gguf", testing.tiny_config(), architecture="gemma3")
+  with pytest.raises(CheckpointError, match="architecture 'gemma3' is not supported"):
+    load_checkpoint(tmp_path / "g.gguf")
+  testing.write_hf_checkpoint(tmp_path / "hf", testing.tiny_config())
+  cfg = tmp_path / "hf" / "config.json"
+  cfg.write_text(cfg.read_text().replace('"model_type": "llama"', '"model_type": "gemma3_text"'))
+  with pytest.raises(CheckpointError, match="model_type 'gemma3_text' is not supported"):
+    load_checkpoint(tmp_path / "hf")
