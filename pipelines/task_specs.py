@@ -1,6 +1,6 @@
 """Evaluation tasks by name: where examples come from, how they are prompted and scored.
 
-  task = build_task(config)           # "gsm8k" | "humaneval" | "custom"
+  task = build_task(config)           # "gsm8k" | "humaneval" | "custom" | "suite"
   for rec in task.load(): ...         # Example | DeadLetter | Duplicate, in file order
   task.source                         # the dataset file (or generator), for messages
   prompt, stop = task.prompt(example)
@@ -23,6 +23,7 @@ from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm
                                 synthetic_examples)
 from pipelines.datasets.humaneval import load_humaneval
 from pipelines.datasets.records import normalize_answer
+from pipelines.suite.task import SuiteTask
 from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
                              fewshot_prompt, score_gsm8k, truncate_completion, zero_shot_messages)
 
@@ -210,15 +211,15 @@ def _first_n(records, n: int):
     yield rec
 
 
-TASKS = {"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask}
+TASKS = {"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask, "suite": SuiteTask}
 
 
-def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask]:
+def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
   """The task named by `config.task`, holding plain copies of the sections it reads."""
   name = config.task
   if name not in TASKS:
     raise ValueError(f"task={name!r}: registered tasks are {sorted(TASKS)}")
   kwargs = {"dataset": _plain(config.dataset), "prompt_cfg": _plain(config.prompt)}
-  if name == "humaneval":
+  if name in ("humaneval", "suite"):
     kwargs["sandbox_cfg"] = _plain(config.sandbox)
   return TASKS[name](**kwargs)
