@@ -94,11 +94,11 @@ def read_cache(path: pathlib.Path, seed: int) -> tuple[list[Example], str]:
     raw = path.read_bytes().decode("utf-8")
   except (OSError, UnicodeDecodeError) as e:
     raise bad(f"cannot be read: {e}") from e
-  lines = raw.split("\n")
-  if lines and lines[-1] == "":
-    lines.pop()
-  if not lines:
+  if not raw.strip():
     raise bad("empty file")
+  lines = raw.split("\n")
+  if lines[-1] == "":
+    lines.pop()
   try:
     header = json.loads(lines[0])
   except ValueError as e:

@@ -163,7 +163,7 @@ def extract_answer(text: str) -> Optional[str]:
   for line in text.splitlines():
     line = line.strip()
     if line:
-      return re.sub(r"^\**answer\**\s*:\s*", "", line, flags=re.IGNORECASE).strip()
+      return re.sub(r"^[*\s]*answer[*\s]*:[*\s]*", "", line, flags=re.IGNORECASE).strip()
   return None
 
 
