@@ -114,6 +114,13 @@ class GSMTask:
     return out
 
 
+def sandbox_from_config(c: Mapping[str, Any]):
+  """A `Sandbox` from a config's `sandbox` section (timeout_s, memory_mb, workers)."""
+  from pipelines.sandbox import Sandbox, SandboxConfig
+  return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
+                               workers=int(c["workers"])))
+
+
 @dataclasses.dataclass(frozen=True)
 class HumanEvalTask:
   """HumanEval: the problem's code as a completion prompt; completions run in the sandbox."""
@@ -135,10 +142,7 @@ class HumanEvalTask:
     return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
 
   def sandbox(self):
-    from pipelines.sandbox import Sandbox, SandboxConfig
-    c = self.sandbox_cfg
-    return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
-                                 workers=int(c["workers"])))
+    return sandbox_from_config(self.sandbox_cfg)
 
   def score_batch(self, items, sandbox=None) -> list[dict]:
     """Runs every completion (truncated at the stop sequences) in the sandbox, as a pool."""

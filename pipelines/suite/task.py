@@ -82,10 +82,8 @@ class SuiteTask:
   def sandbox(self):
     if "code" not in self.categories:
       return None
-    from pipelines.sandbox import Sandbox, SandboxConfig
-    c = self.sandbox_cfg
-    return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
-                                 workers=int(c["workers"])))
+    from pipelines.task_specs import sandbox_from_config
+    return sandbox_from_config(self.sandbox_cfg)
 
   def score_batch(self, items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox=None) -> list:
     """One score dict (or ScoringError) per item; code items run in the sandbox as one pool."""
