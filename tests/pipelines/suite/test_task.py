@@ -96,3 +96,16 @@ def test_score_batch_returns_the_error_in_the_failing_items_place(suite_cache_di
   scores = plan.task.score_batch([(ex, "x", ()) for ex in examples])
   assert isinstance(scores[1], ScoringError) and "ZeroDivisionError" in str(scores[1])
   assert scores[0]["category"] == "qa" and scores[2]["correct"]
+
+
+def test_cli_unknown_category_is_one_line_naming_it_and_the_valid_ones():
+  import pathlib
+  import subprocess
+  import sys
+  repo = pathlib.Path(__file__).resolve().parents[3]
+  out = subprocess.run([sys.executable, "-m", "pipelines.eval", "--config=configs/suite.py:category=poetry"],
+                       cwd=repo, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and out.stdout == ""
+  assert out.stderr.strip().splitlines() == [
+      "error: unknown suite category 'poetry': valid categories are code, math, qa, instructions, "
+      "summarization (or all)"]
