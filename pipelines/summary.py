@@ -68,7 +68,7 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
   return out
 
 
-def _cv(values: Sequence[float]) -> Optional[float]:
+def coefficient_of_variation(values: Sequence[float]) -> Optional[float]:
   """Coefficient of variation: population standard deviation / mean (None without values)."""
   if not values:
     return None
@@ -214,7 +214,7 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
                  "completion_per_sample": _round(sum(completion) / max(len(records), 1), 2),
                  "completion_per_example": _round(sum(completion) / max(len(groups), 1), 2)},
       "latency_ms": {**_stats(latency), "histogram": histogram(latency)},
-      "latency_ms_per_token": {**_stats(per_token), "cv": _cv(per_token), "histogram": histogram(per_token),
+      "latency_ms_per_token": {**_stats(per_token), "cv": coefficient_of_variation(per_token), "histogram": histogram(per_token),
                                "source": per_token_source, "count": len(per_token)},
       "latency_stability": latency_stability(per_token, ttft),
       "throughput": {"samples_computed": len(fresh), "span_s": _round(span_s, 2),

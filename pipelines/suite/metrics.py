@@ -12,11 +12,11 @@ its coefficient of variation (population std / mean) and the fixed-bucket histog
 from __future__ import annotations
 
 import collections
-import statistics
 from typing import Any, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
-from pipelines.summary import group_by_example, histogram, majority, per_token_latencies, percentile
+from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, majority,
+                               per_token_latencies, percentile)
 from pipelines.tasks import mean_pass_at_k
 
 # The metric that is the category's "accuracy" in the cross-category table.
@@ -67,12 +67,12 @@ def latency_profile(records: Sequence[dict]) -> dict[str, Any]:
   per_token, source = per_token_latencies(records)
   ttft = [float(r["timing"]["ttft_ms"]) for r in records
           if r.get("timing") and r["timing"].get("ttft_ms") is not None]
-  mean = statistics.fmean(per_token) if per_token else None
-  cv = statistics.pstdev(per_token) / mean if per_token and mean else None
+  mean = sum(per_token) / len(per_token) if per_token else None
   return {"ttft_ms": {"p50": _r(percentile(ttft, 50), 3), "p95": _r(percentile(ttft, 95), 3),
                       "count": len(ttft)},
           "per_token_ms": {"p50": _r(percentile(per_token, 50), 3), "p90": _r(percentile(per_token, 90), 3),
-                           "p95": _r(percentile(per_token, 95), 3), "mean": _r(mean, 3), "cv": _r(cv),
+                           "p95": _r(percentile(per_token, 95), 3), "mean": _r(mean, 3),
+                           "cv": coefficient_of_variation(per_token),
                            "count": len(per_token), "source": source, "histogram": histogram(per_token)}}
 
 
