@@ -104,8 +104,11 @@ def read_cache(path: pathlib.Path, seed: int) -> tuple[list[Example], str]:
   except ValueError as e:
     raise bad(f"line 1: invalid JSON header: {e}") from e
   expected = {k: v for k, v in _header(seed, "").items() if k != "content_sha256"}
-  if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
-    raise bad(f"line 1: header {str(header)[:120]} is not suite version {SUITE_VERSION}, seed {seed}")
+  if not isinstance(header, dict):
+    raise bad("line 1: the header is not a JSON object")
+  differ = [k for k, v in expected.items() if header.get(k) != v]
+  if differ:
+    raise bad(f"line 1: header fields {differ} are not those of suite version {SUITE_VERSION}, seed {seed}")
   items = []
   for number, line in enumerate(lines[1:], start=2):
     try:
