@@ -47,6 +47,7 @@ def get_config(arg: str = ""):
   # Summarization prompts are ~1,700 tokens: 8 of them at f32 KV (46 KB per token for the
   # embedded model) need ~640 MiB of blocks; the smoke batch holds 3 of them and 12 short ones.
   config.engine.kv_cache_bytes = (512 if smoke else 768) << 20
+  config.budget = common.budget_section()
   config.controller = common.controller_section()
   # Smoke: all 15 items fit one batch of decode slots, so decoding is one pass, not four.
   config.runner = common.runner_section(batch_size=16 if smoke else 8)

@@ -73,7 +73,7 @@ def coefficient_of_variation(values: Sequence[float]) -> Optional[float]:
   if not values:
     return None
   mean = sum(values) / len(values)
-  return _round(math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean, 4) if mean else None
+  return _round(math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean, 4) if mean > 0 else None
 
 
 def _round(x, nd=3):
@@ -158,14 +158,10 @@ STABILITY_THRESHOLDS = {"per_token_cv": 0.15, "ttft_p95_ms": 320.0}
 def latency_stability(per_token_ms: Sequence[float], ttft_ms: Sequence[float]) -> dict[str, Any]:
   """Per-token latency coefficient of variation (population std / mean), first-token P95,
   and pass/fail against STABILITY_THRESHOLDS (None where nothing was measured)."""
-  cv = None
-  if per_token_ms:
-    mean = sum(per_token_ms) / len(per_token_ms)
-    var = sum((x - mean) ** 2 for x in per_token_ms) / len(per_token_ms)
-    cv = math.sqrt(var) / mean if mean > 0 else None
+  cv = coefficient_of_variation(per_token_ms)
   p95 = percentile(list(ttft_ms), 95)
   limits = STABILITY_THRESHOLDS
-  return {"per_token_cv": _round(cv, 4), "ttft_p95_ms": _round(p95),
+  return {"per_token_cv": cv, "ttft_p95_ms": _round(p95),
           "pass": {f"per_token_cv < {limits['per_token_cv']:g}":
                    None if cv is None else cv < limits["per_token_cv"],
                    f"ttft_p95_ms < {limits['ttft_p95_ms']:g}":
@@ -214,7 +210,7 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
                  "completion_per_sample": _round(sum(completion) / max(len(records), 1), 2),
                  "completion_per_example": _round(sum(completion) / max(len(groups), 1), 2)},
       "latency_ms": {**_stats(latency), "histogram": histogram(latency)},
-      "latency_ms_per_token": {**_stats(per_token), "cv": coefficient_of_variation(per_token), "histogram": histogram(per_token),
+      "latency_ms_per_token": {**_stats(per_token), "histogram": histogram(per_token),
                                "source": per_token_source, "count": len(per_token)},
       "latency_stability": latency_stability(per_token, ttft),
       "throughput": {"samples_computed": len(fresh), "span_s": _round(span_s, 2),

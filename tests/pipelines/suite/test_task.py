@@ -54,7 +54,7 @@ def test_smoke_run_scores_every_category_and_reports_the_table(suite_cache_dir, 
     assert set(c["per_token_ms"]) >= {"p50", "p90", "p95", "cv", "histogram"}
     assert set(c["ttft_ms"]) == {"p50", "p95", "count"}
   assert summary["data"]["items"] == {c: 3 for c in cats} and len(summary["data"]["content_sha256"]) == 64
-  assert summary["latency_ms_per_token"]["cv"] is not None
+  assert summary["latency_stability"]["per_token_cv"] is not None
   report = (out / "report.md").read_text()
   assert "## Suite: per category" in report and summary["data"]["items_sha256"] in report
   assert (out / "suite_latency_heatmap.png").stat().st_size > 0
