@@ -49,8 +49,10 @@ def get_config(arg: str = ""):
   config.engine.kv_cache_bytes = (512 if smoke else 768) << 20
   config.budget = common.budget_section()
   config.controller = common.controller_section()
-  # Smoke: all 15 items fit one batch of decode slots, so decoding is one pass, not four.
-  config.runner = common.runner_section(batch_size=16 if smoke else 8)
+  # Smoke: all 15 items in one batch of decode slots (one worker, so the items are not split
+  # into two bundles that the shared engine would run one after the other): one decode pass.
+  config.runner = (common.runner_section(batch_size=16, workers=1) if smoke
+                   else common.runner_section(batch_size=8))
   config.smoke = smoke
   common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)
