@@ -252,6 +252,8 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   summary = summarize(records, dead, task=plan.task.name, vote=plan.policy.vote, run=run_info,
                       config=config.to_dict())
   summary["model"] = plan.model_fp
+  if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
+    summary["data"] = plan.task.data_info()
   write_text(f"{out}/summary.json", json.dumps(summary, indent=2, default=list) + "\n")
   if report and is_local(output_dir):
     from pipelines.report import write_run_report
@@ -407,7 +409,7 @@ def main(argv):
     raise
   if log:
     log.close(keep=bool(local_log), move_to=local_log)
-  keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters")
+  keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
   return 0

@@ -206,6 +206,8 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
           f"Per-token latency source: {ptl.get('source', 'request_latency/completion')} "
           f"({_fmt(ptl.get('count'))} values).", "", *_stability_lines(summary), "",
           "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]
+  from pipelines.suite.report import report_section
+  out += report_section(summary, run_dir)  # the suite's table across categories, if any
   out += ["", "## Reasoning paths", ""]
   if has_reasoning:
     r = summary.get("reasoning") or {}

@@ -5,7 +5,8 @@
 Data flow: 1. group records by example (in dataset order); 2. score each example —
 GSM-style: majority vote over the samples' extracted answers when the policy votes
 (strict and flexible separately), else the mean over samples; HumanEval: pass@k
-for every k <= n; 3. sum tokens by kind; 4. latency percentiles (P50/P90/P95/P99)
+for every k <= n; the suite: each category's own metrics (`pipelines/suite/metrics.py`),
+its headline as `accuracy[category]`; 3. sum tokens by kind; 4. latency percentiles (P50/P90/P95/P99)
 and fixed-bucket histograms over request latency, time to first token and
 per-token latency — the engine's real per-token times (`timing.token_ms`, one
 value per generated token; the controller's as the host sees its device loop)
@@ -67,6 +68,14 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
   return out
 
 
+def coefficient_of_variation(values: Sequence[float]) -> Optional[float]:
+  """Coefficient of variation: population standard deviation / mean (None without values)."""
+  if not values:
+    return None
+  mean = sum(values) / len(values)
+  return _round(math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean, 4) if mean > 0 else None
+
+
 def _round(x, nd=3):
   return None if x is None else round(float(x), nd)
 
@@ -92,6 +101,12 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
   n_ex = max(len(groups), 1)
   samples = [r for g in groups for r in g]
   out: dict[str, Any] = {"sample_accuracy": _round(sum(r["correct"] for r in samples) / max(len(samples), 1), 4)}
+  if task == "suite":  # per category (its own metrics); the headline of each here
+    from pipelines.suite.metrics import category_summaries
+    categories = category_summaries(samples, vote)
+    out["accuracy"] = {c: v["accuracy"] for c, v in categories.items()}
+    out["categories"] = categories
+    return out
   if task == "humaneval":
     counts = [(len(g), sum(r["correct"] for r in g)) for g in groups]
     pass_k = mean_pass_at_k(counts) if counts else {}
@@ -143,14 +158,10 @@ STABILITY_THRESHOLDS = {"per_token_cv": 0.15, "ttft_p95_ms": 320.0}
 def latency_stability(per_token_ms: Sequence[float], ttft_ms: Sequence[float]) -> dict[str, Any]:
   """Per-token latency coefficient of variation (population std / mean), first-token P95,
   and pass/fail against STABILITY_THRESHOLDS (None where nothing was measured)."""
-  cv = None
-  if per_token_ms:
-    mean = sum(per_token_ms) / len(per_token_ms)
-    var = sum((x - mean) ** 2 for x in per_token_ms) / len(per_token_ms)
-    cv = math.sqrt(var) / mean if mean > 0 else None
+  cv = coefficient_of_variation(per_token_ms)
   p95 = percentile(list(ttft_ms), 95)
   limits = STABILITY_THRESHOLDS
-  return {"per_token_cv": _round(cv, 4), "ttft_p95_ms": _round(p95),
+  return {"per_token_cv": cv, "ttft_p95_ms": _round(p95),
           "pass": {f"per_token_cv < {limits['per_token_cv']:g}":
                    None if cv is None else cv < limits["per_token_cv"],
                    f"ttft_p95_ms < {limits['ttft_p95_ms']:g}":

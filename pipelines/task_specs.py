@@ -1,6 +1,6 @@
 """Evaluation tasks by name: where examples come from, how they are prompted and scored.
 
-  task = build_task(config)           # "gsm8k" | "humaneval" | "custom"
+  task = build_task(config)           # "gsm8k" | "humaneval" | "custom" | "suite"
   for rec in task.load(): ...         # Example | DeadLetter | Duplicate, in file order
   task.source                         # the dataset file (or generator), for messages
   prompt, stop = task.prompt(example)
@@ -23,6 +23,7 @@ from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm
                                 synthetic_examples)
 from pipelines.datasets.humaneval import load_humaneval
 from pipelines.datasets.records import normalize_answer
+from pipelines.suite.task import SuiteTask
 from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
                              fewshot_prompt, score_gsm8k, truncate_completion, zero_shot_messages)
 
@@ -113,6 +114,13 @@ class GSMTask:
     return out
 
 
+def sandbox_from_config(c: Mapping[str, Any]):
+  """A `Sandbox` from a config's `sandbox` section (timeout_s, memory_mb, workers)."""
+  from pipelines.sandbox import Sandbox, SandboxConfig
+  return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
+                               workers=int(c["workers"])))
+
+
 @dataclasses.dataclass(frozen=True)
 class HumanEvalTask:
   """HumanEval: the problem's code as a completion prompt; completions run in the sandbox."""
@@ -134,10 +142,7 @@ class HumanEvalTask:
     return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
 
   def sandbox(self):
-    from pipelines.sandbox import Sandbox, SandboxConfig
-    c = self.sandbox_cfg
-    return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
-                                 workers=int(c["workers"])))
+    return sandbox_from_config(self.sandbox_cfg)
 
   def score_batch(self, items, sandbox=None) -> list[dict]:
     """Runs every completion (truncated at the stop sequences) in the sandbox, as a pool."""
@@ -210,15 +215,15 @@ def _first_n(records, n: int):
     yield rec
 
 
-TASKS = {"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask}
+TASKS = {"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask, "suite": SuiteTask}
 
 
-def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask]:
+def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
   """The task named by `config.task`, holding plain copies of the sections it reads."""
   name = config.task
   if name not in TASKS:
     raise ValueError(f"task={name!r}: registered tasks are {sorted(TASKS)}")
   kwargs = {"dataset": _plain(config.dataset), "prompt_cfg": _plain(config.prompt)}
-  if name == "humaneval":
+  if name in ("humaneval", "suite"):
     kwargs["sandbox_cfg"] = _plain(config.sandbox)
   return TASKS[name](**kwargs)

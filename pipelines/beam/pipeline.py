@@ -111,7 +111,10 @@ def build_plan(config, output_dir: str) -> EvalPlan:
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
       controller=controller, budget=budget, imports=imports)
-  return EvalPlan(task=build_task(config), policy=policy, sampling=sampling, predictor=spec,
+  task = build_task(config)
+  if hasattr(task, "check_policy"):  # a task may reject policies that cannot score it
+    task.check_policy(policy)
+  return EvalPlan(task=task, policy=policy, sampling=sampling, predictor=spec,
                   model_fp=model_fingerprint(spec), output_dir=output_dir,
                   batch_size=int(config.runner.batch_size),
                   share_model=bool(config.runner.share_model), imports=imports)
@@ -129,9 +132,11 @@ def prompt_sha256(prompt) -> str:
 def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[WorkItem]:
   """The work of one example: one item per sample index, each keyed by content hash."""
   prompt, stop = plan.task.prompt(example)
+  # A task may set a per-example token budget (the suite: per category).
+  base = plan.task.sampling_for(example, plan.sampling) if hasattr(plan.task, "sampling_for") else plan.sampling
   items = []
   for i in range(plan.policy.num_samples):
-    sampling = plan.policy.sampling(plan.sampling, i)
+    sampling = plan.policy.sampling(base, i)
     scoring = dict(getattr(plan.task, "sandbox_cfg", {}) or {})
     scoring.pop("workers", None)  # pool size does not change a verdict
     key = hashlib.sha256(_canonical({
@@ -253,7 +258,11 @@ def make_record(plan: EvalPlan, item: WorkItem, prediction: dict, score: dict) -
 
 
 class ScoreAndStore(beam.DoFn):
-  """Batches of PredictionResults → scored records, each stored as soon as it exists."""
+  """Batches of PredictionResults → scored records, each stored as soon as it exists.
+
+  A task may return an exception in place of one item's score (its scorer raised on that
+  item): the item becomes a dead letter on the 'unscored' output, the rest are stored.
+  """
 
   def __init__(self, plan: EvalPlan):
     self.plan = plan
@@ -269,6 +278,13 @@ class ScoreAndStore(beam.DoFn):
     else:
       scores = self.plan.task.score_batch(items)
     for result, score in zip(batch, scores):
+      if isinstance(score, Exception):
+        item = result.example
+        Metrics.counter(NAMESPACE, "scoring_dead_letters").inc()
+        yield beam.pvalue.TaggedOutput("unscored", dead_letter(
+            "scoring", str(score), key=item.key, example_id=item.example["id"],
+            sample_index=item.sample_index))
+        continue
       record = make_record(self.plan, result.example, result.inference, score)
       self.store.put(result.example.key, record)
       Metrics.counter(NAMESPACE, "samples_computed").inc()
@@ -358,14 +374,15 @@ def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loade
                                   clock=clock, loader=loader)
   predictions, dlq = (split.todo
                       | "RunInference" >> RunInference(handler, clock=clock).with_exception_handling())
-  scored, score_failures = (predictions
-                            | "ScoreBatches" >> beam.BatchElements(min_batch_size=1,
-                                                                   max_batch_size=max(plan.batch_size, 8))
-                            | "Score" >> beam.ParDo(ScoreAndStore(plan)).with_exception_handling())
+  score = (predictions
+           | "ScoreBatches" >> beam.BatchElements(min_batch_size=1, max_batch_size=max(plan.batch_size, 8))
+           | "Score" >> beam.ParDo(ScoreAndStore(plan)).with_exception_handling().with_outputs("unscored"))
+  scored, score_failures, unscored = score["good"], score["bad"], score["unscored"]
   records = (split.finished, scored) | "AllRecords" >> beam.Flatten()
   dead = ((read.dead,
            dlq.failed_inferences | "InferenceFailures" >> beam.FlatMap(failure_dead_letters("inference")),
-           score_failures | "ScoreFailures" >> beam.FlatMap(failure_dead_letters("scoring")))
+           score_failures | "ScoreFailures" >> beam.FlatMap(failure_dead_letters("scoring")),
+           unscored)
           | "AllDeadLetters" >> beam.Flatten())
   out = plan.output_dir.rstrip("/")
   _ = (records

@@ -1,0 +1,98 @@
+"""Per-category metrics of a suite run, from its records (pure Python; summary and report use it).
+
+  categories = category_summaries(records, vote=False)
+
+For each category: its accuracy metrics (the headline first, see each category module),
+samples, completion tokens, time to first token P50/P95, per-token latency P50/P90/P95 with
+its coefficient of variation (population std / mean) and the fixed-bucket histogram
+(0/10/50/100/200/500/1000 ms). Per-token latency is the engine's measured per-token time
+(`timing.token_ms`) when the records carry it, else request latency / completion tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional, Sequence
+
+from pipelines.datasets.records import normalize_answer
+from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, majority,
+                               per_token_latencies, percentile)
+from pipelines.tasks import mean_pass_at_k
+
+# The metric that is the category's "accuracy" in the cross-category table.
+HEADLINE = {"code": "pass@1", "math": "strict", "qa": "exact_match",
+            "instructions": "prompt_strict", "summarization": "key_fact_recall"}
+
+
+def _r(x: Optional[float], nd: int = 4) -> Optional[float]:
+  return None if x is None else round(float(x), nd)
+
+
+def _mean_metric(samples: Sequence[dict], key: str) -> Optional[float]:
+  vals = [float(r["score"]["metrics"][key]) for r in samples if key in r["score"].get("metrics", {})]
+  return _r(sum(vals) / len(vals)) if vals else None
+
+
+def category_accuracy(category: str, records: Sequence[dict], vote: bool = False) -> dict[str, Any]:
+  """The category's metrics, headline first."""
+  groups = group_by_example(records)
+  if category == "code":
+    pass_k = mean_pass_at_k([(len(g), sum(bool(r["correct"]) for r in g)) for g in groups])
+    return {f"pass@{k}": _r(v) for k, v in pass_k.items()}
+  if category == "math":
+    if vote:
+      out = {}
+      for kind in ("strict", "flexible"):
+        right = sum(majority([r["score"].get(f"{kind}_answer") for r in g]) == normalize_answer(g[0]["reference"])
+                    for g in groups)
+        out[kind] = _r(right / len(groups)) if groups else None
+      return out
+    return {k: _mean_metric(records, k) for k in ("strict", "flexible")}
+  if category == "qa":
+    return {k: _mean_metric(records, k) for k in ("exact_match", "f1")}
+  if category == "instructions":
+    total = sum(r["score"]["metrics"]["instructions_total"] for r in records)
+    inst = {k: _r(sum(r["score"]["metrics"][f"instructions_{k}"] for r in records) / total) if total else None
+            for k in ("strict", "loose")}
+    return {"prompt_strict": _mean_metric(records, "prompt_strict"),
+            "prompt_loose": _mean_metric(records, "prompt_loose"),
+            "instruction_strict": inst["strict"], "instruction_loose": inst["loose"]}
+  if category == "summarization":
+    return {k: _mean_metric(records, k) for k in ("key_fact_recall", "rouge_l")}
+  raise ValueError(f"unknown suite category {category!r}")
+
+
+def latency_profile(records: Sequence[dict]) -> dict[str, Any]:
+  """TTFT P50/P95, per-token P50/P90/P95 + CV + histogram, for one category's records."""
+  per_token, source = per_token_latencies(records)
+  ttft = [float(r["timing"]["ttft_ms"]) for r in records
+          if r.get("timing") and r["timing"].get("ttft_ms") is not None]
+  mean = sum(per_token) / len(per_token) if per_token else None
+  return {"ttft_ms": {"p50": _r(percentile(ttft, 50), 3), "p95": _r(percentile(ttft, 95), 3),
+                      "count": len(ttft)},
+          "per_token_ms": {"p50": _r(percentile(per_token, 50), 3), "p90": _r(percentile(per_token, 90), 3),
+                           "p95": _r(percentile(per_token, 95), 3), "mean": _r(mean, 3),
+                           "cv": coefficient_of_variation(per_token),
+                           "count": len(per_token), "source": source, "histogram": histogram(per_token)}}
+
+
+def category_summaries(records: Sequence[dict], vote: bool = False) -> dict[str, dict]:
+  """{category: {headline, accuracy, examples, samples, tokens, ttft_ms, per_token_ms}}."""
+  by_cat: dict[str, list[dict]] = collections.defaultdict(list)
+  for r in records:
+    by_cat[r["score"].get("category") or "unknown"].append(r)
+  from pipelines.suite.items import CATEGORIES
+  out = {}
+  for category in [c for c in CATEGORIES if c in by_cat]:
+    recs = by_cat[category]
+    acc = category_accuracy(category, recs, vote)
+    completion = [int((r.get("tokens") or {}).get("completion", 0)) for r in recs]
+    prompt = [int((r.get("tokens") or {}).get("prompt", 0)) for r in recs]
+    out[category] = {
+        "headline": HEADLINE[category], "accuracy": acc.get(HEADLINE[category]), "metrics": acc,
+        "examples": len(group_by_example(recs)), "samples": len(recs),
+        "tokens": {"prompt": sum(prompt), "completion": sum(completion),
+                   "completion_per_sample": _r(sum(completion) / len(recs), 2),
+                   "prompt_per_sample": _r(sum(prompt) / len(recs), 1)},
+        **latency_profile(recs)}
+  return out

@@ -1,0 +1,152 @@
+"""Suite category `summarization`: long generated reports with planted key facts.
+
+Each document is a fictional town's annual report: 5 key facts (the mayor, the population,
+the year a bridge opened, the main export, the budget) stated once each in the body, amid
+generated paragraphs about districts, weather, events and services that repeat none of
+them. Length: at least MIN_WORDS words; the embedded model's tokenizer (SmolLM2's BPE)
+gives 1.2-1.4 tokens per word on this text, so every document is >= 1,500 tokens (the
+tests count them with that tokenizer). The reference summary is one sentence per fact.
+
+Scoring: ROUGE-L F1 against the reference (Google's `rouge-score` package,
+`RougeScorer(["rougeL"], use_stemmer=True)`: its own tokenizer and the Porter stemmer,
+no downloaded data) and key-fact recall: the share of facts whose key value (a name or
+number; numbers also match without thousands separators) appears in the summary,
+case-insensitively. Headline: key-fact recall.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+
+from pipelines.datasets.records import Example
+
+CATEGORY = "summarization"
+MIN_WORDS = 1300
+
+_TOWN_A = ("Bel", "Cor", "Dun", "Ester", "Fal", "Gran", "Hollow", "Ivy", "Kel", "Lark", "Mor", "Pell")
+_TOWN_B = ("brook", "mere", "ford", "wick", "haven", "stead", "moor", "cliff", "dale", "field")
+_FIRST = ("Agnes", "Bastian", "Clara", "Dorian", "Elsbeth", "Florian", "Greta", "Hector", "Imke",
+          "Jules", "Katrin", "Leopold", "Mirela", "Nikolai", "Odile", "Pavel")
+_LAST = ("Aldana", "Brisbois", "Castellan", "Drummond", "Esterhazy", "Fontaine", "Galloway",
+         "Hasselt", "Ingersoll", "Jablonski", "Kowalczyk", "Lindgren", "Montague", "Navarro")
+_EXPORTS = ("copper wire", "wool blankets", "apple cider", "glass lenses", "oak furniture",
+            "dried herbs", "ceramic tiles", "river salt", "linen thread", "smoked trout")
+_DISTRICTS = ("the harbour quarter", "the old market", "the northern terraces", "the mill district",
+              "the station area", "the riverside", "the hill streets", "the eastern fields")
+_SERVICES = ("the bus service", "street lighting", "the public baths", "waste collection",
+             "the lending library", "the night clinic", "the ferry timetable", "the water works")
+_EVENTS = ("the spring fair", "the lantern parade", "the rowing regatta", "the harvest supper",
+           "the chess tournament", "the choir festival", "the open studios weekend", "the kite day")
+_ADJ = ("busy", "quiet", "steady", "mixed", "lively", "calm", "uneven", "encouraging", "modest")
+_WEATHER = ("a wet spring", "a dry summer", "a windy autumn", "a mild winter", "a cold snap in March",
+            "heavy fog in November", "an early frost", "a long warm spell")
+
+
+def _sentences(rng: random.Random, town: str) -> list[str]:
+  """One filler sentence per template, drawn fresh (a paragraph takes a few, no repeats)."""
+  d, s, e = rng.choice(_DISTRICTS), rng.choice(_SERVICES), rng.choice(_EVENTS)
+  a, w = rng.choice(_ADJ), rng.choice(_WEATHER)
+  pct = rng.randint(2, 40)
+  return [
+      f"Residents of {d} described the year as {a}, and many asked for better {s}.",
+      f"The council reviewed {s} twice and agreed on small changes after hearing from {d}.",
+      f"{e.capitalize()} drew visitors from neighbouring villages, and local shops in {d} stayed open late.",
+      f"After {w}, volunteers repaired paths and benches across {d}.",
+      f"A survey found that about {pct} percent of households in {d} use {s} every week.",
+      f"Plans for {e} were discussed at length, with several groups offering to help.",
+      f"Staff who run {s} reported a {a} season and thanked residents for their patience.",
+      f"In {d}, new planters and a painted mural changed the look of several streets.",
+      f"Older residents recalled how {town} handled {w} in earlier decades.",
+      f"The town's schools joined {e} for the first time, which teachers called a {a} success.",
+      f"Traffic through {d} was {a} for most of the year, apart from the weeks of {e}.",
+      f"Several letters to the council praised {s} while others asked for longer opening hours.",
+  ]
+
+
+def _paragraph(rng: random.Random, town: str) -> str:
+  return " ".join(rng.sample(_sentences(rng, town), rng.randint(4, 7)))
+
+
+def generate_item(seed: int, index: int) -> Example:
+  rng = random.Random(f"suite/summarization:{seed}:{index}")
+  town = rng.choice(_TOWN_A) + rng.choice(_TOWN_B)
+  year = rng.randint(2031, 2049)
+  mayor = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+  population = rng.randint(12_000, 95_000)
+  bridge_year = year - rng.randint(1, 3)
+  export = rng.choice(_EXPORTS)
+  budget = rng.randint(11, 99) / 10
+  facts = [
+      {"name": "mayor", "value": mayor,
+       "sentence": f"The mayor of {town} is {mayor}.",
+       "body": f"{mayor}, who serves as mayor of {town}, opened the council's first meeting of the year."},
+      {"name": "population", "value": f"{population:,}",
+       "sentence": f"{town} has {population:,} residents.",
+       "body": f"The census completed this year counted {population:,} residents in {town}."},
+      {"name": "bridge", "value": str(bridge_year),
+       "sentence": f"The new river bridge opened in {bridge_year}.",
+       "body": f"The new river bridge, which opened in {bridge_year}, now carries most of the town's traffic."},
+      {"name": "export", "value": export,
+       "sentence": f"The town's main export is {export}.",
+       "body": f"Trade figures confirm that {export} remain the main export of {town}."},
+      {"name": "budget", "value": f"{budget:.1f} million",
+       "sentence": f"The annual budget was {budget:.1f} million crowns.",
+       "body": f"The council approved an annual budget of {budget:.1f} million crowns."},
+  ]
+  paragraphs = []
+  while sum(len(p.split()) for p in paragraphs) < MIN_WORDS:
+    paragraphs.append(_paragraph(rng, town))
+  # One fact per paragraph slot, at spread-out positions (not all at the start).
+  slots = sorted(rng.sample(range(len(paragraphs)), len(facts)))
+  for slot, fact in zip(slots, facts):
+    paragraphs[slot] = fact["body"] + " " + paragraphs[slot]
+  document = f"Annual report of {town}, {year}\n\n" + "\n\n".join(paragraphs)
+  reference = " ".join(f["sentence"] for f in facts)
+  question = (f"{document}\n\nSummarize the report above in 3 to 5 sentences. Include the "
+              f"key names, numbers and dates.")
+  return Example(id=f"suite/summarization/{index}", dataset="suite", question=question,
+                 reference=reference,
+                 metadata={"category": CATEGORY, "town": town, "words": len(document.split()),
+                           "key_facts": [{"name": f["name"], "value": f["value"]} for f in facts]})
+
+
+def generate(n: int, seed: int) -> list[Example]:
+  return [generate_item(seed, i) for i in range(n)]
+
+
+def prompt(example: Example):
+  return [{"role": "user", "content": example.question}], ()
+
+
+@functools.lru_cache(maxsize=1)
+def _scorer():
+  from rouge_score import rouge_scorer
+  return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+  return _scorer().score(reference, prediction)["rougeL"].fmeasure
+
+
+def _fact_found(value: str, text: str) -> bool:
+  low = text.lower()
+  if value.lower() in low:
+    return True
+  plain = value.replace(",", "")  # 48,213 also matches 48213
+  return plain != value and re.search(rf"\b{re.escape(plain.lower())}\b", low) is not None
+
+
+def key_fact_recall(prediction: str, facts: list[dict]) -> float:
+  return sum(_fact_found(f["value"], prediction) for f in facts) / len(facts) if facts else 0.0
+
+
+def score(example: Example, text: str, stop: tuple[str, ...] = ()) -> dict:
+  facts = example.metadata["key_facts"]
+  found = [f["name"] for f in facts if _fact_found(f["value"], text)]
+  recall = key_fact_recall(text, facts)
+  rouge = rouge_l(text, example.reference)
+  return {"answer": None, "correct": recall == 1.0, "facts_found": found,
+          "rouge_l": round(rouge, 4), "key_fact_recall": round(recall, 4),
+          "metrics": {"key_fact_recall": round(recall, 4), "rouge_l": round(rouge, 4)}}

@@ -1,0 +1,66 @@
+"""IFEval-style instructions: each checker on hand-made right and wrong responses; strict/loose."""
+
+import json
+
+import pytest
+
+from pipelines.suite import instructions as ins
+
+
+@pytest.mark.parametrize("instruction, right, wrong", [
+    (ins.MaxWords(5), "one two three four", "one two three four five"),  # < 5 words
+    (ins.MinWords(3), "one two three", "one two"),
+    (ins.MaxSentences(2), "First one. Second one!", "One. Two. Three?"),
+    (ins.IncludeKeywords(("water", "light")), "Water and LIGHT.", "Only water here."),
+    (ins.ForbiddenWords(("quiet",)), "The quietest street.", "A quiet street."),  # whole word
+    (ins.JsonFormat(), '```json\n{"a": 1}\n```', "{'a': 1}"),
+    (ins.Bullets(2), "* one\n- two", "* one\n* two\n* three"),
+    (ins.Title(), "<<my title>>\ntext", "<<>> no title"),
+    (ins.Lowercase(), "all lower, 42.", "Not lower."),
+    (ins.Uppercase(), "ALL UPPER 42.", "ALL Upper."),
+    (ins.EndPhrase("Thanks for reading."), "Hello.\nthanks for reading.  ", "Thanks for reading. Bye."),
+    (ins.NoComma(), "No commas here.", "One, two."),
+])
+def test_each_checker_on_a_right_and_a_wrong_response(instruction, right, wrong):
+  assert instruction.check(right)
+  assert not instruction.check(wrong)
+  assert ins.from_dict(json.loads(json.dumps(instruction.to_dict()))) == instruction
+
+
+def test_loose_accepts_a_response_whose_first_or_last_line_breaks_the_rule():
+  # Strict fails on the markdown intro line; IFEval's loose drops the first line.
+  response = "Sure! Here it is:\n{\"note\": \"tide pools\"}"
+  assert ins.follows(ins.JsonFormat(), response) == (False, True)
+  # '*' removed: "**Thanks for reading.**" ends with the phrase once the stars go.
+  assert ins.follows(ins.EndPhrase("Thanks for reading."), "Text.\n**Thanks for reading.**") == (False, True)
+  # Nothing rescues a comma in every line; an empty response follows nothing.
+  assert ins.follows(ins.NoComma(), "a, b\nc, d\ne, f") == (False, False)
+  assert ins.follows(ins.Lowercase(), "  ") == (False, False)
+  assert len(ins.loose_variants("a*\nb\nc")) == 8
+
+
+def test_prompt_and_instruction_level_accuracy_strict_and_loose():
+  ex = ins.generate_item(0, 2)  # 1 + 2 % 3 = 3 instructions
+  assert len(ex.metadata["instructions"]) == 3
+  example = ex.__class__(id=ex.id, dataset=ex.dataset, question=ex.question, reference="",
+                         metadata={**ex.metadata, "instructions": [
+                             ins.NoComma().to_dict(), ins.MaxWords(20).to_dict(),
+                             ins.EndPhrase("That is all for now.").to_dict()]})
+  good = ins.score(example, "short note. That is all for now.")
+  assert good["correct"] and good["metrics"]["prompt_loose"] == 1.0
+  half = ins.score(example, "Intro line, with a comma\nshort note. That is all for now.")
+  # Strict: the comma breaks no_comma; loose drops the first line and passes all three.
+  assert half["followed_strict"] == [False, True, True] and half["followed_loose"] == [True, True, True]
+  assert ins.instruction_level([good, half]) == {"strict": 5 / 6, "loose": 1.0}
+
+
+def test_generated_prompts_have_one_to_three_compatible_instructions():
+  items = ins.generate(60, seed=0)
+  counts = [len(ex.metadata["instructions"]) for ex in items]
+  assert counts[:3] == [1, 2, 3] and set(counts) == {1, 2, 3}
+  for ex in items:
+    kinds = [d["id"] for d in ex.metadata["instructions"]]
+    assert len(set(kinds)) == len(kinds)
+    assert not any(frozenset((a, b)) in ins.CONFLICTS for a in kinds for b in kinds if a != b)
+    for d in ex.metadata["instructions"]:
+      assert ins.from_dict(d).describe() in ex.question

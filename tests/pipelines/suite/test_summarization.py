@@ -1,0 +1,39 @@
+"""Summarization: documents >= 1,500 tokens (embedded tokenizer), ROUGE-L and key-fact recall."""
+
+import pytest
+
+from pipelines.suite import summarization as summ
+
+
+def test_key_fact_recall_and_rouge_l_on_hand_made_summaries():
+  ex = summ.generate_item(0, 0)
+  facts = {f["name"]: f["value"] for f in ex.metadata["key_facts"]}
+  assert len(facts) == 5 and all(v in ex.question for v in facts.values())
+  perfect = summ.score(ex, ex.reference)
+  assert perfect["correct"] and perfect["metrics"] == {"key_fact_recall": 1.0, "rouge_l": 1.0}
+  # Two of five facts, the population written without its thousands separator.
+  partial = f"The mayor is {facts['mayor']}. About {facts['population'].replace(',', '')} people live there."
+  s = summ.score(ex, partial)
+  assert s["facts_found"] == ["mayor", "population"] and s["key_fact_recall"] == 0.4
+  assert 0.0 < s["rouge_l"] < 1.0
+  assert summ.score(ex, "Nothing relevant.")["metrics"]["key_fact_recall"] == 0.0
+
+
+def test_rouge_l_is_the_rouge_score_package_lcs_f_measure():
+  # LCS("the cat sat on the mat", "the cat lay on a mat") = the cat on mat = 4 tokens;
+  # P = 4/6, R = 4/6, F = 0.6667.
+  assert summ.rouge_l("the cat lay on a mat", "the cat sat on the mat") == pytest.approx(4 / 6)
+
+
+@pytest.mark.slow
+def test_every_document_is_at_least_1500_tokens_of_the_embedded_tokenizer():
+  from o1jax.checkpoint.embedded import embedded_model_path
+  from o1jax.checkpoint.gguf_loader import read_metadata
+  from o1jax.checkpoint.tokenizer import Tokenizer
+  items = summ.generate(200, seed=0)
+  assert all(ex.metadata["words"] >= summ.MIN_WORDS for ex in items)
+  # Tokenizing all 200 takes ~10 s on a busy machine: the 10 with the fewest words suffice.
+  tokenizer = Tokenizer.from_gguf_metadata(read_metadata(embedded_model_path()))
+  for ex in sorted(items, key=lambda ex: ex.metadata["words"])[:10]:
+    document = ex.question.rsplit("\n\nSummarize", 1)[0]
+    assert len(tokenizer.encode(document)) >= 1500, ex.id

@@ -1,0 +1,111 @@
+"""The suite through the Beam pipeline with the fake predictor: records, per-category summary,
+report, token budgets, policies a category rejects, and a scorer that raises on one item."""
+
+import json
+
+import pytest
+
+from configs import suite as suite_config
+from pipelines import eval as eval_main
+from pipelines.beam import build_plan, plan_items
+from pipelines.suite import summarization
+from pipelines.suite.task import ScoringError
+
+
+def fake_config(cache_dir, arg="smoke=True"):
+  cfg = suite_config.get_config(arg)
+  cfg.model.predictor = "fake"
+  cfg.dataset.cache_dir = str(cache_dir)
+  cfg.runner.direct_running_mode = "in_memory"
+  cfg.runner.direct_num_workers = 1
+  return cfg
+
+
+def test_smoke_run_scores_every_category_and_reports_the_table(suite_cache_dir, tmp_path, monkeypatch):
+  real_score = summarization.score
+
+  def score_or_raise(example, text, stop=()):
+    if example.id == "suite/summarization/1":
+      raise RuntimeError("injected scorer failure")
+    return real_score(example, text, stop)
+
+  monkeypatch.setattr(summarization, "score", score_or_raise)  # in_memory: same process
+  out = tmp_path / "run"
+  summary = eval_main.run(fake_config(suite_cache_dir), str(out), progress=False)
+  # 15 items; the one whose scorer raised is a dead letter, the run went on.
+  assert summary["samples"] == 14 and summary["dead_letters"]["by_stage"] == {"scoring": 1}
+  dead = [json.loads(line) for line in (out / "dead_letters.jsonl").read_text().splitlines()]
+  assert dead[0]["example_id"] == "suite/summarization/1"
+  assert "RuntimeError: injected scorer failure" in dead[0]["reason"]
+  cats = summary["categories"]
+  assert list(cats) == ["code", "math", "qa", "instructions", "summarization"]
+  assert [cats[c]["samples"] for c in cats] == [3, 3, 3, 3, 2]
+  # FakePredictor answers with the reference: canonical code passes (3 in 4 samples, by its
+  # hash rule), a QA reference is an exact match, a reference summary recalls every fact.
+  records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+  by_id = {r["example_id"]: r for r in records}
+  for ex_id, r in by_id.items():
+    if "/qa/" in ex_id or "/summarization/" in ex_id:
+      assert r["correct"] == (r["output"] == r["reference"])
+  assert cats["summarization"]["metrics"]["key_fact_recall"] == pytest.approx(
+      sum(by_id[f"suite/summarization/{i}"]["score"]["key_fact_recall"] for i in (0, 2)) / 2)
+  assert summary["accuracy"] == {c: v["accuracy"] for c, v in cats.items()}
+  for c in cats.values():
+    assert set(c["per_token_ms"]) >= {"p50", "p90", "p95", "cv", "histogram"}
+    assert set(c["ttft_ms"]) == {"p50", "p95", "count"}
+  assert summary["data"]["items"] == {c: 3 for c in cats} and len(summary["data"]["content_sha256"]) == 64
+  assert summary["latency_stability"]["per_token_cv"] is not None
+  report = (out / "report.md").read_text()
+  assert "## Suite: per category" in report and summary["data"]["items_sha256"] in report
+  assert (out / "suite_latency_heatmap.png").stat().st_size > 0
+
+
+def test_each_category_has_its_own_token_budget_and_prompt_shape(suite_cache_dir, tmp_path):
+  cfg = fake_config(suite_cache_dir)
+  cfg.sampling.max_new_tokens = 40  # caps the per-category budgets
+  items, _ = plan_items(build_plan(cfg, str(tmp_path)))
+  budget = {i.example["metadata"]["category"]: i.sampling.max_new_tokens for i in items}
+  expected = {c: min(40, b) for c, b in suite_config.SMOKE_MAX_NEW_TOKENS.items()}
+  assert budget == expected
+  shapes = {i.example["metadata"]["category"]: type(i.prompt).__name__ for i in items}
+  assert shapes == {"code": "str", "math": "list", "qa": "list", "instructions": "list",
+                    "summarization": "list"}
+
+
+def test_controller_policies_only_with_category_math(suite_cache_dir, tmp_path):
+  with pytest.raises(ValueError, match=r"policy 'self_consistency' is a reasoning-controller policy.*"
+                                       r"\['code', 'qa', 'instructions', 'summarization'\] reject it"):
+    build_plan(fake_config(suite_cache_dir, "smoke=True,policy=self_consistency"), str(tmp_path))
+  plan = build_plan(fake_config(suite_cache_dir, "smoke=True,category=math,policy=self_consistency"),
+                    str(tmp_path))
+  assert plan.predictor.name == "fake" and len(plan_items(plan)[0]) == 3
+  plan = build_plan(fake_config(suite_cache_dir, "smoke=True,category=qa,policy=sample_n"), str(tmp_path))
+  assert len(plan_items(plan)[0]) == 3 * plan.policy.num_samples
+
+
+def test_unknown_category_variant_lists_the_valid_ones():
+  with pytest.raises(ValueError, match=r"unknown suite category 'poetry'.*code, math, qa"):
+    suite_config.get_config("category=poetry")
+
+
+def test_score_batch_returns_the_error_in_the_failing_items_place(suite_cache_dir, tmp_path, monkeypatch):
+  plan = build_plan(fake_config(suite_cache_dir, "smoke=True,category=qa"), str(tmp_path))
+  examples = list(plan.task.load())
+  monkeypatch.setattr("pipelines.suite.multihop_qa.score",
+                      lambda ex, text, stop=(): 1 / 0 if ex.id.endswith("/1") else {"answer": text, "correct": True})
+  scores = plan.task.score_batch([(ex, "x", ()) for ex in examples])
+  assert isinstance(scores[1], ScoringError) and "ZeroDivisionError" in str(scores[1])
+  assert scores[0]["category"] == "qa" and scores[2]["correct"]
+
+
+def test_cli_unknown_category_is_one_line_naming_it_and_the_valid_ones():
+  import pathlib
+  import subprocess
+  import sys
+  repo = pathlib.Path(__file__).resolve().parents[3]
+  out = subprocess.run([sys.executable, "-m", "pipelines.eval", "--config=configs/suite.py:category=poetry"],
+                       cwd=repo, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and out.stdout == ""
+  assert out.stderr.strip().splitlines() == [
+      "error: unknown suite category 'poetry': valid categories are code, math, qa, instructions, "
+      "summarization (or all)"]
