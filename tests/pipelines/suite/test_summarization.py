@@ -27,13 +27,11 @@ def test_rouge_l_is_the_rouge_score_package_lcs_f_measure():
 
 @pytest.mark.slow
 def test_every_document_is_at_least_1500_tokens_of_the_embedded_tokenizer():
-  from o1jax.checkpoint.embedded import embedded_model_path
-  from o1jax.checkpoint.gguf_loader import read_metadata
-  from o1jax.checkpoint.tokenizer import Tokenizer
+  from o1jax.checkpoint import load_checkpoint
   items = summ.generate(200, seed=0)
   assert all(ex.metadata["words"] >= summ.MIN_WORDS for ex in items)
   # Tokenizing all 200 takes ~10 s on a busy machine: the 10 with the fewest words suffice.
-  tokenizer = Tokenizer.from_gguf_metadata(read_metadata(embedded_model_path()))
+  tokenizer = load_checkpoint("embedded").tokenizer
   for ex in sorted(items, key=lambda ex: ex.metadata["words"])[:10]:
     document = ex.question.rsplit("\n\nSummarize", 1)[0]
     assert len(tokenizer.encode(document)) >= 1500, ex.id
