@@ -616,6 +616,7 @@ class Controller:
                         unstopped_samples=unstopped_samples)
 
     state = fill(state, list(range(slots)))
+    lengths = np.asarray(state.length)  # read again only after an admission changes them
     loop = self.loop(settings)
     run = loop.run_python if self.python_twin else loop.run
     traces: list = [None] * r
@@ -633,18 +634,19 @@ class Controller:
       if budget is not None:
         state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
       start_iter = int(state.iteration)
-      before = np.asarray(state.length)
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
       t_call = time.perf_counter()
       state = run(self.model.params, state)
-      done = np.asarray(state.phase) == S.DONE  # one sync per invocation
+      phase, after = jax.device_get((state.phase, state.length))  # one sync per invocation
+      done = phase == S.DONE
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
       ran = max(1, int(state.iteration) - start_iter)
-      grown = np.clip(np.asarray(state.length) - before, 0, ran)
+      grown = np.clip(after - lengths, 0, ran)
+      lengths = after
       for g, entry in in_slot.items():
         entry[2] += 1
         i, tokens = entry[0], int(grown[g * n:(g + 1) * n].max())
@@ -672,6 +674,7 @@ class Controller:
             budget.observe_request(wall[i])
         if waiting:
           state = fill(state, finished)
+          lengths = np.asarray(state.length)
     return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
                  iterations=int(state.iteration), loop_seconds=loop_seconds, token_ms=token_ms,
                  ttft_s=ttft)

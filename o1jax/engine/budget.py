@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -163,7 +164,6 @@ class BudgetLoop:
 
   def __init__(self, config: BudgetConfig = BudgetConfig(), *,
                clock: Optional[Callable[[], float]] = None):
-    import time
     self.config = config
     self.clock = clock or time.perf_counter
     self.requests = LatencyWindow(config.window, config.window_s)
