@@ -50,6 +50,8 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
+from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
+                                      prompt_lookup)
 from o1jax.model.sampling import SamplingParams, sequence_key
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 
@@ -227,6 +229,7 @@ class _Seq:
     self.text_len = 0  # characters already streamed
     self.key = None  # np.uint32 [2]
     self.pending_keys: set = set()  # prefix keys of blocks it is prefilling
+    self.acceptance = Acceptance()  # of its speculative drafts (engine/speculative.py)
 
   @property
   def n_prompt(self) -> int:
@@ -248,14 +251,21 @@ class Engine:
   """Offline batch generation, streaming, and the jitted pieces for the controller."""
 
   def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *,
-               clock: Callable[[], float] = time.perf_counter, budget: BudgetLoop | None = None):
+               clock: Callable[[], float] = time.perf_counter, budget: BudgetLoop | None = None,
+               speculative: SpeculativeConfig | None = None):
     self.model = model
     self.tokenizer = tokenizer
     self.config = config
     # The latency-aware budget (engine/budget.py): it scales every request's token
     # limit, re-evaluated on its clock between device calls. None: max_new_tokens.
     self.budget = budget
+    # Speculative decoding (engine/speculative.py): drafts checked in one forward;
+    # the same tokens as without it. None: one token per row per decode step.
+    self.speculative = speculative
+    self._planner = SpeculationPlanner(speculative) if speculative is not None else None
     self.model_config = mc = model.config
+    self._exit_layer = (speculative.resolved_exit_layer(mc.n_layers)
+                        if speculative is not None and speculative.drafter == "early_exit" else 0)
     self.clock = clock
     self.max_context = min(config.max_context or mc.max_context, mc.max_context)
     self._graphdef, self._state = nnx.split(model)
@@ -295,6 +305,10 @@ class Engine:
     self._prefill_jit = jax.jit(self._traced("prefill", self._bound(steps.prefill_step)),
                                 donate_argnums=(1,))
     self._copy_jit = jax.jit(self._traced("copy", copy_blocks), donate_argnums=(0,))
+    self._verify_jit = jax.jit(self._traced("verify", self._bound(steps.verify_step)),
+                               static_argnums=(5,), donate_argnums=(1,))
+    self._draft_jit = jax.jit(self._traced("draft", self._bound(steps.draft_early_exit)),
+                              static_argnums=(4, 5), donate_argnums=(1,))
     self._head_t = self._transposed_head(model)
 
   @staticmethod
@@ -697,6 +711,8 @@ class Engine:
     running = sorted(self._running, key=lambda s: s.arrival)
     if not running:
       return
+    if self.speculative is not None and self._speculate_once(running):
+      return
     iterations = self._call_iterations(running)
     copies: list[tuple[int, int]] = []
     limits = {}
@@ -711,31 +727,10 @@ class Engine:
     self._run_copies(copies)
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
     rows = self._decode_rows(len(seqs))
-    f32, i32 = np.float32, np.int32
-    tokens, positions, steps_, row_limits = (np.zeros(rows, i32) for _ in range(4))
-    active = np.zeros(rows, bool)
-    keys = np.zeros((rows, 2), np.uint32)
-    temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
-    top_k = np.zeros(rows, i32)
-    stop_lists = [s.group.stop_ids for s in seqs]
-    stop_ids = np.full((rows, pow2_bucket(max(map(len, stop_lists)), 8)), -1, i32)
-    want_top = 0
-    for i, s in enumerate(seqs):
-      p = s.group.params
-      tokens[i], positions[i], steps_[i], active[i] = s.tokens[-1], len(s.tokens) - 1, len(s.generated), True
-      row_limits[i] = limits[s]
-      stop_ids[i, :len(stop_lists[i])] = stop_lists[i]
-      keys[i] = s.key
-      temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-      want_top = max(want_top, p.top_logprobs)
-    batch = steps.DecodeBatch(
-        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), active=jnp.asarray(active),
-        block_tables=jnp.asarray(self._table(seqs, rows, decode=True)), keys=jnp.asarray(keys),
-        steps=jnp.asarray(steps_), temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
-        top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
-    # Two programs at most: without and with the engine's top-K alternatives.
-    top_n = self.config.max_top_logprobs if want_top else 0
-    start = self.clock()
+    batch, stop_ids, top_n = self._decode_batch(seqs, rows)
+    row_limits = np.zeros(rows, np.int32)
+    row_limits[:len(seqs)] = [limits[s] for s in seqs]
+    start, traces = self.clock(), sum(self.trace_counts.values())
     out, self.cache = self.decode(self.cache, batch, jnp.asarray(row_limits), jnp.asarray(stop_ids),
                                   iterations, top_n)
     out = jax.device_get(out)
@@ -744,6 +739,8 @@ class Engine:
     ran = max(int(out.iterations), 1)
     if self.budget is not None:
       self.budget.observe_step((end - start) / ran)
+    if self._planner is not None and sum(self.trace_counts.values()) == traces:  # not compiling
+      self._planner.observe(rows, 0, (end - start) / ran)
     self.metrics.decode_calls += 1
     self.metrics.decode_steps += ran
     times = [start + (end - start) * (j + 1) / ran for j in range(ran)]
@@ -754,6 +751,110 @@ class Engine:
                      out.top_ids[j, i], out.top_logprobs[j, i], times[j])
         if s.finish_reason is not None:
           break  # a stop string: what the row sampled past it is dropped
+
+  def _decode_batch(self, seqs: Sequence[_Seq], rows: int):
+    """The decode inputs of `seqs` in `rows` slots: (DecodeBatch, stop ids [rows, S]
+    (-1 pads), the top-K alternatives the call computes)."""
+    f32, i32 = np.float32, np.int32
+    tokens, positions, steps_ = (np.zeros(rows, i32) for _ in range(3))
+    active = np.zeros(rows, bool)
+    keys = np.zeros((rows, 2), np.uint32)
+    temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
+    top_k = np.zeros(rows, i32)
+    stop_lists = [s.group.stop_ids for s in seqs]
+    stop_ids = np.full((rows, pow2_bucket(max(map(len, stop_lists)), 8)), -1, i32)
+    want_top = 0
+    for i, s in enumerate(seqs):
+      p = s.group.params
+      tokens[i], positions[i], steps_[i], active[i] = s.tokens[-1], len(s.tokens) - 1, len(s.generated), True
+      stop_ids[i, :len(stop_lists[i])] = stop_lists[i]
+      keys[i] = s.key
+      temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+      want_top = max(want_top, p.top_logprobs)
+    batch = steps.DecodeBatch(
+        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), active=jnp.asarray(active),
+        block_tables=jnp.asarray(self._table(seqs, rows, decode=True)), keys=jnp.asarray(keys),
+        steps=jnp.asarray(steps_), temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
+        top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
+    # Two programs at most: without and with the engine's top-K alternatives.
+    return batch, stop_ids, self.config.max_top_logprobs if want_top else 0
+
+  def _speculate_once(self, running: Sequence[_Seq]) -> bool:
+    """One verify call over drafted tokens, if the planner expects it to pay (see
+    engine/speculative.py). False: nothing ran (decode normally).
+
+    1. drafts per row: prompt lookup on the host, or (early exit) on the device,
+       at most the row's budget - 1 and what its context has room for;
+    2. K from the planner (0: no speculation this call);
+    3. blocks for the K + 1 positions each row writes; verify (`steps.verify_step`);
+    4. append the emitted tokens (stops as in decoding), update each row's
+       acceptance, and roll back: blocks past the row's last token are freed
+       (the rejected drafts' K/V in its last block is overwritten later)."""
+    cfg = self.speculative
+    room = {s: max(0, min(cfg.max_drafts, s.remaining_budget - 1, self.max_context - len(s.tokens)))
+            for s in running}
+    if cfg.drafter == "prompt_lookup":
+      proposals = {s: prompt_lookup(s.tokens, room[s], cfg.ngram_max, cfg.ngram_min)
+                   for s in running}
+      available = {s: len(proposals[s]) for s in running}
+    else:
+      proposals, available = None, room
+    rows = self._decode_rows(len(running))
+    k = self._planner.choose(rows, [available[s] for s in running],
+                             [s.acceptance.rate for s in running])
+    if k == 0:
+      return False
+    copies: list[tuple[int, int]] = []
+    for seq in running:
+      if seq in self._running:
+        self._ensure_blocks(seq, len(seq.tokens) + min(k, available[seq]), copies)
+    seqs = sorted(self._running, key=lambda s: s.arrival)
+    if not seqs:
+      return True
+    self._run_copies(copies)
+    self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
+    rows = self._decode_rows(len(seqs))
+    batch, _, top_n = self._decode_batch(seqs, rows)
+    num_drafts = np.zeros(rows, np.int32)
+    drafts = np.zeros((rows, k), np.int32)
+    for i, s in enumerate(seqs):
+      num_drafts[i] = min(k, available[s])
+      if proposals is not None:
+        drafts[i, :num_drafts[i]] = proposals[s][:num_drafts[i]]
+    start, traces = self.clock(), sum(self.trace_counts.values())
+    drafts_dev = jnp.asarray(drafts)
+    if cfg.drafter == "early_exit":
+      head_t = self._head_t if rows >= 8 else None
+      drafts_dev, self.cache = self._draft_jit(self._state_leaves, self.cache, batch,
+                                               jnp.asarray(num_drafts), k, self._exit_layer, head_t)
+    head_t = self._head_t if rows * (k + 1) >= 8 else None
+    out, self.cache = self._verify_jit(self._state_leaves, self.cache, batch, drafts_dev,
+                                       jnp.asarray(num_drafts), top_n, head_t)
+    out = jax.device_get(out)
+    end = self.clock()
+    if sum(self.trace_counts.values()) == traces:  # a call that compiled is not timed
+      self._planner.observe(rows, k, end - start)
+    if self.budget is not None:
+      self.budget.observe_step(end - start)
+    self.metrics.decode_calls += 1
+    self.metrics.decode_steps += 1
+    self.metrics.spec_calls += 1
+    for i, s in enumerate(seqs):
+      count = int(out.counts[i])
+      s.acceptance.observe(int(num_drafts[i]), count - 1)
+      self.metrics.spec_drafted += int(num_drafts[i])
+      self.metrics.spec_accepted += count - 1
+      for j in range(count):
+        s.n_computed = len(s.tokens)
+        self._append(s, int(out.tokens[i, j]), float(out.logprobs[i, j]), out.top_ids[i, j],
+                     out.top_logprobs[i, j], start + (end - start) * (j + 1) / count)
+        if s.finish_reason is not None:
+          break
+      if s.finish_reason is None:
+        keep = math.ceil(len(s.tokens) / self.config.block_size)
+        self.allocator.free_all(s.blocks[keep:])
+        del s.blocks[keep:]
+    return True
 
   def _call_iterations(self, running: Sequence[_Seq]) -> int:
     """Decode steps for the next call (see the module doc)."""

@@ -193,6 +193,9 @@ class PagedKVCache:
   v_scale: tuple[jax.Array, ...] | None
   block_tables: jax.Array  # [B, MB] int32
   write_lens: jax.Array  # [B] int32
+  # T > 1 calls that verify drafted tokens: every query attends as its own decode
+  # row (`attend`), so a position gets the sums of one-token decoding, not prefill's.
+  decode_queries: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
   def create(cls, n_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
@@ -228,10 +231,13 @@ class PagedKVCache:
       per_layer += 2 * kvh * 4
     return per_layer * len(self.k_pages)
 
-  def for_batch(self, block_tables: jax.Array, write_lens: jax.Array) -> "PagedKVCache":
-    """The same pools addressed by a new batch: tables [B, MB], write_lens [B]."""
+  def for_batch(self, block_tables: jax.Array, write_lens: jax.Array,
+                decode_queries: bool = False) -> "PagedKVCache":
+    """The same pools addressed by a new batch: tables [B, MB], write_lens [B].
+    decode_queries: attend a T > 1 call's queries as decode rows (verification)."""
     return self.replace(block_tables=jnp.asarray(block_tables, jnp.int32),
-                        write_lens=jnp.asarray(write_lens, jnp.int32))
+                        write_lens=jnp.asarray(write_lens, jnp.int32),
+                        decode_queries=decode_queries)
 
   def pools_only(self) -> "PagedKVCache":
     """The same pools with 1x1 placeholder tables. Steps return this, so the
@@ -258,7 +264,8 @@ class PagedKVCache:
        paged decode kernel; on CPU with backend "auto" the native kernel
        (`pallas_kernels.native`, f32 or bf16 pools; it reads pages in place), else
        the XLA multiply-then-sum path (backend "reference" forces it);
-       T > 1 (chunked prefill): the paged prefill op (rows past write_lens -> 0).
+       T > 1 (chunked prefill): the paged prefill op (rows past write_lens -> 0);
+       T > 1 with `decode_queries` (verifying drafts): each query as a decode row.
     q [B, T, H, D]; positions [B, T] (= starts[b] + t). Returns (out [B, T, H, D], cache)."""
     del positions  # = starts + arange(T); the write and the ops derive it
     tables, lens = self.block_tables, self.write_lens
@@ -271,17 +278,17 @@ class PagedKVCache:
       vp = write_pages(self.v_pages[layer], v, tables, starts, lens)
       ks = vs = None
     b, t, h, d = q.shape
-    resolved = kernel_ops.resolve_backend(backend)
-    use_native = (backend == "auto" and resolved == "reference" and not self.is_fp8
-                  and kp.dtype in native.POOL_DTYPES and native.available())
-    if t == 1 and use_native:
-      out = native.paged_decode_attention(q[:, 0], kp, vp, tables, starts + lens)[:, None]
-    elif t == 1 and resolved == "reference":
-      out = decode_attention_xla(q[:, 0], kp, vp, tables, starts + lens, ks, vs)[:, None]
-    elif t == 1:
-      out = kernel_ops.paged_decode_attention(q[:, 0], kp, vp, tables, starts + lens, k_scale=ks,
-                                              v_scale=vs, backend=backend,
-                                              interpret=interpret)[:, None]
+    if t == 1:
+      out = self._decode_attention(q[:, 0], kp, vp, tables, starts + lens, ks, vs, backend,
+                                   interpret)[:, None]
+    elif self.decode_queries:
+      # Query t of row b sees positions < starts[b] + t + 1 (its own and the earlier
+      # drafts'), through the kernel one-token decoding uses: the same sums per query.
+      upto = jnp.minimum(jnp.arange(1, t + 1, dtype=jnp.int32)[None, :],
+                         jnp.maximum(lens, 1)[:, None])
+      lengths = jnp.where(lens[:, None] > 0, starts[:, None] + upto, 0).reshape(b * t)
+      out = self._decode_attention(q.reshape(b * t, h, d), kp, vp, jnp.repeat(tables, t, axis=0),
+                                   lengths, ks, vs, backend, interpret).reshape(b, t, h, d)
     else:
       out = kernel_ops.paged_prefill_attention(q, kp, vp, tables, starts, lens, k_scale=ks,
                                                v_scale=vs, backend=backend, interpret=interpret)
@@ -290,6 +297,20 @@ class PagedKVCache:
     if self.is_fp8:
       new = new.replace(k_scale=replace(self.k_scale, ks), v_scale=replace(self.v_scale, vs))
     return out, new
+
+  def _decode_attention(self, q, kp, vp, tables, lengths, ks, vs, backend: str, interpret: bool):
+    """One query per row ([R, H, D]) over its paged keys < lengths[r]: on GPU the Pallas
+    paged decode kernel; on CPU with backend "auto" the native kernel (f32 or bf16
+    pools, read in place), else the XLA multiply-then-sum path ("reference" forces it)."""
+    resolved = kernel_ops.resolve_backend(backend)
+    use_native = (backend == "auto" and resolved == "reference" and not self.is_fp8
+                  and kp.dtype in native.POOL_DTYPES and native.available())
+    if use_native:
+      return native.paged_decode_attention(q, kp, vp, tables, lengths)
+    if resolved == "reference":
+      return decode_attention_xla(q, kp, vp, tables, lengths, ks, vs)
+    return kernel_ops.paged_decode_attention(q, kp, vp, tables, lengths, k_scale=ks, v_scale=vs,
+                                             backend=backend, interpret=interpret)
 
 
 def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:

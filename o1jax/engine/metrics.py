@@ -119,6 +119,9 @@ class MetricsCollector:
     self.preemptions = 0
     self.decode_calls = 0  # device calls of the decode loop (= host round trips)
     self.decode_steps = 0  # decode steps those calls ran
+    self.spec_calls = 0  # of those, verify calls of speculative decoding
+    self.spec_drafted = 0  # drafted tokens they checked
+    self.spec_accepted = 0  # and accepted
 
   def add_request(self, m: RequestMetrics) -> None:
     self.requests.append(m)
@@ -144,6 +147,9 @@ class MetricsCollector:
     out.preemptions = self.preemptions + other.preemptions
     out.decode_calls = self.decode_calls + other.decode_calls
     out.decode_steps = self.decode_steps + other.decode_steps
+    out.spec_calls = self.spec_calls + other.spec_calls
+    out.spec_drafted = self.spec_drafted + other.spec_drafted
+    out.spec_accepted = self.spec_accepted + other.spec_accepted
     return out
 
   def summary(self) -> dict:
@@ -168,6 +174,10 @@ class MetricsCollector:
         "decode_calls": self.decode_calls,
         "decode_steps_per_call": (self.decode_steps / self.decode_calls
                                   if self.decode_calls else 0.0),
+        "speculative": {"verify_calls": self.spec_calls, "drafted": self.spec_drafted,
+                        "accepted": self.spec_accepted,
+                        "acceptance_rate": (self.spec_accepted / self.spec_drafted
+                                            if self.spec_drafted else 0.0)},
     }
     for name in LATENCY_NAMES:
       out[name] = summarize(getattr(r, name) for r in self.requests)

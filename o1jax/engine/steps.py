@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from o1jax.engine.kv_cache import PagedKVCache
-from o1jax.model.sampling import sample
+from o1jax.model.sampling import first_argmax, sample
 
 
 @flax.struct.dataclass
@@ -63,19 +63,21 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
   return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def forward(model, tokens: jax.Array, starts: jax.Array, cache, logits_at: jax.Array,
-            head_t: jax.Array | None = None):
+def forward(model, tokens: jax.Array, starts: jax.Array, cache, logits_at: jax.Array | None,
+            head_t: jax.Array | None = None, num_layers: int | None = None):
   """`Llama.__call__`, optionally with a faster output head.
 
   head_t: None -> the model's own call. Else the dense head pre-transposed to
   [vocab, d_model]: logits = x @ head_t^T. XLA's CPU dot of [B, 576] by the
   stored [576, 49152] head ran ~1.6x slower at B >= 8 than against the
   transposed copy (measured 34 vs 21 ms at B=32). Same layers, same values.
-  Returns (logits [B, V] at logits_at, cache)."""
-  x, cache = model.hidden_states(tokens, starts, cache, logits_at)
+  num_layers: an early exit after the first layers (`Llama.hidden_states`).
+  Returns (logits [B, V] at logits_at, or [B, T, V] for logits_at None; cache)."""
+  x, cache = model.hidden_states(tokens, starts, cache, logits_at, num_layers)
   if head_t is None:
     return model.output_logits(x), cache
-  logits = jnp.einsum("bk,nk->bn", x, head_t.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+  logits = jnp.einsum("...k,nk->...n", x, head_t.astype(x.dtype),
+                      precision=jax.lax.Precision.HIGHEST)
   return logits.astype(jnp.float32), cache
 
 
@@ -172,3 +174,93 @@ def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   iterations, cache, _, counts, _, _, _, out = jax.lax.while_loop(cond, body, carry)
   return LoopOutput(tokens=out[0], logprobs=out[1], top_ids=out[2], top_logprobs=out[3],
                     counts=counts, iterations=iterations), cache
+
+
+# --- speculative decoding: drafts checked in one forward -----------------------------------
+
+
+@flax.struct.dataclass
+class VerifyOutput:
+  """The target's tokens at the K + 1 positions of a verify call; row b emits
+  tokens[b, :counts[b]] (its accepted drafts, then the target's own token)."""
+
+  tokens: jax.Array  # [B, K+1] int32
+  logprobs: jax.Array  # [B, K+1] f32
+  top_ids: jax.Array  # [B, K+1, N] int32
+  top_logprobs: jax.Array  # [B, K+1, N] f32
+  counts: jax.Array  # [B] int32: accepted drafts + 1 (0 for inactive rows)
+
+
+def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
+                drafts: jax.Array, num_drafts: jax.Array, top_logprobs: int = 0,
+                head_t: jax.Array | None = None):
+  """Checks up to K drafted tokens per row in one forward over K + 1 positions.
+
+  1. the row's last token and its drafts [B, K] run as one T = K + 1 call from
+     `positions` (K/V written for the first num_drafts[b] + 1; each query attends
+     through the decode kernel, `PagedKVCache.decode_queries`);
+  2. at every position the target draws its token exactly as `decode_step`
+     would at that step: `sample` with key fold_in(keys, steps + j);
+  3. drafts are accepted while they equal those tokens; the row emits its
+     accepted drafts and then the target's token at the first mismatch (or after
+     the last draft). So the emitted tokens are the ones one-token decoding would
+     produce, greedy or sampled, token for token (drafts only decide how many
+     come out of one call: for a drafter that proposes one token, accepting it
+     when the target's draw equals it is the accept/reject rule for a point-mass
+     draft distribution). K/V written past the accepted ones is garbage the host
+     rolls back by position: later writes overwrite it and nothing attends to it.
+  Returns (VerifyOutput, cache with placeholder tables)."""
+  model = nnx.merge(graphdef, state)
+  b, k = drafts.shape
+  t = k + 1
+  active = batch.active
+  tokens = jnp.concatenate([batch.tokens[:, None], drafts], axis=1).astype(jnp.int32)
+  write_lens = jnp.where(active, num_drafts + 1, 0).astype(jnp.int32)
+  cache = cache.for_batch(batch.block_tables, write_lens, decode_queries=True)
+  starts = jnp.where(active, batch.positions, 0).astype(jnp.int32)
+  logits, cache = forward(model, tokens, starts, cache, None, head_t)
+  logits = logits.reshape(b * t, -1)
+  rep = lambda x: jnp.repeat(x, t, axis=0)
+  steps_ = (batch.steps[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
+  keys = jax.vmap(jax.random.fold_in)(rep(batch.keys), steps_)
+  target = sample(logits, keys, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p),
+                  rep(batch.min_p))
+  chosen, top_ids, top_lp = token_logprobs(logits, target, top_logprobs)
+  target = target.reshape(b, t)
+  match = (drafts == target[:, :k]) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+  accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  out = VerifyOutput(tokens=target, logprobs=chosen.reshape(b, t),
+                     top_ids=top_ids.reshape(b, t, -1), top_logprobs=top_lp.reshape(b, t, -1),
+                     counts=jnp.where(active, accepted + 1, 0).astype(jnp.int32))
+  return out, cache.pools_only()
+
+
+def draft_early_exit(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
+                     batch: DecodeBatch, num_drafts: jax.Array, max_drafts: int, exit_layer: int,
+                     head_t: jax.Array | None = None):
+  """Self-speculation: up to `max_drafts` greedy tokens per row from the model's
+  first `exit_layer` layers and its own final norm and head.
+
+  The first layers of the draft are the target's first layers, so their K/V is
+  written into the target's own pools (the verify call rewrites those positions
+  for every layer). Row b drafts num_drafts[b] tokens and writes nothing after
+  them (its blocks end there). Greedy drafts make the verify rule exact for
+  sampled rows too (see `verify_step`).
+  Returns (drafts [B, max_drafts] int32, cache with placeholder tables)."""
+  model = nnx.merge(graphdef, state)
+  rows = batch.tokens.shape[0]
+
+  def body(i, carry):
+    cache, tokens, drafts = carry
+    live = batch.active & (i < num_drafts)
+    step_cache = cache.for_batch(batch.block_tables, live.astype(jnp.int32))
+    starts = jnp.where(live, batch.positions + i, 0).astype(jnp.int32)
+    logits, step_cache = forward(model, tokens[:, None], starts, step_cache,
+                                 jnp.zeros(rows, jnp.int32), head_t, exit_layer)
+    nxt = first_argmax(logits).astype(jnp.int32)
+    return step_cache.pools_only(), nxt, drafts.at[:, i].set(nxt)
+
+  carry = (cache.pools_only(), batch.tokens.astype(jnp.int32),
+           jnp.zeros((rows, max_drafts), jnp.int32))
+  cache, _, drafts = jax.lax.fori_loop(0, max_drafts, body, carry)
+  return drafts, cache

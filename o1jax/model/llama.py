@@ -230,14 +230,17 @@ class Llama(nnx.Module):
     return self.output_logits(x), cache
 
   def hidden_states(self, tokens: jax.Array, starts: jax.Array, cache,
-                    logits_at: jax.Array | None = None):
-    """The final-normed hidden states ([B, T, d] or [B, d] at logits_at) and the cache."""
+                    logits_at: jax.Array | None = None, num_layers: int | None = None):
+    """The final-normed hidden states ([B, T, d] or [B, d] at logits_at) and the cache.
+
+    num_layers: run only the first layers (an early exit: the final norm and the
+    head read layer num_layers' output; the cache is written for those layers only)."""
     c = self.config
     cache.check_fits(tokens.shape)
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=starts.dtype)[None, :]
     x = layers.embed(self.embed.get_value(), tokens, self.dtype)
     inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self.layers[:num_layers]):
       x, cache = layer(x, positions, starts, cache, i, inv_freq)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]

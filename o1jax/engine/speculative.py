@@ -1,0 +1,171 @@
+"""Speculative decoding: drafters, and how many drafts a verify call checks.
+
+A drafter proposes up to K tokens per running sequence; the engine checks
+them in one forward over K + 1 positions (`steps.verify_step`) and emits the
+accepted drafts plus the target's own token. The emitted tokens are the ones
+one-token decoding would produce (greedy or sampled: see `verify_step`), so
+speculation changes speed, never outputs.
+
+Drafters (one interface: `propose` on the host, or drafts made on the device):
+  prompt_lookup: model-free; the continuation of the most recent earlier
+    occurrence of the sequence's longest matching suffix n-gram (prompt and
+    generated text both count), up to K tokens.
+  early_exit: self-speculation; the model's first `exit_layer` layers with its
+    own final norm and output head draft K greedy tokens on the device
+    (`steps.draft_early_exit`), sharing the target's KV pools.
+
+How many drafts (`SpeculationPlanner`): each sequence keeps a decayed count
+of accepted drafts and of rejections, i.e. an estimate a of the chance that
+its next draft is accepted; a verify call with d drafts is then expected to
+emit (1 - a^(d+1)) / (1 - a) tokens. The planner times every decode call
+shape (rows, K + 1), plain decoding included (K = 0, per step), and picks the
+K of `K_BUCKETS` (or 0: no speculation) with the most expected tokens per
+second for the whole batch. So speculation turns itself off where drafts are
+rarely accepted or where a wider call costs more than it emits (large
+batches on a compute-bound device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+DRAFTERS = ("prompt_lookup", "early_exit")
+K_BUCKETS = (1, 3, 7, 15)  # drafts per verify call (K + 1 = 2, 4, 8, 16 positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """The `speculative` config section (`o1jax.engine.Engine(..., speculative=)`)."""
+
+  drafter: str = "prompt_lookup"  # prompt_lookup | early_exit
+  max_drafts: int = 7  # the largest K a verify call checks (K_BUCKETS up to it)
+  ngram_max: int = 4  # prompt_lookup: longest suffix n-gram matched
+  ngram_min: int = 1  # and the shortest
+  exit_layer: int = 0  # early_exit: layers the draft runs (0: a quarter of the model's)
+  # True: K per call from acceptance and measured cost (0 = no speculation);
+  # False: always the largest K the drafter can fill (for studies).
+  adaptive: bool = True
+
+  def __post_init__(self):
+    if self.drafter not in DRAFTERS:
+      raise ValueError(f"speculative.drafter={self.drafter!r} not in {DRAFTERS}")
+    if self.max_drafts < 1:
+      raise ValueError(f"speculative.max_drafts={self.max_drafts} must be >= 1")
+    if not 1 <= self.ngram_min <= self.ngram_max:
+      raise ValueError(f"speculative n-gram sizes need 1 <= ngram_min <= ngram_max, got "
+                       f"{self.ngram_min}, {self.ngram_max}")
+    if self.exit_layer < 0:
+      raise ValueError(f"speculative.exit_layer={self.exit_layer} must be >= 0")
+
+  @classmethod
+  def from_dict(cls, values: dict) -> "SpeculativeConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"speculative section has no keys {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+  @property
+  def k_buckets(self) -> tuple[int, ...]:
+    fits = tuple(k for k in K_BUCKETS if k < self.max_drafts)
+    return fits + (self.max_drafts,)
+
+  def resolved_exit_layer(self, n_layers: int) -> int:
+    layer = self.exit_layer or max(1, n_layers // 4)
+    if layer >= n_layers:
+      raise ValueError(f"speculative.exit_layer={layer} must be below the model's {n_layers} layers")
+    return layer
+
+
+def prompt_lookup(tokens: Sequence[int], max_drafts: int, ngram_max: int = 4,
+                  ngram_min: int = 1) -> list[int]:
+  """Drafts from the sequence itself: for n = ngram_max .. ngram_min, the last n
+  tokens are searched for earlier in `tokens`; the most recent earlier match
+  with a continuation gives up to `max_drafts` tokens (what followed it)."""
+  if max_drafts < 1 or len(tokens) < 2:
+    return []
+  arr = np.asarray(tokens, np.int64)
+  size = len(arr)
+  for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
+    suffix = arr[size - n:]
+    # Windows starting at 0 .. size - n - 1: every earlier occurrence with at least one
+    # token after it (the suffix itself is excluded).
+    windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)
+    hits = np.flatnonzero(np.all(windows == suffix, axis=1))
+    if hits.size:
+      start = int(hits[-1]) + n
+      return arr[start:start + max_drafts].tolist()
+  return []
+
+
+def expected_tokens(drafts: int, acceptance: float) -> float:
+  """Tokens a verify call with `drafts` drafts emits when each is accepted with
+  probability `acceptance` until the first rejection: 1 + a + ... + a^drafts."""
+  a = min(max(acceptance, 0.0), 1.0)
+  return float(drafts + 1) if a >= 1.0 else (1.0 - a ** (drafts + 1)) / (1.0 - a)
+
+
+class Acceptance:
+  """A sequence's decayed counts of accepted drafts and of rejections."""
+
+  DECAY = 0.7  # weight of the past per verify call
+
+  def __init__(self, accepted: float = 1.0, rejected: float = 1.0):
+    self.accepted, self.rejected = accepted, rejected  # the prior: a = 0.5
+
+  @property
+  def rate(self) -> float:
+    return self.accepted / (self.accepted + self.rejected)
+
+  def observe(self, drafted: int, accepted: int) -> None:
+    if drafted <= 0:
+      return
+    self.accepted = self.DECAY * self.accepted + accepted
+    self.rejected = self.DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+
+class SpeculationPlanner:
+  """Chooses K per decode call from acceptance estimates and measured call times."""
+
+  EMA = 0.3  # weight of a new timing
+  PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K)
+
+  def __init__(self, config: SpeculativeConfig):
+    self.config = config
+    self.seconds: dict[tuple[int, int], float] = {}  # (rows, K) -> seconds per call (K=0: step)
+
+  def observe(self, rows: int, k: int, seconds: float) -> None:
+    """Wall time of one call of this shape (plain decoding: per step; the engine
+    leaves out calls that compiled)."""
+    key = (rows, k)
+    old = self.seconds.get(key)
+    self.seconds[key] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+
+  def cost(self, rows: int, k: int) -> float | None:
+    if (rows, k) in self.seconds:
+      return self.seconds[(rows, k)]
+    step = self.seconds.get((rows, 0))
+    return None if step is None else step * (1.0 + self.PRIOR_PER_POSITION * k)
+
+  def choose(self, rows: int, available: Sequence[int], rates: Sequence[float]) -> int:
+    """K for the next call (0: plain decoding). available[i]: drafts row i can take
+    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate."""
+    most = max(available, default=0)
+    if most == 0:
+      return 0
+    buckets = [k for k in self.config.k_buckets if k <= most] or [self.config.k_buckets[0]]
+    if not self.config.adaptive:
+      return max(buckets)
+    plain = self.cost(rows, 0)
+    if plain is None:  # time plain decoding first: it is the baseline of every choice
+      return 0
+    best_k, best = 0, len(available) / plain
+    for k in buckets:
+      tokens = sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
+      speed = tokens / self.cost(rows, k)
+      if speed > best:
+        best_k, best = k, speed
+    return best_k
