@@ -1,0 +1,264 @@
+"""Speculative decoding: drafters, the planner, and exactness against plain decoding."""
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from o1jax.engine import (Engine, EngineConfig, GenerationParams, SpeculationPlanner,
+                          SpeculativeConfig, expected_tokens, prompt_lookup)
+
+# --- prompt lookup -------------------------------------------------------------------------
+
+
+def test_prompt_lookup_takes_the_longest_suffix_match():
+  #         0  1  2  3  4  5  6  7  8  9
+  tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+  # The 2-gram (6, 7) occurs at 1 and 5; the most recent (5) continues with 9, 2.
+  assert prompt_lookup(tokens, 2, ngram_max=3) == [9, 2]
+  # A 3-gram match (1, 6, 7 ... no; 2, 6, 7 is new) is absent, so 2 is the longest.
+  tokens = [4, 6, 7, 8, 1, 6, 7, 9, 4, 6, 7]
+  # (4, 6, 7) occurs at 0: the 3-gram wins over the more recent 2-gram at 5.
+  assert prompt_lookup(tokens, 3, ngram_max=3) == [8, 1, 6]
+
+
+def test_prompt_lookup_limits_and_misses():
+  assert prompt_lookup([1, 2, 3, 1, 2], 10) == [3, 1, 2]  # runs to the end of the sequence
+  assert prompt_lookup([1, 2, 3, 4], 5) == []  # the last token never occurred before
+  assert prompt_lookup([1, 2, 3, 1], 0) == []
+  assert prompt_lookup([7], 4) == []
+  assert prompt_lookup([1, 2, 3, 2], 4, ngram_min=2) == []  # only a 1-gram would match
+  assert prompt_lookup([3, 3, 3, 3], 2) == [3]  # the match just before the suffix
+
+
+# --- the planner ---------------------------------------------------------------------------
+
+
+def test_expected_tokens_is_a_truncated_geometric_sum():
+  assert expected_tokens(3, 0.0) == 1.0
+  assert expected_tokens(3, 1.0) == 4.0
+  assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+def test_config_checks_and_buckets():
+  assert SpeculativeConfig(max_drafts=5).k_buckets == (1, 3, 5)
+  assert SpeculativeConfig(max_drafts=1).k_buckets == (1,)
+  assert SpeculativeConfig(max_drafts=7).k_buckets == (1, 3, 7)
+  for bad in (dict(drafter="oracle"), dict(max_drafts=0), dict(ngram_min=3, ngram_max=2),
+              dict(exit_layer=-1)):
+    with pytest.raises(ValueError, match="speculative"):
+      SpeculativeConfig(**bad)
+  with pytest.raises(ValueError, match="no keys"):
+    SpeculativeConfig.from_dict({"drafter": "prompt_lookup", "k": 4})
+  assert SpeculativeConfig(drafter="early_exit").resolved_exit_layer(30) == 7
+  with pytest.raises(ValueError, match="exit_layer"):
+    SpeculativeConfig(exit_layer=30).resolved_exit_layer(30)
+
+
+def test_planner_speculates_only_where_it_pays():
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=7))
+  assert planner.choose(8, [0, 0], [0.9, 0.9]) == 0  # nothing drafted
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 0  # plain decoding not timed yet
+  planner.observe(8, 0, 0.010)
+  # Unmeasured shapes: 10 ms x (1 + 0.15 K); at acceptance 0.9, K=7 emits ~5.7 tokens.
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 7
+  assert planner.choose(8, [7, 7], [0.05, 0.05]) == 0  # drafts rarely accepted
+  assert planner.choose(8, [1, 0], [0.9, 0.9]) == 1  # the largest K any row can fill
+  # Measured: K=7 costs 8 plain steps -> not worth it; K=3 at 1.5 steps is.
+  planner.observe(8, 7, 0.080)
+  planner.observe(8, 3, 0.015)
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
+  planner.observe(8, 3, 0.200)  # an EMA: one slow call moves it, and K=3 stops paying
+  assert planner.seconds[(8, 3)] == pytest.approx(0.7 * 0.015 + 0.3 * 0.200)
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
+  fixed = SpeculationPlanner(SpeculativeConfig(max_drafts=7, adaptive=False))
+  assert fixed.choose(8, [5, 2], [0.0, 0.0]) == 3  # the largest bucket the drafts fill
+
+
+# --- exactness on the tiny model -----------------------------------------------------------
+
+
+def _repetitive_prompts(make_prompts, n, seed):
+  """Prompts that repeat their own text, so prompt lookup finds drafts."""
+  out = []
+  for p in make_prompts(n, seed, low=4, high=20):
+    out.append(p + p[: len(p) // 2] + p)
+  return out
+
+
+def _run(tiny, prompts, params, speculative=None, **config):
+  cfg = dict(max_slots=32, num_blocks=512, prefill_chunk=64)
+  cfg.update(config)
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(**cfg), speculative=speculative)
+  results = engine.generate([{"prompt": p, "params": params} for p in prompts])
+  return results, engine.metrics.summary()["speculative"]
+
+
+@pytest.fixture(scope="module")
+def greedy_baseline(tiny, make_prompts):
+  prompts = _repetitive_prompts(make_prompts, 32, seed=11)
+  params = GenerationParams(max_new_tokens=24, logprobs=True, top_logprobs=2)
+  return prompts, params, _run(tiny, prompts, params)[0]
+
+
+@pytest.mark.parametrize("batch", [1, 7, 32])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "early_exit"])
+def test_greedy_tokens_equal_plain_decoding(tiny, greedy_baseline, batch, drafter):
+  prompts, params, baseline = greedy_baseline
+  spec = SpeculativeConfig(drafter=drafter, max_drafts=3, adaptive=False, exit_layer=1)
+  results, stats = _run(tiny, prompts[:batch], params, spec, max_slots=max(batch, 1))
+  assert stats["verify_calls"] > 0 and stats["drafted"] > 0
+  if drafter == "prompt_lookup":
+    assert stats["accepted"] > 0
+  for got, want in zip(results, baseline[:batch]):
+    assert got.token_ids == want.token_ids
+    assert got.finish_reason == want.finish_reason
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert [[i for i, _ in top] for top in got.samples[0].top_logprobs] == \
+        [[i for i, _ in top] for top in want.samples[0].top_logprobs]
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "early_exit"])
+def test_sampled_tokens_equal_plain_decoding(tiny, make_prompts, drafter):
+  """Drafts are checked against the target's own draw at each step, so sampled
+  outputs are the plain engine's, token for token (same keys)."""
+  prompts = _repetitive_prompts(make_prompts, 6, seed=12)
+  params = GenerationParams(max_new_tokens=20, temperature=0.7, top_p=0.95, top_k=40, n=3, seed=5)
+  want, _ = _run(tiny, prompts, params)
+  spec = SpeculativeConfig(drafter=drafter, max_drafts=3, adaptive=False, exit_layer=1)
+  got, stats = _run(tiny, prompts, params, spec, max_slots=8)
+  assert stats["verify_calls"] > 0
+  for g, w in zip(got, want):
+    assert [s.token_ids for s in g.samples] == [s.token_ids for s in w.samples]
+
+
+def test_stops_budget_and_preemption_match_plain_decoding(tiny, make_prompts):
+  prompts = _repetitive_prompts(make_prompts, 12, seed=13)
+  # Stop ids and strings inside accepted drafts, limits that end mid-call, and a pool
+  # so small that sequences are preempted and recomputed.
+  text = tiny.tokenizer.decode(prompts[0][:3])
+  params = [GenerationParams(max_new_tokens=5 + 3 * i, stop_token_ids=(prompts[i][2],),
+                             stop=(text,) if i % 3 == 0 else ()) for i in range(12)]
+  requests = [{"prompt": p, "params": q} for p, q in zip(prompts, params)]
+  config = dict(max_slots=8, num_blocks=14, block_size=8, prefill_chunk=32)
+  plain = Engine(tiny.model, tiny.tokenizer, EngineConfig(**config)).generate(requests)
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(**config),
+                  speculative=SpeculativeConfig(max_drafts=7, adaptive=False))
+  got = engine.generate(requests)
+  assert engine.metrics.summary()["speculative"]["verify_calls"] > 0
+  assert engine.metrics.preemptions > 0
+  for g, w in zip(got, plain):
+    assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
+  assert engine.allocator.num_used == 0  # every block, rolled-back tails included, freed
+
+
+def test_stream_events_match_the_tokens(tiny, make_prompts):
+  prompt = _repetitive_prompts(make_prompts, 1, seed=14)[0]
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64),
+                  speculative=SpeculativeConfig(max_drafts=3, adaptive=False))
+  events = list(engine.stream({"prompt": prompt, "params": {"max_new_tokens": 16}}))
+  want = _run(tiny, [prompt], GenerationParams(max_new_tokens=16))[0][0]
+  assert [e.token_id for e in events if e.token_id is not None] == want.token_ids
+  assert "".join(e.text for e in events) == want.text
+
+
+def _markov_model(tiny, scale):
+  """The tiny model with every layer's output projections zeroed: each layer adds
+  nothing, so the next-token distribution depends on the last token alone,
+  softmax(norm(E[:, t]) @ E) (tied head) — a Markov chain known in closed form."""
+  from o1jax.model import Llama
+
+  params = dict(tiny.params)
+  params["embed"] = np.asarray(params["embed"]) * scale
+  params["layers"] = [dict(layer, wo=np.zeros_like(layer["wo"]),
+                           w_down=np.zeros_like(layer["w_down"])) for layer in params["layers"]]
+  model = Llama(tiny.config, params)
+  table = params["embed"].astype(np.float64)  # [d, V]
+  x = table / np.sqrt(np.mean(table ** 2, axis=0, keepdims=True) + tiny.config.rms_eps)
+  logits = (x * np.asarray(params["final_norm"], np.float64)[:, None]).T @ table  # [V(from), V]
+  return model, logits
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny):
+  """Sampled speculative decoding draws from the model's distribution: on a model
+  whose next-token distribution is known in closed form (a Markov chain), the
+  transitions emitted by verify calls — accepted drafts and the tokens after
+  them — match it (chi-square over each frequent state's likeliest successors).
+  The prompt follows the chain's likeliest path, so prompt lookup drafts are
+  often accepted."""
+  temperature = 0.7
+  model, logits = _markov_model(tiny, scale=1.2)
+  probs = np.exp((logits - logits.max(1, keepdims=True)) / temperature)
+  probs /= probs.sum(1, keepdims=True)
+  path = [40]
+  for _ in range(24):
+    path.append(int(np.argmax(probs[path[-1]])))
+  params = [GenerationParams(max_new_tokens=8, temperature=temperature, seed=s, ignore_eos=True)
+            for s in range(256)]
+  engine = Engine(model, tiny.tokenizer, EngineConfig(max_slots=32, num_blocks=512),
+                  speculative=SpeculativeConfig(max_drafts=3, adaptive=False))
+  results = engine.generate([{"prompt": path, "params": p} for p in params])
+  stats = engine.metrics.summary()["speculative"]
+  assert stats["verify_calls"] > 0 and stats["acceptance_rate"] > 0.2
+  transitions: dict[int, list[int]] = {}
+  for r in results:
+    seq = [path[-1]] + r.token_ids
+    for a, b in zip(seq, seq[1:]):
+      transitions.setdefault(a, []).append(b)
+  states = sorted(transitions, key=lambda a: -len(transitions[a]))[:3]
+  assert len(transitions[states[0]]) >= 200
+  for a in states:
+    seen = transitions[a]
+    if len(seen) < 50:
+      continue
+    top = list(np.argsort(-probs[a])[:3])
+    observed = [seen.count(t) for t in top] + [sum(t not in top for t in seen)]
+    expected = np.asarray([probs[a, t] for t in top] + [1 - probs[a, top].sum()]) * len(seen)
+    keep = expected > 0.5  # bins the chain practically never visits carry no information
+    observed, expected = np.asarray(observed)[keep], expected[keep]
+    expected *= sum(observed) / expected.sum()
+    assert scipy.stats.chisquare(observed, expected).pvalue > 1e-3, (a, observed, expected)
+
+
+# --- exactness on the embedded model -------------------------------------------------------
+
+_PASSAGE = ("The river Elm runs from the northern hills through the town of Marlow, where the old "
+            "mill still turns. In 1852 the mill's owner, Ada Finch, built a second wheel and a "
+            "bakery beside it.")
+_QUESTIONS = [f"Copy this text exactly:\n{_PASSAGE}",
+              "Tom has 12 apples and gives 5 to Ann. How many apples does Tom have left?",
+              "Write a Python function that returns the sum of a list of numbers.",
+              f"Summarise in one sentence: {_PASSAGE}",
+              "A train travels 60 km in 1.5 hours. What is its average speed in km/h?",
+              f"Repeat the passage twice.\n{_PASSAGE}",
+              "List three prime numbers greater than 10."]
+
+
+@pytest.fixture(scope="module")
+def embedded_plain(embedded_checkpoint):
+  """The embedded model, its 32 chat prompts, and the plain engine's greedy outputs."""
+  from o1jax.model import Llama
+
+  model = Llama(embedded_checkpoint.config, embedded_checkpoint.params)
+  requests = [{"prompt": [{"role": "user", "content": q}],
+               "params": GenerationParams(max_new_tokens=24)} for q in (_QUESTIONS * 5)[:32]]
+  want = Engine(model, embedded_checkpoint.tokenizer,
+                EngineConfig(max_slots=32, num_blocks=256)).generate(requests)
+  return model, requests, want
+
+
+@pytest.mark.parametrize("drafter,batches", [("prompt_lookup", (1, 7, 32)), ("early_exit", (7,))])
+def test_embedded_model_greedy_tokens_equal_plain_decoding(embedded_checkpoint, embedded_plain,
+                                                           drafter, batches):
+  """Batches of 1, 7 and 32 requests (chat prompts: copying, math, code) give the
+  plain engine's greedy tokens with speculation forced on (every call verifies)."""
+  model, requests, want = embedded_plain
+  spec = SpeculativeConfig(drafter=drafter, max_drafts=3, adaptive=False)
+  for batch in batches:
+    engine = Engine(model, embedded_checkpoint.tokenizer,
+                    EngineConfig(max_slots=32, num_blocks=256), speculative=spec)
+    got = engine.generate(requests[:batch])
+    stats = engine.metrics.summary()["speculative"]
+    assert stats["verify_calls"] > 0
+    if drafter == "prompt_lookup":
+      assert stats["accepted"] > 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want[:batch]], batch
