@@ -64,12 +64,15 @@ def test_random_draft_model_gives_the_outputs_of_plain_decoding(tiny, plain, dra
 
 
 def test_target_as_its_own_draft_accepts_every_greedy_draft(tiny, plain, make_prompts):
-  """The draft K/V it catches up over (prompts, forks, accepted and rejected drafts)
-  must be the target's own: any position wrong would reject a draft."""
+  """The draft K/V it catches up over (prompts, prefix-cached blocks, forks, accepted
+  and rejected drafts) must be the target's own: any position wrong would reject a draft."""
   spec = Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SPEC, draft_model=tiny.model)
-  prompts = make_prompts(7, seed=51, low=3, high=60)
+  shared = make_prompts(1, seed=53, low=40, high=41)[0]
+  prompts = make_prompts(5, seed=51, low=3, high=60) + [shared, shared[:34] + [7, 8, 9]]
   requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)]
-  _same(plain.generate(requests), spec.generate(requests))
+  results = spec.generate(requests)
+  _same(plain.generate(requests), results)
+  assert results[-1].metrics.prompt_tokens_computed < len(prompts[-1]) - 1  # a cached prefix
   stats = _speculative(spec)
   assert stats["verify_calls"] > 0 and stats["drafted"] > 0
   assert stats["acceptance_rate"] == 1.0
