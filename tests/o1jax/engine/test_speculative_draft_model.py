@@ -15,12 +15,14 @@ from o1jax.testing import tiny_config, write_hf_checkpoint
 SPEC = SpeculativeConfig(drafter="draft_model", adaptive=False, max_drafts=3)  # always drafts
 CONFIG = EngineConfig(max_slots=8, num_blocks=128)
 GREEDY = GenerationParams(max_new_tokens=24, ignore_eos=True)
-SAMPLED = GenerationParams(max_new_tokens=16, temperature=0.8, top_p=0.9, n=2, seed=4, logprobs=True)
+SAMPLED = GenerationParams(max_new_tokens=16, temperature=0.8, top_p=0.9, n=2, seed=4,
+                           logprobs=True)
 
 
 def _write_draft(path, **overrides):
   """A tiny random draft checkpoint at path: 1 layer, another seed, the target's vocabulary."""
-  write_hf_checkpoint(path, tiny_config(**{"max_context": 256, "n_layers": 1, **overrides}), seed=11)
+  config = tiny_config(**{"max_context": 256, "n_layers": 1, **overrides})
+  write_hf_checkpoint(path, config, seed=11)
   return path
 
 
