@@ -11,4 +11,4 @@ from o1jax.engine.metrics import LatencyHistogram, MetricsCollector, RequestMetr
 from o1jax.engine.speculative import (DRAFTERS, SpeculationPlanner, SpeculativeConfig,
                                       expected_tokens, prompt_lookup)
 from o1jax.engine.steps import (DecodeBatch, DecodeOutput, LoopOutput, VerifyOutput, decode_loop,
-                                decode_step, draft_early_exit, prefill_step, verify_step)
+                                decode_step, draft_greedy, prefill_step, verify_step)

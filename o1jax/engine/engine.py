@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from o1jax.checkpoint import load_checkpoint
 from o1jax.engine import steps
 from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
@@ -52,6 +53,7 @@ from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
                                       prompt_lookup)
+from o1jax.model.llama import Llama
 from o1jax.model.sampling import SamplingParams, sequence_key
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 
@@ -221,6 +223,10 @@ class _Seq:
     self.fork_n = fork_n  # > 1: unforked prompt of an n-sample request
     self.blocks: list[int] = []
     self.n_computed = 0  # tokens whose K/V are in the blocks
+    # Leading tokens whose draft-model K/V is in the draft pool (drafter draft_model).
+    # 0 at every admission, prefix-cached blocks included: a sequence catches up over
+    # its whole prompt itself (`Engine._catch_up_draft`).
+    self.draft_computed = 0
     self.generated: list[int] = []
     self.logprobs: list[float] = []
     self.top: list[list[tuple[int, float]]] = []
@@ -252,7 +258,9 @@ class Engine:
 
   def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *,
                clock: Callable[[], float] = time.perf_counter, budget: BudgetLoop | None = None,
-               speculative: SpeculativeConfig | None = None):
+               speculative: SpeculativeConfig | None = None, draft_model: Llama | None = None):
+    """draft_model: the drafter of speculative drafter "draft_model" (else the engine
+    loads `speculative.draft_source`); it must share the target's vocabulary."""
     self.model = model
     self.tokenizer = tokenizer
     self.config = config
@@ -307,9 +315,61 @@ class Engine:
     self._copy_jit = jax.jit(self._traced("copy", copy_blocks), donate_argnums=(0,))
     self._verify_jit = jax.jit(self._traced("verify", self._bound(steps.verify_step)),
                                static_argnums=(5,), donate_argnums=(1,))
-    self._draft_jit = jax.jit(self._traced("draft", self._bound(steps.draft_early_exit)),
+    self._draft_jit = jax.jit(self._traced("draft", self._bound(steps.draft_greedy)),
                               static_argnums=(4, 5), donate_argnums=(1,))
     self._head_t = self._transposed_head(model)
+    self.draft_model = self._resolve_draft_model(model, speculative, draft_model)
+    if self.draft_model is not None:
+      self._init_draft_model(self.draft_model)
+
+  @staticmethod
+  def _resolve_draft_model(model, speculative: SpeculativeConfig | None,
+                           draft_model: Llama | None) -> Llama | None:
+    """The draft model of drafter draft_model: `draft_model`, or `speculative.draft_source`
+    loaded with the target's backend and matmul dtype. None for the other drafters."""
+    if speculative is None or speculative.drafter != "draft_model":
+      if draft_model is not None:
+        raise ValueError("Engine(draft_model=) needs speculative drafter 'draft_model'")
+      return None
+    if draft_model is None:
+      if not speculative.draft_source:
+        raise ValueError("speculative drafter 'draft_model' needs speculative.draft_source or "
+                         "Engine(draft_model=)")
+      ck = load_checkpoint(speculative.draft_source)
+      draft_model = Llama(ck.config, ck.params, backend=model.backend, interpret=model.interpret,
+                          matmul_dtype=model.matmul_dtype)
+    if draft_model.config.vocab_size != model.config.vocab_size:
+      raise ValueError(f"draft model vocab_size={draft_model.config.vocab_size} differs from the "
+                       f"target's {model.config.vocab_size}: it must share the tokenizer")
+    return draft_model
+
+  def _init_draft_model(self, draft: Llama) -> None:
+    """The draft model's pool and jitted calls.
+
+    Its pool has the target pool's blocks (number and size; the draft model's own
+    layers, kv heads and head dim, the engine's kv_dtype), so the target's block
+    tables address it too: one allocator, and a sequence's draft K/V lives in the
+    blocks it holds. Shared blocks (prefix caching, forks) may get their draft K/V
+    rewritten by another sequence with the same tokens at the same positions: the
+    same values. The draft pool never changes outputs, only how many drafts are
+    accepted (verification is exact). Its memory is not part of kv_cache_bytes.
+    A draft model with a shorter context drafts only below it (`_speculate_once`)."""
+    dc, cfg = draft.config, self.config
+    self.draft_cache = PagedKVCache.create(dc.n_layers, self.num_blocks, cfg.block_size,
+                                           dc.n_kv_heads, dc.head_dim, cfg.kv_dtype)
+    log.info("engine: draft model %s, %d layers; its KV pool %.1f MiB", dc.name, dc.n_layers,
+             self.draft_cache.bytes_per_block() * self.num_blocks / 2**20)
+    graphdef, state = nnx.split(draft)
+    self._draft_leaves, state_def = jax.tree.flatten(state)
+    self._draft_prefill_jit = jax.jit(
+        self._traced("draft_prefill", self._bound(steps.prefill_step, graphdef, state_def)),
+        donate_argnums=(1,))
+    # The drafting call over the draft model (early_exit's runs the target's first layers).
+    self._draft_jit = jax.jit(
+        self._traced("draft", self._bound(steps.draft_greedy, graphdef, state_def)),
+        static_argnums=(4, 5), donate_argnums=(1,))
+    self._draft_head_t = self._transposed_head(draft)
+    self._draft_context = min(self.max_context, dc.max_context)
 
   @staticmethod
   def _transposed_head(model) -> jax.Array | None:
@@ -322,12 +382,15 @@ class Engine:
 
   # -- jitted pieces ---------------------------------------------------------------
 
-  def _bound(self, step_fn):
-    """step_fn(graphdef, state, *args) as fn(state_leaves, *args)."""
+  def _bound(self, step_fn, graphdef=None, state_def=None):
+    """step_fn(graphdef, state, *args) as fn(state_leaves, *args): the target model's
+    graphdef and state structure, or the given ones (the draft model's)."""
+    graphdef = self._graphdef if graphdef is None else graphdef
+    state_def = self._state_def if state_def is None else state_def
 
     @functools.wraps(step_fn)
     def fn(state_leaves, *args):
-      return step_fn(self._graphdef, jax.tree.unflatten(self._state_def, state_leaves), *args)
+      return step_fn(graphdef, jax.tree.unflatten(state_def, state_leaves), *args)
 
     return fn
 
@@ -574,6 +637,7 @@ class Engine:
       for b in child.blocks:
         self.allocator.incref(b)
       child.n_computed = seq.n_computed
+      child.draft_computed = seq.draft_computed
       child.key = np.asarray(sequence_key(group.params.seed, group.key_id, j), np.uint32)
       group.samples[j] = child
       self._running.append(child)
@@ -586,7 +650,7 @@ class Engine:
     log.info("engine: preempting request %r sample %d (%d tokens)", seq.group.request_id,
              seq.sample, len(seq.tokens))
     self.allocator.free_all(seq.blocks)
-    seq.blocks, seq.n_computed = [], 0
+    seq.blocks, seq.n_computed, seq.draft_computed = [], 0, 0
     seq.preemptions += 1
     self.metrics.preemptions += 1
     if seq in self._running:
@@ -633,6 +697,7 @@ class Engine:
     return True
 
   def _run_copies(self, copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write of blocks (src, dst), in the draft model's pool too."""
     if not copies:
       return
     n = pow2_bucket(len(copies), 8)
@@ -640,7 +705,10 @@ class Engine:
     dst = np.full(n, self.num_blocks, np.int32)
     for i, (a, b) in enumerate(copies):
       src[i], dst[i] = a, b
-    self.cache = self._copy_jit(self.cache, jnp.asarray(src), jnp.asarray(dst))
+    src, dst = jnp.asarray(src), jnp.asarray(dst)
+    self.cache = self._copy_jit(self.cache, src, dst)
+    if self.draft_model is not None:
+      self.draft_cache = self._copy_jit(self.draft_cache, src, dst)
 
   def _decode_rows(self, n: int) -> int:
     fits = [b for b in self.config.decode_buckets if b >= n]
@@ -663,6 +731,14 @@ class Engine:
 
   # -- prefill -----------------------------------------------------------------------------
 
+  def _chunk_bucket(self, n: int) -> int:
+    """Length T of a prefill call whose longest row has n tokens (n <= prefill_chunk).
+    Powers of two and 3/4 of them: prefill is compute-bound, and 40-token prompts
+    padded to 64 wasted 37% of it."""
+    cfg = self.config
+    return min(three_quarter_bucket(n, cfg.min_chunk_bucket),
+               pow2_bucket(cfg.prefill_chunk, cfg.min_chunk_bucket))
+
   def _prefill_once(self) -> None:
     cfg = self.config
     budget = cfg.prefill_chunk
@@ -684,10 +760,7 @@ class Engine:
     self._run_copies(copies)
     # Two row counts only: one sequence, or the full prefill batch.
     rows = 1 if len(batch) == 1 else self.config.max_prefill_seqs
-    # Chunk lengths bucket to powers of two and 3/4 of them: prefill is
-    # compute-bound, and 40-token prompts padded to 64 wasted 37% of it.
-    t = min(three_quarter_bucket(max(n for _, n in batch), cfg.min_chunk_bucket),
-            pow2_bucket(cfg.prefill_chunk, cfg.min_chunk_bucket))
+    t = self._chunk_bucket(max(n for _, n in batch))
     tokens = np.zeros((rows, t), np.int32)
     starts = np.zeros(rows, np.int32)
     lens = np.zeros(rows, np.int32)
@@ -783,15 +856,19 @@ class Engine:
     """One verify call over drafted tokens, if the planner expects it to pay (see
     engine/speculative.py). False: nothing ran (decode normally).
 
-    1. drafts per row: prompt lookup on the host, or (early exit) on the device,
-       at most the row's budget - 1 and what its context has room for;
+    1. drafts per row: prompt lookup on the host, or (early exit, draft model) on
+       the device, at most the row's budget - 1 and what its context (and the
+       draft model's) has room for;
     2. K from the planner (0: no speculation this call);
-    3. blocks for the K + 1 positions each row writes; verify (`steps.verify_step`);
+    3. blocks for the K + 1 positions each row writes; a draft model first catches
+       up (`_catch_up_draft`) and drafts; verify (`steps.verify_step`);
     4. append the emitted tokens (stops as in decoding), update each row's
        acceptance, and roll back: blocks past the row's last token are freed
-       (the rejected drafts' K/V in its last block is overwritten later)."""
+       (the rejected drafts' K/V in its last block is overwritten later).
+    The call's time (for the planner) includes the catch-up and drafting."""
     cfg = self.speculative
-    room = {s: max(0, min(cfg.max_drafts, s.remaining_budget - 1, self.max_context - len(s.tokens)))
+    context = self._draft_context if cfg.drafter == "draft_model" else self.max_context
+    room = {s: max(0, min(cfg.max_drafts, s.remaining_budget - 1, context - len(s.tokens)))
             for s in running}
     if cfg.drafter == "prompt_lookup":
       proposals = {s: prompt_lookup(s.tokens, room[s], cfg.ngram_max, cfg.ngram_min)
@@ -827,6 +904,11 @@ class Engine:
       head_t = self._head_t if rows >= 8 else None
       drafts_dev, self.cache = self._draft_jit(self._state_leaves, self.cache, batch,
                                                jnp.asarray(num_drafts), k, self._exit_layer, head_t)
+    elif cfg.drafter == "draft_model":
+      self._catch_up_draft(seqs, rows, num_drafts)
+      head_t = self._draft_head_t if rows >= 8 else None
+      drafts_dev, self.draft_cache = self._draft_jit(self._draft_leaves, self.draft_cache, batch,
+                                                     jnp.asarray(num_drafts), k, None, head_t)
     head_t = self._head_t if rows * (k + 1) >= 8 else None
     out, self.cache = self._verify_jit(self._state_leaves, self.cache, batch, drafts_dev,
                                        jnp.asarray(num_drafts), top_n, head_t)
@@ -840,9 +922,9 @@ class Engine:
     self.metrics.decode_steps += 1
     self.metrics.spec_calls += 1
     for i, s in enumerate(seqs):
-      count = int(out.counts[i])
-      s.acceptance.observe(int(num_drafts[i]), count - 1)
-      self.metrics.spec_drafted += int(num_drafts[i])
+      count, drafted, last = int(out.counts[i]), int(num_drafts[i]), len(s.tokens) - 1
+      s.acceptance.observe(drafted, count - 1)
+      self.metrics.spec_drafted += drafted
       self.metrics.spec_accepted += count - 1
       for j in range(count):
         s.n_computed = len(s.tokens)
@@ -854,7 +936,36 @@ class Engine:
         keep = math.ceil(len(s.tokens) / self.config.block_size)
         self.allocator.free_all(s.blocks[keep:])
         del s.blocks[keep:]
+      if self.draft_model is not None and drafted:
+        # The draft loop wrote positions last .. last + drafted - 1, for the inputs
+        # (last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
+        s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     return True
+
+  def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> None:
+    """Draft-model K/V at every position before the last token of each row that
+    drafts: draft-model prefill calls over tokens[draft_computed : len(tokens) - 1],
+    up to prefill_chunk tokens per row a call (lengths bucketed as the engine's
+    prefill), until every such row has caught up."""
+    behind = [len(s.tokens) - 1 - s.draft_computed if num_drafts[i] else 0
+              for i, s in enumerate(seqs)]
+    if max(behind) <= 0:
+      return
+    tables = jnp.asarray(self._table(seqs, rows))
+    while max(behind) > 0:
+      lens = np.zeros(rows, np.int32)
+      lens[:len(seqs)] = np.minimum(behind, self.config.prefill_chunk)
+      tokens = np.zeros((rows, self._chunk_bucket(int(lens.max()))), np.int32)
+      starts = np.zeros(rows, np.int32)
+      for i, s in enumerate(seqs):
+        n = int(lens[i])
+        tokens[i, :n] = s.tokens[s.draft_computed:s.draft_computed + n]
+        starts[i] = s.draft_computed
+        s.draft_computed += n
+        behind[i] -= n
+      self.draft_cache = self._draft_prefill_jit(self._draft_leaves, self.draft_cache,
+                                                 jnp.asarray(tokens), jnp.asarray(starts),
+                                                 jnp.asarray(lens), tables)
 
   def _call_iterations(self, running: Sequence[_Seq]) -> int:
     """Decode steps for the next call (see the module doc)."""

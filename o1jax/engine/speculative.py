@@ -12,7 +12,12 @@ Drafters (one interface: `propose` on the host, or drafts made on the device):
     generated text both count), up to K tokens.
   early_exit: self-speculation; the model's first `exit_layer` layers with its
     own final norm and output head draft K greedy tokens on the device
-    (`steps.draft_early_exit`), sharing the target's KV pools.
+    (`steps.draft_greedy`), sharing the target's KV pools.
+  draft_model: a smaller model that shares the tokenizer (`draft_source`: any
+    checkpoint `load_checkpoint` reads, or `Engine(draft_model=)`) drafts K
+    greedy tokens on the device (`steps.draft_greedy`) from its own KV pools,
+    addressed by the target's block tables; each sequence's draft K/V catches
+    up over the tokens it has not seen before drafting (`Engine._speculate_once`).
 
 How many drafts (`SpeculationPlanner`): each sequence keeps a decayed count
 of accepted drafts and of rejections, i.e. an estimate a of the chance that
@@ -32,7 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
-DRAFTERS = ("prompt_lookup", "early_exit")
+DRAFTERS = ("prompt_lookup", "early_exit", "draft_model")
 K_BUCKETS = (1, 3, 7, 15)  # drafts per verify call (K + 1 = 2, 4, 8, 16 positions)
 
 
@@ -40,11 +45,14 @@ K_BUCKETS = (1, 3, 7, 15)  # drafts per verify call (K + 1 = 2, 4, 8, 16 positio
 class SpeculativeConfig:
   """The `speculative` config section (`o1jax.engine.Engine(..., speculative=)`)."""
 
-  drafter: str = "prompt_lookup"  # prompt_lookup | early_exit
+  drafter: str = "prompt_lookup"  # prompt_lookup | early_exit | draft_model
   max_drafts: int = 7  # the largest K a verify call checks (K_BUCKETS up to it)
   ngram_max: int = 4  # prompt_lookup: longest suffix n-gram matched
   ngram_min: int = 1  # and the shortest
   exit_layer: int = 0  # early_exit: layers the draft runs (0: a quarter of the model's)
+  # draft_model: its checkpoint ("embedded", a .gguf, an HF or orbax directory);
+  # unused when the engine is given the draft model itself.
+  draft_source: str = ""
   # True: K per call from acceptance and measured cost (0 = no speculation);
   # False: always the largest K the drafter can fill (for studies).
   adaptive: bool = True
@@ -59,6 +67,9 @@ class SpeculativeConfig:
                        f"{self.ngram_min}, {self.ngram_max}")
     if self.exit_layer < 0:
       raise ValueError(f"speculative.exit_layer={self.exit_layer} must be >= 0")
+    if self.draft_source and self.drafter != "draft_model":
+      raise ValueError(f"speculative.draft_source is read by drafter 'draft_model' only, "
+                       f"not {self.drafter!r}")
 
   @classmethod
   def from_dict(cls, values: dict) -> "SpeculativeConfig":

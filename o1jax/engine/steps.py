@@ -235,17 +235,19 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   return out, cache.pools_only()
 
 
-def draft_early_exit(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
-                     batch: DecodeBatch, num_drafts: jax.Array, max_drafts: int, exit_layer: int,
-                     head_t: jax.Array | None = None):
-  """Self-speculation: up to `max_drafts` greedy tokens per row from the model's
-  first `exit_layer` layers and its own final norm and head.
+def draft_greedy(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
+                 num_drafts: jax.Array, max_drafts: int, num_layers: int | None = None,
+                 head_t: jax.Array | None = None):
+  """Up to `max_drafts` greedy tokens per row, one decode step of the drafting model
+  at a time from each row's last token (`batch.tokens` at `batch.positions`).
 
-  The first layers of the draft are the target's first layers, so their K/V is
-  written into the target's own pools (the verify call rewrites those positions
-  for every layer). Row b drafts num_drafts[b] tokens and writes nothing after
-  them (its blocks end there). Greedy drafts make the verify rule exact for
-  sampled rows too (see `verify_step`).
+  The drafting model is the target's first `num_layers` layers with its own final
+  norm and head (early exit: their K/V goes into the target's own pools, which the
+  verify call rewrites for every layer), or a separate draft model over all its
+  layers (num_layers None) and its own pools. Row b drafts num_drafts[b] tokens
+  and writes nothing after them (its blocks end there): K/V at positions
+  positions[b] .. + num_drafts[b] - 1, of its last token and its first drafts.
+  Greedy drafts make the verify rule exact for sampled rows too (see `verify_step`).
   Returns (drafts [B, max_drafts] int32, cache with placeholder tables)."""
   model = nnx.merge(graphdef, state)
   rows = batch.tokens.shape[0]
@@ -256,7 +258,7 @@ def draft_early_exit(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCac
     step_cache = cache.for_batch(batch.block_tables, live.astype(jnp.int32))
     starts = jnp.where(live, batch.positions + i, 0).astype(jnp.int32)
     logits, step_cache = forward(model, tokens[:, None], starts, step_cache,
-                                 jnp.zeros(rows, jnp.int32), head_t, exit_layer)
+                                 jnp.zeros(rows, jnp.int32), head_t, num_layers)
     nxt = first_argmax(logits).astype(jnp.int32)
     return step_cache.pools_only(), nxt, drafts.at[:, i].set(nxt)
 

@@ -1,0 +1,126 @@
+"""Speculative decoding with a draft model (drafter "draft_model"): a separate model
+that shares the tokenizer drafts greedy tokens from its own KV pool, and the
+outputs stay those of decoding without speculation, token for token."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from o1jax.checkpoint import load_checkpoint
+from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
+from o1jax.model import Llama
+from o1jax.testing import tiny_config, write_hf_checkpoint
+
+SPEC = SpeculativeConfig(drafter="draft_model", adaptive=False, max_drafts=3)  # always drafts
+CONFIG = EngineConfig(max_slots=8, num_blocks=128)
+GREEDY = GenerationParams(max_new_tokens=24, ignore_eos=True)
+SAMPLED = GenerationParams(max_new_tokens=16, temperature=0.8, top_p=0.9, n=2, seed=4,
+                           logprobs=True)
+
+
+def _write_draft(path, **overrides):
+  """A tiny random draft checkpoint at path: 1 layer, another seed, the target's vocabulary."""
+  config = tiny_config(**{"max_context": 256, "n_layers": 1, **overrides})
+  write_hf_checkpoint(path, config, seed=11)
+  return path
+
+
+def _load(path) -> Llama:
+  ck = load_checkpoint(path)
+  return Llama(ck.config, ck.params)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+  return _load(_write_draft(tmp_path_factory.mktemp("draft")))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+  """The reference: the same engine settings without speculation."""
+  return Engine(tiny.model, tiny.tokenizer, CONFIG)
+
+
+def _same(a, b):
+  for ra, rb in zip(a, b, strict=True):
+    for sa, sb in zip(ra.samples, rb.samples, strict=True):
+      assert sa.token_ids == sb.token_ids
+      assert sa.finish_reason == sb.finish_reason
+      if sa.logprobs is not None:
+        np.testing.assert_allclose(sa.logprobs, sb.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def _speculative(engine) -> dict:
+  return engine.metrics.summary()["speculative"]
+
+
+def test_random_draft_model_gives_the_outputs_of_plain_decoding(tiny, plain, draft, make_prompts):
+  """Greedy and sampled (n=2) requests; the random draft's drafts are mostly rejected."""
+  spec = Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SPEC, draft_model=draft)
+  prompts = make_prompts(7, seed=50, low=3, high=60)
+  for params in (GREEDY, SAMPLED):
+    requests = [Request(p, params, request_id=i) for i, p in enumerate(prompts)]
+    _same(plain.generate(requests), spec.generate(requests))
+  assert _speculative(spec)["verify_calls"] > 0
+
+
+def test_target_as_its_own_draft_accepts_every_greedy_draft(tiny, plain, make_prompts):
+  """The draft K/V it catches up over (prompts, prefix-cached blocks, forks, accepted
+  and rejected drafts) must be the target's own: any position wrong would reject a draft."""
+  spec = Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SPEC, draft_model=tiny.model)
+  shared = make_prompts(1, seed=53, low=40, high=41)[0]
+  prompts = make_prompts(5, seed=51, low=3, high=60) + [shared, shared[:34] + [7, 8, 9]]
+  requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)]
+  results = spec.generate(requests)
+  _same(plain.generate(requests), results)
+  assert results[-1].metrics.prompt_tokens_computed < len(prompts[-1]) - 1  # a cached prefix
+  stats = _speculative(spec)
+  assert stats["verify_calls"] > 0 and stats["drafted"] > 0
+  assert stats["acceptance_rate"] == 1.0
+  # Sampled rows accept a greedy draft only where their draw equals it.
+  requests = [Request(p, SAMPLED, request_id=i) for i, p in enumerate(prompts[:4])]
+  _same(plain.generate(requests), spec.generate(requests))
+  assert 0 < _speculative(spec)["acceptance_rate"] < 1.0
+
+
+def test_draft_model_must_share_the_vocabulary_and_be_given(tiny, tmp_path):
+  other = _load(_write_draft(tmp_path, vocab_size=tiny.config.vocab_size + 8))
+  with pytest.raises(ValueError, match="vocab_size"):
+    Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SPEC, draft_model=other)
+  with pytest.raises(ValueError, match="draft_source"):
+    Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SPEC)
+  with pytest.raises(ValueError, match="draft_model"):
+    Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SpeculativeConfig(), draft_model=other)
+  with pytest.raises(ValueError, match="draft_source"):
+    SpeculativeConfig(drafter="early_exit", draft_source=str(tmp_path))
+
+
+def test_draft_source_is_loaded_by_path(tiny, plain, tmp_path, make_prompts):
+  source = SpeculativeConfig(drafter="draft_model", adaptive=False, max_drafts=3,
+                             draft_source=str(_write_draft(tmp_path)))
+  spec = Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=source)
+  assert spec.draft_model.config.n_layers == 1
+  requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(make_prompts(3, seed=52))]
+  _same(plain.generate(requests), spec.generate(requests))
+  assert _speculative(spec)["verify_calls"] > 0
+
+
+def test_preemption_and_a_shorter_draft_context_keep_the_outputs(tiny, make_prompts):
+  """A pool too small for all rows (preempted rows catch their draft K/V up again
+  from scratch) and a draft model whose context (72) ends before the engine's (96):
+  rows draft only below it. The draft is the target's weights, so every greedy
+  draft on a correctly caught-up draft pool is accepted."""
+  draft = Llama(dataclasses.replace(tiny.config, max_context=72), tiny.params)
+  prompts = make_prompts(6, seed=40, low=20, high=60)
+  params = GenerationParams(max_new_tokens=400, ignore_eos=True)
+  config = EngineConfig(max_slots=6, num_blocks=24, max_context=96, prefill_chunk=32)
+  spec = Engine(tiny.model, tiny.tokenizer, config, speculative=SPEC, draft_model=draft)
+  requests = [Request(p, params, request_id=i) for i, p in enumerate(prompts)]
+  _same(Engine(tiny.model, tiny.tokenizer, config).generate(requests), spec.generate(requests))
+  assert spec.metrics.preemptions > 0
+  stats = _speculative(spec)
+  assert stats["verify_calls"] > 0 and stats["acceptance_rate"] == 1.0
+  # Every draft was accepted, i.e. became the token at its position: all below 72.
+  assert stats["drafted"] <= sum(72 - len(p) for p in prompts)
+  assert not spec.has_work()
