@@ -117,6 +117,20 @@ def budget_section() -> ml_collections.ConfigDict:
                  kv_limit=0.85)
 
 
+def speculative_section() -> ml_collections.ConfigDict:
+  """Speculative decoding in the engine (o1jax/engine/speculative.py;
+  `o1jax.engine.SpeculativeConfig`): drafted tokens checked in one forward.
+
+  Outputs are the plain engine's, token for token (greedy and sampled), so the
+  section is not part of the content hash. drafter: prompt_lookup (model-free:
+  copies from the prompt and the text so far) | early_exit (the model's first
+  exit_layer layers; 0 = a quarter) | draft_model (draft_source: a checkpoint with
+  the same vocabulary). adaptive: drafts per call from acceptance and measured
+  call times (0 when it does not pay). predictor=engine only for now."""
+  return section(enabled=False, drafter="prompt_lookup", max_drafts=7, ngram_max=4, ngram_min=1,
+                 exit_layer=0, draft_source="", adaptive=True)
+
+
 def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_collections.ConfigDict:
   """name + the policy's params with their defaults (so `--config.policy.n=8` works).
 

@@ -38,6 +38,7 @@ def get_config(arg: str = ""):
   config.policy = common.policy_section(variant["policy"], smoke=smoke)
   config.engine = common.engine_section(smoke)
   config.budget = common.budget_section()
+  config.speculative = common.speculative_section()
   config.controller = common.controller_section()
   config.runner = common.runner_section(batch_size=8)
   config.smoke = smoke

@@ -48,6 +48,7 @@ def get_config(arg: str = ""):
   # embedded model) need ~640 MiB of blocks; the smoke batch holds 3 of them and 12 short ones.
   config.engine.kv_cache_bytes = (512 if smoke else 768) << 20
   config.budget = common.budget_section()
+  config.speculative = common.speculative_section()
   config.controller = common.controller_section()
   # Smoke: all 15 items in one batch of decode slots (one worker, so the items are not split
   # into two bundles that the shared engine would run one after the other): one decode pass.

@@ -84,6 +84,7 @@ class PredictorSpec:
   (sorted items of a controller policy's `{"name", **params}`; controller only),
   controller (sorted items of the `controller` section: its KV cache; controller only),
   budget (sorted items of the `budget` section: the latency-aware budget; engine and controller),
+  speculative (sorted items of the `speculative` section; engine only),
   imports (the config's modules, imported before the predictor is built: they may
   define the policy, its verifier or scorer; not part of the model's identity).
   """
@@ -97,11 +98,13 @@ class PredictorSpec:
   policy: tuple[tuple[str, Any], ...] = ()
   controller: tuple[tuple[str, Any], ...] = ()
   budget: tuple[tuple[str, Any], ...] = ()
+  speculative: tuple[tuple[str, Any], ...] = ()
   imports: tuple[str, ...] = ()
 
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8, engine=None,
-                  policy=None, controller=None, budget=None, imports=()) -> "PredictorSpec":
+                  policy=None, controller=None, budget=None, speculative=None,
+                  imports=()) -> "PredictorSpec":
     def items(section):
       if section is None:
         return ()
@@ -111,13 +114,27 @@ class PredictorSpec:
                matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
                engine=items(engine), policy=items(policy), controller=items(controller),
-               budget=items(budget), imports=tuple(imports))
+               budget=items(budget), speculative=items(speculative), imports=tuple(imports))
 
   def budget_loop(self):
     """A live `BudgetLoop` when the budget section says adaptive, else None."""
     from o1jax.engine.budget import BudgetConfig, BudgetLoop
     config = BudgetConfig.from_dict(dict(self.budget))
     return BudgetLoop(config) if config.mode == "adaptive" else None
+
+  def speculative_config(self):
+    """The engine's `SpeculativeConfig` when the speculative section is enabled, else None."""
+    return speculative_config(dict(self.speculative))
+
+
+def speculative_config(section: dict):
+  """`SpeculativeConfig` of an enabled `speculative` config section (None when it is off
+  or absent); an unknown key or a bad value raises ValueError naming it."""
+  from o1jax.engine.speculative import SpeculativeConfig
+  values = dict(section)
+  if not values.pop("enabled", False):
+    return None
+  return SpeculativeConfig.from_dict(values)
 
 
 def _load_model(spec: PredictorSpec):
@@ -245,7 +262,8 @@ class EnginePredictor:
   def load(cls, spec: PredictorSpec) -> "EnginePredictor":
     from o1jax.engine import Engine
     model, tokenizer = _load_model(spec)
-    return cls(Engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop()))
+    return cls(Engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop(),
+                      speculative=spec.speculative_config()))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.engine import GenerationParams, Request
@@ -267,6 +285,8 @@ class EnginePredictor:
                  "prompt_tokens_computed": int(m.prompt_tokens_computed)}
       if m.budget:  # the token limits it ran under, and why they changed
         metrics["budget"] = m.budget
+      if m.spec_drafted:  # speculative decoding: drafts verified for it, and accepted
+        metrics["speculative"] = {"drafted": m.spec_drafted, "accepted": m.spec_accepted}
       out.append({"text": sample.text,
                   "tokens": {"prompt": len(result.prompt_token_ids), "completion": len(sample.token_ids)},
                   "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0, "trace": {},

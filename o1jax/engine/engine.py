@@ -926,6 +926,8 @@ class Engine:
       s.acceptance.observe(drafted, count - 1)
       self.metrics.spec_drafted += drafted
       self.metrics.spec_accepted += count - 1
+      s.group.metrics.spec_drafted += drafted
+      s.group.metrics.spec_accepted += count - 1
       for j in range(count):
         s.n_computed = len(s.tokens)
         self._append(s, int(out.tokens[i, j]), float(out.logprobs[i, j]), out.top_ids[i, j],

@@ -38,6 +38,8 @@ class RequestMetrics:
   token_times: list[list[float]] = dataclasses.field(default_factory=list)  # [sample][token]
   # Token limits it ran under (a latency-aware budget): {"at_ms", "steps", "tokens", "why"}.
   budget: list[dict] = dataclasses.field(default_factory=list)
+  spec_drafted: int = 0  # speculative decoding: drafted tokens verified for it
+  spec_accepted: int = 0  # and accepted
 
   def record_token(self, sample: int, now: float) -> None:
     while len(self.token_times) <= sample:

@@ -43,7 +43,8 @@ from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
 from o1jax.controller import BasePolicy, SamplingSpec, build_policy, policy_names
-from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for)
+from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for,
+                                  speculative_config)
 from pipelines.task_specs import build_task
 
 STORE_VERSION = 1  # bump when the record layout changes, so old stores are not reused
@@ -107,10 +108,15 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   if budget is not None:  # checked now rather than in a worker
     from o1jax.engine.budget import BudgetConfig
     BudgetConfig.from_dict(budget.to_dict() if hasattr(budget, "to_dict") else budget)
+  speculative = config.get("speculative")
+  speculative = speculative.to_dict() if hasattr(speculative, "to_dict") else speculative
+  if speculative_config(speculative or {}) is not None and name != "engine":
+    raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
+                     f"{name!r} (the controller's loop and the generator do not speculate)")
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
-      controller=controller, budget=budget, imports=imports)
+      controller=controller, budget=budget, speculative=speculative, imports=imports)
   task = build_task(config)
   if hasattr(task, "check_policy"):  # a task may reject policies that cannot score it
     task.check_policy(policy)

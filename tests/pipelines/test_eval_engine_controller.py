@@ -200,3 +200,31 @@ def test_embedded_model_cli_self_consistency_through_the_controller(tmp_path):
   report = (out / "report.md").read_text()
   assert "## Reasoning paths" in report and "First reasoning paths" in report
   assert (out / "reasoning.png").stat().st_size > 0
+
+
+def test_speculative_engine_run_gives_the_plain_records_under_the_same_keys(tiny, tmp_path):
+  """The speculative section changes how fast the engine decodes, not what it
+  outputs: the same records under the same content hashes; a controller policy
+  with it on is refused before any work starts."""
+  plain = _config(tiny, batch=3)
+  plain.sampling.max_new_tokens = 16
+  run(plain, str(tmp_path / "plain"), progress=False, report=False)
+  spec = _config(tiny, batch=3)
+  spec.sampling.max_new_tokens = 16
+  spec.speculative.update(enabled=True, max_drafts=3, adaptive=False)
+  summary = run(spec, str(tmp_path / "spec"), progress=False, report=False)
+  want, got = _records(tmp_path / "plain"), _records(tmp_path / "spec")
+  assert _stable(got) == _stable(want)
+  assert [r["key"] for r in got] == [r["key"] for r in want]
+  assert summary["model"]["predictor"] == "engine"
+  drafted = [r["timing"].get("speculative", {}).get("drafted", 0) for r in got]
+  assert sum(drafted) > 0  # it did speculate
+  assert all("speculative" not in r["timing"] for r in want)
+  bad = _config(tiny, policy="self_consistency")
+  bad.speculative.enabled = True
+  with pytest.raises(ValueError, match="speculative.enabled=True needs model.predictor=engine"):
+    build_plan(bad, str(tmp_path / "bad"))
+  bad = _config(tiny)
+  bad.speculative.update(enabled=True, drafter="oracle")
+  with pytest.raises(ValueError, match="speculative.drafter='oracle'"):
+    build_plan(bad, str(tmp_path / "bad2"))
