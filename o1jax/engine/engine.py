@@ -267,13 +267,7 @@ class Engine:
     # The latency-aware budget (engine/budget.py): it scales every request's token
     # limit, re-evaluated on its clock between device calls. None: max_new_tokens.
     self.budget = budget
-    # Speculative decoding (engine/speculative.py): drafts checked in one forward;
-    # the same tokens as without it. None: one token per row per decode step.
-    self.speculative = speculative
-    self._planner = SpeculationPlanner(speculative) if speculative is not None else None
     self.model_config = mc = model.config
-    self._exit_layer = (speculative.resolved_exit_layer(mc.n_layers)
-                        if speculative is not None and speculative.drafter == "early_exit" else 0)
     self.clock = clock
     self.max_context = min(config.max_context or mc.max_context, mc.max_context)
     self._graphdef, self._state = nnx.split(model)
@@ -318,7 +312,20 @@ class Engine:
     self._draft_jit = jax.jit(self._traced("draft", self._bound(steps.draft_greedy)),
                               static_argnums=(4, 5), donate_argnums=(1,))
     self._head_t = self._transposed_head(model)
-    self.draft_model = self._resolve_draft_model(model, speculative, draft_model)
+    self.set_speculative(speculative, draft_model)
+
+  def set_speculative(self, speculative: SpeculativeConfig | None,
+                      draft_model: Llama | None = None) -> None:
+    """Turns speculative decoding on (engine/speculative.py: drafts checked in one
+    forward; the same tokens as without it) or off (None: one token per row per
+    decode step), between runs: the engine must be idle. Compiled programs are kept."""
+    if self.has_work():
+      raise ValueError("set_speculative needs an idle engine: requests are still running")
+    self.speculative = speculative
+    self._planner = SpeculationPlanner(speculative) if speculative is not None else None
+    self._exit_layer = (speculative.resolved_exit_layer(self.model_config.n_layers)
+                        if speculative is not None and speculative.drafter == "early_exit" else 0)
+    self.draft_model = self._resolve_draft_model(self.model, speculative, draft_model)
     if self.draft_model is not None:
       self._init_draft_model(self.draft_model)
 
@@ -365,7 +372,7 @@ class Engine:
         self._traced("draft_prefill", self._bound(steps.prefill_step, graphdef, state_def)),
         donate_argnums=(1,))
     # The drafting call over the draft model (early_exit's runs the target's first layers).
-    self._draft_jit = jax.jit(
+    self._draft_model_jit = jax.jit(
         self._traced("draft", self._bound(steps.draft_greedy, graphdef, state_def)),
         static_argnums=(4, 5), donate_argnums=(1,))
     self._draft_head_t = self._transposed_head(draft)
@@ -816,6 +823,7 @@ class Engine:
       self._planner.observe(rows, 0, (end - start) / ran)
     self.metrics.decode_calls += 1
     self.metrics.decode_steps += ran
+    self.metrics.decode_seconds += end - start
     times = [start + (end - start) * (j + 1) / ran for j in range(ran)]
     for i, s in enumerate(seqs):
       for j in range(int(out.counts[i])):
@@ -878,8 +886,10 @@ class Engine:
       proposals, available = None, room
     rows = self._decode_rows(len(running))
     k = self._planner.choose(rows, [available[s] for s in running],
-                             [s.acceptance.rate for s in running])
+                             [self._planner.rate(s.acceptance) for s in running])
     if k == 0:
+      for seq in running:
+        seq.acceptance.idle()
       return False
     copies: list[tuple[int, int]] = []
     for seq in running:
@@ -907,8 +917,8 @@ class Engine:
     elif cfg.drafter == "draft_model":
       self._catch_up_draft(seqs, rows, num_drafts)
       head_t = self._draft_head_t if rows >= 8 else None
-      drafts_dev, self.draft_cache = self._draft_jit(self._draft_leaves, self.draft_cache, batch,
-                                                     jnp.asarray(num_drafts), k, None, head_t)
+      drafts_dev, self.draft_cache = self._draft_model_jit(
+          self._draft_leaves, self.draft_cache, batch, jnp.asarray(num_drafts), k, None, head_t)
     head_t = self._head_t if rows * (k + 1) >= 8 else None
     out, self.cache = self._verify_jit(self._state_leaves, self.cache, batch, drafts_dev,
                                        jnp.asarray(num_drafts), top_n, head_t)
@@ -920,10 +930,11 @@ class Engine:
       self.budget.observe_step(end - start)
     self.metrics.decode_calls += 1
     self.metrics.decode_steps += 1
+    self.metrics.decode_seconds += end - start
     self.metrics.spec_calls += 1
     for i, s in enumerate(seqs):
       count, drafted, last = int(out.counts[i]), int(num_drafts[i]), len(s.tokens) - 1
-      s.acceptance.observe(drafted, count - 1)
+      self._planner.record(s.acceptance, drafted, count - 1)
       self.metrics.spec_drafted += drafted
       self.metrics.spec_accepted += count - 1
       s.group.metrics.spec_drafted += drafted

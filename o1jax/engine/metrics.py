@@ -121,6 +121,7 @@ class MetricsCollector:
     self.preemptions = 0
     self.decode_calls = 0  # device calls of the decode loop (= host round trips)
     self.decode_steps = 0  # decode steps those calls ran
+    self.decode_seconds = 0.0  # wall time of those calls (drafting included)
     self.spec_calls = 0  # of those, verify calls of speculative decoding
     self.spec_drafted = 0  # drafted tokens they checked
     self.spec_accepted = 0  # and accepted
@@ -149,6 +150,7 @@ class MetricsCollector:
     out.preemptions = self.preemptions + other.preemptions
     out.decode_calls = self.decode_calls + other.decode_calls
     out.decode_steps = self.decode_steps + other.decode_steps
+    out.decode_seconds = self.decode_seconds + other.decode_seconds
     out.spec_calls = self.spec_calls + other.spec_calls
     out.spec_drafted = self.spec_drafted + other.spec_drafted
     out.spec_accepted = self.spec_accepted + other.spec_accepted
@@ -174,6 +176,7 @@ class MetricsCollector:
         "preemptions": self.preemptions,
         "recomputed_tokens": sum(r.recomputed_tokens for r in self.requests),
         "decode_calls": self.decode_calls,
+        "decode_seconds": self.decode_seconds,
         "decode_steps_per_call": (self.decode_steps / self.decode_calls
                                   if self.decode_calls else 0.0),
         "speculative": {"verify_calls": self.spec_calls, "drafted": self.spec_drafted,

@@ -21,9 +21,11 @@ Drafters (one interface: `propose` on the host, or drafts made on the device):
 
 How many drafts (`SpeculationPlanner`): each sequence keeps a decayed count
 of accepted drafts and of rejections, i.e. an estimate a of the chance that
-its next draft is accepted; a verify call with d drafts is then expected to
+its next draft is accepted (starting from the engine-wide estimate, and
+drifting back to it while the sequence does not draft); a verify call with d drafts is then expected to
 emit (1 - a^(d+1)) / (1 - a) tokens. The planner times every decode call
-shape (rows, K + 1), plain decoding included (K = 0, per step), and picks the
+shape (rows, K + 1), plain decoding included (K = 0, per step; the fastest of the
+last few timings), and picks the
 K of `K_BUCKETS` (or 0: no speculation) with the most expected tokens per
 second for the whole batch. So speculation turns itself off where drafts are
 rarely accepted or where a wider call costs more than it emits (large
@@ -32,6 +34,7 @@ batches on a compute-bound device).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -120,16 +123,21 @@ def expected_tokens(drafts: int, acceptance: float) -> float:
 
 
 class Acceptance:
-  """A sequence's decayed counts of accepted drafts and of rejections."""
+  """Decayed counts of accepted drafts and of rejections (a sequence's, or the engine's).
+
+  Geometric model: each draft is accepted with probability a until the first
+  rejection, so the estimate is accepted / (accepted + rejections)."""
 
   DECAY = 0.7  # weight of the past per verify call
+  IDLE_DECAY = 0.9  # per decode call without drafts: the estimate drifts back to the prior
 
-  def __init__(self, accepted: float = 1.0, rejected: float = 1.0):
-    self.accepted, self.rejected = accepted, rejected  # the prior: a = 0.5
+  def __init__(self):
+    self.accepted = 0.0
+    self.rejected = 0.0
 
-  @property
-  def rate(self) -> float:
-    return self.accepted / (self.accepted + self.rejected)
+  def rate(self, prior: float = 0.5, strength: float = 2.0) -> float:
+    """The estimate, with `strength` pseudo-drafts at the `prior` rate."""
+    return (self.accepted + strength * prior) / (self.accepted + self.rejected + strength)
 
   def observe(self, drafted: int, accepted: int) -> None:
     if drafted <= 0:
@@ -137,33 +145,61 @@ class Acceptance:
     self.accepted = self.DECAY * self.accepted + accepted
     self.rejected = self.DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
 
+  def idle(self) -> None:
+    """A decode call that drafted nothing for it: what it learned counts a little less,
+    so a sequence that once had its drafts rejected gets to try again later."""
+    self.accepted *= self.IDLE_DECAY
+    self.rejected *= self.IDLE_DECAY
+
 
 class SpeculationPlanner:
-  """Chooses K per decode call from acceptance estimates and measured call times."""
+  """Chooses K per decode call from acceptance estimates and measured call times.
 
-  EMA = 0.3  # weight of a new timing
+  A shape's cost is the fastest of its last `KEEP` timings: on a shared, noisy
+  machine the minimum tracks what the call costs, where one slow outlier (another
+  process, a page fault storm) would otherwise make a mean shun the shape for good.
+  A shape not timed for `STALE` decisions is tried again when, at the optimistic
+  prior cost, it would beat plain decoding (one call: what it costs is re-learned)."""
+
+  KEEP = 8
+  STALE = 64
   PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K)
 
   def __init__(self, config: SpeculativeConfig):
     self.config = config
-    self.seconds: dict[tuple[int, int], float] = {}  # (rows, K) -> seconds per call (K=0: step)
+    self.acceptance = Acceptance()  # over every sequence: the prior of a sequence's own
+    self.timings: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> seconds per call
+    self._timed_at: dict[tuple[int, int], int] = {}  # decision count at the last timing
+    self.decisions = 0
 
   def observe(self, rows: int, k: int, seconds: float) -> None:
     """Wall time of one call of this shape (plain decoding: per step; the engine
     leaves out calls that compiled)."""
-    key = (rows, k)
-    old = self.seconds.get(key)
-    self.seconds[key] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+    self.timings.setdefault((rows, k), collections.deque(maxlen=self.KEEP)).append(seconds)
+    self._timed_at[(rows, k)] = self.decisions
+
+  def rate(self, seq: Acceptance) -> float:
+    """A sequence's acceptance estimate, starting from the engine-wide one."""
+    return seq.rate(prior=self.acceptance.rate())
+
+  def record(self, seq: Acceptance, drafted: int, accepted: int) -> None:
+    seq.observe(drafted, accepted)
+    self.acceptance.observe(drafted, accepted)
 
   def cost(self, rows: int, k: int) -> float | None:
-    if (rows, k) in self.seconds:
-      return self.seconds[(rows, k)]
-    step = self.seconds.get((rows, 0))
-    return None if step is None else step * (1.0 + self.PRIOR_PER_POSITION * k)
+    """Seconds per call of shape (rows, K): measured, or the prior from plain decoding."""
+    if (rows, k) in self.timings:
+      return min(self.timings[(rows, k)])
+    return self.prior(rows, k)
+
+  def prior(self, rows: int, k: int) -> float | None:
+    step = self.timings.get((rows, 0))
+    return None if step is None else min(step) * (1.0 + self.PRIOR_PER_POSITION * k)
 
   def choose(self, rows: int, available: Sequence[int], rates: Sequence[float]) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
     (its drafter's proposal, budget and context); rates[i]: its acceptance estimate."""
+    self.decisions += 1
     most = max(available, default=0)
     if most == 0:
       return 0
@@ -173,10 +209,13 @@ class SpeculationPlanner:
     plain = self.cost(rows, 0)
     if plain is None:  # time plain decoding first: it is the baseline of every choice
       return 0
+    expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
     best_k, best = 0, len(available) / plain
     for k in buckets:
-      tokens = sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
-      speed = tokens / self.cost(rows, k)
+      stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
+      if stale and expected(k) / self.prior(rows, k) > best:
+        return k  # re-time it
+      speed = expected(k) / self.cost(rows, k)
       if speed > best:
         best_k, best = k, speed
     return best_k

@@ -39,6 +39,25 @@ def test_expected_tokens_is_a_truncated_geometric_sum():
   assert expected_tokens(2, 0.5) == pytest.approx(1.75)
 
 
+def test_acceptance_estimates_start_from_the_engine_and_recover():
+  from o1jax.engine.speculative import Acceptance
+
+  planner = SpeculationPlanner(SpeculativeConfig())
+  seq = Acceptance()
+  assert planner.rate(seq) == pytest.approx(0.5)  # nothing seen anywhere yet
+  other = Acceptance()
+  for _ in range(6):
+    planner.record(other, 4, 4)  # another sequence's drafts are all accepted
+  assert planner.rate(seq) > 0.8  # a new sequence starts from the engine-wide estimate
+  fresh = planner.rate(seq)
+  planner.record(seq, 4, 0)  # its first draft is rejected
+  low = planner.rate(seq)
+  assert low < fresh - 0.2
+  for _ in range(20):
+    seq.idle()  # calls without drafts: back toward the engine-wide estimate
+  assert planner.rate(seq) > 0.8 > low
+
+
 def test_config_checks_and_buckets():
   assert SpeculativeConfig(max_drafts=5).k_buckets == (1, 3, 5)
   assert SpeculativeConfig(max_drafts=1).k_buckets == (1,)
@@ -67,8 +86,18 @@ def test_planner_speculates_only_where_it_pays():
   planner.observe(8, 7, 0.080)
   planner.observe(8, 3, 0.015)
   assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
-  planner.observe(8, 3, 0.200)  # an EMA: one slow call moves it, and K=3 stops paying
-  assert planner.seconds[(8, 3)] == pytest.approx(0.7 * 0.015 + 0.3 * 0.200)
+  planner.observe(8, 3, 0.200)  # a slow outlier: the fastest recent timing counts
+  assert planner.cost(8, 3) == 0.015
+  for _ in range(SpeculationPlanner.KEEP):  # K=3 got slow for good
+    planner.observe(8, 3, 0.200)
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
+  # Shapes untimed for STALE decisions are tried once more (their prior beats plain) ...
+  for _ in range(SpeculationPlanner.STALE):
+    planner.choose(8, [1, 1], [0.9, 0.9])
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
+  planner.observe(8, 3, 0.200)
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 7
+  planner.observe(8, 7, 0.080)  # ... and, still slow, dropped again
   assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
   fixed = SpeculationPlanner(SpeculativeConfig(max_drafts=7, adaptive=False))
   assert fixed.choose(8, [5, 2], [0.0, 0.0]) == 3  # the largest bucket the drafts fill
