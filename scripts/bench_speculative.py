@@ -165,9 +165,11 @@ def main(argv=None):
               f"{row['decode_ratio']:7.2f} {row['e2e_ratio']:6.2f} {row['acceptance_rate']:6.2f} "
               f"{row['tokens_per_verify']:10.2f} {100 * row['verify_share']:6.0f}% "
               f"{row['same_tokens']}", flush=True)
+  out = {"args": vars(args), "rows": rows}
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+      json.dump(out, f, indent=1)
+  return out
 
 
 if __name__ == "__main__":

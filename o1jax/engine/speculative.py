@@ -128,10 +128,10 @@ class Acceptance:
   Geometric model: each draft is accepted with probability a until the first
   rejection, so the estimate is accepted / (accepted + rejections)."""
 
-  DECAY = 0.7  # weight of the past per verify call
   IDLE_DECAY = 0.9  # per decode call without drafts: the estimate drifts back to the prior
 
-  def __init__(self):
+  def __init__(self, decay: float = 0.7):
+    self.decay = decay  # weight of the past per verify call
     self.accepted = 0.0
     self.rejected = 0.0
 
@@ -142,8 +142,8 @@ class Acceptance:
   def observe(self, drafted: int, accepted: int) -> None:
     if drafted <= 0:
       return
-    self.accepted = self.DECAY * self.accepted + accepted
-    self.rejected = self.DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+    self.accepted = self.decay * self.accepted + accepted
+    self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
 
   def idle(self) -> None:
     """A decode call that drafted nothing for it: what it learned counts a little less,
@@ -167,7 +167,7 @@ class SpeculationPlanner:
 
   def __init__(self, config: SpeculativeConfig):
     self.config = config
-    self.acceptance = Acceptance()  # over every sequence: the prior of a sequence's own
+    self.acceptance = Acceptance(decay=0.98)  # over every sequence (the last ~50 calls)
     self.timings: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> seconds per call
     self._timed_at: dict[tuple[int, int], int] = {}  # decision count at the last timing
     self.decisions = 0
@@ -179,8 +179,11 @@ class SpeculationPlanner:
     self._timed_at[(rows, k)] = self.decisions
 
   def rate(self, seq: Acceptance) -> float:
-    """A sequence's acceptance estimate, starting from the engine-wide one."""
-    return seq.rate(prior=self.acceptance.rate())
+    """A sequence's acceptance estimate, starting from the engine-wide one but never
+    from below 0.5: optimism where a sequence has no evidence of its own, so one
+    unlucky stretch of the engine never stops new sequences from trying (a drafter
+    that does not pay costs each sequence a verify call or two before it stops)."""
+    return seq.rate(prior=max(self.acceptance.rate(), 0.5))
 
   def record(self, seq: Acceptance, drafted: int, accepted: int) -> None:
     seq.observe(drafted, accepted)

@@ -53,10 +53,16 @@ def test_acceptance_estimates_start_from_the_engine_and_recover():
   planner.record(seq, 4, 0)  # its first draft is rejected
   low = planner.rate(seq)
   assert low < fresh - 0.2
-  for _ in range(20):
+  for _ in range(40):
     seq.idle()  # calls without drafts: back toward the engine-wide estimate
   assert planner.rate(seq) == pytest.approx(planner.acceptance.rate(), abs=0.05)
   assert planner.rate(seq) > low + 0.2
+  # An engine whose drafts were all rejected still lets a new sequence start at 0.5.
+  gloomy = SpeculationPlanner(SpeculativeConfig())
+  for _ in range(20):
+    gloomy.record(Acceptance(), 4, 0)
+  assert gloomy.acceptance.rate() < 0.1
+  assert gloomy.rate(Acceptance()) == pytest.approx(0.5)
 
 
 def test_config_checks_and_buckets():
