@@ -791,7 +791,10 @@ class Engine:
     running = sorted(self._running, key=lambda s: s.arrival)
     if not running:
       return
-    if self.speculative is not None and self._speculate_once(running):
+    # The planner times whole calls, host work included (drafting, tables, appending):
+    # a verify call returns to the host for every few tokens, a plain one every 8 steps.
+    call_start, call_traces = self.clock(), sum(self.trace_counts.values())
+    if self.speculative is not None and self._speculate_once(running, call_start):
       return
     iterations = self._call_iterations(running)
     copies: list[tuple[int, int]] = []
@@ -810,7 +813,7 @@ class Engine:
     batch, stop_ids, top_n = self._decode_batch(seqs, rows)
     row_limits = np.zeros(rows, np.int32)
     row_limits[:len(seqs)] = [limits[s] for s in seqs]
-    start, traces = self.clock(), sum(self.trace_counts.values())
+    start = self.clock()
     out, self.cache = self.decode(self.cache, batch, jnp.asarray(row_limits), jnp.asarray(stop_ids),
                                   iterations, top_n)
     out = jax.device_get(out)
@@ -819,8 +822,6 @@ class Engine:
     ran = max(int(out.iterations), 1)
     if self.budget is not None:
       self.budget.observe_step((end - start) / ran)
-    if self._planner is not None and sum(self.trace_counts.values()) == traces:  # not compiling
-      self._planner.observe(rows, 0, (end - start) / ran)
     self.metrics.decode_calls += 1
     self.metrics.decode_steps += ran
     self.metrics.decode_seconds += end - start
@@ -832,6 +833,8 @@ class Engine:
                      out.top_ids[j, i], out.top_logprobs[j, i], times[j])
         if s.finish_reason is not None:
           break  # a stop string: what the row sampled past it is dropped
+    if self._planner is not None and sum(self.trace_counts.values()) == call_traces:
+      self._planner.observe(rows, 0, (self.clock() - call_start) / ran)  # (not while compiling)
 
   def _decode_batch(self, seqs: Sequence[_Seq], rows: int):
     """The decode inputs of `seqs` in `rows` slots: (DecodeBatch, stop ids [rows, S]
@@ -860,7 +863,7 @@ class Engine:
     # Two programs at most: without and with the engine's top-K alternatives.
     return batch, stop_ids, self.config.max_top_logprobs if want_top else 0
 
-  def _speculate_once(self, running: Sequence[_Seq]) -> bool:
+  def _speculate_once(self, running: Sequence[_Seq], call_start: float) -> bool:
     """One verify call over drafted tokens, if the planner expects it to pay (see
     engine/speculative.py). False: nothing ran (decode normally).
 
@@ -875,6 +878,7 @@ class Engine:
        (the rejected drafts' K/V in its last block is overwritten later).
     The call's time (for the planner) includes the catch-up and drafting."""
     cfg = self.speculative
+    call_traces = sum(self.trace_counts.values())
     context = self._draft_context if cfg.drafter == "draft_model" else self.max_context
     room = {s: max(0, min(cfg.max_drafts, s.remaining_budget - 1, context - len(s.tokens)))
             for s in running}
@@ -908,7 +912,7 @@ class Engine:
       num_drafts[i] = min(k, available[s])
       if proposals is not None:
         drafts[i, :num_drafts[i]] = proposals[s][:num_drafts[i]]
-    start, traces = self.clock(), sum(self.trace_counts.values())
+    start = self.clock()
     drafts_dev = jnp.asarray(drafts)
     if cfg.drafter == "early_exit":
       head_t = self._head_t if rows >= 8 else None
@@ -924,8 +928,6 @@ class Engine:
                                        jnp.asarray(num_drafts), top_n, head_t)
     out = jax.device_get(out)
     end = self.clock()
-    if sum(self.trace_counts.values()) == traces:  # a call that compiled is not timed
-      self._planner.observe(rows, k, end - start)
     if self.budget is not None:
       self.budget.observe_step(end - start)
     self.metrics.decode_calls += 1
@@ -953,6 +955,8 @@ class Engine:
         # The draft loop wrote positions last .. last + drafted - 1, for the inputs
         # (last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
+    if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
+      self._planner.observe(rows, k, self.clock() - call_start)
     return True
 
   def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> None:

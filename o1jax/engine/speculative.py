@@ -24,8 +24,8 @@ of accepted drafts and of rejections, i.e. an estimate a of the chance that
 its next draft is accepted (starting from the engine-wide estimate, and
 drifting back to it while the sequence does not draft); a verify call with d drafts is then expected to
 emit (1 - a^(d+1)) / (1 - a) tokens. The planner times every decode call
-shape (rows, K + 1), plain decoding included (K = 0, per step; the fastest of the
-last few timings), and picks the
+shape (rows, K + 1), plain decoding included (K = 0, per step; the median of the
+last few timings of whole calls, host work included), and picks the
 K of `K_BUCKETS` (or 0: no speculation) with the most expected tokens per
 second for the whole batch. So speculation turns itself off where drafts are
 rarely accepted or where a wider call costs more than it emits (large
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 from typing import Sequence
 
 import numpy as np
@@ -155,9 +156,9 @@ class Acceptance:
 class SpeculationPlanner:
   """Chooses K per decode call from acceptance estimates and measured call times.
 
-  A shape's cost is the fastest of its last `KEEP` timings: on a shared, noisy
-  machine the minimum tracks what the call costs, where one slow outlier (another
-  process, a page fault storm) would otherwise make a mean shun the shape for good.
+  A shape's cost is the median of its last `KEEP` timings (whole calls, host work
+  included): one slow outlier (another process, a page-fault storm) does not make
+  the planner shun a shape, as it would a mean.
   A shape not timed for `STALE` decisions is tried again when, at the optimistic
   prior cost, it would beat plain decoding (one call: what it costs is re-learned)."""
 
@@ -192,12 +193,12 @@ class SpeculationPlanner:
   def cost(self, rows: int, k: int) -> float | None:
     """Seconds per call of shape (rows, K): measured, or the prior from plain decoding."""
     if (rows, k) in self.timings:
-      return min(self.timings[(rows, k)])
+      return statistics.median(self.timings[(rows, k)])
     return self.prior(rows, k)
 
   def prior(self, rows: int, k: int) -> float | None:
     step = self.timings.get((rows, 0))
-    return None if step is None else min(step) * (1.0 + self.PRIOR_PER_POSITION * k)
+    return None if step is None else statistics.median(step) * (1.0 + self.PRIOR_PER_POSITION * k)
 
   def choose(self, rows: int, available: Sequence[int], rates: Sequence[float]) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take

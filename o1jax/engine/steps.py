@@ -209,6 +209,10 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
      when the target's draw equals it is the accept/reject rule for a point-mass
      draft distribution). K/V written past the accepted ones is garbage the host
      rolls back by position: later writes overwrite it and nothing attends to it.
+  Numerically a position sees what a decode step sees except that the matmuls run
+  over B * (K + 1) rows instead of B: the int8 and bf16 CPU matmuls give every row the
+  same bits whatever the row count (measured), XLA's f32 dot differs by ~1e-5 between
+  one row and several, which can flip a near-tie the way batch composition already can.
   Returns (VerifyOutput, cache with placeholder tables)."""
   model = nnx.merge(graphdef, state)
   b, k = drafts.shape

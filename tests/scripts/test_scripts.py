@@ -186,3 +186,12 @@ def test_bench_speculative_runs_every_drafter_and_compares_tokens(tiny_gguf, tmp
   plain = [r for r in rows if r["config"].startswith("plain")]
   assert all(r["verify_calls"] == 0 for r in plain)
   assert json.loads((tmp_path / "s.json").read_text())["rows"] == json.loads(json.dumps(rows))
+
+
+def test_study_multi_exit_runs_each_exit(tiny_gguf):
+  out = load("study_multi_exit").main(
+      ["--source", tiny_gguf, "--exits", "1,0", "--problems", "3", "--max-new-tokens", "5",
+       "--slots", "4", *TINY_NUMERICS])
+  assert [(r["exit_layer"], r["full_depth"]) for r in out["rows"]] == [(1, False), (2, True)]
+  for r in out["rows"]:
+    assert 0 <= r["accuracy"] <= 1 and 0 < r["mean_tokens"] <= 5 and r["decode_tok_s"] > 0
