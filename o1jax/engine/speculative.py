@@ -180,11 +180,15 @@ class SpeculationPlanner:
     self._timed_at[(rows, k)] = self.decisions
 
   def rate(self, seq: Acceptance) -> float:
-    """A sequence's acceptance estimate, starting from the engine-wide one but never
-    from below 0.5: optimism where a sequence has no evidence of its own, so one
-    unlucky stretch of the engine never stops new sequences from trying (a drafter
-    that does not pay costs each sequence a verify call or two before it stops)."""
-    return seq.rate(prior=max(self.acceptance.rate(), 0.5))
+    """A sequence's acceptance estimate around the engine-wide one. A sequence with no
+    evidence of its own starts from no less than 0.5: so one unlucky stretch of the
+    engine never stops new sequences from trying (a drafter that does not pay costs
+    each new sequence about one verify call), while one with evidence drifts back to
+    the engine-wide estimate, not to that optimism."""
+    prior = self.acceptance.rate()
+    if seq.accepted + seq.rejected == 0:
+      prior = max(prior, 0.5)
+    return seq.rate(prior=prior)
 
   def record(self, seq: Acceptance, drafted: int, accepted: int) -> None:
     seq.observe(drafted, accepted)
