@@ -172,13 +172,13 @@ def test_study_scripts_run_at_toy_size(tiny_gguf, tmp_path):
 
 def test_bench_speculative_runs_every_drafter_and_compares_tokens(tiny_gguf, tmp_path):
   out = load("bench_speculative").main(
-      ["--source", tiny_gguf, "--tasks", "copy,gsm", "--batches", "1,2", "--max-new-tokens", "6",
+      ["--source", tiny_gguf, "--tasks", "copy,gsm", "--batches", "2", "--max-new-tokens", "6",
        "--drafters", "prompt_lookup,early_exit:1,draft_model:float32", "--max-drafts", "3",
        "--json", str(tmp_path / "s.json")])
   rows = out["rows"]
   configs = ["plain", "prompt_lookup", "early_exit:1", "draft_model:float32", "plain (again)"]
   assert [(r["task"], r["batch"], r["config"]) for r in rows] == [
-      (t, b, c) for b in (1, 2) for t in ("copy", "gsm") for c in configs]
+      (t, 2, c) for t in ("copy", "gsm") for c in configs]
   assert all(r["same_tokens"] for r in rows)  # speculation never changes a token
   for r in rows:
     assert r["decode_tok_s"] > 0 and 0 <= r["acceptance_rate"] <= 1
