@@ -48,6 +48,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from o1jax.engine import fields
+
 BASE_STEPS = 64
 BASE_SLO_S = 0.5
 NOMINAL_LOAD = 0.8
@@ -106,12 +108,7 @@ class BudgetConfig:
 
   @classmethod
   def from_dict(cls, values) -> "BudgetConfig":
-    values = dict(values or {})
-    valid = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - valid)
-    if unknown:
-      raise ValueError(f"budget section has no keys {unknown}; valid keys: {sorted(valid)}")
-    return cls(**values)
+    return fields.from_dict(cls, values, "budget section has no keys")
 
 
 class LatencyWindow:

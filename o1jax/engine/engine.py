@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from o1jax.checkpoint import load_checkpoint
+from o1jax.engine import fields
 from o1jax.engine import steps
 from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
@@ -131,11 +132,7 @@ class GenerationParams(SamplingParams):
   @classmethod
   def from_dict(cls, values: dict) -> "GenerationParams":
     """Builds params from a dict, naming any unknown keys."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"unknown generation parameter(s) {unknown}; known: {sorted(known)}")
-    return cls(**values)
+    return fields.from_dict(cls, values, "unknown generation parameter(s)")
 
 
 @dataclasses.dataclass

@@ -41,6 +41,8 @@ from typing import Sequence
 
 import numpy as np
 
+from o1jax.engine import fields
+
 DRAFTERS = ("prompt_lookup", "early_exit", "draft_model")
 K_BUCKETS = (1, 3, 7, 15)  # drafts per verify call (K + 1 = 2, 4, 8, 16 positions)
 
@@ -77,11 +79,7 @@ class SpeculativeConfig:
 
   @classmethod
   def from_dict(cls, values: dict) -> "SpeculativeConfig":
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"speculative section has no keys {unknown}; known: {sorted(known)}")
-    return cls(**values)
+    return fields.from_dict(cls, values, "speculative section has no keys")
 
   @property
   def k_buckets(self) -> tuple[int, ...]:
