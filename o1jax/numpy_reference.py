@@ -16,6 +16,13 @@ Architecture features, each written from its published description:
     low_freq_factor, and in between interpolated as (1 - a) f / factor + a f with
     a = (original_ctx / wavelength - low) / (high - low). llama.cpp's GGUF instead
     stores a divisor per frequency (rope_freqs; `hp["freq_factors"]`).
+  * Gemma 3 (`gemma3_forward`, HF Gemma3ForCausalLM's names): embeddings times
+    sqrt(hidden); RMSNorm times (1 + w) (llama.cpp's GGUF stores 1 + w: norm_offset 0);
+    per-head q/k norms; post-attention and post-feed-forward norms before each residual
+    add; GeGLU with GELU's tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)));
+    scores times query_pre_attn_scalar^-1/2; layer i is global when (i + 1) % pattern
+    == 0 (RoPE base `theta`, `rope_scaling`), else local: RoPE base `local_theta` and a
+    query at position i sees keys j with i - window < j <= i.
 """
 
 from __future__ import annotations
@@ -174,3 +181,90 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
 def gguf_forward(path, tokens) -> np.ndarray:
   weights, hp = gguf_weights(path)
   return forward(weights, hp, tokens, interleaved_rotary=hp["interleaved_rotary"])
+
+
+def _gelu_tanh(x):
+  return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def gemma3_forward(weights: dict[str, np.ndarray], hp: dict, tokens,
+                   norm_offset: float = 1.0) -> np.ndarray:
+  """Gemma 3 logits [T, vocab] (see the module doc). `weights`: HF names, [out, in];
+  norm_offset: added to every norm weight (1 for HF weights, 0 for a GGUF's)."""
+  tokens = np.asarray(tokens)
+  t = len(tokens)
+  nh, nkv, hd, eps = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"], hp["eps"]
+  norm = lambda x, name: _rms(x, weights[name] + norm_offset, eps)
+  emb = weights["model.embed_tokens.weight"]
+  x = emb[tokens].astype(np.float32) * np.float32(np.sqrt(emb.shape[1]))
+  pos = np.arange(t)
+  causal = pos[None, :] <= pos[:, None]  # [query, key]
+  for i in range(hp["n_layers"]):
+    p = f"model.layers.{i}."
+    local = (i + 1) % hp["pattern"] != 0
+    rope = {"theta": hp["local_theta"]} if local else {"theta": hp["theta"],
+                                                        "rope_scaling": hp.get("rope_scaling")}
+    visible = causal & (pos[None, :] > pos[:, None] - hp["window"]) if local else causal
+    h = norm(x, p + "input_layernorm.weight")
+    q = (h @ weights[p + "self_attn.q_proj.weight"].T).reshape(t, nh, hd)
+    k = (h @ weights[p + "self_attn.k_proj.weight"].T).reshape(t, nkv, hd)
+    v = (h @ weights[p + "self_attn.v_proj.weight"].T).reshape(t, nkv, hd)
+    q = _rotary(norm(q, p + "self_attn.q_norm.weight"), pos, rope, False)
+    k = _rotary(norm(k, p + "self_attn.k_norm.weight"), pos, rope, False)
+    rep = nh // nkv
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hp["query_pre_attn_scalar"])
+    s = np.where(visible[None], s, -np.inf)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s /= s.sum(-1, keepdims=True)
+    o = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd) @ weights[p + "self_attn.o_proj.weight"].T
+    x = x + norm(o, p + "post_attention_layernorm.weight")
+    h = norm(x, p + "pre_feedforward_layernorm.weight")
+    g = h @ weights[p + "mlp.gate_proj.weight"].T
+    u = h @ weights[p + "mlp.up_proj.weight"].T
+    m = (_gelu_tanh(g) * u) @ weights[p + "mlp.down_proj.weight"].T
+    x = x + norm(m, p + "post_feedforward_layernorm.weight")
+  x = norm(x, "model.norm.weight")
+  head = weights.get("lm_head.weight", emb)
+  return (x @ head.T).astype(np.float32)
+
+
+# A Gemma 3 GGUF's per-layer names -> HF's (its ffn_norm is HF's pre_feedforward_layernorm).
+_GEMMA3_GGUF_TO_HF = dict(_GGUF_TO_HF, **{
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
+
+
+def gemma3_gguf_forward(path, tokens) -> np.ndarray:
+  """A Gemma 3 GGUF through `gemma3_forward`, with llama.cpp's constants for what the file
+  does not record: local RoPE base 10000, every 6th layer global, scores scaled by
+  1/sqrt(head_dim) (llama.cpp's choice for every size but 27B)."""
+  import gguf
+
+  reader = gguf.GGUFReader(str(path))
+  f = lambda k: reader.fields[k].contents()
+  hp = {"n_layers": int(f("gemma3.block_count")), "n_heads": int(f("gemma3.attention.head_count")),
+        "n_kv_heads": int(f("gemma3.attention.head_count_kv")),
+        "head_dim": int(f("gemma3.attention.key_length")),
+        "theta": float(f("gemma3.rope.freq_base")),
+        "eps": float(f("gemma3.attention.layer_norm_rms_epsilon")),
+        "window": int(f("gemma3.attention.sliding_window")), "pattern": 6, "local_theta": 10000.0}
+  hp["query_pre_attn_scalar"] = hp["head_dim"]
+  if "gemma3.rope.scaling.type" in reader.fields:
+    hp["rope_scaling"] = {"rope_type": f("gemma3.rope.scaling.type"),
+                          "factor": float(f("gemma3.rope.scaling.factor"))}
+  weights = {}
+  for t in reader.tensors:
+    w = _dequantize(gguf, np.asarray(t.data), t.tensor_type)
+    w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
+    if t.name == "token_embd.weight":
+      weights["model.embed_tokens.weight"] = w
+    elif t.name == "output_norm.weight":
+      weights["model.norm.weight"] = w
+    elif t.name == "output.weight":
+      weights["lm_head.weight"] = w
+    else:
+      _, i, rest = t.name.split(".", 2)
+      weights[f"model.layers.{i}.{_GEMMA3_GGUF_TO_HF[rest]}"] = w
+  return gemma3_forward(weights, hp, tokens, norm_offset=0.0)

@@ -26,6 +26,17 @@ def tiny_config(**overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
+def tiny_gemma3_config(**overrides) -> ModelConfig:
+  """A Gemma-3-shaped tiny config: 6 layers (layer 5 global, the rest local with a window of
+  4 and RoPE base 10000), GeGLU, post norms, q/k norms, scaled embeddings, tied head."""
+  base = dict(architecture="gemma3", n_layers=6, head_dim=32, qk_norm=True, rope_theta=1e6,
+              rms_eps=1e-6, scale_embeddings=True, post_norms=True, activation="gelu_tanh",
+              query_pre_attn_scalar=32.0, sliding_window=4, sliding_window_pattern=6,
+              rope_local_theta=10000.0)
+  base.update(overrides)
+  return tiny_config(**base)
+
+
 def byte_vocab() -> list[str]:
   """Special tokens then the 256 byte-level symbols: a BPE with no merges."""
   from tokenizers import pre_tokenizers
@@ -41,8 +52,10 @@ def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarra
   def mat(out_dim, in_dim):
     return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
 
-  def norm(n):
-    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+  gemma = config.post_norms
+
+  def norm(n):  # Gemma's norms hold w of 1 + w
+    return ((0.0 if gemma else 1.0) + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
   w = {"model.embed_tokens.weight": rng.standard_normal((config.vocab_size, d)).astype(np.float32),
        "model.norm.weight": norm(d)}
@@ -66,6 +79,9 @@ def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarra
     w[p + "mlp.down_proj.weight"] = mat(d, f)
     w[p + "input_layernorm.weight"] = norm(d)
     w[p + "post_attention_layernorm.weight"] = norm(d)
+    if gemma:
+      w[p + "pre_feedforward_layernorm.weight"] = norm(d)
+      w[p + "post_feedforward_layernorm.weight"] = norm(d)
   return w
 
 
@@ -104,6 +120,14 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
   if config.architecture in ("qwen2", "qwen3"):
     hf["attention_bias"] = config.attention_bias
   hf["head_dim"] = config.head_dim  # transformers' Qwen3 default (128) is not d_model / heads
+  if config.post_norms:  # Gemma 3, as transformers 4 writes it
+    hf.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+              hidden_activation="gelu_pytorch_tanh",
+              query_pre_attn_scalar=config.query_pre_attn_scalar,
+              sliding_window=config.sliding_window,
+              sliding_window_pattern=config.sliding_window_pattern,
+              rope_local_base_freq=config.rope_local_theta, final_logit_softcapping=None,
+              attn_logit_softcapping=None, pad_token_id=0)
   (directory / "config.json").write_text(json.dumps(hf))
   _tiny_tokenizer().save(directory)
   return {k: np.asarray(v, np.float32) for k, v in weights.items()}
@@ -171,10 +195,18 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
     else:
       writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
 
-  # llama.cpp's converter permutes Q/K rows for adjacent-pair RoPE, not for Qwen's rotate-half.
-  permute = (lambda w, n: w) if arch in ("qwen2", "qwen3") else llama_cpp_permute
+  gemma = config.post_norms
+  if gemma:  # as llama.cpp's converter writes Gemma 3 (no key for the pattern or local base)
+    writer.add_sliding_window(config.sliding_window)
+    if (config.rope_scaling or {}).get("rope_type") == "linear":
+      writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+      writer.add_rope_scaling_factor(config.rope_scaling["factor"])
+  # llama.cpp's converter permutes Q/K rows for adjacent-pair RoPE, not for rotate-half
+  # (Qwen, Gemma 3); it stores Gemma's norm weights w as 1 + w.
+  permute = (lambda w, n: w) if arch in ("qwen2", "qwen3", "gemma3") else llama_cpp_permute
+  norm = (lambda w: w + np.float32(1)) if gemma else (lambda w: w)
   add("token_embd.weight", weights["model.embed_tokens.weight"], embed_type)
-  add("output_norm.weight", weights["model.norm.weight"], "F32")
+  add("output_norm.weight", norm(weights["model.norm.weight"]), "F32")
   if (config.rope_scaling or {}).get("rope_type") == "llama3":
     add("rope_freqs.weight", llama3_rope_factors(config.head_dim, config.rope_theta,
                                                  config.rope_scaling), "F32")
@@ -192,15 +224,22 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
           "F32")
       add(h + "attn_v.bias", weights[p + "self_attn.v_proj.bias"], "F32")
     if config.qk_norm:
-      add(h + "attn_q_norm.weight", weights[p + "self_attn.q_norm.weight"], "F32")
-      add(h + "attn_k_norm.weight", weights[p + "self_attn.k_norm.weight"], "F32")
+      add(h + "attn_q_norm.weight", norm(weights[p + "self_attn.q_norm.weight"]), "F32")
+      add(h + "attn_k_norm.weight", norm(weights[p + "self_attn.k_norm.weight"]), "F32")
     add(h + "attn_v.weight", weights[p + "self_attn.v_proj.weight"], matrix_type)
     add(h + "attn_output.weight", weights[p + "self_attn.o_proj.weight"], matrix_type)
     add(h + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"], matrix_type)
     add(h + "ffn_up.weight", weights[p + "mlp.up_proj.weight"], matrix_type)
     add(h + "ffn_down.weight", weights[p + "mlp.down_proj.weight"], matrix_type)
-    add(h + "attn_norm.weight", weights[p + "input_layernorm.weight"], "F32")
-    add(h + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], "F32")
+    add(h + "attn_norm.weight", norm(weights[p + "input_layernorm.weight"]), "F32")
+    if gemma:
+      add(h + "post_attention_norm.weight", norm(weights[p + "post_attention_layernorm.weight"]),
+          "F32")
+      add(h + "ffn_norm.weight", norm(weights[p + "pre_feedforward_layernorm.weight"]), "F32")
+      add(h + "post_ffw_norm.weight", norm(weights[p + "post_feedforward_layernorm.weight"]),
+          "F32")
+    else:
+      add(h + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], "F32")
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()

@@ -25,10 +25,16 @@ from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
 # GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # llama.cpp rotates these with NEOX RoPE (pairs i, i + d/2, as HF): their converter leaves
 # Q/K rows as they are. The others ("normal" RoPE on adjacent pairs) have them permuted.
-_ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3")
+_ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3", "gemma3")
+# What a Gemma 3 GGUF does not record, as llama.cpp hard-codes it (llama-model.cpp): local
+# layers' RoPE base, and every 6th layer global.
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+# Tokenizer models we build from `tokenizer.ggml.*` (tokenizer.Tokenizer.from_gguf_metadata).
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16") + tuple(gguf_blocks.FORMATS)
 
 
@@ -182,9 +188,9 @@ def check_gguf(path: str | os.PathLike) -> None:
   for key in _REQUIRED_ARCH_KEYS:
     if f"{arch}.{key}" not in keys:
       raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is missing")
-  if meta.get("tokenizer.ggml.model") != "gpt2":
+  if meta.get("tokenizer.ggml.model") not in SUPPORTED_TOKENIZER_MODELS:
     raise CheckpointError(f"{path}: tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
-                          f"supported (supported: gpt2 BPE)")
+                          f"supported (supported: gpt2 BPE, llama SentencePiece)")
 
 
 def _field(reader, key: str, default=None, *, path=None, required=False):
@@ -233,7 +239,28 @@ def _config_from_metadata(reader, path, tensors) -> ModelConfig:
   eot = _field(reader, "tokenizer.ggml.eot_token_id")
   eos_ids = tuple(sorted({int(i) for i in (eos, eot) if i is not None}))
   bos = _field(reader, "tokenizer.ggml.bos_token_id")
-  return ModelConfig(
+  gemma = {}
+  if arch == "gemma3":
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+      if g(key) is not None:
+        raise CheckpointError(f"{path}: {arch}.{key} is set; logit soft-capping is not supported")
+    n_layers = int(g("block_count", req=True))
+    window = g("attention.sliding_window")
+    pattern = g("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if not isinstance(pattern, int):  # one bool per layer (True: local)
+      flags = [bool(x) for x in pattern]
+      pattern = next((i + 1 for i, local in enumerate(flags) if not local), n_layers + 1)
+      if flags != [(i + 1) % pattern != 0 for i in range(n_layers)]:
+        raise CheckpointError(f"{path}: {arch}.attention.sliding_window_pattern {flags} is not "
+                              f"every {pattern}th layer global (the only interleave supported)")
+    gemma = dict(
+        scale_embeddings=True, post_norms=True, activation="gelu_tanh",
+        # llama.cpp: 1/sqrt(d_model / heads) for the 62-layer 27B, else 1/sqrt(head_dim)
+        query_pre_attn_scalar=float(d_model // n_heads if n_layers == 62 else head_dim),
+        sliding_window=None if window is None else int(window),
+        sliding_window_pattern=int(pattern),
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
+  return ModelConfig(**gemma,
       vocab_size=vocab,
       d_model=d_model,
       n_layers=int(g("block_count", req=True)),
@@ -341,7 +368,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
         "wk": hf_order(_matrix(get(p + "attn_k.weight")), config.n_kv_heads),
         "wv": _matrix(get(p + "attn_v.weight")),
         "wo": _matrix(get(p + "attn_output.weight")),
-        "ffn_norm": vector(p + "ffn_norm.weight"),
+        "ffn_norm": vector(p + "ffn_norm.weight"),  # Gemma 3: before the MLP, as here
         "w_gate": _matrix(get(p + "ffn_gate.weight")),
         "w_up": _matrix(get(p + "ffn_up.weight")),
         "w_down": _matrix(get(p + "ffn_down.weight")),
@@ -356,6 +383,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
                               f"Q/K rows) are not supported")
       layer["q_norm"] = vector(p + "attn_q_norm.weight")
       layer["k_norm"] = vector(p + "attn_k_norm.weight")
+    if config.post_norms:  # Gemma 3; its converter already added Gemma's 1 to every norm
+      layer["post_attn_norm"] = vector(p + "post_attention_norm.weight")
+      layer["post_ffn_norm"] = vector(p + "post_ffw_norm.weight")
     layers.append(layer)
   params: Params = {
       "embed": _matrix(get("token_embd.weight")),
@@ -374,6 +404,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
           "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
           "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
           "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-          "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+          "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "tokenizer.ggml.scores",
+          "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.add_space_prefix")
   }
   return config, params, tokenizer_meta

@@ -9,14 +9,22 @@ from typing import Any
 
 # rope_scaling["rope_type"] values the model computes (layers.rope_inv_freq).
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+# Gated-MLP activations (layers.ACTIVATIONS): SwiGLU for Llama/Qwen, GeGLU (tanh GELU) for Gemma 3.
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM).
+  """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM,
+  Gemma 3).
 
   Architectures differ only in the switches below: attention_bias (Qwen2's q/k/v biases),
-  qk_norm (Qwen3's RMSNorm of each q and k head before RoPE) and rope_scaling (Llama 3)."""
+  qk_norm (Qwen3's RMSNorm of each q and k head before RoPE), rope_scaling (Llama 3), and
+  Gemma 3's: embeddings scaled by sqrt(d_model), post-attention and post-FFN norms, GeGLU,
+  scores scaled by 1/sqrt(query_pre_attn_scalar), and local sliding-window layers with
+  their own RoPE base between global ones. Gemma's RMSNorm multiplies by (1 + w): the
+  loaders store that sum as the norm weight (as llama.cpp's GGUFs do), so every norm here
+  is a plain RMSNorm."""
 
   vocab_size: int
   d_model: int
@@ -40,6 +48,16 @@ class ModelConfig:
   eos_ids: tuple[int, ...] = ()
   architecture: str = "llama"
   name: str = ""
+  # Gemma 3 (the defaults are Llama's):
+  scale_embeddings: bool = False  # embedding rows times sqrt(d_model)
+  post_norms: bool = False  # RMSNorm of the attention and of the MLP output, before the residual
+  activation: str = "silu"  # gate activation of the gated MLP (ACTIVATIONS)
+  query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (None: head_dim)
+  # Local layers: a query sees itself and the sliding_window - 1 keys before it. Layer i is
+  # global when (i + 1) % sliding_window_pattern == 0 (Gemma 3: 6; 1 = every layer global).
+  sliding_window: int | None = None
+  sliding_window_pattern: int = 1
+  rope_local_theta: float | None = None  # RoPE base of local layers, unscaled (None: rope_theta)
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -52,11 +70,24 @@ class ModelConfig:
         raise ValueError(f"rope scaling type {kind!r} is not supported "
                          f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
       object.__setattr__(self, "rope_scaling", scaling)
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"activation {self.activation!r} is not supported "
+                       f"(supported: {', '.join(ACTIVATIONS)})")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
+    if self.sliding_window_pattern < 1:
+      raise ValueError(f"sliding_window_pattern={self.sliding_window_pattern} must be >= 1")
 
   def __hash__(self):  # rope_scaling is a dict; hash its items so configs can be jit-static
     items = dataclasses.astuple(dataclasses.replace(self, rope_scaling=None))
     scaling = tuple(sorted((self.rope_scaling or {}).items()))
     return hash((items, scaling))
+
+  def layer_window(self, layer: int) -> int | None:
+    """Keys a query of `layer` sees (itself included), or None for a global layer."""
+    if self.sliding_window is None or (layer + 1) % self.sliding_window_pattern == 0:
+      return None
+    return self.sliding_window
 
   @property
   def group_size(self) -> int:

@@ -1,6 +1,7 @@
 """HF-style checkpoints: `config.json` + `*.safetensors` (single file or sharded index).
 
-Supports the Llama (2 and 3), Mistral, Qwen2, Qwen3 and SmolLM families in bf16/f16/f32. Also
+Supports the Llama (2 and 3), Mistral, Qwen2, Qwen3, SmolLM and Gemma 3 (text,
+`gemma3_text`) families in bf16/f16/f32. Also
 writes such a checkpoint (dense f32 weights) from any loaded model, which is
 how `scripts/convert_checkpoint.py` exports GGUF models for HF tools.
 """
@@ -18,7 +19,7 @@ from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 # Our per-layer names -> HF names (weights are [out, in] in HF files).
@@ -30,6 +31,17 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
+# Gemma 3's layer norms (HF's Gemma3RMSNorm multiplies by 1 + w: we store the sum).
+_GEMMA3_LAYER_NAMES = {
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+}
+_GEMMA3_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -38,11 +50,42 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
   """(theta, scaling) from config.json: `rope_theta` + `rope_scaling` (transformers 4), or
   one `rope_parameters` dict holding both (transformers 5)."""
   params = hf.get("rope_parameters") or {}
+  params = params.get("full_attention", params)  # Gemma 3 (transformers 5): per layer type
   theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
   scaling = hf.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
   if scaling.get("rope_type", scaling.get("type", "default")) == "default":
     return theta, None
   return theta, scaling
+
+
+def _gemma3(hf: dict, path) -> dict:
+  """Gemma 3's ModelConfig switches from a gemma3_text config.json (transformers 4's
+  sliding_window_pattern / rope_local_base_freq, or 5's layer_types / rope_parameters)."""
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if hf.get(key) is not None:
+      raise CheckpointError(f"{path}: {key}={hf[key]} is set; logit soft-capping is not supported")
+  act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+  if act not in _GEMMA3_ACTIVATIONS:
+    raise CheckpointError(f"{path}: hidden_activation {act!r} is not supported "
+                          f"(supported: {', '.join(_GEMMA3_ACTIVATIONS)})")
+  n_layers = int(hf["num_hidden_layers"])
+  pattern = int(hf.get("sliding_window_pattern") or 6)
+  types = hf.get("layer_types")
+  if types is not None:  # one name per layer: must be a period-`pattern` interleave
+    pattern = next((i + 1 for i, k in enumerate(types) if k == "full_attention"), n_layers + 1)
+    want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)]
+    if list(types) != want:
+      raise CheckpointError(f"{path}: layer_types {types} is not every {pattern}th layer global "
+                            f"(the only interleave supported)")
+  params = hf.get("rope_parameters") or {}
+  local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq",
+                                                                        10000.0))
+  window = hf.get("sliding_window")
+  return dict(scale_embeddings=True, post_norms=True, activation=_GEMMA3_ACTIVATIONS[act],
+              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+              sliding_window=None if window is None else int(window),
+              sliding_window_pattern=pattern, rope_local_theta=float(local))
 
 
 def config_from_hf(hf: dict, path) -> ModelConfig:
@@ -56,16 +99,17 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope_theta, rope_scaling = _rope(hf)
-    return ModelConfig(
+    gemma = _gemma3(hf, path) if model_type == "gemma3_text" else {}
+    return ModelConfig(**gemma,
         vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
         n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=int(hf.get("head_dim") or d_model // n_heads),
         ffn_dim=int(hf["intermediate_size"]), rope_theta=rope_theta,
         rope_scaling=rope_scaling, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_context=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         bos_id=hf.get("bos_token_id"), eos_ids=eos_ids, architecture=model_type,
         name=str(hf.get("_name_or_path", "")))
   except KeyError as e:
@@ -149,18 +193,22 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
     t = tensors[name]
     return np.ascontiguousarray(t.T) if transpose else t
 
+  gemma = config.architecture == "gemma3_text"
+  # Gemma's RMSNorm weights w act as 1 + w (added in f32, as HF's Gemma3RMSNorm does).
+  shift = (lambda w: np.asarray(w, np.float32) + np.float32(1)) if gemma else (lambda w: w)
   layers = []
   for i in range(config.n_layers):
     layer = {}
-    for ours, theirs in _LAYER_NAMES.items():
+    for ours, theirs in (_GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES).items():
       if ours.startswith("b") and not config.attention_bias:
         continue
       if ours.endswith("_norm") and ours.startswith(("q", "k")) and not config.qk_norm:
         continue
-      layer[ours] = get(f"model.layers.{i}.{theirs}", transpose=ours.startswith("w"))
+      w = get(f"model.layers.{i}.{theirs}", transpose=ours.startswith("w"))
+      layer[ours] = shift(w) if ours.endswith("_norm") else w
     layers.append(layer)
   params: Params = {"embed": get("model.embed_tokens.weight", transpose=True), "layers": layers,
-                    "final_norm": get("model.norm.weight", transpose=False)}
+                    "final_norm": shift(get("model.norm.weight", transpose=False))}
   if not config.tie_embeddings:
     params["lm_head"] = get("lm_head.weight", transpose=True)
   return config, params
@@ -177,6 +225,9 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
   """Writes config.json + model.safetensors (quantized weights dequantized)."""
   from safetensors.numpy import save_file
 
+  if config.post_norms or config.sliding_window is not None:
+    raise CheckpointError(f"saving a {config.architecture!r} model as safetensors is not "
+                          f"supported (Llama-family layouts only)")
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   out = {"model.embed_tokens.weight": _dense(params["embed"]).T,

@@ -116,11 +116,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array,
-              kv_valid: jax.Array | None = None) -> jax.Array:
+              kv_valid: jax.Array | None = None, window: int | None = None) -> jax.Array:
   """Causal grouped-query attention against a contiguous cache.
 
   q: [B, T, H, D]; k_cache, v_cache: [B, KVH, S, D]; q_positions: [B, T] absolute
-  positions (key s is visible to query t iff s <= q_positions[b, t]);
+  positions (key s is visible to query t iff s <= q_positions[b, t], and with a
+  sliding `window` also s > q_positions[b, t] - window);
   kv_valid: optional [B, S] bool of keys that may be attended at all.
   Returns [B, T, H, D]."""
   b, t, h, d = q.shape
@@ -129,6 +130,8 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions:
   qg = q.reshape(b, t, kvh, g, d).astype(jnp.float32) * (1.0 / math.sqrt(d))
   scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(jnp.float32), precision=_HIGHEST)
   mask = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+  if window is not None:
+    mask = mask & (jnp.arange(s)[None, None, :] > q_positions[:, :, None] - window)
   if kv_valid is not None:
     mask = mask & kv_valid[:, None, :]
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
@@ -136,6 +139,18 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions:
   probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key -> 0
   out = jnp.einsum("bkgts,bksd->btkgd", probs, v_cache.astype(jnp.float32), precision=_HIGHEST)
   return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+# Gate activations of the gated MLP by ModelConfig.activation: SwiGLU, and Gemma's GeGLU
+# (GELU's tanh approximation, as HF's gelu_pytorch_tanh and llama.cpp's ggml_gelu).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down, activation: str = "silu", **kw) -> jax.Array:
+  """act(x @ w_gate) * (x @ w_up) @ w_down; kw as for `linear`."""
+  gate = linear(x, w_gate, **kw)
+  up = linear(x, w_up, **kw)
+  return linear(ACTIVATIONS[activation](gate) * up, w_down, **kw)
 
 
 def swiglu(x: jax.Array, w_gate, w_up, w_down, **kw) -> jax.Array:

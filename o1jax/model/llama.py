@@ -1,4 +1,4 @@
-"""Flax NNX Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM).
+"""Flax NNX Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3).
 
 The same forward serves prefill (T new tokens per sequence) and decode (T=1)
 against a contiguous KV cache. Layers are unrolled in Python: on CPU that was
@@ -6,6 +6,8 @@ up to 3x faster than scanning over stacked layers (see DESIGN.md).
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.struct
 import jax
@@ -97,12 +99,13 @@ class KVCache:
                        f"{self.batch_size} and length {self.max_len}")
 
   def attend(self, layer: int, q, k, v, positions, starts, *, backend: str = "auto",
-             interpret: bool = False):
+             interpret: bool = False, window: int | None = None):
     """Writes this step's k/v ([B, T, KVH, D]) at starts[b].., then attends q ([B, T, H, D])
-    causally over the cache. Returns (output [B, T, H, D], updated cache)."""
+    causally over the cache (a local layer: only the last `window` positions).
+    Returns (output [B, T, H, D], updated cache)."""
     k_cache = _write(self.k[layer], k, starts)
     v_cache = _write(self.v[layer], v, starts)
-    out = layers.attention(q, k_cache, v_cache, positions, self.kv_valid)
+    out = layers.attention(q, k_cache, v_cache, positions, self.kv_valid, window)
     replace = lambda xs, x: xs[:layer] + (x,) + xs[layer + 1:]
     return out, self.replace(k=replace(self.k, k_cache), v=replace(self.v, v_cache))
 
@@ -122,6 +125,7 @@ class DecoderLayer(nnx.Module):
     self.wo = Weight(p["wo"])
     self.bq, self.bk, self.bv = (weight(n) for n in ("bq", "bk", "bv"))
     self.q_norm, self.k_norm = weight("q_norm"), weight("k_norm")  # Qwen3 (config.qk_norm)
+    self.post_attn_norm, self.post_ffn_norm = weight("post_attn_norm"), weight("post_ffn_norm")
     self.ffn_norm = Weight(p["ffn_norm"])
     self.w_gate, self.w_up, self.w_gate_up = (weight(n) for n in ("w_gate", "w_up", "w_gate_up"))
     self.w_down = Weight(p["w_down"])
@@ -151,17 +155,28 @@ class DecoderLayer(nnx.Module):
       k = layers.rms_norm(k, val(self.k_norm), c.rms_eps)
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
+    if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+      # Every attention path scales scores by 1/sqrt(head_dim); fold the rest into q.
+      q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
+    window = c.layer_window(index)
+    extra = {} if window is None else {"window": window}  # caches without windows stay valid
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,
-                               interpret=self.interpret)
-    x = x + layers.linear(attn.reshape(b, t, -1), val(self.wo), **kw)
+                               interpret=self.interpret, **extra)
+    out = layers.linear(attn.reshape(b, t, -1), val(self.wo), **kw)
+    if c.post_norms:
+      out = layers.rms_norm(out, val(self.post_attn_norm), c.rms_eps)
+    x = x + out
     h = layers.rms_norm(x, val(self.ffn_norm), c.rms_eps)
     if self.w_gate_up is not None:
       gate_up = layers.linear(h, val(self.w_gate_up), **kw)
       gate, up = gate_up[..., :c.ffn_dim], gate_up[..., c.ffn_dim:]
-      x = x + layers.linear(jax.nn.silu(gate) * up, val(self.w_down), **kw)
+      out = layers.linear(layers.ACTIVATIONS[c.activation](gate) * up, val(self.w_down), **kw)
     else:
-      x = x + layers.swiglu(h, val(self.w_gate), val(self.w_up), val(self.w_down), **kw)
-    return x, cache
+      out = layers.gated_mlp(h, val(self.w_gate), val(self.w_up), val(self.w_down),
+                             c.activation, **kw)
+    if c.post_norms:
+      out = layers.rms_norm(out, val(self.post_ffn_norm), c.rms_eps)
+    return x + out, cache
 
 
 class Llama(nnx.Module):
@@ -239,9 +254,15 @@ class Llama(nnx.Module):
     cache.check_fits(tokens.shape)
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=starts.dtype)[None, :]
     x = layers.embed(self.embed.get_value(), tokens, self.dtype)
+    if c.scale_embeddings:  # Gemma: rows times sqrt(d_model), rounded to f32 as HF does
+      x = x * jnp.asarray(np.float32(math.sqrt(c.d_model)), x.dtype)
     inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    # Gemma 3's local layers rotate with their own base and no scaling.
+    local_freq = (inv_freq if c.rope_local_theta is None
+                  else layers.rope_inv_freq(c.head_dim, c.rope_local_theta))
     for i, layer in enumerate(self.layers[:num_layers]):
-      x, cache = layer(x, positions, starts, cache, i, inv_freq)
+      freq = inv_freq if c.layer_window(i) is None else local_freq
+      x, cache = layer(x, positions, starts, cache, i, freq)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     return layers.rms_norm(x, self.final_norm.get_value(), c.rms_eps), cache
