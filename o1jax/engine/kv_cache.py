@@ -146,7 +146,7 @@ def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_ta
 
 
 def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, k_scale=None,
-                         v_scale=None) -> jax.Array:
+                         v_scale=None, sliding_window: int | None = None) -> jax.Array:
   """One query per row against its paged keys, written for the CPU.
 
   1. gather the row's pages: K, V [B, L, KVH, D] with L = max_blocks * block_size;
@@ -158,7 +158,8 @@ def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, 
   alone in 15 vs 90 ms at B=32, L=256, but the whole decode step was the same
   within noise (interleaved, dots vs this: 162 vs 167 ms at L=128, 208 vs 208
   at L=256); the gather (~0.75 ms per 6.3 MB pool per layer) dominates.
-  q [B, H, D]; lengths [B] int32 (keys 0..lengths[b]-1 are visible)."""
+  q [B, H, D]; lengths [B] int32 (keys 0..lengths[b]-1 are visible; with
+  sliding_window=w only the last w of them)."""
   b, h, d = q.shape
   kvh = k_pages.shape[2]
   g = h // kvh
@@ -166,7 +167,10 @@ def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, 
   v = gather_kv(v_pages, v_scale, block_tables)
   qg = q.astype(jnp.float32).reshape(b, 1, kvh, g, d) * (1.0 / math.sqrt(d))
   s = jnp.sum(qg * k[:, :, :, None, :], axis=-1)  # [B, L, KVH, G]
-  valid = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, L]
+  pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+  valid = pos < lengths[:, None]  # [B, L]
+  if sliding_window is not None:
+    valid &= pos >= lengths[:, None] - sliding_window
   s = jnp.where(valid[:, :, None, None], s, -jnp.inf)
   m = jnp.max(s, axis=1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -255,8 +259,12 @@ class PagedKVCache:
                        f"{self.block_size}")
 
   def attend(self, layer: int, q, k, v, positions, starts, *, backend: str = "auto",
-             interpret: bool = False):
+             interpret: bool = False, window: int | None = None):
     """Writes k/v into the pages, then attends q causally over the row's cache.
+
+    window: a local (sliding-window) layer sees only its last `window` positions.
+    Keys older than that stay in their blocks (masked, not freed): the pool holds
+    every layer's full history, as the global layers need it anyway.
 
     1. write k, v [B, T, KVH, D] at positions starts[b].. through the block
        table (only the first write_lens[b] tokens; FP8 pools rescale blocks);
@@ -280,7 +288,7 @@ class PagedKVCache:
     b, t, h, d = q.shape
     if t == 1:
       out = self._decode_attention(q[:, 0], kp, vp, tables, starts + lens, ks, vs, backend,
-                                   interpret)[:, None]
+                                   interpret, window)[:, None]
     elif self.decode_queries:
       # Query t of row b sees positions < starts[b] + t + 1 (its own and the earlier
       # drafts'), through the kernel one-token decoding uses: the same sums per query.
@@ -288,29 +296,35 @@ class PagedKVCache:
                          jnp.maximum(lens, 1)[:, None])
       lengths = jnp.where(lens[:, None] > 0, starts[:, None] + upto, 0).reshape(b * t)
       out = self._decode_attention(q.reshape(b * t, h, d), kp, vp, jnp.repeat(tables, t, axis=0),
-                                   lengths, ks, vs, backend, interpret).reshape(b, t, h, d)
+                                   lengths, ks, vs, backend, interpret,
+                                   window).reshape(b, t, h, d)
     else:
       out = kernel_ops.paged_prefill_attention(q, kp, vp, tables, starts, lens, k_scale=ks,
-                                               v_scale=vs, backend=backend, interpret=interpret)
+                                               v_scale=vs, sliding_window=window,
+                                               backend=backend, interpret=interpret)
     replace = lambda xs, x: xs[:layer] + (x,) + xs[layer + 1:]
     new = self.replace(k_pages=replace(self.k_pages, kp), v_pages=replace(self.v_pages, vp))
     if self.is_fp8:
       new = new.replace(k_scale=replace(self.k_scale, ks), v_scale=replace(self.v_scale, vs))
     return out, new
 
-  def _decode_attention(self, q, kp, vp, tables, lengths, ks, vs, backend: str, interpret: bool):
-    """One query per row ([R, H, D]) over its paged keys < lengths[r]: on GPU the Pallas
-    paged decode kernel; on CPU with backend "auto" the native kernel (f32 or bf16
-    pools, read in place), else the XLA multiply-then-sum path ("reference" forces it)."""
+  def _decode_attention(self, q, kp, vp, tables, lengths, ks, vs, backend: str, interpret: bool,
+                        window: int | None = None):
+    """One query per row ([R, H, D]) over its paged keys < lengths[r] (the last `window`
+    of them for a local layer): on GPU the Pallas paged decode kernel; on CPU with
+    backend "auto" the native kernel (f32 or bf16 pools, read in place; it has no
+    window, so local layers take the XLA path), else the XLA multiply-then-sum path
+    ("reference" forces it)."""
     resolved = kernel_ops.resolve_backend(backend)
     use_native = (backend == "auto" and resolved == "reference" and not self.is_fp8
-                  and kp.dtype in native.POOL_DTYPES and native.available())
+                  and kp.dtype in native.POOL_DTYPES and native.available() and window is None)
     if use_native:
       return native.paged_decode_attention(q, kp, vp, tables, lengths)
     if resolved == "reference":
-      return decode_attention_xla(q, kp, vp, tables, lengths, ks, vs)
+      return decode_attention_xla(q, kp, vp, tables, lengths, ks, vs, window)
     return kernel_ops.paged_decode_attention(q, kp, vp, tables, lengths, k_scale=ks, v_scale=vs,
-                                             backend=backend, interpret=interpret)
+                                             sliding_window=window, backend=backend,
+                                             interpret=interpret)
 
 
 def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
