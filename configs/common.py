@@ -48,7 +48,7 @@ def model_section(predictor: str = "engine") -> ml_collections.ConfigDict:
       # registry in pipelines/predictors.py: engine | generator | controller | fake.
       # A controller policy switches engine/generator to controller by itself.
       predictor=predictor,
-      source="embedded",  # 'embedded', a .gguf file, an HF or orbax directory
+      source="embedded",  # 'embedded', 'gemma3-270m', a .gguf file, an HF or orbax directory
       backend="auto",  # auto | pallas | reference
       # float32 (exact) | bfloat16 (bf16 matmul inputs, f32 accumulation: ~1.5x
       # faster batched decode on CPUs with AVX512-BF16; logits move ~1e-2) | int8

@@ -2,6 +2,7 @@
 
   python -m o1jax.generate --prompt "What is 12 times 7?"
   python -m o1jax.generate --model path/to/model.gguf --temperature 0.7 --seed 3 --prompt "..."
+  python -m o1jax.generate --model gemma3-270m --raw --prompt "The capital of France is"
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
   parser.add_argument("--prompt", required=True, help="the user message")
   parser.add_argument("--system", default=None, help="optional system message")
   parser.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-  parser.add_argument("--model", default=EMBEDDED, help="'embedded', a .gguf file, an HF or orbax directory")
+  parser.add_argument("--model", default=EMBEDDED, help="'embedded' (SmolLM2-135M), 'gemma3-270m', a .gguf file, "
+                      "an HF or orbax directory")
   parser.add_argument("--max_new_tokens", type=int, default=256)
   parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   parser.add_argument("--top_k", type=int, default=0)

@@ -469,10 +469,11 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   if spec.name == "fake":
     return fp
   path = spec.source
-  if spec.source == "embedded":
+  from o1jax.checkpoint.embedded import NAMED_MODELS
+  if spec.source in NAMED_MODELS:
     try:
-      from o1jax.checkpoint.embedded import embedded_model_path
-      path = str(embedded_model_path())
+      from o1jax.checkpoint.embedded import named_model_path
+      path = str(named_model_path(spec.source))
     except Exception:  # a missing model fails later, at load time, with a clear message
       return fp
   if os.path.isfile(path):

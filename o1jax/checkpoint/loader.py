@@ -7,7 +7,7 @@ import os
 import pathlib
 
 from o1jax.checkpoint import gguf_loader, orbax_io, safetensors_loader
-from o1jax.checkpoint.embedded import embedded_model_path
+from o1jax.checkpoint.embedded import resolve_source
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
@@ -47,7 +47,7 @@ def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
   tokenizer); HF: config.json and every shard's safetensors header; orbax: the manifest and
   the layout. Raises the `CheckpointError` loading would raise (missing, random bytes,
   truncated, unsupported); returns the format. For launchers, before any worker loads it."""
-  path = embedded_model_path() if str(source) == EMBEDDED else pathlib.Path(source)
+  path = resolve_source(source)
   fmt = detect_format(path)
   if fmt == "gguf":
     gguf_loader.check_gguf(path)
@@ -59,9 +59,10 @@ def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
 
 
 def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
-  """Loads "embedded" (the shipped SmolLM2-135M GGUF), a .gguf file, an HF
-  safetensors directory or an o1jax orbax directory."""
-  path = embedded_model_path() if str(source) == EMBEDDED else pathlib.Path(source)
+  """Loads a named model ("embedded": the shipped SmolLM2-135M GGUF; "gemma3-270m";
+  see `embedded.NAMED_MODELS`), a .gguf file, an HF safetensors directory or an o1jax
+  orbax directory."""
+  path = resolve_source(source)
   fmt = detect_format(path)
   if fmt == "gguf":
     config, params, meta = gguf_loader.load_gguf(path)

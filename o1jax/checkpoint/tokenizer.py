@@ -2,7 +2,9 @@
 
 The heavy lifting is done by the `tokenizers` library; this module only
 assembles a byte-level BPE from llama.cpp's metadata (vocab, merges, token
-types, pre-tokenizer name) and renders the checkpoint's Jinja chat template.
+types, pre-tokenizer name), or a SentencePiece-style BPE (llama.cpp's "llama"
+tokenizer model, e.g. Gemma 3) from its vocabulary and scores, and renders the
+checkpoint's Jinja chat template.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Iterable, Sequence
 
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from o1jax.checkpoint.errors import CheckpointError
 
@@ -159,26 +161,85 @@ class Tokenizer:
 
   @classmethod
   def from_gguf_metadata(cls, meta: dict, path="GGUF") -> "Tokenizer":
-    """Builds the tokenizer from `tokenizer.ggml.*` metadata (gpt2-style BPE only)."""
+    """Builds the tokenizer from `tokenizer.ggml.*` metadata: gpt2-style byte-level BPE,
+    or llama.cpp's "llama" SentencePiece BPE (`_spm_backend`)."""
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-      raise CheckpointError(f"{path}: tokenizer model {model!r} is not supported (supported: gpt2 BPE)")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre"), path)
-    backend.decoder = decoders.ByteLevel()
-    special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-               for i, kind in enumerate(types) if int(kind) in _SPECIAL_TOKEN_TYPES]
-    backend.add_special_tokens(special)
+    if model == "llama":
+      backend = _spm_backend(meta, path)
+    elif model == "gpt2":
+      tokens = list(meta["tokenizer.ggml.tokens"])
+      merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+      types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+      vocab = {t: i for i, t in enumerate(tokens)}
+      backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+      backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre"), path)
+      backend.decoder = decoders.ByteLevel()
+      special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                 for i, kind in enumerate(types) if int(kind) in _SPECIAL_TOKEN_TYPES]
+      backend.add_special_tokens(special)
+    else:
+      raise CheckpointError(f"{path}: tokenizer model {model!r} is not supported "
+                            f"(supported: gpt2 BPE, llama SentencePiece)")
     eos_ids = sorted({int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                       if meta.get(k) is not None})
     bos = meta.get("tokenizer.ggml.bos_token_id")
     return cls(backend, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
                add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]):
+  """BPE merges that reproduce llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm).
+
+  It merges, again and again, the adjacent pair of symbols whose concatenation is the
+  vocabulary piece with the highest score. As merges: every split (left, right) of a
+  normal piece into two pieces, ranked by the piece's score, highest first. Ties are
+  pieces of equal score, which Gemma 3's vocabulary does not have (its 255,474 normal
+  pieces have distinct scores)."""
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for i, piece in enumerate(tokens):
+    if int(types[i]) != 1 or len(piece) < 2:
+      continue
+    for k in range(1, len(piece)):
+      left, right = piece[:k], piece[k:]
+      if left in vocab and right in vocab:
+        merges.append((-float(scores[i]), vocab[left], vocab[right], left, right))
+  merges.sort()
+  return [(left, right) for *_, left, right in merges]
+
+
+def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
+  """llama.cpp's "llama" (SentencePiece BPE) tokenizer as a `tokenizers` BPE.
+
+  1. spaces become U+2581 (▁), with one prepended when `add_space_prefix` (llama.cpp's
+     default; Gemma 3 turns it off): the normalizer runs on each piece of text between
+     special tokens, as llama.cpp prefixes each fragment after a special token;
+  2. score-ranked merges (`_spm_merges`) over the characters;
+  3. characters with no piece become their UTF-8 bytes' <0xXX> tokens (byte fallback).
+  Control tokens (type 3) are special; user-defined ones (type 4: Gemma's runs of
+  newlines, tabs, spaces, HTML tags) are matched in raw text but decoded as text."""
+  tokens = list(meta["tokenizer.ggml.tokens"])
+  scores = meta.get("tokenizer.ggml.scores")
+  if scores is None:
+    raise CheckpointError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores")
+  types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+  unk = meta.get("tokenizer.ggml.unknown_token_id")
+  vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a duplicate
+  bpe = models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), byte_fallback=True,
+                   unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True)
+  backend = tokenizers.Tokenizer(bpe)
+  steps = [normalizers.Replace(" ", "\u2581")]
+  if meta.get("tokenizer.ggml.add_space_prefix", True):
+    steps.insert(0, normalizers.Prepend(" "))
+  backend.normalizer = normalizers.Sequence(steps)
+  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                       decoders.Fuse()])
+  backend.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                              for i, kind in enumerate(types) if int(kind) == 3])
+  backend.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+                      for i, kind in enumerate(types) if int(kind) == 4])
+  return backend
 
 
 def _raise_template_error(message):

