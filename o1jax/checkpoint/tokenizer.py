@@ -73,6 +73,7 @@ class Tokenizer:
     self.bos_id = bos_id
     self.eos_ids = tuple(int(i) for i in eos_ids)
     self.add_bos = add_bos
+    self.has_chat_template = bool(chat_template)
     self.chat_template = chat_template or CHATML_TEMPLATE
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_template_error
@@ -109,6 +110,10 @@ class Tokenizer:
     for i, m in enumerate(messages):
       if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+    if not self.has_chat_template and self.token_to_id("<|im_start|>") is None:
+      # e.g. a base (pretrained) model such as Gemma 3 270M: ChatML would be plain text to it
+      raise ValueError("this checkpoint has no chat template, and the ChatML fallback's "
+                       "<|im_start|> is not in its vocabulary: give the prompt as plain text")
     bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
     eos = self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
     return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
