@@ -129,7 +129,7 @@ class Tokenizer:
         "eos_token": self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
         "o1jax_eos_token_ids": list(self.eos_ids),
         "add_bos_token": self.add_bos,
-        "chat_template": self.chat_template,
+        "chat_template": self.chat_template if self.has_chat_template else None,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 

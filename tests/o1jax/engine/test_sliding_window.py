@@ -54,3 +54,16 @@ def test_window_changes_the_engine_tokens(gemma):
   a = Engine(model, tok, cfg).generate([Request(p, GREEDY) for p in prompts])
   b = Engine(wide, tok, cfg).generate([Request(p, GREEDY) for p in prompts])
   assert any(x.token_ids != y.token_ids for x, y in zip(a, b))
+
+
+def test_pallas_kernels_apply_the_window(gemma):
+  """The Pallas paged prefill and decode kernels (interpret mode on CPU; on a GPU the
+  same kernels compiled) with the local layers' window: the Generator's greedy tokens."""
+  model, tok, params = gemma
+  pallas = Llama(model.config, params, backend="pallas", interpret=True)
+  prompts = _prompts(1, seed=3, low=20, high=21)
+  engine = Engine(pallas, tok, EngineConfig(max_slots=1, block_size=8, num_blocks=16,
+                                            prefill_chunk=16, backend="pallas", interpret=True))
+  params6 = GenerationParams(max_new_tokens=6, ignore_eos=True)
+  got = engine.generate([Request(prompts[0], params6)])[0].token_ids
+  assert got == Generator(model, tok).generate(prompts, max_new_tokens=6)[0].token_ids
