@@ -133,7 +133,7 @@ def gemma3_meta():
   from o1jax.checkpoint import gguf_loader
   from o1jax.checkpoint.embedded import named_model_path
 
-  reader = gguf_loader._open_reader(named_model_path("gemma3-270m"))
+  reader = gguf_loader._open_fast_reader(named_model_path("gemma3-270m"))
   keys = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
           "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
           "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
