@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import ml_collections
 
+from configs.policies import policy_params
 from o1jax.controller import policy_names
-from o1jax.controller.configs import policy_params
 
 TRUE = ("1", "true", "yes", "on")
 
@@ -94,7 +94,8 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
 def controller_section() -> ml_collections.ConfigDict:
   """The reasoning controller's KV cache (controller policies only; see docs/controller.md).
 
-  Checked by `o1jax.controller.configs.check_cache_config` when the plan is built."""
+  Checked by `o1jax.controller.CacheConfig` (with the engine section's kv_dtype) when
+  the plan is built."""
   return section(
       # paged: the engine's paged cache, samples share the prompt's blocks (less KV memory,
       # and faster on CPU); contiguous: every row holds all its positions. Not contiguous:
@@ -135,7 +136,7 @@ def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_colle
   """name + the policy's params with their defaults (so `--config.policy.n=8` works).
 
   Controller policies (greedy_cot, self_consistency, deepconf, ...) take
-  `o1jax.controller.configs.policy_config(name, smoke)`; plain ones their fields.
+  `configs.policies.policy_config(name, smoke)`; plain ones their fields.
   """
   if name not in policy_names():
     raise ValueError(f"config variant policy={name!r}: valid policies are {policy_names()} "

@@ -101,9 +101,13 @@ def build_plan(config, output_dir: str) -> EvalPlan:
                           top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
   name = resolve_predictor(config.model.predictor, policy, config.task)
   controller = None
-  if policy.controller:  # its cache section, checked now rather than in a worker
-    from o1jax.controller.configs import check_cache_config
-    controller = check_cache_config(config.get("controller") or {})
+  if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype
+    from o1jax.controller import CacheConfig
+    section = config.get("controller") or {}
+    section = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+    engine = config.get("engine") or {}
+    section["kv_dtype"] = str(engine.get("kv_dtype", "float32"))
+    controller = CacheConfig.from_dict(section).to_dict()  # checked now, not in a worker
   budget = config.get("budget")
   if budget is not None:  # checked now rather than in a worker
     from o1jax.engine.budget import BudgetConfig

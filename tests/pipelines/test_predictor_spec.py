@@ -43,7 +43,8 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
   cfg.model.source = str(tmp_path)
   paged = build_plan(cfg, "unused_output_dir").predictor
-  assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0}
+  assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0,
+                                    "kv_dtype": "float32"}  # the engine section's, read once
   assert model_fingerprint(paged)["controller_cache"] == {"cache": "paged", "block_size": 16}
   assert type(build_predictor(paged).controller.model).__name__ == "PagedLlama"
   cfg.controller.num_blocks = 512  # fits or raises: never another result, so not in the hash
@@ -52,6 +53,12 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   contiguous = build_plan(cfg, "unused_output_dir").predictor
   assert "controller_cache" not in model_fingerprint(contiguous)  # contiguous hashes stay as before
   assert type(build_predictor(contiguous).controller.model).__name__ == "ContiguousLlama"
+  cfg.engine.kv_dtype = "float8_e4m3fn"  # the contiguous cache stores f32/bf16: refused at plan time
+  with pytest.raises(ValueError, match="float8_e4m3fn needs cache='paged'"):
+    build_plan(cfg, "unused_output_dir")
+  cfg.controller.cache = "paged"
+  narrow = build_plan(cfg, "unused_output_dir").predictor
+  assert build_predictor(narrow).controller.model.kv_dtype == "float8_e4m3fn"
   cfg.controller.cache = "pagd"
   with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
     build_plan(cfg, "unused_output_dir")
