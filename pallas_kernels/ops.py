@@ -17,7 +17,9 @@ from pallas_kernels import native
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import prefill_attention as fa
 from pallas_kernels import quantized_matmul as qmm
+from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import QuantizedTensor
+from pallas_kernels.vnni_matmul import VnniWeight
 
 BACKENDS = ("auto", "pallas", "reference")
 
@@ -38,6 +40,62 @@ def _on_cpu() -> bool:
 
 def _dtype_name(dtype) -> str:
   return np.dtype(dtype).name
+
+
+# --- a model's matrices ------------------------------------------------------------
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+# A bf16 x bf16 dot with f32 accumulation takes XLA's fast CPU path (AMX /
+# AVX512-BF16) only from this many rows: one row runs ~6x slower than f32, and
+# two rows round differently from three or more. Fewer rows are zero-padded,
+# so a row's result never depends on how many other rows are in the batch.
+BF16_MIN_ROWS = 4
+
+
+def matmul(x: jax.Array, w, *, backend: str = "auto", interpret: bool = False) -> jax.Array:
+  """x [..., K] @ w [K, N] -> [..., N], by what the weight is (the model prepared it):
+
+  - `VnniWeight`: `int8_matmul` (two int8 levels of x per block of 32; f32 out);
+  - `QuantizedTensor`: `quantized_matmul` (Pallas on GPU, the XLA reference elsewhere);
+  - a bf16 array: `bf16_matmul` (x rounded to bf16, f32 accumulation and output);
+  - any other array: cast to x's dtype, full precision (exact f32 math for f32 x)."""
+  if isinstance(w, VnniWeight):
+    return int8_matmul(x, w, backend=backend).astype(x.dtype)
+  if isinstance(w, QuantizedTensor):
+    return quantized_matmul(x, w, backend=backend, interpret=interpret)
+  resolve_backend(backend)
+  if w.dtype == jnp.bfloat16:
+    return bf16_matmul(x, w)
+  return jnp.dot(x, w.astype(x.dtype), precision=_HIGHEST)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] (rounded to bf16) @ w [K, N] bf16, accumulated in f32 -> f32 [..., N]."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  x2 = x.reshape(rows, k).astype(jnp.bfloat16)
+  if rows < BF16_MIN_ROWS:
+    x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - rows), (0, 0)))
+  y = jnp.dot(x2, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  return y[:rows].reshape(*lead, w.shape[-1])
+
+
+def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Array:
+  """x [..., K] @ w -> f32 [..., N] (`pallas_kernels.vnni_matmul`): the native VNNI/AMX
+  kernel where it runs (a CPU with AVX512-VNNI and the kernels built), else the XLA
+  reference; backend "reference" forces the reference."""
+  k, n = w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"int8_matmul: x.shape={x.shape} does not match W.shape={w.shape}")
+  resolve_backend(backend)
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, k).astype(jnp.float32)
+  if backend != "reference" and _on_cpu() and native.int8_matmul_available():
+    y = native.int8_matmul(x2, w.packed, w.scale, w.minimum, bits=w.bits, zero=w.zero,
+                           has_min=w.has_min)[:, :n]
+  else:
+    y = vm.vnni_matmul_reference(x2, w)
+  return y.reshape(*lead, n)
 
 
 # --- quantized matmul --------------------------------------------------------------
