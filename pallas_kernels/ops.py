@@ -52,6 +52,19 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 BF16_MIN_ROWS = 4
 
 
+# Dense f32 weights up to this size when the XLA reference computes: on a CPU,
+# dequantizing every weight on every decode step costs ~10x the matmuls.
+DENSE_WEIGHTS_LIMIT_BYTES = 4 << 30
+
+
+def dense_weights_preferred(backend: str, dense_bytes: int) -> bool:
+  """Whether a model should dequantize its 4-/8-bit matrices once at load: where the
+  XLA reference computes, a dense f32 dot is faster than dequantizing tile by tile on
+  every call, as long as the f32 weights (`dense_bytes`) fit DENSE_WEIGHTS_LIMIT_BYTES.
+  The Pallas kernel reads the quantized weights itself."""
+  return resolve_backend(backend) == "reference" and dense_bytes <= DENSE_WEIGHTS_LIMIT_BYTES
+
+
 def matmul(x: jax.Array, w, *, backend: str = "auto", interpret: bool = False) -> jax.Array:
   """x [..., K] @ w [K, N] -> [..., N], by what the weight is (the model prepared it):
 

@@ -16,14 +16,11 @@ from flax import nnx
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, to_device
 from o1jax.model import layers
-from pallas_kernels.ops import resolve_backend
+from pallas_kernels import ops as kernel_ops
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
 
 WEIGHT_MODES = ("auto", "quantized", "dense")
-# "auto" materialises f32 weights for the XLA path only below this size: on a
-# CPU, dequantizing every weight on every decode step costs ~10x the matmuls.
-AUTO_DENSE_LIMIT_BYTES = 4 << 30
 
 
 # Matrices that read the same input, fused for the int8 kernel (see `concat_columns`).
@@ -170,8 +167,8 @@ class Llama(nnx.Module):
                matmul_dtype: str = "float32"):
     """weight_mode: "quantized" keeps QuantizedTensors (the Pallas kernels fuse the
     dequantization); "dense" dequantizes once to f32 here (same values, bit for
-    bit); "auto" picks "dense" for the XLA reference backend when the f32 model
-    fits in AUTO_DENSE_LIMIT_BYTES, else "quantized".
+    bit); "auto" asks `pallas_kernels.ops.dense_weights_preferred` (dense where the
+    XLA reference computes and the f32 weights fit its limit), else "quantized".
 
     matmul_dtype: "float32" (default: exact f32 math, the reference) or
     "bfloat16": dense matrices are stored in bf16 and every matmul rounds its
@@ -192,8 +189,8 @@ class Llama(nnx.Module):
     if weight_mode == "auto":
       n_weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
           params, is_leaf=lambda x: isinstance(x, QuantizedTensor)))
-      small = n_weights * 4 <= AUTO_DENSE_LIMIT_BYTES
-      weight_mode = "dense" if resolve_backend(backend) == "reference" and small else "quantized"
+      dense = kernel_ops.dense_weights_preferred(backend, n_weights * 4)
+      weight_mode = "dense" if dense else "quantized"
     self.weight_mode = weight_mode
     params = to_device(params)
     if matmul_dtype == "int8":
