@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import native
 from pallas_kernels import paged_attention as pa
@@ -36,6 +37,23 @@ def resolve_backend(backend: str) -> str:
 
 def _on_cpu() -> bool:
   return jax.default_backend() == "cpu"
+
+
+# The mesh axis tensor parallelism splits heads over (o1jax/sharding/tensor_parallel.py).
+MODEL_AXIS = "model"
+
+
+def _per_model_shard(fn, in_specs, out_specs):
+  """fn, or fn run per shard of the current mesh's `model` axis: XLA cannot partition
+  a native custom call, and would gather every operand to each device around it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL_AXIS not in mesh.axis_names or mesh.shape[MODEL_AXIS] == 1:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+_HEADS = P(None, MODEL_AXIS, None)  # q [B, H, D], rows [R, KVH, D]: split by heads
+_POOL = P(None, None, MODEL_AXIS, None)  # pools [NB, BS, KVH, D]: split by KV heads
 
 
 def _dtype_name(dtype) -> str:
@@ -256,8 +274,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       and sliding_window is None and sm_scale is None and k_pages.dtype in native.POOL_DTYPES
       and native.available()):
     # The native kernel reads the pages in place (the reference gathers them first).
-    return native.paged_decode_attention(q, k_pages, v_pages, block_tables,
-                                         lengths).astype(q.dtype)
+    attend = _per_model_shard(native.paged_decode_attention, (_HEADS, _POOL, _POOL, P(), P()),
+                              _HEADS)
+    return attend(q, k_pages, v_pages, block_tables, lengths).astype(q.dtype)
   if backend == "reference":
     return pa.paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, ks, vs,
                                                sliding_window=sliding_window, sm_scale=sm_scale)
@@ -328,7 +347,8 @@ def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array, offset: 
   resolve_backend(backend)
   rows = rows.astype(pool.dtype)
   if (backend == "auto" and _on_cpu() and pool.dtype == jnp.bfloat16 and native.available()):
-    return native.write_pool_rows(pool, rows, block.astype(jnp.int32), offset.astype(jnp.int32))
+    write = _per_model_shard(native.write_pool_rows, (_POOL, _HEADS, P(), P()), _POOL)
+    return write(pool, rows, block.astype(jnp.int32), offset.astype(jnp.int32))
   return scatter_rows(pool, (block, offset), rows)
 
 
@@ -341,6 +361,7 @@ def write_pool_blocks(pool: jax.Array, dst: jax.Array, blocks: jax.Array, *,
   if (backend == "auto" and _on_cpu() and pool.dtype == jnp.bfloat16 and native.available()):
     n, bs = dst.shape[0], pool.shape[1]
     rows = blocks.astype(pool.dtype).reshape(n * bs, *pool.shape[2:])
-    return native.write_pool_rows(pool, rows, jnp.repeat(dst, bs).astype(jnp.int32),
-                                  jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
+    write = _per_model_shard(native.write_pool_rows, (_POOL, _HEADS, P(), P()), _POOL)
+    return write(pool, rows, jnp.repeat(dst, bs).astype(jnp.int32),
+                 jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
   return scatter_rows(pool, (dst,), blocks.astype(pool.dtype))
