@@ -54,3 +54,17 @@ class ReferencePredictor:
 
 def reference_loader(spec: PredictorSpec) -> ReferencePredictor:
   return ReferencePredictor()
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingLoader:
+  """FlakyLoader that appends its process id to `path` at each load (how often, and
+  in which processes, a runner loads the model)."""
+  path: str
+  fail_ids: frozenset = frozenset()
+
+  def __call__(self, spec: PredictorSpec) -> FlakyPredictor:
+    import os
+    with open(self.path, "a") as f:
+      f.write(f"{os.getpid()}\n")
+    return FlakyPredictor(self.fail_ids)
