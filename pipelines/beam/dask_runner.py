@@ -18,8 +18,8 @@ reproduced by tests/pipelines/test_dask_runner.py:
   4. a side input is computed by iterating its bag inside the consuming task (a nested
      compute); here it is a graph dependency, computed once by the cluster;
   5. `Reshuffle` is a no-op, so a job that starts from one element runs in one partition
-     on one worker; here it repartitions to `--dask_partitions` (default: the cluster's
-     worker threads) so the work items spread over the workers;
+     on one worker; here it repartitions to `--dask_partitions` (default: twice the
+     cluster's worker threads + 1) so the work items spread over the workers;
   6. a DoFn is deserialized and set up for every partition, so RunInference reloads its
      model per partition; here each worker process keeps a pool of set-up DoFn instances
      per transform (one per concurrent thread) and reuses it across bundles, as Beam's
@@ -33,7 +33,7 @@ import argparse
 import itertools
 import threading
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -43,11 +43,14 @@ from apache_beam.runners.dask.dask_runner import DaskOptions as _BeamDaskOptions
 from apache_beam.runners.dask.dask_runner import DaskRunner as _BeamDaskRunner
 from apache_beam.runners.dask.overrides import (_Create, _Flatten, _GroupAlsoByWindow,
                                                 _GroupByKeyOnly, _Read, _Reshuffle, dask_overrides)
+from apache_beam.runners.common import Receiver
 from apache_beam.runners.runner import PipelineResult, PipelineState
+from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 from distributed import WorkerPlugin
 
 RUNNER = "pipelines.beam.dask_runner.DaskRunner"
+_GLOBAL = (GlobalWindow(),)  # the only window translated
 
 
 class DaskOptions(PipelineOptions):
@@ -59,7 +62,7 @@ class DaskOptions(PipelineOptions):
                         help="without --dask_client_address: a LocalCluster of this many "
                              "single-threaded worker processes, closed when the job ends")
     parser.add_argument("--dask_partitions", type=int, default=0,
-                        help="partitions after a Reshuffle (0: the cluster's worker threads)")
+                        help="partitions after a Reshuffle (0: twice the cluster's worker threads + 1)")
 
 
 # -- running one bundle in a worker ---------------------------------------------------
@@ -76,12 +79,7 @@ class _Receivers(dict):
     return receiver
 
 
-def _receiver_base():
-  from apache_beam.runners.common import Receiver  # a compiled class: receivers must subclass it
-  return Receiver
-
-
-class _TagReceiver(_receiver_base()):
+class _TagReceiver(Receiver):  # a compiled base class: the output handler accepts no other
   def __init__(self, tag, values: list):
     self.tag, self.values = tag, values
 
@@ -109,7 +107,7 @@ class _Instance:
     self.invoker.invoke_setup()
 
 
-_POOLS: dict[tuple, list] = {}  # (job, transform, side inputs) -> idle instances, per process
+_POOLS: dict[tuple, list] = {}  # (job, transform label) -> idle set-up instances, per process
 _POOLS_LOCK = threading.Lock()
 
 
@@ -126,8 +124,7 @@ class _ParDoSpec:
 
   def side_input_maps(self, side_values: tuple) -> list:
     from apache_beam.transforms.sideinputs import SideInputMap
-    from apache_beam.transforms.window import GlobalWindow
-    return [SideInputMap(view, options, [WindowedValue(v, 0, (GlobalWindow(),)) for v in values])
+    return [SideInputMap(view, options, [WindowedValue(v, 0, _GLOBAL) for v in values])
             for (view, options, _), values in zip(self.side_specs, side_values)]
 
   def run_bundle(self, items: list, *side_values) -> list:
@@ -150,16 +147,21 @@ class _ParDoSpec:
       instance.invoker.invoke_teardown()  # a failed instance is not reused
       raise
     with _POOLS_LOCK:
-      _POOLS[self.key].append(instance)
+      _POOLS.setdefault(self.key, []).append(instance)
     return out
 
 
-def _global():
-  from apache_beam.transforms.window import GlobalWindow
-  return (GlobalWindow(),)
+def _release_job(job: str) -> int:
+  """Runs in every worker at the job's end: tears down the job's DoFn instances (their
+  models go with them), so a long-lived cluster does not keep every job's model."""
+  with _POOLS_LOCK:
+    keys = [k for k in _POOLS if k[0] == job]
+    instances = [i for k in keys for i in _POOLS.pop(k)]
+  for instance in instances:
+    instance.invoker.invoke_teardown()
+  return len(instances)
 
 
-_GLOBAL = _global()
 
 
 def _concat(*partitions) -> list:
@@ -216,7 +218,10 @@ class _Translator(PipelineVisitor):
       sides = list(node.side_inputs)
       self.consumed.update(id(si.pvalue) for si in sides)
       specs = [(type(si), si._view_options(), si._window_mapping_fn) for si in sides]
-      side_values = [dask.delayed(_concat)(*self.bags[id(si.pvalue)].to_delayed()) for si in sides]
+      # optimize_graph=False: an optimized copy would rename its keys and compute the
+      # whole upstream graph a second time
+      side_values = [dask.delayed(_concat)(*self.bags[id(si.pvalue)].to_delayed(optimize_graph=False))
+                     for si in sides]
       pairs = bags[0].map_partitions(_ParDoSpec(self.job, node, specs).run_bundle, *side_values)
       for tag, pc in node.outputs.items():
         self.bags[id(pc)] = pairs.map_partitions(_select, tag)
@@ -243,9 +248,9 @@ class _Translator(PipelineVisitor):
 
 
 class DaskRunnerResult(PipelineResult):
-  def __init__(self, client, future, cluster=None):
+  def __init__(self, client, future, job: str, cluster=None):
     super().__init__(PipelineState.RUNNING)
-    self.client, self.future, self.cluster = client, future, cluster
+    self.client, self.future, self.job, self.cluster = client, future, job, cluster
 
   def wait_until_finish(self, duration=None) -> str:
     try:
@@ -260,7 +265,12 @@ class DaskRunnerResult(PipelineResult):
     return self._state
 
   def close(self) -> None:
-    """Disconnects; a LocalCluster this runner started is shut down."""
+    """Tears the job's DoFns down in the workers and disconnects; a LocalCluster this
+    runner started is shut down."""
+    try:
+      self.client.run(_release_job, self.job)
+    except Exception:  # a worker gone with the job's failure: nothing of it to release
+      pass
     self.client.close()
     if self.cluster is not None:
       self.cluster.close()
@@ -291,14 +301,24 @@ class DaskRunner(_BeamDaskRunner):
       cluster = ddist.LocalCluster(n_workers=ours.dask_local_workers, threads_per_worker=1,
                                    processes=True, dashboard_address=None)
       beams["address"] = cluster
-    client = ddist.Client(**beams)
+    try:
+      client = ddist.Client(**beams)
+    except OSError as e:  # nothing listening, a wrong host, a timeout: one line naming it
+      if cluster is not None:
+        cluster.close()
+      where = beams.get("address") or beams.get("scheduler_file")
+      raise ValueError(f"dask scheduler {where} cannot be reached: {e}") from e
     try:
       plugins = options.view_as(SetupOptions).beam_plugins or []
       if plugins:
         client.register_plugin(_ImportModules(plugins))
-      partitions = ours.dask_partitions or max(1, sum(client.nthreads().values()))
+      # Default: the fewest partitions dask's scheduler treats as root tasks (more than
+      # twice its threads) and so spreads over the workers as they free up; with fewer,
+      # every partition follows its input to the worker that read the dataset.
+      partitions = ours.dask_partitions or 2 * max(1, sum(client.nthreads().values())) + 1
       pipeline.replace_all(dask_overrides())
-      translator = _Translator(uuid.uuid4().hex, partitions)
+      job = uuid.uuid4().hex
+      translator = _Translator(job, partitions)
       pipeline.visit(translator)
       import dask.bag as db
       done = db.concat(translator.sinks()).count()  # only a count comes back to the client
@@ -308,4 +328,4 @@ class DaskRunner(_BeamDaskRunner):
       if cluster is not None:
         cluster.close()
       raise
-    return DaskRunnerResult(client, future, cluster)
+    return DaskRunnerResult(client, future, job, cluster)

@@ -49,6 +49,11 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
   """The config's address (or LocalCluster size) and partitions; flags after `--` win."""
   given = {a.split("=", 1)[0] for a in extra}
   address = str(runner_cfg.get("address", "") or "")
+  for key in ("local_workers", "partitions"):
+    value = runner_cfg.get(key, 0)
+    if not isinstance(value, int) or value < (1 if key == "local_workers" else 0):
+      raise ValueError(f"runner.{key}={value!r}: expected an integer >= "
+                       f"{1 if key == 'local_workers' else 0}")
   args = [f"--runner={DASK_RUNNER}"]
   if address and "--dask_client_address" not in given:
     args.append(f"--dask_client_address={address}")

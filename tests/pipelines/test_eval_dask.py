@@ -12,6 +12,7 @@ import sys
 import time
 
 import apache_beam as beam
+import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from configs import custom as custom_config
@@ -45,6 +46,23 @@ def test_runner_flags_from_the_config():
   # Flags after `--` win over the config.
   assert "--dask_client_address=tcp://other:8786" in beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
   assert "--dask_client_address=tcp://scheduler:8786" not in beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
+
+
+def test_bad_runner_settings_are_one_line_errors(tmp_path):
+  cfg = gsm8k_config.get_config("smoke=True").runner
+  cfg.name = "dask"
+  cfg.local_workers = 0
+  with pytest.raises(ValueError, match=r"^runner.local_workers=0: expected an integer >= 1$"):
+    beam_args(cfg)
+  # Nothing listens on the discard port here: the error names the scheduler, no traceback.
+  proc = subprocess.run(
+      [sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True",
+       "--config.model.predictor=fake", "--config.dataset.n=2", "--config.runner.name=dask",
+       "--config.runner.address=tcp://127.0.0.1:9", f"--output_dir={tmp_path}", "--",
+       "--dask_connection_timeout=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.startswith("error: dask scheduler tcp://127.0.0.1:9 cannot be reached: ")
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 class _SplitThrees(beam.DoFn):
@@ -94,7 +112,7 @@ def test_same_records_and_dead_letters_as_the_direct_runner_one_model_per_worker
     cfg.runner.batch_size = 1  # only the failing example's samples fail, in either runner
     cfg.runner.name = runner
     cfg.runner.direct_running_mode = "in_memory"
-    cfg.runner.partitions = 5  # more bundles than the 2 workers: the model must be reused
+    cfg.runner.partitions = 6  # more bundles than the 2 workers: the model must be reused
     cfg.runner.share_model = False  # one model per worker process (True: one per machine)
     loads[runner] = tmp_path / f"{runner}.loads"
     summaries[runner] = run(cfg, str(tmp_path / runner), clock=FakeClock(), progress=False,
@@ -108,11 +126,15 @@ def test_same_records_and_dead_letters_as_the_direct_runner_one_model_per_worker
   for key in ("examples", "samples", "accuracy", "dead_letters"):
     assert summaries["dask"][key] == summaries["DirectRunner"][key], key
   # Each worker process loaded the model once, however many bundles it ran; the launcher none.
-  per_process = collections.Counter(loads["dask"].read_text().split())
+  log = [line.split() for line in loads["dask"].read_text().splitlines()]
+  per_process = collections.Counter(pid for what, pid in log if what == "load")
   assert set(per_process.values()) == {1} and 1 <= len(per_process) <= 2, per_process
   assert str(os.getpid()) not in per_process
   workers = {r["timing"]["worker_pid"] for r in _lines(dask / "results.jsonl")}
   assert workers <= {int(p) for p in per_process}
+  # Every item was predicted exactly once (no partition computed twice), as on the DirectRunner.
+  predicted = collections.Counter(key for what, key in log if what == "item")
+  assert set(predicted.values()) == {1} and len(predicted) == 16, predicted
 
 
 N = 24
@@ -122,7 +144,7 @@ def _command(out):
   return [sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True,policy=sample_n",
           "--config.model.predictor=fake", "--config.model.fake_delay_s=0.25", f"--config.dataset.n={N // 2}",
           "--config.policy.n=2", "--config.runner.batch_size=2", "--config.runner.name=dask",
-          "--config.runner.progress=False", f"--output_dir={out}"]
+          "--config.runner.local_workers=1", "--config.runner.progress=False", f"--output_dir={out}"]
 
 
 def test_kill_9_then_rerun_on_dask_finishes_without_recomputing(tmp_path):
