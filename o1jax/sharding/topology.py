@@ -162,9 +162,10 @@ def _attr(device, name: str, default=None):
   return default if value is None else value
 
 
-def _gpu_index(device, visible: Optional[str]) -> int:
-  """nvidia-smi's index of a JAX GPU (see the module docstring)."""
-  ordinal = _attr(device, "local_hardware_id", device.id)
+def _gpu_index(device, visible: Optional[str], rank: int) -> int:
+  """nvidia-smi's index of a JAX GPU (see the module docstring). Another host's device has
+  no local_hardware_id here: its rank among its process's devices stands in (hosts alike)."""
+  ordinal = _attr(device, "local_hardware_id", rank)
   if visible:
     entries = [v.strip() for v in visible.split(",") if v.strip()]
     if not all(e.isdigit() for e in entries):
@@ -184,7 +185,11 @@ def link_levels(devices: Sequence[Any], topology: Optional[GpuTopology] = None,
   n = len(devices)
   gpu = None
   if topology is not None:
-    gpu = [_gpu_index(d, cuda_visible_devices) for d in devices]
+    by_process: dict[int, list[int]] = {}
+    for d in sorted(devices, key=lambda d: d.id):
+      by_process.setdefault(d.process_index, []).append(d.id)
+    rank = {i: k for ids in by_process.values() for k, i in enumerate(ids)}
+    gpu = [_gpu_index(d, cuda_visible_devices, rank[d.id]) for d in devices]
     for d, g in zip(devices, gpu):
       if g >= len(topology.gpus):
         raise TopologyError(f"device {d.id} is GPU{g}, but the topology lists "

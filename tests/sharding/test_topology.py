@@ -101,10 +101,24 @@ def test_interleaved_islands_with_cuda_visible_devices():
     tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="GPU-1a2b,GPU-3c4d")
 
 
+@dataclasses.dataclass(frozen=True)
+class RemoteGpu:
+  """Another host's device as JAX shows it here: no local_hardware_id."""
+  id: int
+  process_index: int
+  local_hardware_id: None = None
+  platform: str = "gpu"
+
+
 def test_several_processes_groups_stay_inside_a_host_or_take_whole_hosts():
   devices = gpus(16, processes=2)  # two hosts wired like islands_2x4
   t = topo("islands_2x4")
   assert ids(tp_groups(devices, 4, t)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+  # The other host's devices are matched to the table by their rank in their process.
+  mixed = gpus(16, processes=2)[:8] + [RemoteGpu(id=8 + i, process_index=1) for i in range(8)]
+  interleaved = topo("islands_2x4_interleaved")
+  assert ids(tp_groups(mixed, 4, interleaved)) == [
+      [0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
   assert ids(tp_groups(devices, 16, t)) == [list(range(16))]
   with pytest.raises(TopologyError, match="model=12 spans processes of 8 devices"):
     tp_groups(gpus(24, processes=3), 12, t)
