@@ -156,8 +156,20 @@ def test_kill_9_then_rerun_on_dask_finishes_without_recomputing(tmp_path):
   while time.monotonic() < deadline and len(list(store.glob("*.json"))) < 4:
     assert proc.poll() is None, "the run ended before it could be killed"
     time.sleep(0.05)
-  os.killpg(proc.pid, signal.SIGKILL)  # launcher, scheduler, workers: a lost machine
+  # The launcher alone (it holds the scheduler): its worker processes must end by themselves
+  # (pipelines/beam/worker.py, imported by each worker), as on the DirectRunner.
+  os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
+  deadline = time.monotonic() + 15
+  while time.monotonic() < deadline:
+    try:
+      os.killpg(proc.pid, 0)  # anyone left in the launcher's process group?
+    except ProcessLookupError:
+      break
+    time.sleep(0.1)
+  else:
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("worker processes outlived the launcher by 15 s")
   before = {p.name: p.stat().st_mtime_ns for p in store.glob("*.json")}
   assert 4 <= len(before) < N, len(before)
   assert not (out / "summary.json").exists()
