@@ -151,6 +151,12 @@ class _ParDoSpec:
     return out
 
 
+def pooled_instances() -> int:
+  """Set-up DoFn instances this worker process holds (0 between jobs)."""
+  with _POOLS_LOCK:
+    return sum(len(pool) for pool in _POOLS.values())
+
+
 def _release_job(job: str) -> int:
   """Runs in every worker at the job's end: tears down the job's DoFn instances (their
   models go with them), so a long-lived cluster does not keep every job's model."""
@@ -309,6 +315,13 @@ class DaskRunner(_BeamDaskRunner):
       where = beams.get("address") or beams.get("scheduler_file")
       raise ValueError(f"dask scheduler {where} cannot be reached: {e}") from e
     try:
+      if cluster is None:  # a cluster being started may not have its workers yet
+        wait_s = beams.get("timeout") if isinstance(beams.get("timeout"), int) else 60
+        try:
+          client.wait_for_workers(1, timeout=wait_s)
+        except (TimeoutError, OSError) as e:
+          raise ValueError(f"dask scheduler {beams.get('address') or beams.get('scheduler_file')} "
+                           f"has no workers (waited {wait_s} s)") from e
       plugins = options.view_as(SetupOptions).beam_plugins or []
       if plugins:
         client.register_plugin(_ImportModules(plugins))
