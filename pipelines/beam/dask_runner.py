@@ -168,8 +168,6 @@ def _release_job(job: str) -> int:
   return len(instances)
 
 
-
-
 def _concat(*partitions) -> list:
   return list(itertools.chain.from_iterable(partitions))
 
@@ -235,7 +233,7 @@ class _Translator(PipelineVisitor):
     elif isinstance(transform, _GroupByKeyOnly):
       out = bags[0].groupby(lambda kv: kv[0]).map(_group_values)
     elif isinstance(transform, _Flatten):
-      out = db.concat(bags) if bags else db.from_sequence([], npartitions=1)
+      out = db.concat(bags) if bags else db.from_sequence([None]).filter(lambda _: False)
     elif isinstance(transform, _Reshuffle):
       out = bags[0].repartition(npartitions=self.partitions)
     elif isinstance(transform, _Read):
@@ -259,9 +257,15 @@ class DaskRunnerResult(PipelineResult):
     self.client, self.future, self.job, self.cluster = client, future, job, cluster
 
   def wait_until_finish(self, duration=None) -> str:
+    """Waits for the job (at most `duration` ms: then RUNNING if it is not done)."""
     try:
       self.future.result(timeout=None if duration is None else duration / 1000)
       self._state = PipelineState.DONE
+    except TimeoutError:
+      if duration is not None and not self.future.done():
+        return self._state
+      self._state = PipelineState.FAILED
+      raise
     except BaseException:
       self._state = PipelineState.FAILED
       raise
