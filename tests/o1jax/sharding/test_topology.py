@@ -14,7 +14,7 @@ from o1jax.sharding import (GpuTopology, TopologyError, best_groups, describe, l
                             parse_nvidia_smi_topo, tp_groups)
 
 HERE = pathlib.Path(__file__).parent
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 
 
 def topo(name: str) -> GpuTopology:
