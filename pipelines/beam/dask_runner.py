@@ -7,8 +7,8 @@
 
 The cluster, its scheduling, retries and worker processes are Dask's; this module only turns
 the Beam graph into a graph of `dask.bag` partitions. It subclasses Beam's DaskRunner
-(2.77, a proof of concept) because that one loses data on this job; each point is
-reproduced by tests/pipelines/test_dask_runner.py:
+(2.77, a proof of concept) because that one loses data on this job (each point seen
+with Beam 2.77; tests/pipelines/test_eval_dask.py runs a graph with 1-3 on this runner):
   1. outputs a DoFn emits in `finish_bundle` are dropped: `BatchElements`, and so
      RunInference, emits a bundle's last partial batch there, so items vanish silently;
   2. a multi-output ParDo (`with_outputs`, `with_exception_handling`) sends all its
