@@ -148,7 +148,12 @@ def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_colle
 
 def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDict:
   return section(
-      name="DirectRunner",  # or DataflowRunner / FlinkRunner / SparkRunner (+ flags after --)
+      # DirectRunner | dask (a dask.distributed cluster: pipelines/beam/dask_runner.py) |
+      # DataflowRunner / FlinkRunner / SparkRunner (+ flags after --)
+      name="DirectRunner",
+      address="",  # dask: the scheduler, tcp://host:8786; empty = a LocalCluster here
+      local_workers=workers,  # dask without an address: worker processes of the LocalCluster
+      partitions=0,  # dask: partitions the work items are spread over; 0 = 2 x worker threads + 1
       direct_num_workers=workers,
       direct_running_mode="multi_processing",  # in_memory | multi_threading | multi_processing
       batch_size=batch_size,  # RunInference batch = the engine's decode slots (engine.max_slots=0)
