@@ -88,6 +88,7 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       max_prefill_seqs=4,
       prefix_caching=True,  # the shared few-shot prefix is prefilled once
       decode_steps=8,  # decode steps per device call (1 = a host round trip per token)
+      tensor_parallel=1,  # devices one model is split over by heads (placed by topology)
   )
 
 

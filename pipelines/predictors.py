@@ -457,6 +457,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   kv_dtype = dict(spec.engine).get("kv_dtype", "float32")
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
+  tp = int(dict(spec.engine).get("tensor_parallel", 1) or 1)
+  if tp > 1 and spec.name == "engine":  # all-reduced sums: logits move ~1e-6 (near-ties fork)
+    fp["tensor_parallel"] = tp
   budget = dict(spec.budget)
   if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing
     fp["budget"] = budget

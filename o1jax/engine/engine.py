@@ -94,13 +94,18 @@ class EngineConfig:
   max_top_logprobs: int = 20
   backend: str = "auto"
   interpret: bool = False
+  # Devices one model is split over by heads (tensor parallelism); 1 = one device. The
+  # group is placed by the devices' topology (o1jax.sharding.make_mesh); Engine(mesh=)
+  # takes a mesh of your own instead.
+  tensor_parallel: int = 1
 
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ValueError(f"policy={self.policy!r} not in {POLICIES}")
     if self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype={self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
-    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps"):
+    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps",
+                 "tensor_parallel"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -264,6 +269,8 @@ class Engine:
     mesh: a `jax.sharding.Mesh` with a "model" axis: the weights and the KV pools are
     split over it by heads (tensor parallelism, o1jax/sharding/tensor_parallel.py);
     outputs are the one-device engine's."""
+    if mesh is None and config.tensor_parallel > 1:
+      mesh = tensor_parallel.group_mesh(config.tensor_parallel)
     self.mesh = mesh = None if mesh is None else tensor_parallel.auto_mesh(mesh)
     if mesh is not None:
       model = tensor_parallel.shard_model(model, mesh)

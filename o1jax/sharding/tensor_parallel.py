@@ -47,6 +47,15 @@ def auto_mesh(mesh: Mesh) -> Mesh:
   return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
+def group_mesh(tp: int, devices=None) -> Mesh:
+  """A (data=1, model=tp) mesh: the first tensor-parallel group that `make_mesh` places
+  on the best links among `devices` (default: all)."""
+  from o1jax.sharding.topology import make_mesh
+
+  full = make_mesh(model=tp, devices=devices)
+  return Mesh(full.devices[:1], full.axis_names)
+
+
 def tensor_parallel_size(mesh: Mesh | None) -> int:
   return 1 if mesh is None or MODEL_AXIS not in mesh.axis_names else int(mesh.shape[MODEL_AXIS])
 

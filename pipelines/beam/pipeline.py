@@ -117,6 +117,11 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   if speculative_config(speculative or {}) is not None and name != "engine":
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
                      f"{name!r} (the controller's loop and the generator do not speculate)")
+  engine = config.get("engine") or {}
+  if int(engine.get("tensor_parallel", 1) or 1) > 1 and name != "engine":
+    raise ValueError(f"engine.tensor_parallel={engine.get('tensor_parallel')} needs "
+                     f"model.predictor=engine; this run uses {name!r} (the controller and the "
+                     f"generator run on one device)")
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,

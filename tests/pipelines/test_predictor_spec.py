@@ -94,3 +94,16 @@ def test_engine_kv_dtype_reaches_the_controller_cache(tmp_path):
   cfg.engine.kv_dtype = "float8_e4m3fn"
   with pytest.raises(ValueError, match="float8_e4m3fn needs cache='paged'"):
     build_predictor(build_plan(cfg, "unused_output_dir").predictor)
+
+
+def test_tensor_parallel_enters_the_hash_and_needs_the_engine():
+  from pipelines.beam import build_plan
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.engine.tensor_parallel = 2
+  spec = PredictorSpec.from_config(cfg.model, name="engine", batch_size=4, engine=cfg.engine)
+  assert model_fingerprint(spec)["tensor_parallel"] == 2
+  assert engine_config(spec).tensor_parallel == 2
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.engine.tensor_parallel = 2
+  with pytest.raises(ValueError, match="tensor_parallel=2 needs model.predictor=engine"):
+    build_plan(cfg, "unused_output_dir")
