@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import ml_collections
 
+from configs.policies import policy_params
 from o1jax.controller import policy_names
-from o1jax.controller.configs import policy_params
 
 TRUE = ("1", "true", "yes", "on")
 
@@ -88,13 +88,15 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       max_prefill_seqs=4,
       prefix_caching=True,  # the shared few-shot prefix is prefilled once
       decode_steps=8,  # decode steps per device call (1 = a host round trip per token)
+      tensor_parallel=1,  # devices one model is split over by heads (placed by topology)
   )
 
 
 def controller_section() -> ml_collections.ConfigDict:
   """The reasoning controller's KV cache (controller policies only; see docs/controller.md).
 
-  Checked by `o1jax.controller.configs.check_cache_config` when the plan is built."""
+  Checked by `o1jax.controller.CacheConfig` (with the engine section's kv_dtype) when
+  the plan is built."""
   return section(
       # paged: the engine's paged cache, samples share the prompt's blocks (less KV memory,
       # and faster on CPU); contiguous: every row holds all its positions. Not contiguous:
@@ -135,7 +137,7 @@ def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_colle
   """name + the policy's params with their defaults (so `--config.policy.n=8` works).
 
   Controller policies (greedy_cot, self_consistency, deepconf, ...) take
-  `o1jax.controller.configs.policy_config(name, smoke)`; plain ones their fields.
+  `configs.policies.policy_config(name, smoke)`; plain ones their fields.
   """
   if name not in policy_names():
     raise ValueError(f"config variant policy={name!r}: valid policies are {policy_names()} "
@@ -147,7 +149,12 @@ def policy_section(name: str, smoke: bool = False, **overrides: Any) -> ml_colle
 
 def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDict:
   return section(
-      name="DirectRunner",  # or DataflowRunner / FlinkRunner / SparkRunner (+ flags after --)
+      # DirectRunner | dask (a dask.distributed cluster: pipelines/beam/dask_runner.py) |
+      # DataflowRunner / FlinkRunner / SparkRunner (+ flags after --)
+      name="DirectRunner",
+      address="",  # dask: the scheduler, tcp://host:8786; empty = a LocalCluster here
+      local_workers=workers,  # dask without an address: worker processes of the LocalCluster
+      partitions=0,  # dask: partitions the work items are spread over; 0 = 2 x worker threads + 1
       direct_num_workers=workers,
       direct_running_mode="multi_processing",  # in_memory | multi_threading | multi_processing
       batch_size=batch_size,  # RunInference batch = the engine's decode slots (engine.max_slots=0)

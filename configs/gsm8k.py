@@ -12,7 +12,7 @@ fast=True|False (int8 matmuls + bf16 KV: the fastest CPU mode, see the README),
 policy=<name>: plain sampling (greedy, sample_n; run by model.predictor=engine or
 generator) or a reasoning-controller policy (greedy_cot, self_consistency,
 best_of_n, deepconf, think_verify_backtrack, budget_forcing; run by the controller,
-params from o1jax.controller.configs.policy_config(name, smoke), each settable as
+params from configs.policies.policy_config(name, smoke), each settable as
 --config.policy.<param>=...).
 """
 

@@ -1,20 +1,26 @@
-"""Public ops: validate inputs and pick a backend.
+"""Public ops: validate inputs and pick a backend — the one place that chooses.
 
-`backend="auto"` uses the Pallas kernel on GPU and the XLA reference elsewhere;
-`"pallas"` forces the kernel (with `interpret=True` it runs on CPU for tests);
-`"reference"` forces the XLA path. Bad shapes/dtypes raise ValueError naming
-the offending shapes, whatever the backend."""
+`backend="auto"` uses the Pallas kernel on GPU; on a CPU the native kernel where
+one is built and fits (paged decode attention over f32/bf16 pools, bf16 pool
+writes: `pallas_kernels.native`), else the XLA reference. `"pallas"` forces the
+kernel (with `interpret=True` it runs on CPU for tests); `"reference"` forces the
+XLA path. Bad shapes/dtypes raise ValueError naming the offending shapes,
+whatever the backend."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import native
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import prefill_attention as fa
 from pallas_kernels import quantized_matmul as qmm
+from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import QuantizedTensor
+from pallas_kernels.vnni_matmul import VnniWeight
 
 BACKENDS = ("auto", "pallas", "reference")
 
@@ -29,8 +35,98 @@ def resolve_backend(backend: str) -> str:
 
 
 
+def _on_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
+# The mesh axis tensor parallelism splits heads over (o1jax/sharding/tensor_parallel.py).
+MODEL_AXIS = "model"
+
+
+def _per_model_shard(fn, in_specs, out_specs):
+  """fn, or fn run per shard of the current mesh's `model` axis: XLA cannot partition
+  a native custom call, and would gather every operand to each device around it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL_AXIS not in mesh.axis_names or mesh.shape[MODEL_AXIS] == 1:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+_HEADS = P(None, MODEL_AXIS, None)  # q [B, H, D], rows [R, KVH, D]: split by heads
+_POOL = P(None, None, MODEL_AXIS, None)  # pools [NB, BS, KVH, D]: split by KV heads
+
+
 def _dtype_name(dtype) -> str:
   return np.dtype(dtype).name
+
+
+# --- a model's matrices ------------------------------------------------------------
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+# A bf16 x bf16 dot with f32 accumulation takes XLA's fast CPU path (AMX /
+# AVX512-BF16) only from this many rows: one row runs ~6x slower than f32, and
+# two rows round differently from three or more. Fewer rows are zero-padded,
+# so a row's result never depends on how many other rows are in the batch.
+BF16_MIN_ROWS = 4
+
+
+# Dense f32 weights up to this size when the XLA reference computes: on a CPU,
+# dequantizing every weight on every decode step costs ~10x the matmuls.
+DENSE_WEIGHTS_LIMIT_BYTES = 4 << 30
+
+
+def dense_weights_preferred(backend: str, dense_bytes: int) -> bool:
+  """Whether a model should dequantize its 4-/8-bit matrices once at load: where the
+  XLA reference computes, a dense f32 dot is faster than dequantizing tile by tile on
+  every call, as long as the f32 weights (`dense_bytes`) fit DENSE_WEIGHTS_LIMIT_BYTES.
+  The Pallas kernel reads the quantized weights itself."""
+  return resolve_backend(backend) == "reference" and dense_bytes <= DENSE_WEIGHTS_LIMIT_BYTES
+
+
+def matmul(x: jax.Array, w, *, backend: str = "auto", interpret: bool = False) -> jax.Array:
+  """x [..., K] @ w [K, N] -> [..., N], by what the weight is (the model prepared it):
+
+  - `VnniWeight`: `int8_matmul` (two int8 levels of x per block of 32; f32 out);
+  - `QuantizedTensor`: `quantized_matmul` (Pallas on GPU, the XLA reference elsewhere);
+  - a bf16 array: `bf16_matmul` (x rounded to bf16, f32 accumulation and output);
+  - any other array: cast to x's dtype, full precision (exact f32 math for f32 x)."""
+  if isinstance(w, VnniWeight):
+    return int8_matmul(x, w, backend=backend).astype(x.dtype)
+  if isinstance(w, QuantizedTensor):
+    return quantized_matmul(x, w, backend=backend, interpret=interpret)
+  resolve_backend(backend)
+  if w.dtype == jnp.bfloat16:
+    return bf16_matmul(x, w)
+  return jnp.dot(x, w.astype(x.dtype), precision=_HIGHEST)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] (rounded to bf16) @ w [K, N] bf16, accumulated in f32 -> f32 [..., N]."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  x2 = x.reshape(rows, k).astype(jnp.bfloat16)
+  if rows < BF16_MIN_ROWS:
+    x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - rows), (0, 0)))
+  y = jnp.dot(x2, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  return y[:rows].reshape(*lead, w.shape[-1])
+
+
+def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Array:
+  """x [..., K] @ w -> f32 [..., N] (`pallas_kernels.vnni_matmul`): the native VNNI/AMX
+  kernel where it runs (a CPU with AVX512-VNNI and the kernels built), else the XLA
+  reference; backend "reference" forces the reference."""
+  k, n = w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"int8_matmul: x.shape={x.shape} does not match W.shape={w.shape}")
+  resolve_backend(backend)
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, k).astype(jnp.float32)
+  if backend != "reference" and _on_cpu() and native.int8_matmul_available():
+    y = native.int8_matmul(x2, w.packed, w.scale, w.minimum, bits=w.bits, zero=w.zero,
+                           has_min=w.has_min)[:, :n]
+  else:
+    y = vm.vnni_matmul_reference(x2, w)
+  return y.reshape(*lead, n)
 
 
 # --- quantized matmul --------------------------------------------------------------
@@ -170,10 +266,17 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if q.ndim != 3:
     raise ValueError(f"{op}: q.shape={q.shape} must be [batch, heads, head_dim]")
   b, h, d = q.shape
-  backend = resolve_backend(backend)
+  requested, backend = backend, resolve_backend(backend)
   ks, vs = _check_cache(op, q.dtype, h, d, k_pages, v_pages, block_tables, b, k_scale, v_scale,
                         sliding_window, backend == "pallas")
   _check_per_seq(op, "lengths", lengths, b)
+  if (requested == "auto" and backend == "reference" and _on_cpu() and ks is None
+      and sliding_window is None and sm_scale is None and k_pages.dtype in native.POOL_DTYPES
+      and native.available()):
+    # The native kernel reads the pages in place (the reference gathers them first).
+    attend = _per_model_shard(native.paged_decode_attention, (_HEADS, _POOL, _POOL, P(), P()),
+                              _HEADS)
+    return attend(q, k_pages, v_pages, block_tables, lengths).astype(q.dtype)
   if backend == "reference":
     return pa.paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, ks, vs,
                                                sliding_window=sliding_window, sm_scale=sm_scale)
@@ -214,3 +317,51 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                                            ks, vs, sliding_window=sliding_window,
                                            sm_scale=sm_scale, block_q=block_q, block_kv=block_kv,
                                            interpret=interpret)
+
+
+# --- KV pool writes ------------------------------------------------------------------
+
+
+def scatter_rows(pool: jax.Array, index: tuple[jax.Array, ...], rows: jax.Array) -> jax.Array:
+  """pool.at[index].set(rows, mode="drop") with XLA: index is a tuple of [R] int arrays,
+  the first into axis 0 (out of range: the row is dropped).
+
+  XLA turns a one-row scatter into a dynamic-update-slice that made it copy the
+  whole pool (batch-1 decode: 250 ms a step at 256 blocks), so a single row
+  gets a dropped twin and stays a scatter, which updates in place."""
+  if index[0].shape[0] == 1:
+    index = (jnp.concatenate([index[0], jnp.full_like(index[0], pool.shape[0])]),
+             *(jnp.concatenate([i, i]) for i in index[1:]))
+    rows = jnp.concatenate([rows, rows])
+  return pool.at[index].set(rows, mode="drop")
+
+
+def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array, offset: jax.Array, *,
+                    backend: str = "auto") -> jax.Array:
+  """pool.at[block, offset].set(rows, mode="drop"): pool [NB, BS, KVH, D], rows [R, KVH, D]
+  (cast to the pool's dtype), block and offset [R] int32 (block >= NB: dropped).
+
+  auto on a CPU with a bf16 pool: the native in-place write, because XLA's CPU
+  scatter widens a bf16 pool to f32 and back around the update (two copies of the
+  whole pool per write: ~80 ms a step at batch 32); else XLA's scatter."""
+  resolve_backend(backend)
+  rows = rows.astype(pool.dtype)
+  if (backend == "auto" and _on_cpu() and pool.dtype == jnp.bfloat16 and native.available()):
+    write = _per_model_shard(native.write_pool_rows, (_POOL, _HEADS, P(), P()), _POOL)
+    return write(pool, rows, block.astype(jnp.int32), offset.astype(jnp.int32))
+  return scatter_rows(pool, (block, offset), rows)
+
+
+def write_pool_blocks(pool: jax.Array, dst: jax.Array, blocks: jax.Array, *,
+                      backend: str = "auto") -> jax.Array:
+  """pool.at[dst].set(blocks, mode="drop") for pool [NB, BS, KVH, D] and blocks
+  [N, BS, KVH, D] (dst >= NB: dropped); the same choice as `write_pool_rows` (in the
+  controller's decode step the bf16 widening was 91 of 176 ms at 32 rows)."""
+  resolve_backend(backend)
+  if (backend == "auto" and _on_cpu() and pool.dtype == jnp.bfloat16 and native.available()):
+    n, bs = dst.shape[0], pool.shape[1]
+    rows = blocks.astype(pool.dtype).reshape(n * bs, *pool.shape[2:])
+    write = _per_model_shard(native.write_pool_rows, (_POOL, _HEADS, P(), P()), _POOL)
+    return write(pool, rows, jnp.repeat(dst, bs).astype(jnp.int32),
+                 jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
+  return scatter_rows(pool, (dst,), blocks.astype(pool.dtype))

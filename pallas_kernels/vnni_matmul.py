@@ -2,7 +2,7 @@
 
 `pack(w)` lays a `QuantizedTensor` (Q4_0, Q4_1, Q8_0 or any group size that is
 a multiple of 32) or a dense [K, N] matrix (quantized to Q8_0 here) out for the
-native kernel (`native/int8_matmul.cc`). `vnni_matmul(x, w)` quantizes each row
+native kernel (`native/int8_matmul.cc`). `pallas_kernels.ops.int8_matmul(x, w)` quantizes each row
 of x per block of 32 to two int8 levels (step s = max|x| / 127, then the
 rounding residual in steps of s / 127: ~15 bits), takes exact integer dot
 products per block and scales them:
@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize, quantize, unpack_int4
 
 BLOCK = 32  # quantization block along K, for weights and activations
@@ -196,24 +195,3 @@ def vnni_matmul_reference(x: jax.Array, w: VnniWeight) -> jax.Array:
   if w.has_min:
     y = y + jnp.einsum("mb,bn->mn", fsum, minimum, precision=jax.lax.Precision.HIGHEST)
   return y[:, :w.n]
-
-
-def native_supported() -> bool:
-  """True when the native kernel can run here (built, CPU backend, AVX512-VNNI)."""
-  return native.int8_matmul_available()
-
-
-def vnni_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Array:
-  """x [..., K] @ w -> f32 [..., N]. backend "reference" forces the XLA version;
-  otherwise the native kernel runs where it can (else the XLA version)."""
-  k, n = w.shape
-  if x.shape[-1] != k:
-    raise ValueError(f"vnni_matmul: x.shape={x.shape} does not match W.shape={w.shape}")
-  lead = x.shape[:-1]
-  x2 = x.reshape(-1, k).astype(jnp.float32)
-  if backend != "reference" and native_supported():
-    y = native.int8_matmul(x2, w.packed, w.scale, w.minimum, bits=w.bits, zero=w.zero,
-                           has_min=w.has_min)[:, :n]
-  else:
-    y = vnni_matmul_reference(x2, w)
-  return y.reshape(*lead, n)

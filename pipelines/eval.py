@@ -5,6 +5,9 @@
       --config.policy.n=8 --output_dir=runs/sc8
   python -m pipelines.eval --config=configs/humaneval.py:smoke=True --output_dir=runs/he
   python -m pipelines.eval --output_dir=gs://bucket/run -- --runner=DataflowRunner --project=P ...
+  python -m pipelines.eval --config.runner.name=dask                   # a dask LocalCluster here
+  python -m pipelines.eval --config.runner.name=dask --config.runner.address=tcp://sched:8786 \
+      --output_dir=/shared/run                                         # a dask.distributed cluster
 
 Steps: 1. read the config (variants after the colon, `--config.a.b=v` overrides; an
 unknown key is an error listing the valid ones) and Beam flags after `--`;
@@ -201,7 +204,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   import apache_beam as beam
 
   from pipelines.beam import ResultStore, build_pipeline, build_plan, pipeline_options
-  from pipelines.beam.options import is_direct
+  from pipelines.beam.options import runs_here
   from pipelines.beam.pipeline import scan_dataset, write_text
   from pipelines.beam.store import check_writable, is_local
   from pipelines.beam.worker import mark_launcher
@@ -210,7 +213,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   console = console or sys.stderr
   plan = build_plan(config, output_dir)  # imports the config's modules first
   options = pipeline_options(config.runner, beam_flags, plan.imports)
-  direct = is_direct(options)
+  direct = runs_here(options)  # the DirectRunner, or a dask LocalCluster started here
   local = is_local(output_dir) and direct
   out = output_dir.rstrip("/")
   # Found now, not after every sample was computed: results go here, each sample to the store.

@@ -82,7 +82,8 @@ class PredictorSpec:
   Attributes beyond the model: batch_size (the runner's; the engine's default
   slot count), engine (sorted items of the config's `engine` section), policy
   (sorted items of a controller policy's `{"name", **params}`; controller only),
-  controller (sorted items of the `controller` section: its KV cache; controller only),
+  controller (sorted items of `o1jax.controller.CacheConfig`: the `controller` section
+  plus the engine section's kv_dtype; controller only),
   budget (sorted items of the `budget` section: the latency-aware budget; engine and controller),
   speculative (sorted items of the `speculative` section; engine only),
   imports (the config's modules, imported before the predictor is built: they may
@@ -347,8 +348,7 @@ class ControllerPredictor:
     engine = dict(spec.engine)
     # One Beam batch x n traces in one compiled loop, unless engine.max_slots caps the rows.
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
-    decode_model = build_decode_model(model, dict(spec.controller),
-                                      kv_dtype=str(engine.get("kv_dtype", "float32")))
+    decode_model = build_decode_model(model, dict(spec.controller))  # kv_dtype included
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
                           budget=spec.budget_loop()), policy)
 
@@ -457,6 +457,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   kv_dtype = dict(spec.engine).get("kv_dtype", "float32")
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
+  tp = int(dict(spec.engine).get("tensor_parallel", 1) or 1)
+  if tp > 1 and spec.name == "engine":  # all-reduced sums: logits move ~1e-6 (near-ties fork)
+    fp["tensor_parallel"] = tp
   budget = dict(spec.budget)
   if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing
     fp["budget"] = budget

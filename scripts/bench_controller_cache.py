@@ -80,7 +80,7 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   enable_compilation_cache()
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.controller import (Controller, ReasoningRequest, build_decode_model, cache_config,
+  from o1jax.controller import (Controller, ReasoningRequest, build_decode_model,
                                 get_policy)
   from o1jax.model import Llama
   from pipelines.tasks.gsm8k import fewshot_messages, zero_shot_messages
@@ -93,8 +93,8 @@ def main(argv=None) -> int:
                       max_thinking_tokens=a.max_thinking, max_answer_tokens=a.max_answer,
                       step_delimiter="\n")
   settings = policy.settings()
-  ctls = {kind: Controller(build_decode_model(llama, cache_config(cache=kind,
-                                                                  block_size=a.block_size)),
+  ctls = {kind: Controller(build_decode_model(llama, {"cache": kind,
+                                                            "block_size": a.block_size}),
                            ck.tokenizer, max_rows=a.n) for kind in CACHES}
   rows = {kind: memory(ctl, request, settings, a.n) for kind, ctl in ctls.items()}
   walls = {kind: [] for kind in CACHES}

@@ -11,7 +11,7 @@ On the embedded SmolLM2-135M and `synthetic_examples` (levels 1-2 by default):
      P95 latency of a problem (the wall time of the batch it ran in), backtracks,
      early exits, host round trips (jitted loop calls) per problem;
   3. deepconf versus self_consistency at the same n: token savings and the
-     accuracy difference (deepconf's settings come from o1jax.controller.configs);
+     accuracy difference (deepconf's settings come from configs/policies.py);
      the row `deepconf_calibrated` is deepconf with a fixed stop threshold from
      `DeepConf.calibrate` on --calibration-problems held-out problems (another
      seed; their tokens are not counted) instead of each problem's warm-up traces;
@@ -63,7 +63,7 @@ def parse_args(argv=None):
 
 
 def policy_params(name: str, a) -> dict:
-  from o1jax.controller.configs import EXAMPLES  # deepconf's chosen settings
+  from configs.policies import EXAMPLES  # deepconf's chosen settings
 
   common = dict(max_thinking_tokens=a.max_thinking, max_answer_tokens=a.max_answer,
                 step_delimiter="\n", step_max_tokens=48)
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   enable_compilation_cache()
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.controller import Controller, build_decode_model, cache_config, get_policy
+  from o1jax.controller import Controller, build_decode_model, get_policy
   from o1jax.model import Generator, Llama
   from pipelines.tasks.gsm8k import answers_match
 
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
   load_start = os.getloadavg()  # the machine may be shared: recorded with the results
   ck = load_checkpoint("embedded")
   llama = Llama(ck.config, ck.params, matmul_dtype=a.matmul_dtype)
-  ctl = Controller(build_decode_model(llama, cache_config(cache=a.cache), kv_dtype=a.kv_dtype),
+  ctl = Controller(build_decode_model(llama, {"cache": a.cache, "kv_dtype": a.kv_dtype}),
                    ck.tokenizer,
                    max_rows=a.max_rows)
   levels = [int(x) for x in a.levels.split(",")]
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
   overhead = None
   if a.overhead_tokens:
     # The Generator keeps an f32 contiguous cache: compare with the same cache.
-    same_cache = Controller(build_decode_model(llama, cache_config(cache="contiguous")),
+    same_cache = Controller(build_decode_model(llama, {"cache": "contiguous"}),
                             ck.tokenizer, max_rows=a.max_rows)
     overhead = measure_overhead(same_cache, Generator(llama, ck.tokenizer), prompts,
                                 a.overhead_tokens, min(8, len(prompts)))

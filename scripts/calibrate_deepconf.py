@@ -44,7 +44,7 @@ def main(argv=None) -> int:
   from o1jax.checkpoint import load_checkpoint
   from bench_policies import gsm_requests
   from o1jax.controller import ContiguousLlama, Controller, get_policy
-  from o1jax.controller.configs import EXAMPLES
+  from configs.policies import EXAMPLES
   from o1jax.model import Llama
 
   params = {**EXAMPLES["deepconf"], "n": a.n, "max_thinking_tokens": a.max_thinking,

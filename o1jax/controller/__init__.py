@@ -23,8 +23,8 @@ once the module defining them is imported (a pipeline config's `imports`).
 
 from o1jax.controller.answers import extract_number, majority_vote, weighted_vote
 from o1jax.controller.controller import Batch, Controller, LoopSettings
-from o1jax.controller.configs import build_decode_model, cache_config
-from o1jax.controller.decode_model import CachePlan, ContiguousLlama, DecodeModel
+from o1jax.controller.cache_config import build_decode_model
+from o1jax.controller.decode_model import CacheConfig, CachePlan, ContiguousLlama, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.paged_model import PagedCache, PagedCacheOverflow, PagedLlama
 from o1jax.controller.policies import Policy

@@ -39,13 +39,54 @@ Implementations: `ContiguousLlama` (o1jax Llama + contiguous KVCache),
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from o1jax.engine import fields
+from o1jax.engine.kv_cache import KV_DTYPES
 from o1jax.model.llama import KVCache, Llama
+
+CACHES = ("contiguous", "paged")
+CONTIGUOUS_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  """The `controller` config section, plus the KV dtype (the engine section's).
+
+  cache: paged (`PagedLlama`: samples share the prompt's blocks) | contiguous
+  (`ContiguousLlama`: every row holds all its positions). block_size: tokens per
+  block (paged). num_blocks: the paged pool; 0 = sized from the controller's plan
+  (never runs out). kv_dtype: float32 | bfloat16, or float8_e4m3fn (per-block
+  scales, paged only)."""
+
+  cache: str = "paged"
+  block_size: int = 16
+  num_blocks: int = 0
+  kv_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.cache not in CACHES:
+      raise ValueError(f"controller cache={self.cache!r}: valid caches are {list(CACHES)}")
+    if int(self.block_size) < 1 or int(self.num_blocks) < 0:
+      raise ValueError(f"controller cache block_size={self.block_size} must be >= 1 and "
+                       f"num_blocks={self.num_blocks} >= 0 (0 = sized from the plan)")
+    valid = CONTIGUOUS_DTYPES if self.cache == "contiguous" else KV_DTYPES
+    if self.kv_dtype not in valid:
+      raise ValueError(f"kv_dtype={self.kv_dtype!r}: the {self.cache} controller cache stores "
+                       f"{sorted(valid)}" + (" (float8_e4m3fn needs cache='paged')"
+                                             if self.cache == "contiguous" else ""))
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any] | None) -> "CacheConfig":
+    values = dict(values.to_dict() if hasattr(values, "to_dict") else values or {})
+    return fields.from_dict(cls, values, "controller cache section has no keys")
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from o1jax.controller.decode_model import CachePlan
-from o1jax.engine.kv_cache import (KV_DTYPES, BlockState, PagedKVCache, add_row_refs,
+from o1jax.controller.decode_model import CacheConfig, CachePlan
+from o1jax.engine.kv_cache import (BlockState, PagedKVCache, add_row_refs,
                                    copy_blocks, reserve_for_append, truncate_rows)
 from o1jax.model.llama import Llama
 
@@ -116,12 +116,9 @@ class PagedLlama:
 
   def __init__(self, model: Llama, block_size: int = 16, num_blocks: int | None = None,
                kv_dtype: str = "float32"):
-    if block_size < 1:
-      raise ValueError(f"block_size={block_size} must be >= 1")
     if num_blocks is not None and num_blocks < 1:
       raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or None: sized from the plan)")
-    if kv_dtype not in KV_DTYPES:
-      raise ValueError(f"kv_dtype={kv_dtype!r} not in {sorted(KV_DTYPES)}")
+    CacheConfig("paged", block_size, num_blocks or 0, kv_dtype)  # the checks, in one place
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.vocab_size = model.config.vocab_size

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from o1jax.checkpoint import load_checkpoint
 from o1jax.engine import fields
@@ -57,6 +58,7 @@ from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, Speculativ
 from o1jax.model.llama import Llama
 from o1jax.model.sampling import SamplingParams, sequence_key
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
+from o1jax.sharding import tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +94,18 @@ class EngineConfig:
   max_top_logprobs: int = 20
   backend: str = "auto"
   interpret: bool = False
+  # Devices one model is split over by heads (tensor parallelism); 1 = one device. The
+  # group is placed by the devices' topology (o1jax.sharding.make_mesh); Engine(mesh=)
+  # takes a mesh of your own instead.
+  tensor_parallel: int = 1
 
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ValueError(f"policy={self.policy!r} not in {POLICIES}")
     if self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype={self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
-    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps"):
+    for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps",
+                 "tensor_parallel"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -255,9 +262,18 @@ class Engine:
 
   def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *,
                clock: Callable[[], float] = time.perf_counter, budget: BudgetLoop | None = None,
-               speculative: SpeculativeConfig | None = None, draft_model: Llama | None = None):
+               speculative: SpeculativeConfig | None = None, draft_model: Llama | None = None,
+               mesh: Mesh | None = None):
     """draft_model: the drafter of speculative drafter "draft_model" (else the engine
-    loads `speculative.draft_source`); it must share the target's vocabulary."""
+    loads `speculative.draft_source`); it must share the target's vocabulary.
+    mesh: a `jax.sharding.Mesh` with a "model" axis: the weights and the KV pools are
+    split over it by heads (tensor parallelism, o1jax/sharding/tensor_parallel.py);
+    outputs are the one-device engine's."""
+    if mesh is None and config.tensor_parallel > 1:
+      mesh = tensor_parallel.group_mesh(config.tensor_parallel)
+    self.mesh = mesh = None if mesh is None else tensor_parallel.auto_mesh(mesh)
+    if mesh is not None:
+      model = tensor_parallel.shard_model(model, mesh)
     self.model = model
     self.tokenizer = tokenizer
     self.config = config
@@ -279,6 +295,8 @@ class Engine:
     self.num_blocks = int(num_blocks)
     self.cache = PagedKVCache.create(mc.n_layers, self.num_blocks, config.block_size,
                                      mc.n_kv_heads, mc.head_dim, config.kv_dtype)
+    if mesh is not None:
+      self.cache = tensor_parallel.shard_pools(self.cache, mesh)
     self.allocator = BlockAllocator(self.num_blocks, config.block_size,
                                     prefix_caching=config.prefix_caching)
     self.kv_bytes = per_block * self.num_blocks
@@ -299,15 +317,14 @@ class Engine:
     # passed per call: hashing a static graphdef and flattening the NNX state
     # cost ~3 ms of host time per decode step. Calls pass the flat leaves.
     self._state_leaves, self._state_def = jax.tree.flatten(self._state)
-    self._decode_jit = jax.jit(self._traced("decode", self._bound(steps.decode_loop)),
-                               static_argnums=(6, 7), donate_argnums=(1,))
-    self._prefill_jit = jax.jit(self._traced("prefill", self._bound(steps.prefill_step)),
+    self._decode_jit = self._jit("decode", self._bound(steps.decode_loop),
+                                 static_argnums=(6, 7), donate_argnums=(1,))
+    self._prefill_jit = self._jit("prefill", self._bound(steps.prefill_step), donate_argnums=(1,))
+    self._copy_jit = self._jit("copy", copy_blocks, donate_argnums=(0,))
+    self._verify_jit = self._jit("verify", self._bound(steps.verify_step), static_argnums=(5,),
+                                 donate_argnums=(1,))
+    self._draft_jit = self._jit("draft", self._bound(steps.draft_greedy), static_argnums=(4, 5),
                                 donate_argnums=(1,))
-    self._copy_jit = jax.jit(self._traced("copy", copy_blocks), donate_argnums=(0,))
-    self._verify_jit = jax.jit(self._traced("verify", self._bound(steps.verify_step)),
-                               static_argnums=(5,), donate_argnums=(1,))
-    self._draft_jit = jax.jit(self._traced("draft", self._bound(steps.draft_greedy)),
-                              static_argnums=(4, 5), donate_argnums=(1,))
     self._head_t = self._transposed_head(model)
     self.set_speculative(speculative, draft_model)
 
@@ -361,17 +378,19 @@ class Engine:
     dc, cfg = draft.config, self.config
     self.draft_cache = PagedKVCache.create(dc.n_layers, self.num_blocks, cfg.block_size,
                                            dc.n_kv_heads, dc.head_dim, cfg.kv_dtype)
+    if self.mesh is not None:
+      draft = tensor_parallel.shard_model(draft, self.mesh)
+      self.draft_cache = tensor_parallel.shard_pools(self.draft_cache, self.mesh)
     log.info("engine: draft model %s, %d layers; its KV pool %.1f MiB", dc.name, dc.n_layers,
              self.draft_cache.bytes_per_block() * self.num_blocks / 2**20)
     graphdef, state = nnx.split(draft)
     self._draft_leaves, state_def = jax.tree.flatten(state)
-    self._draft_prefill_jit = jax.jit(
-        self._traced("draft_prefill", self._bound(steps.prefill_step, graphdef, state_def)),
-        donate_argnums=(1,))
+    self._draft_prefill_jit = self._jit(
+        "draft_prefill", self._bound(steps.prefill_step, graphdef, state_def), donate_argnums=(1,))
     # The drafting call over the draft model (early_exit's runs the target's first layers).
-    self._draft_model_jit = jax.jit(
-        self._traced("draft", self._bound(steps.draft_greedy, graphdef, state_def)),
-        static_argnums=(4, 5), donate_argnums=(1,))
+    self._draft_model_jit = self._jit(
+        "draft", self._bound(steps.draft_greedy, graphdef, state_def), static_argnums=(4, 5),
+        donate_argnums=(1,))
     self._draft_head_t = self._transposed_head(draft)
     self._draft_context = min(self.max_context, dc.max_context)
 
@@ -397,6 +416,20 @@ class Engine:
       return step_fn(graphdef, jax.tree.unflatten(state_def, state_leaves), *args)
 
     return fn
+
+  def _jit(self, name: str, fn, **jit_kwargs):
+    """jax.jit of fn (traces counted, see `_traced`); on a mesh, every call runs with it
+    set, so ops that XLA cannot partition run per shard (`pallas_kernels.ops`)."""
+    compiled = jax.jit(self._traced(name, fn), **jit_kwargs)
+    if self.mesh is None:
+      return compiled
+
+    @functools.wraps(compiled)
+    def on_mesh(*args):
+      with jax.set_mesh(self.mesh):
+        return compiled(*args)
+
+    return on_mesh
 
   def _traced(self, name: str, fn):
     """fn, counting and logging each trace (= each compilation of a new shape)."""
@@ -888,6 +921,7 @@ class Engine:
     rows = self._decode_rows(len(running))
     k = self._planner.choose(rows, [available[s] for s in running],
                              [self._planner.rate(s.acceptance) for s in running])
+    expected = self._planner.expected  # what the call should emit (the planner checks it)
     if k == 0:
       for seq in running:
         seq.acceptance.idle()
@@ -958,6 +992,7 @@ class Engine:
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
       self._planner.observe(rows, k, self.clock() - call_start - sunk)
+    self._planner.observe_emitted(rows, k, int(np.sum(out.counts[:len(seqs)])), expected)
     return True
 
   def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> None:

@@ -24,9 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import native
 from pallas_kernels import ops as kernel_ops
-from pallas_kernels.paged_attention import gather_kv
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -50,54 +48,19 @@ def token_slots(block_tables: jax.Array, starts: jax.Array, write_lens: jax.Arra
   return jnp.where(valid, block, num_blocks), pos % block_size
 
 
-def scatter_rows(pool: jax.Array, index: tuple[jax.Array, ...], rows: jax.Array) -> jax.Array:
-  """pool.at[index].set(rows, mode="drop"): index is a tuple of [R] int arrays, the
-  first into axis 0 (out of range: the row is dropped).
-
-  XLA turns a one-row scatter into a dynamic-update-slice that made it copy the
-  whole pool (batch-1 decode: 250 ms a step at 256 blocks), so a single row
-  gets a dropped twin and stays a scatter, which updates in place. (A bf16 pool
-  on a CPU: XLA's scatter converts the whole pool to f32 and back; `write_blocks`
-  and `write_pages` use the native row write there.)"""
-  if index[0].shape[0] == 1:
-    index = (jnp.concatenate([index[0], jnp.full_like(index[0], pool.shape[0])]),
-             *(jnp.concatenate([i, i]) for i in index[1:]))
-    rows = jnp.concatenate([rows, rows])
-  return pool.at[index].set(rows, mode="drop")
-
-
-def write_blocks(pool: jax.Array, dst: jax.Array, blocks: jax.Array) -> jax.Array:
-  """pool.at[dst].set(blocks, mode="drop") for a pool [NB, bs, KVH, D] and blocks
-  [N, bs, KVH, D] (dst >= NB: dropped). A bf16 pool goes through the native
-  in-place row write when it is built: XLA's CPU scatter converts a bf16 pool to
-  f32 and back around the update (two whole-pool copies per layer; in the
-  controller's decode step that was 91 of 176 ms at 32 rows)."""
-  if pool.ndim == 4 and pool.dtype == jnp.bfloat16 and native.available():
-    n, bs = dst.shape[0], pool.shape[1]
-    rows = blocks.astype(pool.dtype).reshape(n * bs, *pool.shape[2:])
-    return native.write_pool_rows(pool, rows, jnp.repeat(dst, bs),
-                                  jnp.tile(jnp.arange(bs, dtype=jnp.int32), n))
-  return scatter_rows(pool, (dst,), blocks)
-
-
 def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, starts: jax.Array,
                 write_lens: jax.Array) -> jax.Array:
   """Scatters new K or V rows into a float pool.
 
   1. slot of each new token from the block table (`token_slots`);
-  2. one scatter of the B*T rows; padding rows are dropped (bf16 pools on a CPU:
-     the native in-place write, `native.write_pool_rows`).
+  2. one write of the B*T rows (`pallas_kernels.ops.write_pool_rows`); padding
+     rows are dropped.
   pages [NB, bs, KVH, D]; new [B, T, KVH, D]. Returns the updated pool."""
   nb, bs, kvh, d = pages.shape
   b, t = new.shape[:2]
   block, offset = token_slots(block_tables, starts, write_lens, t, bs, nb)
-  rows = new.reshape(b * t, kvh, d).astype(pages.dtype)
-  block, offset = block.reshape(-1), offset.reshape(-1)
-  if pages.dtype == jnp.bfloat16 and native.available():
-    # XLA's CPU scatter widens a bf16 pool to f32 and back around the update
-    # (two copies of the whole pool per write: ~80 ms a step at batch 32).
-    return native.write_pool_rows(pages, rows, block, offset)
-  return scatter_rows(pages, (block, offset), rows)
+  return kernel_ops.write_pool_rows(pages, new.reshape(b * t, kvh, d), block.reshape(-1),
+                                    offset.reshape(-1))
 
 
 def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_tables: jax.Array,
@@ -137,48 +100,12 @@ def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_ta
   block_scale = jnp.maximum(amax / FP8_MAX, 1e-12)
   quant = (vals / block_scale[:, :, None, :, None]).astype(pages.dtype)
   target = jnp.where(touched, phys, nb).reshape(-1)
-  pages = write_blocks(pages, target, quant.reshape(-1, bs, kvh, d))
-  scale = scatter_rows(scale, (target,), block_scale.reshape(-1, kvh))
+  pages = kernel_ops.write_pool_blocks(pages, target, quant.reshape(-1, bs, kvh, d))
+  scale = kernel_ops.scatter_rows(scale, (target,), block_scale.reshape(-1, kvh))
   return pages, scale
 
 
 # --- attention ---------------------------------------------------------------------
-
-
-def decode_attention_xla(q: jax.Array, k_pages, v_pages, block_tables, lengths, k_scale=None,
-                         v_scale=None, sliding_window: int | None = None) -> jax.Array:
-  """One query per row against its paged keys, written for the CPU.
-
-  1. gather the row's pages: K, V [B, L, KVH, D] with L = max_blocks * block_size;
-  2. scores by multiply-then-sum over D (faster than a batched dot for one
-     query, see DESIGN.md): [B, L, KVH, G];
-  3. masked softmax over L (keys >= lengths[b] masked; length 0 -> zeros);
-  4. output = sum over L of p * V: [B, KVH, G, D] -> [B, H, D].
-  Batched dots (einsum bkgd,blkd->bkgl and bkgl,blkd->bkgd) ran 30 layers
-  alone in 15 vs 90 ms at B=32, L=256, but the whole decode step was the same
-  within noise (interleaved, dots vs this: 162 vs 167 ms at L=128, 208 vs 208
-  at L=256); the gather (~0.75 ms per 6.3 MB pool per layer) dominates.
-  q [B, H, D]; lengths [B] int32 (keys 0..lengths[b]-1 are visible; with
-  sliding_window=w only the last w of them)."""
-  b, h, d = q.shape
-  kvh = k_pages.shape[2]
-  g = h // kvh
-  k = gather_kv(k_pages, k_scale, block_tables)  # the reference's gather: f32, scales applied
-  v = gather_kv(v_pages, v_scale, block_tables)
-  qg = q.astype(jnp.float32).reshape(b, 1, kvh, g, d) * (1.0 / math.sqrt(d))
-  s = jnp.sum(qg * k[:, :, :, None, :], axis=-1)  # [B, L, KVH, G]
-  pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
-  valid = pos < lengths[:, None]  # [B, L]
-  if sliding_window is not None:
-    valid &= pos >= lengths[:, None] - sliding_window
-  s = jnp.where(valid[:, :, None, None], s, -jnp.inf)
-  m = jnp.max(s, axis=1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(valid[:, :, None, None], jnp.exp(s - m), 0.0)
-  denom = jnp.sum(p, axis=1)  # [B, KVH, G]
-  out = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)  # [B, KVH, G, D]
-  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return out.reshape(b, h, d).astype(q.dtype)
 
 
 # --- the cache pytree --------------------------------------------------------------
@@ -268,10 +195,9 @@ class PagedKVCache:
 
     1. write k, v [B, T, KVH, D] at positions starts[b].. through the block
        table (only the first write_lens[b] tokens; FP8 pools rescale blocks);
-    2. T == 1 (decode): lengths = starts + write_lens; on GPU the Pallas
-       paged decode kernel; on CPU with backend "auto" the native kernel
-       (`pallas_kernels.native`, f32 or bf16 pools; it reads pages in place), else
-       the XLA multiply-then-sum path (backend "reference" forces it);
+    2. T == 1 (decode): lengths = starts + write_lens; the paged decode op
+       (`pallas_kernels.ops` picks Pallas on GPU, the native kernel on a CPU where
+       it fits, else the XLA reference; backend "reference" forces that);
        T > 1 (chunked prefill): the paged prefill op (rows past write_lens -> 0);
        T > 1 with `decode_queries` (verifying drafts): each query as a decode row.
     q [B, T, H, D]; positions [B, T] (= starts[b] + t). Returns (out [B, T, H, D], cache)."""
@@ -310,18 +236,9 @@ class PagedKVCache:
 
   def _decode_attention(self, q, kp, vp, tables, lengths, ks, vs, backend: str, interpret: bool,
                         window: int | None = None):
-    """One query per row ([R, H, D]) over its paged keys < lengths[r] (the last `window`
-    of them for a local layer): on GPU the Pallas paged decode kernel; on CPU with
-    backend "auto" the native kernel (f32 or bf16 pools, read in place; it has no
-    window, so local layers take the XLA path), else the XLA multiply-then-sum path
-    ("reference" forces it)."""
-    resolved = kernel_ops.resolve_backend(backend)
-    use_native = (backend == "auto" and resolved == "reference" and not self.is_fp8
-                  and kp.dtype in native.POOL_DTYPES and native.available() and window is None)
-    if use_native:
-      return native.paged_decode_attention(q, kp, vp, tables, lengths)
-    if resolved == "reference":
-      return decode_attention_xla(q, kp, vp, tables, lengths, ks, vs, window)
+    """One query per row ([R, H, D]) over its paged keys < lengths[r], the last `window`
+    of them for a local layer (`pallas_kernels.ops.paged_decode_attention` picks the
+    kernel; the native CPU one has no window, so local layers take the reference)."""
     return kernel_ops.paged_decode_attention(q, kp, vp, tables, lengths, k_scale=ks, v_scale=vs,
                                              sliding_window=window, backend=backend,
                                              interpret=interpret)
@@ -332,7 +249,7 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
 
   src, dst [N] int32 (pad with dst = num_blocks to keep N a fixed bucket)."""
   src = jnp.clip(src, 0, cache.num_blocks - 1)
-  cp = lambda pools: tuple(write_blocks(p, dst, p[src]) for p in pools)
+  cp = lambda pools: tuple(kernel_ops.write_pool_blocks(p, dst, p[src]) for p in pools)
   new = cache.replace(k_pages=cp(cache.k_pages), v_pages=cp(cache.v_pages))
   if cache.is_fp8:
     new = new.replace(k_scale=cp(cache.k_scale), v_scale=cp(cache.v_scale))

@@ -1,8 +1,8 @@
 """Building blocks of the decoder, as pure functions (f32 math on CPU).
 
-Every matmul goes through `linear`, which takes a dense array, a
-`QuantizedTensor` (dispatched to `pallas_kernels.ops`) or a `VnniWeight`
-(int8 activation levels, `pallas_kernels.vnni_matmul`).
+Every matmul goes through `linear`, and so through `pallas_kernels.ops.matmul`,
+which picks the product by the weight: a dense f32 or bf16 array, a
+`QuantizedTensor` or a `VnniWeight` (int8 activation levels).
 """
 
 from __future__ import annotations
@@ -14,49 +14,18 @@ import jax.numpy as jnp
 
 from pallas_kernels import ops as kernel_ops
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
-from pallas_kernels.vnni_matmul import VnniWeight, vnni_matmul
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-# A bf16 x bf16 dot with f32 accumulation takes XLA's fast CPU path (AMX /
-# AVX512-BF16) only from this many rows: one row runs ~6x slower than f32, and
-# two rows round differently from three or more. Fewer rows are zero-padded,
-# so a row's result never depends on how many other rows are in the batch.
-BF16_MIN_ROWS = 4
-
-
-def bf16_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., K] (rounded to bf16) @ w [K, N] bf16, accumulated in f32 -> f32 [..., N]."""
-  lead, k = x.shape[:-1], x.shape[-1]
-  rows = math.prod(lead)
-  x2 = x.reshape(rows, k).astype(jnp.bfloat16)
-  if rows < BF16_MIN_ROWS:
-    x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - rows), (0, 0)))
-  y = jnp.dot(x2, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-  return y[:rows].reshape(*lead, w.shape[-1])
 
 
 MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "auto",
-           interpret: bool = False, matmul_dtype: str = "float32") -> jax.Array:
-  """x: [..., K] @ w: [K, N] (+ bias [N]) -> [..., N].
-
-  matmul_dtype "bfloat16": dense weights go through `bf16_dot` (x rounded to
-  bf16, f32 accumulation and output); "float32": dense weights are cast to
-  x's dtype (exact f32 math for f32 x). Quantized weights ignore it; a
-  `VnniWeight` (the model's "int8" matmuls) always quantizes x to two int8
-  levels per block of 32."""
-  if isinstance(w, VnniWeight):
-    y = vnni_matmul(x, w, backend=backend).astype(x.dtype)
-  elif isinstance(w, QuantizedTensor):
-    y = kernel_ops.quantized_matmul(x, w, backend=backend, interpret=interpret)
-  elif matmul_dtype == "bfloat16":
-    y = bf16_dot(x, w)
-  else:
-    y = jnp.dot(x, w.astype(x.dtype), precision=_HIGHEST)
+           interpret: bool = False) -> jax.Array:
+  """x: [..., K] @ w: [K, N] (+ bias [N]) -> [..., N]. The weight says how
+  (`pallas_kernels.ops.matmul`: int8, quantized, bf16 or full-precision dense)."""
+  y = kernel_ops.matmul(x, w, backend=backend, interpret=interpret)
   if bias is not None:
     y = y + bias.astype(y.dtype)
   return y

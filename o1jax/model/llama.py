@@ -18,14 +18,11 @@ from flax import nnx
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, to_device
 from o1jax.model import layers
-from pallas_kernels.ops import resolve_backend
+from pallas_kernels import ops as kernel_ops
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
-from pallas_kernels.vnni_matmul import concat_columns, pack as pack_vnni
+from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
 
 WEIGHT_MODES = ("auto", "quantized", "dense")
-# "auto" materialises f32 weights for the XLA path only below this size: on a
-# CPU, dequantizing every weight on every decode step costs ~10x the matmuls.
-AUTO_DENSE_LIMIT_BYTES = 4 << 30
 
 
 # Matrices that read the same input, fused for the int8 kernel (see `concat_columns`).
@@ -112,12 +109,10 @@ class KVCache:
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, config: ModelConfig, p: dict, *, backend: str, interpret: bool,
-               matmul_dtype: str = "float32"):
+  def __init__(self, config: ModelConfig, p: dict, *, backend: str, interpret: bool):
     self.config = config
     self.backend = backend
     self.interpret = interpret
-    self.matmul_dtype = matmul_dtype
     weight = lambda n: Weight(p[n]) if n in p else None
     self.attn_norm = Weight(p["attn_norm"])
     # Either q/k/v and gate/up apart, or fused (int8 matmuls: INT8_FUSED).
@@ -133,7 +128,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, starts, cache, index: int, inv_freq):
     """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
     c = self.config
-    kw = dict(backend=self.backend, interpret=self.interpret, matmul_dtype=self.matmul_dtype)
+    kw = dict(backend=self.backend, interpret=self.interpret)  # the weights say int8/bf16/f32
     val = lambda w: None if w is None else w.get_value()
     b, t, _ = x.shape
     h = layers.rms_norm(x, val(self.attn_norm), c.rms_eps)
@@ -187,12 +182,12 @@ class Llama(nnx.Module):
                matmul_dtype: str = "float32"):
     """weight_mode: "quantized" keeps QuantizedTensors (the Pallas kernels fuse the
     dequantization); "dense" dequantizes once to f32 here (same values, bit for
-    bit); "auto" picks "dense" for the XLA reference backend when the f32 model
-    fits in AUTO_DENSE_LIMIT_BYTES, else "quantized".
+    bit); "auto" asks `pallas_kernels.ops.dense_weights_preferred` (dense where the
+    XLA reference computes and the f32 weights fit its limit), else "quantized".
 
     matmul_dtype: "float32" (default: exact f32 math, the reference) or
     "bfloat16": dense matrices are stored in bf16 and every matmul rounds its
-    input to bf16 and accumulates in f32 (`layers.bf16_dot`). On CPUs with
+    input to bf16 and accumulates in f32 (`pallas_kernels.ops.bf16_matmul`). On CPUs with
     AMX / AVX512-BF16 that runs batched decode ~2x faster; logits move by
     ~1e-2 (like llama.cpp's 8-bit activations). Norms, attention, softmax and
     the KV cache stay f32. Quantized weights are unaffected.
@@ -209,8 +204,8 @@ class Llama(nnx.Module):
     if weight_mode == "auto":
       n_weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
           params, is_leaf=lambda x: isinstance(x, QuantizedTensor)))
-      small = n_weights * 4 <= AUTO_DENSE_LIMIT_BYTES
-      weight_mode = "dense" if resolve_backend(backend) == "reference" and small else "quantized"
+      dense = kernel_ops.dense_weights_preferred(backend, n_weights * 4)
+      weight_mode = "dense" if dense else "quantized"
     self.weight_mode = weight_mode
     params = to_device(params)
     if matmul_dtype == "int8":
@@ -219,17 +214,21 @@ class Llama(nnx.Module):
       params = jax.tree.map(lambda w: dequantize(w) if isinstance(w, QuantizedTensor) else w, params,
                             is_leaf=lambda x: isinstance(x, QuantizedTensor))
     self.matmul_dtype = matmul_dtype
-    if matmul_dtype == "bfloat16":  # matrices only: norms and biases stay as loaded
-      params = jax.tree.map(
-          lambda w: w.astype(jnp.bfloat16) if isinstance(w, jax.Array) and w.ndim == 2 else w,
-          params, is_leaf=lambda x: isinstance(x, QuantizedTensor))
+    # The matrices' dtype picks each product (`pallas_kernels.ops.matmul`): bf16 ones a
+    # bf16 matmul, others full precision (f16/bf16 checkpoint matrices widened here, the
+    # same values a per-call cast gave). Norms and biases stay as loaded.
+    matrix_dtype = jnp.bfloat16 if matmul_dtype == "bfloat16" else jnp.float32
+    params = jax.tree.map(
+        lambda w: w.astype(matrix_dtype) if (isinstance(w, jax.Array) and w.ndim == 2
+                                             and jnp.issubdtype(w.dtype, jnp.floating)) else w,
+        params, is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
     self.config = config
     self.dtype = dtype
     self.embed = Weight(params["embed"])
     self.final_norm = Weight(params["final_norm"])
     self.lm_head = Weight(params["lm_head"]) if "lm_head" in params else None
-    self.layers = nnx.List([DecoderLayer(config, p, backend=backend, interpret=interpret,
-                                         matmul_dtype=matmul_dtype) for p in params["layers"]])
+    self.layers = nnx.List([DecoderLayer(config, p, backend=backend, interpret=interpret)
+                            for p in params["layers"]])
     self.backend = backend
     self.interpret = interpret
 
@@ -274,6 +273,5 @@ class Llama(nnx.Module):
 
   def output_logits(self, x: jax.Array) -> jax.Array:
     """f32 logits of final-normed hidden states x: [..., d] -> [..., V]."""
-    logits = layers.linear(x, self.head_weight, backend=self.backend, interpret=self.interpret,
-                           matmul_dtype=self.matmul_dtype)
+    logits = layers.linear(x, self.head_weight, backend=self.backend, interpret=self.interpret)
     return logits.astype(jnp.float32)

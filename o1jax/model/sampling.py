@@ -170,7 +170,11 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     k_on, p_on, lse, m_cut = _filters(scaled, top_k, top_p, min_p)
     # The barrier keeps XLA (CPU) from rewriting top_k + a static slice of its
     # result (vals[:, :1] below) into a full sort, which undid the point of top_k.
-    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(CANDIDATES, v)))
+    # (Not on a mesh: XLA's SPMD partitioner aborts on an optimization barrier, and
+    # the values are the same without it.)
+    vals, idx = jax.lax.top_k(scaled, min(CANDIDATES, v))
+    if jax.sharding.get_abstract_mesh().empty:
+      vals, idx = jax.lax.optimization_barrier((vals, idx))
     cut, known = _threshold_from_candidates(vals, lse, top_k, top_p, k_on, p_on, v)
     cut = jnp.maximum(cut, m_cut)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)

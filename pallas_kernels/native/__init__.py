@@ -130,7 +130,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   are stored, widened to f32 in the kernel); block_tables [B, MB]
   int32; lengths [B] int32 (keys 0..lengths[b]-1 visible; 0 -> zeros; capped at
   MB * BS; table entries are clipped to [0, NB)). Returns [B, H, D] f32.
-  Same math as `o1jax.engine.kv_cache.decode_attention_xla` (to f32 rounding)."""
+  Same math as `pallas_kernels.paged_attention.paged_decode_attention_reference`
+  (to f32 rounding); `pallas_kernels.ops` chooses between them."""
   if not available():
     raise RuntimeError(f"native paged_decode_attention unavailable: {unavailable_reason()}")
   b, h, d = q.shape

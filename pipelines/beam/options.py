@@ -8,7 +8,9 @@
    Dataflow, Flink, Spark, Prism); 3. DirectRunner-only flags are dropped for
    other runners so their option validation does not trip over them; 4. the modules of
    the config's `imports` become Beam plugins too, so every worker process of any runner
-   imports them at start-up (a researcher's own policies, verifiers, tasks).
+   imports them at start-up (a researcher's own policies, verifiers, tasks);
+5. `dask` runs on a dask.distributed cluster (`pipelines/beam/dask_runner.py`): the one at
+   `runner.address`, or a LocalCluster of `runner.local_workers` processes on this machine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Sequence
 from apache_beam.options.pipeline_options import PipelineOptions
 
 WORKER_PLUGIN = "pipelines.beam.worker"  # imported by each worker process at start-up
-RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner", "PrismRunner",
+DASK_RUNNER = "pipelines.beam.dask_runner.DaskRunner"
+DASK_NAMES = ("dask", "DaskRunner", DASK_RUNNER)
+RUNNERS = ("DirectRunner", "dask", "DataflowRunner", "FlinkRunner", "SparkRunner", "PrismRunner",
            "PortableRunner")
 
 
@@ -28,6 +32,8 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
   for arg in extra:
     if arg.startswith("--runner="):
       runner = arg.split("=", 1)[1]
+  if runner in DASK_NAMES:
+    return _dask_args(runner_cfg, extra, plugins)
   args = [f"--runner={runner}"]
   if runner == "DirectRunner":
     args += [f"--direct_num_workers={int(runner_cfg.direct_num_workers)}",
@@ -36,6 +42,27 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
     if not any(a.startswith("--default_sdk_harness_log_level") for a in extra):
       args.append("--default_sdk_harness_log_level=WARNING")  # worker INFO lines bury the progress bar
   args += [f"--beam_plugins={name}" for name in plugins]
+  return args + [a for a in extra if not a.startswith("--runner=")]
+
+
+def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list[str]:
+  """The config's address (or LocalCluster size) and partitions; flags after `--` win."""
+  given = {a.split("=", 1)[0] for a in extra}
+  address = str(runner_cfg.get("address", "") or "")
+  for key in ("local_workers", "partitions"):
+    value = runner_cfg.get(key, 0)
+    if not isinstance(value, int) or value < (1 if key == "local_workers" else 0):
+      raise ValueError(f"runner.{key}={value!r}: expected an integer >= "
+                       f"{1 if key == 'local_workers' else 0}")
+  args = [f"--runner={DASK_RUNNER}"]
+  if address and "--dask_client_address" not in given:
+    args.append(f"--dask_client_address={address}")
+  if not address and "--dask_local_workers" not in given:
+    args.append(f"--dask_local_workers={int(runner_cfg.get('local_workers', 2))}")
+  if int(runner_cfg.get("partitions", 0) or 0) and "--dask_partitions" not in given:
+    args.append(f"--dask_partitions={int(runner_cfg.partitions)}")
+  # Local workers exit with the launcher (the module does nothing on a remote cluster).
+  args += [f"--beam_plugins={name}" for name in (WORKER_PLUGIN, *plugins)]
   return args + [a for a in extra if not a.startswith("--runner=")]
 
 
@@ -48,3 +75,17 @@ def is_direct(options: PipelineOptions) -> bool:
   from apache_beam.options.pipeline_options import StandardOptions
   runner = options.view_as(StandardOptions).runner
   return runner in (None, "DirectRunner", "BundleBasedDirectRunner")
+
+
+def runs_here(options: PipelineOptions) -> bool:
+  """Whether the workers run on this machine: the DirectRunner, or the dask runner on a
+  LocalCluster it starts (no scheduler address): local output paths and the launcher watch
+  then apply."""
+  if is_direct(options):
+    return True
+  from apache_beam.options.pipeline_options import StandardOptions
+  if options.view_as(StandardOptions).runner not in DASK_NAMES:
+    return False
+  from apache_beam.runners.dask.dask_runner import DaskOptions
+  dask = options.view_as(DaskOptions)
+  return not dask.address and not dask.scheduler_file

@@ -101,9 +101,13 @@ def build_plan(config, output_dir: str) -> EvalPlan:
                           top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
   name = resolve_predictor(config.model.predictor, policy, config.task)
   controller = None
-  if policy.controller:  # its cache section, checked now rather than in a worker
-    from o1jax.controller.configs import check_cache_config
-    controller = check_cache_config(config.get("controller") or {})
+  if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype
+    from o1jax.controller import CacheConfig
+    section = config.get("controller") or {}
+    section = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+    engine = config.get("engine") or {}
+    section["kv_dtype"] = str(engine.get("kv_dtype", "float32"))
+    controller = CacheConfig.from_dict(section).to_dict()  # checked now, not in a worker
   budget = config.get("budget")
   if budget is not None:  # checked now rather than in a worker
     from o1jax.engine.budget import BudgetConfig
@@ -113,6 +117,11 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   if speculative_config(speculative or {}) is not None and name != "engine":
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
                      f"{name!r} (the controller's loop and the generator do not speculate)")
+  engine = config.get("engine") or {}
+  if int(engine.get("tensor_parallel", 1) or 1) > 1 and name != "engine":
+    raise ValueError(f"engine.tensor_parallel={engine.get('tensor_parallel')} needs "
+                     f"model.predictor=engine; this run uses {name!r} (the controller and the "
+                     f"generator run on one device)")
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,

@@ -54,3 +54,31 @@ class ReferencePredictor:
 
 def reference_loader(spec: PredictorSpec) -> ReferencePredictor:
   return ReferencePredictor()
+
+
+@dataclasses.dataclass
+class LoggingPredictor(FlakyPredictor):
+  """FlakyPredictor that appends `item KEY` to `path` for every item it is asked to predict."""
+  path: str = ""
+
+  def predict(self, items: Sequence[WorkItem]) -> list[dict]:
+    with open(self.path, "a") as f:
+      f.write("".join(f"item {i.key}\n" for i in items))
+    return super().predict(items)
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingLoader:
+  """Loads a LoggingPredictor and appends `load PID` to `path` at each load: how often and
+  in which processes a runner loads the model, and how often each item is predicted."""
+  path: str
+  fail_ids: frozenset = frozenset()
+  load_s: float = 0.0  # seconds a load takes (a real model: tens of seconds)
+
+  def __call__(self, spec: PredictorSpec) -> LoggingPredictor:
+    import os
+    import time
+    time.sleep(self.load_s)
+    with open(self.path, "a") as f:
+      f.write(f"load {os.getpid()}\n")
+    return LoggingPredictor(self.fail_ids, self.path)

@@ -1,4 +1,4 @@
-"""The native CPU paged decode attention against the XLA path it replaces.
+"""The native CPU paged decode attention against the XLA reference it replaces.
 
 Both compute softmax(q.K / sqrt(D)) V in f32 over the same keys, in a
 different summation order: outputs (|values| <~ 3) agree to 1e-5."""
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from o1jax.engine.kv_cache import decode_attention_xla
 from pallas_kernels import native
+from pallas_kernels.paged_attention import paged_decode_attention_reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU-only kernel")
 
@@ -41,7 +41,7 @@ def test_matches_xla_path(heads, kv_heads, head_dim, block_size):
   # edge rows: nothing visible, one key, more keys than the table holds
   lengths = lengths.at[0].set(0).at[1].set(1).at[2].set(6 * block_size + 50)
   got = jax.jit(native.paged_decode_attention)(q, kp, vp, tables, lengths)
-  want = jax.jit(decode_attention_xla)(q, kp, vp, tables, lengths)
+  want = jax.jit(paged_decode_attention_reference)(q, kp, vp, tables, lengths)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
   assert not np.asarray(got[0]).any()  # length 0 -> zeros
 
@@ -56,7 +56,7 @@ def test_bf16_pools_match_xla_path(heads, kv_heads, head_dim):
   kp, vp = kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16)
   lengths = lengths.at[0].set(0).at[1].set(1)
   got = jax.jit(native.paged_decode_attention)(q, kp, vp, tables, lengths)
-  want = jax.jit(decode_attention_xla)(q, kp, vp, tables, lengths)
+  want = jax.jit(paged_decode_attention_reference)(q, kp, vp, tables, lengths)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
   with pytest.raises(ValueError, match="pools are bfloat16 / float32"):
     native.paged_decode_attention(q, kp, vp.astype(jnp.float32), tables, lengths)

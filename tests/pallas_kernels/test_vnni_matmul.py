@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import native, ops
 from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import dequantize, quantize
 
@@ -35,7 +36,7 @@ def _activations(m, k, seed=1):
 
 
 def _needs_native():
-  if not vm.native_supported():
+  if not native.int8_matmul_available():
     pytest.skip("native int8 matmul unavailable (no compiler, no AVX512-VNNI, or not a CPU)")
 
 
@@ -92,8 +93,8 @@ def test_native_matches_reference(fmt, m, k, n):
   _needs_native()
   qt = _weight(fmt, k, n, seed=m)
   w, x = _packed(qt), jnp.asarray(_activations(m, k, seed=k))
-  got = np.asarray(jax.jit(lambda x: vm.vnni_matmul(x, w))(x))
-  want = np.asarray(jax.jit(lambda x: vm.vnni_matmul(x, w, backend="reference"))(x))
+  got = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w))(x))
+  want = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w, backend="reference"))(x))
   assert got.shape == (m, n)
   # Same integers; the f32 sums over blocks run in another order (and a residual
   # may round one step apart when the compiler fuses x - xa*s).
@@ -105,7 +106,7 @@ def test_native_row_does_not_depend_on_the_other_rows(fmt):
   _needs_native()
   w = _packed(_weight(fmt, 576, 1536))
   x = jnp.asarray(_activations(40, 576, seed=7))
-  fn = jax.jit(lambda x: vm.vnni_matmul(x, w))
+  fn = jax.jit(lambda x: ops.int8_matmul(x, w))
   full = np.asarray(fn(x))
   # 1-7 rows: VNNI register tiles of 4 rows plus every remainder size; 32 and 40:
   # AMX tiles of 16 rows where the OS grants AMX (else VNNI again).
@@ -121,10 +122,10 @@ def test_concatenated_columns_compute_each_part_bit_for_bit(m):
   assert fused.shape == (64, 104)
   x = jnp.asarray(_activations(m, 64, seed=3))
   for backend in ("auto", "reference"):
-    whole = np.asarray(jax.jit(lambda x: vm.vnni_matmul(x, fused, backend=backend))(x))
-    alone = np.concatenate([np.asarray(jax.jit(lambda x, w=w: vm.vnni_matmul(
+    whole = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, fused, backend=backend))(x))
+    alone = np.concatenate([np.asarray(jax.jit(lambda x, w=w: ops.int8_matmul(
         x, w, backend=backend))(x)) for w in parts], axis=1)
-    if backend == "auto" and vm.native_supported():  # the kernel: bit for bit
+    if backend == "auto" and native.int8_matmul_available():  # the kernel: bit for bit
       np.testing.assert_array_equal(whole, alone)
     else:  # XLA may order the f32 sums over blocks differently for another N
       np.testing.assert_allclose(whole, alone, rtol=0, atol=1e-6 * np.abs(alone).max())
@@ -137,12 +138,12 @@ def test_concatenated_columns_compute_each_part_bit_for_bit(m):
 def test_leading_dims_and_errors():
   w = _packed(_weight("q4_1", 64, 40))
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.float32)
-  y = vm.vnni_matmul(x, w)
+  y = ops.int8_matmul(x, w)
   assert y.shape == (2, 3, 40)
   np.testing.assert_allclose(np.asarray(y).reshape(6, 40),
-                             np.asarray(vm.vnni_matmul(x.reshape(6, 64), w)), rtol=0, atol=0)
+                             np.asarray(ops.int8_matmul(x.reshape(6, 64), w)), rtol=0, atol=0)
   with pytest.raises(ValueError, match=r"x.shape=\(2, 3, 64\) does not match W.shape=\(96, 40\)"):
-    vm.vnni_matmul(x, _packed(_weight("q4_1", 96, 40)))
+    ops.int8_matmul(x, _packed(_weight("q4_1", 96, 40)))
   with pytest.raises(ValueError, match="layers.3.wq has K=40, not a multiple of 32"):
     vm.pack(np.zeros((40, 16), np.float32), "layers.3.wq")
   with pytest.raises(ValueError, match="w_up has shape"):

@@ -43,7 +43,8 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
   cfg.model.source = str(tmp_path)
   paged = build_plan(cfg, "unused_output_dir").predictor
-  assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0}
+  assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0,
+                                    "kv_dtype": "float32"}  # the engine section's, read once
   assert model_fingerprint(paged)["controller_cache"] == {"cache": "paged", "block_size": 16}
   assert type(build_predictor(paged).controller.model).__name__ == "PagedLlama"
   cfg.controller.num_blocks = 512  # fits or raises: never another result, so not in the hash
@@ -52,6 +53,12 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   contiguous = build_plan(cfg, "unused_output_dir").predictor
   assert "controller_cache" not in model_fingerprint(contiguous)  # contiguous hashes stay as before
   assert type(build_predictor(contiguous).controller.model).__name__ == "ContiguousLlama"
+  cfg.engine.kv_dtype = "float8_e4m3fn"  # the contiguous cache stores f32/bf16: refused at plan time
+  with pytest.raises(ValueError, match="float8_e4m3fn needs cache='paged'"):
+    build_plan(cfg, "unused_output_dir")
+  cfg.controller.cache = "paged"
+  narrow = build_plan(cfg, "unused_output_dir").predictor
+  assert build_predictor(narrow).controller.model.kv_dtype == "float8_e4m3fn"
   cfg.controller.cache = "pagd"
   with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
     build_plan(cfg, "unused_output_dir")
@@ -87,3 +94,16 @@ def test_engine_kv_dtype_reaches_the_controller_cache(tmp_path):
   cfg.engine.kv_dtype = "float8_e4m3fn"
   with pytest.raises(ValueError, match="float8_e4m3fn needs cache='paged'"):
     build_predictor(build_plan(cfg, "unused_output_dir").predictor)
+
+
+def test_tensor_parallel_enters_the_hash_and_needs_the_engine():
+  from pipelines.beam import build_plan
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.engine.tensor_parallel = 2
+  spec = PredictorSpec.from_config(cfg.model, name="engine", batch_size=4, engine=cfg.engine)
+  assert model_fingerprint(spec)["tensor_parallel"] == 2
+  assert engine_config(spec).tensor_parallel == 2
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.engine.tensor_parallel = 2
+  with pytest.raises(ValueError, match="tensor_parallel=2 needs model.predictor=engine"):
+    build_plan(cfg, "unused_output_dir")

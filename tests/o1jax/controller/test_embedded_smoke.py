@@ -2,7 +2,8 @@
 
 import pytest
 
-from o1jax.controller import Controller, ContiguousLlama, build_policy, configs
+from configs.policies import policy_config
+from o1jax.controller import Controller, ContiguousLlama, build_policy
 
 QUESTION = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does "
                                         "he have now? Answer step by step."}]
@@ -20,7 +21,7 @@ def controller(embedded_checkpoint):
 @pytest.mark.parametrize("name", ["greedy_cot", "self_consistency", "best_of_n", "deepconf",
                                   "think_verify_backtrack", "budget_forcing"])
 def test_policy_smoke(controller, name):
-  cfg = configs.policy_config(name, smoke=True, step_delimiter="\n")
+  cfg = policy_config(name, smoke=True, step_delimiter="\n")
   res, = controller.run([QUESTION], build_policy(cfg))
   assert res.policy == name and res.traces and res.wall_time_s > 0
   for t in res.traces:

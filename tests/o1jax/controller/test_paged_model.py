@@ -19,9 +19,8 @@ import pytest
 from flax import nnx
 
 from o1jax.controller import (Controller, LoopSettings, PagedCacheOverflow, PagedLlama,
-                              ReasoningRequest, SelfVerify, build_decode_model, cache_config,
+                              ReasoningRequest, SelfVerify, build_decode_model, CacheConfig,
                               get_policy)
-from o1jax.controller.configs import check_cache_config
 from o1jax.controller.testing import MockDecodeModel, MockTokenizer
 from tests.o1jax.controller.conftest import VOCAB
 
@@ -226,12 +225,12 @@ def test_cache_config_selects_the_model_and_names_bad_values(models):
   llama = nnx.merge(paged.graphdef, paged.params)
   assert isinstance(build_decode_model(llama), PagedLlama)  # the default
   assert type(build_decode_model(llama, {"cache": "contiguous"})).__name__ == "ContiguousLlama"
-  built = build_decode_model(llama, cache_config(cache="paged", block_size=8, num_blocks=64))
+  built = build_decode_model(llama, CacheConfig(cache="paged", block_size=8, num_blocks=64))
   assert isinstance(built, PagedLlama) and (built.block_size, built.num_blocks) == (8, 64)
   assert build_decode_model(llama, {"cache": "paged"}).num_blocks is None  # 0 = from the plan
   with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
-    check_cache_config({"cache": "pagd"})
+    CacheConfig.from_dict({"cache": "pagd"})
   with pytest.raises(ValueError, match=r"no keys \['blocks'\]"):
-    cache_config(blocks=4)
+    CacheConfig.from_dict({"blocks": 4})
   with pytest.raises(ValueError, match="block_size=0"):
-    check_cache_config({"cache": "paged", "block_size": 0})
+    CacheConfig.from_dict({"cache": "paged", "block_size": 0})

@@ -7,7 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from o1jax.controller import (POLICIES, ReasoningRequest, SamplingSpec, build_policy, configs,
+from configs.policies import policy_config, policy_params
+from o1jax.controller import (POLICIES, ReasoningRequest, SamplingSpec, build_policy,
                               extract_number, get_policy, majority_vote, policy_names,
                               weighted_vote)
 from tests.o1jax.controller.conftest import ID, VOCAB, MockWorld
@@ -34,7 +35,7 @@ def test_registry_and_configs():
   with pytest.raises(ValueError, match="valid"):
     get_policy("self_consistency", m=3)
   for name in POLICY_NAMES:
-    cfg = configs.get_config(f"{name},smoke")
+    cfg = policy_config(name, smoke=True)
     assert isinstance(cfg, ml_collections.ConfigDict) and cfg.name == name
     policy = build_policy(cfg)
     assert policy.name == name and policy.max_thinking_tokens == 24
@@ -62,7 +63,7 @@ def test_plain_sampling_policies_share_the_namespace():
   with pytest.raises(ValueError, match="'greedy' samples plainly"):
     MockWorld(FORK).controller().run(["Q"], "greedy")
   # Smoke shrinks reasoning budgets only; a plain policy keeps its class defaults.
-  assert configs.policy_params("sample_n", smoke=True) == {"n": 4, "temperature": 0.7,
+  assert policy_params("sample_n", smoke=True) == {"n": 4, "temperature": 0.7,
                                                             "top_p": 0.95, "top_k": 0}
 
 
@@ -218,7 +219,7 @@ def test_unset_optional_params_are_typed_config_placeholders():
   the config holds a float placeholder, in the controller's and the pipeline's configs."""
   from configs import gsm8k as gsm8k_config
 
-  cfg = configs.policy_config("deepconf")
+  cfg = policy_config("deepconf")
   assert cfg.threshold is None and cfg.get_ref("threshold").get_type() is float
   assert build_policy(cfg).threshold is None
   cfg.threshold = 3.1

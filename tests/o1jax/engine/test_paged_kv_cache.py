@@ -221,7 +221,7 @@ def test_copy_blocks_copies_only_the_named_blocks(pairs):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("n_rows", [1, 3])
 def test_scatter_rows_copies_exact_bits_and_drops_out_of_range(dtype, n_rows):
-  from o1jax.engine.kv_cache import scatter_rows
+  from pallas_kernels.ops import scatter_rows
 
   rng = np.random.default_rng(n_rows)
   pool = jnp.asarray(rng.standard_normal((10, 4, 2, 3)), dtype)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from o1jax.checkpoint import load_checkpoint
-from o1jax.model import KVCache, Llama, layers
+from o1jax.model import KVCache, Llama
+from pallas_kernels import ops as kernel_ops
 from o1jax.testing import tiny_config, write_hf_checkpoint
 
 
@@ -18,7 +19,7 @@ def test_bf16_dot_is_bf16_inputs_with_f32_accumulation():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((5, 3, 576)).astype(np.float32)
   w = jnp.asarray(rng.standard_normal((576, 200)), jnp.bfloat16)
-  got = np.asarray(layers.bf16_dot(jnp.asarray(x), w))
+  got = np.asarray(kernel_ops.bf16_matmul(jnp.asarray(x), w))
   want = _bf16_as_f64(x) @ _bf16_as_f64(w)  # exact products of the rounded inputs
   assert got.dtype == np.float32 and got.shape == (5, 3, 200)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
@@ -30,7 +31,7 @@ def test_bf16_dot_row_does_not_depend_on_row_count(k, n):
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((33, k)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-  fn = jax.jit(layers.bf16_dot)
+  fn = jax.jit(kernel_ops.bf16_matmul)
   full = np.asarray(fn(x, w))
   for rows in (1, 2, 3, 5, 32):
     np.testing.assert_array_equal(np.asarray(fn(x[:rows], w)), full[:rows])

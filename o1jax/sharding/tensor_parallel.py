@@ -1,0 +1,135 @@
+"""Tensor parallelism over a mesh's `model` axis, for the Llama family (Megatron-style).
+
+  mesh = jax.make_mesh((1, 4), ("data", "model"))        # or o1jax.sharding.make_mesh
+  engine = Engine(model, tokenizer, config, mesh=mesh)   # same API, same tokens
+
+What each device holds (`param_spec`):
+  column-parallel  wq, wk, wv, w_gate, w_up (and bq, bk, bv): the columns of its
+                   heads / FFN units, so attention and the gated product run on
+                   local heads with no communication;
+  row-parallel     wo, w_down: the rows that multiply its local heads / units; the
+                   partial products are summed by one all-reduce per matrix;
+  replicated       embeddings, norms (and QK-norm weights, per head dim), the head.
+The paged KV pools are split by KV heads (`POOL_SPEC`), so a step reads only its
+local heads' pages. XLA's SPMD partitioner inserts the two all-reduces per layer
+from these input shardings; the kernels that XLA cannot partition (the native CPU
+ones) run per shard under `shard_map` (`pallas_kernels.ops`, from the mesh that the
+engine sets while it traces).
+
+Quantized weights split the same way: a QuantizedTensor's packed values, scales and
+minima are all [rows, N], so a column split is a split of N and a row split one of
+whole groups (K / tp must be a multiple of the group size).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MODEL_AXIS = "model"
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+COLUMN_BIAS = ("bq", "bk", "bv")
+ROW = ("wo", "w_down")
+FUSED = ("wqkv", "w_gate_up")  # int8 matmuls' fused matrices: their columns interleave
+POOL_SPEC = P(None, None, MODEL_AXIS, None)  # [num_blocks, block_size, kv_heads, head_dim]
+SCALE_SPEC = P(None, MODEL_AXIS)  # FP8 pools' scales [num_blocks, kv_heads]
+
+
+class ShardingError(ValueError):
+  """A model, a mesh or a setting that tensor parallelism cannot split."""
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """The mesh with every axis in Auto mode: XLA's partitioner propagates the weights'
+  and pools' shardings through the model (explicit axes would ask every op to say
+  how its output is split)."""
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+def group_mesh(tp: int, devices=None) -> Mesh:
+  """A (data=1, model=tp) mesh: the first tensor-parallel group that `make_mesh` places
+  on the best links among `devices` (default: all)."""
+  from o1jax.sharding.topology import make_mesh
+
+  full = make_mesh(model=tp, devices=devices)
+  return Mesh(full.devices[:1], full.axis_names)
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+  return 1 if mesh is None or MODEL_AXIS not in mesh.axis_names else int(mesh.shape[MODEL_AXIS])
+
+
+def check_tensor_parallel(config, mesh: Mesh, group_size: int | None = None) -> int:
+  """The model axis' size, after checking the model splits evenly over it (one-line
+  ShardingError naming what does not)."""
+  if MODEL_AXIS not in mesh.axis_names:
+    raise ShardingError(f"mesh axes {tuple(mesh.axis_names)} have no {MODEL_AXIS!r} axis")
+  tp = tensor_parallel_size(mesh)
+  for name, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
+                      ("ffn_dim", config.ffn_dim)):
+    if value % tp:
+      raise ShardingError(f"tensor parallelism {tp}: {config.name or 'the model'}'s "
+                          f"{name}={value} is not a multiple of it")
+  if group_size:
+    for name, k in (("n_heads * head_dim", config.n_heads * config.head_dim),
+                    ("ffn_dim", config.ffn_dim)):
+      if (k // tp) % group_size:
+        raise ShardingError(f"tensor parallelism {tp}: the row-parallel matrices' {name}={k} "
+                            f"does not split into whole quantization groups of {group_size}")
+  return tp
+
+
+def _names(path) -> list[str]:
+  out = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        out.append(str(getattr(key, attr)))
+        break
+  return out
+
+
+def param_spec(path, leaf) -> P:
+  """The PartitionSpec of one leaf of a Llama's NNX state, from its path."""
+  names = _names(path)
+  if any(n in FUSED for n in names):
+    raise ShardingError(f"{'.'.join(names)}: fused matrices (matmul_dtype='int8') cannot be "
+                        f"split by heads; use float32 or bfloat16 matmuls with a mesh")
+  ndim = getattr(leaf, "ndim", 0)
+  if any(n in COLUMN for n in names) and ndim == 2:
+    return P(None, MODEL_AXIS)
+  if any(n in ROW for n in names) and ndim == 2:
+    return P(MODEL_AXIS, None)
+  if any(n in COLUMN_BIAS for n in names) and ndim == 1:
+    return P(MODEL_AXIS)
+  return P()
+
+
+def shard_model(model, mesh: Mesh):
+  """The model with every weight placed on the mesh as `param_spec` says (a new module;
+  the argument is left as it was)."""
+  from flax import nnx
+
+  from pallas_kernels.quantized_tensor import QuantizedTensor
+
+  groups = {x.group_size for x in jax.tree.leaves(
+      nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedTensor))
+      if isinstance(x, QuantizedTensor)}
+  check_tensor_parallel(model.config, mesh, max(groups) if groups else None)
+  graphdef, state = nnx.split(model)
+  shardings = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), state)
+  return nnx.merge(graphdef, jax.device_put(state, shardings))
+
+
+def shard_pools(cache, mesh: Mesh):
+  """A PagedKVCache with its pools split by KV heads (block tables replicated)."""
+  pool = NamedSharding(mesh, POOL_SPEC)
+  scale = NamedSharding(mesh, SCALE_SPEC)
+  replicated = NamedSharding(mesh, P())
+  put = lambda xs, s: None if xs is None else tuple(jax.device_put(x, s) for x in xs)
+  return cache.replace(k_pages=put(cache.k_pages, pool), v_pages=put(cache.v_pages, pool),
+                       k_scale=put(cache.k_scale, scale), v_scale=put(cache.v_scale, scale),
+                       block_tables=jax.device_put(cache.block_tables, replicated),
+                       write_lens=jax.device_put(cache.write_lens, replicated))

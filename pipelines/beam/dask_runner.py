@@ -1,0 +1,348 @@
+"""Beam on a dask.distributed cluster: Beam's DaskRunner with the translation the eval graph needs.
+
+  --runner=pipelines.beam.dask_runner.DaskRunner --dask_client_address=tcp://scheduler:8786
+  --runner=pipelines.beam.dask_runner.DaskRunner --dask_local_workers=2   # LocalCluster here
+
+(`configs/common.py`: `--config.runner.name=dask [--config.runner.address=tcp://host:8786]`.)
+
+The cluster, its scheduling, retries and worker processes are Dask's; this module only turns
+the Beam graph into a graph of `dask.bag` partitions. It subclasses Beam's DaskRunner
+(2.77, a proof of concept) because that one loses data on this job (each point seen
+with Beam 2.77; tests/pipelines/test_eval_dask.py runs a graph with 1-3 on this runner):
+  1. outputs a DoFn emits in `finish_bundle` are dropped: `BatchElements`, and so
+     RunInference, emits a bundle's last partial batch there, so items vanish silently;
+  2. a multi-output ParDo (`with_outputs`, `with_exception_handling`) sends all its
+     outputs, tagged or not, to every consumer;
+  3. only the last transform visited is computed: of two sinks (results.jsonl,
+     dead_letters.jsonl) one never runs;
+  4. a side input is computed by iterating its bag inside the consuming task (a nested
+     compute); here it is a graph dependency, computed once by the cluster;
+  5. `Reshuffle` is a no-op, so a job that starts from one element runs in one partition
+     on one worker; here it repartitions to `--dask_partitions` (default: twice the
+     cluster's worker threads + 1) so the work items spread over the workers;
+  6. a DoFn is deserialized and set up for every partition, so RunInference reloads its
+     model per partition; here each worker process keeps a pool of set-up DoFn instances
+     per transform (one per concurrent thread) and reuses it across bundles, as Beam's
+     other runners do: one model per worker process, loaded once.
+Only the global window is supported (the eval job uses no other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import threading
+import uuid
+from typing import Any
+
+import apache_beam as beam
+from apache_beam import pvalue
+from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
+from apache_beam.pipeline import PipelineVisitor
+from apache_beam.runners.dask.dask_runner import DaskOptions as _BeamDaskOptions
+from apache_beam.runners.dask.dask_runner import DaskRunner as _BeamDaskRunner
+from apache_beam.runners.dask.overrides import (_Create, _Flatten, _GroupAlsoByWindow,
+                                                _GroupByKeyOnly, _Read, _Reshuffle, dask_overrides)
+from apache_beam.runners.common import Receiver
+from apache_beam.runners.runner import PipelineResult, PipelineState
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.windowed_value import WindowedValue
+from distributed import WorkerPlugin
+
+RUNNER = "pipelines.beam.dask_runner.DaskRunner"
+_GLOBAL = (GlobalWindow(),)  # the only window translated
+
+
+class DaskOptions(PipelineOptions):
+  """Ours, beside Beam's `--dask_client_address`, `--dask_connection_timeout`, ..."""
+
+  @classmethod
+  def _add_argparse_args(cls, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dask_local_workers", type=int, default=2,
+                        help="without --dask_client_address: a LocalCluster of this many "
+                             "single-threaded worker processes, closed when the job ends")
+    parser.add_argument("--dask_partitions", type=int, default=0,
+                        help="partitions after a Reshuffle (0: twice the cluster's worker threads + 1)")
+
+
+# -- running one bundle in a worker ---------------------------------------------------
+
+class _Receivers(dict):
+  """Output receivers of one DoFn instance; `values` is emptied at each bundle's start."""
+
+  def __init__(self):
+    super().__init__()
+    self.values: list = []
+
+  def __missing__(self, tag):
+    receiver = self[tag] = _TagReceiver(tag, self.values)
+    return receiver
+
+
+class _TagReceiver(Receiver):  # a compiled base class: the output handler accepts no other
+  def __init__(self, tag, values: list):
+    self.tag, self.values = tag, values
+
+  def receive(self, windowed_value: WindowedValue) -> None:
+    self.values.append((self.tag, windowed_value.value))
+
+
+class _Instance:
+  """A set-up DoFn with its invoker (used by one thread at a time)."""
+
+  def __init__(self, spec: "_ParDoSpec", side_values: tuple):
+    from apache_beam.runners.common import DoFnContext, DoFnInvoker, DoFnSignature, _OutputHandler
+    from apache_beam.transforms.window import GlobalWindows
+    self.receivers = _Receivers()
+    handler = _OutputHandler(
+        window_fn=GlobalWindows(), main_receivers=self.receivers[None],
+        tagged_receivers=self.receivers, per_element_output_counter=None,
+        output_batch_converter=None, process_yields_batches=False,
+        process_batch_yields_elements=False)
+    self.invoker = DoFnInvoker.create_invoker(
+        DoFnSignature(spec.fn), handler, context=DoFnContext(spec.label, state=None),
+        side_inputs=spec.side_input_maps(side_values), input_args=list(spec.args),
+        input_kwargs=spec.kwargs, user_state_context=None,
+        bundle_finalizer_param=beam.DoFn.BundleFinalizerParam())
+    self.invoker.invoke_setup()
+
+
+_POOLS: dict[tuple, list] = {}  # (job, transform label) -> idle set-up instances, per process
+_POOLS_LOCK = threading.Lock()
+
+
+class _ParDoSpec:
+  """What a worker needs to run a ParDo over one partition (pickled into the graph)."""
+
+  def __init__(self, job: str, node, side_specs: list):
+    transform = node.transform
+    self.key = (job, node.full_label)
+    self.label = node.full_label
+    self.fn = transform.fn
+    self.args, self.kwargs = transform.raw_side_inputs
+    self.side_specs = side_specs  # (view class, view options, window mapping fn) per side input
+
+  def side_input_maps(self, side_values: tuple) -> list:
+    from apache_beam.transforms.sideinputs import SideInputMap
+    return [SideInputMap(view, options, [WindowedValue(v, 0, _GLOBAL) for v in values])
+            for (view, options, _), values in zip(self.side_specs, side_values)]
+
+  def run_bundle(self, items: list, *side_values) -> list:
+    """One partition = one bundle: start, process each item, finish (whose outputs
+    count too); returns (tag, value) pairs."""
+    with _POOLS_LOCK:
+      pool = _POOLS.setdefault(self.key, [])
+      instance = pool.pop() if pool else None
+    if instance is None:
+      instance = _Instance(self, side_values)  # side inputs: one value per job
+    try:
+      instance.receivers.values.clear()
+      instance.invoker.invoke_start_bundle()
+      for item in items:
+        instance.invoker.invoke_process(WindowedValue(item, 0, _GLOBAL))
+      instance.invoker.invoke_finish_bundle()
+      out = list(instance.receivers.values)
+      instance.receivers.values.clear()
+    except BaseException:
+      instance.invoker.invoke_teardown()  # a failed instance is not reused
+      raise
+    with _POOLS_LOCK:
+      _POOLS.setdefault(self.key, []).append(instance)
+    return out
+
+
+def pooled_instances() -> int:
+  """Set-up DoFn instances this worker process holds (0 between jobs)."""
+  with _POOLS_LOCK:
+    return sum(len(pool) for pool in _POOLS.values())
+
+
+def _release_job(job: str) -> int:
+  """Runs in every worker at the job's end: tears down the job's DoFn instances (their
+  models go with them), so a long-lived cluster does not keep every job's model."""
+  with _POOLS_LOCK:
+    keys = [k for k in _POOLS if k[0] == job]
+    instances = [i for k in keys for i in _POOLS.pop(k)]
+  for instance in instances:
+    instance.invoker.invoke_teardown()
+  return len(instances)
+
+
+def _concat(*partitions) -> list:
+  return list(itertools.chain.from_iterable(partitions))
+
+
+def _select(pairs: list, tag) -> list:
+  return [v for t, v in pairs if t == tag]
+
+
+def _group_values(item):
+  key, pairs = item
+  return key, [v.value if isinstance(v, WindowedValue) else v for _, v in pairs]
+
+
+class _ImportModules(WorkerPlugin):
+  """Dask worker plugin: imports `--beam_plugins` modules in every worker at start-up,
+  as Beam's SDK workers do (a researcher's own policies, the launcher watch)."""
+
+  def __init__(self, modules: list[str]):
+    self.modules = list(modules)
+    self.name = "o1jax-beam-plugins-" + uuid.uuid4().hex[:8]
+
+  def setup(self, worker=None):
+    import importlib
+    for name in self.modules:
+      importlib.import_module(name)
+
+
+# -- the graph ------------------------------------------------------------------------
+
+class _Translator(PipelineVisitor):
+  """Beam leaf transforms (after `dask_overrides`) → one dask.bag per PCollection."""
+
+  def __init__(self, job: str, partitions: int):
+    self.job, self.partitions = job, partitions
+    self.bags: dict[Any, Any] = {}
+    self.consumed: set = set()
+
+  def visit_transform(self, node) -> None:
+    import dask
+    import dask.bag as db
+    transform = node.transform
+    inputs = [pc for pc in node.inputs if not isinstance(pc, pvalue.PBegin)]
+    self.consumed.update(id(pc) for pc in inputs)
+    bags = [self.bags[id(pc)] for pc in inputs]
+    if isinstance(transform, _Create):
+      out = db.from_sequence(list(transform.values) or [None], npartitions=1)
+      if not transform.values:
+        out = out.filter(lambda _: False)
+    elif isinstance(transform, _GroupAlsoByWindow):
+      out = bags[0]  # global window only: the grouped values are final
+    elif isinstance(transform, beam.ParDo):
+      sides = list(node.side_inputs)
+      self.consumed.update(id(si.pvalue) for si in sides)
+      specs = [(type(si), si._view_options(), si._window_mapping_fn) for si in sides]
+      # optimize_graph=False: an optimized copy would rename its keys and compute the
+      # whole upstream graph a second time
+      side_values = [dask.delayed(_concat)(*self.bags[id(si.pvalue)].to_delayed(optimize_graph=False))
+                     for si in sides]
+      pairs = bags[0].map_partitions(_ParDoSpec(self.job, node, specs).run_bundle, *side_values)
+      for tag, pc in node.outputs.items():
+        self.bags[id(pc)] = pairs.map_partitions(_select, tag)
+      return
+    elif isinstance(transform, _GroupByKeyOnly):
+      out = bags[0].groupby(lambda kv: kv[0]).map(_group_values)
+    elif isinstance(transform, _Flatten):
+      out = db.concat(bags) if bags else db.from_sequence([None]).filter(lambda _: False)
+    elif isinstance(transform, _Reshuffle):
+      out = bags[0].repartition(npartitions=self.partitions)
+    elif isinstance(transform, _Read):
+      raise NotImplementedError(f"{RUNNER}: beam.io.Read ({node.full_label}) is not translated")
+    elif len(bags) == 1:
+      out = bags[0]  # a transform without work of its own
+    else:
+      raise NotImplementedError(f"{RUNNER}: cannot translate {node.full_label} "
+                                f"({type(transform).__name__})")
+    for pc in node.outputs.values():
+      self.bags[id(pc)] = out
+
+  def sinks(self) -> list:
+    """PCollections nobody consumes: computing them computes the whole graph."""
+    return [bag for key, bag in self.bags.items() if key not in self.consumed]
+
+
+class DaskRunnerResult(PipelineResult):
+  def __init__(self, client, future, job: str, cluster=None):
+    super().__init__(PipelineState.RUNNING)
+    self.client, self.future, self.job, self.cluster = client, future, job, cluster
+
+  def wait_until_finish(self, duration=None) -> str:
+    """Waits for the job (at most `duration` ms: then RUNNING if it is not done)."""
+    try:
+      self.future.result(timeout=None if duration is None else duration / 1000)
+      self._state = PipelineState.DONE
+    except TimeoutError:
+      if duration is not None and not self.future.done():
+        return self._state
+      self._state = PipelineState.FAILED
+      raise
+    except BaseException:
+      self._state = PipelineState.FAILED
+      raise
+    finally:
+      if self._state != PipelineState.RUNNING:
+        self.close()
+    return self._state
+
+  def close(self) -> None:
+    """Tears the job's DoFns down in the workers and disconnects; a LocalCluster this
+    runner started is shut down."""
+    try:
+      self.client.run(_release_job, self.job)
+    except Exception:  # a worker gone with the job's failure: nothing of it to release
+      pass
+    self.client.close()
+    if self.cluster is not None:
+      self.cluster.close()
+
+  def cancel(self) -> str:
+    self.future.cancel()
+    self._state = PipelineState.CANCELLED
+    self.close()
+    return self._state
+
+  def metrics(self):
+    raise NotImplementedError(f"{RUNNER} does not collect Beam metrics")
+
+
+class DaskRunner(_BeamDaskRunner):
+  """Executes a pipeline on a dask.distributed cluster (a LocalCluster without an address)."""
+
+  def run_pipeline(self, pipeline, options):
+    import dask.distributed as ddist
+    ours = options.view_as(DaskOptions)
+    beams = options.view_as(_BeamDaskOptions).get_all_options(drop_default=True, current_only=True)
+    beams.pop("npartitions", None), beams.pop("partition_size", None)
+    cluster = None
+    if not beams.get("address") and not beams.get("scheduler_file"):
+      if ours.dask_local_workers < 1:
+        raise ValueError(f"--dask_local_workers must be >= 1, got {ours.dask_local_workers}")
+      # Processes, one thread each: JAX and the engine want a process per model.
+      cluster = ddist.LocalCluster(n_workers=ours.dask_local_workers, threads_per_worker=1,
+                                   processes=True, dashboard_address=None)
+      beams["address"] = cluster
+    try:
+      client = ddist.Client(**beams)
+    except OSError as e:  # nothing listening, a wrong host, a timeout: one line naming it
+      if cluster is not None:
+        cluster.close()
+      where = beams.get("address") or beams.get("scheduler_file")
+      raise ValueError(f"dask scheduler {where} cannot be reached: {e}") from e
+    try:
+      if cluster is None:  # a cluster being started may not have its workers yet
+        wait_s = beams.get("timeout") if isinstance(beams.get("timeout"), int) else 60
+        try:
+          client.wait_for_workers(1, timeout=wait_s)
+        except (TimeoutError, OSError) as e:
+          raise ValueError(f"dask scheduler {beams.get('address') or beams.get('scheduler_file')} "
+                           f"has no workers (waited {wait_s} s)") from e
+      plugins = options.view_as(SetupOptions).beam_plugins or []
+      if plugins:
+        client.register_plugin(_ImportModules(plugins))
+      # Default: the fewest partitions dask's scheduler treats as root tasks (more than
+      # twice its threads) and so spreads over the workers as they free up; with fewer,
+      # every partition follows its input to the worker that read the dataset.
+      partitions = ours.dask_partitions or 2 * max(1, sum(client.nthreads().values())) + 1
+      pipeline.replace_all(dask_overrides())
+      job = uuid.uuid4().hex
+      translator = _Translator(job, partitions)
+      pipeline.visit(translator)
+      import dask.bag as db
+      done = db.concat(translator.sinks()).count()  # only a count comes back to the client
+      future = client.compute(done)
+    except BaseException:
+      client.close()
+      if cluster is not None:
+        cluster.close()
+      raise
+    return DaskRunnerResult(client, future, job, cluster)

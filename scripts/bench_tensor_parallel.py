@@ -1,0 +1,127 @@
+"""The tensor-parallel engine against one device, on forced CPU devices, in one run.
+
+  python scripts/bench_tensor_parallel.py [--model embedded] [--tp 3] [--devices 8]
+      [--prompts 8] [--new-tokens 32] [--repeats 2]
+
+For each of one device and a TP group of --tp devices (`Engine(mesh=...)`): greedy
+generation of the same chat prompts (warm-up until nothing compiles, then --repeats
+timed runs), generated tok/s, whether the tokens equal the one-device ones (and where
+the first fork is, with the one-device top-2 logit gap there: a near-tie), and the
+compiled decode step's collective ops (two all-reduces per layer expected, no
+all-gather). On one CPU the split is expected to be slower: the forced devices share
+its cores and add collectives; the point is correctness and what moves per step.
+The SmolLM2 embedded model has 9 heads / 3 KV heads, so --tp 3 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="embedded")
+  p.add_argument("--tp", type=int, default=3)
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--prompts", type=int, default=8)
+  p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--json", default="", help="also write the results here")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  # Before jax is imported: the forced host devices.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={a.devices}").strip()
+  import jax
+  import numpy as np
+
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.compilation_cache import enable_compilation_cache
+  from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+  from o1jax.model import Llama
+
+  enable_compilation_cache()
+  sys.path.insert(0, os.path.dirname(__file__))
+  from bench_engine import chat_prompts
+
+  ck = load_checkpoint(a.model)
+  model = Llama(ck.config, ck.params)
+  prompts = chat_prompts(ck.tokenizer, a.prompts)
+  params = GenerationParams(max_new_tokens=a.new_tokens, ignore_eos=True)
+  rows = {}
+  for label, mesh in (("1 device", None),
+                      (f"TP={a.tp}", jax.make_mesh((1, a.tp), ("data", "model"),
+                                                   devices=jax.devices()[:a.tp]))):
+    engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=a.prompts, kv_cache_bytes=64 << 20),
+                    mesh=mesh)
+    seen = {}
+    decode = engine._decode_jit
+    if mesh is not None:
+
+      def spy(*args, decode=decode, seen=seen):
+        if not seen:
+          seen["args"] = jax.tree.map(
+              lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if isinstance(
+                  x.sharding, jax.sharding.NamedSharding) else None)
+              if isinstance(x, jax.Array) else x, args)
+        return decode(*args)
+
+      engine._decode_jit = spy
+    requests = [Request(p, params, i) for i, p in enumerate(prompts)]
+    while True:  # warm up until a run compiles nothing new
+      before = sum(engine.trace_counts.values())
+      engine.generate(requests)
+      if sum(engine.trace_counts.values()) == before:
+        break
+    walls, out = [], None
+    for _ in range(a.repeats):
+      start = time.perf_counter()
+      out = engine.generate(requests)
+      walls.append(time.perf_counter() - start)
+    tokens = [r.samples[0].token_ids for r in out]
+    ops = None
+    if seen:
+      with jax.set_mesh(engine.mesh):
+        text = decode.__wrapped__.lower(*seen["args"]).compile().as_text()
+      ops = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather")}
+    rows[label] = dict(tok_s=[a.prompts * a.new_tokens / w for w in walls], tokens=tokens,
+                       collectives=ops)
+  base, tp = rows["1 device"], rows[f"TP={a.tp}"]
+  forks = []
+  for i, (x, y) in enumerate(zip(base["tokens"], tp["tokens"])):
+    if x != y:
+      at = next(j for j, (u, v) in enumerate(zip(x, y)) if u != v)
+      forks.append((i, at))
+  gaps = []
+  for i, at in forks:  # the one-device top-2 gap where they fork
+    ids = prompts[i] + base["tokens"][i][:at]
+    from o1jax.model import KVCache
+    logits, _ = model(np.asarray([ids], np.int32), np.zeros((1,), np.int32),
+                      KVCache.zeros(model.config, 1, len(ids)))
+    top = np.sort(np.asarray(logits[0, -1]))[-2:]
+    gaps.append(float(top[1] - top[0]))
+  print(f"| run | generated tok/s ({a.repeats} runs) | same tokens as 1 device | "
+        f"collectives per decode step |")
+  print("|---|---|---|---|")
+  for label, r in rows.items():
+    same = "-" if r is base else f"{len(prompts) - len(forks)}/{len(prompts)}"
+    print(f"| {label} | {' / '.join(f'{t:.1f}' for t in r['tok_s'])} | {same} | "
+          f"{r['collectives'] or '-'} |")
+  print(f"layers: {model.config.n_layers}; forks (prompt, position): {forks}; "
+        f"top-2 logit gaps there: {gaps}")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(dict(rows={k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
+                           for k, v in rows.items()}, forks=forks, gaps=gaps,
+                     layers=model.config.n_layers), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

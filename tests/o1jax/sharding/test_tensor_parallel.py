@@ -1,0 +1,50 @@
+"""Tensor parallelism on 8 forced CPU devices (in a process of its own, tp_run.py): the
+sharded engine gives the one-device engine's tokens, greedy and sampled, with f32 and
+bf16 KV pools; the compiled decode step all-reduces twice per layer and gathers nothing;
+a model that does not split evenly is refused in one line."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from o1jax.engine import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def run():
+  script = pathlib.Path(__file__).with_name("tp_run.py")
+  root = pathlib.Path(__file__).parents[3]
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
+                        timeout=1200)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16"])
+def test_sharded_engine_gives_the_one_device_tokens(run, case):
+  r = run[case]
+  assert r["same_tokens"]
+  assert r["max_logit_diff"] < 1e-4
+  assert (r["wq_spec"], r["wo_spec"], r["pool_spec"]) == (
+      "P(None, 'model')", "P('model', None)", "P(None, None, 'model')")
+  assert r["traces"] == {"prefill": 3, "decode": 1}  # the pools keep their sharding: no re-trace
+
+
+@pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16"])
+def test_decode_step_all_reduces_twice_per_layer_and_gathers_nothing(run, case):
+  r = run[case]
+  assert r["collectives"] == {"all-reduce": 2 * r["layers"], "all-gather": 0, "all-to-all": 0,
+                              "collective-permute": 0}
+
+
+def test_uneven_split_is_one_line(run):
+  assert run["tp4_kv2_error"] == ("tensor parallelism 4: the model's n_kv_heads=2 is not a "
+                                  "multiple of it")
+
+
+def test_config_checks_the_group_size():
+  with pytest.raises(ValueError, match="tensor_parallel=0 must be >= 1"):
+    EngineConfig(tensor_parallel=0)

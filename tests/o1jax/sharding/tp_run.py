@@ -1,0 +1,97 @@
+"""Run by test_tensor_parallel.py in a process of its own (8 forced CPU devices: XLA_FLAGS
+must be set before jax is imported). Prints one JSON object of what the test checks."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from o1jax.checkpoint import load_checkpoint  # noqa: E402
+from o1jax.engine import Engine, EngineConfig, GenerationParams, Request  # noqa: E402
+from o1jax.model import KVCache, Llama  # noqa: E402
+from o1jax.sharding import tensor_parallel  # noqa: E402
+from o1jax.testing import tiny_config, write_hf_checkpoint  # noqa: E402
+
+
+def tiny(n_kv_heads: int):
+  path = tempfile.mkdtemp()
+  write_hf_checkpoint(path, tiny_config(max_context=256, n_kv_heads=n_kv_heads), seed=3)
+  ck = load_checkpoint(path)
+  params = dict(ck.params)
+  params["embed"] = np.asarray(params["embed"]) * 0.05  # spread-out next-token distributions
+  return Llama(ck.config, params), ck.tokenizer
+
+
+def mesh_of(tp: int, data: int = 1):
+  return jax.make_mesh((data, tp), ("data", "model"), devices=jax.devices()[:data * tp])
+
+
+def generate(model, tokenizer, mesh, kv_dtype: str, prompts):
+  """Greedy and sampled tokens of every prompt; on a mesh, also the compiled decode
+  program's collective ops."""
+  engine = Engine(model, tokenizer, EngineConfig(max_slots=8, num_blocks=96, prefill_chunk=32,
+                                                  kv_dtype=kv_dtype), mesh=mesh)
+  seen = {}
+  decode = engine._decode_jit
+  if mesh is not None:
+
+    def spy(*args):  # the first decode call's argument shapes and shardings
+      if not seen:
+        seen["args"] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if isinstance(
+                x.sharding, jax.sharding.NamedSharding) else None)  # host inputs: uncommitted
+            if isinstance(x, jax.Array) else x, args)
+      return decode(*args)
+
+    engine._decode_jit = spy
+  requests = [Request(p, GenerationParams(max_new_tokens=20, temperature=t), i)
+              for i, p in enumerate(prompts) for t in (0.0, 0.8)]
+  tokens = [r.samples[0].token_ids for r in engine.generate(requests)]
+  ops = None
+  if seen:
+    with jax.set_mesh(engine.mesh):
+      text = decode.__wrapped__.lower(*seen["args"]).compile().as_text()
+    ops = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "all-to-all",
+                                                 "collective-permute")}
+  return tokens, engine, ops
+
+
+def main():
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 259, size=int(rng.integers(3, 40))).tolist() for _ in range(4)]
+  out = {}
+  for n_kv, tp, kv_dtype in ((2, 2, "float32"), (4, 4, "float32"), (2, 2, "bfloat16")):
+    model, tok = tiny(n_kv)
+    want, _, _ = generate(model, tok, None, kv_dtype, prompts)
+    got, engine, ops = generate(model, tok, mesh_of(tp), kv_dtype, prompts)
+    sharded = tensor_parallel.shard_model(model, tensor_parallel.auto_mesh(mesh_of(tp)))
+    ids = jnp.asarray([prompts[0][:16]], jnp.int32)
+    starts = jnp.zeros((1,), jnp.int32)
+    ref, _ = model(ids, starts, KVCache.zeros(model.config, 1, 16))
+    with jax.set_mesh(tensor_parallel.auto_mesh(mesh_of(tp))):
+      par, _ = sharded(ids, starts, KVCache.zeros(model.config, 1, 16))
+    out[f"tp{tp}_kv{n_kv}_{kv_dtype}"] = dict(
+        same_tokens=got == want, traces=dict(engine.trace_counts), collectives=ops,
+        layers=model.config.n_layers,
+        pool_spec=str(engine.cache.k_pages[0].sharding.spec),
+        wq_spec=str(sharded.layers[0].wq.get_value().sharding.spec),
+        wo_spec=str(sharded.layers[0].wo.get_value().sharding.spec),
+        max_logit_diff=float(np.max(np.abs(np.asarray(ref) - np.asarray(par)))))
+  model, tok = tiny(2)
+  try:
+    tensor_parallel.shard_model(model, tensor_parallel.auto_mesh(mesh_of(4)))
+    out["tp4_kv2_error"] = None
+  except ValueError as e:
+    out["tp4_kv2_error"] = str(e)
+  json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+  main()

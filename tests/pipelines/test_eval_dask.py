@@ -1,0 +1,250 @@
+"""The eval job on a dask.distributed cluster (pipelines/beam/dask_runner.py), for real: a
+LocalCluster of worker processes on this machine, the same records and dead letters as the
+DirectRunner, resume after kill -9, one model per worker process."""
+
+import collections
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import apache_beam as beam
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from configs import custom as custom_config
+from configs import gsm8k as gsm8k_config
+from pipelines.beam.options import DASK_RUNNER, beam_args, pipeline_options, runs_here
+from pipelines.beam.testing import CountingLoader, FakeClock
+from pipelines.eval import run
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _lines(path):
+  return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines()]
+
+
+def _without_timing(records):
+  return [json.dumps({k: v for k, v in r.items() if k != "timing"}, sort_keys=True) for r in records]
+
+
+def test_runner_flags_from_the_config():
+  cfg = gsm8k_config.get_config("smoke=True").runner
+  cfg.name = "dask"
+  assert beam_args(cfg)[:2] == [f"--runner={DASK_RUNNER}", "--dask_local_workers=2"]
+  assert runs_here(pipeline_options(cfg))  # a LocalCluster: local paths and the launcher watch apply
+  cfg.address = "tcp://scheduler:8786"
+  cfg.partitions = 16
+  args = beam_args(cfg)
+  assert "--dask_client_address=tcp://scheduler:8786" in args and "--dask_partitions=16" in args
+  assert not any(a.startswith("--dask_local_workers") for a in args)
+  assert not runs_here(pipeline_options(cfg))
+  # Flags after `--` win over the config.
+  assert "--dask_client_address=tcp://other:8786" in beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
+  assert "--dask_client_address=tcp://scheduler:8786" not in beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
+
+
+def test_bad_runner_settings_are_one_line_errors(tmp_path):
+  cfg = gsm8k_config.get_config("smoke=True").runner
+  cfg.name = "dask"
+  cfg.local_workers = 0
+  with pytest.raises(ValueError, match=r"^runner.local_workers=0: expected an integer >= 1$"):
+    beam_args(cfg)
+  # Nothing listens on the discard port here: the error names the scheduler (python -m
+  # pipelines.eval prints a ValueError as one `error:` line, exit code 2).
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.model.predictor = "fake"
+  cfg.dataset.n = 2
+  cfg.runner.update(name="dask", address="tcp://127.0.0.1:9")
+  with pytest.raises(ValueError, match=r"^dask scheduler tcp://127.0.0.1:9 cannot be reached: ") as e:
+    run(cfg, str(tmp_path), ["--dask_connection_timeout=2"], progress=False, report=False)
+  assert "\n" not in str(e.value)
+
+
+class _SplitThrees(beam.DoFn):
+  def process(self, x):
+    yield beam.pvalue.TaggedOutput("three", x) if x % 3 == 0 else x
+
+
+def _write(values, path):
+  pathlib.Path(path).write_text(json.dumps(sorted(values)))
+
+
+def test_translation_keeps_finish_bundle_outputs_tagged_outputs_and_every_sink(tmp_path):
+  # Beam 2.77's own DaskRunner fails all three: it drops the partial batches BatchElements
+  # emits in finish_bundle, sends 'three' to the main consumers too, and runs one sink only.
+  p = beam.Pipeline(options=PipelineOptions(
+      [f"--runner={DASK_RUNNER}", "--dask_local_workers=1", "--dask_partitions=3"]))
+  split = (p
+           | beam.Create([None])
+           | beam.FlatMap(lambda _: range(10))
+           | beam.Reshuffle()  # 3 partitions, so 3 bundles each end with a partial batch
+           | beam.ParDo(_SplitThrees()).with_outputs("three", main="rest"))
+  _ = (split.rest
+       | beam.BatchElements(min_batch_size=3, max_batch_size=3)
+       | "ListRest" >> beam.combiners.ToList()
+       | "WriteRest" >> beam.Map(_write, str(tmp_path / "rest.json")))
+  _ = (split.three
+       | "ListThree" >> beam.combiners.ToList()
+       | "WriteThree" >> beam.Map(_write, str(tmp_path / "three.json")))
+  p.run().wait_until_finish()
+  batches = json.loads((tmp_path / "rest.json").read_text())
+  assert sorted(x for b in batches for x in b) == [1, 2, 4, 5, 7, 8]
+  assert json.loads((tmp_path / "three.json").read_text()) == [0, 3, 6, 9]
+
+
+def test_same_records_and_dead_letters_as_the_direct_runner_one_model_per_worker(tmp_path):
+  data = tmp_path / "data.jsonl"
+  data.write_text("\n".join(
+      [json.dumps({"q": f"What is {i} + {i}?", "a": str(2 * i), "id": f"e{i}"}) for i in range(5)]
+      + ["{not json"]
+      + [json.dumps({"q": f"What is {i} - 1?", "a": str(i - 1), "id": f"f{i}"}) for i in range(5, 8)]) + "\n")
+  summaries, loads = {}, {}
+  for runner in ("DirectRunner", "dask"):
+    cfg = custom_config.get_config("smoke=True,policy=sample_n")
+    cfg.model.predictor = "fake"
+    cfg.dataset.update(path=str(data), question_field="q", answer_field="a", id_field="id")
+    cfg.policy.n = 2
+    cfg.runner.batch_size = 1  # only the failing example's samples fail, in either runner
+    cfg.runner.name = runner
+    cfg.runner.direct_running_mode = "in_memory"
+    cfg.runner.partitions = 6  # more bundles than the 2 workers: the model must be reused
+    cfg.runner.share_model = False  # one model per worker process (True: one per machine)
+    loads[runner] = tmp_path / f"{runner}.loads"
+    summaries[runner] = run(cfg, str(tmp_path / runner), clock=FakeClock(), progress=False,
+                            report=False, loader=CountingLoader(str(loads[runner]), frozenset({"custom/e3"})))
+  direct, dask = (tmp_path / "DirectRunner", tmp_path / "dask")
+  assert _without_timing(_lines(dask / "results.jsonl")) == _without_timing(_lines(direct / "results.jsonl"))
+  assert len(_lines(dask / "results.jsonl")) == 14
+  assert _lines(dask / "dead_letters.jsonl") == _lines(direct / "dead_letters.jsonl")
+  assert [(d["stage"], d.get("example_id")) for d in _lines(dask / "dead_letters.jsonl")] == [
+      ("inference", "custom/e3"), ("inference", "custom/e3"), ("input", None)]
+  for key in ("examples", "samples", "accuracy", "dead_letters"):
+    assert summaries["dask"][key] == summaries["DirectRunner"][key], key
+  # Each worker process loaded the model once, however many bundles it ran; the launcher none.
+  log = [line.split() for line in loads["dask"].read_text().splitlines()]
+  per_process = collections.Counter(pid for what, pid in log if what == "load")
+  assert set(per_process.values()) == {1} and 1 <= len(per_process) <= 2, per_process
+  assert str(os.getpid()) not in per_process
+  workers = {r["timing"]["worker_pid"] for r in _lines(dask / "results.jsonl")}
+  assert workers <= {int(p) for p in per_process}
+  # Every item was predicted exactly once (no partition computed twice), as on the DirectRunner.
+  predicted = collections.Counter(key for what, key in log if what == "item")
+  assert set(predicted.values()) == {1} and len(predicted) == 16, predicted
+
+
+N = 24
+
+
+def _command(out):
+  return [sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True,policy=sample_n",
+          "--config.model.predictor=fake", "--config.model.fake_delay_s=0.25", f"--config.dataset.n={N // 2}",
+          "--config.policy.n=2", "--config.runner.batch_size=2", "--config.runner.name=dask",
+          "--config.runner.local_workers=1", "--config.runner.progress=False", f"--output_dir={out}"]
+
+
+def test_kill_9_then_rerun_on_dask_finishes_without_recomputing(tmp_path):
+  out = tmp_path / "killed"
+  store = out / "store"
+  proc = subprocess.Popen(_command(out), cwd=REPO, start_new_session=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 180
+  while time.monotonic() < deadline and len(list(store.glob("*.json"))) < 4:
+    assert proc.poll() is None, "the run ended before it could be killed"
+    time.sleep(0.05)
+  # The launcher alone (it holds the scheduler): its worker processes must end by themselves
+  # (pipelines/beam/worker.py, imported by each worker), as on the DirectRunner.
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  deadline = time.monotonic() + 15
+  while time.monotonic() < deadline:
+    try:
+      os.killpg(proc.pid, 0)  # anyone left in the launcher's process group?
+    except ProcessLookupError:
+      break
+    time.sleep(0.1)
+  else:
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("worker processes outlived the launcher by 15 s")
+  before = {p.name: p.stat().st_mtime_ns for p in store.glob("*.json")}
+  assert 4 <= len(before) < N, len(before)
+  assert not (out / "summary.json").exists()
+
+  rerun = subprocess.run(_command(out), cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert {n: (store / n).stat().st_mtime_ns for n in before} == before  # nothing recomputed
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["run"]["resumed"] == len(before)
+  assert summary["run"]["computed"] == N - len(before)
+  records = _lines(out / "results.jsonl")
+  assert len({(r["example_id"], r["sample_index"]) for r in records}) == len(records) == N
+
+  # The same records as an uninterrupted DirectRunner run.
+  cfg = gsm8k_config.get_config("smoke=True,policy=sample_n")
+  cfg.model.predictor = "fake"
+  cfg.dataset.n = N // 2
+  cfg.policy.n = 2
+  cfg.runner.batch_size = 2
+  cfg.runner.direct_running_mode = "in_memory"
+  clean = run(cfg, str(tmp_path / "clean"), clock=FakeClock(), progress=False, report=False)
+  assert _without_timing(records) == _without_timing(_lines(tmp_path / "clean" / "results.jsonl"))
+  for key in ("examples", "samples", "accuracy", "sample_accuracy", "tokens"):
+    assert summary[key] == clean[key], key
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_jobs_on_a_cluster_started_like_the_readme_says(tmp_path):
+  # `dask scheduler` + `dask worker` on the loopback address stand in for a real cluster; the
+  # workers outlive the jobs, so each job's DoFns (and models) must be released at its end.
+  from distributed import Client
+  from pipelines.beam.dask_runner import pooled_instances
+  address = f"tcp://127.0.0.1:{_free_port()}"
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  started = []
+  try:
+    started.append(subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port",
+         address.rsplit(":", 1)[1], "--no-dashboard"], env=env, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    started.append(subprocess.Popen(
+        [sys.executable, "-m", "dask", "worker", address, "--nworkers", "2", "--nthreads", "1",
+         "--host", "127.0.0.1", "--no-dashboard"], env=env, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    outputs = []
+    for job in ("a", "b"):
+      cfg = gsm8k_config.get_config("smoke=True,policy=sample_n")
+      cfg.model.predictor = "fake"
+      cfg.dataset.n = 5
+      cfg.policy.n = 2
+      cfg.runner.batch_size = 2
+      cfg.runner.update(name="dask", address=address)
+      summary = run(cfg, str(tmp_path / job), progress=False, report=False)
+      assert summary["run"]["resumed"] is None  # the workers are not known to see local paths
+      outputs.append(_lines(tmp_path / job / "results.jsonl"))
+    with Client(address, timeout=30) as client:
+      assert set(client.run(pooled_instances).values()) == {0}
+      assert len(client.nthreads()) == 2
+  finally:
+    for p in reversed(started):
+      p.terminate()
+      p.wait(timeout=30)
+  cfg = gsm8k_config.get_config("smoke=True,policy=sample_n")
+  cfg.model.predictor = "fake"
+  cfg.dataset.n = 5
+  cfg.policy.n = 2
+  cfg.runner.batch_size = 2
+  cfg.runner.direct_running_mode = "in_memory"
+  run(cfg, str(tmp_path / "direct"), clock=FakeClock(), progress=False, report=False)
+  direct = _without_timing(_lines(tmp_path / "direct" / "results.jsonl"))
+  assert _without_timing(outputs[0]) == _without_timing(outputs[1]) == direct
+  assert len(direct) == 10
