@@ -921,7 +921,6 @@ class Engine:
     rows = self._decode_rows(len(running))
     k = self._planner.choose(rows, [available[s] for s in running],
                              [self._planner.rate(s.acceptance) for s in running])
-    expected = self._planner.expected  # what the call should emit (the planner checks it)
     if k == 0:
       for seq in running:
         seq.acceptance.idle()
@@ -992,7 +991,6 @@ class Engine:
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
       self._planner.observe(rows, k, self.clock() - call_start - sunk)
-    self._planner.observe_emitted(rows, k, int(np.sum(out.counts[:len(seqs)])), expected)
     return True
 
   def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> None:

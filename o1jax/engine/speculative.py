@@ -157,19 +157,11 @@ class SpeculationPlanner:
   A shape's cost is the median of its last `KEEP` timings (whole calls, host work
   included): one slow outlier (another process, a page-fault storm) does not make
   the planner shun a shape, as it would a mean.
-  What a call emits is the geometric model's expectation times the shape's measured
-  yield (emitted / expected over its recent calls): rows' drafts are not independent
-  and a batch's acceptance is not its mean row's, and at 8 rows the model alone
-  overestimated a K=7 call by about a third, which made speculation lose.
   A shape not timed for `STALE` decisions is tried again when, at the optimistic
-  prior cost, it would beat plain decoding (one call: what it costs is re-learned);
-  such probes are at most one per `PROBE_GAP` decisions over all shapes, so
-  exploration costs a bounded share of calls."""
+  prior cost, it would beat plain decoding (one call: what it costs is re-learned)."""
 
   KEEP = 8
   STALE = 64
-  PROBE_GAP = 16
-  YIELD_DECAY = 0.9  # weight of the past per call, in a shape's emitted / expected
   PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K)
 
   def __init__(self, config: SpeculativeConfig):
@@ -177,9 +169,6 @@ class SpeculationPlanner:
     self.acceptance = Acceptance(decay=0.98)  # over every sequence (the last ~50 calls)
     self.timings: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> seconds per call
     self._timed_at: dict[tuple[int, int], int] = {}  # decision count at the last timing
-    self._yields: dict[tuple[int, int], list[float]] = {}  # (rows, K) -> [emitted, expected]
-    self._last_probe = -self.PROBE_GAP
-    self.expected = 0.0  # tokens the last choice expects its call to emit
     self.decisions = 0
 
   def observe(self, rows: int, k: int, seconds: float) -> None:
@@ -187,20 +176,6 @@ class SpeculationPlanner:
     leaves out calls that compiled)."""
     self.timings.setdefault((rows, k), collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[(rows, k)] = self.decisions
-
-  def observe_emitted(self, rows: int, k: int, emitted: int, expected: float) -> None:
-    """Tokens a verify call of this shape emitted, against what `choose` expected."""
-    sums = self._yields.setdefault((rows, k), [0.0, 0.0, 0.0])  # emitted, expected, calls
-    for i, value in enumerate((emitted, expected, 1.0)):
-      sums[i] = self.YIELD_DECAY * sums[i] + value
-
-  def yield_ratio(self, rows: int, k: int) -> float:
-    """Emitted / expected over the shape's recent calls, with one pseudo-call at 1."""
-    emitted, expected, calls = self._yields.get((rows, k), (0.0, 0.0, 0.0))
-    if expected <= 0:
-      return 1.0
-    pseudo = expected / calls  # one mean call
-    return (emitted + pseudo) / (expected + pseudo)
 
   def rate(self, seq: Acceptance) -> float:
     """A sequence's acceptance estimate around the engine-wide one. A sequence with no
@@ -231,7 +206,6 @@ class SpeculationPlanner:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
     (its drafter's proposal, budget and context); rates[i]: its acceptance estimate."""
     self.decisions += 1
-    self.expected = 0.0
     most = max(available, default=0)
     if most == 0:
       return 0
@@ -241,18 +215,13 @@ class SpeculationPlanner:
     plain = self.cost(rows, 0)
     if plain is None:  # time plain decoding first: it is the baseline of every choice
       return 0
-    model = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
+    expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
     best_k, best = 0, len(available) / plain
-    may_probe = self.decisions - self._last_probe >= self.PROBE_GAP
     for k in buckets:
-      emits = model(k) * self.yield_ratio(rows, k)
       stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
-      if stale and may_probe and emits / self.prior(rows, k) > best:
-        self._last_probe = self.decisions
-        self.expected = model(k)
+      if stale and expected(k) / self.prior(rows, k) > best:
         return k  # re-time it
-      speed = emits / self.cost(rows, k)
+      speed = expected(k) / self.cost(rows, k)
       if speed > best:
         best_k, best = k, speed
-    self.expected = model(best_k) if best_k else 0.0
     return best_k
