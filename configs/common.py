@@ -93,10 +93,11 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
 
 
 def controller_section() -> ml_collections.ConfigDict:
-  """The reasoning controller's KV cache (controller policies only; see docs/controller.md).
+  """The reasoning controller's KV cache and the model's thinking span (controller policies
+  only; see docs/controller.md).
 
-  Checked by `o1jax.controller.CacheConfig` (with the engine section's kv_dtype) when
-  the plan is built."""
+  Checked by `o1jax.controller.CacheConfig` (with the engine section's kv_dtype) and
+  `o1jax.controller.thinking.check_setting` when the plan is built."""
   return section(
       # paged: the engine's paged cache, samples share the prompt's blocks (less KV memory,
       # and faster on CPU); contiguous: every row holds all its positions. Not contiguous:
@@ -104,6 +105,9 @@ def controller_section() -> ml_collections.ConfigDict:
       cache="paged",
       block_size=16,  # paged: tokens per block
       num_blocks=0,  # paged: pool size; 0 = sized from the controller's plan (never runs out)
+      # Reasoning models' thinking span (o1jax/controller/thinking.py): auto = the markers
+      # the chat template names (none: no span), on, off, or "<open> <close>".
+      thinking="auto",
   )
 
 

@@ -146,8 +146,14 @@ def _tiny_tokenizer():
 def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: int = 0,
                           matrix_type: str = "Q4_1", embed_type: str = "Q8_0",
                           architecture: str | None = None,
-                          tensor_types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+                          tensor_types: dict[str, str] | None = None,
+                          added_tokens: tuple[str, ...] = (),
+                          chat_template: str | None = None) -> dict[str, np.ndarray]:
   """Writes a llama GGUF with random weights quantized to `matrix_type`.
+
+  added_tokens: appended to the byte vocabulary as llama.cpp marks a model's added
+  tokens (USER_DEFINED), e.g. Qwen3's <think> and </think>; config.vocab_size must count
+  them. chat_template: stored as `tokenizer.chat_template`.
 
   tensor_types: a type per GGUF name suffix (e.g. {"attn_v.weight": "Q6_K"}), overriding
   matrix_type, as llama.cpp's mixes (Q4_K_M) do. gguf-py cannot quantize to K-quants:
@@ -174,9 +180,14 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   writer.add_vocab_size(config.vocab_size)
   writer.add_tokenizer_model("gpt2")
   writer.add_tokenizer_pre("smollm")
-  writer.add_token_list(byte_vocab())
+  tokens = byte_vocab() + list(added_tokens)
+  if len(tokens) != config.vocab_size:
+    raise ValueError(f"{len(tokens)} tokens for vocab_size {config.vocab_size}")
+  writer.add_token_list(tokens)
   writer.add_token_merges([])
-  writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * 256)
+  writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * 256 + [4] * len(added_tokens))
+  if chat_template is not None:
+    writer.add_chat_template(chat_template)
   writer.add_bos_token_id(1)
   writer.add_eos_token_id(2)
   writer.add_add_bos_token(False)

@@ -83,7 +83,7 @@ class PredictorSpec:
   slot count), engine (sorted items of the config's `engine` section), policy
   (sorted items of a controller policy's `{"name", **params}`; controller only),
   controller (sorted items of `o1jax.controller.CacheConfig`: the `controller` section
-  plus the engine section's kv_dtype; controller only),
+  plus the engine section's kv_dtype, and `thinking`; controller only),
   budget (sorted items of the `budget` section: the latency-aware budget; engine and controller),
   speculative (sorted items of the `speculative` section; engine only),
   imports (the config's modules, imported before the predictor is built: they may
@@ -348,9 +348,11 @@ class ControllerPredictor:
     engine = dict(spec.engine)
     # One Beam batch x n traces in one compiled loop, unless engine.max_slots caps the rows.
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
-    decode_model = build_decode_model(model, dict(spec.controller))  # kv_dtype included
+    section = dict(spec.controller)  # kv_dtype included
+    thinking = section.pop("thinking", "auto")
+    decode_model = build_decode_model(model, section)
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
-                          budget=spec.budget_loop()), policy)
+                          budget=spec.budget_loop(), thinking=thinking), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest
@@ -362,7 +364,8 @@ class ControllerPredictor:
       results = self.controller.run(requests, self.policy)
     out = []
     for item, result in zip(items, results):
-      text = result.answer_text or (result.traces[0].text if result.traces else "")
+      text = result.answer_text or (self.controller.final_text(result.traces[0])
+                                    if result.traces else "")
       counts = result.tokens.to_dict()
       tokens = {"prompt": len(self.controller.encode(item.prompt)), "completion": counts.pop("generated"),
                 **counts}
@@ -469,6 +472,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     # the pool size cannot change a result (a pool that runs out raises).
     fp["controller_cache"] = {"cache": cache["cache"],
                               "block_size": int(cache.get("block_size", 16))}
+  if spec.name == "controller" and cache.get("thinking", "auto") != "auto":
+    # auto follows the checkpoint's template (hashed with it); anything else may change it.
+    fp["thinking"] = cache["thinking"]
   if spec.name == "fake":
     return fp
   path = spec.source

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from o1jax.controller import state as S
 from o1jax.controller import answers
+from o1jax.controller import state as S
+from o1jax.controller import thinking as thinking_lib
 from o1jax.controller.answers import extract_number
 from o1jax.controller.decode_model import CachePlan, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
@@ -41,6 +42,7 @@ from o1jax.controller.registry import BasePolicy, build_policy, policy_names
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
                                       Trace)
 from o1jax.controller.state import Knobs, ReasoningState
+from o1jax.controller.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
 from o1jax.model.sampling import Sampling, sequence_key
@@ -131,14 +133,17 @@ class Controller:
     python_twin: run the debugging twin (one jitted `_step` per host call)
       instead of the while_loop; results must be identical.
     key_capacity / key_classes: answer-key characters kept per row, and
-      character classes read per token (LoopSettings.answer_vote)."""
+      character classes read per token (LoopSettings.answer_vote).
+    thinking: the model's thinking span (thinking.py): "auto" (the markers its chat
+      template names, if any), "on", "off", "<open> <close>", or a ThinkingSpan."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
                extract_answer: Callable[[str], Optional[str]] | None = None,
                python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
-               budget: BudgetLoop | None = None):
+               budget: BudgetLoop | None = None,
+               thinking: str | ThinkingSpan | None = "auto"):
     self.model = model
     self.budget = budget
     # Per request id, until `result` attaches them: budget decisions while it ran, and
@@ -164,6 +169,16 @@ class Controller:
     eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
     self.eos_ids = tuple(sorted(eos))
     self._masks: dict[str, np.ndarray] = {}
+    self.thinking = thinking_lib.resolve(thinking, tokenizer)
+    if self.thinking is not None:  # checked once, here, rather than at the first request
+      for marker in (self.thinking.open, self.thinking.close):
+        try:
+          n = len(tokenizer.encode(marker))
+        except ValueError as e:
+          raise ValueError(f"thinking marker {marker!r} cannot be encoded: {e}") from None
+        if not 0 < n <= pattern_capacity:
+          raise ValueError(f"thinking marker {marker!r} is {n} tokens; pattern_capacity is "
+                           f"{pattern_capacity}")
 
   def __hash__(self):
     return id(self)
@@ -230,7 +245,8 @@ class Controller:
     if request.request_id in self._latency_log:
       info = {**info, **self._latency_log.pop(request.request_id)}
     return ReasoningResult(
-        request_id=request.request_id, policy=policy, answer_text=pick.text if pick else "",
+        request_id=request.request_id, policy=policy,
+        answer_text=self.final_text(pick) if pick else "",
         answer=answer, traces=traces, chosen=chosen, tokens=tokens,
         steps=sum(t.n_steps for t in traces), backtracks=sum(t.backtracks for t in traces),
         early_exit=any(t.early_exit for t in traces), wall_time_s=wall_time_s,
@@ -245,9 +261,22 @@ class Controller:
       ids = [int(i) for i in prompt]
     if not ids:
       raise ValueError("empty prompt")
+    if self.thinking is not None and not self._opens_thinking(ids):
+      ids = ids + self.tokenizer.encode(self.thinking.open + "\n")
     return ids
 
+  def _opens_thinking(self, ids: Sequence[int]) -> bool:
+    """The prompt already ends inside the thinking span (its open marker, then spaces)."""
+    tail = self.tokenizer.decode(list(ids[-(self.pattern_capacity + 4):]))
+    return tail.rstrip().endswith(self.thinking.open)
+
+  def final_text(self, trace: Trace) -> str:
+    """What a task scores of a trace: its text, or with a thinking span the answer after it
+    (empty when the span never closed)."""
+    return trace.text if self.thinking is None else trace.answer_text
+
   def extract(self, text: str, settings: LoopSettings) -> Optional[str]:
+    """The answer in `text` (a trace's final text: see `final_text`)."""
     if self.extract_answer is not None:
       return self.extract_answer(text)
     return extract_number(text, settings.answer_prefix.strip())
@@ -329,14 +358,16 @@ class Controller:
     full = lambda x, dt: jnp.full((b,), x, dt)
     eos = np.zeros(v, bool)
     eos[list(self.eos_ids)] = True
-    answer = self.tokenizer.encode(st.answer_prefix)
+    answer, after_close = self._end_of_thinking(st)
     wait = self.tokenizer.encode(st.wait_text)
     probe = yes = no = [0]
     if isinstance(st.verifier, SelfVerify):
       probe = self.tokenizer.encode(st.verifier.probe)
       yes, no = self.tokenizer.encode(st.verifier.yes), self.tokenizer.encode(st.verifier.no)
     delim_seqs, delim_lens = self._patterns(st.step_delimiter)
-    prefix_seqs, prefix_lens = self._patterns(st.answer_prefix.strip())
+    restart_seqs, restart_lens = self._patterns(st.answer_prefix.strip())
+    prefix_seqs, prefix_lens = (restart_seqs, restart_lens) if self.thinking is None else (
+        self._patterns(self.thinking.close))
     max_answer = st.max_answer_tokens  # tokens after the prefix (the prefix is not budgeted)
     return Knobs(
         temperature=full(st.temperature, jnp.float32), top_k=full(st.top_k, jnp.int32),
@@ -355,8 +386,12 @@ class Controller:
         eos_mask=jnp.asarray(eos), delim_mask=jnp.asarray(self._delim_mask(st.step_delimiter)),
         delim_seqs=jnp.asarray(delim_seqs), delim_lens=jnp.asarray(delim_lens),
         prefix_seqs=jnp.asarray(prefix_seqs), prefix_lens=jnp.asarray(prefix_lens),
+        restart_seqs=jnp.asarray(restart_seqs), restart_lens=jnp.asarray(restart_lens),
         answer_ids=jnp.asarray(self._pad(answer, self.force_capacity, "answer_prefix")),
         answer_len=jnp.int32(len(answer)),
+        after_close_ids=jnp.asarray(self._pad(after_close, self.force_capacity,
+                                              "answer_prefix after the thinking span")),
+        after_close_len=jnp.int32(len(after_close)),
         wait_ids=jnp.asarray(self._pad(wait, self.force_capacity, "wait_text")),
         wait_len=jnp.int32(len(wait)),
         probe_ids=jnp.asarray(self._pad(probe, self.probe_capacity, "verifier probe")),
@@ -364,6 +399,16 @@ class Controller:
         answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
         answer_probe_len=jnp.int32(len(answer)),
         **self._vote_knobs(st, b, group, vote_floor, prior_votes, priors_per_group))
+
+  def _end_of_thinking(self, settings: LoopSettings) -> tuple[list[int], list[int]]:
+    """(forced end of thinking, forced after a close the model wrote): the answer prefix
+    and nothing; with a thinking span, close + "\n\n" + prefix and "\n\n" + prefix
+    (nothing without a prefix)."""
+    prefix = settings.answer_prefix
+    if self.thinking is None:
+      return self.tokenizer.encode(prefix), []
+    after = self.tokenizer.encode("\n\n" + prefix)
+    return self.tokenizer.encode(self.thinking.close) + after, after if prefix.strip() else []
 
   def prior_entries(self, votes, q: int, group: int, at: Sequence[int] | None = None):
     """Arrays (group, key, key_len, known, weight) of [q] prior-vote entries holding
@@ -430,7 +475,7 @@ class Controller:
     """Most tokens a row's sequence holds past its prompt: thinking, answer prefix,
     answer, and a "Wait" that may be forced at the thinking budget."""
     st = settings
-    return (st.max_thinking_tokens + len(self.tokenizer.encode(st.answer_prefix))
+    return (st.max_thinking_tokens + len(self._end_of_thinking(st)[0])
             + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text)))
 
   def max_generated(self, settings: LoopSettings) -> int:
@@ -731,6 +776,11 @@ class Controller:
     tail = float(h.conf_ring[row].sum() / nw) if nw else math.inf
     lowest = float(h.lowest_conf[row])
     text = dec(gen)
+    thinking_text, answer_text = dec(h.tokens[row, pl:a0]), dec(h.tokens[row, a0:ln])
+    if self.thinking is not None:  # the answer is what follows the close marker
+      close = answer_text.find(self.thinking.close)
+      answer_text = answer_text[close + len(self.thinking.close):].lstrip("\n") if close >= 0 else (
+          answer_text.lstrip("\n"))
     reason = S.EXIT_NAMES[int(h.exit_reason[row])]
     key = None
     if (settings.answer_vote and int(h.answer_start[row]) >= 0
@@ -738,8 +788,9 @@ class Controller:
       key = answers.key_text(h.key[row, :int(h.key_commit[row])])
     return Trace(
         sample_index=sample_index, token_ids=[int(x) for x in gen], text=text,
-        thinking_text=dec(h.tokens[row, pl:a0]), answer_text=dec(h.tokens[row, a0:ln]),
-        answer=None if reason == "pruned" else self.extract(text, settings), steps=steps,
+        thinking_text=thinking_text, answer_text=answer_text,
+        answer=None if reason == "pruned" else self.extract(
+            text if self.thinking is None else answer_text, settings), steps=steps,
         tokens=TokenCounts(thinking=int(h.think_tokens[row]), answer=int(h.answer_tokens[row]),
                            prefix=int(h.prefix_tokens[row]), probe=int(h.probe_tokens[row]), discarded=int(h.discarded[row]),
                            waits=int(h.waits[row])),

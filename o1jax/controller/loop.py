@@ -12,8 +12,9 @@ every row, with step-boundary decisions applied by masks:
   3. budget forcing: end of sequence while thinking below `min_think` becomes
      "Wait"; above it, the sequence ends (or the answer is forced);
   4. append the token, update counters and the DeepConf confidence window;
-  5. step boundary (delimiter, step cap, or the answer prefix written by the
-     model): run the probes if any row needs them, score the step, and
+  5. step boundary (delimiter, step cap, or the end of thinking written by the
+     model: the answer prefix, or with a thinking span its close marker, after
+     which the prefix is forced): run the probes if any row needs them, score the step, and
      decide: backtrack (length = step start, attempt + 1) / early exit /
      answer (step budget) / continue; one record per event;
   6. token budgets: thinking tokens reaching `max_think` force the answer
@@ -330,6 +331,10 @@ class ReasoningLoop:
     prefix_tokens = prefix_tokens + jnp.where(model_answer, prefix_n, 0)
     answer_start = jnp.where(model_answer, length - prefix_n, answer_start)
     phase = jnp.where(model_answer, S.ANSWER, phase)
+    # The model closed its thinking span itself: the answer prefix follows it (forced).
+    _, force_buf, force_pos, force_len = start_forcing(
+        model_answer & (k.after_close_len > 0), k.after_close_ids, k.after_close_len, tok,
+        force_buf, force_pos, force_len, False)
     waits = s.waits + wait_now + prefix_early
     _, force_buf, force_pos, force_len = start_forcing(
         prefix_early, k.wait_ids, k.wait_len, tok, force_buf, force_pos, force_len, False)
@@ -339,7 +344,7 @@ class ReasoningLoop:
       # The answer key reads every answer token after the prefix; the prefix again
       # (written by the model inside its answer) restarts it.
       body = in_answer & ~prefix_now
-      again = body & (tail_match(tokens, length, k.prefix_seqs, k.prefix_lens,
+      again = body & (tail_match(tokens, length, k.restart_seqs, k.restart_lens,
                                  answer_tokens - prefix_tokens) > 0)
       key_fields = dict(zip(("key_state", "key", "key_len", "key_commit", "key_unknown"),
                             self._read_key(k, s, tok, body, again)))

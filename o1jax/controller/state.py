@@ -73,10 +73,16 @@ class Knobs:
   delim_mask: jax.Array  # [V] bool tokens whose text contains the step delimiter
   delim_seqs: jax.Array  # [M, D] i32 delimiter tokenizations (tail match)
   delim_lens: jax.Array  # [M] i32 (0 = unused variant)
-  prefix_seqs: jax.Array  # [M, D] i32 answer-prefix tokenizations (tail match)
+  # The end of thinking the model may write: the answer prefix, or with a thinking span
+  # its close marker (controller/thinking.py).
+  prefix_seqs: jax.Array  # [M, D] i32 its tokenizations (tail match)
   prefix_lens: jax.Array  # [M] i32
-  answer_ids: jax.Array  # [F] i32 forced answer prefix
+  restart_seqs: jax.Array  # [M, D] i32 answer-prefix tokenizations: restart the answer key
+  restart_lens: jax.Array  # [M] i32
+  answer_ids: jax.Array  # [F] i32 forced end of thinking (the answer prefix, or close + prefix)
   answer_len: jax.Array  # [] i32
+  after_close_ids: jax.Array  # [F] i32 forced after the model closed a thinking span itself
+  after_close_len: jax.Array  # [] i32 (0 = nothing)
   wait_ids: jax.Array  # [F] i32 forced "Wait"
   wait_len: jax.Array  # [] i32
   probe_ids: jax.Array  # [P] i32 self-verification probe

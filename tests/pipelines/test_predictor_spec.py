@@ -44,7 +44,8 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   cfg.model.source = str(tmp_path)
   paged = build_plan(cfg, "unused_output_dir").predictor
   assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0,
-                                    "kv_dtype": "float32"}  # the engine section's, read once
+                                    "kv_dtype": "float32",  # the engine section's, read once
+                                    "thinking": "auto"}
   assert model_fingerprint(paged)["controller_cache"] == {"cache": "paged", "block_size": 16}
   assert type(build_predictor(paged).controller.model).__name__ == "PagedLlama"
   cfg.controller.num_blocks = 512  # fits or raises: never another result, so not in the hash
@@ -61,6 +62,25 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   assert build_predictor(narrow).controller.model.kv_dtype == "float8_e4m3fn"
   cfg.controller.cache = "pagd"
   with pytest.raises(ValueError, match=r"cache='pagd': valid caches are \['contiguous', 'paged'\]"):
+    build_plan(cfg, "unused_output_dir")
+
+
+def test_controller_thinking_flows_from_config_to_the_controller_and_fingerprint(tmp_path):
+  from pipelines.beam import build_plan
+  from pipelines.predictors import build_predictor
+
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.model.source = str(tmp_path)
+  auto = build_plan(cfg, "unused_output_dir").predictor
+  assert build_predictor(auto).controller.thinking is None  # a ChatML template names none
+  assert "thinking" not in model_fingerprint(auto)  # auto follows the checkpoint: old hashes
+  cfg.controller.thinking = "<think> </think>"
+  spec = build_plan(cfg, "unused_output_dir").predictor
+  assert build_predictor(spec).controller.thinking.close == "</think>"
+  assert model_fingerprint(spec)["thinking"] == "<think> </think>"
+  cfg.controller.thinking = "sometimes"  # refused before any worker starts
+  with pytest.raises(ValueError, match="controller.thinking='sometimes'"):
     build_plan(cfg, "unused_output_dir")
 
 
