@@ -9,6 +9,8 @@ whatever the backend."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ from pallas_kernels.quantized_tensor import QuantizedTensor
 from pallas_kernels.vnni_matmul import VnniWeight
 
 BACKENDS = ("auto", "pallas", "reference")
+log = logging.getLogger(__name__)
 
 
 def resolve_backend(backend: str) -> str:
@@ -125,8 +128,23 @@ def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Ar
     y = native.int8_matmul(x2, w.packed, w.scale, w.minimum, bits=w.bits, zero=w.zero,
                            has_min=w.has_min)[:, :n]
   else:
+    if backend == "auto" and _on_cpu():
+      _warn_int8_fallback()
     y = vm.vnni_matmul_reference(x2, w)
   return y.reshape(*lead, n)
+
+
+_int8_fallback_warned = False
+
+
+def _warn_int8_fallback() -> None:
+  """Once per process: int8 matmuls asked for on a CPU where only the slow XLA version runs."""
+  global _int8_fallback_warned
+  if not _int8_fallback_warned:
+    _int8_fallback_warned = True
+    why = native.unavailable_reason() or "this CPU lacks AVX512-VNNI"
+    log.warning("matmul_dtype=int8 runs the XLA reference here, several times slower than the "
+                "native kernel (%s); float32 or bfloat16 matmuls are faster on this machine", why)
 
 
 # --- quantized matmul --------------------------------------------------------------

@@ -148,3 +148,19 @@ def test_leading_dims_and_errors():
     vm.pack(np.zeros((40, 16), np.float32), "layers.3.wq")
   with pytest.raises(ValueError, match="w_up has shape"):
     vm.pack(np.zeros((4, 4, 4), np.float32), "w_up")
+
+
+def test_the_xla_fallback_says_once_that_it_is_slow(monkeypatch, caplog):
+  # On a CPU without the native kernel, int8 matmuls still compute (the reference) but
+  # the user is told once, with the reason, rather than finding a 10x slowdown.
+  monkeypatch.setattr(native, "int8_matmul_available", lambda: False)
+  monkeypatch.setattr(ops, "_int8_fallback_warned", False)
+  w = _packed(_weight("q4_0", 64, 16))
+  x = jnp.asarray(_activations(2, 64))
+  with caplog.at_level("WARNING", logger="pallas_kernels.ops"):
+    y = ops.int8_matmul(x, w)
+    ops.int8_matmul(x, w)
+    ops.int8_matmul(x, w, backend="reference")  # asked for explicitly: no warning
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(vm.vnni_matmul_reference(x, w)))
+  warned = [r.getMessage() for r in caplog.records if "matmul_dtype=int8" in r.getMessage()]
+  assert len(warned) == 1 and "XLA reference" in warned[0]
