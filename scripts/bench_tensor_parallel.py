@@ -46,6 +46,7 @@ def main(argv=None):
   from o1jax.compilation_cache import enable_compilation_cache
   from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
   from o1jax.model import Llama
+  from o1jax.sharding import DecodeCollectives
 
   enable_compilation_cache()
   sys.path.insert(0, os.path.dirname(__file__))
@@ -61,19 +62,7 @@ def main(argv=None):
                                                    devices=jax.devices()[:a.tp]))):
     engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=a.prompts, kv_cache_bytes=64 << 20),
                     mesh=mesh)
-    seen = {}
-    decode = engine._decode_jit
-    if mesh is not None:
-
-      def spy(*args, decode=decode, seen=seen):
-        if not seen:
-          seen["args"] = jax.tree.map(
-              lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if isinstance(
-                  x.sharding, jax.sharding.NamedSharding) else None)
-              if isinstance(x, jax.Array) else x, args)
-        return decode(*args)
-
-      engine._decode_jit = spy
+    collectives = DecodeCollectives(engine) if mesh is not None else None
     requests = [Request(p, params, i) for i, p in enumerate(prompts)]
     while True:  # warm up until a run compiles nothing new
       before = sum(engine.trace_counts.values())
@@ -87,10 +76,9 @@ def main(argv=None):
       walls.append(time.perf_counter() - start)
     tokens = [r.samples[0].token_ids for r in out]
     ops = None
-    if seen:
-      with jax.set_mesh(engine.mesh):
-        text = decode.__wrapped__.lower(*seen["args"]).compile().as_text()
-      ops = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather")}
+    if collectives is not None:
+      counts = collectives.counts()
+      ops = {op: counts[op] for op in ("all-reduce", "all-gather")}
     rows[label] = dict(tok_s=[a.prompts * a.new_tokens / w for w in walls], tokens=tokens,
                        collectives=ops)
   base, tp = rows["1 device"], rows[f"TP={a.tp}"]

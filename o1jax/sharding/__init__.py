@@ -7,11 +7,12 @@ A leaf package (JAX, NumPy, Flax's NNX split/merge), so the engine can use it.
 from o1jax.sharding.topology import (AXES, GpuTopology, TopologyError, best_groups, describe,
                                      link_levels, make_mesh, parse_nvidia_smi_topo,
                                      read_nvidia_smi_topo, tp_groups)
-from o1jax.sharding.tensor_parallel import (ShardingError, group_mesh, shard_model, shard_pools,
-                                            tensor_parallel_size)
+from o1jax.sharding.tensor_parallel import (DecodeCollectives, ShardingError, group_mesh,
+                                            shard_model, shard_pools, tensor_parallel_size)
 
 __all__ = [
     "AXES", "GpuTopology", "TopologyError", "best_groups", "describe", "link_levels", "make_mesh",
-    "parse_nvidia_smi_topo", "read_nvidia_smi_topo", "tp_groups", "ShardingError", "group_mesh",
+    "parse_nvidia_smi_topo", "read_nvidia_smi_topo", "tp_groups", "DecodeCollectives",
+    "ShardingError", "group_mesh",
     "shard_model", "shard_pools", "tensor_parallel_size",
 ]

@@ -133,3 +133,35 @@ def shard_pools(cache, mesh: Mesh):
                        k_scale=put(cache.k_scale, scale), v_scale=put(cache.v_scale, scale),
                        block_tables=jax.device_put(cache.block_tables, replicated),
                        write_lens=jax.device_put(cache.write_lens, replicated))
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute")
+
+
+class DecodeCollectives:
+  """Counts the collective ops in an engine's compiled decode step on a mesh.
+
+  Installed before the engine runs, it records the first decode call's argument shapes
+  and shardings (host inputs stay uncommitted); `counts()` then lowers and compiles that
+  program once more and counts each collective in its HLO text. The engine is duck-typed
+  (its `_decode_jit` and `mesh`), so this package stays a leaf."""
+
+  def __init__(self, engine):
+    self._engine = engine
+    self._decode = engine._decode_jit
+    self._args = None
+    engine._decode_jit = self._record
+
+  def _record(self, *args):
+    if self._args is None:
+      self._args = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if isinstance(
+              x.sharding, NamedSharding) else None) if isinstance(x, jax.Array) else x, args)
+    return self._decode(*args)
+
+  def counts(self) -> dict[str, int]:
+    if self._args is None:
+      raise RuntimeError("the engine has not run a decode step yet")
+    with jax.set_mesh(self._engine.mesh):
+      text = self._decode.__wrapped__.lower(*self._args).compile().as_text()
+    return {op: text.count(f" {op}(") for op in COLLECTIVES}

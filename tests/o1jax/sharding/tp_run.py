@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from o1jax.checkpoint import load_checkpoint  # noqa: E402
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request  # noqa: E402
 from o1jax.model import KVCache, Llama  # noqa: E402
-from o1jax.sharding import tensor_parallel  # noqa: E402
+from o1jax.sharding import DecodeCollectives, tensor_parallel  # noqa: E402
 from o1jax.testing import tiny_config, write_hf_checkpoint  # noqa: E402
 
 
@@ -38,29 +38,11 @@ def generate(model, tokenizer, mesh, kv_dtype: str, prompts):
   program's collective ops."""
   engine = Engine(model, tokenizer, EngineConfig(max_slots=8, num_blocks=96, prefill_chunk=32,
                                                   kv_dtype=kv_dtype), mesh=mesh)
-  seen = {}
-  decode = engine._decode_jit
-  if mesh is not None:
-
-    def spy(*args):  # the first decode call's argument shapes and shardings
-      if not seen:
-        seen["args"] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if isinstance(
-                x.sharding, jax.sharding.NamedSharding) else None)  # host inputs: uncommitted
-            if isinstance(x, jax.Array) else x, args)
-      return decode(*args)
-
-    engine._decode_jit = spy
+  collectives = DecodeCollectives(engine) if mesh is not None else None
   requests = [Request(p, GenerationParams(max_new_tokens=20, temperature=t), i)
               for i, p in enumerate(prompts) for t in (0.0, 0.8)]
   tokens = [r.samples[0].token_ids for r in engine.generate(requests)]
-  ops = None
-  if seen:
-    with jax.set_mesh(engine.mesh):
-      text = decode.__wrapped__.lower(*seen["args"]).compile().as_text()
-    ops = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "all-to-all",
-                                                 "collective-permute")}
-  return tokens, engine, ops
+  return tokens, engine, collectives.counts() if collectives else None
 
 
 def main():
