@@ -6,10 +6,8 @@ import collections
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import time
 
 import apache_beam as beam
 import pytest
@@ -20,16 +18,12 @@ from configs import gsm8k as gsm8k_config
 from pipelines.beam.options import DASK_RUNNER, beam_args, pipeline_options, runs_here
 from pipelines.beam.testing import CountingLoader, FakeClock
 from pipelines.eval import run
+from tests.pipelines import kill_resume
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _lines(path):
-  return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines()]
-
-
-def _without_timing(records):
-  return [json.dumps({k: v for k, v in r.items() if k != "timing"}, sort_keys=True) for r in records]
+_lines, _without_timing = kill_resume.records, kill_resume.without_timing
 
 
 def test_runner_flags_from_the_config():
@@ -137,63 +131,13 @@ def test_same_records_and_dead_letters_as_the_direct_runner_one_model_per_worker
   assert set(predicted.values()) == {1} and len(predicted) == 16, predicted
 
 
-N = 24
-
-
-def _command(out):
-  return [sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True,policy=sample_n",
-          "--config.model.predictor=fake", "--config.model.fake_delay_s=0.25", f"--config.dataset.n={N // 2}",
-          "--config.policy.n=2", "--config.runner.batch_size=2", "--config.runner.name=dask",
-          "--config.runner.local_workers=1", "--config.runner.progress=False", f"--output_dir={out}"]
-
-
 def test_kill_9_then_rerun_on_dask_finishes_without_recomputing(tmp_path):
   out = tmp_path / "killed"
-  store = out / "store"
-  proc = subprocess.Popen(_command(out), cwd=REPO, start_new_session=True,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 180
-  while time.monotonic() < deadline and len(list(store.glob("*.json"))) < 4:
-    assert proc.poll() is None, "the run ended before it could be killed"
-    time.sleep(0.05)
+  cmd = kill_resume.command(out, "--config.runner.name=dask", "--config.runner.local_workers=1")
   # The launcher alone (it holds the scheduler): its worker processes must end by themselves
   # (pipelines/beam/worker.py, imported by each worker), as on the DirectRunner.
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
-  deadline = time.monotonic() + 15
-  while time.monotonic() < deadline:
-    try:
-      os.killpg(proc.pid, 0)  # anyone left in the launcher's process group?
-    except ProcessLookupError:
-      break
-    time.sleep(0.1)
-  else:
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError("worker processes outlived the launcher by 15 s")
-  before = {p.name: p.stat().st_mtime_ns for p in store.glob("*.json")}
-  assert 4 <= len(before) < N, len(before)
-  assert not (out / "summary.json").exists()
-
-  rerun = subprocess.run(_command(out), cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert rerun.returncode == 0, rerun.stderr[-3000:]
-  assert {n: (store / n).stat().st_mtime_ns for n in before} == before  # nothing recomputed
-  summary = json.loads((out / "summary.json").read_text())
-  assert summary["run"]["resumed"] == len(before)
-  assert summary["run"]["computed"] == N - len(before)
-  records = _lines(out / "results.jsonl")
-  assert len({(r["example_id"], r["sample_index"]) for r in records}) == len(records) == N
-
-  # The same records as an uninterrupted DirectRunner run.
-  cfg = gsm8k_config.get_config("smoke=True,policy=sample_n")
-  cfg.model.predictor = "fake"
-  cfg.dataset.n = N // 2
-  cfg.policy.n = 2
-  cfg.runner.batch_size = 2
-  cfg.runner.direct_running_mode = "in_memory"
-  clean = run(cfg, str(tmp_path / "clean"), clock=FakeClock(), progress=False, report=False)
-  assert _without_timing(records) == _without_timing(_lines(tmp_path / "clean" / "results.jsonl"))
-  for key in ("examples", "samples", "accuracy", "sample_accuracy", "tokens"):
-    assert summary[key] == clean[key], key
+  before = kill_resume.start_and_kill(out, cmd, whole_group=False, timeout_s=180)
+  kill_resume.rerun_and_compare(out, cmd, before, tmp_path / "clean")
 
 
 def _free_port() -> int:
