@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_testing import lowers_for_cuda, make_paged_cache, rel_err, tol_for
+from tests.pallas_kernels.kernel_testing import lowers_for_cuda, make_paged_cache, rel_err, tol_for
 from pallas_kernels import ops
 from pallas_kernels.prefill_attention import paged_prefill_attention_reference
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_testing import lowers_for_cuda, rel_err, tol_for
+from tests.pallas_kernels.kernel_testing import lowers_for_cuda, rel_err, tol_for
 from pallas_kernels import ops
 from pallas_kernels.quantized_matmul import quantized_matmul_reference
 from pallas_kernels.quantized_tensor import QuantizedTensor, as_jax, pack_int4, quantize, unpack_int4

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from add_problem import RIGHT, WRONG, program
+from tests.pipelines.sandbox.add_problem import RIGHT, WRONG, program
 from pipelines.sandbox import Sandbox, SandboxConfig, Status
 
 WRONG_ON_ISCLOSE = '    return int(a + b)\n'  # passes everything but the math.isclose line

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from add_problem import PROMPT, RIGHT, TEST, WRONG, program
+from tests.pipelines.sandbox.add_problem import PROMPT, RIGHT, TEST, WRONG, program
 from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status
 
 # A randomized test in the style of HumanEval/53: inputs come from the module-level
