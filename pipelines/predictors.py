@@ -350,7 +350,12 @@ class ControllerPredictor:
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
     section = dict(spec.controller)  # kv_dtype included
     thinking = section.pop("thinking", "auto")
-    decode_model = build_decode_model(model, section)
+    tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
+    mesh = None
+    if tp > 1:
+      from o1jax.sharding import group_mesh
+      mesh = group_mesh(tp)
+    decode_model = build_decode_model(model, section, mesh=mesh)
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
                           budget=spec.budget_loop(), thinking=thinking), policy)
 
@@ -461,7 +466,7 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
   tp = int(dict(spec.engine).get("tensor_parallel", 1) or 1)
-  if tp > 1 and spec.name == "engine":  # all-reduced sums: logits move ~1e-6 (near-ties fork)
+  if tp > 1 and spec.name in ("engine", "controller"):  # all-reduced sums: logits move ~1e-6 (near-ties fork)
     fp["tensor_parallel"] = tp
   budget = dict(spec.budget)
   if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing

@@ -16,11 +16,13 @@ from o1jax.controller.decode_model import CONTIGUOUS_DTYPES, CacheConfig, Contig
 from o1jax.controller.paged_model import PagedLlama
 
 
-def build_decode_model(model, section: Mapping[str, Any] | CacheConfig | None = None):
+def build_decode_model(model, section: Mapping[str, Any] | CacheConfig | None = None, *,
+                       mesh=None):
   """The DecodeModel for a `Llama` as a cache section says (None: the defaults):
-  contiguous -> ContiguousLlama; paged -> PagedLlama(block_size, num_blocks or None)."""
+  contiguous -> ContiguousLlama; paged -> PagedLlama(block_size, num_blocks or None).
+  mesh: split the weights and the cache over its "model" axis (tensor parallelism)."""
   config = section if isinstance(section, CacheConfig) else CacheConfig.from_dict(section)
   if config.cache == "paged":
     return PagedLlama(model, block_size=config.block_size, num_blocks=config.num_blocks or None,
-                      kv_dtype=config.kv_dtype)
-  return ContiguousLlama(model, cache_dtype=CONTIGUOUS_DTYPES[config.kv_dtype])
+                      kv_dtype=config.kv_dtype, mesh=mesh)
+  return ContiguousLlama(model, cache_dtype=CONTIGUOUS_DTYPES[config.kv_dtype], mesh=mesh)

@@ -22,6 +22,7 @@ policies.py), which calls `generate` one or more times and aggregates.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -586,9 +587,15 @@ class Controller:
     knobs = dict(conf_stop=stops, vote_floor=floors, group=group)
     priors = dict(zip(("prior_group", "prior_key", "prior_key_len", "prior_known",
                        "prior_weight"), prior))
-    return self._admit_device(self.model.params, state, jnp.asarray(leaders), jnp.asarray(tok),
-                              jnp.asarray(last), jnp.asarray(children), jnp.asarray(parents),
-                              jnp.asarray(rows), fresh, knobs, jnp.asarray(prior_at), priors)
+    with self._on_mesh():
+      return self._admit_device(self.model.params, state, jnp.asarray(leaders), jnp.asarray(tok),
+                                jnp.asarray(last), jnp.asarray(children), jnp.asarray(parents),
+                                jnp.asarray(rows), fresh, knobs, jnp.asarray(prior_at), priors)
+
+  def _on_mesh(self):
+    """The decode model's mesh set for a device call (tensor parallelism), else nothing."""
+    mesh = getattr(self.model, "mesh", None)
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
   def _admit_device(self, params, state, leaders, tokens, last, children, parents, rows, fresh,
@@ -683,7 +690,8 @@ class Controller:
           stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
       t_call = time.perf_counter()
-      state = run(self.model.params, state)
+      with self._on_mesh():
+        state = run(self.model.params, state)
       phase, after = jax.device_get((state.phase, state.length))  # one sync per invocation
       done = phase == S.DONE
       dt = time.perf_counter() - t_call

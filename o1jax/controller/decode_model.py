@@ -48,6 +48,7 @@ from flax import nnx
 from o1jax.engine import fields
 from o1jax.engine.kv_cache import KV_DTYPES
 from o1jax.model.llama import KVCache, Llama
+from o1jax.sharding import tensor_parallel
 
 CACHES = ("contiguous", "paged")
 CONTIGUOUS_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -130,6 +131,14 @@ class DecodeModel(Protocol):
     ...
 
 
+def place_on_mesh(model: Llama, mesh):
+  """(mesh in Auto mode, the model's weights on it) or (None, the model)."""
+  if mesh is None:
+    return None, model
+  mesh = tensor_parallel.auto_mesh(mesh)
+  return mesh, tensor_parallel.shard_model(model, mesh)
+
+
 def prefill_batch_major_rows(forward, params, cache, rows, tokens, last):
   """`prefill_rows` for a cache whose every leaf is batch-major: gather the rows,
   run the prompt through them, scatter them back (padding rows >= B are dropped)."""
@@ -149,9 +158,12 @@ class ContiguousLlama:
 
   The model is split once (graphdef static, `params` = its nnx.State passed
   into every jitted call). Hash and equality are by identity, so a loop
-  object holding this model is a valid static jit argument."""
+  object holding this model is a valid static jit argument. mesh: a mesh with a
+  "model" axis: weights and cache split by heads (o1jax/sharding/tensor_parallel.py;
+  the controller runs its calls with the mesh set)."""
 
-  def __init__(self, model: Llama, cache_dtype=jnp.float32):
+  def __init__(self, model: Llama, cache_dtype=jnp.float32, mesh=None):
+    self.mesh, model = place_on_mesh(model, mesh)
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.vocab_size = model.config.vocab_size
@@ -159,7 +171,10 @@ class ContiguousLlama:
 
   def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> KVCache:
     del plan  # every row holds all `length` positions
-    return KVCache.zeros(self.config, batch, length, self.cache_dtype)
+    cache = KVCache.zeros(self.config, batch, length, self.cache_dtype)
+    if self.mesh is not None:
+      cache = tensor_parallel.shard_contiguous(cache, self.mesh)
+    return cache
 
   def forward(self, params, cache, tokens, starts, logits_at):
     model = nnx.merge(self.graphdef, params)

@@ -49,10 +49,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from o1jax.controller.decode_model import CacheConfig, CachePlan
+from o1jax.controller.decode_model import CacheConfig, CachePlan, place_on_mesh
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, add_row_refs,
                                    copy_blocks, reserve_for_append, truncate_rows)
 from o1jax.model.llama import Llama
+from o1jax.sharding import tensor_parallel
 
 
 class PagedCacheOverflow(RuntimeError):
@@ -112,13 +113,16 @@ class PagedLlama:
   block_size: tokens per block. num_blocks: a fixed pool (None: sized from the
   controller's CachePlan so that a run always fits). kv_dtype: "float32",
   "bfloat16" or "float8_e4m3fn" (as the engine's EngineConfig.kv_dtype).
+  mesh: a mesh with a "model" axis: weights and pools split by heads, block
+  tables replicated (as the engine's; the controller runs its calls with the mesh set).
   Hash and equality are by identity (a valid static jit argument)."""
 
   def __init__(self, model: Llama, block_size: int = 16, num_blocks: int | None = None,
-               kv_dtype: str = "float32"):
+               kv_dtype: str = "float32", mesh=None):
     if num_blocks is not None and num_blocks < 1:
       raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or None: sized from the plan)")
     CacheConfig("paged", block_size, num_blocks or 0, kv_dtype)  # the checks, in one place
+    self.mesh, model = place_on_mesh(model, mesh)
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.vocab_size = model.config.vocab_size
@@ -144,6 +148,8 @@ class PagedLlama:
     nb = self.pool_blocks(batch, length, plan)
     pages = PagedKVCache.create(c.n_layers, nb, self.block_size, c.n_kv_heads, c.head_dim,
                                 self.kv_dtype, batch=batch, max_blocks=mb)
+    if self.mesh is not None:
+      pages = tensor_parallel.shard_pools(pages, self.mesh)
     zeros = lambda: jnp.zeros((batch,), jnp.int32)  # distinct buffers: the state is donated
     blocks = BlockState.create(jnp.zeros((batch, mb), jnp.int32), zeros(), zeros(),
                                jnp.zeros((nb,), jnp.int32), self.block_size)

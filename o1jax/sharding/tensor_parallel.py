@@ -33,6 +33,7 @@ ROW = ("wo", "w_down")
 FUSED = ("wqkv", "w_gate_up")  # int8 matmuls' fused matrices: their columns interleave
 POOL_SPEC = P(None, None, MODEL_AXIS, None)  # [num_blocks, block_size, kv_heads, head_dim]
 SCALE_SPEC = P(None, MODEL_AXIS)  # FP8 pools' scales [num_blocks, kv_heads]
+CONTIGUOUS_SPEC = P(None, MODEL_AXIS, None, None)  # a contiguous cache [batch, kv_heads, S, D]
 
 
 class ShardingError(ValueError):
@@ -133,6 +134,13 @@ def shard_pools(cache, mesh: Mesh):
                        k_scale=put(cache.k_scale, scale), v_scale=put(cache.v_scale, scale),
                        block_tables=jax.device_put(cache.block_tables, replicated),
                        write_lens=jax.device_put(cache.write_lens, replicated))
+
+
+def shard_contiguous(cache, mesh: Mesh):
+  """A contiguous KVCache (k, v [B, KVH, S, D] per layer) split by KV heads."""
+  spec = NamedSharding(mesh, CONTIGUOUS_SPEC)
+  return cache.replace(k=tuple(jax.device_put(x, spec) for x in cache.k),
+                       v=tuple(jax.device_put(x, spec) for x in cache.v))
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute")

@@ -120,10 +120,10 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
                      f"{name!r} (the controller's loop and the generator do not speculate)")
   engine = config.get("engine") or {}
-  if int(engine.get("tensor_parallel", 1) or 1) > 1 and name != "engine":
+  if int(engine.get("tensor_parallel", 1) or 1) > 1 and name not in ("engine", "controller"):
     raise ValueError(f"engine.tensor_parallel={engine.get('tensor_parallel')} needs "
-                     f"model.predictor=engine; this run uses {name!r} (the controller and the "
-                     f"generator run on one device)")
+                     f"model.predictor=engine or a controller policy; this run uses {name!r} "
+                     f"(the generator runs on one device)")
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,

@@ -116,7 +116,7 @@ def test_engine_kv_dtype_reaches_the_controller_cache(tmp_path):
     build_predictor(build_plan(cfg, "unused_output_dir").predictor)
 
 
-def test_tensor_parallel_enters_the_hash_and_needs_the_engine():
+def test_tensor_parallel_enters_the_hash_and_needs_the_engine_or_the_controller():
   from pipelines.beam import build_plan
   cfg = gsm8k_config.get_config("smoke=True")
   cfg.engine.tensor_parallel = 2
@@ -124,6 +124,11 @@ def test_tensor_parallel_enters_the_hash_and_needs_the_engine():
   assert model_fingerprint(spec)["tensor_parallel"] == 2
   assert engine_config(spec).tensor_parallel == 2
   cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.engine.tensor_parallel = 2  # the controller's loop runs on the mesh too
+  assert model_fingerprint(build_plan(cfg, "unused_output_dir").predictor)["tensor_parallel"] == 2
+  cfg = gsm8k_config.get_config("policy=greedy,smoke=True")
+  cfg.model.predictor = "generator"
   cfg.engine.tensor_parallel = 2
-  with pytest.raises(ValueError, match="tensor_parallel=2 needs model.predictor=engine"):
+  with pytest.raises(ValueError, match="tensor_parallel=2 needs model.predictor=engine or a "
+                                       "controller policy; this run uses 'generator'"):
     build_plan(cfg, "unused_output_dir")

@@ -1,7 +1,9 @@
 """Tensor parallelism on 8 forced CPU devices (in a process of its own, tp_run.py): the
 sharded engine gives the one-device engine's tokens, greedy and sampled, with f32 and
 bf16 KV pools; the compiled decode step all-reduces twice per layer and gathers nothing;
-a model that does not split evenly is refused in one line."""
+the controller's loop on a mesh gives the one-device traces (paged and contiguous caches,
+shared prompt blocks, backtracking); a model that does not split evenly is refused in one
+line."""
 
 import json
 import pathlib
@@ -38,6 +40,17 @@ def test_decode_step_all_reduces_twice_per_layer_and_gathers_nothing(run, case):
   r = run[case]
   assert r["collectives"] == {"all-reduce": 2 * r["layers"], "all-gather": 0, "all-to-all": 0,
                               "collective-permute": 0}
+
+
+@pytest.mark.parametrize("case", ["paged_bfloat16", "contiguous_float32"])
+def test_controller_on_a_mesh_gives_the_one_device_traces(run, case):
+  # Sampled traces sharing each prompt's blocks, with backtracking, and greedy ones: the
+  # same tokens and decisions as on one device, with the cache split by KV heads.
+  r = run["controller"][case]
+  assert r["same_sampled"] and r["same_actions"] and r["same_greedy"]
+  assert r["backtracks"] > 0 and r["tokens"] > 0  # the loop really backtracked
+  assert r["cache_spec"] == ("P(None, None, 'model', None)" if case.startswith("paged")
+                             else "P(None, 'model', None, None)")
 
 
 def test_uneven_split_is_one_line(run):

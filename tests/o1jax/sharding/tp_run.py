@@ -45,6 +45,45 @@ def generate(model, tokenizer, mesh, kv_dtype: str, prompts):
   return tokens, engine, collectives.counts() if collectives else None
 
 
+def controller_cases(prompts):
+  """The controller's loop on a TP=2 mesh against one device: self-consistency (4 sampled
+  traces sharing each prompt's blocks, a backtracking verifier) and greedy, on the paged
+  cache (bf16 pools) and the contiguous one (f32)."""
+  from o1jax.controller import Controller, LoopSettings, ReasoningRequest, build_decode_model
+
+  model, tok = tiny(2)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=7) for i, p in enumerate(prompts)]
+  # Steps of 6 tokens whose geometric-mean probability (~1/259 with these soft logits)
+  # is below 0.01 are retried once: every trace backtracks.
+  sampled = LoopSettings(temperature=0.8, max_thinking_tokens=18, max_answer_tokens=4,
+                         step_max_tokens=6, backtrack_threshold=0.01, max_step_backtracks=1,
+                         max_backtracks=2)
+  greedy = LoopSettings(max_thinking_tokens=16, max_answer_tokens=4)
+  out = {}
+  for cache, kv in (("paged", "bfloat16"), ("contiguous", "float32")):
+    runs = {}
+    for label, mesh in (("one", None), ("tp2", mesh_of(2))):
+      decode_model = build_decode_model(model, {"cache": cache, "kv_dtype": kv}, mesh=mesh)
+      ctl = Controller(decode_model, tok, max_rows=8)  # 2 requests x 4 traces at a time
+      batch = ctl.generate(requests, sampled, 4)
+      runs[label] = dict(
+          sampled=[[t.token_ids for t in ts] for ts in batch.traces],
+          actions=[[[s.action for s in t.steps] for t in ts] for ts in batch.traces],
+          greedy=[ts[0].token_ids for ts in ctl.generate(requests, greedy, 1).traces])
+      if mesh is not None:  # the cache really is split by KV heads
+        probe = decode_model.init_cache(2, 32)
+        pool = probe.pages.k_pages[0] if cache == "paged" else probe.k[0]
+        runs[label]["cache_spec"] = str(pool.sharding.spec)
+    one, tp2 = runs["one"], runs["tp2"]
+    out[f"{cache}_{kv}"] = dict(
+        same_sampled=one["sampled"] == tp2["sampled"], same_actions=one["actions"] == tp2["actions"],
+        same_greedy=one["greedy"] == tp2["greedy"],
+        cache_spec=tp2["cache_spec"],
+        backtracks=sum(a.count("backtrack") for ts in one["actions"] for a in ts),
+        tokens=sum(len(t) for ts in one["sampled"] for t in ts))
+  return out
+
+
 def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 259, size=int(rng.integers(3, 40))).tolist() for _ in range(4)]
@@ -66,6 +105,7 @@ def main():
         wq_spec=str(sharded.layers[0].wq.get_value().sharding.spec),
         wo_spec=str(sharded.layers[0].wo.get_value().sharding.spec),
         max_logit_diff=float(np.max(np.abs(np.asarray(ref) - np.asarray(par)))))
+  out["controller"] = controller_cases(prompts)
   model, tok = tiny(2)
   try:
     tensor_parallel.shard_model(model, tensor_parallel.auto_mesh(mesh_of(4)))
