@@ -89,6 +89,7 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       prefix_caching=True,  # the shared few-shot prefix is prefilled once
       decode_steps=8,  # decode steps per device call (1 = a host round trip per token)
       tensor_parallel=1,  # devices one model is split over by heads (placed by topology)
+      data_parallel=1,  # engine replicas in one worker, each on its own tensor_parallel devices
   )
 
 

@@ -261,10 +261,11 @@ class EnginePredictor:
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "EnginePredictor":
-    from o1jax.engine import Engine
+    from o1jax.engine import build_engine
     model, tokenizer = _load_model(spec)
-    return cls(Engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop(),
-                      speculative=spec.speculative_config()))
+    # data_parallel > 1: replicas of the engine over this worker's devices (one batch dealt out)
+    return cls(build_engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop(),
+                            speculative=spec.speculative_config()))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.engine import GenerationParams, Request

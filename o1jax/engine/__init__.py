@@ -8,6 +8,7 @@ from o1jax.engine.engine import (Engine, EngineConfig, GenerationParams, Request
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks, fork_rows,
                                    reserve_for_append, truncate_rows)
 from o1jax.engine.metrics import LatencyHistogram, MetricsCollector, RequestMetrics
+from o1jax.engine.replicas import EngineReplicas, build_engine, replica_meshes
 from o1jax.engine.speculative import (DRAFTERS, SpeculationPlanner, SpeculativeConfig,
                                       expected_tokens, prompt_lookup)
 from o1jax.engine.steps import (DecodeBatch, DecodeOutput, LoopOutput, VerifyOutput, decode_loop,

@@ -98,6 +98,7 @@ class EngineConfig:
   # group is placed by the devices' topology (o1jax.sharding.make_mesh); Engine(mesh=)
   # takes a mesh of your own instead.
   tensor_parallel: int = 1
+  data_parallel: int = 1  # engine replicas in one process (engine/replicas.py), one per group
 
   def __post_init__(self):
     if self.policy not in POLICIES:
@@ -105,7 +106,7 @@ class EngineConfig:
     if self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype={self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
     for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps",
-                 "tensor_parallel"):
+                 "tensor_parallel", "data_parallel"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -269,6 +270,9 @@ class Engine:
     mesh: a `jax.sharding.Mesh` with a "model" axis: the weights and the KV pools are
     split over it by heads (tensor parallelism, o1jax/sharding/tensor_parallel.py);
     outputs are the one-device engine's."""
+    if config.data_parallel > 1:
+      raise ValueError(f"data_parallel={config.data_parallel}: one Engine is one replica; "
+                       f"build replicas with o1jax.engine.build_engine (EngineReplicas)")
     if mesh is None and config.tensor_parallel > 1:
       mesh = tensor_parallel.group_mesh(config.tensor_parallel)
     self.mesh = mesh = None if mesh is None else tensor_parallel.auto_mesh(mesh)
@@ -534,6 +538,11 @@ class Engine:
     return group
 
   # -- public API ------------------------------------------------------------------------
+
+  def check_requests(self, requests: Sequence[Request | dict | str]) -> None:
+    """Raises the ValueError `generate` would raise for a bad request; queues nothing."""
+    for i, r in enumerate(requests):
+      self._make_group(r, i)
 
   def generate(self, requests: Sequence[Request | dict | str]) -> list[RequestResult]:
     """Runs every request to completion; results in input order.

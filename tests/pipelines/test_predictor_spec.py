@@ -132,3 +132,23 @@ def test_tensor_parallel_enters_the_hash_and_needs_the_engine_or_the_controller(
   with pytest.raises(ValueError, match="tensor_parallel=2 needs model.predictor=engine or a "
                                        "controller policy; this run uses 'generator'"):
     build_plan(cfg, "unused_output_dir")
+
+
+def test_data_parallel_reaches_the_engine_and_is_checked_at_plan_time():
+  from pipelines.beam import build_plan
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.engine.data_parallel = 2
+  spec = build_plan(cfg, "unused_output_dir").predictor
+  assert engine_config(spec).data_parallel == 2
+  # Replicas compute each request as one engine does: the results are the same ones.
+  cfg.engine.data_parallel = 1
+  assert model_fingerprint(build_plan(cfg, "unused_output_dir").predictor) == model_fingerprint(spec)
+  cfg.engine.data_parallel = 2
+  cfg.budget.mode = "adaptive"
+  with pytest.raises(ValueError, match="budget.mode=adaptive with engine.data_parallel > 1"):
+    build_plan(cfg, "unused_output_dir")
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.engine.data_parallel = 2
+  with pytest.raises(ValueError, match="engine.data_parallel=2 needs model.predictor=engine; "
+                                       "this run uses 'controller'"):
+    build_plan(cfg, "unused_output_dir")

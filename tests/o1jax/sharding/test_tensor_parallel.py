@@ -53,6 +53,16 @@ def test_controller_on_a_mesh_gives_the_one_device_traces(run, case):
                              else "P(None, 'model', None, None)")
 
 
+@pytest.mark.parametrize("case", ["dp2_tp1", "dp2_tp2"])
+def test_engine_replicas_give_the_one_engine_tokens_each_on_its_own_devices(run, case):
+  r = run["replicas"][case]
+  assert r["same_tokens"]
+  tp = int(case[-1])
+  assert [len(d) for d in r["devices"]] == [tp, tp]
+  assert not set(r["devices"][0]) & set(r["devices"][1])  # disjoint device groups
+  assert r["requests_per_replica"] == [8, 8]  # 16 requests dealt out in turn
+
+
 def test_uneven_split_is_one_line(run):
   assert run["tp4_kv2_error"] == ("tensor parallelism 4: the model's n_kv_heads=2 is not a "
                                   "multiple of it")

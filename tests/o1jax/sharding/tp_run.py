@@ -84,6 +84,30 @@ def controller_cases(prompts):
   return out
 
 
+def replica_cases(prompts):
+  """Data parallelism: 2 engine replicas (TP=1 each, and TP=2 each on 4 devices) against
+  one engine: the same tokens, greedy and sampled, each replica on its own devices."""
+  from o1jax.engine import EngineReplicas
+
+  model, tok = tiny(2)
+  requests = [Request(p, GenerationParams(max_new_tokens=16, temperature=t), i)
+              for i, p in enumerate(prompts * 2) for t in (0.0, 0.8)]
+  one = Engine(model, tok, EngineConfig(max_slots=8, num_blocks=96, prefill_chunk=32))
+  want = [r.samples[0].token_ids for r in one.generate(requests)]
+  out = {}
+  for tp in (1, 2):
+    engines = EngineReplicas(model, tok, EngineConfig(max_slots=8, num_blocks=96,
+                                                      prefill_chunk=32, data_parallel=2,
+                                                      tensor_parallel=tp))
+    got = [r.samples[0].token_ids for r in engines.generate(requests)]
+    devices = [sorted(d.id for d in e.cache.k_pages[0].sharding.device_set)
+               for e in engines.engines]
+    out[f"dp2_tp{tp}"] = dict(same_tokens=got == want, devices=devices,
+                              requests_per_replica=[e.metrics.summary()["requests"]
+                                                    for e in engines.engines])
+  return out
+
+
 def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 259, size=int(rng.integers(3, 40))).tolist() for _ in range(4)]
@@ -106,6 +130,7 @@ def main():
         wo_spec=str(sharded.layers[0].wo.get_value().sharding.spec),
         max_logit_diff=float(np.max(np.abs(np.asarray(ref) - np.asarray(par)))))
   out["controller"] = controller_cases(prompts)
+  out["replicas"] = replica_cases(prompts)
   model, tok = tiny(2)
   try:
     tensor_parallel.shard_model(model, tensor_parallel.auto_mesh(mesh_of(4)))

@@ -1,0 +1,96 @@
+"""Data parallelism inside one process: `EngineReplicas`, one `Engine` per device group.
+
+A worker with several devices serves them all: `make_mesh(model=tp, data=replicas)` places
+the groups by topology (o1jax/sharding/topology.py), each group holds the whole model
+(split over its `model` axis when tp > 1) and runs its own continuous batching. A
+`generate` call deals its requests out in turn (request i to replica i mod N), runs the
+replicas in threads (a device call releases the GIL) and returns the results in request
+order. A request's tokens do not depend on its replica: its random stream is keyed by its
+seed and id, and every replica holds the same weights.
+
+  engines = EngineReplicas(model, tokenizer, EngineConfig(data_parallel=2, tensor_parallel=2))
+  results = engines.generate(requests)  # as Engine.generate
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from o1jax.engine.engine import Engine, EngineConfig, Request, RequestResult
+from o1jax.sharding import topology
+
+
+def replica_meshes(replicas: int, tp: int = 1, devices=None) -> list[Mesh]:
+  """One (data=1, model=tp) mesh per replica, the groups placed by topology."""
+  devices = list(jax.devices() if devices is None else devices)
+  if replicas * tp > len(devices):
+    raise topology.TopologyError(f"data_parallel={replicas} x tensor_parallel={tp} needs "
+                                 f"{replicas * tp} devices; this process has {len(devices)}")
+  full = topology.make_mesh(model=tp, data=replicas, devices=devices[:replicas * tp])
+  return [Mesh(full.devices[i:i + 1], full.axis_names) for i in range(replicas)]
+
+
+class EngineReplicas:
+  """`config.data_parallel` engines over `config.data_parallel * config.tensor_parallel`
+  devices (see the module doc). Each replica has the config's slots and KV pool."""
+
+  def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *, devices=None,
+               **engine_kwargs):
+    if engine_kwargs.get("budget") is not None and config.data_parallel > 1:
+      raise ValueError("a live budget with engine.data_parallel > 1 is not supported: each "
+                       "replica would need its own (use budget.mode=fixed, or one replica)")
+    meshes = replica_meshes(config.data_parallel, config.tensor_parallel, devices)
+    self.config = config
+    one = dataclasses.replace(config, data_parallel=1)
+    self.engines = [Engine(model, tokenizer, one, mesh=mesh, **engine_kwargs) for mesh in meshes]
+    self.tokenizer = tokenizer
+    self.budget = None
+    self._pool = concurrent.futures.ThreadPoolExecutor(len(self.engines),
+                                                       thread_name_prefix="replica")
+
+  @property
+  def metrics(self):
+    return [e.metrics for e in self.engines]
+
+  @property
+  def trace_counts(self):
+    return [dict(e.trace_counts) for e in self.engines]
+
+  def generate(self, requests: Sequence[Request | dict | str]) -> list[RequestResult]:
+    """Engine.generate over the replicas: every request checked before any work starts,
+    one without request_id keyed by its position in `requests` (as Engine.generate),
+    results in request order."""
+    requests = [_with_id(r, i) for i, r in enumerate(requests)]
+    self.engines[0].check_requests(requests)
+    n = len(self.engines)
+    shares = [list(range(r, len(requests), n)) for r in range(n)]
+    runs = [self._pool.submit(self.engines[r].generate, [requests[i] for i in share])
+            for r, share in enumerate(shares) if share]
+    out: list[RequestResult | None] = [None] * len(requests)
+    for share, run in zip([s for s in shares if s], runs):
+      for i, result in zip(share, run.result()):
+        out[i] = result
+    return out
+
+
+def _with_id(request: Request | dict | str, index: int) -> Request | dict:
+  """The request with its position as id where it has none (its sampling keys)."""
+  if isinstance(request, str):
+    return Request(prompt=request, request_id=index)
+  if isinstance(request, dict):
+    return request if request.get("request_id") is not None else {**request, "request_id": index}
+  if request.request_id is None:
+    return dataclasses.replace(request, request_id=index)
+  return request
+
+
+def build_engine(model, tokenizer, config: EngineConfig = EngineConfig(), **engine_kwargs):
+  """An `Engine`, or `EngineReplicas` when config.data_parallel > 1."""
+  if config.data_parallel > 1:
+    return EngineReplicas(model, tokenizer, config, **engine_kwargs)
+  return Engine(model, tokenizer, config, **engine_kwargs)
