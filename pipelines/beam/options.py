@@ -45,8 +45,25 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
   return args + [a for a in extra if not a.startswith("--runner=")]
 
 
+# The dask runner subclasses Beam's own and reuses its translation internals, which this
+# Beam release has (the DirectRunner works with any apache-beam >= 2.60).
+DASK_BEAM_VERSION = (2, 77)
+
+
+def check_dask_beam_version(version: str | None = None) -> None:
+  """One-line error when the installed Beam is not the release the dask runner was built on."""
+  import apache_beam
+  version = version or apache_beam.__version__
+  have = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+  if have != DASK_BEAM_VERSION:
+    want = ".".join(map(str, DASK_BEAM_VERSION))
+    raise ValueError(f"runner.name=dask needs apache-beam {want}.x (its Dask translation is "
+                     f"reused); this is apache-beam {version}: pip install 'apache-beam=={want}.*'")
+
+
 def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list[str]:
   """The config's address (or LocalCluster size) and partitions; flags after `--` win."""
+  check_dask_beam_version()
   given = {a.split("=", 1)[0] for a in extra}
   address = str(runner_cfg.get("address", "") or "")
   for key in ("local_workers", "partitions"):

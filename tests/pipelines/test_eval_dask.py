@@ -192,3 +192,13 @@ def test_two_jobs_on_a_cluster_started_like_the_readme_says(tmp_path):
   direct = _without_timing(_lines(tmp_path / "direct" / "results.jsonl"))
   assert _without_timing(outputs[0]) == _without_timing(outputs[1]) == direct
   assert len(direct) == 10
+
+
+def test_another_beam_release_is_a_one_line_error():
+  from pipelines.beam.options import check_dask_beam_version
+  check_dask_beam_version()  # the installed one
+  check_dask_beam_version("2.77.3")
+  for other in ("2.60.0", "2.78.0rc1", "3.0.0"):
+    with pytest.raises(ValueError, match=rf"runner.name=dask needs apache-beam 2.77.x .*this is "
+                                         rf"apache-beam {other}"):
+      check_dask_beam_version(other)
