@@ -1,9 +1,10 @@
 """The tensor-parallel engine against one device, on forced CPU devices, in one run.
 
-  python scripts/bench_tensor_parallel.py [--model embedded] [--tp 3] [--devices 8]
+  python scripts/bench_tensor_parallel.py [--model embedded] [--tp 3] [--dp 2] [--devices 8]
       [--prompts 8] [--new-tokens 32] [--repeats 2]
 
-For each of one device and a TP group of --tp devices (`Engine(mesh=...)`): greedy
+For each of one device, a TP group of --tp devices (`Engine(mesh=...)`) and --dp engine
+replicas of one device each (`EngineReplicas`, data parallelism; 0 = skip): greedy
 generation of the same chat prompts (warm-up until nothing compiles, then --repeats
 timed runs), generated tok/s, whether the tokens equal the one-device ones (and where
 the first fork is, with the one-device top-2 logit gap there: a near-tie), and the
@@ -16,6 +17,7 @@ The SmolLM2 embedded model has 9 heads / 3 KV heads, so --tp 3 by default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +28,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", default="embedded")
   p.add_argument("--tp", type=int, default=3)
+  p.add_argument("--dp", type=int, default=2)
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--new-tokens", type=int, default=32)
@@ -44,7 +47,7 @@ def main(argv=None):
 
   from o1jax.checkpoint import load_checkpoint
   from o1jax.compilation_cache import enable_compilation_cache
-  from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+  from o1jax.engine import Engine, EngineConfig, EngineReplicas, GenerationParams, Request
   from o1jax.model import Llama
   from o1jax.sharding import DecodeCollectives
 
@@ -57,17 +60,23 @@ def main(argv=None):
   prompts = chat_prompts(ck.tokenizer, a.prompts)
   params = GenerationParams(max_new_tokens=a.new_tokens, ignore_eos=True)
   rows = {}
-  for label, mesh in (("1 device", None),
-                      (f"TP={a.tp}", jax.make_mesh((1, a.tp), ("data", "model"),
-                                                   devices=jax.devices()[:a.tp]))):
-    engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=a.prompts, kv_cache_bytes=64 << 20),
-                    mesh=mesh)
-    collectives = DecodeCollectives(engine) if mesh is not None else None
+  config = EngineConfig(max_slots=a.prompts, kv_cache_bytes=64 << 20)
+  runs = [("1 device", lambda: Engine(model, ck.tokenizer, config)),
+          (f"TP={a.tp}", lambda: Engine(model, ck.tokenizer, config, mesh=jax.make_mesh(
+              (1, a.tp), ("data", "model"), devices=jax.devices()[:a.tp])))]
+  if a.dp > 1:
+    runs.append((f"DP={a.dp}", lambda: EngineReplicas(
+        model, ck.tokenizer, dataclasses.replace(config, data_parallel=a.dp))))
+  compiled = lambda e: sum(sum(c.values()) for c in (
+      e.trace_counts if isinstance(e.trace_counts, list) else [e.trace_counts]))
+  for label, build in runs:
+    engine = build()
+    collectives = DecodeCollectives(engine) if label.startswith("TP") else None
     requests = [Request(p, params, i) for i, p in enumerate(prompts)]
     while True:  # warm up until a run compiles nothing new
-      before = sum(engine.trace_counts.values())
+      before = compiled(engine)
       engine.generate(requests)
-      if sum(engine.trace_counts.values()) == before:
+      if compiled(engine) == before:
         break
     walls, out = [], None
     for _ in range(a.repeats):
@@ -81,12 +90,11 @@ def main(argv=None):
       ops = {op: counts[op] for op in ("all-reduce", "all-gather")}
     rows[label] = dict(tok_s=[a.prompts * a.new_tokens / w for w in walls], tokens=tokens,
                        collectives=ops)
-  base, tp = rows["1 device"], rows[f"TP={a.tp}"]
-  forks = []
-  for i, (x, y) in enumerate(zip(base["tokens"], tp["tokens"])):
-    if x != y:
-      at = next(j for j, (u, v) in enumerate(zip(x, y)) if u != v)
-      forks.append((i, at))
+  base = rows["1 device"]
+  for r in rows.values():
+    r["forks"] = [(i, next(j for j, (u, v) in enumerate(zip(x, y)) if u != v))
+                  for i, (x, y) in enumerate(zip(base["tokens"], r["tokens"])) if x != y]
+  forks = sorted({f for r in rows.values() for f in r["forks"]})
   gaps = []
   for i, at in forks:  # the one-device top-2 gap where they fork
     ids = prompts[i] + base["tokens"][i][:at]
@@ -99,7 +107,7 @@ def main(argv=None):
         f"collectives per decode step |")
   print("|---|---|---|---|")
   for label, r in rows.items():
-    same = "-" if r is base else f"{len(prompts) - len(forks)}/{len(prompts)}"
+    same = "-" if r is base else f"{len(prompts) - len(r['forks'])}/{len(prompts)}"
     print(f"| {label} | {' / '.join(f'{t:.1f}' for t in r['tok_s'])} | {same} | "
           f"{r['collectives'] or '-'} |")
   print(f"layers: {model.config.n_layers}; forks (prompt, position): {forks}; "

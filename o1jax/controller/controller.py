@@ -267,9 +267,14 @@ class Controller:
     return ids
 
   def _opens_thinking(self, ids: Sequence[int]) -> bool:
-    """The prompt already ends inside the thinking span (its open marker, then spaces)."""
-    tail = self.tokenizer.decode(list(ids[-(self.pattern_capacity + 4):]))
-    return tail.rstrip().endswith(self.thinking.open)
+    """The prompt already ends inside the thinking span (its open marker, then spaces).
+    A prompt ending with a closed span (a template's "thinking off") is refused: the loop
+    would read its answer as thinking."""
+    tail = self.tokenizer.decode(list(ids[-(2 * self.pattern_capacity + 4):])).rstrip()
+    if tail.endswith(self.thinking.close):
+      raise ValueError(f"the prompt ends with a closed thinking span ({self.thinking.close!r}): "
+                       f"thinking is off for it; use controller.thinking='off'")
+    return tail.endswith(self.thinking.open)
 
   def final_text(self, trace: Trace) -> str:
     """What a task scores of a trace: its text, or with a thinking span the answer after it

@@ -105,6 +105,8 @@ def test_prompt_ends_inside_the_span():
   assert ctl.encode("Q") == [ID["Q"], ID["<think>"], ID["\n"]]
   assert ctl.encode("Q<think>\n") == [ID["Q"], ID["<think>"], ID["\n"]]  # not opened twice
   assert ctl.encode([ID["Q"], ID["<think>"]]) == [ID["Q"], ID["<think>"]]
+  with pytest.raises(ValueError, match="ends with a closed thinking span"):
+    ctl.encode("Q<think>\n\n</think>\n\n")  # a template's "thinking off"
   off = controller([], span=None)
   assert off.thinking is None and off.encode("Q") == [ID["Q"]]
 
