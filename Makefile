@@ -29,8 +29,10 @@ gemma3: setup
 eval: setup
 	$(PY) -m pipelines.eval $(EVAL_ARGS)
 
+# Two test processes (one per core of the reference machine); a module's tests stay in one
+# process, so its fixtures (e.g. the 8-device subprocess) run once.
 test: setup
-	$(PY) -m pytest -q $(TEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
