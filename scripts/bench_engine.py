@@ -43,13 +43,17 @@ ASKS = ["Explain how {} work in two short paragraphs.", "Write a short story abo
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-  """n distinct chat prompts as token ids (about 30-40 tokens each)."""
+  """n distinct chat prompts as token ids (about 30-40 tokens each); plain text for a base
+  model without a chat template (e.g. gemma3-270m)."""
   out = []
   for i in range(n):
     ask = ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)])
     if i >= len(ASKS) * len(TOPICS):
       ask += f" (variant {i})"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+    try:
+      text = tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+    except ValueError:  # no chat template
+      text = ask
     out.append(tokenizer.encode(text))
   return out
 
@@ -249,6 +253,8 @@ def run_reference(which: str, args, gguf, prompts) -> dict | None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default="embedded",
+                  help="a named model (embedded, gemma3-270m) or a .gguf file")
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--concurrency", default="1,8,32,64")
   ap.add_argument("--hf-batches", default="1,8,32")
@@ -276,13 +282,15 @@ def main(argv=None) -> int:
       print(json.dumps(bench_transformers(gguf, prompts, hf_batches, args.new_tokens, args.threads)))
     return 0
 
+  import pathlib
+
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.checkpoint.embedded import embedded_model_path
+  from o1jax.checkpoint.embedded import NAMED_MODELS, named_model_path
   from o1jax.compilation_cache import enable_compilation_cache
 
   enable_compilation_cache()
-  ck = load_checkpoint("embedded")
-  gguf = embedded_model_path()
+  ck = load_checkpoint(args.model)
+  gguf = named_model_path(args.model) if args.model in NAMED_MODELS else pathlib.Path(args.model)
   concurrency = [int(x) for x in args.concurrency.split(",") if x]
   prompts = chat_prompts(ck.tokenizer, max(concurrency + hf_batches))
   print(f"model {ck.config.name}; {args.new_tokens} new tokens greedy; {args.threads} threads; "
