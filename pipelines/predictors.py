@@ -351,12 +351,9 @@ class ControllerPredictor:
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
     section = dict(spec.controller)  # kv_dtype included
     thinking = section.pop("thinking", "auto")
+    from o1jax.sharding import group_mesh
     tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
-    mesh = None
-    if tp > 1:
-      from o1jax.sharding import group_mesh
-      mesh = group_mesh(tp)
-    decode_model = build_decode_model(model, section, mesh=mesh)
+    decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
                           budget=spec.budget_loop(), thinking=thinking), policy)
 
@@ -483,14 +480,11 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     fp["thinking"] = cache["thinking"]
   if spec.name == "fake":
     return fp
-  path = spec.source
-  from o1jax.checkpoint.embedded import NAMED_MODELS
-  if spec.source in NAMED_MODELS:
-    try:
-      from o1jax.checkpoint.embedded import named_model_path
-      path = str(named_model_path(spec.source))
-    except Exception:  # a missing model fails later, at load time, with a clear message
-      return fp
+  from o1jax.checkpoint.embedded import resolve_source
+  try:
+    path = str(resolve_source(spec.source))
+  except Exception:  # a missing named model fails later, at load time, with a clear message
+    return fp
   if os.path.isfile(path):
     with open(path, "rb") as f:
       head = hashlib.sha256(f.read(1 << 20)).hexdigest()

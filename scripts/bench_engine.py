@@ -282,15 +282,13 @@ def main(argv=None) -> int:
       print(json.dumps(bench_transformers(gguf, prompts, hf_batches, args.new_tokens, args.threads)))
     return 0
 
-  import pathlib
-
   from o1jax.checkpoint import load_checkpoint
-  from o1jax.checkpoint.embedded import NAMED_MODELS, named_model_path
+  from o1jax.checkpoint.embedded import resolve_source
   from o1jax.compilation_cache import enable_compilation_cache
 
   enable_compilation_cache()
   ck = load_checkpoint(args.model)
-  gguf = named_model_path(args.model) if args.model in NAMED_MODELS else pathlib.Path(args.model)
+  gguf = resolve_source(args.model)
   concurrency = [int(x) for x in args.concurrency.split(",") if x]
   prompts = chat_prompts(ck.tokenizer, max(concurrency + hf_batches))
   print(f"model {ck.config.name}; {args.new_tokens} new tokens greedy; {args.threads} threads; "

@@ -220,7 +220,7 @@ class _FastReader:
     header = _Header(memoryview(self._map))  # slices of a memmap are slow objects
     meta, _, table, data_start = header.walk(keep_all=True)
     if header.order != "<":
-      raise ValueError("big-endian file")
+      raise _BigEndian(path)
     self.fields = {k: _Value(v) for k, v in meta.items()}
     self.tensors = []
     for name, ttype, n_elements, offset, dims in table:
@@ -243,16 +243,20 @@ class _FastReader:
 _DENSE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
+class _BigEndian(Exception):
+  """A GGUF written on a big-endian machine: `_FastReader` leaves it to gguf-py's reader."""
+
+
 def _open_fast_reader(path: pathlib.Path):
   """`_FastReader`, or gguf-py's reader for what it does not read (a big-endian file)."""
   _check_file(path)
   try:
     return _FastReader(path)
+  except _BigEndian:
+    return _open_reader(path)
   except CheckpointError:
     raise
   except ValueError as e:
-    if "big-endian" in str(e):
-      return _open_reader(path)
     raise _corrupt(path, e) from e
   except Exception as e:  # struct.error past the end, unknown type ids
     raise _corrupt(path, e) from e

@@ -32,15 +32,11 @@ _LAYER_NAMES = {
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
 # Gemma 3's layer norms (HF's Gemma3RMSNorm multiplies by 1 + w: we store the sum).
-_GEMMA3_LAYER_NAMES = {
-    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
-    "attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
-    "ffn_norm": "pre_feedforward_layernorm.weight",
-    "post_ffn_norm": "post_feedforward_layernorm.weight",
-    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-}
+# Its post_attention_layernorm is the attention output's norm; the MLP's input norm is
+# pre_feedforward_layernorm. (It has no q/k/v biases: attention_bias is off.)
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm.weight",
+                       "post_attn_norm": "post_attention_layernorm.weight",
+                       "post_ffn_norm": "post_feedforward_layernorm.weight"}
 _GEMMA3_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

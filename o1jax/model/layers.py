@@ -120,10 +120,3 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down, activation: str = "silu", **kw
   gate = linear(x, w_gate, **kw)
   up = linear(x, w_up, **kw)
   return linear(ACTIVATIONS[activation](gate) * up, w_down, **kw)
-
-
-def swiglu(x: jax.Array, w_gate, w_up, w_down, **kw) -> jax.Array:
-  """silu(x @ w_gate) * (x @ w_up) @ w_down; kw as for `linear`."""
-  gate = linear(x, w_gate, **kw)
-  up = linear(x, w_up, **kw)
-  return linear(jax.nn.silu(gate) * up, w_down, **kw)

@@ -153,10 +153,8 @@ class DecoderLayer(nnx.Module):
     if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
       # Every attention path scales scores by 1/sqrt(head_dim); fold the rest into q.
       q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
-    window = c.layer_window(index)
-    extra = {} if window is None else {"window": window}  # caches without windows stay valid
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,
-                               interpret=self.interpret, **extra)
+                               interpret=self.interpret, window=c.layer_window(index))
     out = layers.linear(attn.reshape(b, t, -1), val(self.wo), **kw)
     if c.post_norms:
       out = layers.rms_norm(out, val(self.post_attn_norm), c.rms_eps)

@@ -120,12 +120,11 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
                      f"{name!r} (the controller's loop and the generator do not speculate)")
   engine = config.get("engine") or {}
-  if int(engine.get("data_parallel", 1) or 1) > 1 and name != "engine":
-    raise ValueError(f"engine.data_parallel={engine.get('data_parallel')} needs "
-                     f"model.predictor=engine; this run uses {name!r} (run more Beam workers "
-                     f"to spread it over devices)")
-  if (int(engine.get("data_parallel", 1) or 1) > 1 and budget is not None
-      and budget.get("mode", "fixed") != "fixed"):
+  dp = int(engine.get("data_parallel", 1) or 1)
+  if dp > 1 and name != "engine":
+    raise ValueError(f"engine.data_parallel={dp} needs model.predictor=engine; this run uses "
+                     f"{name!r} (run more Beam workers to spread it over devices)")
+  if dp > 1 and budget is not None and budget.get("mode", "fixed") != "fixed":
     raise ValueError("budget.mode=adaptive with engine.data_parallel > 1 is not supported: "
                      "each replica would need its own budget (use budget.mode=fixed)")
   if int(engine.get("tensor_parallel", 1) or 1) > 1 and name not in ("engine", "controller"):
