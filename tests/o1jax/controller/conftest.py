@@ -27,21 +27,23 @@ def p_edge(x: float, v: int = len(VOCAB)) -> float:
 class MockWorld:
   edges: list
   triggers: list = dataclasses.field(default_factory=list)  # (token, {token: boost})
+  vocab: list = dataclasses.field(default_factory=lambda: list(VOCAB))
 
   def model(self) -> MockDecodeModel:
-    v = len(VOCAB)
+    v = len(self.vocab)
+    ids = {s: i for i, s in enumerate(self.vocab)}
     table = np.zeros((v, v), np.float32)
     for a, b, x in self.edges:
-      table[ID[a], ID[b]] = x
-    trig = [ID[t] for t, _ in self.triggers]
+      table[ids[a], ids[b]] = x
+    trig = [ids[t] for t, _ in self.triggers]
     boosts = np.zeros((len(self.triggers), v), np.float32)
     for k, (_, bo) in enumerate(self.triggers):
       for tok, x in bo.items():
-        boosts[k, ID[tok]] = x
+        boosts[k, ids[tok]] = x
     return MockDecodeModel(table, trig, boosts)
 
   def controller(self, **kw) -> Controller:
-    return Controller(self.model(), MockTokenizer(VOCAB), **kw)
+    return Controller(self.model(), MockTokenizer(self.vocab), **kw)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from o1jax.controller import (ContiguousLlama, Controller, LoopSettings, Reasoni
                               ThinkingSpan, thinking)
 from o1jax.controller.answers import extract_number
 from o1jax.controller.testing import MockDecodeModel, MockTokenizer
+from tests.o1jax.controller.conftest import MockWorld
 
 VOCAB = ["", "<s>", "</s>", "<think>", "</think>", "\n", "\n\n", " A", " B", " 7", " 3",
          "The answer is", " Wait", "Q"]
@@ -17,11 +18,8 @@ SPAN = ThinkingSpan("<think>", "</think>")
 
 
 def controller(edges, span=SPAN, **kw) -> Controller:
-  """Greedy chains a -> b (logit 8; 0 elsewhere) over VOCAB."""
-  table = np.zeros((len(VOCAB), len(VOCAB)), np.float32)
-  for a, b in edges:
-    table[ID[a], ID[b]] = 8.0
-  return Controller(MockDecodeModel(table), MockTokenizer(VOCAB), thinking=span, **kw)
+  """Greedy chains a -> b (logit 8; 0 elsewhere) over this file's VOCAB."""
+  return MockWorld([(a, b, 8.0) for a, b in edges], vocab=VOCAB).controller(thinking=span, **kw)
 
 
 def run(ctl, settings=None, prompt="Q", **kw):
