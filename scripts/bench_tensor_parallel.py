@@ -67,8 +67,7 @@ def main(argv=None):
   if a.dp > 1:
     runs.append((f"DP={a.dp}", lambda: EngineReplicas(
         model, ck.tokenizer, dataclasses.replace(config, data_parallel=a.dp))))
-  compiled = lambda e: sum(sum(c.values()) for c in (
-      e.trace_counts if isinstance(e.trace_counts, list) else [e.trace_counts]))
+  compiled = lambda e: sum(e.trace_counts.values())
   for label, build in runs:
     engine = build()
     collectives = DecodeCollectives(engine) if label.startswith("TP") else None

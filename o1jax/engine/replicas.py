@@ -14,6 +14,7 @@ seed and id, and every replica holds the same weights.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 from typing import Sequence
@@ -54,12 +55,9 @@ class EngineReplicas:
                                                        thread_name_prefix="replica")
 
   @property
-  def metrics(self):
-    return [e.metrics for e in self.engines]
-
-  @property
-  def trace_counts(self):
-    return [dict(e.trace_counts) for e in self.engines]
+  def trace_counts(self) -> collections.Counter:
+    """Programs compiled, by name, over every replica (as `Engine.trace_counts`)."""
+    return sum((e.trace_counts for e in self.engines), collections.Counter())
 
   def generate(self, requests: Sequence[Request | dict | str]) -> list[RequestResult]:
     """Engine.generate over the replicas: every request checked before any work starts,

@@ -19,6 +19,7 @@ def test_one_replica_through_the_mesh_code_gives_the_engine_tokens(tiny, engine3
   got = [r.samples[0].token_ids for r in replicas.generate(requests)]
   want = [r.samples[0].token_ids for r in engine32.generate(requests)]
   assert got == want
+  assert replicas.trace_counts == replicas.engines[0].trace_counts  # summed over replicas
 
 
 def test_build_engine_and_one_line_errors(tiny):
