@@ -63,10 +63,13 @@ VARIANTS = {"smoke": "False", "policy": "greedy", "fast": "False"}
 
 
 def fast_numerics(config: ml_collections.ConfigDict, fast: bool) -> None:
-  """The `fast=True` variant: int8 matmuls and bf16 KV (the fastest CPU mode; both
-  enter the content hash, so its results never mix with exact-f32 ones)."""
+  """The `fast=True` variant: the fastest matmuls this machine runs
+  (`pallas_kernels.ops.fastest_matmul_dtype`: int8 with the native VNNI/AMX kernel, else
+  float32 on a CPU) and bf16 KV. Both enter the content hash, so its results never mix with
+  exact-f32 ones or with another machine's int8 ones."""
   if fast:
-    config.model.matmul_dtype = "int8"
+    from pallas_kernels.ops import fastest_matmul_dtype
+    config.model.matmul_dtype = fastest_matmul_dtype()
     config.engine.kv_dtype = "bfloat16"
 
 

@@ -8,7 +8,7 @@
       --config.dataset.n=0 --config.prompt.style=fewshot
 
 Variants after the colon (comma-separated key=value): smoke=True|False,
-fast=True|False (int8 matmuls + bf16 KV: the fastest CPU mode, see the README),
+fast=True|False (the fastest matmuls here, int8 with the native kernel, + bf16 KV; README),
 policy=<name>: plain sampling (greedy, sample_n; run by model.predictor=engine or
 generator) or a reasoning-controller policy (greedy_cot, self_consistency,
 best_of_n, deepconf, think_verify_backtrack, budget_forcing; run by the controller,

@@ -4,7 +4,7 @@
   python -m pipelines.eval --config=configs/humaneval.py:policy=sample_n --config.policy.n=10 \
       --output_dir=runs/he_n10
 
-Variants: smoke=True|False, fast=True|False (int8 matmuls + bf16 KV),
+Variants: smoke=True|False, fast=True|False (the fastest matmuls here + bf16 KV),
 policy=greedy|sample_n (controller policies are rejected for HumanEval).
 """
 

@@ -6,7 +6,7 @@
   python -m pipelines.eval --config=configs/suite.py:category=math,policy=self_consistency
 
 Variants: category=all|code|math|qa|instructions|summarization, smoke=True|False (3 items
-per category, smaller budgets), fast=True|False (int8 matmuls + bf16 KV), policy=<name>
+per category, smaller budgets), fast=True|False (the fastest matmuls here + bf16 KV), policy=<name>
 (greedy, sample_n; controller policies only with category=math: the others reject them).
 Items come from the versioned cache (`pipelines/suite/items.py`), generated on first use.
 """

@@ -134,6 +134,17 @@ def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Ar
   return y.reshape(*lead, n)
 
 
+def fastest_matmul_dtype() -> str:
+  """The Llama `matmul_dtype` that decodes fastest on the default device (what the configs'
+  `fast=True` picks): "int8" where the native VNNI/AMX kernel runs (~2.5x float32 decode);
+  "float32" on any other CPU, where the XLA int8 reference is 4-8x slower than float32 and
+  bf16 (without AVX512-BF16) slower too (docs/measurements/2026-12-01_fast_numerics.md);
+  "bfloat16" on accelerators (bf16 tensor cores)."""
+  if not _on_cpu():
+    return "bfloat16"
+  return "int8" if native.int8_matmul_available() else "float32"
+
+
 _int8_fallback_warned = False
 
 

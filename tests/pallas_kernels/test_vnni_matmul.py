@@ -164,3 +164,12 @@ def test_the_xla_fallback_says_once_that_it_is_slow(monkeypatch, caplog):
   np.testing.assert_array_equal(np.asarray(y), np.asarray(vm.vnni_matmul_reference(x, w)))
   warned = [r.getMessage() for r in caplog.records if "matmul_dtype=int8" in r.getMessage()]
   assert len(warned) == 1 and "XLA reference" in warned[0]
+
+
+@pytest.mark.parametrize("native_int8, platform, expected", [
+    (True, "cpu", "int8"), (False, "cpu", "float32"), (True, "gpu", "bfloat16")])
+def test_fastest_matmul_dtype_picks_int8_only_where_the_native_kernel_runs(
+    monkeypatch, native_int8, platform, expected):
+  monkeypatch.setattr(native, "int8_matmul_available", lambda: native_int8)
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: platform)
+  assert ops.fastest_matmul_dtype() == expected
