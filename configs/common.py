@@ -55,6 +55,10 @@ def model_section(predictor: str = "engine") -> ml_collections.ConfigDict:
       # (4-bit weights as stored, two int8 levels per block of activations, native
       # VNNI/AMX kernel: ~2.5x faster decode on such CPUs; logits move ~1e-3)
       matmul_dtype="float32",
+      # Reasoning models' thinking span (o1jax/model/thinking.py): auto = the markers the
+      # chat template names (none: no span), on, off, or "<open> <close>". With a span every
+      # predictor scores the answer after it (the thinking goes into the record's trace).
+      thinking="auto",
       fake_delay_s=0.0,  # predictor=fake only: seconds per predicted batch
   )
 
@@ -97,11 +101,10 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
 
 
 def controller_section() -> ml_collections.ConfigDict:
-  """The reasoning controller's KV cache and the model's thinking span (controller policies
-  only; see docs/controller.md).
+  """The reasoning controller's KV cache (controller policies only; see docs/controller.md).
 
-  Checked by `o1jax.controller.CacheConfig` (with the engine section's kv_dtype) and
-  `o1jax.controller.thinking.check_setting` when the plan is built."""
+  Checked by `o1jax.controller.CacheConfig` (with the engine section's kv_dtype) when the
+  plan is built."""
   return section(
       # paged: the engine's paged cache, samples share the prompt's blocks (less KV memory,
       # and faster on CPU); contiguous: every row holds all its positions. Not contiguous:
@@ -109,9 +112,6 @@ def controller_section() -> ml_collections.ConfigDict:
       cache="paged",
       block_size=16,  # paged: tokens per block
       num_blocks=0,  # paged: pool size; 0 = sized from the controller's plan (never runs out)
-      # Reasoning models' thinking span (o1jax/controller/thinking.py): auto = the markers
-      # the chat template names (none: no span), on, off, or "<open> <close>".
-      thinking="auto",
   )
 
 

@@ -83,7 +83,9 @@ class PredictorSpec:
   slot count), engine (sorted items of the config's `engine` section), policy
   (sorted items of a controller policy's `{"name", **params}`; controller only),
   controller (sorted items of `o1jax.controller.CacheConfig`: the `controller` section
-  plus the engine section's kv_dtype, and `thinking`; controller only),
+  plus the engine section's kv_dtype; controller only),
+  thinking (the model section's thinking span setting, o1jax/model/thinking.py: every
+  predictor that runs a model scores the answer after the span),
   budget (sorted items of the `budget` section: the latency-aware budget; engine and controller),
   speculative (sorted items of the `speculative` section; engine only),
   imports (the config's modules, imported before the predictor is built: they may
@@ -93,6 +95,7 @@ class PredictorSpec:
   source: str = "embedded"
   backend: str = "auto"
   matmul_dtype: str = "float32"
+  thinking: str = "auto"
   fake_delay_s: float = 0.0
   batch_size: int = 8
   engine: tuple[tuple[str, Any], ...] = ()
@@ -113,6 +116,7 @@ class PredictorSpec:
       return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in plain.items()))
     return cls(name=name or model_cfg.predictor, source=model_cfg.source, backend=model_cfg.backend,
                matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
+               thinking=str(model_cfg.get("thinking", "auto")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
                engine=items(engine), policy=items(policy), controller=items(controller),
                budget=items(budget), speculative=items(speculative), imports=tuple(imports))
@@ -193,7 +197,7 @@ class GeneratorPredictor:
   @classmethod
   def load(cls, spec: PredictorSpec) -> "GeneratorPredictor":
     from o1jax.model import Generator
-    return cls(Generator(*_load_model(spec)))
+    return cls(Generator(*_load_model(spec), thinking=spec.thinking))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     out: list[dict | None] = [None] * len(items)
@@ -207,9 +211,21 @@ class GeneratorPredictor:
                                         request_ids=[items[i].request_id for i in idx], stop=stop)
       elapsed = self.clock() - t0
       for i, o in zip(idx, outputs):
-        out[i] = {"text": o.text, "tokens": {"prompt": o.prompt_tokens, "completion": len(o.token_ids)},
-                  "finish_reason": o.finish_reason, "latency_s": elapsed, "trace": {}}
+        out[i] = {"text": o.text, **_tokens_and_thinking(o.prompt_tokens, o),
+                  "finish_reason": o.finish_reason, "latency_s": elapsed}
     return out  # type: ignore[return-value]
+
+
+def _tokens_and_thinking(prompt_tokens: int, output) -> dict:
+  """`tokens` and `trace` of a plain predictor's sample (a GenerationOutput or an engine
+  SampleResult). With a thinking span the text is the answer after it: the thinking goes
+  into the trace and its tokens into `tokens.thinking` (completion counts both)."""
+  tokens = {"prompt": prompt_tokens, "completion": len(output.token_ids)}
+  if output.thinking is None:
+    return {"tokens": tokens, "trace": {}}
+  tokens["thinking"] = output.thinking_tokens
+  tokens["answer"] = len(output.token_ids) - output.thinking_tokens
+  return {"tokens": tokens, "trace": {"thinking": output.thinking}}
 
 
 def _sampling_fields(spec: SamplingSpec) -> dict[str, Any]:
@@ -265,7 +281,7 @@ class EnginePredictor:
     model, tokenizer = _load_model(spec)
     # data_parallel > 1: replicas of the engine over this worker's devices (one batch dealt out)
     return cls(build_engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop(),
-                            speculative=spec.speculative_config()))
+                            speculative=spec.speculative_config(), thinking=spec.thinking))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.engine import GenerationParams, Request
@@ -289,9 +305,8 @@ class EnginePredictor:
         metrics["budget"] = m.budget
       if m.spec_drafted:  # speculative decoding: drafts verified for it, and accepted
         metrics["speculative"] = {"drafted": m.spec_drafted, "accepted": m.spec_accepted}
-      out.append({"text": sample.text,
-                  "tokens": {"prompt": len(result.prompt_token_ids), "completion": len(sample.token_ids)},
-                  "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0, "trace": {},
+      out.append({"text": sample.text, **_tokens_and_thinking(len(result.prompt_token_ids), sample),
+                  "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0,
                   "metrics": metrics})
     return out
 
@@ -350,12 +365,11 @@ class ControllerPredictor:
     # One Beam batch x n traces in one compiled loop, unless engine.max_slots caps the rows.
     rows = int(engine.get("max_slots") or 0) or spec.batch_size * int(policy.get("n", 1) or 1)
     section = dict(spec.controller)  # kv_dtype included
-    thinking = section.pop("thinking", "auto")
     from o1jax.sharding import group_mesh
     tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
     decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
-                          budget=spec.budget_loop(), thinking=thinking), policy)
+                          budget=spec.budget_loop(), thinking=spec.thinking), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest
@@ -475,11 +489,11 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     # the pool size cannot change a result (a pool that runs out raises).
     fp["controller_cache"] = {"cache": cache["cache"],
                               "block_size": int(cache.get("block_size", 16))}
-  if spec.name == "controller" and cache.get("thinking", "auto") != "auto":
-    # auto follows the checkpoint's template (hashed with it); anything else may change it.
-    fp["thinking"] = cache["thinking"]
   if spec.name == "fake":
     return fp
+  if spec.thinking != "auto":
+    # auto follows the checkpoint's template (hashed with it); anything else may change it.
+    fp["thinking"] = spec.thinking
   from o1jax.checkpoint.embedded import resolve_source
   try:
     path = str(resolve_source(spec.source))

@@ -34,8 +34,6 @@ from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRec
                                       Trace)
 from o1jax.controller.sampling_policies import Greedy, SampleN, SamplingSpec
 from o1jax.controller.state import Knobs, ReasoningState
-from o1jax.controller import thinking
-from o1jax.controller.thinking import ThinkingSpan
 from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
 from o1jax.controller.verifiers import (SCORERS, VERIFIERS, GroupConfidence, LowestGroupConfidence,
                                         MeanLogprob, SelfVerify, StepStats, Verifier, get_verifier,

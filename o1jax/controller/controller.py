@@ -35,7 +35,7 @@ import numpy as np
 
 from o1jax.controller import answers
 from o1jax.controller import state as S
-from o1jax.controller import thinking as thinking_lib
+from o1jax.model import thinking as thinking_lib
 from o1jax.controller.answers import extract_number
 from o1jax.controller.decode_model import CachePlan, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
@@ -43,7 +43,7 @@ from o1jax.controller.registry import BasePolicy, build_policy, policy_names
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
                                       Trace)
 from o1jax.controller.state import Knobs, ReasoningState
-from o1jax.controller.thinking import ThinkingSpan
+from o1jax.model.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
 from o1jax.model.sampling import Sampling, sequence_key
@@ -273,7 +273,7 @@ class Controller:
     tail = self.tokenizer.decode(list(ids[-(2 * self.pattern_capacity + 4):])).rstrip()
     if tail.endswith(self.thinking.close):
       raise ValueError(f"the prompt ends with a closed thinking span ({self.thinking.close!r}): "
-                       f"thinking is off for it; use controller.thinking='off'")
+                       f"thinking is off for it; use model.thinking='off'")
     return tail.endswith(self.thinking.open)
 
   def final_text(self, trace: Trace) -> str:

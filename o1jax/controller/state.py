@@ -74,7 +74,7 @@ class Knobs:
   delim_seqs: jax.Array  # [M, D] i32 delimiter tokenizations (tail match)
   delim_lens: jax.Array  # [M] i32 (0 = unused variant)
   # The end of thinking the model may write: the answer prefix, or with a thinking span
-  # its close marker (controller/thinking.py).
+  # its close marker (o1jax/model/thinking.py).
   prefix_seqs: jax.Array  # [M, D] i32 its tokenizations (tail match)
   prefix_lens: jax.Array  # [M] i32
   restart_seqs: jax.Array  # [M, D] i32 answer-prefix tokenizations: restart the answer key

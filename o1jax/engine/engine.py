@@ -55,9 +55,11 @@ from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
                                       prompt_lookup)
+from o1jax.model import thinking as thinking_lib
 from o1jax.model.llama import Llama
 from o1jax.model.sampling import SamplingParams, sequence_key
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
+from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,10 @@ class SampleResult:
   logprobs: list[float] | None = None
   top_logprobs: list[list[tuple[int, float]]] | None = None
   preemptions: int = 0
+  # With a thinking span (Engine(thinking=...)): `text` is the answer after it; this is the
+  # thinking, markers removed ("" when the sample did not think), and its token count.
+  thinking: str | None = None
+  thinking_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -241,6 +247,7 @@ class _Seq:
     self.key = None  # np.uint32 [2]
     self.pending_keys: set = set()  # prefix keys of blocks it is prefilling
     self.acceptance = Acceptance()  # of its speculative drafts (engine/speculative.py)
+    self.span: SpanReader | None = None  # where its answer begins (a thinking span only)
 
   @property
   def n_prompt(self) -> int:
@@ -264,12 +271,16 @@ class Engine:
   def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *,
                clock: Callable[[], float] = time.perf_counter, budget: BudgetLoop | None = None,
                speculative: SpeculativeConfig | None = None, draft_model: Llama | None = None,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, thinking: str | ThinkingSpan | None = "auto"):
     """draft_model: the drafter of speculative drafter "draft_model" (else the engine
     loads `speculative.draft_source`); it must share the target's vocabulary.
     mesh: a `jax.sharding.Mesh` with a "model" axis: the weights and the KV pools are
     split over it by heads (tensor parallelism, o1jax/sharding/tensor_parallel.py);
-    outputs are the one-device engine's."""
+    outputs are the one-device engine's.
+    thinking: a reasoning model's thinking span (o1jax/model/thinking.py): "auto" (the
+    markers its chat template names, if any), "on", "off", "<open> <close>", or a
+    ThinkingSpan. With a span a sample's text is its answer after the span, its thinking
+    is `SampleResult.thinking`, and stop strings apply to the answer only."""
     if config.data_parallel > 1:
       raise ValueError(f"data_parallel={config.data_parallel}: one Engine is one replica; "
                        f"build replicas with o1jax.engine.build_engine (EngineReplicas)")
@@ -280,6 +291,7 @@ class Engine:
       model = tensor_parallel.shard_model(model, mesh)
     self.model = model
     self.tokenizer = tokenizer
+    self.thinking = thinking_lib.resolve(thinking, tokenizer)
     self.config = config
     # The latency-aware budget (engine/budget.py): it scales every request's token
     # limit, re-evaluated on its clock between device calls. None: max_new_tokens.
@@ -1056,6 +1068,8 @@ class Engine:
       if p.top_logprobs:
         seq.top.append([(int(a), float(b)) for a, b in zip(top_ids[:p.top_logprobs],
                                                            top_lps[:p.top_logprobs])])
+      if self.thinking is not None:
+        self._span(seq).update(seq.generated)
       if p.stop and self._hits_stop(seq):
         reason = "stop"
       elif len(seq.generated) >= group.limit or len(seq.tokens) >= self.max_context:
@@ -1065,12 +1079,18 @@ class Engine:
     if reason is not None:
       self._finish(seq, reason)
 
+  def _span(self, seq: _Seq) -> SpanReader:
+    if seq.span is None:
+      seq.span = SpanReader(self.thinking, self.tokenizer.decode, seq.group.prompt_ids)
+    return seq.span
+
   def _hits_stop(self, seq: _Seq) -> bool:
-    tail = self.tokenizer.decode(seq.generated[-64:])
+    tail = self.tokenizer.decode(thinking_lib.stop_window(seq.span, seq.generated, 64))
     return any(s in tail for s in seq.group.params.stop)
 
   def _text(self, seq: _Seq) -> str:
-    text = self.tokenizer.decode(seq.generated, skip_special=True)
+    text = thinking_lib.answer_text(seq.span, seq.generated,
+                                    lambda ids: self.tokenizer.decode(ids, skip_special=True))
     cuts = [text.find(s) for s in seq.group.params.stop if s in text]
     return text[:min(cuts)] if cuts else text
 
@@ -1089,6 +1109,8 @@ class Engine:
 
   def _finish(self, seq: _Seq, reason: str) -> None:
     seq.finish_reason = reason
+    if self.thinking is not None:
+      self._span(seq).finish(seq.generated)
     self._running.remove(seq)
     self.allocator.free_all(seq.blocks)
     seq.blocks = []
@@ -1110,7 +1132,10 @@ class Engine:
                             finish_reason=s.finish_reason,
                             logprobs=list(s.logprobs) if (p.logprobs or p.top_logprobs) else None,
                             top_logprobs=list(s.top) if p.top_logprobs else None,
-                            preemptions=s.preemptions)
+                            preemptions=s.preemptions,
+                            thinking=None if s.span is None else s.span.thinking_text(s.generated),
+                            thinking_tokens=0 if s.span is None else s.span.thinking_tokens(
+                                s.generated))
                for s in group.samples]
     return RequestResult(request_id=group.request_id, prompt_token_ids=list(group.prompt_ids),
                          samples=samples, metrics=group.metrics)

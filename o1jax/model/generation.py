@@ -21,7 +21,9 @@ from flax import nnx
 from o1jax.checkpoint.tokenizer import Tokenizer
 from o1jax.model.llama import KVCache, Llama
 from o1jax.model.sampling import SamplingParams, sample, sequence_key
+from o1jax.model import thinking as thinking_lib
 from o1jax.model.shapes import pow2_bucket
+from o1jax.model.thinking import SpanReader, ThinkingSpan
 
 
 @dataclasses.dataclass
@@ -31,6 +33,10 @@ class GenerationOutput:
   finish_reason: str  # "stop" (eos / stop string) or "length"
   prompt_tokens: int
   seconds: float
+  # With a thinking span (Generator(thinking=...)): `text` is the answer after it; this is
+  # the thinking, markers removed ("" when the sample did not think), and its token count.
+  thinking: str | None = None
+  thinking_tokens: int = 0
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -42,9 +48,13 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
 class Generator:
   """Greedy / sampled generation for a batch of prompts with one model."""
 
-  def __init__(self, model: Llama, tokenizer: Tokenizer):
+  def __init__(self, model: Llama, tokenizer: Tokenizer,
+               thinking: str | ThinkingSpan | None = "auto"):
+    """thinking: a reasoning model's thinking span, as `o1jax.engine.Engine` reads it
+    (o1jax/model/thinking.py): texts are the answers after it, stop strings apply there."""
     self.model = model
     self.tokenizer = tokenizer
+    self.thinking = thinking_lib.resolve(thinking, tokenizer)
     self.config = model.config
     self._graphdef, self._state = nnx.split(model)
     self._eos = np.array(sorted(set(tokenizer.eos_ids) | set(model.config.eos_ids)) or [-1])
@@ -120,11 +130,20 @@ class Generator:
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
     request_ids = list(range(len(ids))) if request_ids is None else list(request_ids)
-    tokens, reasons = next(self._run(ids, max_new_tokens, params, request_ids, stop, stream=False))
+    tokens, reasons, spans = next(self._run(ids, max_new_tokens, params, request_ids, stop,
+                                            stream=False))
     elapsed = time.perf_counter() - t0
-    return [GenerationOutput(token_ids=t, text=_cut_at_stop(self.tokenizer.decode(t, skip_special=True), stop),
-                             finish_reason=r, prompt_tokens=len(p), seconds=elapsed)
-            for t, r, p in zip(tokens, reasons, ids)]
+    visible = lambda t: self.tokenizer.decode(t, skip_special=True)
+    outputs = []
+    for t, r, p, span in zip(tokens, reasons, ids, spans):
+      if span is not None:
+        span.finish(t)
+      outputs.append(GenerationOutput(
+          token_ids=t, text=_cut_at_stop(thinking_lib.answer_text(span, t, visible), stop),
+          finish_reason=r, prompt_tokens=len(p), seconds=elapsed,
+          thinking=None if span is None else span.thinking_text(t),
+          thinking_tokens=0 if span is None else span.thinking_tokens(t)))
+    return outputs
 
   def _run(self, ids, max_new_tokens, params, request_ids, stop, stream):
     n = len(ids)
@@ -151,6 +170,8 @@ class Generator:
     first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, 0)
     next_ids = self._sample_first(logits, first_keys, *sampling)
     out = [[] for _ in range(n)]
+    spans = [None if self.thinking is None else
+             SpanReader(self.thinking, self.tokenizer.decode, p) for p in ids]
     reasons = ["length"] * n
     done = np.zeros(n, bool)
     positions = lengths.copy()
@@ -166,7 +187,10 @@ class Generator:
         out[i].append(tok)
         if stream:
           yield tok
-        if stop and any(s in self.tokenizer.decode(out[i][-32:]) for s in stop):
+        if spans[i] is not None:
+          spans[i].update(out[i])
+        if stop and any(s in self.tokenizer.decode(thinking_lib.stop_window(spans[i], out[i], 32))
+                        for s in stop):
           done[i], reasons[i] = True, "stop"
       if done.all() or step == max_new_tokens - 1:
         break
@@ -174,4 +198,4 @@ class Generator:
                                      base_keys, jnp.int32(step + 1), *sampling)
       positions += 1
     if not stream:
-      yield out, reasons
+      yield out, reasons, spans

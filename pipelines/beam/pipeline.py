@@ -102,14 +102,14 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   name = resolve_predictor(config.model.predictor, policy, config.task)
   controller = None
   if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype
-    from o1jax.controller import CacheConfig, thinking
+    from o1jax.controller import CacheConfig
     section = config.get("controller") or {}
     section = dict(section.to_dict() if hasattr(section, "to_dict") else section)
     engine = config.get("engine") or {}
     section["kv_dtype"] = str(engine.get("kv_dtype", "float32"))
-    span = str(section.pop("thinking", "auto"))
-    thinking.check_setting(span)  # checked now, not in a worker (markers: when it loads)
-    controller = {**CacheConfig.from_dict(section).to_dict(), "thinking": span}
+    controller = CacheConfig.from_dict(section).to_dict()
+  from o1jax.model import thinking
+  thinking.check_setting(config.model.get("thinking", "auto"))  # markers: when a worker loads
   budget = config.get("budget")
   if budget is not None:  # checked now rather than in a worker
     from o1jax.engine.budget import BudgetConfig

@@ -44,8 +44,7 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
   cfg.model.source = str(tmp_path)
   paged = build_plan(cfg, "unused_output_dir").predictor
   assert dict(paged.controller) == {"cache": "paged", "block_size": 16, "num_blocks": 0,
-                                    "kv_dtype": "float32",  # the engine section's, read once
-                                    "thinking": "auto"}
+                                    "kv_dtype": "float32"}  # the engine section's, read once
   assert model_fingerprint(paged)["controller_cache"] == {"cache": "paged", "block_size": 16}
   assert type(build_predictor(paged).controller.model).__name__ == "PagedLlama"
   cfg.controller.num_blocks = 512  # fits or raises: never another result, so not in the hash
@@ -65,22 +64,28 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
     build_plan(cfg, "unused_output_dir")
 
 
-def test_controller_thinking_flows_from_config_to_the_controller_and_fingerprint(tmp_path):
+@pytest.mark.parametrize("policy, predictor, attribute", [
+    ("greedy_cot", "controller", "controller"), ("greedy", "engine", "engine"),
+    ("greedy", "generator", "generator")])
+def test_model_thinking_flows_from_config_to_every_predictor_and_fingerprint(
+    tmp_path, policy, predictor, attribute):
   from pipelines.beam import build_plan
   from pipelines.predictors import build_predictor
 
   write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
-  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg = gsm8k_config.get_config(f"policy={policy},smoke=True")
   cfg.model.source = str(tmp_path)
+  cfg.model.predictor = predictor
   auto = build_plan(cfg, "unused_output_dir").predictor
-  assert build_predictor(auto).controller.thinking is None  # a ChatML template names none
+  assert auto.name == predictor
+  assert getattr(build_predictor(auto), attribute).thinking is None  # ChatML names none
   assert "thinking" not in model_fingerprint(auto)  # auto follows the checkpoint: old hashes
-  cfg.controller.thinking = "<think> </think>"
+  cfg.model.thinking = "<think> </think>"
   spec = build_plan(cfg, "unused_output_dir").predictor
-  assert build_predictor(spec).controller.thinking.close == "</think>"
+  assert getattr(build_predictor(spec), attribute).thinking.close == "</think>"
   assert model_fingerprint(spec)["thinking"] == "<think> </think>"
-  cfg.controller.thinking = "sometimes"  # refused before any worker starts
-  with pytest.raises(ValueError, match="controller.thinking='sometimes'"):
+  cfg.model.thinking = "sometimes"  # refused before any worker starts
+  with pytest.raises(ValueError, match="model.thinking='sometimes'"):
     build_plan(cfg, "unused_output_dir")
 
 
@@ -159,3 +164,40 @@ def test_data_parallel_reaches_the_engine_and_is_checked_at_plan_time():
   with pytest.raises(ValueError, match="engine.data_parallel=2 needs model.predictor=engine; "
                                        "this run uses 'controller'"):
     build_plan(cfg, "unused_output_dir")
+
+
+@pytest.mark.parametrize("predictor", ["engine", "generator"])
+def test_plain_predictors_score_the_answer_and_keep_the_thinking(tiny_qwen3, predictor):
+  # A reasoning model's sample through a plain predictor: `text` (what the task scores) is
+  # the answer after the span, the thinking goes into the trace, tokens count both parts.
+  from o1jax.controller import SamplingSpec
+  from o1jax.engine import Engine, EngineConfig
+  from o1jax.model import Generator, SamplingParams
+  from pipelines.predictors import EnginePredictor, GeneratorPredictor, WorkItem
+
+  llama, tok = tiny_qwen3
+  if predictor == "engine":
+    model = EnginePredictor(Engine(llama, tok, EngineConfig(max_slots=2, num_blocks=64)))
+  else:
+    model = GeneratorPredictor(Generator(llama, tok))
+  prompt = "Q: 2+3?<think>\n"  # inside the span
+  # Flat sampling (huge temperature): varied tokens from the tiny random model.
+  item = WorkItem(key="k", example={}, example_index=0, sample_index=0, prompt=prompt, stop=(),
+                  sampling=SamplingSpec(max_new_tokens=12, temperature=1e4), request_id=1)
+  out = model.predict([item])[0]
+  if predictor == "engine":
+    direct = model.engine.generate([model_request(item)])[0].samples[0]
+  else:
+    direct = model.generator.generate([prompt], 12, SamplingParams(temperature=1e4),
+                                      request_ids=[1])[0]
+  assert direct.thinking_tokens > 0 and direct.thinking  # it thinks
+  assert out["text"] == direct.text and out["trace"] == {"thinking": direct.thinking}
+  assert out["tokens"] == {"prompt": len(tok.encode(prompt)), "completion": 12,
+                           "thinking": direct.thinking_tokens,
+                           "answer": 12 - direct.thinking_tokens}
+
+
+def model_request(item):
+  from o1jax.engine import GenerationParams, Request
+  return Request(prompt=item.prompt, request_id=item.request_id, params=GenerationParams(
+      temperature=item.sampling.temperature, max_new_tokens=item.sampling.max_new_tokens))

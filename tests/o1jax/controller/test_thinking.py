@@ -5,8 +5,8 @@ random Qwen3-shaped GGUF with a Qwen3-style chat template."""
 import numpy as np
 import pytest
 
-from o1jax.controller import (ContiguousLlama, Controller, LoopSettings, ReasoningRequest,
-                              ThinkingSpan, thinking)
+from o1jax.controller import ContiguousLlama, Controller, LoopSettings, ReasoningRequest
+from o1jax.model import ThinkingSpan, thinking
 from o1jax.controller.answers import extract_number
 from o1jax.controller.testing import MockDecodeModel, MockTokenizer
 from tests.o1jax.controller.conftest import MockWorld
@@ -129,38 +129,6 @@ def test_settings_and_detection():
   with pytest.raises(ValueError, match="thinking marker '<think>' cannot be encoded"):
     Controller(MockDecodeModel(np.zeros((3, 3), np.float32)), MockTokenizer(["", "a", "b"]),
                thinking=SPAN)
-
-
-# A Qwen3-style chat template (ChatML turns; earlier assistant turns lose their thinking;
-# the generation prompt opens the assistant turn, and enable_thinking=false closes an
-# empty span).
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- set content = message['content'] %}"
-    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
-    "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-  from o1jax.checkpoint import load_checkpoint
-  from o1jax.model import Llama
-  from o1jax.testing import SPECIAL_TOKENS, tiny_config, write_gguf_checkpoint
-
-  added = ("<think>", "</think>")
-  config = tiny_config(architecture="qwen3", qk_norm=True, vocab_size=len(SPECIAL_TOKENS) + 258,
-                       max_context=512, name="tiny-qwen3")
-  path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf"
-  write_gguf_checkpoint(path, config, seed=3, architecture="qwen3", added_tokens=added,
-                        chat_template=QWEN3_STYLE_TEMPLATE)
-  ck = load_checkpoint(path)
-  return Llama(ck.config, ck.params), ck.tokenizer
 
 
 def test_tiny_qwen3_gguf_with_a_qwen3_style_template(tiny_qwen3):

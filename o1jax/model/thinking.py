@@ -1,0 +1,191 @@
+"""Thinking spans of reasoning models: the markers, where to find them, and where a
+sample's answer begins.
+
+A reasoning model (Qwen3, DeepSeek-R1 distills, ...) thinks inside a span such as
+`<think> ... </think>` and answers after it. Everything that generates text reads it
+through this module:
+
+  - the engine and the generator (`SpanReader`): a sample's text is the answer after
+    the span, its thinking is kept beside it, and stop strings apply to the answer only
+    (a stop string inside the thinking does not end the sample). The span is the one the
+    chat template opens: a prompt that ends inside it (`<think>\n` from the template), or
+    a sample whose first words are the open marker. A sample that never closes it has no
+    answer (empty text);
+  - the reasoning controller (o1jax/controller): the span is its thinking phase (budgets,
+    "Wait", the forced close; see docs/controller.md).
+
+Settings (the `model.thinking` config value): "auto" (the markers found in the chat
+template, none if it has none), "off", "on" (as auto, but a template without known
+markers is an error), or the two markers separated by a space ("<think> </think>").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+# (open, close) pairs of the chat templates we know; a template naming both has a span.
+KNOWN_MARKERS = (
+    ("<think>", "</think>"),  # Qwen3, QwQ, DeepSeek-R1 and its distills
+    ("<seed:think>", "</seed:think>"),  # Seed-OSS
+    ("[THINK]", "[/THINK]"),  # Magistral
+    ("◁think▷", "◁/think▷"),  # Kimi
+    ("<|begin_of_thought|>", "<|end_of_thought|>"),  # Sky-T1 style
+)
+SETTINGS = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinkingSpan:
+  """The markers that open and close a model's thinking."""
+
+  open: str = "<think>"
+  close: str = "</think>"
+
+  def __post_init__(self):
+    for name, marker in (("open", self.open), ("close", self.close)):
+      if not marker or marker != marker.strip() or any(c.isspace() for c in marker):
+        raise ValueError(f"thinking {name} marker {marker!r} must be non-empty text without "
+                         f"spaces")
+    if self.open == self.close:
+      raise ValueError(f"thinking markers must differ, got {self.open!r} twice")
+
+
+def check_setting(setting: str) -> str | ThinkingSpan:
+  """"auto" / "on" / "off", or the ThinkingSpan the setting spells; one-line errors."""
+  text = str(setting).strip()
+  if text in SETTINGS:
+    return text
+  parts = text.split()
+  if len(parts) != 2:
+    raise ValueError(f"model.thinking={setting!r}: use one of {list(SETTINGS)} or the two "
+                     f"markers separated by a space, e.g. '<think> </think>'")
+  return ThinkingSpan(*parts)
+
+
+def template_markers(template: str | None) -> ThinkingSpan | None:
+  """The known markers a chat template names (both of a pair), or None."""
+  for open_, close in KNOWN_MARKERS:
+    if template and open_ in template and close in template:
+      return ThinkingSpan(open_, close)
+  return None
+
+
+def resolve(setting: str | ThinkingSpan | None, tokenizer) -> ThinkingSpan | None:
+  """The span a controller uses for `tokenizer` under `setting` (see the module doc)."""
+  if setting is None or isinstance(setting, ThinkingSpan):
+    return setting
+  value = check_setting(setting)
+  if isinstance(value, ThinkingSpan) or value == "off":
+    return None if value == "off" else value
+  template = getattr(tokenizer, "chat_template", None)
+  if not getattr(tokenizer, "has_chat_template", bool(template)):
+    template = None
+  found = template_markers(template)
+  if found is None and value == "on":
+    known = ", ".join(f"{o} {c}" for o, c in KNOWN_MARKERS)
+    raise ValueError("model.thinking='on' but the chat template names no known thinking "
+                     f"markers ({known}): give the markers, e.g. '<think> </think>'")
+  return found
+
+
+# Tokens re-decoded to look for the close marker: more than any marker's token count.
+_CLOSE_WINDOW = 32
+
+
+class SpanReader:
+  """Where one sample's answer begins in its generated tokens, read as they arrive.
+
+  `update(generated)` after each appended token; `answer_start` is the index just past
+  the close marker once the span closed, 0 when the sample did not think (it does not
+  begin with the open marker and its prompt is not inside the span), None while it is
+  thinking or undecided (only whitespace or the start of the open marker so far). Markers
+  are found in decoded text (special tokens kept), so a marker that is one added token
+  and one spelled in several tokens read alike.
+  """
+
+  def __init__(self, span: ThinkingSpan, decode: Callable[[Sequence[int]], str],
+               prompt_ids: Sequence[int]):
+    self.span = span
+    self.decode = decode  # ids -> text with special tokens kept
+    self.opened = prompt_inside(span, decode, prompt_ids)
+    self.answer_start: int | None = None
+
+  def update(self, generated: Sequence[int]) -> int | None:
+    if self.answer_start is not None:
+      return self.answer_start
+    if not self.opened:
+      head = self.decode(list(generated[:_CLOSE_WINDOW])).lstrip()
+      if not head or self.span.open.startswith(head):
+        return None  # nothing but whitespace, or part of the open marker, so far
+      if not head.startswith(self.span.open):
+        self.answer_start = 0
+        return 0
+      self.opened = True
+    lo = max(0, len(generated) - _CLOSE_WINDOW)
+    if self.span.close in self.decode(list(generated[lo:])):
+      # The first close: earlier ones would have been seen by an earlier update.
+      a, b = lo + 1, len(generated)
+      while a < b:
+        mid = (a + b) // 2
+        if self.span.close in self.decode(list(generated[lo:mid])):
+          b = mid
+        else:
+          a = mid + 1
+      self.answer_start = a
+    return self.answer_start
+
+  def finish(self, generated: Sequence[int]) -> int | None:
+    """The answer's start once the sample ended: undecided (whitespace only) is no span."""
+    self.update(generated)
+    if self.answer_start is None and not self.opened:
+      self.answer_start = 0
+    return self.answer_start
+
+  def thinking_tokens(self, generated: Sequence[int]) -> int:
+    """Generated tokens up to the end of the span, markers included (all of them while
+    it is open; 0 when the sample did not think)."""
+    if self.answer_start is None:
+      return len(generated) if self.opened else 0
+    return self.answer_start
+
+  def thinking_text(self, generated: Sequence[int]) -> str:
+    """The thinking, markers removed ("" when the sample did not think)."""
+    if self.answer_start == 0 or not (self.opened or self.answer_start):
+      return ""
+    end = len(generated) if self.answer_start is None else self.answer_start
+    text = self.decode(list(generated[:end])).strip()
+    if text.startswith(self.span.open):
+      text = text[len(self.span.open):]
+    if text.endswith(self.span.close):
+      text = text[:-len(self.span.close)]
+    return text.strip()
+
+
+def prompt_inside(span: ThinkingSpan, decode: Callable[[Sequence[int]], str],
+                  prompt_ids: Sequence[int]) -> bool:
+  """The prompt ends inside the span: its open marker, then only spaces (a chat template
+  that opens thinking for the model). A prompt ending with a closed span is not inside."""
+  tail = decode(list(prompt_ids[-_CLOSE_WINDOW:])).rstrip()
+  return tail.endswith(span.open)
+
+
+def answer_text(reader: SpanReader | None, generated: Sequence[int],
+                decode_visible: Callable[[Sequence[int]], str]) -> str:
+  """A sample's text: all of it without a span; with one, the answer after the close
+  (its leading newlines dropped), "" while thinking or when the span never closed.
+  decode_visible: ids -> text without special tokens."""
+  start = 0 if reader is None else reader.answer_start
+  if start is None:
+    return ""
+  text = decode_visible(list(generated[start:]))
+  return text.lstrip("\n") if start else text
+
+
+def stop_window(reader: SpanReader | None, generated: Sequence[int], window: int) -> list[int]:
+  """The last `window` generated tokens that stop strings are checked in: the answer's only
+  (none while thinking: a stop string inside the thinking does not end the sample)."""
+  start = 0 if reader is None else reader.answer_start
+  if start is None:
+    return []
+  return list(generated[max(start, len(generated) - window):])
