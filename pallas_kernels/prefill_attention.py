@@ -65,6 +65,77 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables, starts,
   return o.reshape(b, t, h, d).astype(q.dtype)
 
 
+# --- blocked XLA path (CPU) ---------------------------------------------------------
+
+
+def paged_prefill_attention_blocked(q, k_pages, v_pages, block_tables, starts, chunk_lens,
+                                    k_scale=None, v_scale=None, *,
+                                    sliding_window: int | None = None,
+                                    sm_scale: float | None = None, key_block: int = 256):
+  """As the reference, in XLA, over `key_block` keys at a time with an online softmax.
+
+  The reference scores every query against the table's whole width: [B, H, T, L] f32 at
+  once (hundreds of MB for a long prompt, memory-bound on a CPU) and keys past the chunk.
+  This loops over key blocks from the first key any query of the call may read (0, or the
+  window's start) to the last (the longest row's last query), so a chunk early in a long
+  prompt reads only the keys before it, and each step's scores stay [B, KVH, T*r, key_block]
+  (rows = (query, head-in-group) pairs, so the group shares each key block's product).
+  Results equal the reference to f32 rounding (another summation order)."""
+  b, t, h, d = q.shape
+  _, bs, kvh, _ = k_pages.shape
+  r = h // kvh
+  sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+  per_step = max(1, key_block // bs)  # table entries per step
+  width = block_tables.shape[1]
+  steps_total = -(-width // per_step)
+  tables = jnp.pad(block_tables, ((0, 0), (0, steps_total * per_step - width)))
+  kb = per_step * bs
+  starts = starts.astype(jnp.int32)
+  lens = chunk_lens.astype(jnp.int32)
+  tq = jnp.arange(t, dtype=jnp.int32)
+  qpos = jnp.repeat(starts[:, None] + tq[None, :], r, axis=1)  # [B, T*r]
+  row_ok = jnp.repeat(tq[None, :] < lens[:, None], r, axis=1)
+  qg = (q.astype(jnp.float32) * sm_scale).reshape(b, t, kvh, r, d)
+  qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kvh, t * r, d)
+  last = jnp.max(jnp.where(lens > 0, starts + lens, 0))  # keys [0, last) may be read
+  first = jnp.int32(0)
+  if sliding_window is not None:
+    first = jnp.maximum(jnp.min(jnp.where(lens > 0, starts, last)) - sliding_window + 1, 0)
+  lo = jnp.minimum(first // kb, steps_total)
+  hi = jnp.minimum(-(-last // kb), steps_total)
+
+  def body(i, carry):
+    m, l, acc = carry
+    ids = jax.lax.dynamic_slice_in_dim(tables, i * per_step, per_step, axis=1)
+    k = jnp.transpose(gather_kv(k_pages, k_scale, ids), (0, 2, 1, 3))  # [B, KVH, kb, D]
+    v = jnp.transpose(gather_kv(v_pages, v_scale, ids), (0, 2, 1, 3))
+    kpos = i * kb + jnp.arange(kb, dtype=jnp.int32)
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & row_ok[:, :, None]  # [B, T*r, kb]
+    if sliding_window is not None:
+      mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    # Unread slots may hold anything (stale or non-finite bytes): zeroed, as the reference.
+    used = jnp.any(mask, axis=1)[:, None, :, None]
+    k = jnp.where(used, k, 0.0)
+    v = jnp.where(used, v, 0.0)
+    mask = mask[:, None]  # [B, 1, T*r, kb]
+    s = jnp.where(mask, jnp.einsum("bgqd,bgkd->bgqk", qg, k, precision=_HIGHEST), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+    l = l * scale + jnp.sum(p, axis=-1)
+    acc = acc * scale[..., None] + jnp.einsum("bgqk,bgkd->bgqd", p, v, precision=_HIGHEST)
+    return m_new, l, acc
+
+  rows = t * r
+  init = (jnp.full((b, kvh, rows), -jnp.inf, jnp.float32),
+          jnp.zeros((b, kvh, rows), jnp.float32), jnp.zeros((b, kvh, rows, d), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+  o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, KVH, T*r, D]
+  o = jnp.transpose(o.reshape(b, kvh, t, r, d), (0, 2, 1, 3, 4))
+  return o.reshape(b, t, h, d).astype(q.dtype)
+
+
 # --- kernel ---------------------------------------------------------------------------
 
 
