@@ -257,21 +257,25 @@ def engine_config(spec: PredictorSpec):
 
 
 class EnginePredictor:
-  """`o1jax.engine.Engine`, built once per worker; one `generate` call per batch.
+  """`o1jax.engine.Engine`, built once per worker and shared by the batches in flight.
 
   1. each work item becomes a `Request` (prompt, stop sequences, sampling params,
      seed; `request_id` = the item's, so its random stream is the same in any
-     batch, slot or worker); 2. the engine runs the whole batch with continuous
-     batching (finished rows free their slots at once; a shared few-shot prefix
-     is prefilled once and its KV blocks reused); 3. each result's own metrics
-     become the prediction's `metrics`: end-to-end latency, TTFT, and one latency
-     per generated token (TTFT, then the gaps between tokens).
+     batch, slot or worker); 2. the batch's requests join the engine's queue, beside
+     those of other batches in flight (worker processes sharing the model call in on
+     threads of one process), and every waiting caller drives the shared engine one
+     step at a time until its own requests finish: a batch's long sample no longer
+     idles the other slots, which the other batches' requests fill (continuous
+     batching across Beam batches; a shared few-shot prefix is prefilled once);
+  3. each result's own metrics become the prediction's `metrics`: end-to-end latency,
+     TTFT, and one latency per generated token (TTFT, then the gaps between tokens).
+  Engine replicas (engine.data_parallel > 1) run one batch at a time with `generate`.
   """
 
   def __init__(self, engine):
     self.engine = engine
-    # A model shared across worker processes is served by one process, one thread per
-    # client: the engine's queues and donated cache must see one batch at a time.
+    # The engine's queues and donated cache see one thread at a time: callers take turns
+    # with this lock, one engine step per turn.
     self._lock = threading.Lock()
     self._queue = _QueuedItems(getattr(engine, "budget", None))
 
@@ -291,7 +295,13 @@ class EnginePredictor:
     self._queue.add(len(items))
     with self._lock:
       self._queue.add(-len(items))
-      results = self.engine.generate(requests)
+      if not hasattr(self.engine, "add_request"):  # replicas: one batch at a time
+        results = self.engine.generate(requests)
+      else:
+        self.engine.check_requests(requests)  # a bad request queues nothing
+        groups = [self.engine.add_request(r) for r in requests]
+    if hasattr(self.engine, "add_request"):
+      results = self._drive(groups)
     out = []
     for result in results:
       sample, m = result.samples[0], result.metrics
@@ -309,6 +319,19 @@ class EnginePredictor:
                   "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0,
                   "metrics": metrics})
     return out
+
+
+  def _drive(self, groups) -> list:
+    """Steps the shared engine, a turn at a time, until `groups` finished; their results."""
+    while True:
+      with self._lock:
+        if not any(g.unfinished for g in groups):
+          return [self.engine.result(g) for g in groups]
+        self.engine.step()
+      # A lock is not fair: a batch waiting to join would wait for this whole loop. Let
+      # it in before the next step.
+      while self._queue.count > 0:
+        time.sleep(0.001)
 
 
 class _QueuedItems:

@@ -201,3 +201,52 @@ def model_request(item):
   from o1jax.engine import GenerationParams, Request
   return Request(prompt=item.prompt, request_id=item.request_id, params=GenerationParams(
       temperature=item.sampling.temperature, max_new_tokens=item.sampling.max_new_tokens))
+
+
+def test_engine_predictor_runs_concurrent_batches_in_one_engine(tiny_qwen3):
+  # Two batches in flight (two worker processes calling the shared model): the second's
+  # requests join the engine while the first's long sample runs, and every prediction is
+  # the one that batch gets alone.
+  import threading
+
+  import numpy as np
+
+  from o1jax.controller import SamplingSpec
+  from o1jax.engine import Engine, EngineConfig
+  from pipelines.predictors import EnginePredictor, WorkItem
+
+  llama, tok = tiny_qwen3
+  engine = Engine(llama, tok, EngineConfig(max_slots=4, num_blocks=64, decode_steps=2),
+                  thinking="off")
+  predictor = EnginePredictor(engine)
+
+  def item(i, new_tokens):
+    return WorkItem(key=str(i), example={}, example_index=i, sample_index=0, prompt=f"Q{i}: 1+{i}",
+                    stop=(), sampling=SamplingSpec(max_new_tokens=new_tokens, temperature=1e4),
+                    request_id=i)
+
+  first, second = [item(0, 120), item(1, 2)], [item(2, 3), item(3, 3)]
+  alone = [predictor.predict(first), predictor.predict(second)]
+  rows = []
+  decode = engine.decode
+  engine.decode = lambda cache, batch, *a, **k: (rows.append(int(np.sum(batch.active))),
+                                                 decode(cache, batch, *a, **k))[1]
+  together = [None, None]
+  started = threading.Event()
+
+  def run(i, batch):
+    if i == 1:
+      started.wait()  # the first batch is running when the second arrives
+    together[i] = predictor.predict(batch)
+
+  threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate((first, second))]
+  threads[0].start()
+  while not rows:  # the first batch's decoding has begun
+    threading.Event().wait(0.01)
+  started.set()
+  threads[1].start()
+  for t in threads:
+    t.join()
+  strip = lambda preds: [(p["text"], p["tokens"], p["finish_reason"]) for p in preds]
+  assert [strip(p) for p in together] == [strip(p) for p in alone]
+  assert max(rows) >= 3  # a decode step ran rows of both batches
