@@ -58,6 +58,30 @@ class TestReference:
     np.testing.assert_allclose(np.asarray(o[:, -1]), np.asarray(d), rtol=1e-5, atol=1e-6)
 
 
+def case_inputs(case, seed: int, spare_blocks: int):
+  """(q, pools, tables, starts, chunk_lens) and the cache kwargs of a sweep case."""
+  b, t, h, kvh, d, bs, starts, clens, dtype, scale_shape, window, _ = case
+  rng = np.random.default_rng(sum(starts) + t + h + seed)
+  used = [s + c for s, c in zip(starts, clens)]
+  max_blocks = -(-max(used) // bs) + spare_blocks
+  kp, vp, bt, ks, vs = make_paged_cache(rng, b, kvh, d, bs, max_blocks, used, dtype,
+                                        scale_shape is not None, scale_shape)
+  q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+  args = (q, kp, vp, bt, jnp.asarray(starts, jnp.int32), jnp.asarray(clens, jnp.int32))
+  return args, dict(k_scale=ks, v_scale=vs, sliding_window=window)
+
+
+def assert_like_reference(got, args, kw, case, tol: float) -> None:
+  """q's shape and dtype, finite, zero padding rows, and within tol of the reference."""
+  q, clens = args[0], case[7]
+  assert got.shape == q.shape and got.dtype == q.dtype
+  got32 = np.asarray(got, np.float32)
+  assert np.all(np.isfinite(got32))
+  for i, c in enumerate(clens):
+    np.testing.assert_array_equal(got32[i, c:], 0.0)  # padding rows
+  assert rel_err(got, ops.paged_prefill_attention(*args, backend="reference", **kw)) <= tol
+
+
 # (batch, T, heads, kv_heads, D, block_size, starts, chunk_lens, dtype, fp8 scales, window, block_q)
 SWEEP = [
     (2, 5, 4, 4, 32, 16, [0, 11], [5, 5], jnp.float32, None, None, 16),  # GQA 1, full prefill
@@ -75,24 +99,10 @@ class TestPagedPrefillKernel:
 
   @pytest.mark.parametrize("case", SWEEP)
   def test_matches_reference(self, case):
-    b, t, h, kvh, d, bs, starts, clens, dtype, scale_shape, window, block_q = case
-    rng = np.random.default_rng(sum(starts) + t + h)
-    used = [s + c for s, c in zip(starts, clens)]
-    max_blocks = -(-max(used) // bs) + 1
-    kp, vp, bt, ks, vs = make_paged_cache(rng, b, kvh, d, bs, max_blocks, used, dtype,
-                                          scale_shape is not None, scale_shape)
-    q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
-    args = (q, kp, vp, bt, jnp.asarray(starts, jnp.int32), jnp.asarray(clens, jnp.int32))
-    kw = dict(k_scale=ks, v_scale=vs, sliding_window=window)
+    args, kw = case_inputs(case, seed=0, spare_blocks=1)
     got = ops.paged_prefill_attention(*args, backend="pallas", interpret=self.INTERPRET,
-                                      block_q=block_q, block_kv=16, **kw)
-    want = ops.paged_prefill_attention(*args, backend="reference", **kw)
-    assert got.shape == q.shape and got.dtype == dtype
-    got32 = np.asarray(got, np.float32)
-    assert np.all(np.isfinite(got32))
-    for i, c in enumerate(clens):
-      np.testing.assert_array_equal(got32[i, c:], 0.0)  # padding rows
-    assert rel_err(got, want) <= tol_for(dtype)
+                                      block_q=case[-1], block_kv=16, **kw)
+    assert_like_reference(got, args, kw, case, tol_for(case[8]))
 
 
 class TestPagedPrefillKernelInterpret(TestPagedPrefillKernel):
@@ -111,26 +121,13 @@ LONG = [
 def test_blocked_xla_path_matches_reference(case, key_block):
   # The CPU's auto path: key blocks up to the chunk's last key, online softmax. NaN in every
   # slot no query reads (make_paged_cache) must not leak in.
-  b, t, h, kvh, d, bs, starts, clens, dtype, scale_shape, window, _ = case
-  rng = np.random.default_rng(sum(starts) + t + h + key_block)
-  used = [s + c for s, c in zip(starts, clens)]
-  max_blocks = -(-max(used) // bs) + 2  # spare table width past the last key
-  kp, vp, bt, ks, vs = make_paged_cache(rng, b, kvh, d, bs, max_blocks, used, dtype,
-                                        scale_shape is not None, scale_shape)
-  q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
-  args = (q, kp, vp, bt, jnp.asarray(starts, jnp.int32), jnp.asarray(clens, jnp.int32))
-  kw = dict(k_scale=ks, v_scale=vs, sliding_window=window)
-  want = ops.paged_prefill_attention(*args, backend="reference", **kw)
-  if scale_shape is None:
-    got = paged_prefill_attention_blocked(*args, sliding_window=window, key_block=key_block)
+  args, kw = case_inputs(case, seed=key_block, spare_blocks=2)  # table width past the keys
+  if kw["k_scale"] is None:
+    got = paged_prefill_attention_blocked(*args, sliding_window=kw["sliding_window"],
+                                          key_block=key_block)
   else:  # ops brings per-head scales to [blocks, kv heads] first
     got = ops.paged_prefill_attention(*args, backend="auto", **kw)
-  assert got.shape == q.shape and got.dtype == dtype
-  got32 = np.asarray(got, np.float32)
-  assert np.all(np.isfinite(got32))
-  for i, c in enumerate(clens):
-    np.testing.assert_array_equal(got32[i, c:], 0.0)  # padding rows
-  assert rel_err(got, want) <= (1e-5 if dtype == jnp.float32 else tol_for(dtype))
+  assert_like_reference(got, args, kw, case, 1e-5 if case[8] == jnp.float32 else tol_for(case[8]))
 
 
 @pytest.mark.parametrize("dtype,fp8", [(jnp.bfloat16, False), (jnp.float32, False),

@@ -195,3 +195,12 @@ def test_study_multi_exit_runs_each_exit(tiny_gguf):
   assert [(r["exit_layer"], r["full_depth"]) for r in out["rows"]] == [(1, False), (2, True)]
   for r in out["rows"]:
     assert 0 <= r["accuracy"] <= 1 and 0 < r["mean_tokens"] <= 5 and r["decode_tok_s"] > 0
+
+
+def test_bench_prefill_times_every_backend_and_chunk(tiny_gguf, capsys):
+  rates = load("bench_prefill").main(
+      ["--source", tiny_gguf, "--chunks", "16,32", "--prompt-words", "40", "--runs", "2",
+       "--kv-dtype", "float32"])
+  assert list(rates) == [("auto", 16), ("auto", 32), ("reference", 16), ("reference", 32)]
+  assert all(len(r) == 2 and min(r) > 0 for r in rates.values())
+  assert "x auto/16" in capsys.readouterr().out
