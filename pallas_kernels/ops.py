@@ -339,8 +339,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   _check_per_seq(op, "starts", starts, b)
   _check_per_seq(op, "chunk_lens", chunk_lens, b)
   if backend == "reference":
-    # auto on a CPU: key blocks up to the chunk's last key, online softmax (2-3x faster
-    # prefill of long prompts than the whole-width reference: prefill_attention.py).
+    # auto on a CPU: key blocks up to the chunk's last key, online softmax (1.3-1.5x the
+    # engine's prefill of ~1,400-token prompts: docs/measurements/*_prefill_attention.md).
     impl = (fa.paged_prefill_attention_blocked if requested == "auto" and _on_cpu()
             else fa.paged_prefill_attention_reference)
     return impl(q, k_pages, v_pages, block_tables, starts, chunk_lens, ks, vs,

@@ -46,12 +46,15 @@ def main(argv=None):
 
   enable_compilation_cache()
   ck = load_checkpoint(args.source)
-  model = Llama(ck.config, ck.params, matmul_dtype=args.matmul_dtype)
+  backends = args.backends.split(",")
+  # The model's backend picks its ops' implementations (attention included).
+  models = {b: Llama(ck.config, ck.params, backend=b, matmul_dtype=args.matmul_dtype)
+            for b in backends}
   rng = random.Random(0)
-  rows = [(b, int(c)) for b in args.backends.split(",") for c in args.chunks.split(",")]
-  engines = {row: Engine(model, ck.tokenizer, EngineConfig(
+  rows = [(b, int(c)) for b in backends for c in args.chunks.split(",")]
+  engines = {row: Engine(models[row[0]], ck.tokenizer, EngineConfig(
       max_slots=max(args.prompts, 1), prefill_chunk=row[1], kv_cache_bytes=512 << 20,
-      kv_dtype=args.kv_dtype, backend=row[0])) for row in rows}
+      kv_dtype=args.kv_dtype)) for row in rows}
 
   def run(row) -> float:
     texts = prompts(rng, args.prompts, args.prompt_words)
