@@ -251,9 +251,7 @@ def engine_config(spec: PredictorSpec):
   for key in ("decode_buckets",):
     if key in values:
       values[key] = tuple(values[key])
-  if spec.backend != "auto":
-    values.setdefault("backend", spec.backend)
-  return EngineConfig(**values)
+  return EngineConfig(**values)  # the model carries the backend (its ops pick by it)
 
 
 class EnginePredictor:
@@ -275,8 +273,9 @@ class EnginePredictor:
   def __init__(self, engine):
     self.engine = engine
     # The engine's queues and donated cache see one thread at a time: callers take turns
-    # with this lock, one engine step per turn.
+    # with this lock, one engine step per turn. Replicas only run whole batches.
     self._lock = threading.Lock()
+    self._shared = hasattr(engine, "add_request")
     self._queue = _QueuedItems(getattr(engine, "budget", None))
 
   @classmethod
@@ -295,12 +294,12 @@ class EnginePredictor:
     self._queue.add(len(items))
     with self._lock:
       self._queue.add(-len(items))
-      if not hasattr(self.engine, "add_request"):  # replicas: one batch at a time
+      if not self._shared:  # replicas: one batch at a time
         results = self.engine.generate(requests)
       else:
         self.engine.check_requests(requests)  # a bad request queues nothing
         groups = [self.engine.add_request(r) for r in requests]
-    if hasattr(self.engine, "add_request"):
+    if self._shared:
       results = self._drive(groups)
     out = []
     for result in results:

@@ -94,8 +94,6 @@ class EngineConfig:
   policy: str = "fifo"  # "fifo" | "shortest_budget" | "length_groups"
   prefix_caching: bool = True
   max_top_logprobs: int = 20
-  backend: str = "auto"
-  interpret: bool = False
   # Devices one model is split over by heads (tensor parallelism); 1 = one device. The
   # group is placed by the devices' topology (o1jax.sharding.make_mesh); Engine(mesh=)
   # takes a mesh of your own instead.

@@ -151,7 +151,7 @@ class SpanReader:
 
   def thinking_text(self, generated: Sequence[int]) -> str:
     """The thinking, markers removed ("" when the sample did not think)."""
-    if self.answer_start == 0 or not (self.opened or self.answer_start):
+    if not self.opened:
       return ""
     end = len(generated) if self.answer_start is None else self.answer_start
     text = self.decode(list(generated[:end])).strip()
