@@ -44,8 +44,7 @@ def test_pallas_backend_interpret_matches_reference_greedy(embedded_checkpoint, 
 
   ck = embedded_checkpoint
   model = Llama(ck.config, ck.params, backend="pallas", interpret=True, weight_mode="quantized")
-  engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=1, num_blocks=64, max_context=256,
-                                                    backend="pallas", interpret=True))
+  engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=1, num_blocks=64, max_context=256))
   got = engine.generate([Request(prompt=CHAT, params={"max_new_tokens": 4})])[0].token_ids
   assert got == embedded_generator.generate([CHAT], max_new_tokens=4)[0].token_ids
 

@@ -63,7 +63,7 @@ def test_pallas_kernels_apply_the_window(gemma):
   pallas = Llama(model.config, params, backend="pallas", interpret=True)
   prompts = _prompts(1, seed=3, low=20, high=21)
   engine = Engine(pallas, tok, EngineConfig(max_slots=1, block_size=8, num_blocks=16,
-                                            prefill_chunk=16, backend="pallas", interpret=True))
+                                            prefill_chunk=16))
   params6 = GenerationParams(max_new_tokens=6, ignore_eos=True)
   got = engine.generate([Request(prompts[0], params6)])[0].token_ids
   assert got == Generator(model, tok).generate(prompts, max_new_tokens=6)[0].token_ids
