@@ -95,6 +95,10 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       max_prefill_seqs=4,
       prefix_caching=True,  # the shared few-shot prefix is prefilled once
       decode_steps=8,  # decode steps per device call (1 = a host round trip per token)
+      # Which waiting request gets a slot (and, in the engine, which running one is preempted
+      # first): fifo | shortest_budget (priority by remaining steps) | length_groups (engine
+      # only). Controller policies admit by it too (fifo | shortest_budget).
+      policy="fifo",
       tensor_parallel=1,  # devices one model is split over by heads (placed by topology)
       data_parallel=1,  # engine replicas in one worker, each on its own tensor_parallel devices
   )

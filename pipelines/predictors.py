@@ -391,12 +391,21 @@ class ControllerPredictor:
     tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
     decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
-                          budget=spec.budget_loop(), thinking=spec.thinking), policy)
+                          budget=spec.budget_loop(), thinking=spec.thinking,
+                          admission=str(engine.get("policy", "fifo"))), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest
-    requests = [ReasoningRequest(prompt=i.prompt, request_id=i.request_id, seed=i.sampling.seed)
-                for i in items]
+    requests = []
+    for i in items:
+      # An example's metadata may carry its own step limit ("max_steps"; e.g. by difficulty).
+      steps = (i.example.get("metadata") or {}).get("max_steps")
+      try:
+        requests.append(ReasoningRequest(prompt=i.prompt, request_id=i.request_id,
+                                         seed=i.sampling.seed, max_steps=steps))
+      except ValueError:  # the batch goes to dead letters with this line
+        raise ValueError(f"example {i.example.get('id')!r}: metadata max_steps={steps!r} is not "
+                         f"an int >= 1") from None
     self._queue.add(len(items))
     with self._lock:
       self._queue.add(-len(items))

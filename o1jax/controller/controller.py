@@ -52,6 +52,9 @@ from o1jax.model.shapes import pow2_bucket
 NEVER = 1 << 30
 
 
+ADMISSIONS = ("fifo", "shortest_budget")  # Controller(admission=...)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopSettings(Sampling):
   """Everything one `generate` call varies; policies build these from their params.
@@ -136,7 +139,12 @@ class Controller:
     key_capacity / key_classes: answer-key characters kept per row, and
       character classes read per token (LoopSettings.answer_vote).
     thinking: the model's thinking span (thinking.py): "auto" (the markers its chat
-      template names, if any), "on", "off", "<open> <close>", or a ThinkingSpan."""
+      template names, if any), "on", "off", "<open> <close>", or a ThinkingSpan.
+    admission: which waiting request gets a freed slot: "fifo" (the order of the
+      requests) or "shortest_budget" (priority by remaining steps, as the engine's
+      scheduler: the fewest steps to its limit, min(request.max_steps, the policy's),
+      first; ties in request order). The loop never preempts a running request (its
+      KV is planned for every slot up front), so the priority acts on admission."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
@@ -144,7 +152,10 @@ class Controller:
                extract_answer: Callable[[str], Optional[str]] | None = None,
                python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
                budget: BudgetLoop | None = None,
-               thinking: str | ThinkingSpan | None = "auto"):
+               thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo"):
+    if admission not in ADMISSIONS:
+      raise ValueError(f"admission={admission!r}: the controller admits by {list(ADMISSIONS)}")
+    self.admission = admission
     self.model = model
     self.budget = budget
     # Per request id, until `result` attaches them: budget decisions while it ran, and
@@ -548,6 +559,7 @@ class Controller:
     prompt_len = np.ones(rp * n, np.int32)
     keys = np.zeros((rp * n, 2), np.uint32)
     stops = np.full(rp * n, -np.inf, np.float32)
+    steps = np.full(rp * n, NEVER, np.int32)
     floors = np.full(rp * n, -np.inf, np.float32)
     group = np.full(rp * n, -1, np.int32)
     q = state.knobs.prior_group.shape[0]
@@ -570,6 +582,7 @@ class Controller:
       for j in range(n):
         keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
       stops[span] = -np.inf if conf_stop is None else conf_stop[i]
+      steps[span] = self.step_limit(settings, req)
       stops[i * n:i * n + min(unstopped_samples, n)] = -np.inf  # warm-up samples: never stopped
       if settings.answer_vote:  # every row votes in its slot's group
         group[span] = slot
@@ -589,13 +602,18 @@ class Controller:
     parents = np.repeat(np.minimum(leaders, b - 1), n - 1)
     fresh = dict(tokens=fresh_tokens, length=prompt_len, prompt_len=prompt_len,
                  step_start=prompt_len, keys=keys)
-    knobs = dict(conf_stop=stops, vote_floor=floors, group=group)
+    knobs = dict(conf_stop=stops, vote_floor=floors, group=group, max_steps=steps)
     priors = dict(zip(("prior_group", "prior_key", "prior_key_len", "prior_known",
                        "prior_weight"), prior))
     with self._on_mesh():
       return self._admit_device(self.model.params, state, jnp.asarray(leaders), jnp.asarray(tok),
                                 jnp.asarray(last), jnp.asarray(children), jnp.asarray(parents),
                                 jnp.asarray(rows), fresh, knobs, jnp.asarray(prior_at), priors)
+
+  @staticmethod
+  def step_limit(settings: LoopSettings, request: ReasoningRequest) -> int:
+    """A request's step limit in this call: its own and the policy's, whichever is lower."""
+    return min(settings.max_steps, request.max_steps or NEVER, NEVER)
 
   def _on_mesh(self):
     """The decode model's mesh set for a device call (tensor parallelism), else nothing."""
@@ -659,13 +677,20 @@ class Controller:
     per_slot = max([1] + [len(p) for p in prior_votes])
     state = self.empty_state(settings, n, slots, length,
                              self.cache_plan(settings, b, longest, slots), per_slot)
-    waiting = collections.deque(range(r))
+    limits = [self.step_limit(settings, q) for q in requests]
+    # Every request is known up front, so the priority order is fixed: one sort.
+    order = range(r) if self.admission == "fifo" else sorted(range(r), key=lambda i: (limits[i], i))
+    waiting = collections.deque(order)
     in_slot: dict[int, list] = {}  # slot -> [request index, admitted at, loop calls]
+    # Each row's request's own step limit: a live budget replaces the policy's limit but
+    # never lifts a row above its request's.
+    row_limits = np.full(b, NEVER, np.int32)
 
     def fill(state, free):
       picked = [(g, waiting.popleft()) for g in free[:len(waiting)]]
       for g, i in picked:
         in_slot[g] = [i, time.perf_counter(), 0]
+        row_limits[g * n:(g + 1) * n] = min(requests[i].max_steps or NEVER, NEVER)
       return self.admit(state, settings, n, [(g, requests[i], prompts[i]) for g, i in picked],
                         sample_offset=sample_offset, conf_stop=[conf_stop[i] for _, i in picked],
                         vote_floor=[vote_floor[i] for _, i in picked],
@@ -689,7 +714,8 @@ class Controller:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
       if budget is not None:
-        state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
+        state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot,
+                                   row_limits)
       start_iter = int(state.iteration)
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
@@ -738,9 +764,11 @@ class Controller:
                  ttft_s=ttft)
 
   def _apply_budget(self, budget: BudgetLoop, state: ReasoningState, n: int, live: np.ndarray,
-                    queued: int, requests, in_slot: dict) -> ReasoningState:
+                    queued: int, requests, in_slot: dict,
+                    row_limits: np.ndarray) -> ReasoningState:
     """Before a loop call: re-evaluates the budget (on its clock), gives every row its step
-    limit (a row past it answers at its next step boundary), logs the limit per request,
+    limit, the budget's in place of the policy's but never above the row's request's own
+    (`row_limits`) (a row past it answers at its next step boundary), logs the limit per request,
     and when the budget says prune, stops the lowest-confidence running trace of every
     slot with two or more running traces (exit "pruned"; it does not vote)."""
     cache = state.cache
@@ -757,7 +785,7 @@ class Controller:
       if last is not None and (decision is not None or not log):
         log.append(last.to_dict(since=admitted))
     state = state.replace(knobs=state.knobs.replace(
-        max_steps=jnp.full_like(state.knobs.max_steps, budget.steps)))
+        max_steps=jnp.asarray(np.minimum(row_limits, budget.steps), jnp.int32)))
     if decision is None or not decision.prune or n < 2:
       return state
     phase = np.array(state.phase)

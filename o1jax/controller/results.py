@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any, Optional
 
 
@@ -12,11 +13,27 @@ class ReasoningRequest:
   """One problem. prompt: text, chat messages [{"role", "content"}] or token ids.
 
   request_id and seed fix every random draw: sample j of this request uses
-  sequence_key(seed, request_id, j), then the attempt and the position."""
+  sequence_key(seed, request_id, j), then the attempt and the position.
+  max_steps: this request's own step limit (None: the policy's); a trace runs
+  min(it, the policy's, a live budget's) steps. The controller's `shortest_budget`
+  admission admits the request with the fewest steps first."""
 
   prompt: Any
   request_id: int = 0
   seed: int = 0
+  max_steps: Optional[int] = None
+
+  def __post_init__(self):
+    if self.max_steps is None:
+      return
+    try:  # ints of any kind (numpy's too), not floats or bools
+      steps = operator.index(self.max_steps) if not isinstance(self.max_steps, bool) else None
+    except TypeError:
+      steps = None
+    if steps is None or steps < 1:
+      raise ValueError(f"request {self.request_id}: max_steps must be an int >= 1 or None, got "
+                       f"{self.max_steps!r}")
+    object.__setattr__(self, "max_steps", int(steps))
 
 
 @dataclasses.dataclass

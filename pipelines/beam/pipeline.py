@@ -91,6 +91,17 @@ def resolve_predictor(name: str, policy: BasePolicy, task_name: str) -> str:
   return name
 
 
+def check_admission(policy: str, controller: bool) -> None:
+  """engine.policy: one of the engine scheduler's policies; a controller policy admits by
+  fifo or shortest_budget only."""
+  from o1jax.controller.controller import ADMISSIONS
+  from o1jax.engine.engine import POLICIES
+  valid = ADMISSIONS if controller else POLICIES
+  if policy not in valid:
+    who = "a controller policy's admission" if controller else "the engine scheduler"
+    raise ValueError(f"engine.policy={policy!r}: {who} takes {list(valid)}")
+
+
 def build_plan(config, output_dir: str) -> EvalPlan:
   """Config → plan; raises ValueError on a module of `imports` that cannot be imported,
   or an unknown task, policy or predictor."""
@@ -120,6 +131,7 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
                      f"{name!r} (the controller's loop and the generator do not speculate)")
   engine = config.get("engine") or {}
+  check_admission(str(engine.get("policy", "fifo")), controller=name == "controller")
   dp = int(engine.get("data_parallel", 1) or 1)
   if dp > 1 and name != "engine":
     raise ValueError(f"engine.data_parallel={dp} needs model.predictor=engine; this run uses "

@@ -6,6 +6,7 @@ import pytest
 
 from configs import gsm8k as gsm8k_config
 from o1jax.testing import tiny_config, write_hf_checkpoint
+from o1jax.controller.sampling_policies import SamplingSpec
 from pipelines.predictors import PredictorSpec, _load_model, engine_config, model_fingerprint
 
 
@@ -250,3 +251,48 @@ def test_engine_predictor_runs_concurrent_batches_in_one_engine(tiny_qwen3):
   strip = lambda preds: [(p["text"], p["tokens"], p["finish_reason"]) for p in preds]
   assert [strip(p) for p in together] == [strip(p) for p in alone]
   assert max(rows) >= 3  # a decode step ran rows of both batches
+
+
+def test_engine_policy_reaches_the_controller_admission_and_is_checked_at_plan_time(tmp_path):
+  """engine.policy orders the engine's scheduler and a controller policy's admission
+  (fifo | shortest_budget); what either cannot run is refused before work starts. An
+  example's metadata max_steps becomes its request's own step limit."""
+  from pipelines.beam import build_plan
+  from pipelines.predictors import ControllerPredictor, WorkItem, build_predictor
+
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
+  cfg = gsm8k_config.get_config("policy=greedy_cot,smoke=True")
+  cfg.model.source = str(tmp_path)
+  assert build_predictor(build_plan(cfg, "unused").predictor).controller.admission == "fifo"
+  cfg.engine.policy = "shortest_budget"
+  predictor = build_predictor(build_plan(cfg, "unused").predictor)
+  assert predictor.controller.admission == "shortest_budget"
+  cfg.engine.policy = "length_groups"  # the engine's, not the controller's
+  with pytest.raises(ValueError, match="engine.policy='length_groups': a controller policy"):
+    build_plan(cfg, "unused")
+  plain = gsm8k_config.get_config("smoke=True")
+  plain.engine.policy = "length_groups"
+  build_plan(plain, "unused")
+  plain.engine.policy = "sjf"
+  with pytest.raises(ValueError, match="engine.policy='sjf': the engine scheduler takes"):
+    build_plan(plain, "unused")
+
+  seen = []
+
+  class Recorder:
+    budget = None
+
+    def run(self, requests, policy):
+      seen.extend(requests)
+      raise RuntimeError("recorded")
+
+  def item(i, metadata):
+    return WorkItem(key=str(i), example={"id": f"ex{i}", "metadata": metadata}, example_index=i,
+                    sample_index=0, prompt="Q", stop=(), sampling=SamplingSpec(), request_id=i)
+
+  recorder = ControllerPredictor(Recorder(), {"name": "greedy_cot"})
+  with pytest.raises(RuntimeError, match="recorded"):
+    recorder.predict([item(0, {"max_steps": 3}), item(1, {})])
+  assert [r.max_steps for r in seen] == [3, None]
+  with pytest.raises(ValueError, match="example 'ex1': metadata max_steps='many' is not an int"):
+    recorder.predict([item(0, {}), item(1, {"max_steps": "many"})])

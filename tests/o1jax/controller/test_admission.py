@@ -178,3 +178,78 @@ def test_budget_over_slo_prunes_the_weakest_running_trace():
   assert pruned and all(t.answer is None for t in pruned)
   for ts in batch.traces:
     assert any(t.exit_reason != "pruned" for t in ts)
+
+
+class _RecordingController(Controller):
+  """Records the request ids in the order `admit` puts them into slots."""
+
+  def __init__(self, *args, **kw):
+    super().__init__(*args, **kw)
+    self.admitted = []
+
+  def admit(self, state, settings, n, admissions, **kw):
+    self.admitted += [req.request_id for _, req, _ in admissions]
+    return super().admit(state, settings, n, admissions, **kw)
+
+
+def test_own_step_limits_equal_the_policy_limit_alone(world):
+  """A request's max_steps caps its traces exactly as the same limit in LoopSettings does,
+  beside requests that run the policy's limit, through shared slots."""
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  settings = LoopSettings(max_steps=3)
+  limits = [1, None, 2, 1, None]
+  requests = [ReasoningRequest(prompt="Q", request_id=i, max_steps=s)
+              for i, s in enumerate(limits)]
+  mixed = world(CHAIN).controller(max_rows=2).generate(requests, settings, 1)
+  for req, traces in zip(requests, mixed.traces, strict=True):
+    alone = world(CHAIN).controller().generate(
+        [ReasoningRequest(prompt="Q", request_id=req.request_id)],
+        LoopSettings(max_steps=req.max_steps or 3), 1).traces[0]
+    _same(traces[0], alone[0])
+  steps = [len(ts[0].steps) for ts in mixed.traces]
+  assert steps == [1, 3, 2, 1, 3]  # a step record per accepted step, the last answers
+
+
+def test_shortest_budget_admits_the_fewest_remaining_steps_first(world):
+  """One slot: FIFO admits in request order; shortest_budget by min(own limit, policy's),
+  ties in request order. Either way every request gets the traces it gets alone."""
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  settings = LoopSettings(max_steps=3)
+  limits = [None, 2, 1, 5, 2, 1]  # effective: 3, 2, 1, 3, 2, 1
+  requests = [ReasoningRequest(prompt="Q", request_id=i, max_steps=s)
+              for i, s in enumerate(limits)]
+  runs = {}
+  for admission in ("fifo", "shortest_budget"):
+    c = _RecordingController(world(CHAIN).model(), MockTokenizer(world(CHAIN).vocab), max_rows=1,
+                             admission=admission)
+    runs[admission] = c.generate(requests, settings, 1)
+    order = c.admitted
+    assert order == ([0, 1, 2, 3, 4, 5] if admission == "fifo" else [2, 5, 1, 4, 0, 3])
+  for a, b in zip(runs["fifo"].traces, runs["shortest_budget"].traces, strict=True):
+    _same(a[0], b[0])
+  with pytest.raises(ValueError, match="admission='length_groups'"):
+    world(CHAIN).controller(admission="length_groups")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True])
+def test_request_max_steps_is_checked(bad):
+  with pytest.raises(ValueError, match="max_steps must be an int >= 1"):
+    ReasoningRequest(prompt="Q", max_steps=bad)
+  assert ReasoningRequest(prompt="Q", max_steps=np.int64(4)).max_steps == 4
+
+
+def test_live_budget_replaces_the_policy_limit_but_not_the_requests_own(world):
+  """A live budget replaces the policy's step limit (3 here; the budget's floor is 16)
+  but a request limited to 1 step keeps its 1."""
+  import itertools
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5),
+                      clock=itertools.count(0.0, 0.25).__next__)
+  requests = [ReasoningRequest(prompt="Q", request_id=i, max_steps=s)
+              for i, s in enumerate([1, None])]
+  batch = world(CHAIN).controller(max_rows=2, budget=budget).generate(
+      requests, LoopSettings(max_steps=3), 1)
+  assert budget.decisions and budget.steps >= 16
+  steps = [len(ts[0].steps) for ts in batch.traces]
+  assert steps[0] == 1 and steps[1] > 3
