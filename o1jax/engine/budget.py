@@ -25,9 +25,11 @@ The live loop (`BudgetLoop`, used by the engine and the controller) closes it:
         steps = max(16, int(steps * slo / p95))
     The decision (time, load, P95s, KV use, steps, why) is kept in `decisions`.
   * pruning (the reference's rule): while the observed P95 exceeds the SLO, or the
-    KV pool is more than `kv_limit` (85%) full, redundant branches are pruned: the
-    controller stops the lowest-confidence running trace of each request that still
-    has two or more running traces (sampled policies). `Decision.prune` says so.
+    KV pool is more than `kv_limit` (85%) full, redundant branches are pruned: each
+    request that still has two or more running traces (sampled policies) stops its
+    lowest-confidence one. The controller ranks by its confidence (the mean
+    log-prob it keeps per row), the engine an n > 1 request's samples by their mean
+    log-prob so far (finish reason "pruned"). `Decision.prune` says so.
 
 Mode "fixed" (the default) runs no live loop: requests keep their own limits (an
 engine request its max_new_tokens, a controller policy its own steps, e.g.

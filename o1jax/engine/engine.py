@@ -157,7 +157,9 @@ class SampleResult:
   index: int
   text: str
   token_ids: list[int]
-  finish_reason: str  # "stop" (eos, stop id or stop string) or "length"
+  # "stop" (eos, stop id or stop string), "length", or "pruned" (a live budget stopped this
+  # sample of an n > 1 request: the lowest-confidence one running; see Engine._prune)
+  finish_reason: str
   logprobs: list[float] | None = None
   top_logprobs: list[list[tuple[int, float]]] | None = None
   preemptions: int = 0
@@ -237,7 +239,8 @@ class _Seq:
     # its whole prompt itself (`Engine._catch_up_draft`).
     self.draft_computed = 0
     self.generated: list[int] = []
-    self.logprobs: list[float] = []
+    self.logprobs: list[float] = []  # kept when the request asks for them
+    self.logprob_sum = 0.0  # always: its confidence when the budget prunes (Engine._prune)
     self.top: list[list[tuple[int, float]]] = []
     self.finish_reason: str | None = None
     self.preemptions = 0
@@ -616,9 +619,28 @@ class Engine:
       self._set_limit(group, decision.steps, decision.why)
     for seq in list(self._running):
       if seq.remaining_budget <= 0:
-        if seq.group.events is not None:
-          self._emit(seq, None, 0.0, "length")
-        self._finish(seq, "length")
+        self._stop(seq, "length")
+    if decision.prune:
+      self._prune()
+
+  def _prune(self) -> None:
+    """The budget's pruning rule for n > 1 requests: each request with two or more running
+    samples stops the one with the lowest mean log-probability so far (a sample with no
+    tokens yet counts as certain; ties: the highest sample index), finish reason "pruned"."""
+    running: dict[int, list[_Seq]] = collections.defaultdict(list)
+    for seq in self._running:
+      running[id(seq.group)].append(seq)
+    for seqs in running.values():
+      if len(seqs) >= 2:
+        weakest = min(seqs, key=lambda q: (q.logprob_sum / len(q.generated) if q.generated
+                                           else 0.0, -q.sample))
+        self._stop(weakest, "pruned")
+
+  def _stop(self, seq: _Seq, reason: str) -> None:
+    """Finishes a running sample from outside a decode step (its stream is closed too)."""
+    if seq.group.events is not None:
+      self._emit(seq, None, 0.0, reason)
+    self._finish(seq, reason)
 
   def _set_limit(self, group: _Group, steps: int, why: str) -> None:
     limit = token_limit(group.params.max_new_tokens, steps)
@@ -1061,6 +1083,7 @@ class Engine:
     else:
       seq.generated.append(token)
       seq.tokens.append(token)
+      seq.logprob_sum += float(logprob)
       if p.logprobs or p.top_logprobs:
         seq.logprobs.append(logprob)
       if p.top_logprobs:

@@ -182,3 +182,35 @@ def test_remaining_steps_priority_preempts_the_longest_remaining(tiny, make_prom
   assert engine.metrics.preemptions > 0
   assert (long_ > 0, short > 0) == ((True, False) if preempted == "long" else (False, True))
   assert [len(r.token_ids) for r in results] == [40, 24]
+
+
+def test_budget_prunes_the_lowest_confidence_sample_of_an_n_sample_request(tiny, make_prompts):
+  """Over the KV limit every decision prunes: a request with n = 4 running samples loses
+  its lowest-confidence one (mean log-prob so far) per decision down to one. Samples run
+  in lockstep, so when a sample was pruned after L tokens, every sample still running had
+  L tokens too, none with a lower mean log-prob over them. Each output is a prefix of the
+  same sample run without a budget, and the last sample runs to its limit."""
+  prompt = make_prompts(1, seed=14, low=6, high=7)[0]
+  params = GenerationParams(n=4, max_new_tokens=24, temperature=1.0, ignore_eos=True,
+                            logprobs=True)
+  config = EngineConfig(max_slots=8, num_blocks=64, decode_steps=2)
+  free, = Engine(tiny.model, tiny.tokenizer, config).generate([Request(prompt, params)])
+  clock = _fake_clock()
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=1.0, interval_ms=20,
+                                   kv_limit=1e-6), clock=clock)
+  got, = Engine(tiny.model, tiny.tokenizer, config, clock=clock, budget=budget).generate(
+      [Request(prompt, params)])
+  reasons = [s.finish_reason for s in got.samples]
+  assert sorted(reasons) == ["length", "pruned", "pruned", "pruned"]
+  mean = lambda lps, n: sum(lps[:n]) / n
+  for g, f in zip(got.samples, free.samples):
+    assert g.token_ids == f.token_ids[:len(g.token_ids)]
+  pruned = sorted((s for s in got.samples if s.finish_reason == "pruned"),
+                  key=lambda s: len(s.token_ids))
+  assert len({len(s.token_ids) for s in pruned}) == 3  # one per decision
+  for p in pruned:
+    n = len(p.token_ids)
+    later = [free.samples[s.index] for s in got.samples
+             if s.index != p.index and len(s.token_ids) >= n]
+    assert all(mean(p.logprobs, n) <= mean(s.logprobs, n) for s in later)
+  assert len(next(s for s in got.samples if s.finish_reason == "length").token_ids) == 24
