@@ -75,9 +75,17 @@ class Tokenizer:
     self.add_bos = add_bos
     self.has_chat_template = bool(chat_template)
     self.chat_template = chat_template or CHATML_TEMPLATE
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # As transformers renders templates: a sandbox, loop controls ({% break %}), and the
+    # raise_exception() many templates call on input they refuse.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_template_error
-    self._template = env.from_string(self.chat_template)
+    try:
+      self._template = env.from_string(self.chat_template)
+    except jinja2.TemplateError as e:  # checked at load, not at the first chat prompt
+      line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+      raise ValueError(f"chat template cannot be parsed{line}: {e.message or type(e).__name__}"
+                       ) from None
 
   @property
   def vocab_size(self) -> int:
@@ -116,8 +124,13 @@ class Tokenizer:
                        "<|im_start|> is not in its vocabulary: give the prompt as plain text")
     bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
     eos = self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
-    return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                 bos_token=bos, eos_token=eos)
+    try:
+      return self._template.render(messages=list(messages),
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=bos, eos_token=eos)
+    except jinja2.TemplateError as e:  # e.g. a variable or filter this renderer does not provide
+      raise ValueError(f"chat template failed to render these messages: {type(e).__name__}: "
+                       f"{e.message or e}") from None
 
   def save(self, directory: str | os.PathLike) -> None:
     """Writes HF-style tokenizer.json + tokenizer_config.json."""

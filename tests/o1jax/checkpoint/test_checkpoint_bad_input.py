@@ -92,3 +92,36 @@ def test_tokenizer_takes_text_with_lone_surrogates():
   # A lone surrogate is not text the tokenizer library accepts; it becomes U+FFFD.
   assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
   assert tok.encode("plain") == tok.backend.encode("plain", add_special_tokens=False).ids
+
+
+def _tokenizer_with_template(template):
+  from o1jax.checkpoint.tokenizer import Tokenizer
+  from o1jax.testing import byte_vocab, SPECIAL_TOKENS
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+          "tokenizer.ggml.tokens": byte_vocab(), "tokenizer.ggml.merges": [],
+          "tokenizer.ggml.token_type": [3] * len(SPECIAL_TOKENS) + [1] * 256,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+          "tokenizer.chat_template": template}
+  return Tokenizer.from_gguf_metadata(meta)
+
+
+def test_chat_templates_that_cannot_run_are_named():
+  """A template that does not parse fails at load; one that fails on some messages fails
+  when it renders them; both with one line naming the chat template. Loop controls
+  ({% break %}), which transformers enables, work."""
+  with pytest.raises(ValueError, match=r"^chat template cannot be parsed \(line 1\): "):
+    _tokenizer_with_template("{% for m in messages %}{{ m.content }}")
+  tok = _tokenizer_with_template("{{ messages[1].content | upper }}")
+  with pytest.raises(ValueError, match="^chat template failed to render these messages: "
+                                       "UndefinedError"):
+    tok.apply_chat_template([{"role": "user", "content": "hi"}])
+  assert tok.apply_chat_template([{"role": "user", "content": "a"},
+                                  {"role": "assistant", "content": "b"}]) == "B"
+  first = _tokenizer_with_template(
+      "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}"
+      "{% endfor %}")
+  assert first.apply_chat_template([{"role": "user", "content": "x"},
+                                    {"role": "user", "content": "y"}]) == "x"
+  refuses = _tokenizer_with_template("{{ raise_exception('only user turns') }}")
+  with pytest.raises(ValueError, match="^chat template: only user turns$"):
+    refuses.apply_chat_template([{"role": "user", "content": "x"}])
