@@ -321,12 +321,19 @@ class EnginePredictor:
 
 
   def _drive(self, groups) -> list:
-    """Steps the shared engine, a turn at a time, until `groups` finished; their results."""
+    """Steps the shared engine, a turn at a time, until `groups` finished; their results.
+    If a step fails, this batch's requests leave the engine (the batch goes to dead
+    letters; the other batches in flight keep their slots)."""
     while True:
       with self._lock:
         if not any(g.unfinished for g in groups):
           return [self.engine.result(g) for g in groups]
-        self.engine.step()
+        try:
+          self.engine.step()
+        except BaseException:
+          for g in groups:
+            self.engine.cancel(g)
+          raise
       # A lock is not fair: a batch waiting to join would wait for this whole loop. Let
       # it in before the next step.
       while self._queue.count > 0:

@@ -577,12 +577,30 @@ class Engine:
     Other queued requests keep running in the same batches."""
     group = self.add_request(request, index=0)
     group.events = collections.deque()
-    while group.unfinished or group.events:
-      while group.events:
-        yield group.events.popleft()
-      if group.unfinished:
-        self.step()
-    self._groups.remove(group)
+    try:
+      while group.unfinished or group.events:
+        while group.events:
+          yield group.events.popleft()
+        if group.unfinished:
+          self.step()
+    finally:  # also when the caller stops reading early: its slots and blocks come back
+      self.cancel(group)
+
+  def cancel(self, group: _Group) -> None:
+    """Forgets a request queued with `add_request`: its unfinished samples leave the
+    queues (finish reason "cancelled") and their blocks are freed. For a caller that
+    will not collect it (it failed, or stopped reading a stream); a no-op when the
+    request was already collected."""
+    for queue in (self._waiting, self._prefilling, self._running):
+      for seq in [q for q in queue if q.group is group]:
+        queue.remove(seq)
+        self.allocator.free_all(seq.blocks)
+        seq.blocks = []
+        seq.finish_reason = seq.finish_reason or "cancelled"
+    group.unfinished = 0
+    if group in self._groups:
+      self._groups.remove(group)
+    self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
 
   def run_until_idle(self) -> None:
     while self._waiting or self._prefilling or self._running:

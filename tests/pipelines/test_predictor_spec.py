@@ -296,3 +296,34 @@ def test_engine_policy_reaches_the_controller_admission_and_is_checked_at_plan_t
   assert [r.max_steps for r in seen] == [3, None]
   with pytest.raises(ValueError, match="example 'ex1': metadata max_steps='many' is not an int"):
     recorder.predict([item(0, {}), item(1, {"max_steps": "many"})])
+
+
+def test_a_failed_engine_step_takes_only_its_batch_out_of_the_shared_engine(tiny_qwen3):
+  """A step that raises fails the batch that drove it (Beam sends it to dead letters); its
+  requests leave the engine, so the next batch runs on free slots and gets what it gets alone."""
+  from o1jax.controller import SamplingSpec
+  from o1jax.engine import Engine, EngineConfig
+  from pipelines.predictors import EnginePredictor, WorkItem
+
+  llama, tok = tiny_qwen3
+  engine = Engine(llama, tok, EngineConfig(max_slots=4, num_blocks=64, decode_steps=2),
+                  thinking="off")
+  predictor = EnginePredictor(engine)
+  batch = [WorkItem(key=str(i), example={}, example_index=i, sample_index=0, prompt=f"Q{i}",
+                    stop=(), sampling=SamplingSpec(max_new_tokens=6, temperature=1e4),
+                    request_id=i) for i in range(3)]
+  alone = predictor.predict(batch[1:])
+  step, calls = engine.step, []
+
+  def failing_step():
+    calls.append(1)
+    if len(calls) == 3:
+      raise RuntimeError("device lost")
+    step()
+
+  engine.step = failing_step
+  with pytest.raises(RuntimeError, match="device lost"):
+    predictor.predict(batch[:2])
+  assert not engine.has_work() and not engine._groups and engine.allocator.num_used == 0
+  engine.step = step
+  assert [p["text"] for p in predictor.predict(batch[1:])] == [p["text"] for p in alone]

@@ -190,3 +190,31 @@ def test_concurrent_requests_share_a_prefix_being_computed(tiny, make_prompts):
                                                          prefix_caching=False))
   assert [r.token_ids for r in cold.generate([Request(p, GREEDY) for p in prompts])] == \
          [r.token_ids for r in res]
+
+
+def test_cancel_frees_a_request_and_the_others_run_as_alone(tiny, make_prompts):
+  """A request cancelled while running (and one cancelled while waiting) leave the queues
+  and give their blocks back; the remaining request's tokens are the ones it gets alone.
+  A stream the caller stops reading early is cancelled too."""
+  from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+  prompts = make_prompts(3, seed=21, low=20, high=30)
+  params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+  config = EngineConfig(max_slots=2, num_blocks=64, block_size=4, decode_steps=2,
+                        prefix_caching=False)
+  alone = Engine(tiny.model, tiny.tokenizer, config).generate([Request(prompts[0], params)])[0]
+  engine = Engine(tiny.model, tiny.tokenizer, config)
+  keep, running, waiting = (engine.add_request(Request(p, params)) for p in prompts)
+  for _ in range(6):
+    engine.step()
+  assert running.samples[0] is not None and running.samples[0].blocks  # it holds blocks
+  engine.cancel(running)
+  engine.cancel(waiting)  # never admitted (2 slots)
+  assert running.samples[0].finish_reason == "cancelled" and not running.samples[0].blocks
+  engine.run_until_idle()
+  assert engine.result(keep).token_ids == alone.token_ids
+  assert engine.allocator.num_used == 0 and not engine.has_work() and not engine._groups
+  events = engine.stream(Request(prompts[1], params))
+  next(events), next(events)
+  assert engine.allocator.num_used > 0
+  events.close()
+  assert engine.allocator.num_used == 0 and not engine.has_work() and not engine._groups
