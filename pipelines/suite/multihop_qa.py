@@ -16,7 +16,10 @@ headquartered is in." is 3 hops.
 Scoring follows SQuAD v1.1's evaluation script: normalise (lowercase, drop punctuation,
 drop the articles a/an/the, collapse whitespace), then exact match and token F1 against the
 single gold answer. The prediction is the response's first non-empty line with a leading
-"Answer:" removed (the prompt asks for the name alone). The headline is exact match.
+"Answer:" removed (the prompt asks for the name alone). A response that restates the
+question first ("The founder of Ulga Guild is Ilsa Varn.") answers with what follows the
+restated phrase and its "is"/"was", up to the sentence's end ("Ilsa Varn"): small models
+answer that way, and the name is their answer. The headline is exact match.
 """
 
 from __future__ import annotations
@@ -158,17 +161,34 @@ def token_f1(prediction: str, gold: str) -> float:
   return 2 * precision * recall / (precision + recall)
 
 
-def extract_answer(text: str) -> Optional[str]:
-  """First non-empty line, without a leading 'Answer:'; None for an empty response."""
+_QUESTION = re.compile(r"\nQuestion: Name (.+?)\.\n")
+
+
+def question_phrase(example: Example) -> Optional[str]:
+  """The noun phrase the question asks to name ("the founder of ...")."""
+  match = _QUESTION.search(example.question)
+  return match.group(1) if match else None
+
+
+def extract_answer(text: str, phrase: Optional[str] = None) -> Optional[str]:
+  """First non-empty line, without a leading 'Answer:'; None for an empty response. When
+  the line restates `phrase` followed by "is"/"was", what follows up to the sentence's end."""
   for line in text.splitlines():
     line = line.strip()
     if line:
-      return re.sub(r"^[*\s]*answer[*\s]*:[*\s]*", "", line, flags=re.IGNORECASE).strip()
+      line = re.sub(r"^[*\s]*answer[*\s]*:[*\s]*", "", line, flags=re.IGNORECASE).strip()
+      if phrase:
+        words = r"\W+".join(re.escape(w) for w in phrase.split())
+        restated = re.match(rf"^\W*(?:the\s+)?{words}\s+(?:is|was)\s+(.+?)(?:\.(?:\s|$)|$)",
+                            line, flags=re.IGNORECASE)
+        if restated:
+          return restated.group(1).strip()
+      return line
   return None
 
 
 def score(example: Example, text: str, stop: tuple[str, ...] = ()) -> dict:
-  answer = extract_answer(text) or ""
+  answer = extract_answer(text, question_phrase(example)) or ""
   em, f1 = exact_match(answer, example.reference), token_f1(answer, example.reference)
   return {"answer": answer, "correct": em, "exact_match": em, "f1": round(f1, 4),
           "metrics": {"exact_match": float(em), "f1": round(f1, 4)}}

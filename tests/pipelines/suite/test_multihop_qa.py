@@ -40,3 +40,22 @@ def test_right_and_wrong_answers_score_as_expected():
   wrong = qa.score(ex, "I do not know.")
   assert right["correct"] and right["metrics"] == {"exact_match": 1.0, "f1": 1.0}
   assert not wrong["correct"] and wrong["metrics"]["exact_match"] == 0.0
+
+
+def test_a_response_that_restates_the_question_answers_with_what_follows():
+  ex = qa.generate_item(0, 4)
+  phrase = qa.question_phrase(ex)
+  assert phrase and ex.question.endswith(f"Question: Name {phrase}.\nAnswer with the name only.")
+  restated = phrase[0].upper() + phrase[1:]
+  assert qa.score(ex, f"{restated} is {ex.reference}.")["correct"]
+  assert qa.score(ex, f"{restated} was {ex.reference}. It is known.")["correct"]
+  assert qa.score(ex, f"Answer: {phrase} is {ex.reference}")["correct"]
+  cut = qa.score(ex, f"{restated} is {ex.reference.split()[0]}")  # ran out of tokens
+  assert not cut["correct"] and 0 < cut["metrics"]["f1"] < 1
+  # Anything else is scored whole: a sentence about another fact is not the name.
+  other = qa.score(ex, f"{ex.reference} works for Rinlun Labs.")
+  assert not other["correct"] and other["answer"] == f"{ex.reference} works for Rinlun Labs."
+  assert qa.extract_answer("The mentor of Ilsa Varn is Toren Quist.",
+                           "the mentor of Ilsa Varn") == "Toren Quist"
+  assert qa.extract_answer("The mentor of Ilsa is Toren.", "the mentor of Ilsa Varn") == (
+      "The mentor of Ilsa is Toren.")  # a different phrase: not a restatement
