@@ -40,7 +40,9 @@ def get_config(arg: str = ""):
       cache_dir="",  # empty: $O1JAX_SUITE_CACHE, else ~/.cache/o1jax/suite
       max_new_tokens=common.section(**budgets),  # per category; capped by sampling.max_new_tokens
   )
-  config.prompt = common.section(style="per_category")  # each category module renders its prompt
+  # Each category module renders its prompt; code: "chat" (instruction-tuned models, the
+  # embedded one) or "completion" (HumanEval's raw prompt, for base models).
+  config.prompt = common.section(style="per_category", code_style="chat")
   config.sampling = common.sampling_section(max_new_tokens=max(budgets.values()))
   config.policy = common.policy_section(variant["policy"], smoke=smoke)
   config.sandbox = common.sandbox_section()

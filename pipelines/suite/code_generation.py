@@ -2,10 +2,20 @@
 
 Every item is a HumanEval-format problem: `question` is the code prompt (signature and
 docstring), `metadata` holds `test` (defines `check(candidate)`), `entry_point` and the
-canonical solution. Scoring is HumanEval's: prompt + completion (cut at the Codex stop
-sequences) + test + `check(entry_point)` run in the sandbox (`pipelines/sandbox`); a sample
-passes when the sandbox's sentinel proves every assert ran. The summary reports pass@1
-(greedy) and pass@k for every k <= n (policy=sample_n).
+canonical solution. Two prompt styles (`prompt.code_style`):
+  chat (the default; for instruction-tuned models such as the embedded one): a user turn
+    asks to complete the function and reply with it in a Python code block, the prompt's
+    code in a fence; the program's code is the reply's first fenced block (or what follows
+    an unclosed fence; a reply without a fence is taken whole), appended to the prompt, so
+    a whole function redefines the stub and a bare body completes it. Generation stops at
+    a closing fence on its own line. The embedded model writes an empty body to the raw
+    prompt half the time (it starts a new `def` at once): 0 of the first 40 HumanEval
+    problems pass that way, 5 of 40 with the chat prompt (one run each, 2026-12-02).
+  completion (HumanEval's original; for base models): the code prompt as is, cut at the
+    Codex stop sequences.
+Scoring is HumanEval's: prompt + code + test + `check(entry_point)` run in the sandbox
+(`pipelines/sandbox`); a sample passes when the sandbox's sentinel proves every assert
+ran. The summary reports pass@1 (greedy) and pass@k for every k <= n (policy=sample_n).
 
 The generated tasks come from 12 templates, 3 instances each, with parameters drawn from a
 seeded RNG (`random.Random(f"suite/code:{seed}:{index}")`). The docstring shows two
@@ -16,6 +26,7 @@ the template's own reference solution (project text, not model output) in this p
 from __future__ import annotations
 
 import random
+import re
 from typing import Callable, Sequence
 
 from pipelines.datasets.humaneval import humaneval_examples
@@ -198,16 +209,49 @@ def generate(n: int, seed: int) -> list[Example]:
   return out
 
 
-def prompt(example: Example):
-  """The problem's code as a completion prompt, stopped at the Codex stop sequences."""
-  return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
+STYLES = ("chat", "completion")
+CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a "
+                    "Python code block.")
+CLOSING_FENCE = "\n```\n"  # the chat reply's stop: a fence alone on its line
 
 
-def score_many(items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox) -> list[dict]:
-  """Runs every completion in the sandbox as one pool; one score dict per item."""
+def check_style(style: str) -> str:
+  if style not in STYLES:
+    raise ValueError(f"prompt.code_style={style!r}: valid styles are {list(STYLES)}")
+  return style
+
+
+def prompt(example: Example, style: str = "chat"):
+  """(prompt, stop sequences) in `style` (see the module doc)."""
+  if check_style(style) == "completion":
+    return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
+  content = f"{CHAT_INSTRUCTION}\n\n```python\n{example.question}```"
+  return [{"role": "user", "content": content}], (CLOSING_FENCE,)
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|$)", re.S | re.I)
+
+
+def extract_code(reply: str) -> str:
+  """The code of a chat reply: its first fenced block, or what follows an unclosed opening
+  fence; a reply without a fence, whole."""
+  match = _FENCE.search(reply)
+  return match.group(1) if match else reply
+
+
+def program_code(text: str, stop: tuple[str, ...], style: str) -> str:
+  """What follows the prompt in the program: the chat reply's code on a new line, or the
+  completion cut at its stop sequences."""
+  if style == "completion":
+    return truncate_completion(text, tuple(stop) or HUMANEVAL_STOP_SEQUENCES)
+  return "\n" + extract_code(text) + "\n"
+
+
+def score_many(items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox,
+               style: str = "chat") -> list[dict]:
+  """Runs every program in the sandbox as one pool; one score dict per item."""
   from pipelines.sandbox import HumanEvalProgram
-  completions = [truncate_completion(text, tuple(stop) or HUMANEVAL_STOP_SEQUENCES)
-                 for _, text, stop in items]
+  completions = [program_code(text, tuple(stop), check_style(style)) for _, text, stop in items]
   programs = [HumanEvalProgram(prompt=ex.question, completion=c, test=ex.metadata["test"],
                                entry_point=ex.metadata["entry_point"])
               for (ex, _, _), c in zip(items, completions)]

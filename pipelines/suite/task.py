@@ -33,6 +33,9 @@ class SuiteTask:
   name: str = "suite"
   vote_field: str = "flexible_answer"
 
+  def __post_init__(self):
+    self.code_style  # a bad prompt.code_style fails when the plan is built
+
   @property
   def categories(self) -> tuple[str, ...]:
     category = suite_items.check_category(self.dataset["category"])
@@ -76,8 +79,15 @@ class SuiteTask:
     budget = int(self.dataset["max_new_tokens"][example.metadata["category"]])
     return dataclasses.replace(base, max_new_tokens=min(base.max_new_tokens, budget))
 
+  @property
+  def code_style(self) -> str:
+    return CATEGORY_MODULES["code"].check_style(str(self.prompt_cfg.get("code_style", "chat")))
+
   def prompt(self, example: Example):
-    return CATEGORY_MODULES[example.metadata["category"]].prompt(example)
+    category = example.metadata["category"]
+    if category == "code":
+      return CATEGORY_MODULES[category].prompt(example, self.code_style)
+    return CATEGORY_MODULES[category].prompt(example)
 
   def sandbox(self):
     if "code" not in self.categories:
@@ -91,7 +101,9 @@ class SuiteTask:
     code = [i for i, (ex, _, _) in enumerate(items) if ex.metadata["category"] == "code"]
     if code:
       sandbox = sandbox or self.sandbox()
-      for i, s in zip(code, CATEGORY_MODULES["code"].score_many([items[i] for i in code], sandbox)):
+      scores = CATEGORY_MODULES["code"].score_many([items[i] for i in code], sandbox,
+                                                   self.code_style)
+      for i, s in zip(code, scores):
         out[i] = {"category": "code", **s}
     for i, (example, text, stop) in enumerate(items):
       if out[i] is not None:

@@ -1,5 +1,7 @@
 """Code: HumanEval's 164 then 36 generated tasks; canonical solutions pass in the sandbox, wrong fail."""
 
+import pytest
+
 from pipelines.sandbox import Sandbox, SandboxConfig
 from pipelines.suite import code_generation as code
 
@@ -22,6 +24,36 @@ def test_generated_canonical_solutions_pass_and_wrong_ones_fail_in_the_sandbox()
   # The stop sequence cuts what follows the function: a trailing top-level line is ignored.
   cut = [(generated[0], generated[0].metadata["canonical_solution"] + "\nprint(undefined_name)\n", ())]
   sandbox = Sandbox(SandboxConfig(timeout_s=5.0, workers=2))
-  scores = code.score_many(right + wrong + cut, sandbox)
+  scores = code.score_many(right + wrong + cut, sandbox, "completion")
   assert [s["correct"] for s in scores] == [True] * 36 + [False] * 4 + [True]
   assert scores[36]["status"] != "passed" and scores[0]["metrics"] == {"pass": 1.0}
+
+
+def test_chat_replies_pass_with_the_function_in_a_code_block_and_fail_without_it():
+  """Chat style: the reply's first fenced block follows the prompt. A whole function in a
+  fence (prose around it), a bare body, an unclosed fence and a reply with no fence but
+  only code pass; prose, a wrong body and a function under another name fail."""
+  ex = code.generated_task(0, 3)
+  body = ex.metadata["canonical_solution"]
+  whole = ex.question + body
+  messages, stop = code.prompt(ex)
+  assert stop == (code.CLOSING_FENCE,) and messages[0]["role"] == "user"
+  assert messages[0]["content"].endswith(f"```python\n{ex.question}```")
+  assert code.prompt(ex, "completion")[0] == ex.question
+  replies = {
+      "fenced whole function": f"Here it is:\n```python\n{whole}```\nIt loops once.",
+      "fenced body": f"```python\n{body}```",
+      "unclosed fence": f"```py\n{whole}",
+      "no fence, code": body,
+      "prose": "The function returns the answer.",
+      "wrong body": "```python\n    return None\n```",
+      "other name": f"```python\n{whole.replace(ex.metadata['entry_point'], 'helper')}```",
+  }
+  sandbox = Sandbox(SandboxConfig(timeout_s=5.0, workers=2))
+  scores = code.score_many([(ex, r, stop) for r in replies.values()], sandbox)
+  assert dict(zip(replies, (s["correct"] for s in scores))) == {
+      "fenced whole function": True, "fenced body": True, "unclosed fence": True,
+      "no fence, code": True, "prose": False, "wrong body": False, "other name": False}
+  assert code.extract_code("a\n```python\nx = 1\n```\n```python\ny = 2\n```") == "x = 1"
+  with pytest.raises(ValueError, match="prompt.code_style='diff': valid styles are"):
+    code.prompt(ex, "diff")

@@ -68,8 +68,15 @@ def test_each_category_has_its_own_token_budget_and_prompt_shape(suite_cache_dir
   expected = {c: min(40, b) for c, b in suite_config.SMOKE_MAX_NEW_TOKENS.items()}
   assert budget == expected
   shapes = {i.example["metadata"]["category"]: type(i.prompt).__name__ for i in items}
-  assert shapes == {"code": "str", "math": "list", "qa": "list", "instructions": "list",
-                    "summarization": "list"}
+  assert shapes == {"code": "list", "math": "list", "qa": "list", "instructions": "list",
+                    "summarization": "list"}  # code: the chat style by default
+  cfg.prompt.code_style = "completion"
+  items, _ = plan_items(build_plan(cfg, str(tmp_path)))
+  assert {type(i.prompt).__name__ for i in items if i.example["metadata"]["category"] == "code"} == {
+      "str"}
+  cfg.prompt.code_style = "diff"
+  with pytest.raises(ValueError, match="prompt.code_style='diff'"):
+    build_plan(cfg, str(tmp_path))
 
 
 def test_controller_policies_only_with_category_math(suite_cache_dir, tmp_path):
