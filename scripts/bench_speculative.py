@@ -31,6 +31,7 @@ requests one after the other).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -104,6 +105,14 @@ def measure(engine, prompts, args, speculative=None, draft_model=None) -> dict:
     return [Request(p, GenerationParams(max_new_tokens=args.max_new_tokens, stop=stop),
                     request_id=i) for i, (p, stop) in enumerate(prompts)]
 
+  # Compile every K bucket's programs first: one run per bucket with K fixed (an adaptive
+  # planner that tries a bucket only in the timed run would time its compilation).
+  if speculative is not None and speculative.adaptive:
+    for k in speculative.k_buckets:
+      engine.set_speculative(dataclasses.replace(speculative, max_drafts=k, adaptive=False),
+                             draft_model)
+      engine.generate(requests())
+    engine.set_speculative(speculative, draft_model)
   # Warm up until a run compiles nothing new (at most 3 runs): the timed run then shows
   # the steady state, not compilation (which K and table widths a run uses varies).
   for _ in range(3):

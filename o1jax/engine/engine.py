@@ -356,9 +356,10 @@ class Engine:
     self._planner = SpeculationPlanner(speculative) if speculative is not None else None
     self._exit_layer = (speculative.resolved_exit_layer(self.model_config.n_layers)
                         if speculative is not None and speculative.drafter == "early_exit" else 0)
-    self.draft_model = self._resolve_draft_model(self.model, speculative, draft_model)
-    if self.draft_model is not None:
-      self._init_draft_model(self.draft_model)
+    draft = self._resolve_draft_model(self.model, speculative, draft_model)
+    if draft is not None and draft is not getattr(self, "draft_model", None):
+      self._init_draft_model(draft)  # the same draft model keeps its pool and compiled calls
+    self.draft_model = draft
 
   @staticmethod
   def _resolve_draft_model(model, speculative: SpeculativeConfig | None,
