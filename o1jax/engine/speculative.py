@@ -32,14 +32,12 @@ rarely accepted or where a wider call costs more than it emits (large
 batches on a compute-bound device).
 
 A draft model must first catch up over the tokens it has not seen (a new
-sequence's whole prompt; everything decoded while speculation was off). When
-the planner re-tries a shape it had given up on (STALE), it charges that
-catch-up too: its measured seconds per caught-up token, times the tokens each
-row is behind, spread over the verify calls that row's remaining budget leaves.
-So a draft model that did not pay is not switched back on where catching up
-would cost more than a re-try can win back. Ordinary decisions do not charge
-it: a measured run (2026-12-02_speculative.md, run 2) showed that charging every
-decision kept a draft model off where it paid 1.3-1.8x.
+sequence's whole prompt; everything decoded while speculation was off). The
+planner charges that too: its measured seconds per caught-up token, times the
+tokens each row is behind, spread over the verify calls that row's remaining
+budget leaves (the catch-up is paid once, then every later call benefits). So a
+draft model is not switched back on where catching up would cost more than the
+speculation it enables can win back.
 """
 
 from __future__ import annotations
@@ -238,7 +236,7 @@ class SpeculationPlanner:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
     (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
     behind[i] / remaining[i] (a draft model): tokens its draft K/V lacks, and tokens
-    left to its budget (the catch-up a re-try is charged, see the module doc)."""
+    left to its budget (the catch-up charge, see the module doc)."""
     self.decisions += 1
     most = max(available, default=0)
     if most == 0:
@@ -257,7 +255,7 @@ class SpeculationPlanner:
       stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
       if stale and expected(k) / (self.prior(rows, k) + overhead(k)) > best:
         return k  # re-time it
-      speed = expected(k) / self.cost(rows, k)
+      speed = expected(k) / (self.cost(rows, k) + overhead(k))
       if speed > best:
         best_k, best = k, speed
     return best_k
