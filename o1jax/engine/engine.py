@@ -979,12 +979,8 @@ class Engine:
     else:
       proposals, available = None, room
     rows = self._decode_rows(len(running))
-    behind = remaining = None
-    if cfg.drafter == "draft_model":  # what catching the draft model up would cost
-      behind = [len(s.tokens) - 1 - s.draft_computed for s in running]
-      remaining = [s.remaining_budget for s in running]
     k = self._planner.choose(rows, [available[s] for s in running],
-                             [self._planner.rate(s.acceptance) for s in running], behind, remaining)
+                             [self._planner.rate(s.acceptance) for s in running])
     if k == 0:
       for seq in running:
         seq.acceptance.idle()
@@ -1016,10 +1012,8 @@ class Engine:
       # A sequence's first catch-up runs the draft model over its whole prompt: a cost
       # paid once, which the planner must not charge to every later call of the shape.
       catch_up_start = self.clock()
-      caught_up = self._catch_up_draft(seqs, rows, num_drafts)
+      self._catch_up_draft(seqs, rows, num_drafts)
       sunk = self.clock() - catch_up_start
-      if sum(self.trace_counts.values()) == call_traces:  # not while compiling
-        self._planner.observe_catch_up(caught_up, sunk)
       head_t = self._draft_head_t if rows >= 8 else None
       drafts_dev, self.draft_cache = self._draft_model_jit(
           self._draft_leaves, self.draft_cache, batch, jnp.asarray(num_drafts), k, None, head_t)
@@ -1059,16 +1053,15 @@ class Engine:
       self._planner.observe(rows, k, self.clock() - call_start - sunk)
     return True
 
-  def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> int:
+  def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> None:
     """Draft-model K/V at every position before the last token of each row that
     drafts: draft-model prefill calls over tokens[draft_computed : len(tokens) - 1],
     up to prefill_chunk tokens per row a call (lengths bucketed as the engine's
-    prefill), until every such row has caught up. Returns the tokens caught up."""
+    prefill), until every such row has caught up."""
     behind = [len(s.tokens) - 1 - s.draft_computed if num_drafts[i] else 0
               for i, s in enumerate(seqs)]
-    total = sum(max(b, 0) for b in behind)
     if max(behind) <= 0:
-      return 0
+      return
     tables = jnp.asarray(self._table(seqs, rows))
     while max(behind) > 0:
       lens = np.zeros(rows, np.int32)
@@ -1084,8 +1077,6 @@ class Engine:
       self.draft_cache = self._draft_prefill_jit(self._draft_leaves, self.draft_cache,
                                                  jnp.asarray(tokens), jnp.asarray(starts),
                                                  jnp.asarray(lens), tables)
-    jax.block_until_ready(self.draft_cache)  # so its time is the catch-up's (the planner's)
-    return total
 
   def _call_iterations(self, running: Sequence[_Seq]) -> int:
     """Decode steps for the next call (see the module doc)."""

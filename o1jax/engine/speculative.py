@@ -30,14 +30,6 @@ K of `K_BUCKETS` (or 0: no speculation) with the most expected tokens per
 second for the whole batch. So speculation turns itself off where drafts are
 rarely accepted or where a wider call costs more than it emits (large
 batches on a compute-bound device).
-
-A draft model must first catch up over the tokens it has not seen (a new
-sequence's whole prompt; everything decoded while speculation was off). The
-planner charges that too: its measured seconds per caught-up token, times the
-tokens each row is behind, spread over the verify calls that row's remaining
-budget leaves (the catch-up is paid once, then every later call benefits). So a
-draft model is not switched back on where catching up would cost more than the
-speculation it enables can win back.
 """
 
 from __future__ import annotations
@@ -176,7 +168,6 @@ class SpeculationPlanner:
     self.config = config
     self.acceptance = Acceptance(decay=0.98)  # over every sequence (the last ~50 calls)
     self.timings: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> seconds per call
-    self.catch_up: collections.deque = collections.deque(maxlen=self.KEEP)  # s per draft token
     self._timed_at: dict[tuple[int, int], int] = {}  # decision count at the last timing
     self.decisions = 0
 
@@ -185,26 +176,6 @@ class SpeculationPlanner:
     leaves out calls that compiled)."""
     self.timings.setdefault((rows, k), collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[(rows, k)] = self.decisions
-
-  def observe_catch_up(self, tokens: int, seconds: float) -> None:
-    """A draft model's catch-up over `tokens` positions (summed over rows) took `seconds`."""
-    if tokens > 0:
-      self.catch_up.append(seconds / tokens)
-
-  def catch_up_overhead(self, k: int, behind: Sequence[int], remaining: Sequence[int],
-                        available: Sequence[int], rates: Sequence[float]) -> float:
-    """Seconds of draft catch-up charged to one call of K drafts: per row, its catch-up
-    (tokens behind x the measured seconds per token; 0 until measured) over the verify
-    calls its remaining budget leaves at the tokens a call is expected to emit."""
-    if not self.catch_up or not any(behind):
-      return 0.0
-    per_token = statistics.median(self.catch_up)
-    total = 0.0
-    for b, r, a, rate in zip(behind, remaining, available, rates):
-      if b > 0 and a > 0:
-        calls = max(1.0, r / expected_tokens(min(k, a), rate))
-        total += b * per_token / calls
-    return total
 
   def rate(self, seq: Acceptance) -> float:
     """A sequence's acceptance estimate around the engine-wide one. A sequence with no
@@ -231,12 +202,9 @@ class SpeculationPlanner:
     step = self.timings.get((rows, 0))
     return None if step is None else statistics.median(step) * (1.0 + self.PRIOR_PER_POSITION * k)
 
-  def choose(self, rows: int, available: Sequence[int], rates: Sequence[float],
-             behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None) -> int:
+  def choose(self, rows: int, available: Sequence[int], rates: Sequence[float]) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
-    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
-    behind[i] / remaining[i] (a draft model): tokens its draft K/V lacks, and tokens
-    left to its budget (the catch-up charge, see the module doc)."""
+    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate."""
     self.decisions += 1
     most = max(available, default=0)
     if most == 0:
@@ -248,14 +216,12 @@ class SpeculationPlanner:
     if plain is None:  # time plain decoding first: it is the baseline of every choice
       return 0
     expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
-    overhead = lambda k: (0.0 if behind is None else
-                          self.catch_up_overhead(k, behind, remaining, available, rates))
     best_k, best = 0, len(available) / plain
     for k in buckets:
       stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
-      if stale and expected(k) / (self.prior(rows, k) + overhead(k)) > best:
+      if stale and expected(k) / self.prior(rows, k) > best:
         return k  # re-time it
-      speed = expected(k) / (self.cost(rows, k) + overhead(k))
+      speed = expected(k) / self.cost(rows, k)
       if speed > best:
         best_k, best = k, speed
     return best_k

@@ -299,21 +299,3 @@ def test_embedded_model_greedy_tokens_equal_plain_decoding(embedded_checkpoint, 
     if drafter == "prompt_lookup":
       assert stats["accepted"] > 0
     assert [g.token_ids for g in got] == [w.token_ids for w in want[:batch]], batch
-
-
-def test_planner_charges_a_draft_models_catch_up_over_the_calls_it_enables():
-  """Catching a draft model up costs its measured seconds per token x the tokens a row is
-  behind, spread over the verify calls its remaining budget leaves. Cheap when a row has
-  much left to generate; prohibitive when it is far behind with little left."""
-  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=7))
-  planner.observe(1, 0, 0.010)  # a plain step: 10 ms
-  planner.observe(1, 7, 0.020)  # a K=7 verify call: 20 ms
-  # Unmeasured catch-up is free: K=7 at acceptance 1 emits 8 tokens per 20 ms.
-  assert planner.choose(1, [7], [1.0], behind=[400], remaining=[64]) == 7
-  planner.observe_catch_up(100, 0.1)  # 1 ms per caught-up token
-  # 800 behind = 0.8 s over 64 / 8 = 8 calls: 100 ms a call -> 8 tokens / 120 ms < plain's 100/s.
-  assert planner.catch_up_overhead(7, [800], [64], [7], [1.0]) == pytest.approx(0.1)
-  assert planner.choose(1, [7], [1.0], behind=[800], remaining=[64]) == 0
-  # 40 behind with 512 left: 40 ms over 64 calls -> 0.6 ms per call: speculation pays.
-  assert planner.choose(1, [7], [1.0], behind=[40], remaining=[512]) == 7
-  assert planner.choose(1, [7], [1.0], behind=[0], remaining=[64]) == 7  # caught up: no charge
