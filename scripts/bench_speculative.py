@@ -15,9 +15,10 @@ tokenizer, ~2.5x cheaper per token on AVX-512 VNNI CPUs).
 
 For every batch size one engine (`max_slots` = batch; compiled programs are shared by
 the configurations, `Engine.set_speculative`); per task, plain decoding, each drafter,
-and plain decoding again: the requests run until a run compiles nothing new (at most
-3 runs; the planner times the shapes meanwhile), then once more, timed (the programs
-it still compiled are reported). The baseline is the mean of the two plain runs
+and plain decoding again: for a drafter, first one run per K bucket with K fixed (so
+every bucket's programs are compiled), then the requests run until a run compiles
+nothing new (at most 3 runs; the planner times the shapes meanwhile), then once more,
+timed (the programs it still compiled are reported). The baseline is the mean of the two plain runs
 (their ratio to it shows the noise). Per configuration: decode tokens per second
 (generated tokens / wall time of the decode and verify calls, drafting included),
 end-to-end tokens per second (prefill included), the ratio of each to plain decoding

@@ -682,15 +682,11 @@ class Controller:
     order = range(r) if self.admission == "fifo" else sorted(range(r), key=lambda i: (limits[i], i))
     waiting = collections.deque(order)
     in_slot: dict[int, list] = {}  # slot -> [request index, admitted at, loop calls]
-    # Each row's request's own step limit: a live budget replaces the policy's limit but
-    # never lifts a row above its request's.
-    row_limits = np.full(b, NEVER, np.int32)
 
     def fill(state, free):
       picked = [(g, waiting.popleft()) for g in free[:len(waiting)]]
       for g, i in picked:
         in_slot[g] = [i, time.perf_counter(), 0]
-        row_limits[g * n:(g + 1) * n] = min(requests[i].max_steps or NEVER, NEVER)
       return self.admit(state, settings, n, [(g, requests[i], prompts[i]) for g, i in picked],
                         sample_offset=sample_offset, conf_stop=[conf_stop[i] for _, i in picked],
                         vote_floor=[vote_floor[i] for _, i in picked],
@@ -714,8 +710,7 @@ class Controller:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
       if budget is not None:
-        state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot,
-                                   row_limits)
+        state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
       start_iter = int(state.iteration)
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
@@ -764,11 +759,10 @@ class Controller:
                  ttft_s=ttft)
 
   def _apply_budget(self, budget: BudgetLoop, state: ReasoningState, n: int, live: np.ndarray,
-                    queued: int, requests, in_slot: dict,
-                    row_limits: np.ndarray) -> ReasoningState:
+                    queued: int, requests, in_slot: dict) -> ReasoningState:
     """Before a loop call: re-evaluates the budget (on its clock), gives every row its step
-    limit, the budget's in place of the policy's but never above the row's request's own
-    (`row_limits`) (a row past it answers at its next step boundary), logs the limit per request,
+    limit, the budget's in place of the policy's but never above its request's own
+    `max_steps` (a row past it answers at its next step boundary), logs the limit per request,
     and when the budget says prune, stops the lowest-confidence running trace of every
     slot with two or more running traces (exit "pruned"; it does not vote)."""
     cache = state.cache
@@ -784,8 +778,10 @@ class Controller:
       log = self._budget_log[requests[i].request_id] if self._logging else []
       if last is not None and (decision is not None or not log):
         log.append(last.to_dict(since=admitted))
-    state = state.replace(knobs=state.knobs.replace(
-        max_steps=jnp.asarray(np.minimum(row_limits, budget.steps), jnp.int32)))
+    steps = np.full(state.knobs.max_steps.shape, budget.steps, np.int32)
+    for g, (i, _, _) in in_slot.items():
+      steps[g * n:(g + 1) * n] = min(budget.steps, requests[i].max_steps or NEVER)
+    state = state.replace(knobs=state.knobs.replace(max_steps=jnp.asarray(steps)))
     if decision is None or not decision.prune or n < 2:
       return state
     phase = np.array(state.phase)

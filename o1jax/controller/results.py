@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
+import numbers
 from typing import Any, Optional
 
 
@@ -26,13 +26,10 @@ class ReasoningRequest:
   def __post_init__(self):
     if self.max_steps is None:
       return
-    try:  # ints of any kind (numpy's too), not floats or bools
-      steps = operator.index(self.max_steps) if not isinstance(self.max_steps, bool) else None
-    except TypeError:
-      steps = None
-    if steps is None or steps < 1:
+    steps = self.max_steps  # ints of any kind (numpy's too), not floats or bools
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
       raise ValueError(f"request {self.request_id}: max_steps must be an int >= 1 or None, got "
-                       f"{self.max_steps!r}")
+                       f"{steps!r}")
     object.__setattr__(self, "max_steps", int(steps))
 
 

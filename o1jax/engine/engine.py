@@ -343,6 +343,7 @@ class Engine:
     self._draft_jit = self._jit("draft", self._bound(steps.draft_greedy), static_argnums=(4, 5),
                                 donate_argnums=(1,))
     self._head_t = self._transposed_head(model)
+    self.draft_model: Llama | None = None
     self.set_speculative(speculative, draft_model)
 
   def set_speculative(self, speculative: SpeculativeConfig | None,
@@ -357,7 +358,7 @@ class Engine:
     self._exit_layer = (speculative.resolved_exit_layer(self.model_config.n_layers)
                         if speculative is not None and speculative.drafter == "early_exit" else 0)
     draft = self._resolve_draft_model(self.model, speculative, draft_model)
-    if draft is not None and draft is not getattr(self, "draft_model", None):
+    if draft is not None and draft is not self.draft_model:
       self._init_draft_model(draft)  # the same draft model keeps its pool and compiled calls
     self.draft_model = draft
 
