@@ -46,6 +46,7 @@ from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.model.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
+from o1jax.engine.speculative import SpeculativeConfig
 from o1jax.model.sampling import Sampling, sequence_key
 from o1jax.model.shapes import pow2_bucket
 
@@ -115,6 +116,7 @@ class Batch:
   # (prefill included) to the end of the first iteration that gave it a token.
   token_ms: list[list[float]] = dataclasses.field(default_factory=list)
   ttft_s: list[Optional[float]] = dataclasses.field(default_factory=list)
+  verify_calls: int = 0  # iterations that verified drafts (speculative)
 
 
 class Controller:
@@ -144,7 +146,12 @@ class Controller:
       requests) or "shortest_budget" (priority by remaining steps, as the engine's
       scheduler: the fewest steps to its limit, min(request.max_steps, the policy's),
       first; ties in request order). The loop never preempts a running request (its
-      KV is planned for every slot up front), so the priority acts on admission."""
+      KV is planned for every slot up front), so the priority acts on admission.
+    speculative: a `SpeculativeConfig` (drafter "prompt_lookup": the loop drafts on
+      the device; see `ReasoningLoop._verify`), or None. Rows get the tokens plain
+      decoding gives them; with `adaptive` an iteration verifies only when its
+      rows' expected tokens beat plain steps at the cost ratio measured here once
+      per batch shape (`spec_cost`)."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
@@ -152,9 +159,15 @@ class Controller:
                extract_answer: Callable[[str], Optional[str]] | None = None,
                python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
                budget: BudgetLoop | None = None,
-               thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo"):
+               thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo",
+               speculative: SpeculativeConfig | None = None):
     if admission not in ADMISSIONS:
       raise ValueError(f"admission={admission!r}: the controller admits by {list(ADMISSIONS)}")
+    if speculative is not None and speculative.drafter != "prompt_lookup":
+      raise ValueError(f"speculative.drafter={speculative.drafter!r}: the controller's loop "
+                       f"drafts by 'prompt_lookup' only (the engine runs every drafter)")
+    self.speculative = speculative
+    self._spec_costs: dict[tuple, float] = {}  # (rows, length, K) -> measured cost ratio
     self.admission = admission
     self.model = model
     self.budget = budget
@@ -506,12 +519,50 @@ class Controller:
     up to max_generated past the prompt, plus a probe past that end; `prompts`
     requests are in flight at once."""
     return CachePlan(rows=rows, prompt_tokens=longest_prompt,
-                     new_tokens=self.max_generated(settings) + self.probe_capacity,
-                     prompts=prompts)
+                     new_tokens=self.max_generated(settings) + self.probe_capacity
+                     + self.draft_k, prompts=prompts)
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
-    """Positions per row: the longest prompt, what a row keeps, and a probe past it."""
-    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.probe_capacity + 8, 64)
+    """Positions per row: the longest prompt, what a row keeps, and a probe (or a
+    verify call's drafts) past it."""
+    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.probe_capacity
+                       + self.draft_k + 8, 64)
+
+  @property
+  def draft_k(self) -> int:
+    """Drafts per verify call (0: no speculation)."""
+    return self.speculative.max_drafts if self.speculative is not None else 0
+
+  def spec_cost(self, state: ReasoningState) -> float:
+    """A verify call's time over a one-token step's at this batch shape, measured on
+    this device once per shape (median of 5 alternating timings of the two forwards
+    on the state's cache, after one compiling call each); 0 when speculation is not
+    adaptive (verify whenever a row has drafts)."""
+    kd = self.draft_k
+    if not kd or not self.speculative.adaptive:
+      return 0.0
+    b, length = state.tokens.shape
+    key = (b, length, kd)
+    if key not in self._spec_costs:
+      one, wide = jax.jit(self.model.forward), jax.jit(self.model.forward_all)
+      starts = jnp.clip(state.length - 1, 0, length - kd - 1)
+      zeros = jnp.zeros((b,), jnp.int32)
+      calls = (lambda: one(self.model.params, state.cache, state.tokens[:, :1], starts, zeros),
+               lambda: wide(self.model.params, state.cache, state.tokens[:, :kd + 1], starts,
+                            zeros + kd + 1))
+      ratios = []
+      with self._on_mesh():
+        for call in calls:
+          jax.block_until_ready(call())
+        for _ in range(5):
+          times = []
+          for call in calls:
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times.append(time.perf_counter() - t0)
+          ratios.append(times[1] / times[0])
+      self._spec_costs[key] = float(np.median(ratios))
+    return self._spec_costs[key]
 
   def empty_state(self, settings: LoopSettings, n: int, slots: int, length: int,
                   plan: CachePlan | None = None, priors_per_slot: int = 1) -> ReasoningState:
@@ -527,6 +578,7 @@ class Controller:
         tokens=jnp.zeros((b, length), jnp.int32), length=ones(), prompt_len=ones(),
         phase=jnp.full((b,), S.DONE, jnp.int32), step_start=ones(),
         keys=jnp.zeros((b, 2), jnp.uint32), iteration=jnp.int32(0), stop_at=jnp.int32(NEVER),
+        spec_cost=jnp.float32(0.0), spec_calls=jnp.int32(0),
         slot=jnp.asarray(slot), slot_live=jnp.zeros((slots,), bool),
         return_on_free=jnp.asarray(False), knobs=knobs,
         cache=self.model.init_cache(b, length, plan),
@@ -660,8 +712,11 @@ class Controller:
                       unstopped_samples=unstopped_samples)
 
   def loop(self, settings: LoopSettings) -> ReasoningLoop:
+    spec = self.speculative
     return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
-                         settings.answer_vote)
+                         settings.answer_vote, draft_k=self.draft_k,
+                         ngram_max=spec.ngram_max if spec else 4,
+                         ngram_min=spec.ngram_min if spec else 1)
 
   def _generate_slots(self, requests, settings, n, sample_offset, conf_stop, budget,
                       vote_floor, prior_votes, unstopped_samples: int = 0) -> Batch:
@@ -694,6 +749,7 @@ class Controller:
                         unstopped_samples=unstopped_samples)
 
     state = fill(state, list(range(slots)))
+    state = state.replace(spec_cost=jnp.float32(self.spec_cost(state)))
     lengths = np.asarray(state.length)  # read again only after an admission changes them
     loop = self.loop(settings)
     run = loop.run_python if self.python_twin else loop.run
@@ -724,14 +780,15 @@ class Controller:
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
       ran = max(1, int(state.iteration) - start_iter)
-      grown = np.clip(after - lengths, 0, ran)
+      grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))
       lengths = after
       for g, entry in in_slot.items():
         entry[2] += 1
         i, tokens = entry[0], int(grown[g * n:(g + 1) * n].max())
-        token_ms[i] += [dt / ran * 1e3] * tokens
+        per_token = dt / max(ran, tokens)  # a verify call gives a row several tokens
+        token_ms[i] += [per_token * 1e3] * tokens
         if ttft[i] is None and tokens:
-          ttft[i] = t_call - entry[1] + dt / ran
+          ttft[i] = t_call - entry[1] + per_token
       if budget is not None:  # a loop call lasts about the budget's interval
         budget.observe_step(dt / ran)
         per_call = min(self.iterations_per_call or NEVER,
@@ -756,7 +813,7 @@ class Controller:
           lengths = np.asarray(state.length)
     return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
                  iterations=int(state.iteration), loop_seconds=loop_seconds, token_ms=token_ms,
-                 ttft_s=ttft)
+                 ttft_s=ttft, verify_calls=int(state.spec_calls))
 
   def _apply_budget(self, budget: BudgetLoop, state: ReasoningState, n: int, live: np.ndarray,
                     queued: int, requests, in_slot: dict) -> ReasoningState:
@@ -836,4 +893,6 @@ class Controller:
         mean_confidence=float(h.conf_sum[row]) / max(int(h.conf_count[row]), 1),
         lowest_group_confidence=lowest if math.isfinite(lowest) else tail,
         tail_confidence=tail, stopped_low_confidence=reason == "low_confidence",
-        stopped_consensus=reason == "consensus", answer_key=key)
+        stopped_consensus=reason == "consensus", answer_key=key,
+        speculative={"drafted": int(h.spec_drafted[row]), "accepted": int(h.spec_accepted[row])}
+        if self.draft_k else None)

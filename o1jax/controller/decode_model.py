@@ -14,6 +14,10 @@ A `DecodeModel` is what the reasoning loop needs from a model, and nothing more:
                                            (at least up to logits_at[b]; later ones
                                            cannot change the logits and may be dropped);
                                            attends causally (key s visible iff s <= query)
+  forward_all(params, cache, tokens [B, T],   as forward, with the logits of every position
+      starts [B], counts [B])                 [B, T, V] f32; writes tokens[b, :counts[b]]
+      -> (logits [B, T, V], cache)            (speculative verification: the last token and
+                                              the drafts after it)
   prefill_rows(params, cache, rows [R],    rows[i] drops what it held and takes the prompt
       tokens [R, T], last [R]) -> cache    tokens[i, :last[i] + 1] (positions 0..last[i]);
                                            the other rows are untouched; rows[i] >= B is
@@ -117,6 +121,10 @@ class DecodeModel(Protocol):
   def forward(self, params, cache, tokens: jax.Array, starts: jax.Array, logits_at: jax.Array):
     ...
 
+  def forward_all(self, params, cache, tokens: jax.Array, starts: jax.Array,
+                  counts: jax.Array):
+    ...
+
   def prefill_rows(self, params, cache, rows: jax.Array, tokens: jax.Array,
                    last: jax.Array) -> Any:
     ...
@@ -180,6 +188,11 @@ class ContiguousLlama:
     model = nnx.merge(self.graphdef, params)
     return model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache,
                  logits_at=logits_at.astype(jnp.int32))
+
+  def forward_all(self, params, cache, tokens, starts, counts):
+    del counts  # a contiguous row holds every position: all T are written
+    model = nnx.merge(self.graphdef, params)
+    return model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache)
 
   def prefill_rows(self, params, cache, rows, tokens, last):
     # Positions past the new prompt keep stale K/V: rewritten before they are visible.

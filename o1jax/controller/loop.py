@@ -68,6 +68,24 @@ def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.
   return jnp.max(jnp.where(ok, lens[None, :], 0), axis=1)
 
 
+# Speculation's acceptance estimate per row (the engine's geometric model): decayed
+# counts of accepted drafts and of rejections; rows that do not verify drift back
+# to the prior (0.5) so that a stretch of rejections does not stop them for good.
+ACCEPT_DECAY = 0.7  # weight of the past per verify call
+IDLE_DECAY = 0.95  # per iteration without drafts for the row
+
+# Fields the loop never changes per row (or that are shared by all rows).
+_SHARED = ("iteration", "stop_at", "slot", "slot_live", "return_on_free", "knobs", "cache",
+           "spec_cost", "spec_calls")
+
+
+def _select_rows(on: jax.Array, new: ReasoningState, old: ReasoningState) -> ReasoningState:
+  """Per-row fields from `new` where `on`, else from `old`; shared fields from `new`."""
+  pick = lambda a, b: jnp.where(on.reshape(on.shape + (1,) * (a.ndim - 1)), a, b)
+  return new.replace(**{f.name: pick(getattr(new, f.name), getattr(old, f.name))
+                        for f in dataclasses.fields(ReasoningState) if f.name not in _SHARED})
+
+
 def _set_row(buf: jax.Array, index: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
   """buf[b, index[b]] = value[b] where mask[b]; indices past the end are dropped."""
   rows = jnp.arange(buf.shape[0])
@@ -82,13 +100,18 @@ class ReasoningLoop:
   model: a DecodeModel (hashed by identity). verifier: scores steps.
   answer_probe: compile the answer-confidence probe used for early exit.
   top_k: log-probs averaged into one token confidence (DeepConf).
-  vote: compile the answer keys and the consensus stop (DeepConf)."""
+  vote: compile the answer keys and the consensus stop (DeepConf).
+  draft_k: speculation: drafts checked per verify call (0 = off); ngram_max /
+    ngram_min: the prompt-lookup n-gram sizes (see `_drafts`)."""
 
   model: DecodeModel
   verifier: Verifier = MeanLogprob()
   answer_probe: bool = False
   top_k: int = 5
   vote: bool = False
+  draft_k: int = 0
+  ngram_max: int = 4
+  ngram_min: int = 1
 
   # -- one iteration --------------------------------------------------------------
 
@@ -189,18 +212,135 @@ class ReasoningLoop:
     return voting & row_decided
 
   def _step(self, params, s: ReasoningState) -> ReasoningState:
+    """One iteration: a plain one (one token per running row), or with speculation a
+    verify call when the drafts are expected to pay for its wider forward."""
+    if not self.draft_k:
+      return self._plain(params, s)
+    drafts, available = self._drafts(s)
+    go = self._speculate_now(s, available)
+    return jax.lax.cond(go, lambda s: self._verify(params, s, drafts, available),
+                        lambda s: self._plain(params, s, idle=True), s)
+
+  def _plain(self, params, s: ReasoningState, idle: bool = False) -> ReasoningState:
+    """1. forward the last token of every row; then `_advance` by one token."""
+    b = s.tokens.shape[0]
+    last = s.tokens[jnp.arange(b), s.length - 1]
+    logits, cache = self.model.forward(params, s.cache, last[:, None], s.length - 1,
+                                       jnp.zeros((b,), jnp.int32))
+    s, _ = self._advance(params, s.replace(cache=cache), logits, s.phase != S.DONE)
+    if idle:  # what the rows learned about their drafts counts a little less
+      s = s.replace(spec_acc=s.spec_acc * IDLE_DECAY, spec_rej=s.spec_rej * IDLE_DECAY)
+    return s.replace(iteration=s.iteration + 1)
+
+  # -- speculation (prompt lookup, verified in one forward) ------------------------
+
+  def _drafts(self, s: ReasoningState) -> tuple[jax.Array, jax.Array]:
+    """(drafts [B, K], available [B]): a row inside a forced run drafts the rest of
+    it (exact); any other running row drafts by prompt lookup over its own tokens
+    (prompt and generated): the continuation of the most recent earlier occurrence
+    of its longest matching suffix n-gram (ngram_max .. ngram_min), as the engine's
+    `prompt_lookup` on the host."""
+    kd = self.draft_k
+    b, l = s.tokens.shape
+    rows = jnp.arange(b)
+    pos = jnp.arange(l)[None, :]
+    length = s.length[:, None]
+    match = jnp.ones((b, l), bool)  # window ending at e equals the suffix so far
+    end = jnp.full((b,), -1, jnp.int32)  # end of the chosen earlier occurrence
+    for j in range(self.ngram_max):
+      shifted = jnp.pad(s.tokens, ((0, 0), (j, 0)), constant_values=-1)[:, :l]  # tokens[e - j]
+      match &= shifted == s.tokens[rows, jnp.maximum(s.length - 1 - j, 0)][:, None]
+      if j + 1 >= self.ngram_min:
+        ok = match & (pos >= j) & (pos < length - 1)  # strictly earlier, a continuation after
+        at = jnp.max(jnp.where(ok, pos, -1), axis=1)
+        end = jnp.where(at >= 0, at, end)  # a longer n-gram overrides a shorter one
+    start = end + 1
+    available = jnp.where(end >= 0, jnp.minimum(kd, s.length - start), 0)
+    drafts = jnp.take_along_axis(s.tokens, jnp.clip(start[:, None] + jnp.arange(kd), 0, l - 1),
+                                 axis=1)
+    f = s.force_buf.shape[1]
+    forcing = s.force_pos < s.force_len
+    forced = jnp.take_along_axis(s.force_buf,
+                                 jnp.clip(s.force_pos[:, None] + jnp.arange(kd), 0, f - 1), axis=1)
+    drafts = jnp.where(forcing[:, None], forced, drafts)
+    available = jnp.where(forcing, jnp.minimum(kd, s.force_len - s.force_pos), available)
+    return drafts, jnp.where(s.phase != S.DONE, available, 0)
+
+  def _speculate_now(self, s: ReasoningState, available: jax.Array) -> jax.Array:
+    """Verify when the rows' expected tokens per call beat plain steps at the measured
+    cost of the wider forward (`spec_cost`: its time over a one-token step's). Each
+    row's draft is accepted with probability a until the first rejection (a from its
+    decayed counts around 0.5), so d drafts give (1 - a^(d+1)) / (1 - a) tokens."""
+    kd = self.draft_k
+    active = s.phase != S.DONE
+    a = (s.spec_acc + 1.0) / (s.spec_acc + s.spec_rej + 2.0)
+    d = available.astype(jnp.float32)
+    expected = jnp.where(a >= 1.0, d + 1.0,
+                         (1.0 - a ** (d + 1.0)) / jnp.maximum(1.0 - a, 1e-6))
+    gain = jnp.sum(jnp.where(active, expected, 0.0))
+    fits = jnp.all(s.length + kd <= s.tokens.shape[1])  # the K + 1 positions fit every row
+    return fits & jnp.any(available > 0) & (gain > s.spec_cost * jnp.sum(active))
+
+  def _verify(self, params, s: ReasoningState, drafts: jax.Array,
+              available: jax.Array) -> ReasoningState:
+    """One forward over [last token, drafts] of every row, then `_advance` once per
+    position while a row's token equals its draft there. A row leaves the run at
+    its first token that differs from its draft (that token is still the one plain
+    decoding draws: its logits came from the tokens before it), at a rollback or an
+    end, and every row leaves after a probe (it writes past the sequence ends,
+    where the drafts' K/V are). Draws use the same per-position keys as plain
+    steps, so the rows get the tokens plain decoding gives them."""
+    kd = self.draft_k
+    b, l = s.tokens.shape
+    rows = jnp.arange(b)
+    live = s.phase != S.DONE
+    last = s.tokens[rows, s.length - 1]
+    seq = jnp.concatenate([last[:, None], drafts], axis=1)
+    logits_all, cache = self.model.forward_all(params, s.cache, seq, s.length - 1,
+                                               1 + jnp.where(live, available, 0))
+
+    def cond(c):
+      j, _, on, _ = c
+      return (j <= kd) & jnp.any(on)
+
+    def body(c):
+      j, st, on, accepted = c
+      new, probed = self._advance(params, st, jnp.take(logits_all, j, axis=1), on,
+                                  truncate=False)
+      emitted = new.tokens[rows, jnp.clip(st.length, 0, l - 1)]
+      draft = jnp.take(drafts, jnp.minimum(j, kd - 1), axis=1)
+      matched = on & (new.length == st.length + 1) & (j < available) & (emitted == draft)
+      st = _select_rows(on, new, st)
+      return j + 1, st, matched & (st.phase != S.DONE) & ~probed, accepted + matched
+
+    _, st, _, accepted = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), s.replace(cache=cache), live, jnp.zeros((b,), jnp.int32)))
+    drafted = jnp.where(live, available, 0)
+    tried = drafted > 0
+    rejected = (accepted < drafted).astype(jnp.float32)
+    return st.replace(
+        cache=self.model.truncate(st.cache, st.length), iteration=s.iteration + 1,
+        spec_calls=s.spec_calls + 1, spec_drafted=s.spec_drafted + drafted,
+        spec_accepted=s.spec_accepted + accepted,
+        spec_acc=jnp.where(tried, ACCEPT_DECAY * s.spec_acc + accepted, s.spec_acc * IDLE_DECAY),
+        spec_rej=jnp.where(tried, ACCEPT_DECAY * s.spec_rej + rejected, s.spec_rej * IDLE_DECAY))
+
+  # -- one token ------------------------------------------------------------------
+
+  def _advance(self, params, s: ReasoningState, logits: jax.Array, live: jax.Array,
+               truncate: bool = True) -> tuple[ReasoningState, jax.Array]:
+    """Steps 2-7 for the rows in `live` given the logits of their next token.
+    Returns (state, whether a probe ran: it writes past every row's end).
+    truncate=False leaves the cache's truncation to the caller (a verify call
+    keeps its drafts' K/V until it knows its final lengths)."""
     k: Knobs = s.knobs
     b, l = s.tokens.shape
     rows = jnp.arange(b)
     f = s.force_buf.shape[1]
-    active = s.phase != S.DONE
+    active = (s.phase != S.DONE) & live
     think = active & (s.phase == S.THINK)
     answer = active & (s.phase == S.ANSWER)
-
-    # 1. forward the last token of every row.
-    last = s.tokens[rows, s.length - 1]
-    logits, cache = self.model.forward(params, s.cache, last[:, None], s.length - 1,
-                                       jnp.zeros((b,), jnp.int32))
+    cache = s.cache
     logp = jax.nn.log_softmax(logits, axis=-1)
 
     # 2. draw, then let an open force queue override the draw.
@@ -208,7 +348,7 @@ class ReasoningLoop:
                                         s.length)
     temperature = k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32)
     drawn = sample(logits, keys, temperature, k.top_k, k.top_p, k.min_p)
-    forcing = s.force_pos < s.force_len
+    forcing = active & (s.force_pos < s.force_len)
     tok = jnp.where(forcing, s.force_buf[rows, jnp.clip(s.force_pos, 0, f - 1)], drawn)
     force_buf, force_pos, force_len = s.force_buf, s.force_pos + forcing, s.force_len
     is_eos = k.eos_mask[tok] & ~forcing
@@ -282,7 +422,9 @@ class ReasoningLoop:
     answer_conf = jnp.zeros((b,))
     probe_tokens = s.probe_tokens
     probing = boundary & (s.step_index + 1 < k.max_steps)
+    probed = jnp.zeros((), bool)
     if self.verifier.needs_probe:
+      probed |= jnp.any(boundary)
       def verify(c):
         probs, c = self._probe(params, c, tokens, length, k.probe_ids, k.probe_len)
         return probs[:, k.yes_id] / (probs[:, k.yes_id] + probs[:, k.no_id] + 1e-30), c
@@ -290,6 +432,7 @@ class ReasoningLoop:
       probe_tokens += jnp.where(boundary, k.probe_len, 0)
     if self.answer_probe:
       wants = probing & (k.exit_tau <= 1.0)
+      probed |= jnp.any(wants)
       def confidence(c):
         probs, c = self._probe(params, c, tokens, length, k.answer_probe_ids, k.answer_probe_len)
         return jnp.max(probs, axis=-1), c
@@ -315,7 +458,8 @@ class ReasoningLoop:
     think_tokens = think_tokens - rollback
     discarded = s.discarded + rollback
     lp_total = lp_total - jnp.where(backtrack, step_lp, 0.0)
-    cache = self.model.truncate(cache, length)
+    if truncate:
+      cache = self.model.truncate(cache, length)
     step_bt = jnp.where(backtrack, s.step_bt + 1, jnp.where(accept, 0, s.step_bt))
     backtracks = s.backtracks + backtrack
     step_len = jnp.where(backtrack | accept, 0, step_len - jnp.where(prefix_early, prefix_n, 0))
@@ -412,7 +556,7 @@ class ReasoningLoop:
         rec_end=_set_row(s.rec_end, s.n_rec, rec_end_val, record),
         rec_score=_set_row(s.rec_score, s.n_rec, jnp.where(scored, score, jnp.nan), record),
         rec_action=_set_row(s.rec_action, s.n_rec, action, record),
-        n_rec=s.n_rec + record, iteration=s.iteration + 1, cache=cache, **key_fields)
+        n_rec=s.n_rec + record, cache=cache, **key_fields), probed
 
   # -- drivers --------------------------------------------------------------------
 

@@ -161,6 +161,10 @@ class PagedLlama:
     # Tokens past logits_at cannot change these logits: they are not written.
     return self._forward(params, cache, tokens, starts, logits_at, logits_at + 1)
 
+  def forward_all(self, params, cache: PagedCache, tokens, starts, counts):
+    # Only the first counts[b] tokens take blocks (padding drafts are not written).
+    return self._forward(params, cache, tokens, starts, None, counts.astype(jnp.int32))
+
   def _forward(self, params, cache: PagedCache, tokens, starts, logits_at, write_lens):
     t = tokens.shape[1]
     starts = starts.astype(jnp.int32)

@@ -94,6 +94,8 @@ class Trace:
   stopped_consensus: bool = False  # stopped because its request's vote was decided
   answer_key: Optional[str] = None  # the loop's reading of the answer (LoopSettings.answer_vote)
   score: Optional[float] = None  # set by best_of_n's scorer
+  # With speculation: drafts verified for this trace and accepted ({"drafted", "accepted"}).
+  speculative: Optional[dict] = None
 
   @property
   def n_steps(self) -> int:
@@ -102,6 +104,8 @@ class Trace:
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["tokens"] = self.tokens.to_dict()
+    if d["speculative"] is None:  # records without speculation keep their keys
+      del d["speculative"]
     for key in ("mean_logprob", "mean_confidence", "lowest_group_confidence", "tail_confidence"):
       if not math.isfinite(d[key]):
         d[key] = None
@@ -130,5 +134,7 @@ class ReasoningResult:
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["tokens"] = self.tokens.to_dict()
+    if d["speculative"] is None:  # records without speculation keep their keys
+      del d["speculative"]
     d["traces"] = [t.to_dict() for t in self.traces]
     return d

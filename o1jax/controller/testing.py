@@ -64,13 +64,23 @@ class MockDecodeModel:
     cache.check_fits(tokens.shape)
     buf = jax.vmap(lambda row, t, s: jax.lax.dynamic_update_slice(row, t, (s,)))(
         cache.tokens, tokens.astype(jnp.int32), starts.astype(jnp.int32))
-    q = (starts + logits_at).astype(jnp.int32)
+    return self._logits(params, buf, (starts + logits_at).astype(jnp.int32)), MockCache(tokens=buf)
+
+  def forward_all(self, params, cache: MockCache, tokens, starts, counts):
+    """forward's logits at every position of the T tokens: [B, T, V]."""
+    del counts
+    _, cache = self.forward(params, cache, tokens, starts, jnp.zeros_like(starts))
+    at = starts.astype(jnp.int32)[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    per_position = jax.vmap(lambda q: self._logits(params, cache.tokens, q), in_axes=1, out_axes=1)
+    return per_position(at), cache
+
+  @staticmethod
+  def _logits(params, buf, q):
     last = jnp.take_along_axis(buf, q[:, None], axis=1)[:, 0]
     visible = jnp.arange(buf.shape[1])[None, :] <= q[:, None]  # [B, S]
     hits = (buf[:, :, None] == params["triggers"][None, None, :]) & visible[:, :, None]
     counts = jnp.sum(hits, axis=1).astype(jnp.float32)  # [B, K]
-    logits = params["table"][last] + counts @ params["boosts"]
-    return logits.astype(jnp.float32), MockCache(tokens=buf)
+    return (params["table"][last] + counts @ params["boosts"]).astype(jnp.float32)
 
   def prefill_rows(self, params, cache, rows, tokens, last):
     return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last)

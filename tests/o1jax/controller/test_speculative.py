@@ -1,0 +1,142 @@
+"""Speculation inside the reasoning loop: prompt-lookup drafts verified in one forward.
+
+The rows must get the tokens, steps and decisions of plain decoding (greedy and
+sampled: draws use the same per-position keys); the device-side drafter must
+propose what the engine's host-side `prompt_lookup` proposes.
+"""
+
+import numpy as np
+import pytest
+
+from o1jax.controller import (Controller, LoopSettings, PagedLlama, ReasoningRequest,
+                              SelfVerify)
+from o1jax.controller.loop import ReasoningLoop
+from o1jax.controller.testing import MockDecodeModel, MockTokenizer
+from o1jax.engine.speculative import SpeculativeConfig, prompt_lookup
+from tests.o1jax.controller.conftest import ID, VOCAB
+from tests.o1jax.controller.test_twin_and_batch import SAMPLED, _same
+
+ALWAYS = SpeculativeConfig(max_drafts=4, adaptive=False)  # verify whenever a row has drafts
+
+
+def _cyclic_mock(seed=0, strength=4.0):
+  """Random logits plus a strong cycle A -> B -> C -> D -> A: the text repeats itself,
+  so prompt lookup finds drafts that are often (not always) right."""
+  rng = np.random.default_rng(seed)
+  table = rng.normal(0, 1.0, (len(VOCAB), len(VOCAB))).astype(np.float32)
+  for a, b in ((" A", " B"), (" B", " C"), (" C", " D"), (" D", " A"), ("Q", " A")):
+    table[ID[a], ID[b]] += strength
+  return MockDecodeModel(table, [ID[" bad"]], rng.normal(0, 1, (1, len(VOCAB))))
+
+
+def _run(model, tok, settings, n, speculative, requests, **kw):
+  return Controller(model, tok, speculative=speculative, **kw).generate(requests, settings, n)
+
+
+def _check_same(plain, spec):
+  for fa, tw in zip(plain.traces, spec.traces):
+    for a, b in zip(fa, tw):
+      _same(a, b)
+      assert b.mean_logprob == pytest.approx(a.mean_logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("python_twin", [False, True])
+def test_sampled_traces_with_backtracks_equal_plain_decoding(python_twin):
+  model, tok = _cyclic_mock(), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt="Q", request_id=r, seed=5) for r in range(3)]
+  plain = _run(model, tok, SAMPLED, 2, None, requests)
+  spec = _run(model, tok, SAMPLED, 2, ALWAYS, requests, python_twin=python_twin)
+  _check_same(plain, spec)
+  traces = [t for ts in spec.traces for t in ts]
+  assert sum(t.backtracks for t in traces) > 0  # rollbacks happened inside verify calls
+  drafted = sum(t.speculative["drafted"] for t in traces)
+  accepted = sum(t.speculative["accepted"] for t in traces)
+  assert spec.verify_calls > 0 and 0 < accepted < drafted
+  assert spec.iterations < plain.iterations  # accepted drafts saved iterations
+  assert all(t.speculative is None for ts in plain.traces for t in ts)
+
+
+def test_greedy_and_forced_runs_on_the_paged_tiny_llama(tiny_llama):
+  """Greedy rows, a self-verification probe at every step boundary (it writes past the
+  rows' ends, over the drafts) and forced answer prefixes (drafted exactly), on the
+  paged cache: the same traces as plain decoding."""
+  model, tok = tiny_llama
+  paged = PagedLlama(_llama(model), block_size=4)
+  st = LoopSettings(temperature=0.0, step_delimiter="a", step_max_tokens=6,
+                    max_thinking_tokens=24, max_answer_tokens=4, max_steps=3,
+                    verifier=SelfVerify(probe=" ok?", yes="y", no="n"),
+                    backtrack_threshold=0.4, max_step_backtracks=1, max_backtracks=2)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=1)
+              for i, p in enumerate(["abcabcabc", "hello hello hello", "xyz"])]
+  plain = _run(paged, tok, st, 1, None, requests)
+  spec = _run(paged, tok, st, 1, SpeculativeConfig(max_drafts=3, adaptive=False), requests)
+  _check_same(plain, spec)
+  assert spec.verify_calls > 0
+  assert all(t.tokens.probe > 0 for ts in spec.traces for t in ts)
+
+
+def _llama(decode_model):
+  from flax import nnx
+  return nnx.merge(decode_model.graphdef, decode_model.params)
+
+
+def test_consensus_traces_agree_where_both_ran(tiny_llama):
+  """With a consensus stop the rows of a request advance at different rates inside a
+  verify call, so a row may stop at another token than in plain decoding; every
+  token both runs wrote is the same."""
+  model, tok = tiny_llama
+  st = LoopSettings(temperature=0.9, step_delimiter="a", step_max_tokens=6,
+                    max_thinking_tokens=20, max_answer_tokens=4, answer_vote=True,
+                    consensus_share=0.6)
+  requests = [ReasoningRequest(prompt="abab abab", request_id=0, seed=3)]
+  plain = _run(model, tok, st, 4, None, requests)
+  spec = _run(model, tok, st, 4, ALWAYS, requests)
+  for a, b in zip(plain.traces[0], spec.traces[0]):
+    n = min(len(a.token_ids), len(b.token_ids))
+    assert n > 0 and a.token_ids[:n] == b.token_ids[:n]
+
+
+def test_device_drafts_equal_the_host_prompt_lookup():
+  """`ReasoningLoop._drafts` against the engine's numpy `prompt_lookup` on random
+  low-entropy rows (many repeated n-grams), rows of different lengths."""
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(0)
+  b, l, kd = 16, 40, 5
+  tokens = rng.integers(0, 4, (b, l)).astype(np.int32)
+  length = rng.integers(1, l - 1, b).astype(np.int32)
+  loop = ReasoningLoop(model=None, draft_k=kd, ngram_max=3, ngram_min=1)
+
+  class _S:  # the fields `_drafts` reads
+    pass
+
+  s = _S()
+  s.tokens, s.length = jnp.asarray(tokens), jnp.asarray(length)
+  s.phase = jnp.zeros((b,), jnp.int32)
+  s.force_buf = jnp.zeros((b, 4), jnp.int32)
+  s.force_pos = s.force_len = jnp.zeros((b,), jnp.int32)
+  drafts, available = map(np.asarray, loop._drafts(s))
+  for r in range(b):
+    want = prompt_lookup(tokens[r, :length[r]].tolist(), kd, ngram_max=3, ngram_min=1)
+    assert available[r] == len(want), r
+    assert drafts[r, :available[r]].tolist() == want, r
+
+
+def test_controller_refuses_other_drafters(tiny_llama):
+  model, tok = tiny_llama
+  with pytest.raises(ValueError, match="drafts by 'prompt_lookup' only"):
+    Controller(model, tok, speculative=SpeculativeConfig(drafter="early_exit"))
+
+
+def test_adaptive_cost_is_measured_once_per_shape(tiny_llama):
+  model, tok = tiny_llama
+  ctl = Controller(model, tok, speculative=SpeculativeConfig(max_drafts=3))
+  st = LoopSettings(temperature=0.0, max_thinking_tokens=8, max_answer_tokens=2)
+  reqs = [ReasoningRequest(prompt="abcabc", request_id=0)]
+  a = ctl.generate(reqs, st, 1)
+  assert len(ctl._spec_costs) == 1
+  (cost,) = ctl._spec_costs.values()
+  assert cost > 0
+  b = ctl.generate(reqs, st, 1)
+  assert len(ctl._spec_costs) == 1
+  assert a.traces[0][0].token_ids == b.traces[0][0].token_ids
