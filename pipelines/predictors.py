@@ -87,7 +87,7 @@ class PredictorSpec:
   thinking (the model section's thinking span setting, o1jax/model/thinking.py: every
   predictor that runs a model scores the answer after the span),
   budget (sorted items of the `budget` section: the latency-aware budget; engine and controller),
-  speculative (sorted items of the `speculative` section; engine only),
+  speculative (sorted items of the `speculative` section; engine and controller),
   imports (the config's modules, imported before the predictor is built: they may
   define the policy, its verifier or scorer; not part of the model's identity).
   """
@@ -399,7 +399,8 @@ class ControllerPredictor:
     decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
     return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
                           budget=spec.budget_loop(), thinking=spec.thinking,
-                          admission=str(engine.get("policy", "fifo"))), policy)
+                          admission=str(engine.get("policy", "fifo")),
+                          speculative=spec.speculative_config()), policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest
@@ -437,6 +438,9 @@ class ControllerPredictor:
                  "token_ms": [round(float(x), 3) for x in result.info.get("token_ms", [])]}
       if result.info.get("budget"):  # the step limits it ran under, and why they changed
         metrics["budget"] = result.info["budget"]
+      spec = [t.pop("speculative", None) for t in trace["traces"]]  # timing, not content
+      if any(spec):  # drafts verified for this example's traces, and accepted
+        metrics["speculative"] = {k: sum(d[k] for d in spec if d) for k in ("drafted", "accepted")}
       out.append({"text": text, "tokens": tokens, "finish_reason": finish,
                   "latency_s": result.wall_time_s, "trace": trace, "metrics": metrics})
     return out

@@ -8,8 +8,9 @@ Agg backend (no display): latency histogram over the fixed buckets 0/10/50/100/2
 ms (request latency and latency per generated token), a heatmap of per-token latency
 buckets over time since the run started, and reasoning-path statistics when the
 traces carry them; 3. write report.md with the tables and the plots; 4. with several
-runs, plot accuracy against completion tokens per example, one point per run
-labelled by policy, and write comparison.md.
+runs, plot accuracy against completion tokens and against wall seconds per
+example (Pareto frontiers drawn; speculation moves only the seconds), one point per
+run labelled by policy (and drafter when it speculated), and write comparison.md.
 """
 
 from __future__ import annotations
@@ -127,19 +128,56 @@ def accuracy_value(summary: dict) -> Optional[float]:
   return None
 
 
-def plot_accuracy_vs_tokens(runs: Sequence[tuple[str, dict]], path: pathlib.Path) -> None:
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+  """Indices of the (cost, accuracy) points no other point dominates (no more cost and
+  at least the accuracy, one of them strictly better)."""
+  return [i for i, (c, a) in enumerate(points)
+          if not any(c2 <= c and a2 >= a and (c2 < c or a2 > a) for c2, a2 in points)]
+
+
+def front_members(costs: Sequence[Optional[float]], accuracies: Sequence[Optional[float]]) -> set[int]:
+  """Indices of the runs on the Pareto frontier among those with both values."""
+  kept = [i for i, (c, a) in enumerate(zip(costs, accuracies)) if c is not None and a is not None]
+  return {kept[j] for j in pareto_front([(costs[i], accuracies[i]) for i in kept])}
+
+
+def run_label(name: str, summary: dict) -> str:
+  """policy, "+spec <drafter>" when the run speculated, and the run's directory name."""
+  spec = (summary.get("config") or {}).get("speculative") or {}
+  extra = f" +spec {spec.get('drafter', 'prompt_lookup')}" if spec.get("enabled") else ""
+  return f"{summary.get('policy')}{extra} ({name})"
+
+
+def seconds_per_example(summary: dict) -> Optional[float]:
+  """Wall seconds per example of the samples this run computed (resumed ones excluded)."""
+  t = summary.get("throughput") or {}
+  done, span = t.get("samples_computed") or 0, t.get("span_s") or 0.0
+  if not done or not span:
+    return None
+  return span / done * (summary.get("samples_per_example") or 1)
+
+
+def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) -> None:
+  """Accuracy against completion tokens and against wall seconds per example, one point
+  per run, the Pareto frontier of each panel drawn. Speculation changes seconds, not
+  tokens: its runs stand apart in the second panel only."""
   plt = _plt()
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for name, s in runs:
-    x, y = s["tokens"].get("completion_per_example", 0), accuracy_value(s)
-    if y is None:
-      continue
-    ax.scatter([x], [y], s=40)
-    ax.annotate(f"{s.get('policy')} ({name})", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-  ax.set_xlabel("completion tokens per example")
-  ax.set_ylabel("accuracy")
-  ax.set_ylim(-0.02, 1.02)
-  ax.grid(alpha=0.3)
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  costs = ((lambda s: s["tokens"].get("completion_per_example", 0), "completion tokens per example"),
+           (seconds_per_example, "wall seconds per example"))
+  for ax, (cost, label) in zip(axes, costs):
+    pts = [(run_label(name, s), cost(s), accuracy_value(s)) for name, s in runs]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    front = set(pareto_front([(x, y) for _, x, y in pts]))
+    for i, (text, x, y) in enumerate(pts):
+      ax.scatter([x], [y], s=40, marker="o" if i in front else "x")
+      ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    line = sorted((pts[i][1], pts[i][2]) for i in front)
+    ax.plot([p[0] for p in line], [p[1] for p in line], "--", lw=1)
+    ax.set_xlabel(label)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -243,18 +281,25 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
 
 
 def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os.PathLike) -> pathlib.Path:
-  """comparison.md + accuracy_vs_tokens.png over several runs."""
+  """comparison.md + accuracy_vs_cost.png over several runs."""
   output_dir = pathlib.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   runs = [(pathlib.Path(d).name, load_run(d)[0]) for d in run_dirs]
-  plot_accuracy_vs_tokens(runs, output_dir / "accuracy_vs_tokens.png")
-  rows = [[name, s["task"], s.get("policy"), s["examples"], s["samples"], _fmt(accuracy_value(s), 4),
-           _fmt(s["tokens"].get("completion_per_example")), _fmt(s["latency_ms"].get("p50")),
-           _fmt(s["throughput"].get("completion_tokens_per_s"))] for name, s in runs]
+  plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
+  seconds = [seconds_per_example(s) for _, s in runs]
+  tokens = [s["tokens"].get("completion_per_example", 0) for _, s in runs]
+  on_front = [front_members(cost, [accuracy_value(s) for _, s in runs]) for cost in (tokens, seconds)]
+  rows = [[run_label(name, s), s["task"], s["examples"], s["samples"], _fmt(accuracy_value(s), 4),
+           _fmt(s["tokens"].get("completion_per_example")), _fmt(seconds[i], 2),
+           _fmt(s["latency_ms"].get("p50")), _fmt(s["throughput"].get("completion_tokens_per_s")),
+           "/".join(k for k, f in zip(("tokens", "seconds"), on_front) if i in f)]
+          for i, (name, s) in enumerate(runs)]
   text = "\n".join(["# Run comparison", "",
-                    _table(rows, ["run", "task", "policy", "examples", "samples", "accuracy",
-                                  "tokens/example", "P50 ms", "tok/s"]), "",
-                    "![accuracy vs tokens](accuracy_vs_tokens.png)", ""])
+                    _table(rows, ["run", "task", "examples", "samples", "accuracy",
+                                  "tokens/example", "s/example", "P50 ms", "tok/s", "Pareto"]), "",
+                    "Pareto: the run is on the accuracy-vs-cost frontier by tokens and/or by "
+                    "wall seconds per example.", "",
+                    "![accuracy vs cost](accuracy_vs_cost.png)", ""])
   path = output_dir / "comparison.md"
   path.write_text(text, encoding="utf-8", errors="backslashreplace")
   return path

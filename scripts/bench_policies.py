@@ -15,8 +15,12 @@ On the embedded SmolLM2-135M and `synthetic_examples` (levels 1-2 by default):
      the row `deepconf_calibrated` is deepconf with a fixed stop threshold from
      `DeepConf.calibrate` on --calibration-problems held-out problems (another
      seed; their tokens are not counted) instead of each problem's warm-up traces;
-  4. writes results.json, table.md and pareto.png (accuracy vs mean tokens,
-     Pareto frontier marked) to --out.
+  4. with --speculative: each policy again on a controller that speculates in its
+     loop (prompt lookup, adaptive: `o1jax.controller.Controller(speculative=)`),
+     rows named `<policy>+spec`, with drafts verified / accepted and verify calls;
+  5. writes results.json, table.md and pareto.png (accuracy vs mean tokens and vs
+     seconds per problem, Pareto frontiers marked; speculation moves only the
+     seconds) to --out.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ def parse_args(argv=None):
   p.add_argument("--calibration-problems", type=int, default=8,
                  help="held-out problems (seed + 1000) that calibrate deepconf_calibrated")
   p.add_argument("--overhead-tokens", type=int, default=64, help="0 skips the overhead row")
+  p.add_argument("--speculative", action="store_true",
+                 help="also run every policy with prompt-lookup speculation in the loop")
+  p.add_argument("--max-drafts", type=int, default=7, help="drafts per verify call (--speculative)")
   p.add_argument("--out", default="bench_policies_out")
   return p.parse_args(argv)
 
@@ -131,21 +138,14 @@ def paired_interval(a_correct, b_correct, resamples: int, seed: int) -> tuple[fl
   return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def pareto(points):
-  """Indices of points (tokens, accuracy) not dominated (fewer tokens and >= accuracy)."""
-  front = []
-  for i, (t, a) in enumerate(points):
-    if not any((t2 <= t and a2 >= a) and (t2 < t or a2 > a) for t2, a2 in points):
-      front.append(i)
-  return front
-
-
 def main(argv=None) -> int:
   a = parse_args(argv)
   enable_compilation_cache()
   from o1jax.checkpoint import load_checkpoint
   from o1jax.controller import Controller, build_decode_model, get_policy
   from o1jax.model import Generator, Llama
+  from o1jax.engine.speculative import SpeculativeConfig
+  from pipelines.report import pareto_front
   from pipelines.tasks.gsm8k import answers_match
 
   out = pathlib.Path(a.out)
@@ -154,9 +154,10 @@ def main(argv=None) -> int:
   load_start = os.getloadavg()  # the machine may be shared: recorded with the results
   ck = load_checkpoint("embedded")
   llama = Llama(ck.config, ck.params, matmul_dtype=a.matmul_dtype)
-  ctl = Controller(build_decode_model(llama, {"cache": a.cache, "kv_dtype": a.kv_dtype}),
-                   ck.tokenizer,
-                   max_rows=a.max_rows)
+  decode_model = build_decode_model(llama, {"cache": a.cache, "kv_dtype": a.kv_dtype})
+  ctl = Controller(decode_model, ck.tokenizer, max_rows=a.max_rows)
+  spec_ctl = Controller(decode_model, ck.tokenizer, max_rows=a.max_rows,
+                        speculative=SpeculativeConfig(max_drafts=a.max_drafts))
   levels = [int(x) for x in a.levels.split(",")]
   examples, requests = gsm_requests(a.problems, a.seed, levels)
   prompts = [r.prompt for r in requests]
@@ -173,8 +174,16 @@ def main(argv=None) -> int:
   rows = []
   correct_by = {}
   calibration = None
-  for name in a.policies.split(","):
-    if name == "deepconf_calibrated":
+  runs = [(name, False) for name in a.policies.split(",")]
+  if a.speculative:
+    runs += [(name, True) for name in a.policies.split(",")]
+  for name, speculate in runs:
+    row_name = name + ("+spec" if speculate else "")
+    ctl_used = spec_ctl if speculate else ctl
+    if name == "deepconf_calibrated" and calibration is not None:
+      policy = get_policy("deepconf", **policy_params("deepconf", a),
+                          threshold=calibration["threshold"])
+    elif name == "deepconf_calibrated":
       policy = get_policy("deepconf", **policy_params("deepconf", a))
       _, held_out = gsm_requests(a.calibration_problems, a.seed + 1000, levels)
       t0 = time.perf_counter()
@@ -189,15 +198,16 @@ def main(argv=None) -> int:
     # policy is its warm-up call (deepconf's per-request mode) or its n samples.
     widest = getattr(policy, "warmup", None) if getattr(policy, "threshold", 0) is None else None
     per_chunk = max(1, a.max_rows // (widest or getattr(policy, "n", 1)))
-    ctl.run(requests[:per_chunk], policy)
+    ctl_used.run(requests[:per_chunk], policy)
     t0 = time.perf_counter()
-    results = ctl.run(requests, policy)
+    results = ctl_used.run(requests, policy)
     total = time.perf_counter() - t0
     correct = [answers_match(r.answer, e.reference) for r, e in zip(results, examples)]
-    correct_by[name] = np.array(correct, bool)
+    correct_by[row_name] = np.array(correct, bool)
     gen = np.array([r.tokens.generated for r in results])
     lat = np.array([r.wall_time_s for r in results])
-    row = {"policy": name, "params": policy.to_dict(), "problems": len(results),
+    row = {"policy": row_name, "params": policy.to_dict(), "problems": len(results),
+           "speculative": speculate, "seconds_per_problem": total / len(results),
            "accuracy": float(np.mean(correct)), "tokens_mean": float(gen.mean()),
            "tokens_median": float(np.median(gen)),
            "probe_tokens_mean": float(np.mean([r.tokens.probe for r in results])),
@@ -208,6 +218,10 @@ def main(argv=None) -> int:
            "early_exits": int(sum(r.early_exit for r in results)),
            "round_trips_per_problem": float(np.mean([r.loop_invocations for r in results])),
            "total_s": total}
+    if speculate:
+      spec = [t.speculative for r in results for t in r.traces if t.speculative]
+      row["drafted"] = int(sum(d["drafted"] for d in spec))
+      row["accepted"] = int(sum(d["accepted"] for d in spec))
     if name.startswith("deepconf"):
       row["threshold_mean"] = float(np.mean([r.info["threshold"] for r in results]))
       row["stopped_traces"] = int(sum(r.info.get("stopped", 0) for r in results))
@@ -217,7 +231,7 @@ def main(argv=None) -> int:
       row["key_mismatches"] = int(sum(r.info.get("key_mismatches", 0) for r in results))
     rows.append(row)
     print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
-    with open(out / f"traces_{name}.jsonl", "w") as f:
+    with open(out / f"traces_{row_name}.jsonl", "w") as f:
       for r, ok in zip(results, correct):
         f.write(json.dumps({**r.to_dict(), "correct": ok}) + "\n")
 
@@ -241,9 +255,11 @@ def main(argv=None) -> int:
           "n": a.n, "token_savings": savings, "accuracy_delta_points": delta,
           "accuracy_delta_95ci_points": [lo, hi], "problems_disagreeing": int((~both).sum()),
           "target_savings_met": savings >= 0.40, "target_accuracy_met": delta >= -2.0}
-  front = pareto([(r["tokens_mean"], r["accuracy"]) for r in rows])
+  front = pareto_front([(r["tokens_mean"], r["accuracy"]) for r in rows])
+  front_s = pareto_front([(r["seconds_per_problem"], r["accuracy"]) for r in rows])
   for i, r in enumerate(rows):
     r["pareto"] = i in front
+    r["pareto_seconds"] = i in front_s
   (out / "results.json").write_text(json.dumps(summary, indent=1))
 
   lines = [f"{len(examples)} synthetic GSM problems (levels {a.levels}), embedded SmolLM2-135M, "
@@ -252,15 +268,18 @@ def main(argv=None) -> int:
            f"{summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
            f"1-min load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end",
            "",
-           "| policy | accuracy | tokens mean | tokens median | probe tokens | P50 s | P95 s | "
-           "backtracks | early exits | round trips | Pareto |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| policy | accuracy | tokens mean | tokens median | probe tokens | s/problem | P50 s | "
+           "P95 s | backtracks | early exits | round trips | drafts accepted | Pareto |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['policy']} | {r['accuracy']:.3f} | {r['tokens_mean']:.1f} | "
                  f"{r['tokens_median']:.0f} | {r['probe_tokens_mean']:.1f} | "
+                 f"{r['seconds_per_problem']:.2f} | "
                  f"{r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
                  f"{r['backtracks_mean']:.2f} | {r['early_exits']} | "
-                 f"{r['round_trips_per_problem']:.1f} | {'yes' if r['pareto'] else ''} |")
+                 f"{r['round_trips_per_problem']:.1f} | "
+                 f"{(str(r['accepted']) + '/' + str(r['drafted'])) if r['speculative'] else ''} | "
+                 f"{'/'.join(k for k, on in (('tokens', r['pareto']), ('seconds', r['pareto_seconds'])) if on)} |")
   o = overhead
   lines.append("")
   if o:
@@ -293,15 +312,18 @@ def main(argv=None) -> int:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in rows:
-    ax.scatter(r["tokens_mean"], r["accuracy"], marker="o" if r["pareto"] else "x")
-    ax.annotate(r["policy"], (r["tokens_mean"], r["accuracy"]), fontsize=8)
-  pts = sorted((rows[i]["tokens_mean"], rows[i]["accuracy"]) for i in front)
-  ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", lw=1)
-  ax.set_xlabel("generated tokens per problem (mean)")
-  ax.set_ylabel("accuracy")
-  ax.set_title(f"{len(examples)} synthetic GSM problems, SmolLM2-135M")
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for ax, key, flag, idx, label in (
+      (axes[0], "tokens_mean", "pareto", front, "generated tokens per problem (mean)"),
+      (axes[1], "seconds_per_problem", "pareto_seconds", front_s, "wall seconds per problem")):
+    for r in rows:
+      ax.scatter(r[key], r["accuracy"], marker="o" if r[flag] else "x")
+      ax.annotate(r["policy"], (r[key], r["accuracy"]), fontsize=7)
+    pts = sorted((rows[i][key], rows[i]["accuracy"]) for i in idx)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", lw=1)
+    ax.set_xlabel(label)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{len(examples)} synthetic GSM problems, SmolLM2-135M", fontsize=9)
   fig.tight_layout()
   fig.savefig(out / "pareto.png", dpi=120)
   return 0

@@ -208,6 +208,10 @@ class DeepConf(Policy):
     if self.consensus <= 0.5:
       raise ValueError(f"{self.name}: consensus must be > 0.5 (> 1 turns it off)")
 
+  @property
+  def cross_row_stops(self) -> bool:
+    return self.consensus <= 1.0 or self.stop_when_decided
+
   def run(self, ctl, requests):
     # The loop's answer keys mirror the default extraction only.
     consensus = ctl.extract_answer is None

@@ -31,6 +31,9 @@ class BasePolicy(abc.ABC):
   name: ClassVar[str]
   controller: ClassVar[bool] = False  # run by the reasoning controller (`run`), not per sample
   vote: ClassVar[bool] = False  # aggregate GSM-style answers of the samples by majority vote
+  # The traces of a request stop each other (a consensus stop in the loop): speculation,
+  # which advances rows at different rates, may then move where they stop.
+  cross_row_stops: ClassVar[bool] = False
 
   @property
   @abc.abstractmethod

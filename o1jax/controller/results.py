@@ -104,7 +104,7 @@ class Trace:
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["tokens"] = self.tokens.to_dict()
-    if d["speculative"] is None:  # records without speculation keep their keys
+    if d["speculative"] is None:  # traces without speculation keep their keys
       del d["speculative"]
     for key in ("mean_logprob", "mean_confidence", "lowest_group_confidence", "tail_confidence"):
       if not math.isfinite(d[key]):
@@ -134,7 +134,5 @@ class ReasoningResult:
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["tokens"] = self.tokens.to_dict()
-    if d["speculative"] is None:  # records without speculation keep their keys
-      del d["speculative"]
     d["traces"] = [t.to_dict() for t in self.traces]
     return d

@@ -68,6 +68,14 @@ class EvalPlan:
   def store_dir(self) -> str:
     return f"{self.output_dir.rstrip('/')}/store"
 
+  @property
+  def speculation_changes_outputs(self) -> bool:
+    """Speculation is in the content hash only where it can change outputs: in the
+    controller's loop under a policy whose traces stop each other (they advance at
+    different rates inside a verify call). Elsewhere rows get plain decoding's tokens."""
+    return (self.predictor.name == "controller" and self.policy.cross_row_stops
+            and self.predictor.speculative_config() is not None)
+
 
 def resolve_predictor(name: str, policy: BasePolicy, task_name: str) -> str:
   """The predictor that runs `policy`: controller policies need the controller.
@@ -127,9 +135,13 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     BudgetConfig.from_dict(budget.to_dict() if hasattr(budget, "to_dict") else budget)
   speculative = config.get("speculative")
   speculative = speculative.to_dict() if hasattr(speculative, "to_dict") else speculative
-  if speculative_config(speculative or {}) is not None and name != "engine":
-    raise ValueError(f"speculative.enabled=True needs model.predictor=engine; this run uses "
-                     f"{name!r} (the controller's loop and the generator do not speculate)")
+  spec_cfg = speculative_config(speculative or {})
+  if spec_cfg is not None and name not in ("engine", "controller"):
+    raise ValueError(f"speculative.enabled=True needs model.predictor=engine or a controller "
+                     f"policy; this run uses {name!r} (the generator does not speculate)")
+  if spec_cfg is not None and name == "controller" and spec_cfg.drafter != "prompt_lookup":
+    raise ValueError(f"speculative.drafter={spec_cfg.drafter!r}: the controller's loop drafts "
+                     f"by 'prompt_lookup' only (the engine runs every drafter)")
   engine = config.get("engine") or {}
   check_admission(str(engine.get("policy", "fifo")), controller=name == "controller")
   dp = int(engine.get("data_parallel", 1) or 1)
@@ -175,10 +187,13 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
     sampling = plan.policy.sampling(base, i)
     scoring = dict(getattr(plan.task, "sandbox_cfg", {}) or {})
     scoring.pop("workers", None)  # pool size does not change a verdict
-    key = hashlib.sha256(_canonical({
+    content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
         "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
-        "scoring": scoring, "example": example.to_dict(), "sample_index": i})).hexdigest()
+        "scoring": scoring, "example": example.to_dict(), "sample_index": i}
+    if plan.speculation_changes_outputs:
+      content["speculative"] = dict(plan.predictor.speculative)
+    key = hashlib.sha256(_canonical(content)).hexdigest()
     items.append(WorkItem(key=key, example=example.to_dict(), example_index=example_index,
                           sample_index=i, prompt=prompt, stop=tuple(stop), sampling=sampling,
                           request_id=request_id_for(example.id, i)))

@@ -204,8 +204,9 @@ def test_embedded_model_cli_self_consistency_through_the_controller(tmp_path):
 
 def test_speculative_engine_run_gives_the_plain_records_under_the_same_keys(tiny, tmp_path):
   """The speculative section changes how fast the engine decodes, not what it
-  outputs: the same records under the same content hashes; a controller policy
-  with it on is refused before any work starts."""
+  outputs: the same records under the same content hashes; the generator with it
+  on, or the controller with a drafter it does not run, is refused before any work
+  starts."""
   plain = _config(tiny, batch=3)
   plain.sampling.max_new_tokens = 16
   run(plain, str(tmp_path / "plain"), progress=False, report=False)
@@ -220,11 +221,36 @@ def test_speculative_engine_run_gives_the_plain_records_under_the_same_keys(tiny
   drafted = [r["timing"].get("speculative", {}).get("drafted", 0) for r in got]
   assert sum(drafted) > 0  # it did speculate
   assert all("speculative" not in r["timing"] for r in want)
-  bad = _config(tiny, policy="self_consistency")
+  bad = _config(tiny, predictor="generator")
   bad.speculative.enabled = True
-  with pytest.raises(ValueError, match="speculative.enabled=True needs model.predictor=engine"):
+  with pytest.raises(ValueError, match="speculative.enabled=True needs model.predictor=engine or"):
     build_plan(bad, str(tmp_path / "bad"))
+  bad = _config(tiny, policy="self_consistency")
+  bad.speculative.update(enabled=True, drafter="early_exit")
+  with pytest.raises(ValueError, match="the controller's loop drafts by 'prompt_lookup' only"):
+    build_plan(bad, str(tmp_path / "bad1"))
   bad = _config(tiny)
   bad.speculative.update(enabled=True, drafter="oracle")
   with pytest.raises(ValueError, match="speculative.drafter='oracle'"):
     build_plan(bad, str(tmp_path / "bad2"))
+
+
+@pytest.mark.parametrize("policy", ["self_consistency", "deepconf"])
+def test_speculative_controller_run_keys(tiny, tmp_path, policy):
+  """In the controller's loop speculation leaves traces unchanged, and keys with them,
+  except under a policy whose traces stop each other (deepconf's consensus stop):
+  there it is part of the content hash."""
+  records = {}
+  for name, on in (("plain", False), ("spec", True)):
+    config = _config(tiny, policy=policy, batch=3)
+    config.speculative.update(enabled=on, max_drafts=3, adaptive=False)
+    run(config, str(tmp_path / name), progress=False, report=False)
+    records[name] = _records(tmp_path / name)
+  want, got = records["plain"], records["spec"]
+  drafted = [r["timing"].get("speculative", {}).get("drafted", 0) for r in got]
+  assert sum(drafted) > 0 and all("speculative" not in r["timing"] for r in want)
+  if policy == "self_consistency":
+    assert _stable(got) == _stable(want)
+    assert [r["key"] for r in got] == [r["key"] for r in want]
+  else:
+    assert not {r["key"] for r in got} & {r["key"] for r in want}

@@ -73,8 +73,35 @@ def test_report_files_and_comparison(tmp_path):
   assert (tmp_path / "sc" / "reasoning.png").exists()
   md = (tmp_path / "sc" / "report.md").read_text()
   assert "| strict | 1.0000 |" in md and "P99" in md and "![latency heatmap]" in md
-  assert (tmp_path / "accuracy_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
-  assert "| greedy | gsm8k | greedy |" in (tmp_path / "comparison.md").read_text()
+  assert (tmp_path / "accuracy_vs_cost.png").read_bytes()[:4] == b"\x89PNG"
+  assert "| greedy (greedy) | gsm8k |" in (tmp_path / "comparison.md").read_text()
+
+
+def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
+  """Speculation changes seconds, not tokens: a speculative run with the same tokens and
+  accuracy as its plain twin but less wall time is on the seconds frontier only; a run
+  dominated in both is on neither."""
+  def summary(policy, acc, tokens, span, spec=False):
+    return {"task": "gsm8k", "policy": policy, "examples": 4, "samples": 4,
+            "samples_per_example": 1, "accuracy": {"flexible": acc},
+            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
+            "throughput": {"samples_computed": 4, "span_s": span, "completion_tokens_per_s": 1.0},
+            "config": {"speculative": {"enabled": spec, "drafter": "prompt_lookup"}}}
+  runs = {"plain": summary("greedy_cot", 0.5, 40, 8.0),
+          "spec": summary("greedy_cot", 0.5, 40, 4.0, spec=True),
+          "sc": summary("self_consistency", 0.75, 300, 40.0),
+          "worse": summary("best_of_n", 0.25, 320, 50.0)}
+  for name, s in runs.items():
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "summary.json").write_text(json.dumps(s))
+  md = report.write_comparison([tmp_path / n for n in runs], tmp_path).read_text()
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if " (" in line}
+  assert rows["greedy_cot (plain)"].endswith("| tokens |")  # tied tokens; slower
+  assert rows["greedy_cot +spec prompt_lookup (spec)"].endswith("| tokens/seconds |")
+  assert "| 1.00 |" in rows["greedy_cot +spec prompt_lookup (spec)"]  # 4 s / 4 examples
+  assert rows["self_consistency (sc)"].endswith("| tokens/seconds |")
+  assert rows["best_of_n (worse)"].endswith("|  |")
+  assert report.pareto_front([(1, 0.5), (1, 0.5), (2, 0.4)]) == [0, 1]  # ties both stay
 
 
 def test_configs_variants_smoke_and_unknown_keys():
