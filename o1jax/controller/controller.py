@@ -51,6 +51,7 @@ from o1jax.model.sampling import Sampling, sequence_key
 from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
+SPEC_INTERVAL = 16  # loop iterations per call while the host chooses verify or plain
 
 
 ADMISSIONS = ("fifo", "shortest_budget")  # Controller(admission=...)
@@ -149,9 +150,10 @@ class Controller:
       KV is planned for every slot up front), so the priority acts on admission.
     speculative: a `SpeculativeConfig` (drafter "prompt_lookup": the loop drafts on
       the device; see `ReasoningLoop._verify`), or None. Rows get the tokens plain
-      decoding gives them; with `adaptive` an iteration verifies only when its
-      rows' expected tokens beat plain steps at the cost ratio measured here once
-      per batch shape (`spec_cost`)."""
+      decoding gives them. With `adaptive` the host picks, every SPEC_INTERVAL
+      iterations, a verifying or a plain loop call: verify when the rows' expected
+      tokens per call beat plain steps at the cost ratio measured here once per
+      batch shape (`spec_cost`); without it every call verifies."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
@@ -533,6 +535,21 @@ class Controller:
     """Drafts per verify call (0: no speculation)."""
     return self.speculative.max_drafts if self.speculative is not None else 0
 
+  def verify_next(self, phase, acc, rej, available, cost: float) -> bool:
+    """Whether the next loop call verifies: the running rows' expected tokens per verify
+    call, 1 + (share of iterations with drafts) x (accepted drafts expected), against
+    `cost` (a verify call's time over a plain step's) x their number. Acceptance a per
+    row from its decayed counts around 0.5; K drafts until the first rejection give
+    a + ... + a^K accepted."""
+    running = phase != S.DONE
+    if not running.any():
+      return False
+    kd = self.draft_k
+    a = (acc + 1.0) / (acc + rej + 2.0)
+    accepted = np.where(a >= 1.0, float(kd), (a - a ** (kd + 1)) / np.maximum(1.0 - a, 1e-6))
+    gain = np.sum(np.where(running, 1.0 + available * accepted, 0.0))
+    return bool(gain > cost * running.sum())
+
   def spec_cost(self, state: ReasoningState) -> float:
     """A verify call's time over a one-token step's at this batch shape, measured on
     this device once per shape (median of 5 alternating timings of the two forwards
@@ -578,7 +595,7 @@ class Controller:
         tokens=jnp.zeros((b, length), jnp.int32), length=ones(), prompt_len=ones(),
         phase=jnp.full((b,), S.DONE, jnp.int32), step_start=ones(),
         keys=jnp.zeros((b, 2), jnp.uint32), iteration=jnp.int32(0), stop_at=jnp.int32(NEVER),
-        spec_cost=jnp.float32(0.0), spec_calls=jnp.int32(0),
+        spec_calls=jnp.int32(0),
         slot=jnp.asarray(slot), slot_live=jnp.zeros((slots,), bool),
         return_on_free=jnp.asarray(False), knobs=knobs,
         cache=self.model.init_cache(b, length, plan),
@@ -711,10 +728,10 @@ class Controller:
                       prior_votes=list(prior_votes) if prior_votes else None,
                       unstopped_samples=unstopped_samples)
 
-  def loop(self, settings: LoopSettings) -> ReasoningLoop:
+  def loop(self, settings: LoopSettings, verify: bool = False) -> ReasoningLoop:
     spec = self.speculative
     return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
-                         settings.answer_vote, draft_k=self.draft_k,
+                         settings.answer_vote, draft_k=self.draft_k, verify=verify,
                          ngram_max=spec.ngram_max if spec else 4,
                          ngram_min=spec.ngram_min if spec else 1)
 
@@ -749,10 +766,10 @@ class Controller:
                         unstopped_samples=unstopped_samples)
 
     state = fill(state, list(range(slots)))
-    state = state.replace(spec_cost=jnp.float32(self.spec_cost(state)))
     lengths = np.asarray(state.length)  # read again only after an admission changes them
-    loop = self.loop(settings)
-    run = loop.run_python if self.python_twin else loop.run
+    spec_cost = self.spec_cost(state)
+    verify = bool(self.draft_k) and spec_cost == 0.0  # not adaptive: every call verifies
+    loops = {v: self.loop(settings, verify=v) for v in {False, bool(self.draft_k)}}
     traces: list = [None] * r
     wall = [0.0] * r
     calls_of = [0] * r
@@ -762,6 +779,7 @@ class Controller:
     per_call = self.iterations_per_call or NEVER
     if budget is not None:  # the first call is short: the budget has nothing measured yet
       per_call = min(per_call, 8)
+    spec_interval = SPEC_INTERVAL if self.draft_k and spec_cost > 0 else NEVER
     while in_slot:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
@@ -769,12 +787,17 @@ class Controller:
         state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
       start_iter = int(state.iteration)
       state = state.replace(
-          stop_at=jnp.int32(min(start_iter + per_call, NEVER)),
+          stop_at=jnp.int32(min(start_iter + min(per_call, spec_interval), NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
       t_call = time.perf_counter()
+      loop = loops[verify]
       with self._on_mesh():
-        state = run(self.model.params, state)
-      phase, after = jax.device_get((state.phase, state.length))  # one sync per invocation
+        state = (loop.run_python if self.python_twin else loop.run)(self.model.params, state)
+      # One sync per invocation.
+      phase, after, acc, rej, available = jax.device_get(
+          (state.phase, state.length, state.spec_acc, state.spec_rej, state.spec_avail))
+      if spec_cost > 0:
+        verify = self.verify_next(phase, acc, rej, available, spec_cost)
       done = phase == S.DONE
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here

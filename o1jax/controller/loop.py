@@ -69,14 +69,17 @@ def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.
 
 
 # Speculation's acceptance estimate per row (the engine's geometric model): decayed
-# counts of accepted drafts and of rejections; rows that do not verify drift back
-# to the prior (0.5) so that a stretch of rejections does not stop them for good.
+# counts of accepted drafts and of rejections. A verify call observes its drafts; a
+# plain iteration observes whether the row's first draft equals the token it drew
+# (what a verify call would have accepted first), so the estimate stays current
+# while the loop does not verify.
 ACCEPT_DECAY = 0.7  # weight of the past per verify call
-IDLE_DECAY = 0.95  # per iteration without drafts for the row
+SHADOW_DECAY = 0.95  # per plain iteration that drafted for the row
+AVAILABLE_DECAY = 0.9  # per iteration: the share of recent iterations with drafts
 
 # Fields the loop never changes per row (or that are shared by all rows).
 _SHARED = ("iteration", "stop_at", "slot", "slot_live", "return_on_free", "knobs", "cache",
-           "spec_cost", "spec_calls")
+           "spec_calls")
 
 
 def _select_rows(on: jax.Array, new: ReasoningState, old: ReasoningState) -> ReasoningState:
@@ -101,8 +104,10 @@ class ReasoningLoop:
   answer_probe: compile the answer-confidence probe used for early exit.
   top_k: log-probs averaged into one token confidence (DeepConf).
   vote: compile the answer keys and the consensus stop (DeepConf).
-  draft_k: speculation: drafts checked per verify call (0 = off); ngram_max /
-    ngram_min: the prompt-lookup n-gram sizes (see `_drafts`)."""
+  draft_k: speculation: drafts per row and iteration (0 = off); verify: this loop's
+    iterations check them (a verify call each), else they are only observed
+    (shadow acceptance; the host picks the loop per call); ngram_max / ngram_min:
+    the prompt-lookup n-gram sizes (see `_drafts`)."""
 
   model: DecodeModel
   verifier: Verifier = MeanLogprob()
@@ -110,6 +115,7 @@ class ReasoningLoop:
   top_k: int = 5
   vote: bool = False
   draft_k: int = 0
+  verify: bool = False
   ngram_max: int = 4
   ngram_min: int = 1
 
@@ -212,25 +218,37 @@ class ReasoningLoop:
     return voting & row_decided
 
   def _step(self, params, s: ReasoningState) -> ReasoningState:
-    """One iteration: a plain one (one token per running row), or with speculation a
-    verify call when the drafts are expected to pay for its wider forward."""
+    """One iteration: plain (one token per running row), or with `verify` a verify
+    call. The host picks the loop per call: a `lax.cond` between the two inside the
+    loop made XLA copy the KV cache every iteration (+30% per step on a CPU)."""
     if not self.draft_k:
       return self._plain(params, s)
     drafts, available = self._drafts(s)
-    go = self._speculate_now(s, available)
-    return jax.lax.cond(go, lambda s: self._verify(params, s, drafts, available),
-                        lambda s: self._plain(params, s, idle=True), s)
+    seen = s.spec_avail * AVAILABLE_DECAY + (1 - AVAILABLE_DECAY) * (available > 0)
+    s = s.replace(spec_avail=jnp.where(s.phase != S.DONE, seen, s.spec_avail))
+    if self.verify:
+      return self._verify(params, s, drafts, available)
+    return self._plain(params, s, shadow=(drafts[:, 0], available))
 
-  def _plain(self, params, s: ReasoningState, idle: bool = False) -> ReasoningState:
-    """1. forward the last token of every row; then `_advance` by one token."""
+  def _plain(self, params, s: ReasoningState, shadow=None) -> ReasoningState:
+    """1. forward the last token of every row; then `_advance` by one token.
+    shadow: (first draft, drafts available) per row: whether the first draft equals
+    the drawn token updates the row's acceptance estimate."""
     b = s.tokens.shape[0]
-    last = s.tokens[jnp.arange(b), s.length - 1]
+    rows = jnp.arange(b)
+    last = s.tokens[rows, s.length - 1]
     logits, cache = self.model.forward(params, s.cache, last[:, None], s.length - 1,
                                        jnp.zeros((b,), jnp.int32))
-    s, _ = self._advance(params, s.replace(cache=cache), logits, s.phase != S.DONE)
-    if idle:  # what the rows learned about their drafts counts a little less
-      s = s.replace(spec_acc=s.spec_acc * IDLE_DECAY, spec_rej=s.spec_rej * IDLE_DECAY)
-    return s.replace(iteration=s.iteration + 1)
+    new, _ = self._advance(params, s.replace(cache=cache), logits, s.phase != S.DONE)
+    if shadow is not None:
+      first, available = shadow
+      drawn = new.tokens[rows, jnp.clip(s.length, 0, s.tokens.shape[1] - 1)]
+      seen = (available > 0) & (new.length == s.length + 1)
+      hit = (drawn == first).astype(jnp.float32)
+      new = new.replace(
+          spec_acc=jnp.where(seen, SHADOW_DECAY * s.spec_acc + hit, s.spec_acc),
+          spec_rej=jnp.where(seen, SHADOW_DECAY * s.spec_rej + 1.0 - hit, s.spec_rej))
+    return new.replace(iteration=s.iteration + 1)
 
   # -- speculation (prompt lookup, verified in one forward) ------------------------
 
@@ -265,21 +283,6 @@ class ReasoningLoop:
     drafts = jnp.where(forcing[:, None], forced, drafts)
     available = jnp.where(forcing, jnp.minimum(kd, s.force_len - s.force_pos), available)
     return drafts, jnp.where(s.phase != S.DONE, available, 0)
-
-  def _speculate_now(self, s: ReasoningState, available: jax.Array) -> jax.Array:
-    """Verify when the rows' expected tokens per call beat plain steps at the measured
-    cost of the wider forward (`spec_cost`: its time over a one-token step's). Each
-    row's draft is accepted with probability a until the first rejection (a from its
-    decayed counts around 0.5), so d drafts give (1 - a^(d+1)) / (1 - a) tokens."""
-    kd = self.draft_k
-    active = s.phase != S.DONE
-    a = (s.spec_acc + 1.0) / (s.spec_acc + s.spec_rej + 2.0)
-    d = available.astype(jnp.float32)
-    expected = jnp.where(a >= 1.0, d + 1.0,
-                         (1.0 - a ** (d + 1.0)) / jnp.maximum(1.0 - a, 1e-6))
-    gain = jnp.sum(jnp.where(active, expected, 0.0))
-    fits = jnp.all(s.length + kd <= s.tokens.shape[1])  # the K + 1 positions fit every row
-    return fits & jnp.any(available > 0) & (gain > s.spec_cost * jnp.sum(active))
 
   def _verify(self, params, s: ReasoningState, drafts: jax.Array,
               available: jax.Array) -> ReasoningState:
@@ -322,8 +325,8 @@ class ReasoningLoop:
         cache=self.model.truncate(st.cache, st.length), iteration=s.iteration + 1,
         spec_calls=s.spec_calls + 1, spec_drafted=s.spec_drafted + drafted,
         spec_accepted=s.spec_accepted + accepted,
-        spec_acc=jnp.where(tried, ACCEPT_DECAY * s.spec_acc + accepted, s.spec_acc * IDLE_DECAY),
-        spec_rej=jnp.where(tried, ACCEPT_DECAY * s.spec_rej + rejected, s.spec_rej * IDLE_DECAY))
+        spec_acc=jnp.where(tried, ACCEPT_DECAY * s.spec_acc + accepted, s.spec_acc),
+        spec_rej=jnp.where(tried, ACCEPT_DECAY * s.spec_rej + rejected, s.spec_rej))
 
   # -- one token ------------------------------------------------------------------
 
@@ -508,7 +511,9 @@ class ReasoningLoop:
     # tokens for "The answer is") cannot eat the answer.
     answer_full = append & (phase == S.ANSWER) & (answer_tokens - prefix_tokens >= k.max_answer)
     answer_full &= ~(force_len > force_pos)  # the forced prefix always completes
-    too_long = active & ((length + s.knobs.probe_ids.shape[0] + 2 >= l)
+    # Room for a probe (and a verify call's drafts) past the end: the controller sizes
+    # the rows for both, so this is a safety net, not a budget.
+    too_long = active & ((length + s.knobs.probe_ids.shape[0] + 2 + self.draft_k >= l)
                          | (generated >= k.max_generated))
     exit_reason = s.exit_reason
     for cond, code in ((too_long, S.EXIT_LENGTH), (answer_full, S.EXIT_ANSWER_BUDGET),

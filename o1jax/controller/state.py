@@ -155,12 +155,13 @@ class ReasoningState:
   n_rec: jax.Array  # [B] i32 records written (may exceed R; extra ones are dropped)
   keys: jax.Array  # [B, 2] u32 base key of each sample: sequence_key(seed, request, sample)
   # Speculation (ReasoningLoop.draft_k > 0): per row, decayed counts of accepted drafts
-  # and of rejections (its acceptance estimate), and drafts checked / accepted in all.
+  # and of rejections (its acceptance estimate), the decayed share of iterations in
+  # which it had drafts, and drafts checked / accepted in all.
   spec_acc: jax.Array  # [B] f32
   spec_rej: jax.Array  # [B] f32
+  spec_avail: jax.Array  # [B] f32
   spec_drafted: jax.Array  # [B] i32
   spec_accepted: jax.Array  # [B] i32
-  spec_cost: jax.Array  # [] f32 a verify call's time over a one-token step's (measured)
   spec_calls: jax.Array  # [] i32 verify calls so far (all invocations)
   iteration: jax.Array  # [] i32 iterations run so far (all invocations)
   stop_at: jax.Array  # [] i32 this invocation returns to the host at this iteration
@@ -215,4 +216,4 @@ def row_start_values(rows: int, *, window: int, records: int, key_capacity: int,
       rec_end=jnp.zeros((rows, records), jnp.int32),
       rec_score=jnp.full((rows, records), jnp.nan),
       rec_action=jnp.zeros((rows, records), jnp.int32), n_rec=zi(),
-      spec_acc=zf(), spec_rej=zf(), spec_drafted=zi(), spec_accepted=zi())
+      spec_acc=zf(), spec_rej=zf(), spec_avail=zf(), spec_drafted=zi(), spec_accepted=zi())

@@ -140,3 +140,37 @@ def test_adaptive_cost_is_measured_once_per_shape(tiny_llama):
   b = ctl.generate(reqs, st, 1)
   assert len(ctl._spec_costs) == 1
   assert a.traces[0][0].token_ids == b.traces[0][0].token_ids
+
+
+@pytest.mark.parametrize("cost, verifies", [(1.2, True), (100.0, False)])
+def test_adaptive_calls_verify_only_where_drafts_pay(cost, verifies):
+  """The host picks a verifying or a plain call every SPEC_INTERVAL iterations from the
+  rows' acceptance, learned on plain iterations too (whether the first draft equals the
+  drawn token): on a text that repeats itself it verifies at a low cost ratio, never at a
+  prohibitive one; either way the traces are plain decoding's."""
+  model, tok = _cyclic_mock(strength=9.0), MockTokenizer(VOCAB)
+  st = LoopSettings(temperature=0.0, step_max_tokens=60, max_thinking_tokens=120,
+                    max_answer_tokens=2, step_delimiter="\n\n")
+  requests = [ReasoningRequest(prompt="Q", request_id=r) for r in range(2)]
+  plain = _run(model, tok, st, 1, None, requests)
+  ctl = Controller(model, tok, speculative=SpeculativeConfig(max_drafts=4))
+  ctl.spec_cost = lambda state: cost
+  spec = ctl.generate(requests, st, 1)
+  _check_same(plain, spec)
+  assert (spec.verify_calls > 0) == verifies
+  assert spec.invocations[0] > 1  # the host re-decided between calls
+
+
+def test_verify_next_weighs_acceptance_availability_and_cost():
+  from o1jax.controller import state as S
+  ctl = Controller(_cyclic_mock(), MockTokenizer(VOCAB), speculative=SpeculativeConfig(max_drafts=3))
+  running = np.array([S.THINK, S.THINK, S.DONE])
+  sure = np.array([50.0, 50.0, 0.0]), np.zeros(3)  # a -> 51/52: ~3 of 3 drafts accepted
+  # 2 running rows, always drafting: ~4 tokens each per call.
+  assert ctl.verify_next(running, *sure, np.ones(3), cost=3.5)
+  assert not ctl.verify_next(running, *sure, np.ones(3), cost=4.5)
+  # Drafts in a quarter of the iterations: 1 + 0.25 x ~3 tokens.
+  assert not ctl.verify_next(running, *sure, np.full(3, 0.25), cost=2.0)
+  never = np.zeros(3), np.array([50.0, 50.0, 0.0])
+  assert not ctl.verify_next(running, *never, np.ones(3), cost=1.05)
+  assert not ctl.verify_next(np.full(3, S.DONE), *sure, np.ones(3), cost=0.5)
