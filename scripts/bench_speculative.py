@@ -27,6 +27,13 @@ call (over all its rows: the mean accepted length at batch 1),
 the share of decode calls that verified, and whether the tokens equal plain
 decoding's. Requests at batch b: max(b, 4) of the task's items (batch 1 runs 4
 requests one after the other).
+
+--controller: the same tasks through the reasoning controller's loop instead
+(`Controller(speculative=...)`, paged cache, `max_rows` = batch; greedy, thinking
+budget = --max-new-tokens, 8 answer tokens, "\n" steps): plain, prompt lookup
+with the host choosing verifying or plain calls (`adaptive`), prompt lookup
+verifying every call, plain again; decode tok/s = generated tokens / time inside
+the loop calls, after one warm-up run of each configuration.
 """
 
 from __future__ import annotations
@@ -142,6 +149,40 @@ def measure(engine, prompts, args, speculative=None, draft_model=None) -> dict:
           "verify_share": spec["verify_calls"] / max(delta("decode_calls"), 1)}
 
 
+def measure_controller(ctl, prompts, args) -> dict:
+  """One controller configuration: a warm-up run of the requests, then the same timed."""
+  from o1jax.controller import LoopSettings, ReasoningRequest
+
+  st = LoopSettings(max_thinking_tokens=args.max_new_tokens, max_answer_tokens=8,
+                    step_delimiter="\n", step_max_tokens=48)
+  reqs = [ReasoningRequest(prompt=p, request_id=i) for i, (p, _) in enumerate(prompts)]
+  ctl.generate(reqs, st, 1)
+  batch = ctl.generate(reqs, st, 1)
+  traces = [ts[0] for ts in batch.traces]
+  spec = [t.speculative or {"drafted": 0, "accepted": 0} for t in traces]
+  drafted, accepted = sum(d["drafted"] for d in spec), sum(d["accepted"] for d in spec)
+  tokens = sum(t.tokens.generated for t in traces)
+  return {"tokens": [t.token_ids for t in traces], "generated_tokens": tokens,
+          "decode_tok_s": tokens / batch.loop_seconds, "e2e_tok_s": tokens / batch.loop_seconds,
+          "decode_calls": batch.iterations, "verify_calls": batch.verify_calls,
+          "drafted": drafted, "accepted": accepted, "compiled_in_timed_run": 0,
+          "acceptance_rate": accepted / drafted if drafted else 0.0,
+          "accepted_per_verify": accepted / batch.verify_calls if batch.verify_calls else 0.0,
+          "verify_share": batch.verify_calls / max(batch.iterations, 1)}
+
+
+def controller_configs(model, ck, batch, args):
+  """(name, Controller) per configuration of --controller: plain first and last."""
+  from o1jax.controller import Controller, build_decode_model
+
+  decode_model = build_decode_model(model, {"cache": "paged", "kv_dtype": args.kv_dtype})
+  make = lambda spec: Controller(decode_model, ck.tokenizer, max_rows=batch, speculative=spec)
+  lookup = SpeculativeConfig(max_drafts=args.max_drafts)
+  return [("plain", make(None)), ("loop:prompt_lookup", make(lookup)),
+          ("loop:lookup always", make(dataclasses.replace(lookup, adaptive=False))),
+          ("plain (again)", make(None))]
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
@@ -152,6 +193,8 @@ def main(argv=None):
   ap.add_argument("--max-drafts", type=int, default=7)
   ap.add_argument("--matmul-dtype", default="float32")
   ap.add_argument("--kv-dtype", default="float32")
+  ap.add_argument("--controller", action="store_true",
+                  help="speculation in the reasoning controller's loop instead of the engine")
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
 
@@ -164,16 +207,21 @@ def main(argv=None):
         f"{'accept':>6} {'acc/verify':>10} {'verify%':>7} same compiled")
   drafts = {}
   for batch in [int(b) for b in args.batches.split(",") if b]:
-    engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=batch, kv_cache_bytes=256 << 20,
-                                                      kv_dtype=args.kv_dtype))
+    if not args.controller:
+      engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=batch, kv_cache_bytes=256 << 20,
+                                                        kv_dtype=args.kv_dtype))
     for task in [t for t in args.tasks.split(",") if t]:
       prompts = TASKS[task](max(batch, 4))
-      # Plain decoding first and last: the baseline is their mean, their gap the noise.
-      configs = [("plain", measure(engine, prompts, args))]
-      for name in drafters:
-        spec, draft = drafter_config(name, args, ck, drafts)
-        configs.append((name, measure(engine, prompts, args, spec, draft)))
-      configs.append(("plain (again)", measure(engine, prompts, args)))
+      if args.controller:
+        configs = [(name, measure_controller(ctl, prompts, args))
+                   for name, ctl in controller_configs(model, ck, batch, args)]
+      else:
+        # Plain decoding first and last: the baseline is their mean, their gap the noise.
+        configs = [("plain", measure(engine, prompts, args))]
+        for name in drafters:
+          spec, draft = drafter_config(name, args, ck, drafts)
+          configs.append((name, measure(engine, prompts, args, spec, draft)))
+        configs.append(("plain (again)", measure(engine, prompts, args)))
       plain = {k: (configs[0][1][k] + configs[-1][1][k]) / 2 for k in ("decode_tok_s", "e2e_tok_s")}
       for name, r in configs:
         row = {"task": task, "batch": batch, "config": name,

@@ -188,6 +188,18 @@ def test_bench_speculative_runs_every_drafter_and_compares_tokens(tiny_gguf, tmp
   assert json.loads((tmp_path / "s.json").read_text())["rows"] == json.loads(json.dumps(rows))
 
 
+def test_bench_speculative_controller_mode(tiny_gguf):
+  out = load("bench_speculative").main(
+      ["--source", tiny_gguf, "--tasks", "copy", "--batches", "2", "--max-new-tokens", "6",
+       "--max-drafts", "3", "--controller"])
+  rows = out["rows"]
+  assert [r["config"] for r in rows] == ["plain", "loop:prompt_lookup", "loop:lookup always",
+                                         "plain (again)"]
+  assert all(r["same_tokens"] for r in rows)
+  assert rows[2]["verify_calls"] == rows[2]["decode_calls"] > 0  # every call verified
+  assert rows[0]["verify_calls"] == rows[3]["verify_calls"] == 0
+
+
 def test_study_multi_exit_runs_each_exit(tiny_gguf):
   out = load("study_multi_exit").main(
       ["--source", tiny_gguf, "--exits", "1,0", "--problems", "3", "--max-new-tokens", "5",
