@@ -169,7 +169,11 @@ class Controller:
       raise ValueError(f"speculative.drafter={speculative.drafter!r}: the controller's loop "
                        f"drafts by 'prompt_lookup' only (the engine runs every drafter)")
     self.speculative = speculative
-    self._spec_costs: dict[tuple, float] = {}  # (rows, length, K) -> measured cost ratio
+    self._spec_costs: dict[tuple, float] = {}  # (rows, length, K) -> forward cost ratio
+    # (rows, length, verify) -> seconds per iteration of recent loop calls (a shape's
+    # first call compiles and is not timed: `_seen_calls` holds the shapes seen).
+    self._call_times: dict[tuple, collections.deque] = {}
+    self._seen_calls: set[tuple] = set()
     self.admission = admission
     self.model = model
     self.budget = budget
@@ -535,26 +539,39 @@ class Controller:
     """Drafts per verify call (0: no speculation)."""
     return self.speculative.max_drafts if self.speculative is not None else 0
 
-  def verify_next(self, phase, acc, rej, available, cost: float) -> bool:
+  def verify_next(self, phase, accepted, calls, cost: float) -> bool:
     """Whether the next loop call verifies: the running rows' expected tokens per verify
-    call, 1 + (share of iterations with drafts) x (accepted drafts expected), against
-    `cost` (a verify call's time over a plain step's) x their number. Acceptance a per
-    row from its decayed counts around 0.5; K drafts until the first rejection give
-    a + ... + a^K accepted."""
+    call, 1 + drafts accepted per call (each row's decayed mean over its real and shadow
+    calls, starting from 0.5 with the weight of one call), against `cost` (a verify
+    call's time over a plain step's) x their number."""
     running = phase != S.DONE
     if not running.any():
       return False
-    kd = self.draft_k
-    a = (acc + 1.0) / (acc + rej + 2.0)
-    accepted = np.where(a >= 1.0, float(kd), (a - a ** (kd + 1)) / np.maximum(1.0 - a, 1e-6))
-    gain = np.sum(np.where(running, 1.0 + available * accepted, 0.0))
+    per_call = (accepted + 0.5) / (calls + 1.0)
+    gain = np.sum(np.where(running, 1.0 + per_call, 0.0))
     return bool(gain > cost * running.sum())
 
+  def cost_ratio(self, state: ReasoningState) -> float:
+    """A verify iteration's time over a plain one's at this shape: the medians of
+    recent loop calls of each kind (drafting, verifying and the per-position steps
+    included) once both were timed, else the forwards' ratio (`spec_cost`)."""
+    b, length = state.tokens.shape
+    plain, verify = (self._call_times.get((b, length, v)) for v in (False, True))
+    if plain and verify:
+      return float(np.median(verify) / np.median(plain))
+    return self.spec_cost(state)
+
+  def _time_call(self, key: tuple, seconds_per_iteration: float) -> None:
+    if key in self._seen_calls:
+      self._call_times.setdefault(key, collections.deque(maxlen=8)).append(seconds_per_iteration)
+    self._seen_calls.add(key)
+
   def spec_cost(self, state: ReasoningState) -> float:
-    """A verify call's time over a one-token step's at this batch shape, measured on
-    this device once per shape (median of 5 alternating timings of the two forwards
-    on the state's cache, after one compiling call each); 0 when speculation is not
-    adaptive (verify whenever a row has drafts)."""
+    """A verify forward's time over a one-token forward's at this batch shape,
+    measured on this device once per shape (median of 5 alternating timings of the
+    two forwards on the state's cache, after one compiling call each): the prior
+    cost of verifying until loop calls of both kinds are timed. 0 when speculation
+    is not adaptive (every call verifies)."""
     kd = self.draft_k
     if not kd or not self.speculative.adaptive:
       return 0.0
@@ -600,7 +617,8 @@ class Controller:
         return_on_free=jnp.asarray(False), knobs=knobs,
         cache=self.model.init_cache(b, length, plan),
         **S.row_start_values(b, window=settings.conf_window, records=self.max_records,
-                             key_capacity=self.key_capacity, force_capacity=self.force_capacity))
+                             key_capacity=self.key_capacity, force_capacity=self.force_capacity,
+                             draft_capacity=self.draft_k))
 
   def admit(self, state: ReasoningState, settings: LoopSettings, n: int,
             admissions: Sequence[tuple[int, ReasoningRequest, Sequence[int]]], *,
@@ -703,7 +721,8 @@ class Controller:
     # Every per-row field at its start value (one row, broadcast to the admitted rows).
     blank = S.row_start_values(1, window=state.conf_ring.shape[1],
                                records=state.rec_start.shape[1], key_capacity=state.key.shape[1],
-                               force_capacity=state.force_buf.shape[1])
+                               force_capacity=state.force_buf.shape[1],
+                               draft_capacity=state.shadow_draft.shape[1])
     put = lambda x, v: x.at[rows].set(jnp.asarray(v, x.dtype), mode="drop")
     updates = {f: put(getattr(state, f), jnp.broadcast_to(v, (rows.shape[0],) + v.shape[1:]))
                for f, v in blank.items()}
@@ -794,15 +813,17 @@ class Controller:
       with self._on_mesh():
         state = (loop.run_python if self.python_twin else loop.run)(self.model.params, state)
       # One sync per invocation.
-      phase, after, acc, rej, available = jax.device_get(
-          (state.phase, state.length, state.spec_acc, state.spec_rej, state.spec_avail))
-      if spec_cost > 0:
-        verify = self.verify_next(phase, acc, rej, available, spec_cost)
+      phase, after, accepted, calls = jax.device_get(
+          (state.phase, state.length, state.spec_acc, state.spec_calls_row))
       done = phase == S.DONE
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
       ran = max(1, int(state.iteration) - start_iter)
+      if self.draft_k:
+        self._time_call((b, length, verify), dt / ran)
+      if spec_cost > 0:
+        verify = self.verify_next(phase, accepted, calls, self.cost_ratio(state))
       grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))
       lengths = after
       for g, entry in in_slot.items():

@@ -68,14 +68,14 @@ def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.
   return jnp.max(jnp.where(ok, lens[None, :], 0), axis=1)
 
 
-# Speculation's acceptance estimate per row (the engine's geometric model): decayed
-# counts of accepted drafts and of rejections. A verify call observes its drafts; a
-# plain iteration observes whether the row's first draft equals the token it drew
-# (what a verify call would have accepted first), so the estimate stays current
-# while the loop does not verify.
-ACCEPT_DECAY = 0.7  # weight of the past per verify call
-SHADOW_DECAY = 0.95  # per plain iteration that drafted for the row
-AVAILABLE_DECAY = 0.9  # per iteration: the share of recent iterations with drafts
+# Speculation's estimate per row: drafts a verify call accepts for it, a decayed mean
+# over its calls (a call with no drafts accepts 0). Verify calls observe it; plain
+# iterations run "shadow calls": a row takes drafts, follows them against the tokens
+# it draws, and at its first differing token (or the last draft) records what a verify
+# call made then would have accepted. So the estimate stays current while the loop does
+# not verify, and it is model-free: copying accepts in long runs, which a per-draft
+# geometric model would underrate.
+CALL_DECAY = 0.9  # weight of the past per (real or shadow) call
 
 # Fields the loop never changes per row (or that are shared by all rows).
 _SHARED = ("iteration", "stop_at", "slot", "slot_live", "return_on_free", "knobs", "cache",
@@ -224,16 +224,14 @@ class ReasoningLoop:
     if not self.draft_k:
       return self._plain(params, s)
     drafts, available = self._drafts(s)
-    seen = s.spec_avail * AVAILABLE_DECAY + (1 - AVAILABLE_DECAY) * (available > 0)
-    s = s.replace(spec_avail=jnp.where(s.phase != S.DONE, seen, s.spec_avail))
     if self.verify:
       return self._verify(params, s, drafts, available)
-    return self._plain(params, s, shadow=(drafts[:, 0], available))
+    return self._plain(params, s, shadow=(drafts, available))
 
   def _plain(self, params, s: ReasoningState, shadow=None) -> ReasoningState:
     """1. forward the last token of every row; then `_advance` by one token.
-    shadow: (first draft, drafts available) per row: whether the first draft equals
-    the drawn token updates the row's acceptance estimate."""
+    shadow: this iteration's (drafts, available): a row without a shadow call in
+    progress starts one with them; the drawn token is checked against it."""
     b = s.tokens.shape[0]
     rows = jnp.arange(b)
     last = s.tokens[rows, s.length - 1]
@@ -241,14 +239,29 @@ class ReasoningLoop:
                                        jnp.zeros((b,), jnp.int32))
     new, _ = self._advance(params, s.replace(cache=cache), logits, s.phase != S.DONE)
     if shadow is not None:
-      first, available = shadow
-      drawn = new.tokens[rows, jnp.clip(s.length, 0, s.tokens.shape[1] - 1)]
-      seen = (available > 0) & (new.length == s.length + 1)
-      hit = (drawn == first).astype(jnp.float32)
-      new = new.replace(
-          spec_acc=jnp.where(seen, SHADOW_DECAY * s.spec_acc + hit, s.spec_acc),
-          spec_rej=jnp.where(seen, SHADOW_DECAY * s.spec_rej + 1.0 - hit, s.spec_rej))
+      new = self._shadow(s, new, *shadow)
     return new.replace(iteration=s.iteration + 1)
+
+  def _shadow(self, s: ReasoningState, new: ReasoningState, drafts, available):
+    """Advances each running row's shadow call by the token it just drew."""
+    kd = self.draft_k
+    rows = jnp.arange(s.tokens.shape[0])
+    running = s.phase != S.DONE
+    fresh = running & (s.shadow_len == 0)
+    draft = jnp.where(fresh[:, None], drafts, s.shadow_draft)
+    count = jnp.where(fresh, available, s.shadow_len)
+    pos = jnp.where(fresh, 0, s.shadow_pos)
+    drawn = new.tokens[rows, jnp.clip(s.length, 0, s.tokens.shape[1] - 1)]
+    moved = new.length == s.length + 1
+    hit = running & moved & (pos < count) & (
+        drawn == jnp.take_along_axis(draft, jnp.clip(pos, 0, kd - 1)[:, None], axis=1)[:, 0])
+    pos = pos + hit
+    ends = running & (~hit | (pos >= count))  # the call would end at this token
+    return new.replace(
+        shadow_draft=draft, shadow_len=jnp.where(ends, 0, count),
+        shadow_pos=jnp.where(ends, 0, pos),
+        spec_acc=jnp.where(ends, CALL_DECAY * s.spec_acc + pos, s.spec_acc),
+        spec_calls_row=jnp.where(ends, CALL_DECAY * s.spec_calls_row + 1.0, s.spec_calls_row))
 
   # -- speculation (prompt lookup, verified in one forward) ------------------------
 
@@ -319,14 +332,13 @@ class ReasoningLoop:
     _, st, _, accepted = jax.lax.while_loop(
         cond, body, (jnp.int32(0), s.replace(cache=cache), live, jnp.zeros((b,), jnp.int32)))
     drafted = jnp.where(live, available, 0)
-    tried = drafted > 0
-    rejected = (accepted < drafted).astype(jnp.float32)
     return st.replace(
         cache=self.model.truncate(st.cache, st.length), iteration=s.iteration + 1,
         spec_calls=s.spec_calls + 1, spec_drafted=s.spec_drafted + drafted,
         spec_accepted=s.spec_accepted + accepted,
-        spec_acc=jnp.where(tried, ACCEPT_DECAY * s.spec_acc + accepted, s.spec_acc),
-        spec_rej=jnp.where(tried, ACCEPT_DECAY * s.spec_rej + rejected, s.spec_rej))
+        spec_acc=jnp.where(live, CALL_DECAY * s.spec_acc + accepted, s.spec_acc),
+        spec_calls_row=jnp.where(live, CALL_DECAY * s.spec_calls_row + 1.0, s.spec_calls_row),
+        shadow_len=jnp.zeros_like(s.shadow_len))  # a plain call starts its shadows afresh
 
   # -- one token ------------------------------------------------------------------
 

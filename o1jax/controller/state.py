@@ -154,12 +154,15 @@ class ReasoningState:
   rec_action: jax.Array  # [B, R] i32
   n_rec: jax.Array  # [B] i32 records written (may exceed R; extra ones are dropped)
   keys: jax.Array  # [B, 2] u32 base key of each sample: sequence_key(seed, request, sample)
-  # Speculation (ReasoningLoop.draft_k > 0): per row, decayed counts of accepted drafts
-  # and of rejections (its acceptance estimate), the decayed share of iterations in
-  # which it had drafts, and drafts checked / accepted in all.
+  # Speculation (ReasoningLoop.draft_k > 0), per row: decayed sums of drafts accepted per
+  # (real or shadow) verify call and of calls, the shadow call in progress on plain
+  # iterations (its drafts, how many, the next one to check; 0 = none), and the drafts
+  # verified / accepted in all.
   spec_acc: jax.Array  # [B] f32
-  spec_rej: jax.Array  # [B] f32
-  spec_avail: jax.Array  # [B] f32
+  spec_calls_row: jax.Array  # [B] f32
+  shadow_draft: jax.Array  # [B, K] i32 (K = draft_k, at least 1)
+  shadow_len: jax.Array  # [B] i32
+  shadow_pos: jax.Array  # [B] i32
   spec_drafted: jax.Array  # [B] i32
   spec_accepted: jax.Array  # [B] i32
   spec_calls: jax.Array  # [] i32 verify calls so far (all invocations)
@@ -196,7 +199,7 @@ class ReasoningState:
 
 
 def row_start_values(rows: int, *, window: int, records: int, key_capacity: int,
-                     force_capacity: int) -> dict[str, jax.Array]:
+                     force_capacity: int, draft_capacity: int = 1) -> dict[str, jax.Array]:
   """The start value of every per-row field a fresh row resets, for `rows` rows (the
   prompt-dependent ones, tokens, lengths and keys, come from the controller's `admit`).
   Each field gets a buffer of its own: the loop's state is donated."""
@@ -216,4 +219,6 @@ def row_start_values(rows: int, *, window: int, records: int, key_capacity: int,
       rec_end=jnp.zeros((rows, records), jnp.int32),
       rec_score=jnp.full((rows, records), jnp.nan),
       rec_action=jnp.zeros((rows, records), jnp.int32), n_rec=zi(),
-      spec_acc=zf(), spec_rej=zf(), spec_avail=zf(), spec_drafted=zi(), spec_accepted=zi())
+      spec_acc=zf(), spec_calls_row=zf(),
+      shadow_draft=jnp.zeros((rows, max(1, draft_capacity)), jnp.int32), shadow_len=zi(),
+      shadow_pos=zi(), spec_drafted=zi(), spec_accepted=zi())

@@ -161,16 +161,57 @@ def test_adaptive_calls_verify_only_where_drafts_pay(cost, verifies):
   assert spec.invocations[0] > 1  # the host re-decided between calls
 
 
-def test_verify_next_weighs_acceptance_availability_and_cost():
+def test_verify_next_weighs_accepted_drafts_per_call_against_cost():
   from o1jax.controller import state as S
   ctl = Controller(_cyclic_mock(), MockTokenizer(VOCAB), speculative=SpeculativeConfig(max_drafts=3))
   running = np.array([S.THINK, S.THINK, S.DONE])
-  sure = np.array([50.0, 50.0, 0.0]), np.zeros(3)  # a -> 51/52: ~3 of 3 drafts accepted
-  # 2 running rows, always drafting: ~4 tokens each per call.
-  assert ctl.verify_next(running, *sure, np.ones(3), cost=3.5)
-  assert not ctl.verify_next(running, *sure, np.ones(3), cost=4.5)
-  # Drafts in a quarter of the iterations: 1 + 0.25 x ~3 tokens.
-  assert not ctl.verify_next(running, *sure, np.full(3, 0.25), cost=2.0)
-  never = np.zeros(3), np.array([50.0, 50.0, 0.0])
-  assert not ctl.verify_next(running, *never, np.ones(3), cost=1.05)
-  assert not ctl.verify_next(np.full(3, S.DONE), *sure, np.ones(3), cost=0.5)
+  calls = np.array([9.5, 9.5, 9.5])
+  # ~3 accepted per call: ~4 tokens per row and call.
+  sure = np.array([30.0, 30.0, 30.0])
+  assert ctl.verify_next(running, sure, calls, cost=3.5)
+  assert not ctl.verify_next(running, sure, calls, cost=4.5)
+  # A done row's estimate does not count.
+  assert not ctl.verify_next(running, np.array([0.0, 0.0, 300.0]), calls, cost=1.1)
+  # No evidence yet: 0.5 accepted per call.
+  assert ctl.verify_next(running, np.zeros(3), np.zeros(3), cost=1.4)
+  assert not ctl.verify_next(running, np.zeros(3), np.zeros(3), cost=1.6)
+  assert not ctl.verify_next(np.full(3, S.DONE), sure, calls, cost=0.5)
+
+
+def test_shadow_calls_record_what_a_verify_call_would_accept():
+  """On plain iterations a row follows its drafts: `_shadow` against hand-made tokens."""
+  import jax.numpy as jnp
+  from o1jax.controller.loop import CALL_DECAY
+
+  loop = ReasoningLoop(model=None, draft_k=3)
+
+  class _S:
+    def __init__(self, **kw):
+      self.__dict__.update(kw)
+
+    def replace(self, **kw):
+      return _S(**{**self.__dict__, **kw})
+
+  zeros = lambda: jnp.zeros((2,), jnp.int32)
+  s = _S(tokens=jnp.array([[1, 2, 3, 0, 0, 0], [1, 2, 3, 0, 0, 0]]), length=jnp.array([3, 3]),
+         phase=zeros(), shadow_draft=jnp.zeros((2, 3), jnp.int32), shadow_len=zeros(),
+         shadow_pos=zeros(), spec_acc=jnp.zeros(2), spec_calls_row=jnp.zeros(2))
+  drafts, available = jnp.array([[7, 8, 9], [7, 8, 9]]), jnp.array([3, 3])
+  # Row 0 draws 7 (= draft 0), row 1 draws 5 (differs: its call would accept 0).
+  new = s.replace(tokens=jnp.array([[1, 2, 3, 7, 0, 0], [1, 2, 3, 5, 0, 0]]),
+                  length=jnp.array([4, 4]))
+  out = loop._shadow(s, new, drafts, available)
+  assert out.shadow_len.tolist() == [3, 0] and out.shadow_pos.tolist() == [1, 0]
+  assert out.spec_calls_row.tolist() == [0.0, 1.0] and out.spec_acc.tolist() == [0.0, 0.0]
+  # Row 0 then draws 8 and 9: all three drafts match, its call ends having accepted 3.
+  s2 = out.replace(length=jnp.array([4, 4]))
+  out2 = loop._shadow(s2, s2.replace(tokens=jnp.array([[1, 2, 3, 7, 8, 0], [1, 2, 3, 5, 0, 0]]),
+                                     length=jnp.array([5, 4])), drafts * 0, available * 0)
+  assert out2.shadow_pos.tolist()[0] == 2
+  s3 = out2.replace(length=jnp.array([5, 4]))
+  out3 = loop._shadow(s3, s3.replace(tokens=jnp.array([[1, 2, 3, 7, 8, 9], [1, 2, 3, 5, 0, 0]]),
+                                     length=jnp.array([6, 4])), drafts * 0, available * 0)
+  assert out3.shadow_len.tolist()[0] == 0 and float(out3.spec_acc[0]) == 3.0
+  assert float(out3.spec_calls_row[0]) == 1.0
+  # Row 1 made no progress (length unchanged) with no drafts: calls accepting 0.
+  assert float(out3.spec_calls_row[1]) == pytest.approx(1 + CALL_DECAY * (1 + CALL_DECAY))
