@@ -174,6 +174,7 @@ class Controller:
     # first call compiles and is not timed: `_seen_calls` holds the shapes seen).
     self._call_times: dict[tuple, collections.deque] = {}
     self._seen_calls: set[tuple] = set()
+    self._spec_prior = 0.5  # drafts accepted per verify call over the rows seen last
     self.admission = admission
     self.model = model
     self.budget = budget
@@ -539,17 +540,26 @@ class Controller:
     """Drafts per verify call (0: no speculation)."""
     return self.speculative.max_drafts if self.speculative is not None else 0
 
-  def verify_next(self, phase, accepted, calls, cost: float) -> bool:
-    """Whether the next loop call verifies: the running rows' expected tokens per verify
-    call, 1 + drafts accepted per call (each row's decayed mean over its real and shadow
-    calls, starting from 0.5 with the weight of one call), against `cost` (a verify
-    call's time over a plain step's) x their number."""
+  def verify_next(self, phase, accepted, calls, cost: float, prior: float = 0.5,
+                  draining: bool = False) -> bool:
+    """Whether the next loop call verifies. A row's tokens per verify call: 1 + its
+    drafts accepted per call (a decayed mean over its real and shadow calls, starting
+    from `prior` with the weight of one call), against `cost`, a verify call's time
+    over a plain step's.
+
+    While requests wait for a slot, a freed slot is refilled, so what counts is the
+    tokens per second of all running rows: verify when their sum beats cost x their
+    number. Once the queue is empty (`draining`) the batch lasts as long as its
+    slowest row, so verify only when every running row gains: 1 + its accepted
+    drafts per call > cost. (One row that rarely has a draft accepted would
+    otherwise finish alone, at a plain step's cost per token, long after the others.)"""
     running = phase != S.DONE
     if not running.any():
       return False
-    per_call = (accepted + 0.5) / (calls + 1.0)
-    gain = np.sum(np.where(running, 1.0 + per_call, 0.0))
-    return bool(gain > cost * running.sum())
+    per_row = 1.0 + (accepted + prior) / (calls + 1.0)
+    if draining:
+      return bool(per_row[running].min() > cost)
+    return bool(per_row[running].sum() > cost * running.sum())
 
   def cost_ratio(self, state: ReasoningState) -> float:
     """A verify iteration's time over a plain one's at this shape: the medians of
@@ -823,7 +833,11 @@ class Controller:
       if self.draft_k:
         self._time_call((b, length, verify), dt / ran)
       if spec_cost > 0:
-        verify = self.verify_next(phase, accepted, calls, self.cost_ratio(state))
+        seen = calls > 0  # rows with evidence: the prior of fresh ones
+        if seen.any():
+          self._spec_prior = float(accepted[seen].sum() / calls[seen].sum())
+        verify = self.verify_next(phase, accepted, calls, self.cost_ratio(state),
+                                  self._spec_prior, draining=not waiting)
       grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))
       lengths = after
       for g, entry in in_slot.items():

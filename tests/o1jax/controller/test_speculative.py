@@ -172,10 +172,17 @@ def test_verify_next_weighs_accepted_drafts_per_call_against_cost():
   assert not ctl.verify_next(running, sure, calls, cost=4.5)
   # A done row's estimate does not count.
   assert not ctl.verify_next(running, np.array([0.0, 0.0, 300.0]), calls, cost=1.1)
-  # No evidence yet: 0.5 accepted per call.
+  # No evidence yet: the prior (0.5 accepted per call, or what other rows showed).
   assert ctl.verify_next(running, np.zeros(3), np.zeros(3), cost=1.4)
   assert not ctl.verify_next(running, np.zeros(3), np.zeros(3), cost=1.6)
+  assert ctl.verify_next(running, np.zeros(3), np.zeros(3), cost=2.5, prior=2.0)
   assert not ctl.verify_next(np.full(3, S.DONE), sure, calls, cost=0.5)
+  # Draining (no request waits): the slowest row decides. One row with nothing accepted
+  # keeps the batch plain although the sum would pay.
+  mixed = np.array([60.0, 0.0, 0.0])
+  assert ctl.verify_next(running, mixed, calls, cost=2.5)
+  assert not ctl.verify_next(running, mixed, calls, cost=2.5, draining=True)
+  assert ctl.verify_next(running, sure, calls, cost=2.5, draining=True)
 
 
 def test_shadow_calls_record_what_a_verify_call_would_accept():
