@@ -27,7 +27,7 @@ emit (1 - a^(d+1)) / (1 - a) tokens. The planner times every decode call
 shape (rows, K + 1), plain decoding included (K = 0, per step; the median of the
 last few timings of whole calls, host work included), and picks the
 K of `K_BUCKETS` (or 0: no speculation) with the most expected tokens per
-second for the whole batch, if that beats plain decoding by `MARGIN` (10%). So speculation turns itself off where drafts are
+second for the whole batch. So speculation turns itself off where drafts are
 rarely accepted or where a wider call costs more than it emits (large
 batches on a compute-bound device).
 """
@@ -163,11 +163,6 @@ class SpeculationPlanner:
   KEEP = 8
   STALE = 64
   PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K)
-  # Speculation must beat plain decoding by this share in expectation. The estimates are
-  # noisy (a draft model's shape timings mix calls that caught up over whole prompts
-  # with calls that did not), and a marginal verify call that turns out wrong costs a
-  # catch-up later that the estimate did not see.
-  MARGIN = 0.1
 
   def __init__(self, config: SpeculativeConfig):
     self.config = config
@@ -221,7 +216,7 @@ class SpeculationPlanner:
     if plain is None:  # time plain decoding first: it is the baseline of every choice
       return 0
     expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
-    best_k, best = 0, len(available) / plain * (1.0 + self.MARGIN)
+    best_k, best = 0, len(available) / plain
     for k in buckets:
       stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
       if stale and expected(k) / self.prior(rows, k) > best:
