@@ -813,11 +813,24 @@ class Controller:
     if budget is not None:  # the first call is short: the budget has nothing measured yet
       per_call = min(per_call, 8)
     spec_interval = SPEC_INTERVAL if self.draft_k and spec_cost > 0 else NEVER
+    admitted_now = True  # the rows changed since the last choice
     while in_slot:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
       if budget is not None:
         state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
+      if spec_cost > 0:  # adaptive: choose this call's loop from the rows as they are now
+        phase, accepted, spec_calls = jax.device_get(
+            (state.phase, state.spec_acc, state.spec_calls_row))
+        seen = spec_calls > 0  # rows with evidence: the prior of fresh ones
+        if seen.any():
+          self._spec_prior = float(accepted[seen].sum() / spec_calls[seen].sum())
+        again = verify
+        verify = self.verify_next(phase, accepted, spec_calls, self.cost_ratio(state),
+                                  self._spec_prior, draining=not waiting)
+        spec_interval = (min(2 * spec_interval, SPEC_INTERVAL_MAX)
+                         if verify == again and not admitted_now else SPEC_INTERVAL)
+        admitted_now = False
       start_iter = int(state.iteration)
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + min(per_call, spec_interval), NEVER)),
@@ -826,9 +839,7 @@ class Controller:
       loop = loops[verify]
       with self._on_mesh():
         state = (loop.run_python if self.python_twin else loop.run)(self.model.params, state)
-      # One sync per invocation.
-      phase, after, accepted, calls = jax.device_get(
-          (state.phase, state.length, state.spec_acc, state.spec_calls_row))
+      phase, after = jax.device_get((state.phase, state.length))  # one sync per invocation
       done = phase == S.DONE
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here
@@ -836,15 +847,6 @@ class Controller:
       ran = max(1, int(state.iteration) - start_iter)
       if self.draft_k:
         self._time_call((b, length, verify), dt / ran)
-      if spec_cost > 0:
-        seen = calls > 0  # rows with evidence: the prior of fresh ones
-        if seen.any():
-          self._spec_prior = float(accepted[seen].sum() / calls[seen].sum())
-        again = verify
-        verify = self.verify_next(phase, accepted, calls, self.cost_ratio(state),
-                                  self._spec_prior, draining=not waiting)
-        spec_interval = (min(2 * spec_interval, SPEC_INTERVAL_MAX) if verify == again
-                         else SPEC_INTERVAL)
       grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))
       lengths = after
       for g, entry in in_slot.items():
@@ -876,6 +878,7 @@ class Controller:
         if waiting:
           state = fill(state, finished)
           lengths = np.asarray(state.length)
+          admitted_now = True
     return Batch(traces=traces, wall_time_s=wall, invocations=calls_of,
                  iterations=int(state.iteration), loop_seconds=loop_seconds, token_ms=token_ms,
                  ttft_s=ttft, verify_calls=int(state.spec_calls))
