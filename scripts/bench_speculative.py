@@ -150,14 +150,24 @@ def measure(engine, prompts, args, speculative=None, draft_model=None) -> dict:
 
 
 def measure_controller(ctl, prompts, args) -> dict:
-  """One controller configuration: a warm-up run of the requests, then the same timed."""
-  from o1jax.controller import LoopSettings, ReasoningRequest
+  """One controller configuration: a warm-up run of the requests, then the same timed.
+  An adaptive controller's warm-up may never verify, so a controller on the same decode
+  model that verifies every call runs first: both loop programs are compiled before the
+  timed run (`compiled_in_timed_run` counts what it still compiled)."""
+  from o1jax.controller import Controller, LoopSettings, ReasoningRequest
+  from o1jax.controller.loop import ReasoningLoop
 
   st = LoopSettings(max_thinking_tokens=args.max_new_tokens, max_answer_tokens=8,
                     step_delimiter="\n", step_max_tokens=48)
   reqs = [ReasoningRequest(prompt=p, request_id=i) for i, (p, _) in enumerate(prompts)]
+  if ctl.speculative is not None and ctl.speculative.adaptive:
+    Controller(ctl.model, ctl.tokenizer, max_rows=ctl.max_rows,
+               speculative=dataclasses.replace(ctl.speculative, adaptive=False)).generate(
+                   reqs, st, 1)
   ctl.generate(reqs, st, 1)
+  compiled = ReasoningLoop.run._cache_size()
   batch = ctl.generate(reqs, st, 1)
+  compiled = ReasoningLoop.run._cache_size() - compiled
   traces = [ts[0] for ts in batch.traces]
   spec = [t.speculative or {"drafted": 0, "accepted": 0} for t in traces]
   drafted, accepted = sum(d["drafted"] for d in spec), sum(d["accepted"] for d in spec)
@@ -165,7 +175,7 @@ def measure_controller(ctl, prompts, args) -> dict:
   return {"tokens": [t.token_ids for t in traces], "generated_tokens": tokens,
           "decode_tok_s": tokens / batch.loop_seconds, "e2e_tok_s": tokens / batch.loop_seconds,
           "decode_calls": batch.iterations, "verify_calls": batch.verify_calls,
-          "drafted": drafted, "accepted": accepted, "compiled_in_timed_run": 0,
+          "drafted": drafted, "accepted": accepted, "compiled_in_timed_run": compiled,
           "acceptance_rate": accepted / drafted if drafted else 0.0,
           "accepted_per_verify": accepted / batch.verify_calls if batch.verify_calls else 0.0,
           "verify_share": batch.verify_calls / max(batch.iterations, 1)}

@@ -173,12 +173,14 @@ class Controller:
       raise ValueError(f"speculative.drafter={speculative.drafter!r}: the controller's loop "
                        f"drafts by 'prompt_lookup' only (the engine runs every drafter)")
     self.speculative = speculative
-    self._spec_costs: dict[tuple, float] = {}  # (rows, length, K) -> forward cost ratio
+    self._spec_costs: dict[tuple, float] = {}  # (rows, length, K) -> first measured cost ratio
     # (rows, length, verify) -> seconds per iteration of recent loop calls (a shape's
     # first call compiles and is not timed: `_seen_calls` holds the shapes seen).
     self._call_times: dict[tuple, collections.deque] = {}
     self._seen_calls: set[tuple] = set()
-    self._spec_prior = 0.5  # drafts accepted per verify call over the rows seen last
+    # Drafts accepted per verify call over the rows seen last: (mean, lowest row). The
+    # prior of a fresh row: the mean while requests wait, the lowest row when draining.
+    self._spec_prior = (0.5, 0.5)
     self.admission = admission
     self.model = model
     self.budget = budget
@@ -549,7 +551,8 @@ class Controller:
     """Whether the next loop call verifies. A row's tokens per verify call: 1 + its
     drafts accepted per call (a decayed mean over its real and shadow calls, starting
     from `prior` with the weight of one call), against `cost`, a verify call's time
-    over a plain step's.
+    over a plain step's. The controller passes as `prior` the mean of the rows seen
+    last, or when draining their lowest (the slowest row decides then).
 
     While requests wait for a slot, a freed slot is refilled, so what counts is the
     tokens per second of all running rows: verify when their sum beats cost x their
@@ -568,7 +571,7 @@ class Controller:
   def cost_ratio(self, state: ReasoningState) -> float:
     """A verify iteration's time over a plain one's at this shape: the medians of
     recent loop calls of each kind (drafting, verifying and the per-position steps
-    included) once both were timed, else the forwards' ratio (`spec_cost`)."""
+    included), seeded by `spec_cost`'s measurement."""
     b, length = state.tokens.shape
     plain, verify = (self._call_times.get((b, length, v)) for v in (False, True))
     if plain and verify:
@@ -580,36 +583,47 @@ class Controller:
       self._call_times.setdefault(key, collections.deque(maxlen=8)).append(seconds_per_iteration)
     self._seen_calls.add(key)
 
-  def spec_cost(self, state: ReasoningState) -> float:
-    """A verify forward's time over a one-token forward's at this batch shape,
-    measured on this device once per shape (median of 5 alternating timings of the
-    two forwards on the state's cache, after one compiling call each): the prior
-    cost of verifying until loop calls of both kinds are timed. 0 when speculation
-    is not adaptive (every call verifies)."""
+  def spec_cost(self, state: ReasoningState, settings: LoopSettings | None = None) -> float:
+    """A verify iteration's time over a plain one's at this batch shape, measured on
+    this device once per shape: both loop programs run 2 iterations on copies of the
+    admitted state (after one compiling run each; median of 3 alternating runs). The
+    loop programs themselves are timed, so drafting and the per-position steps count
+    (on a CPU at batch 8 they cost more than the wider forward). The timings seed the
+    ones of later loop calls (`cost_ratio`). 0 when speculation is not adaptive (every
+    call verifies)."""
     kd = self.draft_k
     if not kd or not self.speculative.adaptive:
       return 0.0
     b, length = state.tokens.shape
     key = (b, length, kd)
     if key not in self._spec_costs:
-      one, wide = jax.jit(self.model.forward), jax.jit(self.model.forward_all)
-      starts = jnp.clip(state.length - 1, 0, length - kd - 1)
-      zeros = jnp.zeros((b,), jnp.int32)
-      calls = (lambda: one(self.model.params, state.cache, state.tokens[:, :1], starts, zeros),
-               lambda: wide(self.model.params, state.cache, state.tokens[:, :kd + 1], starts,
-                            zeros + kd + 1))
-      ratios = []
-      with self._on_mesh():
-        for call in calls:
-          jax.block_until_ready(call())
-        for _ in range(5):
-          times = []
-          for call in calls:
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times.append(time.perf_counter() - t0)
-          ratios.append(times[1] / times[0])
-      self._spec_costs[key] = float(np.median(ratios))
+      settings = settings or LoopSettings()
+      runs = []
+      for verify in (False, True):
+        loop = self.loop(settings, verify=verify)
+        run = loop.run_python if self.python_twin else loop.run
+        runs.append((verify, run))
+
+      def timed(run) -> float:
+        copy = jax.tree.map(jnp.copy, state.replace(stop_at=state.iteration + 2))
+        jax.block_until_ready(copy)
+        t0 = time.perf_counter()
+        with self._on_mesh():
+          out = run(self.model.params, copy)
+        jax.block_until_ready(out.length)
+        return (time.perf_counter() - t0) / 2
+
+      for _, run in runs:
+        timed(run)  # compiles
+      times = {False: [], True: []}
+      for _ in range(3):
+        for verify, run in runs:
+          times[verify].append(timed(run))
+      for verify in (False, True):
+        self._call_times.setdefault((b, length, verify), collections.deque(maxlen=8)).extend(
+            times[verify])
+        self._seen_calls.add((b, length, verify))
+      self._spec_costs[key] = float(np.median(times[True]) / np.median(times[False]))
     return self._spec_costs[key]
 
   def empty_state(self, settings: LoopSettings, n: int, slots: int, length: int,
@@ -800,7 +814,7 @@ class Controller:
 
     state = fill(state, list(range(slots)))
     lengths = np.asarray(state.length)  # read again only after an admission changes them
-    spec_cost = self.spec_cost(state)
+    spec_cost = self.spec_cost(state, settings)
     verify = bool(self.draft_k) and spec_cost == 0.0  # not adaptive: every call verifies
     loops = {v: self.loop(settings, verify=v) for v in {False, bool(self.draft_k)}}
     traces: list = [None] * r
@@ -822,12 +836,14 @@ class Controller:
       if spec_cost > 0:  # adaptive: choose this call's loop from the rows as they are now
         phase, accepted, spec_calls = jax.device_get(
             (state.phase, state.spec_acc, state.spec_calls_row))
-        seen = spec_calls > 0  # rows with evidence: the prior of fresh ones
+        seen = spec_calls > 0.5  # rows with evidence: the priors of fresh ones
         if seen.any():
-          self._spec_prior = float(accepted[seen].sum() / spec_calls[seen].sum())
+          per_row = accepted[seen] / spec_calls[seen]
+          self._spec_prior = (float(per_row.mean()), float(per_row.min()))
         again = verify
         verify = self.verify_next(phase, accepted, spec_calls, self.cost_ratio(state),
-                                  self._spec_prior, draining=not waiting)
+                                  self._spec_prior[1 if not waiting else 0],
+                                  draining=not waiting)
         spec_interval = (min(2 * spec_interval, SPEC_INTERVAL_MAX)
                          if verify == again and not admitted_now else SPEC_INTERVAL)
         admitted_now = False

@@ -154,7 +154,7 @@ def test_adaptive_calls_verify_only_where_drafts_pay(cost, verifies):
   requests = [ReasoningRequest(prompt="Q", request_id=r) for r in range(2)]
   plain = _run(model, tok, st, 1, None, requests)
   ctl = Controller(model, tok, speculative=SpeculativeConfig(max_drafts=4))
-  ctl.spec_cost = lambda state: cost
+  ctl.spec_cost = lambda state, settings=None: cost
   spec = ctl.generate(requests, st, 1)
   _check_same(plain, spec)
   assert (spec.verify_calls > 0) == verifies
