@@ -132,15 +132,17 @@ def budget_section() -> ml_collections.ConfigDict:
 
 
 def speculative_section() -> ml_collections.ConfigDict:
-  """Speculative decoding in the engine (o1jax/engine/speculative.py;
-  `o1jax.engine.SpeculativeConfig`): drafted tokens checked in one forward.
+  """Speculative decoding (o1jax/engine/speculative.py; `o1jax.engine.SpeculativeConfig`):
+  drafted tokens checked in one forward, by the engine or inside the controller's loop.
 
-  Outputs are the plain engine's, token for token (greedy and sampled), so the
-  section is not part of the content hash. drafter: prompt_lookup (model-free:
-  copies from the prompt and the text so far) | early_exit (the model's first
-  exit_layer layers; 0 = a quarter) | draft_model (draft_source: a checkpoint with
-  the same vocabulary). adaptive: drafts per call from acceptance and measured
-  call times (0 when it does not pay). predictor=engine only for now."""
+  Outputs are plain decoding's, token for token (greedy and sampled), so the section
+  is not part of the content hash, except for a controller policy whose traces stop
+  each other (deepconf's consensus stop). drafter: prompt_lookup (model-free: copies
+  from the prompt and the text so far; the only drafter of the controller's loop) |
+  early_exit (the model's first exit_layer layers; 0 = a quarter) | draft_model
+  (draft_source: a checkpoint with the same vocabulary). adaptive: speculate only where
+  it pays, from acceptance and measured call times (the engine: drafts per call; the
+  controller: a verifying or a plain loop call)."""
   return section(enabled=False, drafter="prompt_lookup", max_drafts=7, ngram_max=4, ngram_min=1,
                  exit_layer=0, draft_source="", adaptive=True)
 
