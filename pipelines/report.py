@@ -165,14 +165,18 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   costs = ((lambda s: s["tokens"].get("completion_per_example", 0), "completion tokens per example"),
            (seconds_per_example, "wall seconds per example"))
+  accuracies = [accuracy_value(s) for _, s in runs]
   for ax, (cost, label) in zip(axes, costs):
-    pts = [(run_label(name, s), cost(s), accuracy_value(s)) for name, s in runs]
-    pts = [p for p in pts if p[1] is not None and p[2] is not None]
-    front = set(pareto_front([(x, y) for _, x, y in pts]))
-    for i, (text, x, y) in enumerate(pts):
+    xs = [cost(s) for _, s in runs]
+    front = front_members(xs, accuracies)
+    for i, (name, s) in enumerate(runs):
+      x, y = xs[i], accuracies[i]
+      if x is None or y is None:
+        continue
       ax.scatter([x], [y], s=40, marker="o" if i in front else "x")
-      ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    line = sorted((pts[i][1], pts[i][2]) for i in front)
+      ax.annotate(run_label(name, s), (x, y), textcoords="offset points", xytext=(4, 4),
+                  fontsize=7)
+    line = sorted((xs[i], accuracies[i]) for i in front)
     ax.plot([p[0] for p in line], [p[1] for p in line], "--", lw=1)
     ax.set_xlabel(label)
     ax.set_ylabel("accuracy")

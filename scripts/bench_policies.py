@@ -156,8 +156,9 @@ def main(argv=None) -> int:
   llama = Llama(ck.config, ck.params, matmul_dtype=a.matmul_dtype)
   decode_model = build_decode_model(llama, {"cache": a.cache, "kv_dtype": a.kv_dtype})
   ctl = Controller(decode_model, ck.tokenizer, max_rows=a.max_rows)
-  spec_ctl = Controller(decode_model, ck.tokenizer, max_rows=a.max_rows,
-                        speculative=SpeculativeConfig(max_drafts=a.max_drafts))
+  spec_ctl = (Controller(decode_model, ck.tokenizer, max_rows=a.max_rows,
+                         speculative=SpeculativeConfig(max_drafts=a.max_drafts))
+              if a.speculative else None)
   levels = [int(x) for x in a.levels.split(",")]
   examples, requests = gsm_requests(a.problems, a.seed, levels)
   prompts = [r.prompt for r in requests]

@@ -155,9 +155,9 @@ class Controller:
       the device; see `ReasoningLoop._verify`), or None. Rows get the tokens plain
       decoding gives them. With `adaptive` the host picks, every SPEC_INTERVAL
       iterations (longer while its choice stays the same), a verifying or a plain
-      loop call: verify when the rows' expected
-      tokens per call beat plain steps at the cost ratio measured here once per
-      batch shape (`spec_cost`); without it every call verifies."""
+      loop call (`verify_next`): verify when the rows' expected tokens per call beat
+      plain steps at the measured cost ratio (`cost_ratio`); without it every call
+      verifies."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
@@ -173,9 +173,9 @@ class Controller:
       raise ValueError(f"speculative.drafter={speculative.drafter!r}: the controller's loop "
                        f"drafts by 'prompt_lookup' only (the engine runs every drafter)")
     self.speculative = speculative
-    self._spec_costs: dict[tuple, float] = {}  # (rows, length, K) -> first measured cost ratio
     # (rows, length, verify) -> seconds per iteration of recent loop calls (a shape's
-    # first call compiles and is not timed: `_seen_calls` holds the shapes seen).
+    # first call compiles and is not timed: `_seen_calls` holds the shapes seen);
+    # `measure_call_costs` seeds both kinds of a shape before its first adaptive call.
     self._call_times: dict[tuple, collections.deque] = {}
     self._seen_calls: set[tuple] = set()
     # Drafts accepted per verify call over the rows seen last: (mean, lowest row). The
@@ -546,6 +546,11 @@ class Controller:
     """Drafts per verify call (0: no speculation)."""
     return self.speculative.max_drafts if self.speculative is not None else 0
 
+  @property
+  def adaptive(self) -> bool:
+    """The host chooses verifying or plain calls (else every call verifies)."""
+    return self.draft_k > 0 and self.speculative.adaptive
+
   def verify_next(self, phase, accepted, calls, cost: float, prior: float = 0.5,
                   draining: bool = False) -> bool:
     """Whether the next loop call verifies. A row's tokens per verify call: 1 + its
@@ -571,60 +576,47 @@ class Controller:
   def cost_ratio(self, state: ReasoningState) -> float:
     """A verify iteration's time over a plain one's at this shape: the medians of
     recent loop calls of each kind (drafting, verifying and the per-position steps
-    included), seeded by `spec_cost`'s measurement."""
+    included; seeded by `measure_call_costs`)."""
     b, length = state.tokens.shape
-    plain, verify = (self._call_times.get((b, length, v)) for v in (False, True))
-    if plain and verify:
-      return float(np.median(verify) / np.median(plain))
-    return self.spec_cost(state)
+    plain, verify = (self._call_times[(b, length, v)] for v in (False, True))
+    return float(np.median(verify) / np.median(plain))
 
   def _time_call(self, key: tuple, seconds_per_iteration: float) -> None:
     if key in self._seen_calls:
       self._call_times.setdefault(key, collections.deque(maxlen=8)).append(seconds_per_iteration)
     self._seen_calls.add(key)
 
-  def spec_cost(self, state: ReasoningState, settings: LoopSettings | None = None) -> float:
-    """A verify iteration's time over a plain one's at this batch shape, measured on
-    this device once per shape: both loop programs run 2 iterations on copies of the
-    admitted state (after one compiling run each; median of 3 alternating runs). The
-    loop programs themselves are timed, so drafting and the per-position steps count
-    (on a CPU at batch 8 they cost more than the wider forward). The timings seed the
-    ones of later loop calls (`cost_ratio`). 0 when speculation is not adaptive (every
-    call verifies)."""
-    kd = self.draft_k
-    if not kd or not self.speculative.adaptive:
-      return 0.0
+  def measure_call_costs(self, state: ReasoningState, settings: LoopSettings) -> None:
+    """Seeds the loop-call timings of this batch shape, once per shape: both loop
+    programs run 2 iterations on copies of the admitted state (after one compiling
+    run each; 3 alternating runs). The loop programs themselves are timed, so
+    drafting and the per-position steps count (on a CPU at batch 8 they cost more
+    than the wider forward)."""
     b, length = state.tokens.shape
-    key = (b, length, kd)
-    if key not in self._spec_costs:
-      settings = settings or LoopSettings()
-      runs = []
-      for verify in (False, True):
-        loop = self.loop(settings, verify=verify)
-        run = loop.run_python if self.python_twin else loop.run
-        runs.append((verify, run))
+    if (b, length, True) in self._call_times:
+      return
+    runs = {}
+    for verify in (False, True):
+      loop = self.loop(settings, verify=verify)
+      runs[verify] = loop.run_python if self.python_twin else loop.run
+    for run in runs.values():
+      self._timed_iterations(run, state)  # compiles
+    for _ in range(3):
+      for verify, run in runs.items():
+        self._call_times.setdefault((b, length, verify), collections.deque(maxlen=8)).append(
+            self._timed_iterations(run, state))
+    self._seen_calls.update((b, length, v) for v in runs)
 
-      def timed(run) -> float:
-        copy = jax.tree.map(jnp.copy, state.replace(stop_at=state.iteration + 2))
-        jax.block_until_ready(copy)
-        t0 = time.perf_counter()
-        with self._on_mesh():
-          out = run(self.model.params, copy)
-        jax.block_until_ready(out.length)
-        return (time.perf_counter() - t0) / 2
-
-      for _, run in runs:
-        timed(run)  # compiles
-      times = {False: [], True: []}
-      for _ in range(3):
-        for verify, run in runs:
-          times[verify].append(timed(run))
-      for verify in (False, True):
-        self._call_times.setdefault((b, length, verify), collections.deque(maxlen=8)).extend(
-            times[verify])
-        self._seen_calls.add((b, length, verify))
-      self._spec_costs[key] = float(np.median(times[True]) / np.median(times[False]))
-    return self._spec_costs[key]
+  def _timed_iterations(self, run, state: ReasoningState, iterations: int = 2) -> float:
+    """Seconds per iteration of `run` for `iterations` iterations on a copy of `state`
+    (the loop donates its state)."""
+    copy = jax.tree.map(jnp.copy, state.replace(stop_at=state.iteration + iterations))
+    jax.block_until_ready(copy)
+    t0 = time.perf_counter()
+    with self._on_mesh():
+      out = run(self.model.params, copy)
+    jax.block_until_ready(out.length)
+    return (time.perf_counter() - t0) / iterations
 
   def empty_state(self, settings: LoopSettings, n: int, slots: int, length: int,
                   plan: CachePlan | None = None, priors_per_slot: int = 1) -> ReasoningState:
@@ -814,8 +806,10 @@ class Controller:
 
     state = fill(state, list(range(slots)))
     lengths = np.asarray(state.length)  # read again only after an admission changes them
-    spec_cost = self.spec_cost(state, settings)
-    verify = bool(self.draft_k) and spec_cost == 0.0  # not adaptive: every call verifies
+    adaptive = self.adaptive
+    if adaptive:
+      self.measure_call_costs(state, settings)
+    verify = bool(self.draft_k) and not adaptive  # not adaptive: every call verifies
     loops = {v: self.loop(settings, verify=v) for v in {False, bool(self.draft_k)}}
     traces: list = [None] * r
     wall = [0.0] * r
@@ -826,14 +820,14 @@ class Controller:
     per_call = self.iterations_per_call or NEVER
     if budget is not None:  # the first call is short: the budget has nothing measured yet
       per_call = min(per_call, 8)
-    spec_interval = SPEC_INTERVAL if self.draft_k and spec_cost > 0 else NEVER
+    spec_interval = SPEC_INTERVAL if adaptive else NEVER
     admitted_now = True  # the rows changed since the last choice
     while in_slot:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
       if budget is not None:
         state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
-      if spec_cost > 0:  # adaptive: choose this call's loop from the rows as they are now
+      if adaptive:  # choose this call's loop from the rows as they are now
         phase, accepted, spec_calls = jax.device_get(
             (state.phase, state.spec_acc, state.spec_calls_row))
         seen = spec_calls > 0.5  # rows with evidence: the priors of fresh ones
@@ -861,7 +855,7 @@ class Controller:
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
       ran = max(1, int(state.iteration) - start_iter)
-      if self.draft_k:
+      if adaptive:
         self._time_call((b, length, verify), dt / ran)
       grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))
       lengths = after

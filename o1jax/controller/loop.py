@@ -363,7 +363,7 @@ class ReasoningLoop:
                                         s.length)
     temperature = k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32)
     drawn = sample(logits, keys, temperature, k.top_k, k.top_p, k.min_p)
-    forcing = active & (s.force_pos < s.force_len)
+    forcing = active & (s.force_pos < s.force_len)  # a row outside `live` keeps its queue
     tok = jnp.where(forcing, s.force_buf[rows, jnp.clip(s.force_pos, 0, f - 1)], drawn)
     force_buf, force_pos, force_len = s.force_buf, s.force_pos + forcing, s.force_len
     is_eos = k.eos_mask[tok] & ~forcing

@@ -131,30 +131,36 @@ def test_controller_refuses_other_drafters(tiny_llama):
 def test_adaptive_cost_is_measured_once_per_shape(tiny_llama):
   model, tok = tiny_llama
   ctl = Controller(model, tok, speculative=SpeculativeConfig(max_drafts=3))
+  timed = []
+  measure = ctl._timed_iterations
+  ctl._timed_iterations = lambda run, state: timed.append(1) or measure(run, state)
   st = LoopSettings(temperature=0.0, max_thinking_tokens=8, max_answer_tokens=2)
   reqs = [ReasoningRequest(prompt="abcabc", request_id=0)]
   a = ctl.generate(reqs, st, 1)
-  assert len(ctl._spec_costs) == 1
-  (cost,) = ctl._spec_costs.values()
-  assert cost > 0
+  assert len(timed) == 8  # 2 compiling runs + 3 x (plain, verify)
+  (shape,) = {k[:2] for k in ctl._call_times}
+  assert set(ctl._call_times) == {shape + (False,), shape + (True,)}
+  state = ctl.empty_state(st, 1, 1, shape[1])
+  assert state.tokens.shape == shape and ctl.cost_ratio(state) > 0
   b = ctl.generate(reqs, st, 1)
-  assert len(ctl._spec_costs) == 1
+  assert len(timed) == 8  # the same shape: not measured again
   assert a.traces[0][0].token_ids == b.traces[0][0].token_ids
 
 
 @pytest.mark.parametrize("cost, verifies", [(1.2, True), (100.0, False)])
 def test_adaptive_calls_verify_only_where_drafts_pay(cost, verifies):
   """The host picks a verifying or a plain call every SPEC_INTERVAL iterations from the
-  rows' acceptance, learned on plain iterations too (whether the first draft equals the
-  drawn token): on a text that repeats itself it verifies at a low cost ratio, never at a
-  prohibitive one; either way the traces are plain decoding's."""
+  rows' acceptance, learned on plain iterations too (shadow calls): on a text that
+  repeats itself it verifies at a low cost ratio, never at a prohibitive one; either
+  way the traces are plain decoding's."""
   model, tok = _cyclic_mock(strength=9.0), MockTokenizer(VOCAB)
   st = LoopSettings(temperature=0.0, step_max_tokens=60, max_thinking_tokens=120,
                     max_answer_tokens=2, step_delimiter="\n\n")
   requests = [ReasoningRequest(prompt="Q", request_id=r) for r in range(2)]
   plain = _run(model, tok, st, 1, None, requests)
   ctl = Controller(model, tok, speculative=SpeculativeConfig(max_drafts=4))
-  ctl.spec_cost = lambda state, settings=None: cost
+  ctl.measure_call_costs = lambda state, settings: None
+  ctl.cost_ratio = lambda state: cost
   spec = ctl.generate(requests, st, 1)
   _check_same(plain, spec)
   assert (spec.verify_calls > 0) == verifies
