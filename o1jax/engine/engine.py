@@ -979,9 +979,19 @@ class Engine:
       available = {s: len(proposals[s]) for s in running}
     else:
       proposals, available = None, room
+    # Draft-model tokens each row must catch up over before drafting (its prompt, or
+    # what plain decoding added): a one-off cost the planner weighs against what the
+    # row's remaining budget can win back.
+    behind = {s: self._draft_behind(s) if cfg.drafter == "draft_model" else 0 for s in running}
+    if cfg.adaptive and self._filling():
+      # The batch is filling: the full batch decides whether speculation pays, so a
+      # catch-up started now would likely be stranded (measured at batch 8 on a CPU).
+      available = {s: 0 if behind[s] else available[s] for s in running}
     rows = self._decode_rows(len(running))
     k = self._planner.choose(rows, [available[s] for s in running],
-                             [self._planner.rate(s.acceptance) for s in running])
+                             [self._planner.rate(s.acceptance) for s in running],
+                             [behind[s] for s in running], [s.remaining_budget for s in running])
+    drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running])))
     if k == 0:
       for seq in running:
         seq.acceptance.idle()
@@ -1000,24 +1010,27 @@ class Engine:
     num_drafts = np.zeros(rows, np.int32)
     drafts = np.zeros((rows, k), np.int32)
     for i, s in enumerate(seqs):
-      num_drafts[i] = min(k, available[s])
+      num_drafts[i] = min(k, available[s]) if drafting[s] else 0
       if proposals is not None:
         drafts[i, :num_drafts[i]] = proposals[s][:num_drafts[i]]
     start, sunk = self.clock(), 0.0
     drafts_dev = jnp.asarray(drafts)
+    prev = np.zeros(rows, np.int32)  # the token before each row's last (the draft model's)
+    prev[:len(seqs)] = [s.tokens[-2] if len(s.tokens) > 1 else 0 for s in seqs]
     if cfg.drafter == "early_exit":
       head_t = self._head_t if rows >= 8 else None
       drafts_dev, self.cache = self._draft_jit(self._state_leaves, self.cache, batch,
                                                jnp.asarray(num_drafts), k, self._exit_layer, head_t)
     elif cfg.drafter == "draft_model":
-      # A sequence's first catch-up runs the draft model over its whole prompt: a cost
-      # paid once, which the planner must not charge to every later call of the shape.
-      catch_up_start = self.clock()
-      self._catch_up_draft(seqs, rows, num_drafts)
-      sunk = self.clock() - catch_up_start
+      # A catch-up is a one-off cost (a prompt, or what plain decoding added), timed on
+      # its own: the planner charges it per row (`choose`), not to the call's shape.
+      caught_up, sunk = self._catch_up_draft([s for i, s in enumerate(seqs) if num_drafts[i]])
+      if caught_up and sum(self.trace_counts.values()) == call_traces:
+        self._planner.observe_catch_up(caught_up, sunk)
       head_t = self._draft_head_t if rows >= 8 else None
       drafts_dev, self.draft_cache = self._draft_model_jit(
-          self._draft_leaves, self.draft_cache, batch, jnp.asarray(num_drafts), k, None, head_t)
+          self._draft_leaves, self.draft_cache, batch, jnp.asarray(num_drafts), k, None, head_t,
+          jnp.asarray(prev))
     head_t = self._head_t if rows * (k + 1) >= 8 else None
     out, self.cache = self._verify_jit(self._state_leaves, self.cache, batch, drafts_dev,
                                        jnp.asarray(num_drafts), top_n, head_t)
@@ -1047,41 +1060,55 @@ class Engine:
         self.allocator.free_all(s.blocks[keep:])
         del s.blocks[keep:]
       if self.draft_model is not None and drafted:
-        # The draft loop wrote positions last .. last + drafted - 1, for the inputs
-        # (last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
+        # The draft call wrote positions .. last + drafted - 1, for the inputs
+        # (.., last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
       self._planner.observe(rows, k, self.clock() - call_start - sunk)
     return True
 
-  def _catch_up_draft(self, seqs: Sequence[_Seq], rows: int, num_drafts: np.ndarray) -> None:
-    """Draft-model K/V at every position before the last token of each row that
-    drafts: draft-model prefill calls over tokens[draft_computed : len(tokens) - 1],
-    up to prefill_chunk tokens per row a call (lengths bucketed as the engine's
-    prefill), until every such row has caught up."""
-    behind = [len(s.tokens) - 1 - s.draft_computed if num_drafts[i] else 0
-              for i, s in enumerate(seqs)]
-    if max(behind) <= 0:
-      return
-    tables = jnp.asarray(self._table(seqs, rows))
-    while max(behind) > 0:
+  @staticmethod
+  def _draft_behind(seq: _Seq) -> int:
+    """Tokens the draft model must see before `seq` drafts: the draft call's first
+    step feeds the row's last two tokens, so its K/V must reach len(tokens) - 2."""
+    return max(0, len(seq.tokens) - 2 - seq.draft_computed)
+
+  def _catch_up_draft(self, seqs: Sequence[_Seq]) -> tuple[int, float]:
+    """Draft-model K/V up to (not including) the last two tokens of each of `seqs`:
+    draft-model prefill calls over only the rows behind (rows bucketed as decode
+    rows), up to prefill_chunk tokens per row a call, lengths bucketed as the
+    engine's prefill. Returns (tokens computed, seconds: the calls are awaited, so
+    the one-off cost is measured apart from the verify call's)."""
+    behind = [s for s in seqs if self._draft_behind(s) > 0]
+    if not behind:
+      return 0, 0.0
+    start, total = self.clock(), 0
+    rows = self._decode_rows(len(behind))
+    tables = jnp.asarray(self._table(behind, rows))
+    while any(self._draft_behind(s) > 0 for s in behind):
       lens = np.zeros(rows, np.int32)
-      lens[:len(seqs)] = np.minimum(behind, self.config.prefill_chunk)
+      lens[:len(behind)] = [min(self._draft_behind(s), self.config.prefill_chunk) for s in behind]
       tokens = np.zeros((rows, self._chunk_bucket(int(lens.max()))), np.int32)
       starts = np.zeros(rows, np.int32)
-      for i, s in enumerate(seqs):
+      for i, s in enumerate(behind):
         n = int(lens[i])
         tokens[i, :n] = s.tokens[s.draft_computed:s.draft_computed + n]
         starts[i] = s.draft_computed
         s.draft_computed += n
-        behind[i] -= n
+      total += int(lens.sum())
       self.draft_cache = self._draft_prefill_jit(self._draft_leaves, self.draft_cache,
                                                  jnp.asarray(tokens), jnp.asarray(starts),
                                                  jnp.asarray(lens), tables)
+    jax.block_until_ready(self.draft_cache)
+    return total, self.clock() - start
+
+  def _filling(self) -> bool:
+    """Requests are prefilling, or waiting while a slot is free: the batch grows."""
+    return bool(self._prefilling) or bool(self._waiting and self._slots_in_use() < self.config.max_slots)
 
   def _call_iterations(self, running: Sequence[_Seq]) -> int:
     """Decode steps for the next call (see the module doc)."""
-    if self._prefilling or (self._waiting and self._slots_in_use() < self.config.max_slots):
+    if self._filling():
       return 1
     steps_ = self.config.decode_steps
     if self._waiting:  # requests wait for a slot: stop when the first row's budget ends

@@ -158,7 +158,15 @@ class SpeculationPlanner:
   included): one slow outlier (another process, a page-fault storm) does not make
   the planner shun a shape, as it would a mean.
   A shape not timed for `STALE` decisions is tried again when, at the optimistic
-  prior cost, it would beat plain decoding (one call: what it costs is re-learned)."""
+  prior cost, it would beat plain decoding (one call: what it costs is re-learned).
+
+  A draft model must first catch up over the tokens a row has not shown it (its
+  prompt, or what plain decoding added since): a one-off cost, measured per token
+  apart from the calls (`observe_catch_up`), and charged to a row's choice spread
+  over the verify calls its remaining budget leaves. While that cost or the shape
+  is unmeasured, a call lets at most one row that must catch up draft
+  (`drafting`): so trying a shape costs one prompt's catch-up, not a whole batch's
+  (at batch 8 on a CPU, 8 prompts' catch-up cost more than a 64-token run won)."""
 
   KEEP = 8
   STALE = 64
@@ -170,6 +178,12 @@ class SpeculationPlanner:
     self.timings: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> seconds per call
     self._timed_at: dict[tuple[int, int], int] = {}  # decision count at the last timing
     self.decisions = 0
+    self.catch_up: collections.deque = collections.deque(maxlen=self.KEEP)  # s per token
+
+  def observe_catch_up(self, tokens: int, seconds: float) -> None:
+    """Wall time of a draft model's catch-up over `tokens` tokens (awaited)."""
+    if tokens > 0:
+      self.catch_up.append(seconds / tokens)
 
   def observe(self, rows: int, k: int, seconds: float) -> None:
     """Wall time of one call of this shape (plain decoding: per step; the engine
@@ -202,9 +216,25 @@ class SpeculationPlanner:
     step = self.timings.get((rows, 0))
     return None if step is None else statistics.median(step) * (1.0 + self.PRIOR_PER_POSITION * k)
 
-  def choose(self, rows: int, available: Sequence[int], rates: Sequence[float]) -> int:
+  def drafting(self, rows: int, k: int, behind: Sequence[int]) -> list[bool]:
+    """Which rows draft in a call of K drafts; behind[i]: tokens row i must catch up
+    over first. All of them once the shape and the catch-up cost are measured (and
+    always with adaptive off); until then the rows with nothing to catch up and the
+    one least behind (the call still times the whole shape: every row runs through
+    the draft and verify calls)."""
+    owing = [i for i, c in enumerate(behind) if c > 0]
+    known = (rows, k) in self.timings and self.catch_up
+    if k == 0 or not self.config.adaptive or len(owing) <= 1 or known:
+      return [True] * len(behind)
+    least = min(owing, key=lambda i: behind[i])
+    return [c == 0 or i == least for i, c in enumerate(behind)]
+
+  def choose(self, rows: int, available: Sequence[int], rates: Sequence[float],
+             behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
-    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate."""
+    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
+    behind[i]: tokens it must catch up over first (a draft model) and remaining[i]:
+    tokens its budget has left, over which that one-off cost is spread."""
     self.decisions += 1
     most = max(available, default=0)
     if most == 0:
@@ -215,13 +245,24 @@ class SpeculationPlanner:
     plain = self.cost(rows, 0)
     if plain is None:  # time plain decoding first: it is the baseline of every choice
       return 0
+    behind = behind or [0] * len(available)
+    remaining = remaining or [0] * len(available)
     expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
+    per_token = statistics.median(self.catch_up) if self.catch_up else 0.0
+
+    def charge(k: int) -> float:  # catch-up seconds per call, over the calls each row has left
+      total = 0.0
+      for a, r, c, left in zip(available, rates, behind, remaining):
+        if c and min(k, a):
+          total += c * per_token / max(1.0, left / expected_tokens(min(k, a), r))
+      return total
+
     best_k, best = 0, len(available) / plain
     for k in buckets:
       stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
-      if stale and expected(k) / self.prior(rows, k) > best:
+      if stale and expected(k) / (self.prior(rows, k) + charge(k)) > best:
         return k  # re-time it
-      speed = expected(k) / self.cost(rows, k)
+      speed = expected(k) / (self.cost(rows, k) + charge(k))
       if speed > best:
         best_k, best = k, speed
     return best_k

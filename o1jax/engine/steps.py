@@ -241,7 +241,7 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
 
 def draft_greedy(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
                  num_drafts: jax.Array, max_drafts: int, num_layers: int | None = None,
-                 head_t: jax.Array | None = None):
+                 head_t: jax.Array | None = None, prev_tokens: jax.Array | None = None):
   """Up to `max_drafts` greedy tokens per row, one decode step of the drafting model
   at a time from each row's last token (`batch.tokens` at `batch.positions`).
 
@@ -251,6 +251,11 @@ def draft_greedy(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
   layers (num_layers None) and its own pools. Row b drafts num_drafts[b] tokens
   and writes nothing after them (its blocks end there): K/V at positions
   positions[b] .. + num_drafts[b] - 1, of its last token and its first drafts.
+  prev_tokens [B] (a draft model's own pools only): the token before each row's
+  last one. The first step then runs over both (K/V at positions[b] - 1 too), so a
+  row whose draft K/V stops one token short of its last token (what a verify call
+  that accepted every draft leaves: the last draft was never fed) needs no
+  catch-up call. Rows at position 0 run the last token alone.
   Greedy drafts make the verify rule exact for sampled rows too (see `verify_step`).
   Returns (drafts [B, max_drafts] int32, cache with placeholder tables)."""
   model = nnx.merge(graphdef, state)
@@ -268,5 +273,18 @@ def draft_greedy(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
 
   carry = (cache.pools_only(), batch.tokens.astype(jnp.int32),
            jnp.zeros((rows, max_drafts), jnp.int32))
-  cache, _, drafts = jax.lax.fori_loop(0, max_drafts, body, carry)
+  first = 0
+  if prev_tokens is not None:
+    live = batch.active & (num_drafts > 0)
+    lead = (batch.positions > 0).astype(jnp.int32)
+    lens = jnp.where(live, 1 + lead, 0).astype(jnp.int32)
+    last = batch.tokens.astype(jnp.int32)
+    pair = jnp.where(lead[:, None] > 0, jnp.stack([prev_tokens.astype(jnp.int32), last], 1),
+                     jnp.stack([last, last], 1))
+    starts = jnp.where(live, batch.positions - lead, 0).astype(jnp.int32)
+    logits, step_cache = forward(model, pair, starts, cache.for_batch(batch.block_tables, lens),
+                                 jnp.maximum(lens - 1, 0), head_t, num_layers)
+    nxt = first_argmax(logits).astype(jnp.int32)
+    carry, first = (step_cache.pools_only(), nxt, carry[2].at[:, 0].set(nxt)), 1
+  cache, _, drafts = jax.lax.fori_loop(first, max_drafts, body, carry)
   return drafts, cache

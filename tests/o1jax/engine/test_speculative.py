@@ -111,6 +111,38 @@ def test_planner_speculates_only_where_it_pays():
   assert fixed.choose(8, [5, 2], [0.0, 0.0]) == 3  # the largest bucket the drafts fill
 
 
+def test_planner_weighs_a_draft_models_catch_up():
+  """A row must first show the draft model the tokens it has not seen: a one-off
+  cost per token, spread over the verify calls the row's budget has left."""
+  planner = SpeculationPlanner(SpeculativeConfig(drafter="draft_model", max_drafts=7))
+  planner.observe(1, 0, 0.010)
+  planner.observe(1, 7, 0.020)  # 8 tokens for 2 plain steps' time when all are accepted
+  assert planner.choose(1, [7], [1.0], [300], [64]) == 7  # nothing measured: no charge yet
+  planner.observe_catch_up(300, 0.300)  # 1 ms per token
+  # 300 ms over the 8 calls 64 tokens leave: 57.5 ms per 8 tokens, against 80 ms plain.
+  assert planner.choose(1, [7], [1.0], [300], [64]) == 7
+  # With 16 tokens left it would not pay back (170 ms per 8 tokens) ...
+  assert planner.choose(1, [7], [1.0], [300], [16]) == 0
+  # ... unless the row has caught up already.
+  assert planner.choose(1, [7], [1.0], [0], [16]) == 7
+
+
+def test_planner_tries_an_unmeasured_shape_with_one_row_that_catches_up():
+  planner = SpeculationPlanner(SpeculativeConfig(drafter="draft_model", max_drafts=7))
+  behind = [300, 0, 120, 200]
+  # Neither the shape nor the catch-up is measured: the caught-up row and the one
+  # least behind draft (the call still times the whole shape).
+  assert planner.drafting(8, 7, behind) == [False, True, True, False]
+  planner.observe(8, 7, 0.050)
+  assert planner.drafting(8, 7, behind) == [False, True, True, False]  # catch-up unmeasured
+  planner.observe_catch_up(120, 0.100)
+  assert planner.drafting(8, 7, behind) == [True] * 4
+  assert planner.drafting(8, 3, behind) == [False, True, True, False]  # K=3 unmeasured
+  assert planner.drafting(8, 3, [0, 5, 0]) == [True] * 3  # one row to catch up: it drafts
+  fixed = SpeculationPlanner(SpeculativeConfig(drafter="draft_model", adaptive=False))
+  assert fixed.drafting(8, 7, behind) == [True] * 4  # always drafts, every row
+
+
 # --- exactness on the tiny model -----------------------------------------------------------
 
 

@@ -124,3 +124,43 @@ def test_preemption_and_a_shorter_draft_context_keep_the_outputs(tiny, make_prom
   # Every draft was accepted, i.e. became the token at its position: all below 72.
   assert stats["drafted"] <= sum(72 - len(p) for p in prompts)
   assert not spec.has_work()
+
+
+def test_a_verify_call_leaves_no_catch_up_behind(tiny, make_prompts):
+  """The draft call's first step feeds a row's last two tokens, so after a verify
+  call (every draft accepted, or some rejected) the draft model needs no catch-up
+  call: over a whole run it catches up over each prompt once, nothing more."""
+  spec = Engine(tiny.model, tiny.tokenizer, CONFIG, speculative=SPEC, draft_model=tiny.model)
+  caught_up = []
+  catch_up = spec._catch_up_draft
+  spec._catch_up_draft = lambda seqs: caught_up.append(catch_up(seqs)[0]) or (caught_up[-1], 0.0)
+  prompts = make_prompts(5, seed=54, low=3, high=60)
+  requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)]
+  _same(Engine(tiny.model, tiny.tokenizer, CONFIG).generate(requests), spec.generate(requests))
+  stats = _speculative(spec)
+  assert stats["verify_calls"] >= 24 // 4 and stats["acceptance_rate"] == 1.0
+  assert sum(caught_up) == sum(max(len(p) - 2, 0) for p in prompts)
+
+
+def test_no_catch_up_starts_while_the_batch_fills(tiny, make_prompts):
+  """While requests prefill or wait for a free slot, rows that would have to catch
+  up do not draft (the full batch decides whether speculation pays); the outputs
+  stay plain decoding's."""
+  adaptive = dataclasses.replace(SPEC, adaptive=True)
+  config = EngineConfig(max_slots=4, num_blocks=128, prefill_chunk=16, max_prefill_seqs=1)
+  spec = Engine(tiny.model, tiny.tokenizer, config, speculative=adaptive, draft_model=tiny.model)
+  seen = []
+  choose = spec._planner.choose
+
+  def recording(rows, available, rates, behind, remaining):
+    seen.append((spec._filling(), list(available), list(behind)))
+    return choose(rows, available, rates, behind, remaining)
+
+  spec._planner.choose = recording
+  prompts = make_prompts(8, seed=55, low=20, high=60)
+  requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)]
+  _same(Engine(tiny.model, tiny.tokenizer, config).generate(requests), spec.generate(requests))
+  filling = [(a, b) for f, a, b in seen if f]
+  assert filling and any(b for _, b in filling)
+  assert all(n == 0 for a, b in filling for n, c in zip(a, b) if c > 0)
+  assert any(n > 0 for f, a, b in seen if not f for n, c in zip(a, b) if c > 0)
