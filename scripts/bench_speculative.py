@@ -2,7 +2,7 @@
 
   python scripts/bench_speculative.py [--tasks copy,gsm,code] [--batches 1,8,32]
       [--drafters prompt_lookup,early_exit:8,early_exit:16,draft_model:int8]
-      [--max-new-tokens 96] [--matmul-dtype float32] [--json out.json]
+      [--max-new-tokens 96] [--matmul-dtype float32] [--rounds 3] [--json out.json]
 
 Tasks (chat prompts, greedy):
   copy: copy-heavy editing — a passage of a generated town report (~150-250 words)
@@ -25,7 +25,10 @@ end-to-end tokens per second (prefill included), the ratio of each to plain deco
 in the same run, the acceptance rate (accepted / drafted), accepted drafts per verify
 call (over all its rows: the mean accepted length at batch 1),
 the share of decode calls that verified, and whether the tokens equal plain
-decoding's. Requests at batch b: max(b, 4) of the task's items (batch 1 runs 4
+decoding's. --rounds R measures every configuration R times (round after round, each
+with its own two plain runs; a drafter's later rounds skip the K-bucket compile runs)
+and ends with the median ratio over the rounds and its range: on a noisy machine a
+single run's ratio moves by ~15%. Requests at batch b: max(b, 4) of the task's items (batch 1 runs 4
 requests one after the other).
 
 --controller: the same tasks through the reasoning controller's loop instead
@@ -43,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import random
+import statistics
 import time
 
 from o1jax.checkpoint import load_checkpoint
@@ -105,9 +109,11 @@ def drafter_config(name: str, args, ck, drafts: dict):
   return SpeculativeConfig(drafter=kind, max_drafts=args.max_drafts), None
 
 
-def measure(engine, prompts, args, speculative=None, draft_model=None) -> dict:
+def measure(engine, prompts, args, speculative=None, draft_model=None,
+            compile_buckets: bool = True) -> dict:
   """One configuration on `engine` (idle; its compiled programs are reused): a warm-up
-  run of the requests, then the same requests timed."""
+  run of the requests, then the same requests timed. compile_buckets=False: every K
+  bucket's programs were compiled already (a later round)."""
   engine.set_speculative(speculative, draft_model)
 
   def requests():
@@ -116,7 +122,7 @@ def measure(engine, prompts, args, speculative=None, draft_model=None) -> dict:
 
   # Compile every K bucket's programs first: one run per bucket with K fixed (an adaptive
   # planner that tries a bucket only in the timed run would time its compilation).
-  if speculative is not None and speculative.adaptive:
+  if compile_buckets and speculative is not None and speculative.adaptive:
     for k in speculative.k_buckets:
       engine.set_speculative(dataclasses.replace(speculative, max_drafts=k, adaptive=False),
                              draft_model)
@@ -208,6 +214,9 @@ def main(argv=None):
   ap.add_argument("--kv-dtype", default="float32")
   ap.add_argument("--controller", action="store_true",
                   help="speculation in the reasoning controller's loop instead of the engine")
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="measure every configuration this many times, in rounds (each with "
+                       "its own plain baseline); the summary gives the median ratio and range")
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
 
@@ -225,33 +234,65 @@ def main(argv=None):
                                                         kv_dtype=args.kv_dtype))
     for task in [t for t in args.tasks.split(",") if t]:
       prompts = TASKS[task](max(batch, 4))
-      if args.controller:
-        configs = [(name, measure_controller(ctl, prompts, args))
-                   for name, ctl in controller_configs(model, ck, batch, args)]
-      else:
-        # Plain decoding first and last: the baseline is their mean, their gap the noise.
-        configs = [("plain", measure(engine, prompts, args))]
-        for name in drafters:
-          spec, draft = drafter_config(name, args, ck, drafts)
-          configs.append((name, measure(engine, prompts, args, spec, draft)))
-        configs.append(("plain (again)", measure(engine, prompts, args)))
-      plain = {k: (configs[0][1][k] + configs[-1][1][k]) / 2 for k in ("decode_tok_s", "e2e_tok_s")}
-      for name, r in configs:
-        row = {"task": task, "batch": batch, "config": name,
-               **{k: v for k, v in r.items() if k != "tokens"},
-               "decode_ratio": r["decode_tok_s"] / plain["decode_tok_s"],
-               "e2e_ratio": r["e2e_tok_s"] / plain["e2e_tok_s"],
-               "same_tokens": r["tokens"] == configs[0][1]["tokens"]}
-        rows.append(row)
-        print(f"{task:5} {batch:5d} {name:18} {row['decode_tok_s']:9.1f} "
-              f"{row['decode_ratio']:7.2f} {row['e2e_ratio']:6.2f} {row['acceptance_rate']:6.2f} "
-              f"{row['accepted_per_verify']:10.2f} {100 * row['verify_share']:6.0f}% "
-              f"{str(row['same_tokens']):5} {row['compiled_in_timed_run']}", flush=True)
+      controllers = controller_configs(model, ck, batch, args) if args.controller else None
+      for round_ in range(args.rounds):
+        rows += measure_round(engine if not args.controller else None, controllers, prompts,
+                              args, ck, drafts, drafters, task, batch, round_)
+  if args.rounds > 1:
+    print_summary(rows)
   out = {"args": vars(args), "rows": rows}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)
   return out
+
+
+def measure_round(engine, controllers, prompts, args, ck, drafts, drafters, task, batch,
+                  round_) -> list[dict]:
+  """Every configuration once, plain decoding first and last: the baseline is their
+  mean, their gap the noise. Prints and returns one row per configuration."""
+  rows = []
+  if controllers is not None:
+    configs = [(name, measure_controller(ctl, prompts, args)) for name, ctl in controllers]
+  else:
+    configs = [("plain", measure(engine, prompts, args))]
+    for name in drafters:
+      spec, draft = drafter_config(name, args, ck, drafts)
+      configs.append((name, measure(engine, prompts, args, spec, draft,
+                                    compile_buckets=round_ == 0)))
+    configs.append(("plain (again)", measure(engine, prompts, args)))
+  plain = {k: (configs[0][1][k] + configs[-1][1][k]) / 2 for k in ("decode_tok_s", "e2e_tok_s")}
+  for name, r in configs:
+    row = {"task": task, "batch": batch, "config": name, "round": round_,
+           **{k: v for k, v in r.items() if k != "tokens"},
+           "decode_ratio": r["decode_tok_s"] / plain["decode_tok_s"],
+           "e2e_ratio": r["e2e_tok_s"] / plain["e2e_tok_s"],
+           "same_tokens": r["tokens"] == configs[0][1]["tokens"]}
+    rows.append(row)
+    print(f"{task:5} {batch:5d} {name:18} {row['decode_tok_s']:9.1f} "
+          f"{row['decode_ratio']:7.2f} {row['e2e_ratio']:6.2f} {row['acceptance_rate']:6.2f} "
+          f"{row['accepted_per_verify']:10.2f} {100 * row['verify_share']:6.0f}% "
+          f"{str(row['same_tokens']):5} {row['compiled_in_timed_run']}", flush=True)
+  return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+  """Per task, batch and configuration over the rounds: the median decode and
+  end-to-end ratios to plain decoding with their range, the mean verify share,
+  and whether every round's tokens equalled plain decoding's."""
+  print(f"\n{'task':5} {'batch':>5} {'config':18} {'rounds':>6} {'x plain (median, range)':>24} "
+        f"{'e2e x (median, range)':>22} {'verify%':>7} same")
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault((r["task"], r["batch"], r["config"]), []).append(r)
+  for (task, batch, name), rs in groups.items():
+    dec = sorted(r["decode_ratio"] for r in rs)
+    e2e = sorted(r["e2e_ratio"] for r in rs)
+    verify = sum(r["verify_share"] for r in rs) / len(rs)
+    print(f"{task:5} {batch:5d} {name:18} {len(rs):6d} "
+          f"{statistics.median(dec):8.2f} ({dec[0]:.2f}-{dec[-1]:.2f})    "
+          f"{statistics.median(e2e):8.2f} ({e2e[0]:.2f}-{e2e[-1]:.2f}) {100 * verify:6.0f}% "
+          f"{all(r['same_tokens'] for r in rs)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -191,13 +191,15 @@ def test_bench_speculative_runs_every_drafter_and_compares_tokens(tiny_gguf, tmp
 def test_bench_speculative_controller_mode(tiny_gguf):
   out = load("bench_speculative").main(
       ["--source", tiny_gguf, "--tasks", "copy", "--batches", "2", "--max-new-tokens", "6",
-       "--max-drafts", "3", "--controller"])
+       "--max-drafts", "3", "--controller", "--rounds", "2"])
   rows = out["rows"]
-  assert [r["config"] for r in rows] == ["plain", "loop:prompt_lookup", "loop:lookup always",
-                                         "plain (again)"]
+  names = ["plain", "loop:prompt_lookup", "loop:lookup always", "plain (again)"]
+  assert [(r["round"], r["config"]) for r in rows] == [(i, n) for i in (0, 1) for n in names]
   assert all(r["same_tokens"] for r in rows)
-  assert rows[2]["verify_calls"] == rows[2]["decode_calls"] > 0  # every call verified
-  assert rows[0]["verify_calls"] == rows[3]["verify_calls"] == 0
+  for first in (0, 4):  # each round has its own baseline: its plain runs average to 1
+    assert rows[first]["decode_ratio"] + rows[first + 3]["decode_ratio"] == pytest.approx(2.0)
+    assert rows[first + 2]["verify_calls"] == rows[first + 2]["decode_calls"] > 0
+    assert rows[first]["verify_calls"] == rows[first + 3]["verify_calls"] == 0
 
 
 def test_study_multi_exit_runs_each_exit(tiny_gguf):
