@@ -925,7 +925,8 @@ class Engine:
         if s.finish_reason is not None:
           break  # a stop string: what the row sampled past it is dropped
     if self._planner is not None and sum(self.trace_counts.values()) == call_traces:
-      self._planner.observe(rows, 0, (self.clock() - call_start) / ran)  # (not while compiling)
+      self._planner.observe(rows, 0, (self.clock() - call_start) / ran,  # (not while compiling)
+                            single=iterations == 1)
 
   def _decode_batch(self, seqs: Sequence[_Seq], rows: int):
     """The decode inputs of `seqs` in `rows` slots: (DecodeBatch, stop ids [rows, S]
@@ -990,7 +991,8 @@ class Engine:
     rows = self._decode_rows(len(running))
     k = self._planner.choose(rows, [available[s] for s in running],
                              [self._planner.rate(s.acceptance) for s in running],
-                             [behind[s] for s in running], [s.remaining_budget for s in running])
+                             [behind[s] for s in running], [s.remaining_budget for s in running],
+                             single=self._call_iterations(running) == 1)
     drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running])))
     if k == 0:
       for seq in running:
@@ -1104,7 +1106,8 @@ class Engine:
 
   def _filling(self) -> bool:
     """Requests are prefilling, or waiting while a slot is free: the batch grows."""
-    return bool(self._prefilling) or bool(self._waiting and self._slots_in_use() < self.config.max_slots)
+    free = self._slots_in_use() < self.config.max_slots
+    return bool(self._prefilling) or bool(self._waiting and free)
 
   def _call_iterations(self, running: Sequence[_Seq]) -> int:
     """Decode steps for the next call (see the module doc)."""

@@ -159,6 +159,11 @@ class SpeculationPlanner:
   the planner shun a shape, as it would a mean.
   A shape not timed for `STALE` decisions is tried again when, at the optimistic
   prior cost, it would beat plain decoding (one call: what it costs is re-learned).
+  Plain decoding is timed apart for one-step calls (`single`: while the batch
+  fills, the host's work per call falls on one step) and for multi-step calls, and
+  re-timed after `STALE` decisions without a plain call of that kind: else one
+  early, costly plain timing (at batch 32, taken while the batch filled) made
+  verifying look better than it was for the rest of the engine's life.
 
   A draft model must first catch up over the tokens a row has not shown it (its
   prompt, or what plain decoding added since): a one-off cost, measured per token
@@ -175,8 +180,9 @@ class SpeculationPlanner:
   def __init__(self, config: SpeculativeConfig):
     self.config = config
     self.acceptance = Acceptance(decay=0.98)  # over every sequence (the last ~50 calls)
-    self.timings: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> seconds per call
-    self._timed_at: dict[tuple[int, int], int] = {}  # decision count at the last timing
+    # (rows, K, single) -> seconds per call (plain decoding: per step; single only there)
+    self.timings: dict[tuple[int, int, bool], collections.deque] = {}
+    self._timed_at: dict[tuple[int, int, bool], int] = {}  # decision count at the last timing
     self.decisions = 0
     self.catch_up: collections.deque = collections.deque(maxlen=self.KEEP)  # s per token
 
@@ -185,11 +191,16 @@ class SpeculationPlanner:
     if tokens > 0:
       self.catch_up.append(seconds / tokens)
 
-  def observe(self, rows: int, k: int, seconds: float) -> None:
-    """Wall time of one call of this shape (plain decoding: per step; the engine
-    leaves out calls that compiled)."""
-    self.timings.setdefault((rows, k), collections.deque(maxlen=self.KEEP)).append(seconds)
-    self._timed_at[(rows, k)] = self.decisions
+  @staticmethod
+  def _key(rows: int, k: int, single: bool) -> tuple[int, int, bool]:
+    return rows, k, bool(single) and k == 0
+
+  def observe(self, rows: int, k: int, seconds: float, single: bool = False) -> None:
+    """Wall time of one call of this shape (plain decoding: per step, `single` for a
+    one-step call; the engine leaves out calls that compiled)."""
+    key = self._key(rows, k, single)
+    self.timings.setdefault(key, collections.deque(maxlen=self.KEEP)).append(seconds)
+    self._timed_at[key] = self.decisions
 
   def rate(self, seq: Acceptance) -> float:
     """A sequence's acceptance estimate around the engine-wide one. A sequence with no
@@ -206,15 +217,18 @@ class SpeculationPlanner:
     seq.observe(drafted, accepted)
     self.acceptance.observe(drafted, accepted)
 
-  def cost(self, rows: int, k: int) -> float | None:
-    """Seconds per call of shape (rows, K): measured, or the prior from plain decoding."""
-    if (rows, k) in self.timings:
-      return statistics.median(self.timings[(rows, k)])
-    return self.prior(rows, k)
+  def cost(self, rows: int, k: int, single: bool = False) -> float | None:
+    """Seconds per call of shape (rows, K): measured, or the prior from plain decoding
+    (K = 0: per step of a one-step call if `single`, else of a multi-step one; the
+    other kind when this one is unmeasured)."""
+    for key in (self._key(rows, k, single), self._key(rows, k, not single)):
+      if key in self.timings:
+        return statistics.median(self.timings[key])
+    return None if k == 0 else self.prior(rows, k, single)
 
-  def prior(self, rows: int, k: int) -> float | None:
-    step = self.timings.get((rows, 0))
-    return None if step is None else statistics.median(step) * (1.0 + self.PRIOR_PER_POSITION * k)
+  def prior(self, rows: int, k: int, single: bool = False) -> float | None:
+    step = self.cost(rows, 0, single)
+    return None if step is None else step * (1.0 + self.PRIOR_PER_POSITION * k)
 
   def drafting(self, rows: int, k: int, behind: Sequence[int]) -> list[bool]:
     """Which rows draft in a call of K drafts; behind[i]: tokens row i must catch up
@@ -223,18 +237,20 @@ class SpeculationPlanner:
     one least behind (the call still times the whole shape: every row runs through
     the draft and verify calls)."""
     owing = [i for i, c in enumerate(behind) if c > 0]
-    known = (rows, k) in self.timings and self.catch_up
+    known = self._key(rows, k, False) in self.timings and self.catch_up
     if k == 0 or not self.config.adaptive or len(owing) <= 1 or known:
       return [True] * len(behind)
     least = min(owing, key=lambda i: behind[i])
     return [c == 0 or i == least for i, c in enumerate(behind)]
 
   def choose(self, rows: int, available: Sequence[int], rates: Sequence[float],
-             behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None) -> int:
+             behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None,
+             single: bool = False) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
     (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
     behind[i]: tokens it must catch up over first (a draft model) and remaining[i]:
-    tokens its budget has left, over which that one-off cost is spread."""
+    tokens its budget has left, over which that one-off cost is spread; single: the
+    plain call that would run instead is one step (the batch fills)."""
     self.decisions += 1
     most = max(available, default=0)
     if most == 0:
@@ -242,9 +258,13 @@ class SpeculationPlanner:
     buckets = [k for k in self.config.k_buckets if k <= most] or [self.config.k_buckets[0]]
     if not self.config.adaptive:
       return max(buckets)
-    plain = self.cost(rows, 0)
-    if plain is None:  # time plain decoding first: it is the baseline of every choice
+    # Time plain decoding of the kind that would run first (it is the baseline of
+    # every choice), and again when its timing is STALE.
+    plain_key = self._key(rows, 0, single)
+    if (plain_key not in self.timings
+        or self.decisions - self._timed_at[plain_key] > self.STALE):
       return 0
+    plain = self.cost(rows, 0, single)
     behind = behind or [0] * len(available)
     remaining = remaining or [0] * len(available)
     expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
@@ -259,10 +279,11 @@ class SpeculationPlanner:
 
     best_k, best = 0, len(available) / plain
     for k in buckets:
-      stale = self.decisions - self._timed_at.get((rows, k), self.decisions) > self.STALE
-      if stale and expected(k) / (self.prior(rows, k) + charge(k)) > best:
+      key = self._key(rows, k, False)
+      stale = self.decisions - self._timed_at.get(key, self.decisions) > self.STALE
+      if stale and expected(k) / (self.prior(rows, k, single) + charge(k)) > best:
         return k  # re-time it
-      speed = expected(k) / (self.cost(rows, k) + charge(k))
+      speed = expected(k) / (self.cost(rows, k, single) + charge(k))
       if speed > best:
         best_k, best = k, speed
     return best_k

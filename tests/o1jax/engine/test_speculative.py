@@ -99,9 +99,12 @@ def test_planner_speculates_only_where_it_pays():
   for _ in range(SpeculationPlanner.KEEP):  # K=3 got slow for good
     planner.observe(8, 3, 0.200)
   assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
-  # Shapes untimed for STALE decisions are tried once more (their prior beats plain) ...
+  # Shapes untimed for STALE decisions are tried once more (their prior beats plain),
+  # plain decoding first ...
   for _ in range(SpeculationPlanner.STALE):
     planner.choose(8, [1, 1], [0.9, 0.9])
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 0
+  planner.observe(8, 0, 0.010)
   assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
   planner.observe(8, 3, 0.200)
   assert planner.choose(8, [7, 7], [0.9, 0.9]) == 7
@@ -109,6 +112,22 @@ def test_planner_speculates_only_where_it_pays():
   assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
   fixed = SpeculationPlanner(SpeculativeConfig(max_drafts=7, adaptive=False))
   assert fixed.choose(8, [5, 2], [0.0, 0.0]) == 3  # the largest bucket the drafts fill
+
+
+def test_planner_times_one_step_and_multi_step_plain_calls_apart():
+  """While the batch fills, a plain call is one step and carries the host's work per
+  call alone; the choice compares verifying with the plain call that would run."""
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
+  planner.observe(8, 0, 0.030, single=True)
+  planner.observe(8, 1, 0.030)
+  planner.observe(8, 3, 0.040)
+  rates = [0.9] * 8  # K=3: 27.5 tokens per call, K=1: 15.2
+  assert planner.choose(8, [3] * 8, rates, single=True) == 3  # 688 against 267 tok/s
+  assert planner.choose(8, [3] * 8, rates) == 0  # multi-step plain: time it first
+  planner.observe(8, 0, 0.010)
+  assert planner.cost(8, 0) == 0.010 and planner.cost(8, 0, single=True) == 0.030
+  assert planner.choose(8, [3] * 8, rates) == 0  # 800 tok/s plain wins
+  assert planner.choose(8, [3] * 8, rates, single=True) == 3
 
 
 def test_planner_weighs_a_draft_models_catch_up():

@@ -152,9 +152,9 @@ def test_no_catch_up_starts_while_the_batch_fills(tiny, make_prompts):
   seen = []
   choose = spec._planner.choose
 
-  def recording(rows, available, rates, behind, remaining):
+  def recording(rows, available, rates, behind, remaining, **kw):
     seen.append((spec._filling(), list(available), list(behind)))
-    return choose(rows, available, rates, behind, remaining)
+    return choose(rows, available, rates, behind, remaining, **kw)
 
   spec._planner.choose = recording
   prompts = make_prompts(8, seed=55, low=20, high=60)
