@@ -992,7 +992,8 @@ class Engine:
     k = self._planner.choose(rows, [available[s] for s in running],
                              [self._planner.rate(s.acceptance) for s in running],
                              [behind[s] for s in running], [s.remaining_budget for s in running],
-                             single=self._call_iterations(running) == 1)
+                             single=self._call_iterations(running) == 1,
+                             draining=not (self._waiting or self._prefilling))
     drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running])))
     if k == 0:
       for seq in running:

@@ -245,12 +245,18 @@ class SpeculationPlanner:
 
   def choose(self, rows: int, available: Sequence[int], rates: Sequence[float],
              behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None,
-             single: bool = False) -> int:
+             single: bool = False, draining: bool = False) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
     (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
     behind[i]: tokens it must catch up over first (a draft model) and remaining[i]:
     tokens its budget has left, over which that one-off cost is spread; single: the
-    plain call that would run instead is one step (the batch fills)."""
+    plain call that would run instead is one step (the batch fills).
+
+    The best K: while requests wait, the most expected tokens per second over all
+    rows (a row that ends frees its slot for the next request). When `draining` (no
+    request waits) the batch lasts until its last row ends, so the K with the
+    earliest predicted end of the last row: a verify call costs more than a plain
+    step, and rows with few drafts accepted would otherwise finish later."""
     self.decisions += 1
     most = max(available, default=0)
     if most == 0:
@@ -277,13 +283,19 @@ class SpeculationPlanner:
           total += c * per_token / max(1.0, left / expected_tokens(min(k, a), r))
       return total
 
-    best_k, best = 0, len(available) / plain
+    def score(k: int, seconds: float) -> float:  # higher is better; k = 0: plain decoding
+      if draining and any(remaining):
+        return -seconds * max(left / expected_tokens(min(k, a), r)
+                              for a, r, left in zip(available, rates, remaining))
+      return expected(k) / seconds
+
+    best_k, best = 0, score(0, plain)
     for k in buckets:
       key = self._key(rows, k, False)
       stale = self.decisions - self._timed_at.get(key, self.decisions) > self.STALE
-      if stale and expected(k) / (self.prior(rows, k, single) + charge(k)) > best:
+      if stale and score(k, self.prior(rows, k, single) + charge(k)) > best:
         return k  # re-time it
-      speed = expected(k) / (self.cost(rows, k, single) + charge(k))
-      if speed > best:
-        best_k, best = k, speed
+      value = score(k, self.cost(rows, k, single) + charge(k))
+      if value > best:
+        best_k, best = k, value
     return best_k

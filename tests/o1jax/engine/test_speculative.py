@@ -130,6 +130,21 @@ def test_planner_times_one_step_and_multi_step_plain_calls_apart():
   assert planner.choose(8, [3] * 8, rates, single=True) == 3
 
 
+def test_planner_while_draining_waits_for_the_last_row():
+  """With requests waiting, tokens per second over all rows count; once none waits,
+  the batch ends with its last row, and a verify call slows a row without drafts."""
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
+  planner.observe(8, 0, 0.010)
+  planner.observe(8, 3, 0.015)
+  one_drafts = ([3, 0], [0.9, 0.9], [0, 0], [64, 64])
+  assert planner.choose(8, *one_drafts) == 3  # 4.4 tokens per 15 ms against 2 per 10 ms
+  assert planner.choose(8, *one_drafts, draining=True) == 0  # its last row: 960 vs 640 ms
+  both_draft = ([3, 3], [0.9, 0.9], [0, 0], [64, 64])
+  assert planner.choose(8, *both_draft, draining=True) == 3  # 279 vs 640 ms
+  # The row without drafts ends soon: the drafting row decides the end.
+  assert planner.choose(8, [3, 0], [0.9, 0.9], [0, 0], [64, 4], draining=True) == 3
+
+
 def test_planner_weighs_a_draft_models_catch_up():
   """A row must first show the draft model the tokens it has not seen: a one-off
   cost per token, spread over the verify calls the row's budget has left."""
