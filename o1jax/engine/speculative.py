@@ -27,9 +27,11 @@ emit (1 - a^(d+1)) / (1 - a) tokens. The planner times every decode call
 shape (rows, K + 1), plain decoding included (K = 0, per step; the median of the
 last few timings of whole calls, host work included), and picks the
 K of `K_BUCKETS` (or 0: no speculation) with the most expected tokens per
-second for the whole batch. So speculation turns itself off where drafts are
+second for the whole batch, or, when no request waits, the earliest predicted
+end of the batch's last row. So speculation turns itself off where drafts are
 rarely accepted or where a wider call costs more than it emits (large
-batches on a compute-bound device).
+batches on a compute-bound device). A draft model's catch-up is weighed too
+(`SpeculationPlanner`).
 """
 
 from __future__ import annotations
