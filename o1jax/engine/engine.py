@@ -989,17 +989,11 @@ class Engine:
       # catch-up started now would likely be stranded (measured at batch 8 on a CPU).
       available = {s: 0 if behind[s] else available[s] for s in running}
     rows = self._decode_rows(len(running))
-    # When no request waits, the batch ends with its last row, and rows still
-    # prefilling end after the running ones: they count as rows without drafts (a
-    # verify call lengthens the steps their prefill chunks share).
-    draining = not self._waiting
-    later = [s.remaining_budget for s in self._prefilling] if draining else []
-    none = [0] * len(later)
-    rates = [self._planner.rate(s.acceptance) for s in running]
-    k = self._planner.choose(rows, [available[s] for s in running] + none, rates + none,
-                             [behind[s] for s in running] + none,
-                             [s.remaining_budget for s in running] + later,
-                             single=self._call_iterations(running) == 1, draining=draining)
+    k = self._planner.choose(rows, [available[s] for s in running],
+                             [self._planner.rate(s.acceptance) for s in running],
+                             [behind[s] for s in running], [s.remaining_budget for s in running],
+                             single=self._call_iterations(running) == 1,
+                             draining=not (self._waiting or self._prefilling))
     drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running])))
     if k == 0:
       for seq in running:
