@@ -1018,8 +1018,6 @@ class Engine:
         drafts[i, :num_drafts[i]] = proposals[s][:num_drafts[i]]
     start, sunk = self.clock(), 0.0
     drafts_dev = jnp.asarray(drafts)
-    prev = np.zeros(rows, np.int32)  # the token before each row's last (the draft model's)
-    prev[:len(seqs)] = [s.tokens[-2] if len(s.tokens) > 1 else 0 for s in seqs]
     if cfg.drafter == "early_exit":
       head_t = self._head_t if rows >= 8 else None
       drafts_dev, self.cache = self._draft_jit(self._state_leaves, self.cache, batch,
@@ -1031,6 +1029,8 @@ class Engine:
       if caught_up and sum(self.trace_counts.values()) == call_traces:
         self._planner.observe_catch_up(caught_up, sunk)
       head_t = self._draft_head_t if rows >= 8 else None
+      prev = np.zeros(rows, np.int32)  # the token before each row's last
+      prev[:len(seqs)] = [s.tokens[-2] if len(s.tokens) > 1 else 0 for s in seqs]
       drafts_dev, self.draft_cache = self._draft_model_jit(
           self._draft_leaves, self.draft_cache, batch, jnp.asarray(num_drafts), k, None, head_t,
           jnp.asarray(prev))
