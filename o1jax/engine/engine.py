@@ -984,17 +984,14 @@ class Engine:
     # what plain decoding added): a one-off cost the planner weighs against what the
     # row's remaining budget can win back.
     behind = {s: self._draft_behind(s) if cfg.drafter == "draft_model" else 0 for s in running}
-    if cfg.adaptive and self._filling():
-      # The batch is filling: the full batch decides whether speculation pays, so a
-      # catch-up started now would likely be stranded (measured at batch 8 on a CPU).
-      available = {s: 0 if behind[s] else available[s] for s in running}
-    rows = self._decode_rows(len(running))
+    rows, single = self._decode_rows(len(running)), self._call_iterations(running) == 1
     k = self._planner.choose(rows, [available[s] for s in running],
                              [self._planner.rate(s.acceptance) for s in running],
                              [behind[s] for s in running], [s.remaining_budget for s in running],
-                             single=self._call_iterations(running) == 1,
-                             draining=not (self._waiting or self._prefilling))
-    drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running])))
+                             single=single, draining=not self._waiting,
+                             pending=self._prefill_calls_ahead())
+    drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running],
+                                                        single)))
     if k == 0:
       for seq in running:
         seq.acceptance.idle()
@@ -1104,6 +1101,16 @@ class Engine:
                                                  jnp.asarray(lens), tables)
     jax.block_until_ready(self.draft_cache)
     return total, self.clock() - start
+
+  def _prefill_calls_ahead(self) -> list[int]:
+    """Per prefilling sequence (in the order prefill serves them): the calls it has
+    ahead, one per prefill chunk until its prompt is in, then one per token of its
+    budget (decode steps at the least)."""
+    ahead, out = 0, []
+    for seq in sorted(self._prefilling, key=lambda s: s.arrival):
+      ahead += seq.prefill_target - seq.n_computed
+      out.append(-(-ahead // self.config.prefill_chunk) + seq.remaining_budget)
+    return out
 
   def _filling(self) -> bool:
     """Requests are prefilling, or waiting while a slot is free: the batch grows."""

@@ -161,11 +161,15 @@ class SpeculationPlanner:
   the planner shun a shape, as it would a mean.
   A shape not timed for `STALE` decisions is tried again when, at the optimistic
   prior cost, it would beat plain decoding (one call: what it costs is re-learned).
-  Plain decoding is timed apart for one-step calls (`single`: while the batch
-  fills, the host's work per call falls on one step) and for multi-step calls, and
-  re-timed after `STALE` decisions without a plain call of that kind: else one
-  early, costly plain timing (at batch 32, taken while the batch filled) made
-  verifying look better than it was for the rest of the engine's life.
+  Every shape is timed apart while the batch fills (`single`: plain calls are one
+  step then, and every call waits for the prefill chunk dispatched before it) and
+  after; plain decoding is re-timed after `STALE` decisions without a plain call of
+  that kind. Else a costly one-step plain timing taken while the batch filled, or
+  a cheap verify timing taken after, made verifying look better than it was.
+
+  While no request waits (`draining`), the batch ends with its last row: rows
+  still prefilling (`pending`) count with the calls they have ahead, so no verify
+  call lengthens the steps their prefill chunks share for rows that end earlier.
 
   A draft model must first catch up over the tokens a row has not shown it (its
   prompt, or what plain decoding added since): a one-off cost, measured per token
@@ -173,7 +177,9 @@ class SpeculationPlanner:
   over the verify calls its remaining budget leaves. While that cost or the shape
   is unmeasured, a call lets at most one row that must catch up draft
   (`drafting`): so trying a shape costs one prompt's catch-up, not a whole batch's
-  (at batch 8 on a CPU, 8 prompts' catch-up cost more than a 64-token run won)."""
+  (at batch 8 on a CPU, 8 prompts' catch-up cost more than a 64-token run won).
+  While the batch fills no row starts a catch-up: the full batch decides whether
+  speculation pays, and a catch-up started before would likely be stranded."""
 
   KEEP = 8
   STALE = 64
@@ -182,7 +188,7 @@ class SpeculationPlanner:
   def __init__(self, config: SpeculativeConfig):
     self.config = config
     self.acceptance = Acceptance(decay=0.98)  # over every sequence (the last ~50 calls)
-    # (rows, K, single) -> seconds per call (plain decoding: per step; single only there)
+    # (rows, K, single) -> seconds per call (plain decoding: per step)
     self.timings: dict[tuple[int, int, bool], collections.deque] = {}
     self._timed_at: dict[tuple[int, int, bool], int] = {}  # decision count at the last timing
     self.decisions = 0
@@ -195,11 +201,11 @@ class SpeculationPlanner:
 
   @staticmethod
   def _key(rows: int, k: int, single: bool) -> tuple[int, int, bool]:
-    return rows, k, bool(single) and k == 0
+    return rows, k, bool(single)
 
   def observe(self, rows: int, k: int, seconds: float, single: bool = False) -> None:
-    """Wall time of one call of this shape (plain decoding: per step, `single` for a
-    one-step call; the engine leaves out calls that compiled)."""
+    """Wall time of one call of this shape (plain decoding: per step; `single`: while
+    the batch fills; the engine leaves out calls that compiled)."""
     key = self._key(rows, k, single)
     self.timings.setdefault(key, collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[key] = self.decisions
@@ -220,9 +226,9 @@ class SpeculationPlanner:
     self.acceptance.observe(drafted, accepted)
 
   def cost(self, rows: int, k: int, single: bool = False) -> float | None:
-    """Seconds per call of shape (rows, K): measured, or the prior from plain decoding
-    (K = 0: per step of a one-step call if `single`, else of a multi-step one; the
-    other kind when this one is unmeasured)."""
+    """Seconds per call of shape (rows, K) while the batch fills (`single`) or not:
+    measured, the other phase's timing when this one is unmeasured, or the prior
+    from plain decoding (K = 0: per step)."""
     for key in (self._key(rows, k, single), self._key(rows, k, not single)):
       if key in self.timings:
         return statistics.median(self.timings[key])
@@ -232,34 +238,44 @@ class SpeculationPlanner:
     step = self.cost(rows, 0, single)
     return None if step is None else step * (1.0 + self.PRIOR_PER_POSITION * k)
 
-  def drafting(self, rows: int, k: int, behind: Sequence[int]) -> list[bool]:
+  def drafting(self, rows: int, k: int, behind: Sequence[int], single: bool = False) -> list[bool]:
     """Which rows draft in a call of K drafts; behind[i]: tokens row i must catch up
-    over first. All of them once the shape and the catch-up cost are measured (and
-    always with adaptive off); until then the rows with nothing to catch up and the
-    one least behind (the call still times the whole shape: every row runs through
-    the draft and verify calls)."""
+    over first. With adaptive off, all of them. Else, while the batch fills
+    (`single`), none that must catch up; once the shape (and the catch-up cost) is
+    measured, all; until then the rows with nothing to catch up and the one least
+    behind (the call still times the whole shape: every row runs through the draft
+    and verify calls)."""
+    if k == 0 or not self.config.adaptive:
+      return [True] * len(behind)
+    if single:
+      return [c == 0 for c in behind]
     owing = [i for i, c in enumerate(behind) if c > 0]
-    known = self._key(rows, k, False) in self.timings and self.catch_up
-    if k == 0 or not self.config.adaptive or len(owing) <= 1 or known:
+    if len(owing) <= 1 or (self._key(rows, k, False) in self.timings and self.catch_up):
       return [True] * len(behind)
     least = min(owing, key=lambda i: behind[i])
     return [c == 0 or i == least for i, c in enumerate(behind)]
 
   def choose(self, rows: int, available: Sequence[int], rates: Sequence[float],
              behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None,
-             single: bool = False, draining: bool = False) -> int:
+             single: bool = False, draining: bool = False, pending: Sequence[int] = ()) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
     (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
     behind[i]: tokens it must catch up over first (a draft model) and remaining[i]:
     tokens its budget has left, over which that one-off cost is spread; single: the
-    plain call that would run instead is one step (the batch fills).
+    batch fills (the plain call that would run instead is one step, and no row
+    starts a catch-up); pending[j]: calls a row still prefilling has ahead (its
+    prefill chunks and its budget).
 
     The best K: while requests wait, the most expected tokens per second over all
     rows (a row that ends frees its slot for the next request). When `draining` (no
     request waits) the batch lasts until its last row ends, so the K with the
-    earliest predicted end of the last row: a verify call costs more than a plain
-    step, and rows with few drafts accepted would otherwise finish later."""
+    earliest predicted end of the last row, prefilling rows included: a verify call
+    costs more than a plain step, and rows with few drafts accepted, or none yet,
+    would otherwise finish later."""
     self.decisions += 1
+    behind = list(behind or [0] * len(available))
+    if self.config.adaptive and single:
+      available = [0 if c else a for a, c in zip(available, behind)]
     most = max(available, default=0)
     if most == 0:
       return 0
@@ -273,7 +289,6 @@ class SpeculationPlanner:
         or self.decisions - self._timed_at[plain_key] > self.STALE):
       return 0
     plain = self.cost(rows, 0, single)
-    behind = behind or [0] * len(available)
     remaining = remaining or [0] * len(available)
     expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
     per_token = statistics.median(self.catch_up) if self.catch_up else 0.0
@@ -286,14 +301,15 @@ class SpeculationPlanner:
       return total
 
     def score(k: int, seconds: float) -> float:  # higher is better; k = 0: plain decoding
-      if draining and any(remaining):
-        return -seconds * max(left / expected_tokens(min(k, a), r)
-                              for a, r, left in zip(available, rates, remaining))
+      if draining and (any(remaining) or pending):
+        calls = [left / expected_tokens(min(k, a), r)
+                 for a, r, left in zip(available, rates, remaining)]
+        return -seconds * max(calls + list(pending))
       return expected(k) / seconds
 
     best_k, best = 0, score(0, plain)
     for k in buckets:
-      key = self._key(rows, k, False)
+      key = self._key(rows, k, single)
       stale = self.decisions - self._timed_at.get(key, self.decisions) > self.STALE
       if stale and score(k, self.prior(rows, k, single) + charge(k)) > best:
         return k  # re-time it

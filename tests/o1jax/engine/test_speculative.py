@@ -145,6 +145,49 @@ def test_planner_while_draining_waits_for_the_last_row():
   assert planner.choose(8, [3, 0], [0.9, 0.9], [0, 0], [64, 4], draining=True) == 3
 
 
+def test_planner_times_verify_calls_apart_while_the_batch_fills():
+  """While the batch fills every call also waits for a prefill chunk: a verify call
+  timed after the fill is not set against a one-step plain call timed during it."""
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
+  planner.observe(8, 0, 0.030, single=True)  # a plain step and a prefill chunk
+  planner.observe(8, 3, 0.040)  # a verify call after the fill
+  rates = [0.9] * 8
+  assert planner.cost(8, 3, single=True) == 0.040  # unmeasured while filling: the other phase
+  assert planner.choose(8, [3] * 8, rates, single=True) == 3  # so it is tried
+  planner.observe(8, 3, 0.100, single=True)  # and costs the chunk too
+  planner.observe(8, 1, 0.090, single=True)
+  assert planner.cost(8, 3, single=True) == 0.100 and planner.cost(8, 3) == 0.040
+  # 27.5 tokens per 100 ms against 8 per 30 ms: it still pays for the running rows ...
+  assert planner.choose(8, [3] * 8, rates, single=True) == 3
+  # ... but not when nothing waits and a row still prefilling ends the batch: every
+  # call delays its chunks (100 calls ahead of it at 100 against 30 ms).
+  remaining = [64] * 8
+  assert planner.choose(8, [3] * 8, rates, [0] * 8, remaining, single=True, draining=True,
+                        pending=[100]) == 0
+  # With no row prefilling, the running rows decide (64 tokens: 18 calls against 64).
+  assert planner.choose(8, [3] * 8, rates, [0] * 8, remaining, single=True, draining=True) == 3
+  # A prefilling row that ends before the running rows does not stop them verifying.
+  assert planner.choose(8, [3] * 8, rates, [0] * 8, [640] * 8, single=True, draining=True,
+                        pending=[20]) == 3
+
+
+def test_planner_starts_no_catch_up_while_the_batch_fills():
+  planner = SpeculationPlanner(SpeculativeConfig(drafter="draft_model", max_drafts=7))
+  planner.observe(2, 0, 0.010, single=True)
+  planner.observe(2, 0, 0.010)
+  planner.observe(2, 7, 0.012, single=True)
+  planner.observe(2, 7, 0.012)
+  planner.observe_catch_up(100, 0.001)
+  args = ([7, 7], [1.0, 1.0], [50, 0], [512, 512])
+  assert planner.choose(2, [7, 0], [1.0, 1.0], [50, 0], [512, 512], single=True) == 0
+  assert planner.choose(2, [7, 0], [1.0, 1.0], [50, 0], [512, 512]) == 7
+  assert planner.choose(2, *args, single=True) == 7  # the row caught up drafts
+  assert planner.drafting(2, 7, [50, 0], single=True) == [False, True]
+  assert planner.drafting(2, 7, [50, 0]) == [True, True]
+  fixed = SpeculationPlanner(SpeculativeConfig(drafter="draft_model", adaptive=False))
+  assert fixed.drafting(2, 7, [50, 0], single=True) == [True, True]
+
+
 def test_planner_weighs_a_draft_models_catch_up():
   """A row must first show the draft model the tokens it has not seen: a one-off
   cost per token, spread over the verify calls the row's budget has left."""

@@ -144,23 +144,39 @@ def test_a_verify_call_leaves_no_catch_up_behind(tiny, make_prompts):
 
 def test_no_catch_up_starts_while_the_batch_fills(tiny, make_prompts):
   """While requests prefill or wait for a free slot, rows that would have to catch
-  up do not draft (the full batch decides whether speculation pays); the outputs
-  stay plain decoding's."""
+  up do not draft (the full batch decides whether speculation pays), so no catch-up
+  runs then; the outputs stay plain decoding's."""
   adaptive = dataclasses.replace(SPEC, adaptive=True)
   config = EngineConfig(max_slots=4, num_blocks=128, prefill_chunk=16, max_prefill_seqs=1)
   spec = Engine(tiny.model, tiny.tokenizer, config, speculative=adaptive, draft_model=tiny.model)
-  seen = []
-  choose = spec._planner.choose
+  # Timings as if verifying were almost free (and they stay so: this CPU's own timings
+  # would make the run's decisions depend on its load), so only the rule holds it back.
+  planner = spec._planner
+  for rows in {spec._decode_rows(n) for n in range(1, 5)}:
+    for k in (0,) + adaptive.k_buckets:
+      for single in (False, True):
+        planner.observe(rows, k, 0.010 if k == 0 else 0.011, single=single)
+  planner.observe_catch_up(1000, 0.001)
+  planner.observe = lambda *args, **kwargs: None
+  decisions, catch_ups = [], []
+  drafting, catch_up = spec._planner.drafting, spec._catch_up_draft
 
-  def recording(rows, available, rates, behind, remaining, **kw):
-    seen.append((spec._filling(), list(available), list(behind)))
-    return choose(rows, available, rates, behind, remaining, **kw)
+  def recording_drafting(rows, k, behind, single=False):
+    chosen = drafting(rows, k, behind, single)
+    decisions.append((spec._filling(), k, list(behind), chosen))
+    return chosen
 
-  spec._planner.choose = recording
+  def recording_catch_up(seqs):
+    tokens, seconds = catch_up(seqs)
+    catch_ups.append((spec._filling(), tokens))
+    return tokens, seconds
+
+  spec._planner.drafting, spec._catch_up_draft = recording_drafting, recording_catch_up
   prompts = make_prompts(8, seed=55, low=20, high=60)
   requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)]
   _same(Engine(tiny.model, tiny.tokenizer, config).generate(requests), spec.generate(requests))
-  filling = [(a, b) for f, a, b in seen if f]
-  assert filling and any(b for _, b in filling)
-  assert all(n == 0 for a, b in filling for n, c in zip(a, b) if c > 0)
-  assert any(n > 0 for f, a, b in seen if not f for n, c in zip(a, b) if c > 0)
+  filling = [(k, b, d) for f, k, b, d in decisions if f]
+  assert any(any(b) for _, b, _ in filling)  # decisions while filling, with rows behind
+  assert all(not d[i] for k, b, d in filling if k for i, c in enumerate(b) if c > 0)
+  assert all(tokens == 0 for f, tokens in catch_ups if f)
+  assert any(tokens > 0 for f, tokens in catch_ups if not f)
