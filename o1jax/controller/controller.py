@@ -822,14 +822,18 @@ class Controller:
       per_call = min(per_call, 8)
     spec_interval = SPEC_INTERVAL if adaptive else NEVER
     admitted_now = True  # the rows changed since the last choice
+    seen_rows = None  # (state.phase it was read from, phase, spec_acc, spec_calls_row)
+    iteration = int(state.iteration)
     while in_slot:
       live = np.zeros(slots, bool)
       live[list(in_slot)] = True
       if budget is not None:
         state = self._apply_budget(budget, state, n, live, len(waiting), requests, in_slot)
       if adaptive:  # choose this call's loop from the rows as they are now
-        phase, accepted, spec_calls = jax.device_get(
-            (state.phase, state.spec_acc, state.spec_calls_row))
+        if seen_rows is None or seen_rows[0] is not state.phase:  # admitted or pruned since
+          seen_rows = (state.phase, *jax.device_get(
+              (state.phase, state.spec_acc, state.spec_calls_row)))
+        _, phase, accepted, spec_calls = seen_rows
         seen = spec_calls > 0.5  # rows with evidence: the priors of fresh ones
         if seen.any():
           per_row = accepted[seen] / spec_calls[seen]
@@ -841,7 +845,7 @@ class Controller:
         spec_interval = (min(2 * spec_interval, SPEC_INTERVAL_MAX)
                          if verify == again and not admitted_now else SPEC_INTERVAL)
         admitted_now = False
-      start_iter = int(state.iteration)
+      start_iter = iteration
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + min(per_call, spec_interval), NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
@@ -849,12 +853,18 @@ class Controller:
       loop = loops[verify]
       with self._on_mesh():
         state = (loop.run_python if self.python_twin else loop.run)(self.model.params, state)
-      phase, after = jax.device_get((state.phase, state.length))  # one sync per invocation
+      # One sync per invocation (adaptive: the next choice reads these rows too).
+      spec = (state.spec_acc, state.spec_calls_row) if adaptive else ()
+      phase, after, iteration, *spec = jax.device_get(
+          (state.phase, state.length, state.iteration, *spec))
+      iteration = int(iteration)
+      if adaptive:
+        seen_rows = (state.phase, phase, *spec)
       done = phase == S.DONE
       dt = time.perf_counter() - t_call
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
-      ran = max(1, int(state.iteration) - start_iter)
+      ran = max(1, iteration - start_iter)
       if adaptive:
         self._time_call((b, length, verify), dt / ran)
       grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))

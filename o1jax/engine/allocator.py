@@ -101,19 +101,28 @@ class BlockAllocator:
       keys.append(key)
     return keys
 
+  def _cached_blocks(self, tokens: Sequence[int], limit: int) -> list[int]:
+    """Cached blocks for the longest run of full blocks within tokens[:limit]."""
+    blocks = []
+    if self.prefix_caching:
+      for key in self.block_keys(tokens, limit // self.block_size):
+        block = self._block_of.get(key)
+        if block is None or self._key_of.get(block) != key:
+          break
+        blocks.append(block)
+    return blocks
+
+  def cached_prefix(self, tokens: Sequence[int], limit: int) -> int:
+    """How many blocks `match_prefix` would return (no counts taken)."""
+    return len(self._cached_blocks(tokens, limit))
+
   def match_prefix(self, tokens: Sequence[int], limit: int) -> list[int]:
     """Cached blocks for the longest run of full blocks within tokens[:limit].
 
     The returned blocks are counted (incref'd) for the caller."""
-    if not self.prefix_caching:
-      return []
-    blocks = []
-    for key in self.block_keys(tokens, limit // self.block_size):
-      block = self._block_of.get(key)
-      if block is None or self._key_of.get(block) != key:
-        break
+    blocks = self._cached_blocks(tokens, limit)
+    for block in blocks:
       self.incref(block)
-      blocks.append(block)
     self.prefix_hits += len(blocks)
     return blocks
 

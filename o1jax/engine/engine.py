@@ -5,7 +5,8 @@ One engine iteration (`Engine.step`):
      cached prefix blocks so shared prompt text is not recomputed;
   2. run at most one prefill call: a chunk of up to `prefill_chunk` prompt
      tokens spread over up to `max_prefill_seqs` sequences (so a long prompt
-     never stalls decoding for more than one chunk);
+     never stalls decoding for more than one chunk; rows are padded to the
+     longest, so a call of several rows computes no more positions than one);
   3. prompts that finished prefilling fork into their n samples (shared blocks);
   4. run the decode loop for every decoding sequence, one device call of up to
      `decode_steps` steps: each step writes a row's last token's K/V and samples
@@ -685,10 +686,14 @@ class Engine:
     return sorted(self._waiting, key=key)
 
   def _prefix_keys(self, seq: _Seq) -> set:
-    """Prefix-cache keys of the full blocks this sequence's prefill covers."""
+    """Prefix-cache keys of the full blocks this sequence's prefill would compute: not
+    those cached already (else every request sharing a cached system prompt waited
+    for the one prefilling: one admission per step)."""
     if not self.config.prefix_caching:
       return set()
-    return set(self.allocator.block_keys(seq.tokens, seq.prefill_target // self.config.block_size))
+    target = seq.prefill_target
+    keys = self.allocator.block_keys(seq.tokens, target // self.config.block_size)
+    return set(keys[self.allocator.cached_prefix(seq.tokens, target):])
 
   def _admit(self) -> None:
     # Blocks some admitted sequence is computing right now: a request sharing
@@ -840,6 +845,10 @@ class Engine:
   def _prefill_once(self) -> None:
     cfg = self.config
     budget = cfg.prefill_chunk
+    # Rows of a call are padded to its longest: a call of several rows computes no more
+    # positions than a one-row chunk (else 4 rows padded to 128 computed 512 positions
+    # for 128 prompt tokens, once requests sharing a cached prefix prefilled together).
+    cap = self._chunk_bucket(cfg.prefill_chunk)
     batch: list[tuple[_Seq, int]] = []
     copies: list[tuple[int, int]] = []
     for seq in sorted(self._prefilling, key=lambda s: s.arrival):
@@ -848,6 +857,11 @@ class Engine:
       if seq not in self._prefilling:  # preempted while making room for another
         continue
       n = min(seq.prefill_target - seq.n_computed, budget)
+      if batch:  # the call gets max_prefill_seqs rows
+        n = min(n, cap // cfg.max_prefill_seqs)
+        longest = max([n] + [m for _, m in batch])
+        if n < 1 or cfg.max_prefill_seqs * self._chunk_bucket(longest) > cap:
+          break
       if not self._ensure_blocks(seq, seq.n_computed + n, copies):
         continue
       batch.append((seq, n))
@@ -1064,7 +1078,7 @@ class Engine:
         # (.., last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
-      self._planner.observe(rows, k, self.clock() - call_start - sunk)
+      self._planner.observe(rows, k, self.clock() - call_start - sunk, single=single)
     return True
 
   @staticmethod

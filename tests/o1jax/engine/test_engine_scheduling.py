@@ -2,6 +2,8 @@
 determinism across batch sizes, fork / prefix reuse / preemption, compilation
 counts, stop rules, streaming and bad input."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -190,6 +192,50 @@ def test_concurrent_requests_share_a_prefix_being_computed(tiny, make_prompts):
                                                          prefix_caching=False))
   assert [r.token_ids for r in cold.generate([Request(p, GREEDY) for p in prompts])] == \
          [r.token_ids for r in res]
+
+
+def test_requests_sharing_a_cached_prefix_are_admitted_together(tiny, make_prompts):
+  """A prefix already in the cache is computed by nobody: requests sharing it do not
+  wait for one another (before, one of them was admitted per step: at batch 32 on a
+  chat template the batch could not refill as fast as rows ended)."""
+  shared = make_prompts(1, seed=13, low=64, high=65)[0]
+  prompts = [shared + s for s in make_prompts(4, seed=14, low=20, high=30)]
+  config = EngineConfig(max_slots=4, num_blocks=128, prefill_chunk=128, max_prefill_seqs=4)
+  engine = Engine(tiny.model, tiny.tokenizer, config)
+  engine.generate([Request(shared + [5, 6, 7], GREEDY)])  # the shared blocks get cached
+  groups = [engine.add_request(Request(p, GREEDY)) for p in prompts]
+  engine.step()
+  assert not engine._waiting and not engine._prefilling  # all four prefilled in one step
+  engine.run_until_idle()
+  res = [engine.result(g) for g in groups]
+  assert [r.metrics.prompt_tokens_computed for r in res] == [len(p) - 1 - 64 for p in prompts]
+  cold = Engine(tiny.model, tiny.tokenizer, dataclasses.replace(config, prefix_caching=False))
+  assert [r.token_ids for r in cold.generate([Request(p, GREEDY) for p in prompts])] == \
+         [r.token_ids for r in res]
+
+
+def test_a_prefill_call_computes_no_more_positions_than_one_chunk(tiny, make_prompts):
+  """Rows of a prefill call are padded to the longest: several sequences share a call
+  only in pieces short enough that rows x length stays within one chunk's."""
+  config = EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, max_prefill_seqs=4,
+                        prefix_caching=False)
+  engine = Engine(tiny.model, tiny.tokenizer, config)
+  shapes = []
+  prefill = engine.prefill
+
+  def recording(cache, tokens, *args):
+    shapes.append(tokens.shape)
+    return prefill(cache, tokens, *args)
+
+  engine.prefill = recording
+  prompts = make_prompts(8, seed=15, low=5, high=90)
+  res = engine.generate([Request(p, GREEDY) for p in prompts])
+  one_chunk = engine._chunk_bucket(64)
+  assert all(rows * t <= one_chunk for rows, t in shapes), shapes
+  assert any(rows > 1 for rows, _ in shapes)  # short pieces still share a call
+  alone = Engine(tiny.model, tiny.tokenizer, dataclasses.replace(config, max_slots=1))
+  assert [r.token_ids for r in res] == \
+         [r.token_ids for r in alone.generate([Request(p, GREEDY) for p in prompts])]
 
 
 def test_cancel_frees_a_request_and_the_others_run_as_alone(tiny, make_prompts):

@@ -184,6 +184,9 @@ def test_allocator_counts_prefix_cache_and_eviction():
   alloc.register_prefix(tokens, [a, b], n_computed=4)  # two full blocks of 2
   alloc.free_all([a, b])
   assert alloc.num_free == 4 and alloc.num_used == 0  # parked, still reusable
+  assert alloc.cached_prefix([5, 6, 7, 8, 1], limit=4) == 2
+  assert alloc.cached_prefix([5, 6, 0, 0], limit=4) == 1
+  assert alloc.num_free == 4 and alloc.prefix_hits == 0  # counting takes nothing
   hit = alloc.match_prefix([5, 6, 7, 8, 1], limit=4)
   assert hit == [a, b] and alloc.refcounts[a] == 1
   assert alloc.match_prefix([5, 6, 0, 0], limit=4) == [a]  # second block differs

@@ -239,6 +239,35 @@ def _run(tiny, prompts, params, speculative=None, **config):
   return results, engine.metrics.summary()["speculative"]
 
 
+def test_verify_calls_are_timed_in_the_phase_they_ran(tiny, make_prompts):
+  """A verify call while the batch fills (one-step plain calls, prefill chunks
+  between) is timed under that phase, apart from those after."""
+  spec = SpeculativeConfig(max_drafts=3, adaptive=False)
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=256,
+                                                           prefill_chunk=16, max_prefill_seqs=1),
+                  speculative=spec)
+  chosen, timed = [], []
+  choose, observe = engine._planner.choose, engine._planner.observe
+
+  def recording_choose(*args, single=False, **kwargs):
+    k = choose(*args, single=single, **kwargs)
+    chosen.append((k, single))
+    return k
+
+  def recording_observe(rows, k, seconds, single=False):
+    timed.append((k, single))
+    observe(rows, k, seconds, single=single)
+
+  engine._planner.choose, engine._planner.observe = recording_choose, recording_observe
+  engine.generate([{"prompt": p, "params": GenerationParams(max_new_tokens=16, ignore_eos=True)}
+                   for p in _repetitive_prompts(make_prompts, 8, seed=17)])
+  verify = [c for c in chosen if c[0]]
+  assert {single for _, single in verify} == {False, True}  # both phases verified
+  timed_verify = [t for t in timed if t[0]]
+  assert timed_verify and set(timed_verify) <= set(verify)  # each under its own phase
+  assert any(single for _, single in timed_verify)
+
+
 @pytest.fixture(scope="module")
 def greedy_baseline(tiny, make_prompts):
   prompts = _repetitive_prompts(make_prompts, 32, seed=11)
