@@ -32,7 +32,8 @@ def test_sharded_engine_gives_the_one_device_tokens(run, case):
   assert r["max_logit_diff"] < 1e-4
   assert (r["wq_spec"], r["wo_spec"], r["pool_spec"]) == (
       "P(None, 'model')", "P('model', None)", "P(None, None, 'model')")
-  assert r["traces"] == {"prefill": 3, "decode": 1}  # the pools keep their sharding: no re-trace
+  # The pools keep their sharding: the mesh adds no re-trace to the one-device programs.
+  assert r["traces"] == r["one_device_traces"] and r["traces"]["decode"] >= 1
 
 
 @pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16"])

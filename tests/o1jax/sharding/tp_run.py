@@ -114,7 +114,7 @@ def main():
   out = {}
   for n_kv, tp, kv_dtype in ((2, 2, "float32"), (4, 4, "float32"), (2, 2, "bfloat16")):
     model, tok = tiny(n_kv)
-    want, _, _ = generate(model, tok, None, kv_dtype, prompts)
+    want, one_device, _ = generate(model, tok, None, kv_dtype, prompts)
     got, engine, ops = generate(model, tok, mesh_of(tp), kv_dtype, prompts)
     sharded = tensor_parallel.shard_model(model, tensor_parallel.auto_mesh(mesh_of(tp)))
     ids = jnp.asarray([prompts[0][:16]], jnp.int32)
@@ -123,7 +123,8 @@ def main():
     with jax.set_mesh(tensor_parallel.auto_mesh(mesh_of(tp))):
       par, _ = sharded(ids, starts, KVCache.zeros(model.config, 1, 16))
     out[f"tp{tp}_kv{n_kv}_{kv_dtype}"] = dict(
-        same_tokens=got == want, traces=dict(engine.trace_counts), collectives=ops,
+        same_tokens=got == want, traces=dict(engine.trace_counts),
+        one_device_traces=dict(one_device.trace_counts), collectives=ops,
         layers=model.config.n_layers,
         pool_spec=str(engine.cache.k_pages[0].sharding.spec),
         wq_spec=str(sharded.layers[0].wq.get_value().sharding.spec),
