@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import f32_matmul as f32m
 from pallas_kernels import native
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import prefill_attention as fa
 from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels import vnni_matmul as vm
+from pallas_kernels.f32_matmul import TiledF32Weight
 from pallas_kernels.quantized_tensor import QuantizedTensor
 from pallas_kernels.vnni_matmul import VnniWeight
 
@@ -90,11 +92,14 @@ def matmul(x: jax.Array, w, *, backend: str = "auto", interpret: bool = False) -
   """x [..., K] @ w [K, N] -> [..., N], by what the weight is (the model prepared it):
 
   - `VnniWeight`: `int8_matmul` (two int8 levels of x per block of 32; f32 out);
+  - `TiledF32Weight`: `tiled_f32_matmul` (f32 math; the native kernel on a CPU);
   - `QuantizedTensor`: `quantized_matmul` (Pallas on GPU, the XLA reference elsewhere);
   - a bf16 array: `bf16_matmul` (x rounded to bf16, f32 accumulation and output);
   - any other array: cast to x's dtype, full precision (exact f32 math for f32 x)."""
   if isinstance(w, VnniWeight):
     return int8_matmul(x, w, backend=backend).astype(x.dtype)
+  if isinstance(w, TiledF32Weight):
+    return tiled_f32_matmul(x, w, backend=backend).astype(x.dtype)
   if isinstance(w, QuantizedTensor):
     return quantized_matmul(x, w, backend=backend, interpret=interpret)
   resolve_backend(backend)
@@ -112,6 +117,33 @@ def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     x2 = jnp.pad(x2, ((0, BF16_MIN_ROWS - rows), (0, 0)))
   y = jnp.dot(x2, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
   return y[:rows].reshape(*lead, w.shape[-1])
+
+
+def tiled_f32_preferred(backend: str = "auto") -> bool:
+  """Whether a model with float32 matmuls should store its matrices as `TiledF32Weight`:
+  with backend "auto" where the native f32 kernel runs (a CPU with AVX-512, kernels
+  built). There it matches XLA's dot at one row
+  and costs ~0.6x it at 8 (a decode batch, a verify call), 0.7x at 32, and within
+  ~10% for prefill chunks (scripts/bench_f32_matmul.py)."""
+  resolve_backend(backend)
+  return backend == "auto" and _on_cpu() and native.f32_matmul_available()
+
+
+def tiled_f32_matmul(x: jax.Array, w: TiledF32Weight, *, backend: str = "auto") -> jax.Array:
+  """x [..., K] @ w -> f32 [..., N]: the native kernel where it runs, else XLA's dot
+  on the unpacked weight (backend "reference" forces that)."""
+  k, n = w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"tiled_f32_matmul: x.shape={x.shape} does not match W.shape={w.shape}")
+  resolve_backend(backend)
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, k).astype(jnp.float32)
+  if backend != "reference" and _on_cpu() and native.f32_matmul_available():
+    y = native.f32_matmul(x2, w.tiles)
+    y = y if y.shape[-1] == n else y[:, :n]
+  else:
+    y = f32m.tiled_matmul_reference(x2, w)
+  return y.reshape(*lead, n)
 
 
 def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Array:

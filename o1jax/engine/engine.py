@@ -417,7 +417,8 @@ class Engine:
   @staticmethod
   def _transposed_head(model) -> jax.Array | None:
     """[V, d] copy of a dense f32 output head for batched decode (see steps.forward).
-    None for bf16 matmuls: their head dot is fast in the stored layout."""
+    None for bf16 matmuls and f32 tiles (`TiledF32Weight`): their products are fast
+    in the stored layout."""
     head = model.head_weight
     if not isinstance(head, jax.Array) or head.dtype != jnp.float32:
       return None

@@ -2,7 +2,8 @@
 
 Every matmul goes through `linear`, and so through `pallas_kernels.ops.matmul`,
 which picks the product by the weight: a dense f32 or bf16 array, a
-`QuantizedTensor` or a `VnniWeight` (int8 activation levels).
+`TiledF32Weight` (f32 in the native kernel's column tiles), a `QuantizedTensor`
+or a `VnniWeight` (int8 activation levels).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ops as kernel_ops
+from pallas_kernels.f32_matmul import TiledF32Weight, columns as f32_columns
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -36,6 +38,8 @@ def embed(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
   flat = ids.reshape(-1)
   if isinstance(table, QuantizedTensor):
     rows = dequantize_columns(table, flat, dtype)
+  elif isinstance(table, TiledF32Weight):
+    rows = f32_columns(table, flat).astype(dtype)
   else:
     rows = jnp.take(table, flat, axis=1).T.astype(dtype)
   return rows.reshape(*ids.shape, rows.shape[-1])

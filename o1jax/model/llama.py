@@ -19,6 +19,7 @@ from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, to_device
 from o1jax.model import layers
 from pallas_kernels import ops as kernel_ops
+from pallas_kernels.f32_matmul import pack as pack_f32
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
 
@@ -183,7 +184,9 @@ class Llama(nnx.Module):
     bit); "auto" asks `pallas_kernels.ops.dense_weights_preferred` (dense where the
     XLA reference computes and the f32 weights fit its limit), else "quantized".
 
-    matmul_dtype: "float32" (default: exact f32 math, the reference) or
+    matmul_dtype: "float32" (default: exact f32 math, the reference; on a CPU with
+    the native f32 kernel the matrices are stored in its column tiles,
+    `pallas_kernels.f32_matmul`, same values) or
     "bfloat16": dense matrices are stored in bf16 and every matmul rounds its
     input to bf16 and accumulates in f32 (`pallas_kernels.ops.bf16_matmul`). On CPUs with
     AMX / AVX512-BF16 that runs batched decode ~2x faster; logits move by
@@ -216,10 +219,15 @@ class Llama(nnx.Module):
     # bf16 matmul, others full precision (f16/bf16 checkpoint matrices widened here, the
     # same values a per-call cast gave). Norms and biases stay as loaded.
     matrix_dtype = jnp.bfloat16 if matmul_dtype == "bfloat16" else jnp.float32
-    params = jax.tree.map(
-        lambda w: w.astype(matrix_dtype) if (isinstance(w, jax.Array) and w.ndim == 2
-                                             and jnp.issubdtype(w.dtype, jnp.floating)) else w,
-        params, is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
+    is_matrix = lambda w: (isinstance(w, jax.Array) and w.ndim == 2
+                           and jnp.issubdtype(w.dtype, jnp.floating))
+    opaque = lambda x: isinstance(x, (QuantizedTensor, VnniWeight))
+    params = jax.tree.map(lambda w: w.astype(matrix_dtype) if is_matrix(w) else w, params,
+                          is_leaf=opaque)
+    if matmul_dtype == "float32" and kernel_ops.tiled_f32_preferred(backend):
+      # The native f32 kernel's layout: a few rows cost about one row's weight reads.
+      params = jax.tree.map(lambda w: pack_f32(w) if is_matrix(w) else w, params,
+                            is_leaf=opaque)
     self.config = config
     self.dtype = dtype
     self.embed = Weight(params["embed"])

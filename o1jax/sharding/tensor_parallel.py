@@ -112,6 +112,7 @@ def shard_model(model, mesh: Mesh):
   the argument is left as it was)."""
   from flax import nnx
 
+  from pallas_kernels.f32_matmul import TiledF32Weight, unpack as unpack_f32
   from pallas_kernels.quantized_tensor import QuantizedTensor
 
   groups = {x.group_size for x in jax.tree.leaves(
@@ -119,6 +120,10 @@ def shard_model(model, mesh: Mesh):
       if isinstance(x, QuantizedTensor)}
   check_tensor_parallel(model.config, mesh, max(groups) if groups else None)
   graphdef, state = nnx.split(model)
+  # The native f32 kernel's tiles go back to [K, N] arrays: XLA partitions those.
+  tiled = lambda x: isinstance(x, TiledF32Weight)
+  state = jax.tree.map(lambda x: unpack_f32(x) if tiled(x) else x, state, is_leaf=tiled)
+  graphdef, state = nnx.split(nnx.merge(graphdef, state))
   shardings = jax.tree_util.tree_map_with_path(
       lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), state)
   return nnx.merge(graphdef, jax.device_put(state, shardings))

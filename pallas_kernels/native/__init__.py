@@ -4,7 +4,9 @@ XLA's CPU backend lacks a fast gather, so the paged decode attention reads the
 KV pages in place in `paged_decode_attention.cc` instead of copying each row's
 pages out first; `int8_matmul.cc` multiplies 4-/8-bit weights by activations
 quantized to two int8 levels, with exact VNNI / AMX integer dot products,
-instead of streaming f32 weights (see `pallas_kernels.vnni_matmul`). The sources are compiled once per machine with the
+instead of streaming f32 weights (see `pallas_kernels.vnni_matmul`);
+`f32_matmul.cc` multiplies f32 rows by f32 weights stored in column tiles, a
+few rows for about the cost of one (XLA's CPU dot costs 2.3x from 8 rows on). The sources are compiled once per machine with the
 system C++ compiler against the headers jaxlib ships (`jax.ffi.include_dir()`),
 cached under $O1JAX_CACHE_DIR (default ~/.cache/o1jax) keyed by sources,
 compiler flags, jaxlib version and CPU, and registered as FFI targets.
@@ -34,10 +36,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).with_name(name)
-            for name in ("paged_decode_attention.cc", "int8_matmul.cc")]
+            for name in ("paged_decode_attention.cc", "int8_matmul.cc", "f32_matmul.cc")]
+_HEADERS = [pathlib.Path(__file__).with_name("tile_runs.h")]
 _TARGET = "o1jax_paged_decode_attention"
 _WRITE_TARGET = "o1jax_write_pool_rows"
 _INT8_MATMUL_TARGET = "o1jax_int8_matmul"
+_F32_MATMUL_TARGET = "o1jax_f32_matmul"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-mprefer-vector-width=512", "-w"]
 
@@ -63,7 +67,7 @@ def _build() -> pathlib.Path:
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++/c++) on PATH")
-  sources = b"\0".join(path.read_bytes() for path in _SOURCES)
+  sources = b"\0".join(path.read_bytes() for path in _SOURCES + _HEADERS)
   key = hashlib.sha256(b"\0".join([sources, " ".join(_FLAGS).encode(), compiler.encode(),
                                    jax.__version__.encode(), _cpu_signature().encode()]))
   out = _cache_dir() / f"libo1jax_native_{key.hexdigest()[:16]}.so"
@@ -86,7 +90,7 @@ def _build() -> pathlib.Path:
 @functools.cache
 def _load() -> str | None:
   """Builds and registers the FFI target once. Returns None if ready, else why not."""
-  global _int8_matmul_built
+  global _int8_matmul_built, _f32_matmul_built
   if os.environ.get("O1JAX_NATIVE_KERNELS", "1") == "0":
     return "disabled by O1JAX_NATIVE_KERNELS=0"
   if jax.default_backend() != "cpu":
@@ -99,7 +103,10 @@ def _load() -> str | None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(_INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.O1jaxInt8Matmul),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_F32_MATMUL_TARGET, jax.ffi.pycapsule(lib.O1jaxF32Matmul),
+                                platform="cpu")
     _int8_matmul_built = bool(lib.O1jaxInt8MatmulSupported())
+    _f32_matmul_built = bool(lib.O1jaxF32MatmulSupported())
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning("native kernels unavailable, using the XLA path: %s", e)
     return str(e)
@@ -107,6 +114,7 @@ def _load() -> str | None:
 
 
 _int8_matmul_built = False  # set by _load: the build has AVX512-VNNI
+_f32_matmul_built = False  # set by _load: the build has AVX-512
 
 
 # KV pool element types the native paged decode attention reads.
@@ -193,3 +201,26 @@ def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.
                           vmap_method="sequential")
   return call(x, packed, scale, minimum, bits=np.int64(bits), zero=np.int64(zero),
               has_min=bool(has_min))
+
+
+def f32_matmul_available() -> bool:
+  """True when the native f32 matmul runs here (kernels built, AVX-512)."""
+  return available() and _f32_matmul_built
+
+
+def f32_matmul(x: jax.Array, tiles: jax.Array) -> jax.Array:
+  """x f32 [M, K] times a weight in column tiles (`pallas_kernels.f32_matmul.pack`:
+  f32 [T, K, 32]) -> f32 [M, 32 T] (`f32_matmul.cc`). Row m's result is the in-order
+  f32 sum over k of x[m, k] w[k, n] (fused multiply-adds): it does not depend on the
+  other rows."""
+  if not f32_matmul_available():
+    why = unavailable_reason() or "this CPU lacks AVX-512"
+    raise RuntimeError(f"native f32_matmul unavailable: {why}")
+  if (x.ndim != 2 or tiles.ndim != 3 or tiles.shape[1:] != (x.shape[1], 32)
+      or x.dtype != jnp.float32 or tiles.dtype != jnp.float32):
+    raise ValueError(f"f32_matmul (native): x{x.shape} {x.dtype} and tiles{tiles.shape} "
+                     f"{tiles.dtype} must be f32 [M, K] and [T, K, 32]")
+  call = jax.ffi.ffi_call(_F32_MATMUL_TARGET,
+                          jax.ShapeDtypeStruct((x.shape[0], tiles.shape[0] * 32), jnp.float32),
+                          vmap_method="sequential")
+  return call(x, tiles)

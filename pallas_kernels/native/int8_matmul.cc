@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "tile_runs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -321,31 +322,25 @@ TileFn PickTile(int64_t bits, bool has_min, bool amx) {
   return has_min ? Tile<8, true> : Tile<8, false>;
 }
 
-// Tiles are handed out through `next`, so the calling thread can do all of them
-// when the pool is busy (as in the paged attention kernel: waiting for a pool
-// task to start could deadlock). Pool tasks co-own this object.
 struct Work {
   Problem p;
   TileFn tile;
   bool amx;
-  int64_t tiles, tiles_per_item, items;
   std::vector<int8_t> xa, xr;
   std::vector<float> xs, fsum;
   std::vector<int32_t> xsum;
-  std::atomic<int64_t> next{0}, done{0};
+  o1jax::TileRuns runs;
 };
 
 void Drain(Work& w) {
   bool configured = false;  // tile configuration is per thread
-  for (int64_t it; (it = w.next.fetch_add(1, std::memory_order_relaxed)) < w.items;) {
+  w.runs.Drain([&w, &configured](int64_t begin, int64_t end) {
 #if O1JAX_AMX
     if (w.amx && !configured) ConfigureTiles();
 #endif
     configured = true;
-    const int64_t t_end = std::min(w.tiles, (it + 1) * w.tiles_per_item);
-    for (int64_t t = it * w.tiles_per_item; t < t_end; ++t) w.tile(w.p, t);
-    w.done.fetch_add(1, std::memory_order_release);
-  }
+    for (int64_t t = begin; t < end; ++t) w.tile(w.p, t);
+  });
 #if O1JAX_AMX
   if (w.amx && configured) _tile_release();
 #endif
@@ -398,21 +393,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                     work->xa.data(), work->xr.data(), work->xs.data(), work->xsum.data(),
                     work->fsum.data(), out->typed_data()};
   work->tile = PickTile(bits, has_min, work->amx);
-  work->tiles = n / kTile;
-  // Small products run on the calling thread: handing work to the pool costs
-  // more than it saves below ~256K multiply-adds (measured with 2 threads).
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const bool parallel = threads > 1 && m * k * n >= (int64_t{1} << 18) && work->tiles > 1;
-  const int64_t want_items = parallel ? threads * 4 : 1;
-  work->tiles_per_item = std::max<int64_t>(1, (work->tiles + want_items - 1) / want_items);
-  work->items = (work->tiles + work->tiles_per_item - 1) / work->tiles_per_item;
-  if (parallel) {
-    for (int64_t t = 1; t < std::min<int64_t>(threads, work->items); ++t) {
-      pool.Schedule([work] { Drain(*work); });
-    }
-  }
-  Drain(*work);
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  o1jax::RunTiles(pool, work, n / kTile, m * k * n, Drain);
   return ffi::Error::Success();
 #endif
 }
