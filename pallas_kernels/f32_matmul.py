@@ -39,14 +39,6 @@ class TiledF32Weight:
   def ndim(self) -> int:
     return 2
 
-  @property
-  def dtype(self):
-    return self.tiles.dtype
-
-  @property
-  def nbytes(self) -> int:
-    return int(self.tiles.nbytes)
-
 
 def pack(w: jax.Array) -> TiledF32Weight:
   """[K, N] float -> TiledF32Weight (the same values in f32)."""

@@ -122,9 +122,9 @@ def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def tiled_f32_preferred(backend: str = "auto") -> bool:
   """Whether a model with float32 matmuls should store its matrices as `TiledF32Weight`:
   with backend "auto" where the native f32 kernel runs (a CPU with AVX-512, kernels
-  built). There it matches XLA's dot at one row
-  and costs ~0.6x it at 8 (a decode batch, a verify call), 0.7x at 32, and within
-  ~10% for prefill chunks (scripts/bench_f32_matmul.py)."""
+  built). There it costs 0.97x XLA's dot at one row, 0.55x at 4-16 rows (a decode
+  batch, a verify call), 0.61x at 32, 0.83x at 128 and 0.93x at 512 (prefill chunks;
+  scripts/bench_f32_matmul.py, docs/measurements/2026-12-02_f32_matmul.md)."""
   resolve_backend(backend)
   return backend == "auto" and _on_cpu() and native.f32_matmul_available()
 

@@ -1,9 +1,9 @@
 """f32 matmuls of a few rows: XLA's CPU dot against the native tiled kernel, side by side.
 
-  python scripts/bench_f32_matmul.py [--rows 1,2,4,8,16,32,128,512] [--rounds 3]
+  python scripts/bench_f32_matmul.py [--rows 1,2,4,8,16,32,128,512] [--rounds 3] [--layers 30]
 
-The embedded model's matrices (SmolLM2-135M: 30 layers of q, k, v, o, gate, up,
-down, and the 576 x 49152 head), random f32 values, in one jitted program per
+The embedded model's matrices (SmolLM2-135M: 30 layers (--layers) of q, k, v, o,
+gate, up, down, and the 576 x 49152 head), random f32 values, in one jitted program per
 path and row count: `jnp.dot` on the [K, N] arrays (precision HIGHEST, what the
 model ran before) and `pallas_kernels.ops.tiled_f32_matmul` on the same values in
 column tiles. Per row count: the median ms per program over the timed calls of
@@ -45,6 +45,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rows", default="1,2,4,8,16,32,128,512")
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--layers", type=int, default=LAYERS)
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
   if not native.f32_matmul_available():
@@ -52,7 +53,7 @@ def main(argv=None):
                      f"{native.unavailable_reason() or 'this CPU lacks AVX-512'}")
   rng = np.random.default_rng(0)
   dense = [[jnp.asarray(rng.standard_normal(s, np.float32)) for s in SHAPES]
-           for _ in range(LAYERS)] + [[jnp.asarray(rng.standard_normal(HEAD, np.float32))]]
+           for _ in range(args.layers)] + [[jnp.asarray(rng.standard_normal(HEAD, np.float32))]]
   tiled = [[f32m.pack(w) for w in layer] for layer in dense]
 
   def program(matmul):
@@ -84,6 +85,7 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "results": results}, f, indent=1)
+  return results
 
 
 if __name__ == "__main__":

@@ -218,3 +218,18 @@ def test_bench_prefill_times_every_backend_and_chunk(tiny_gguf, capsys):
   assert list(rates) == [("auto", 16), ("auto", 32), ("reference", 16), ("reference", 32)]
   assert all(len(r) == 2 and min(r) > 0 for r in rates.values())
   assert "x auto/16" in capsys.readouterr().out
+
+
+def test_bench_f32_matmul_times_both_paths_per_row_count(tmp_path):
+  from pallas_kernels import native
+
+  if not native.f32_matmul_available():
+    pytest.skip("the native f32 matmul does not run here")
+  out = tmp_path / "f32.json"
+  results = load("bench_f32_matmul").main(["--rows", "1,3", "--rounds", "1", "--layers", "1",
+                                           "--json", str(out)])
+  assert [r["rows"] for r in results] == [1, 3]
+  for r in results:
+    assert r["xla_ms"] > 0 and r["native_ms"] > 0
+    assert r["ratio"] == pytest.approx(r["native_ms"] / r["xla_ms"])
+  assert json.loads(out.read_text())["results"] == results
