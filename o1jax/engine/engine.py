@@ -267,6 +267,10 @@ class _Seq:
 # --- the engine -------------------------------------------------------------------------------
 
 
+def _weight_bytes(leaves) -> int:
+  return sum(getattr(leaf, "nbytes", 0) for leaf in leaves)
+
+
 class Engine:
   """Offline batch generation, streaming, and the jitted pieces for the controller."""
 
@@ -355,13 +359,20 @@ class Engine:
     if self.has_work():
       raise ValueError("set_speculative needs an idle engine: requests are still running")
     self.speculative = speculative
-    self._planner = SpeculationPlanner(speculative) if speculative is not None else None
     self._exit_layer = (speculative.resolved_exit_layer(self.model_config.n_layers)
                         if speculative is not None and speculative.drafter == "early_exit" else 0)
     draft = self._resolve_draft_model(self.model, speculative, draft_model)
     if draft is not None and draft is not self.draft_model:
       self._init_draft_model(draft)  # the same draft model keeps its pool and compiled calls
     self.draft_model = draft
+    # One draft step's cost relative to a plain step, until the planner measures calls:
+    # the early exit runs its share of the layers; a draft model reads its weight bytes.
+    if draft is not None:
+      share = _weight_bytes(self._draft_leaves) / _weight_bytes(self._state_leaves)
+    else:
+      share = self._exit_layer / self.model_config.n_layers
+    self._planner = (SpeculationPlanner(speculative, draft_step_share=share)
+                     if speculative is not None else None)
 
   @staticmethod
   def _resolve_draft_model(model, speculative: SpeculativeConfig | None,
@@ -899,6 +910,12 @@ class Engine:
       return
     # The planner times whole calls, host work included (drafting, tables, appending):
     # a verify call returns to the host for every few tokens, a plain one every 8 steps.
+    if self._planner is not None:
+      # The planner times the call, not the prefill chunk dispatched before it (some
+      # calls wait for one, some not: verify and plain timings would mix the two).
+      waited = self.clock()
+      jax.block_until_ready(self.cache)
+      self.metrics.decode_seconds += self.clock() - waited  # as the call would have waited
     call_start, call_traces = self.clock(), sum(self.trace_counts.values())
     if self.speculative is not None and self._speculate_once(running, call_start):
       return
@@ -941,7 +958,7 @@ class Engine:
           break  # a stop string: what the row sampled past it is dropped
     if self._planner is not None and sum(self.trace_counts.values()) == call_traces:
       self._planner.observe(rows, 0, (self.clock() - call_start) / ran,  # (not while compiling)
-                            single=iterations == 1)
+                            single=iterations == 1, steps=ran)
 
   def _decode_batch(self, seqs: Sequence[_Seq], rows: int):
     """The decode inputs of `seqs` in `rows` slots: (DecodeBatch, stop ids [rows, S]
@@ -1004,7 +1021,9 @@ class Engine:
                              [self._planner.rate(s.acceptance) for s in running],
                              [behind[s] for s in running], [s.remaining_budget for s in running],
                              single=single, draining=not self._waiting,
-                             pending=self._prefill_calls_ahead())
+                             pending=self._prefill_calls_ahead(),
+                             optimistic=[self._planner.rate(s.acceptance, optimistic=True)
+                                         for s in running])
     drafting = dict(zip(running, self._planner.drafting(rows, k, [behind[s] for s in running],
                                                         single)))
     if k == 0:

@@ -157,15 +157,27 @@ class SpeculationPlanner:
   """Chooses K per decode call from acceptance estimates and measured call times.
 
   A shape's cost is the median of its last `KEEP` timings (whole calls, host work
-  included): one slow outlier (another process, a page-fault storm) does not make
-  the planner shun a shape, as it would a mean.
-  A shape not timed for `STALE` decisions is tried again when, at the optimistic
-  prior cost, it would beat plain decoding (one call: what it costs is re-learned).
+  included; not the wait for a prefill chunk dispatched before the call): one slow
+  outlier (another process, a page-fault storm) does not make the planner shun a
+  shape, as it would a mean. An unmeasured shape's cost is estimated from the same
+  K measured at another row count (its cost relative to plain decoding there), else
+  from a plain step: per position `PRIOR_PER_POSITION` of it plus, per draft, the
+  drafter's share of a step (`draft_step_share`: the early exit's layers, a draft
+  model's weight bytes).
   Every shape is timed apart while the batch fills (`single`: plain calls are one
-  step then, and every call waits for the prefill chunk dispatched before it) and
-  after; plain decoding is re-timed after `STALE` decisions without a plain call of
-  that kind. Else a costly one-step plain timing taken while the batch filled, or
-  a cheap verify timing taken after, made verifying look better than it was.
+  step then) and after; plain decoding is re-timed after `STALE` decisions without
+  a plain call of that kind.
+
+  Exploring: two choices count as optimistic, since they may cost more than they
+  win: a sequence with no evidence of its own drafting at no less than 0.5 (else one
+  unlucky stretch of the engine would stop every later sequence from trying; the
+  engine-wide estimate is the realistic one), and a shape not timed for `STALE`
+  decisions tried again at its estimated cost (it may have got cheaper). The planner
+  takes the optimistic choice only while what such calls cost beyond a plain step
+  is at most `EXPLORE_SHARE` of the decode time it has seen (the first one is free):
+  a drafter whose drafts are almost never accepted (an untrained early exit) costs
+  a few percent, not one verify call per admitted sequence (at batch 8-32, where
+  rows arrive one by one, that was 6-30% of the calls and up to 14% of the time).
 
   While no request waits (`draining`), the batch ends with its last row: rows
   still prefilling (`pending`) count with the calls they have ahead, so no verify
@@ -183,16 +195,24 @@ class SpeculationPlanner:
 
   KEEP = 8
   STALE = 64
-  PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K)
+  PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K) ...
+  EXPLORE_SHARE = 0.02  # optimistic calls' cost beyond a plain step / decode time seen
+  OPTIMISTIC_RATE = 0.5  # a sequence with no evidence, when exploring
 
-  def __init__(self, config: SpeculativeConfig):
+  def __init__(self, config: SpeculativeConfig, draft_step_share: float = 0.0):
     self.config = config
+    # ... + this x K: one draft step's cost relative to a plain step
+    self.draft_step_share = draft_step_share
     self.acceptance = Acceptance(decay=0.98)  # over every sequence (the last ~50 calls)
     # (rows, K, single) -> seconds per call (plain decoding: per step)
     self.timings: dict[tuple[int, int, bool], collections.deque] = {}
     self._timed_at: dict[tuple[int, int, bool], int] = {}  # decision count at the last timing
     self.decisions = 0
     self.catch_up: collections.deque = collections.deque(maxlen=self.KEEP)  # s per token
+    self.seen_seconds = 0.0  # decode time observed (every timed call)
+    self.explored_seconds = 0.0  # what optimistic calls cost beyond a plain step
+    self.explorations = 0
+    self._exploring: tuple[int, int, bool] | None = None  # the shape of an optimistic choice
 
   def observe_catch_up(self, tokens: int, seconds: float) -> None:
     """Wall time of a draft model's catch-up over `tokens` tokens (awaited)."""
@@ -203,22 +223,26 @@ class SpeculationPlanner:
   def _key(rows: int, k: int, single: bool) -> tuple[int, int, bool]:
     return rows, k, bool(single)
 
-  def observe(self, rows: int, k: int, seconds: float, single: bool = False) -> None:
-    """Wall time of one call of this shape (plain decoding: per step; `single`: while
-    the batch fills; the engine leaves out calls that compiled)."""
+  def observe(self, rows: int, k: int, seconds: float, single: bool = False,
+              steps: int = 1) -> None:
+    """Wall time of one call of this shape (plain decoding: per step, over `steps`
+    steps; `single`: while the batch fills; the engine leaves out calls that compiled)."""
     key = self._key(rows, k, single)
+    if key == self._exploring:
+      plain = self.cost(rows, 0, single)
+      self.explored_seconds += max(0.0, seconds - (plain or 0.0))
+      self._exploring = None
+    self.seen_seconds += seconds * steps
     self.timings.setdefault(key, collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[key] = self.decisions
 
-  def rate(self, seq: Acceptance) -> float:
-    """A sequence's acceptance estimate around the engine-wide one. A sequence with no
-    evidence of its own starts from no less than 0.5: so one unlucky stretch of the
-    engine never stops new sequences from trying (a drafter that does not pay costs
-    each new sequence about one verify call), while one with evidence drifts back to
-    the engine-wide estimate, not to that optimism."""
+  def rate(self, seq: Acceptance, optimistic: bool = False) -> float:
+    """A sequence's acceptance estimate around the engine-wide one: a sequence with
+    evidence drifts back to it (`Acceptance.idle`), one without starts from it, or,
+    `optimistic`, from no less than `OPTIMISTIC_RATE` (what exploring assumes)."""
     prior = self.acceptance.rate()
-    if seq.accepted + seq.rejected == 0:
-      prior = max(prior, 0.5)
+    if optimistic and seq.accepted + seq.rejected == 0:
+      prior = max(prior, self.OPTIMISTIC_RATE)
     return seq.rate(prior=prior)
 
   def record(self, seq: Acceptance, drafted: int, accepted: int) -> None:
@@ -227,16 +251,30 @@ class SpeculationPlanner:
 
   def cost(self, rows: int, k: int, single: bool = False) -> float | None:
     """Seconds per call of shape (rows, K) while the batch fills (`single`) or not:
-    measured, the other phase's timing when this one is unmeasured, or the prior
-    from plain decoding (K = 0: per step)."""
+    measured, the other phase's timing when this one is unmeasured, or the estimate
+    from plain decoding (`prior`; K = 0: per step, None while untimed)."""
     for key in (self._key(rows, k, single), self._key(rows, k, not single)):
       if key in self.timings:
         return statistics.median(self.timings[key])
     return None if k == 0 else self.prior(rows, k, single)
 
-  def prior(self, rows: int, k: int, single: bool = False) -> float | None:
+  def prior(self, rows: int, k: int, single: bool = False,
+            transfer: bool = True) -> float | None:
+    """An unmeasured shape's cost: a plain step at these rows times the ratio the same
+    K measured at the nearest other row count (same phase first; `transfer`), else
+    times 1 + K x (PRIOR_PER_POSITION + draft_step_share)."""
     step = self.cost(rows, 0, single)
-    return None if step is None else step * (1.0 + self.PRIOR_PER_POSITION * k)
+    if step is None:
+      return None
+    measured = []
+    for (r, kk, ph), times in self.timings.items() if transfer else ():
+      plain = self.timings.get(self._key(r, 0, ph)) or self.timings.get(self._key(r, 0, not ph))
+      if kk == k and r != rows and plain:
+        measured.append(((ph != single, abs(r - rows)),
+                         statistics.median(times) / statistics.median(plain)))
+    if measured:
+      return step * min(measured)[1]
+    return step * (1.0 + k * (self.PRIOR_PER_POSITION + self.draft_step_share))
 
   def drafting(self, rows: int, k: int, behind: Sequence[int], single: bool = False) -> list[bool]:
     """Which rows draft in a call of K drafts; behind[i]: tokens row i must catch up
@@ -257,9 +295,11 @@ class SpeculationPlanner:
 
   def choose(self, rows: int, available: Sequence[int], rates: Sequence[float],
              behind: Sequence[int] | None = None, remaining: Sequence[int] | None = None,
-             single: bool = False, draining: bool = False, pending: Sequence[int] = ()) -> int:
+             single: bool = False, draining: bool = False, pending: Sequence[int] = (),
+             optimistic: Sequence[float] | None = None) -> int:
     """K for the next call (0: plain decoding). available[i]: drafts row i can take
-    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate;
+    (its drafter's proposal, budget and context); rates[i]: its acceptance estimate
+    (optimistic[i]: the same when exploring, `rate(optimistic=True)`; default: rates);
     behind[i]: tokens it must catch up over first (a draft model) and remaining[i]:
     tokens its budget has left, over which that one-off cost is spread; single: the
     batch fills (the plain call that would run instead is one step, and no row
@@ -271,8 +311,10 @@ class SpeculationPlanner:
     request waits) the batch lasts until its last row ends, so the K with the
     earliest predicted end of the last row, prefilling rows included: a verify call
     costs more than a plain step, and rows with few drafts accepted, or none yet,
-    would otherwise finish later."""
+    would otherwise finish later. The optimistic choice (see the class doc) replaces
+    it while the exploring budget allows."""
     self.decisions += 1
+    self._exploring = None
     behind = list(behind or [0] * len(available))
     if self.config.adaptive and single:
       available = [0 if c else a for a, c in zip(available, behind)]
@@ -290,30 +332,40 @@ class SpeculationPlanner:
       return 0
     plain = self.cost(rows, 0, single)
     remaining = remaining or [0] * len(available)
-    expected = lambda k: sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates))
     per_token = statistics.median(self.catch_up) if self.catch_up else 0.0
 
-    def charge(k: int) -> float:  # catch-up seconds per call, over the calls each row has left
-      total = 0.0
-      for a, r, c, left in zip(available, rates, behind, remaining):
-        if c and min(k, a):
-          total += c * per_token / max(1.0, left / expected_tokens(min(k, a), r))
-      return total
+    def best(rates: Sequence[float], retry: bool) -> int:
+      """The K of the highest score; retry: stale shapes at their estimated cost."""
+      def charge(k: int) -> float:  # catch-up seconds per call, over the calls each row has left
+        total = 0.0
+        for a, r, c, left in zip(available, rates, behind, remaining):
+          if c and min(k, a):
+            total += c * per_token / max(1.0, left / expected_tokens(min(k, a), r))
+        return total
 
-    def score(k: int, seconds: float) -> float:  # higher is better; k = 0: plain decoding
-      if draining and (any(remaining) or pending):
-        calls = [left / expected_tokens(min(k, a), r)
-                 for a, r, left in zip(available, rates, remaining)]
-        return -seconds * max(calls + list(pending))
-      return expected(k) / seconds
+      def score(k: int, seconds: float) -> float:  # higher is better; k = 0: plain decoding
+        if draining and (any(remaining) or pending):
+          calls = [left / expected_tokens(min(k, a), r)
+                   for a, r, left in zip(available, rates, remaining)]
+          return -seconds * max(calls + list(pending))
+        return sum(expected_tokens(min(k, a), r) for a, r in zip(available, rates)) / seconds
 
-    best_k, best = 0, score(0, plain)
-    for k in buckets:
-      key = self._key(rows, k, single)
-      stale = self.decisions - self._timed_at.get(key, self.decisions) > self.STALE
-      if stale and score(k, self.prior(rows, k, single) + charge(k)) > best:
-        return k  # re-time it
-      value = score(k, self.cost(rows, k, single) + charge(k))
-      if value > best:
-        best_k, best = k, value
-    return best_k
+      best_k, best_score = 0, score(0, plain)
+      for k in buckets:
+        key = self._key(rows, k, single)
+        stale = self.decisions - self._timed_at.get(key, self.decisions) > self.STALE
+        seconds = (self.prior(rows, k, single, transfer=False) if retry and stale
+                   else self.cost(rows, k, single))
+        value = score(k, seconds + charge(k))
+        if value > best_score:
+          best_k, best_score = k, value
+      return best_k
+
+    chosen = best(rates, retry=False)
+    if self.explored_seconds <= self.EXPLORE_SHARE * self.seen_seconds:
+      bold = best(rates if optimistic is None else optimistic, retry=True)
+      if bold and bold != chosen:
+        self._exploring = self._key(rows, bold, single) if bold else None
+        self.explorations += 1
+        return bold
+    return chosen

@@ -57,12 +57,15 @@ def test_acceptance_estimates_start_from_the_engine_and_recover():
     seq.idle()  # calls without drafts: back toward the engine-wide estimate
   assert planner.rate(seq) == pytest.approx(planner.acceptance.rate(), abs=0.05)
   assert planner.rate(seq) > low + 0.2
-  # An engine whose drafts were all rejected still lets a new sequence start at 0.5.
+  # An engine whose drafts were all rejected: a new sequence starts from that
+  # (realistic), or at 0.5 when the planner explores (optimistic).
   gloomy = SpeculationPlanner(SpeculativeConfig())
   for _ in range(20):
     gloomy.record(Acceptance(), 4, 0)
   assert gloomy.acceptance.rate() < 0.1
-  assert gloomy.rate(Acceptance()) == pytest.approx(0.5)
+  assert gloomy.rate(Acceptance()) == pytest.approx(gloomy.acceptance.rate())
+  assert gloomy.rate(Acceptance(), optimistic=True) == pytest.approx(0.5)
+  assert gloomy.rate(seq, optimistic=True) == gloomy.rate(seq)  # evidence of its own
 
 
 def test_config_checks_and_buckets():
@@ -99,19 +102,76 @@ def test_planner_speculates_only_where_it_pays():
   for _ in range(SpeculationPlanner.KEEP):  # K=3 got slow for good
     planner.observe(8, 3, 0.200)
   assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
-  # Shapes untimed for STALE decisions are tried once more (their prior beats plain),
-  # plain decoding first ...
+  # Shapes untimed for STALE decisions are tried once more (the best whose prior beats
+  # plain: exploring), plain decoding first ...
   for _ in range(SpeculationPlanner.STALE):
     planner.choose(8, [1, 1], [0.9, 0.9])
   assert planner.choose(8, [7, 7], [0.9, 0.9]) == 0
   planner.observe(8, 0, 0.010)
-  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
-  planner.observe(8, 3, 0.200)
-  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 7
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 7  # 20.5 ms at its prior
   planner.observe(8, 7, 0.080)  # ... and, still slow, dropped again
+  assert planner.explored_seconds == pytest.approx(0.070)  # beyond a plain step
+  # K=3 is stale too, but the exploring budget is spent: 70 ms against 2% of the ~2 s
+  # of decoding seen.
   assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
+  while planner.seen_seconds < 0.070 / planner.EXPLORE_SHARE:
+    planner.observe(8, 0, 0.010, steps=8)  # plain calls of 8 steps
+  assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
   fixed = SpeculationPlanner(SpeculativeConfig(max_drafts=7, adaptive=False))
   assert fixed.choose(8, [5, 2], [0.0, 0.0]) == 3  # the largest bucket the drafts fill
+
+
+def test_planner_explores_new_sequences_within_its_budget():
+  """A drafter whose drafts are almost never accepted: new sequences are tried at the
+  optimistic 0.5 only while such calls cost at most EXPLORE_SHARE of the decoding seen."""
+  from o1jax.engine.speculative import Acceptance
+
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
+  planner.observe(8, 0, 0.010)
+  planner.observe(8, 3, 0.030)
+  for _ in range(20):
+    planner.record(Acceptance(), 3, 0)  # every draft so far rejected
+  old = Acceptance()
+  planner.record(old, 3, 0)
+
+  def choose():
+    seqs = [old, Acceptance()]  # and a sequence just admitted
+    return planner.choose(8, [3, 3], [planner.rate(q) for q in seqs],
+                          optimistic=[planner.rate(q, optimistic=True) for q in seqs])
+
+  assert planner.choose(8, [3, 3], [planner.rate(q) for q in (old, Acceptance())]) == 0
+  # Exploring: the new row at 0.5; K=1's prior is 11.5 ms for ~2.5 tokens.
+  assert choose() == 1
+  planner.observe(8, 1, 0.012)  # 2 ms beyond a plain step
+  assert planner.explored_seconds == pytest.approx(0.002)
+  assert choose() == 0  # budget spent: 2 ms > 2% of 52 ms seen
+  while planner.seen_seconds < 0.002 / planner.EXPLORE_SHARE:
+    assert choose() == 0
+    planner.observe(8, 0, 0.010, steps=8)
+  assert choose() == 1 and planner.explorations == 2
+  planner.observe(8, 0, 0.010)  # a call of another shape is not charged
+  assert planner.explored_seconds == pytest.approx(0.002)
+
+
+def test_planner_estimates_unmeasured_shapes_from_measured_ones():
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3), draft_step_share=0.25)
+  planner.observe(8, 0, 0.010)
+  planner.observe(32, 0, 0.020)
+  # Nothing measured at K=3: a plain step x (1 + 3 x (0.15 + 0.25)).
+  assert planner.cost(32, 3) == pytest.approx(0.020 * 2.2)
+  planner.observe(8, 3, 0.030)  # 3x plain at 8 rows
+  assert planner.cost(32, 3) == pytest.approx(0.060)  # the same ratio at 32
+  planner.observe(4, 0, 0.008)
+  planner.observe(4, 3, 0.012)  # 1.5x at 4 rows: 8 is nearer 32
+  assert planner.cost(32, 3) == pytest.approx(0.060)
+  assert planner.cost(2, 3) is None  # no plain step at 2 rows yet
+  planner.observe(2, 0, 0.006)
+  assert planner.cost(2, 3) == pytest.approx(0.009)  # 4 rows is nearest
+  # A ratio from the same phase comes first.
+  planner.observe(16, 0, 0.010, single=True)
+  planner.observe(16, 3, 0.040, single=True)
+  assert planner.cost(32, 3) == pytest.approx(0.060)  # after the fill: 8 rows' ratio
+  assert planner.cost(32, 3, single=True) == pytest.approx(0.080)  # while filling: 16 rows'
 
 
 def test_planner_times_one_step_and_multi_step_plain_calls_apart():
@@ -254,9 +314,9 @@ def test_verify_calls_are_timed_in_the_phase_they_ran(tiny, make_prompts):
     chosen.append((k, single))
     return k
 
-  def recording_observe(rows, k, seconds, single=False):
+  def recording_observe(rows, k, seconds, single=False, **kwargs):
     timed.append((k, single))
-    observe(rows, k, seconds, single=single)
+    observe(rows, k, seconds, single=single, **kwargs)
 
   engine._planner.choose, engine._planner.observe = recording_choose, recording_observe
   engine.generate([{"prompt": p, "params": GenerationParams(max_new_tokens=16, ignore_eos=True)}
