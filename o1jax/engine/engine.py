@@ -1190,7 +1190,7 @@ class Engine:
     if group.events is not None:
       self._emit(seq, token if appended else None, logprob, reason)
     if reason is not None:
-      self._finish(seq, reason)
+      self._finish(seq, reason, now)
 
   def _span(self, seq: _Seq) -> SpanReader:
     if seq.span is None:
@@ -1220,7 +1220,9 @@ class Engine:
                                         logprob=logprob if token is not None else None,
                                         finish_reason=reason))
 
-  def _finish(self, seq: _Seq, reason: str) -> None:
+  def _finish(self, seq: _Seq, reason: str, now: float | None = None) -> None:
+    """`now`: when the last token was sampled (the request's end, so that its latency is the
+    sum of its token times, not that plus the host's work on the rows before it)."""
     seq.finish_reason = reason
     if self.thinking is not None:
       self._span(seq).finish(seq.generated)
@@ -1230,7 +1232,8 @@ class Engine:
     group = seq.group
     group.unfinished -= 1
     if group.unfinished == 0:
-      group.metrics.finish = self.clock()
+      group.metrics.finish = (self.clock() if now is None else
+                              max([now] + [t[-1] for t in group.metrics.token_times if t]))
       self.metrics.add_request(group.metrics)
       if self.budget is not None:
         self.budget.observe_request(group.metrics.e2e)

@@ -104,6 +104,26 @@ def test_token_times_spread_over_the_steps_of_a_call(engines):
   assert engine.metrics.decode_calls - calls == 2 and engine.metrics.decode_steps - steps == 16
 
 
+def test_a_request_ends_when_its_last_token_was_sampled(engines):
+  """Latency = the sum of the token times: the host's work on the other rows of the call
+  after the token (stop strings, streaming) is not part of it, for any sample count."""
+  engine = engines[1]
+  ticks = itertools.count()  # every clock read advances 1 ms
+  clock, engine.clock = engine.clock, lambda: next(ticks) * 1e-3
+  try:
+    res = engine.generate([Request([5, 6, 7, 8 + i], GenerationParams(
+        max_new_tokens=3 + 5 * i, ignore_eos=True, n=1 + i % 2, temperature=1.0, seed=i))
+        for i in range(4)])
+  finally:
+    engine.clock = clock
+  for r in res:
+    m = r.metrics
+    assert m.finish == max(t[-1] for t in m.token_times) > m.arrival
+    if len(m.token_times) == 1:  # what the pipelines record: token_ms sums to latency_ms
+      times = m.token_times[0]
+      assert sum(b - a for a, b in zip([m.arrival] + times[:-1], times)) == pytest.approx(m.e2e)
+
+
 @pytest.mark.parametrize("steps", [0, -1])
 def test_decode_steps_must_be_positive(steps):
   with pytest.raises(ValueError, match="decode_steps"):
