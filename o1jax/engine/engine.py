@@ -1098,7 +1098,8 @@ class Engine:
         # (.., last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
-      self._planner.observe(rows, k, self.clock() - call_start - sunk, single=single)
+      self._planner.observe(rows, k, self.clock() - call_start - sunk, single=single,
+                            one_off=sunk)
     return True
 
   @staticmethod

@@ -159,19 +159,22 @@ class SpeculationPlanner:
   A shape's cost is the median of its last `KEEP` timings (whole calls, host work
   included; not the wait for a prefill chunk dispatched before the call): one slow
   outlier (another process, a page-fault storm) does not make the planner shun a
-  shape, as it would a mean. An unmeasured shape's cost is estimated from the same
-  K measured at another row count (its cost relative to plain decoding there), else
+  shape, as it would a mean. An unmeasured shape's cost is estimated from another K
+  measured at the same row count (what one draft added there), else from the same K
+  measured at another row count (its cost relative to plain decoding there), else
   from a plain step: per position `PRIOR_PER_POSITION` of it plus, per draft, the
   drafter's share of a step (`draft_step_share`: the early exit's layers, a draft
-  model's weight bytes).
+  model's weight bytes; it overestimates a draft model whose head and embedding
+  dominate its bytes, so the first measured K corrects it).
   Every shape is timed apart while the batch fills (`single`: plain calls are one
   step then) and after; plain decoding is re-timed after `STALE` decisions without
   a plain call of that kind.
 
   Exploring: two choices count as optimistic, since they may cost more than they
-  win: a sequence with no evidence of its own drafting at no less than 0.5 (else one
-  unlucky stretch of the engine would stop every later sequence from trying; the
-  engine-wide estimate is the realistic one), and a shape not timed for `STALE`
+  win: a sequence with no evidence of its own drafting at no less than
+  `OPTIMISTIC_RATE` (else a drafter never tried, or one unlucky stretch of the
+  engine, would stop every later sequence from trying; the engine-wide estimate is
+  the realistic one), and a shape not timed for `STALE`
   decisions tried again at its estimated cost (it may have got cheaper). The planner
   takes the optimistic choice only while what such calls cost beyond a plain step
   is at most `EXPLORE_SHARE` of the decode time it has seen (the first one is free):
@@ -197,7 +200,9 @@ class SpeculationPlanner:
   STALE = 64
   PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K) ...
   EXPLORE_SHARE = 0.02  # optimistic calls' cost beyond a plain step / decode time seen
-  OPTIMISTIC_RATE = 0.5  # a sequence with no evidence, when exploring
+  # A sequence with no evidence, when exploring: high enough that a drafter which pays
+  # only at high acceptance (a draft model's steps cost a share of a step each) is tried.
+  OPTIMISTIC_RATE = 0.9
 
   def __init__(self, config: SpeculativeConfig, draft_step_share: float = 0.0):
     self.config = config
@@ -224,15 +229,17 @@ class SpeculationPlanner:
     return rows, k, bool(single)
 
   def observe(self, rows: int, k: int, seconds: float, single: bool = False,
-              steps: int = 1) -> None:
+              steps: int = 1, one_off: float = 0.0) -> None:
     """Wall time of one call of this shape (plain decoding: per step, over `steps`
-    steps; `single`: while the batch fills; the engine leaves out calls that compiled)."""
+    steps; `single`: while the batch fills; the engine leaves out calls that compiled).
+    `one_off`: what the call spent apart from its shape (a draft model's catch-up,
+    timed on its own): decode time seen, and an exploring cost when exploring."""
     key = self._key(rows, k, single)
     if key == self._exploring:
       plain = self.cost(rows, 0, single)
-      self.explored_seconds += max(0.0, seconds - (plain or 0.0))
+      self.explored_seconds += max(0.0, seconds - (plain or 0.0)) + one_off
       self._exploring = None
-    self.seen_seconds += seconds * steps
+    self.seen_seconds += seconds * steps + one_off
     self.timings.setdefault(key, collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[key] = self.decisions
 
@@ -260,20 +267,27 @@ class SpeculationPlanner:
 
   def prior(self, rows: int, k: int, single: bool = False,
             transfer: bool = True) -> float | None:
-    """An unmeasured shape's cost: a plain step at these rows times the ratio the same
-    K measured at the nearest other row count (same phase first; `transfer`), else
-    times 1 + K x (PRIOR_PER_POSITION + draft_step_share)."""
+    """An unmeasured shape's cost (`transfer`: from measured ones): at these rows, a
+    plain step plus K times what a draft added at the nearest measured K (same phase
+    first; a draft step and a verified position each: linear in K); else a plain
+    step times the ratio the same K measured at the nearest other row count (same
+    phase first); else a plain step x (1 + K x (PRIOR_PER_POSITION + draft_step_share))."""
     step = self.cost(rows, 0, single)
     if step is None:
       return None
-    measured = []
+    same_rows, same_k = [], []
     for (r, kk, ph), times in self.timings.items() if transfer else ():
       plain = self.timings.get(self._key(r, 0, ph)) or self.timings.get(self._key(r, 0, not ph))
+      if r == rows and kk not in (0, k) and plain:
+        same_rows.append(((ph != single, abs(kk - k)),
+                          (statistics.median(times) - statistics.median(plain)) / kk))
       if kk == k and r != rows and plain:
-        measured.append(((ph != single, abs(r - rows)),
-                         statistics.median(times) / statistics.median(plain)))
-    if measured:
-      return step * min(measured)[1]
+        same_k.append(((ph != single, abs(r - rows)),
+                       statistics.median(times) / statistics.median(plain)))
+    if same_rows:
+      return step + k * max(0.0, min(same_rows)[1])
+    if same_k:
+      return step * min(same_k)[1]
     return step * (1.0 + k * (self.PRIOR_PER_POSITION + self.draft_step_share))
 
   def drafting(self, rows: int, k: int, behind: Sequence[int], single: bool = False) -> list[bool]:

@@ -58,13 +58,13 @@ def test_acceptance_estimates_start_from_the_engine_and_recover():
   assert planner.rate(seq) == pytest.approx(planner.acceptance.rate(), abs=0.05)
   assert planner.rate(seq) > low + 0.2
   # An engine whose drafts were all rejected: a new sequence starts from that
-  # (realistic), or at 0.5 when the planner explores (optimistic).
+  # (realistic), or at OPTIMISTIC_RATE when the planner explores (optimistic).
   gloomy = SpeculationPlanner(SpeculativeConfig())
   for _ in range(20):
     gloomy.record(Acceptance(), 4, 0)
   assert gloomy.acceptance.rate() < 0.1
   assert gloomy.rate(Acceptance()) == pytest.approx(gloomy.acceptance.rate())
-  assert gloomy.rate(Acceptance(), optimistic=True) == pytest.approx(0.5)
+  assert gloomy.rate(Acceptance(), optimistic=True) == pytest.approx(gloomy.OPTIMISTIC_RATE)
   assert gloomy.rate(seq, optimistic=True) == gloomy.rate(seq)  # evidence of its own
 
 
@@ -123,12 +123,13 @@ def test_planner_speculates_only_where_it_pays():
 
 def test_planner_explores_new_sequences_within_its_budget():
   """A drafter whose drafts are almost never accepted: new sequences are tried at the
-  optimistic 0.5 only while such calls cost at most EXPLORE_SHARE of the decoding seen."""
+  optimistic OPTIMISTIC_RATE only while such calls cost at most EXPLORE_SHARE of the
+  decoding seen."""
   from o1jax.engine.speculative import Acceptance
 
   planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
   planner.observe(8, 0, 0.010)
-  planner.observe(8, 3, 0.030)
+  planner.observe(8, 3, 0.018)
   for _ in range(20):
     planner.record(Acceptance(), 3, 0)  # every draft so far rejected
   old = Acceptance()
@@ -140,17 +141,42 @@ def test_planner_explores_new_sequences_within_its_budget():
                           optimistic=[planner.rate(q, optimistic=True) for q in seqs])
 
   assert planner.choose(8, [3, 3], [planner.rate(q) for q in (old, Acceptance())]) == 0
-  # Exploring: the new row at 0.5; K=1's prior is 11.5 ms for ~2.5 tokens.
-  assert choose() == 1
-  planner.observe(8, 1, 0.012)  # 2 ms beyond a plain step
-  assert planner.explored_seconds == pytest.approx(0.002)
-  assert choose() == 0  # budget spent: 2 ms > 2% of 52 ms seen
-  while planner.seen_seconds < 0.002 / planner.EXPLORE_SHARE:
+  # Exploring: the new row at 0.9; K=3 takes 18 ms for ~4.5 tokens (plain: 2 per 10 ms).
+  assert choose() == 3
+  planner.observe(8, 3, 0.018)  # 8 ms beyond a plain step
+  assert planner.explored_seconds == pytest.approx(0.008)
+  assert choose() == 0  # budget spent: 8 ms > 2% of 28 ms seen
+  while planner.seen_seconds < 0.008 / planner.EXPLORE_SHARE:
     assert choose() == 0
     planner.observe(8, 0, 0.010, steps=8)
-  assert choose() == 1 and planner.explorations == 2
+  assert choose() == 3 and planner.explorations == 2
   planner.observe(8, 0, 0.010)  # a call of another shape is not charged
-  assert planner.explored_seconds == pytest.approx(0.002)
+  assert planner.explored_seconds == pytest.approx(0.008)
+  # A draft model's catch-up, timed apart from the call, is an exploring cost too.
+  while planner.seen_seconds < 0.010 / planner.EXPLORE_SHARE:
+    planner.observe(8, 0, 0.010, steps=8)
+  assert choose() == 3
+  planner.observe(8, 3, 0.018, one_off=0.050)
+  assert planner.explored_seconds == pytest.approx(0.066)
+
+
+def test_planner_tries_a_drafter_that_pays_only_at_high_acceptance():
+  """Draft steps estimated at 0.4 of a step each (an int8 draft model of the same model,
+  by weight bytes): at 0.5 no K pays, so a drafter never tried must be tried
+  optimistically; its drafts are then accepted and the realistic choice follows."""
+  from o1jax.engine.speculative import Acceptance
+
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=7), draft_step_share=0.4)
+  planner.observe(1, 0, 0.020)
+  seq = Acceptance()
+  assert planner.choose(1, [7], [planner.rate(seq)]) == 0  # 0.5: K=1 is 1.5 tokens / 31 ms
+  k = planner.choose(1, [7], [planner.rate(seq)], optimistic=[planner.rate(seq, optimistic=True)])
+  assert k == 3 and planner.explorations == 1  # 0.9: ~3.4 tokens / 53 ms
+  planner.observe(1, 3, 0.040)  # cheaper than estimated
+  planner.record(seq, 3, 3)
+  # K=7 from what a draft added at K=3: 20 + 7 x 6.7 ms = 67 ms for ~8 tokens.
+  assert planner.cost(1, 7) == pytest.approx(0.020 + 7 * 0.020 / 3)
+  assert planner.choose(1, [7], [planner.rate(seq)]) == 7
 
 
 def test_planner_estimates_unmeasured_shapes_from_measured_ones():
@@ -161,6 +187,9 @@ def test_planner_estimates_unmeasured_shapes_from_measured_ones():
   assert planner.cost(32, 3) == pytest.approx(0.020 * 2.2)
   planner.observe(8, 3, 0.030)  # 3x plain at 8 rows
   assert planner.cost(32, 3) == pytest.approx(0.060)  # the same ratio at 32
+  # Another K at the same rows: what one draft added there (20 ms / 3), per draft.
+  assert planner.cost(8, 1) == pytest.approx(0.010 + 0.020 / 3)
+  assert planner.cost(8, 1, single=True) == pytest.approx(0.010 + 0.020 / 3)  # other phase
   planner.observe(4, 0, 0.008)
   planner.observe(4, 3, 0.012)  # 1.5x at 4 rows: 8 is nearer 32
   assert planner.cost(32, 3) == pytest.approx(0.060)
