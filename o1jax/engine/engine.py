@@ -1233,8 +1233,9 @@ class Engine:
     group = seq.group
     group.unfinished -= 1
     if group.unfinished == 0:
+      # The latest over its samples: a row processed later may have sampled earlier.
       group.metrics.finish = (self.clock() if now is None else
-                              max([now] + [t[-1] for t in group.metrics.token_times if t]))
+                              max(t[-1] for t in group.metrics.token_times if t))
       self.metrics.add_request(group.metrics)
       if self.budget is not None:
         self.budget.observe_request(group.metrics.e2e)
