@@ -1098,8 +1098,9 @@ class Engine:
         # (.., last token, d1 .. d_{drafted-1}): those up to the accepted ones are right.
         s.draft_computed = min(last + min(count - 1, drafted - 1) + 1, len(s.tokens) - 1)
     if sum(self.trace_counts.values()) == call_traces:  # a call that compiled is not timed
+      emitted = sum(int(c) for c in out.counts[:len(seqs)]) / len(seqs)  # per running row
       self._planner.observe(rows, k, self.clock() - call_start - sunk, single=single,
-                            one_off=sunk)
+                            one_off=sunk, emitted=emitted)
     return True
 
   @staticmethod

@@ -174,13 +174,18 @@ class SpeculationPlanner:
   win: a sequence with no evidence of its own drafting at no less than
   `OPTIMISTIC_RATE` (else a drafter never tried, or one unlucky stretch of the
   engine, would stop every later sequence from trying; the engine-wide estimate is
-  the realistic one), and a shape not timed for `STALE`
-  decisions tried again at its estimated cost (it may have got cheaper). The planner
-  takes the optimistic choice only while what such calls cost beyond a plain step
-  is at most `EXPLORE_SHARE` of the decode time it has seen (the first one is free):
-  a drafter whose drafts are almost never accepted (an untrained early exit) costs
-  a few percent, not one verify call per admitted sequence (at batch 8-32, where
-  rows arrive one by one, that was 6-30% of the calls and up to 14% of the time).
+  the realistic one), and a shape not timed for `STALE` decisions tried again at
+  its estimated cost (it may have got cheaper). The planner takes the optimistic
+  choice only while what such calls cost beyond a plain step is at most a share of
+  the decode time it has seen (`explore_share`; the first one is free):
+  `EXPLORE_SHARE` once speculation has saved at least what exploring cost (verify
+  calls' tokens at a plain step's time, less their time: `saved_seconds`), down to
+  `EXPLORE_FLOOR` while it has saved nothing. So a drafter whose drafts are almost
+  never accepted (an untrained early exit) costs under a percent, not one verify
+  call per admitted sequence (at batch 8-32, where rows arrive one by one, that was
+  6-30% of the calls and up to 14% of the time; at a 2% share, 2-4% at batch 1),
+  while one that pays for some sequences (prompt lookup over a mix of copying and
+  free text) keeps trying every new one.
 
   While no request waits (`draining`), the batch ends with its last row: rows
   still prefilling (`pending`) count with the calls they have ahead, so no verify
@@ -199,7 +204,8 @@ class SpeculationPlanner:
   KEEP = 8
   STALE = 64
   PRIOR_PER_POSITION = 0.15  # unmeasured shape: a plain step's time x (1 + this x K) ...
-  EXPLORE_SHARE = 0.02  # optimistic calls' cost beyond a plain step / decode time seen
+  EXPLORE_SHARE = 0.02  # optimistic calls' cost beyond a plain step / decode time seen ...
+  EXPLORE_FLOOR = 0.005  # ... and the same while speculation has saved nothing
   # A sequence with no evidence, when exploring: high enough that a drafter which pays
   # only at high acceptance (a draft model's steps cost a share of a step each) is tried.
   OPTIMISTIC_RATE = 0.9
@@ -216,6 +222,7 @@ class SpeculationPlanner:
     self.catch_up: collections.deque = collections.deque(maxlen=self.KEEP)  # s per token
     self.seen_seconds = 0.0  # decode time observed (every timed call)
     self.explored_seconds = 0.0  # what optimistic calls cost beyond a plain step
+    self.saved_seconds = 0.0  # what verify calls saved over plain decoding (< 0: lost)
     self.explorations = 0
     self._exploring: tuple[int, int, bool] | None = None  # the shape of an optimistic choice
 
@@ -229,16 +236,20 @@ class SpeculationPlanner:
     return rows, k, bool(single)
 
   def observe(self, rows: int, k: int, seconds: float, single: bool = False,
-              steps: int = 1, one_off: float = 0.0) -> None:
+              steps: int = 1, one_off: float = 0.0, emitted: float | None = None) -> None:
     """Wall time of one call of this shape (plain decoding: per step, over `steps`
     steps; `single`: while the batch fills; the engine leaves out calls that compiled).
     `one_off`: what the call spent apart from its shape (a draft model's catch-up,
-    timed on its own): decode time seen, and an exploring cost when exploring."""
+    timed on its own): decode time seen, and an exploring cost when exploring.
+    `emitted`: a verify call's tokens per running row; what it saved over plain
+    steps of this batch adds to `saved_seconds` (negative when it lost)."""
     key = self._key(rows, k, single)
+    plain = self.cost(rows, 0, single)
     if key == self._exploring:
-      plain = self.cost(rows, 0, single)
       self.explored_seconds += max(0.0, seconds - (plain or 0.0)) + one_off
       self._exploring = None
+    if k and emitted is not None and plain is not None:
+      self.saved_seconds += emitted * plain - seconds - one_off
     self.seen_seconds += seconds * steps + one_off
     self.timings.setdefault(key, collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[key] = self.decisions
@@ -289,6 +300,15 @@ class SpeculationPlanner:
     if same_k:
       return step * min(same_k)[1]
     return step * (1.0 + k * (self.PRIOR_PER_POSITION + self.draft_step_share))
+
+  def explore_share(self) -> float:
+    """The share of decode time optimistic calls may cost: `EXPLORE_SHARE` once
+    speculation has saved what exploring cost, down to `EXPLORE_FLOOR` in
+    proportion while it has saved less (the first exploration is free either way)."""
+    if self.explored_seconds <= 0.0:
+      return self.EXPLORE_SHARE
+    paid = min(1.0, max(0.0, self.saved_seconds / self.explored_seconds))
+    return self.EXPLORE_FLOOR + (self.EXPLORE_SHARE - self.EXPLORE_FLOOR) * paid
 
   def drafting(self, rows: int, k: int, behind: Sequence[int], single: bool = False) -> list[bool]:
     """Which rows draft in a call of K drafts; behind[i]: tokens row i must catch up
@@ -376,7 +396,7 @@ class SpeculationPlanner:
       return best_k
 
     chosen = best(rates, retry=False)
-    if self.explored_seconds <= self.EXPLORE_SHARE * self.seen_seconds:
+    if self.explored_seconds <= self.explore_share() * self.seen_seconds:
       bold = best(rates if optimistic is None else optimistic, retry=True)
       if bold and bold != chosen:
         self._exploring = self._key(rows, bold, single) if bold else None

@@ -111,10 +111,11 @@ def test_planner_speculates_only_where_it_pays():
   assert planner.choose(8, [7, 7], [0.9, 0.9]) == 7  # 20.5 ms at its prior
   planner.observe(8, 7, 0.080)  # ... and, still slow, dropped again
   assert planner.explored_seconds == pytest.approx(0.070)  # beyond a plain step
-  # K=3 is stale too, but the exploring budget is spent: 70 ms against 2% of the ~2 s
-  # of decoding seen.
+  # K=3 is stale too, but the exploring budget is spent: 70 ms against 0.5% of the ~2 s
+  # of decoding seen (the floor: no verify call has saved anything).
+  assert planner.explore_share() == planner.EXPLORE_FLOOR
   assert planner.choose(8, [7, 7], [0.9, 0.9]) in (0, 1)
-  while planner.seen_seconds < 0.070 / planner.EXPLORE_SHARE:
+  while planner.seen_seconds < 0.070 / planner.EXPLORE_FLOOR:
     planner.observe(8, 0, 0.010, steps=8)  # plain calls of 8 steps
   assert planner.choose(8, [7, 7], [0.9, 0.9]) == 3
   fixed = SpeculationPlanner(SpeculativeConfig(max_drafts=7, adaptive=False))
@@ -123,13 +124,15 @@ def test_planner_speculates_only_where_it_pays():
 
 def test_planner_explores_new_sequences_within_its_budget():
   """A drafter whose drafts are almost never accepted: new sequences are tried at the
-  optimistic OPTIMISTIC_RATE only while such calls cost at most EXPLORE_SHARE of the
-  decoding seen."""
+  optimistic OPTIMISTIC_RATE only while such calls cost at most EXPLORE_FLOOR of the
+  decoding seen (speculation has saved nothing), EXPLORE_SHARE once it has saved what
+  exploring cost."""
   from o1jax.engine.speculative import Acceptance
 
   planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
   planner.observe(8, 0, 0.010)
-  planner.observe(8, 3, 0.018)
+  planner.observe(8, 3, 0.018, emitted=1.0)
+  assert planner.saved_seconds == pytest.approx(-0.008)  # one token per row in 18 ms, not 10
   for _ in range(20):
     planner.record(Acceptance(), 3, 0)  # every draft so far rejected
   old = Acceptance()
@@ -142,22 +145,32 @@ def test_planner_explores_new_sequences_within_its_budget():
 
   assert planner.choose(8, [3, 3], [planner.rate(q) for q in (old, Acceptance())]) == 0
   # Exploring: the new row at 0.9; K=3 takes 18 ms for ~4.5 tokens (plain: 2 per 10 ms).
-  assert choose() == 3
-  planner.observe(8, 3, 0.018)  # 8 ms beyond a plain step
+  assert choose() == 3  # the first one is free
+  planner.observe(8, 3, 0.018, emitted=1.0)  # 8 ms beyond a plain step, nothing accepted
   assert planner.explored_seconds == pytest.approx(0.008)
-  assert choose() == 0  # budget spent: 8 ms > 2% of 28 ms seen
-  while planner.seen_seconds < 0.008 / planner.EXPLORE_SHARE:
+  assert planner.explore_share() == planner.EXPLORE_FLOOR
+  assert choose() == 0  # budget spent: 8 ms > 0.5% of 36 ms seen
+  while planner.seen_seconds < 0.008 / planner.EXPLORE_FLOOR:
     assert choose() == 0
     planner.observe(8, 0, 0.010, steps=8)
   assert choose() == 3 and planner.explorations == 2
   planner.observe(8, 0, 0.010)  # a call of another shape is not charged
   assert planner.explored_seconds == pytest.approx(0.008)
+  # The exploring call's drafts are accepted: 4 tokens per row in 18 ms (22 ms saved);
+  # 6 ms saved in all against 16 ms explored: the share rises in proportion ...
+  planner.observe(8, 3, 0.018, emitted=4.0)
+  assert planner.explored_seconds == pytest.approx(0.016)
+  assert planner.saved_seconds == pytest.approx(-0.016 + 0.022)
+  assert planner.explore_share() == pytest.approx(
+      planner.EXPLORE_FLOOR + (planner.EXPLORE_SHARE - planner.EXPLORE_FLOOR) * 0.006 / 0.016)
+  planner.observe(8, 3, 0.018, emitted=3.0)  # ... to the full share once 16 ms are saved
+  assert planner.explore_share() == planner.EXPLORE_SHARE
   # A draft model's catch-up, timed apart from the call, is an exploring cost too.
   while planner.seen_seconds < 0.010 / planner.EXPLORE_SHARE:
     planner.observe(8, 0, 0.010, steps=8)
   assert choose() == 3
   planner.observe(8, 3, 0.018, one_off=0.050)
-  assert planner.explored_seconds == pytest.approx(0.066)
+  assert planner.explored_seconds == pytest.approx(0.016 + 0.008 + 0.050)
 
 
 def test_planner_tries_a_drafter_that_pays_only_at_high_acceptance():
@@ -345,7 +358,11 @@ def test_verify_calls_are_timed_in_the_phase_they_ran(tiny, make_prompts):
 
   def recording_observe(rows, k, seconds, single=False, **kwargs):
     timed.append((k, single))
+    if k:
+      emitted.append((k, kwargs["emitted"]))
     observe(rows, k, seconds, single=single, **kwargs)
+
+  emitted = []
 
   engine._planner.choose, engine._planner.observe = recording_choose, recording_observe
   engine.generate([{"prompt": p, "params": GenerationParams(max_new_tokens=16, ignore_eos=True)}
@@ -355,6 +372,9 @@ def test_verify_calls_are_timed_in_the_phase_they_ran(tiny, make_prompts):
   timed_verify = [t for t in timed if t[0]]
   assert timed_verify and set(timed_verify) <= set(verify)  # each under its own phase
   assert any(single for _, single in timed_verify)
+  # Each verify call reports its tokens per running row (what it saved is weighed).
+  assert all(1.0 <= e <= k + 1 for k, e in emitted)
+  assert engine.metrics.spec_accepted > 0 and max(e for _, e in emitted) > 1.0
 
 
 @pytest.fixture(scope="module")
