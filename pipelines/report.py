@@ -34,13 +34,30 @@ def _plt():
   return plt
 
 
+class ReportError(ValueError):
+  """A run directory whose files cannot be read; the message names the file (and line)."""
+
+
+def _json(path: pathlib.Path, text: str, line: Optional[int] = None):
+  try:
+    return json.loads(text)
+  except ValueError as e:  # JSONDecodeError: an edited, cut or foreign file
+    where = f" line {line}" if line else ""
+    raise ReportError(f"{path}{where}: not valid JSON ({e})") from e
+
+
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+  """(summary.json, results.jsonl's records); `ReportError` names a file that is not theirs."""
   run_dir = pathlib.Path(run_dir)
-  summary = json.loads((run_dir / "summary.json").read_text())
+  path = run_dir / "summary.json"
+  summary = _json(path, path.read_text(encoding="utf-8", errors="replace"))
+  if not isinstance(summary, dict):
+    raise ReportError(f"{path}: expected a JSON object, got {type(summary).__name__}")
   records = []
   path = run_dir / "results.jsonl"
   if path.exists():
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = [_json(path, line, i) for i, line in enumerate(lines, start=1) if line.strip()]
   return summary, records
 
 
@@ -269,8 +286,8 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   out += ["", "## Dead letters", "", f"{dead['total']} total; by stage: {dead['by_stage'] or 'none'}."]
   dl_path = run_dir / "dead_letters.jsonl"
   if dead["total"] and dl_path.exists():
-    for line in dl_path.read_text().splitlines()[:10]:
-      d = json.loads(line)
+    for i, line in enumerate(dl_path.read_text(encoding="utf-8", errors="replace").splitlines()[:10], 1):
+      d = _json(dl_path, line, i)
       where = f"{d.get('source')}:{d.get('line_number')}" if d.get("source") else f"{d.get('example_id')}#{d.get('sample_index')}"
       out.append(f"- `{where}` ({d['stage']}): {d['reason'][:160]}")
   out += ["", "## Sample outputs", ""]
@@ -322,12 +339,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not runs:
     print("error: no run directory with a summary.json", file=sys.stderr)
     return 2
+  failed = []
   for d in runs:
-    print(write_run_report(d))
+    try:
+      print(write_run_report(d))
+    except ReportError as e:  # one bad run: the others are still reported
+      print(f"error: {e}", file=sys.stderr)
+      failed.append(d)
+  runs = [d for d in runs if d not in failed]
   if len(runs) > 1:
     out = args.output_dir or os.path.commonpath([os.path.abspath(d) for d in runs])
     print(write_comparison(runs, out))
-  return 0
+  return 2 if failed else 0
 
 
 if __name__ == "__main__":

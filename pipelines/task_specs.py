@@ -114,6 +114,24 @@ class GSMTask:
     return out
 
 
+# Below ~16 MB of address space the sandboxed interpreter does not start, and the sandbox
+# reports that as missing isolation (measured: 8 MB fails, 16 MB runs HumanEval/0).
+SANDBOX_MIN_MEMORY_MB = 16
+
+
+def check_sandbox_section(c: Mapping[str, Any]) -> None:
+  """The `sandbox` section's limits, checked when the plan is built: a timeout <= 0 would
+  fail every program as timed out (pass@1 = 0.0 that looks like a result), and too small a
+  memory limit stops the interpreter before the sandbox can start."""
+  if not float(c["timeout_s"]) > 0:
+    raise ValueError(f"sandbox.timeout_s={c['timeout_s']} must be > 0 (seconds per program)")
+  if int(c["memory_mb"]) < SANDBOX_MIN_MEMORY_MB:
+    raise ValueError(f"sandbox.memory_mb={c['memory_mb']} must be >= {SANDBOX_MIN_MEMORY_MB} "
+                     f"(address space per program)")
+  if c.get("workers") is not None and int(c["workers"]) < 0:
+    raise ValueError(f"sandbox.workers={c['workers']} must be >= 0 (0 = one per usable CPU)")
+
+
 def sandbox_from_config(c: Mapping[str, Any]):
   """A `Sandbox` from a config's `sandbox` section (timeout_s, memory_mb, workers)."""
   from pipelines.sandbox import Sandbox, SandboxConfig
@@ -224,6 +242,10 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
   if name not in TASKS:
     raise ValueError(f"task={name!r}: registered tasks are {sorted(TASKS)}")
   kwargs = {"dataset": _plain(config.dataset), "prompt_cfg": _plain(config.prompt)}
+  n = kwargs["dataset"].get("n")
+  if n is not None and int(n) < 0:  # a negative count would silently drop examples
+    raise ValueError(f"dataset.n={n} must be >= 0 (0 = every example)")
   if name in ("humaneval", "suite"):
     kwargs["sandbox_cfg"] = _plain(config.sandbox)
+    check_sandbox_section(kwargs["sandbox_cfg"])
   return TASKS[name](**kwargs)

@@ -127,8 +127,8 @@ class _Header:
     raise ValueError(f"unknown metadata value type {vtype}")
 
   def walk(self, keep_all: bool = False):
-    """(metadata of _HEADER_KEYS (every key's with keep_all), every key, [(tensor name, type
-    id, element count, offset, dims)], offset of the tensor data)."""
+    """(metadata of _HEADER_KEYS and the scalars (every key's with keep_all), every key,
+    [(tensor name, type id, element count, offset, dims)], offset of the tensor data)."""
     (version,) = self.unpack("I", 4)
     if version & 0xFFFF == 0:  # written on a big-endian machine
       self.order = ">"
@@ -145,7 +145,7 @@ class _Header:
       (vtype,) = self.unpack("I", off)
       value, off = self.value(vtype, off + 4, keep_all)
       keys.add(key)
-      if key in _HEADER_KEYS or keep_all:
+      if key in _HEADER_KEYS or keep_all or vtype in _SCALARS:  # scalars: sizes, for _check_sizes
         meta[key] = value
     tensors = []
     for _ in range(n_tensors):
@@ -194,6 +194,7 @@ def check_gguf(path: str | os.PathLike) -> None:
   for key in _REQUIRED_ARCH_KEYS:
     if f"{arch}.{key}" not in keys:
       raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is missing")
+  _check_sizes(path, arch, meta)
   if meta.get("tokenizer.ggml.model") not in SUPPORTED_TOKENIZER_MODELS:
     raise CheckpointError(f"{path}: tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
                           f"supported (supported: gpt2 BPE, llama SentencePiece)")
@@ -272,6 +273,13 @@ def _field(reader, key: str, default=None, *, path=None, required=False):
 
 
 _REQUIRED_ARCH_KEYS = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
+_SIZE_KEYS = _REQUIRED_ARCH_KEYS + ("attention.head_count_kv", "attention.key_length", "context_length",
+                                   "vocab_size")
+
+
+def _to_int(value):
+  """A metadata value as the header walk gives it (gguf-py's reader: numpy scalars)."""
+  return int(value) if isinstance(value, np.integer) else value
 
 
 def _check_architecture(path, arch) -> None:
@@ -280,15 +288,26 @@ def _check_architecture(path, arch) -> None:
         f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
+def _check_sizes(path, arch: str, meta) -> None:
+  """The size keys the model is built from (those present) are integers >= 1: a head count
+  of 0 divides by zero, a context of 0 refuses every prompt."""
+  for key in _SIZE_KEYS:
+    value = meta.get(f"{arch}.{key}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is {value!r}, "
+                            f"expected an integer >= 1")
+
+
 def _config_from_metadata(reader, path, tensors) -> ModelConfig:
   arch = _field(reader, "general.architecture", path=path, required=True)
   _check_architecture(path, arch)
   g = lambda k, d=None, req=False: _field(reader, f"{arch}.{k}", d, path=path, required=req)
+  _check_sizes(path, arch, {f"{arch}.{k}": _to_int(g(k)) for k in _SIZE_KEYS})
   n_heads = int(g("attention.head_count", req=True))
   d_model = int(g("embedding_length", req=True))
   tokens = _field(reader, "tokenizer.ggml.tokens")
   vocab = int(g("vocab_size", len(tokens) if tokens is not None else 0))
-  head_dim = int(g("attention.key_length", d_model // n_heads))
+  head_dim = int(g("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
   rope_scaling = None
   scaling_type = g("rope.scaling.type")
   if scaling_type == "linear":

@@ -43,10 +43,11 @@ def detect_format(path: pathlib.Path) -> str:
 
 def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
   """Cheap validation of what `load_checkpoint(source)` would read, without reading weights:
-  GGUF: the header walked in place (magic, tensor table, types, extents, architecture,
-  tokenizer); HF: config.json and every shard's safetensors header; orbax: the manifest and
-  the layout. Raises the `CheckpointError` loading would raise (missing, random bytes,
-  truncated, unsupported); returns the format. For launchers, before any worker loads it."""
+  GGUF: the header walked in place (magic, tensor table, types, extents, architecture, sizes,
+  tokenizer); HF: config.json, every shard's safetensors header and the tokenizer files;
+  orbax: the manifest and the layout. Raises the `CheckpointError` loading would raise
+  (missing, random bytes, truncated, unsupported); returns the format. For launchers,
+  before any worker loads it."""
   path = resolve_source(source)
   fmt = detect_format(path)
   if fmt == "gguf":
@@ -55,6 +56,7 @@ def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
     orbax_io.check_orbax(path)
   else:
     safetensors_loader.check_safetensors(path)
+    Tokenizer.load(path)  # tokenizer.json and tokenizer_config.json parse (a GGUF's are metadata)
   return fmt
 
 

@@ -11,6 +11,9 @@ from typing import Any
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
 # Gated-MLP activations (layers.ACTIVATIONS): SwiGLU for Llama/Qwen, GeGLU (tanh GELU) for Gemma 3.
 ACTIVATIONS = ("silu", "gelu_tanh")
+# Sizes a model needs to be at least 1.
+SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+               "max_context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,9 @@ class ModelConfig:
   rope_local_theta: float | None = None  # RoPE base of local layers, unscaled (None: rope_theta)
 
   def __post_init__(self):
+    for name in SIZE_FIELDS:  # a 0 would divide by zero here or build an empty model
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))

@@ -14,7 +14,7 @@ import pathlib
 
 import numpy as np
 
-from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.errors import CheckpointError, read_json_object
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
@@ -99,7 +99,7 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     return ModelConfig(**gemma,
         vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
         n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or d_model // n_heads),
+        head_dim=int(hf.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0)),
         ffn_dim=int(hf["intermediate_size"]), rope_theta=rope_theta,
         rope_scaling=rope_scaling, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_context=int(hf.get("max_position_embeddings", 2048)),
@@ -117,7 +117,7 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
 def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
   index = directory / "model.safetensors.index.json"
   if index.is_file():
-    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    weight_map = read_json_object(index).get("weight_map", {})
     files = sorted({directory / f for f in weight_map.values()})
   else:
     files = sorted(directory.glob("*.safetensors"))
@@ -133,11 +133,7 @@ def _read_config(directory: pathlib.Path) -> ModelConfig:
   cfg_file = directory / "config.json"
   if not cfg_file.is_file():
     raise CheckpointError(f"{directory}: config.json is missing")
-  try:
-    hf = json.loads(cfg_file.read_text())
-  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-    raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
-  return config_from_hf(hf, cfg_file)
+  return config_from_hf(read_json_object(cfg_file), cfg_file)
 
 
 _HEADER_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}

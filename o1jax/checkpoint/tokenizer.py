@@ -19,7 +19,7 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.errors import CheckpointError, read_json_object
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -160,7 +160,7 @@ class Tokenizer:
     cfg = {}
     cfg_file = directory / "tokenizer_config.json"
     if cfg_file.is_file():
-      cfg = json.loads(cfg_file.read_text())
+      cfg = read_json_object(cfg_file)
 
     def tok_id(entry):
       if isinstance(entry, dict):

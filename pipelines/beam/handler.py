@@ -11,7 +11,9 @@ into batches of `batch_size` (the engine's slots once it lands); 3.
 `predictor.predict`, and emits one `PredictionResult(item, prediction)` per item,
 with `timing` added to the prediction: the batch's stamps, overlaid by the
 predictor's own per-request `metrics` when it measures them (the engine: its
-request latency, TTFT and per-token latencies); 4. an exception fails the whole batch,
+request latency, TTFT and per-token latencies); 4. a `ValueError` (the predictor refused a
+request) reruns the batch's items one by one: a refused item's prediction is
+{"error": reason}, a dead letter of its own; any other exception fails the whole batch,
 which `with_exception_handling()` routes to the dead-letter output.
 """
 
@@ -19,11 +21,14 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.predictors import Predictor, PredictorSpec, WorkItem, build_predictor
+
+ERROR_KEY = "error"  # a prediction holding only this: the predictor refused the item
 
 
 class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor]):
@@ -56,7 +61,15 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
                     inference_args: Optional[dict[str, Any]] = None) -> list[PredictionResult]:
     del inference_args
     start_ns = self._clock.time_ns()
-    predictions = model.predict(list(batch))
+    try:
+      predictions = model.predict(list(batch))
+    except ValueError:
+      if len(batch) == 1:
+        raise
+      # A request the predictor refuses (a prompt longer than the model's context, bad
+      # metadata) fails the whole batch: run the items alone, so only those refused become
+      # dead letters and their neighbours are computed.
+      predictions = [_predict_alone(model, item) for item in batch]
     end_ns = self._clock.time_ns()
     if len(predictions) != len(batch):
       raise RuntimeError(f"predictor returned {len(predictions)} predictions for {len(batch)} items")
@@ -77,6 +90,15 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
 
   def get_metrics_namespace(self) -> str:
     return "o1jax_eval"
+
+
+def _predict_alone(model: Predictor, item: WorkItem) -> dict:
+  """One item's prediction, or {"error": reason} when the predictor refuses it (it becomes
+  an inference dead letter in `ScoreAndStore`)."""
+  try:
+    return model.predict([item])[0]
+  except ValueError as e:
+    return {ERROR_KEY: "".join(traceback.format_exception_only(type(e), e)).strip()}
 
 
 def _timing(batch_timing: dict, metrics: Optional[dict]) -> dict:

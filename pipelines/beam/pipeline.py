@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 import traceback
 import uuid
@@ -37,7 +38,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import RunInference
 
-from pipelines.beam.handler import PredictorModelHandler
+from pipelines.beam.handler import ERROR_KEY, PredictorModelHandler
 from pipelines.beam.store import ResultStore, is_local, utf8
 from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
@@ -110,14 +111,34 @@ def check_admission(policy: str, controller: bool) -> None:
     raise ValueError(f"engine.policy={policy!r}: {who} takes {list(valid)}")
 
 
+def check_engine_section(spec: PredictorSpec) -> None:
+  """The `EngineConfig` a worker will build from the engine section, built now; its
+  message gets the section's name (`engine.max_slots=-1 must be >= 1`)."""
+  from pipelines.predictors import engine_config
+  try:
+    engine_config(spec)
+  except (TypeError, ValueError) as e:
+    message = str(e)
+    raise ValueError(f"engine.{message}" if re.match(r"^\w+=", message) else message) from e
+
+
 def build_plan(config, output_dir: str) -> EvalPlan:
   """Config → plan; raises ValueError on a module of `imports` that cannot be imported,
   or an unknown task, policy or predictor."""
   imports = import_modules(config.get("imports", ()))  # they may register what follows
   policy = build_policy(config.policy.to_dict())
   s = config.sampling
-  sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
-                          top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
+  if int(s.max_new_tokens) < 1:  # the engine would refuse every request, one by one
+    raise ValueError(f"sampling.max_new_tokens={s.max_new_tokens} must be >= 1")
+  try:
+    sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
+                            top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
+  except ValueError as e:
+    raise ValueError(f"sampling: {e}") from e
+  try:  # a policy's own sampling settings, checked now rather than per example
+    policy.sampling(sampling, 0)
+  except ValueError as e:
+    raise ValueError(f"policy {policy.name}: {e}") from e
   name = resolve_predictor(config.model.predictor, policy, config.task)
   controller = None
   if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype
@@ -159,6 +180,8 @@ def build_plan(config, output_dir: str) -> EvalPlan:
       config.model, name=name, batch_size=int(config.runner.batch_size),
       engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
       controller=controller, budget=budget, speculative=speculative, imports=imports)
+  if name == "engine":  # found here, not when every worker builds its engine
+    check_engine_section(spec)
   task = build_task(config)
   if hasattr(task, "check_policy"):  # a task may reject policies that cannot score it
     task.check_policy(policy)
@@ -312,7 +335,9 @@ class ScoreAndStore(beam.DoFn):
   """Batches of PredictionResults → scored records, each stored as soon as it exists.
 
   A task may return an exception in place of one item's score (its scorer raised on that
-  item): the item becomes a dead letter on the 'unscored' output, the rest are stored.
+  item): the item becomes a dead letter on the 'unscored' output, the rest are stored. An
+  item the predictor refused alone (an {"error": reason} prediction) is an inference dead
+  letter on the same output.
   """
 
   def __init__(self, plan: EvalPlan):
@@ -323,6 +348,16 @@ class ScoreAndStore(beam.DoFn):
     self.sandbox = self.plan.task.sandbox() if hasattr(self.plan.task, "sandbox") else None
 
   def process(self, batch) -> Iterator[dict]:
+    refused = [r for r in batch if ERROR_KEY in r.inference]
+    for r in refused:  # the predictor refused this item alone (PredictorModelHandler)
+      item = r.example
+      Metrics.counter(NAMESPACE, "inference_dead_letters").inc()
+      yield beam.pvalue.TaggedOutput("unscored", dead_letter(
+          "inference", r.inference[ERROR_KEY], key=item.key, example_id=item.example["id"],
+          sample_index=item.sample_index))
+    batch = [r for r in batch if ERROR_KEY not in r.inference]
+    if not batch:
+      return
     items = [(Example.from_dict(r.example.example), r.inference["text"], r.example.stop) for r in batch]
     if self.sandbox is not None:
       scores = self.plan.task.score_batch(items, sandbox=self.sandbox)

@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import json
 import re
+import zlib
 from typing import Any, Callable, IO, Iterator, Optional, Union
 
 from pipelines.datasets.records import (DatasetError, DeadLetter, Duplicate, Example, RecordError,
@@ -24,7 +25,8 @@ _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 @contextlib.contextmanager
 def open_binary(path: str) -> Iterator[IO[bytes]]:
-  """Open `path` for binary reading via Beam FileSystems (auto compression).
+  """Open `path` for binary reading via Beam FileSystems (auto compression; a local .gz
+  through `gzip`, which notices a truncated archive).
 
   A file that is missing or cannot be opened raises `DatasetError` naming it (one line
   for the user, not an OSError traceback).
@@ -33,16 +35,20 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
     from apache_beam.io.filesystems import FileSystems  # pylint: disable=g-import-not-at-top
   except ImportError:
     FileSystems = None  # pylint: disable=invalid-name
+  local = None if _SCHEME_RE.match(path) and not path.startswith("file://") else path.removeprefix("file://")
   try:
-    if FileSystems is not None:
+    if local is not None and local.endswith(".gz"):
+      # gzip raises EOFError on a truncated archive, where Beam's reader stops quietly at the
+      # cut (the rest of the dataset would be missing without a word).
+      f = gzip.open(local, "rb")
+    elif FileSystems is not None:
       if not FileSystems.exists(path):  # object stores raise assorted errors for a missing key
         raise FileNotFoundError(path)
       f = FileSystems.open(path)
     elif _SCHEME_RE.match(path) and not path.startswith("file://"):
       raise RuntimeError(f"reading {path!r} needs apache-beam with the scheme's extra")
     else:
-      local = path[len("file://"):] if path.startswith("file://") else path
-      f = gzip.open(local, "rb") if local.endswith(".gz") else open(local, "rb")
+      f = open(local, "rb")
   except FileNotFoundError as e:
     raise DatasetError(f"dataset file not found: {path}") from e
   except OSError as e:
@@ -53,12 +59,20 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
     f.close()
 
 
-def _read_lines(f: IO[bytes]) -> Iterator[bytes]:
+def _read_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
+  """The file's lines; a file that cannot be read to its end (not gzip data behind a .gz
+  name, a truncated archive, an I/O error) raises `DatasetError` naming it and the line."""
   # Beam's CompressedFile has readline() but is not iterable.
+  line_number = 0
   while True:
-    line = f.readline()
+    try:
+      line = f.readline()
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+      where = f" after line {line_number}" if line_number else ""
+      raise DatasetError(f"cannot read dataset file {path}{where}: {e}") from e
     if not line:
       return
+    line_number += 1
     yield line
 
 
@@ -79,7 +93,7 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   number; blank lines are skipped silently.
   """
   with open_binary(path) as f:
-    for line_number, raw_bytes in enumerate(_read_lines(f), start=1):
+    for line_number, raw_bytes in enumerate(_read_lines(f, path), start=1):
       raw = raw_bytes.decode("utf-8", errors="replace").rstrip("\r\n")
       if not raw.strip():
         continue
@@ -92,6 +106,9 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
         obj = json.loads(text)
       except json.JSONDecodeError as e:
         yield DeadLetter(path, line_number, f"invalid JSON: {e.msg}", raw)
+        continue
+      except RecursionError:  # valid JSON nested deeper than the decoder's recursion limit
+        yield DeadLetter(path, line_number, "invalid JSON: nested too deeply", raw)
         continue
       if not isinstance(obj, dict):
         yield DeadLetter(path, line_number,

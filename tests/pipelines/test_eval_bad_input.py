@@ -154,3 +154,70 @@ def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
   with pytest.raises(CheckpointError, match=rf"^{cut}: truncated GGUF file: tensor '.*' ends at byte"):
     _run(_config(data, predictor="engine", source=str(cut)), tmp_path / "out")
   assert _nothing_written(tmp_path / "out")
+
+
+# -- 7. config values out of range -------------------------------------------------------
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("sampling", "max_new_tokens", -5, r"^sampling\.max_new_tokens=-5 must be >= 1$"),
+    ("sampling", "temperature", -1.0, r"^sampling: temperature must be >= 0, got -1\.0$"),
+    ("engine", "max_slots", -1, r"^engine\.max_slots=-1 must be >= 1$"),
+    ("engine", "decode_steps", 0, r"^engine\.decode_steps=0 must be >= 1$"),
+    ("engine", "kv_dtype", "int4", r"^engine\.kv_dtype='int4' not in \["),
+])
+def test_out_of_range_config_values_are_named_before_any_work(tmp_path, section, key, value, message):
+  # Before: the engine refused each request (every sample a dead letter, exit 0), or each
+  # worker failed building its engine inside Beam.
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data, predictor="engine", source="embedded")
+  cfg[section][key] = value
+  with pytest.raises(ValueError, match=message):
+    _run(cfg, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+def test_policy_sampling_values_name_the_policy(tmp_path):
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = custom_config.get_config("smoke=True,policy=sample_n")
+  cfg.model.predictor = "fake"
+  cfg.dataset.path = str(data)
+  cfg.policy.top_p = 2.0
+  with pytest.raises(ValueError, match=r"^policy sample_n: top_p must be in \(0, 1\], got 2\.0$"):
+    _run(cfg, tmp_path / "out")
+
+
+# -- 8. a request the model refuses --------------------------------------------------------
+
+class RefusingPredictor:
+  """The fake predictor, refusing (as the engine refuses a prompt longer than the model's
+  context: a ValueError for the whole batch) any batch holding a question with 'REFUSE'."""
+
+  def predict(self, items):
+    from pipelines.predictors import FakePredictor
+    for item in items:
+      if "REFUSE" in item.example["question"]:
+        raise ValueError(f"request {item.request_id}: prompt has 999 tokens but the context is 128 tokens")
+    return FakePredictor().predict(items)
+
+
+def _refusing_loader(spec):
+  del spec
+  return RefusingPredictor()
+
+
+def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
+  # Before: the whole batch of 4 went to dead letters with the refused request's reason.
+  lines = _good_lines()
+  data = _write(tmp_path / "mixed.jsonl", [lines[0], json.dumps({"question": "REFUSE me", "answer": "1"}),
+                                           lines[1], lines[2]])
+  cfg = _config(data)
+  cfg.runner.batch_size = 4
+  summary = run(cfg, str(tmp_path / "out"), clock=FakeClock(), progress=False, report=False,
+                loader=_refusing_loader)
+  records = [json.loads(l) for l in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+  assert [r["example_index"] for r in records] == [0, 2, 3]
+  (dead,) = [json.loads(l) for l in (tmp_path / "out" / "dead_letters.jsonl").read_text().splitlines()]
+  assert dead["stage"] == "inference" and dead["sample_index"] == 0
+  assert dead["reason"].startswith("ValueError: request ") and dead["reason"].endswith("the context is 128 tokens")
+  assert dead["example_id"] not in {r["example_id"] for r in records}
+  assert summary["samples"] == 3 and summary["dead_letters"]["by_stage"] == {"inference": 1}

@@ -125,3 +125,56 @@ def test_chat_templates_that_cannot_run_are_named():
   refuses = _tokenizer_with_template("{{ raise_exception('only user turns') }}")
   with pytest.raises(ValueError, match="^chat template: only user turns$"):
     refuses.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _with_metadata_value(src: bytes, key: str, value: int) -> bytes:
+  """A GGUF's bytes with the uint32 metadata value of `key` replaced."""
+  import struct
+  at = src.index(key.encode()) + len(key)
+  assert struct.unpack_from("<I", src, at)[0] == 4  # GGUFValueType.UINT32
+  out = bytearray(src)
+  struct.pack_into("<I", out, at + 4, value)
+  return bytes(out)
+
+
+@pytest.mark.parametrize("key", ["llama.attention.head_count", "llama.attention.head_count_kv",
+                                 "llama.block_count", "llama.context_length"])
+def test_gguf_size_of_zero_is_named_by_check_and_load(tiny_gguf, tmp_path, key):
+  # Before: ZeroDivisionError from the loader (head counts), or a model that loaded and then
+  # refused every prompt (context 0) or had no layers; the header check passed them all.
+  p = tmp_path / "zero.gguf"
+  p.write_bytes(_with_metadata_value(tiny_gguf.read_bytes(), key, 0))
+  for read in (check_checkpoint, load_gguf):
+    with pytest.raises(CheckpointError, match=rf"^{p}: GGUF metadata key '{key}' is 0, "
+                                              r"expected an integer >= 1$"):
+      read(p)
+
+
+def test_hf_config_and_tokenizer_files_that_are_not_what_they_should_be(tmp_path):
+  from o1jax.checkpoint import load_checkpoint
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  good_config = (hf / "config.json").read_text()
+  # Before: AttributeError ('list' object has no attribute 'get').
+  (hf / "config.json").write_text("[]")
+  with pytest.raises(CheckpointError, match=rf"^{hf}/config.json: expected a JSON object, got list$"):
+    check_checkpoint(hf)
+  # Before: ZeroDivisionError computing head_dim, or a model with no heads.
+  hf_config = json.loads(good_config)
+  hf_config.update(num_attention_heads=0)
+  hf_config.pop("head_dim", None)
+  (hf / "config.json").write_text(json.dumps(hf_config))
+  with pytest.raises(CheckpointError, match=rf"^{hf}/config.json: n_heads=0 must be >= 1$"):
+    check_checkpoint(hf)
+  (hf / "config.json").write_text(good_config)
+  # Before: the check passed and each worker's load raised a bare JSONDecodeError.
+  (hf / "tokenizer_config.json").write_text("{not json")
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{hf}/tokenizer_config.json: not valid JSON \("):
+      read(hf)
+  (hf / "tokenizer_config.json").unlink()
+  # A shard index that does not parse: named, not a bare JSONDecodeError.
+  (hf / "model.safetensors.index.json").write_text('{"weight_map": ')
+  with pytest.raises(CheckpointError,
+                     match=rf"^{hf}/model.safetensors.index.json: not valid JSON \("):
+    check_checkpoint(hf)

@@ -67,3 +67,30 @@ def test_same_id_with_other_content_is_a_dead_letter(tmp_path):
   out = list(read_custom_jsonl(path, {"question": "q", "answer": "a", "id": "id"}))
   assert [type(r).__name__ for r in out] == ["Example", "DeadLetter", "Example"]
   assert out[1].line_number == 2 and out[1].reason == "example id 'custom/x' is already used by line 1"
+
+
+def test_gzip_that_cannot_be_read_to_its_end_is_one_dataset_error(tmp_path):
+  # Before: zlib.error traceback for a .gz that is not gzip data; a truncated archive was
+  # read up to the cut without a word (the rest of the dataset silently missing).
+  fake = tmp_path / "plain.jsonl.gz"
+  fake.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+  with pytest.raises(DatasetError, match=rf"^cannot read dataset file {fake}: Not a gzipped file"):
+    list(read_gsm8k_jsonl(str(fake)))
+  import gzip
+  data = gzip.compress("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n"
+                               for i in range(2000)).encode())
+  cut = tmp_path / "cut.jsonl.gz"
+  cut.write_bytes(data[:len(data) // 2])
+  with pytest.raises(DatasetError, match=rf"^cannot read dataset file {cut} after line \d+: "
+                                         r"Compressed file ended before the end-of-stream marker"):
+    list(read_gsm8k_jsonl(str(cut)))
+
+
+def test_json_nested_too_deeply_is_a_dead_letter(tmp_path):
+  # Before: a RecursionError traceback from the json module ended the run.
+  path = _lines(tmp_path / "deep.jsonl",
+                '{"question": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "#### 1"}',
+                json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}))
+  out = list(read_gsm8k_jsonl(path))
+  assert [type(r).__name__ for r in out] == ["DeadLetter", "Example"]
+  assert (out[0].line_number, out[0].reason) == (1, "invalid JSON: nested too deeply")

@@ -1,0 +1,28 @@
+"""`python -m pipelines.report` on run directories whose files are not what a run wrote."""
+
+import json
+
+from pipelines.report import main
+
+
+def _run_dir(root, name, summary_text, results_lines=()):
+  d = root / name
+  d.mkdir()
+  (d / "summary.json").write_text(summary_text)
+  (d / "results.jsonl").write_text("".join(line + "\n" for line in results_lines))
+  return d
+
+
+def test_corrupt_run_files_are_one_line_naming_file_and_line(tmp_path, capsys):
+  # Before: a json.JSONDecodeError (or AttributeError) traceback without the file name.
+  record = json.dumps({"example_id": "x", "sample_index": 0})
+  cut = _run_dir(tmp_path, "cut", "{}", [record, record[:20]])
+  bad_summary = _run_dir(tmp_path, "bad_summary", '{"task": ')
+  listed = _run_dir(tmp_path, "listed", "[]")
+  for d, message in [
+      (cut, f"error: {cut}/results.jsonl line 2: not valid JSON (Expecting property name"),
+      (bad_summary, f"error: {bad_summary}/summary.json: not valid JSON (Expecting value"),
+      (listed, f"error: {listed}/summary.json: expected a JSON object, got list")]:
+    assert main([str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err

@@ -1,0 +1,31 @@
+"""`build_task`: config sections the tasks read, checked when the plan is built."""
+
+import pytest
+
+from configs import custom as custom_config
+from configs import humaneval as humaneval_config
+from pipelines.task_specs import build_task
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("timeout_s", 0.0, r"^sandbox\.timeout_s=0\.0 must be > 0 \(seconds per program\)$"),
+    ("memory_mb", 8, r"^sandbox\.memory_mb=8 must be >= 16 \(address space per program\)$"),
+    ("workers", -1, r"^sandbox\.workers=-1 must be >= 0 \(0 = one per usable CPU\)$"),
+])
+def test_sandbox_limits_that_cannot_run_a_program_are_named(key, value, message):
+  # Before: a timeout <= 0 timed out every program (pass@1 0.0, exit 0); 8 MB stopped the
+  # sandboxed interpreter, reported as missing isolation in a traceback from a worker.
+  cfg = humaneval_config.get_config("smoke=True")
+  cfg.sandbox[key] = value
+  with pytest.raises(ValueError, match=message):
+    build_task(cfg)
+
+
+@pytest.mark.parametrize("config", [custom_config, humaneval_config])
+def test_negative_dataset_n_is_named(config):
+  # Before: custom/HumanEval read nothing ("dataset file is empty"), the suite all but the
+  # last item of each category.
+  cfg = config.get_config("smoke=True")
+  cfg.dataset.n = -1
+  with pytest.raises(ValueError, match=r"^dataset\.n=-1 must be >= 0 \(0 = every example\)$"):
+    build_task(cfg)
