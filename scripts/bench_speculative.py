@@ -49,11 +49,9 @@ import random
 import statistics
 import time
 
-from o1jax.checkpoint import load_checkpoint
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
 from o1jax.model import Llama
-from pipelines.datasets import Example
 
 
 def copy_prompts(n: int, seed: int = 0) -> list:
@@ -77,7 +75,10 @@ def copy_prompts(n: int, seed: int = 0) -> list:
   return out
 
 
+# The task imports are local: scripts/gpu_engine_check.py uses `measure` on a GPU
+# machine without the pipelines' dependencies.
 def gsm_prompts(n: int, seed: int = 0) -> list:
+  from pipelines.datasets import Example
   from pipelines.task_specs import GSMTask
 
   task = GSMTask(dataset={"name": "gsm_synthetic", "n": n, "seed": seed, "levels": (1, 2)},
@@ -86,6 +87,7 @@ def gsm_prompts(n: int, seed: int = 0) -> list:
 
 
 def code_prompts(n: int, seed: int = 0) -> list:
+  from pipelines.datasets import Example
   from pipelines.task_specs import HumanEvalTask
 
   task = HumanEvalTask(dataset={"path": "", "n": n}, prompt_cfg={}, sandbox_cfg={})
@@ -219,6 +221,8 @@ def main(argv=None):
                        "its own plain baseline); the summary gives the median ratio and range")
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
+
+  from o1jax.checkpoint import load_checkpoint
 
   enable_compilation_cache()
   ck = load_checkpoint(args.source)

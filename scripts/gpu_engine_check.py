@@ -23,6 +23,14 @@ compares two backends on the same weights, which is what it needs.
   hf: the peer in the same run: HF transformers `LlamaForCausalLM` of the same
     shape, random init, bf16, `generate` (greedy, exactly --new-tokens) at each
     concurrency.
+  speculative: speculative decoding against plain decoding on one engine per
+    concurrency (--backends: its first), with scripts/bench_speculative.py's
+    `measure` (every K bucket compiled first, warm-up, timed run; tokens
+    compared): prompt lookup, early exit at layer 8, and a draft model with the
+    target's own weights. Random weights set the acceptance: the same-weights
+    draft model is accepted (nearly) always, the early exit (nearly) never, so
+    the rows bound what a trained checkpoint's drafters can do on this device
+    (the best case, and that adaptive K never loses much).
   --shape llama3-8b (throughput, hf): a Llama-3-8B-shaped model with random
     weights made on the device: the engine with int4 weights (pallas) vs dense
     bf16 weights (reference backend, bf16 matmuls).
@@ -34,6 +42,8 @@ compares two backends on the same weights, which is what it needs.
   python scripts/gpu_engine_check.py ablate [--concurrency 64] [--out F]
   python scripts/gpu_engine_check.py hf [--concurrency 1,64,256] [--shape smollm2|llama3-8b]
       [--out F]
+  python scripts/gpu_engine_check.py speculative [--concurrency 1,64] [--new-tokens 128]
+      [--max-drafts 7] [--backends pallas] [--out F]
 
 On a CPU, correctness with --interpret runs the kernels in Pallas interpret
 mode (slow; use --layers 1); throughput runs the reference path only.
@@ -266,6 +276,73 @@ def ablate(args) -> dict:
   return out
 
 
+def load_script(name: str):
+  """Another script of this directory as a module (scripts/ is not a package)."""
+  import importlib.util
+  import pathlib
+
+  spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parent / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def repeat_prompts(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
+  """Copy-shaped token prompts: a random passage of 48 tokens, the passage again, and
+  its first 8 tokens a third time (prompt lookup drafts the passage's rest)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    passage = rng.integers(3, vocab, size=48).tolist()
+    out.append(passage + passage + passage[:8])
+  return out
+
+
+def speculative(args) -> dict:
+  """Per concurrency, one engine: plain, each drafter (adaptive K), plain again; the
+  ratios are to the mean of the two plain runs. Each row is written to --out as it
+  finishes (a stage cut by its time limit keeps the rows it measured)."""
+  from o1jax.engine import SpeculativeConfig
+  from o1jax.model import Llama
+
+  bench = load_script("bench_speculative")
+  config, params = random_model_params(args.layers)
+  backend = args.backends.split(",")[0]
+  same_weights = Llama(config, params, backend=backend,
+                       weight_mode="dense" if backend == "reference" else "quantized")
+  drafters = [("prompt_lookup", SpeculativeConfig(max_drafts=args.max_drafts), None),
+              ("early_exit:8", SpeculativeConfig(drafter="early_exit", exit_layer=min(8, args.layers - 1),
+                                                 max_drafts=args.max_drafts), None),
+              ("draft_model:same", SpeculativeConfig(drafter="draft_model",
+                                                     max_drafts=args.max_drafts), same_weights)]
+  opts = argparse.Namespace(max_new_tokens=args.new_tokens)
+  out = {"layers": args.layers, "new_tokens": args.new_tokens, "max_drafts": args.max_drafts,
+         "backend": backend, "rows": []}
+  for c in [int(x) for x in args.concurrency.split(",")]:
+    engine = make_engine(config, params, backend, max_slots=c,
+                         num_blocks=max(256, c * ((112 + args.new_tokens) // 16 + 4)))
+    batch = [(p, ()) for p in repeat_prompts(max(c, 4), config.vocab_size)]
+    runs = [("plain", bench.measure(engine, batch, opts))]
+    for name, spec, draft in drafters:
+      runs.append((name, bench.measure(engine, batch, opts, spec, draft)))
+    runs.append(("plain (again)", bench.measure(engine, batch, opts)))
+    base = (runs[0][1]["decode_tok_s"] + runs[-1][1]["decode_tok_s"]) / 2
+    for name, r in runs:
+      row = {"concurrency": c, "config": name, "decode_ratio": r["decode_tok_s"] / base,
+             "same_tokens": r["tokens"] == runs[0][1]["tokens"],
+             **{k: v for k, v in r.items() if k != "tokens"}}
+      out["rows"].append(row)
+      print(f"c={c:3d} {name:16s} {r['decode_tok_s']:9.1f} decode tok/s "
+            f"{row['decode_ratio']:5.2f}x plain, accept {r['acceptance_rate']:.2f}, "
+            f"{100 * r['verify_share']:3.0f}% verify calls, same tokens {row['same_tokens']}, "
+            f"compiled in timed run {r['compiled_in_timed_run']}", flush=True)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    del engine
+  return out
+
+
 def hf(args) -> dict:
   """HF transformers, same shape, random init, bf16 on the GPU, `generate` greedy."""
   import torch
@@ -313,7 +390,7 @@ def hf(args) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("mode", choices=("correctness", "throughput", "ablate", "hf"))
+  ap.add_argument("mode", choices=("correctness", "throughput", "ablate", "hf", "speculative"))
   ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
   ap.add_argument("--decode-steps", default="8")
   ap.add_argument("--layers", type=int, default=None)
@@ -323,6 +400,7 @@ def main(argv=None) -> int:
   ap.add_argument("--max-prompt", type=int, default=120)
   ap.add_argument("--concurrency", default="1,64")
   ap.add_argument("--backends", default="pallas,reference")
+  ap.add_argument("--max-drafts", type=int, default=7)
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   import jax
@@ -336,7 +414,8 @@ def main(argv=None) -> int:
     if args.shape == "smollm2":
       args.layers = args.layers or SHAPES["smollm2"][1]
     args.new_tokens = args.new_tokens or 128
-    result = {"throughput": throughput, "ablate": ablate, "hf": hf}[args.mode](args)
+    result = {"throughput": throughput, "ablate": ablate, "hf": hf,
+              "speculative": speculative}[args.mode](args)
   result["device"] = jax.devices()[0].device_kind
   if args.out:
     with open(args.out, "w") as f:

@@ -233,3 +233,20 @@ def test_bench_f32_matmul_times_both_paths_per_row_count(tmp_path):
     assert r["xla_ms"] > 0 and r["native_ms"] > 0
     assert r["ratio"] == pytest.approx(r["native_ms"] / r["xla_ms"])
   assert json.loads(out.read_text())["results"] == results
+
+
+def test_gpu_engine_check_speculative_rows_on_cpu(tmp_path):
+  """The GPU speculative stage at a toy size: plain, three drafters, plain again, each
+  with its tokens compared to plain decoding's (bench_speculative's `measure`)."""
+  check = load("gpu_engine_check")
+  out = tmp_path / "speculative.json"
+  assert check.main(["speculative", "--layers", "2", "--concurrency", "1", "--new-tokens", "8",
+                     "--max-drafts", "3", "--backends", "reference", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["config"] for r in rows] == ["plain", "prompt_lookup", "early_exit:8",
+                                         "draft_model:same", "plain (again)"]
+  assert all(r["same_tokens"] and r["generated_tokens"] == 4 * 8 for r in rows)
+  assert all(r["decode_ratio"] > 0 and r["compiled_in_timed_run"] == 0 for r in rows)
+  prompts = check.repeat_prompts(2, vocab=100)
+  assert len(prompts[0]) == 104 and prompts[0][48:96] == prompts[0][:48]
+  assert prompts[0][96:] == prompts[0][:8] and prompts[0] != prompts[1]
