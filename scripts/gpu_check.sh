@@ -12,7 +12,9 @@
 #   hf          HF transformers bf16 `generate`, same shape, same run
 #   ablate      the Pallas path with one op at a time on XLA (what is slow)
 #   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
-#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,throughput,hoststeps,hf,ablate,llama8b]
+#   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
+#               lookup, early exit, a same-weights draft model; issue 18)
+#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,throughput,hoststeps,hf,ablate,llama8b,speculative]
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
@@ -57,3 +59,5 @@ stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 --ou
 stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape llama3-8b \
   --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python scripts/gpu_engine_check.py hf \
   --shape llama3-8b --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b_hf.json'"
+stage speculative 240 python scripts/gpu_engine_check.py speculative --concurrency 1,64 \
+  --new-tokens 128 --backends pallas --out "$OUT/speculative.json"
