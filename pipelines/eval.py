@@ -22,7 +22,8 @@ report.md and plots (`pipelines/report.py`). Rerunning the same command resumes:
 nothing already stored is recomputed.
 
 Output: the progress bar, warnings, the summary and `error: ...` lines (exit code 2,
-no traceback) for bad input; what Beam, absl, JAX and the worker processes log goes
+no traceback) for bad input; exit code 1 when the run scored no sample (every work item
+a dead letter: the summary's accuracy is empty, not 0.0); what Beam, absl, JAX and the worker processes log goes
 to OUTPUT_DIR/eval.log, or to stderr with --verbose (which also prints tracebacks).
 """
 
@@ -415,6 +416,10 @@ def main(argv):
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
+  if not summary["samples"]:  # nothing scored: a failed run, whatever the dead letters say
+    print(f"error: no sample was scored: all {summary['dead_letters']['total']} dead letters "
+          f"(each with its reason) are in {output_dir}/dead_letters.jsonl", file=sys.stderr)
+    return 1
   return 0
 
 

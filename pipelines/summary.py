@@ -100,7 +100,9 @@ def group_by_example(records: Iterable[dict]) -> list[list[dict]]:
 def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]:
   n_ex = max(len(groups), 1)
   samples = [r for g in groups for r in g]
-  out: dict[str, Any] = {"sample_accuracy": _round(sum(r["correct"] for r in samples) / max(len(samples), 1), 4)}
+  if not samples:  # every work item a dead letter: no accuracy (0.0 would look like a result)
+    return {"sample_accuracy": None, "accuracy": {}}
+  out: dict[str, Any] = {"sample_accuracy": _round(sum(r["correct"] for r in samples) / len(samples), 4)}
   if task == "suite":  # per category (its own metrics); the headline of each here
     from pipelines.suite.metrics import category_summaries
     categories = category_summaries(samples, vote)

@@ -221,3 +221,13 @@ def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
   assert dead["reason"].startswith("ValueError: request ") and dead["reason"].endswith("the context is 128 tokens")
   assert dead["example_id"] not in {r["example_id"] for r in records}
   assert summary["samples"] == 3 and summary["dead_letters"]["by_stage"] == {"inference": 1}
+
+
+def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
+  # Before: every example refused gave "accuracy": {"exact": 0.0}, which reads as a result.
+  data = _write(tmp_path / "refused.jsonl", [json.dumps({"question": f"REFUSE {i}", "answer": "1"})
+                                             for i in range(3)])
+  summary = run(_config(data), str(tmp_path / "out"), clock=FakeClock(), progress=False,
+                report=False, loader=_refusing_loader)
+  assert summary["samples"] == 0 and summary["dead_letters"]["by_stage"] == {"inference": 3}
+  assert summary["accuracy"] == {} and summary["sample_accuracy"] is None

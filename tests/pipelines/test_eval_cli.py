@@ -91,3 +91,15 @@ def test_default_output_is_clean_and_verbose_shows_the_rest(tmp_path):
   assert verbose.returncode == 0, verbose.stderr[-3000:]
   assert LOG_LINE.search(verbose.stderr)
   assert json.loads(verbose.stdout) == json.loads(proc.stdout)
+
+
+def test_a_run_that_scores_nothing_exits_1(tmp_path):
+  out = tmp_path / "out"
+  proc = _cli(*FAKE, *IN_MEMORY, f"--config.dataset.path={_data(tmp_path)}",
+              "--config.imports=tests.pipelines.refusing_predictor",
+              "--config.model.predictor=refusing", f"--output_dir={out}")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert json.loads(proc.stdout)["accuracy"] == {}
+  assert proc.stderr.splitlines()[-1] == (f"error: no sample was scored: all 3 dead letters (each "
+                                          f"with its reason) are in {out}/dead_letters.jsonl")
+  assert len((out / "dead_letters.jsonl").read_text().splitlines()) == 3
