@@ -77,7 +77,8 @@ def _open_reader(path: pathlib.Path):
 # GGUF metadata value types (gguf.GGUFValueType) -> struct format of one value.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-_HEADER_KEYS = ("general.architecture", "general.alignment", "tokenizer.ggml.model")
+_HEADER_KEYS = ("general.architecture", "general.alignment", "tokenizer.ggml.model",
+                "tokenizer.chat_template")
 
 
 class _Header:
@@ -198,6 +199,12 @@ def check_gguf(path: str | os.PathLike) -> None:
   if meta.get("tokenizer.ggml.model") not in SUPPORTED_TOKENIZER_MODELS:
     raise CheckpointError(f"{path}: tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
                           f"supported (supported: gpt2 BPE, llama SentencePiece)")
+  if meta.get("tokenizer.chat_template"):
+    from o1jax.checkpoint.tokenizer import compile_chat_template
+    try:
+      compile_chat_template(str(meta["tokenizer.chat_template"]))
+    except ValueError as e:
+      raise CheckpointError(f"{path}: {e}") from None
 
 
 class _Value:

@@ -84,25 +84,43 @@ def _gemma3(hf: dict, path) -> dict:
               sliding_window_pattern=pattern, rope_local_theta=float(local))
 
 
+_REQUIRED = object()
+
+
+def _number(hf: dict, key: str, path, kind=int, default=_REQUIRED):
+  """config.json's `key` as `kind` (int or float); absent or null: `default`. A value of
+  another type (a string, a bool, 1.5 for a size) is named with its key."""
+  value = hf.get(key)
+  if value is None:
+    if default is _REQUIRED:
+      raise CheckpointError(f"{path}: config.json lacks the key {key!r}")
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+      kind is int and value != int(value)):
+    raise CheckpointError(f"{path}: {key}={value!r} is not {'an integer' if kind is int else 'a number'}")
+  return kind(value)
+
+
 def config_from_hf(hf: dict, path) -> ModelConfig:
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
   try:
-    n_heads = int(hf["num_attention_heads"])
-    d_model = int(hf["hidden_size"])
+    num = lambda key, kind=int, default=_REQUIRED: _number(hf, key, path, kind, default)
+    n_heads = num("num_attention_heads")
+    d_model = num("hidden_size")
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope_theta, rope_scaling = _rope(hf)
     gemma = _gemma3(hf, path) if model_type == "gemma3_text" else {}
     return ModelConfig(**gemma,
-        vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
-        n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0)),
-        ffn_dim=int(hf["intermediate_size"]), rope_theta=rope_theta,
-        rope_scaling=rope_scaling, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_context=int(hf.get("max_position_embeddings", 2048)),
+        vocab_size=num("vocab_size"), d_model=d_model, n_layers=num("num_hidden_layers"),
+        n_heads=n_heads, n_kv_heads=num("num_key_value_heads", default=0) or n_heads,
+        head_dim=num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0),
+        ffn_dim=num("intermediate_size"), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, rms_eps=num("rms_norm_eps", float, 1e-6),
+        max_context=num("max_position_embeddings", default=2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         qk_norm=model_type in ("qwen3", "gemma3_text"),
@@ -110,6 +128,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
         name=str(hf.get("_name_or_path", "")))
   except KeyError as e:
     raise CheckpointError(f"{path}: config.json lacks the key {e.args[0]!r}") from e
+  except CheckpointError:
+    raise
   except ValueError as e:  # e.g. an unsupported rope scaling type
     raise CheckpointError(f"{path}: {e}") from e
 

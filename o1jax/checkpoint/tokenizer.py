@@ -64,6 +64,21 @@ def _byte_level_pre(pre_name: str | None, path) -> pre_tokenizers.PreTokenizer:
                         f"(supported: {', '.join(supported)})")
 
 
+def compile_chat_template(text: str) -> jinja2.Template:
+  """A chat template compiled as transformers renders templates: a sandbox, loop controls
+  ({% break %}), and the raise_exception() many templates call on input they refuse. One
+  that does not parse raises ValueError with its line."""
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                     extensions=["jinja2.ext.loopcontrols"])
+  env.globals["raise_exception"] = _raise_template_error
+  try:
+    return env.from_string(text)
+  except jinja2.TemplateError as e:
+    line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+    raise ValueError(f"chat template cannot be parsed{line}: {e.message or type(e).__name__}"
+                     ) from None
+
+
 class Tokenizer:
   """Text <-> token ids, special tokens, and the chat template."""
 
@@ -75,17 +90,7 @@ class Tokenizer:
     self.add_bos = add_bos
     self.has_chat_template = bool(chat_template)
     self.chat_template = chat_template or CHATML_TEMPLATE
-    # As transformers renders templates: a sandbox, loop controls ({% break %}), and the
-    # raise_exception() many templates call on input they refuse.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise_template_error
-    try:
-      self._template = env.from_string(self.chat_template)
-    except jinja2.TemplateError as e:  # checked at load, not at the first chat prompt
-      line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-      raise ValueError(f"chat template cannot be parsed{line}: {e.message or type(e).__name__}"
-                       ) from None
+    self._template = compile_chat_template(self.chat_template)  # at load, not the first prompt
 
   @property
   def vocab_size(self) -> int:
@@ -174,8 +179,11 @@ class Tokenizer:
     template = cfg.get("chat_template")
     if isinstance(template, list):  # HF allows a list of named templates
       template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return cls(backend, bos_id=tok_id(cfg.get("bos_token")), eos_ids=eos_ids,
-               add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
+    try:
+      return cls(backend, bos_id=tok_id(cfg.get("bos_token")), eos_ids=eos_ids,
+                 add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
+    except ValueError as e:  # the chat template does not parse
+      raise CheckpointError(f"{cfg_file}: {e}") from None
 
   @classmethod
   def from_gguf_metadata(cls, meta: dict, path="GGUF") -> "Tokenizer":
@@ -201,9 +209,12 @@ class Tokenizer:
     eos_ids = sorted({int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                       if meta.get(k) is not None})
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return cls(backend, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
-               add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-               chat_template=meta.get("tokenizer.chat_template"))
+    try:
+      return cls(backend, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
+                 add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                 chat_template=meta.get("tokenizer.chat_template"))
+    except ValueError as e:  # the chat template does not parse
+      raise CheckpointError(f"{path}: {e}") from None
 
 
 def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]):

@@ -25,6 +25,11 @@ class SamplingSpec(SamplingParams):
   work key fix its random stream."""
   max_new_tokens: int = 256
 
+  def __post_init__(self):
+    super().__post_init__()
+    if self.max_new_tokens < 1:  # the engine would refuse every request, one by one
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
   def to_dict(self) -> dict[str, Any]:
     """What enters the sample's content hash and record; min_p only when set (it is not a
     config setting), so earlier records keep their keys."""

@@ -128,8 +128,6 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   imports = import_modules(config.get("imports", ()))  # they may register what follows
   policy = build_policy(config.policy.to_dict())
   s = config.sampling
-  if int(s.max_new_tokens) < 1:  # the engine would refuse every request, one by one
-    raise ValueError(f"sampling.max_new_tokens={s.max_new_tokens} must be >= 1")
   try:
     sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                             top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))

@@ -8,6 +8,7 @@ paths still work, which keeps these modules usable in tests and small tools.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import gzip
@@ -94,6 +95,8 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   """
   with open_binary(path) as f:
     for line_number, raw_bytes in enumerate(_read_lines(f, path), start=1):
+      if line_number == 1 and raw_bytes.startswith(codecs.BOM_UTF8):  # as some editors save
+        raw_bytes = raw_bytes[len(codecs.BOM_UTF8):]
       raw = raw_bytes.decode("utf-8", errors="replace").rstrip("\r\n")
       if not raw.strip():
         continue

@@ -159,7 +159,7 @@ def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
 # -- 7. config values out of range -------------------------------------------------------
 
 @pytest.mark.parametrize("section, key, value, message", [
-    ("sampling", "max_new_tokens", -5, r"^sampling\.max_new_tokens=-5 must be >= 1$"),
+    ("sampling", "max_new_tokens", -5, r"^sampling: max_new_tokens must be >= 1, got -5$"),
     ("sampling", "temperature", -1.0, r"^sampling: temperature must be >= 0, got -1\.0$"),
     ("engine", "max_slots", -1, r"^engine\.max_slots=-1 must be >= 1$"),
     ("engine", "decode_steps", 0, r"^engine\.decode_steps=0 must be >= 1$"),

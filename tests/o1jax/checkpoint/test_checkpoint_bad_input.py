@@ -109,7 +109,7 @@ def test_chat_templates_that_cannot_run_are_named():
   """A template that does not parse fails at load; one that fails on some messages fails
   when it renders them; both with one line naming the chat template. Loop controls
   ({% break %}), which transformers enables, work."""
-  with pytest.raises(ValueError, match=r"^chat template cannot be parsed \(line 1\): "):
+  with pytest.raises(CheckpointError, match=r"^GGUF: chat template cannot be parsed \(line 1\): "):
     _tokenizer_with_template("{% for m in messages %}{{ m.content }}")
   tok = _tokenizer_with_template("{{ messages[1].content | upper }}")
   with pytest.raises(ValueError, match="^chat template failed to render these messages: "
@@ -177,4 +177,35 @@ def test_hf_config_and_tokenizer_files_that_are_not_what_they_should_be(tmp_path
   (hf / "model.safetensors.index.json").write_text('{"weight_map": ')
   with pytest.raises(CheckpointError,
                      match=rf"^{hf}/model.safetensors.index.json: not valid JSON \("):
+    check_checkpoint(hf)
+
+
+@pytest.mark.parametrize("key, value, kind", [("hidden_size", "big", "an integer"),
+                                              ("num_hidden_layers", 2.5, "an integer"),
+                                              ("vocab_size", True, "an integer"),
+                                              ("rms_norm_eps", "1e-6", "a number")])
+def test_hf_config_value_of_the_wrong_type_is_named_with_its_key(tmp_path, key, value, kind):
+  # Before: "invalid literal for int() with base 10: 'big'" without the key.
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  hf_config = json.loads((hf / "config.json").read_text())
+  hf_config[key] = value
+  (hf / "config.json").write_text(json.dumps(hf_config))
+  with pytest.raises(CheckpointError, match=rf"^{hf}/config.json: {key}={value!r} is not {kind}$"):
+    check_checkpoint(hf)
+
+
+def test_a_chat_template_that_does_not_parse_is_found_by_the_check(tmp_path):
+  # Before: the header check passed and each worker failed at load, without the file.
+  broken = "{% for m in messages %}{{ m.content }}"
+  gguf = tmp_path / "t.gguf"
+  testing.write_gguf_checkpoint(gguf, testing.tiny_config(), chat_template=broken)
+  with pytest.raises(CheckpointError, match=rf"^{gguf}: chat template cannot be parsed \(line 1\): "):
+    check_checkpoint(gguf)
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  cfg = json.loads((hf / "tokenizer_config.json").read_text())
+  (hf / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": broken}))
+  with pytest.raises(CheckpointError,
+                     match=rf"^{hf}/tokenizer_config.json: chat template cannot be parsed"):
     check_checkpoint(hf)

@@ -227,3 +227,10 @@ def test_unset_optional_params_are_typed_config_placeholders():
   pipeline = gsm8k_config.get_config("policy=deepconf,smoke=True")
   assert pipeline.policy.threshold is None
   assert pipeline.policy.get_ref("threshold").get_type() is float
+
+
+def test_a_sample_needs_a_token_budget():
+  with pytest.raises(ValueError, match=r"^max_new_tokens must be >= 1, got 0$"):
+    SamplingSpec(max_new_tokens=0)
+  with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1$"):
+    SamplingSpec(temperature=-1)  # the `Sampling` checks still run

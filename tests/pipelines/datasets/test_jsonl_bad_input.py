@@ -94,3 +94,18 @@ def test_json_nested_too_deeply_is_a_dead_letter(tmp_path):
   out = list(read_gsm8k_jsonl(path))
   assert [type(r).__name__ for r in out] == ["DeadLetter", "Example"]
   assert (out[0].line_number, out[0].reason) == (1, "invalid JSON: nested too deeply")
+
+
+def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
+  # Before: the first line of a file saved with a BOM was a dead letter ("Unexpected UTF-8 BOM").
+  lines = [json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}),
+           json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})]
+  plain = _lines(tmp_path / "plain.jsonl", *lines)
+  bom = tmp_path / "bom.jsonl"
+  bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "plain.jsonl").read_bytes())
+  got = list(read_gsm8k_jsonl(str(bom)))
+  assert all(isinstance(r, Example) for r in got) and len(got) == 2
+  assert [r.id for r in got] == [r.id for r in read_gsm8k_jsonl(plain)]
+  # A BOM anywhere else is not one: that line's text really starts with U+FEFF.
+  (tmp_path / "mid.jsonl").write_bytes(b"\xef\xbb\xbf".join(l.encode() + b"\n" for l in lines[:1] * 2))
+  assert isinstance(list(read_gsm8k_jsonl(str(tmp_path / "mid.jsonl")))[-1], DeadLetter)
