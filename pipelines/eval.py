@@ -23,8 +23,9 @@ nothing already stored is recomputed.
 
 Output: the progress bar, warnings, the summary and `error: ...` lines (exit code 2,
 no traceback) for bad input; exit code 1 when the run scored no sample (every work item
-a dead letter: the summary's accuracy is empty, not 0.0); what Beam, absl, JAX and the worker processes log goes
-to OUTPUT_DIR/eval.log, or to stderr with --verbose (which also prints tracebacks).
+a dead letter: the summary's accuracy is empty, not 0.0); what Beam, absl, JAX and the
+worker processes log goes to OUTPUT_DIR/eval.log, or to stderr with --verbose (which also
+prints tracebacks).
 """
 
 from __future__ import annotations

@@ -311,7 +311,8 @@ def speculative(args) -> dict:
   same_weights = Llama(config, params, backend=backend,
                        weight_mode="dense" if backend == "reference" else "quantized")
   drafters = [("prompt_lookup", SpeculativeConfig(max_drafts=args.max_drafts), None),
-              ("early_exit:8", SpeculativeConfig(drafter="early_exit", exit_layer=min(8, args.layers - 1),
+              ("early_exit:8", SpeculativeConfig(drafter="early_exit",
+                                                 exit_layer=min(8, args.layers - 1),
                                                  max_drafts=args.max_drafts), None),
               ("draft_model:same", SpeculativeConfig(drafter="draft_model",
                                                      max_drafts=args.max_drafts), same_weights)]
