@@ -121,7 +121,9 @@ class MetricsCollector:
     self.preemptions = 0
     self.decode_calls = 0  # device calls of the decode loop (= host round trips)
     self.decode_steps = 0  # decode steps those calls ran
-    self.decode_seconds = 0.0  # wall time of those calls (drafting included)
+    # Wall time of those calls: drafting included, and the wait for a prefill chunk
+    # dispatched just before a call (the device runs it first), with or without speculation.
+    self.decode_seconds = 0.0
     self.spec_calls = 0  # of those, verify calls of speculative decoding
     self.spec_drafted = 0  # drafted tokens they checked
     self.spec_accepted = 0  # and accepted
