@@ -114,29 +114,29 @@ class GSMTask:
     return out
 
 
-# Below ~16 MB of address space the sandboxed interpreter does not start, and the sandbox
-# reports that as missing isolation (measured: 8 MB fails, 16 MB runs HumanEval/0).
-SANDBOX_MIN_MEMORY_MB = 16
-
-
-def check_sandbox_section(c: Mapping[str, Any]) -> None:
-  """The `sandbox` section's limits, checked when the plan is built: a timeout <= 0 would
-  fail every program as timed out (pass@1 = 0.0 that looks like a result), and too small a
-  memory limit stops the interpreter before the sandbox can start."""
+def sandbox_config(c: Mapping[str, Any]):
+  """The `SandboxConfig` of a config's `sandbox` section (timeout_s, memory_mb, workers),
+  its limits checked (when the plan is built, and again where a worker builds its
+  sandbox): a timeout <= 0 would fail every program as timed out (pass@1 = 0.0 that looks
+  like a result), and too small a memory limit stops the interpreter before the sandbox
+  can start."""
+  from pipelines.sandbox import SandboxConfig
+  from pipelines.sandbox.config import MIN_MEMORY_MB
   if not float(c["timeout_s"]) > 0:
     raise ValueError(f"sandbox.timeout_s={c['timeout_s']} must be > 0 (seconds per program)")
-  if int(c["memory_mb"]) < SANDBOX_MIN_MEMORY_MB:
-    raise ValueError(f"sandbox.memory_mb={c['memory_mb']} must be >= {SANDBOX_MIN_MEMORY_MB} "
+  if int(c["memory_mb"]) < MIN_MEMORY_MB:
+    raise ValueError(f"sandbox.memory_mb={c['memory_mb']} must be >= {MIN_MEMORY_MB} "
                      f"(address space per program)")
-  if c.get("workers") is not None and int(c["workers"]) < 0:
+  if int(c["workers"]) < 0:
     raise ValueError(f"sandbox.workers={c['workers']} must be >= 0 (0 = one per usable CPU)")
+  return SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
+                       workers=int(c["workers"]))
 
 
 def sandbox_from_config(c: Mapping[str, Any]):
-  """A `Sandbox` from a config's `sandbox` section (timeout_s, memory_mb, workers)."""
-  from pipelines.sandbox import Sandbox, SandboxConfig
-  return Sandbox(SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
-                               workers=int(c["workers"])))
+  """A `Sandbox` from a config's `sandbox` section."""
+  from pipelines.sandbox import Sandbox
+  return Sandbox(sandbox_config(c))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,5 +247,5 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
     raise ValueError(f"dataset.n={n} must be >= 0 (0 = every example)")
   if name in ("humaneval", "suite"):
     kwargs["sandbox_cfg"] = _plain(config.sandbox)
-    check_sandbox_section(kwargs["sandbox_cfg"])
+    sandbox_config(kwargs["sandbox_cfg"])  # its limits, before any work
   return TASKS[name](**kwargs)

@@ -1192,7 +1192,7 @@ class Engine:
     if group.events is not None:
       self._emit(seq, token if appended else None, logprob, reason)
     if reason is not None:
-      self._finish(seq, reason, now)
+      self._finish(seq, reason, sampled=True)
 
   def _span(self, seq: _Seq) -> SpanReader:
     if seq.span is None:
@@ -1222,9 +1222,10 @@ class Engine:
                                         logprob=logprob if token is not None else None,
                                         finish_reason=reason))
 
-  def _finish(self, seq: _Seq, reason: str, now: float | None = None) -> None:
-    """`now`: when the last token was sampled (the request's end, so that its latency is the
-    sum of its token times, not that plus the host's work on the rows before it)."""
+  def _finish(self, seq: _Seq, reason: str, sampled: bool = False) -> None:
+    """`sampled`: finished by the token it just recorded; then the request ends when its
+    last token was sampled (its latency is the sum of its token times, not that plus the
+    host's work on the rows before it), else (stopped from outside a step) now."""
     seq.finish_reason = reason
     if self.thinking is not None:
       self._span(seq).finish(seq.generated)
@@ -1235,8 +1236,8 @@ class Engine:
     group.unfinished -= 1
     if group.unfinished == 0:
       # The latest over its samples: a row processed later may have sampled earlier.
-      group.metrics.finish = (self.clock() if now is None else
-                              max(t[-1] for t in group.metrics.token_times if t))
+      group.metrics.finish = (max(t[-1] for t in group.metrics.token_times if t) if sampled
+                              else self.clock())
       self.metrics.add_request(group.metrics)
       if self.budget is not None:
         self.budget.observe_request(group.metrics.e2e)

@@ -399,7 +399,7 @@ class SpeculationPlanner:
     if self.explored_seconds <= self.explore_share() * self.seen_seconds:
       bold = best(rates if optimistic is None else optimistic, retry=True)
       if bold and bold != chosen:
-        self._exploring = self._key(rows, bold, single) if bold else None
+        self._exploring = self._key(rows, bold, single)
         self.explorations += 1
         return bold
     return chosen
