@@ -122,15 +122,17 @@ def sandbox_config(c: Mapping[str, Any]):
   can start."""
   from pipelines.sandbox import SandboxConfig
   from pipelines.sandbox.config import MIN_MEMORY_MB
-  if not float(c["timeout_s"]) > 0:
-    raise ValueError(f"sandbox.timeout_s={c['timeout_s']} must be > 0 (seconds per program)")
-  if int(c["memory_mb"]) < MIN_MEMORY_MB:
+  if int(c["memory_mb"]) < MIN_MEMORY_MB:  # the section's unit; SandboxConfig's is bytes
     raise ValueError(f"sandbox.memory_mb={c['memory_mb']} must be >= {MIN_MEMORY_MB} "
                      f"(address space per program)")
-  if int(c["workers"]) < 0:
-    raise ValueError(f"sandbox.workers={c['workers']} must be >= 0 (0 = one per usable CPU)")
-  return SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
-                       workers=int(c["workers"]))
+  try:  # SandboxConfig checks its own limits; its message gets the section's name
+    return SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,
+                         workers=int(c["workers"]))
+  except ValueError as e:
+    key = str(e).partition("=")[0].removeprefix("SandboxConfig.")
+    hint = {"timeout_s": "seconds per program", "workers": "0 = one per usable CPU"}.get(key)
+    message = str(e).replace("SandboxConfig.", "sandbox.", 1)
+    raise ValueError(f"{message} ({hint})" if hint else message) from None
 
 
 def sandbox_from_config(c: Mapping[str, Any]):

@@ -33,6 +33,9 @@ SUBPROCESS_NATIVE_MODULES = ('_posixsubprocess',)
 # Below ~16 MB of address space the sandboxed interpreter does not start, which the
 # sandbox would report as missing isolation (measured: 8 MB fails, 16 MB runs HumanEval/0).
 MIN_MEMORY_MB = 16
+# Open files the sandboxed interpreter needs to start (measured: 6 runs a one-function
+# program, 4 fails to load libpython); 8 leaves the harness room for its imports.
+MIN_OPEN_FILES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,28 @@ class SandboxConfig:
   python: str | None = None  # interpreter for the program; default: this one's base
   native_modules: tuple[str, ...] = NATIVE_MODULES  # see NATIVE_MODULES
   unsafe_no_isolation: bool = False  # run with only rlimits if namespaces are unavailable
+
+  def __post_init__(self):
+    # Checked here, for library callers too: a timeout <= 0 fails every program as timed
+    # out (pass@1 = 0.0 that looks like a result); a NaN limit compares false everywhere.
+    def positive(name, value, allow_none=False):
+      if value is None and allow_none:
+        return
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+          or not math.isfinite(value):
+        raise ValueError(f'SandboxConfig.{name}={value!r} must be a finite number > 0')
+    positive('timeout_s', self.timeout_s)
+    positive('timeout_floor_s', self.timeout_floor_s, allow_none=True)
+    positive('timeout_factor', self.timeout_factor, allow_none=True)
+    for name, low in (('cpu_seconds', 1), ('memory_bytes', MIN_MEMORY_MB << 20),
+                      ('max_processes', 1), ('max_open_files', MIN_OPEN_FILES),
+                      ('max_file_bytes', 0), ('tmp_bytes', 0), ('max_output_bytes', 1),
+                      ('stderr_tail_bytes', 0), ('workers', 0)):
+      value = getattr(self, name)
+      if value is None and name in ('cpu_seconds', 'workers'):
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f'SandboxConfig.{name}={value!r} must be an int >= {low}')
 
   def timeout_for(self, reference_time_s: float | None = None) -> float:
     if (reference_time_s is not None and self.timeout_floor_s is not None

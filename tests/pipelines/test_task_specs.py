@@ -8,9 +8,10 @@ from pipelines.task_specs import build_task
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("timeout_s", 0.0, r"^sandbox\.timeout_s=0\.0 must be > 0 \(seconds per program\)$"),
+    ("timeout_s", 0.0,
+     r"^sandbox\.timeout_s=0\.0 must be a finite number > 0 \(seconds per program\)$"),
     ("memory_mb", 8, r"^sandbox\.memory_mb=8 must be >= 16 \(address space per program\)$"),
-    ("workers", -1, r"^sandbox\.workers=-1 must be >= 0 \(0 = one per usable CPU\)$"),
+    ("workers", -1, r"^sandbox\.workers=-1 must be an int >= 0 \(0 = one per usable CPU\)$"),
 ])
 def test_sandbox_limits_that_cannot_run_a_program_are_named(key, value, message):
   # Before: a timeout <= 0 timed out every program (pass@1 0.0, exit 0); 8 MB stopped the

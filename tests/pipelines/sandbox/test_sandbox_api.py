@@ -276,3 +276,26 @@ def _alive(pid):
   except (OSError, IndexError):
     return False
   return state not in ('Z', 'X')
+
+
+@pytest.mark.parametrize('field, value', [
+    ('timeout_s', 0.0), ('timeout_s', -1), ('timeout_s', float('nan')), ('timeout_s', float('inf')),
+    ('timeout_s', '3'), ('timeout_floor_s', 0), ('timeout_factor', -2.0), ('cpu_seconds', 0),
+    ('memory_bytes', 8 << 20), ('max_processes', 0), ('max_open_files', 4),
+    ('max_file_bytes', -1), ('max_output_bytes', 0), ('workers', -1), ('workers', 2.0),
+    ('max_processes', True),
+])
+def test_limits_that_cannot_run_a_program_are_refused_when_the_config_is_built(field, value):
+  # Before: SandboxConfig(timeout_s=0) timed out every program (pass@1 0.0 that looks like a
+  # result); max_open_files=4 was reported as missing namespaces by Sandbox().
+  with pytest.raises(ValueError, match=rf'^SandboxConfig\.{field}=.* must be '):
+    SandboxConfig(**{field: value})
+
+
+def test_smallest_accepted_limits_still_run_a_program():
+  config = SandboxConfig(timeout_s=5.0, memory_bytes=256 << 20, max_open_files=8, max_processes=1,
+                         workers=1)
+  program = HumanEvalProgram(prompt='def f(x):\n', completion='    return x + 1\n',
+                             test='def check(candidate):\n    assert candidate(1) == 2\n',
+                             entry_point='f')
+  assert Sandbox(config).run(program).status is Status.PASSED
