@@ -23,7 +23,8 @@ nothing already stored is recomputed.
 
 Output: the progress bar, warnings, the summary and `error: ...` lines (exit code 2,
 no traceback) for bad input; exit code 1 when the run scored no sample (every work item
-a dead letter: the summary's accuracy is empty, not 0.0); what Beam, absl, JAX and the
+a dead letter: the summary's accuracy is empty, not 0.0) or the sandbox failed for every
+program (HumanEval: no verdict); what Beam, absl, JAX and the
 worker processes log goes to OUTPUT_DIR/eval.log, or to stderr with --verbose (which also
 prints tracebacks).
 """
@@ -417,11 +418,23 @@ def main(argv):
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
-  if not summary["samples"]:  # nothing scored: a failed run, whatever the dead letters say
-    print(f"error: no sample was scored: all {summary['dead_letters']['total']} dead letters "
-          f"(each with its reason) are in {output_dir}/dead_letters.jsonl", file=sys.stderr)
+  failure = run_failure(summary, output_dir)
+  if failure:
+    print(f"error: {failure}", file=sys.stderr)
     return 1
   return 0
+
+
+def run_failure(summary: dict, output_dir: str) -> str | None:
+  """Why a finished run has no result (exit 1), or None."""
+  if not summary["samples"]:  # nothing scored: a failed run, whatever the dead letters say
+    return (f"no sample was scored: all {summary['dead_letters']['total']} dead letters (each "
+            f"with its reason) are in {output_dir}/dead_letters.jsonl")
+  if summary.get("sandbox_errors") == summary["samples"]:
+    # no verdict at all: the sandbox failed for every program, which is not the model's fault
+    return (f"the sandbox failed for all {summary['samples']} programs (status sandbox_error in "
+            f"{output_dir}/results.jsonl): no sample has a verdict")
+  return None
 
 
 if __name__ == "__main__":

@@ -284,6 +284,10 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
                "(run a controller policy, e.g. policy=self_consistency or deepconf).")
   dead = summary["dead_letters"]
   out += ["", "## Dead letters", "", f"{dead['total']} total; by stage: {dead['by_stage'] or 'none'}."]
+  lost = summary.get("unscored") or {}
+  if lost.get("samples"):  # accuracy is over the scored samples: say what it leaves out
+    out.append(f"Left out of accuracy (not counted wrong): {lost['samples']} samples; "
+               f"{lost['examples']} examples with no scored sample.")
   dl_path = run_dir / "dead_letters.jsonl"
   if dead["total"] and dl_path.exists():
     for i, line in enumerate(dl_path.read_text(encoding="utf-8", errors="replace").splitlines()[:10], 1):

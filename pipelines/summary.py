@@ -4,16 +4,19 @@
 
 Data flow: 1. group records by example (in dataset order); 2. score each example —
 GSM-style: majority vote over the samples' extracted answers when the policy votes
-(strict and flexible separately), else the mean over samples; HumanEval: pass@k
-for every k <= n; the suite: each category's own metrics (`pipelines/suite/metrics.py`),
-its headline as `accuracy[category]`; 3. sum tokens by kind; 4. latency percentiles (P50/P90/P95/P99)
-and fixed-bucket histograms over request latency, time to first token and
-per-token latency — the engine's real per-token times (`timing.token_ms`, one
-value per generated token; the controller's as the host sees its device loop)
-where records carry them, else request latency / completion tokens (one value
+(strict and flexible separately; an answer without a digit is no vote), else the mean
+over samples; HumanEval: pass@k for every k <= n (a sample whose sandbox failed is left
+out, counted in `sandbox_errors`); the suite: each category's own metrics
+(`pipelines/suite/metrics.py`), its headline as `accuracy[category]`; 3. sum tokens by
+kind; 4. latency percentiles (P50/P90/P95/P99) and fixed-bucket histograms over request
+latency, time to first token and per-token latency — the engine's real per-token times
+(`timing.token_ms`, one value per generated token; the controller's as the host sees its
+device loop) where records carry them, else request latency / completion tokens (one value
 per sample) — and latency stability: per-token CV and first-token P95 against
 the reference thresholds (CV < 0.15, P95 < 320 ms), pass/fail; 5.
-throughput over the samples computed in this run; 6. dead letters by stage;
+throughput over the samples computed in this run; 6. dead letters by stage, and
+`unscored`: the samples (and examples with no sample left) that went to dead letters at
+inference or scoring — accuracy is over the scored ones, they do not count as wrong;
 7. reasoning-path statistics when traces carry them (absent until the controller).
 Pure Python: the report and tests use it directly.
 """
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
 from pipelines.tasks import mean_pass_at_k
+from pipelines.tasks.gsm8k import answer_key
+from pipelines.tasks.text import text_answer_key
 
 LATENCY_BUCKETS_MS = (0, 10, 50, 100, 200, 500, 1000)  # lower edges; the last is open-ended
 PERCENTILES = (50, 90, 95, 99)
@@ -80,9 +85,12 @@ def _round(x, nd=3):
   return None if x is None else round(float(x), nd)
 
 
-def majority(answers: Sequence[Optional[str]]) -> Optional[str]:
-  """Most common normalized answer; ties go to the one seen first (sample order)."""
-  normed = [normalize_answer(a) for a in answers if a is not None and normalize_answer(a)]
+def majority(answers: Sequence[Optional[str]],
+             key: Callable[[str], Optional[str]] = normalize_answer) -> Optional[str]:
+  """Most common answer by `key` (the normalized text by default; GSM-style votes use
+  `answer_key`); an answer that is None or whose key is empty or None is no vote; ties
+  go to the one seen first (sample order)."""
+  normed = [k for k in (key(a) for a in answers if a is not None) if k]
   if not normed:
     return None
   counts = collections.Counter(normed)
@@ -97,25 +105,43 @@ def group_by_example(records: Iterable[dict]) -> list[list[dict]]:
   return list(groups.values())
 
 
+def scored_samples(records: Iterable[dict]) -> list[dict]:
+  """The samples that have a verdict: a sandbox error is the harness's failure, never the
+  model's (docs/sandbox.md), so it is left out of accuracy and pass@k (and counted)."""
+  return [r for r in records if not (r.get("score") or {}).get("sandbox_error")]
+
+
+def pass_counts(groups: Iterable[Sequence[dict]]) -> list[tuple[int, int]]:
+  """(n, c) per example for pass@k over its scored samples; an example without one is left out."""
+  counts = []
+  for g in groups:
+    scored = scored_samples(g)
+    if scored:
+      counts.append((len(scored), sum(bool(r["correct"]) for r in scored)))
+  return counts
+
+
 def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]:
-  n_ex = max(len(groups), 1)
-  samples = [r for g in groups for r in g]
-  if not samples:  # every work item a dead letter: no accuracy (0.0 would look like a result)
+  all_samples = [r for g in groups for r in g]
+  if not all_samples:  # every work item a dead letter: no accuracy (0.0 would look like a result)
     return {"sample_accuracy": None, "accuracy": {}}
-  out: dict[str, Any] = {"sample_accuracy": _round(sum(r["correct"] for r in samples) / len(samples), 4)}
+  samples = scored_samples(all_samples)
+  out: dict[str, Any] = {"sample_accuracy": _round(sum(bool(r["correct"]) for r in samples) / len(samples), 4)
+                         if samples else None}
   if task == "suite":  # per category (its own metrics); the headline of each here
     from pipelines.suite.metrics import category_summaries
-    categories = category_summaries(samples, vote)
+    categories = category_summaries(all_samples, vote)
     out["accuracy"] = {c: v["accuracy"] for c, v in categories.items()}
     out["categories"] = categories
     return out
   if task == "humaneval":
-    counts = [(len(g), sum(r["correct"] for r in g)) for g in groups]
+    counts = pass_counts(groups)
     pass_k = mean_pass_at_k(counts) if counts else {}
     out["pass_at_k"] = {str(k): _round(v, 4) for k, v in pass_k.items()}
     out["accuracy"] = {"pass@1": out["pass_at_k"].get("1")}
-    out["sandbox_errors"] = sum(bool(r["score"].get("sandbox_error")) for r in samples)
+    out["sandbox_errors"] = len(all_samples) - len(samples)
     return out
+  n_ex = max(len(groups), 1)
   if task == "gsm8k" or any("strict_answer" in r["score"] for r in samples):
     kinds = (("strict", "strict_answer", "strict_correct"), ("flexible", "flexible_answer", "flexible_correct"))
   else:
@@ -125,11 +151,14 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     if vote and answer_field:
       right = 0
       for g in groups:
-        voted = majority([r["score"].get(answer_field) for r in g])
+        voted = majority([r["score"].get(answer_field) for r in g], key=answer_key)
         right += voted is not None and voted == normalize_answer(g[0]["reference"] or "")
       acc[kind] = _round(right / n_ex, 4)
-    elif vote:
-      right = sum(majority([r["answer"] for r in g]) == normalize_answer(g[0]["reference"] or "") for g in groups)
+    elif vote:  # free text (custom, answer_format=text): the key its per-sample score uses
+      right = 0
+      for g in groups:
+        voted = majority([r["answer"] for r in g], key=text_answer_key)
+        right += voted is not None and voted == text_answer_key(g[0]["reference"])
       acc[kind] = _round(right / n_ex, 4)
     else:
       vals = [(r["score"].get(correct_field) if correct_field in r["score"] else r["correct"]) for r in samples]
@@ -142,6 +171,16 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
   if levels:
     out["sample_accuracy_by_level"] = {k: _round(sum(v) / len(v), 4) for k, v in sorted(levels.items())}
   return out
+
+
+def unscored(records: Sequence[dict], dead_letters: Sequence[dict]) -> dict[str, int]:
+  """Work items that went to dead letters (inference, scoring) and have no record: left out
+  of accuracy, not counted wrong; `examples`: those with no scored sample at all. A resumed
+  run's later record for an item supersedes its old dead letter."""
+  done = {(r["example_id"], r["sample_index"]) for r in records}
+  lost = {(d["example_id"], d.get("sample_index")) for d in dead_letters
+          if d.get("stage") != "input" and d.get("example_id") is not None} - done
+  return {"samples": len(lost), "examples": len({e for e, _ in lost} - {r["example_id"] for r in records})}
 
 
 def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
@@ -207,6 +246,7 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "examples": len(groups),
       "samples": len(records),
       "samples_per_example": (len(records) / len(groups)) if groups else 0,
+      "unscored": unscored(records, dead_letters),
       **_accuracy(groups, task, vote),
       "tokens": {**dict(sorted(tokens.items())),
                  "completion_per_sample": _round(sum(completion) / max(len(records), 1), 2),

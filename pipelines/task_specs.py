@@ -22,10 +22,10 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm8k_jsonl,
                                 synthetic_examples)
 from pipelines.datasets.humaneval import load_humaneval
-from pipelines.datasets.records import normalize_answer
 from pipelines.suite.task import SuiteTask
 from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
                              fewshot_prompt, score_gsm8k, truncate_completion, zero_shot_messages)
+from pipelines.tasks.text import text_answer_key
 
 Prompt = Union[str, list]  # completion text, or chat messages [{"role", "content"}]
 
@@ -219,8 +219,8 @@ class CustomTask:
         out.append({"answer": answer, "correct": s.flexible_correct, **s.to_dict()})
       else:
         answer = text.strip().splitlines()[-1].strip() if text.strip() else ""
-        out.append({"answer": answer,
-                    "correct": normalize_answer(answer).lower() == normalize_answer(example.reference).lower()})
+        key = text_answer_key(answer)  # the summary's vote uses the same key
+        out.append({"answer": answer, "correct": key is not None and key == text_answer_key(example.reference)})
     return out
 
 

@@ -16,8 +16,9 @@ from typing import Any, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
 from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, majority,
-                               per_token_latencies, percentile)
+                               pass_counts, per_token_latencies, percentile)
 from pipelines.tasks import mean_pass_at_k
+from pipelines.tasks.gsm8k import answer_key
 
 # The metric that is the category's "accuracy" in the cross-category table.
 HEADLINE = {"code": "pass@1", "math": "strict", "qa": "exact_match",
@@ -37,14 +38,14 @@ def category_accuracy(category: str, records: Sequence[dict], vote: bool = False
   """The category's metrics, headline first."""
   groups = group_by_example(records)
   if category == "code":
-    pass_k = mean_pass_at_k([(len(g), sum(bool(r["correct"]) for r in g)) for g in groups])
+    pass_k = mean_pass_at_k(pass_counts(groups))  # a sandbox error is no verdict
     return {f"pass@{k}": _r(v) for k, v in pass_k.items()}
   if category == "math":
     if vote:
       out = {}
       for kind in ("strict", "flexible"):
-        right = sum(majority([r["score"].get(f"{kind}_answer") for r in g]) == normalize_answer(g[0]["reference"])
-                    for g in groups)
+        right = sum(majority([r["score"].get(f"{kind}_answer") for r in g], key=answer_key)
+                    == normalize_answer(g[0]["reference"]) for g in groups)
         out[kind] = _r(right / len(groups)) if groups else None
       return out
     return {k: _mean_metric(records, k) for k in ("strict", "flexible")}

@@ -11,7 +11,7 @@ Scoring: ROUGE-L F1 against the reference (Google's `rouge-score` package,
 `RougeScorer(["rougeL"], use_stemmer=True)`: its own tokenizer and the Porter stemmer,
 no downloaded data) and key-fact recall: the share of facts whose key value (a name or
 number; numbers also match without thousands separators) appears in the summary,
-case-insensitively. Headline: key-fact recall.
+case-insensitively (a number not inside a longer one). Headline: key-fact recall.
 """
 
 from __future__ import annotations
@@ -130,12 +130,18 @@ def rouge_l(prediction: str, reference: str) -> float:
   return _scorer().score(reference, prediction)["rougeL"].fmeasure
 
 
+def _appears(value: str, low: str) -> bool:
+  # A number only as a whole: "4.2 million" is not in "14.2 million", nor 48,213 in
+  # 148,213 or 48,213.5 (a plural such as "copper wires" still counts).
+  before = r"(?<!\d)(?<!\d[.,])" if value[:1].isdigit() else ""
+  after = r"(?!\d)(?![.,]\d)" if value[-1:].isdigit() else ""
+  return re.search(before + re.escape(value.lower()) + after, low) is not None
+
+
 def _fact_found(value: str, text: str) -> bool:
   low = text.lower()
-  if value.lower() in low:
-    return True
   plain = value.replace(",", "")  # 48,213 also matches 48213
-  return plain != value and re.search(rf"\b{re.escape(plain.lower())}\b", low) is not None
+  return _appears(value, low) or (plain != value and _appears(plain, low))
 
 
 def key_fact_recall(prediction: str, facts: list[dict]) -> float:

@@ -174,8 +174,11 @@ def extract_strict(text: str) -> Optional[str]:
 
   Kept byte-for-byte with the harness regexes, including their quirks: the
   pattern is case-sensitive, and its trailing ``.`` matches any character, so
-  "The answer is 42" at the very end of a text yields "4" and "The answer is
-  12. Then" yields "12." (normalized to "12" when scoring).
+  "The answer is 42" at the very end of a text (or before a newline) yields "4"
+  and "The answer is 12. Then" yields "12." (normalized to "12" when scoring).
+  The same quirk can cut a longer number to a shorter one that is right: "The
+  answer is 123" at the end, or "The answer is 3/4.", is strict-correct for a
+  reference of 12, or 3 (as in the harness; the flexible match sees "123", "4").
   """
   for pat in STRICT_PATTERNS:
     found = pat.findall(text)
@@ -202,11 +205,25 @@ class GSM8KScore:
     return dataclasses.asdict(self)
 
 
+_DIGIT_RE = re.compile(r"[0-9]")
+
+
+def answer_key(answer: Optional[str]) -> Optional[str]:
+  """What a GSM-style answer is compared and voted by: the harness normalization, or
+  None when no digit is left (the flexible pattern also matches "...", "$$" or ",,",
+  which are no answer: never right, never a vote)."""
+  if answer is None:
+    return None
+  key = normalize_answer(answer)
+  return key if _DIGIT_RE.search(key) else None
+
+
 def answers_match(predicted: Optional[str], reference: str) -> bool:
-  """Exact match after the harness normalization of both sides."""
-  if predicted is None:
-    return False
-  return normalize_answer(predicted) == normalize_answer(reference)
+  """Exact match after the harness normalization of both sides (strings, not numbers:
+  "1,234" and "$1,234." match 1234, "1234.0" and "1234.00" do not, as in the harness).
+  A prediction without a digit never matches, whatever the reference."""
+  key = answer_key(predicted)
+  return key is not None and key == normalize_answer(reference)
 
 
 def score_gsm8k(completion: str, reference: str,

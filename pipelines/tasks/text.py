@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence, TypedDict
+from typing import Optional, Sequence, TypedDict
+
+from pipelines.datasets.records import normalize_answer
 
 
 class ChatMessage(TypedDict):
@@ -25,3 +27,11 @@ def truncate_at_stop(text: str, stop_sequences: Sequence[str]) -> str:
     if 0 <= i < cut:
       cut = i
   return text[:cut]
+
+
+def text_answer_key(text: Optional[str]) -> Optional[str]:
+  """What a free-text answer (custom task, answer_format=text) is matched and voted by:
+  the GSM8K normalization (commas, ``$``, one trailing period), case-folded; None when
+  nothing is left, so an empty reply is never an answer."""
+  key = normalize_answer(text).lower() if text is not None else ""
+  return key or None

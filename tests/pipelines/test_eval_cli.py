@@ -103,3 +103,21 @@ def test_a_run_that_scores_nothing_exits_1(tmp_path):
   assert proc.stderr.splitlines()[-1] == (f"error: no sample was scored: all 3 dead letters (each "
                                           f"with its reason) are in {out}/dead_letters.jsonl")
   assert len((out / "dead_letters.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_run_whose_sandbox_failed_for_every_program_exits_1():
+  from pipelines.eval import run_failure
+  from pipelines.summary import summarize
+
+  def record(i, status):
+    return {"example_id": f"h{i}", "example_index": i, "sample_index": 0, "policy": "greedy",
+            "reference": None, "answer": "", "correct": status == "passed", "tokens": {},
+            "finish_reason": "stop", "score": {"status": status,
+                                               "sandbox_error": status == "sandbox_error"}}
+
+  broken = summarize([record(0, "sandbox_error"), record(1, "sandbox_error")], task="humaneval")
+  assert broken["accuracy"] == {"pass@1": None}  # no verdict, not 0.0
+  assert run_failure(broken, "out") == ("the sandbox failed for all 2 programs (status "
+                                        "sandbox_error in out/results.jsonl): no sample has a verdict")
+  some = summarize([record(0, "sandbox_error"), record(1, "failed")], task="humaneval")
+  assert some["accuracy"] == {"pass@1": 0.0} and run_failure(some, "out") is None

@@ -77,6 +77,18 @@ def test_report_files_and_comparison(tmp_path):
   assert "| greedy (greedy) | gsm8k |" in (tmp_path / "comparison.md").read_text()
 
 
+def test_report_says_what_accuracy_leaves_out(tmp_path):
+  recs = [_rec(0, 0, "5", "5", "5", 20, 5)]
+  dead = [{"stage": "inference", "reason": "too long", "example_id": "e1", "sample_index": 0}]
+  (tmp_path / "results.jsonl").write_text(json.dumps(recs[0]) + "\n")
+  (tmp_path / "dead_letters.jsonl").write_text(json.dumps(dead[0]) + "\n")
+  s = summarize(recs, dead, task="gsm8k", vote=False, config={"dataset": {"name": "x"}})
+  (tmp_path / "summary.json").write_text(json.dumps({**s, "policy": "greedy"}))
+  assert report.main([str(tmp_path)]) == 0
+  assert ("Left out of accuracy (not counted wrong): 1 samples; 1 examples with no scored "
+          "sample.") in (tmp_path / "report.md").read_text()
+
+
 def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   """Speculation changes seconds, not tokens: a speculative run with the same tokens and
   accuracy as its plain twin but less wall time is on the seconds frontier only; a run
@@ -139,3 +151,69 @@ def test_latency_stability_against_the_reference_thresholds():
   assert st["pass"] == {"per_token_cv < 0.15": True, "ttft_p95_ms < 320": True}
   assert latency_stability([], [])["pass"] == {"per_token_cv < 0.15": None,
                                                "ttft_p95_ms < 320": None}
+
+
+def test_a_vote_counts_only_answers_with_a_digit():
+  # Two samples cut off mid-thought end in "..." (the flexible match); the one answer wins.
+  assert majority(["...", "...", "42"]) == ".."  # the plain text key keeps them
+  from pipelines.tasks.gsm8k import answer_key
+  assert majority(["...", "$", ",,", "42", None], key=answer_key) == "42"
+  assert majority(["1,234", "$1,234.", "1234.0"], key=answer_key) == "1234"
+  recs = [_rec(0, i, None, a, "42", 10, 1) for i, a in enumerate(("...", "...", "42"))]
+  assert summarize(recs, task="gsm8k", vote=True)["accuracy"]["flexible"] == 1.0
+
+
+def test_free_text_vote_uses_the_key_of_the_per_sample_score():
+  # The custom task's text match is case-insensitive; its vote must be too.
+  def rec(i, answer, correct):
+    return {"example_id": "c0", "example_index": 0, "sample_index": i, "policy": "sample_n",
+            "reference": "paris", "answer": answer, "correct": correct,
+            "score": {"answer": answer, "correct": correct}, "tokens": {}, "finish_reason": "stop"}
+  recs = [rec(0, "Paris", True), rec(1, "PARIS.", True), rec(2, "Rome", False)]
+  assert summarize(recs, task="custom")["accuracy"] == {"exact": 0.6667}
+  assert summarize(recs, task="custom", vote=True)["accuracy"] == {"exact": 1.0}
+  blank = [rec(0, "", False), rec(1, "", False)]  # no answer is no vote
+  assert summarize(blank, task="custom", vote=True)["accuracy"] == {"exact": 0.0}
+
+
+def test_dead_letters_and_sandbox_errors_are_left_out_and_counted():
+  # e0: both samples scored (1 right); e1: sample 1 a dead letter (inference), sample 0
+  # right; e2: both samples dead letters. Accuracy is over the 3 scored samples / 2
+  # examples, and `unscored` says what was left out.
+  records = [_rec(0, 0, "5", "5", "5", 10, 1), _rec(0, 1, "4", "4", "5", 10, 1), _rec(1, 0, "3", "3", "3", 10, 1)]
+  dead = [{"stage": "input", "reason": "bad", "source": "f", "line_number": 9},
+          {"stage": "inference", "reason": "too long", "example_id": "e1", "sample_index": 1},
+          {"stage": "inference", "reason": "too long", "example_id": "e2", "sample_index": 0},
+          {"stage": "scoring", "reason": "boom", "example_id": "e2", "sample_index": 1},
+          {"stage": "inference", "reason": "stale", "example_id": "e0", "sample_index": 0}]  # resumed since
+  s = summarize(records, dead, task="gsm8k", vote=False)
+  assert s["examples"] == 2 and s["accuracy"] == {"strict": 0.6667, "flexible": 0.6667}
+  assert s["unscored"] == {"samples": 3, "examples": 1}
+  assert s["dead_letters"]["total"] == 5
+  # HumanEval: a sandbox error is the harness's failure, not the model's.
+  def he(ex, i, passed, sandbox_error=False):
+    return {"example_id": f"h{ex}", "example_index": ex, "sample_index": i, "policy": "sample_n",
+            "reference": None, "answer": "", "correct": passed, "tokens": {}, "finish_reason": "stop",
+            "score": {"status": "sandbox_error" if sandbox_error else "passed" if passed else "failed",
+                      "sandbox_error": sandbox_error}}
+  recs = [he(0, 0, True), he(0, 1, False, True), he(0, 2, False), he(1, 0, False, True), he(1, 1, False, True)]
+  s = summarize(recs, task="humaneval")
+  # h0 scored on 2 samples (1 pass); h1 has none left: pass@1 = 1/2, pass@2 = 1.
+  assert s["pass_at_k"] == {"1": 0.5, "2": 1.0} and s["sandbox_errors"] == 3
+  assert s["sample_accuracy"] == 0.5
+
+
+def test_empty_and_all_unscored_runs_give_no_nan():
+  for task in ("gsm8k", "humaneval", "custom", "suite"):
+    for vote in (False, True):
+      s = summarize([], [{"stage": "inference", "reason": "x", "example_id": "e", "sample_index": 0}],
+                    task=task, vote=vote)
+      json.dumps(s, allow_nan=False)
+      assert s["accuracy"] == {} and s["sample_accuracy"] is None
+      assert s["unscored"] == {"samples": 1, "examples": 1}
+  only_errors = [{"example_id": "h0", "example_index": 0, "sample_index": 0, "policy": "greedy", "reference": None,
+                  "answer": "", "correct": False, "tokens": {}, "finish_reason": "stop",
+                  "score": {"status": "sandbox_error", "sandbox_error": True}}]
+  s = summarize(only_errors, task="humaneval")
+  json.dumps(s, allow_nan=False)
+  assert s["pass_at_k"] == {} and s["accuracy"] == {"pass@1": None} and s["sample_accuracy"] is None

@@ -30,3 +30,14 @@ def test_negative_dataset_n_is_named(config):
   cfg.dataset.n = -1
   with pytest.raises(ValueError, match=r"^dataset\.n=-1 must be >= 0 \(0 = every example\)$"):
     build_task(cfg)
+
+
+def test_custom_text_answers_match_case_insensitively_and_a_blank_reply_never():
+  from pipelines.datasets import Example
+  from pipelines.task_specs import CustomTask
+  task = CustomTask(dataset={"answer_format": "text"}, prompt_cfg={})
+  paris, dollar = Example("c/0", "c", "Capital?", "paris"), Example("c/1", "c", "Sign?", "$")
+  got = task.score_batch([(paris, "I think\nPARIS.", ()), (paris, "Rome", ()),
+                          (paris, "  \n", ()), (dollar, "", ())])
+  # "$" normalizes to nothing, as an empty reply does: that is no match.
+  assert [s["correct"] for s in got] == [True, False, False, False]

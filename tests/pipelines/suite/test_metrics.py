@@ -34,6 +34,16 @@ def test_code_pass_at_k_and_math_majority_vote():
   assert category_accuracy("math", math, vote=True) == {"strict": 1.0, "flexible": 1.0}
 
 
+def test_code_leaves_sandbox_errors_out_and_math_votes_only_numbers():
+  # Problem 0: pass, sandbox error, fail -> n=2, c=1; problem 1: only a sandbox error -> left out.
+  code = [record("code", 0, 0, True), record("code", 0, 1, False, sandbox_error=True), record("code", 0, 2, False),
+          record("code", 1, 0, False, sandbox_error=True)]
+  assert category_accuracy("code", code) == {"pass@1": 0.5, "pass@2": 1.0}
+  # Two samples end in "..." (no digit): no vote; the one number wins.
+  math = [record("math", 0, i, strict_answer=None, flexible_answer=a) for i, a in enumerate(("...", "...", "7"))]
+  assert category_accuracy("math", math, vote=True) == {"strict": 0.0, "flexible": 1.0}
+
+
 def test_latency_profile_percentiles_and_coefficient_of_variation():
   # Per-token times 10, 20, 30, 40 ms: mean 25, population std sqrt(125) = 11.18, CV 0.4472.
   recs = [record("qa", 0, token_ms=[10.0, 20.0], ttft=10.0, metrics={"exact_match": 1.0, "f1": 1.0}),

@@ -59,3 +59,19 @@ def test_a_response_that_restates_the_question_answers_with_what_follows():
                            "the mentor of Ilsa Varn") == "Toren Quist"
   assert qa.extract_answer("The mentor of Ilsa is Toren.", "the mentor of Ilsa Varn") == (
       "The mentor of Ilsa is Toren.")  # a different phrase: not a restatement
+
+
+def _squad_v11_normalize(s):
+  # The SQuAD v1.1 evaluation script's order: lower, drop punctuation, drop articles, spaces.
+  import re
+  import string
+  s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+  return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+def test_normalisation_equals_the_squad_script_on_tricky_text():
+  texts = ["", "   ", "The", "a-ha, an apple!", "Theatre and the anthem", "THE  Ulga\tGuild.",
+           "l'Ulga (the) guild", "Ostal—the city", "Zoë’s café", "an an the a", "U.S.A.", "3,000 people"]
+  for t in texts:
+    assert qa.normalize(t) == _squad_v11_normalize(t), t
+  assert not qa.exact_match("", "Ulga Guild") and qa.token_f1("", "Ulga Guild") == 0.0

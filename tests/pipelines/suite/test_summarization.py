@@ -35,3 +35,27 @@ def test_every_document_is_at_least_1500_tokens_of_the_embedded_tokenizer():
   for ex in sorted(items, key=lambda ex: ex.metadata["words"])[:10]:
     document = ex.question.rsplit("\n\nSummarize", 1)[0]
     assert len(tokenizer.encode(document)) >= 1500, ex.id
+
+
+def test_rouge_l_equals_the_package_on_empty_unicode_and_punctuation():
+  from rouge_score import rouge_scorer
+  scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+  pairs = [("", ""), ("", "The mayor is Clara Aldana."), ("The mayor is Clara Aldana.", ""),
+           ("Zoë’s café — opened in 2034!", "Zoe's cafe opened in 2034."), ("!!! ... ???", "!!!"),
+           ("Bridges opened; mayors served.", "The bridge opened and the mayor served."),
+           ("48,213 residents", "48213 residents")]
+  for prediction, reference in pairs:
+    want = scorer.score(reference, prediction)["rougeL"].fmeasure  # score(target, prediction)
+    assert summ.rouge_l(prediction, reference) == want, (prediction, reference)
+  assert summ.rouge_l("", "") == 0.0  # no tokens: 0, not NaN
+
+
+def test_a_key_number_inside_a_longer_number_is_not_found():
+  ex = summ.generate_item(0, 0)
+  facts = {f["name"]: f["value"] for f in ex.metadata["key_facts"]}
+  pop, budget, year = facts["population"], facts["budget"], facts["bridge"]
+  longer = f"About 1{pop} people ({pop}.5 on average), a budget of 1{budget}, a bridge from 1{year}."
+  assert summ.score(ex, longer)["facts_found"] == []
+  plain = f"About {pop.replace(',', '')} people, a budget of ${budget}, a bridge from {year}."
+  assert summ.score(ex, plain)["facts_found"] == ["population", "bridge", "budget"]
+  assert summ.score(ex, f"It exports {facts['export']}s.")["facts_found"] == ["export"]  # a plural counts

