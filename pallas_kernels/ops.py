@@ -40,6 +40,12 @@ def resolve_backend(backend: str) -> str:
 
 
 
+def pallas_block_size_ok(block_size: int) -> bool:
+  """Whether the Pallas paged-attention kernels take pages of `block_size` tokens (a power
+  of two in [8, 128]); the engine checks its config with this before building a pool."""
+  return not block_size & (block_size - 1) and 8 <= block_size <= 128
+
+
 def _on_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
@@ -287,7 +293,7 @@ def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, 
   if sliding_window is not None and sliding_window < 1:
     raise ValueError(f"{op}: sliding_window={sliding_window} must be >= 1 or None")
   if pallas:
-    if bs & (bs - 1) or not 8 <= bs <= 128:
+    if not pallas_block_size_ok(bs):
       raise ValueError(f"{op} (pallas): block_size={bs} (k_pages.shape={k_pages.shape}) must "
                        "be a power of two in [8, 128]")
     if d & (d - 1) or d < 16:

@@ -47,7 +47,7 @@ from o1jax.model.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.speculative import SpeculativeConfig
-from o1jax.model.sampling import Sampling, sequence_key
+from o1jax.model.sampling import Sampling, is_int, is_real, sequence_key
 from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
@@ -58,6 +58,10 @@ SPEC_INTERVAL, SPEC_INTERVAL_MAX = 16, 128
 
 
 ADMISSIONS = ("fifo", "shortest_budget")  # Controller(admission=...)
+# LoopSettings' counts and their least values.
+_LOOP_INTS = {"max_step_backtracks": 0, "max_backtracks": 0, "step_max_tokens": 1, "max_steps": 1,
+              "min_thinking_tokens": 0, "max_thinking_tokens": 0, "max_answer_tokens": 1,
+              "conf_window": 1, "consensus_min_votes": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +95,34 @@ class LoopSettings(Sampling):
 
   def __post_init__(self):
     super().__post_init__()
+    # Every knob is checked here, once, for every policy: a float count or a str flag
+    # failed inside the jitted loop's setup, a NaN threshold silently turned a rule off.
+    for name, low in _LOOP_INTS.items():
+      value = getattr(self, name)
+      if not is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+      if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    for name in ("temp_bump", "backtrack_threshold", "exit_tau", "consensus_share"):
+      value = getattr(self, name)
+      if not is_real(value) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not 0 <= self.temp_bump < math.inf:  # a negative bump would reach greedy on a retry
+      raise ValueError(f"temp_bump must be finite and >= 0, got {self.temp_bump}")
+    for name in ("step_delimiter", "answer_prefix", "wait_text"):
+      if not isinstance(getattr(self, name), str):
+        raise ValueError(f"{name} must be a str, got {getattr(self, name)!r}")
+    for name in ("answer_on_eos", "answer_probe", "answer_vote", "stop_when_decided"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if not isinstance(self.verifier, Verifier):
+      raise ValueError(f"verifier must be a Verifier, got {self.verifier!r}")
     if self.min_thinking_tokens > self.max_thinking_tokens:
       raise ValueError(f"min_thinking_tokens {self.min_thinking_tokens} > max_thinking_tokens "
                        f"{self.max_thinking_tokens}")
-    if self.step_max_tokens < 1 or self.max_answer_tokens < 1:
-      raise ValueError("step_max_tokens and max_answer_tokens must be >= 1")
+    if self.min_thinking_tokens and not self.wait_text:
+      # Nothing would replace an early end of thinking: the trace runs to its token limit.
+      raise ValueError("min_thinking_tokens > 0 needs a non-empty wait_text")
     if self.exit_tau <= 1.0 and not self.answer_probe:
       raise ValueError("exit_tau <= 1 needs answer_probe=True (the confidence comes from it)")
     consensus = self.consensus_share <= 1.0 or self.stop_when_decided
@@ -228,13 +255,24 @@ class Controller:
 
   def run(self, requests: Sequence[ReasoningRequest | Any], policy) -> list[ReasoningResult]:
     """Runs `policy` (a Policy, a registered name, or {"name": ..., **params})."""
-    if not isinstance(policy, BasePolicy):
-      policy = build_policy({"name": policy} if isinstance(policy, str) else policy)
+    if isinstance(policy, str):
+      policy = build_policy({"name": policy})
+    elif not isinstance(policy, BasePolicy):
+      policy = build_policy(policy)  # (names what a section lacks, or that it is none)
     if not policy.controller:
       raise ValueError(f"policy {policy.name!r} samples plainly (the engine runs it); the "
                        f"controller runs {policy_names(controller=True)}")
+    if isinstance(requests, (str, bytes, Mapping, ReasoningRequest)):
+      # (a str would run one request per character)
+      raise ValueError(f"requests must be a list of requests or prompts, got one "
+                       f"{type(requests).__name__}")
     reqs = [r if isinstance(r, ReasoningRequest) else ReasoningRequest(prompt=r, request_id=i)
             for i, r in enumerate(requests)]
+    twice = sorted(i for i, k in collections.Counter(r.request_id for r in reqs).items() if k > 1)
+    if twice:  # an id keys its request's sampling stream, and its logs until `result`
+      raise ValueError(f"request ids must be unique in one run, got {twice[:5]} more than once")
+    if not reqs:
+      return []
     self._budget_log.clear()
     self._latency_log.clear()
     self._logging = True
@@ -258,13 +296,21 @@ class Controller:
     (per request, (answer key or None, weight) of votes cast before this call,
     e.g. DeepConf's warm-up traces) feed the consensus stop. budget: a live budget for
     this call (default: the controller's)."""
-    if n < 1:
-      raise ValueError(f"n must be >= 1, got {n}")
+    if not is_int(n) or n < 1:
+      raise ValueError(f"n must be an int >= 1, got {n!r}")
+    for name, value in (("sample_offset", sample_offset), ("unstopped_samples", unstopped_samples)):
+      if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     per_request = lambda x, fill: [fill] * len(requests) if x is None else (
         [float(x)] * len(requests) if np.isscalar(x) else list(x))
     stops = per_request(conf_stop, -math.inf)
     floors = per_request(vote_floor, -math.inf)
     priors = [list(p) for p in prior_votes] if prior_votes is not None else [[]] * len(requests)
+    for name, values in (("conf_stop", stops), ("vote_floor", floors), ("prior_votes", priors)):
+      if len(values) != len(requests):
+        raise ValueError(f"{name} has {len(values)} entries for {len(requests)} requests")
+    if not requests:
+      return Batch(traces=[], wall_time_s=[], invocations=[])
     if (vote_floor is not None or prior_votes is not None) and not settings.answer_vote:
       raise ValueError("vote_floor / prior_votes need settings.answer_vote=True")
     return self._generate_slots(requests, settings, n, sample_offset, stops,
@@ -291,12 +337,23 @@ class Controller:
         loop_invocations=invocations, votes=dict(votes or {}), info=info)
 
   def encode(self, prompt) -> list[int]:
+    """Text, chat messages [{"role", "content"}] or token ids -> token ids (checked)."""
     if isinstance(prompt, str):
       ids = self.tokenizer.encode(prompt)
+    elif not isinstance(prompt, (list, tuple, np.ndarray)):  # bytes read as token ids
+      raise ValueError(f"prompt must be text, chat messages or token ids, got "
+                       f"{type(prompt).__name__}")
     elif len(prompt) and isinstance(prompt[0], Mapping):
       ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
     else:
+      bad = [i for i in prompt if not is_int(i)]
+      if bad:  # int() would cut 1.5 to 1
+        raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
       ids = [int(i) for i in prompt]
+      vocab = self.model.vocab_size
+      bad = [i for i in ids if not 0 <= i < vocab]
+      if bad:  # the embedding lookup would clamp them to other tokens, silently
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     if not ids:
       raise ValueError("empty prompt")
     if self.thinking is not None and not self._opens_thinking(ids):

@@ -30,8 +30,9 @@ from o1jax.controller.answers import majority_vote, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
-from o1jax.controller.verifiers import SCORERS, get_verifier
+from o1jax.controller.verifiers import SCORERS, MeanLogprob, Verifier, get_verifier
 from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
+from o1jax.model.sampling import is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,19 @@ class Policy(BasePolicy):
   step_max_tokens: int = 64
   answer_prefix: str = "The answer is"
   answer_on_eos: bool = True  # a trace that ends without an answer gets the prefix forced
+
+  def __post_init__(self):
+    # A bad param fails where the policy is built (a config before any batch runs),
+    # named with the policy, rather than inside `run` or its jitted loop.
+    try:
+      self.check_params()
+    except ValueError as e:
+      raise ValueError(f"{self.name}: {e}") from None
+
+  def check_params(self) -> None:
+    """Raises ValueError for a bad param. The shared ones are checked by the `LoopSettings`
+    they make; a subclass checks its own after calling this."""
+    self.settings()
 
   @abc.abstractmethod
   def run(self, ctl: Controller, requests: Sequence[ReasoningRequest]) -> list[ReasoningResult]:
@@ -72,6 +86,18 @@ class Policy(BasePolicy):
   def to_dict(self) -> dict[str, Any]:
     # Params in name order: how results.jsonl records have always spelled a reasoning policy.
     return {"name": self.name, **dict(sorted(dataclasses.asdict(self).items()))}
+
+
+def _check_count(policy, name: str, low: int = 1) -> None:
+  value = getattr(policy, name)
+  if not is_int(value) or value < low:
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_flags(policy, *names: str) -> None:
+  for name in names:
+    if not isinstance(getattr(policy, name), (bool, np.bool_)):
+      raise ValueError(f"{name} must be a bool, got {getattr(policy, name)!r}")
 
 
 def _first(traces: list[Trace], among: list[Trace], answer) -> int | None:
@@ -117,9 +143,9 @@ class SelfConsistency(Policy):
   temperature: float = 0.7
   top_p: float = 0.95
 
-  def __post_init__(self):
-    if self.n < 1:
-      raise ValueError(f"{self.name}: n must be >= 1")
+  def check_params(self):
+    super().check_params()
+    _check_count(self, "n")
 
   def run(self, ctl, requests):
     st = self.settings()
@@ -137,6 +163,12 @@ class BestOfN(Policy):
   temperature: float = 0.7
   top_p: float = 0.95
   score: str = "mean_logprob"
+
+  def check_params(self):
+    super().check_params()
+    _check_count(self, "n")
+    if not isinstance(self.score, str):  # (a name: scorers may be registered after this)
+      raise ValueError(f"score must be a registered scorer's name, got {self.score!r}")
 
   def run(self, ctl, requests):
     if self.score not in SCORERS:
@@ -197,16 +229,23 @@ class DeepConf(Policy):
   temperature: float = 0.7
   top_p: float = 0.95
 
-  def __post_init__(self):
+  def check_params(self):
+    super().check_params()
+    _check_count(self, "n")
+    _check_count(self, "warmup")
     if not 1 <= self.warmup <= self.n:
-      raise ValueError(f"{self.name}: need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")
-    if self.threshold is not None and not math.isfinite(self.threshold):
-      raise ValueError(f"{self.name}: threshold must be a finite number or None, "
-                       f"got {self.threshold}")
-    if not 0 < self.keep_percent <= 100:
-      raise ValueError(f"{self.name}: keep_percent must be in (0, 100]")
-    if self.consensus <= 0.5:
-      raise ValueError(f"{self.name}: consensus must be > 0.5 (> 1 turns it off)")
+      raise ValueError(f"need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")
+    if self.threshold is not None and not (is_real(self.threshold)
+                                           and math.isfinite(self.threshold)):
+      raise ValueError(f"threshold must be a finite number or None, got {self.threshold!r}")
+    if not is_real(self.keep_percent) or not 0 < self.keep_percent <= 100:
+      raise ValueError(f"keep_percent must be in (0, 100], got {self.keep_percent!r}")
+    if not is_real(self.consensus) or not self.consensus > 0.5:  # (NaN: never stopped)
+      raise ValueError(f"consensus must be > 0.5 (> 1 turns it off), got {self.consensus!r}")
+    _check_count(self, "window")
+    _check_count(self, "consensus_min_votes")
+    _check_flags(self, "stop_when_decided", "filter_votes")
+    self._online_settings(self.settings(conf_window=self.window, answer_vote=True), True)
 
   @property
   def cross_row_stops(self) -> bool:
@@ -311,13 +350,28 @@ class ThinkVerifyBacktrack(Policy):
   adaptive: bool = False
   step_delimiter: str = "\n"
 
-  def run(self, ctl, requests):
+  def check_params(self):
+    super().check_params()
+    _check_count(self, "max_steps", 0)
+    for name in ("latency_slo_s", "load", "exit_tau"):
+      if not is_real(getattr(self, name)):
+        raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+    allocate_budget(self.latency_slo_s, self.load)  # (its checks; `adaptive` uses the SLO too)
+    _check_flags(self, "adaptive")
+    if not isinstance(self.verifier, (str, Verifier)):
+      raise ValueError(f"verifier must be a registered verifier's name, got {self.verifier!r}")
+    self._loop_settings(MeanLogprob())  # (the verifier by name is looked up at run time)
+
+  def _loop_settings(self, verifier) -> LoopSettings:
     steps = self.max_steps or allocate_budget(self.latency_slo_s, self.load)
-    st = self.settings(verifier=get_verifier(self.verifier),
-                       backtrack_threshold=self.backtrack_threshold,
-                       max_step_backtracks=self.max_step_backtracks,
-                       max_backtracks=self.max_backtracks, temp_bump=self.temp_bump,
-                       exit_tau=self.exit_tau, answer_probe=self.exit_tau <= 1.0, max_steps=steps)
+    return self.settings(verifier=verifier, backtrack_threshold=self.backtrack_threshold,
+                         max_step_backtracks=self.max_step_backtracks,
+                         max_backtracks=self.max_backtracks, temp_bump=self.temp_bump,
+                         exit_tau=self.exit_tau, answer_probe=self.exit_tau <= 1.0, max_steps=steps)
+
+  def run(self, ctl, requests):
+    st = self._loop_settings(get_verifier(self.verifier))
+    steps = st.max_steps
     # adaptive: a live budget with this SLO for the call, unless the controller has one.
     budget = (BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=self.latency_slo_s))
               if self.adaptive and ctl.budget is None else None)
@@ -337,6 +391,10 @@ class BudgetForcing(Policy):
   min_thinking_tokens: int = 64
   max_thinking_tokens: int = 256
   wait_text: str = " Wait"
+
+  def check_params(self):
+    super().check_params()
+    self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)
 
   def run(self, ctl, requests):
     st = self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)

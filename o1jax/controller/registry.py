@@ -85,7 +85,12 @@ def get_policy(name: str, **params) -> BasePolicy:
 
 def build_policy(section: Mapping[str, Any]) -> BasePolicy:
   """{"name": ..., **params} (a dict or an ml_collections.ConfigDict) -> policy."""
-  params = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  if hasattr(section, "to_dict"):
+    section = section.to_dict()
+  if not isinstance(section, Mapping) or "name" not in section:
+    raise ValueError(f"a policy is a name or {{'name': ..., **params}}, got {section!r}; "
+                     f"valid policies: {policy_names()}")
+  params = dict(section)
   return get_policy(params.pop("name"), **params)
 
 

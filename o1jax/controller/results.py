@@ -7,6 +7,8 @@ import math
 import numbers
 from typing import Any, Optional
 
+from o1jax.model.sampling import check_key_id, check_seed
+
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningRequest:
@@ -24,6 +26,9 @@ class ReasoningRequest:
   max_steps: Optional[int] = None
 
   def __post_init__(self):
+    # Both fix the sampling keys (`sequence_key`): checked here, not inside the first call.
+    check_key_id(self.request_id)
+    check_seed(self.seed, f"request {self.request_id}: seed")
     if self.max_steps is None:
       return
     steps = self.max_steps  # ints of any kind (numpy's too), not floats or bools

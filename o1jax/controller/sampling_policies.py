@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from o1jax.controller.registry import BasePolicy, register
-from o1jax.model.sampling import SamplingParams
+from o1jax.model.sampling import Sampling, SamplingParams, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,8 @@ class SamplingSpec(SamplingParams):
 
   def __post_init__(self):
     super().__post_init__()
+    if not is_int(self.max_new_tokens):
+      raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
     if self.max_new_tokens < 1:  # the engine would refuse every request, one by one
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -63,8 +65,12 @@ class SampleN(BasePolicy):
   top_k: int = 0
 
   def __post_init__(self):
-    if self.n < 1:
-      raise ValueError(f"policy {self.name}: n must be >= 1, got {self.n}")
+    if not is_int(self.n) or self.n < 1:  # (work items per example: a count)
+      raise ValueError(f"policy {self.name}: n must be an int >= 1, got {self.n!r}")
+    try:  # the sampling it gives every sample, checked once here
+      Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+    except ValueError as e:
+      raise ValueError(f"policy {self.name}: {e}") from None
     if self.temperature <= 0 and self.n > 1:
       # n greedy samples would be n copies of the same text.
       raise ValueError(f"policy {self.name}: n={self.n} samples need temperature > 0")

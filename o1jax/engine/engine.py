@@ -33,6 +33,7 @@ logged and counted in `Engine.trace_counts`.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import logging
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from pallas_kernels import ops as kernel_ops
 
 from o1jax.checkpoint import load_checkpoint
 from o1jax.engine import fields
@@ -58,7 +60,7 @@ from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, Speculativ
                                       prompt_lookup)
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.llama import Llama
-from o1jax.model.sampling import SamplingParams, sequence_key
+from o1jax.model.sampling import KEY_ID_RANGE, SamplingParams, is_int, sequence_key
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
@@ -106,10 +108,28 @@ class EngineConfig:
       raise ValueError(f"policy={self.policy!r} not in {POLICIES}")
     if self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype={self.kv_dtype!r} not in {sorted(KV_DTYPES)}")
+    # Sizes are ints: a float reaches numpy shapes mid-step, after blocks were taken.
     for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps",
-                 "tensor_parallel", "data_parallel"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                 "tensor_parallel", "data_parallel", "min_chunk_bucket", "min_table_blocks",
+                 "max_top_logprobs"):
+      value = getattr(self, name)
+      if not is_int(value):
+        raise ValueError(f"{name}={value!r} must be an int")
+      low = 0 if name == "max_top_logprobs" else 1
+      if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+    # None takes the default; 0 must not (it read as "unset" and silently did).
+    for name in ("num_blocks", "kv_cache_bytes", "max_context"):
+      value = getattr(self, name)
+      if value is not None and (not is_int(value) or value < 1):
+        raise ValueError(f"{name}={value!r} must be an int >= 1 or None (the default)")
+    buckets = self.decode_buckets
+    if (isinstance(buckets, (str, bytes)) or not isinstance(buckets, collections.abc.Iterable)
+        or not all(is_int(b) and b >= 1 for b in buckets)):
+      raise ValueError(f"decode_buckets={buckets!r} must be batch sizes (ints >= 1)")
+    object.__setattr__(self, "decode_buckets", tuple(int(b) for b in buckets))  # hashable
+    if not isinstance(self.prefix_caching, (bool, np.bool_)):
+      raise ValueError(f"prefix_caching={self.prefix_caching!r} must be a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,16 +147,33 @@ class GenerationParams(SamplingParams):
 
   def __post_init__(self):
     super().__post_init__()
-    object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    if self.n < 1:
-      raise ValueError(f"n must be >= 1, got {self.n}")
-    if self.top_logprobs < 0:
-      raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
-    if any(not s for s in self.stop):
-      raise ValueError("stop strings must be non-empty")
+    # Everything a decode call reads is checked here: an error inside `step` leaves the
+    # request queued with its blocks, and every later call fails on it.
+    for name, low in (("max_new_tokens", 1), ("n", 1), ("top_logprobs", 0)):
+      value = getattr(self, name)
+      if not is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+      if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    for name in ("ignore_eos", "logprobs"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+    if not isinstance(stop, collections.abc.Iterable) or isinstance(stop, bytes):
+      raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
+    stop = tuple(stop)
+    bad = [s for s in stop if not isinstance(s, str) or not s]
+    if bad:
+      raise ValueError(f"stop strings must be non-empty str, got {bad[0]!r}")
+    object.__setattr__(self, "stop", stop)
+    ids = self.stop_token_ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, collections.abc.Iterable):
+      raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+    ids = tuple(ids)
+    bad = [i for i in ids if not is_int(i) or i < 0]
+    if bad:  # (the vocabulary's end is the engine's check)
+      raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {bad[0]!r}")
+    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
 
   @classmethod
   def from_dict(cls, values: dict) -> "GenerationParams":
@@ -290,6 +327,16 @@ class Engine:
     if config.data_parallel > 1:
       raise ValueError(f"data_parallel={config.data_parallel}: one Engine is one replica; "
                        f"build replicas with o1jax.engine.build_engine (EngineReplicas)")
+    # What the config can only be checked against with the model (else a decode call fails).
+    vocab = model.config.vocab_size
+    if config.max_top_logprobs > vocab:
+      raise ValueError(f"max_top_logprobs={config.max_top_logprobs} exceeds the model's "
+                       f"vocabulary of {vocab} tokens")
+    bs = config.block_size
+    if (kernel_ops.resolve_backend(getattr(model, "backend", "reference")) == "pallas"
+        and not kernel_ops.pallas_block_size_ok(bs)):
+      raise ValueError(f"block_size={bs} must be a power of two in [8, 128] for the Pallas "
+                       f"attention kernels")
     if mesh is None and config.tensor_parallel > 1:
       mesh = tensor_parallel.group_mesh(config.tensor_parallel)
     self.mesh = mesh = None if mesh is None else tensor_parallel.auto_mesh(mesh)
@@ -507,6 +554,9 @@ class Engine:
     elif isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[0], dict):
       ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
     elif isinstance(prompt, (list, tuple, np.ndarray)):
+      bad = [i for i in prompt if not is_int(i)]
+      if bad:  # int() would cut 1.5 to 1 and read True as 1
+        raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
       ids = [int(i) for i in prompt]
     else:
       raise ValueError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
@@ -526,6 +576,9 @@ class Engine:
       if unknown:
         raise ValueError(f"unknown request field(s) {unknown}; known: prompt, params, request_id")
       request = Request(**request)
+    elif not isinstance(request, Request):
+      raise ValueError(f"request must be a Request, a dict or a prompt str, got "
+                       f"{type(request).__name__}")
     params = request.params
     if isinstance(params, dict):
       params = GenerationParams.from_dict(params)
@@ -540,6 +593,17 @@ class Engine:
     if params.top_logprobs > self.config.max_top_logprobs:
       raise ValueError(f"top_logprobs={params.top_logprobs} > max_top_logprobs="
                        f"{self.config.max_top_logprobs} of the engine config")
+    vocab = self.model_config.vocab_size
+    bad = [i for i in params.stop_token_ids if i >= vocab]
+    if bad:
+      raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    rid = request.request_id
+    if isinstance(rid, bool) or not (rid is None or is_int(rid) or isinstance(rid, str)):
+      # (1.0 and 1 would get different random streams; a bool is no id)
+      raise ValueError(f"request_id must be an int, a str or None, got {rid!r}")
+    if isinstance(rid, int) and not KEY_ID_RANGE[0] <= rid < KEY_ID_RANGE[1]:
+      # An int id is folded into the sampling keys as it is (a str is hashed first).
+      raise ValueError(f"request_id={rid} must be in [0, 2**32) (or a str)")
     worst = min(len(ids) + params.max_new_tokens, self.max_context)
     need = math.ceil(worst / self.config.block_size)
     if need > self.num_blocks:
@@ -567,10 +631,15 @@ class Engine:
 
   # -- public API ------------------------------------------------------------------------
 
+  def _make_groups(self, requests: Sequence[Request | dict | str]) -> list[_Group]:
+    """Every request validated (see `_make_group`), before any is queued."""
+    if isinstance(requests, (str, bytes, dict, Request)):  # else a str runs a request per character
+      raise ValueError(f"requests must be a list of requests, got one {type(requests).__name__}")
+    return [self._make_group(r, i) for i, r in enumerate(requests)]
+
   def check_requests(self, requests: Sequence[Request | dict | str]) -> None:
     """Raises the ValueError `generate` would raise for a bad request; queues nothing."""
-    for i, r in enumerate(requests):
-      self._make_group(r, i)
+    self._make_groups(requests)
 
   def generate(self, requests: Sequence[Request | dict | str]) -> list[RequestResult]:
     """Runs every request to completion; results in input order.
@@ -578,12 +647,17 @@ class Engine:
     All requests are validated before any work starts (a bad one raises
     ValueError and nothing runs). A request without request_id uses its
     position in `requests` as id (for its sampling keys)."""
-    groups = [self._make_group(r, i) for i, r in enumerate(requests)]
+    groups = self._make_groups(requests)
     for g in groups:
       self._groups.append(g)
       self._waiting.append(_Seq(g, 0, list(g.prompt_ids), self._arrivals, g.params.n))
       self._arrivals += 1
-    self.run_until_idle()
+    try:
+      self.run_until_idle()
+    except BaseException:  # (an interrupt too) the next call must not inherit these requests
+      for g in groups:
+        self.cancel(g)
+      raise
     return [self.result(g) for g in groups]
 
   def stream(self, request: Request | dict | str) -> Iterator[StreamEvent]:

@@ -63,8 +63,8 @@ class EngineReplicas:
     """Engine.generate over the replicas: every request checked before any work starts,
     one without request_id keyed by its position in `requests` (as Engine.generate),
     results in request order."""
+    self.engines[0].check_requests(requests)  # first: `_with_id` reads a Request's fields
     requests = [_with_id(r, i) for i, r in enumerate(requests)]
-    self.engines[0].check_requests(requests)
     n = len(self.engines)
     shares = [list(range(r, len(requests), n)) for r in range(n)]
     runs = [self._pool.submit(self.engines[r].generate, [requests[i] for i in share])

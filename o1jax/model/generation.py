@@ -8,6 +8,7 @@ repeated calls reuse compiled programs.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import time
@@ -20,7 +21,7 @@ from flax import nnx
 
 from o1jax.checkpoint.tokenizer import Tokenizer
 from o1jax.model.llama import KVCache, Llama
-from o1jax.model.sampling import SamplingParams, sample, sequence_key
+from o1jax.model.sampling import SamplingParams, check_key_id, is_int, sample, sequence_key
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.shapes import pow2_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
@@ -93,6 +94,9 @@ class Generator:
     elif len(prompt) and isinstance(prompt[0], dict):
       ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
     else:
+      bad = [i for i in prompt if not is_int(i)]
+      if bad:  # int() would cut 1.5 to 1
+        raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
       ids = [int(i) for i in prompt]
     if not ids:
       raise ValueError("prompt is empty: nothing to condition generation on")
@@ -101,12 +105,29 @@ class Generator:
       raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
     return ids
 
-  def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
+  def _check_call(self, ids, max_new_tokens, params, request_ids, stop) -> None:
+    """Everything a call reads, before the prefill (one entry of params / request_ids per
+    prompt: a short list would be broadcast over the batch)."""
     limit = self.config.max_context
+    n_prompt = max(map(len, ids))
     if n_prompt >= limit:
       raise ValueError(f"prompt has {n_prompt} tokens but the model's context is {limit} tokens")
+    if not is_int(max_new_tokens):
+      raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for name, values in (("params", params), ("request_ids", request_ids)):
+      if not isinstance(values, list) or len(values) != len(ids):
+        raise ValueError(f"{name} must have one entry per prompt ({len(ids)}), got {values!r}")
+    bad = [p for p in params if not isinstance(p, SamplingParams)]
+    if bad:
+      raise ValueError(f"params must be SamplingParams, got {bad[0]!r}")
+    for r in request_ids:
+      check_key_id(r, "request_ids entry")
+    if (isinstance(stop, str) or not isinstance(stop, collections.abc.Iterable)
+        or not all(isinstance(s, str) and s for s in stop)):
+      # (a bare str would stop at any of its characters, "" at once)
+      raise ValueError(f"stop must be a list of non-empty str, got {stop!r}")
 
   @staticmethod
   def _base_keys(params: Sequence[SamplingParams], request_ids: Sequence[int]) -> jax.Array:
@@ -126,10 +147,16 @@ class Generator:
                request_ids: Sequence[int] | None = None, stop: Sequence[str] = ()) -> list[GenerationOutput]:
     """Generates for every prompt (text, ids or chat messages) in one static batch."""
     t0 = time.perf_counter()
+    if isinstance(prompts, (str, bytes)):  # else one prompt per character
+      raise ValueError(f"prompts must be a list of prompts, got one {type(prompts).__name__}")
     ids = [self.encode_prompt(p) for p in prompts]
+    if not ids:
+      return []
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
-    request_ids = list(range(len(ids))) if request_ids is None else list(request_ids)
+    iterable = lambda x: list(x) if isinstance(x, collections.abc.Iterable) else x
+    params = iterable(params)
+    request_ids = list(range(len(ids))) if request_ids is None else iterable(request_ids)
     tokens, reasons, spans = next(self._run(ids, max_new_tokens, params, request_ids, stop,
                                             stream=False))
     elapsed = time.perf_counter() - t0
@@ -148,7 +175,7 @@ class Generator:
   def _run(self, ids, max_new_tokens, params, request_ids, stop, stream):
     n = len(ids)
     longest = max(len(p) for p in ids)
-    self._check_length(longest, max_new_tokens)
+    self._check_call(ids, max_new_tokens, params, request_ids, stop)
     max_new_tokens = min(max_new_tokens, self.config.max_context - longest)
     b = pow2_bucket(n)
     t = pow2_bucket(longest, 16)

@@ -8,9 +8,40 @@ sequence samples the same tokens whatever batch or slot it runs in.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+
+# Seeds jax.random.PRNGKey takes (64 bits), and request ids fold_in takes (32 bits).
+SEED_RANGE = (-2**63, 2**63)
+KEY_ID_RANGE = (0, 2**32)
+INT32_MAX = 2**31 - 1
+
+
+def is_int(value) -> bool:
+  """An int of any kind (Python's, numpy's); not a bool (True is no count) nor a float."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+  """A real number (an int too); not a bool nor a str."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_seed(seed, what: str = "seed") -> None:
+  """ValueError unless `seed` is an int `sequence_key` takes."""
+  low, high = SEED_RANGE
+  if not is_int(seed) or not low <= seed < high:
+    raise ValueError(f"{what} must be an int in [-2**63, 2**63), got {seed!r}")
+
+
+def check_key_id(request_id, what: str = "request_id") -> None:
+  """ValueError unless `request_id` is an int `sequence_key` folds in (32 bits)."""
+  low, high = KEY_ID_RANGE
+  if not is_int(request_id) or not low <= request_id < high:
+    raise ValueError(f"{what} must be an int in [0, 2**32), got {request_id!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +56,21 @@ class Sampling:
   min_p: float = 0.0  # 0 -> off
 
   def __post_init__(self):
+    # Types first: a str compares with a TypeError, a float top_k would be cut to an int
+    # on the device, and a NaN temperature would silently decode greedily.
+    for name in ("temperature", "top_p", "min_p"):
+      if not is_real(getattr(self, name)):
+        raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+    if not is_int(self.top_k):
+      raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+    if not math.isfinite(self.temperature):
+      raise ValueError(f"temperature must be finite, got {self.temperature}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if self.top_k > INT32_MAX:  # an int32 on the device; any k >= the vocabulary is off
+      raise ValueError(f"top_k must be <= 2**31 - 1 (0 = off), got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0.0 <= self.min_p < 1.0:
@@ -44,6 +86,10 @@ class SamplingParams(Sampling):
   """`Sampling` of one sequence plus the seed of its random stream (see the module doc)."""
 
   seed: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_seed(self.seed)
 
 
 def sequence_key(seed: int, request_id: int, sample_index: int) -> jax.Array:

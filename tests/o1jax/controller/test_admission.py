@@ -238,6 +238,50 @@ def test_request_max_steps_is_checked(bad):
   assert ReasoningRequest(prompt="Q", max_steps=np.int64(4)).max_steps == 4
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(request_id=-1), r"^request_id must be an int in \[0, 2\*\*32\), got -1$"),  # was: crash
+    (dict(request_id=2**40), r"^request_id must be an int in \[0, 2\*\*32\)"),
+    (dict(request_id="a"), r"^request_id must be an int in \[0, 2\*\*32\), got 'a'$"),
+    (dict(request_id=1.5), r"^request_id must be an int"),  # was: read as 1
+    (dict(request_id=True), r"^request_id must be an int"),
+    (dict(seed=2**63), r"^request 0: seed must be an int in \[-2\*\*63, 2\*\*63\)"),
+    (dict(seed=1.5), r"^request 0: seed must be an int"),
+])
+def test_request_id_and_seed_are_checked(fields, match):
+  with pytest.raises(ValueError, match=match):
+    ReasoningRequest(prompt="Q", **fields)
+
+
+def test_bad_requests_and_prompts_are_refused_before_the_loop(world):
+  """Every one of these used to run silently wrong (a prompt per character, token ids
+  clamped into the vocabulary, 13.0 read as 13, bytes read as ids) or crash unnamed."""
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  ctl = world(CHAIN).controller()
+  policy = {"name": "greedy_cot", "max_thinking_tokens": 4}
+  ok, = ctl.run(["Q"], policy)
+  for requests, match in [
+      ("QQ", r"^requests must be a list of requests or prompts, got one str$"),
+      ([None], r"^prompt must be text, chat messages or token ids, got NoneType$"),
+      ([b"Q"], r"^prompt must be text, chat messages or token ids, got bytes$"),
+      ([{"role": "user", "content": "Q"}],  # one message, not in a list
+       r"^prompt must be text, chat messages or token ids, got dict$"),
+      ([[999]], r"^prompt has token ids outside the vocabulary \[0, 20\): \[999\]$"),
+      ([[-1]], r"^prompt has token ids outside the vocabulary"),
+      ([[13.0]], r"^prompt token ids must be ints, got 13.0$"),
+      ([ReasoningRequest("Q", request_id=3), ReasoningRequest("Q", request_id=3, seed=1)],
+       r"^request ids must be unique in one run, got \[3\] more than once$"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      ctl.run(requests, policy)
+  assert ctl.run([], policy) == []
+  again, = ctl.run(["Q"], policy)
+  assert again.traces[0].token_ids == ok.traces[0].token_ids
+  with pytest.raises(ValueError, match=r"^n must be an int >= 1, got 2.5$"):
+    ctl.generate([ReasoningRequest("Q")], LoopSettings(), 2.5)
+  with pytest.raises(ValueError, match=r"^conf_stop has 2 entries for 1 requests$"):
+    ctl.generate([ReasoningRequest("Q")], LoopSettings(), 1, conf_stop=[0.0, 1.0])
+
+
 def test_live_budget_replaces_the_policy_limit_but_not_the_requests_own(world):
   """A live budget replaces the policy's step limit (3 here; the budget's floor is 16)
   but a request limited to 1 step keeps its 1."""

@@ -234,3 +234,71 @@ def test_a_sample_needs_a_token_budget():
     SamplingSpec(max_new_tokens=0)
   with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1$"):
     SamplingSpec(temperature=-1)  # the `Sampling` checks still run
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("section, match", [
+    # Shared params, checked by the LoopSettings they make, when the policy is built.
+    ({"name": "greedy_cot", "temperature": NAN}, r"^greedy_cot: temperature must be finite"),
+    ({"name": "greedy_cot", "top_k": 2.5}, r"^greedy_cot: top_k must be an int, got 2.5$"),
+    ({"name": "greedy_cot", "max_thinking_tokens": 2.5},
+     r"^greedy_cot: max_thinking_tokens must be an int, got 2.5$"),
+    ({"name": "greedy_cot", "max_answer_tokens": NAN},
+     r"^greedy_cot: max_answer_tokens must be an int, got nan$"),
+    ({"name": "greedy_cot", "step_delimiter": None}, r"^greedy_cot: step_delimiter must be a str"),
+    ({"name": "greedy_cot", "answer_on_eos": "no"}, r"^greedy_cot: answer_on_eos must be a bool"),
+    # Their own params.
+    ({"name": "self_consistency", "n": 0}, r"^self_consistency: n must be an int >= 1, got 0$"),
+    ({"name": "self_consistency", "n": 2.5}, r"^self_consistency: n must be an int >= 1"),
+    ({"name": "self_consistency", "n": True}, r"^self_consistency: n must be an int >= 1"),
+    ({"name": "best_of_n", "n": 0}, r"^best_of_n: n must be an int >= 1, got 0$"),
+    ({"name": "best_of_n", "score": None}, r"^best_of_n: score must be a registered scorer"),
+    ({"name": "deepconf", "warmup": 2.5}, r"^deepconf: warmup must be an int >= 1, got 2.5$"),
+    ({"name": "deepconf", "window": 0}, r"^deepconf: window must be an int >= 1, got 0$"),
+    ({"name": "deepconf", "consensus": NAN}, r"^deepconf: consensus must be > 0.5"),
+    ({"name": "deepconf", "consensus_min_votes": 0},
+     r"^deepconf: consensus_min_votes must be an int >= 1, got 0$"),
+    ({"name": "deepconf", "threshold": "1"}, r"^deepconf: threshold must be a finite number"),
+    ({"name": "deepconf", "filter_votes": "x"}, r"^deepconf: filter_votes must be a bool"),
+    ({"name": "think_verify_backtrack", "backtrack_threshold": NAN},
+     r"^think_verify_backtrack: backtrack_threshold must be a number, got nan$"),
+    ({"name": "think_verify_backtrack", "exit_tau": NAN},
+     r"^think_verify_backtrack: exit_tau must be a number, got nan$"),
+    ({"name": "think_verify_backtrack", "temp_bump": -1},
+     r"^think_verify_backtrack: temp_bump must be finite and >= 0, got -1$"),
+    ({"name": "think_verify_backtrack", "max_backtracks": -1},
+     r"^think_verify_backtrack: max_backtracks must be >= 0, got -1$"),
+    ({"name": "think_verify_backtrack", "max_steps": -1},
+     r"^think_verify_backtrack: max_steps must be an int >= 0, got -1$"),
+    ({"name": "think_verify_backtrack", "latency_slo_s": 0},
+     r"^think_verify_backtrack: latency_slo_s must be > 0, got 0$"),
+    ({"name": "budget_forcing", "min_thinking_tokens": -1},
+     r"^budget_forcing: min_thinking_tokens must be >= 0, got -1$"),
+    ({"name": "budget_forcing", "wait_text": ""},
+     r"^budget_forcing: min_thinking_tokens > 0 needs a non-empty wait_text$"),
+    ({"name": "sample_n", "n": 2.5}, r"^policy sample_n: n must be an int >= 1, got 2.5$"),
+    ({"name": "sample_n", "temperature": NAN}, r"^policy sample_n: temperature must be finite"),
+    ({}, r"^a policy is a name or \{'name': \.\.\., \*\*params\}, got \{\}"),
+])
+def test_bad_policy_params_fail_when_the_policy_is_built(section, match):
+  """Each used to run (NaN thresholds turned their rule off, float counts were cut, ...)
+  or to fail inside `run` with a message that named no param."""
+  with pytest.raises(ValueError, match=match):
+    build_policy(section)
+
+
+def test_controller_run_refuses_a_policy_that_is_no_policy():
+  ctl = MockWorld(FORK).controller()
+  for policy in (None, 5):
+    with pytest.raises(ValueError, match=r"^a policy is a name or"):
+      ctl.run(["Q"], policy)
+  # Valid edge values still build (0 thinking tokens, "" delimiter: one step, threshold < 0).
+  for section in ({"name": "greedy_cot", "max_thinking_tokens": 0},
+                  {"name": "self_consistency", "step_delimiter": "", "n": 1},
+                  {"name": "deepconf", "threshold": -1.0, "consensus": math.inf},
+                  {"name": "think_verify_backtrack", "exit_tau": 0.0}):
+    build_policy(section)
+  res, = ctl.run(["Q"], {"name": "greedy_cot", "max_thinking_tokens": 0})
+  assert res.answer == "7"

@@ -3,6 +3,7 @@ determinism across batch sizes, fork / prefix reuse / preemption, compilation
 counts, stop rules, streaming and bad input."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -175,6 +176,123 @@ def test_bad_input_gives_clear_errors(engine32):
   with pytest.raises(ValueError, match="vocabulary"):
     engine32.generate([Request([1, 2, 999999])])
   assert not engine32.has_work()  # nothing was queued by the failed calls
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(temperature=NAN), r"^temperature must be finite, got nan$"),  # was: greedy, silently
+    (dict(temperature=INF), r"^temperature must be finite, got inf$"),  # was: uniform sampling
+    (dict(temperature="0.5"), r"^temperature must be a number, got '0.5'$"),
+    (dict(top_k=2.5), r"^top_k must be an int, got 2.5$"),  # was: cut to 2 on the device
+    (dict(top_k=NAN), r"^top_k must be an int, got nan$"),  # was: a crash inside step
+    (dict(top_k=2**70), r"^top_k must be <= 2\*\*31 - 1"),  # was: int32 overflow inside step
+    (dict(seed=2**63), r"^seed must be an int in \[-2\*\*63, 2\*\*63\)"),  # was: overflow in step
+    (dict(seed=1.5), r"^seed must be an int"),
+    (dict(seed=None), r"^seed must be an int"),
+    (dict(max_new_tokens=2.5), r"^max_new_tokens must be an int, got 2.5$"),
+    (dict(max_new_tokens=NAN), r"^max_new_tokens must be an int, got nan$"),
+    (dict(max_new_tokens=True), r"^max_new_tokens must be an int, got True$"),
+    (dict(n=2.5), r"^n must be an int, got 2.5$"),
+    (dict(top_logprobs=2.5), r"^top_logprobs must be an int, got 2.5$"),  # was: crash in step
+    (dict(stop=[1]), r"^stop strings must be non-empty str, got 1$"),  # was: crash in step
+    (dict(stop=[""]), r"^stop strings must be non-empty str, got ''$"),
+    (dict(stop=None), r"^stop must be a str or a list of str, got None$"),
+    (dict(stop_token_ids=[-1]), r"^stop_token_ids must be token ids \(ints >= 0\), got -1$"),
+    (dict(stop_token_ids=[1.5]), r"^stop_token_ids must be token ids"),  # was: cut to 1
+    (dict(stop_token_ids="12"), r"^stop_token_ids must be a list of token ids, got '12'$"),
+    (dict(ignore_eos="no"), r"^ignore_eos must be a bool, got 'no'$"),  # was: truthy
+])
+def test_bad_generation_params_name_the_field(fields, match):
+  with pytest.raises(ValueError, match=match):
+    GenerationParams(**fields)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(max_slots=2.5), r"^max_slots=2.5 must be an int$"),
+    (dict(max_slots=True), r"^max_slots=True must be an int$"),
+    (dict(num_blocks=0), r"^num_blocks=0 must be an int >= 1 or None"),
+    (dict(kv_cache_bytes=0), r"^kv_cache_bytes=0 must be an int >= 1 or None"),  # was: 256 MiB
+    (dict(max_context=0), r"^max_context=0 must be an int >= 1 or None"),  # was: the model's
+    (dict(min_table_blocks=0), r"^min_table_blocks=0 must be >= 1$"),
+    (dict(max_top_logprobs=-1), r"^max_top_logprobs=-1 must be >= 0$"),
+    (dict(decode_buckets=(8, 0)), r"^decode_buckets=\(8, 0\) must be batch sizes"),
+    (dict(decode_buckets=(2.5,)), r"^decode_buckets=\(2.5,\) must be batch sizes"),
+    (dict(prefix_caching="no"), r"^prefix_caching='no' must be a bool$"),
+])
+def test_bad_engine_config_names_the_field(fields, match):
+  with pytest.raises(ValueError, match=match):
+    EngineConfig(**fields)
+
+
+def test_engine_config_edge_values(tiny):
+  assert EngineConfig(decode_buckets=[8, 1]).decode_buckets == (8, 1)  # a list: hashable tuple
+  assert hash(EngineConfig(decode_buckets=[]))
+  # Checked against the model before any program is built.
+  with pytest.raises(ValueError, match=r"^max_top_logprobs=1000 exceeds the model's vocabulary"):
+    Engine(tiny.model, tiny.tokenizer, EngineConfig(max_top_logprobs=1000, num_blocks=8))
+  pallas = types.SimpleNamespace(config=tiny.config, backend="pallas")
+  with pytest.raises(ValueError, match=r"^block_size=12 must be a power of two in \[8, 128\]"):
+    Engine(pallas, tiny.tokenizer, EngineConfig(block_size=12, num_blocks=8))
+
+
+def test_refused_requests_leave_the_engine_serving(engine32):
+  """Each bad request is refused before any work (it used to fail inside `step`, keeping
+  its blocks, so that every later call failed too); a good one then runs as before."""
+  good = Request([5, 6, 7, 8], GenerationParams(max_new_tokens=3, ignore_eos=True),
+                 request_id="good")
+  before = engine32.generate([good])[0].token_ids
+  bad = [
+      (Request([5, 1.5]), r"^prompt token ids must be ints, got 1.5$"),  # was: cut to 1
+      (Request([True, 5]), r"^prompt token ids must be ints, got True$"),
+      (Request(np.array([5.7, 6.2])), r"^prompt token ids must be ints"),
+      (Request([5], GenerationParams(stop_token_ids=[259])),
+       r"^stop_token_ids outside the vocabulary \[0, 259\): \[259\]$"),
+      (Request([5], request_id=-1), r"^request_id=-1 must be in \[0, 2\*\*32\)"),  # was: crash
+      (Request([5], request_id=2**40), r"^request_id=1099511627776 must be in \[0, 2\*\*32\)"),
+      (Request([5], request_id=1.0), r"^request_id must be an int, a str or None, got 1.0$"),
+      (Request([5], request_id=True), r"^request_id must be an int, a str or None, got True$"),
+      (5, r"^request must be a Request, a dict or a prompt str, got int$"),
+      (None, r"^request must be a Request, a dict or a prompt str, got NoneType$"),
+  ]
+  for request, match in bad:
+    with pytest.raises(ValueError, match=match):
+      engine32.generate([good, request])
+    with pytest.raises(ValueError, match=match):
+      engine32.check_requests([request])
+  with pytest.raises(ValueError, match=r"^requests must be a list of requests, got one str$"):
+    engine32.generate("hello")  # was: one request per character
+  assert not engine32.has_work() and engine32.allocator.num_used == 0
+  assert engine32.generate([good])[0].token_ids == before
+
+
+def test_valid_edge_cases_run(engine32):
+  one = engine32.generate([Request([5, 6, 7], GenerationParams(max_new_tokens=1, stop=[]))])[0]
+  assert len(one.token_ids) <= 1 and one.finish_reason in ("stop", "length")
+  slots = engine32.config.max_slots
+  full = engine32.generate([Request([5, 6, 7], GenerationParams(
+      n=slots, temperature=1.0, max_new_tokens=2, ignore_eos=True, seed=-1))])[0]
+  assert len(full.samples) == slots and all(len(s.token_ids) == 2 for s in full.samples)
+  greedy = GenerationParams(max_new_tokens=3, temperature=0, ignore_eos=True, top_k=10**6)
+  assert engine32.generate([Request([5, 6, 7], greedy)])[0].token_ids == engine32.generate(
+      [Request([5, 6, 7], GenerationParams(max_new_tokens=3, ignore_eos=True))])[0].token_ids
+
+
+def test_an_error_inside_generate_cancels_its_requests(engine32, monkeypatch):
+  good = Request([9, 8, 7], GenerationParams(max_new_tokens=3, ignore_eos=True))
+  before = engine32.generate([good])[0].token_ids
+
+  def boom():
+    raise RuntimeError("device lost")
+
+  monkeypatch.setattr(engine32, "_decode_once", boom)
+  with pytest.raises(RuntimeError, match="device lost"):
+    engine32.generate([good])
+  monkeypatch.undo()
+  # Its prefilled request left with its blocks: the next call runs only its own.
+  assert not engine32.has_work() and not engine32._groups and engine32.allocator.num_used == 0
+  assert engine32.generate([good])[0].token_ids == before
 
 
 def test_concurrent_requests_share_a_prefix_being_computed(tiny, make_prompts):

@@ -86,3 +86,25 @@ def test_bad_prompts_get_clear_errors(tiny):
     gen.generate([[{"content": "hi"}]])
   with pytest.raises(ValueError, match="temperature must be >= 0"):
     SamplingParams(temperature=-1)
+
+
+def test_bad_call_arguments_are_refused_before_the_prefill(tiny):
+  _, gen = tiny
+  p = [5, 6, 7]
+  for kw, match in [
+      (dict(max_new_tokens=2.5), r"^max_new_tokens must be an int, got 2.5$"),  # was: crash
+      (dict(max_new_tokens=float("inf")), r"^max_new_tokens must be an int, got inf$"),
+      (dict(stop="ab"), r"^stop must be a list of non-empty str, got 'ab'$"),  # was: 'a' or 'b'
+      (dict(stop=[""]), r"^stop must be a list of non-empty str, got \[''\]$"),  # was: at once
+      (dict(params=[SamplingParams()] * 2), r"^params must have one entry per prompt \(1\)"),
+      (dict(params=None), r"^params must have one entry per prompt \(1\), got None$"),
+      (dict(request_ids=[0, 1]), r"^request_ids must have one entry per prompt \(1\)"),
+      (dict(request_ids=[-1]), r"^request_ids entry must be an int in \[0, 2\*\*32\), got -1$"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      gen.generate([p], **{"max_new_tokens": 2, **kw})
+  with pytest.raises(ValueError, match=r"^prompt token ids must be ints, got 1.5$"):
+    gen.generate([[5, 1.5]], 2)  # was: read as 1
+  with pytest.raises(ValueError, match=r"^prompts must be a list of prompts, got one str$"):
+    gen.generate("hi", 2)  # was: one prompt per character
+  assert gen.generate([], 2) == []

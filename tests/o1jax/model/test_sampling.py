@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from o1jax.model.sampling import sample, sequence_key
+from o1jax.model.sampling import SamplingParams, sample, sequence_key
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))  # probabilities chosen by hand
 
@@ -173,3 +174,27 @@ def test_a_rows_token_does_not_depend_on_the_other_rows():
   alone = [int(f(logits[i:i + 1], keys[i:i + 1], *(a[i:i + 1] for a in args))[0])
            for i in range(len(CASES))]
   assert together.tolist() == alone
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(temperature=float("nan")), r"^temperature must be finite, got nan$"),
+    (dict(temperature=float("inf")), r"^temperature must be finite, got inf$"),
+    (dict(temperature=True), r"^temperature must be a number, got True$"),
+    (dict(top_p=None), r"^top_p must be a number, got None$"),
+    (dict(min_p="0.1"), r"^min_p must be a number, got '0.1'$"),
+    (dict(top_k=5.0), r"^top_k must be an int, got 5.0$"),
+    (dict(top_k=2**31), r"^top_k must be <= 2\*\*31 - 1 \(0 = off\), got 2147483648$"),
+    (dict(seed=2**63), r"^seed must be an int in \[-2\*\*63, 2\*\*63\), got 9223372036854775808$"),
+    (dict(seed=-2**63 - 1), r"^seed must be an int in"),
+    (dict(seed="3"), r"^seed must be an int in .*, got '3'$"),
+])
+def test_bad_sampling_params_name_the_field(fields, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**fields)
+
+
+def test_every_seed_the_check_lets_through_makes_a_key():
+  for seed in (-2**63, -1, 0, 2**32, 2**63 - 1, np.int64(7), np.uint32(7)):
+    SamplingParams(seed=seed)
+    assert sequence_key(seed, 0, 0).shape == (2,)
+  assert SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1).top_k == 3
