@@ -332,28 +332,39 @@ def test_requests_sharing_a_cached_prefix_are_admitted_together(tiny, make_promp
          [r.token_ids for r in res]
 
 
-def test_a_prefill_call_computes_no_more_positions_than_one_chunk(tiny, make_prompts):
-  """Rows of a prefill call are padded to the longest: several sequences share a call
-  only in pieces short enough that rows x length stays within one chunk's."""
-  config = EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, max_prefill_seqs=4,
-                        prefix_caching=False)
-  engine = Engine(tiny.model, tiny.tokenizer, config)
-  shapes = []
-  prefill = engine.prefill
+def test_prefill_calls_pack_rows_by_tokens_per_cost(tiny, make_prompts):
+  """Rows of a prefill call are padded to max_prefill_seqs rows of the longest: a call
+  takes the first sequences whole, or all cut to pieces that keep it within one chunk's
+  positions, whichever computes the most prompt tokens per cost (positions + a fixed
+  overhead); a call never takes more than one chunk of tokens. Before, a
+  second row could only join with pieces of chunk / max_prefill_seqs tokens, so prompts
+  longer than that (most chat prompts) prefilled one per call: 3x slower at 64 requests
+  of 40 tokens with bf16 matmuls (scripts/bench_engine.py)."""
+  def run(config, prompts):
+    engine = Engine(tiny.model, tiny.tokenizer, config)
+    calls, prefill = [], engine.prefill
 
-  def recording(cache, tokens, *args):
-    shapes.append(tokens.shape)
-    return prefill(cache, tokens, *args)
+    def recording(cache, tokens, starts, lens, *args):
+      calls.append((tokens.shape, int(np.sum(lens))))
+      return prefill(cache, tokens, starts, lens, *args)
 
-  engine.prefill = recording
-  prompts = make_prompts(8, seed=15, low=5, high=90)
-  res = engine.generate([Request(p, GREEDY) for p in prompts])
-  one_chunk = engine._chunk_bucket(64)
-  assert all(rows * t <= one_chunk for rows, t in shapes), shapes
-  assert any(rows > 1 for rows, _ in shapes)  # short pieces still share a call
-  alone = Engine(tiny.model, tiny.tokenizer, dataclasses.replace(config, max_slots=1))
-  assert [r.token_ids for r in res] == \
-         [r.token_ids for r in alone.generate([Request(p, GREEDY) for p in prompts])]
+    engine.prefill = recording
+    res = engine.generate([Request(p, GREEDY) for p in prompts])
+    alone = Engine(tiny.model, tiny.tokenizer, dataclasses.replace(config, max_slots=1))
+    assert [r.token_ids for r in res] == \
+           [r.token_ids for r in alone.generate([Request(p, GREEDY) for p in prompts])]
+    assert all(tokens <= config.prefill_chunk for _, tokens in calls), calls
+    return calls
+
+  # 16 prompts of 40-41 tokens, chunk 256 over 8 rows: 8 rows of 32 tokens, then their
+  # 8-9 token rests (before: 16 calls of one row).
+  calls = run(EngineConfig(max_slots=16, num_blocks=256, prefill_chunk=256, max_prefill_seqs=8,
+                           prefix_caching=False), make_prompts(16, seed=16, low=40, high=42))
+  assert [shape for shape, _ in calls] == [(8, 32), (8, 16), (8, 32), (8, 16)], calls
+  # Prompts of 5-90 tokens: long rows go alone, short pieces still share a call.
+  calls = run(EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, max_prefill_seqs=4,
+                           prefix_caching=False), make_prompts(8, seed=15, low=5, high=90))
+  assert any(rows > 1 for (rows, _), _ in calls) and any(rows == 1 for (rows, _), _ in calls)
 
 
 def test_cancel_frees_a_request_and_the_others_run_as_alone(tiny, make_prompts):
