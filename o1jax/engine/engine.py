@@ -939,11 +939,8 @@ class Engine:
     first k sequences taken whole (k = 1 .. max_prefill_seqs), or every sequence cut to
     the longest piece for which max_prefill_seqs rows stay within one chunk's positions,
     the call is the one with the most prompt tokens per cost, a call costing its
-    positions plus PREFILL_CALL_OVERHEAD. Before, a second row joined only in pieces of
-    chunk / max_prefill_seqs tokens and a first row was never cut, so prompts longer than
-    that (most chat prompts) prefilled one per call: 3x slower at 64 requests of 40 tokens
-    with bf16 matmuls (a long row with short ones had computed 4 x 128 positions for ~128
-    tokens before that)."""
+    positions plus PREFILL_CALL_OVERHEAD (neither one row per call for chat-length
+    prompts, nor a long row padding short ones to 4 x 128 positions)."""
     cfg = self.config
     rows_padded = cfg.max_prefill_seqs
     queue = sorted(self._prefilling, key=lambda s: s.arrival)[:rows_padded]
@@ -967,12 +964,17 @@ class Engine:
     if not whole:
       return []
     candidates = [whole[:k] for k in range(1, len(whole) + 1)]
-    one_chunk = self._chunk_bucket(cfg.prefill_chunk)
-    piece = next((t for t in range(one_chunk // rows_padded, 0, -1)
-                  if rows_padded * self._chunk_bucket(t) <= one_chunk), 0)
-    if piece:
-      candidates.append(rows_within_budget(piece))
+    if self._prefill_piece:
+      candidates.append(rows_within_budget(self._prefill_piece))
     return max(candidates, key=per_cost)  # ties: the first (fewer rows)
+
+  @functools.cached_property
+  def _prefill_piece(self) -> int:
+    """The longest piece for which max_prefill_seqs rows stay within one chunk's
+    positions (0: none); a constant of the config."""
+    rows, one_chunk = self.config.max_prefill_seqs, self._chunk_bucket(self.config.prefill_chunk)
+    return next((t for t in range(one_chunk // rows, 0, -1)
+                 if rows * self._chunk_bucket(t) <= one_chunk), 0)
 
   def _prefill_once(self) -> None:
     batch: list[tuple[_Seq, int]] = []
