@@ -366,10 +366,7 @@ class Engine:
     else:
       num_blocks = max(1, (config.kv_cache_bytes or 256 << 20) // per_block)
     self.num_blocks = int(num_blocks)
-    self.cache = PagedKVCache.create(mc.n_layers, self.num_blocks, config.block_size,
-                                     mc.n_kv_heads, mc.head_dim, config.kv_dtype)
-    if mesh is not None:
-      self.cache = tensor_parallel.shard_pools(self.cache, mesh)
+    self.cache = self._new_pool(mc)
     self.allocator = BlockAllocator(self.num_blocks, config.block_size,
                                     prefix_caching=config.prefix_caching)
     self.kv_bytes = per_block * self.num_blocks
@@ -457,12 +454,10 @@ class Engine:
     same values. The draft pool never changes outputs, only how many drafts are
     accepted (verification is exact). Its memory is not part of kv_cache_bytes.
     A draft model with a shorter context drafts only below it (`_speculate_once`)."""
-    dc, cfg = draft.config, self.config
-    self.draft_cache = PagedKVCache.create(dc.n_layers, self.num_blocks, cfg.block_size,
-                                           dc.n_kv_heads, dc.head_dim, cfg.kv_dtype)
+    dc = draft.config
+    self.draft_cache = self._new_pool(dc)
     if self.mesh is not None:
       draft = tensor_parallel.shard_model(draft, self.mesh)
-      self.draft_cache = tensor_parallel.shard_pools(self.draft_cache, self.mesh)
     log.info("engine: draft model %s, %d layers; its KV pool %.1f MiB", dc.name, dc.n_layers,
              self.draft_cache.bytes_per_block() * self.num_blocks / 2**20)
     graphdef, state = nnx.split(draft)
@@ -475,6 +470,14 @@ class Engine:
         donate_argnums=(1,))
     self._draft_head_t = self._transposed_head(draft)
     self._draft_context = min(self.max_context, dc.max_context)
+
+  def _new_pool(self, mc) -> PagedKVCache:
+    """An empty KV pool of the engine's blocks for a model of config `mc` (split by KV
+    heads over the mesh, if any)."""
+    cfg = self.config
+    pool = PagedKVCache.create(mc.n_layers, self.num_blocks, cfg.block_size, mc.n_kv_heads,
+                               mc.head_dim, cfg.kv_dtype)
+    return pool if self.mesh is None else tensor_parallel.shard_pools(pool, self.mesh)
 
   @staticmethod
   def _transposed_head(model) -> jax.Array | None:
@@ -705,13 +708,43 @@ class Engine:
   # -- one iteration -----------------------------------------------------------------------
 
   def step(self) -> None:
-    """One scheduler iteration: admit, one prefill chunk, one decode step (see module doc)."""
+    """One scheduler iteration: admit, one prefill chunk, one decode step (see module doc).
+
+    If a device call fails (e.g. out of device memory) after its donated KV pool was
+    consumed, the pool is rebuilt and every sequence that held blocks is requeued for
+    recomputation (`_recover_pools`) before the error propagates: the caller cancels
+    its own requests, the others go on with the tokens they would have had."""
     t0 = self.clock()
-    self._apply_budget()
-    self._admit()
-    self._prefill_once()
-    self._decode_once()
+    try:
+      self._apply_budget()
+      self._admit()
+      self._prefill_once()
+      self._decode_once()
+    except BaseException:
+      self._recover_pools()
+      raise
     self.metrics.busy_seconds += self.clock() - t0
+    self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
+
+  def _recover_pools(self) -> None:
+    """After a failed step: if a KV pool's buffers were deleted (donated to a device call
+    that did not return them), empty pools replace both, every sequence holding blocks is
+    preempted (recomputed from its tokens when admitted again), and the allocator starts
+    empty (its cached prefixes pointed into the lost pool). No-op when the pools are intact."""
+    pools = [self.cache] + ([self.draft_cache] if self.draft_model is not None else [])
+    if not any(leaf.is_deleted() for pool in pools for leaf in jax.tree.leaves(pool)):
+      return
+    lost = list(self._prefilling) + list(self._running)
+    log.warning("engine: a device call failed after taking the KV pool; rebuilding it and "
+                "requeueing %d sequences for recomputation", len(lost))
+    for seq in lost:
+      self._preempt(seq)
+    self.allocator = BlockAllocator(self.num_blocks, self.config.block_size,
+                                    prefix_caching=self.config.prefix_caching)
+    self.cache = self._new_pool(self.model_config)
+    if self.draft_model is not None:
+      self.draft_cache = self._new_pool(self.draft_model.config)
+    self.metrics.pool_rebuilds += 1
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
 
   def _apply_budget(self) -> None:

@@ -119,6 +119,7 @@ class MetricsCollector:
     self.kv_blocks_in_use = 0
     self.kv_blocks_peak = 0
     self.preemptions = 0
+    self.pool_rebuilds = 0  # KV pools lost to a failed device call and rebuilt (Engine.step)
     self.decode_calls = 0  # device calls of the decode loop (= host round trips)
     self.decode_steps = 0  # decode steps those calls ran
     # Wall time of those calls: drafting included, and the wait for a prefill chunk
@@ -150,6 +151,7 @@ class MetricsCollector:
     out.kv_blocks_in_use = self.kv_blocks_in_use + other.kv_blocks_in_use
     out.kv_blocks_peak = self.kv_blocks_peak + other.kv_blocks_peak
     out.preemptions = self.preemptions + other.preemptions
+    out.pool_rebuilds = self.pool_rebuilds + other.pool_rebuilds
     out.decode_calls = self.decode_calls + other.decode_calls
     out.decode_steps = self.decode_steps + other.decode_steps
     out.decode_seconds = self.decode_seconds + other.decode_seconds
@@ -176,6 +178,7 @@ class MetricsCollector:
         "kv_blocks_total": self.kv_blocks_total,
         "kv_blocks_peak": self.kv_blocks_peak,
         "preemptions": self.preemptions,
+        "pool_rebuilds": self.pool_rebuilds,
         "recomputed_tokens": sum(r.recomputed_tokens for r in self.requests),
         "decode_calls": self.decode_calls,
         "decode_seconds": self.decode_seconds,

@@ -295,6 +295,49 @@ def test_an_error_inside_generate_cancels_its_requests(engine32, monkeypatch):
   assert engine32.generate([good])[0].token_ids == before
 
 
+@pytest.mark.parametrize("call", ["decode", "prefill"])
+def test_a_device_call_that_loses_the_pool_leaves_a_working_engine(tiny, make_prompts, call):
+  """A device call that fails after taking its donated KV pool (as an out-of-memory error
+  on a GPU does) deletes the pool's buffers. The engine rebuilds the pool and requeues
+  every sequence that held blocks: the request whose caller gives up is cancelled, the
+  others finish with the tokens they get alone, and a prefix cached before the failure is
+  not reused from the lost pool."""
+  import jax
+  prefix = make_prompts(1, seed=41, low=40, high=41)[0]
+  a, b, c = (prefix + tail for tail in make_prompts(3, seed=42, low=3, high=9))
+  config = EngineConfig(max_slots=4, num_blocks=64, block_size=4, prefill_chunk=16,
+                        decode_steps=2)
+  params = GenerationParams(max_new_tokens=10, temperature=0.9, seed=3, ignore_eos=True)
+  alone = lambda p: Engine(tiny.model, tiny.tokenizer, config).generate(
+      [Request(p, params, request_id=7)])[0].token_ids
+  engine = Engine(tiny.model, tiny.tokenizer, config)
+  doomed = engine.add_request(Request(a, params, request_id=5))
+  survivor = engine.add_request(Request(b, params, request_id=7))
+  real = getattr(engine, call)
+  calls = []
+
+  def fails_after_taking_the_pool(cache, *args, **kwargs):
+    calls.append(call)
+    if len(calls) == 2:  # a later call: the sequences hold blocks and tokens by then
+      for leaf in jax.tree.leaves(cache):
+        leaf.delete()
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+    return real(cache, *args, **kwargs)
+
+  engine.__dict__[call] = fails_after_taking_the_pool
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    while True:
+      engine.step()
+  del engine.__dict__[call]
+  engine.cancel(doomed)  # what a caller does with its own requests when a step raises
+  assert engine.metrics.pool_rebuilds == 1 and engine.allocator.num_used == 0
+  latecomer = engine.add_request(Request(c, params, request_id=7))  # shares the prefix
+  engine.run_until_idle()
+  assert engine.result(survivor).token_ids == alone(b)
+  assert engine.result(latecomer).token_ids == alone(c)
+  assert engine.metrics.preemptions >= 1 and engine.allocator.num_used == 0
+
+
 def test_concurrent_requests_share_a_prefix_being_computed(tiny, make_prompts):
   """Four requests with one 64-token prefix arrive together: the first computes
   it, the others wait for its blocks and compute only their suffixes."""
