@@ -47,7 +47,7 @@ from o1jax.model.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.speculative import SpeculativeConfig
-from o1jax.model.sampling import Sampling, is_int, is_real, sequence_key
+from o1jax.model.sampling import Sampling, check_int, is_int, is_real, sequence_key
 from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
@@ -98,11 +98,7 @@ class LoopSettings(Sampling):
     # Every knob is checked here, once, for every policy: a float count or a str flag
     # failed inside the jitted loop's setup, a NaN threshold silently turned a rule off.
     for name, low in _LOOP_INTS.items():
-      value = getattr(self, name)
-      if not is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-      if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+      check_int(getattr(self, name), name, low)
     for name in ("temp_bump", "backtrack_threshold", "exit_tau", "consensus_share"):
       value = getattr(self, name)
       if not is_real(value) or math.isnan(value):
@@ -194,6 +190,24 @@ class Controller:
                budget: BudgetLoop | None = None,
                thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo",
                speculative: SpeculativeConfig | None = None):
+    # Sizes of the loop's arrays: a float or a 0 failed inside the first jitted call.
+    for name, value, low in (("max_rows", max_rows, 1), ("top_k", top_k, 1),
+                             ("max_records", max_records, 1),
+                             ("force_capacity", force_capacity, 1),
+                             ("probe_capacity", probe_capacity, 1),
+                             ("pattern_capacity", pattern_capacity, 1),
+                             ("iterations_per_call", iterations_per_call, 0),
+                             ("key_capacity", key_capacity, 1), ("key_classes", key_classes, 1)):
+      check_int(value, name, low)
+    if not isinstance(python_twin, (bool, np.bool_)):
+      raise ValueError(f"python_twin must be a bool, got {python_twin!r}")
+    if extract_answer is not None and not callable(extract_answer):
+      raise ValueError(f"extract_answer must be a function of the text, got {extract_answer!r}")
+    if budget is not None and not isinstance(budget, BudgetLoop):
+      raise ValueError(f"budget must be a BudgetLoop or None, got {type(budget).__name__}")
+    if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+      raise ValueError(f"speculative must be a SpeculativeConfig or None, got "
+                       f"{type(speculative).__name__}")
     if admission not in ADMISSIONS:
       raise ValueError(f"admission={admission!r}: the controller admits by {list(ADMISSIONS)}")
     if speculative is not None and speculative.drafter != "prompt_lookup":
@@ -219,7 +233,7 @@ class Controller:
     self._logging = False
     self.tokenizer = tokenizer
     self.max_rows = max_rows
-    self.top_k = top_k
+    self.top_k = min(int(top_k), model.vocab_size)  # (every token, in a tiny vocabulary)
     self.max_records = max_records
     self.force_capacity = force_capacity
     self.probe_capacity = probe_capacity
@@ -296,11 +310,9 @@ class Controller:
     (per request, (answer key or None, weight) of votes cast before this call,
     e.g. DeepConf's warm-up traces) feed the consensus stop. budget: a live budget for
     this call (default: the controller's)."""
-    if not is_int(n) or n < 1:
-      raise ValueError(f"n must be an int >= 1, got {n!r}")
-    for name, value in (("sample_offset", sample_offset), ("unstopped_samples", unstopped_samples)):
-      if not is_int(value) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_int(n, "n", 1)
+    check_int(sample_offset, "sample_offset")
+    check_int(unstopped_samples, "unstopped_samples")
     per_request = lambda x, fill: [fill] * len(requests) if x is None else (
         [float(x)] * len(requests) if np.isscalar(x) else list(x))
     stops = per_request(conf_stop, -math.inf)

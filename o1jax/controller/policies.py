@@ -32,7 +32,7 @@ from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
 from o1jax.controller.verifiers import SCORERS, MeanLogprob, Verifier, get_verifier
 from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
-from o1jax.model.sampling import is_int, is_real
+from o1jax.model.sampling import check_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +89,7 @@ class Policy(BasePolicy):
 
 
 def _check_count(policy, name: str, low: int = 1) -> None:
-  value = getattr(policy, name)
-  if not is_int(value) or value < low:
-    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+  check_int(getattr(policy, name), name, low)
 
 
 def _check_flags(policy, *names: str) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from o1jax.controller.registry import BasePolicy, register
-from o1jax.model.sampling import Sampling, SamplingParams, is_int
+from o1jax.model.sampling import Sampling, SamplingParams, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +27,8 @@ class SamplingSpec(SamplingParams):
 
   def __post_init__(self):
     super().__post_init__()
-    if not is_int(self.max_new_tokens):
-      raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-    if self.max_new_tokens < 1:  # the engine would refuse every request, one by one
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    # (< 1: the engine would refuse every request, one by one)
+    check_int(self.max_new_tokens, "max_new_tokens", 1)
 
   def to_dict(self) -> dict[str, Any]:
     """What enters the sample's content hash and record; min_p only when set (it is not a
@@ -65,8 +63,7 @@ class SampleN(BasePolicy):
   top_k: int = 0
 
   def __post_init__(self):
-    if not is_int(self.n) or self.n < 1:  # (work items per example: a count)
-      raise ValueError(f"policy {self.name}: n must be an int >= 1, got {self.n!r}")
+    check_int(self.n, f"policy {self.name}: n", 1)  # (work items per example: a count)
     try:  # the sampling it gives every sample, checked once here
       Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
     except ValueError as e:

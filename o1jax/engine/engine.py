@@ -60,7 +60,8 @@ from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, Speculativ
                                       prompt_lookup)
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.llama import Llama
-from o1jax.model.sampling import KEY_ID_RANGE, SamplingParams, is_int, sequence_key
+from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, is_int,
+                                  sequence_key)
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
@@ -116,17 +117,12 @@ class EngineConfig:
     for name in ("max_slots", "block_size", "prefill_chunk", "max_prefill_seqs", "decode_steps",
                  "tensor_parallel", "data_parallel", "min_chunk_bucket", "min_table_blocks",
                  "max_top_logprobs"):
-      value = getattr(self, name)
-      if not is_int(value):
-        raise ValueError(f"{name}={value!r} must be an int")
-      low = 0 if name == "max_top_logprobs" else 1
-      if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
+      check_int(getattr(self, name), name, 0 if name == "max_top_logprobs" else 1)
     # None takes the default; 0 must not (it read as "unset" and silently did).
     for name in ("num_blocks", "kv_cache_bytes", "max_context"):
       value = getattr(self, name)
       if value is not None and (not is_int(value) or value < 1):
-        raise ValueError(f"{name}={value!r} must be an int >= 1 or None (the default)")
+        raise ValueError(f"{name} must be an int >= 1 or None (the default), got {value!r}")
     buckets = self.decode_buckets
     if (isinstance(buckets, (str, bytes)) or not isinstance(buckets, collections.abc.Iterable)
         or not all(is_int(b) and b >= 1 for b in buckets)):
@@ -154,11 +150,7 @@ class GenerationParams(SamplingParams):
     # Everything a decode call reads is checked here: an error inside `step` leaves the
     # request queued with its blocks, and every later call fails on it.
     for name, low in (("max_new_tokens", 1), ("n", 1), ("top_logprobs", 0)):
-      value = getattr(self, name)
-      if not is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-      if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+      check_int(getattr(self, name), name, low)
     for name in ("ignore_eos", "logprobs"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -608,8 +600,8 @@ class Engine:
     if isinstance(rid, bool) or not (rid is None or is_int(rid) or isinstance(rid, str)):
       # (1.0 and 1 would get different random streams; a bool is no id)
       raise ValueError(f"request_id must be an int, a str or None, got {rid!r}")
-    if isinstance(rid, int) and not KEY_ID_RANGE[0] <= rid < KEY_ID_RANGE[1]:
-      # An int id is folded into the sampling keys as it is (a str is hashed first).
+    if is_int(rid) and not KEY_ID_RANGE[0] <= rid < KEY_ID_RANGE[1]:
+      # An int id (numpy's too) is folded into the sampling keys as it is (a str is hashed).
       raise ValueError(f"request_id={rid} must be in [0, 2**32) (or a str)")
     worst = min(len(ids) + params.max_new_tokens, self.max_context)
     need = math.ceil(worst / self.config.block_size)
@@ -617,7 +609,7 @@ class Engine:
       raise ValueError(f"request {request.request_id!r} may need {need} KV blocks but the pool "
                        f"has {self.num_blocks}: raise num_blocks/kv_cache_bytes")
     rid = index if request.request_id is None else request.request_id
-    key_id = rid if isinstance(rid, int) else zlib.crc32(str(rid).encode())
+    key_id = int(rid) if is_int(rid) else zlib.crc32(str(rid).encode())
     metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
     group = _Group(index, rid, key_id, ids, params, metrics)
     # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.

@@ -21,7 +21,8 @@ from flax import nnx
 
 from o1jax.checkpoint.tokenizer import Tokenizer
 from o1jax.model.llama import KVCache, Llama
-from o1jax.model.sampling import SamplingParams, check_key_id, is_int, sample, sequence_key
+from o1jax.model.sampling import (SamplingParams, check_int, check_key_id, is_int, sample,
+                                  sequence_key)
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.shapes import pow2_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
@@ -112,10 +113,7 @@ class Generator:
     n_prompt = max(map(len, ids))
     if n_prompt >= limit:
       raise ValueError(f"prompt has {n_prompt} tokens but the model's context is {limit} tokens")
-    if not is_int(max_new_tokens):
-      raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_int(max_new_tokens, "max_new_tokens", 1)
     for name, values in (("params", params), ("request_ids", request_ids)):
       if not isinstance(values, list) or len(values) != len(ids):
         raise ValueError(f"{name} must have one entry per prompt ({len(ids)}), got {values!r}")

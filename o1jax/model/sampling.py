@@ -30,6 +30,15 @@ def is_real(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_int(value, name: str, low: int = 0, high: int | None = None) -> int:
+  """`value` as a Python int; ValueError naming `name` unless it is an int (numpy's too,
+  not a bool nor a float) in [low, high] (high None: no upper bound)."""
+  if not is_int(value) or value < low or (high is not None and value > high):
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+  return int(value)
+
+
 def check_seed(seed, what: str = "seed") -> None:
   """ValueError unless `seed` is an int `sequence_key` takes."""
   low, high = SEED_RANGE
@@ -61,16 +70,12 @@ class Sampling:
     for name in ("temperature", "top_p", "min_p"):
       if not is_real(getattr(self, name)):
         raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
-    if not is_int(self.top_k):
-      raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+    # An int32 on the device; any k >= the vocabulary is off (0 too).
+    check_int(self.top_k, "top_k", 0, INT32_MAX)
     if not math.isfinite(self.temperature):
       raise ValueError(f"temperature must be finite, got {self.temperature}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if self.top_k > INT32_MAX:  # an int32 on the device; any k >= the vocabulary is off
-      raise ValueError(f"top_k must be <= 2**31 - 1 (0 = off), got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0.0 <= self.min_p < 1.0:

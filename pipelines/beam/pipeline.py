@@ -113,13 +113,13 @@ def check_admission(policy: str, controller: bool) -> None:
 
 def check_engine_section(spec: PredictorSpec) -> None:
   """The `EngineConfig` a worker will build from the engine section, built now; its
-  message gets the section's name (`engine.max_slots=-1 must be >= 1`)."""
+  message gets the section's name (`engine.max_slots must be an int >= 1, got -1`)."""
   from pipelines.predictors import engine_config
   try:
     engine_config(spec)
   except (TypeError, ValueError) as e:
     message = str(e)
-    raise ValueError(f"engine.{message}" if re.match(r"^\w+=", message) else message) from e
+    raise ValueError(f"engine.{message}" if re.match(r"^\w+(=| must be)", message) else message) from e
 
 
 def build_plan(config, output_dir: str) -> EvalPlan:

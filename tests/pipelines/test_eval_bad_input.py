@@ -159,10 +159,10 @@ def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
 # -- 7. config values out of range -------------------------------------------------------
 
 @pytest.mark.parametrize("section, key, value, message", [
-    ("sampling", "max_new_tokens", -5, r"^sampling: max_new_tokens must be >= 1, got -5$"),
+    ("sampling", "max_new_tokens", -5, r"^sampling: max_new_tokens must be an int >= 1, got -5$"),
     ("sampling", "temperature", -1.0, r"^sampling: temperature must be >= 0, got -1\.0$"),
-    ("engine", "max_slots", -1, r"^engine\.max_slots=-1 must be >= 1$"),
-    ("engine", "decode_steps", 0, r"^engine\.decode_steps=0 must be >= 1$"),
+    ("engine", "max_slots", -1, r"^engine\.max_slots must be an int >= 1, got -1$"),
+    ("engine", "decode_steps", 0, r"^engine\.decode_steps must be an int >= 1, got 0$"),
     ("engine", "kv_dtype", "int4", r"^engine\.kv_dtype='int4' not in \["),
 ])
 def test_out_of_range_config_values_are_named_before_any_work(tmp_path, section, key, value, message):

@@ -231,6 +231,26 @@ def test_shortest_budget_admits_the_fewest_remaining_steps_first(world):
     world(CHAIN).controller(admission="length_groups")
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(max_rows=0), r"^max_rows must be an int >= 1, got 0$"),  # was: a 0-row loop
+    (dict(max_rows=8.0), r"^max_rows must be an int >= 1, got 8.0$"),
+    (dict(top_k=0), r"^top_k must be an int >= 1, got 0$"),  # was: 0/0 confidences
+    (dict(pattern_capacity=True), r"^pattern_capacity must be an int >= 1, got True$"),
+    (dict(iterations_per_call=-1), r"^iterations_per_call must be an int >= 0, got -1$"),
+    (dict(python_twin="yes"), r"^python_twin must be a bool, got 'yes'$"),
+    (dict(extract_answer="\\d+"), r"^extract_answer must be a function of the text"),
+    (dict(budget={"mode": "adaptive"}), r"^budget must be a BudgetLoop or None, got dict$"),
+    (dict(speculative="prompt_lookup"),
+     r"^speculative must be a SpeculativeConfig or None, got str$"),
+])
+def test_controller_arguments_are_checked_when_it_is_built(world, fields, match):
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  with pytest.raises(ValueError, match=match):
+    world(CHAIN).controller(**fields)
+  assert world(CHAIN).controller(max_rows=np.int64(4)).max_rows == 4
+  assert world(CHAIN).controller(top_k=10**6).top_k == len(VOCAB)  # every token
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True])
 def test_request_max_steps_is_checked(bad):
   with pytest.raises(ValueError, match="max_steps must be an int >= 1"):

@@ -230,7 +230,7 @@ def test_unset_optional_params_are_typed_config_placeholders():
 
 
 def test_a_sample_needs_a_token_budget():
-  with pytest.raises(ValueError, match=r"^max_new_tokens must be >= 1, got 0$"):
+  with pytest.raises(ValueError, match=r"^max_new_tokens must be an int >= 1, got 0$"):
     SamplingSpec(max_new_tokens=0)
   with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1$"):
     SamplingSpec(temperature=-1)  # the `Sampling` checks still run
@@ -242,11 +242,11 @@ NAN = float("nan")
 @pytest.mark.parametrize("section, match", [
     # Shared params, checked by the LoopSettings they make, when the policy is built.
     ({"name": "greedy_cot", "temperature": NAN}, r"^greedy_cot: temperature must be finite"),
-    ({"name": "greedy_cot", "top_k": 2.5}, r"^greedy_cot: top_k must be an int, got 2.5$"),
+    ({"name": "greedy_cot", "top_k": 2.5}, r"^greedy_cot: top_k must be an int in \[0, 2147483647\], got 2.5$"),
     ({"name": "greedy_cot", "max_thinking_tokens": 2.5},
-     r"^greedy_cot: max_thinking_tokens must be an int, got 2.5$"),
+     r"^greedy_cot: max_thinking_tokens must be an int >= 0, got 2.5$"),
     ({"name": "greedy_cot", "max_answer_tokens": NAN},
-     r"^greedy_cot: max_answer_tokens must be an int, got nan$"),
+     r"^greedy_cot: max_answer_tokens must be an int >= 1, got nan$"),
     ({"name": "greedy_cot", "step_delimiter": None}, r"^greedy_cot: step_delimiter must be a str"),
     ({"name": "greedy_cot", "answer_on_eos": "no"}, r"^greedy_cot: answer_on_eos must be a bool"),
     # Their own params.
@@ -269,13 +269,13 @@ NAN = float("nan")
     ({"name": "think_verify_backtrack", "temp_bump": -1},
      r"^think_verify_backtrack: temp_bump must be finite and >= 0, got -1$"),
     ({"name": "think_verify_backtrack", "max_backtracks": -1},
-     r"^think_verify_backtrack: max_backtracks must be >= 0, got -1$"),
+     r"^think_verify_backtrack: max_backtracks must be an int >= 0, got -1$"),
     ({"name": "think_verify_backtrack", "max_steps": -1},
      r"^think_verify_backtrack: max_steps must be an int >= 0, got -1$"),
     ({"name": "think_verify_backtrack", "latency_slo_s": 0},
      r"^think_verify_backtrack: latency_slo_s must be > 0, got 0$"),
     ({"name": "budget_forcing", "min_thinking_tokens": -1},
-     r"^budget_forcing: min_thinking_tokens must be >= 0, got -1$"),
+     r"^budget_forcing: min_thinking_tokens must be an int >= 0, got -1$"),
     ({"name": "budget_forcing", "wait_text": ""},
      r"^budget_forcing: min_thinking_tokens > 0 needs a non-empty wait_text$"),
     ({"name": "sample_n", "n": 2.5}, r"^policy sample_n: n must be an int >= 1, got 2.5$"),

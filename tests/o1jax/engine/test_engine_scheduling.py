@@ -185,17 +185,17 @@ NAN, INF = float("nan"), float("inf")
     (dict(temperature=NAN), r"^temperature must be finite, got nan$"),  # was: greedy, silently
     (dict(temperature=INF), r"^temperature must be finite, got inf$"),  # was: uniform sampling
     (dict(temperature="0.5"), r"^temperature must be a number, got '0.5'$"),
-    (dict(top_k=2.5), r"^top_k must be an int, got 2.5$"),  # was: cut to 2 on the device
-    (dict(top_k=NAN), r"^top_k must be an int, got nan$"),  # was: a crash inside step
-    (dict(top_k=2**70), r"^top_k must be <= 2\*\*31 - 1"),  # was: int32 overflow inside step
+    (dict(top_k=2.5), r"^top_k must be an int in \[0, 2147483647\], got 2.5$"),  # was: cut to 2 on the device
+    (dict(top_k=NAN), r"^top_k must be an int in \[0, 2147483647\], got nan$"),  # was: a crash inside step
+    (dict(top_k=2**70), r"^top_k must be an int in \[0, 2147483647\], got 1180591620717411303424$"),  # was: int32 overflow inside step
     (dict(seed=2**63), r"^seed must be an int in \[-2\*\*63, 2\*\*63\)"),  # was: overflow in step
     (dict(seed=1.5), r"^seed must be an int"),
     (dict(seed=None), r"^seed must be an int"),
-    (dict(max_new_tokens=2.5), r"^max_new_tokens must be an int, got 2.5$"),
-    (dict(max_new_tokens=NAN), r"^max_new_tokens must be an int, got nan$"),
-    (dict(max_new_tokens=True), r"^max_new_tokens must be an int, got True$"),
-    (dict(n=2.5), r"^n must be an int, got 2.5$"),
-    (dict(top_logprobs=2.5), r"^top_logprobs must be an int, got 2.5$"),  # was: crash in step
+    (dict(max_new_tokens=2.5), r"^max_new_tokens must be an int >= 1, got 2.5$"),
+    (dict(max_new_tokens=NAN), r"^max_new_tokens must be an int >= 1, got nan$"),
+    (dict(max_new_tokens=True), r"^max_new_tokens must be an int >= 1, got True$"),
+    (dict(n=2.5), r"^n must be an int >= 1, got 2.5$"),
+    (dict(top_logprobs=2.5), r"^top_logprobs must be an int >= 0, got 2.5$"),  # was: crash in step
     (dict(stop=[1]), r"^stop strings must be non-empty str, got 1$"),  # was: crash in step
     (dict(stop=[""]), r"^stop strings must be non-empty str, got ''$"),
     (dict(stop=None), r"^stop must be a str or a list of str, got None$"),
@@ -210,13 +210,13 @@ def test_bad_generation_params_name_the_field(fields, match):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(max_slots=2.5), r"^max_slots=2.5 must be an int$"),
-    (dict(max_slots=True), r"^max_slots=True must be an int$"),
-    (dict(num_blocks=0), r"^num_blocks=0 must be an int >= 1 or None"),
-    (dict(kv_cache_bytes=0), r"^kv_cache_bytes=0 must be an int >= 1 or None"),  # was: 256 MiB
-    (dict(max_context=0), r"^max_context=0 must be an int >= 1 or None"),  # was: the model's
-    (dict(min_table_blocks=0), r"^min_table_blocks=0 must be >= 1$"),
-    (dict(max_top_logprobs=-1), r"^max_top_logprobs=-1 must be >= 0$"),
+    (dict(max_slots=2.5), r"^max_slots must be an int >= 1, got 2.5$"),
+    (dict(max_slots=True), r"^max_slots must be an int >= 1, got True$"),
+    (dict(num_blocks=0), r"^num_blocks must be an int >= 1 or None \(the default\), got 0$"),
+    (dict(kv_cache_bytes=0), r"^kv_cache_bytes must be an int >= 1 or None \(the default\), got 0$"),  # was: 256 MiB
+    (dict(max_context=0), r"^max_context must be an int >= 1 or None \(the default\), got 0$"),  # was: the model's
+    (dict(min_table_blocks=0), r"^min_table_blocks must be an int >= 1, got 0$"),
+    (dict(max_top_logprobs=-1), r"^max_top_logprobs must be an int >= 0, got -1$"),
     (dict(decode_buckets=(8, 0)), r"^decode_buckets=\(8, 0\) must be batch sizes"),
     (dict(decode_buckets=(2.5,)), r"^decode_buckets=\(2.5,\) must be batch sizes"),
     (dict(prefix_caching="no"), r"^prefix_caching='no' must be a bool$"),
@@ -277,6 +277,16 @@ def test_valid_edge_cases_run(engine32):
   greedy = GenerationParams(max_new_tokens=3, temperature=0, ignore_eos=True, top_k=10**6)
   assert engine32.generate([Request([5, 6, 7], greedy)])[0].token_ids == engine32.generate(
       [Request([5, 6, 7], GenerationParams(max_new_tokens=3, ignore_eos=True))])[0].token_ids
+
+
+def test_a_numpy_int_request_id_is_the_same_id(engine32):
+  """np.int64(7) keys the same random stream as 7 (it was hashed as the text "7"), and
+  is range-checked like a Python int."""
+  params = GenerationParams(max_new_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+  tokens = lambda rid: engine32.generate([Request([3, 4, 5], params, request_id=rid)])[0].token_ids
+  assert tokens(np.int64(7)) == tokens(np.uint32(7)) == tokens(7) != tokens("7")
+  with pytest.raises(ValueError, match=r"^request_id=1099511627776 must be in \[0, 2\*\*32\)"):
+    tokens(np.int64(2**40))
 
 
 def test_an_error_inside_generate_cancels_its_requests(engine32, monkeypatch):

@@ -31,7 +31,7 @@ def test_build_engine_and_one_line_errors(tiny):
   with pytest.raises(TopologyError, match="data_parallel=2 x tensor_parallel=1 needs 2 devices; "
                                           "this process has 1"):
     build_engine(tiny.model, tiny.tokenizer, two)
-  with pytest.raises(ValueError, match="data_parallel=0 must be >= 1"):
+  with pytest.raises(ValueError, match="data_parallel must be an int >= 1, got 0"):
     EngineConfig(data_parallel=0)
   with pytest.raises(ValueError, match="a live budget with engine.data_parallel > 1"):
     EngineReplicas(tiny.model, tiny.tokenizer, two,

@@ -80,7 +80,7 @@ def test_bad_prompts_get_clear_errors(tiny):
     gen.generate([[5] * 64])
   with pytest.raises(ValueError, match="outside the vocabulary"):
     gen.generate([[5, 100000]])
-  with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+  with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
     gen.generate([[5]], max_new_tokens=0)
   with pytest.raises(ValueError, match="chat message 0 must be a dict with 'role' and 'content'"):
     gen.generate([[{"content": "hi"}]])
@@ -92,8 +92,8 @@ def test_bad_call_arguments_are_refused_before_the_prefill(tiny):
   _, gen = tiny
   p = [5, 6, 7]
   for kw, match in [
-      (dict(max_new_tokens=2.5), r"^max_new_tokens must be an int, got 2.5$"),  # was: crash
-      (dict(max_new_tokens=float("inf")), r"^max_new_tokens must be an int, got inf$"),
+      (dict(max_new_tokens=2.5), r"^max_new_tokens must be an int >= 1, got 2.5$"),  # was: crash
+      (dict(max_new_tokens=float("inf")), r"^max_new_tokens must be an int >= 1, got inf$"),
       (dict(stop="ab"), r"^stop must be a list of non-empty str, got 'ab'$"),  # was: 'a' or 'b'
       (dict(stop=[""]), r"^stop must be a list of non-empty str, got \[''\]$"),  # was: at once
       (dict(params=[SamplingParams()] * 2), r"^params must have one entry per prompt \(1\)"),

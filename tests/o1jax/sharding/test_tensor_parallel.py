@@ -70,5 +70,5 @@ def test_uneven_split_is_one_line(run):
 
 
 def test_config_checks_the_group_size():
-  with pytest.raises(ValueError, match="tensor_parallel=0 must be >= 1"):
+  with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1, got 0"):
     EngineConfig(tensor_parallel=0)
