@@ -86,7 +86,9 @@ def sampling_section(max_new_tokens: int, seed: int = 0) -> ml_collections.Confi
 def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
   """`o1jax.engine.EngineConfig` knobs for predictor=engine (and the controller's row count)."""
   return section(
-      max_slots=0,  # decode slots; 0 = runner.batch_size (one Beam batch fills the slots)
+      # decode slots; 0 = runner.batch_size x the DirectRunner workers sharing the model
+      # (every batch in flight fills its own slots; one batch's slots otherwise)
+      max_slots=0,
       num_blocks=0,  # KV pool in blocks; 0 = derive from kv_cache_bytes
       kv_cache_bytes=(32 if smoke else 64) << 20,
       block_size=16,
@@ -171,7 +173,7 @@ def runner_section(batch_size: int, workers: int = 2) -> ml_collections.ConfigDi
       partitions=0,  # dask: partitions the work items are spread over; 0 = 2 x worker threads + 1
       direct_num_workers=workers,
       direct_running_mode="multi_processing",  # in_memory | multi_threading | multi_processing
-      batch_size=batch_size,  # RunInference batch = the engine's decode slots (engine.max_slots=0)
+      batch_size=batch_size,  # RunInference batch; engine.max_slots=0 gives each batch in flight its slots
       share_model=True,  # one model per machine, shared by the worker processes
       progress=True,  # progress bar with ETA on stderr (local output dirs only)
   )

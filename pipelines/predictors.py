@@ -79,8 +79,9 @@ class Predictor(Protocol):
 class PredictorSpec:
   """What a worker needs to build its predictor (picklable; no model inside).
 
-  Attributes beyond the model: batch_size (the runner's; the engine's default
-  slot count), engine (sorted items of the config's `engine` section), policy
+  Attributes beyond the model: batch_size (the runner's), batches_in_flight (Beam
+  batches one shared predictor may serve at once: the worker processes or threads that
+  share it; the engine's default slot count is batch_size x batches_in_flight), engine (sorted items of the config's `engine` section), policy
   (sorted items of a controller policy's `{"name", **params}`; controller only),
   controller (sorted items of `o1jax.controller.CacheConfig`: the `controller` section
   plus the engine section's kv_dtype; controller only),
@@ -98,6 +99,7 @@ class PredictorSpec:
   thinking: str = "auto"
   fake_delay_s: float = 0.0
   batch_size: int = 8
+  batches_in_flight: int = 1
   engine: tuple[tuple[str, Any], ...] = ()
   policy: tuple[tuple[str, Any], ...] = ()
   controller: tuple[tuple[str, Any], ...] = ()
@@ -106,9 +108,9 @@ class PredictorSpec:
   imports: tuple[str, ...] = ()
 
   @classmethod
-  def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8, engine=None,
-                  policy=None, controller=None, budget=None, speculative=None,
-                  imports=()) -> "PredictorSpec":
+  def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8,
+                  batches_in_flight: int = 1, engine=None, policy=None, controller=None,
+                  budget=None, speculative=None, imports=()) -> "PredictorSpec":
     def items(section):
       if section is None:
         return ()
@@ -118,7 +120,7 @@ class PredictorSpec:
                matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
                thinking=str(model_cfg.get("thinking", "auto")),
                fake_delay_s=float(model_cfg.fake_delay_s), batch_size=int(batch_size),
-               engine=items(engine), policy=items(policy), controller=items(controller),
+               batches_in_flight=int(batches_in_flight), engine=items(engine), policy=items(policy), controller=items(controller),
                budget=items(budget), speculative=items(speculative), imports=tuple(imports))
 
   def budget_loop(self):
@@ -236,7 +238,10 @@ def _sampling_fields(spec: SamplingSpec) -> dict[str, Any]:
 def engine_config(spec: PredictorSpec):
   """`EngineConfig` from the spec's engine section; 0 / unset sizes take defaults.
 
-  1. max_slots 0 -> the runner's batch size (one Beam batch fills the slots);
+  1. max_slots 0 -> the runner's batch size x the batches in flight on a shared engine
+     (every batch that can reach it at once has its slots: a second worker's batch
+     decodes beside the first instead of waiting for its slots); replicas
+     (data_parallel > 1) run one batch at a time: the batch size;
   2. num_blocks 0 -> derived from kv_cache_bytes; 3. other keys map 1:1 onto
   EngineConfig fields (an unknown one lists the valid fields).
   """
@@ -246,7 +251,8 @@ def engine_config(spec: PredictorSpec):
   unknown = sorted(set(values) - valid)
   if unknown:
     raise ValueError(f"engine section has no keys {unknown}; EngineConfig fields: {sorted(valid)}")
-  values["max_slots"] = int(values.get("max_slots") or spec.batch_size)
+  in_flight = spec.batches_in_flight if int(values.get("data_parallel") or 1) == 1 else 1
+  values["max_slots"] = int(values.get("max_slots") or spec.batch_size * in_flight)
   values["num_blocks"] = int(values.get("num_blocks") or 0) or None
   for key in ("decode_buckets",):
     if key in values:

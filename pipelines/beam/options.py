@@ -26,6 +26,16 @@ RUNNERS = ("DirectRunner", "dask", "DataflowRunner", "FlinkRunner", "SparkRunner
            "PortableRunner")
 
 
+def batches_sharing_a_model(runner_cfg) -> int:
+  """Beam batches one shared model may serve at once: the DirectRunner's worker processes
+  or threads when they share it (runner.share_model); 1 where the runner does not say how
+  many workers of a machine share it (a cluster) or each has its own model."""
+  if (runner_cfg.name == "DirectRunner" and runner_cfg.get("share_model", True)
+      and runner_cfg.get("direct_running_mode", "multi_processing") != "in_memory"):
+    return max(1, int(runner_cfg.get("direct_num_workers", 1)))
+  return 1
+
+
 def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:
   extra = list(extra)
   runner = runner_cfg.name

@@ -39,6 +39,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import RunInference
 
 from pipelines.beam.handler import ERROR_KEY, PredictorModelHandler
+from pipelines.beam.options import batches_sharing_a_model
 from pipelines.beam.store import ResultStore, is_local, utf8
 from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
@@ -176,7 +177,7 @@ def build_plan(config, output_dir: str) -> EvalPlan:
                      f"(the generator runs on one device)")
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
-      engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
+      batches_in_flight=batches_sharing_a_model(config.runner), engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
       controller=controller, budget=budget, speculative=speculative, imports=imports)
   if name == "engine":  # found here, not when every worker builds its engine
     check_engine_section(spec)

@@ -147,6 +147,31 @@ def test_tensor_parallel_enters_the_hash_and_needs_the_engine_or_the_controller(
     build_plan(cfg, "unused_output_dir")
 
 
+def test_a_shared_engine_has_slots_for_every_batch_in_flight():
+  """max_slots 0: the DirectRunner's workers that share the model each bring a batch, and
+  each batch gets its slots (a second worker's batch decodes beside the first one instead
+  of waiting for slots); one batch's slots where the model is not shared, Beam runs in
+  memory, a cluster runner, replicas, or max_slots set. Not part of the content hash."""
+  from pipelines.beam import build_plan
+  slots = lambda cfg: engine_config(build_plan(cfg, "unused_output_dir").predictor).max_slots
+  cfg = gsm8k_config.get_config("")
+  assert (cfg.runner.batch_size, cfg.runner.direct_num_workers) == (8, 2)
+  assert slots(cfg) == 16
+  fp = model_fingerprint(build_plan(cfg, "unused_output_dir").predictor)
+  cfg.runner.direct_num_workers = 3
+  assert slots(cfg) == 24
+  assert model_fingerprint(build_plan(cfg, "unused_output_dir").predictor) == fp
+  for key, value in (("share_model", False), ("direct_running_mode", "in_memory"),
+                     ("name", "DataflowRunner")):
+    other = gsm8k_config.get_config("")
+    other.runner[key] = value
+    assert slots(other) == 8, key
+  cfg.engine.data_parallel = 2  # replicas deal out one batch at a time
+  assert slots(cfg) == 8
+  cfg.engine.data_parallel, cfg.engine.max_slots = 1, 5
+  assert slots(cfg) == 5
+
+
 def test_data_parallel_reaches_the_engine_and_is_checked_at_plan_time():
   from pipelines.beam import build_plan
   cfg = gsm8k_config.get_config("smoke=True")
