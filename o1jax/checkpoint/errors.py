@@ -13,7 +13,7 @@ def read_json_object(path: pathlib.Path) -> dict:
   does not parse, or holds no object, raises `CheckpointError` naming it."""
   try:
     value = json.loads(path.read_text())
-  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
     raise CheckpointError(f"{path}: not valid JSON ({e})") from e
   if not isinstance(value, dict):
     raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")

@@ -77,8 +77,12 @@ def _open_reader(path: pathlib.Path):
 # GGUF metadata value types (gguf.GGUFValueType) -> struct format of one value.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-_HEADER_KEYS = ("general.architecture", "general.alignment", "tokenizer.ggml.model",
-                "tokenizer.chat_template")
+_INTS, _FLOATS, _BOOL = (0, 1, 2, 3, 4, 5, 10, 11), (6, 12), 7
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
+               7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+GGML_MAX_DIMS = 4  # llama.cpp's limit on a tensor's dimensions
+# Sizes and token ids index int32 arrays on the device: a header field beyond this is corrupt.
+MAX_SIZE = 2**31 - 1
 
 
 class _Header:
@@ -88,6 +92,7 @@ class _Header:
 
   def __init__(self, buf):
     self.buf, self.size, self.order = buf, len(buf), "<"
+    self.arrays = {}  # key -> (item type, length) of each array value
 
   def unpack(self, fmt: str, off: int):
     import struct
@@ -128,8 +133,8 @@ class _Header:
     raise ValueError(f"unknown metadata value type {vtype}")
 
   def walk(self, keep_all: bool = False):
-    """(metadata of _HEADER_KEYS and the scalars (every key's with keep_all), every key,
-    [(tensor name, type id, element count, offset, dims)], offset of the tensor data)."""
+    """(metadata: every key's value, arrays as None unless keep_all (`self.arrays` has their
+    item type and length), [(tensor name, type id, offset, dims)], offset of the tensor data)."""
     (version,) = self.unpack("I", 4)
     if version & 0xFFFF == 0:  # written on a big-endian machine
       self.order = ">"
@@ -139,72 +144,154 @@ class _Header:
     n_tensors, n_kv = self.unpack("QQ", 8)
     if n_kv > self.size or n_tensors > self.size:
       raise ValueError(f"{n_tensors} tensors and {n_kv} metadata keys cannot fit in the file")
-    off, meta, keys = 24, {}, set()
+    off, meta = 24, {}
     for _ in range(n_kv):
       key, off = self.string(off)
       key = key.decode("utf-8", "replace")
+      if key in meta:  # which one a reader takes is arbitrary: refuse, as llama.cpp does
+        raise ValueError(f"metadata key {key!r} appears twice")
       (vtype,) = self.unpack("I", off)
-      value, off = self.value(vtype, off + 4, keep_all)
-      keys.add(key)
-      if key in _HEADER_KEYS or keep_all or vtype in _SCALARS:  # scalars: sizes, for _check_sizes
-        meta[key] = value
+      if vtype == _ARRAY:
+        self.arrays[key] = self.unpack("IQ", off + 4)
+      meta[key], off = self.value(vtype, off + 4, keep_all)
     tensors = []
     for _ in range(n_tensors):
       name, off = self.string(off)
+      name = name.decode("utf-8", "replace")
       (n_dims,) = self.unpack("I", off)
-      if n_dims > 8:
-        raise ValueError(f"tensor {name.decode('utf-8', 'replace')!r} claims {n_dims} dimensions")
+      if not 1 <= n_dims <= GGML_MAX_DIMS:
+        raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
       dims = self.unpack(f"{n_dims}Q", off + 4)
       ttype, offset = self.unpack("IQ", off + 4 + 8 * n_dims)
       off += 4 + 8 * n_dims + 12
-      tensors.append((name.decode("utf-8", "replace"), ttype, math.prod(dims), offset, dims))
-    align = int(meta.get("general.alignment") or 32)
-    if align <= 0 or align & (align - 1):
-      raise ValueError(f"alignment {align} is not a power of two")
-    return meta, keys, tensors, off + (-off % align)
+      tensors.append((name, ttype, offset, dims))
+    align = meta.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+      raise ValueError(f"general.alignment {align!r} is not a power of two")
+    return meta, tensors, off + (-off % align)
 
 
 def check_gguf(path: str | os.PathLike) -> None:
-  """Validates a GGUF file without loading it: magic, the header's structure, every tensor's
-  type and extent (a truncated file), the architecture and the metadata keys the config needs,
-  the tokenizer model. Raises the `CheckpointError` that loading would raise."""
+  """Validates a GGUF file without loading it: magic, the header's structure, the tensor
+  table (types, extents, overlaps), the architecture and the metadata keys the config needs,
+  every tensor's shape against that config, the tokenizer metadata. Raises the
+  `CheckpointError` that loading would raise."""
   import mmap
-
-  import gguf
 
   path = pathlib.Path(path)
   _check_file(path)
   size = os.path.getsize(path)
   with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    header = _Header(buf)
     try:
-      meta, keys, tensors, data_start = _Header(buf).walk()
+      values, table, data_start = header.walk()
     except Exception as e:  # struct.error past the end, or our own ValueErrors
       raise _corrupt(path, e) from e
-  for name, ttype, n_elements, offset, _ in tensors:
+  tensors = _check_table(path, table, data_start, size, values.get("general.alignment", 32))
+  meta = _Metadata(path, values, header.arrays)
+  config = _config_from_metadata(meta, path, {t.name: t.dims for t in tensors})
+  _check_tensors(path, config, {t.name: t.dims for t in tensors},
+                 {t.name: t.qtype.name for t in tensors})
+  _check_tokenizer_metadata(meta, config)
+
+
+def _check_table(path, table, data_start: int, size: int, align: int) -> list:
+  """The tensor table as [(name, qtype, dims, start, n_bytes)], each entry checked before any
+  byte of it is mapped: a name given once, a known and supported type, dims >= 1 with rows of
+  whole blocks, an aligned offset, an extent inside the file and overlapping no other."""
+  import gguf
+
+  out, seen = [], set()
+  for name, ttype, offset, dims in table:
+    if name in seen:
+      raise CheckpointError(f"{path}: tensor {name!r} appears twice in the tensor table")
+    seen.add(name)
     try:
       qtype = gguf.GGMLQuantizationType(ttype)
     except ValueError:
       raise CheckpointError(f"{path}: tensor {name!r} has unknown type id {ttype}") from None
     _check_type_name(path, name, qtype.name)
     block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    _check_extent(path, name, data_start + offset + n_elements * type_bytes // block, size)
-  arch = meta.get("general.architecture")
-  if arch is None:
-    raise CheckpointError(f"{path}: GGUF metadata key 'general.architecture' is missing")
-  _check_architecture(path, arch)
-  for key in _REQUIRED_ARCH_KEYS:
-    if f"{arch}.{key}" not in keys:
-      raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is missing")
-  _check_sizes(path, arch, meta)
-  if meta.get("tokenizer.ggml.model") not in SUPPORTED_TOKENIZER_MODELS:
-    raise CheckpointError(f"{path}: tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
-                          f"supported (supported: gpt2 BPE, llama SentencePiece)")
-  if meta.get("tokenizer.chat_template"):
-    from o1jax.checkpoint.tokenizer import compile_chat_template
-    try:
-      compile_chat_template(str(meta["tokenizer.chat_template"]))
-    except ValueError as e:
-      raise CheckpointError(f"{path}: {e}") from None
+    if min(dims) < 1 or dims[0] % block:
+      raise CheckpointError(f"{path}: tensor {name!r} has dimensions {list(dims)}: expected sizes >= 1 "
+                            f"and a first one that is a multiple of {qtype.name}'s {block}")
+    if offset % align:
+      raise CheckpointError(f"{path}: tensor {name!r} starts at data offset {offset}, not a multiple "
+                            f"of the alignment {align}")
+    n_bytes = math.prod(dims) // block * type_bytes
+    _check_extent(path, name, data_start + offset + n_bytes, size)
+    out.append(types.SimpleNamespace(name=name, qtype=qtype, dims=tuple(dims),
+                                     start=data_start + offset, n_bytes=n_bytes))
+  spans = sorted(out, key=lambda t: t.start)
+  for a, b in zip(spans, spans[1:]):
+    if b.start < a.start + a.n_bytes:  # two tensors would share (and silently alias) bytes
+      raise CheckpointError(f"{path}: tensors {a.name!r} and {b.name!r} overlap in the file")
+  return out
+
+
+class _Metadata:
+  """GGUF metadata with typed reads: a value of the wrong type or out of range raises a
+  `CheckpointError` naming the key, the same from the header check (arrays not read) and
+  from the load."""
+
+  def __init__(self, path, values: dict, arrays: dict):
+    self.path, self.values, self.arrays = path, values, arrays
+
+  def __contains__(self, key):
+    return key in self.values
+
+  def get(self, key, default=None):
+    return self.values.get(key, default)
+
+  def _error(self, key, expected: str) -> CheckpointError:
+    if key in self.arrays:
+      item, count = self.arrays[key]
+      got = f"an array of {count} {_TYPE_NAMES.get(item, f'type {item}')}"
+    else:
+      got = repr(self.values[key])
+    return CheckpointError(f"{self.path}: GGUF metadata key {key!r} is {got}, expected {expected}")
+
+  def int(self, key, default=None, *, lo=1, hi=MAX_SIZE, expected=None):
+    value = self.values.get(key)
+    if value is None and key not in self.arrays:
+      return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+      low = isinstance(value, int) and not isinstance(value, bool) and value > hi
+      raise self._error(key, expected or (f"an integer <= {hi}" if low else f"an integer >= {lo}"))
+    return value
+
+  def number(self, key, default=None, *, positive=True):
+    value = self.values.get(key)
+    if value is None and key not in self.arrays:
+      return default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        or value < 0 or (positive and value == 0)):
+      raise self._error(key, f"a finite number {'>' if positive else '>='} 0")
+    return float(value)
+
+  def string(self, key, default=None):
+    value = self.values.get(key)
+    if value is None and key not in self.arrays:
+      return default
+    if not isinstance(value, str):
+      raise self._error(key, "a string")
+    return value
+
+  def flag(self, key, default=None):
+    value = self.values.get(key)
+    if value is None and key not in self.arrays:
+      return default
+    if not isinstance(value, bool):
+      raise self._error(key, "a bool")
+    return value
+
+  def array(self, key, items, what: str) -> int | None:
+    """The length of array `key` of item types `items` (None when absent)."""
+    if key not in self.values:
+      return None
+    if key not in self.arrays or self.arrays[key][0] not in items:
+      raise self._error(key, f"an array of {what}")
+    return self.arrays[key][1]
 
 
 class _Value:
@@ -226,26 +313,26 @@ class _FastReader:
 
     self._map = np.memmap(path, np.uint8, mode="r")
     header = _Header(memoryview(self._map))  # slices of a memmap are slow objects
-    meta, _, table, data_start = header.walk(keep_all=True)
+    try:
+      values, table, data_start = header.walk(keep_all=True)
+    except Exception as e:  # struct.error past the end, or our own ValueErrors
+      raise _corrupt(path, e) from e
     if header.order != "<":
       raise _BigEndian(path)
-    self.fields = {k: _Value(v) for k, v in meta.items()}
+    self.meta = _Metadata(path, values, header.arrays)
+    self.fields = {k: _Value(v) for k, v in values.items()}
     self.tensors = []
-    for name, ttype, n_elements, offset, dims in table:
-      qtype = gguf.GGMLQuantizationType(ttype)
-      block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
-      n_bytes = n_elements * type_bytes // block
-      start = data_start + offset
-      _check_extent(path, name, start + n_bytes, len(self._map))
-      raw = self._map[start:start + n_bytes]
-      np_dims = tuple(reversed(dims))
-      if qtype.name in _DENSE_DTYPES:
-        data = raw.view(_DENSE_DTYPES[qtype.name]).reshape(np_dims)
+    for t in _check_table(path, table, data_start, len(self._map), values.get("general.alignment", 32)):
+      block, type_bytes = gguf.GGML_QUANT_SIZES[t.qtype]
+      raw = self._map[t.start:t.start + t.n_bytes]
+      np_dims = tuple(reversed(t.dims))
+      if t.qtype.name in _DENSE_DTYPES:
+        data = raw.view(_DENSE_DTYPES[t.qtype.name]).reshape(np_dims)
       else:  # rows of raw blocks, as gguf-py gives them
         data = raw.reshape(*np_dims[:-1], np_dims[-1] // block * type_bytes)
       self.tensors.append(types.SimpleNamespace(
-          name=name, tensor_type=qtype, shape=np.asarray(dims), n_elements=n_elements,
-          n_bytes=n_bytes, data_offset=start, data=data))
+          name=t.name, tensor_type=t.qtype, shape=np.asarray(t.dims), n_elements=math.prod(t.dims),
+          n_bytes=t.n_bytes, data_offset=t.start, data=data))
 
 
 _DENSE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -279,14 +366,25 @@ def _field(reader, key: str, default=None, *, path=None, required=False):
   return f.contents()
 
 
+def _reader_metadata(reader, path) -> _Metadata:
+  """`_FastReader`'s typed metadata, or one built from gguf-py's reader's fields."""
+  if isinstance(reader, _FastReader):
+    return reader.meta
+  values, arrays = {}, {}
+  for key, f in reader.fields.items():
+    value = f.contents()
+    values[key] = int(value) if isinstance(value, np.integer) else value
+    if f.types and f.types[0] == _ARRAY:
+      arrays[key] = (int(f.types[-1]), len(f.data))
+  return _Metadata(path, values, arrays)
+
+
 _REQUIRED_ARCH_KEYS = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
 _SIZE_KEYS = _REQUIRED_ARCH_KEYS + ("attention.head_count_kv", "attention.key_length", "context_length",
                                    "vocab_size")
-
-
-def _to_int(value):
-  """A metadata value as the header walk gives it (gguf-py's reader: numpy scalars)."""
-  return int(value) if isinstance(value, np.integer) else value
+_TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",
+                  "tokenizer.ggml.padding_token_id")
 
 
 def _check_architecture(path, arch) -> None:
@@ -295,86 +393,200 @@ def _check_architecture(path, arch) -> None:
         f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
-def _check_sizes(path, arch: str, meta) -> None:
-  """The size keys the model is built from (those present) are integers >= 1: a head count
-  of 0 divides by zero, a context of 0 refuses every prompt."""
-  for key in _SIZE_KEYS:
-    value = meta.get(f"{arch}.{key}")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-      raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is {value!r}, "
-                            f"expected an integer >= 1")
-
-
-def _config_from_metadata(reader, path, tensors) -> ModelConfig:
-  arch = _field(reader, "general.architecture", path=path, required=True)
+def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> ModelConfig:
+  """The model config from metadata, every value type-checked. dims: each tensor's GGUF
+  dims (the presence of biases, norms, an output head switch features on); tensors: the
+  loaded tensors, for Llama 3's rope_freqs (None in the header check)."""
+  arch = meta.get("general.architecture")
+  if arch is None:
+    raise CheckpointError(f"{path}: GGUF metadata key 'general.architecture' is missing")
   _check_architecture(path, arch)
-  g = lambda k, d=None, req=False: _field(reader, f"{arch}.{k}", d, path=path, required=req)
-  _check_sizes(path, arch, {f"{arch}.{k}": _to_int(g(k)) for k in _SIZE_KEYS})
-  n_heads = int(g("attention.head_count", req=True))
-  d_model = int(g("embedding_length", req=True))
-  tokens = _field(reader, "tokenizer.ggml.tokens")
-  vocab = int(g("vocab_size", len(tokens) if tokens is not None else 0))
-  head_dim = int(g("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
+  for key in _REQUIRED_ARCH_KEYS:
+    if f"{arch}.{key}" not in meta:
+      raise CheckpointError(f"{path}: GGUF metadata key {arch + '.' + key!r} is missing")
+  # Sizes: integers >= 1 (a head count of 0 divides by zero, a context of 0 refuses every
+  # prompt) that index int32 arrays.
+  size = {key: meta.int(f"{arch}.{key}") for key in _SIZE_KEYS}
+  g = lambda key: f"{arch}.{key}"
+  n_heads, d_model = size["attention.head_count"], size["embedding_length"]
+  tokens = meta.arrays.get("tokenizer.ggml.tokens")
+  vocab = size["vocab_size"] or (tokens[1] if tokens else 0)
+  head_dim = size["attention.key_length"]
+  if head_dim is None:
+    if d_model % n_heads:
+      raise CheckpointError(f"{path}: {g('embedding_length')} {d_model} is not a multiple of "
+                            f"{g('attention.head_count')} {n_heads}, and {g('attention.key_length')} "
+                            f"is not set")
+    head_dim = d_model // n_heads
+  n_layers = size["block_count"]
   rope_scaling = None
-  scaling_type = g("rope.scaling.type")
+  scaling_type = meta.string(g("rope.scaling.type"))
   if scaling_type == "linear":
-    rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
+    rope_scaling = {"rope_type": "linear", "factor": meta.number(g("rope.scaling.factor"), 1.0)}
   elif scaling_type not in (None, "none"):
     raise CheckpointError(f"{path}: rope scaling type {scaling_type!r} is not supported "
                           f"(supported: linear, and Llama 3's rope_freqs tensor)")
-  if "rope_freqs.weight" in tensors:  # Llama 3: theta_i / factor_i, written by the converter
+  if "rope_freqs.weight" in dims:  # Llama 3: theta_i / factor_i, written by the converter
     if rope_scaling is not None:
       raise CheckpointError(f"{path}: both rope_freqs and rope scaling {scaling_type!r}")
-    factors = np.asarray(_dense_from_gguf(tensors["rope_freqs.weight"]), np.float32)
-    if factors.shape != (head_dim // 2,):
-      raise CheckpointError(f"{path}: rope_freqs.weight has shape {factors.shape}, expected "
-                            f"({head_dim // 2},)")
-    rope_scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
-  eos = _field(reader, "tokenizer.ggml.eos_token_id")
-  eot = _field(reader, "tokenizer.ggml.eot_token_id")
-  eos_ids = tuple(sorted({int(i) for i in (eos, eot) if i is not None}))
-  bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if dims["rope_freqs.weight"] != (head_dim // 2,):
+      raise CheckpointError(f"{path}: rope_freqs.weight has shape {dims['rope_freqs.weight'][::-1]}, "
+                            f"expected ({head_dim // 2},)")
+    factors = (1.0,) * (head_dim // 2)  # the header check: shape only
+    if tensors is not None:
+      if tensors["rope_freqs.weight"].tensor_type.name not in _DENSE_DTYPES:
+        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' has type "
+                              f"{tensors['rope_freqs.weight'].tensor_type.name}, expected F32, F16 or BF16")
+      factors = tuple(float(f) for f in np.asarray(_dense_from_gguf(tensors["rope_freqs.weight"]),
+                                                   np.float32))
+    rope_scaling = {"rope_type": "freq_factors", "factors": factors}
+  n_tokens = tokens[1] if tokens else vocab
+  token_id = lambda key: meta.int(key, lo=0, hi=n_tokens - 1,
+                                  expected=f"a token id (0..{n_tokens - 1})")
+  eos_ids = tuple(sorted({i for i in (token_id("tokenizer.ggml.eos_token_id"),
+                                      token_id("tokenizer.ggml.eot_token_id")) if i is not None}))
+  bos = token_id("tokenizer.ggml.bos_token_id")
   gemma = {}
   if arch == "gemma3":
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-      if g(key) is not None:
+      if meta.get(g(key)) is not None:
         raise CheckpointError(f"{path}: {arch}.{key} is set; logit soft-capping is not supported")
-    n_layers = int(g("block_count", req=True))
-    window = g("attention.sliding_window")
-    pattern = g("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
-    if not isinstance(pattern, int):  # one bool per layer (True: local)
-      flags = [bool(x) for x in pattern]
-      pattern = next((i + 1 for i, local in enumerate(flags) if not local), n_layers + 1)
-      if flags != [(i + 1) % pattern != 0 for i in range(n_layers)]:
-        raise CheckpointError(f"{path}: {arch}.attention.sliding_window_pattern {flags} is not "
-                              f"every {pattern}th layer global (the only interleave supported)")
+    window = meta.int(g("attention.sliding_window"))
+    key = g("attention.sliding_window_pattern")
+    if key in meta.arrays:  # one bool per layer (True: local)
+      if meta.array(key, (_BOOL,), "bools") != n_layers:
+        raise CheckpointError(f"{path}: {key} has {meta.arrays[key][1]} entries for {n_layers} layers")
+      pattern = GEMMA3_SLIDING_WINDOW_PATTERN  # the header check does not read arrays
+      if meta.get(key) is not None:
+        flags = [bool(x) for x in meta.get(key)]
+        pattern = next((i + 1 for i, local in enumerate(flags) if not local), n_layers + 1)
+        if flags != [(i + 1) % pattern != 0 for i in range(n_layers)]:
+          raise CheckpointError(f"{path}: {arch}.attention.sliding_window_pattern {flags} is not "
+                                f"every {pattern}th layer global (the only interleave supported)")
+    else:
+      pattern = meta.int(key, GEMMA3_SLIDING_WINDOW_PATTERN)
     gemma = dict(
         scale_embeddings=True, post_norms=True, activation="gelu_tanh",
         # llama.cpp: 1/sqrt(d_model / heads) for the 62-layer 27B, else 1/sqrt(head_dim)
         query_pre_attn_scalar=float(d_model // n_heads if n_layers == 62 else head_dim),
-        sliding_window=None if window is None else int(window),
-        sliding_window_pattern=int(pattern),
+        sliding_window=window, sliding_window_pattern=pattern,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
-  return ModelConfig(**gemma,
-      vocab_size=vocab,
-      d_model=d_model,
-      n_layers=int(g("block_count", req=True)),
-      n_heads=n_heads,
-      n_kv_heads=int(g("attention.head_count_kv", n_heads)),
-      head_dim=head_dim,
-      ffn_dim=int(g("feed_forward_length", req=True)),
-      rope_theta=float(g("rope.freq_base", 10000.0)),
-      rope_scaling=rope_scaling,
-      rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-      max_context=int(g("context_length", 2048)),
-      tie_embeddings="output.weight" not in tensors,
-      attention_bias="blk.0.attn_q.bias" in tensors,
-      qk_norm="blk.0.attn_q_norm.weight" in tensors,
-      bos_id=None if bos is None else int(bos),
-      eos_ids=eos_ids,
-      architecture=arch,
-      name=str(_field(reader, "general.name", "") or ""),
-  )
+  name = meta.get("general.name")
+  rope_theta = meta.number(g("rope.freq_base"), 10000.0)  # outside the try: these name their key
+  rms_eps = meta.number(g("attention.layer_norm_rms_epsilon"), 1e-5, positive=False)
+  try:
+    return ModelConfig(**gemma,
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=size["attention.head_count_kv"] or n_heads,
+        head_dim=head_dim,
+        ffn_dim=size["feed_forward_length"],
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_eps=rms_eps,
+        max_context=size["context_length"] or 2048,
+        tie_embeddings="output.weight" not in dims,
+        attention_bias="blk.0.attn_q.bias" in dims,
+        qk_norm="blk.0.attn_q_norm.weight" in dims,
+        bos_id=bos,
+        eos_ids=eos_ids,
+        architecture=arch,
+        name=name if isinstance(name, str) else "",
+    )
+  except ValueError as e:  # sizes that do not fit together, e.g. heads not a multiple of KV heads
+    raise CheckpointError(f"{path}: {e}") from None
+
+
+def _expected_tensors(config: ModelConfig) -> list[tuple[str, tuple, bool]]:
+  """(name, GGUF dims (ne: input features first), required) of every tensor the model reads,
+  in the order `load_gguf` reads them."""
+  d, hd, f, v = config.d_model, config.head_dim, config.ffn_dim, config.vocab_size
+  q, kv = config.n_heads * hd, config.n_kv_heads * hd
+  out = []
+  for i in range(config.n_layers):
+    p = f"blk.{i}."
+    out += [(p + "attn_norm.weight", (d,), True), (p + "attn_q.weight", (d, q), True),
+            (p + "attn_k.weight", (d, kv), True), (p + "attn_v.weight", (d, kv), True),
+            (p + "attn_output.weight", (q, d), True), (p + "ffn_norm.weight", (d,), True),
+            (p + "ffn_gate.weight", (d, f), True), (p + "ffn_up.weight", (d, f), True),
+            (p + "ffn_down.weight", (f, d), True),
+            (p + "attn_q.bias", (q,), config.attention_bias),
+            (p + "attn_k.bias", (kv,), config.attention_bias),
+            (p + "attn_v.bias", (kv,), config.attention_bias),
+            (p + "attn_q_norm.weight", (hd,), config.qk_norm),
+            (p + "attn_k_norm.weight", (hd,), config.qk_norm),
+            (p + "post_attention_norm.weight", (d,), config.post_norms),
+            (p + "post_ffw_norm.weight", (d,), config.post_norms)]
+  return out + [("token_embd.weight", (d, v), True), ("output_norm.weight", (d,), True),
+                ("output.weight", (d, v), not config.tie_embeddings)]
+
+
+def _check_tensors(path, config: ModelConfig, dims: dict, type_names: dict) -> None:
+  """Every tensor the model reads is present with the shape the config gives it (vectors
+  dense), and no layer tensor is left unread (a block_count or a bias switch that disagrees
+  with the file would otherwise load a different model without a word)."""
+  import re
+  expected = _expected_tensors(config)
+  for name, want, required in expected:
+    if name not in dims:
+      if required:
+        raise CheckpointError(f"{path}: tensor {name!r} is missing")
+      continue
+    if dims[name] != want:  # messages in numpy's order (rows first), as the model sees them
+      raise CheckpointError(f"{path}: tensor {name!r} has shape {dims[name][::-1]}, expected "
+                            f"{want[::-1]}")
+    if len(want) == 1 and type_names[name] not in _DENSE_DTYPES:  # norms and biases: floats
+      raise CheckpointError(f"{path}: tensor {name!r} has type {type_names[name]}, expected F32, F16 "
+                            f"or BF16 for a vector")
+  unread = {name for name, _, required in expected if not required}
+  for name in dims:
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m and int(m.group(1)) >= config.n_layers:
+      raise CheckpointError(f"{path}: tensor {name!r} is past the model's {config.n_layers} layers "
+                            f"({config.architecture}.block_count)")
+    if m and name in unread:
+      raise CheckpointError(f"{path}: tensor {name!r} is not read: blk.0 has no such tensor, so "
+                            f"the model would ignore it")
+
+
+def _check_tokenizer_metadata(meta: _Metadata, config: ModelConfig) -> None:
+  """The `tokenizer.ggml.*` keys the tokenizer is built from, typed and consistent: a token
+  list no longer than the embedding, per-token arrays of its length, ids inside it."""
+  path = meta.path
+  model = meta.get("tokenizer.ggml.model")
+  if model not in SUPPORTED_TOKENIZER_MODELS:
+    raise CheckpointError(f"{path}: tokenizer model {model!r} is not supported "
+                          f"(supported: gpt2 BPE, llama SentencePiece)")
+  n = meta.array("tokenizer.ggml.tokens", (_STRING,), "strings")
+  if not n:
+    raise CheckpointError(f"{path}: GGUF metadata key 'tokenizer.ggml.tokens' is missing or empty")
+  if n > config.vocab_size:  # ids past the embedding would read other memory, or clamp
+    raise CheckpointError(f"{path}: tokenizer.ggml.tokens has {n} tokens, more than the model's "
+                          f"vocab_size {config.vocab_size}")
+  for key, items, what in (("tokenizer.ggml.token_type", _INTS, "integers"),
+                           ("tokenizer.ggml.scores", _FLOATS, "floats")):
+    count = meta.array(key, items, what)
+    if count is not None and count != n:
+      raise CheckpointError(f"{path}: {key} has {count} entries for {n} tokens")
+  meta.array("tokenizer.ggml.merges", (_STRING,), "strings")
+  if model == "llama" and "tokenizer.ggml.scores" not in meta:
+    raise CheckpointError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores")
+  for key in _TOKEN_ID_KEYS:
+    meta.int(key, lo=0, hi=n - 1, expected=f"a token id (0..{n - 1})")
+  for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"):
+    meta.flag(key)
+  pre = meta.string("tokenizer.ggml.pre")
+  from o1jax.checkpoint import tokenizer
+  if model == "gpt2":
+    tokenizer._byte_level_pre(pre, path)  # pylint: disable=protected-access
+  template = meta.string("tokenizer.chat_template")
+  if template:
+    try:
+      tokenizer.compile_chat_template(template)
+    except ValueError as e:
+      raise CheckpointError(f"{path}: {e}") from None
 
 
 def _dense_from_gguf(t) -> np.ndarray:
@@ -440,7 +652,11 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   tensors = {t.name: t for t in reader.tensors}
   for t in reader.tensors:
     _check_type(t, path)
-  config = _config_from_metadata(reader, path, tensors)
+  meta = _reader_metadata(reader, path)
+  dims = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+  config = _config_from_metadata(meta, path, dims, tensors)
+  _check_tensors(path, config, dims, {t.name: t.tensor_type.name for t in reader.tensors})
+  _check_tokenizer_metadata(meta, config)
 
   def get(name):
     if name not in tensors:
@@ -489,13 +705,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   }
   if not config.tie_embeddings:
     params["lm_head"] = _matrix(get("output.weight"))
-  embed_shape = params["embed"].shape
-  if embed_shape != (config.d_model, config.vocab_size):
-    raise CheckpointError(f"{path}: token_embd.weight has shape {embed_shape[::-1]}, expected "
-                          f"({config.vocab_size}, {config.d_model})")
 
   tokenizer_meta = {
-      k: _field(reader, k) for k in (
+      k: meta.get(k) for k in (
           "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
           "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
           "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",

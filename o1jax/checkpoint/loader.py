@@ -55,9 +55,23 @@ def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
   elif fmt == "orbax":
     orbax_io.check_orbax(path)
   else:
-    safetensors_loader.check_safetensors(path)
-    Tokenizer.load(path)  # tokenizer.json and tokenizer_config.json parse (a GGUF's are metadata)
+    config = safetensors_loader.check_safetensors(path)
+    # tokenizer.json and tokenizer_config.json parse (a GGUF's are metadata), and fit the model
+    _check_vocab(path, config, Tokenizer.load(path))
   return fmt
+
+
+def _check_vocab(path, config: ModelConfig, tokenizer: Tokenizer) -> None:
+  """The tokenizer's ids index the embedding: a token past its rows would read a clamped
+  (wrong) row on the device, not fail. Fewer tokens than rows is common (padded vocabularies)."""
+  if tokenizer.vocab_size > config.vocab_size:
+    raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                          f"model's vocab_size {config.vocab_size}")
+  for name, ids in (("bos", [] if tokenizer.bos_id is None else [tokenizer.bos_id]),
+                    ("eos", tokenizer.eos_ids)):
+    if any(not 0 <= i < config.vocab_size for i in ids):
+      raise CheckpointError(f"{path}: the tokenizer's {name} token ids {list(ids)} are not all below "
+                            f"the model's vocab_size {config.vocab_size}")
 
 
 def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
@@ -76,4 +90,5 @@ def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
     tokenizer = Tokenizer.load(path)
   if not tokenizer.eos_ids and config.eos_ids:
     tokenizer.eos_ids = config.eos_ids
+  _check_vocab(path, config, tokenizer)
   return LoadedCheckpoint(config=config, params=params, tokenizer=tokenizer, source=str(path), format=fmt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 
@@ -11,9 +12,14 @@ from typing import Any
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
 # Gated-MLP activations (layers.ACTIVATIONS): SwiGLU for Llama/Qwen, GeGLU (tanh GELU) for Gemma 3.
 ACTIVATIONS = ("silu", "gelu_tanh")
-# Sizes a model needs to be at least 1.
+# Sizes a model needs to be at least 1 (and that index int32 arrays on the device).
 SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                "max_context")
+MAX_SIZE = 2**31 - 1
+# The numbers each rope_scaling type is computed from (layers.rope_inv_freq).
+_ROPE_SCALING_KEYS = {"linear": ("factor",), "freq_factors": (),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,12 @@ class ModelConfig:
     for name in SIZE_FIELDS:  # a 0 would divide by zero here or build an empty model
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+      if getattr(self, name) > MAX_SIZE:
+        raise ValueError(f"{name}={getattr(self, name)} must be <= {MAX_SIZE}")
+    for name in ("rope_theta", "rms_eps"):  # 0 or inf: NaN logits, not an error, later
+      value = getattr(self, name)
+      if not math.isfinite(value) or value < 0 or (name == "rope_theta" and value == 0):
+        raise ValueError(f"{name}={value} must be a finite number {'>' if name == 'rope_theta' else '>='} 0")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
@@ -75,6 +87,12 @@ class ModelConfig:
       if kind not in ROPE_SCALING_TYPES:
         raise ValueError(f"rope scaling type {kind!r} is not supported "
                          f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
+      for key in _ROPE_SCALING_KEYS[kind]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+          raise ValueError(f"rope_scaling[{key!r}]={value!r} must be a finite number > 0 "
+                           f"(rope type {kind!r})")
       object.__setattr__(self, "rope_scaling", scaling)
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"activation {self.activation!r} is not supported "

@@ -90,5 +90,9 @@ def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Token
 
   collect("", restored)
   arrays = {k.replace("/", "."): v for k, v in arrays.items()}
-  params = unflatten(arrays, manifest["param_spec"])
+  try:
+    params = unflatten(arrays, manifest["param_spec"])
+  except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # spec and arrays disagree
+    raise CheckpointError(f"{directory / MANIFEST}: param_spec does not match the arrays in "
+                          f"{directory / 'params'} ({type(e).__name__}: {e})") from e
   return config, params, Tokenizer.load(directory / "tokenizer")

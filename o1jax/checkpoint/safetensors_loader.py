@@ -9,8 +9,10 @@ how `scripts/convert_checkpoint.py` exports GGUF models for HF tools.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
+import re
 
 import numpy as np
 
@@ -42,13 +44,13 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def _rope(hf: dict) -> tuple[float, dict | None]:
+def _rope(hf: dict, path) -> tuple[float, dict | None]:
   """(theta, scaling) from config.json: `rope_theta` + `rope_scaling` (transformers 4), or
   one `rope_parameters` dict holding both (transformers 5)."""
-  params = hf.get("rope_parameters") or {}
-  params = params.get("full_attention", params)  # Gemma 3 (transformers 5): per layer type
-  theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
-  scaling = hf.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+  params = _object(hf, "rope_parameters", path)
+  params = _object(params, "full_attention", path, params)  # Gemma 3 (transformers 5): per layer type
+  theta = _number(hf, "rope_theta", path, float, _number(params, "rope_theta", path, float, 10000.0))
+  scaling = _object(hf, "rope_scaling", path) or {k: v for k, v in params.items() if k != "rope_theta"}
   if scaling.get("rope_type", scaling.get("type", "default")) == "default":
     return theta, None
   return theta, scaling
@@ -61,12 +63,14 @@ def _gemma3(hf: dict, path) -> dict:
     if hf.get(key) is not None:
       raise CheckpointError(f"{path}: {key}={hf[key]} is set; logit soft-capping is not supported")
   act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
-  if act not in _GEMMA3_ACTIVATIONS:
+  if not isinstance(act, str) or act not in _GEMMA3_ACTIVATIONS:
     raise CheckpointError(f"{path}: hidden_activation {act!r} is not supported "
                           f"(supported: {', '.join(_GEMMA3_ACTIVATIONS)})")
-  n_layers = int(hf["num_hidden_layers"])
-  pattern = int(hf.get("sliding_window_pattern") or 6)
+  n_layers = _number(hf, "num_hidden_layers", path)
+  pattern = _number(hf, "sliding_window_pattern", path, default=0) or 6
   types = hf.get("layer_types")
+  if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+    raise CheckpointError(f"{path}: layer_types={types!r} is not a list of strings")
   if types is not None:  # one name per layer: must be a period-`pattern` interleave
     pattern = next((i + 1 for i, k in enumerate(types) if k == "full_attention"), n_layers + 1)
     want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
@@ -74,14 +78,13 @@ def _gemma3(hf: dict, path) -> dict:
     if list(types) != want:
       raise CheckpointError(f"{path}: layer_types {types} is not every {pattern}th layer global "
                             f"(the only interleave supported)")
-  params = hf.get("rope_parameters") or {}
-  local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq",
-                                                                        10000.0))
-  window = hf.get("sliding_window")
+  local = _object(_object(hf, "rope_parameters", path), "sliding_attention", path)
+  local = _number(local, "rope_theta", path, float,
+                  _number(hf, "rope_local_base_freq", path, float, 10000.0))
   return dict(scale_embeddings=True, post_norms=True, activation=_GEMMA3_ACTIVATIONS[act],
-              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
-              sliding_window=None if window is None else int(window),
-              sliding_window_pattern=pattern, rope_local_theta=float(local))
+              query_pre_attn_scalar=_number(hf, "query_pre_attn_scalar", path, float, 0) or 256.0,
+              sliding_window=_number(hf, "sliding_window", path, default=None),
+              sliding_window_pattern=pattern, rope_local_theta=local)
 
 
 _REQUIRED = object()
@@ -95,10 +98,42 @@ def _number(hf: dict, key: str, path, kind=int, default=_REQUIRED):
     if default is _REQUIRED:
       raise CheckpointError(f"{path}: config.json lacks the key {key!r}")
     return default
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
       kind is int and value != int(value)):
     raise CheckpointError(f"{path}: {key}={value!r} is not {'an integer' if kind is int else 'a number'}")
   return kind(value)
+
+
+def _flag(hf: dict, key: str, path, default: bool) -> bool:
+  """config.json's `key` as a bool (absent or null: `default`); "false" is not False."""
+  value = hf.get(key)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise CheckpointError(f"{path}: {key}={value!r} is not true or false")
+  return value
+
+
+def _object(hf: dict, key: str, path, default=None) -> dict:
+  """config.json's `key` as a dict (absent or null: `default`, else {})."""
+  value = hf.get(key)
+  if value is None:
+    return {} if default is None else default
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path}: {key}={value!r} is not an object")
+  return value
+
+
+def _token_ids(hf: dict, key: str, path, vocab_size: int, many: bool) -> tuple[int, ...]:
+  """config.json's `key` (an id, null, or with `many` a list of ids) as token ids below
+  vocab_size: an id past the embedding would index past it."""
+  value = hf.get(key)
+  ids = value if many and isinstance(value, list) else [] if value is None else [value]
+  if not all(isinstance(i, int) and not isinstance(i, bool) and (vocab_size < 1 or 0 <= i < vocab_size)
+             for i in ids):  # (a vocab_size < 1 is named by ModelConfig)
+    raise CheckpointError(f"{path}: {key}={value!r} is not a token id (0..{vocab_size - 1})"
+                          f"{' or a list of them' if many else ''}")
+  return tuple(ids)
 
 
 def config_from_hf(hf: dict, path) -> ModelConfig:
@@ -110,21 +145,22 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     num = lambda key, kind=int, default=_REQUIRED: _number(hf, key, path, kind, default)
     n_heads = num("num_attention_heads")
     d_model = num("hidden_size")
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    rope_theta, rope_scaling = _rope(hf)
+    vocab = num("vocab_size")
+    eos_ids = _token_ids(hf, "eos_token_id", path, vocab, many=True)
+    bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
+    rope_theta, rope_scaling = _rope(hf, path)
     gemma = _gemma3(hf, path) if model_type == "gemma3_text" else {}
     return ModelConfig(**gemma,
-        vocab_size=num("vocab_size"), d_model=d_model, n_layers=num("num_hidden_layers"),
+        vocab_size=vocab, d_model=d_model, n_layers=num("num_hidden_layers"),
         n_heads=n_heads, n_kv_heads=num("num_key_value_heads", default=0) or n_heads,
         head_dim=num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0),
         ffn_dim=num("intermediate_size"), rope_theta=rope_theta,
         rope_scaling=rope_scaling, rms_eps=num("rms_norm_eps", float, 1e-6),
         max_context=num("max_position_embeddings", default=2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
-        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", path, model_type == "gemma3_text"),
+        attention_bias=_flag(hf, "attention_bias", path, model_type == "qwen2"),
         qk_norm=model_type in ("qwen3", "gemma3_text"),
-        bos_id=hf.get("bos_token_id"), eos_ids=eos_ids, architecture=model_type,
+        bos_id=bos[0] if bos else None, eos_ids=eos_ids, architecture=model_type,
         name=str(hf.get("_name_or_path", "")))
   except KeyError as e:
     raise CheckpointError(f"{path}: config.json lacks the key {e.args[0]!r}") from e
@@ -138,6 +174,12 @@ def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
   index = directory / "model.safetensors.index.json"
   if index.is_file():
     weight_map = read_json_object(index).get("weight_map", {})
+    if not isinstance(weight_map, dict):
+      raise CheckpointError(f"{index}: weight_map is not an object")
+    for name, f in weight_map.items():  # a file name in this directory, nothing else
+      if not isinstance(f, str) or pathlib.PurePath(f).name != f or f in ("", ".", ".."):
+        raise CheckpointError(f"{index}: weight_map[{name!r}]={f!r} is not the name of a file "
+                              f"beside it")
     files = sorted({directory / f for f in weight_map.values()})
   else:
     files = sorted(directory.glob("*.safetensors"))
@@ -159,25 +201,82 @@ def _read_config(directory: pathlib.Path) -> ModelConfig:
 _HEADER_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def check_safetensors(directory: str | os.PathLike) -> None:
-  """Validates an HF checkpoint without reading its tensors: config.json, and every shard's
-  safetensors header (which the library checks against the file's length) and dtypes."""
+def _read_headers(directory: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple]]:
+  """{tensor name: (shard, shape)} from every shard's header (which the library checks
+  against the file's length), without reading tensor data; a dtype we do not load, or a
+  name in two shards, is refused here."""
   from safetensors import safe_open
 
-  directory = pathlib.Path(directory)
-  _read_config(directory)
+  headers = {}
   for shard in _shard_files(directory):
     try:
       with safe_open(str(shard), framework="numpy") as f:
-        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
-    except Exception as e:
-      raise CheckpointError(f"{shard}: cannot be read as safetensors ({e})") from e
-    for name, dtype in dtypes.items():
+        entries = [(name, f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                   for name in f.keys()]
+    except Exception as e:  # the library's own messages: keep their first line
+      raise CheckpointError(f"{shard}: cannot be read as safetensors ({str(e).splitlines()[0]})") from e
+    for name, dtype, shape in entries:
       if dtype not in _HEADER_DTYPES:
         raise CheckpointError(f"{directory}: tensor {name!r} has dtype {dtype}, "
                               f"supported: {', '.join(_FLOAT_DTYPES)}")
+      if name in headers:  # which copy is read would depend on the order of the shards
+        raise CheckpointError(f"{directory}: tensor {name!r} is in both {headers[name][0].name} "
+                              f"and {shard.name}")
+      headers[name] = (shard, shape)
+  return headers
+
+
+def _expected_tensors(config: ModelConfig) -> list[tuple[str, str, tuple, bool]]:
+  """(our name ("" outside layers), HF name, HF shape ([out, in]), read) of every tensor an
+  HF checkpoint of `config` may hold, in the order `load_safetensors` reads them."""
+  d, hd, f, v = config.d_model, config.head_dim, config.ffn_dim, config.vocab_size
+  q, kv = config.n_heads * hd, config.n_kv_heads * hd
+  shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,),
+            "bv": (kv,), "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f), "q_norm": (hd,),
+            "k_norm": (hd,)}
+  gemma = config.architecture == "gemma3_text"
+  out = []
+  for i in range(config.n_layers):
+    for ours, theirs in (_GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES).items():
+      read = not ((ours.startswith("b") and not config.attention_bias) or
+                  (ours in ("q_norm", "k_norm") and not config.qk_norm))
+      out.append((ours, f"model.layers.{i}.{theirs}", shapes.get(ours, (d,)), read))
+  return out + [("", "model.embed_tokens.weight", (v, d), True), ("", "model.norm.weight", (d,), True),
+                ("", "lm_head.weight", (v, d), not config.tie_embeddings)]
+
+
+def _check_tensors(directory, config: ModelConfig, headers: dict) -> None:
+  """Every tensor the model reads is present with the shape config.json gives it, and no
+  layer tensor is left unread (num_hidden_layers or attention_bias disagreeing with the
+  weights would otherwise load a different model without a word)."""
+  expected = _expected_tensors(config)
+  for _, name, want, read in expected:
+    if read and name in headers and headers[name][1] != want:
+      raise CheckpointError(f"{directory}: tensor {name!r} has shape {headers[name][1]}, expected {want}")
+    if read and name not in headers:
+      raise CheckpointError(f"{directory}: tensor {name!r} is missing")
+  unread = {name for ours, name, _, read in expected if ours and not read}
+  for name in headers:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= config.n_layers:
+      raise CheckpointError(f"{directory}: tensor {name!r} is past the model's {config.n_layers} "
+                            f"layers (config.json's num_hidden_layers)")
+    if name in unread:
+      raise CheckpointError(f"{directory}: tensor {name!r} is not read by the model config.json "
+                            f"describes (attention_bias={config.attention_bias}, "
+                            f"model_type {config.architecture!r})")
+
+
+def check_safetensors(directory: str | os.PathLike) -> ModelConfig:
+  """Validates an HF checkpoint without reading its tensors: config.json, every shard's
+  safetensors header, and each tensor's dtype and shape against the config. Returns the
+  config."""
+  directory = pathlib.Path(directory)
+  config = _read_config(directory)
+  _check_tensors(directory, config, _read_headers(directory))
   if not (directory / "tokenizer.json").is_file():
     raise CheckpointError(f"{directory}: tokenizer.json is missing")
+  return config
 
 
 def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]:
@@ -186,18 +285,16 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
 
   directory = pathlib.Path(directory)
   config = _read_config(directory)
+  headers = _read_headers(directory)
+  _check_tensors(directory, config, headers)  # before reading any weight
   tensors: dict[str, np.ndarray] = {}
-  for shard in _shard_files(directory):
+  for shard in sorted({shard for shard, _ in headers.values()}):
     try:
       with safe_open(str(shard), framework="numpy") as f:
         for name in f.keys():
           tensors[name] = f.get_tensor(name)
     except Exception as e:
-      raise CheckpointError(f"{shard}: cannot be read as safetensors ({e})") from e
-  for name, t in tensors.items():
-    if t.dtype.name not in _FLOAT_DTYPES:
-      raise CheckpointError(f"{directory}: tensor {name!r} has dtype {t.dtype.name}, "
-                            f"supported: {', '.join(_FLOAT_DTYPES)}")
+      raise CheckpointError(f"{shard}: cannot be read as safetensors ({str(e).splitlines()[0]})") from e
 
   def get(name, transpose):
     if name not in tensors:

@@ -167,20 +167,35 @@ class Tokenizer:
     if cfg_file.is_file():
       cfg = read_json_object(cfg_file)
 
-    def tok_id(entry):
-      if isinstance(entry, dict):
+    def bad(key, expected):
+      return CheckpointError(f"{cfg_file}: {key}={cfg[key]!r} is not {expected}")
+
+    def tok_id(key):
+      entry = cfg.get(key)
+      if isinstance(entry, dict):  # an AddedToken: {"content": ...}
         entry = entry.get("content")
+      if entry is not None and not isinstance(entry, str):
+        raise bad(key, "a token (a string, or an object with a string content)")
       return None if entry is None else backend.token_to_id(entry)
 
     eos_ids = cfg.get("o1jax_eos_token_ids")
+    n = backend.get_vocab_size(with_added_tokens=True)
     if eos_ids is None:
-      eos = tok_id(cfg.get("eos_token"))
+      eos = tok_id("eos_token")
       eos_ids = [] if eos is None else [eos]
+    elif not isinstance(eos_ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in eos_ids):
+      raise bad("o1jax_eos_token_ids", f"a list of token ids (0..{n - 1})")
     template = cfg.get("chat_template")
     if isinstance(template, list):  # HF allows a list of named templates
-      template = next((t["template"] for t in template if t.get("name") == "default"), None)
+      if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+        raise bad("chat_template", "a string or a list of {name, template} objects")
+      template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+      raise bad("chat_template", "a string or a list of {name, template} objects")
+    bos_id = tok_id("bos_token")  # outside the try: its error names its key already
     try:
-      return cls(backend, bos_id=tok_id(cfg.get("bos_token")), eos_ids=eos_ids,
+      return cls(backend, bos_id=bos_id, eos_ids=eos_ids,
                  add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
     except ValueError as e:  # the chat template does not parse
       raise CheckpointError(f"{cfg_file}: {e}") from None
@@ -195,6 +210,10 @@ class Tokenizer:
     elif model == "gpt2":
       tokens = list(meta["tokenizer.ggml.tokens"])
       merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+      bad = next((i for i, m in enumerate(merges) if len(m) != 2), None)
+      if bad is not None:  # else the tokenizers library's multi-line TypeError
+        raise CheckpointError(f"{path}: tokenizer.ggml.merges[{bad}] {merges[bad][0]!r} is not two "
+                              f"tokens separated by a space")
       types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
       vocab = {t: i for i, t in enumerate(tokens)}
       backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))

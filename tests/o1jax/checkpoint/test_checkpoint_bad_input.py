@@ -209,3 +209,330 @@ def test_a_chat_template_that_does_not_parse_is_found_by_the_check(tmp_path):
   with pytest.raises(CheckpointError,
                      match=rf"^{hf}/tokenizer_config.json: chat template cannot be parsed"):
     check_checkpoint(hf)
+
+
+# --- adversarial headers: one line naming the file and the field, from the check and the load --
+
+
+class _Gguf:
+  """A tiny GGUF (v3, little-endian) as editable parts: metadata [key, type, value] (arrays
+  as (item type, [values])), tensor table [name, dims, type, offset], and the data."""
+
+  _SC = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+  def __init__(self, raw: bytes):
+    import struct
+    self.off, self.raw = 24, raw
+
+    def take(fmt):
+      v = struct.unpack_from("<" + fmt, raw, self.off)
+      self.off += struct.calcsize("<" + fmt)
+      return v
+
+    def string():
+      (n,) = take("Q")
+      self.off += n
+      return raw[self.off - n:self.off].decode()
+
+    def value(t):
+      if t in self._SC:
+        return take(self._SC[t])[0]
+      if t == 8:
+        return string()
+      item, n = take("IQ")
+      return item, [value(item) for _ in range(n)]
+
+    n_tensors, n_kv = struct.unpack_from("<QQ", raw, 8)
+    self.kvs = []
+    for _ in range(n_kv):
+      key = string()
+      (vtype,) = take("I")
+      self.kvs.append([key, vtype, value(vtype)])
+    self.tensors = []
+    for _ in range(n_tensors):
+      name = string()
+      (n_dims,) = take("I")
+      self.tensors.append([name, list(take(f"{n_dims}Q")), *take("IQ")])
+    self.data = raw[self.off + (-self.off % 32):]
+
+  def kv(self, key):
+    return next(e for e in self.kvs if e[0] == key)
+
+  def tensor(self, name):
+    return next(e for e in self.tensors if e[0] == name)
+
+  def bytes(self) -> bytes:
+    import struct
+
+    def string(s):
+      return struct.pack("<Q", len(s.encode())) + s.encode()
+
+    def value(t, v):
+      if t in self._SC:
+        return struct.pack("<" + self._SC[t], v)
+      if t == 8:
+        return string(v)
+      return struct.pack("<IQ", v[0], len(v[1])) + b"".join(value(v[0], x) for x in v[1])
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(self.tensors), len(self.kvs))
+    out += b"".join(string(k) + struct.pack("<I", t) + value(t, v) for k, t, v in self.kvs)
+    for name, dims, ttype, offset in self.tensors:
+      out += string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ttype, offset)
+    return out + b"\0" * (-len(out) % 32) + self.data
+
+
+_U32, _I32, _F32, _STR, _ARR = 4, 5, 6, 8, 9
+
+
+def _set(key, vtype, value):
+  def edit(g):
+    g.kv(key)[1:] = [vtype, value]
+  return edit
+
+
+def _add(key, vtype, value):
+  return lambda g: g.kvs.append([key, vtype, value])
+
+
+def _tensor(name, field, value):
+  def edit(g):
+    t = g.tensor(name)
+    t[field] = value(g, t[field]) if callable(value) else value
+  return edit
+
+
+def _tokens(n):
+  def edit(g):
+    tokens, kinds = g.kv("tokenizer.ggml.tokens"), g.kv("tokenizer.ggml.token_type")
+    tokens[2] = (_STR, (tokens[2][1] + [f"<x{i}>" for i in range(n)])[:n])
+    kinds[2] = (kinds[2][0], (kinds[2][1] + [1] * n)[:n])
+  return edit
+
+
+def _raw(after: bytes, skip: int, patch: bytes):
+  """Bytes `patch` written `skip` bytes after the first `after` in the file."""
+  def edit(g):
+    out = bytearray(g.bytes())
+    at = out.index(after) + len(after) + skip
+    out[at:at + len(patch)] = patch
+    return bytes(out)
+  return edit
+
+
+_Q, _K = "blk.0.attn_q.weight", "blk.0.attn_k.weight"
+_META = "GGUF metadata key "
+_GGUF_MUTANTS = {
+    # Before: a MemoryError (16 GiB for a permutation), ZeroDivisionError or IndexError from
+    # the load, a ValueError from ModelConfig without the file, or a model that loaded.
+    "size_is_a_string": (_set("llama.attention.head_count", _STR, "4"),
+                         _META + r"'llama.attention.head_count' is '4', expected an integer >= 1"),
+    "size_is_an_array": (_set("llama.block_count", _ARR, (_U32, [2, 2])),
+                         _META + r"'llama.block_count' is an array of 2 uint32, expected an integer >= 1"),
+    "size_is_huge": (_set("llama.embedding_length", 10, 2**40),
+                     _META + r"'llama.embedding_length' is 1099511627776, expected an integer <= 2147483647"),
+    "kv_heads_not_dividing": (_set("llama.attention.head_count_kv", _U32, 3),
+                              r"n_heads=4 is not a multiple of n_kv_heads=3"),
+    "heads_not_dividing_dim": (_set("llama.attention.head_count", _U32, 5),
+                               r"llama.embedding_length 64 is not a multiple of llama.attention.head_count "
+                               r"5, and llama.attention.key_length is not set"),
+    "heads_disagree_with_shapes": (_set("llama.attention.head_count", _U32, 8),
+                                   r"tensor 'blk.0.attn_k.weight' has shape \(32, 64\), expected \(16, 64\)"),
+    "block_count_too_small": (_set("llama.block_count", _U32, 1),
+                              r"tensor 'blk.1.attn_q.weight' is past the model's 1 layers \(llama.block_count\)"),
+    "vocab_size_disagrees": (_set("llama.vocab_size", _U32, 300),
+                             r"tensor 'token_embd.weight' has shape \(259, 64\), expected \(300, 64\)"),
+    "more_tokens_than_vocab": (_tokens(300), r"tokenizer.ggml.tokens has 300 tokens, more than the "
+                                             r"model's vocab_size 259"),
+    "token_types_too_long": (_set("tokenizer.ggml.token_type", _ARR, (_I32, [1] * 269)),
+                             r"tokenizer.ggml.token_type has 269 entries for 259 tokens"),
+    "tokens_not_strings": (_set("tokenizer.ggml.tokens", _ARR, (_U32, list(range(259)))),
+                           _META + r"'tokenizer.ggml.tokens' is an array of 259 uint32, expected an array "
+                                   r"of strings"),
+    "eos_past_vocab": (_set("tokenizer.ggml.eos_token_id", _U32, 10**6),
+                       _META + r"'tokenizer.ggml.eos_token_id' is 1000000, expected a token id \(0..258\)"),
+    "bos_a_string": (_set("tokenizer.ggml.bos_token_id", _STR, "x"),
+                     _META + r"'tokenizer.ggml.bos_token_id' is 'x', expected a token id \(0..258\)"),
+    "rope_base_a_string": (_set("llama.rope.freq_base", _STR, "1e4"),
+                           _META + r"'llama.rope.freq_base' is '1e4', expected a finite number > 0"),
+    "chat_template_an_int": (_add("tokenizer.chat_template", _U32, 7),
+                             _META + r"'tokenizer.chat_template' is 7, expected a string"),
+    "duplicate_key": (_add("llama.block_count", _U32, 1),
+                      r"corrupt or truncated GGUF file \(ValueError: metadata key 'llama.block_count' "
+                      r"appears twice\)"),
+    "alignment_zero": (_add("general.alignment", _U32, 0),
+                       r"corrupt or truncated GGUF file \(ValueError: general.alignment 0 is not a "
+                       r"power of two\)"),
+    "key_length_2_63": (_raw(b"GGUF", 20, (2**63).to_bytes(8, "little")),
+                        r"corrupt or truncated GGUF file \(ValueError: a string at byte 24 runs past "
+                        r"the end of the file\)"),
+    "array_length_2_64": (_raw(b"tokenizer.ggml.tokens", 8, b"\xff" * 8),
+                          r"corrupt or truncated GGUF file \(ValueError: an array claims "
+                          r"18446744073709551615 items\)"),
+    "n_dims_1000": (_raw(_Q.encode(), 0, (1000).to_bytes(4, "little")),
+                    rf"corrupt or truncated GGUF file \(ValueError: tensor '{_Q}' claims 1000 dimensions\)"),
+    # Before: IndexError / numpy's reshape ValueError, or silently aliased or misread bytes.
+    "dims_2_40": (_tensor(_Q, 1, [64, 2**40]),
+                  rf"truncated GGUF file: tensor '{_Q}' ends at byte \d+ but the file has 70496"),
+    "dim_zero": (_tensor(_Q, 1, [64, 0]), rf"tensor '{_Q}' has dimensions \[64, 0\]: expected sizes >= 1 "
+                                           r"and a first one that is a multiple of Q4_1's 32"),
+    "dims_swapped": (_tensor(_K, 1, [32, 64]),
+                     rf"tensor '{_K}' has shape \(64, 32\), expected \(32, 64\)"),
+    "unknown_type": (_tensor(_Q, 2, 99), rf"tensor '{_Q}' has unknown type id 99"),
+    "quantized_vector": (_tensor("blk.0.attn_norm.weight", 2, 2),
+                         r"tensor 'blk.0.attn_norm.weight' has type Q4_0, expected F32, F16 or BF16 "
+                         r"for a vector"),
+    "offset_misaligned": (_tensor(_Q, 3, lambda g, off: off + 1),
+                          rf"tensor '{_Q}' starts at data offset 17889, not a multiple of the "
+                          r"alignment 32"),
+    "offsets_overlap": (_tensor(_K, 3, lambda g, off: g.tensor(_Q)[3]),
+                        rf"tensors '{_Q}' and '{_K}' overlap in the file"),
+    "duplicate_tensor": (_tensor("blk.1.attn_q.weight", 0, _Q),
+                         rf"tensor '{_Q}' appears twice in the tensor table"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(_GGUF_MUTANTS))
+def test_gguf_header_mutants_are_one_line_errors_from_check_and_load(tiny_gguf, tmp_path, mutant):
+  from o1jax.checkpoint import load_checkpoint
+  edit, message = _GGUF_MUTANTS[mutant]
+  g = _Gguf(tiny_gguf.read_bytes())
+  p = tmp_path / f"{mutant}.gguf"
+  p.write_bytes(edit(g) or g.bytes())
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{p}: {message}$"):
+      read(p)
+
+
+def test_gguf_rewriter_round_trips_and_merges_are_checked_at_load(tiny_gguf, tmp_path):
+  from o1jax.checkpoint import load_checkpoint
+  g = _Gguf(tiny_gguf.read_bytes())
+  assert g.bytes() == tiny_gguf.read_bytes()
+  # The header check does not read arrays' contents; the load names a malformed merge.
+  g.kvs.append(["tokenizer.ggml.merges", _ARR, (_STR, ["a b", "ab"])])
+  p = tmp_path / "merges.gguf"
+  p.write_bytes(g.bytes())
+  check_checkpoint(p)
+  with pytest.raises(CheckpointError, match=rf"^{p}: tokenizer.ggml.merges\[1\] 'ab' is not two "
+                                            r"tokens separated by a space$"):
+    load_checkpoint(p)
+
+
+def _edit_json(name, **changes):
+  def edit(d):
+    value = json.loads((d / name).read_text())
+    value.update(changes)
+    (d / name).write_text(json.dumps(value))
+  return edit
+
+
+def _with_tensors(extra=(), shard2=False):
+  """Rewrites model.safetensors with `extra` tensors; shard2: a copy in a second shard."""
+  def edit(d):
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors.update({name: np.zeros(shape, np.float32) for name, shape in extra})
+    save_file(tensors, str(d / "model.safetensors"))
+    if shard2:
+      shutil.copy(d / "model.safetensors", d / "model2.safetensors")
+  return edit
+
+
+_CFG = "/config.json: "
+_HF_MUTANTS = {
+    # Before: AttributeError / TypeError / KeyError / RecursionError, or a model that loaded.
+    "rope_scaling_a_string": (_edit_json("config.json", rope_scaling="linear"),
+                              _CFG + r"rope_scaling='linear' is not an object"),
+    "rope_parameters_a_list": (_edit_json("config.json", rope_parameters=[1]),
+                               _CFG + r"rope_parameters=\[1\] is not an object"),
+    "rope_scaling_without_factor": (_edit_json("config.json", rope_scaling={"rope_type": "linear"}),
+                                    _CFG + r"rope_scaling\['factor'\]=None must be a finite number > 0 "
+                                           r"\(rope type 'linear'\)"),
+    "rope_theta_nan": (lambda d: (d / "config.json").write_text(
+        (d / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": NaN')),
+                       _CFG + r"rope_theta=nan is not a number"),
+    "eos_an_object": (_edit_json("config.json", eos_token_id={"a": 1}),
+                      _CFG + r"eos_token_id=\{'a': 1\} is not a token id \(0..258\) or a list of them"),
+    "bos_past_vocab": (_edit_json("config.json", bos_token_id=10**6),
+                       _CFG + r"bos_token_id=1000000 is not a token id \(0..258\)"),
+    "tie_a_string": (_edit_json("config.json", tie_word_embeddings="false"),
+                     _CFG + r"tie_word_embeddings='false' is not true or false"),
+    "size_huge": (_edit_json("config.json", hidden_size=2**40),
+                  _CFG + r"d_model=1099511627776 must be <= 2147483647"),
+    "gemma_layer_types_an_int": (_edit_json("config.json", model_type="gemma3_text", layer_types=3),
+                                 _CFG + r"layer_types=3 is not a list of strings"),
+    "deep_json": (lambda d: (d / "config.json").write_text("[" * 100000 + "]" * 100000),
+                  _CFG + r"not valid JSON \(maximum recursion depth exceeded.*\)"),
+    "heads_disagree_with_shapes": (_edit_json("config.json", num_attention_heads=8),
+                                   r": tensor 'model.layers.0.self_attn.q_proj.weight' has shape "
+                                   r"\(64, 64\), expected \(128, 64\)"),
+    "vocab_disagrees": (_edit_json("config.json", vocab_size=300),
+                        r": tensor 'model.embed_tokens.weight' has shape \(259, 64\), expected \(300, 64\)"),
+    "layers_too_few": (_edit_json("config.json", num_hidden_layers=1),
+                       r": tensor 'model.layers.1\.[a-z_.]+' is past the model's 1 layers "
+                       r"\(config.json's num_hidden_layers\)"),
+    "unread_bias": (_with_tensors([("model.layers.0.self_attn.q_proj.bias", (64,))]),
+                    r": tensor 'model.layers.0.self_attn.q_proj.bias' is not read by the model "
+                    r"config.json describes \(attention_bias=False, model_type 'llama'\)"),
+    "tensor_in_two_shards": (_with_tensors(shard2=True),
+                             r": tensor 'lm_head.weight' is in both|: tensor '[a-z_.0-9]+' is in both "
+                             r"model.safetensors and model2.safetensors"),
+    "weight_map_a_list": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+                          r"/model.safetensors.index.json: weight_map is not an object"),
+    "weight_map_outside": (lambda d: (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "/etc/passwd"}}'),
+                           r"/model.safetensors.index.json: weight_map\['a'\]='/etc/passwd' is not the name "
+                           r"of a file beside it"),
+    "eos_ids_not_a_list": (_edit_json("tokenizer_config.json", o1jax_eos_token_ids=5),
+                           r"/tokenizer_config.json: o1jax_eos_token_ids=5 is not a list of token ids "
+                           r"\(0..258\)"),
+    "bos_token_an_int": (_edit_json("tokenizer_config.json", bos_token=5),
+                         r"/tokenizer_config.json: bos_token=5 is not a token \(a string, or an object "
+                         r"with a string content\)"),
+    "chat_template_list_without_template": (
+        _edit_json("tokenizer_config.json", chat_template=[{"name": "default"}]),
+        r"/tokenizer_config.json: chat_template=\[\{'name': 'default'\}\] is not a string or a list "
+        r"of \{name, template\} objects"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(_HF_MUTANTS))
+def test_hf_mutants_are_one_line_errors_from_check_and_load(tmp_path, mutant):
+  from o1jax.checkpoint import load_checkpoint
+  edit, message = _HF_MUTANTS[mutant]
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  edit(hf)
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{hf}({message})$"):
+      read(hf)
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused_and_a_padded_one_loads(tmp_path):
+  from o1jax.checkpoint import load_checkpoint
+  # Before: token ids past the embedding's rows loaded, to be clamped on the device.
+  small = tmp_path / "small"
+  testing.write_hf_checkpoint(small, testing.tiny_config(vocab_size=200))
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{small}: the tokenizer has 259 tokens, more than the "
+                                              r"model's vocab_size 200$"):
+      read(small)
+  padded = tmp_path / "padded"  # an embedding with more rows than tokens (as Qwen's) is fine
+  testing.write_hf_checkpoint(padded, testing.tiny_config(vocab_size=320))
+  check_checkpoint(padded)
+  assert load_checkpoint(padded).config.vocab_size == 320
+
+
+def test_valid_variants_still_check_and_load(tmp_path):
+  from o1jax.checkpoint import load_checkpoint
+  for name, config in (("gemma3", testing.tiny_gemma3_config()),
+                       ("qwen2", testing.tiny_config(architecture="qwen2", attention_bias=True,
+                                                     tie_embeddings=False))):
+    p = tmp_path / f"{name}.gguf"
+    testing.write_gguf_checkpoint(p, config)
+    check_checkpoint(p)
+    assert load_checkpoint(p).config.architecture == config.architecture
+    hf = tmp_path / name
+    testing.write_hf_checkpoint(hf, config, shards=2)
+    check_checkpoint(hf)
+    assert load_checkpoint(hf).config.n_layers == config.n_layers
