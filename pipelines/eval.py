@@ -200,18 +200,16 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   Before any work it checks, in this order, and raises a ValueError subclass with a
   one-line message naming the file or directory: the config (`build_plan`), the output
   directory and its store (`OutputError`: not writable), the model (`CheckpointError`),
-  the dataset (`DatasetError`: missing, unreadable, no examples). `clock` and `loader`
-  are passed to the pipeline (tests inject fakes); `console` gets the progress bar and
-  warnings (default stderr).
+  the dataset (`DatasetError`: missing, unreadable, no examples); another run holding
+  the output directory is an `OutputError` too (`lock_output_dir`). Once work started, a
+  store record or result file that cannot be written stops the run with a `WriteError`
+  naming it (what was stored stays valid for the rerun). Damaged store files are named in
+  warnings and recomputed. `clock` and `loader` are passed to the pipeline (tests inject
+  fakes); `console` gets the progress bar and warnings (default stderr).
   """
-  import apache_beam as beam
-
-  from pipelines.beam import ResultStore, build_pipeline, build_plan, pipeline_options
+  from pipelines.beam import ResultStore, build_plan, pipeline_options
   from pipelines.beam.options import runs_here
-  from pipelines.beam.pipeline import scan_dataset, write_text
   from pipelines.beam.store import check_writable, is_local
-  from pipelines.beam.worker import mark_launcher
-  from pipelines.summary import summarize
 
   console = console or sys.stderr
   plan = build_plan(config, output_dir)  # imports the config's modules first
@@ -221,17 +219,62 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   out = output_dir.rstrip("/")
   # Found now, not after every sample was computed: results go here, each sample to the store.
   check_writable(out)
-  store = ResultStore(plan.store_dir)
-  store.check_writable()
-  _check_model(plan, direct)
+  lock = lock_output_dir(out) if is_local(out) else None  # one run at a time in a directory
+  try:
+    store = ResultStore(plan.store_dir)
+    store.check_writable()
+    _check_model(plan, direct)
+    scan = _scan(plan, out, console)
+    return _run_locked(config, plan, options, scan, store, out, beam_flags, local=local,
+                       direct=direct, clock=clock, loader=loader, progress=progress,
+                       report=report, console=console)
+  finally:
+    if lock is not None:
+      os.close(lock)
+
+
+def _scan(plan, out: str, console):
+  """The dataset read once here: `DatasetError` for a missing, unreadable or example-less
+  file; a warning per file with duplicate lines."""
+  from pipelines.beam.pipeline import scan_dataset
   scan = scan_dataset(plan)  # DatasetError: missing or unreadable file
   if not scan.examples:
     raise _no_examples(plan, scan, out)
   for source, count in sorted(scan.duplicates.items()):
     print(f"warning: {source}: {count} duplicate line{'s' if count > 1 else ''} skipped "
           f"(the first line of each example is kept)", file=console)
+  return scan
+
+
+def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, local: bool,
+                direct: bool, clock, loader, progress, report: bool, console) -> dict:
+  """`run` once the output directory is this run's: the job, then summary and report."""
+  import apache_beam as beam
+
+  from pipelines.beam import build_pipeline
+  from pipelines.beam.pipeline import stored_record, write_text
+  from pipelines.beam.store import is_local
+  from pipelines.beam.worker import mark_launcher
+  from pipelines.summary import summarize
+
+  output_dir = out
+  if is_local(out):
+    clear_previous_results(config, out, console)
   keys = {i.key for i in scan.items}
-  resumed_before = len(keys & store.keys()) if local else None
+  resumed_before = None
+  if local:  # what the job will resume: the valid records; damaged files are named now
+    stored, damaged, resumed_before = store.keys(), [], 0
+    for item in scan.items:
+      if item.key in stored:
+        record, problem = stored_record(store, item)
+        resumed_before += record is not None
+        if problem:
+          damaged.append(f"{store.path(item.key)} {problem}")
+    for line in damaged[:MAX_DAMAGED_SHOWN]:
+      print(f"warning: store record {line}; it is recomputed", file=console)
+    if len(damaged) > MAX_DAMAGED_SHOWN:
+      print(f"warning: {len(damaged) - MAX_DAMAGED_SHOWN} more damaged store records under "
+            f"{plan.store_dir} are recomputed", file=console)
   show = config.runner.progress if progress is None else progress
   started_ms = clock.time_ns() / 1e6
   t0 = time.perf_counter()
@@ -239,13 +282,19 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     mark_launcher()  # local worker processes watch this process and exit with it
   pipeline = beam.Pipeline(options=options)
   build_pipeline(pipeline, plan, clock=clock, loader=loader)
-  if local and show:
-    with Progress(store, keys, file=console):
+  try:
+    if local and show:
+      with Progress(store, keys, file=console):
+        result = pipeline.run()
+        result.wait_until_finish()
+    else:
       result = pipeline.run()
       result.wait_until_finish()
-  else:
-    result = pipeline.run()
-    result.wait_until_finish()
+  except Exception as e:  # a record or result file that cannot be written: one line
+    error = write_error(e)
+    if error is None:
+      raise
+    raise error from e
   wall_s = time.perf_counter() - t0
 
   records = _read_jsonl(f"{out}/results.jsonl")
@@ -262,9 +311,116 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     summary["data"] = plan.task.data_info()
   write_text(f"{out}/summary.json", json.dumps(summary, indent=2, default=list) + "\n")
   if report and is_local(output_dir):
+    from pipelines.beam.store import WriteError, os_reason
     from pipelines.report import write_run_report
-    write_run_report(output_dir)
+    try:
+      write_run_report(output_dir)
+    except OSError as e:
+      raise WriteError(f"cannot write {e.filename or output_dir + '/report.md'}: {os_reason(e)}") from e
   return summary
+
+
+MAX_DAMAGED_SHOWN = 5  # damaged store records named one per warning line; the rest counted
+LOCK_NAME = ".o1jax-eval.lock"
+# What a finished run writes next to the store: all made from the store's records.
+RESULT_FILES = ("results.jsonl", "dead_letters.jsonl", "summary.json", "report.md",
+                "latency_histogram.png", "latency_heatmap.png", "reasoning.png")
+
+
+def lock_output_dir(out: str) -> int:
+  """An exclusive lock on OUT/.o1jax-eval.lock (flock: released when the process ends,
+  also by kill -9); returns its fd. A second run on the same directory would overwrite
+  this run's results.jsonl and summarize the other's: `OutputError` naming the directory
+  and the holder's pid."""
+  import fcntl
+
+  from pipelines.beam.store import OutputError, os_reason
+  path = f"{out.removeprefix('file://')}/{LOCK_NAME}"
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise OutputError(f"output directory is not writable: {out} ({os_reason(e)})") from e
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    holder = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+    os.close(fd)
+    raise OutputError(f"output directory {out} is in use by another run (pid {holder}): wait "
+                      f"for it to end or use another --output_dir") from None
+  os.ftruncate(fd, 0)
+  os.write(fd, f"{os.getpid()}\n".encode())
+  return fd
+
+
+def lock_held_elsewhere(directory: str) -> bool:
+  """Whether another process holds `directory`'s run lock now (a probe: taken and let go)."""
+  import fcntl
+  try:
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR)
+  except OSError:
+    return False  # no lock file (or none readable): no run has held this directory
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return False
+  except OSError:
+    return True
+  finally:
+    os.close(fd)  # closing lets go of a lock taken here
+
+
+def _config_differences(old, new, prefix: str = "") -> list[str]:
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for k in sorted(set(old) | set(new), key=str):
+      out += _config_differences(old.get(k), new.get(k), f"{prefix}{k}.")
+    return out
+  return [] if old == new else [prefix.rstrip(".")]
+
+
+def clear_previous_results(config, out: str, console) -> None:
+  """Removes the result files of an earlier run in `out` before the job starts (the store
+  keeps every record they were made from), so a run that fails or is killed never leaves
+  another run's results looking like its own. If the earlier run had another config, a
+  warning names the keys that differ (runner settings aside)."""
+  local = out.removeprefix("file://")
+  try:
+    with open(f"{local}/summary.json", "rb") as f:
+      old = json.loads(f.read()).get("config")
+  except (OSError, ValueError, AttributeError):
+    old = None
+  if isinstance(old, dict):
+    new = json.loads(json.dumps(config.to_dict(), default=list))
+    diff = [k for k in _config_differences(old, new) if not k.startswith("runner.")]
+    if diff:
+      shown = ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
+      print(f"warning: {out}/summary.json is from a run with another config ({shown}); "
+            f"this run replaces its results (their records stay in the store)", file=console)
+  for name in RESULT_FILES:
+    try:
+      os.remove(f"{local}/{name}")
+    except FileNotFoundError:
+      pass
+    except OSError as e:
+      from pipelines.beam.store import OutputError, os_reason
+      raise OutputError(f"cannot remove the earlier run's {out}/{name}: {os_reason(e)}") from e
+
+
+def write_error(e: BaseException):
+  """The `WriteError` behind a failed job (its chain, or the runner's text of a worker's
+  exception: `... WriteError: cannot write PATH: REASON [while running 'Store']`), or None."""
+  from pipelines.beam.store import WriteError
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, WriteError):
+      message = re.sub(r"( \[while running '[^']*'\])+$", "", str(e).strip().splitlines()[0])
+      return WriteError(message)
+    text = str(e)
+    found = re.search(r"WriteError: (cannot write .+?)(?: \[while running '[^']*'\])*$", text, re.M)
+    if found:  # raised in a worker process: the runner passes its text on
+      return WriteError(found.group(1))
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def _check_model(plan, direct: bool) -> None:
@@ -315,8 +471,8 @@ class _LogFile:
     sys.stderr.flush()
     self._saved = os.dup(2)
     self.path = None
-    if path:
-      try:
+    if path and not lock_held_elsewhere(os.path.dirname(os.path.abspath(path))):
+      try:  # (a run that holds the directory writes its log there: left alone)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         open(path, "wb").close()  # this run's log only
         self.path = path
@@ -402,7 +558,10 @@ def main(argv):
   try:
     summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
   except ValueError as e:  # bad input: config, output directory, checkpoint, dataset
-    if log:
+    from pipelines.beam.store import WriteError
+    if log and isinstance(e, WriteError):  # the job ran: what it logged is kept
+      log.close(move_to=local_log)
+    elif log:
       log.close(keep=False)
     if verbose:
       traceback.print_exc()

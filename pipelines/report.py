@@ -212,7 +212,9 @@ def _stability_lines(summary: dict) -> list[str]:
   values = {"per_token_cv": _fmt(st.get("per_token_cv"), 3),
             "ttft_p95_ms": _fmt(st.get("ttft_p95_ms"))}
   verdict = {True: "PASS", False: "FAIL", None: "not measured"}
-  return ["Latency stability:", ""] + [
+  return ["Latency stability against the reference system's serving thresholds (a GPU "
+          "server under steady load; an offline batch job on a CPU, whose first calls of "
+          "each program shape load or compile it, is not expected to meet them):", ""] + [
       f"- {verdict[ok]}: {rule} (measured: {values[rule.split(' ')[0]]})"
       for rule, ok in st["pass"].items()]
 

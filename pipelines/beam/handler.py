@@ -94,7 +94,7 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
 
 def _predict_alone(model: Predictor, item: WorkItem) -> dict:
   """One item's prediction, or {"error": reason} when the predictor refuses it (it becomes
-  an inference dead letter in `ScoreAndStore`)."""
+  an inference dead letter in `Score`)."""
   try:
     return model.predict([item])[0]
   except ValueError as e:

@@ -12,11 +12,14 @@ Data flow:
   2. `Samples`: each example becomes `policy.num_samples` `WorkItem`s keyed by a content
      hash of (model, generation config, example, sample index); `Reshuffle` spreads them
      over workers.
-  3. `SkipFinished`: items whose key is already in the store emit the stored record
-     instead (this is what makes reruns resume).
+  3. `SkipFinished`: items whose key holds a valid record of that item in the store emit
+     it instead (this is what makes reruns resume); a damaged file (`stored_record` says
+     why) is recomputed and overwritten.
   4. `RunInference` with `PredictorModelHandler`; failed batches go to dead letters.
-  5. `Score`: the task scores batches of completions (HumanEval: in the sandbox) and each
-     record is written to the store the moment it is done.
+  5. `Score`: the task scores batches of completions (HumanEval: in the sandbox); `Store`
+     writes each record to the store the moment it is done. A record that cannot be
+     written (disk full) stops the job with a `WriteError` naming the file, not a dead
+     letter: the sample is fine, the output directory is not.
   6. `WriteResults`: stored + new records, sorted by (example index, sample index), become
      results.jsonl; all dead letters become dead_letters.jsonl.
 Per-sample records are fully determined by their inputs except their `timing` field.
@@ -27,11 +30,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
+import logging
 import re
 import time
 import traceback
-import uuid
 from typing import Any, Iterable, Iterator
 
 import apache_beam as beam
@@ -40,7 +42,7 @@ from apache_beam.ml.inference.base import RunInference
 
 from pipelines.beam.handler import ERROR_KEY, PredictorModelHandler
 from pipelines.beam.options import batches_sharing_a_model
-from pipelines.beam.store import ResultStore, is_local, utf8
+from pipelines.beam.store import ResultStore, is_local, utf8, write_whole
 from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
@@ -209,6 +211,9 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
     sampling = plan.policy.sampling(base, i)
     scoring = dict(getattr(plan.task, "sandbox_cfg", {}) or {})
     scoring.pop("workers", None)  # pool size does not change a verdict
+    answer_format = (getattr(plan.task, "dataset", None) or {}).get("answer_format", "number")
+    if plan.task.name == "custom" and answer_format != "number":
+      scoring["answer_format"] = answer_format  # text scoring differs (number keeps old hashes)
     content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
         "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
@@ -293,6 +298,48 @@ class ReadDataset(beam.DoFn):
         yield rec
 
 
+def stored_record(store: ResultStore, item: WorkItem) -> tuple[dict | None, str | None]:
+  """The store's record of `item`: (record, None); (None, None) when not stored; (None,
+  why) when the file is not a record of this item (`why` completes "store record PATH
+  ..."). The key does not hold the example's position in the file (a rerun after lines
+  were added or removed reuses the samples), so the record gets the item's index."""
+  record, problem = store.read(item.key)
+  if record is None:
+    return None, problem
+  problem = record_problem(record, item)
+  if problem:
+    return None, problem
+  if record["example_index"] != item.example_index:
+    record = {**record, "example_index": item.example_index}
+  return record, None
+
+
+def _json_value(value):
+  return json.loads(json.dumps(value, default=list))
+
+
+def record_problem(record: dict, item: WorkItem) -> str | None:
+  """Why `record` is not a finished record of `item` (the fields `make_record` writes, the
+  item's identity), or None."""
+  missing = [f for f in RECORD_FIELDS if f not in record]
+  unknown = [str(f) for f in record if f not in RECORD_FIELDS]
+  if missing or unknown:
+    return (f"is not a result record (missing {', '.join(missing)})" if missing
+            else f"is not a result record (unknown field {', '.join(unknown)})")
+  if not isinstance(record["output"], str) or not isinstance(record["correct"], bool):
+    return "is not a result record (output or correct of the wrong type)"
+  trace = record["trace"] if isinstance(record["trace"], dict) else {}
+  expected = {"example_id": item.example["id"], "sample_index": item.sample_index,
+              "dataset": item.example["dataset"], "prompt_sha256": prompt_sha256(item.prompt),
+              "sampling": _json_value(item.sampling.to_dict()), "request_id": item.request_id}
+  found = {**{k: record[k] for k in ("example_id", "sample_index", "dataset", "prompt_sha256")},
+           "sampling": trace.get("sampling"), "request_id": trace.get("request_id")}
+  for name, value in expected.items():
+    if found[name] != value:
+      return f"is the record of another sample ({name} {found[name]!r:.40}, expected {value!r:.40})"
+  return None
+
+
 class SkipFinished(beam.DoFn):
   """Items with a stored record emit that record (tag 'finished'); the rest go on."""
 
@@ -303,12 +350,20 @@ class SkipFinished(beam.DoFn):
     self.store = ResultStore(self.store_dir)
 
   def process(self, item: WorkItem) -> Iterator:
-    record = self.store.get(item.key)
+    record, problem = stored_record(self.store, item)
     if record is not None:
       Metrics.counter(NAMESPACE, "samples_resumed").inc()
       yield beam.pvalue.TaggedOutput("finished", record)
-    else:
-      yield item
+      return
+    if problem:  # the launcher warned already (local stores); recomputed, then overwritten
+      Metrics.counter(NAMESPACE, "store_records_damaged").inc()
+      logging.warning("store record %s %s; it is recomputed", self.store.path(item.key), problem)
+    yield item
+
+
+RECORD_FIELDS = ("key", "example_id", "example_index", "sample_index", "dataset", "task", "policy",
+                 "level", "prompt_sha256", "reference", "output", "answer", "correct", "score",
+                 "tokens", "finish_reason", "trace", "timing")  # make_record's, in its order
 
 
 def make_record(plan: EvalPlan, item: WorkItem, prediction: dict, score: dict) -> dict:
@@ -330,8 +385,8 @@ def make_record(plan: EvalPlan, item: WorkItem, prediction: dict, score: dict) -
   }
 
 
-class ScoreAndStore(beam.DoFn):
-  """Batches of PredictionResults → scored records, each stored as soon as it exists.
+class Score(beam.DoFn):
+  """Batches of PredictionResults → scored records (`Store` writes each at once).
 
   A task may return an exception in place of one item's score (its scorer raised on that
   item): the item becomes a dead letter on the 'unscored' output, the rest are stored. An
@@ -343,7 +398,6 @@ class ScoreAndStore(beam.DoFn):
     self.plan = plan
 
   def setup(self):
-    self.store = ResultStore(self.plan.store_dir)
     self.sandbox = self.plan.task.sandbox() if hasattr(self.plan.task, "sandbox") else None
 
   def process(self, batch) -> Iterator[dict]:
@@ -370,10 +424,23 @@ class ScoreAndStore(beam.DoFn):
             "scoring", str(score), key=item.key, example_id=item.example["id"],
             sample_index=item.sample_index))
         continue
-      record = make_record(self.plan, result.example, result.inference, score)
-      self.store.put(result.example.key, record)
-      Metrics.counter(NAMESPACE, "samples_computed").inc()
-      yield record
+      yield make_record(self.plan, result.example, result.inference, score)
+
+
+class Store(beam.DoFn):
+  """Writes each scored record to the store and passes it on. Not under exception
+  handling: a record that cannot be written (`WriteError`) stops the job."""
+
+  def __init__(self, store_dir: str):
+    self.store_dir = store_dir
+
+  def setup(self):
+    self.store = ResultStore(self.store_dir)
+
+  def process(self, record: dict) -> Iterator[dict]:
+    self.store.put(record["key"], record)
+    Metrics.counter(NAMESPACE, "samples_computed").inc()
+    yield record
 
 
 def _failed_items(element) -> Iterable:
@@ -404,19 +471,8 @@ def failure_dead_letters(stage: str):
 
 
 def write_text(path: str, text: str) -> None:
-  """Whole-file write; local files appear atomically (temp file + rename)."""
-  data = utf8(text)
-  if is_local(path):
-    path = path[len("file://"):] if path.startswith("file://") else path
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-    return
-  from apache_beam.io.filesystems import FileSystems
-  with FileSystems.create(path) as f:
-    f.write(data)
+  """Whole-file write (`write_whole`: atomic locally; `WriteError` naming the file)."""
+  write_whole(path, utf8(text))
 
 
 def _write_jsonl(records: list[dict], path: str, sort_key) -> int:
@@ -461,8 +517,9 @@ def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loade
                       | "RunInference" >> RunInference(handler, clock=clock).with_exception_handling())
   score = (predictions
            | "ScoreBatches" >> beam.BatchElements(min_batch_size=1, max_batch_size=max(plan.batch_size, 8))
-           | "Score" >> beam.ParDo(ScoreAndStore(plan)).with_exception_handling().with_outputs("unscored"))
-  scored, score_failures, unscored = score["good"], score["bad"], score["unscored"]
+           | "Score" >> beam.ParDo(Score(plan)).with_exception_handling().with_outputs("unscored"))
+  score_failures, unscored = score["bad"], score["unscored"]
+  scored = score["good"] | "Store" >> beam.ParDo(Store(plan.store_dir))
   records = (split.finished, scored) | "AllRecords" >> beam.Flatten()
   dead = ((read.dead,
            dlq.failed_inferences | "InferenceFailures" >> beam.FlatMap(failure_dead_letters("inference")),

@@ -1,8 +1,9 @@
 """Content-addressed result store: one JSON file per finished sample, written atomically.
 
   store = ResultStore("runs/sc8/store")
-  store.get(key)            # the record dict, or None when not finished
-  store.put(key, record)    # visible all at once, or not at all
+  store.get(key)            # the record dict, or None when not finished (or not a record of key)
+  store.read(key)           # (record, None), (None, None) when absent, (None, why) when damaged
+  store.put(key, record)    # visible all at once, or not at all; WriteError names the file
   store.check_writable()    # raises OutputError now rather than after the samples are computed
 
 Why it makes runs resumable: 1. every work item's key is a content hash of (model,
@@ -10,7 +11,9 @@ generation config, example, sample index); 2. a sample counts as finished only
 once its file exists, and a file only ever appears complete (local: write a
 temporary file, then rename; object stores: an upload is published whole); 3. a
 rerun skips keys whose file exists, so a kill -9 at any point loses at most the
-samples in flight, and writing the same key twice yields the same single file.
+samples in flight, and writing the same key twice yields the same single file. A file
+that is not a record of its key (truncated by a crash outside put, emptied, a directory,
+another key's record) counts as not finished: `read` says why, and the sample is recomputed.
 """
 
 from __future__ import annotations
@@ -29,12 +32,50 @@ class OutputError(ValueError):
   """The output directory (or its store) cannot be written: found before any work starts."""
 
 
+class WriteError(OutputError):
+  """A store record or a result file could not be written once work started (disk full,
+  quota, a directory in the way): the run stops with this one line; every record stored
+  before it stays valid, so a rerun resumes from there."""
+
+
+def os_reason(e: BaseException) -> str:
+  """`No space left on device`, or `TypeName: message` for what is not an OSError."""
+  return e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+
+
 def is_local(path: str) -> bool:
   return not _SCHEME_RE.match(path) or path.startswith("file://")
 
 
 def _local(path: str) -> str:
   return path[len("file://"):] if path.startswith("file://") else path
+
+
+def write_whole(path: str, data: bytes, what: str = "") -> None:
+  """Writes a whole file: a local one appears atomically (temp file + rename: readers see
+  the old state or the whole file). Raises `WriteError` ("cannot write {what}{path}:
+  reason"; disk full, a directory in the way, an object store's error) and leaves no
+  temporary file."""
+  tmp = None
+  try:
+    if is_local(path):
+      final = _local(path)
+      os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+      tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+      with open(tmp, "wb") as f:
+        f.write(data)
+      os.replace(tmp, final)
+      return
+    from apache_beam.io.filesystems import FileSystems
+    with FileSystems.create(path) as f:
+      f.write(data)
+  except Exception as e:  # OSError locally (ENOSPC, EDQUOT, EISDIR...); object stores: their own
+    if tmp is not None:
+      try:
+        os.remove(tmp)
+      except OSError:
+        pass
+    raise WriteError(f"cannot write {what}{path}: {os_reason(e)}") from e
 
 
 def utf8(text: str) -> bytes:
@@ -50,6 +91,8 @@ def check_writable(directory: str) -> None:
   probe = f"{directory.rstrip('/')}/.o1jax-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
   try:
     if is_local(directory):
+      if os.path.exists(_local(directory)) and not os.path.isdir(_local(directory)):
+        raise OutputError(f"output directory is not writable: {directory} (a file is in the way)")
       os.makedirs(_local(directory), exist_ok=True)
       with open(_local(probe) + ".tmp", "wb") as f:
         f.write(b"{}\n")
@@ -60,9 +103,10 @@ def check_writable(directory: str) -> None:
     with FileSystems.create(probe) as f:
       f.write(b"{}\n")
     FileSystems.delete([probe])
+  except OutputError:
+    raise
   except Exception as e:  # OSError locally; object stores raise their own types
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-    raise OutputError(f"output directory is not writable: {directory} ({reason})") from e
+    raise OutputError(f"output directory is not writable: {directory} ({os_reason(e)})") from e
 
 
 class ResultStore:
@@ -78,6 +122,11 @@ class ResultStore:
     return f"{self.root}/{key}{_SUFFIX}"
 
   def get(self, key: str) -> Optional[dict]:
+    return self.read(key)[0]
+
+  def read(self, key: str) -> tuple[Optional[dict], Optional[str]]:
+    """(record, None); (None, None) when no file; (None, why) when the file is not a
+    record of `key` (`why` completes "store record PATH ...")."""
     path = self.path(key)
     try:
       if self.local:
@@ -86,34 +135,36 @@ class ResultStore:
       else:
         from apache_beam.io.filesystems import FileSystems
         if not FileSystems.exists(path):
-          return None
+          return None, None
         with FileSystems.open(path) as f:
           data = f.read()
     except FileNotFoundError:
-      return None
+      return None, None
+    except IsADirectoryError:
+      return None, "is a directory"
+    except OSError as e:
+      return None, f"cannot be read ({os_reason(e)})"
+    if not data.strip(b" \t\r\n\0"):
+      return None, "is empty" if not data else "holds no JSON (blank or NUL bytes)"
     try:
-      return json.loads(data)
+      record = json.loads(data)
     except ValueError:
-      return None  # never written by put(); treat as not finished so it is recomputed
+      return None, "is not valid JSON (truncated or damaged)"
+    if not isinstance(record, dict):
+      return None, f"holds a JSON {type(record).__name__}, not a record"
+    if record.get("key") != key:
+      return None, f"holds the record of another key ({str(record.get('key'))[:16]!r})"
+    return record, None
 
   def check_writable(self) -> None:
     """Raises `OutputError` unless a record could be stored now (checked before any work)."""
     check_writable(self.root)
 
   def put(self, key: str, record: dict) -> None:
+    """Writes the record whole; raises `WriteError` naming the file (no partial file is
+    left: the temporary file is removed)."""
     data = utf8(json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n")
-    path = self.path(key)
-    if self.local:
-      final = _local(path)
-      os.makedirs(os.path.dirname(final), exist_ok=True)
-      tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-      with open(tmp, "wb") as f:
-        f.write(data)
-      os.replace(tmp, final)  # atomic on POSIX: readers see the old state or the whole file
-      return
-    from apache_beam.io.filesystems import FileSystems
-    with FileSystems.create(path) as f:
-      f.write(data)
+    write_whole(self.path(key), data, "store record ")
 
   def count(self) -> int:
     """Finished records (local stores only; for the progress bar)."""

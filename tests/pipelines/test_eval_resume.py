@@ -10,3 +10,235 @@ def test_kill_9_then_rerun_finishes_without_recomputing(tmp_path):
   before = kill_resume.start_and_kill(out, cmd, whole_group=True)  # like a lost machine
   kill_resume.rerun_and_compare(out, cmd, before, tmp_path / "clean")
   assert (out / "report.md").exists()
+
+
+# -- resume against a damaged, shared or reused output directory (in-process, fake model) --
+
+import builtins
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+from unittest import mock
+
+import pytest
+
+from configs import custom as custom_config
+from pipelines.beam.store import OutputError, WriteError
+from pipelines.beam.testing import FakeClock
+from pipelines.eval import LOCK_NAME, _LogFile, lock_output_dir, run
+
+ADDED = json.dumps({"question": "What is 6 + 6?", "answer": "12"})
+
+
+def _config(data, policy="sample_n", **dataset):
+  cfg = custom_config.get_config(f"smoke=True,policy={policy}")
+  cfg.model.predictor = "fake"
+  cfg.dataset.update(path=str(data), **dataset)
+  cfg.runner.update(direct_num_workers=1, direct_running_mode="in_memory", batch_size=2)
+  if policy == "sample_n":
+    cfg.policy.n = 2
+  return cfg
+
+
+def _run(cfg, out):
+  console = io.StringIO()
+  summary = run(cfg, str(out), clock=FakeClock(), progress=False, report=False, console=console)
+  return summary, console.getvalue()
+
+
+def _records(out) -> list[dict]:
+  return [json.loads(l) for l in (pathlib.Path(out) / "results.jsonl").read_text().splitlines()]
+
+
+def _same(out, clean) -> bool:
+  strip = lambda rs: [{k: v for k, v in r.items() if k != "timing"} for r in rs]
+  return strip(_records(out)) == strip(_records(clean))
+
+
+@pytest.fixture(scope="module")
+def finished(tiny, tmp_path_factory):
+  """(dataset, a finished 3 x 2-sample run's directory) from conftest's questions."""
+  root = tmp_path_factory.mktemp("finished")
+  data = root / "q.jsonl"
+  shutil.copy(tiny / "q.jsonl", data)
+  _run(_config(data), root / "clean")
+  return data, root / "clean"
+
+
+def _copy(finished, dest):
+  shutil.copytree(finished[1], dest)
+  return dest, sorted(p.name for p in (dest / "store").glob("*.json"))
+
+
+def _other_sample(store, keys):
+  """The record of another example than keys[0]'s, under keys[0]'s key."""
+  a = json.loads((store / keys[0]).read_bytes())
+  b = next(r for r in (json.loads((store / k).read_bytes()) for k in keys)
+           if r["example_id"] != a["example_id"])
+  return json.dumps({**b, "key": a["key"]}), (f"is the record of another sample (example_id "
+                                                f"{b['example_id']!r}, expected {a['example_id']!r})")
+
+
+DAMAGE = {  # name -> (store dir, sorted file names) -> (bytes written to the first, warning)
+    "half_line": lambda s, k: ((s / k[0]).read_bytes()[:40], "is not valid JSON (truncated or damaged)"),
+    "zero_bytes": lambda s, k: (b"", "is empty"),
+    "nul_bytes": lambda s, k: (b"\0" * 512, "holds no JSON (blank or NUL bytes)"),
+    "json_list": lambda s, k: (b"[1, 2]\n", "holds a JSON list, not a record"),
+    "other_key": lambda s, k: ((s / k[1]).read_bytes(), f"holds the record of another key ({k[1][:16]!r})"),
+    "other_sample": lambda s, k: _other_sample(s, k),
+    "old_layout": lambda s, k: (json.dumps({x: v for x, v in json.loads((s / k[0]).read_bytes()).items()
+                                            if x != "trace"}), "is not a result record (missing trace)"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_store_record_is_named_recomputed_and_replaced(finished, tmp_path, damage):
+  out, names = _copy(finished, tmp_path / "run")
+  data, written = DAMAGE[damage](out / "store", names)
+  (out / "store" / names[0]).write_bytes(data.encode() if isinstance(data, str) else data)
+  summary, console = _run(_config(finished[0]), out)
+  assert console == f"warning: store record {out}/store/{names[0]} {written}; it is recomputed\n"
+  assert (summary["run"]["resumed"], summary["run"]["computed"]) == (5, 1)
+  assert summary["dead_letters"]["total"] == 0 and _same(out, finished[1])
+  assert json.loads((out / "store" / names[0]).read_bytes())["key"] == names[0][:-len(".json")]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 file")
+def test_unreadable_store_record_is_named_and_recomputed(finished, tmp_path):
+  out, names = _copy(finished, tmp_path / "run")
+  (out / "store" / names[0]).chmod(0)
+  summary, console = _run(_config(finished[0]), out)
+  assert console == (f"warning: store record {out}/store/{names[0]} cannot be read "
+                     f"(Permission denied); it is recomputed\n")
+  assert summary["run"]["computed"] == 1 and _same(out, finished[1])
+
+
+def test_store_directory_replaced_by_a_file_is_one_line_before_any_work(finished, tmp_path):
+  out, _ = _copy(finished, tmp_path / "run")
+  shutil.rmtree(out / "store")
+  (out / "store").write_text("not a directory\n")
+  with pytest.raises(OutputError) as e:
+    _run(_config(finished[0]), out)
+  assert str(e.value) == f"output directory is not writable: {out}/store (a file is in the way)"
+  assert (out / "results.jsonl").exists()  # nothing touched
+
+
+def test_store_record_path_taken_by_a_directory_stops_with_one_line(finished, tmp_path):
+  out, names = _copy(finished, tmp_path / "run")
+  (out / "store" / names[0]).unlink()
+  (out / "store" / names[0]).mkdir()
+  with pytest.raises(WriteError) as e:
+    _run(_config(finished[0]), out)
+  path = f"{out}/store/{names[0]}"
+  assert str(e.value) == f"cannot write store record {path}: Is a directory"
+
+
+def test_rerun_after_dataset_edit_reuses_unchanged_examples_at_their_new_place(finished, tmp_path):
+  data, out = tmp_path / "q.jsonl", tmp_path / "run"
+  shutil.copy(finished[0], data)
+  cfg = _config(data)
+  _run(cfg, out)
+  lines = data.read_text().splitlines()
+  edited = json.loads(lines[2])
+  edited["answer"] = "9"
+  data.write_text("\n".join([lines[0], json.dumps(edited), ADDED]) + "\n")  # removed, edited, added
+  summary, console = _run(cfg, out)
+  assert console == ""
+  assert (summary["run"]["resumed"], summary["run"]["computed"]) == (2, 4)
+  _run(cfg, tmp_path / "clean")
+  assert _same(out, tmp_path / "clean")
+  assert [r["example_index"] for r in _records(out)] == [0, 0, 1, 1, 2, 2]
+
+
+def test_rerun_with_another_policy_or_scoring_reuses_nothing_and_says_so(finished, tmp_path):
+  out, _ = _copy(finished, tmp_path / "run")
+  summary, console = _run(_config(finished[0], policy="greedy"), out)
+  assert console == (f"warning: {out}/summary.json is from a run with another config (policy.n, "
+                     f"policy.name, policy.temperature and 2 more); this run replaces its results "
+                     f"(their records stay in the store)\n")
+  assert summary["run"]["resumed"] == 0 and summary["samples"] == 3
+  _run(_config(finished[0], policy="greedy"), tmp_path / "clean")
+  assert _same(out, tmp_path / "clean")
+  # Text answers are scored otherwise than numbers: none of the stored records is reused.
+  summary, console = _run(_config(finished[0], policy="greedy", answer_format="text"), out)
+  assert console == (f"warning: {out}/summary.json is from a run with another config "
+                     f"(dataset.answer_format); this run replaces its results (their records stay "
+                     f"in the store)\n")
+  assert summary["run"]["resumed"] == 0
+
+
+def _full_disk(marker: str, after: int = 0):
+  """builtins.open whose files with `marker` in their path fail every write with ENOSPC,
+  from the (after + 1)-th such file on."""
+  real, opened = builtins.open, [0]
+
+  class Full:
+    def __init__(self, f):
+      self.f = f
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      self.f.close()
+    def write(self, data):
+      raise OSError(28, "No space left on device")
+
+  def fake(path, mode="r", *args, **kwargs):
+    f = real(path, mode, *args, **kwargs)
+    if isinstance(path, str) and marker in path and "w" in mode and path.endswith(".tmp"):
+      opened[0] += 1
+      if opened[0] > after:
+        return Full(f)
+    return f
+  return mock.patch.object(builtins, "open", fake)
+
+
+def test_disk_full_on_a_store_record_is_one_line_and_the_rerun_resumes(finished, tmp_path):
+  out = tmp_path / "run"
+  cfg = _config(finished[0])
+  with _full_disk(f"{out}/store/", after=4):  # the write check's probe, then 3 records
+    with pytest.raises(WriteError) as e:
+      _run(cfg, out)
+  assert re.fullmatch(rf"cannot write store record {out}/store/[0-9a-f]{{64}}\.json: "
+                      rf"No space left on device", str(e.value)), str(e.value)
+  stored = sorted(p.name for p in (out / "store").iterdir())
+  assert len(stored) == 3 and all(n.endswith(".json") for n in stored)  # no partial or .tmp file
+  summary, console = _run(cfg, out)
+  assert console == "" and (summary["run"]["resumed"], summary["run"]["computed"]) == (3, 3)
+  assert _same(out, finished[1])
+
+
+def test_disk_full_on_results_is_one_line_and_no_earlier_results_are_left(finished, tmp_path):
+  out, _ = _copy(finished, tmp_path / "run")
+  with _full_disk(f"{out}/results.jsonl"):
+    with pytest.raises(WriteError) as e:
+      _run(_config(finished[0]), out)
+  assert str(e.value) == f"cannot write {out}/results.jsonl: No space left on device"
+  # The earlier run's results were removed before the job: none can pass for this run's.
+  assert not any((out / n).exists() for n in ("results.jsonl", "summary.json", "report.md"))
+  assert not list(out.glob("*.tmp"))
+  summary, _ = _run(_config(finished[0]), out)
+  assert summary["run"]["resumed"] == 6 and _same(out, finished[1])
+
+
+def test_second_run_on_a_directory_in_use_is_refused_and_leaves_it_alone(finished, tmp_path):
+  out, names = _copy(finished, tmp_path / "run")
+  (out / "eval.log").write_text("the first run's log\n")
+  before = {n: (out / "store" / n).read_bytes() for n in names}
+  lock = lock_output_dir(str(out))  # the first run
+  try:
+    with pytest.raises(OutputError) as e:
+      _run(_config(finished[0], policy="greedy"), out)
+    assert str(e.value) == (f"output directory {out} is in use by another run (pid {os.getpid()}): "
+                            f"wait for it to end or use another --output_dir")
+    log = _LogFile(str(out / "eval.log"))  # the second launcher's log goes elsewhere
+    assert log.close(keep=False) is None
+  finally:
+    os.close(lock)
+  assert (out / "eval.log").read_text() == "the first run's log\n"
+  assert {n: (out / "store" / n).read_bytes() for n in names} == before
+  assert _same(out, finished[1]) and (out / LOCK_NAME).exists()
+  summary, _ = _run(_config(finished[0]), out)  # once the first run ended
+  assert summary["run"]["resumed"] == 6
