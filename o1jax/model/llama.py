@@ -211,9 +211,6 @@ class Llama(nnx.Module):
     params = to_device(params)
     if matmul_dtype == "int8":
       params = _pack_int8_matrices(params)
-    if weight_mode == "dense":
-      params = jax.tree.map(lambda w: dequantize(w) if isinstance(w, QuantizedTensor) else w, params,
-                            is_leaf=lambda x: isinstance(x, QuantizedTensor))
     self.matmul_dtype = matmul_dtype
     # The matrices' dtype picks each product (`pallas_kernels.ops.matmul`): bf16 ones a
     # bf16 matmul, others full precision (f16/bf16 checkpoint matrices widened here, the
@@ -221,13 +218,22 @@ class Llama(nnx.Module):
     matrix_dtype = jnp.bfloat16 if matmul_dtype == "bfloat16" else jnp.float32
     is_matrix = lambda w: (isinstance(w, jax.Array) and w.ndim == 2
                            and jnp.issubdtype(w.dtype, jnp.floating))
-    opaque = lambda x: isinstance(x, (QuantizedTensor, VnniWeight))
-    params = jax.tree.map(lambda w: w.astype(matrix_dtype) if is_matrix(w) else w, params,
-                          is_leaf=opaque)
-    if matmul_dtype == "float32" and kernel_ops.tiled_f32_preferred(backend):
-      # The native f32 kernel's layout: a few rows cost about one row's weight reads.
-      params = jax.tree.map(lambda w: pack_f32(w) if is_matrix(w) else w, params,
-                            is_leaf=opaque)
+    # The native f32 kernel's layout: a few rows cost about one row's weight reads.
+    tiled = matmul_dtype == "float32" and kernel_ops.tiled_f32_preferred(backend)
+
+    def prepare(w):
+      # One weight at a time, dequantized, cast and packed: the dense copies of every
+      # matrix never coexist (done tree by tree, the load peaked at ~2x the f32 weights).
+      if weight_mode == "dense" and isinstance(w, QuantizedTensor):
+        w = dequantize(w)
+      if is_matrix(w):
+        w = w.astype(matrix_dtype)
+        if tiled:
+          w = pack_f32(w)
+      return w
+
+    params = jax.tree.map(prepare, params,
+                          is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
     self.config = config
     self.dtype = dtype
     self.embed = Weight(params["embed"])
