@@ -138,7 +138,10 @@ class GenerationParams(SamplingParams):
   stopping for one request (all n samples)."""
 
   max_new_tokens: int = 256
-  stop: tuple[str, ...] = ()  # stop strings (not included in the text)
+  # Stop strings, matched in the text (special tokens skipped) or in a special token's
+  # spelling: the sample ends with the token that completes one (kept in token_ids); the
+  # text ends before the first one's first occurrence (thinking.hits_stop).
+  stop: tuple[str, ...] = ()
   stop_token_ids: tuple[int, ...] = ()  # extra stop ids (not included)
   ignore_eos: bool = False
   n: int = 1  # samples of the prompt (prefilled once, blocks shared)
@@ -1331,23 +1334,28 @@ class Engine:
     return seq.span
 
   def _hits_stop(self, seq: _Seq) -> bool:
-    tail = self.tokenizer.decode(thinking_lib.stop_window(seq.span, seq.generated, 64))
-    return any(s in tail for s in seq.group.params.stop)
+    """The last token completes a stop string in the sample's text (`_text`'s text)."""
+    return thinking_lib.hits_stop(seq.span, seq.generated, seq.group.params.stop,
+                                  self._visible, self.tokenizer.decode)
+
+  def _visible(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode(ids, skip_special=True)
 
   def _text(self, seq: _Seq) -> str:
-    text = thinking_lib.answer_text(seq.span, seq.generated,
-                                    lambda ids: self.tokenizer.decode(ids, skip_special=True))
+    text = thinking_lib.answer_text(seq.span, seq.generated, self._visible)
     cuts = [text.find(s) for s in seq.group.params.stop if s in text]
     return text[:min(cuts)] if cuts else text
 
   def _emit(self, seq: _Seq, token: int | None, logprob: float, reason: str | None) -> None:
     text = self._text(seq)
     if reason is None:
-      # Hold back what may still change: the start of a stop string (cut if it
-      # completes) and an unfinished UTF-8 character (decoded as U+FFFD for now).
+      # Hold back what may still change: an unfinished UTF-8 character (decoded as
+      # U+FFFD for now), and before it the start of a stop string (cut if it completes:
+      # a stop string may go on through that character).
+      text = text.rstrip("\ufffd")
       hold = max((k for s in seq.group.params.stop for k in range(1, len(s))
                   if text.endswith(s[:k])), default=0)
-      text = text[:len(text) - hold].rstrip("\ufffd")
+      text = text[:len(text) - hold]
     delta, seq.text_len = text[seq.text_len:], max(len(text), seq.text_len)
     seq.group.events.append(StreamEvent(sample=seq.sample, token_id=token, text=delta,
                                         logprob=logprob if token is not None else None,

@@ -50,6 +50,9 @@ class RequestMetrics:
 
   @property
   def generated_tokens(self) -> int:
+    """Tokens sampled, over all samples: their token_ids, and the eos / stop id that ended
+    a sample (sampled, but not part of its output); not what a row sampled past a stop
+    string (dropped)."""
     return sum(len(t) for t in self.token_times)
 
   @property

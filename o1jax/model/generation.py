@@ -200,6 +200,8 @@ class Generator:
     reasons = ["length"] * n
     done = np.zeros(n, bool)
     positions = lengths.copy()
+    # Stop strings are looked for in the text the output shows (`generate`'s `text`).
+    visible = lambda t: self.tokenizer.decode(t, skip_special=True)
     for step in range(max_new_tokens):
       host_ids = np.asarray(next_ids)
       for i in range(n):
@@ -214,8 +216,8 @@ class Generator:
           yield tok
         if spans[i] is not None:
           spans[i].update(out[i])
-        if stop and any(s in self.tokenizer.decode(thinking_lib.stop_window(spans[i], out[i], 32))
-                        for s in stop):
+        if stop and thinking_lib.hits_stop(spans[i], out[i], stop, visible,
+                                           self.tokenizer.decode):
           done[i], reasons[i] = True, "stop"
       if done.all() or step == max_new_tokens - 1:
         break

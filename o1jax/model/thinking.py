@@ -182,10 +182,48 @@ def answer_text(reader: SpanReader | None, generated: Sequence[int],
   return text.lstrip("\n") if start else text
 
 
-def stop_window(reader: SpanReader | None, generated: Sequence[int], window: int) -> list[int]:
-  """The last `window` generated tokens that stop strings are checked in: the answer's only
-  (none while thinking: a stop string inside the thinking does not end the sample)."""
+# Leading characters of a decoded window that may differ from the full text's (a character
+# cut by the window's start reads as U+FFFD; a tokenizer may drop a first token's space):
+# a stop string is looked for after them only.
+_FRONT = 8
+
+
+def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequence[str],
+              decode_visible: Callable[[Sequence[int]], str],
+              decode: Callable[[Sequence[int]], str] | None = None) -> bool:
+  """Whether the last generated token completes a stop string in the sample's text: its
+  answer, as `answer_text` reads it (special tokens skipped, the newlines that lead the
+  answer dropped; nothing while thinking), so the text is cut where the sample stopped.
+  Also when the last token is a special token whose spelling (`decode`: special tokens
+  kept) contains a stop string: stop="<|im_end|>" ends a sample at that token where it is
+  not an eos id (the token adds nothing to the text).
+
+  Decodes a window of the last tokens, grown until the text after its uncertain front
+  holds any stop string the last token can complete (of any length: a stop string
+  spanning more tokens than a fixed window is still seen). Earlier tokens were checked
+  when they were appended, so only this one's matches count. An unfinished UTF-8
+  character reads as U+FFFD, as in the text."""
   start = 0 if reader is None else reader.answer_start
-  if start is None:
-    return []
-  return list(generated[max(start, len(generated) - window):])
+  if start is None or not stop or not generated:
+    return False
+  n = len(generated)
+  last = decode_visible(list(generated[-1:]))
+  if decode is not None and not last and n > start:
+    spelled = decode(list(generated[-1:]))
+    if any(s in spelled for s in stop):
+      return True
+  # The characters the last token can have changed: its own, and one it completed.
+  need = max(map(len, stop)) + len(last) + 1
+  width = 2 * need + _FRONT
+  while True:
+    lo = max(start, n - width)
+    text = decode_visible(list(generated[lo:]))
+    if lo == start:
+      text = text.lstrip("\n") if start else text
+      break
+    text = text[_FRONT:]
+    # (newlines at its front may lead the answer, which drops them: look further back)
+    if len(text) >= need and not text.startswith("\n"):
+      break
+    width *= 2
+  return any(s in text for s in stop)

@@ -72,6 +72,65 @@ def test_stop_string_cuts_text(tiny):
   assert cut.finish_reason == "stop"
 
 
+def _reference_cut(tok, free, stop, max_new):
+  """(token_ids, text, finish_reason) of the free run `free` (no stop strings) cut at the
+  first token that completes a stop string in the decoded text (special tokens skipped)."""
+  visible = lambda ids: tok.decode(ids, skip_special=True)
+  out = []
+  for t in free.token_ids[:max_new]:
+    out.append(t)
+    text = visible(out)
+    hits = [text.find(s) for s in stop if s in text]
+    if hits:
+      return out, text[:min(hits)], "stop"
+  done = len(out) == len(free.token_ids)  # (an eos after them ended the free run)
+  return out, visible(out), free.finish_reason if done else "length"
+
+
+def _partial_char_pair(text_of, ids):
+  """The last two characters of the first prefix ending with a completed multi-byte one."""
+  for k in range(2, 60):
+    text = text_of(k)
+    if len(text) >= 2 and ord(text[-1]) > 127 and text[-1] != "\ufffd":
+      return [text[-2:]]
+  raise AssertionError("no multi-byte character")
+
+
+# name -> stop strings from the free run (text_of(k): the visible text of its first k tokens;
+# ids: its tokens)
+GENERATOR_STOPS = {
+    "one_char": lambda text_of, ids: [text_of(12)[-1]],
+    "longer_than_32_tokens": lambda text_of, ids: [text_of(45)[1:]],  # was: never matched
+    # the special token is not in the text (was: the check decoded it, the text skips it)
+    "across_special_token": lambda text_of, ids: [text_of(ids.index(1) + 2)[-3:]],
+    "through_partial_char": _partial_char_pair,
+    "prefix_of_another": lambda text_of, ids: [text_of(20)[-4:], text_of(20)[-4:-2]],
+    "later_listed_first": lambda text_of, ids: [text_of(30)[-2:], text_of(9)[-2:]],
+    "only_in_prompt": lambda text_of, ids: ["\x05\x06\x07"],  # the prompt's bytes
+}
+
+
+@pytest.mark.parametrize("kind", list(GENERATOR_STOPS))
+def test_stop_strings_cut_like_the_reference(tiny, kind):
+  ck, gen = tiny
+  tok = ck.tokenizer
+  # Varied bytes: partial characters, a special token (id 1), no eos in 60 tokens.
+  flat = SamplingParams(temperature=1e4, seed=3)
+  prompt = [5, 6, 7]
+  free = gen.generate([prompt], 60, flat, request_ids=[3])[0]
+  assert len(free.token_ids) == 60 and 1 in free.token_ids
+  stop = GENERATOR_STOPS[kind](lambda k: tok.decode(free.token_ids[:k], skip_special=True),
+                               free.token_ids)
+  want = _reference_cut(tok, free, stop, 60)
+  got = gen.generate([prompt], 60, flat, request_ids=[3], stop=stop)[0]
+  assert (got.token_ids, got.text, got.finish_reason) == want
+  # max_new_tokens ending at the token that completes the match: "stop" too
+  k = len(want[0])
+  got = gen.generate([prompt], k, flat, request_ids=[3], stop=stop)[0]
+  assert (got.token_ids, got.text, got.finish_reason) == _reference_cut(tok, free, stop, k)
+  assert list(gen.stream(prompt, k, flat, 3, stop)) == got.token_ids
+
+
 def test_bad_prompts_get_clear_errors(tiny):
   _, gen = tiny
   with pytest.raises(ValueError, match="prompt is empty"):

@@ -36,7 +36,8 @@ def test_a_prompt_inside_the_span_thinks_until_the_close():
   assert reader.answer_start == 3 and reader.thinking_tokens(gen) == 3
   assert reader.thinking_text(gen) == "a b"
   assert thinking.answer_text(reader, gen, decode) == "42"  # leading newlines dropped
-  assert thinking.stop_window(reader, gen, 64) == ids("\n\n", "42")
+  assert thinking.hits_stop(reader, gen, ["42"], decode)
+  assert not thinking.hits_stop(reader, gen, [" b"], decode)  # inside the thinking: no stop
 
 
 def test_a_sample_that_opens_the_span_itself():
@@ -62,7 +63,7 @@ def test_a_sample_that_does_not_think_is_all_answer():
   reader, starts = read(ids("Q:"), gen)
   assert starts == [0, 0, 0] and reader.thinking_text(gen) == "" and reader.thinking_tokens(gen) == 0
   assert thinking.answer_text(reader, gen, decode) == " a</think>42"  # no span: left as written
-  assert thinking.stop_window(reader, gen, 2) == ids("</think>", "42")
+  assert thinking.hits_stop(reader, gen, ["</think>4"], decode)  # no span: plain text
   # Whitespace only, then the end: no span either.
   reader, starts = read(ids("Q:"), ids("\n", " "))
   assert starts == [None, None] and reader.answer_start == 0
@@ -73,7 +74,7 @@ def test_a_span_that_never_closes_has_no_answer():
   reader, _ = read(ids("<think>", "\n"), gen)
   assert reader.answer_start is None and reader.thinking_tokens(gen) == 3
   assert thinking.answer_text(reader, gen, decode) == ""
-  assert thinking.stop_window(reader, gen, 64) == []  # stop strings wait for the answer
+  assert not thinking.hits_stop(reader, gen, ["Q:"], decode)  # stop strings wait for the answer
   assert reader.thinking_text(gen) == "a bQ:"
 
 
