@@ -9,6 +9,7 @@ number in the text; commas, "$" and trailing zeros of decimals are removed so
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import Callable, Optional, Sequence
 
@@ -41,7 +42,8 @@ def weighted_vote(answers: Sequence[Optional[str]],
                   weights: Sequence[float] | None = None) -> tuple[Optional[str], dict[str, float]]:
   """Answer with the largest total weight (ties: the one seen first); None answers abstain.
 
-  Returns (winner, {answer: total weight})."""
+  A NaN total (a NaN weight, or inf + -inf) is no number: it never beats one, and wins
+  only when every total is NaN (then the first seen). Returns (winner, {answer: total weight})."""
   weights = [1.0] * len(answers) if weights is None else list(weights)
   totals: dict[str, float] = collections.OrderedDict()
   for a, w in zip(answers, weights):
@@ -49,8 +51,10 @@ def weighted_vote(answers: Sequence[Optional[str]],
       totals[a] = totals.get(a, 0.0) + float(w)
   if not totals:
     return None, {}
-  best = max(totals.values())
-  winner = next(a for a, v in totals.items() if v == best)
+  winner = None  # (max() with a NaN depends on the order, and `v == nan` never holds)
+  for a, v in totals.items():
+    if winner is None or v > totals[winner] or (math.isnan(totals[winner]) and not math.isnan(v)):
+      winner = a
   return winner, dict(totals)
 
 

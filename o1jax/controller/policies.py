@@ -104,6 +104,16 @@ def _first(traces: list[Trace], among: list[Trace], answer) -> int | None:
   return next((j for j, t in enumerate(traces) if id(t) in ids and t.answer == answer), None)
 
 
+def _best_index(scores: Sequence[float]) -> int:
+  """Index of the highest score, the first among ties; a NaN score is no score (np.argmax
+  would pick the first NaN); every score NaN: 0."""
+  best = 0
+  for j, v in enumerate(scores):
+    if v > scores[best] or (math.isnan(scores[best]) and not math.isnan(v)):
+      best = j
+  return best
+
+
 def _vote_results(ctl, policy, requests, batch, settings, weights_fn=None, keep_fn=None):
   """Majority (or weighted) vote over each request's traces."""
   out = []
@@ -178,7 +188,7 @@ class BestOfN(Policy):
       traces = batch.traces[i]
       for t in traces:
         t.score = float(scorer(req, t))
-      chosen = int(np.argmax([t.score for t in traces]))
+      chosen = _best_index([t.score for t in traces])
       out.append(ctl.result(req, self.name, traces, chosen, traces[chosen].answer,
                             batch.wall_time_s[i], batch.invocations[i]))
     return out
@@ -312,7 +322,23 @@ class DeepConf(Policy):
 
   def _percentile(self, confidences) -> float:
     # f32 like the loop's confidences, so host and loop compare the same numbers.
-    return float(np.float32(np.percentile(confidences, 100.0 - self.keep_percent)))
+    xs = np.sort(np.asarray(confidences, np.float64))
+    q = 100.0 - self.keep_percent
+    if np.isinf(xs).any() and not np.isnan(xs).any():
+      # A trace without a full window and no token has confidence +inf; numpy's
+      # interpolation gives inf - inf = NaN next to it (a NaN threshold stops nothing
+      # and filters every vote). Interpolate by hand: inf beside inf is inf.
+      rank = (len(xs) - 1) * q / 100.0
+      lo, hi = int(math.floor(rank)), int(math.ceil(rank))
+      t = rank - lo
+      if lo == hi or t == 0 or xs[lo] == xs[hi]:
+        value = xs[lo]
+      elif np.isinf(xs[lo]) or np.isinf(xs[hi]):
+        value = xs[hi] if np.isinf(xs[hi]) and xs[hi] > 0 else xs[lo]
+      else:
+        value = np.percentile(xs[lo:hi + 1], 100.0 * t)
+      return float(np.float32(value))
+    return float(np.float32(np.percentile(xs, q)))
 
   def calibrate(self, ctl, requests) -> float:
     """A fixed threshold from held-out requests: `n` traces each, run in full

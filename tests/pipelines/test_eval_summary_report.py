@@ -217,3 +217,22 @@ def test_empty_and_all_unscored_runs_give_no_nan():
   s = summarize(only_errors, task="humaneval")
   json.dumps(s, allow_nan=False)
   assert s["pass_at_k"] == {} and s["accuracy"] == {"pass@1": None} and s["sample_accuracy"] is None
+
+
+# Checked against an independent reference of the harness rules (strings, not numbers:
+# commas, "$", one trailing period dropped; a key without a digit is no vote; ties: first).
+@pytest.mark.parametrize("answers, reference, voted_right", [
+    (["1,000", "1000", "7"], "1000", True),
+    (["$5", "5.", "7", "7"], "5", True),  # "$5" and "5." vote together: 2 against 2, first
+    (["5.0", "5", "5.0"], "5", False),  # "5.0" is not "5" for the harness
+    (["-0", "0", "-0"], "0", False),
+    (["\u22125", "\u22125", "5"], "5", False),  # a unicode minus is kept, so no match
+    ([None, "...", "$$"], "0", False),  # no digit anywhere: no vote, not right
+    (["9" * 60, "9" * 60, "1"], "9" * 60, True),  # long digit strings, compared as text
+    (["3"], "3", True),  # one sample
+    (["2", "3", "3", "2"], "2", True),  # a tie goes to the first seen
+])
+def test_vote_accuracy_table(answers, reference, voted_right):
+  recs = [_rec(0, i, a, a, reference, 10, 1) for i, a in enumerate(answers)]
+  acc = summarize(recs, task="gsm8k", vote=True)["accuracy"]
+  assert acc == {"strict": float(voted_right), "flexible": float(voted_right)}

@@ -302,3 +302,100 @@ def test_controller_run_refuses_a_policy_that_is_no_policy():
     build_policy(section)
   res, = ctl.run(["Q"], {"name": "greedy_cot", "max_thinking_tokens": 0})
   assert res.answer == "7"
+
+
+# --- aggregation edge cases against hand-computed results (host side, no model) ----------
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize("answers, weights, winner", [
+    (["1", "2", "2", "1"], None, "1"),  # a tie: the one seen first
+    ([None, None], None, None),  # every trace without an answer: no winner
+    (["5"], None, "5"),  # a single trace
+    (["1", "2"], [NAN, 1.0], "2"),  # a NaN total never beats a number (max() crashed)
+    (["1", "2"], [1.0, NAN], "1"),
+    (["2", "3"], [NAN, -INF], "3"),  # ... not even -inf
+    (["1", "2", "1"], [INF, 1.0, -INF], "2"),  # inf + -inf = NaN
+    (["1", "2"], [NAN, NAN], "1"),  # every total NaN: the first seen
+    (["1", "2"], [INF, INF], "1"),  # tied at inf: the first seen
+    (["1", "2", "2"], [0.0, 0.0, 0.0], "1"),  # zero weights tie
+    (["1", "2"], [-1.0, -2.0], "1"),
+    ([None, "2", "3"], [1.0, NAN, -INF], "3"),
+])
+def test_weighted_vote_edge_weights(answers, weights, winner):
+  got, votes = weighted_vote(answers, weights)
+  assert got == winner
+  assert list(votes) == list(dict.fromkeys(a for a in answers if a is not None))
+
+
+class _FakeCtl:
+  """generate() hands out prepared traces; result() returns what the policy chose."""
+  extract_answer = None
+  budget = None
+
+  def __init__(self, *batches):
+    self.batches = list(batches)
+
+  def generate(self, requests, settings, n, **kw):
+    from o1jax.controller.controller import Batch
+    traces = self.batches.pop(0)
+    assert len(traces) == n
+    return Batch([traces], [0.0], [1])
+
+  def result(self, req, name, traces, chosen, answer, wall, calls, votes=None, **info):
+    return chosen, answer, dict(votes or {}), info
+
+
+def _trace(i, answer, conf=1.0, logprob=-1.0, stopped=False):
+  from o1jax.controller.results import TokenCounts, Trace
+  return Trace(sample_index=i, token_ids=[], text="", thinking_text="", answer_text="",
+               answer=answer, steps=[], tokens=TokenCounts(), backtracks=0, early_exit=False,
+               exit_reason="eos", mean_logprob=logprob, mean_confidence=conf,
+               lowest_group_confidence=conf, tail_confidence=conf,
+               stopped_low_confidence=stopped)
+
+
+@pytest.mark.parametrize("scores, chosen", [
+    ([-1.0, -0.5, -0.5], 1),  # the highest, first among ties
+    ([NAN, -1.0, -2.0], 1),  # a NaN score is no score (np.argmax picked the NaN)
+    ([-2.0, NAN, INF], 2),
+    ([NAN, -INF], 1),
+    ([NAN, NAN], 0),
+    ([-3.0], 0),  # n = 1
+])
+def test_best_of_n_skips_nan_scores(scores, chosen):
+  traces = [_trace(i, str(i), logprob=s) for i, s in enumerate(scores)]
+  got = get_policy("best_of_n", n=len(scores)).run(_FakeCtl(traces), [ReasoningRequest("Q")])
+  assert got[0][:2] == (chosen, str(chosen))
+
+
+@pytest.mark.parametrize("confs, keep, threshold", [
+    ([1.0, 2.0], 10.0, 1.9),
+    ([1.0, 2.0], 100.0, 1.0),  # keep everything: the lowest
+    ([1.0, 2.0], 1e-9, 2.0),  # keep almost nothing: the highest
+    ([3.0], 10.0, 3.0),  # one warm-up trace
+    ([2.0, INF], 10.0, INF),  # a trace without a window has +inf: numpy gave NaN
+    ([2.0, 2.0, INF], 0.001, INF),
+    ([2.0, INF], 100.0, 2.0),
+    ([INF, INF], 50.0, INF),
+    ([1.0, 2.0, INF], 60.0, 1.8),  # inf beyond the interpolated pair
+])
+def test_deepconf_threshold_is_the_documented_percentile(confs, keep, threshold):
+  got = get_policy("deepconf", n=4, warmup=2, keep_percent=keep)._percentile(confs)
+  assert got == pytest.approx(float(np.float32(threshold)), rel=1e-6)
+
+
+def test_deepconf_vote_with_an_infinite_warmup_confidence():
+  # Warm-up confidences 2 and +inf (keep 10): threshold inf, filter_votes keeps only the
+  # inf trace (a NaN threshold had filtered every vote, then let all vote).
+  warm = [_trace(0, "7", conf=2.0), _trace(1, "8", conf=INF)]
+  rest = [_trace(2, "7", conf=3.0), _trace(3, "7", conf=3.0)]
+  pol = get_policy("deepconf", n=4, warmup=2, keep_percent=10.0, filter_votes=True)
+  chosen, answer, votes, info = pol.run(_FakeCtl(warm, rest), [ReasoningRequest("Q")])[0]
+  assert info["threshold"] == INF and (chosen, answer, votes) == (1, "8", {"8": INF})
+  # a NaN confidence abstains from the weighted vote instead of crashing it
+  warm = [_trace(0, "7", conf=NAN), _trace(1, "8", conf=1.0)]
+  pol = get_policy("deepconf", n=2, warmup=2, keep_percent=100.0)
+  chosen, answer, _, _ = pol.run(_FakeCtl(warm), [ReasoningRequest("Q")])[0]
+  assert (chosen, answer) == (1, "8")
