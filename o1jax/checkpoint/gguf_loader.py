@@ -269,21 +269,19 @@ class _Metadata:
       raise self._error(key, f"a finite number {'>' if positive else '>='} 0")
     return float(value)
 
-  def string(self, key, default=None):
+  def _of_type(self, key, default, kind: type, expected: str):
     value = self.values.get(key)
     if value is None and key not in self.arrays:
       return default
-    if not isinstance(value, str):
-      raise self._error(key, "a string")
+    if not isinstance(value, kind):
+      raise self._error(key, expected)
     return value
 
+  def string(self, key, default=None):
+    return self._of_type(key, default, str, "a string")
+
   def flag(self, key, default=None):
-    value = self.values.get(key)
-    if value is None and key not in self.arrays:
-      return default
-    if not isinstance(value, bool):
-      raise self._error(key, "a bool")
-    return value
+    return self._of_type(key, default, bool, "a bool")
 
   def array(self, key, items, what: str) -> int | None:
     """The length of array `key` of item types `items` (None when absent)."""
