@@ -6,7 +6,8 @@
 
 answer_format: number (GSM8K normalization + strict/flexible scoring), gsm8k (worked
 solution ending "#### N"), text (exact match of the reply's last line).
-Variants: smoke=True|False, fast=True|False, policy=<name> (see configs/gsm8k.py).
+Variants: smoke=True|False, fast=True|False, policy=<name> (see configs/gsm8k.py; controller
+policies vote on numbers: answer_format=text rejects them, use sample_n and the majority vote).
 """
 
 from configs import common

@@ -164,6 +164,12 @@ class HumanEvalTask:
   def sandbox(self):
     return sandbox_from_config(self.sandbox_cfg)
 
+  def check_policy(self, policy) -> None:
+    if policy.controller:
+      raise ValueError(f"policy {policy.name!r} is a reasoning-controller policy; HumanEval needs "
+                       f"code completions with stop sequences and pass@k over samples: use "
+                       f"policy=greedy or policy=sample_n")
+
   def score_batch(self, items, sandbox=None) -> list[dict]:
     """Runs every completion (truncated at the stop sequences) in the sandbox, as a pool."""
     from pipelines.sandbox import HumanEvalProgram
@@ -209,6 +215,15 @@ class CustomTask:
       return template.format(question=example.question), tuple(self.prompt_cfg["stop"])
     user = template.format(question=example.question)
     return zero_shot_messages(user, system=_system(self.prompt_cfg["system"])), tuple(self.prompt_cfg["stop"])
+
+  def check_policy(self, policy) -> None:
+    """Controller policies vote, stop and answer by the number after 'The answer is':
+    text answers (matched on the reply's last line) reject them."""
+    if policy.controller and self.dataset["answer_format"] == "text":
+      raise ValueError(f"policy {policy.name!r} is a reasoning-controller policy (it votes on the "
+                       f"number after 'The answer is'); dataset.answer_format=text rejects it: use "
+                       f"policy=sample_n (the summary's majority vote reads the text answers) or "
+                       f"policy=greedy")
 
   def score_batch(self, items) -> list[dict]:
     out = []

@@ -81,21 +81,18 @@ class EvalPlan:
             and self.predictor.speculative_config() is not None)
 
 
-def resolve_predictor(name: str, policy: BasePolicy, task_name: str) -> str:
+def resolve_predictor(name: str, policy: BasePolicy) -> str:
   """The predictor that runs `policy`: controller policies need the controller.
 
   1. unknown names list the registered ones; 2. a controller policy turns
   engine/generator into controller (fake stays fake); 3. the controller without a
-  controller policy, or a controller policy on HumanEval, is an error.
+  controller policy is an error (a task rejects the policies it cannot score in its
+  `check_policy`).
   """
   from pipelines.predictors import PLAIN_MODEL_PREDICTORS, PREDICTORS
   if name not in PREDICTORS:
     raise ValueError(f"model.predictor={name!r}: registered predictors are {sorted(PREDICTORS)}")
   if policy.controller:
-    if task_name == "humaneval":
-      raise ValueError(f"policy {policy.name!r} is a reasoning-controller policy; HumanEval needs "
-                       f"code completions with stop sequences and pass@k over samples: use "
-                       f"policy=greedy or policy=sample_n")
     return "controller" if name in PLAIN_MODEL_PREDICTORS else name
   if name == "controller":
     raise ValueError(f"model.predictor=controller runs only controller policies "
@@ -140,7 +137,7 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     policy.sampling(sampling, 0)
   except ValueError as e:
     raise ValueError(f"policy {policy.name}: {e}") from e
-  name = resolve_predictor(config.model.predictor, policy, config.task)
+  name = resolve_predictor(config.model.predictor, policy)
   controller = None
   if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype
     from o1jax.controller import CacheConfig

@@ -173,6 +173,12 @@ def test_policy_registry_and_config_errors():
   he = humaneval_config.get_config("policy=greedy_cot,smoke=True")
   with pytest.raises(ValueError, match="HumanEval.*policy=greedy or policy=sample_n"):
     build_plan(he, "unused_output_dir")
+  text = custom_config.get_config("policy=self_consistency,smoke=True")
+  text.dataset.update(path="unused.jsonl", answer_format="text")
+  with pytest.raises(ValueError, match=r"answer_format=text rejects it: use policy=sample_n"):
+    build_plan(text, "unused_output_dir")
+  text.dataset.answer_format = "number"  # numbers vote in the loop
+  assert build_plan(text, "unused_output_dir").predictor.name == "controller"
   plain = gsm8k_config.get_config("smoke=True")
   plain.model.predictor = "controller"
   with pytest.raises(ValueError, match="runs only controller policies"):
