@@ -442,7 +442,8 @@ class Controller:
 
   def key_tables(self) -> tuple[np.ndarray, np.ndarray]:
     """[V, C] character classes of every token's text (-1 = none) and [V] overflow
-    (more than C classes, or a digit the automaton cannot read)."""
+    (more than C classes, or text the automaton cannot read: a non-ASCII digit, or
+    U+FFFD, a token holding part of a character such as one byte of "−")."""
     if self._key_tables is None:
       v, c = self.model.vocab_size, self.key_classes
       classes = np.full((v, c), -1, np.int32)

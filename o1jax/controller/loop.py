@@ -151,9 +151,10 @@ class ReasoningLoop:
       c = cls[:, i]
       on = feed & (c >= 0)
       cc = jnp.maximum(c, 0)
-      p = pre[st, cc]
-      key = _set_row(key, n, p, on & (p >= 0))
-      n = n + (on & (p >= 0))
+      for j in range(pre.shape[2]):  # codes written before the character's own
+        p = pre[st, cc, j]
+        key = _set_row(key, n, p, on & (p >= 0))
+        n = n + (on & (p >= 0))
       w = on & write[st, cc]
       key = _set_row(key, n, cc, w)
       n = n + w

@@ -140,7 +140,7 @@ class ReasoningState:
   lowest_conf: jax.Array  # [B] f32 lowest full-window group confidence (+inf = none yet)
   exit_reason: jax.Array  # [B] i32
   key_state: jax.Array  # [B] i32 answer-key automaton state (KEY_*)
-  key: jax.Array  # [B, A] i32 normalized answer characters (0-9 digits, 10 ".", 12 "-")
+  key: jax.Array  # [B, A] i32 answer key codes (0-9 digits, 10 ".", 12 "-"; a zero integer part left out: answers.key_text)
   key_len: jax.Array  # [B] i32 characters written
   key_commit: jax.Array  # [B] i32 characters that count (trailing fraction zeros do not)
   key_unknown: jax.Array  # [B] bool the key could not be followed (too long, odd token)
