@@ -26,7 +26,9 @@ from its tokens. Prefill covers prompt[:-1]; the last prompt token is the first
 decode input, so every token, first included, is sampled by the same step.
 
 Shapes are bucketed (decode batch, block-table width, prefill batch and chunk
-length) so a long run compiles a small fixed set of programs; each trace is
+length) so a long run compiles a small fixed set of programs; a prefill call whose
+bucket is not compiled yet runs padded in a bigger compiled one until compiling its own
+pays off (engine/shape_plan.py: short jobs compile fewer programs). Each trace is
 logged and counted in `Engine.trace_counts`.
 """
 
@@ -56,6 +58,7 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
+from o1jax.engine.shape_plan import ShapePlan
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
                                       prompt_lookup)
 from o1jax.model import thinking as thinking_lib
@@ -107,6 +110,9 @@ class EngineConfig:
   # takes a mesh of your own instead.
   tensor_parallel: int = 1
   data_parallel: int = 1  # engine replicas in one process (engine/replicas.py), one per group
+  # A prefill call whose shape is not compiled yet may run padded in a bigger compiled one
+  # until compiling its own pays off (engine/shape_plan.py); the same tokens either way.
+  reuse_compiled_shapes: bool = True
 
   def __post_init__(self):
     if self.policy not in POLICIES:
@@ -118,6 +124,9 @@ class EngineConfig:
                  "tensor_parallel", "data_parallel", "min_chunk_bucket", "min_table_blocks",
                  "max_top_logprobs"):
       check_int(getattr(self, name), name, 0 if name == "max_top_logprobs" else 1)
+    if not isinstance(self.reuse_compiled_shapes, (bool, np.bool_)):
+      raise ValueError(f"reuse_compiled_shapes must be True or False, got "
+                       f"{self.reuse_compiled_shapes!r}")
     # None takes the default; 0 must not (it read as "unset" and silently did).
     for name in ("num_blocks", "kv_cache_bytes", "max_context"):
       value = getattr(self, name)
@@ -378,6 +387,9 @@ class Engine:
     self._arrivals = 0
     self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
                                   config.min_table_blocks)
+    # Prefill calls rent a bigger compiled shape until compiling their own pays off.
+    self._prefill_shapes = (ShapePlan(PREFILL_CALL_OVERHEAD) if config.reuse_compiled_shapes
+                            else None)
     # The graphdef and the state's tree structure are bound here rather than
     # passed per call: hashing a static graphdef and flattening the NNX state
     # cost ~3 ms of host time per decode step. Calls pass the flat leaves.
@@ -932,10 +944,12 @@ class Engine:
       self.draft_cache = self._copy_jit(self.draft_cache, src, dst)
 
   def _decode_rows(self, n: int) -> int:
+    """Rows of a decode call for n sequences: the smallest bucket that fits, but never
+    more than max_slots (16 slots padded to 32 rows did twice the work per step)."""
     fits = [b for b in self.config.decode_buckets if b >= n]
-    return min(fits) if fits else pow2_bucket(n)
+    return min(min(fits) if fits else pow2_bucket(n), max(n, self.config.max_slots))
 
-  def _table(self, seqs: Sequence[_Seq], rows: int, decode: bool = False) -> np.ndarray:
+  def _table_width(self, seqs: Sequence[_Seq], decode: bool = False) -> int:
     need = max(len(s.blocks) for s in seqs)
     # Decode cost grows with the width on the XLA attention path (every row
     # gathers all of it): a CPU step at 12 vs 16 blocks took 41 vs 44 / 86 vs
@@ -943,8 +957,11 @@ class Engine:
     # Prefill keeps powers of two: a chunk of T tokens needs width * block_size
     # >= T, which a power-of-two width over the rows' blocks guarantees.
     bucket = three_quarter_bucket if decode else pow2_bucket
-    width = bucket(need, self.config.min_table_blocks)
-    width = min(width, self._table_cap)
+    return min(bucket(need, self.config.min_table_blocks), self._table_cap)
+
+  def _table(self, seqs: Sequence[_Seq], rows: int, decode: bool = False,
+             width: int | None = None) -> np.ndarray:
+    width = width or self._table_width(seqs, decode)
     tables = np.zeros((rows, width), np.int32)
     for i, s in enumerate(seqs):
       tables[i, :len(s.blocks)] = s.blocks
@@ -1017,17 +1034,23 @@ class Engine:
       return
     self._run_copies(copies)
     # Two row counts only: one sequence, or the full prefill batch.
-    rows = 1 if len(batch) == 1 else self.config.max_prefill_seqs
-    t = self._chunk_bucket(max(n for _, n in batch))
+    seqs = [s for s, _ in batch]
+    wanted = (1 if len(batch) == 1 else self.config.max_prefill_seqs,
+              self._chunk_bucket(max(n for _, n in batch)), self._table_width(seqs))
+    shape = self._prefill_shapes.choose(wanted) if self._prefill_shapes else wanted
+    rows, t, width = shape
     tokens = np.zeros((rows, t), np.int32)
     starts = np.zeros(rows, np.int32)
     lens = np.zeros(rows, np.int32)
     for i, (s, n) in enumerate(batch):
       tokens[i, :n] = s.tokens[s.n_computed:s.n_computed + n]
       starts[i], lens[i] = s.n_computed, n
-    tables = self._table([s for s, _ in batch], rows)
+    tables = self._table(seqs, rows, width=width)
+    traces, start = self.trace_counts["prefill"], self.clock()
     self.cache = self.prefill(self.cache, jnp.asarray(tokens), jnp.asarray(starts),
                               jnp.asarray(lens), jnp.asarray(tables))
+    if self._prefill_shapes is not None:
+      self._observe_prefill(shape, start, compiled=self.trace_counts["prefill"] > traces)
     for s, n in batch:
       s.n_computed += n
       self.allocator.register_prefix(s.tokens, s.blocks, s.n_computed)
@@ -1035,6 +1058,19 @@ class Engine:
         s.pending_keys = set()
         self._prefilling.remove(s)
         self._start_decoding(s)
+
+  def _observe_prefill(self, shape, start: float, compiled: bool) -> None:
+    """Feeds the shape plan: a compile's cost (the dispatch: the run is asynchronous),
+    and the first runs of each shape (one sync each: the device is idle at a prefill's
+    dispatch, the previous decode call having returned its tokens)."""
+    plan = self._prefill_shapes
+    if compiled:
+      start_run = self.clock()
+      plan.observe_compile(shape, start_run - start)
+      start = start_run
+    if plan.wants_timing(shape):
+      jax.block_until_ready(self.cache)
+      plan.observe_run(shape, self.clock() - start)
 
   # -- decode ------------------------------------------------------------------------------
 

@@ -410,9 +410,11 @@ def test_prefill_calls_pack_rows_by_tokens_per_cost(tiny, make_prompts):
     return calls
 
   # 16 prompts of 40-41 tokens, chunk 256 over 8 rows: 8 rows of 32 tokens, then their
-  # 8-9 token rests (before: 16 calls of one row).
+  # 8-9 token rests (before: 16 calls of one row). The shapes the packing wants: no
+  # renting of bigger compiled ones (test_shape_plan.py).
   calls = run(EngineConfig(max_slots=16, num_blocks=256, prefill_chunk=256, max_prefill_seqs=8,
-                           prefix_caching=False), make_prompts(16, seed=16, low=40, high=42))
+                           prefix_caching=False, reuse_compiled_shapes=False),
+              make_prompts(16, seed=16, low=40, high=42))
   assert [shape for shape, _ in calls] == [(8, 32), (8, 16), (8, 32), (8, 16)], calls
   # Prompts of 5-90 tokens: long rows go alone, short pieces still share a call.
   calls = run(EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, max_prefill_seqs=4,

@@ -1,0 +1,97 @@
+"""Which compiled program a prefill call runs: a bigger one already compiled, or its own.
+
+A new shape costs a trace, a lowering and a compile (about a second per prefill shape of
+the embedded model on a 2-core CPU, from JAX's persistent cache too: tracing and lowering
+run in every process), while running a call padded to a bigger compiled shape costs the
+padded positions. `ShapePlan` decides by the rent-or-buy rule: a call whose own shape is
+not compiled runs in the cheapest compiled shape that fits, and the extra seconds are
+added to its shape's debt; when the debt with this call's extra would reach the measured
+cost of a compile, the shape is compiled. A short job compiles a few shapes; a long one
+ends with every bucket it uses, having paid at most about twice what the best choice in
+hindsight would have. Both costs are measured on this machine (a GPU runs positions a
+thousand times faster than a CPU, and compiles no faster). Tokens do not depend on the
+choice: padded rows and positions are masked.
+
+Shapes are (rows, positions per row, table width in blocks).
+"""
+
+from __future__ import annotations
+
+import collections
+
+Shape = tuple[int, int, int]
+
+# Runs of a shape timed (one sync each) for the seconds-per-position estimate.
+TIMED_RUNS_PER_SHAPE = 2
+# A rented shape's table is at most this much wider than the call needs: attention over
+# a wider table is not counted in the positions.
+MAX_WIDTH_RATIO = 2
+
+
+def positions(shape: Shape) -> int:
+  return shape[0] * shape[1]
+
+
+def fits(bigger: Shape, wanted: Shape) -> bool:
+  """`bigger` can run a call of shape `wanted` (padded)."""
+  return (bigger[0] >= wanted[0] and bigger[1] >= wanted[1] and bigger[2] >= wanted[2]
+          and bigger[2] <= MAX_WIDTH_RATIO * wanted[2])
+
+
+class ShapePlan:
+  """Rent (pad into a compiled shape) or buy (compile the call's own) for each call."""
+
+  def __init__(self, call_overhead: int = 0):
+    self.call_overhead = call_overhead  # positions a call costs beyond its own
+    self.compiled: set[Shape] = set()
+    self.debt: collections.Counter[Shape] = collections.Counter()  # seconds of padding so far
+    self.rented = 0  # calls that ran in a bigger compiled shape
+    self._compile_seconds: list[float] = []
+    self._run_seconds = 0.0
+    self._run_positions = 0
+    self._timed: collections.Counter[Shape] = collections.Counter()
+
+  @property
+  def compile_seconds(self) -> float | None:
+    """Mean measured cost of compiling a new shape (None before one was measured)."""
+    s = self._compile_seconds
+    return sum(s) / len(s) if s else None
+
+  @property
+  def position_seconds(self) -> float | None:
+    """Measured seconds per computed position (None before a run was timed)."""
+    return self._run_seconds / self._run_positions if self._run_positions else None
+
+  def choose(self, wanted: Shape) -> Shape:
+    """The shape this call runs in: `wanted` when compiled (or when nothing is measured
+    yet), else the cheapest compiled one that fits while its debt allows."""
+    if wanted in self.compiled:
+      return wanted
+    compile_s, per_position = self.compile_seconds, self.position_seconds
+    candidates = [s for s in self.compiled if fits(s, wanted)]
+    if compile_s is None or per_position is None or not candidates:
+      return wanted
+    best = min(candidates, key=lambda s: (positions(s), s))
+    extra = (positions(best) - positions(wanted)) * per_position
+    if self.debt[wanted] + extra >= compile_s:
+      return wanted
+    self.debt[wanted] += extra
+    self.rented += 1
+    return best
+
+  def observe_compile(self, shape: Shape, seconds: float) -> None:
+    """`shape` was compiled by a call whose dispatch took `seconds` (trace, lowering,
+    compile: the run itself is asynchronous)."""
+    self.compiled.add(shape)
+    self.debt.pop(shape, None)
+    self._compile_seconds.append(max(float(seconds), 0.0))
+
+  def wants_timing(self, shape: Shape) -> bool:
+    return self._timed[shape] < TIMED_RUNS_PER_SHAPE
+
+  def observe_run(self, shape: Shape, seconds: float) -> None:
+    """A call of `shape` ran in `seconds` (from dispatch to its result on the device)."""
+    self.compiled.add(shape)
+    self._timed[shape] += 1
+    self._run_seconds += max(float(seconds), 0.0)
+    self._run_positions += positions(shape) + self.call_overhead
