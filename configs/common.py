@@ -89,7 +89,9 @@ def engine_section(smoke: bool = False) -> ml_collections.ConfigDict:
       # decode slots; 0 = runner.batch_size x the DirectRunner workers sharing the model
       # (every batch in flight fills its own slots; one batch's slots otherwise)
       max_slots=0,
-      num_blocks=0,  # KV pool in blocks; 0 = derive from kv_cache_bytes
+      # KV pool in blocks; 0 = from kv_cache_bytes, grown so every slot holds the job's
+      # longest prompt + max_new_tokens (up to half the device's memory)
+      num_blocks=0,
       kv_cache_bytes=(32 if smoke else 64) << 20,
       block_size=16,
       kv_dtype="float32",  # or bfloat16 (half the KV bytes) / float8_e4m3fn (per-block scales)

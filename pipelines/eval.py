@@ -252,7 +252,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   import apache_beam as beam
 
   from pipelines.beam import build_pipeline
-  from pipelines.beam.pipeline import stored_record, write_text
+  from pipelines.beam.pipeline import sized_for, stored_record, write_text
   from pipelines.beam.store import is_local
   from pipelines.beam.worker import mark_launcher
   from pipelines.summary import summarize
@@ -281,6 +281,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   if direct:
     mark_launcher()  # local worker processes watch this process and exit with it
   pipeline = beam.Pipeline(options=options)
+  plan = sized_for(plan, scan.items)  # the engine's KV pool holds the longest sequences
   build_pipeline(pipeline, plan, clock=clock, loader=loader)
   try:
     if local and show:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import itertools
 import math
 import threading
@@ -106,6 +107,10 @@ class PredictorSpec:
   budget: tuple[tuple[str, Any], ...] = ()
   speculative: tuple[tuple[str, Any], ...] = ()
   imports: tuple[str, ...] = ()
+  # The job's longest prompts (JSON) and largest max_new_tokens: the engine's KV pool is
+  # sized so every slot holds such a sequence (set by the launcher from its work items).
+  longest_prompts: tuple[str, ...] = ()
+  max_new_tokens: int = 0
 
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8,
@@ -260,6 +265,19 @@ def engine_config(spec: PredictorSpec):
   return EngineConfig(**values)  # the model carries the backend (its ops pick by it)
 
 
+def _longest_prompt_tokens(tokenizer, prompts: Sequence[str]) -> int:
+  """Tokens of the longest of these prompts (JSON); one the tokenizer refuses counts 0
+  (its request becomes a dead letter, not the whole worker)."""
+  from o1jax.engine.engine import prompt_ids
+  longest = 0
+  for p in prompts:
+    try:
+      longest = max(longest, len(prompt_ids(tokenizer, json.loads(p))))
+    except Exception:  # noqa: BLE001 - the request fails on its own later
+      continue
+  return longest
+
+
 class EnginePredictor:
   """`o1jax.engine.Engine`, built once per worker and shared by the batches in flight.
 
@@ -288,8 +306,12 @@ class EnginePredictor:
   def load(cls, spec: PredictorSpec) -> "EnginePredictor":
     from o1jax.engine import build_engine
     model, tokenizer = _load_model(spec)
+    config = engine_config(spec)
+    if spec.longest_prompts and config.num_blocks is None:  # a fixed num_blocks stays
+      config = dataclasses.replace(config, min_tokens_per_slot=_longest_prompt_tokens(
+          tokenizer, spec.longest_prompts) + spec.max_new_tokens)
     # data_parallel > 1: replicas of the engine over this worker's devices (one batch dealt out)
-    return cls(build_engine(model, tokenizer, engine_config(spec), budget=spec.budget_loop(),
+    return cls(build_engine(model, tokenizer, config, budget=spec.budget_loop(),
                             speculative=spec.speculative_config(), thinking=spec.thinking))
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 import zlib
 from typing import Callable, Iterator, Sequence
@@ -81,6 +82,28 @@ PREFILL_CALL_OVERHEAD = 64
 # --- configuration, requests, results -------------------------------------------------
 
 
+def pool_memory_limit(device) -> int:
+  """Bytes a KV pool may take on `device`: half an accelerator's memory, or a quarter of
+  the host's RAM where the device reports no limit (a CPU)."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # a backend without memory stats
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]) // 2
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+  """Text or chat messages -> token ids (the chat template applied), as the engine reads
+  a prompt; token ids pass through."""
+  if isinstance(prompt, str):
+    return tokenizer.encode(prompt)
+  if isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[0], dict):
+    return tokenizer.encode(tokenizer.apply_chat_template(list(prompt)))
+  return list(prompt)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Static engine settings (memory, batching, shapes, policy)."""
@@ -110,6 +133,10 @@ class EngineConfig:
   # takes a mesh of your own instead.
   tensor_parallel: int = 1
   data_parallel: int = 1  # engine replicas in one process (engine/replicas.py), one per group
+  # The pool holds at least max_slots x this many tokens (pipelines pass their job's longest
+  # prompt + max_new_tokens), up to half the device's memory; None: kv_cache_bytes alone.
+  # A fixed num_blocks is kept as it is.
+  min_tokens_per_slot: int | None = None
   # A prefill call whose shape is not compiled yet may run padded in a bigger compiled one
   # until compiling its own pays off (engine/shape_plan.py); the same tokens either way.
   reuse_compiled_shapes: bool = True
@@ -128,7 +155,7 @@ class EngineConfig:
       raise ValueError(f"reuse_compiled_shapes must be True or False, got "
                        f"{self.reuse_compiled_shapes!r}")
     # None takes the default; 0 must not (it read as "unset" and silently did).
-    for name in ("num_blocks", "kv_cache_bytes", "max_context"):
+    for name in ("num_blocks", "kv_cache_bytes", "max_context", "min_tokens_per_slot"):
       value = getattr(self, name)
       if value is not None and (not is_int(value) or value < 1):
         raise ValueError(f"{name} must be an int >= 1 or None (the default), got {value!r}")
@@ -369,6 +396,8 @@ class Engine:
       num_blocks = config.num_blocks
     else:
       num_blocks = max(1, (config.kv_cache_bytes or 256 << 20) // per_block)
+      if config.min_tokens_per_slot:  # every slot can hold a whole sequence: no preemption
+        num_blocks = max(num_blocks, self._blocks_for_slots(config, per_block))
     self.num_blocks = int(num_blocks)
     self.cache = self._new_pool(mc)
     self.allocator = BlockAllocator(self.num_blocks, config.block_size,
@@ -405,6 +434,19 @@ class Engine:
     self._head_t = self._transposed_head(model)
     self.draft_model: Llama | None = None
     self.set_speculative(speculative, draft_model)
+
+  def _blocks_for_slots(self, config: EngineConfig, per_block: int) -> int:
+    """Blocks for max_slots sequences of min_tokens_per_slot tokens (a pool too small
+    for the running sequences preempts and recomputes them: 16 slots of 256-token
+    answers in 64 MiB took twice as long), at most half the device's memory."""
+    tokens = min(config.min_tokens_per_slot, self.max_context)
+    want = config.max_slots * -(-tokens // config.block_size)
+    cap = pool_memory_limit(jax.devices()[0]) // per_block
+    if want > cap:
+      log.warning("engine: %d slots x %d tokens need %d KV blocks (%.0f MiB); using %d, half "
+                  "the device's memory: long sequences may be preempted and recomputed",
+                  config.max_slots, tokens, want, want * per_block / 2**20, cap)
+    return min(want, cap)
 
   def set_speculative(self, speculative: SpeculativeConfig | None,
                       draft_model: Llama | None = None) -> None:
@@ -563,10 +605,9 @@ class Engine:
 
   def encode_prompt(self, prompt) -> list[int]:
     """Text, token ids, or chat messages -> token ids (chat template applied)."""
-    if isinstance(prompt, str):
-      ids = self.tokenizer.encode(prompt)
-    elif isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[0], dict):
-      ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt)
+                                   and isinstance(prompt[0], dict)):
+      ids = prompt_ids(self.tokenizer, prompt)
     elif isinstance(prompt, (list, tuple, np.ndarray)):
       bad = [i for i in prompt if not is_int(i)]
       if bad:  # int() would cut 1.5 to 1 and read True as 1

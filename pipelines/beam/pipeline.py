@@ -263,6 +263,23 @@ def scan_dataset(plan: EvalPlan) -> DatasetScan:
   return scan
 
 
+LONGEST_PROMPTS = 4  # by characters: the longest in tokens is among them
+
+
+def sized_for(plan: EvalPlan, items: Iterable[WorkItem]) -> EvalPlan:
+  """`plan` whose predictor knows the job's longest prompts and largest max_new_tokens
+  (the engine sizes its KV pool so every slot holds such a sequence)."""
+  prompts: dict[str, int] = {}
+  new = 0
+  for item in items:
+    text = json.dumps(item.prompt)
+    prompts[text] = len(text)
+    new = max(new, int(item.sampling.max_new_tokens))
+  longest = tuple(sorted(prompts, key=lambda p: (-prompts[p], p))[:LONGEST_PROMPTS])
+  return dataclasses.replace(plan, predictor=dataclasses.replace(
+      plan.predictor, longest_prompts=longest, max_new_tokens=new))
+
+
 def plan_items(plan: EvalPlan) -> tuple[list[WorkItem], list[DeadLetter]]:
   """All work items and input dead letters, computed in this process (progress bar, tests)."""
   scan = scan_dataset(plan)

@@ -4,6 +4,7 @@ controller section's cache reach the model / engine / controller and the content
 import jax.numpy as jnp
 import pytest
 
+from configs import custom as custom_config
 from configs import gsm8k as gsm8k_config
 from o1jax.testing import tiny_config, write_hf_checkpoint
 from o1jax.controller.sampling_policies import SamplingSpec
@@ -352,3 +353,39 @@ def test_a_failed_engine_step_takes_only_its_batch_out_of_the_shared_engine(tiny
   assert not engine.has_work() and not engine._groups and engine.allocator.num_used == 0
   engine.step = step
   assert [p["text"] for p in predictor.predict(batch[1:])] == [p["text"] for p in alone]
+
+
+def test_the_engine_pool_holds_every_slot_s_longest_sequence_of_the_job(tmp_path):
+  """The launcher passes the job's longest prompts and largest max_new_tokens; the worker's
+  engine sizes its KV pool for max_slots such sequences (64 MiB held 91 blocks: 16 slots of
+  256-token answers were preempted 150 times and took twice as long). A fixed num_blocks
+  stays as it is."""
+  import dataclasses
+  from pipelines.beam import build_plan
+  from pipelines.beam.pipeline import plan_items, sized_for
+  from pipelines.predictors import EnginePredictor
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=1024), seed=1)
+  (tmp_path / "q.jsonl").write_text(
+      '{"question": "1+1?", "answer": "2"}\n{"question": "' + "long " * 40 + '?", "answer": "3"}\n')
+  cfg = custom_config.get_config("smoke=True")
+  cfg.model.update(source=str(tmp_path), predictor="engine")
+  cfg.dataset.path = str(tmp_path / "q.jsonl")
+  cfg.sampling.max_new_tokens = 100
+  cfg.engine.kv_cache_bytes = 1 << 14  # a few blocks of the tiny model
+  cfg.runner.update(batch_size=3, direct_num_workers=1, direct_running_mode="in_memory")
+  plan = build_plan(cfg, str(tmp_path / "out"))
+  items, _ = plan_items(plan)
+  sized = sized_for(plan, items).predictor
+  assert sized.max_new_tokens == 100 and len(sized.longest_prompts) == 2
+  assert "long long" in sized.longest_prompts[0]  # the longest first
+  engine = EnginePredictor.load(sized).engine
+  longest = max(len(engine.encode_prompt(i.prompt)) for i in items)
+  assert engine.num_blocks == 3 * -(-(longest + 100) // 16)  # 3 slots
+  cfg.sampling.max_new_tokens = 2000  # beyond the context: the context bounds a sequence
+  long_plan = build_plan(cfg, str(tmp_path / "out"))
+  capped = sized_for(long_plan, plan_items(long_plan)[0]).predictor
+  assert EnginePredictor.load(capped).engine.num_blocks == 3 * 1024 // 16
+  small = EnginePredictor.load(plan.predictor).engine  # not sized: kv_cache_bytes alone
+  assert small.num_blocks < engine.num_blocks
+  fixed = dataclasses.replace(sized, engine=tuple(dict(sized.engine, num_blocks=7).items()))
+  assert EnginePredictor.load(fixed).engine.num_blocks == 7

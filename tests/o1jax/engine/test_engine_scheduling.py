@@ -448,3 +448,32 @@ def test_cancel_frees_a_request_and_the_others_run_as_alone(tiny, make_prompts):
   assert engine.allocator.num_used > 0
   events.close()
   assert engine.allocator.num_used == 0 and not engine.has_work() and not engine._groups
+
+
+def test_min_tokens_per_slot_sizes_the_pool_up_to_the_memory_limit(tiny, make_prompts, monkeypatch,
+                                                                     caplog):
+  """min_tokens_per_slot: the pool holds max_slots sequences of that many tokens (no
+  preemption; the same tokens as a roomy pool), but never more than the device's limit
+  (logged); a fixed num_blocks is kept."""
+  from o1jax.engine import engine as engine_module
+  prompts = make_prompts(4, seed=41, low=20, high=21)
+  params = GenerationParams(max_new_tokens=20, ignore_eos=True)
+  tiny_pool = EngineConfig(max_slots=4, kv_cache_bytes=1, prefill_chunk=64)
+  sized = Engine(tiny.model, tiny.tokenizer,
+                 dataclasses.replace(tiny_pool, min_tokens_per_slot=40))
+  assert sized.num_blocks == 4 * 3  # 40 tokens in blocks of 16
+  got = [r.token_ids for r in sized.generate([Request(p, params) for p in prompts])]
+  assert sized.metrics.preemptions == 0
+  roomy = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64))
+  assert got == [r.token_ids for r in roomy.generate([Request(p, params) for p in prompts])]
+  per_block = sized.kv_bytes // sized.num_blocks
+  monkeypatch.setattr(engine_module, "pool_memory_limit", lambda device: 5 * per_block)
+  with caplog.at_level("WARNING"):
+    capped = Engine(tiny.model, tiny.tokenizer,
+                    dataclasses.replace(tiny_pool, min_tokens_per_slot=40))
+  assert capped.num_blocks == 5 and "need 12 KV blocks" in caplog.text
+  fixed = Engine(tiny.model, tiny.tokenizer, dataclasses.replace(
+      tiny_pool, num_blocks=9, min_tokens_per_slot=40))
+  assert fixed.num_blocks == 9
+  with pytest.raises(ValueError, match="min_tokens_per_slot must be an int >= 1 or None"):
+    EngineConfig(min_tokens_per_slot=0)
