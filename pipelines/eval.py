@@ -578,6 +578,9 @@ def main(argv):
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
+  from pipelines.report import recomputed_line
+  if recomputed_line(summary):
+    print(f"warning: {recomputed_line(summary)}", file=sys.stderr)
   failure = run_failure(summary, output_dir)
   if failure:
     print(f"error: {failure}", file=sys.stderr)

@@ -342,6 +342,8 @@ class EnginePredictor:
         metrics["budget"] = m.budget
       if m.spec_drafted:  # speculative decoding: drafts verified for it, and accepted
         metrics["speculative"] = {"drafted": m.spec_drafted, "accepted": m.spec_accepted}
+      if m.recomputed_tokens:  # preempted (the KV pool was full) and run again
+        metrics["recomputed_tokens"] = int(m.recomputed_tokens)
       out.append({"text": sample.text, **_tokens_and_thinking(len(result.prompt_token_ids), sample),
                   "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0,
                   "metrics": metrics})

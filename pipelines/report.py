@@ -27,6 +27,13 @@ from pipelines.summary import LATENCY_BUCKETS_MS, bucket_index, bucket_label, pe
 HEATMAP_TIME_BINS = 20
 
 
+
+def recomputed_line(summary: dict) -> str:
+  """The work the engine lost to preemptions this run ('' when none)."""
+  n = int((summary.get("throughput") or {}).get("recomputed_tokens") or 0)
+  return (f"The engine recomputed {n} tokens of preempted sequences: its KV pool was too small "
+          f"for the running sequences (raise engine.kv_cache_bytes or engine.num_blocks)") if n else ""
+
 def _plt():
   import matplotlib
   matplotlib.use("Agg")  # files only; never needs a display
@@ -263,7 +270,8 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
           f"Computed this run: {thr['samples_computed']} samples in {_fmt(thr['span_s'])} s "
           f"({_fmt(thr['samples_per_s'], 3)} samples/s, {_fmt(thr['completion_tokens_per_s'])} completion tok/s); "
           f"resumed from the store: {_fmt((summary.get('run') or {}).get('resumed'))}; "
-          f"wall time {_fmt((summary.get('run') or {}).get('wall_s'))} s.", "",
+          f"wall time {_fmt((summary.get('run') or {}).get('wall_s'))} s."
+          + (f" {recomputed_line(summary)}." if recomputed_line(summary) else ""), "",
           f"Per-token latency source: {ptl.get('source', 'request_latency/completion')} "
           f"({_fmt(ptl.get('count'))} values).", "", *_stability_lines(summary), "",
           "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]

@@ -257,7 +257,11 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "latency_stability": latency_stability(per_token, ttft),
       "throughput": {"samples_computed": len(fresh), "span_s": _round(span_s, 2),
                      "samples_per_s": _round(len(fresh) / span_s, 3) if span_s > 0 else None,
-                     "completion_tokens_per_s": _round(fresh_tokens / span_s, 2) if span_s > 0 else None},
+                     "completion_tokens_per_s": _round(fresh_tokens / span_s, 2) if span_s > 0 else None,
+                     # tokens the engine ran again after preempting a sequence (its KV pool
+                     # was full): work lost to a pool too small for the slots
+                     "recomputed_tokens": sum(int(r["timing"].get("recomputed_tokens", 0))
+                                              for r in fresh)},
       "finish_reasons": dict(sorted(collections.Counter(r.get("finish_reason") for r in records).items(),
                                     key=lambda kv: str(kv[0]))),
       "dead_letters": {"total": len(dead_letters), "by_stage": dict(sorted(stages.items()))},

@@ -260,3 +260,22 @@ def test_speculative_controller_run_keys(tiny, tmp_path, policy):
     assert [r["key"] for r in got] == [r["key"] for r in want]
   else:
     assert not {r["key"] for r in got} & {r["key"] for r in want}
+
+
+def test_work_lost_to_preemptions_is_recorded_summed_and_reported(tiny, tmp_path):
+  """A KV pool too small for the running sequences: the engine preempts and recomputes;
+  each record's timing says how many tokens it ran again, the summary sums them and the
+  report says what to raise. The records' content is that of a roomy pool."""
+  cfg = _config(tiny, batch=3)
+  cfg.sampling.max_new_tokens = 24
+  cfg.engine.update(num_blocks=3, block_size=16, max_slots=3)  # one sequence needs 2 blocks
+  summary = run(cfg, str(tmp_path / "small"), progress=False, report=True)
+  records = _records(tmp_path / "small")
+  lost = sum(r["timing"].get("recomputed_tokens", 0) for r in records)
+  assert lost > 0 and summary["throughput"]["recomputed_tokens"] == lost
+  assert f"The engine recomputed {lost} tokens" in (tmp_path / "small" / "report.md").read_text()
+  cfg.engine.num_blocks = 64
+  roomy = run(cfg, str(tmp_path / "roomy"), progress=False, report=False)
+  assert roomy["throughput"]["recomputed_tokens"] == 0
+  assert _stable(_records(tmp_path / "roomy")) == [
+      {k: v for k, v in r.items() if k not in ("key", "timing")} for r in records]
