@@ -26,9 +26,9 @@ from its tokens. Prefill covers prompt[:-1]; the last prompt token is the first
 decode input, so every token, first included, is sampled by the same step.
 
 Shapes are bucketed (decode batch, block-table width, prefill batch and chunk
-length) so a long run compiles a small fixed set of programs; a prefill call whose
-bucket is not compiled yet runs padded in a bigger compiled one until compiling its own
-pays off (engine/shape_plan.py: short jobs compile fewer programs). Each trace is
+length) so a long run compiles a small fixed set of programs; a prefill or decode call
+whose bucket is not compiled yet runs padded in a bigger compiled one until compiling its
+own pays off (engine/shape_plan.py: short jobs compile fewer programs). Each trace is
 logged and counted in `Engine.trace_counts`.
 """
 
@@ -59,7 +59,7 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
-from o1jax.engine.shape_plan import ShapePlan
+from o1jax.engine.shape_plan import ShapePlan, decode_fits, decode_size
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
                                       prompt_lookup)
 from o1jax.model import thinking as thinking_lib
@@ -137,7 +137,7 @@ class EngineConfig:
   # prompt + max_new_tokens), up to half the device's memory; None: kv_cache_bytes alone.
   # A fixed num_blocks is kept as it is.
   min_tokens_per_slot: int | None = None
-  # A prefill call whose shape is not compiled yet may run padded in a bigger compiled one
+  # A prefill or decode call whose shape is not compiled yet may run padded in a bigger one
   # until compiling its own pays off (engine/shape_plan.py); the same tokens either way.
   reuse_compiled_shapes: bool = True
 
@@ -419,6 +419,8 @@ class Engine:
     # Prefill calls rent a bigger compiled shape until compiling their own pays off.
     self._prefill_shapes = (ShapePlan(PREFILL_CALL_OVERHEAD) if config.reuse_compiled_shapes
                             else None)
+    self._decode_shapes = (ShapePlan(size=decode_size, fits=decode_fits)
+                           if config.reuse_compiled_shapes else None)
     # The graphdef and the state's tree structure are bound here rather than
     # passed per call: hashing a static graphdef and flattening the NNX state
     # cost ~3 ms of host time per decode step. Calls pass the flat leaves.
@@ -1143,15 +1145,26 @@ class Engine:
       return
     self._run_copies(copies)
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
-    rows = self._decode_rows(len(seqs))
-    batch, stop_ids, top_n = self._decode_batch(seqs, rows)
+    rows, width = self._decode_rows(len(seqs)), self._table_width(seqs, decode=True)
+    if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs)
+      wanted = (rows, width, *self._decode_statics(seqs))
+      shape = self._decode_shapes.choose(wanted, repeats=iterations)
+      rows, width = shape[:2]
+    batch, stop_ids, top_n = self._decode_batch(seqs, rows, width)
     row_limits = np.zeros(rows, np.int32)
     row_limits[:len(seqs)] = [limits[s] for s in seqs]
-    start = self.clock()
+    start, traces = self.clock(), self.trace_counts["decode"]
     out, self.cache = self.decode(self.cache, batch, jnp.asarray(row_limits), jnp.asarray(stop_ids),
                                   iterations, top_n)
+    dispatched = self.clock()
     out = jax.device_get(out)
     end = self.clock()
+    if self._decode_shapes is not None:
+      shape = (rows, width, stop_ids.shape[1], top_n)
+      if self.trace_counts["decode"] > traces:
+        self._decode_shapes.observe_compile(shape, dispatched - start)
+      self._decode_shapes.observe_run(shape, end - (dispatched if self.trace_counts["decode"] > traces
+                                                    else start), repeats=int(out.iterations))
     # Per-token times: the call's wall time spread evenly over the steps it ran.
     ran = max(int(out.iterations), 1)
     if self.budget is not None:
@@ -1171,9 +1184,16 @@ class Engine:
       self._planner.observe(rows, 0, (self.clock() - call_start) / ran,  # (not while compiling)
                             single=iterations == 1, steps=ran)
 
-  def _decode_batch(self, seqs: Sequence[_Seq], rows: int):
-    """The decode inputs of `seqs` in `rows` slots: (DecodeBatch, stop ids [rows, S]
-    (-1 pads), the top-K alternatives the call computes)."""
+  def _decode_statics(self, seqs: Sequence[_Seq]) -> tuple[int, int]:
+    """The stop-id width and top-K alternatives of a decode call over `seqs`."""
+    stop_width = pow2_bucket(max(len(s.group.stop_ids) for s in seqs), 8)
+    want_top = max(s.group.params.top_logprobs for s in seqs)
+    return stop_width, self.config.max_top_logprobs if want_top else 0
+
+  def _decode_batch(self, seqs: Sequence[_Seq], rows: int, width: int | None = None):
+    """The decode inputs of `seqs` in `rows` slots (`width`: the table's, default its
+    bucket): (DecodeBatch, stop ids [rows, S] (-1 pads), the top-K alternatives the
+    call computes)."""
     f32, i32 = np.float32, np.int32
     tokens, positions, steps_ = (np.zeros(rows, i32) for _ in range(3))
     active = np.zeros(rows, bool)
@@ -1181,22 +1201,22 @@ class Engine:
     temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
     top_k = np.zeros(rows, i32)
     stop_lists = [s.group.stop_ids for s in seqs]
-    stop_ids = np.full((rows, pow2_bucket(max(map(len, stop_lists)), 8)), -1, i32)
-    want_top = 0
+    stop_width, top_n = self._decode_statics(seqs)
+    stop_ids = np.full((rows, stop_width), -1, i32)
     for i, s in enumerate(seqs):
       p = s.group.params
       tokens[i], positions[i], steps_[i], active[i] = s.tokens[-1], len(s.tokens) - 1, len(s.generated), True
       stop_ids[i, :len(stop_lists[i])] = stop_lists[i]
       keys[i] = s.key
       temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-      want_top = max(want_top, p.top_logprobs)
     batch = steps.DecodeBatch(
         tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), active=jnp.asarray(active),
-        block_tables=jnp.asarray(self._table(seqs, rows, decode=True)), keys=jnp.asarray(keys),
+        block_tables=jnp.asarray(self._table(seqs, rows, decode=True, width=width)),
+        keys=jnp.asarray(keys),
         steps=jnp.asarray(steps_), temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
         top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
     # Two programs at most: without and with the engine's top-K alternatives.
-    return batch, stop_ids, self.config.max_top_logprobs if want_top else 0
+    return batch, stop_ids, top_n
 
   def _speculate_once(self, running: Sequence[_Seq], call_start: float) -> bool:
     """One verify call over drafted tokens, if the planner expects it to pay (see

@@ -12,7 +12,10 @@ hindsight would have. Both costs are measured on this machine (a GPU runs positi
 thousand times faster than a CPU, and compiles no faster). Tokens do not depend on the
 choice: padded rows and positions are masked.
 
-Shapes are (rows, positions per row, table width in blocks).
+A prefill shape is (rows, positions per row, table width in blocks), its size the
+positions it computes; a decode shape is (rows, table width, stop-id width, top-K
+alternatives), its size rows x width per step (a step's cost is not all in that product,
+so the padding is overestimated: the plan compiles sooner, never later, than it should).
 """
 
 from __future__ import annotations
@@ -33,16 +36,28 @@ def positions(shape: Shape) -> int:
 
 
 def fits(bigger: Shape, wanted: Shape) -> bool:
-  """`bigger` can run a call of shape `wanted` (padded)."""
+  """`bigger` can run a prefill call of shape `wanted` (padded)."""
   return (bigger[0] >= wanted[0] and bigger[1] >= wanted[1] and bigger[2] >= wanted[2]
           and bigger[2] <= MAX_WIDTH_RATIO * wanted[2])
+
+
+def decode_size(shape: tuple) -> int:
+  return shape[0] * shape[1]
+
+
+def decode_fits(bigger: tuple, wanted: tuple) -> bool:
+  """`bigger` can run a decode call of shape `wanted`: more rows, a wider table (at most
+  MAX_WIDTH_RATIO wider), the same stop-id width and top-K (other programs)."""
+  return (bigger[0] >= wanted[0] and wanted[1] <= bigger[1] <= MAX_WIDTH_RATIO * wanted[1]
+          and bigger[2:] == wanted[2:])
 
 
 class ShapePlan:
   """Rent (pad into a compiled shape) or buy (compile the call's own) for each call."""
 
-  def __init__(self, call_overhead: int = 0):
-    self.call_overhead = call_overhead  # positions a call costs beyond its own
+  def __init__(self, call_overhead: int = 0, size=positions, fits=fits):
+    self.call_overhead = call_overhead  # size units a call costs beyond its own
+    self.size, self.fits = size, fits
     self.compiled: set[Shape] = set()
     self.debt: collections.Counter[Shape] = collections.Counter()  # seconds of padding so far
     self.rented = 0  # calls that ran in a bigger compiled shape
@@ -62,17 +77,18 @@ class ShapePlan:
     """Measured seconds per computed position (None before a run was timed)."""
     return self._run_seconds / self._run_positions if self._run_positions else None
 
-  def choose(self, wanted: Shape) -> Shape:
+  def choose(self, wanted: Shape, repeats: int = 1) -> Shape:
     """The shape this call runs in: `wanted` when compiled (or when nothing is measured
-    yet), else the cheapest compiled one that fits while its debt allows."""
+    yet), else the cheapest compiled one that fits while its debt allows (`repeats`:
+    the steps a decode call runs at most, each paying the padding)."""
     if wanted in self.compiled:
       return wanted
     compile_s, per_position = self.compile_seconds, self.position_seconds
-    candidates = [s for s in self.compiled if fits(s, wanted)]
+    candidates = [s for s in self.compiled if self.fits(s, wanted)]
     if compile_s is None or per_position is None or not candidates:
       return wanted
-    best = min(candidates, key=lambda s: (positions(s), s))
-    extra = (positions(best) - positions(wanted)) * per_position
+    best = min(candidates, key=lambda s: (self.size(s), s))
+    extra = (self.size(best) - self.size(wanted)) * per_position * repeats
     if self.debt[wanted] + extra >= compile_s:
       return wanted
     self.debt[wanted] += extra
@@ -89,9 +105,10 @@ class ShapePlan:
   def wants_timing(self, shape: Shape) -> bool:
     return self._timed[shape] < TIMED_RUNS_PER_SHAPE
 
-  def observe_run(self, shape: Shape, seconds: float) -> None:
-    """A call of `shape` ran in `seconds` (from dispatch to its result on the device)."""
+  def observe_run(self, shape: Shape, seconds: float, repeats: int = 1) -> None:
+    """A call of `shape` ran in `seconds` (from dispatch to its result on the device),
+    `repeats` steps of it (decode)."""
     self.compiled.add(shape)
     self._timed[shape] += 1
     self._run_seconds += max(float(seconds), 0.0)
-    self._run_positions += positions(shape) + self.call_overhead
+    self._run_positions += (self.size(shape) + self.call_overhead) * max(int(repeats), 1)

@@ -83,6 +83,42 @@ def test_engine_rents_compiled_prefill_shapes_with_the_same_tokens(tiny, make_pr
   assert engines[True].trace_counts["prefill"] == len(plan.compiled)
 
 
+def test_engine_rents_compiled_decode_shapes_with_the_same_tokens(tiny, make_prompts):
+  """Long prompts first (wide tables, full rows), then short ones one by one: the
+  engine that rents runs them in the compiled wide programs (fewer decode programs) and
+  every request gets the same tokens."""
+  long_prompts = make_prompts(8, seed=32, low=150, high=160)
+  short = make_prompts(3, seed=33, low=3, high=10)
+  params = GenerationParams(max_new_tokens=5, temperature=0.9, seed=2, ignore_eos=True)
+  config = EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, prefix_caching=False)
+  tokens, engines = {}, {}
+  for reuse in (True, False):
+    engine = Engine(tiny.model, tiny.tokenizer,
+                    dataclasses.replace(config, reuse_compiled_shapes=reuse))
+    out = engine.generate([Request(p, params, request_id=i) for i, p in enumerate(long_prompts)])
+    for j, p in enumerate(short):
+      out += engine.generate([Request(p, params, request_id=100 + j)])
+    tokens[reuse], engines[reuse] = [r.token_ids for r in out], engine
+  assert tokens[True] == tokens[False]
+  decode = engines[True]._decode_shapes
+  assert decode.rented > 0 and engines[True].trace_counts["decode"] == len(decode.compiled)
+  assert engines[True].trace_counts["decode"] < engines[False].trace_counts["decode"]
+
+
 def test_reuse_compiled_shapes_must_be_a_bool():
   with pytest.raises(ValueError, match="reuse_compiled_shapes must be True or False, got 'no'"):
     EngineConfig(reuse_compiled_shapes="no")
+
+
+def test_decode_calls_rent_wider_tables_and_more_rows_of_the_same_program_kind():
+  from o1jax.engine.shape_plan import decode_fits, decode_size
+  plan = ShapePlan(size=decode_size, fits=decode_fits)
+  plan.observe_compile((8, 16, 8, 0), 1.0)
+  plan.observe_run((8, 16, 8, 0), 8 * 16 * 1e-4 * 8, repeats=8)  # 1e-4 s per row-block
+  assert plan.position_seconds == pytest.approx(1e-4)
+  assert plan.choose((8, 12, 8, 0), repeats=8) == (8, 16, 8, 0)  # 32 x 1e-4 x 8 steps
+  assert plan.debt[(8, 12, 8, 0)] == pytest.approx(32 * 1e-4 * 8)
+  assert plan.choose((1, 16, 8, 0)) == (8, 16, 8, 0)
+  assert plan.choose((8, 16, 16, 0)) == (8, 16, 16, 0)  # other stop-id width: its own program
+  assert plan.choose((8, 16, 8, 20)) == (8, 16, 8, 20)  # with top-K alternatives: its own
+  assert plan.choose((8, 6, 8, 0)) == (8, 6, 8, 0)  # 16 is over twice 6
