@@ -442,7 +442,9 @@ class Engine:
     for the running sequences preempts and recomputes them: 16 slots of 256-token
     answers in 64 MiB took twice as long), at most half the device's memory."""
     tokens = min(config.min_tokens_per_slot, self.max_context)
-    want = config.max_slots * -(-tokens // config.block_size)
+    # Rounded up to a bucket: the pool's size is in every program's signature, so jobs of
+    # similar lengths share compiled programs (and the persistent compilation cache).
+    want = three_quarter_bucket(config.max_slots * -(-tokens // config.block_size))
     cap = pool_memory_limit(jax.devices()[0]) // per_block
     if want > cap:
       log.warning("engine: %d slots x %d tokens need %d KV blocks (%.0f MiB); using %d, half "

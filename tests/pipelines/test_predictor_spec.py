@@ -363,6 +363,7 @@ def test_the_engine_pool_holds_every_slot_s_longest_sequence_of_the_job(tmp_path
   import dataclasses
   from pipelines.beam import build_plan
   from pipelines.beam.pipeline import plan_items, sized_for
+  from o1jax.model.shapes import three_quarter_bucket
   from pipelines.predictors import EnginePredictor
   write_hf_checkpoint(tmp_path, tiny_config(max_context=1024), seed=1)
   (tmp_path / "q.jsonl").write_text(
@@ -380,11 +381,11 @@ def test_the_engine_pool_holds_every_slot_s_longest_sequence_of_the_job(tmp_path
   assert "long long" in sized.longest_prompts[0]  # the longest first
   engine = EnginePredictor.load(sized).engine
   longest = max(len(engine.encode_prompt(i.prompt)) for i in items)
-  assert engine.num_blocks == 3 * -(-(longest + 100) // 16)  # 3 slots
+  assert engine.num_blocks == three_quarter_bucket(3 * -(-(longest + 100) // 16))  # 3 slots
   cfg.sampling.max_new_tokens = 2000  # beyond the context: the context bounds a sequence
   long_plan = build_plan(cfg, str(tmp_path / "out"))
   capped = sized_for(long_plan, plan_items(long_plan)[0]).predictor
-  assert EnginePredictor.load(capped).engine.num_blocks == 3 * 1024 // 16
+  assert EnginePredictor.load(capped).engine.num_blocks == three_quarter_bucket(3 * 1024 // 16)
   small = EnginePredictor.load(plan.predictor).engine  # not sized: kv_cache_bytes alone
   assert small.num_blocks < engine.num_blocks
   fixed = dataclasses.replace(sized, engine=tuple(dict(sized.engine, num_blocks=7).items()))

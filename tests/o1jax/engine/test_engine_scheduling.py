@@ -461,11 +461,13 @@ def test_min_tokens_per_slot_sizes_the_pool_up_to_the_memory_limit(tiny, make_pr
   tiny_pool = EngineConfig(max_slots=4, kv_cache_bytes=1, prefill_chunk=64)
   sized = Engine(tiny.model, tiny.tokenizer,
                  dataclasses.replace(tiny_pool, min_tokens_per_slot=40))
-  assert sized.num_blocks == 4 * 3  # 40 tokens in blocks of 16
+  assert sized.num_blocks == 12  # 4 slots x 40 tokens in blocks of 16 (a bucket: 12)
   got = [r.token_ids for r in sized.generate([Request(p, params) for p in prompts])]
   assert sized.metrics.preemptions == 0
   roomy = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=64))
   assert got == [r.token_ids for r in roomy.generate([Request(p, params) for p in prompts])]
+  odd = Engine(tiny.model, tiny.tokenizer, dataclasses.replace(tiny_pool, min_tokens_per_slot=70))
+  assert odd.num_blocks == 24  # 4 x 5 = 20 blocks rounded up to the bucket
   per_block = sized.kv_bytes // sized.num_blocks
   monkeypatch.setattr(engine_module, "pool_memory_limit", lambda device: 5 * per_block)
   with caplog.at_level("WARNING"):
