@@ -59,7 +59,7 @@ from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
 from o1jax.engine.budget import BudgetLoop, token_limit
 from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
-from o1jax.engine.shape_plan import ShapePlan, decode_fits, decode_size
+from o1jax.engine.shape_plan import ShapePlan, decode_fits
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
                                       prompt_lookup)
 from o1jax.model import thinking as thinking_lib
@@ -419,7 +419,7 @@ class Engine:
     # Prefill calls rent a bigger compiled shape until compiling their own pays off.
     self._prefill_shapes = (ShapePlan(PREFILL_CALL_OVERHEAD) if config.reuse_compiled_shapes
                             else None)
-    self._decode_shapes = (ShapePlan(size=decode_size, fits=decode_fits)
+    self._decode_shapes = (ShapePlan(fits=decode_fits)
                            if config.reuse_compiled_shapes else None)
     # The graphdef and the state's tree structure are bound here rather than
     # passed per call: hashing a static graphdef and flattening the NNX state
@@ -1148,6 +1148,7 @@ class Engine:
     self._run_copies(copies)
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
     rows, width = self._decode_rows(len(seqs)), self._table_width(seqs, decode=True)
+    planned_rows = rows  # what the speculation planner compares verify calls against
     if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs)
       wanted = (rows, width, *self._decode_statics(seqs))
       shape = self._decode_shapes.choose(wanted, repeats=iterations)
@@ -1183,7 +1184,7 @@ class Engine:
         if s.finish_reason is not None:
           break  # a stop string: what the row sampled past it is dropped
     if self._planner is not None and sum(self.trace_counts.values()) == call_traces:
-      self._planner.observe(rows, 0, (self.clock() - call_start) / ran,  # (not while compiling)
+      self._planner.observe(planned_rows, 0, (self.clock() - call_start) / ran,  # (not compiling)
                             single=iterations == 1, steps=ran)
 
   def _decode_statics(self, seqs: Sequence[_Seq]) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Which compiled program a prefill call runs: a bigger one already compiled, or its own.
+"""Which compiled program an engine call runs: a bigger one already compiled, or its own.
 
 A new shape costs a trace, a lowering and a compile (about a second per prefill shape of
 the embedded model on a 2-core CPU, from JAX's persistent cache too: tracing and lowering
@@ -31,18 +31,15 @@ TIMED_RUNS_PER_SHAPE = 2
 MAX_WIDTH_RATIO = 2
 
 
-def positions(shape: Shape) -> int:
+def size(shape: tuple) -> int:
+  """Rows x the second dimension: positions (prefill), row-blocks per step (decode)."""
   return shape[0] * shape[1]
 
 
-def fits(bigger: Shape, wanted: Shape) -> bool:
+def prefill_fits(bigger: Shape, wanted: Shape) -> bool:
   """`bigger` can run a prefill call of shape `wanted` (padded)."""
   return (bigger[0] >= wanted[0] and bigger[1] >= wanted[1] and bigger[2] >= wanted[2]
           and bigger[2] <= MAX_WIDTH_RATIO * wanted[2])
-
-
-def decode_size(shape: tuple) -> int:
-  return shape[0] * shape[1]
 
 
 def decode_fits(bigger: tuple, wanted: tuple) -> bool:
@@ -55,9 +52,9 @@ def decode_fits(bigger: tuple, wanted: tuple) -> bool:
 class ShapePlan:
   """Rent (pad into a compiled shape) or buy (compile the call's own) for each call."""
 
-  def __init__(self, call_overhead: int = 0, size=positions, fits=fits):
+  def __init__(self, call_overhead: int = 0, fits=prefill_fits):
     self.call_overhead = call_overhead  # size units a call costs beyond its own
-    self.size, self.fits = size, fits
+    self.fits = fits
     self.compiled: set[Shape] = set()
     self.debt: collections.Counter[Shape] = collections.Counter()  # seconds of padding so far
     self.rented = 0  # calls that ran in a bigger compiled shape
@@ -87,8 +84,8 @@ class ShapePlan:
     candidates = [s for s in self.compiled if self.fits(s, wanted)]
     if compile_s is None or per_position is None or not candidates:
       return wanted
-    best = min(candidates, key=lambda s: (self.size(s), s))
-    extra = (self.size(best) - self.size(wanted)) * per_position * repeats
+    best = min(candidates, key=lambda s: (size(s), s))
+    extra = (size(best) - size(wanted)) * per_position * repeats
     if self.debt[wanted] + extra >= compile_s:
       return wanted
     self.debt[wanted] += extra
@@ -111,4 +108,4 @@ class ShapePlan:
     self.compiled.add(shape)
     self._timed[shape] += 1
     self._run_seconds += max(float(seconds), 0.0)
-    self._run_positions += (self.size(shape) + self.call_overhead) * max(int(repeats), 1)
+    self._run_positions += (size(shape) + self.call_overhead) * max(int(repeats), 1)

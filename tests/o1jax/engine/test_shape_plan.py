@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
-from o1jax.engine.shape_plan import ShapePlan, fits
+from o1jax.engine.shape_plan import ShapePlan, prefill_fits
 
 
 def measured_plan(compiled=((4, 32, 32),), compile_s=1.0, per_position=1e-3) -> ShapePlan:
@@ -25,7 +25,7 @@ def test_nothing_measured_or_nothing_fitting_compiles_the_wanted_shape():
   assert plan.choose((4, 48, 32)) == (4, 48, 32)  # longer rows than any compiled
   assert plan.choose((4, 16, 64)) == (4, 16, 64)  # a wider table
   assert plan.choose((4, 16, 8)) == (4, 16, 8)  # 32 blocks is over twice the 8 it needs
-  assert not fits((1, 128, 16), (4, 16, 16))  # fewer rows
+  assert not prefill_fits((1, 128, 16), (4, 16, 16))  # fewer rows
   assert plan.rented == 0
 
 
@@ -111,8 +111,8 @@ def test_reuse_compiled_shapes_must_be_a_bool():
 
 
 def test_decode_calls_rent_wider_tables_and_more_rows_of_the_same_program_kind():
-  from o1jax.engine.shape_plan import decode_fits, decode_size
-  plan = ShapePlan(size=decode_size, fits=decode_fits)
+  from o1jax.engine.shape_plan import decode_fits
+  plan = ShapePlan(fits=decode_fits)
   plan.observe_compile((8, 16, 8, 0), 1.0)
   plan.observe_run((8, 16, 8, 0), 8 * 16 * 1e-4 * 8, repeats=8)  # 1e-4 s per row-block
   assert plan.position_seconds == pytest.approx(1e-4)
