@@ -1162,12 +1162,13 @@ class Engine:
     dispatched = self.clock()
     out = jax.device_get(out)
     end = self.clock()
-    if self._decode_shapes is not None:
-      shape = (rows, width, stop_ids.shape[1], top_n)
-      if self.trace_counts["decode"] > traces:
+    if self._decode_shapes is not None:  # (a prefill chunk dispatched before is in `end -
+      # start`: the padding is overestimated, so the plan compiles sooner, not later)
+      shape, compiled = (rows, width, stop_ids.shape[1], top_n), self.trace_counts["decode"] > traces
+      if compiled:
         self._decode_shapes.observe_compile(shape, dispatched - start)
-      self._decode_shapes.observe_run(shape, end - (dispatched if self.trace_counts["decode"] > traces
-                                                    else start), repeats=int(out.iterations))
+      self._decode_shapes.observe_run(shape, end - (dispatched if compiled else start),
+                                      repeats=int(out.iterations))
     # Per-token times: the call's wall time spread evenly over the steps it ran.
     ran = max(int(out.iterations), 1)
     if self.budget is not None:
