@@ -87,7 +87,10 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
   for c in concurrency:
     cfg = EngineConfig(max_slots=c, num_blocks=max(256, c * 16), prefill_chunk=256,
                        max_prefill_seqs=8, prefix_caching=False, kv_dtype=kv_dtype,
-                       decode_steps=decode_steps)
+                       decode_steps=decode_steps,
+                       # steady state: every bucket compiled in the warm-up (renting a
+                       # bigger program could compile during the timed run)
+                       reuse_compiled_shapes=False)
     engine = Engine(model, ck.tokenizer, cfg)
     params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
     batch = [Request(p, params) for p in prompts[:c]]
@@ -136,7 +139,7 @@ def bench_prefix(ck, new_tokens: int = 16) -> list[tuple[int, int]]:
 
   engine = Engine(Llama(ck.config, ck.params), ck.tokenizer,
                   EngineConfig(max_slots=8, num_blocks=1024, prefill_chunk=256,
-                               prefix_caching=True))
+                               prefix_caching=True, reuse_compiled_shapes=False))
   prefix = few_shot_prefix()
   questions = [f"Question: A baker makes {10 + i} loaves each hour for {3 + i} hours and sells "
                f"{7 + i} loaves. How many are left?\nAnswer:" for i in range(8)]

@@ -235,7 +235,8 @@ def main(argv=None):
   for batch in [int(b) for b in args.batches.split(",") if b]:
     if not args.controller:
       engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=batch, kv_cache_bytes=256 << 20,
-                                                        kv_dtype=args.kv_dtype))
+                                                        kv_dtype=args.kv_dtype,
+                                                        reuse_compiled_shapes=False))  # timed warm
     for task in [t for t in args.tasks.split(",") if t]:
       prompts = TASKS[task](max(batch, 4))
       controllers = controller_configs(model, ck, batch, args) if args.controller else None

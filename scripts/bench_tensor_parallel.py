@@ -60,7 +60,8 @@ def main(argv=None):
   prompts = chat_prompts(ck.tokenizer, a.prompts)
   params = GenerationParams(max_new_tokens=a.new_tokens, ignore_eos=True)
   rows = {}
-  config = EngineConfig(max_slots=a.prompts, kv_cache_bytes=64 << 20)
+  config = EngineConfig(max_slots=a.prompts, kv_cache_bytes=64 << 20,
+                        reuse_compiled_shapes=False)  # timed warm: every bucket compiled
   runs = [("1 device", lambda: Engine(model, ck.tokenizer, config)),
           (f"TP={a.tp}", lambda: Engine(model, ck.tokenizer, config, mesh=jax.make_mesh(
               (1, a.tp), ("data", "model"), devices=jax.devices()[:a.tp])))]

@@ -150,7 +150,8 @@ def make_engine(config, params, backend: str, max_slots: int, interpret: bool = 
   model = Llama(config, params, backend=backend, interpret=interpret, weight_mode=weight_mode,
                 matmul_dtype=matmul_dtype)
   cfg = EngineConfig(max_slots=max_slots, num_blocks=num_blocks, prefill_chunk=256,
-                     max_prefill_seqs=8, prefix_caching=False, decode_steps=decode_steps)
+                     max_prefill_seqs=8, prefix_caching=False, decode_steps=decode_steps,
+                     reuse_compiled_shapes=False)  # timed warm: no compile in a timed run
   return Engine(model, byte_tokenizer(), cfg)
 
 

@@ -62,7 +62,8 @@ def main(argv=None):
   for exit_layer in [int(x) for x in args.exits.split(",")]:
     model = truncated(ck, exit_layer, args.matmul_dtype)
     engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=args.slots, kv_dtype=args.kv_dtype,
-                                                      kv_cache_bytes=256 << 20))
+                                                      kv_cache_bytes=256 << 20,
+                                                      reuse_compiled_shapes=False))  # timed
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     start = time.perf_counter()
     results = engine.generate([Request(task.prompt(e)[0], params, request_id=i)

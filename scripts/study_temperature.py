@@ -45,7 +45,7 @@ def main(argv=None):
   ck = load_checkpoint(args.source)
   engine = Engine(Llama(ck.config, ck.params, matmul_dtype=args.matmul_dtype), ck.tokenizer,
                   EngineConfig(max_slots=args.slots, kv_dtype=args.kv_dtype,
-                               kv_cache_bytes=256 << 20))
+                               kv_cache_bytes=256 << 20, reuse_compiled_shapes=False))
   task = GSMTask(dataset={"name": "gsm_synthetic", "n": args.problems, "seed": args.seed,
                           "levels": (1, 2)},
                  prompt_cfg={"style": "zero_shot", "system": "tutor"})
