@@ -265,14 +265,14 @@ def engine_config(spec: PredictorSpec):
   return EngineConfig(**values)  # the model carries the backend (its ops pick by it)
 
 
-def _longest_prompt_tokens(tokenizer, prompts: Sequence[str]) -> int:
+def _longest_prompt_tokens(tokenizer, prompts: Sequence[str], vocab_size: int) -> int:
   """Tokens of the longest of these prompts (JSON); one the tokenizer refuses counts 0
   (its request becomes a dead letter, not the whole worker)."""
-  from o1jax.engine.engine import prompt_ids
+  from o1jax.model.generation import encode_prompt
   longest = 0
   for p in prompts:
     try:
-      longest = max(longest, len(prompt_ids(tokenizer, json.loads(p))))
+      longest = max(longest, len(encode_prompt(tokenizer, json.loads(p), vocab_size)))
     except Exception:  # noqa: BLE001 - the request fails on its own later
       continue
   return longest
@@ -309,7 +309,7 @@ class EnginePredictor:
     config = engine_config(spec)
     if spec.longest_prompts and config.num_blocks is None:  # a fixed num_blocks stays
       config = dataclasses.replace(config, min_tokens_per_slot=_longest_prompt_tokens(
-          tokenizer, spec.longest_prompts) + spec.max_new_tokens)
+          tokenizer, spec.longest_prompts, model.config.vocab_size) + spec.max_new_tokens)
     # data_parallel > 1: replicas of the engine over this worker's devices (one batch dealt out)
     return cls(build_engine(model, tokenizer, config, budget=spec.budget_loop(),
                             speculative=spec.speculative_config(), thinking=spec.thinking))

@@ -47,7 +47,8 @@ from o1jax.model.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.speculative import SpeculativeConfig
-from o1jax.model.sampling import Sampling, check_int, is_int, is_real, sequence_key
+from o1jax.model.generation import encode_prompt
+from o1jax.model.sampling import Sampling, check_int, is_real, sequence_key
 from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
@@ -349,25 +350,9 @@ class Controller:
         loop_invocations=invocations, votes=dict(votes or {}), info=info)
 
   def encode(self, prompt) -> list[int]:
-    """Text, chat messages [{"role", "content"}] or token ids -> token ids (checked)."""
-    if isinstance(prompt, str):
-      ids = self.tokenizer.encode(prompt)
-    elif not isinstance(prompt, (list, tuple, np.ndarray)):  # bytes read as token ids
-      raise ValueError(f"prompt must be text, chat messages or token ids, got "
-                       f"{type(prompt).__name__}")
-    elif len(prompt) and isinstance(prompt[0], Mapping):
-      ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
-    else:
-      bad = [i for i in prompt if not is_int(i)]
-      if bad:  # int() would cut 1.5 to 1
-        raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
-      ids = [int(i) for i in prompt]
-      vocab = self.model.vocab_size
-      bad = [i for i in ids if not 0 <= i < vocab]
-      if bad:  # the embedding lookup would clamp them to other tokens, silently
-        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    if not ids:
-      raise ValueError("empty prompt")
+    """Text, chat messages [{"role", "content"}] or token ids -> token ids (checked), the
+    thinking span opened when the prompt does not open it."""
+    ids = encode_prompt(self.tokenizer, prompt, self.model.vocab_size)
     if self.thinking is not None and not self._opens_thinking(ids):
       ids = ids + self.tokenizer.encode(self.thinking.open + "\n")
     return ids

@@ -63,6 +63,7 @@ from o1jax.engine.shape_plan import ShapePlan, decode_fits
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
                                       prompt_lookup)
 from o1jax.model import thinking as thinking_lib
+from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama
 from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, is_int,
                                   sequence_key)
@@ -92,16 +93,6 @@ def pool_memory_limit(device) -> int:
   if stats.get("bytes_limit"):
     return int(stats["bytes_limit"]) // 2
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-
-
-def prompt_ids(tokenizer, prompt) -> list[int]:
-  """Text or chat messages -> token ids (the chat template applied), as the engine reads
-  a prompt; token ids pass through."""
-  if isinstance(prompt, str):
-    return tokenizer.encode(prompt)
-  if isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[0], dict):
-    return tokenizer.encode(tokenizer.apply_chat_template(list(prompt)))
-  return list(prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,24 +599,8 @@ class Engine:
   # -- request intake ----------------------------------------------------------------
 
   def encode_prompt(self, prompt) -> list[int]:
-    """Text, token ids, or chat messages -> token ids (chat template applied)."""
-    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt)
-                                   and isinstance(prompt[0], dict)):
-      ids = prompt_ids(self.tokenizer, prompt)
-    elif isinstance(prompt, (list, tuple, np.ndarray)):
-      bad = [i for i in prompt if not is_int(i)]
-      if bad:  # int() would cut 1.5 to 1 and read True as 1
-        raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
-      ids = [int(i) for i in prompt]
-    else:
-      raise ValueError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
-    if not ids:
-      raise ValueError("prompt is empty: nothing to condition generation on")
-    vocab = self.model_config.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-      raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    return ids
+    """Text, token ids, or chat messages -> token ids (chat template applied; checked)."""
+    return encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
 
   def _make_group(self, request: Request | dict | str, index: int) -> _Group:
     if isinstance(request, str):
@@ -1148,12 +1123,10 @@ class Engine:
     self._run_copies(copies)
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
     rows, width = self._decode_rows(len(seqs)), self._table_width(seqs, decode=True)
-    planned_rows = rows  # what the speculation planner compares verify calls against
+    planned_rows, statics = rows, self._decode_statics(seqs)  # (planner: verify vs plain)
     if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs)
-      wanted = (rows, width, *self._decode_statics(seqs))
-      shape = self._decode_shapes.choose(wanted, repeats=iterations)
-      rows, width = shape[:2]
-    batch, stop_ids, top_n = self._decode_batch(seqs, rows, width)
+      rows, width = self._decode_shapes.choose((rows, width, *statics), repeats=iterations)[:2]
+    batch, stop_ids, top_n = self._decode_batch(seqs, rows, width, statics)
     row_limits = np.zeros(rows, np.int32)
     row_limits[:len(seqs)] = [limits[s] for s in seqs]
     start, traces = self.clock(), self.trace_counts["decode"]
@@ -1164,7 +1137,7 @@ class Engine:
     end = self.clock()
     if self._decode_shapes is not None:  # (a prefill chunk dispatched before is in `end -
       # start`: the padding is overestimated, so the plan compiles sooner, not later)
-      shape, compiled = (rows, width, stop_ids.shape[1], top_n), self.trace_counts["decode"] > traces
+      shape, compiled = (rows, width, *statics), self.trace_counts["decode"] > traces
       if compiled:
         self._decode_shapes.observe_compile(shape, dispatched - start)
       self._decode_shapes.observe_run(shape, end - (dispatched if compiled else start),
@@ -1194,10 +1167,11 @@ class Engine:
     want_top = max(s.group.params.top_logprobs for s in seqs)
     return stop_width, self.config.max_top_logprobs if want_top else 0
 
-  def _decode_batch(self, seqs: Sequence[_Seq], rows: int, width: int | None = None):
+  def _decode_batch(self, seqs: Sequence[_Seq], rows: int, width: int | None = None,
+                    statics: tuple[int, int] | None = None):
     """The decode inputs of `seqs` in `rows` slots (`width`: the table's, default its
-    bucket): (DecodeBatch, stop ids [rows, S] (-1 pads), the top-K alternatives the
-    call computes)."""
+    bucket; `statics`: `_decode_statics(seqs)` when known): (DecodeBatch, stop ids
+    [rows, S] (-1 pads), the top-K alternatives the call computes)."""
     f32, i32 = np.float32, np.int32
     tokens, positions, steps_ = (np.zeros(rows, i32) for _ in range(3))
     active = np.zeros(rows, bool)
@@ -1205,7 +1179,7 @@ class Engine:
     temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
     top_k = np.zeros(rows, i32)
     stop_lists = [s.group.stop_ids for s in seqs]
-    stop_width, top_n = self._decode_statics(seqs)
+    stop_width, top_n = statics or self._decode_statics(seqs)
     stop_ids = np.full((rows, stop_width), -1, i32)
     for i, s in enumerate(seqs):
       p = s.group.params

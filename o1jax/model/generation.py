@@ -47,6 +47,31 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
   return text[:cut]
 
 
+
+def encode_prompt(tokenizer, prompt, vocab_size: int) -> list[int]:
+  """Text, chat messages [{"role", "content"}] (the chat template applied) or token ids ->
+  token ids, checked: ints, not empty, inside the vocabulary (the embedding lookup would
+  clamp others to other tokens, silently). The one reading of a prompt for the
+  Generator, the engine, the controller and the pipelines."""
+  if isinstance(prompt, str):
+    ids = tokenizer.encode(prompt)
+  elif not isinstance(prompt, (list, tuple, np.ndarray)):  # bytes would read as token ids
+    raise ValueError(f"prompt must be text, chat messages or token ids, got "
+                     f"{type(prompt).__name__}")
+  elif len(prompt) and isinstance(prompt[0], collections.abc.Mapping):
+    ids = tokenizer.encode(tokenizer.apply_chat_template(list(prompt)))
+  else:
+    bad = [i for i in prompt if not is_int(i)]
+    if bad:  # int() would cut 1.5 to 1 and read True as 1
+      raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
+    ids = [int(i) for i in prompt]
+  if not ids:
+    raise ValueError("prompt is empty: nothing to condition generation on")
+  bad = [i for i in ids if not 0 <= i < vocab_size]
+  if bad:
+    raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+  return ids
+
 class Generator:
   """Greedy / sampled generation for a batch of prompts with one model."""
 
@@ -89,22 +114,7 @@ class Generator:
   # -- helpers --------------------------------------------------------------------
 
   def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
-    """Text, token ids, or chat messages -> token ids (chat template applied)."""
-    if isinstance(prompt, str):
-      ids = self.tokenizer.encode(prompt)
-    elif len(prompt) and isinstance(prompt[0], dict):
-      ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
-    else:
-      bad = [i for i in prompt if not is_int(i)]
-      if bad:  # int() would cut 1.5 to 1
-        raise ValueError(f"prompt token ids must be ints, got {bad[0]!r}")
-      ids = [int(i) for i in prompt]
-    if not ids:
-      raise ValueError("prompt is empty: nothing to condition generation on")
-    bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-    if bad:
-      raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
-    return ids
+    return encode_prompt(self.tokenizer, prompt, self.config.vocab_size)
 
   def _check_call(self, ids, max_new_tokens, params, request_ids, stop) -> None:
     """Everything a call reads, before the prefill (one entry of params / request_ids per
