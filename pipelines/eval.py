@@ -579,8 +579,8 @@ def main(argv):
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
   from pipelines.report import recomputed_line
-  if recomputed_line(summary):
-    print(f"warning: {recomputed_line(summary)}", file=sys.stderr)
+  if lost := recomputed_line(summary):
+    print(f"warning: {lost}", file=sys.stderr)
   failure = run_failure(summary, output_dir)
   if failure:
     print(f"error: {failure}", file=sys.stderr)

@@ -271,7 +271,7 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
           f"({_fmt(thr['samples_per_s'], 3)} samples/s, {_fmt(thr['completion_tokens_per_s'])} completion tok/s); "
           f"resumed from the store: {_fmt((summary.get('run') or {}).get('resumed'))}; "
           f"wall time {_fmt((summary.get('run') or {}).get('wall_s'))} s."
-          + (f" {recomputed_line(summary)}." if recomputed_line(summary) else ""), "",
+          + "".join(f" {line}." for line in [recomputed_line(summary)] if line), "",
           f"Per-token latency source: {ptl.get('source', 'request_latency/completion')} "
           f"({_fmt(ptl.get('count'))} values).", "", *_stability_lines(summary), "",
           "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from o1jax.checkpoint import gguf_blocks
 from o1jax.checkpoint.errors import CheckpointError
-from o1jax.checkpoint.model_config import ModelConfig
+from o1jax.checkpoint.model_config import MAX_SIZE, ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
@@ -81,8 +81,6 @@ _INTS, _FLOATS, _BOOL = (0, 1, 2, 3, 4, 5, 10, 11), (6, 12), 7
 _TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
                7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
 GGML_MAX_DIMS = 4  # llama.cpp's limit on a tensor's dimensions
-# Sizes and token ids index int32 arrays on the device: a header field beyond this is corrupt.
-MAX_SIZE = 2**31 - 1
 
 
 class _Header:
@@ -189,9 +187,9 @@ def check_gguf(path: str | os.PathLike) -> None:
       raise _corrupt(path, e) from e
   tensors = _check_table(path, table, data_start, size, values.get("general.alignment", 32))
   meta = _Metadata(path, values, header.arrays)
-  config = _config_from_metadata(meta, path, {t.name: t.dims for t in tensors})
-  _check_tensors(path, config, {t.name: t.dims for t in tensors},
-                 {t.name: t.qtype.name for t in tensors})
+  dims = {t.name: t.dims for t in tensors}
+  config = _config_from_metadata(meta, path, dims)
+  _check_tensors(path, config, dims, {t.name: t.qtype.name for t in tensors})
   _check_tokenizer_metadata(meta, config)
 
 
@@ -292,16 +290,8 @@ class _Metadata:
     return self.arrays[key][1]
 
 
-class _Value:
-  def __init__(self, value):
-    self.value = value
-
-  def contents(self):
-    return self.value
-
-
 class _FastReader:
-  """The parts of gguf-py's GGUFReader that `load_gguf` uses (`fields[key].contents()`;
+  """The parts of gguf-py's GGUFReader that `load_gguf` uses (typed metadata in `meta`;
   `tensors` with name, tensor_type, shape, n_bytes and data as numpy views of the
   memory-mapped file), read by `_Header`: gguf-py builds numpy objects per vocabulary
   entry, ~30 s for Gemma 3's 262,144 tokens, where this takes ~1 s."""
@@ -318,7 +308,6 @@ class _FastReader:
     if header.order != "<":
       raise _BigEndian(path)
     self.meta = _Metadata(path, values, header.arrays)
-    self.fields = {k: _Value(v) for k, v in values.items()}
     self.tensors = []
     for t in _check_table(path, table, data_start, len(self._map), values.get("general.alignment", 32)):
       block, type_bytes = gguf.GGML_QUANT_SIZES[t.qtype]
@@ -353,15 +342,6 @@ def _open_fast_reader(path: pathlib.Path):
     raise _corrupt(path, e) from e
   except Exception as e:  # struct.error past the end, unknown type ids
     raise _corrupt(path, e) from e
-
-
-def _field(reader, key: str, default=None, *, path=None, required=False):
-  f = reader.fields.get(key)
-  if f is None:
-    if required:
-      raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
-    return default
-  return f.contents()
 
 
 def _reader_metadata(reader, path) -> _Metadata:

@@ -74,11 +74,17 @@ def weighted_vote(answers: Sequence[Optional[str]],
       totals[a] = totals.get(a, 0.0) + float(w)
   if not totals:
     return None, {}
-  winner = None  # (max() with a NaN depends on the order, and `v == nan` never holds)
-  for a, v in totals.items():
-    if winner is None or v > totals[winner] or (math.isnan(totals[winner]) and not math.isnan(v)):
-      winner = a
-  return winner, dict(totals)
+  return list(totals)[best_index(list(totals.values()))], dict(totals)
+
+
+def best_index(scores: Sequence[float]) -> int:
+  """Index of the highest score, the first among ties; a NaN score is no score (max() and
+  np.argmax depend on where a NaN is); every score NaN: 0."""
+  best = 0
+  for j, v in enumerate(scores):
+    if v > scores[best] or (math.isnan(scores[best]) and not math.isnan(v)):
+      best = j
+  return best
 
 
 def majority_vote(answers: Sequence[Optional[str]]) -> tuple[Optional[str], dict[str, float]]:

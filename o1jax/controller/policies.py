@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from o1jax.controller.answers import majority_vote, weighted_vote
+from o1jax.controller.answers import best_index, majority_vote, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
@@ -104,16 +104,6 @@ def _first(traces: list[Trace], among: list[Trace], answer) -> int | None:
   return next((j for j, t in enumerate(traces) if id(t) in ids and t.answer == answer), None)
 
 
-def _best_index(scores: Sequence[float]) -> int:
-  """Index of the highest score, the first among ties; a NaN score is no score (np.argmax
-  would pick the first NaN); every score NaN: 0."""
-  best = 0
-  for j, v in enumerate(scores):
-    if v > scores[best] or (math.isnan(scores[best]) and not math.isnan(v)):
-      best = j
-  return best
-
-
 def _vote_results(ctl, policy, requests, batch, settings, weights_fn=None, keep_fn=None):
   """Majority (or weighted) vote over each request's traces."""
   out = []
@@ -188,7 +178,7 @@ class BestOfN(Policy):
       traces = batch.traces[i]
       for t in traces:
         t.score = float(scorer(req, t))
-      chosen = _best_index([t.score for t in traces])
+      chosen = best_index([t.score for t in traces])
       out.append(ctl.result(req, self.name, traces, chosen, traces[chosen].answer,
                             batch.wall_time_s[i], batch.invocations[i]))
     return out

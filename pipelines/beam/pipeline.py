@@ -272,8 +272,9 @@ def sized_for(plan: EvalPlan, items: Iterable[WorkItem]) -> EvalPlan:
   prompts: dict[str, int] = {}
   new = 0
   for item in items:
-    text = json.dumps(item.prompt, default=list)
-    prompts[text] = len(text)
+    if item.sample_index == 0:  # an example's samples share its prompt
+      text = json.dumps(item.prompt, default=list)
+      prompts[text] = len(text)
     new = max(new, int(item.sampling.max_new_tokens))
   longest = tuple(sorted(prompts, key=lambda p: (-prompts[p], p))[:LONGEST_PROMPTS])
   return dataclasses.replace(plan, predictor=dataclasses.replace(

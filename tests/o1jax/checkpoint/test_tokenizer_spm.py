@@ -138,7 +138,7 @@ def gemma3_meta():
           "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
           "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
           "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_bos_token")
-  return {k: gguf_loader._field(reader, k) for k in keys}
+  return {k: reader.meta.get(k) for k in keys}
 
 
 def test_gemma3_vocabulary_matches_llama_cpp_algorithm(gemma3_meta):
