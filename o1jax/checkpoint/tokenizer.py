@@ -292,3 +292,28 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
 
 def _raise_template_error(message):
   raise ValueError(f"chat template: {message}")
+
+
+def token_texts(tokenizer, *, skip_special: bool = False) -> list[str]:
+  """Every token's text as it reads inside a text, i.e. after another token.
+
+  A token decoded alone can read differently: decoders that drop the space a text starts
+  with (SentencePiece's Strip, Metaspace with prepend_scheme "first", used by Llama-2
+  style tokenizer.json files) drop it from every token decoded alone, so "5" "▁5" would
+  read "55" where the text says "5 5". Each token is decoded after an anchor (the first
+  token whose text alone is one ASCII letter or digit) and the anchor's text taken off;
+  a token whose text does not extend the anchor's (none seen) keeps its text alone.
+  `tokenizer`: anything with `vocab_size` and `decode(ids, skip_special=...)`."""
+  n = tokenizer.vocab_size
+  decode = lambda ids: tokenizer.decode(ids, skip_special=skip_special)
+  alone = [decode([i]) for i in range(n)]
+  anchor = next((i for i, t in enumerate(alone) if len(t) == 1 and t.isascii() and t.isalnum()),
+                None)
+  if anchor is None:
+    return alone
+  head = alone[anchor]
+  out = []
+  for i, text in enumerate(alone):
+    joined = decode([anchor, i])
+    out.append(joined[len(head):] if joined.startswith(head) else text)
+  return out

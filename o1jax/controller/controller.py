@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from o1jax.checkpoint.tokenizer import token_texts
 from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.model import thinking as thinking_lib
@@ -249,6 +250,7 @@ class Controller:
     eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
     self.eos_ids = tuple(sorted(eos))
     self._masks: dict[str, np.ndarray] = {}
+    self._texts: dict[bool, list[str]] = {}
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
     if self.thinking is not None:  # checked once, here, rather than at the first request
       for marker in (self.thinking.open, self.thinking.close):
@@ -414,14 +416,20 @@ class Controller:
       lens[i] = len(v)
     return seqs, lens
 
+  def _token_texts(self, *, skip_special: bool) -> list[str]:
+    """Each token's text as it reads inside the text (cached; see `token_texts`)."""
+    if skip_special not in self._texts:
+      self._texts[skip_special] = token_texts(self.tokenizer, skip_special=skip_special)
+    return self._texts[skip_special]
+
   def _delim_mask(self, delim: str) -> np.ndarray:
     """[V] tokens whose own text contains the delimiter (e.g. "\\n\\n", ".\\n\\n")."""
     if delim not in self._masks:
       v = self.model.vocab_size
       mask = np.zeros(v, bool)
       if delim:
-        for i in range(min(v, getattr(self.tokenizer, "vocab_size", v))):
-          mask[i] = delim in self.tokenizer.decode([i])
+        for i, text in enumerate(self._token_texts(skip_special=False)[:v]):
+          mask[i] = delim in text
       self._masks[delim] = mask
     return self._masks[delim]
 
@@ -434,9 +442,8 @@ class Controller:
       classes = np.full((v, c), -1, np.int32)
       overflow = np.zeros(v, bool)
       special = set(self.eos_ids)
-      for i in range(min(v, getattr(self.tokenizer, "vocab_size", v))):
-        seq = [] if i in special else answers.char_classes(
-            self.tokenizer.decode([i], skip_special=True))
+      for i, text in enumerate(self._token_texts(skip_special=True)[:v]):
+        seq = [] if i in special else answers.char_classes(text)
         if seq is None or len(seq) > c:
           overflow[i] = True
           seq = (seq or [])[:c]

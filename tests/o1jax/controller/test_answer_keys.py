@@ -272,3 +272,22 @@ def test_the_loop_key_is_the_extracted_answer():
   assert sum(k is not None for k in keys) >= 40
   assert "0" in keys and any(k and k.startswith("-") for k in keys)
   assert any(k and k.startswith("0.") for k in keys)
+
+
+def test_the_loop_key_reads_spaces_a_token_loses_when_decoded_alone():
+  """Llama-2 style decoders drop a token's leading space when it is decoded alone:
+  "5" then "▁6" reads "5 6" (key 5), not "56"."""
+  from tests.o1jax.checkpoint.test_token_texts import PIECES, spm_tokenizer
+  from o1jax.controller import Controller
+
+  chain = ["\u2581Q", "\u2581The", "\u2581answer", "\u2581is", "\u25815", "\u25816", "</s>"]
+  table = np.zeros((len(PIECES), len(PIECES)), np.float32)
+  for a, b in zip(chain, chain[1:]):
+    table[PIECES.index(a), PIECES.index(b)] = 30.0
+  for decoder in ("strip", "metaspace"):
+    ctl = Controller(MockDecodeModel(table), spm_tokenizer(decoder))
+    st = LoopSettings(temperature=0.0, answer_vote=True, max_thinking_tokens=4,
+                      max_answer_tokens=8)
+    trace = ctl.generate([ReasoningRequest(prompt="Q", request_id=0)], st, 1).traces[0][0]
+    assert trace.text.endswith("The answer is 5 6"), trace.text
+    assert trace.answer == "5" and trace.answer_key == "5", decoder
