@@ -105,6 +105,10 @@ class GSMTask:
       return fewshot_prompt(example.question), COMPLETION_STOP_SEQUENCES
     raise ValueError(f"prompt.style={style!r}: expected shortshot, zero_shot, fewshot or fewshot_chat")
 
+  def scoring_identity(self) -> dict:
+    """What, beside the output, decides a verdict (part of every sample's content key)."""
+    return {}
+
   def score_batch(self, items: Sequence[tuple[Example, str, tuple[str, ...]]]) -> list[dict]:
     out = []
     for example, text, stop in items:
@@ -135,6 +139,11 @@ def sandbox_config(c: Mapping[str, Any]):
     raise ValueError(f"{message} ({hint})" if hint else message) from None
 
 
+def sandbox_identity(c: Mapping[str, Any]) -> dict:
+  """The sandbox limits that can change a verdict (the pool size cannot)."""
+  return {k: v for k, v in c.items() if k != "workers"}
+
+
 def sandbox_from_config(c: Mapping[str, Any]):
   """A `Sandbox` from a config's `sandbox` section."""
   from pipelines.sandbox import Sandbox
@@ -163,6 +172,9 @@ class HumanEvalTask:
 
   def sandbox(self):
     return sandbox_from_config(self.sandbox_cfg)
+
+  def scoring_identity(self) -> dict:
+    return sandbox_identity(self.sandbox_cfg)
 
   def check_policy(self, policy) -> None:
     if policy.controller:
@@ -224,6 +236,10 @@ class CustomTask:
                        f"number after 'The answer is'); dataset.answer_format=text rejects it: use "
                        f"policy=sample_n (the summary's majority vote reads the text answers) or "
                        f"policy=greedy")
+
+  def scoring_identity(self) -> dict:
+    fmt = self.dataset["answer_format"]
+    return {} if fmt == "number" else {"answer_format": fmt}  # number: the hashes from before
 
   def score_batch(self, items) -> list[dict]:
     out = []

@@ -206,15 +206,11 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
   items = []
   for i in range(plan.policy.num_samples):
     sampling = plan.policy.sampling(base, i)
-    scoring = dict(getattr(plan.task, "sandbox_cfg", {}) or {})
-    scoring.pop("workers", None)  # pool size does not change a verdict
-    answer_format = (getattr(plan.task, "dataset", None) or {}).get("answer_format", "number")
-    if plan.task.name == "custom" and answer_format != "number":
-      scoring["answer_format"] = answer_format  # text scoring differs (number keeps old hashes)
     content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
         "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
-        "scoring": scoring, "example": example.to_dict(), "sample_index": i}
+        "scoring": plan.task.scoring_identity(), "example": example.to_dict(),
+        "sample_index": i}
     if plan.speculation_changes_outputs:
       content["speculative"] = dict(plan.predictor.speculative)
     key = hashlib.sha256(_canonical(content)).hexdigest()

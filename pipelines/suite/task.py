@@ -95,6 +95,10 @@ class SuiteTask:
     from pipelines.task_specs import sandbox_from_config
     return sandbox_from_config(self.sandbox_cfg)
 
+  def scoring_identity(self) -> dict:
+    from pipelines.task_specs import sandbox_identity
+    return sandbox_identity(self.sandbox_cfg)
+
   def score_batch(self, items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox=None) -> list:
     """One score dict (or ScoringError) per item; code items run in the sandbox as one pool."""
     out: list = [None] * len(items)

@@ -41,3 +41,21 @@ def test_custom_text_answers_match_case_insensitively_and_a_blank_reply_never():
                           (paris, "  \n", ()), (dollar, "", ())])
   # "$" normalizes to nothing, as an empty reply does: that is no match.
   assert [s["correct"] for s in got] == [True, False, False, False]
+
+
+def test_scoring_identity_holds_what_can_change_a_verdict():
+  """Part of every sample's content key: the sandbox's limits but not its pool size; a
+  custom task's answer format (number, the default, adds nothing: older stores stay
+  valid)."""
+  def task(module, **sections):
+    config = module.get_config()
+    for section, values in sections.items():
+      config[section].update(values)
+    return build_task(config)
+
+  base = task(humaneval_config).scoring_identity()
+  assert base == task(humaneval_config, sandbox={"workers": 7}).scoring_identity()
+  assert base != task(humaneval_config, sandbox={"timeout_s": 99.0}).scoring_identity()
+  assert task(custom_config, dataset={"answer_format": "number"}).scoring_identity() == {}
+  assert task(custom_config, dataset={"answer_format": "text"}).scoring_identity() == {
+      "answer_format": "text"}
