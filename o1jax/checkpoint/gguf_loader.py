@@ -16,10 +16,11 @@ import math
 import os
 import pathlib
 import types
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from o1jax.checkpoint import gguf_blocks
+from o1jax.checkpoint import gguf_blocks, tensor_table
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.model_config import MAX_SIZE, ModelConfig
 from o1jax.checkpoint.params import Params
@@ -363,6 +364,15 @@ _SIZE_KEYS = _REQUIRED_ARCH_KEYS + ("attention.head_count_kv", "attention.key_le
 _TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                   "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",
                   "tokenizer.ggml.padding_token_id")
+_TOKENIZER_FLAG_KEYS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
+# The metadata `load_gguf` returns for Tokenizer.from_gguf_metadata.
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                   "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
+                   "tokenizer.chat_template") + _TOKEN_ID_KEYS + _TOKENIZER_FLAG_KEYS
+
+
+def _token_id(meta: _Metadata, key: str, n_tokens: int) -> int | None:
+  return meta.int(key, lo=0, hi=n_tokens - 1, expected=f"a token id (0..{n_tokens - 1})")
 
 
 def _check_architecture(path, arch) -> None:
@@ -419,8 +429,7 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
                                                    np.float32))
     rope_scaling = {"rope_type": "freq_factors", "factors": factors}
   n_tokens = tokens[1] if tokens else vocab
-  token_id = lambda key: meta.int(key, lo=0, hi=n_tokens - 1,
-                                  expected=f"a token id (0..{n_tokens - 1})")
+  token_id = lambda key: _token_id(meta, key, n_tokens)
   eos_ids = tuple(sorted({i for i in (token_id("tokenizer.ggml.eos_token_id"),
                                       token_id("tokenizer.ggml.eot_token_id")) if i is not None}))
   bos = token_id("tokenizer.ggml.bos_token_id")
@@ -477,56 +486,72 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     raise CheckpointError(f"{path}: {e}") from None
 
 
+class _Tensor(NamedTuple):
+  """One tensor the model reads from a GGUF file."""
+  gguf: str  # its name (after "blk.{i}." in a layer)
+  dims: tuple  # GGUF dims (ne: input features first), as `_sizes` keys; 1-D: a float vector
+  present: Callable[[ModelConfig], bool] = lambda config: True  # the switch that reads it
+  heads: str | None = None  # Q/K: the ModelConfig head count llama.cpp permuted its rows by
+
+
+# Our name -> its tensor, in the order `load_gguf` reads them: each layer's, then the rest.
+_LAYER_TENSORS = {
+    "attn_norm": _Tensor("attn_norm.weight", ("d",)),
+    "wq": _Tensor("attn_q.weight", ("d", "q"), heads="n_heads"),
+    "wk": _Tensor("attn_k.weight", ("d", "kv"), heads="n_kv_heads"),
+    "wv": _Tensor("attn_v.weight", ("d", "kv")),
+    "wo": _Tensor("attn_output.weight", ("q", "d")),
+    "ffn_norm": _Tensor("ffn_norm.weight", ("d",)),  # Gemma 3: before the MLP, as here
+    "w_gate": _Tensor("ffn_gate.weight", ("d", "f")),
+    "w_up": _Tensor("ffn_up.weight", ("d", "f")),
+    "w_down": _Tensor("ffn_down.weight", ("f", "d")),
+    "bq": _Tensor("attn_q.bias", ("q",), lambda c: c.attention_bias, "n_heads"),
+    "bk": _Tensor("attn_k.bias", ("kv",), lambda c: c.attention_bias, "n_kv_heads"),
+    "bv": _Tensor("attn_v.bias", ("kv",), lambda c: c.attention_bias),
+    # Per head, over head_dim: read as they are from rotate-half files (`load_gguf` refuses others).
+    "q_norm": _Tensor("attn_q_norm.weight", ("hd",), lambda c: c.qk_norm),
+    "k_norm": _Tensor("attn_k_norm.weight", ("hd",), lambda c: c.qk_norm),
+    # Gemma 3; its converter already added Gemma's 1 to every norm.
+    "post_attn_norm": _Tensor("post_attention_norm.weight", ("d",), lambda c: c.post_norms),
+    "post_ffn_norm": _Tensor("post_ffw_norm.weight", ("d",), lambda c: c.post_norms),
+}
+_OTHER_TENSORS = {
+    "embed": _Tensor("token_embd.weight", ("d", "v")),
+    "final_norm": _Tensor("output_norm.weight", ("d",)),
+    "lm_head": _Tensor("output.weight", ("d", "v"), lambda c: not c.tie_embeddings),
+}
+
+
+def _sizes(config: ModelConfig) -> dict:
+  """The sizes `_Tensor.dims` names."""
+  hd = config.head_dim
+  return {"d": config.d_model, "hd": hd, "f": config.ffn_dim, "v": config.vocab_size,
+          "q": config.n_heads * hd, "kv": config.n_kv_heads * hd}
+
+
 def _expected_tensors(config: ModelConfig) -> list[tuple[str, tuple, bool]]:
   """(name, GGUF dims (ne: input features first), required) of every tensor the model reads,
   in the order `load_gguf` reads them."""
-  d, hd, f, v = config.d_model, config.head_dim, config.ffn_dim, config.vocab_size
-  q, kv = config.n_heads * hd, config.n_kv_heads * hd
-  out = []
-  for i in range(config.n_layers):
-    p = f"blk.{i}."
-    out += [(p + "attn_norm.weight", (d,), True), (p + "attn_q.weight", (d, q), True),
-            (p + "attn_k.weight", (d, kv), True), (p + "attn_v.weight", (d, kv), True),
-            (p + "attn_output.weight", (q, d), True), (p + "ffn_norm.weight", (d,), True),
-            (p + "ffn_gate.weight", (d, f), True), (p + "ffn_up.weight", (d, f), True),
-            (p + "ffn_down.weight", (f, d), True),
-            (p + "attn_q.bias", (q,), config.attention_bias),
-            (p + "attn_k.bias", (kv,), config.attention_bias),
-            (p + "attn_v.bias", (kv,), config.attention_bias),
-            (p + "attn_q_norm.weight", (hd,), config.qk_norm),
-            (p + "attn_k_norm.weight", (hd,), config.qk_norm),
-            (p + "post_attention_norm.weight", (d,), config.post_norms),
-            (p + "post_ffw_norm.weight", (d,), config.post_norms)]
-  return out + [("token_embd.weight", (d, v), True), ("output_norm.weight", (d,), True),
-                ("output.weight", (d, v), not config.tie_embeddings)]
+  size = _sizes(config)
+  entry = lambda name, t: (name, tuple(size[k] for k in t.dims), t.present(config))
+  return ([entry(f"blk.{i}.{t.gguf}", t) for i in range(config.n_layers)
+           for t in _LAYER_TENSORS.values()]
+          + [entry(t.gguf, t) for t in _OTHER_TENSORS.values()])
 
 
 def _check_tensors(path, config: ModelConfig, dims: dict, type_names: dict) -> None:
-  """Every tensor the model reads is present with the shape the config gives it (vectors
-  dense), and no layer tensor is left unread (a block_count or a bias switch that disagrees
-  with the file would otherwise load a different model without a word)."""
-  import re
-  expected = _expected_tensors(config)
-  for name, want, required in expected:
-    if name not in dims:
-      if required:
-        raise CheckpointError(f"{path}: tensor {name!r} is missing")
-      continue
-    if dims[name] != want:  # messages in numpy's order (rows first), as the model sees them
-      raise CheckpointError(f"{path}: tensor {name!r} has shape {dims[name][::-1]}, expected "
-                            f"{want[::-1]}")
-    if len(want) == 1 and type_names[name] not in _DENSE_DTYPES:  # norms and biases: floats
+  """`tensor_table.check_tensors` on a GGUF file: shapes printed in numpy's order (rows
+  first), as the model sees them; vectors (norms and biases) must be floats."""
+  def dense_vector(name, want):
+    if len(want) == 1 and type_names[name] not in _DENSE_DTYPES:
       raise CheckpointError(f"{path}: tensor {name!r} has type {type_names[name]}, expected F32, F16 "
                             f"or BF16 for a vector")
-  unread = {name for name, _, required in expected if not required}
-  for name in dims:
-    m = re.match(r"blk\.(\d+)\.", name)
-    if m and int(m.group(1)) >= config.n_layers:
-      raise CheckpointError(f"{path}: tensor {name!r} is past the model's {config.n_layers} layers "
-                            f"({config.architecture}.block_count)")
-    if m and name in unread:
-      raise CheckpointError(f"{path}: tensor {name!r} is not read: blk.0 has no such tensor, so "
-                            f"the model would ignore it")
+
+  tensor_table.check_tensors(
+      path, _expected_tensors(config), dims, config.n_layers, r"blk\.(\d+)\.",
+      layers_key=f"{config.architecture}.block_count",
+      unread_tail=": blk.0 has no such tensor, so the model would ignore it",
+      shown=lambda shape: shape[::-1], check_unread=True, check=dense_vector)
 
 
 def _check_tokenizer_metadata(meta: _Metadata, config: ModelConfig) -> None:
@@ -552,8 +577,8 @@ def _check_tokenizer_metadata(meta: _Metadata, config: ModelConfig) -> None:
   if model == "llama" and "tokenizer.ggml.scores" not in meta:
     raise CheckpointError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores")
   for key in _TOKEN_ID_KEYS:
-    meta.int(key, lo=0, hi=n - 1, expected=f"a token id (0..{n - 1})")
-  for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"):
+    _token_id(meta, key, n)
+  for key in _TOKENIZER_FLAG_KEYS:
     meta.flag(key)
   pre = meta.string("tokenizer.ggml.pre")
   from o1jax.checkpoint import tokenizer
@@ -636,60 +661,20 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   _check_tensors(path, config, dims, {t.name: t.tensor_type.name for t in reader.tensors})
   _check_tokenizer_metadata(meta, config)
 
-  def get(name):
-    if name not in tensors:
-      raise CheckpointError(f"{path}: tensor {name!r} is missing")
-    return tensors[name]
+  permuted = config.architecture not in _ROTATE_HALF_ARCHITECTURES
+  if permuted and config.qk_norm:  # their weights would need a permutation within each head
+    raise CheckpointError(f"{path}: q/k norms in a {config.architecture!r} file (permuted "
+                          f"Q/K rows) are not supported")
 
-  def vector(name):
-    return np.asarray(_dense_from_gguf(get(name)), np.float32)
+  def read(name, t: _Tensor):  # there: `_check_tensors` checked the same table
+    w = tensors[name]
+    w = _matrix(w) if len(t.dims) == 2 else np.asarray(_dense_from_gguf(w), np.float32)
+    if permuted and t.heads:  # Q/K weights and biases: rows back in HF's order
+      w = unpermute_columns(w, getattr(config, t.heads), config.head_dim)
+    return w
 
-  if config.architecture in _ROTATE_HALF_ARCHITECTURES:
-    hf_order = lambda w, n_heads: w
-  else:
-    hf_order = lambda w, n_heads: unpermute_columns(w, n_heads, config.head_dim)
-  layers = []
-  for i in range(config.n_layers):
-    p = f"blk.{i}."
-    layer = {
-        "attn_norm": vector(p + "attn_norm.weight"),
-        "wq": hf_order(_matrix(get(p + "attn_q.weight")), config.n_heads),
-        "wk": hf_order(_matrix(get(p + "attn_k.weight")), config.n_kv_heads),
-        "wv": _matrix(get(p + "attn_v.weight")),
-        "wo": _matrix(get(p + "attn_output.weight")),
-        "ffn_norm": vector(p + "ffn_norm.weight"),  # Gemma 3: before the MLP, as here
-        "w_gate": _matrix(get(p + "ffn_gate.weight")),
-        "w_up": _matrix(get(p + "ffn_up.weight")),
-        "w_down": _matrix(get(p + "ffn_down.weight")),
-    }
-    if config.attention_bias:
-      layer["bq"] = hf_order(vector(p + "attn_q.bias"), config.n_heads)
-      layer["bk"] = hf_order(vector(p + "attn_k.bias"), config.n_kv_heads)
-      layer["bv"] = vector(p + "attn_v.bias")
-    if config.qk_norm:  # per head, over head_dim: no permutation for rotate-half files
-      if config.architecture not in _ROTATE_HALF_ARCHITECTURES:
-        raise CheckpointError(f"{path}: q/k norms in a {config.architecture!r} file (permuted "
-                              f"Q/K rows) are not supported")
-      layer["q_norm"] = vector(p + "attn_q_norm.weight")
-      layer["k_norm"] = vector(p + "attn_k_norm.weight")
-    if config.post_norms:  # Gemma 3; its converter already added Gemma's 1 to every norm
-      layer["post_attn_norm"] = vector(p + "post_attention_norm.weight")
-      layer["post_ffn_norm"] = vector(p + "post_ffw_norm.weight")
-    layers.append(layer)
-  params: Params = {
-      "embed": _matrix(get("token_embd.weight")),
-      "layers": layers,
-      "final_norm": vector("output_norm.weight"),
-  }
-  if not config.tie_embeddings:
-    params["lm_head"] = _matrix(get("output.weight"))
-
-  tokenizer_meta = {
-      k: meta.get(k) for k in (
-          "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
-          "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
-          "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-          "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "tokenizer.ggml.scores",
-          "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.add_space_prefix")
-  }
-  return config, params, tokenizer_meta
+  layers = [{ours: read(f"blk.{i}.{t.gguf}", t) for ours, t in _LAYER_TENSORS.items()
+             if t.present(config)} for i in range(config.n_layers)]
+  other = {ours: read(t.gguf, t) for ours, t in _OTHER_TENSORS.items() if t.present(config)}
+  params: Params = {"embed": other.pop("embed"), "layers": layers, **other}  # lm_head: untied only
+  return config, params, {key: meta.get(key) for key in _TOKENIZER_KEYS}

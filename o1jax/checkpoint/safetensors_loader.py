@@ -12,10 +12,10 @@ import json
 import math
 import os
 import pathlib
-import re
 
 import numpy as np
 
+from o1jax.checkpoint import tensor_table
 from o1jax.checkpoint.errors import CheckpointError, read_json_object
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
@@ -226,9 +226,9 @@ def _read_headers(directory: pathlib.Path) -> dict[str, tuple[pathlib.Path, tupl
   return headers
 
 
-def _expected_tensors(config: ModelConfig) -> list[tuple[str, str, tuple, bool]]:
-  """(our name ("" outside layers), HF name, HF shape ([out, in]), read) of every tensor an
-  HF checkpoint of `config` may hold, in the order `load_safetensors` reads them."""
+def _expected_tensors(config: ModelConfig) -> list[tuple[int | None, str, str, tuple, bool]]:
+  """(layer (None outside layers), our name, HF name, HF shape ([out, in]), read) of every
+  tensor an HF checkpoint of `config` may hold, in the order `load_safetensors` reads them."""
   d, hd, f, v = config.d_model, config.head_dim, config.ffn_dim, config.vocab_size
   q, kv = config.n_heads * hd, config.n_kv_heads * hd
   shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,),
@@ -240,31 +240,21 @@ def _expected_tensors(config: ModelConfig) -> list[tuple[str, str, tuple, bool]]
     for ours, theirs in (_GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES).items():
       read = not ((ours.startswith("b") and not config.attention_bias) or
                   (ours in ("q_norm", "k_norm") and not config.qk_norm))
-      out.append((ours, f"model.layers.{i}.{theirs}", shapes.get(ours, (d,)), read))
-  return out + [("", "model.embed_tokens.weight", (v, d), True), ("", "model.norm.weight", (d,), True),
-                ("", "lm_head.weight", (v, d), not config.tie_embeddings)]
+      out.append((i, ours, f"model.layers.{i}.{theirs}", shapes.get(ours, (d,)), read))
+  return out + [(None, "embed", "model.embed_tokens.weight", (v, d), True),
+                (None, "final_norm", "model.norm.weight", (d,), True),
+                (None, "lm_head", "lm_head.weight", (v, d), not config.tie_embeddings)]
 
 
 def _check_tensors(directory, config: ModelConfig, headers: dict) -> None:
-  """Every tensor the model reads is present with the shape config.json gives it, and no
-  layer tensor is left unread (num_hidden_layers or attention_bias disagreeing with the
-  weights would otherwise load a different model without a word)."""
-  expected = _expected_tensors(config)
-  for _, name, want, read in expected:
-    if read and name in headers and headers[name][1] != want:
-      raise CheckpointError(f"{directory}: tensor {name!r} has shape {headers[name][1]}, expected {want}")
-    if read and name not in headers:
-      raise CheckpointError(f"{directory}: tensor {name!r} is missing")
-  unread = {name for ours, name, _, read in expected if ours and not read}
-  for name in headers:
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    if m and int(m.group(1)) >= config.n_layers:
-      raise CheckpointError(f"{directory}: tensor {name!r} is past the model's {config.n_layers} "
-                            f"layers (config.json's num_hidden_layers)")
-    if name in unread:
-      raise CheckpointError(f"{directory}: tensor {name!r} is not read by the model config.json "
-                            f"describes (attention_bias={config.attention_bias}, "
-                            f"model_type {config.architecture!r})")
+  """`tensor_table.check_tensors` on an HF checkpoint: a tensor not read (a tied lm_head, a
+  bias) is not checked for its shape."""
+  tensor_table.check_tensors(
+      directory, [(name, want, read) for _, _, name, want, read in _expected_tensors(config)],
+      {name: shape for name, (_, shape) in headers.items()}, config.n_layers,
+      r"model\.layers\.(\d+)\.", layers_key="config.json's num_hidden_layers",
+      unread_tail=f" by the model config.json describes (attention_bias={config.attention_bias}, "
+                  f"model_type {config.architecture!r})")
 
 
 def check_safetensors(directory: str | os.PathLike) -> ModelConfig:
@@ -305,21 +295,12 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
   gemma = config.architecture == "gemma3_text"
   # Gemma's RMSNorm weights w act as 1 + w (added in f32, as HF's Gemma3RMSNorm does).
   shift = (lambda w: np.asarray(w, np.float32) + np.float32(1)) if gemma else (lambda w: w)
-  layers = []
-  for i in range(config.n_layers):
-    layer = {}
-    for ours, theirs in (_GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES).items():
-      if ours.startswith("b") and not config.attention_bias:
-        continue
-      if ours.endswith("_norm") and ours.startswith(("q", "k")) and not config.qk_norm:
-        continue
-      w = get(f"model.layers.{i}.{theirs}", transpose=ours.startswith("w"))
-      layer[ours] = shift(w) if ours.endswith("_norm") else w
-    layers.append(layer)
-  params: Params = {"embed": get("model.embed_tokens.weight", transpose=True), "layers": layers,
-                    "final_norm": shift(get("model.norm.weight", transpose=False))}
-  if not config.tie_embeddings:
-    params["lm_head"] = get("lm_head.weight", transpose=True)
+  layers, other = [{} for _ in range(config.n_layers)], {}
+  for i, ours, name, want, read in _expected_tensors(config):
+    if read:
+      w = get(name, transpose=len(want) == 2)  # matrices: HF's [out, in] to our [in, out]
+      (other if i is None else layers[i])[ours] = shift(w) if ours.endswith("_norm") else w
+  params: Params = {"embed": other.pop("embed"), "layers": layers, **other}  # lm_head: untied only
   return config, params
 
 
