@@ -142,6 +142,21 @@ def validate_argv(argv: Sequence[str]) -> None:
   except ValueError as e:  # a bad variant: the config file says which keys are valid
     raise app.UsageError(str(e)) from e
   check_overrides(cfg, argv[1:])
+  check_override_values(argv)
+
+
+def check_override_values(argv: Sequence[str]) -> None:
+  """Parses the `--config*` flags as ml_collections will, on flags of their own: a value of
+  the wrong type (`--config.sampling.top_k=abc`) or an override before `--config=` is a
+  UsageError naming the flag, not absl's `FATAL Flags parsing error` with exit code 1."""
+  flags_part = list(argv[:list(argv).index("--")] if "--" in argv else argv)
+  trial = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "", flag_values=trial,
+                                  lock_config=True, sys_argv=flags_part)
+  try:
+    trial(flags_part, known_only=True)  # the other flags are absl's to check
+  except flags.Error as e:
+    raise app.UsageError(str(e).splitlines()[0]) from e
 
 
 # -- progress -----------------------------------------------------------------------

@@ -57,15 +57,26 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
   """(summary.json, results.jsonl's records); `ReportError` names a file that is not theirs."""
   run_dir = pathlib.Path(run_dir)
   path = run_dir / "summary.json"
-  summary = _json(path, path.read_text(encoding="utf-8", errors="replace"))
+  summary = _json(path, _read(path))
   if not isinstance(summary, dict):
     raise ReportError(f"{path}: expected a JSON object, got {type(summary).__name__}")
   records = []
   path = run_dir / "results.jsonl"
   if path.exists():
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    records = [_json(path, line, i) for i, line in enumerate(lines, start=1) if line.strip()]
+    for i, line in enumerate(_read(path).splitlines(), start=1):
+      if line.strip():
+        record = _json(path, line, i)
+        if not isinstance(record, dict):
+          raise ReportError(f"{path} line {i}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
   return summary, records
+
+
+def _read(path: pathlib.Path) -> str:
+  try:
+    return path.read_text(encoding="utf-8", errors="replace")
+  except OSError as e:  # a directory, unreadable
+    raise ReportError(f"cannot read {path}: {e.strerror or e}") from e
 
 
 def _per_token_ms(r: dict) -> float:
@@ -359,6 +370,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(write_run_report(d))
     except ReportError as e:  # one bad run: the others are still reported
       print(f"error: {e}", file=sys.stderr)
+      failed.append(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # valid JSON, other fields
+      print(f"error: {d}: summary.json or results.jsonl is not what a run wrote "
+            f"({type(e).__name__}: {e})", file=sys.stderr)
+      failed.append(d)
+    except OSError as e:  # report.md or a plot cannot be written
+      print(f"error: cannot write the report under {d}: {e.strerror or e}", file=sys.stderr)
       failed.append(d)
   runs = [d for d in runs if d not in failed]
   if len(runs) > 1:

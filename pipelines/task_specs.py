@@ -281,4 +281,29 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
   if name in ("humaneval", "suite"):
     kwargs["sandbox_cfg"] = _plain(config.sandbox)
     sandbox_config(kwargs["sandbox_cfg"])  # its limits, before any work
+  if name == "custom":
+    check_custom_config(kwargs["dataset"], kwargs["prompt_cfg"])
   return TASKS[name](**kwargs)
+
+
+CUSTOM_STYLES = ("chat", "completion")
+ANSWER_FORMATS = ("number", "gsm8k", "text")
+
+
+def check_custom_config(dataset: Mapping[str, Any], prompt_cfg: Mapping[str, Any]) -> None:
+  """The custom task's choices, named before any work: a mistyped prompt.style would
+  silently run as chat, a template naming another field stopped the launcher's scan with a
+  KeyError traceback, and an unknown answer_format was an error without the key's name."""
+  if dataset.get("answer_format") not in ANSWER_FORMATS:
+    raise ValueError(f"dataset.answer_format={dataset.get('answer_format')!r}: expected one of "
+                     f"{list(ANSWER_FORMATS)}")
+  style = prompt_cfg.get("style")
+  if style not in CUSTOM_STYLES:
+    raise ValueError(f"prompt.style={style!r}: the custom task takes {list(CUSTOM_STYLES)}")
+  template = prompt_cfg.get("template", "{question}")
+  try:
+    str(template).format(question="")
+  except (KeyError, IndexError, AttributeError, ValueError) as e:
+    reason = f"unknown field {e}" if isinstance(e, KeyError) else str(e)
+    raise ValueError(f"prompt.template={template!r}: {reason} (the one field is {{question}}; "
+                     f"a literal brace is written {{{{ or }}}})") from None

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -93,9 +95,28 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
   return args + [a for a in extra if not a.startswith("--runner=")]
 
 
+DIRECT_MODES = ("in_memory", "multi_threading", "multi_processing")
+
+
 def pipeline_options(runner_cfg, extra: Sequence[str] = (),
                      plugins: Sequence[str] = ()) -> PipelineOptions:
-  return PipelineOptions(beam_args(runner_cfg, extra, plugins))
+  """The options, parsed now: Beam parses them lazily, when the job starts, and a bad value
+  was then argparse's usage text in the log and `SystemExit(2)` ("the run failed")."""
+  mode = runner_cfg.get("direct_running_mode", "multi_processing")
+  if runner_cfg.get("name") == "DirectRunner" and mode not in DIRECT_MODES:
+    raise ValueError(f"runner.direct_running_mode={mode!r}: expected one of {list(DIRECT_MODES)}")
+  workers = runner_cfg.get("direct_num_workers", 1)
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    raise ValueError(f"runner.direct_num_workers={workers!r}: expected an int >= 0 (0 = one per CPU)")
+  options = PipelineOptions(beam_args(runner_cfg, extra, plugins))
+  usage = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(usage):
+      options.get_all_options(retain_unknown_options=True)
+  except SystemExit:
+    error = usage.getvalue().strip().splitlines()[-1:] or ["cannot be parsed"]
+    raise ValueError(f"Beam flags: {error[0].partition(': error: ')[2] or error[0]}") from None
+  return options
 
 
 def is_direct(options: PipelineOptions) -> bool:

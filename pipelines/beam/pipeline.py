@@ -137,6 +137,10 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     policy.sampling(sampling, 0)
   except ValueError as e:
     raise ValueError(f"policy {policy.name}: {e}") from e
+  batch = config.runner.batch_size
+  if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    # named here: the engine's slots are sized from it and would take the blame
+    raise ValueError(f"runner.batch_size={batch!r}: expected an int >= 1 (examples per batch)")
   name = resolve_predictor(config.model.predictor, policy)
   controller = None
   if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype

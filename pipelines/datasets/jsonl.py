@@ -14,6 +14,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import os
 import re
 import zlib
 from typing import Any, Callable, IO, Iterator, Optional, Union
@@ -22,6 +23,18 @@ from pipelines.datasets.records import (DatasetError, DeadLetter, Duplicate, Exa
                                         lone_surrogate)
 
 _SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_GZIP_MAGIC = b"\x1f\x8b"
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def _magic(local: str) -> bytes:
+  """The first two bytes of a local regular file (b"" when it cannot be read: the open
+  that follows says why)."""
+  try:
+    with open(local, "rb") as f:
+      return f.read(2)
+  except OSError:
+    return b""
 
 
 @contextlib.contextmanager
@@ -38,9 +51,16 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
     FileSystems = None  # pylint: disable=invalid-name
   local = None if _SCHEME_RE.match(path) and not path.startswith("file://") else path.removeprefix("file://")
   try:
-    if local is not None and local.endswith(".gz"):
+    if local is not None and os.path.exists(local) and not os.path.isdir(local) \
+        and not os.path.isfile(local):
+      # A FIFO or device: opening it waits for a writer (a hang), and the job reads the
+      # dataset twice (the launcher's scan, then the workers), which a pipe cannot give.
+      raise DatasetError(f"dataset file is not a regular file: {path} (a pipe or device; the "
+                         f"dataset is read more than once: write it to a file)")
+    if local is not None and (local.endswith(".gz") or _magic(local) == _GZIP_MAGIC):
       # gzip raises EOFError on a truncated archive, where Beam's reader stops quietly at the
-      # cut (the rest of the dataset would be missing without a word).
+      # cut (the rest of the dataset would be missing without a word). gzip data under another
+      # name (data.jsonl) is read too, not turned into a dead letter per line of bad UTF-8.
       f = gzip.open(local, "rb")
     elif FileSystems is not None:
       if not FileSystems.exists(path):  # object stores raise assorted errors for a missing key
@@ -97,6 +117,9 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
     for line_number, raw_bytes in enumerate(_read_lines(f, path), start=1):
       if line_number == 1 and raw_bytes.startswith(codecs.BOM_UTF8):  # as some editors save
         raw_bytes = raw_bytes[len(codecs.BOM_UTF8):]
+      if line_number == 1 and raw_bytes.startswith(_UTF16_BOMS):  # every line would be bad UTF-8
+        raise DatasetError(f"dataset file is UTF-16, not UTF-8: {path} (convert it, e.g. "
+                           f"iconv -f UTF-16 -t UTF-8)")
       raw = raw_bytes.decode("utf-8", errors="replace").rstrip("\r\n")
       if not raw.strip():
         continue
@@ -112,6 +135,9 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
         continue
       except RecursionError:  # valid JSON nested deeper than the decoder's recursion limit
         yield DeadLetter(path, line_number, "invalid JSON: nested too deeply", raw)
+        continue
+      except ValueError as e:  # an integer longer than Python converts (4300 digits)
+        yield DeadLetter(path, line_number, f"invalid JSON: {e}", raw)
         continue
       if not isinstance(obj, dict):
         yield DeadLetter(path, line_number,

@@ -231,3 +231,22 @@ def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
                 report=False, loader=_refusing_loader)
   assert summary["samples"] == 0 and summary["dead_letters"]["by_stage"] == {"inference": 3}
   assert summary["accuracy"] == {} and summary["sample_accuracy"] is None
+
+
+@pytest.mark.parametrize("key, value, beam_flags, message", [
+    ("batch_size", 0, (), r"^runner\.batch_size=0: expected an int >= 1 \(examples per batch\)$"),
+    ("direct_running_mode", "bogus", (), r"^runner\.direct_running_mode='bogus': expected one of \["),
+    ("direct_num_workers", -1, (), r"^runner\.direct_num_workers=-1: expected an int >= 0"),
+    (None, None, ("--direct_num_workers=abc",),
+     r"^Beam flags: argument --direct_num_workers: invalid int value: 'abc'$"),
+])
+def test_runner_values_are_named_before_any_work(tmp_path, key, value, beam_flags, message):
+  # Before: batch_size=0 was blamed on engine.max_slots (or "batch_size must be >= 1"); a bad
+  # running mode or Beam flag was argparse's usage text in eval.log and "the run failed".
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data)
+  if key:
+    cfg.runner[key] = value
+  with pytest.raises(ValueError, match=message):
+    run(cfg, str(tmp_path / "out"), beam_flags, clock=FakeClock(), progress=False, report=False)
+  assert _nothing_written(tmp_path / "out")

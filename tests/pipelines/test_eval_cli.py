@@ -121,3 +121,24 @@ def test_a_run_whose_sandbox_failed_for_every_program_exits_1():
                                         "sandbox_error in out/results.jsonl): no sample has a verdict")
   some = summarize([record(0, "sandbox_error"), record(1, "failed")], task="humaneval")
   assert some["accuracy"] == {"pass@1": 0.0} and run_failure(some, "out") is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.sampling.top_k=abc"],
+     "flag --config.sampling.top_k=abc: invalid literal for int() with base 10: 'abc'"),
+    (["--config.runner.share_model=maybe"],
+     "flag --config.runner.share_model=maybe: ('Non-boolean argument to boolean flag', 'maybe')"),
+    (["--config.sampling.seed=1", "--config=configs/custom.py"],
+     "Found --config.sampling.seed=1 in argv before a value for --config was specified"),
+])
+def test_override_values_that_do_not_parse_are_one_usage_error(args, message):
+  # Before: absl's "FATAL Flags parsing error: ..." plus a help hint, exit code 1.
+  from absl import app
+  from pipelines.eval import validate_argv
+  argv = ["eval", *(args if any(a.startswith("--config=") for a in args) else [FAKE[0], *args]),
+          "--output_dir=x", "--verbose", "--", "--runner=DirectRunner"]
+  with pytest.raises(app.UsageError) as e:
+    validate_argv(argv)
+  assert str(e.value) == message
+  validate_argv(["eval", FAKE[0], "--config.sampling.top_k=3", "--config.runner.share_model",
+                 "--output_dir=x", "--", "--direct_num_workers=abc"])  # Beam's flags are Beam's

@@ -26,3 +26,18 @@ def test_corrupt_run_files_are_one_line_naming_file_and_line(tmp_path, capsys):
     assert main([str(d)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_run_files_of_another_shape_are_one_line_naming_them(tmp_path, capsys):
+  # Before: IsADirectoryError, AttributeError ('list' object has no attribute 'get') or
+  # KeyError ('task') tracebacks.
+  lists = _run_dir(tmp_path, "lists", "{}", ["[1, 2]"])
+  keyless = _run_dir(tmp_path, "keyless", "{}")
+  folder = tmp_path / "folder"
+  (folder / "summary.json").mkdir(parents=True)
+  for d, message in [
+      (lists, f"error: {lists}/results.jsonl line 1: expected a JSON object, got list\n"),
+      (keyless, f"error: {keyless}: summary.json or results.jsonl is not what a run wrote (KeyError: 'task')\n"),
+      (folder, f"error: cannot read {folder}/summary.json: Is a directory\n")]:
+    assert main([str(d)]) == 2
+    assert capsys.readouterr().err == message

@@ -59,3 +59,25 @@ def test_scoring_identity_holds_what_can_change_a_verdict():
   assert task(custom_config, dataset={"answer_format": "number"}).scoring_identity() == {}
   assert task(custom_config, dataset={"answer_format": "text"}).scoring_identity() == {
       "answer_format": "text"}
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("prompt", "style", "completon", r"^prompt\.style='completon': the custom task takes \['chat', 'completion'\]$"),
+    ("prompt", "template", "Q: {qestion}", r"^prompt\.template='Q: \{qestion\}': unknown field 'qestion' \(the one"),
+    ("prompt", "template", "{question.x}", r"^prompt\.template='\{question\.x\}': 'str' object has no attribute"),
+    ("prompt", "template", "Q: {", r"^prompt\.template='Q: \{': Single '\{' encountered in format string \("),
+    ("prompt", "template", "{0}", r"^prompt\.template='\{0\}': Replacement index 0 out of range"),
+    ("dataset", "answer_format", "nums", r"^dataset\.answer_format='nums': expected one of \['number', "),
+])
+def test_custom_prompt_and_answer_format_choices_are_named(section, key, value, message):
+  # Before: a mistyped style ran as chat without a word; a template naming another field was a
+  # KeyError traceback from the launcher's scan; answer_format's error did not name the key.
+  cfg = custom_config.get_config("smoke=True")
+  cfg.dataset.path = "data.jsonl"
+  cfg[section][key] = value
+  with pytest.raises(ValueError, match=message):
+    build_task(cfg)
+  cfg[section][key] = custom_config.get_config()[section][key]
+  build_task(cfg)
+  cfg.prompt.template = "Answer {{briefly}}: {question}"  # escaped braces are text
+  build_task(cfg)

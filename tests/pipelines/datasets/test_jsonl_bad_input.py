@@ -109,3 +109,39 @@ def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
   # A BOM anywhere else is not one: that line's text really starts with U+FEFF.
   (tmp_path / "mid.jsonl").write_bytes(b"\xef\xbb\xbf".join(l.encode() + b"\n" for l in lines[:1] * 2))
   assert isinstance(list(read_gsm8k_jsonl(str(tmp_path / "mid.jsonl")))[-1], DeadLetter)
+
+
+def test_a_fifo_is_one_dataset_error_not_a_hang(tmp_path):
+  # Before: opening the FIFO waited for a writer forever (and the job reads the dataset twice).
+  import os
+  fifo = tmp_path / "data.jsonl"
+  os.mkfifo(fifo)
+  with pytest.raises(DatasetError, match=rf"^dataset file is not a regular file: {fifo} \(a pipe"):
+    list(read_gsm8k_jsonl(str(fifo)))
+
+
+def test_gzip_data_under_a_plain_name_is_read(tmp_path):
+  # Before: every line was a dead letter of invalid UTF-8.
+  import gzip
+  lines = [json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) for i in range(3)]
+  packed = tmp_path / "data.jsonl"
+  packed.write_bytes(gzip.compress("".join(l + "\n" for l in lines).encode()))
+  got = list(read_gsm8k_jsonl(str(packed)))
+  assert [r.reference for r in got] == ["1", "2", "3"]
+
+
+def test_utf16_file_is_one_dataset_error_naming_the_encoding(tmp_path):
+  # Before: every line a dead letter of invalid UTF-8 (the first) or invalid JSON (the rest).
+  path = tmp_path / "u16.jsonl"
+  path.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n", encoding="utf-16")
+  with pytest.raises(DatasetError, match=rf"^dataset file is UTF-16, not UTF-8: {path} \("):
+    list(read_gsm8k_jsonl(str(path)))
+
+
+def test_an_integer_too_long_to_convert_is_a_dead_letter(tmp_path):
+  # Before: json's ValueError (over 4300 digits) escaped the reader and stopped the run.
+  path = _lines(tmp_path / "big.jsonl", '{"question": "q", "answer": "#### 1", "n": ' + "9" * 5000 + "}",
+                json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}))
+  out = list(read_gsm8k_jsonl(path))
+  assert [type(r).__name__ for r in out] == ["DeadLetter", "Example"]
+  assert out[0].line_number == 1 and out[0].reason.startswith("invalid JSON: Exceeds the limit")
