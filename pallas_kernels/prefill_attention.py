@@ -68,6 +68,10 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables, starts,
 # --- blocked XLA path (CPU) ---------------------------------------------------------
 
 
+# jit: every layer of a model calls this with the same shapes; as one jitted function it is
+# traced once per program, not once per layer (its loop body was 2.4 s of the embedded
+# model's first prefill calls in a new process; XLA inlines the call, same program).
+@functools.partial(jax.jit, static_argnames=("sliding_window", "sm_scale", "key_block"))
 def paged_prefill_attention_blocked(q, k_pages, v_pages, block_tables, starts, chunk_lens,
                                     k_scale=None, v_scale=None, *,
                                     sliding_window: int | None = None,
