@@ -48,6 +48,7 @@ def token_slots(block_tables: jax.Array, starts: jax.Array, write_lens: jax.Arra
   return jnp.where(valid, block, num_blocks), pos % block_size
 
 
+@jax.jit  # every layer writes the same shapes: one trace per program
 def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, starts: jax.Array,
                 write_lens: jax.Array) -> jax.Array:
   """Scatters new K or V rows into a float pool.
@@ -63,6 +64,7 @@ def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, start
                                     offset.reshape(-1))
 
 
+@jax.jit  # every layer writes the same shapes: one trace per program
 def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_tables: jax.Array,
                     starts: jax.Array, write_lens: jax.Array):
   """Writes new rows into an FP8 pool with one scale per (block, kv head).

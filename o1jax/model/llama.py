@@ -7,6 +7,7 @@ up to 3x faster than scanning over stacked layers (see DESIGN.md).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
@@ -108,7 +109,86 @@ class KVCache:
     return out, self.replace(k=replace(self.k, k_cache), v=replace(self.v, v_cache))
 
 
+class _ByValue:
+  """A config as a static jit argument, equal by value (its rope_scaling dict makes the
+  config itself unhashable)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def __hash__(self):
+    return hash(repr(self.value))
+
+  def __eq__(self, other):
+    return isinstance(other, _ByValue) and self.value == other.value
+
+
+# A layer's work before and after its attention, each one jitted function: every layer of
+# a model calls them with the same shapes, so a program traces and lowers them once rather
+# than once per layer (tracing was most of a new process's first calls: ~0.6 s per prefill
+# program of the embedded model). XLA inlines the calls: the same program.
+_STATIC = ("config", "backend", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attention_inputs(w: dict, x, positions, inv_freq, *, config: _ByValue, backend: str,
+                      interpret: bool):
+  """x [B, T, d] -> rotated q [B, T, H, D], k and v [B, T, KVH, D]."""
+  c = config.value
+  kw = dict(backend=backend, interpret=interpret)  # the weights say int8/bf16/f32
+  b, t, _ = x.shape
+  h = layers.rms_norm(x, w["attn_norm"], c.rms_eps)
+  if w["wqkv"] is not None:
+    nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    qkv = layers.linear(h, w["wqkv"], **kw)
+    q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+    add = lambda y, bias: y if bias is None else y + bias.astype(y.dtype)
+    q, k, v = add(q, w["bq"]), add(k, w["bk"]), add(v, w["bv"])
+  else:
+    q = layers.linear(h, w["wq"], w["bq"], **kw)
+    k = layers.linear(h, w["wk"], w["bk"], **kw)
+    v = layers.linear(h, w["wv"], w["bv"], **kw)
+  q = q.reshape(b, t, c.n_heads, c.head_dim)
+  k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+  v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+  if c.qk_norm:
+    q = layers.rms_norm(q, w["q_norm"], c.rms_eps)
+    k = layers.rms_norm(k, w["k_norm"], c.rms_eps)
+  q = layers.apply_rope(q, positions, inv_freq)
+  k = layers.apply_rope(k, positions, inv_freq)
+  if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+    # Every attention path scales scores by 1/sqrt(head_dim); fold the rest into q.
+    q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
+  return q, k, v
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attention_output_and_mlp(w: dict, x, attn, *, config: _ByValue, backend: str,
+                              interpret: bool):
+  """The layer's output [B, T, d] from its input x and the attention [B, T, H, D]."""
+  c = config.value
+  kw = dict(backend=backend, interpret=interpret)
+  b, t, _ = x.shape
+  out = layers.linear(attn.reshape(b, t, -1), w["wo"], **kw)
+  if c.post_norms:
+    out = layers.rms_norm(out, w["post_attn_norm"], c.rms_eps)
+  x = x + out
+  h = layers.rms_norm(x, w["ffn_norm"], c.rms_eps)
+  if w["w_gate_up"] is not None:
+    gate_up = layers.linear(h, w["w_gate_up"], **kw)
+    gate, up = gate_up[..., :c.ffn_dim], gate_up[..., c.ffn_dim:]
+    out = layers.linear(layers.ACTIVATIONS[c.activation](gate) * up, w["w_down"], **kw)
+  else:
+    out = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], c.activation, **kw)
+  if c.post_norms:
+    out = layers.rms_norm(out, w["post_ffn_norm"], c.rms_eps)
+  return x + out
+
+
 class DecoderLayer(nnx.Module):
+  WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wqkv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
+             "post_attn_norm", "post_ffn_norm", "ffn_norm", "w_gate", "w_up", "w_gate_up",
+             "w_down")
 
   def __init__(self, config: ModelConfig, p: dict, *, backend: str, interpret: bool):
     self.config = config
@@ -128,49 +208,13 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, starts, cache, index: int, inv_freq):
     """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
-    c = self.config
-    kw = dict(backend=self.backend, interpret=self.interpret)  # the weights say int8/bf16/f32
-    val = lambda w: None if w is None else w.get_value()
-    b, t, _ = x.shape
-    h = layers.rms_norm(x, val(self.attn_norm), c.rms_eps)
-    if self.wqkv is not None:
-      nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-      qkv = layers.linear(h, val(self.wqkv), **kw)
-      q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
-      add = lambda y, bias: y if bias is None else y + bias.get_value().astype(y.dtype)
-      q, k, v = add(q, self.bq), add(k, self.bk), add(v, self.bv)
-    else:
-      q = layers.linear(h, val(self.wq), val(self.bq), **kw)
-      k = layers.linear(h, val(self.wk), val(self.bk), **kw)
-      v = layers.linear(h, val(self.wv), val(self.bv), **kw)
-    q = q.reshape(b, t, c.n_heads, c.head_dim)
-    k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
-    v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
-    if c.qk_norm:
-      q = layers.rms_norm(q, val(self.q_norm), c.rms_eps)
-      k = layers.rms_norm(k, val(self.k_norm), c.rms_eps)
-    q = layers.apply_rope(q, positions, inv_freq)
-    k = layers.apply_rope(k, positions, inv_freq)
-    if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
-      # Every attention path scales scores by 1/sqrt(head_dim); fold the rest into q.
-      q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
+    w = {n: None if getattr(self, n) is None else getattr(self, n).get_value()
+         for n in self.WEIGHTS}
+    static = dict(config=_ByValue(self.config), backend=self.backend, interpret=self.interpret)
+    q, k, v = _attention_inputs(w, x, positions, inv_freq, **static)
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,
-                               interpret=self.interpret, window=c.layer_window(index))
-    out = layers.linear(attn.reshape(b, t, -1), val(self.wo), **kw)
-    if c.post_norms:
-      out = layers.rms_norm(out, val(self.post_attn_norm), c.rms_eps)
-    x = x + out
-    h = layers.rms_norm(x, val(self.ffn_norm), c.rms_eps)
-    if self.w_gate_up is not None:
-      gate_up = layers.linear(h, val(self.w_gate_up), **kw)
-      gate, up = gate_up[..., :c.ffn_dim], gate_up[..., c.ffn_dim:]
-      out = layers.linear(layers.ACTIVATIONS[c.activation](gate) * up, val(self.w_down), **kw)
-    else:
-      out = layers.gated_mlp(h, val(self.w_gate), val(self.w_up), val(self.w_down),
-                             c.activation, **kw)
-    if c.post_norms:
-      out = layers.rms_norm(out, val(self.post_ffn_norm), c.rms_eps)
-    return x + out, cache
+                               interpret=self.interpret, window=self.config.layer_window(index))
+    return _attention_output_and_mlp(w, x, attn, **static), cache
 
 
 class Llama(nnx.Module):
