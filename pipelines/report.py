@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from pipelines.summary import LATENCY_BUCKETS_MS, bucket_index, bucket_label, per_token_latencies
@@ -372,8 +373,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"error: {e}", file=sys.stderr)
       failed.append(d)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # valid JSON, other fields
-      print(f"error: {d}: summary.json or results.jsonl is not what a run wrote "
-            f"({type(e).__name__}: {e})", file=sys.stderr)
+      # (or a bug here: where it was raised goes with it)
+      frame = traceback.extract_tb(e.__traceback__)[-1]
+      print(f"error: {d}: cannot report it ({type(e).__name__}: {e}, at "
+            f"{os.path.basename(frame.filename)}:{frame.lineno}): summary.json or results.jsonl "
+            f"is not what a run wrote", file=sys.stderr)
       failed.append(d)
     except OSError as e:  # report.md or a plot cannot be written
       print(f"error: cannot write the report under {d}: {e.strerror or e}", file=sys.stderr)

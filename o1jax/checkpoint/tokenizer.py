@@ -295,25 +295,28 @@ def _raise_template_error(message):
 
 
 def token_texts(tokenizer, *, skip_special: bool = False) -> list[str]:
-  """Every token's text as it reads inside a text, i.e. after another token.
+  """Every token's text as it reads inside a text, between two other tokens.
 
   A token decoded alone can read differently: decoders that drop the space a text starts
   with (SentencePiece's Strip, Metaspace with prepend_scheme "first", used by Llama-2
   style tokenizer.json files) drop it from every token decoded alone, so "5" "▁5" would
-  read "55" where the text says "5 5". Each token is decoded after an anchor (the first
-  token whose text alone is one ASCII letter or digit) and the anchor's text taken off;
-  a token whose text does not extend the anchor's (none seen) keeps its text alone.
+  read "55" where the text says "5 5"; word-suffix decoders (BPEDecoder "</w>") drop the
+  space a text ends with. Each token is decoded between two copies of an anchor (the first
+  token whose text alone is one ASCII letter or digit and reads twice as twice that
+  letter: it adds no space of its own) and the anchors' text is taken off; a token whose
+  text does not sit between them (bytes of an unfinished character) keeps its text alone.
   `tokenizer`: anything with `vocab_size` and `decode(ids, skip_special=...)`."""
   n = tokenizer.vocab_size
   decode = lambda ids: tokenizer.decode(ids, skip_special=skip_special)
   alone = [decode([i]) for i in range(n)]
-  anchor = next((i for i, t in enumerate(alone) if len(t) == 1 and t.isascii() and t.isalnum()),
-                None)
+  anchor = next((i for i, t in enumerate(alone) if len(t) == 1 and t.isascii() and t.isalnum()
+                 and decode([i, i]) == t + t), None)
   if anchor is None:
     return alone
-  head = alone[anchor]
+  a = alone[anchor]
   out = []
   for i, text in enumerate(alone):
-    joined = decode([anchor, i])
-    out.append(joined[len(head):] if joined.startswith(head) else text)
+    between = decode([anchor, i, anchor])
+    ok = len(between) >= 2 and between.startswith(a) and between.endswith(a)
+    out.append(between[1:-1] if ok else text)
   return out

@@ -109,20 +109,6 @@ class KVCache:
     return out, self.replace(k=replace(self.k, k_cache), v=replace(self.v, v_cache))
 
 
-class _ByValue:
-  """A config as a static jit argument, equal by value (its rope_scaling dict makes the
-  config itself unhashable)."""
-
-  def __init__(self, value):
-    self.value = value
-
-  def __hash__(self):
-    return hash(repr(self.value))
-
-  def __eq__(self, other):
-    return isinstance(other, _ByValue) and self.value == other.value
-
-
 # A layer's work before and after its attention, each one jitted function: every layer of
 # a model calls them with the same shapes, so a program traces and lowers them once rather
 # than once per layer (tracing was most of a new process's first calls: ~0.6 s per prefill
@@ -131,10 +117,10 @@ _STATIC = ("config", "backend", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _attention_inputs(w: dict, x, positions, inv_freq, *, config: _ByValue, backend: str,
+def _attention_inputs(w: dict, x, positions, inv_freq, *, config: ModelConfig, backend: str,
                       interpret: bool):
   """x [B, T, d] -> rotated q [B, T, H, D], k and v [B, T, KVH, D]."""
-  c = config.value
+  c = config
   kw = dict(backend=backend, interpret=interpret)  # the weights say int8/bf16/f32
   b, t, _ = x.shape
   h = layers.rms_norm(x, w["attn_norm"], c.rms_eps)
@@ -163,10 +149,10 @@ def _attention_inputs(w: dict, x, positions, inv_freq, *, config: _ByValue, back
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _attention_output_and_mlp(w: dict, x, attn, *, config: _ByValue, backend: str,
+def _attention_output_and_mlp(w: dict, x, attn, *, config: ModelConfig, backend: str,
                               interpret: bool):
   """The layer's output [B, T, d] from its input x and the attention [B, T, H, D]."""
-  c = config.value
+  c = config
   kw = dict(backend=backend, interpret=interpret)
   b, t, _ = x.shape
   out = layers.linear(attn.reshape(b, t, -1), w["wo"], **kw)
@@ -210,7 +196,7 @@ class DecoderLayer(nnx.Module):
     """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
     w = {n: None if getattr(self, n) is None else getattr(self, n).get_value()
          for n in self.WEIGHTS}
-    static = dict(config=_ByValue(self.config), backend=self.backend, interpret=self.interpret)
+    static = dict(config=self.config, backend=self.backend, interpret=self.interpret)
     q, k, v = _attention_inputs(w, x, positions, inv_freq, **static)
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,
                                interpret=self.interpret, window=self.config.layer_window(index))

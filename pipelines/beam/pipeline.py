@@ -49,7 +49,7 @@ from pipelines.datasets.records import text_bytes
 from o1jax.controller import BasePolicy, SamplingSpec, build_policy, policy_names
 from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for,
                                   speculative_config)
-from pipelines.task_specs import build_task
+from pipelines.task_specs import build_task, sandbox_identity
 
 STORE_VERSION = 1  # bump when the record layout changes, so old stores are not reused
 NAMESPACE = "o1jax_eval"
@@ -202,6 +202,14 @@ def prompt_sha256(prompt) -> str:
   return hashlib.sha256(_canonical(prompt)).hexdigest()
 
 
+def scoring_identity(task) -> dict:
+  """What, beside the output, decides the task's verdicts (`scoring_identity()`; a task
+  registered without one: its sandbox limits, as before that method)."""
+  if hasattr(task, "scoring_identity"):
+    return task.scoring_identity()
+  return sandbox_identity(getattr(task, "sandbox_cfg", {}) or {})
+
+
 def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[WorkItem]:
   """The work of one example: one item per sample index, each keyed by content hash."""
   prompt, stop = plan.task.prompt(example)
@@ -213,7 +221,7 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
     content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
         "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
-        "scoring": plan.task.scoring_identity(), "example": example.to_dict(),
+        "scoring": scoring_identity(plan.task), "example": example.to_dict(),
         "sample_index": i}
     if plan.speculation_changes_outputs:
       content["speculative"] = dict(plan.predictor.speculative)

@@ -81,3 +81,12 @@ def test_custom_prompt_and_answer_format_choices_are_named(section, key, value, 
   build_task(cfg)
   cfg.prompt.template = "Answer {{briefly}}: {question}"  # escaped braces are text
   build_task(cfg)
+
+
+def test_a_registered_task_without_scoring_identity_keeps_its_sandbox_limits():
+  """Tasks registered by users (config imports) predate `scoring_identity`: their keys
+  hold their sandbox limits as before (the pool size aside)."""
+  from pipelines.beam.pipeline import scoring_identity
+  task = type("OwnTask", (), {"sandbox_cfg": {"timeout_s": 3.0, "memory_mb": 512, "workers": 4}})()
+  assert scoring_identity(task) == {"timeout_s": 3.0, "memory_mb": 512}
+  assert scoring_identity(type("Bare", (), {})()) == {}

@@ -49,6 +49,24 @@ def test_texts_joined_are_the_text(decoder):
         assert text == head + "".join(texts[i] for i in seq), (first, seq)
 
 
+def test_word_suffix_decoders_give_the_space_to_the_word_it_ends():
+  """BPEDecoder("</w>") (GPT-1/CLIP style): a word's last piece carries the space after
+  it, dropped at the end of a text; joined, the texts are the text (and that space)."""
+  pieces = ["<unk>", "5</w>", "6</w>", "5", "6", "c", "a</w>", ".</w>"]
+  backend = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(pieces)},
+                                                  unk_token="<unk>"))
+  backend.decoder = decoders.BPEDecoder(suffix="</w>")
+  tok = Tokenizer(backend, bos_id=None, eos_ids=[])
+  texts = token_texts(tok)
+  assert tok.decode([1, 2]) == "5 6" and [tok.decode([1]), tok.decode([2])] == ["5", "6"]
+  assert texts[1] == "5 " and texts[3] == "5"
+  rng = np.random.default_rng(1)
+  for _ in range(300):
+    seq = [int(i) for i in rng.integers(1, len(pieces), size=int(rng.integers(1, 8)))]
+    text, joined = tok.decode(seq), "".join(texts[i] for i in seq)
+    assert joined in (text, text + " "), seq
+
+
 def test_special_tokens_follow_skip_special():
   tok = spm_tokenizer("strip")
   assert token_texts(tok, skip_special=True)[2] == ""
