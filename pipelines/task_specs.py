@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm8k_jsonl,
                                 synthetic_examples)
+from pipelines.datasets.custom_jsonl import ANSWER_FORMATS
 from pipelines.datasets.humaneval import load_humaneval
 from pipelines.suite.task import SuiteTask
 from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
@@ -287,7 +288,6 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
 
 
 CUSTOM_STYLES = ("chat", "completion")
-ANSWER_FORMATS = ("number", "gsm8k", "text")
 
 
 def check_custom_config(dataset: Mapping[str, Any], prompt_cfg: Mapping[str, Any]) -> None:

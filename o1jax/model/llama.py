@@ -56,6 +56,18 @@ def _pack_int8_matrices(params: Params) -> Params:
   return out
 
 
+# One program per weight shape (op by op, each op compiled apart: 72 compiles, 2.4 s of the
+# embedded model's load; 0.5 s so, the same values), shared by every model of a process.
+@functools.partial(jax.jit, static_argnames=("dtype", "tiled"))
+def _dense_matrix(w, *, dtype, tiled: bool):
+  """A weight matrix (dequantized when quantized) in `dtype`, in the native f32 kernel's
+  column tiles when `tiled`."""
+  if isinstance(w, QuantizedTensor):
+    w = dequantize(w)
+  w = w.astype(dtype)
+  return pack_f32(w) if tiled else w
+
+
 class Weight(nnx.Param):
   """A dense array or a QuantizedTensor pytree, stored as one parameter."""
 
@@ -172,25 +184,19 @@ def _attention_output_and_mlp(w: dict, x, attn, *, config: ModelConfig, backend:
 
 
 class DecoderLayer(nnx.Module):
+  # Its weights: q/k/v and gate/up apart, or fused (int8 matmuls: INT8_FUSED); biases
+  # (Qwen2), q/k norms (Qwen3) and post norms (Gemma 3) where the config has them.
   WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wqkv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
              "post_attn_norm", "post_ffn_norm", "ffn_norm", "w_gate", "w_up", "w_gate_up",
              "w_down")
+  REQUIRED = ("attn_norm", "wo", "ffn_norm", "w_down")
 
   def __init__(self, config: ModelConfig, p: dict, *, backend: str, interpret: bool):
     self.config = config
     self.backend = backend
     self.interpret = interpret
-    weight = lambda n: Weight(p[n]) if n in p else None
-    self.attn_norm = Weight(p["attn_norm"])
-    # Either q/k/v and gate/up apart, or fused (int8 matmuls: INT8_FUSED).
-    self.wq, self.wk, self.wv, self.wqkv = (weight(n) for n in ("wq", "wk", "wv", "wqkv"))
-    self.wo = Weight(p["wo"])
-    self.bq, self.bk, self.bv = (weight(n) for n in ("bq", "bk", "bv"))
-    self.q_norm, self.k_norm = weight("q_norm"), weight("k_norm")  # Qwen3 (config.qk_norm)
-    self.post_attn_norm, self.post_ffn_norm = weight("post_attn_norm"), weight("post_ffn_norm")
-    self.ffn_norm = Weight(p["ffn_norm"])
-    self.w_gate, self.w_up, self.w_gate_up = (weight(n) for n in ("w_gate", "w_up", "w_gate_up"))
-    self.w_down = Weight(p["w_down"])
+    for name in self.WEIGHTS:
+      setattr(self, name, Weight(p[name]) if name in p or name in self.REQUIRED else None)
 
   def __call__(self, x, positions, starts, cache, index: int, inv_freq):
     """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
@@ -251,24 +257,13 @@ class Llama(nnx.Module):
     # The native f32 kernel's layout: a few rows cost about one row's weight reads.
     tiled = matmul_dtype == "float32" and kernel_ops.tiled_f32_preferred(backend)
 
-    def prepare(w):
-      if weight_mode == "dense" and isinstance(w, QuantizedTensor):
-        w = dequantize(w)
-      if is_matrix(w):
-        w = w.astype(matrix_dtype)
-        if tiled:
-          w = pack_f32(w)
-      return w
-
     # One weight at a time, dequantized, cast and packed: the dense copies of every
     # matrix never coexist (done tree by tree, the load peaked at ~2x the f32 weights).
-    # One program per weight shape: op by op, each op compiled apart (72 compiles, 2.4 s
-    # of the embedded model's 3 s load; 0.6 s so; the same values).
-    prepare_one = jax.jit(prepare)
-    changes = lambda w: ((weight_mode == "dense" and isinstance(w, QuantizedTensor))
-                         or (is_matrix(w) and (tiled or w.dtype != matrix_dtype)))
-    params = jax.tree.map(lambda w: prepare_one(w) if changes(w) else w, params,
-                          is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
+    converts = lambda w: ((weight_mode == "dense" and isinstance(w, QuantizedTensor))
+                          or (is_matrix(w) and (tiled or w.dtype != matrix_dtype)))
+    params = jax.tree.map(
+        lambda w: _dense_matrix(w, dtype=matrix_dtype, tiled=tiled) if converts(w) else w,
+        params, is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
     self.config = config
     self.dtype = dtype
     self.embed = Weight(params["embed"])

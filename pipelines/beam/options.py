@@ -95,16 +95,12 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
   return args + [a for a in extra if not a.startswith("--runner=")]
 
 
-DIRECT_MODES = ("in_memory", "multi_threading", "multi_processing")
-
-
 def pipeline_options(runner_cfg, extra: Sequence[str] = (),
                      plugins: Sequence[str] = ()) -> PipelineOptions:
   """The options, parsed now: Beam parses them lazily, when the job starts, and a bad value
-  was then argparse's usage text in the log and `SystemExit(2)` ("the run failed")."""
-  mode = runner_cfg.get("direct_running_mode", "multi_processing")
-  if runner_cfg.get("name") == "DirectRunner" and mode not in DIRECT_MODES:
-    raise ValueError(f"runner.direct_running_mode={mode!r}: expected one of {list(DIRECT_MODES)}")
+  was then argparse's usage text in the log and `SystemExit(2)` ("the run failed"). Beam
+  checks its flags' types and choices (direct_running_mode); a negative worker count it
+  takes, so that is checked here."""
   workers = runner_cfg.get("direct_num_workers", 1)
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
     raise ValueError(f"runner.direct_num_workers={workers!r}: expected an int >= 0 (0 = one per CPU)")

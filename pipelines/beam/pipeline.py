@@ -216,13 +216,13 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
   # A task may set a per-example token budget (the suite: per category).
   base = plan.task.sampling_for(example, plan.sampling) if hasattr(plan.task, "sampling_for") else plan.sampling
   items = []
+  scoring = scoring_identity(plan.task)
   for i in range(plan.policy.num_samples):
     sampling = plan.policy.sampling(base, i)
     content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
         "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
-        "scoring": scoring_identity(plan.task), "example": example.to_dict(),
-        "sample_index": i}
+        "scoring": scoring, "example": example.to_dict(), "sample_index": i}
     if plan.speculation_changes_outputs:
       content["speculative"] = dict(plan.predictor.speculative)
     key = hashlib.sha256(_canonical(content)).hexdigest()

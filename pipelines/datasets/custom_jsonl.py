@@ -8,14 +8,15 @@ field; without it ids are content hashes so they survive reordering.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Literal, Mapping, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional, get_args
 
 from pipelines.datasets.jsonl import JsonLine, load_jsonl, require_str
 from pipelines.datasets.records import (Example, LoadResult, RecordError,
                                         content_id, is_number, normalize_answer,
                                         split_gsm8k_answer)
 
-AnswerFormat = Literal["text", "number", "gsm8k"]
+AnswerFormat = Literal["number", "gsm8k", "text"]
+ANSWER_FORMATS: tuple[str, ...] = get_args(AnswerFormat)
 _TARGETS = ("question", "answer", "id")
 
 
@@ -39,7 +40,7 @@ class FieldMapping:
     unknown = set(mapping) - set(_TARGETS)
     if unknown:
       raise ValueError(f"unknown target fields {sorted(unknown)}; allowed {_TARGETS}")
-    if answer_format not in ("text", "number", "gsm8k"):
+    if answer_format not in ANSWER_FORMATS:
       raise ValueError(f"unknown answer_format {answer_format!r}")
     return cls(question=mapping.get("question", "question"),
                answer=mapping.get("answer", "answer"),

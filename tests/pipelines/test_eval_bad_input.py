@@ -235,7 +235,9 @@ def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
 
 @pytest.mark.parametrize("key, value, beam_flags, message", [
     ("batch_size", 0, (), r"^runner\.batch_size=0: expected an int >= 1 \(examples per batch\)$"),
-    ("direct_running_mode", "bogus", (), r"^runner\.direct_running_mode='bogus': expected one of \["),
+    ("direct_running_mode", "bogus", (),
+     r"^Beam flags: argument --direct_running_mode: invalid choice: 'bogus' \(choose from "
+     r"'in_memory', 'multi_threading', 'multi_processing'\)$"),
     ("direct_num_workers", -1, (), r"^runner\.direct_num_workers=-1: expected an int >= 0"),
     (None, None, ("--direct_num_workers=abc",),
      r"^Beam flags: argument --direct_num_workers: invalid int value: 'abc'$"),
