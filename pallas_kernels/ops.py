@@ -202,12 +202,16 @@ def _warn_int8_fallback() -> None:
 def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
                      interpret: bool = False, x_scale: jax.Array | None = None,
                      out_dtype=None, block_m: int | None = None, block_n: int | None = None,
-                     k_splits: int | None = None) -> jax.Array:
+                     k_splits: int | None = None, kernel: str = "auto") -> jax.Array:
   """y = x @ dequant(W): x [..., K], W logical [K, N] -> [..., N].
 
   x: bf16/f16/f32, or float8_e4m3fn with `x_scale` ([...] or [..., 1]; the real
   activation row is x * x_scale). Output dtype: `out_dtype`, else x's dtype
-  (bf16 for FP8). block_m/block_n/k_splits override the kernel's tiling."""
+  (bf16 for FP8). The Pallas path has two kernels: "dot" (tensor-core tiles) and
+  "gemv" (M <= GEMV_ROW_LIMIT rows, no dot); `kernel="auto"` takes "gemv" for
+  M <= qmm.GEMV_MAX_ROWS. block_m/block_n/k_splits override the tiling."""
+  if kernel not in ("auto", "dot", "gemv"):
+    raise ValueError(f"quantized_matmul: kernel={kernel!r} not in ('auto', 'dot', 'gemv')")
   w.validate("quantized_matmul: W")
   k, n = w.shape
   if x.ndim < 1 or x.shape[-1] != k:
@@ -236,8 +240,17 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
   if m == 0:
     dt = out_dtype or (jnp.bfloat16 if x.dtype in qmm.FP8_DTYPES else x.dtype)
     return jnp.zeros(lead + (n,), dt)
-  y = qmm.quantized_matmul_pallas(x2, w, xs2, out_dtype=out_dtype, block_m=block_m,
-                                  block_n=block_n, k_splits=k_splits, interpret=interpret)
+  if kernel == "auto":
+    kernel = "gemv" if m <= qmm.GEMV_MAX_ROWS else "dot"
+  if kernel == "gemv":
+    if m > qmm.GEMV_ROW_LIMIT or block_m is not None:
+      raise ValueError(f"quantized_matmul: kernel='gemv' takes M <= {qmm.GEMV_ROW_LIMIT} rows "
+                       f"and no block_m (got M={m}, block_m={block_m})")
+    y = qmm.quantized_gemv_pallas(x2, w, xs2, out_dtype=out_dtype, block_n=block_n,
+                                  k_splits=k_splits, interpret=interpret)
+  else:
+    y = qmm.quantized_matmul_pallas(x2, w, xs2, out_dtype=out_dtype, block_m=block_m,
+                                    block_n=block_n, k_splits=k_splits, interpret=interpret)
   return y.reshape(*lead, n)
 
 

@@ -221,6 +221,162 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
   return y.astype(out_dtype)
 
 
+# --- small-M kernel (decode) -----------------------------------------------------
+#
+# Backend: Pallas Triton, like the dot kernel above. Mosaic GPU's strengths (wgmma
+# tensor-core tiles, TMA bulk copies) serve large tiles; a matrix-vector product
+# has no tensor-core work worth the name and its loads are plain coalesced rows,
+# which Triton pipelines (num_stages) across loop iterations.
+#
+# Why a second kernel: at M <= 8 the dot kernel pads M to a 16-row tensor-core
+# tile and does two tiny dots and a scale per 32-row group; on an H200 it streamed
+# the 4-bit weights at 0.6-0.7 TB/s (HBM: 4.8). Here nothing is a dot: each loaded
+# [group, block_n] tile of codes is dequantized in registers (one FMA per weight)
+# and multiplied into a per-row [group, block_n] f32 accumulator (one FMA); the
+# accumulator is summed over its rows once, after the loop, so the loop body has
+# no cross-thread reduction. `groups_per_iter` groups are loaded per iteration
+# (more bytes in flight), and K is split over programs so that all SMs stream at
+# M = 1. Activations are f32 in the kernel (FP8 and bf16 widen exactly).
+
+# Largest M that dispatch sends to this kernel; 0 keeps every M on the dot kernel.
+# Set from `scripts/tune_qmm.py --variants dot,gemv` on a GPU (not measured yet).
+GEMV_MAX_ROWS = 0
+# The most rows the kernel takes (one accumulator per row lives in registers).
+GEMV_ROW_LIMIT = 8
+
+
+def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: int,
+                  iters_per_split: int, asymmetric: bool):
+  if asymmetric:
+    xt_ref, p_ref, s_ref, m_ref, o_ref = refs
+  else:
+    xt_ref, p_ref, s_ref, o_ref = refs
+    m_ref = None
+  # xt_ref,  # [K, rows] f32: x transposed, so a row's group is a [group, 1] column
+  # p_ref,   # [K//2, block_n] uint8 (4-bit) or [K, block_n] int8 (8-bit)
+  # s_ref, m_ref,  # [K//group, block_n]
+  # o_ref,   # [rows, block_n] f32 partial sum of this K split
+  rows, block_n = o_ref.shape
+  first = pl.program_id(1) * iters_per_split * groups_per_iter
+  high_group_offset = half_k // group
+
+  def dequantize_group(codes, gi):
+    w = codes.astype(jnp.float32) * s_ref[pl.ds(gi, 1), :].astype(jnp.float32)
+    if m_ref is not None:
+      w = w + m_ref[pl.ds(gi, 1), :].astype(jnp.float32)
+    return w
+
+  def body(it, acc):
+    for c in range(groups_per_iter):
+      gi = first + it * groups_per_iter + c
+      r0 = pl.multiple_of(gi * group, group)
+      if bits == 4:
+        p = p_ref[pl.ds(r0, group), :].astype(jnp.int32) & 0xFF
+        lo = p & 0xF
+        hi = p >> 4
+        if not asymmetric:
+          lo = lo - 8
+          hi = hi - 8
+        parts = ((dequantize_group(lo, gi), r0),
+                 (dequantize_group(hi, gi + high_group_offset), half_k + r0))
+      else:
+        parts = ((dequantize_group(p_ref[pl.ds(r0, group), :].astype(jnp.int32), gi), r0),)
+      for w, x_row0 in parts:
+        acc = tuple(a + w * xt_ref[pl.ds(x_row0, group), pl.ds(r, 1)]
+                    for r, a in enumerate(acc))
+    return acc
+
+  acc = tuple(jnp.zeros((group, block_n), jnp.float32) for _ in range(rows))
+  acc = jax.lax.fori_loop(0, iters_per_split, body, acc)
+  for r, a in enumerate(acc):
+    o_ref[pl.ds(r, 1), :] = jnp.sum(a, axis=0, keepdims=True)
+
+
+def choose_gemv_config(m: int, k: int, n: int, w: QuantizedTensor, *,
+                       target_programs: int = 264) -> tuple[int, int, int]:
+  """Default (block_n, groups_per_iter, k_splits) of the small-M kernel.
+
+  Registers bound the tile: the rows' accumulators ([group, block_n] f32 each)
+  stay at <= 8192 values per program; each iteration loads ~8 KB of packed
+  weights; K is split until ~2 programs per SM (H100/H200) stream at once."""
+  rows = pl.next_power_of_2(m)
+  g = w.group_size
+  block_n = _largest_pow2_divisor(n, max(16, min(128, 8192 // (rows * g))))
+  loop_groups = (k // 2 if w.bits == 4 else k) // g
+  groups_per_iter = 1
+  while (groups_per_iter * 2 * g * block_n <= 8192
+         and loop_groups % (groups_per_iter * 2) == 0):
+    groups_per_iter *= 2
+  iters = loop_groups // groups_per_iter
+  k_splits = 1
+  for s in (2, 4, 8, 16, 32):
+    if (n // block_n) * k_splits >= target_programs:
+      break
+    if iters % s == 0:
+      k_splits = s
+  return block_n, groups_per_iter, k_splits
+
+
+def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array | None = None,
+                          *, out_dtype=None, block_n: int | None = None,
+                          groups_per_iter: int | None = None, k_splits: int | None = None,
+                          num_warps: int = 4, num_stages: int = 3,
+                          interpret: bool = False) -> jax.Array:
+  """x: [M, K] -> [M, N] for M <= GEMV_ROW_LIMIT. Inputs assumed validated."""
+  m, k = x.shape
+  _, n = w.shape
+  if m > GEMV_ROW_LIMIT:
+    raise ValueError(f"quantized_gemv: M={m} rows > {GEMV_ROW_LIMIT}; use the dot kernel")
+  if out_dtype is None:
+    out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
+  bn, gpi, ks = choose_gemv_config(m, k, n, w)
+  bn = block_n or bn
+  ks = k_splits or ks
+  g = w.group_size
+  loop_groups = (k // 2 if w.bits == 4 else k) // g
+  if groups_per_iter:
+    gpi = groups_per_iter
+  else:  # the default, halved until it fits a given k_splits
+    while gpi > 1 and loop_groups % (gpi * ks):
+      gpi //= 2
+  if loop_groups % (gpi * ks):
+    raise ValueError(f"quantized_gemv: groups_per_iter={gpi} x k_splits={ks} must divide "
+                     f"{loop_groups} groups")
+  if n % bn:
+    raise ValueError(f"quantized_gemv: block_n={bn} must divide N={n}")
+  rows = pl.next_power_of_2(m)
+  xt = jnp.pad(x.astype(jnp.float32), ((0, rows - m), (0, 0))).T
+  asymmetric = w.minimum is not None
+  kernel = functools.partial(
+      _qgemv_kernel, bits=w.bits, group=g, half_k=k // 2, groups_per_iter=gpi,
+      iters_per_split=loop_groups // (gpi * ks), asymmetric=asymmetric)
+  prow = w.packed.shape[0]
+  in_specs = [
+      pl.BlockSpec((k, rows), lambda j, s: (0, 0)),
+      pl.BlockSpec((prow, bn), lambda j, s: (0, j)),
+      pl.BlockSpec((k // g, bn), lambda j, s: (0, j)),
+  ]
+  args = [xt, w.packed, w.scale]
+  if asymmetric:
+    in_specs.append(pl.BlockSpec((k // g, bn), lambda j, s: (0, j)))
+    args.append(w.minimum)
+  partial = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((ks, rows, n), jnp.float32),
+      grid=(n // bn, ks),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, rows, bn), lambda j, s: (s, 0, j)),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"quantized_gemv_q{w.bits}_g{g}",
+  )(*args)
+  y = partial[0] if ks == 1 else jnp.sum(partial, axis=0)
+  y = y[:m]
+  if x_scale is not None:
+    y = y * _row_scale(x_scale, (m,))
+  return y.astype(out_dtype)
+
+
 def flops_and_bytes(m: int, k: int, n: int, w: QuantizedTensor, x_itemsize: int = 2,
                     out_itemsize: int = 2) -> tuple[int, int]:
   """Useful FLOPs and minimum HBM bytes (weights + activations + output)."""
@@ -228,6 +384,7 @@ def flops_and_bytes(m: int, k: int, n: int, w: QuantizedTensor, x_itemsize: int 
 
 
 __all__ = [
-    "ACT_DTYPES", "FP8_DTYPES", "choose_config", "flops_and_bytes", "pallas_support_error",
+    "ACT_DTYPES", "FP8_DTYPES", "GEMV_MAX_ROWS", "GEMV_ROW_LIMIT", "choose_config",
+    "choose_gemv_config", "flops_and_bytes", "pallas_support_error", "quantized_gemv_pallas",
     "quantized_matmul_pallas", "quantized_matmul_reference",
 ]

@@ -6,6 +6,9 @@
 #   engine      the engine through the Pallas kernels vs the XLA reference
 #               (scripts/gpu_engine_check.py correctness)
 #   bench       scripts/bench_kernels.py
+#   qmm         the 4-bit matmul's two kernels (dot, gemv) and their tilings at
+#               M = 1..16 on 4096x14336 and 14336x4096 (scripts/tune_qmm.py; sets
+#               GEMV_MAX_ROWS in pallas_kernels/quantized_matmul.py; issue 15)
 #   throughput  engine decode throughput, Pallas vs reference backend, 8 decode
 #               steps per device call, concurrency 1/64/256
 #   hoststeps   the reference backend at 1 decode step per call (the host's share)
@@ -14,7 +17,7 @@
 #   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
-#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,throughput,hoststeps,hf,ablate,llama8b,speculative]
+#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,qmm,throughput,hoststeps,hf,ablate,llama8b,speculative]
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
@@ -50,6 +53,10 @@ stage tests 200 python -m pytest tests/pallas_kernels -q -rA -k "not Interpret" 
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json"
 stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json"
+stage qmm 240 bash -c "for shape in 4096x14336 14336x4096; do python scripts/tune_qmm.py \
+  --shape \$shape --ms 1,2,4,8,16 --kernels dot,gemv --block-n 128 --k-splits 8 --warps 4,8 \
+  --stages 3 --gemv-block-n 64,128 --groups-per-iter 1,4 --gemv-k-splits 8,32 \
+  --out '$OUT/qmm_'\$shape.json || exit 1; done"
 stage throughput 200 python scripts/gpu_engine_check.py throughput --concurrency 1,64,256 \
   --decode-steps 8 --out "$OUT/throughput.json"
 stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \

@@ -1,13 +1,17 @@
-"""Sweep the quantized matmul kernel's tiling on a GPU for the small-M (decode) shapes.
+"""Sweep the quantized matmul kernels' tiling on a GPU for the small-M (decode) shapes.
 
-For each M and each (block_n, k_splits, num_warps, num_stages): time per call
-(timed like scripts/bench_kernels.py: 16 calls in one program, dispatch
-subtracted, weights cycled through copies larger than the L2), speed-up over
-bf16 `jnp.dot`, and the largest error against the XLA reference, so a faster
-tiling is also checked to be right. Prints the best per M and writes all rows
-as JSON.
+For each M, kernel ("dot": tensor-core tiles; "gemv": the small-M kernel, M <= 8)
+and tiling (block_n, k_splits, num_warps, num_stages; groups per iteration for
+gemv): time per call (timed like scripts/bench_kernels.py: 16 calls in one
+program, dispatch subtracted, weights cycled through copies larger than the L2),
+speed-up over bf16 `jnp.dot`, and the largest error against the XLA reference,
+so a faster tiling is also checked to be right. Prints the best per M and
+kernel, the dispatch threshold the rows support (`GEMV_MAX_ROWS` in
+pallas_kernels/quantized_matmul.py: the largest M up to which gemv's default
+tiling beats dot's at every measured M; dispatch runs the defaults) and writes all rows as JSON.
 
-  python scripts/tune_qmm.py [--shape 4096x14336] [--ms 1,16] [--out tune.json]
+  python scripts/tune_qmm.py [--shape 4096x14336] [--ms 1,16] [--kernels dot,gemv]
+                             [--out tune.json]
 
 On a CPU it runs the kernel in interpret mode at a tiny size (a smoke test of
 the script only; timings mean nothing there).
@@ -29,8 +33,34 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_kernels import bench, copies_for, random_q4  # noqa: E402
-from pallas_kernels.quantized_matmul import (choose_config, quantized_matmul_pallas,  # noqa: E402
+from pallas_kernels.quantized_matmul import (GEMV_ROW_LIMIT, choose_config,  # noqa: E402
+                                              choose_gemv_config, quantized_gemv_pallas,
+                                              quantized_matmul_pallas,
                                               quantized_matmul_reference)
+
+
+def tilings(kernel, m, k, n, w, a):
+  """(label, kwargs, is_default) per tiling of `kernel` at this M."""
+  ints = lambda v: [int(x) for x in v.split(",")]
+  if kernel == "dot":
+    _, bn0, ks0 = choose_config(m, k, n, w)
+    yield (f"bn={bn0:4d} ks={ks0:2d} w=4 s=3 (default)", dict(block_n=bn0, k_splits=ks0), True)
+    for bn, ks, warps, stages in itertools.product(ints(a.block_n), ints(a.k_splits),
+                                                   ints(a.warps), ints(a.stages)):
+      if (bn, ks, warps, stages) != (bn0, ks0, 4, 3):
+        yield (f"bn={bn:4d} ks={ks:2d} w={warps} s={stages}",
+               dict(block_n=bn, k_splits=ks, num_warps=warps, num_stages=stages), False)
+  else:
+    bn0, gpi0, ks0 = choose_gemv_config(m, k, n, w)
+    yield (f"bn={bn0:4d} gpi={gpi0:2d} ks={ks0:2d} w=4 s=3 (default)",
+           dict(block_n=bn0, groups_per_iter=gpi0, k_splits=ks0), True)
+    for bn, gpi, ks, warps, stages in itertools.product(
+        ints(a.gemv_block_n), ints(a.groups_per_iter), ints(a.gemv_k_splits), ints(a.warps),
+        ints(a.stages)):
+      if (bn, gpi, ks, warps, stages) != (bn0, gpi0, ks0, 4, 3):
+        yield (f"bn={bn:4d} gpi={gpi:2d} ks={ks:2d} w={warps} s={stages}",
+               dict(block_n=bn, groups_per_iter=gpi, k_splits=ks, num_warps=warps,
+                    num_stages=stages), False)
 
 
 def main(argv=None) -> int:
@@ -41,6 +71,10 @@ def main(argv=None) -> int:
   p.add_argument("--k-splits", default="4,8,16")
   p.add_argument("--warps", default="4,8")
   p.add_argument("--stages", default="3,4")
+  p.add_argument("--kernels", default="dot", help="dot,gemv")
+  p.add_argument("--gemv-block-n", default="64,128")
+  p.add_argument("--groups-per-iter", default="1,4")
+  p.add_argument("--gemv-k-splits", default="8,32")
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--out")
@@ -59,36 +93,47 @@ def main(argv=None) -> int:
     want = np.asarray(quantized_matmul_reference(xs[0], ws[0]), np.float32)
     scale = float(np.abs(want).max())
     t_dense = bench(jnp.dot, [(x, wds[i % len(wds)]) for i, x in enumerate(xs)], iters=a.iters)
-    default = choose_config(m, k, n, w0)
-    grid = itertools.product(*(map(int, v.split(",")) for v in (a.block_n, a.k_splits, a.warps,
-                                                                  a.stages)))
-    for block_n, k_splits, warps, stages in grid:
-      kw = dict(block_n=block_n, k_splits=k_splits, num_warps=warps, num_stages=stages,
-                interpret=not on_gpu)
-      fn = lambda x, w, kw=kw: quantized_matmul_pallas(x, w, **kw)
-      try:
-        got = np.asarray(jax.jit(fn)(xs[0], ws[0]), np.float32)
-        t = bench(fn, [(x, ws[i % len(ws)]) for i, x in enumerate(xs)], iters=a.iters)
-      except Exception as e:  # a tiling the kernel or the compiler rejects
-        print(f"M={m} bn={block_n} ks={k_splits} w={warps} s={stages}: {type(e).__name__}: "
-              f"{str(e)[:120]}", flush=True)
+    for kernel in a.kernels.split(","):
+      if kernel == "gemv" and m > GEMV_ROW_LIMIT:
         continue
-      err = float(np.abs(got - want).max()) / scale
-      row = dict(m=m, block_n=block_n, k_splits=k_splits, warps=warps, stages=stages,
-                 us=t * 1e6, dense_us=t_dense * 1e6, speedup=t_dense / t, rel_err=err,
-                 default=(block_n, k_splits, warps, stages) == (default[1], default[2], 4, 3))
-      rows.append(row)
-      print(f"M={m} bn={block_n:4d} ks={k_splits:2d} w={warps} s={stages}: {t * 1e6:8.1f} us "
-            f"(dense {t_dense * 1e6:.1f}) x{t_dense / t:5.2f} err {err:.1e}"
-            f"{'  <- default' if row['default'] else ''}", flush=True)
+      run = quantized_matmul_pallas if kernel == "dot" else quantized_gemv_pallas
+      for label, kw, is_default in tilings(kernel, m, k, n, w0, a):
+        fn = lambda x, w, kw=kw, run=run: run(x, w, interpret=not on_gpu, **kw)
+        try:
+          got = np.asarray(jax.jit(fn)(xs[0], ws[0]), np.float32)
+          t = bench(fn, [(x, ws[i % len(ws)]) for i, x in enumerate(xs)], iters=a.iters)
+        except Exception as e:  # a tiling the kernel or the compiler rejects
+          print(f"M={m} {kernel} {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+          continue
+        err = float(np.abs(got - want).max()) / scale
+        row = dict(m=m, kernel=kernel, **{key: v for key, v in kw.items()}, us=t * 1e6,
+                   dense_us=t_dense * 1e6, speedup=t_dense / t, rel_err=err, default=is_default)
+        rows.append(row)
+        print(f"M={m} {kernel:4s} {label}: {t * 1e6:8.1f} us (dense {t_dense * 1e6:.1f}) "
+              f"x{t_dense / t:5.2f} err {err:.1e}{'  <- default' if is_default else ''}",
+              flush=True)
+  best = {}
   for m in sorted({r["m"] for r in rows}):
-    ok = [r for r in rows if r["m"] == m and r["rel_err"] < 2e-2]
-    if ok:
-      best = min(ok, key=lambda r: r["us"])
-      print(f"best M={m}: {json.dumps(best)}")
+    for kernel in a.kernels.split(","):
+      ok = [r for r in rows if r["m"] == m and r["kernel"] == kernel and r["rel_err"] < 2e-2]
+      if ok:
+        best[m, kernel] = min(ok, key=lambda r: r["us"])
+        print(f"best M={m} {kernel}: {json.dumps(best[m, kernel])}")
+  # Dispatch runs the default tilings, so the threshold compares those.
+  default = {(r["m"], r["kernel"]): r for r in rows if r["default"] and r["rel_err"] < 2e-2}
+  gemv_max_rows = 0
+  for m in sorted({m for m, _ in default}):
+    if (m, "gemv") in default and (m, "dot") in default and \
+        default[m, "gemv"]["us"] < default[m, "dot"]["us"]:
+      gemv_max_rows = m
+    else:
+      break
+  if "gemv" in a.kernels and "dot" in a.kernels:
+    print(f"GEMV_MAX_ROWS supported by these rows: {gemv_max_rows}")
   if a.out:
     pathlib.Path(a.out).write_text(json.dumps(dict(shape=[k, n], device=str(jax.devices()[0]),
-                                                   rows=rows), indent=1))
+                                                   gemv_max_rows=gemv_max_rows, rows=rows),
+                                              indent=1))
   return 0
 
 

@@ -178,6 +178,100 @@ class TestQuantizedMatmulKernelInterpret(TestQuantizedMatmulKernel):
   INTERPRET = True
 
 
+# The small-M kernel: M <= GEMV_ROW_LIMIT, every format, layout and activation dtype.
+GEMV_SWEEP = [
+    (0, 1, 64, 16, jnp.bfloat16),
+    (0, 3, 192, 48, jnp.float32),  # M not a power of two, N not a tile multiple of 128
+    (1, 2, 256, 32, jnp.float16),
+    (2, 1, 128, 80, jnp.bfloat16),
+    (2, 8, 256, 32, jnp.float32),
+    (3, 5, 64, 16, jnp.bfloat16),
+    (0, 4, 128, 32, jnp.float8_e4m3fn),
+    (3, 1, 64, 32, jnp.float8_e4m3fn),
+]
+
+
+@pytest.mark.gpu_only
+class TestQuantizedGemvKernel:
+  INTERPRET = False
+
+  def _both(self, x, w, xs=None, **tiling):
+    got = ops.quantized_matmul(x, w, x_scale=xs, backend="pallas", kernel="gemv",
+                               interpret=self.INTERPRET, **tiling)
+    want = ops.quantized_matmul(x, w, x_scale=xs, backend="reference")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    return got, want
+
+  @pytest.mark.parametrize("fmt,m,k,n,dtype", GEMV_SWEEP)
+  def test_matches_reference(self, fmt, m, k, n, dtype):
+    bits, group, symmetric = FORMATS[fmt]
+    x, w, xs = _case(np.random.default_rng(m * 1000 + k + n), bits, group, symmetric, m, k, n,
+                     dtype)
+    got, want = self._both(x, w, xs)
+    assert rel_err(got, want) <= tol_for(want.dtype)
+
+  @pytest.mark.parametrize("bits,group,has_min,m,k,n", KQUANT_LAYOUTS)
+  def test_kquant_layouts_match_reference(self, bits, group, has_min, m, k, n):
+    x, w = _kquant_case(np.random.default_rng(k + n + group), bits, group, has_min, m, k, n)
+    got, want = self._both(x, w)
+    assert rel_err(got, want) <= tol_for(jnp.float32)
+
+  @pytest.mark.parametrize("k_splits,block_n", [(1, 16), (2, 32), (4, 16)])
+  def test_tilings_and_batch_dims(self, k_splits, block_n):
+    x, w, _ = _case(np.random.default_rng(2), 4, 32, False, 6, 512, 32, jnp.float32)
+    got, want = self._both(x.reshape(2, 3, 512), w, k_splits=k_splits, block_n=block_n)
+    assert got.shape == (2, 3, 32)
+    assert rel_err(got, want) <= tol_for(jnp.float32)
+
+  def test_in_kernel_unpack_bit_exact(self):
+    # Rows of the identity pick out weight rows (scale 1): y = q - 8 exactly, every
+    # nibble value in both halves.
+    k, n = 64, 16
+    q = (np.arange(k * n).reshape(k, n) * 5 % 16).astype(np.uint8)
+    q[0, :4] = [0, 7, 8, 15]
+    q[k // 2, :4] = [15, 8, 7, 0]
+    w = QuantizedTensor(packed=jnp.asarray(pack_int4(q)), scale=jnp.ones((2, n), jnp.float16),
+                        minimum=None, bits=4, group_size=32)
+    eye = jnp.eye(k, dtype=jnp.bfloat16)
+    for rows in (slice(0, 8), slice(28, 36), slice(56, 64)):
+      y = ops.quantized_matmul(eye[rows], w, backend="pallas", kernel="gemv",
+                               interpret=self.INTERPRET)
+      np.testing.assert_array_equal(np.asarray(y, np.float32), q[rows].astype(np.float32) - 8)
+
+
+class TestQuantizedGemvKernelInterpret(TestQuantizedGemvKernel):
+  INTERPRET = True
+
+
+@pytest.mark.parametrize("fmt", range(len(FORMATS)))
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_lowers_for_cuda(fmt, m):
+  bits, group, symmetric = FORMATS[fmt]
+  for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+    x, w, xs = _case(np.random.default_rng(0), bits, group, symmetric, m, 256, 64, dtype)
+    text = lowers_for_cuda(lambda x, w, xs: ops.quantized_matmul(
+        x, w, x_scale=xs, backend="pallas", kernel="gemv"), x, w, xs)
+    assert "__gpu$xla.gpu.triton" in text and "quantized_gemv" in text
+
+
+@pytest.mark.parametrize("bits,group,has_min,m,k,n", KQUANT_LAYOUTS)
+def test_gemv_kquant_layouts_lower_for_cuda(bits, group, has_min, m, k, n):
+  x, w = _kquant_case(np.random.default_rng(0), bits, group, has_min, m, k, n)
+  text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x.astype(jnp.bfloat16), w,
+                                                           backend="pallas", kernel="gemv"), x, w)
+  assert "__gpu$xla.gpu.triton" in text and "quantized_gemv" in text
+
+
+def test_auto_dispatch_by_rows(monkeypatch):
+  # kernel="auto" takes the small-M kernel up to GEMV_MAX_ROWS rows, the dot kernel above.
+  x, w, _ = _case(np.random.default_rng(3), 4, 32, True, 4, 128, 32, jnp.bfloat16)
+  monkeypatch.setattr(ops.qmm, "GEMV_MAX_ROWS", 2)
+  lower = lambda x: lowers_for_cuda(lambda x, w: ops.quantized_matmul(x, w, backend="pallas"),
+                                    x, w)
+  assert "quantized_gemv" in lower(x[:2]) and "quantized_matmul_q4" not in lower(x[:2])
+  assert "quantized_matmul_q4" in lower(x[:3]) and "quantized_gemv" not in lower(x[:3])
+
+
 @pytest.mark.parametrize("fmt", range(len(FORMATS)))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_lowers_for_cuda(fmt, dtype):
@@ -229,6 +323,14 @@ class TestValidation:
     with pytest.raises(ValueError, match=r"W.shape=\(96, 16\).*straddle"):
       ops.quantized_matmul(jnp.ones((1, 96)), w, backend="pallas", interpret=True)
     assert ops.quantized_matmul(jnp.ones((1, 96)), w, backend="auto").shape == (1, 16)
+
+  def test_gemv_rows_and_kernel_name(self):
+    w = as_jax(quantize(np.ones((64, 16), np.float32)))
+    with pytest.raises(ValueError, match=r"kernel='gemv' takes M <= 8 rows.*M=9"):
+      ops.quantized_matmul(jnp.ones((9, 64)), w, backend="pallas", kernel="gemv",
+                           interpret=True)
+    with pytest.raises(ValueError, match=r"kernel='gemm'"):
+      ops.quantized_matmul(jnp.ones((1, 64)), w, kernel="gemm")
 
   def test_bad_backend(self):
     w = as_jax(quantize(np.ones((64, 16), np.float32)))
