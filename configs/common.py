@@ -53,7 +53,8 @@ def model_section(predictor: str = "engine") -> ml_collections.ConfigDict:
       # float32 (exact) | bfloat16 (bf16 matmul inputs, f32 accumulation: ~1.5x
       # faster batched decode on CPUs with AVX512-BF16; logits move ~1e-2) | int8
       # (4-bit weights as stored, two int8 levels per block of activations, native
-      # VNNI/AMX kernel: ~2.5x faster decode on such CPUs; logits move ~1e-3)
+      # VNNI/AMX kernel: ~2.5x faster decode on such CPUs; logits move ~1e-3) | float8
+      # (decoder-layer matmul inputs rounded to FP8 e4m3 per row; README "FP8 activations")
       matmul_dtype="float32",
       # Reasoning models' thinking span (o1jax/model/thinking.py): auto = the markers the
       # chat template names (none: no span), on, off, or "<open> <close>". With a span every

@@ -14,6 +14,7 @@ import time
 from o1jax.checkpoint import EMBEDDED, CheckpointError, load_checkpoint
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.model import Generator, Llama, SamplingParams
+from o1jax.model.layers import MATMUL_DTYPES
 
 
 def build_generator(model: str = EMBEDDED, backend: str = "auto", interpret: bool = False,
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
   parser.add_argument("--min_p", type=float, default=0.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--backend", default="auto", choices=("auto", "pallas", "reference"))
-  parser.add_argument("--matmul_dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+  parser.add_argument("--matmul_dtype", default="float32", choices=MATMUL_DTYPES,
                       help="float32 = exact; int8 = the fast CPU mode (see the README)")
   args = parser.parse_args(argv)
 

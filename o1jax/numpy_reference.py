@@ -78,8 +78,13 @@ def _rotary(x, positions, hp, interleaved):
   return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(np.float32)
 
 
-def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary: bool) -> np.ndarray:
-  """Logits [T, vocab] for every position. `weights` use HF names, [out, in]."""
+def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary: bool,
+            layer_inputs=None) -> np.ndarray:
+  """Logits [T, vocab] for every position. `weights` use HF names, [out, in].
+
+  layer_inputs: applied to the input rows of every decoder-layer projection (not the
+  head), e.g. a rounding of activations to a lower precision."""
+  rows_in = layer_inputs or (lambda a: a)
   tokens = np.asarray(tokens)
   t = len(tokens)
   nh, nkv, hd = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
@@ -89,6 +94,7 @@ def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary
   for i in range(hp["n_layers"]):
     p = f"model.layers.{i}."
     h = _rms(x, weights[p + "input_layernorm.weight"], hp["eps"])
+    h = rows_in(h)
     q = h @ weights[p + "self_attn.q_proj.weight"].T
     k = h @ weights[p + "self_attn.k_proj.weight"].T
     v = h @ weights[p + "self_attn.v_proj.weight"].T
@@ -110,11 +116,11 @@ def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
     o = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd)
-    x = x + o @ weights[p + "self_attn.o_proj.weight"].T
-    h = _rms(x, weights[p + "post_attention_layernorm.weight"], hp["eps"])
+    x = x + rows_in(o) @ weights[p + "self_attn.o_proj.weight"].T
+    h = rows_in(_rms(x, weights[p + "post_attention_layernorm.weight"], hp["eps"]))
     g = h @ weights[p + "mlp.gate_proj.weight"].T
     u = h @ weights[p + "mlp.up_proj.weight"].T
-    x = x + ((g / (1 + np.exp(-g))) * u) @ weights[p + "mlp.down_proj.weight"].T
+    x = x + rows_in((g / (1 + np.exp(-g))) * u) @ weights[p + "mlp.down_proj.weight"].T
   x = _rms(x, weights["model.norm.weight"], hp["eps"])
   head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
   return (x @ head.T).astype(np.float32)
@@ -178,9 +184,10 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
   return weights, hp
 
 
-def gguf_forward(path, tokens) -> np.ndarray:
+def gguf_forward(path, tokens, layer_inputs=None) -> np.ndarray:
   weights, hp = gguf_weights(path)
-  return forward(weights, hp, tokens, interleaved_rotary=hp["interleaved_rotary"])
+  return forward(weights, hp, tokens, interleaved_rotary=hp["interleaved_rotary"],
+                 layer_inputs=layer_inputs)
 
 
 def _gelu_tanh(x):

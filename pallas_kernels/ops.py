@@ -17,12 +17,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import f32_matmul as f32m
+from pallas_kernels import fp8_activations as fp8
 from pallas_kernels import native
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import prefill_attention as fa
 from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.f32_matmul import TiledF32Weight
+from pallas_kernels.fp8_activations import Fp8ActivationWeight
 from pallas_kernels.quantized_tensor import QuantizedTensor
 from pallas_kernels.vnni_matmul import VnniWeight
 
@@ -100,8 +102,12 @@ def matmul(x: jax.Array, w, *, backend: str = "auto", interpret: bool = False) -
   - `VnniWeight`: `int8_matmul` (two int8 levels of x per block of 32; f32 out);
   - `TiledF32Weight`: `tiled_f32_matmul` (f32 math; the native kernel on a CPU);
   - `QuantizedTensor`: `quantized_matmul` (Pallas on GPU, the XLA reference elsewhere);
+  - `Fp8ActivationWeight`: `fp8_activation_matmul` (x rounded to e4m3 per row, then
+    the wrapped matrix's product);
   - a bf16 array: `bf16_matmul` (x rounded to bf16, f32 accumulation and output);
   - any other array: cast to x's dtype, full precision (exact f32 math for f32 x)."""
+  if isinstance(w, Fp8ActivationWeight):
+    return fp8_activation_matmul(x, w, backend=backend, interpret=interpret)
   if isinstance(w, VnniWeight):
     return int8_matmul(x, w, backend=backend).astype(x.dtype)
   if isinstance(w, TiledF32Weight):
@@ -112,6 +118,29 @@ def matmul(x: jax.Array, w, *, backend: str = "auto", interpret: bool = False) -
   if w.dtype == jnp.bfloat16:
     return bf16_matmul(x, w)
   return jnp.dot(x, w.astype(x.dtype), precision=_HIGHEST)
+
+
+def fp8_activation_matmul(x: jax.Array, w: Fp8ActivationWeight, *, backend: str = "auto",
+                          interpret: bool = False) -> jax.Array:
+  """x [..., K] rounded to float8_e4m3fn under a per-row scale (`fp8_activations`), times
+  the wrapped matrix: a `QuantizedTensor` through `quantized_matmul` (its FP8 input
+  path), f32 tiles through `tiled_f32_matmul`, a dense array by an exact-product dot with
+  f32 accumulation. Output: x's dtype."""
+  inner = w.matrix
+  k = inner.shape[0]
+  if x.shape[-1] != k:
+    raise ValueError(f"fp8_activation_matmul: x.shape={x.shape} does not match "
+                     f"W.shape={tuple(inner.shape)}")
+  x8, scale = fp8.quantize_rows(x)
+  if isinstance(inner, QuantizedTensor):
+    y = quantized_matmul(x8, inner, x_scale=scale, out_dtype=jnp.float32, backend=backend,
+                         interpret=interpret)
+  elif isinstance(inner, TiledF32Weight):  # e4m3 widens exactly to f32
+    y = tiled_f32_matmul(x8.astype(jnp.float32), inner, backend=backend) * scale[..., None]
+  else:
+    resolve_backend(backend)
+    y = fp8.dense_matmul(x8, scale, inner)
+  return y.astype(x.dtype)
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -6,8 +6,13 @@ teacher-forced over the same prompt + continuation. Per mode: the largest
 logit change, mean KL(f32 || mode) over positions, and how often its top-1
 token equals f32's.
 
-  python scripts/matmul_accuracy.py [--modes bfloat16,int8] [--new-tokens 100]
-      [--kquant Q4_K,Q6_K]
+With --kv-dtypes, the f32 model also runs teacher-forced through the engine's paged KV
+pool in each dtype (each position attends as a decode row does, reading the keys and
+values as the pool stores them: bf16, or FP8 e4m3 with per-block scales), against the
+same f32 reference.
+
+  python scripts/matmul_accuracy.py [--modes bfloat16,int8,float8] [--new-tokens 100]
+      [--kquant Q4_K,Q6_K] [--kv-dtypes float32,bfloat16,float8_e4m3fn]
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def main(argv=None) -> int:
   ap.add_argument("--skip-llamacpp", action="store_true")
   ap.add_argument("--kquant", default="", help="comma-separated K-quants (Q2_K,Q3_K,Q4_K,"
                   "Q5_K,Q6_K): re-encode the weights into each and measure the int8 path on them")
+  ap.add_argument("--kv-dtypes", default="", help="comma-separated paged KV pool dtypes "
+                  "(float32,bfloat16,float8_e4m3fn), f32 matmuls")
   ap.add_argument("--llamacpp-child", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.llamacpp_child:  # no JAX in this process
@@ -76,6 +83,7 @@ def main(argv=None) -> int:
 
   from o1jax.checkpoint import load_checkpoint
   from o1jax.checkpoint.embedded import embedded_model_path
+  from o1jax.engine.kv_cache import PagedKVCache
   from o1jax.model import KVCache, Llama
   from o1jax.model.generation import Generator
 
@@ -92,6 +100,20 @@ def main(argv=None) -> int:
       tokens = jnp.asarray([seq], jnp.int32)
       cache = KVCache.zeros(ck.config, 1, len(seq))
       z, _ = jax.jit(lambda t, c: model(t, jnp.zeros((1,), jnp.int32), c))(tokens, cache)
+      out.append(np.asarray(z[0], np.float32))
+    return out
+
+  def paged_logits_of(model, kv_dtype: str, block_size: int = 16) -> list[np.ndarray]:
+    out = []
+    c = ck.config
+    for seq in sequences:
+      blocks = -(-len(seq) // block_size)
+      pool = PagedKVCache.create(c.n_layers, blocks, block_size, c.n_kv_heads, c.head_dim,
+                                 kv_dtype).for_batch(jnp.arange(blocks)[None],
+                                                     jnp.asarray([len(seq)]),
+                                                     decode_queries=True)
+      tokens = jnp.asarray([seq], jnp.int32)
+      z, _ = jax.jit(lambda t, c: model(t, jnp.zeros((1,), jnp.int32), c))(tokens, pool)
       out.append(np.asarray(z[0], np.float32))
     return out
 
@@ -115,6 +137,9 @@ def main(argv=None) -> int:
   n = sum(len(s) for s in sequences)
   print(f"{len(sequences)} sequences, {n} positions (prompt + {args.new_tokens} f32 greedy tokens)")
   print_table("matmuls", reference, results)
+  if args.kv_dtypes:
+    print_table("KV pool (f32 matmuls)", reference,
+                {kv: paged_logits_of(f32, kv) for kv in args.kv_dtypes.split(",")})
   if args.kquant:
     # Each K-quant's own cost (its f32 model vs the original f32), then what the int8 path
     # adds on its weights (int8 vs f32 on the same K-quant weights): the conversion of

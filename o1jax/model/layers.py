@@ -20,7 +20,7 @@ from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-MATMUL_DTYPES = ("float32", "bfloat16", "int8")
+MATMUL_DTYPES = ("float32", "bfloat16", "int8", "float8")
 
 
 def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "auto",

@@ -20,7 +20,8 @@ from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, device_array, to_device
 from o1jax.model import layers
 from pallas_kernels import ops as kernel_ops
-from pallas_kernels.f32_matmul import pack as pack_f32
+from pallas_kernels.f32_matmul import TiledF32Weight, pack as pack_f32
+from pallas_kernels.fp8_activations import Fp8ActivationWeight
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
 
@@ -233,7 +234,12 @@ class Llama(nnx.Module):
     block of 32 to two int8 levels (~15 bits); the native VNNI/AMX kernel reads
     ~1/4 of the f32 weight bytes (~4x faster batch-1 decoding here), with an
     XLA fallback elsewhere. Logits move ~100x less than bf16's (in KL); q/k/v
-    and gate/up are fused into one matrix each (INT8_FUSED)."""
+    and gate/up are fused into one matrix each (INT8_FUSED).
+    "float8" (`pallas_kernels.fp8_activations`): the decoder layers' matmuls round
+    their input rows to float8_e4m3fn, each row under its own scale (its largest
+    magnitude / 448), and multiply the matrices as float32 mode stores them (quantized
+    ones through the quantized kernels' FP8 input path); the output head keeps full
+    precision activations, as FP8 serving stacks do."""
     if weight_mode not in WEIGHT_MODES:
       raise ValueError(f"weight_mode={weight_mode!r} not in {WEIGHT_MODES}")
     if matmul_dtype not in layers.MATMUL_DTYPES:
@@ -255,7 +261,9 @@ class Llama(nnx.Module):
     is_matrix = lambda w: (isinstance(w, jax.Array) and w.ndim == 2
                            and jnp.issubdtype(w.dtype, jnp.floating))
     # The native f32 kernel's layout: a few rows cost about one row's weight reads.
-    tiled = matmul_dtype == "float32" and kernel_ops.tiled_f32_preferred(backend)
+    # (float8 too: its products are f32 ones on rounded inputs, and the kernel keeps a
+    # row's result independent of the batch, which XLA's dot does not.)
+    tiled = matmul_dtype in ("float32", "float8") and kernel_ops.tiled_f32_preferred(backend)
 
     # One weight at a time, dequantized, cast and packed: the dense copies of every
     # matrix never coexist (done tree by tree, the load peaked at ~2x the f32 weights).
@@ -264,6 +272,11 @@ class Llama(nnx.Module):
     params = jax.tree.map(
         lambda w: _dense_matrix(w, dtype=matrix_dtype, tiled=tiled) if converts(w) else w,
         params, is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
+    if matmul_dtype == "float8":
+      fp8_input = lambda w: (Fp8ActivationWeight(w) if isinstance(
+          w, (QuantizedTensor, TiledF32Weight)) or is_matrix(w) else w)
+      params = dict(params, layers=[
+          {name: fp8_input(w) for name, w in layer.items()} for layer in params["layers"]])
     self.config = config
     self.dtype = dtype
     self.embed = Weight(params["embed"])

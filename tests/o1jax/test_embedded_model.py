@@ -78,3 +78,20 @@ def test_engine_greedy_equals_generator_on_chat_prompts(embedded_checkpoint, emb
   want = embedded_generator.generate(prompts, max_new_tokens=24)
   assert [r.token_ids for r in got] == [w.token_ids for w in want]
   assert [r.text for r in got] == [w.text for w in want]
+
+
+def test_engine_fp8_activations_do_not_depend_on_the_batch(embedded_checkpoint):
+  """matmul_dtype="float8" rounds each row to e4m3, which turns any batch-dependent f32
+  difference into whole e4m3 steps: the products must not depend on the batch (on a CPU
+  the native f32 kernel's rows do not; XLA's dot forked these prompts at batch 1 vs 3)."""
+  from o1jax.engine import Engine, EngineConfig, Request
+
+  ck = embedded_checkpoint
+  prompts = [[{"role": "user", "content": c}]
+             for c in ("What is 2+3?", "Name a color.", "Write a haiku about rain.")]
+  engine = Engine(Llama(ck.config, ck.params, matmul_dtype="float8"), ck.tokenizer,
+                  EngineConfig(max_slots=4, max_context=512))
+  params = {"max_new_tokens": 16}
+  together = engine.generate([Request(prompt=p, params=params) for p in prompts])
+  alone = [engine.generate([Request(prompt=p, params=params)])[0] for p in prompts]
+  assert [r.token_ids for r in alone] == [r.token_ids for r in together]

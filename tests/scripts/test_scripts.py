@@ -94,11 +94,20 @@ def test_calibrate_deepconf_prints_a_threshold_and_its_flag(capsys):
 def test_tune_qmm_checks_each_tiling_against_the_reference(tmp_path):
   tune = load("tune_qmm")
   out = tmp_path / "tune.json"
-  assert tune.main(["--shape", "256x256", "--ms", "1", "--block-n", "128", "--k-splits", "1,2",
-                    "--warps", "4", "--stages", "3", "--iters", "1", "--out", str(out)]) == 0
-  rows = json.loads(out.read_text())["rows"]
-  assert [(r["k_splits"], r["m"]) for r in rows] == [(1, 1), (2, 1)]
+  assert tune.main(["--shape", "256x256", "--ms", "1,16", "--block-n", "128", "--k-splits", "1,2",
+                    "--warps", "4", "--stages", "3", "--kernels", "dot,gemv", "--gemv-block-n", "64",
+                    "--groups-per-iter", "2", "--gemv-k-splits", "2", "--iters", "1",
+                    "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  rows = result["rows"]
+  # The default tiling of each kernel first (dispatch runs it), then the grid; gemv only
+  # up to 8 rows.
+  assert [(r["m"], r["kernel"], r["k_splits"], r["default"]) for r in rows] == [
+      (1, "dot", 4, True), (1, "dot", 1, False), (1, "dot", 2, False),
+      (1, "gemv", 2, True), (1, "gemv", 2, False),
+      (16, "dot", 4, True), (16, "dot", 1, False), (16, "dot", 2, False)]
   assert all(r["rel_err"] < 2e-2 and r["us"] > 0 for r in rows)
+  assert isinstance(result["gemv_max_rows"], int)
 
 
 def test_bench_sampling_prints_both_samplers_for_every_setting(capsys):

@@ -1,0 +1,66 @@
+"""matmul_dtype="float8": every decoder-layer product takes its input rows in e4m3 under a
+per-row scale; checked against the independent numpy forward pass with the same rounding."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from o1jax import numpy_reference
+from o1jax.checkpoint import load_checkpoint
+from o1jax.model import KVCache, Llama
+from o1jax.testing import tiny_config, write_gguf_checkpoint
+from pallas_kernels.fp8_activations import FP8_MAX, Fp8ActivationWeight
+from pallas_kernels.quantized_tensor import QuantizedTensor
+
+TOKENS = [5, 17, 3, 99, 42, 7, 250, 8, 61, 13, 2, 77]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+  path = tmp_path_factory.mktemp("tiny_fp8") / "tiny.gguf"
+  write_gguf_checkpoint(path, tiny_config(max_context=64), seed=11, matrix_type="Q4_1")
+  return path
+
+
+def _logits(model, config):
+  tokens = jnp.asarray([TOKENS], jnp.int32)
+  starts = jnp.zeros((1,), jnp.int32)
+  out, _ = jax.jit(lambda t: model(t, starts, KVCache.zeros(config, 1, 32)))(tokens)
+  return np.asarray(out[0])
+
+
+def _fp8_rows(a):
+  """Each row rounded to e4m3 under scale = row amax / 448 (ml_dtypes' rounding)."""
+  a = np.asarray(a, np.float32)
+  amax = np.abs(a).max(axis=-1, keepdims=True)
+  scale = np.where(amax > 0, amax * np.float32(1 / FP8_MAX), 1).astype(np.float32)
+  q = np.clip(a / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+  return q.astype(np.float32) * scale
+
+
+def test_layer_matrices_take_fp8_rows_and_the_head_does_not(tiny_path):
+  ck = load_checkpoint(tiny_path)
+  model = Llama(ck.config, ck.params, matmul_dtype="float8", weight_mode="quantized")
+  layer = model.layers[0]
+  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+    w = getattr(layer, name).get_value()
+    assert isinstance(w, Fp8ActivationWeight) and isinstance(w.matrix, QuantizedTensor), name
+  assert not isinstance(model.head_weight, Fp8ActivationWeight)
+  assert layer.attn_norm.get_value().dtype == jnp.float32
+
+
+@pytest.mark.parametrize("weight_mode", ["dense", "quantized"])
+def test_matches_numpy_reference_with_fp8_rows(tiny_path, weight_mode):
+  ck = load_checkpoint(tiny_path)
+  got = _logits(Llama(ck.config, ck.params, matmul_dtype="float8", weight_mode=weight_mode),
+                ck.config)
+  exact = _logits(Llama(ck.config, ck.params), ck.config)
+  want = numpy_reference.gguf_forward(tiny_path, TOKENS, layer_inputs=_fp8_rows)
+  fp8_effect = np.abs(exact - want).max()
+  # The rounding moves the logits (e4m3: 3 mantissa bits; 1.8 of 55 here) and the model
+  # moves them as the reference does, up to f32 summation order (1.5e-5 here, as f32 vs
+  # the f32 reference).
+  assert fp8_effect > 1e-2 * np.abs(want).max()
+  assert np.abs(got - want).max() < 1e-3 * fp8_effect, (np.abs(got - want).max(), fp8_effect)
