@@ -82,4 +82,8 @@ def named_model_path(name: str) -> pathlib.Path:
 
 def resolve_source(source) -> pathlib.Path:
   """A checkpoint source as a path: a named model's file, else the source itself."""
+  if not isinstance(source, (str, os.PathLike)) or isinstance(source, bytes):
+    # (pathlib's TypeError named neither the argument nor what it takes)
+    raise CheckpointError(f"a checkpoint source is a model name ({', '.join(NAMED_MODELS)}) or a "
+                          f"path, got {type(source).__name__} {source!r}")
   return named_model_path(str(source)) if str(source) in NAMED_MODELS else pathlib.Path(source)

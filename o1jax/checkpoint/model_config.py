@@ -124,5 +124,7 @@ class ModelConfig:
   @classmethod
   def from_json(cls, text: str) -> "ModelConfig":
     data = json.loads(text)
+    if not isinstance(data, dict):
+      raise ValueError(f"a model config is a JSON object, got {type(data).__name__}")
     data["eos_ids"] = tuple(data.get("eos_ids", ()))
     return cls(**data)

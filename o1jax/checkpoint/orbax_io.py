@@ -95,4 +95,25 @@ def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Token
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # spec and arrays disagree
     raise CheckpointError(f"{directory / MANIFEST}: param_spec does not match the arrays in "
                           f"{directory / 'params'} ({type(e).__name__}: {e})") from e
+  _check_shapes(directory, config, params)
   return config, params, Tokenizer.load(directory / "tokenizer")
+
+
+def _check_shapes(directory: pathlib.Path, config: ModelConfig, params: Params) -> None:
+  """The restored arrays against the manifest's config, as the other loaders check theirs
+  (`tensor_table.check_tensors`): a config that disagrees with its arrays (an edited
+  manifest, arrays of another model) loaded, to fail inside the model's first call."""
+  from o1jax.checkpoint import safetensors_loader, tensor_table
+
+  shapes = {k: tuple(v.shape) for k, v in params.items() if k != "layers"}
+  for i, layer in enumerate(params["layers"]):
+    shapes.update({f"layers.{i}.{k}": tuple(v.shape) for k, v in layer.items()})
+  # The tensors an HF checkpoint of the config holds, under our names and in our
+  # [in_features, out_features] layout (HF's shapes reversed).
+  expected = [(ours if layer is None else f"layers.{layer}.{ours}", shape[::-1], read)
+              for layer, ours, _, shape, read in safetensors_loader.expected_tensors(config)]
+  tensor_table.check_tensors(
+      directory, expected, shapes, config.n_layers, r"layers\.(\d+)\.",
+      layers_key=f"{MANIFEST}'s n_layers",
+      unread_tail=f" by the model {MANIFEST} describes (attention_bias={config.attention_bias}, "
+                  f"qk_norm={config.qk_norm})")

@@ -226,7 +226,7 @@ def _read_headers(directory: pathlib.Path) -> dict[str, tuple[pathlib.Path, tupl
   return headers
 
 
-def _expected_tensors(config: ModelConfig) -> list[tuple[int | None, str, str, tuple, bool]]:
+def expected_tensors(config: ModelConfig) -> list[tuple[int | None, str, str, tuple, bool]]:
   """(layer (None outside layers), our name, HF name, HF shape ([out, in]), read) of every
   tensor an HF checkpoint of `config` may hold, in the order `load_safetensors` reads them."""
   d, hd, f, v = config.d_model, config.head_dim, config.ffn_dim, config.vocab_size
@@ -250,7 +250,7 @@ def _check_tensors(directory, config: ModelConfig, headers: dict) -> None:
   """`tensor_table.check_tensors` on an HF checkpoint: a tensor not read (a tied lm_head, a
   bias) is not checked for its shape."""
   tensor_table.check_tensors(
-      directory, [(name, want, read) for _, _, name, want, read in _expected_tensors(config)],
+      directory, [(name, want, read) for _, _, name, want, read in expected_tensors(config)],
       {name: shape for name, (_, shape) in headers.items()}, config.n_layers,
       r"model\.layers\.(\d+)\.", layers_key="config.json's num_hidden_layers",
       unread_tail=f" by the model config.json describes (attention_bias={config.attention_bias}, "
@@ -296,7 +296,7 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
   # Gemma's RMSNorm weights w act as 1 + w (added in f32, as HF's Gemma3RMSNorm does).
   shift = (lambda w: np.asarray(w, np.float32) + np.float32(1)) if gemma else (lambda w: w)
   layers, other = [{} for _ in range(config.n_layers)], {}
-  for i, ours, name, want, read in _expected_tensors(config):
+  for i, ours, name, want, read in expected_tensors(config):
     if read:
       w = get(name, transpose=len(want) == 2)  # matrices: HF's [out, in] to our [in, out]
       (other if i is None else layers[i])[ours] = shift(w) if ours.endswith("_norm") else w

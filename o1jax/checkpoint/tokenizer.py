@@ -123,6 +123,12 @@ class Tokenizer:
     for i, m in enumerate(messages):
       if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+      # (a template concatenates them: an int failed inside jinja with a TypeError; a list
+      # of parts is left to templates that take one)
+      if not isinstance(m["role"], str):
+        raise ValueError(f"chat message {i}'s role must be a str, got {m['role']!r}")
+      if not isinstance(m["content"], (str, list)):
+        raise ValueError(f"chat message {i}'s content must be a str, got {m['content']!r}")
     if not self.has_chat_template and self.token_to_id("<|im_start|>") is None:
       # e.g. a base (pretrained) model such as Gemma 3 270M: ChatML would be plain text to it
       raise ValueError("this checkpoint has no chat template, and the ChatML fallback's "

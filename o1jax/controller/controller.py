@@ -22,6 +22,7 @@ policies.py), which calls `generate` one or more times and aggregates.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -47,9 +48,11 @@ from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.model.thinking import ThinkingSpan
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
+from o1jax.engine.engine import check_fits_device
 from o1jax.engine.speculative import SpeculativeConfig
 from o1jax.model.generation import encode_prompt
-from o1jax.model.sampling import Sampling, check_int, is_real, sequence_key
+from o1jax.model.sampling import (INT32_MAX, Sampling, check_int, check_key_id, is_real,
+                                  sequence_key)
 from o1jax.model.shapes import pow2_bucket
 
 NEVER = 1 << 30
@@ -101,6 +104,9 @@ class LoopSettings(Sampling):
     # failed inside the jitted loop's setup, a NaN threshold silently turned a rule off.
     for name, low in _LOOP_INTS.items():
       check_int(getattr(self, name), name, low)
+      if getattr(self, name) > INT32_MAX:  # (an int32 knob on the device: it wrapped around)
+        raise ValueError(f"{name}={getattr(self, name)} exceeds the loop's int32 counters "
+                         f"({INT32_MAX})")
     for name in ("temp_bump", "backtrack_threshold", "exit_tau", "consensus_share"):
       value = getattr(self, name)
       if not is_real(value) or math.isnan(value):
@@ -283,6 +289,9 @@ class Controller:
       # (a str would run one request per character)
       raise ValueError(f"requests must be a list of requests or prompts, got one "
                        f"{type(requests).__name__}")
+    if not isinstance(requests, collections.abc.Iterable):
+      raise ValueError(f"requests must be a list of requests or prompts, got "
+                       f"{type(requests).__name__}")
     reqs = [r if isinstance(r, ReasoningRequest) else ReasoningRequest(prompt=r, request_id=i)
             for i, r in enumerate(requests)]
     twice = sorted(i for i, k in collections.Counter(r.request_id for r in reqs).items() if k > 1)
@@ -313,17 +322,44 @@ class Controller:
     (per request, (answer key or None, weight) of votes cast before this call,
     e.g. DeepConf's warm-up traces) feed the consensus stop. budget: a live budget for
     this call (default: the controller's)."""
+    # What a policy of one's own may pass wrong (each was an AttributeError, a TypeError or
+    # an OverflowError inside the batch's setup, or a NaN threshold that silently stopped
+    # nothing), checked before anything runs.
+    if not isinstance(settings, LoopSettings):
+      raise ValueError(f"settings must be LoopSettings, got {type(settings).__name__}")
+    bad = [r for r in requests if not isinstance(r, ReasoningRequest)]
+    if bad:
+      raise ValueError(f"requests must be ReasoningRequests (Controller.run also takes prompts), "
+                       f"got {type(bad[0]).__name__}")
     check_int(n, "n", 1)
     check_int(sample_offset, "sample_offset")
     check_int(unstopped_samples, "unstopped_samples")
+    check_key_id(sample_offset + n - 1, "the last sample index (sample_offset + n - 1)")
+    generated = self.max_generated(settings)
+    if generated > INT32_MAX:  # (each fits; their sum is the loop's int32 token limit)
+      raise ValueError(f"a trace may generate {generated} tokens (max_thinking_tokens + "
+                       f"max_answer_tokens + (max_backtracks + 1) x step_max_tokens + forced "
+                       f"text), more than the loop's int32 counters hold ({INT32_MAX})")
     per_request = lambda x, fill: [fill] * len(requests) if x is None else (
-        [float(x)] * len(requests) if np.isscalar(x) else list(x))
+        [x] * len(requests) if np.isscalar(x) else list(x))
     stops = per_request(conf_stop, -math.inf)
     floors = per_request(vote_floor, -math.inf)
     priors = [list(p) for p in prior_votes] if prior_votes is not None else [[]] * len(requests)
     for name, values in (("conf_stop", stops), ("vote_floor", floors), ("prior_votes", priors)):
       if len(values) != len(requests):
         raise ValueError(f"{name} has {len(values)} entries for {len(requests)} requests")
+    for name, values in (("conf_stop", stops), ("vote_floor", floors)):
+      bad = [v for v in values if not is_real(v) or math.isnan(v)]
+      if bad:  # (-inf: off)
+        raise ValueError(f"{name} entries must be numbers (not NaN), got {bad[0]!r}")
+    stops, floors = [float(v) for v in stops], [float(v) for v in floors]
+    for votes in priors:
+      for vote in votes:
+        if (not isinstance(vote, (tuple, list)) or len(vote) != 2
+            or not (vote[0] is None or isinstance(vote[0], str))
+            or not is_real(vote[1]) or math.isnan(vote[1])):
+          raise ValueError(f"prior_votes entries must be (answer key or None, weight) pairs, "
+                           f"got {vote!r}")
     if not requests:
       return Batch(traces=[], wall_time_s=[], invocations=[])
     if (vote_floor is not None or prior_votes is not None) and not settings.answer_vote:
@@ -357,6 +393,11 @@ class Controller:
     ids = encode_prompt(self.tokenizer, prompt, self.model.vocab_size)
     if self.thinking is not None and not self._opens_thinking(ids):
       ids = ids + self.tokenizer.encode(self.thinking.open + "\n")
+    # A model's context (a Llama's config; a DecodeModel without one has none): a longer
+    # prompt ran silently past it, as the engine and the Generator refuse to.
+    limit = getattr(getattr(self.model, "config", None), "max_context", None)
+    if limit is not None and len(ids) >= limit:
+      raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {limit} tokens")
     return ids
 
   def _opens_thinking(self, ids: Sequence[int]) -> bool:
@@ -680,6 +721,23 @@ class Controller:
     jax.block_until_ready(out.length)
     return (time.perf_counter() - t0) / iterations
 
+  def _check_state_fits(self, settings: LoopSettings, n: int, rows: int, length: int,
+                        plan: CachePlan) -> None:
+    """The loop's largest buffers (the cache, tokens [rows, length], the confidence ring
+    [rows, conf_window]) against the device's memory, from their shapes alone: a huge n,
+    token budget or window was an out-of-memory error from inside numpy or XLA."""
+    try:
+      cache = jax.eval_shape(lambda: self.model.init_cache(rows, length, plan))
+      cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    except Exception:  # a DecodeModel whose cache cannot be traced: the rows alone
+      cache_bytes = 0
+    check_fits_device(
+        cache_bytes + 4 * rows * (length + settings.conf_window),
+        f"the reasoning loop ({rows} rows for n={n}, {length} positions each, conf_window "
+        f"{settings.conf_window})",
+        "n, max_rows, the token budgets (max_thinking_tokens, max_answer_tokens, "
+        "step_max_tokens, max_backtracks) or conf_window")
+
   def empty_state(self, settings: LoopSettings, n: int, slots: int, length: int,
                   plan: CachePlan | None = None, priors_per_slot: int = 1) -> ReasoningState:
     """`slots` request slots of n rows each (padded to a power of two), all done and
@@ -848,8 +906,9 @@ class Controller:
     longest = max(len(p) for p in prompts)  # of all requests: the rows are reused
     length = self.cache_length(settings, longest)
     per_slot = max([1] + [len(p) for p in prior_votes])
-    state = self.empty_state(settings, n, slots, length,
-                             self.cache_plan(settings, b, longest, slots), per_slot)
+    plan = self.cache_plan(settings, b, longest, slots)
+    self._check_state_fits(settings, n, b, length, plan)
+    state = self.empty_state(settings, n, slots, length, plan, per_slot)
     limits = [self.step_limit(settings, q) for q in requests]
     # Every request is known up front, so the priority order is fixed: one sort.
     order = range(r) if self.admission == "fifo" else sorted(range(r), key=lambda i: (limits[i], i))

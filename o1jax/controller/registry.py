@@ -66,7 +66,7 @@ def policy_names(controller: Optional[bool] = None) -> list[str]:
 
 def policy_class(name: str) -> type[BasePolicy]:
   """The class registered as `name`; an unknown name lists the valid ones by kind."""
-  if name not in POLICIES:
+  if not isinstance(name, str) or name not in POLICIES:  # (a list was a TypeError: unhashable)
     raise ValueError(f"unknown policy {name!r}; valid policies: {policy_names()} "
                      f"(plain sampling: {policy_names(controller=False)}; reasoning controller: "
                      f"{policy_names(controller=True)})")

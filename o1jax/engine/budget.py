@@ -51,6 +51,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from o1jax.engine import fields
+from o1jax.model.sampling import is_int, is_real
 
 BASE_STEPS = 64
 BASE_SLO_S = 0.5
@@ -63,12 +64,22 @@ def load_factor(load: float) -> float:
   return min(max(load / NOMINAL_LOAD, 0.5), 2.0)
 
 
+def check_slo(latency_slo_s, name: str = "latency_slo_s") -> None:
+  """ValueError naming `name` unless the SLO is a finite number > 0 (an infinite one
+  overflowed `int` in `allocate_budget`; a str failed its comparison with a TypeError)."""
+  if not is_real(latency_slo_s):
+    raise ValueError(f"{name} must be a number, got {latency_slo_s!r}")
+  if not latency_slo_s > 0:
+    raise ValueError(f"{name} must be > 0, got {latency_slo_s}")
+  if not math.isfinite(latency_slo_s):
+    raise ValueError(f"{name} must be finite, got {latency_slo_s}")
+
+
 def allocate_budget(latency_slo_s: float, load: float) -> int:
   """Maximum reasoning steps for a request under a latency SLO and a load in [0, inf)."""
-  if not latency_slo_s > 0:
-    raise ValueError(f"latency_slo_s must be > 0, got {latency_slo_s}")
-  if not load >= 0:
-    raise ValueError(f"load must be >= 0, got {load}")
+  check_slo(latency_slo_s)
+  if not is_real(load) or not load >= 0:
+    raise ValueError(f"load must be >= 0, got {load!r}")
   steps = BASE_STEPS * (latency_slo_s / BASE_SLO_S) / load_factor(load)
   return max(MIN_STEPS, min(MAX_STEPS, int(steps)))
 
@@ -97,12 +108,11 @@ class BudgetConfig:
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"budget.mode={self.mode!r}: valid modes are {list(MODES)}")
-    if not self.latency_slo_s > 0:
-      raise ValueError(f"budget.latency_slo_s must be > 0, got {self.latency_slo_s}")
+    check_slo(self.latency_slo_s, "budget.latency_slo_s")
     if not self.interval_ms > 0:
       raise ValueError(f"budget.interval_ms must be > 0, got {self.interval_ms}")
-    if self.window < 1:
-      raise ValueError(f"budget.window must be >= 1, got {self.window}")
+    if not is_int(self.window) or self.window < 1:  # (a deque's maxlen: 2.5 failed at first use)
+      raise ValueError(f"budget.window must be an int >= 1, got {self.window!r}")
     if not self.window_s > 0:
       raise ValueError(f"budget.window_s must be > 0, got {self.window_s}")
     if not 0 < self.kv_limit <= 1:

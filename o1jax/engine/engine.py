@@ -83,16 +83,38 @@ PREFILL_CALL_OVERHEAD = 64
 # --- configuration, requests, results -------------------------------------------------
 
 
-def pool_memory_limit(device) -> int:
-  """Bytes a KV pool may take on `device`: half an accelerator's memory, or a quarter of
-  the host's RAM where the device reports no limit (a CPU)."""
+def _device_memory(device) -> tuple[int, bool]:
+  """(bytes, reported): an accelerator's memory limit (True), or the host's RAM where
+  the device reports none (a CPU; False)."""
   try:
     stats = device.memory_stats() or {}
   except Exception:  # a backend without memory stats
     stats = {}
   if stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]) // 2
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return int(stats["bytes_limit"]), True
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), False
+
+
+def device_memory_bytes(device) -> int:
+  """All the memory `device` has (see `_device_memory`): what no buffer can exceed."""
+  return _device_memory(device)[0]
+
+
+def pool_memory_limit(device) -> int:
+  """Bytes a KV pool may take on `device`: half an accelerator's memory, or a quarter of
+  the host's RAM where the device reports no limit (a CPU)."""
+  total, reported = _device_memory(device)
+  return total // 2 if reported else total // 4
+
+
+def check_fits_device(nbytes: int, what: str, lower: str, device=None) -> None:
+  """ValueError naming `what` and the settings to `lower` when `nbytes` exceed all the
+  memory of `device` (default: the first): checked before allocating, so a size typo is one
+  line here rather than an out-of-memory error from inside XLA (or a swapping host)."""
+  have = device_memory_bytes(device or jax.devices()[0])
+  if nbytes > have:
+    raise ValueError(f"{what} needs {nbytes / 2**30:,.1f} GiB but the device has "
+                     f"{have / 2**30:,.1f} GiB: lower {lower}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +372,13 @@ class Engine:
     markers its chat template names, if any), "on", "off", "<open> <close>", or a
     ThinkingSpan. With a span a sample's text is its answer after the span, its thinking
     is `SampleResult.thinking`, and stop strings apply to the answer only."""
+    # (each was an AttributeError at its first use, or never: a str budget was kept)
+    if not isinstance(config, EngineConfig):
+      raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+    for name, value, cls in (("budget", budget, BudgetLoop),
+                             ("speculative", speculative, SpeculativeConfig)):
+      if value is not None and not isinstance(value, cls):
+        raise ValueError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
     if config.data_parallel > 1:
       raise ValueError(f"data_parallel={config.data_parallel}: one Engine is one replica; "
                        f"build replicas with o1jax.engine.build_engine (EngineReplicas)")
@@ -380,8 +409,9 @@ class Engine:
     self.max_context = min(config.max_context or mc.max_context, mc.max_context)
     self._graphdef, self._state = nnx.split(model)
     self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(mc.eos_ids)
-    probe = PagedKVCache.create(1, 1, config.block_size, mc.n_kv_heads, mc.head_dim,
-                                config.kv_dtype)
+    # (shapes only: a probe block of a typo'd block_size was itself an out-of-memory error)
+    probe = jax.eval_shape(lambda: PagedKVCache.create(1, 1, config.block_size, mc.n_kv_heads,
+                                                       mc.head_dim, config.kv_dtype))
     per_block = probe.bytes_per_block() * mc.n_layers
     if config.num_blocks is not None:
       num_blocks = config.num_blocks
@@ -390,6 +420,11 @@ class Engine:
       if config.min_tokens_per_slot:  # every slot can hold a whole sequence: no preemption
         num_blocks = max(num_blocks, self._blocks_for_slots(config, per_block))
     self.num_blocks = int(num_blocks)
+    # A mesh splits the pool by KV heads: each device holds its share.
+    shards = 1 if mesh is None else dict(mesh.shape).get(tensor_parallel.MODEL_AXIS, 1)
+    check_fits_device(per_block * self.num_blocks // shards,
+                      f"the KV pool ({self.num_blocks} blocks of {config.block_size} tokens, "
+                      f"{config.kv_dtype})", "num_blocks, kv_cache_bytes or block_size")
     self.cache = self._new_pool(mc)
     self.allocator = BlockAllocator(self.num_blocks, config.block_size,
                                     prefix_caching=config.prefix_caching)
@@ -669,6 +704,8 @@ class Engine:
     """Every request validated (see `_make_group`), before any is queued."""
     if isinstance(requests, (str, bytes, dict, Request)):  # else a str runs a request per character
       raise ValueError(f"requests must be a list of requests, got one {type(requests).__name__}")
+    if not isinstance(requests, collections.abc.Iterable):
+      raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
     return [self._make_group(r, i) for i, r in enumerate(requests)]
 
   def check_requests(self, requests: Sequence[Request | dict | str]) -> None:

@@ -44,6 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from o1jax.engine import fields
+from o1jax.model.sampling import is_int
 
 DRAFTERS = ("prompt_lookup", "early_exit", "draft_model")
 K_BUCKETS = (1, 3, 7, 15)  # drafts per verify call (K + 1 = 2, 4, 8, 16 positions)
@@ -68,6 +69,13 @@ class SpeculativeConfig:
   def __post_init__(self):
     if self.drafter not in DRAFTERS:
       raise ValueError(f"speculative.drafter={self.drafter!r} not in {DRAFTERS}")
+    # Counts are ints (a float max_drafts failed as a slice index inside the engine's step),
+    # adaptive a bool (a str was truthy).
+    for name in ("max_drafts", "ngram_max", "ngram_min", "exit_layer"):
+      if not is_int(getattr(self, name)):
+        raise ValueError(f"speculative.{name} must be an int, got {getattr(self, name)!r}")
+    if not isinstance(self.adaptive, (bool, np.bool_)):
+      raise ValueError(f"speculative.adaptive must be a bool, got {self.adaptive!r}")
     if self.max_drafts < 1:
       raise ValueError(f"speculative.max_drafts={self.max_drafts} must be >= 1")
     if not 1 <= self.ngram_min <= self.ngram_max:

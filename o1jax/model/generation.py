@@ -157,9 +157,14 @@ class Generator:
     t0 = time.perf_counter()
     if isinstance(prompts, (str, bytes)):  # else one prompt per character
       raise ValueError(f"prompts must be a list of prompts, got one {type(prompts).__name__}")
+    if (not isinstance(prompts, collections.abc.Iterable)
+        or isinstance(prompts, collections.abc.Mapping)):
+      raise ValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     ids = [self.encode_prompt(p) for p in prompts]
     if not ids:
       return []
+    if isinstance(params, collections.abc.Mapping):  # (listed, it would be its keys)
+      raise ValueError(f"params must be SamplingParams, got {params!r}")
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
     iterable = lambda x: list(x) if isinstance(x, collections.abc.Iterable) else x

@@ -536,3 +536,64 @@ def test_valid_variants_still_check_and_load(tmp_path):
     testing.write_hf_checkpoint(hf, config, shards=2)
     check_checkpoint(hf)
     assert load_checkpoint(hf).config.n_layers == config.n_layers
+
+
+@pytest.mark.parametrize("source", [None, 5, b"/tmp"])
+def test_a_source_that_is_not_a_name_or_path_is_named(source):
+  from o1jax.checkpoint import load_checkpoint
+  # Before: pathlib's TypeError ("expected str, bytes or os.PathLike object, not NoneType").
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=r"^a checkpoint source is a model name \(embedded, "
+                                              rf"gemma3-270m\) or a path, got {type(source).__name__} "):
+      read(source)
+
+
+@pytest.fixture(scope="module")
+def tiny_orbax(tmp_path_factory):
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.checkpoint.orbax_io import save_orbax
+  root = tmp_path_factory.mktemp("orbax")
+  testing.write_hf_checkpoint(root / "hf", testing.tiny_config())
+  ck = load_checkpoint(root / "hf")
+  save_orbax(root / "orbax", ck.config, ck.params, ck.tokenizer)
+  return root / "orbax"
+
+
+_ORBAX_CONFIG_MUTANTS = {
+    # Before: each loaded, to fail (or compute a different model) at the model's first call.
+    "more_layers": ({"n_layers": 3}, r"tensor 'layers.2.wq' is missing"),
+    "fewer_layers": ({"n_layers": 1}, r"tensor 'layers.1.attn_norm' is past the model's 1 layers "
+                                      rf"\({MANIFEST}'s n_layers\)"),
+    "wider": ({"d_model": 128}, r"tensor 'layers.0.wq' has shape \(64, 64\), expected \(128, 64\)"),
+    "larger_vocab": ({"vocab_size": 1000}, r"tensor 'embed' has shape \(64, 259\), expected \(64, 1000\)"),
+    "bias_switched_on": ({"attention_bias": True}, r"tensor 'layers.0.bq' is missing"),
+    "untied": ({"tie_embeddings": False}, r"tensor 'lm_head' is missing"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(_ORBAX_CONFIG_MUTANTS))
+def test_orbax_manifest_config_that_disagrees_with_its_arrays_is_named(tiny_orbax, tmp_path, mutant):
+  import shutil
+  from o1jax.checkpoint import load_checkpoint
+  changes, message = _ORBAX_CONFIG_MUTANTS[mutant]
+  d = tmp_path / "orbax"
+  shutil.copytree(tiny_orbax, d)
+  manifest = json.loads((d / MANIFEST).read_text())
+  manifest["config"].update(changes)
+  (d / MANIFEST).write_text(json.dumps(manifest))
+  with pytest.raises(CheckpointError, match=rf"^{d}: {message}$"):
+    load_checkpoint(d)
+
+
+def test_orbax_manifest_config_that_is_not_an_object_is_named(tiny_orbax, tmp_path):
+  import shutil
+  from o1jax.checkpoint import load_checkpoint
+  d = tmp_path / "orbax"
+  shutil.copytree(tiny_orbax, d)
+  (d / MANIFEST).write_text(json.dumps({"config": [], "param_spec": {}}))
+  # Before: AttributeError: 'list' object has no attribute 'get'.
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{d}/{MANIFEST}: not a valid manifest \(ValueError: "
+                                              r"a model config is a JSON object, got list\)"):
+      read(d)
+  assert load_checkpoint(tiny_orbax).format == "orbax"  # the unedited one still loads

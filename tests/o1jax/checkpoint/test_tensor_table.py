@@ -19,7 +19,7 @@ def _gguf(config, **extra):
 def _hf(config, **extra):
   """An HF header table ({name: (shard, shape)}) holding what `config` reads, plus `extra`."""
   headers = {name: ("s", shape)
-             for *_, name, shape, read in safetensors_loader._expected_tensors(config) if read}
+             for *_, name, shape, read in safetensors_loader.expected_tensors(config) if read}
   headers.update({name: ("s", shape) for name, shape in extra.items()})
   return headers
 

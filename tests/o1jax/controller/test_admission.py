@@ -317,3 +317,99 @@ def test_live_budget_replaces_the_policy_limit_but_not_the_requests_own(world):
   assert budget.decisions and budget.steps >= 16
   steps = [len(ts[0].steps) for ts in batch.traces]
   assert steps[0] == 1 and steps[1] > 3
+
+
+def test_a_loop_state_larger_than_the_device_is_refused_before_allocating(world):
+  """Before: numpy's MemoryError (8 GiB for n=2**31 rows; 4 TiB for 10**12), or XLA's RESOURCE_EXHAUSTED for a
+  huge token budget or DeepConf window, from inside the state's allocation."""
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  ctl = world(CHAIN).controller(max_rows=8)
+  what = r"^(deepconf: )?the reasoning loop \(\d+ rows for n=\d+, \d+ positions each, conf_window \d+\) "
+  for policy, detail in [
+      ({"name": "self_consistency", "n": 2**31}, r"2147483648 rows for n=2147483648"),
+      # (each fits the loop's int32 counters; 64 rows of them do not fit a device)
+      ({"name": "self_consistency", "n": 64, "max_thinking_tokens": 2**30},
+       r"64 rows for n=64, 2147483648 positions each"),
+      ({"name": "self_consistency", "n": 64, "max_answer_tokens": 2**30},
+       r"64 rows for n=64, 2147483648 positions each"),
+      ({"name": "deepconf", "n": 64, "warmup": 64, "window": 2**31 - 1}, r"conf_window 2147483647"),
+  ]:
+    with pytest.raises(ValueError, match=what + r"needs [\d,.]+ GiB but the device has [\d,.]+ GiB: "
+                                                r"lower n, max_rows, the token budgets"):
+      ctl.run(["Q"], policy)
+    with pytest.raises(ValueError, match=detail):
+      ctl.run(["Q"], policy)
+  assert ctl.run(["Q"], {"name": "self_consistency", "n": 9})[0].answer is not None  # n > max_rows
+
+
+def test_token_budgets_past_the_loops_int32_counters_are_named(world):
+  """Before: the int32 knobs wrapped around: step_max_tokens=2**31 - 1 ended every trace at
+  once with no answer, max_step_backtracks=10**12 became a negative limit."""
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  ctl = world(CHAIN).controller()
+  for fields in (dict(max_step_backtracks=10**12), dict(step_max_tokens=2**31)):
+    name, value = next(iter(fields.items()))
+    with pytest.raises(ValueError, match=rf"^{name}={value} exceeds the loop's int32 counters "
+                                         r"\(2147483647\)$"):
+      LoopSettings(**fields)
+  with pytest.raises(ValueError, match=r"^a trace may generate \d+ tokens \(max_thinking_"
+                                       r"tokens \+ .*\), more than the loop's int32 counters hold"):
+    ctl.run(["Q"], {"name": "greedy_cot", "step_max_tokens": 2**31 - 1})
+  with pytest.raises(ValueError, match=r"^a trace may generate 5368709\d+ tokens"):
+    ctl.generate([ReasoningRequest("Q")], LoopSettings(step_max_tokens=2**30, max_backtracks=4), 1)
+
+
+def test_requests_and_policy_names_of_the_wrong_type_are_named(world):
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  ctl = world(CHAIN).controller()
+  # Before: TypeError: 'NoneType' object is not iterable / unhashable type: 'list'.
+  with pytest.raises(ValueError, match=r"^requests must be a list of requests or prompts, got NoneType$"):
+    ctl.run(None, "greedy_cot")
+  with pytest.raises(ValueError, match=r"^unknown policy \['greedy_cot'\]; valid policies: "):
+    ctl.run(["Q"], {"name": ["greedy_cot"]})
+  with pytest.raises(ValueError, match=r"^think_verify_backtrack: latency_slo_s must be finite, got inf$"):
+    get_policy("think_verify_backtrack", latency_slo_s=float("inf"))  # was: OverflowError
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused(tiny_llama):
+  """Before: the controller ran it past the context (RoPE positions the model never saw)
+  and answered, where the engine and the Generator refuse it."""
+  decode_model, tok = tiny_llama  # max_context 512
+  ctl = Controller(decode_model, tok)
+  policy = {"name": "greedy_cot", "max_thinking_tokens": 2, "max_answer_tokens": 1}
+  with pytest.raises(ValueError, match=r"^prompt has 600 tokens but the model's context is 512 "
+                                       r"tokens$"):
+    ctl.run([[5] * 600], policy)
+  assert ctl.run([[5] * 20], policy)[0].traces
+
+
+def test_generate_arguments_a_policy_of_ones_own_may_get_wrong_are_named(world):
+  """Controller.generate, what a researcher's own policy calls. Before: a NaN threshold or
+  vote floor silently stopped / filtered nothing; the others were an AttributeError,
+  TypeError, ValueError ("could not convert string to float") or OverflowError (uint32)
+  from inside the batch's setup."""
+  from tests.o1jax.controller.test_loop_decisions import CHAIN
+  ctl = world(CHAIN).controller()
+  req = [ReasoningRequest("Q", request_id=1)]
+  vote = LoopSettings(answer_vote=True)
+  for args, kwargs, match in [
+      ((req, LoopSettings(), 2), dict(conf_stop=float("nan")),
+       r"^conf_stop entries must be numbers \(not NaN\), got nan$"),
+      ((req, LoopSettings(), 2), dict(conf_stop="x"), r"^conf_stop entries must be numbers \(not NaN\), "
+                                                      r"got 'x'$"),
+      ((req, LoopSettings(), 2), dict(conf_stop=[None]), r"^conf_stop entries .*got None$"),
+      ((req, vote, 2), dict(vote_floor=float("nan")), r"^vote_floor entries must be numbers"),
+      ((req, vote, 2), dict(prior_votes=[[5]]),
+       r"^prior_votes entries must be \(answer key or None, weight\) pairs, got 5$"),
+      ((req, vote, 2), dict(prior_votes=[[("7", float("nan"))]]), r"^prior_votes entries .*got \('7', nan\)$"),
+      ((req, {"temperature": 1.0}, 2), {}, r"^settings must be LoopSettings, got dict$"),
+      ((["Q"], LoopSettings(), 1), {}, r"^requests must be ReasoningRequests \(Controller.run also "
+                                       r"takes prompts\), got str$"),
+      ((req, LoopSettings(), 2), dict(sample_offset=2**40),
+       r"^the last sample index \(sample_offset \+ n - 1\) must be an int in \[0, 2\*\*32\), "
+       r"got 1099511627777$"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      ctl.generate(*args, **kwargs)
+  ok = ctl.generate(req, vote, 2, conf_stop=-float("inf"), vote_floor=0.0, prior_votes=[[("7", 1.0)]])
+  assert len(ok.traces[0]) == 2

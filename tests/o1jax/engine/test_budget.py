@@ -214,3 +214,24 @@ def test_budget_prunes_the_lowest_confidence_sample_of_an_n_sample_request(tiny,
              if s.index != p.index and len(s.token_ids) >= n]
     assert all(mean(p.logprobs, n) <= mean(s.logprobs, n) for s in later)
   assert len(next(s for s in got.samples if s.finish_reason == "length").token_ids) == 24
+
+
+@pytest.mark.parametrize("slo, match", [
+    (float("inf"), r"^latency_slo_s must be finite, got inf$"),  # was: OverflowError from int()
+    ("0.5", r"^latency_slo_s must be a number, got '0.5'$"),  # was: TypeError from the comparison
+])
+def test_allocate_budget_names_an_slo_that_is_no_finite_number(slo, match):
+  with pytest.raises(ValueError, match=match):
+    allocate_budget(slo, 0.8)
+  with pytest.raises(ValueError, match=match.replace("^", "^budget.")):
+    BudgetConfig(latency_slo_s=slo)
+  with pytest.raises(ValueError, match=r"^load must be >= 0, got '1'$"):
+    allocate_budget(0.5, "1")
+  assert allocate_budget(0.5, float("inf")) == 32  # an infinite load is a clamped factor of 2
+
+
+def test_budget_window_must_be_a_count():
+  # Before: 2.5 was accepted (a deque's maxlen fails at first use); "x" a TypeError.
+  for window in (2.5, "x"):
+    with pytest.raises(ValueError, match=rf"^budget.window must be an int >= 1, got {window!r}$"):
+      BudgetConfig(window=window)

@@ -479,3 +479,44 @@ def test_min_tokens_per_slot_sizes_the_pool_up_to_the_memory_limit(tiny, make_pr
   assert fixed.num_blocks == 9
   with pytest.raises(ValueError, match="min_tokens_per_slot must be an int >= 1 or None"):
     EngineConfig(min_tokens_per_slot=0)
+
+
+@pytest.mark.parametrize("fields, what", [
+    (dict(num_blocks=10**9), r"the KV pool \(1000000000 blocks of 16 tokens, float32\)"),
+    (dict(kv_cache_bytes=10**15), r"the KV pool \(\d+ blocks of 16 tokens, float32\)"),
+    (dict(block_size=10**9, num_blocks=1), r"the KV pool \(1 blocks of 1000000000 tokens, float32\)"),
+])
+def test_a_kv_pool_larger_than_the_device_is_refused_before_allocating(tiny, fields, what):
+  # Before: XLA's "RESOURCE_EXHAUSTED: Out of memory allocating ... bytes" from the pool's
+  # (or, for a huge block_size, the size probe's) jnp.zeros.
+  with pytest.raises(ValueError, match=rf"^{what} needs [\d,.]+ GiB but the device has [\d,.]+ GiB: "
+                                       r"lower num_blocks, kv_cache_bytes or block_size$"):
+    Engine(tiny.model, tiny.tokenizer, EngineConfig(**fields))
+
+
+def test_requests_that_are_no_list_are_named(engine32):
+  # Before: TypeError: 'NoneType' object is not iterable.
+  for requests in (None, 5):
+    with pytest.raises(ValueError, match=rf"^requests must be a list of requests, got "
+                                         rf"{type(requests).__name__}$"):
+      engine32.generate(requests)
+  assert not engine32.has_work()
+
+
+def test_engine_arguments_of_the_wrong_type_are_named(tiny):
+  from o1jax.engine import SpeculativeConfig
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  config = EngineConfig(max_slots=2, num_blocks=8)
+  # Before: AttributeError ('dict' object has no attribute 'data_parallel' / 'drafter'), or
+  # (a str budget) an engine that kept it.
+  for kwargs, match in [
+      (dict(config={"max_slots": 2}), r"^config must be an EngineConfig, got dict$"),
+      (dict(config=None), r"^config must be an EngineConfig, got NoneType$"),
+      (dict(config=config, budget="adaptive"), r"^budget must be a BudgetLoop or None, got str$"),
+      (dict(config=config, speculative={"drafter": "prompt_lookup"}),
+       r"^speculative must be a SpeculativeConfig or None, got dict$"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      Engine(tiny.model, tiny.tokenizer, **kwargs)
+  Engine(tiny.model, tiny.tokenizer, config, budget=BudgetLoop(BudgetConfig()),
+         speculative=SpeculativeConfig())

@@ -546,3 +546,16 @@ def test_embedded_model_greedy_tokens_equal_plain_decoding(embedded_checkpoint, 
     if drafter == "prompt_lookup":
       assert stats["accepted"] > 0
     assert [g.token_ids for g in got] == [w.token_ids for w in want[:batch]], batch
+
+
+@pytest.mark.parametrize("fields, match", [
+    # Before: TypeError ("slice indices must be integers") inside the engine's first step.
+    (dict(max_drafts=2.5), r"^speculative.max_drafts must be an int, got 2.5$"),
+    (dict(ngram_max="4"), r"^speculative.ngram_max must be an int, got '4'$"),
+    (dict(exit_layer=None), r"^speculative.exit_layer must be an int, got None$"),
+    # Before: accepted (a non-empty str is truthy).
+    (dict(adaptive="no"), r"^speculative.adaptive must be a bool, got 'no'$"),
+])
+def test_speculative_config_values_of_the_wrong_type_are_named(fields, match):
+  with pytest.raises(ValueError, match=match):
+    SpeculativeConfig(**fields)

@@ -167,3 +167,19 @@ def test_bad_call_arguments_are_refused_before_the_prefill(tiny):
   with pytest.raises(ValueError, match=r"^prompts must be a list of prompts, got one str$"):
     gen.generate("hi", 2)  # was: one prompt per character
   assert gen.generate([], 2) == []
+
+
+def test_prompts_params_and_chat_messages_of_the_wrong_type_are_named(tiny):
+  _, gen = tiny
+  # Before: TypeError: 'NoneType' object is not iterable.
+  with pytest.raises(ValueError, match=r"^prompts must be a list of prompts, got NoneType$"):
+    gen.generate(None, 2)
+  # Before: "params must be SamplingParams, got 'temperature'" (the dict read as its keys).
+  with pytest.raises(ValueError, match=r"^params must be SamplingParams, got \{'temperature': 1.0\}$"):
+    gen.generate([[5]], 2, params={"temperature": 1.0})
+  # Before: TypeError from inside the jinja template ("can only concatenate str (not "int") to str").
+  with pytest.raises(ValueError, match=r"^chat message 0's content must be a str, got 5$"):
+    gen.generate([[{"role": "user", "content": 5}]], 2)
+  with pytest.raises(ValueError, match=r"^chat message 1's role must be a str, got None$"):
+    gen.generate([[{"role": "user", "content": "a"}, {"role": None, "content": "b"}]], 2)
+  assert len(gen.generate([[{"role": "user", "content": "hi"}]], 2)[0].token_ids) <= 2
