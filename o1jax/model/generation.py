@@ -72,6 +72,10 @@ def encode_prompt(tokenizer, prompt, vocab_size: int) -> list[int]:
     raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
   return ids
 
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 class Generator:
   """Greedy / sampled generation for a batch of prompts with one model."""
 
@@ -130,6 +134,13 @@ class Generator:
     bad = [p for p in params if not isinstance(p, SamplingParams)]
     if bad:
       raise ValueError(f"params must be SamplingParams, got {bad[0]!r}")
+    for p in params:  # a subclass's own settings (e.g. the engine's n, stop) would be ignored
+      ignored = [f.name for f in dataclasses.fields(p) if f.name not in _SAMPLING_FIELDS
+                 and getattr(p, f.name) != f.default]
+      if ignored:
+        raise ValueError(f"params: the Generator reads SamplingParams' fields only; "
+                         f"{type(p).__name__}'s {', '.join(ignored)} would be ignored (pass "
+                         f"max_new_tokens and stop to generate(), or use the Engine)")
     for r in request_ids:
       check_key_id(r, "request_ids entry")
     if (isinstance(stop, str) or not isinstance(stop, collections.abc.Iterable)

@@ -183,3 +183,19 @@ def test_prompts_params_and_chat_messages_of_the_wrong_type_are_named(tiny):
   with pytest.raises(ValueError, match=r"^chat message 1's role must be a str, got None$"):
     gen.generate([[{"role": "user", "content": "a"}, {"role": None, "content": "b"}]], 2)
   assert len(gen.generate([[{"role": "user", "content": "hi"}]], 2)[0].token_ids) <= 2
+
+
+def test_params_whose_own_settings_the_generator_would_ignore_are_refused(tiny):
+  # The engine's GenerationParams is a SamplingParams: its max_new_tokens / stop / n were
+  # silently ignored here (the call's own max_new_tokens ran).
+  from o1jax.engine import GenerationParams
+
+  _, tiny_gen = tiny
+  with pytest.raises(ValueError, match=r"^params: the Generator reads SamplingParams' fields "
+                                       r"only; GenerationParams's max_new_tokens, n would be"):
+    tiny_gen.generate([[5, 6, 7]], max_new_tokens=3,
+                      params=GenerationParams(max_new_tokens=5, n=2))
+  # Left at their defaults, nothing is lost: it runs as the SamplingParams it carries.
+  out = tiny_gen.generate([[5, 6, 7]], max_new_tokens=3,
+                          params=GenerationParams(temperature=0.0, seed=3))
+  assert len(out[0].token_ids) <= 3
