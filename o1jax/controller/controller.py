@@ -393,12 +393,26 @@ class Controller:
     ids = encode_prompt(self.tokenizer, prompt, self.model.vocab_size)
     if self.thinking is not None and not self._opens_thinking(ids):
       ids = ids + self.tokenizer.encode(self.thinking.open + "\n")
-    # A model's context (a Llama's config; a DecodeModel without one has none): a longer
-    # prompt ran silently past it, as the engine and the Generator refuse to.
-    limit = getattr(getattr(self.model, "config", None), "max_context", None)
+    # A longer prompt ran silently past the context, as the engine and the Generator refuse to.
+    limit = self._context()
     if limit is not None and len(ids) >= limit:
       raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {limit} tokens")
     return ids
+
+  def _context(self) -> int | None:
+    """The model's context (a Llama's config; a DecodeModel without one has none)."""
+    return getattr(getattr(self.model, "config", None), "max_context", None)
+
+  def _check_context(self, settings: LoopSettings, prompts: Sequence[Sequence[int]]) -> None:
+    """Each prompt plus what its traces may keep fits the model's context: the loop has
+    no per-row stop there, so a trace ran on at positions the model never saw."""
+    limit = self._context()
+    kept = self._kept_tokens(settings)
+    longest = max(map(len, prompts), default=0)
+    if limit is not None and longest + kept > limit:
+      raise ValueError(f"prompt has {longest} tokens and a trace may keep {kept} more "
+                       f"(max_thinking_tokens + max_answer_tokens + forced text), past the "
+                       f"model's context of {limit} tokens: lower the token budgets")
 
   def _opens_thinking(self, ids: Sequence[int]) -> bool:
     """The prompt already ends inside the thinking span (its open marker, then spaces).
@@ -900,6 +914,7 @@ class Controller:
     call returns when a request's rows are all done while others wait; the host
     collects its traces and admits the next request into the freed slot."""
     prompts = [self.encode(r.prompt) for r in requests]
+    self._check_context(settings, prompts)
     r = len(requests)
     slots = max(1, min(self.max_rows // n, r))
     b = pow2_bucket(slots * n)

@@ -383,6 +383,20 @@ def test_a_prompt_longer_than_the_models_context_is_refused(tiny_llama):
   assert ctl.run([[5] * 20], policy)[0].traces
 
 
+def test_a_trace_budget_past_the_models_context_is_refused(tiny_llama):
+  """The loop has no per-row stop at the context: a prompt that fits with a budget that
+  does not ran on at positions the model never saw. Now refused before the loop runs."""
+  decode_model, tok = tiny_llama  # max_context 512
+  ctl = Controller(decode_model, tok)
+  policy = {"name": "greedy_cot", "max_thinking_tokens": 400, "max_answer_tokens": 8}
+  with pytest.raises(ValueError, match=r"^prompt has 100 tokens and a trace may keep \d+ more "
+                                       r"\(max_thinking_tokens \+ max_answer_tokens \+ forced "
+                                       r"text\), past the model's context of 512 tokens: lower "
+                                       r"the token budgets$"):
+    ctl.run([[5] * 100], policy)
+  assert ctl.run([[5] * 10], policy)[0].traces
+
+
 def test_generate_arguments_a_policy_of_ones_own_may_get_wrong_are_named(world):
   """Controller.generate, what a researcher's own policy calls. Before: a NaN threshold or
   vote floor silently stopped / filtered nothing; the others were an AttributeError,
