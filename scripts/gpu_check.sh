@@ -9,6 +9,8 @@
 #   qmm         the 4-bit matmul's two kernels (dot, gemv) and their tilings at
 #               M = 1..16 on 4096x14336 and 14336x4096 (scripts/tune_qmm.py; sets
 #               GEMV_MAX_ROWS in pallas_kernels/quantized_matmul.py; issue 15)
+#   fp8         FP8 activations (matmul_dtype float8) through the Pallas kernels vs the
+#               reference, and their decode throughput at concurrency 1/64 (issue 15)
 #   throughput  engine decode throughput, Pallas vs reference backend, 8 decode
 #               steps per device call, concurrency 1/64/256
 #   hoststeps   the reference backend at 1 decode step per call (the host's share)
@@ -17,7 +19,7 @@
 #   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
-#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,qmm,throughput,hoststeps,hf,ablate,llama8b,speculative]
+#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,llama8b,speculative]
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
@@ -57,6 +59,10 @@ stage qmm 240 bash -c "for shape in 4096x14336 14336x4096; do python scripts/tun
   --shape \$shape --ms 1,2,4,8,16 --kernels dot,gemv --block-n 128 --k-splits 8 --warps 4,8 \
   --stages 3 --gemv-block-n 64,128 --groups-per-iter 1,4 --gemv-k-splits 8,32 \
   --out '$OUT/qmm_'\$shape.json || exit 1; done"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \
+  --out '$OUT/fp8_engine.json' && python scripts/gpu_engine_check.py throughput \
+  --matmul-dtype float8 --backends pallas --concurrency 1,64 --out '$OUT/fp8_throughput.json'"
 stage throughput 200 python scripts/gpu_engine_check.py throughput --concurrency 1,64,256 \
   --decode-steps 8 --out "$OUT/throughput.json"
 stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \

@@ -36,7 +36,7 @@ compares two backends on the same weights, which is what it needs.
     bf16 weights (reference backend, bf16 matmuls).
 
   python scripts/gpu_engine_check.py correctness [--layers 2] [--sequences 8] [--max-prompt 120]
-      [--new-tokens 16] [--interpret] [--out F]
+      [--new-tokens 16] [--interpret] [--matmul-dtype float32|float8] [--out F]
   python scripts/gpu_engine_check.py throughput [--layers 30] [--concurrency 1,64]
       [--new-tokens 128] [--backends pallas,reference] [--decode-steps 1,8] [--out F]
   python scripts/gpu_engine_check.py ablate [--concurrency 64] [--out F]
@@ -172,7 +172,8 @@ def correctness(args) -> dict:
   gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=True)
   runs = {}
   for backend in ("reference", "pallas"):
-    engine = make_engine(config, params, backend, max_slots=len(ps), interpret=args.interpret)
+    engine = make_engine(config, params, backend, max_slots=len(ps), interpret=args.interpret,
+                         matmul_dtype=args.matmul_dtype)
     t0 = time.perf_counter()
     runs[backend] = engine.generate([Request(p, gp) for p in ps])
     print(f"{backend}: {time.perf_counter() - t0:.1f} s, {sum(engine.trace_counts.values())} "
@@ -185,7 +186,7 @@ def correctness(args) -> dict:
     if n:
       worst = max(worst, float(np.max(np.abs(np.subtract(ref.logprobs[:n], got.logprobs[:n])))))
   out = {"layers": args.layers, "sequences": len(ps), "new_tokens": args.new_tokens,
-         "identical_token_share": same / total, "max_abs_logprob_diff": worst,
+         "matmul_dtype": args.matmul_dtype, "identical_token_share": same / total, "max_abs_logprob_diff": worst,
          "first_tokens_equal": sum(r.token_ids[0] == g.token_ids[0]
                                    for r, g in zip(runs["reference"], runs["pallas"]))}
   print(f"pallas vs reference: {100 * out['identical_token_share']:.1f}% identical tokens "
@@ -210,7 +211,8 @@ def _engine_variants(args):
   """(label, config, params, make_engine kwargs) of the engines to time."""
   if args.shape == "smollm2":
     config, params = random_model_params(args.layers)
-    return [(b, config, params, dict(backend=b)) for b in args.backends.split(",")]
+    return [(b, config, params, dict(backend=b, matmul_dtype=args.matmul_dtype))
+            for b in args.backends.split(",")]
   shape, layers, tied = SHAPES[args.shape]
   layers = args.layers or layers
   c4, p4 = random_device_params(shape, layers, tied, dense_bf16=False)
@@ -403,6 +405,8 @@ def main(argv=None) -> int:
   ap.add_argument("--concurrency", default="1,64")
   ap.add_argument("--backends", default="pallas,reference")
   ap.add_argument("--max-drafts", type=int, default=7)
+  ap.add_argument("--matmul-dtype", default="float32",
+                  help="the Llama's matmul_dtype (smollm2 shape; float8: FP8 activations)")
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   import jax
