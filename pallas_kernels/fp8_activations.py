@@ -20,6 +20,7 @@ import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+FP8_MIN_SCALE = float(np.finfo(np.float32).tiny)
 
 
 @flax.struct.dataclass
@@ -40,7 +41,9 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=-1)
   # Times the f32 reciprocal, not divided: XLA may rewrite a division by a constant so.
-  scale = jnp.where(amax > 0, amax * np.float32(1 / FP8_MAX), 1.0).astype(jnp.float32)
+  # At least the smallest normal f32: amax / 448 of a tiny row (amax < 5e-36) flushes to 0.
+  scale = jnp.where(amax > 0, jnp.maximum(amax * np.float32(1 / FP8_MAX), FP8_MIN_SCALE),
+                    1.0).astype(jnp.float32)
   x8 = jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
   return x8, scale
 
@@ -52,4 +55,4 @@ def dense_matmul(x8: jax.Array, scale: jax.Array, w: jax.Array) -> jax.Array:
   return y * scale[..., None]
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8ActivationWeight", "dense_matmul", "quantize_rows"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8ActivationWeight", "dense_matmul", "quantize_rows"]

@@ -269,8 +269,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
   if m == 0:
     dt = out_dtype or (jnp.bfloat16 if x.dtype in qmm.FP8_DTYPES else x.dtype)
     return jnp.zeros(lead + (n,), dt)
-  if kernel == "auto":
-    kernel = "gemv" if m <= qmm.GEMV_MAX_ROWS else "dot"
+  if kernel == "auto":  # (a block_m is a dot-kernel tiling)
+    kernel = "gemv" if m <= qmm.GEMV_MAX_ROWS and block_m is None else "dot"
   if kernel == "gemv":
     if m > qmm.GEMV_ROW_LIMIT or block_m is not None:
       raise ValueError(f"quantized_matmul: kernel='gemv' takes M <= {qmm.GEMV_ROW_LIMIT} rows "

@@ -239,14 +239,21 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
 # M = 1. Activations are f32 in the kernel (FP8 and bf16 widen exactly).
 
 # Largest M that dispatch sends to this kernel; 0 keeps every M on the dot kernel.
-# Set from `scripts/tune_qmm.py --variants dot,gemv` on a GPU (not measured yet).
+# To be set by hand from what `scripts/tune_qmm.py --kernels dot,gemv` prints on a GPU
+# (not measured yet).
 GEMV_MAX_ROWS = 0
 # The most rows the kernel takes (one accumulator per row lives in registers).
 GEMV_ROW_LIMIT = 8
+# Rows of a group taken at once (the accumulators' height): a group of 256 (Q8_K) at 8
+# rows would otherwise hold 256 accumulator registers per thread at the narrowest tile.
+GEMV_SUBTILE = 32
+# Accumulator values per program (rows x sub-tile x block_n): 64 f32 registers per thread
+# at 4 warps.
+GEMV_ACC_VALUES = 8192
 
 
 def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: int,
-                  iters_per_split: int, asymmetric: bool):
+                  iters_per_split: int, asymmetric: bool, sub: int):
   if asymmetric:
     xt_ref, p_ref, s_ref, m_ref, o_ref = refs
   else:
@@ -256,6 +263,8 @@ def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: in
   # p_ref,   # [K//2, block_n] uint8 (4-bit) or [K, block_n] int8 (8-bit)
   # s_ref, m_ref,  # [K//group, block_n]
   # o_ref,   # [rows, block_n] f32 partial sum of this K split
+  # A group is taken in sub-tiles of `sub` rows under its scale, so the accumulators are
+  # [sub, block_n] whatever the group size (K-quants have groups of 256).
   rows, block_n = o_ref.shape
   first = pl.program_id(1) * iters_per_split * groups_per_iter
   high_group_offset = half_k // group
@@ -269,24 +278,25 @@ def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: in
   def body(it, acc):
     for c in range(groups_per_iter):
       gi = first + it * groups_per_iter + c
-      r0 = pl.multiple_of(gi * group, group)
-      if bits == 4:
-        p = p_ref[pl.ds(r0, group), :].astype(jnp.int32) & 0xFF
-        lo = p & 0xF
-        hi = p >> 4
-        if not asymmetric:
-          lo = lo - 8
-          hi = hi - 8
-        parts = ((dequantize_group(lo, gi), r0),
-                 (dequantize_group(hi, gi + high_group_offset), half_k + r0))
-      else:
-        parts = ((dequantize_group(p_ref[pl.ds(r0, group), :].astype(jnp.int32), gi), r0),)
-      for w, x_row0 in parts:
-        acc = tuple(a + w * xt_ref[pl.ds(x_row0, group), pl.ds(r, 1)]
-                    for r, a in enumerate(acc))
+      for j in range(group // sub):
+        r0 = pl.multiple_of(gi * group + j * sub, sub)
+        if bits == 4:
+          p = p_ref[pl.ds(r0, sub), :].astype(jnp.int32) & 0xFF
+          lo = p & 0xF
+          hi = p >> 4
+          if not asymmetric:
+            lo = lo - 8
+            hi = hi - 8
+          parts = ((dequantize_group(lo, gi), r0),
+                   (dequantize_group(hi, gi + high_group_offset), half_k + r0))
+        else:
+          parts = ((dequantize_group(p_ref[pl.ds(r0, sub), :].astype(jnp.int32), gi), r0),)
+        for w, x_row0 in parts:
+          acc = tuple(a + w * xt_ref[pl.ds(x_row0, sub), pl.ds(r, 1)]
+                      for r, a in enumerate(acc))
     return acc
 
-  acc = tuple(jnp.zeros((group, block_n), jnp.float32) for _ in range(rows))
+  acc = tuple(jnp.zeros((sub, block_n), jnp.float32) for _ in range(rows))
   acc = jax.lax.fori_loop(0, iters_per_split, body, acc)
   for r, a in enumerate(acc):
     o_ref[pl.ds(r, 1), :] = jnp.sum(a, axis=0, keepdims=True)
@@ -296,12 +306,14 @@ def choose_gemv_config(m: int, k: int, n: int, w: QuantizedTensor, *,
                        target_programs: int = 264) -> tuple[int, int, int]:
   """Default (block_n, groups_per_iter, k_splits) of the small-M kernel.
 
-  Registers bound the tile: the rows' accumulators ([group, block_n] f32 each)
-  stay at <= 8192 values per program; each iteration loads ~8 KB of packed
-  weights; K is split until ~2 programs per SM (H100/H200) stream at once."""
+  Registers bound the tile: the rows' accumulators ([sub-tile, block_n] f32 each)
+  stay at <= GEMV_ACC_VALUES per program (8 rows x 32 x 32 at the most); each
+  iteration loads ~8 KB of packed weights; K is split until ~2 programs per SM
+  (H100/H200) stream at once."""
   rows = pl.next_power_of_2(m)
   g = w.group_size
-  block_n = _largest_pow2_divisor(n, max(16, min(128, 8192 // (rows * g))))
+  sub = min(g, GEMV_SUBTILE)
+  block_n = _largest_pow2_divisor(n, max(16, min(128, GEMV_ACC_VALUES // (rows * sub))))
   loop_groups = (k // 2 if w.bits == 4 else k) // g
   groups_per_iter = 1
   while (groups_per_iter * 2 * g * block_n <= 8192
@@ -349,7 +361,8 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
   asymmetric = w.minimum is not None
   kernel = functools.partial(
       _qgemv_kernel, bits=w.bits, group=g, half_k=k // 2, groups_per_iter=gpi,
-      iters_per_split=loop_groups // (gpi * ks), asymmetric=asymmetric)
+      iters_per_split=loop_groups // (gpi * ks), asymmetric=asymmetric,
+      sub=min(g, GEMV_SUBTILE))
   prow = w.packed.shape[0]
   in_specs = [
       pl.BlockSpec((k, rows), lambda j, s: (0, 0)),

@@ -7,8 +7,9 @@
 #               (scripts/gpu_engine_check.py correctness)
 #   bench       scripts/bench_kernels.py
 #   qmm         the 4-bit matmul's two kernels (dot, gemv) and their tilings at
-#               M = 1..16 on 4096x14336 and 14336x4096 (scripts/tune_qmm.py; sets
-#               GEMV_MAX_ROWS in pallas_kernels/quantized_matmul.py; issue 15)
+#               M = 1..16 on 4096x14336 and 14336x4096, Q4_0 groups of 32
+#               (scripts/tune_qmm.py; prints the GEMV_MAX_ROWS to set by hand in
+#               pallas_kernels/quantized_matmul.py; issue 15)
 #   fp8         FP8 activations (matmul_dtype float8) through the Pallas kernels vs the
 #               reference, and their decode throughput at concurrency 1/64 (issue 15)
 #   throughput  engine decode throughput, Pallas vs reference backend, 8 decode

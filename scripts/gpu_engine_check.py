@@ -213,6 +213,9 @@ def _engine_variants(args):
     config, params = random_model_params(args.layers)
     return [(b, config, params, dict(backend=b, matmul_dtype=args.matmul_dtype))
             for b in args.backends.split(",")]
+  if args.matmul_dtype != "float32":
+    raise SystemExit(f"--matmul-dtype {args.matmul_dtype}: the smollm2 shape only (--shape "
+                     f"{args.shape} compares int4 against bf16 weights)")
   shape, layers, tied = SHAPES[args.shape]
   layers = args.layers or layers
   c4, p4 = random_device_params(shape, layers, tied, dense_bf16=False)
@@ -227,7 +230,8 @@ def throughput(args) -> dict:
 
   concurrency = [int(c) for c in args.concurrency.split(",")]
   gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-  out = {"shape": args.shape, "layers": args.layers, "new_tokens": args.new_tokens, "rows": []}
+  out = {"shape": args.shape, "layers": args.layers, "new_tokens": args.new_tokens,
+         "matmul_dtype": args.matmul_dtype, "rows": []}
   for label, config, params, kw in _engine_variants(args):
     ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=config.vocab_size)
     for steps in [int(k) for k in args.decode_steps.split(",")]:
@@ -352,6 +356,9 @@ def hf(args) -> dict:
   import torch
   import transformers
 
+  if args.matmul_dtype != "float32":
+    raise SystemExit(f"--matmul-dtype {args.matmul_dtype}: the smollm2 shape only (--shape "
+                     f"{args.shape} compares int4 against bf16 weights)")
   shape, layers, tied = SHAPES[args.shape]
   layers = args.layers or layers
   cfg = transformers.LlamaConfig(

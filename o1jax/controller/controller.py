@@ -46,6 +46,7 @@ from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRec
                                       Trace)
 from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.model.thinking import ThinkingSpan
+from o1jax.sharding import tensor_parallel
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
 from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.engine import check_fits_device
@@ -403,16 +404,21 @@ class Controller:
     """The model's context (a Llama's config; a DecodeModel without one has none)."""
     return getattr(getattr(self.model, "config", None), "max_context", None)
 
-  def _check_context(self, settings: LoopSettings, prompts: Sequence[Sequence[int]]) -> None:
-    """Each prompt plus what its traces may keep fits the model's context: the loop has
-    no per-row stop there, so a trace ran on at positions the model never saw."""
+  def thinking_limit(self, settings: LoopSettings, request: ReasoningRequest,
+                     prompt_tokens: int) -> int:
+    """A request's thinking budget in this call: the policy's, lowered so that the prompt
+    and everything a trace may keep (thinking, forced text, answer) fit the model's
+    context, as the engine ends a sequence at the context (the loop has no stop there of
+    its own: traces ran on at positions the model never saw). Other requests keep theirs."""
     limit = self._context()
-    kept = self._kept_tokens(settings)
-    longest = max(map(len, prompts), default=0)
-    if limit is not None and longest + kept > limit:
-      raise ValueError(f"prompt has {longest} tokens and a trace may keep {kept} more "
-                       f"(max_thinking_tokens + max_answer_tokens + forced text), past the "
-                       f"model's context of {limit} tokens: lower the token budgets")
+    if limit is None:
+      return settings.max_thinking_tokens
+    room = limit - prompt_tokens - (self._kept_tokens(settings) - settings.max_thinking_tokens)
+    if room < 0:
+      raise ValueError(f"prompt of request {request.request_id} has {prompt_tokens} tokens: "
+                       f"with max_answer_tokens={settings.max_answer_tokens} and the forced "
+                       f"text it does not fit the model's context of {limit} tokens")
+    return min(settings.max_thinking_tokens, room)
 
   def _opens_thinking(self, ids: Sequence[int]) -> bool:
     """The prompt already ends inside the thinking span (its open marker, then spaces).
@@ -745,6 +751,9 @@ class Controller:
       cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
     except Exception:  # a DecodeModel whose cache cannot be traced: the rows alone
       cache_bytes = 0
+    mesh = getattr(self.model, "mesh", None)  # the cache is split by KV heads over its devices
+    if mesh is not None:
+      cache_bytes //= dict(mesh.shape).get(tensor_parallel.MODEL_AXIS, 1)
     check_fits_device(
         cache_bytes + 4 * rows * (length + settings.conf_window),
         f"the reasoning loop ({rows} rows for n={n}, {length} positions each, conf_window "
@@ -801,6 +810,7 @@ class Controller:
     keys = np.zeros((rp * n, 2), np.uint32)
     stops = np.full(rp * n, -np.inf, np.float32)
     steps = np.full(rp * n, NEVER, np.int32)
+    think = np.full(rp * n, settings.max_thinking_tokens, np.int32)
     floors = np.full(rp * n, -np.inf, np.float32)
     group = np.full(rp * n, -1, np.int32)
     q = state.knobs.prior_group.shape[0]
@@ -824,6 +834,7 @@ class Controller:
         keys[i * n + j] = np.asarray(sequence_key(req.seed, req.request_id, sample_offset + j))
       stops[span] = -np.inf if conf_stop is None else conf_stop[i]
       steps[span] = self.step_limit(settings, req)
+      think[span] = self.thinking_limit(settings, req, len(ids))
       stops[i * n:i * n + min(unstopped_samples, n)] = -np.inf  # warm-up samples: never stopped
       if settings.answer_vote:  # every row votes in its slot's group
         group[span] = slot
@@ -843,7 +854,8 @@ class Controller:
     parents = np.repeat(np.minimum(leaders, b - 1), n - 1)
     fresh = dict(tokens=fresh_tokens, length=prompt_len, prompt_len=prompt_len,
                  step_start=prompt_len, keys=keys)
-    knobs = dict(conf_stop=stops, vote_floor=floors, group=group, max_steps=steps)
+    knobs = dict(conf_stop=stops, vote_floor=floors, group=group, max_steps=steps,
+                 max_think=think, min_think=np.minimum(think, settings.min_thinking_tokens))
     priors = dict(zip(("prior_group", "prior_key", "prior_key_len", "prior_known",
                        "prior_weight"), prior))
     with self._on_mesh():
@@ -914,7 +926,6 @@ class Controller:
     call returns when a request's rows are all done while others wait; the host
     collects its traces and admits the next request into the freed slot."""
     prompts = [self.encode(r.prompt) for r in requests]
-    self._check_context(settings, prompts)
     r = len(requests)
     slots = max(1, min(self.max_rows // n, r))
     b = pow2_bucket(slots * n)

@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ops as kernel_ops
+from pallas_kernels import fp8_activations
 
 FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MAX = fp8_activations.FP8_MAX  # largest finite float8_e4m3fn
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float8_e4m3fn": FP8}
 
 

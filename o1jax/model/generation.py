@@ -76,6 +76,15 @@ def encode_prompt(tokenizer, prompt, vocab_size: int) -> list[int]:
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+def _is_default(value, field: dataclasses.Field) -> bool:
+  default = (field.default_factory() if field.default_factory is not dataclasses.MISSING
+             else field.default)
+  try:
+    return value is default or bool(value == default)
+  except (TypeError, ValueError):  # e.g. an array: not comparable as one bool
+    return False
+
+
 class Generator:
   """Greedy / sampled generation for a batch of prompts with one model."""
 
@@ -135,8 +144,8 @@ class Generator:
     if bad:
       raise ValueError(f"params must be SamplingParams, got {bad[0]!r}")
     for p in params:  # a subclass's own settings (e.g. the engine's n, stop) would be ignored
-      ignored = [f.name for f in dataclasses.fields(p) if f.name not in _SAMPLING_FIELDS
-                 and getattr(p, f.name) != f.default]
+      ignored = [f.name for f in dataclasses.fields(p)
+                 if f.name not in _SAMPLING_FIELDS and not _is_default(getattr(p, f.name), f)]
       if ignored:
         raise ValueError(f"params: the Generator reads SamplingParams' fields only; "
                          f"{type(p).__name__}'s {', '.join(ignored)} would be ignored (pass "

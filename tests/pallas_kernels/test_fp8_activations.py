@@ -13,23 +13,28 @@ from pallas_kernels.quantized_tensor import as_jax, dequantize, quantize
 
 
 def _rows(rng, m, k):
-  # Rows of very different magnitudes, one with an outlier channel, one all zero.
+  # Rows of very different magnitudes, one with an outlier channel, one all zero, and
+  # (last) one so small that amax / 448 would flush to zero.
   x = rng.normal(size=(m, k)) * np.logspace(-20, 20, m)[:, None]
   x[1, 3] = 1e4 * np.abs(x[1]).max()
   x[2] = 0.0
+  # (normal f32 values: XLA's CPU code flushes subnormal inputs to zero, numpy does not)
+  x[-1] = rng.choice([-1, 1], size=k) * rng.uniform(1, 2, size=k) * 1e-37
   return x.astype(np.float32)
 
 
 def _numpy_fp8(x: np.ndarray):
-  """Independent reference: scale = row amax / 448, values rounded by ml_dtypes."""
+  """Independent reference: scale = row amax / 448 (at least the smallest normal f32),
+  values rounded by ml_dtypes."""
   amax = np.abs(x).max(axis=-1)
-  scale = np.where(amax > 0, amax * np.float32(1 / FP8_MAX), 1).astype(np.float32)
+  scale = np.where(amax > 0, np.maximum(amax * np.float32(1 / FP8_MAX),
+                                        np.finfo(np.float32).tiny), 1).astype(np.float32)
   q = np.clip(x / scale[:, None], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
   return q, scale
 
 
 def test_quantize_rows_matches_ml_dtypes_rounding():
-  x = _rows(np.random.default_rng(0), 6, 64)
+  x = _rows(np.random.default_rng(0), 7, 64)
   x8, scale = quantize_rows(jnp.asarray(x))
   want_q, want_scale = _numpy_fp8(x)
   assert x8.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32
@@ -38,8 +43,9 @@ def test_quantize_rows_matches_ml_dtypes_rounding():
   back = np.asarray(x8, np.float32) * np.asarray(scale)[:, None]
   assert np.isfinite(back).all()
   # Each row's largest entry lands on +-448 exactly; normal values within e4m3's 2^-4.
-  np.testing.assert_array_equal(np.abs(np.asarray(x8, np.float32)).max(axis=1),
+  np.testing.assert_array_equal(np.abs(np.asarray(x8, np.float32)).max(axis=1)[:6],
                                 [FP8_MAX, FP8_MAX, 0, FP8_MAX, FP8_MAX, FP8_MAX])
+  assert np.abs(np.asarray(x8, np.float32))[6].max() > 0  # the tiny row is not lost (or NaN)
   normal = np.abs(x) >= 2.0 ** -6 * np.asarray(scale)[:, None]
   assert np.all(np.abs(back - x)[normal] <= 2.0 ** -4 * np.abs(x)[normal])
   assert np.all(back[2] == 0) and float(scale[2]) == 1.0

@@ -262,6 +262,21 @@ def test_gemv_kquant_layouts_lower_for_cuda(bits, group, has_min, m, k, n):
   assert "__gpu$xla.gpu.triton" in text and "quantized_gemv" in text
 
 
+@pytest.mark.parametrize("group", [16, 32, 128, 256])
+def test_gemv_accumulators_stay_within_the_register_budget(group):
+  # rows x sub-tile x block_n accumulator values per program, whatever the group size
+  # (a Q8_K group of 256 at 8 rows was 32768 values: 256 registers per thread).
+  from pallas_kernels.quantized_matmul import (GEMV_ACC_VALUES, GEMV_SUBTILE,
+                                               choose_gemv_config)
+  w = QuantizedTensor(packed=jnp.zeros((4096, 14336), jnp.int8),
+                      scale=jnp.zeros((4096 // group, 14336), jnp.float32), minimum=None,
+                      bits=8, group_size=group)
+  for m in range(1, 9):
+    block_n, _, _ = choose_gemv_config(m, 4096, 14336, w)
+    rows = 1 << (m - 1).bit_length()
+    assert rows * min(group, GEMV_SUBTILE) * block_n <= GEMV_ACC_VALUES and block_n >= 16
+
+
 def test_auto_dispatch_by_rows(monkeypatch):
   # kernel="auto" takes the small-M kernel up to GEMV_MAX_ROWS rows, the dot kernel above.
   x, w, _ = _case(np.random.default_rng(3), 4, 32, True, 4, 128, 32, jnp.bfloat16)
@@ -270,6 +285,10 @@ def test_auto_dispatch_by_rows(monkeypatch):
                                     x, w)
   assert "quantized_gemv" in lower(x[:2]) and "quantized_matmul_q4" not in lower(x[:2])
   assert "quantized_matmul_q4" in lower(x[:3]) and "quantized_gemv" not in lower(x[:3])
+  # A block_m is a dot-kernel tiling: auto takes the dot kernel for it.
+  text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x, w, backend="pallas", block_m=16),
+                         x[:2], w)
+  assert "quantized_matmul_q4" in text
 
 
 @pytest.mark.parametrize("fmt", range(len(FORMATS)))

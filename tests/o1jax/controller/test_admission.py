@@ -383,18 +383,28 @@ def test_a_prompt_longer_than_the_models_context_is_refused(tiny_llama):
   assert ctl.run([[5] * 20], policy)[0].traces
 
 
-def test_a_trace_budget_past_the_models_context_is_refused(tiny_llama):
-  """The loop has no per-row stop at the context: a prompt that fits with a budget that
-  does not ran on at positions the model never saw. Now refused before the loop runs."""
+def test_a_thinking_budget_past_the_models_context_is_lowered_for_that_request(tiny_llama):
+  """The loop has no stop of its own at the context: a prompt that fits with a budget that
+  does not ran on at positions the model never saw. Now that request's thinking budget is
+  lowered to what fits (the engine likewise ends a sequence at the context); a request
+  that fits keeps its budget and its traces, whatever it runs beside."""
   decode_model, tok = tiny_llama  # max_context 512
   ctl = Controller(decode_model, tok)
-  policy = {"name": "greedy_cot", "max_thinking_tokens": 400, "max_answer_tokens": 8}
-  with pytest.raises(ValueError, match=r"^prompt has 100 tokens and a trace may keep \d+ more "
-                                       r"\(max_thinking_tokens \+ max_answer_tokens \+ forced "
-                                       r"text\), past the model's context of 512 tokens: lower "
-                                       r"the token budgets$"):
-    ctl.run([[5] * 100], policy)
-  assert ctl.run([[5] * 10], policy)[0].traces
+  policy = {"name": "budget_forcing", "max_thinking_tokens": 400, "min_thinking_tokens": 400,
+            "max_answer_tokens": 8}
+  long_prompt, short_prompt = [7] * 100, [9] * 10
+  together = ctl.run([long_prompt, short_prompt], policy)
+  alone = ctl.run([short_prompt], policy)[0]
+  long_trace = together[0].traces[0]
+  assert len(long_prompt) + len(long_trace.token_ids) <= 512
+  assert long_trace.tokens.thinking < 400  # lowered to fit
+  assert together[1].traces[0].token_ids == alone.traces[0].token_ids
+  assert alone.traces[0].tokens.thinking >= 400  # min_thinking_tokens: the full budget ran
+  # A prompt whose answer budget alone passes the context is named.
+  with pytest.raises(ValueError, match=r"^prompt of request 0 has 500 tokens: with "
+                                       r"max_answer_tokens=8 and the forced text it does not "
+                                       r"fit the model's context of 512 tokens$"):
+    ctl.run([[5] * 500], policy)
 
 
 def test_generate_arguments_a_policy_of_ones_own_may_get_wrong_are_named(world):
