@@ -13,11 +13,16 @@ frames, gc, signal handlers, tracing, crafted code objects), and the import poli
 admits native code only from the interpreter's own extension directory, by file
 and by every part of the module's name, including modules made through `_imp`.
 The test runs on private instances of the modules it imports (its randomness
-included), made before the untrusted code runs.
+included), made before the untrusted code runs and sealed (_seal), and compares a
+copy of each result that the untrusted code never saw (_plain_copy). The two
+harness functions untrusted code can reach (`_imp.create_builtin`, the private
+modules' `__import__`) carry globals of their own (_detached), not these.
 """
 import builtins
+import gc
 import importlib.machinery
 import importlib.util
+import operator
 import os
 import sys
 import types
@@ -30,11 +35,18 @@ _type = type
 _str = str
 _len = len
 _id = id
+_gc_enable, _gc_disable, _gc_callbacks = gc.enable, gc.disable, gc.callbacks
+_is_not = operator.is_not
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: static types, most of the stdlib's C types
+_get_bases = operator.attrgetter('__bases__')
+_get_defaults = operator.attrgetter('__defaults__')
+_get_kwdefaults = operator.attrgetter('__kwdefaults__')
 # Types are compared by identity (id of the real type), never with ==: a metaclass
 # decides what == means for its classes.
 _PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, str, bytes)))
 _PLAIN_CONTAINER_IDS = frozenset(map(id, (list, tuple, set, frozenset)))
-_DICT_ID = id(dict)
+_DICT_ID, _LIST_ID, _TUPLE_ID, _SET_ID = id(dict), id(list), id(tuple), id(set)
+_tuple = tuple
 _MEMORY_ERROR_LINE = b'error MemoryError: memory limit reached\n'
 _FRAME_ATTRIBUTES = frozenset({'tb_frame', 'gi_frame', 'cr_frame', 'ag_frame'})
 _BLOCKED_EVENTS = frozenset({
@@ -98,6 +110,11 @@ def _make_guard(allow_subprocesses, native_files):
     if event == 'object.__getattr__':
       if _len(args) > 1 and args[1] in _FRAME_ATTRIBUTES:
         raise AttributeError('sandbox: frame introspection is disabled')
+      return
+    if event == 'object.__setattr__':
+      # A function's code swapped for another (the test's private modules, see _seal).
+      if _len(args) > 1 and args[1] == '__code__':
+        raise AttributeError('sandbox: replacing __code__ is disabled')
       return
     if event == 'import':
       name, path = args[0], args[1]
@@ -186,6 +203,20 @@ def _new_instance(name, private_builtins):
   return None
 
 
+def _detached(function, **names):
+  """`function` with a globals dict of its own that holds only `names` and builtins.
+
+  Functions the harness hands to untrusted code's reach (`_imp.create_builtin`, the
+  `__import__` of the private modules, whose classes `object.__subclasses__()` lists)
+  expose `__globals__`, which raises no audit event. Defined in the harness's globals,
+  they would give the program the harness's own functions and tables (`_plain_copy`,
+  the audit hook's `_FRAME_ATTRIBUTES`, ...) to replace: a forged pass.
+  """
+  namespace = {'__builtins__': {}, **names}
+  return types.FunctionType(function.__code__, namespace, function.__name__,
+                            function.__defaults__, function.__closure__)
+
+
 def _private_modules(names, pristine):
   """The test's own instances of the modules it and the prompt import, made now.
 
@@ -193,6 +224,8 @@ def _private_modules(names, pristine):
   share anything it can steer: `random`'s hidden generator (seed, setstate), its
   classes (random.Random.randrange) and their C bases (_random.Random.getrandbits).
   The extension modules these modules import directly get new instances too.
+  Returns (modules, the namespaces to seal: their builtins, the dicts of the modules
+  and of the extension instances made for them, the copies of _hide_native_state).
   """
   real_import = pristine['__import__']
   natives = {}
@@ -220,7 +253,179 @@ def _private_modules(names, pristine):
     except Exception:
       module = None
     modules[name] = module if module is not None else _module_copy(sys.modules[name])
-  return modules
+  made = {name: module for name, module in natives.items() if module is not None}
+  native_types = tuple(value for module in made.values() for value in module.__dict__.values()
+                       if isinstance(value, type))
+  namespaces = [private_builtins]
+  for module in list(modules.values()) + list(made.values()):
+    namespaces.append(module.__dict__)
+    if module.__dict__.get('__builtins__') is private_builtins:
+      shared = _hide_native_state(module, native_types)
+      if shared is not None:
+        namespaces.append(shared)
+
+  # From now on the private modules' own imports (a lazy import in a function) get the
+  # instances made above or the shared module; no harness function is reachable there.
+  def later_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and '.' not in name and name in made:
+      return made[name]
+    return real_import(name, globals, locals, fromlist, level)
+
+  private_builtins['__import__'] = _detached(later_import)
+  return modules, namespaces
+
+
+def _rebound(function, namespace):
+  copy = types.FunctionType(function.__code__, namespace, function.__name__,
+                            function.__defaults__, function.__closure__)
+  copy.__kwdefaults__ = function.__kwdefaults__
+  copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+  copy.__dict__.update(function.__dict__)
+  return copy
+
+
+def _hide_native_state(module, native_types):
+  """Takes a private module's objects whose state lives in C out of its functions' reach.
+
+  The hidden generator of `random` (`_inst`, a private `_random.Random`) keeps its state
+  where _seal cannot watch it, and the program reaches it through any method's
+  `__globals__` (the module's dict), then calls `_inst.seed(7)` and replays the test's
+  draws. The module keeps these objects (and the bound methods made from them, like
+  `random.randint`) for the test, but its functions and its classes' methods get a
+  copy of its dict without them, so nothing the program can reach leads to them.
+  """
+  namespace = module.__dict__
+  name = namespace.get('__name__')
+  stateful = {_id(value) for value in namespace.values()
+              if isinstance(value, type) and value.__module__ == name
+              and issubclass(value, native_types)}
+  hidden = {key for key, value in namespace.items()
+            if _id(_type(value)) in stateful
+            or _id(_type(getattr(value, '__self__', None))) in stateful}
+  if not hidden:
+    return None
+  shared = {key: value for key, value in namespace.items() if key not in hidden}
+
+  def rebind(value):
+    kind = _type(value)
+    if kind is types.FunctionType and value.__globals__ is namespace:
+      return _rebound(value, shared)
+    if (kind is staticmethod or kind is classmethod) and \
+        _type(value.__func__) is types.FunctionType and value.__func__.__globals__ is namespace:
+      return kind(_rebound(value.__func__, shared))
+    if kind is property:
+      return property(*(rebind(f) if f is not None else None
+                        for f in (value.fget, value.fset, value.fdel)), value.__doc__)
+    return value
+
+  for key in list(shared):
+    value = shared[key]
+    new = rebind(value)
+    if new is not value:
+      shared[key] = namespace[key] = new
+    if isinstance(value, type) and value.__module__ == name:
+      for attribute, member in list(vars(value).items()):
+        new = rebind(member)
+        if new is not member:
+          setattr(value, attribute, new)
+  return shared
+
+
+def _seal(namespaces):
+  """A check that the test's private modules are as they were made.
+
+  They are not unreachable: `object.__subclasses__()` lists their classes (the new
+  `_random.Random` heap type and `random.Random` under it), and a method's
+  `__globals__` is the private module's dict (or the copy of _hide_native_state),
+  whose `__builtins__` is theirs. So the program could still patch `Random.randrange`,
+  replace `_index` in its globals, `len` in its builtins, a default or a closure cell
+  of one of its functions, and steer the test's inputs. This records every such
+  binding by identity: the namespaces (module dicts, their builtins), the classes
+  defined there (their dicts, bases, metaclass), the functions found there (defaults,
+  closure cells; replacing `__code__` is refused by the audit hook) and the keys of
+  module-level instances. The candidate wrapper calls the check each time the
+  untrusted function returns (a patch must be in place when the test draws, between
+  two calls) and once more after check() returned. Returns a function that raises
+  _Refused on any change, then and at every later call.
+  """
+  entries = []  # (live mapping, its keys, their values or None for keys only)
+
+  def watch(mapping, by_keys=False):
+    entries.append((mapping, tuple(mapping), None if by_keys else tuple(mapping.values())))
+
+  functions = {}
+
+  def collect(value):
+    kind = _type(value)
+    if kind is staticmethod or kind is classmethod:
+      value, kind = value.__func__, _type(value.__func__)
+    if kind is property:
+      for part in (value.fget, value.fset, value.fdel):
+        collect(part)
+    elif kind is types.FunctionType and _id(value) not in functions:
+      functions[_id(value)] = value
+
+  classes = {}  # the mutable classes defined by the private modules (builtins' are immutable)
+  for namespace in namespaces:
+    watch(namespace)
+    for value in namespace.values():
+      collect(value)
+      if isinstance(value, type) and not value.__flags__ & _IMMUTABLE_TYPE \
+          and value.__module__ == namespace.get('__name__'):
+        classes[_id(value)] = value
+  for cls in classes.values():
+    watch(cls.__dict__)
+    for member in cls.__dict__.values():
+      collect(member)
+  instances, instance_types = [], []
+  for namespace in namespaces:
+    for value in namespace.values():
+      if _id(_type(value)) in classes and hasattr(value, '__dict__'):
+        instances.append(value)
+        instance_types.append(_type(value))
+        watch(value.__dict__, by_keys=True)
+  class_list = tuple(classes.values())
+  bases, metas = tuple(c.__bases__ for c in class_list), tuple(map(_type, class_list))
+  function_list = tuple(functions.values())
+  defaults = tuple(map(_get_defaults, function_list))
+  kwdefaults = tuple(map(_get_kwdefaults, function_list))
+  instances, instance_types = tuple(instances), tuple(instance_types)
+
+  def contents(closure):
+    try:
+      return tuple(cell.cell_contents for cell in closure)
+    except ValueError:  # an empty cell
+      return None
+
+  closures = tuple((f.__closure__, contents(f.__closure__)) for f in function_list
+                   if f.__closure__)
+  spoiled = []  # a refusal the test caught (try/except) still fails the run at the end
+
+  def differ(now, then):  # by identity: an object with a forged __eq__ equals anything
+    return _len(now) != _len(then) or any(map(_is_not, now, then))
+
+  def verify():
+    changed = bool(spoiled)
+    for mapping, keys, values in entries:
+      if differ(tuple(mapping), keys) or (values is not None
+                                          and differ(tuple(mapping.values()), values)):
+        changed = True
+    if (differ(tuple(map(_get_bases, class_list)), bases)
+        or differ(tuple(map(_type, class_list)), metas)
+        or differ(tuple(map(_type, instances)), instance_types)
+        or differ(tuple(map(_get_defaults, function_list)), defaults)
+        or differ(tuple(map(_get_kwdefaults, function_list)), kwdefaults)):
+      changed = True
+    for closure, cells in closures:
+      now = contents(closure)
+      if now is None or cells is None:
+        changed = changed or now is not cells
+      elif differ(now, cells):
+        changed = True
+    if changed:
+      spoiled.append(True)
+      raise _Refused('sandbox: the test\'s private modules were modified')
+  return verify
 
 
 def _guard_builtin_modules(blocked_modules):
@@ -228,36 +433,38 @@ def _guard_builtin_modules(blocked_modules):
 
   Through it (or BuiltinImporter, which calls it) `_signal` could be made although its
   import is refused, and a signal handler receives frames. It is replaced by a checked
-  version; the original lives only in the frame of a suspended generator, which
-  untrusted code cannot open (gi_frame is refused), so it cannot be called directly.
+  version. The original, and the check, live only in the frame of a suspended
+  generator, which untrusted code cannot open (gi_frame is refused): the replacement
+  is reachable (`_imp.create_builtin`), and with it its closure (`send`, whose cells
+  are even writable) and its globals (see _detached), so it must decide nothing itself.
   """
   import _imp
   refused_names = blocked_modules | {'_imp'}  # a new _imp would carry the original
 
-  def serve(original):
+  def serve(original, refused_names, make_spec):
     outcome = None
     while True:
       name = yield outcome
+      refused = _refused_name(name, refused_names)
+      if refused is not None:
+        outcome = (False, ImportError(refused))
+        continue
       try:
-        outcome = (True, original(types.SimpleNamespace(name=name)))
+        outcome = (True, original(make_spec(name=name)))
       except BaseException as exc:
         outcome = (False, exc)
 
-  server = serve(_imp.create_builtin)
+  server = serve(_imp.create_builtin, refused_names, types.SimpleNamespace)
   next(server)
   send = server.send
 
   def create_builtin(spec):
-    name = spec.name  # read once: a property could answer differently the second time
-    refused = _refused_name(name, refused_names)
-    if refused is not None:
-      raise ImportError(refused)
-    made, value = send(name)
+    made, value = send(spec.name)  # read once: a property could answer differently later
     if made:
       return value
     raise value
 
-  _imp.create_builtin = create_builtin
+  _imp.create_builtin = _detached(create_builtin)
 
 
 def _native_files(paths):
@@ -265,29 +472,90 @@ def _native_files(paths):
   return {path: path.rpartition('/')[2].partition('.')[0] for path in paths.split('\n') if path}
 
 
-def _assert_plain(value):
-  """Candidate results must be built-in data: an object with a forged __eq__ fails."""
-  stack, seen = [value], set()
+def _plain_copy(value):
+  """A new copy of a candidate result that must be built-in data, or _Refused.
+
+  An object with a forged __eq__ fails. The test gets the copy, which no untrusted
+  code has seen: the program keeps the objects it returned and can change them after
+  this check and before the test compares them (from a thread, or from a gc.callbacks
+  hook run by the next allocation, e.g. the test's expected list), which would put an
+  object with a forged __eq__ back in. Scalars are immutable and stay shared.
+  Iterative (deep results), and cycles (a list that holds itself) are kept.
+  """
+  if _id(_type(value)) in _PLAIN_SCALAR_IDS:
+    return value
+  found = {}  # id(original) -> (original, kind id, its items as read once)
+  stack = [value]
   while stack:
     item = stack.pop()
     kind = _type(item)
     kind_id = _id(kind)
-    if kind_id in _PLAIN_SCALAR_IDS:
-      continue
-    if _id(item) in seen:
+    if kind_id in _PLAIN_SCALAR_IDS or _id(item) in found:
       continue
     if kind_id in _PLAIN_CONTAINER_IDS:
-      seen.add(_id(item))
-      stack.extend(item)
+      items = _tuple(item)
     elif kind_id == _DICT_ID:
-      seen.add(_id(item))
-      stack.extend(dict.keys(item))
-      stack.extend(dict.values(item))
+      items = _tuple(dict.items(item))
+      stack.extend(key for key, _ in items)
+      stack.extend(entry for _, entry in items)
+      found[_id(item)] = (item, kind_id, items)
+      continue
     else:
       raise _Refused(f'candidate returned {kind.__name__!r}, not plain built-in data')
+    found[_id(item)] = (item, kind_id, items)
+    stack.extend(items)
+
+  copies = {}
+  for key, (item, kind_id, items) in found.items():  # mutable ones first, empty
+    if kind_id == _LIST_ID:
+      copies[key] = []
+    elif kind_id == _DICT_ID:
+      copies[key] = {}
+    elif kind_id == _SET_ID:
+      copies[key] = set()
+
+  def copied(item):
+    return copies[_id(item)] if _id(_type(item)) not in _PLAIN_SCALAR_IDS else item
+
+  for key in found:  # tuples and frozensets after their items (no cycle without a mutable)
+    work = [(key, False)]
+    while work:
+      current, ready = work.pop()
+      if current in copies:
+        continue
+      _, kind_id, items = found[current]
+      if ready:
+        make = _tuple if kind_id == _TUPLE_ID else frozenset
+        copies[current] = make(map(copied, items))
+        continue
+      work.append((current, True))
+      work.extend((_id(i), False) for i in items
+                  if _id(_type(i)) not in _PLAIN_SCALAR_IDS and _id(i) not in copies)
+  for key, (item, kind_id, items) in found.items():
+    if kind_id == _LIST_ID:
+      copies[key].extend(map(copied, items))
+    elif kind_id == _SET_ID:
+      copies[key].update(map(copied, items))
+    elif kind_id == _DICT_ID:
+      copies[key].update((copied(k), copied(v)) for k, v in items)
+  return copies[_id(value)]
 
 
-def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pristine):
+def _quiet():
+  """No gc hook of the program runs until the candidate is called again.
+
+  Between two calls the test draws its inputs and compares the results; untrusted
+  code run there at a point it can count on could patch the private modules right
+  after a check and restore them before the next. gc.callbacks hooks and finalizers
+  of garbage cycles run at any allocation that starts a collection: the hooks are
+  dropped and the collector is off until the candidate's next call. (Threads still
+  run between calls; see docs/sandbox.md, "Races with the seal".)
+  """
+  _gc_disable()
+  del _gc_callbacks[:]
+
+
+def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pristine, verify):
   """Untrusted module first, then the trusted test text in its own namespace."""
   untrusted_ns = {'__name__': '__main__', '__builtins__': builtins}
   code = compile(prompt + completion, '<completion>', 'exec', dont_inherit=True, optimize=0)
@@ -295,6 +563,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
   function = dict.get(untrusted_ns, entry_point)
   if function is None or not callable(function):
     raise _Refused(f'{entry_point} is not defined by the completion')
+  _quiet()
 
   real_import = pristine['__import__']
 
@@ -306,7 +575,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
     return real_import(name, globals, locals, fromlist, level)
 
   test_builtins = dict(pristine)
-  test_builtins['__import__'] = trusted_import
+  test_builtins['__import__'] = _detached(trusted_import)
   test_ns = {'__name__': '__sandbox_test__', '__builtins__': test_builtins}
   try:  # helpers the tests use (e.g. encode_cyclic) come from the trusted prompt
     exec(compile(prompt, '<prompt>', 'exec', dont_inherit=True, optimize=0), test_ns)
@@ -315,12 +584,18 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
       if _type(key) is _str and not key.startswith('__') and key != 'check':
         test_ns[key] = value
   calls = [0]
+  verify()  # patches made by the module's code
 
   def candidate(*args, **kwargs):
     calls[0] += 1
-    result = function(*args, **kwargs)
+    _gc_enable()
+    try:
+      result = function(*args, **kwargs)
+    finally:
+      _quiet()
     if strict:
-      _assert_plain(result)
+      result = _plain_copy(result)
+    verify()
     return result
 
   test_ns[entry_point] = candidate  # some tests call the function by its own name
@@ -329,6 +604,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
   if _type(check) is not types.FunctionType or check.__code__.co_filename != '<test>':
     raise _Refused('the test text defines no check()')
   check(candidate)
+  verify()
   if calls[0] == 0:
     raise _Refused('check() never called the candidate')
 
@@ -366,7 +642,8 @@ def main():
     except Exception:  # a missing or broken module fails the test later, in the open
       pass
   pristine = dict(builtins.__dict__)
-  snapshot = _private_modules(trusted_modules, pristine)
+  snapshot, namespaces = _private_modules(trusted_modules, pristine)
+  verify = _seal(namespaces)
   real_streams = (sys.stdout, sys.stderr)
   if not allow_subprocesses:
     for name in ('signal', '_signal'):
@@ -379,7 +656,8 @@ def main():
 
   try:
     if kind == 'humaneval':
-      _run_humaneval(prompt, completion, test, entry_point, strict == '1', snapshot, pristine)
+      _run_humaneval(prompt, completion, test, entry_point, strict == '1', snapshot, pristine,
+                     verify)
     else:
       exec(compile(completion, '<program>', 'exec', dont_inherit=True, optimize=0),
            {'__name__': '__main__', '__builtins__': builtins})

