@@ -156,13 +156,18 @@ def choose_config(m: int, k: int, n: int, w: QuantizedTensor, *, target_programs
   block_n = _largest_pow2_divisor(n, 128)
   loop_groups = (k // 2 if w.bits == 4 else k) // w.group_size
   programs = pl.cdiv(m, block_m) * (n // block_n)
-  k_splits = 1
-  for s in (2, 4, 8, 16):
-    if programs * k_splits >= target_programs:
-      break
-    if loop_groups % s == 0:
+  return block_m, block_n, _split_k(programs, loop_groups, target_programs, most=16)
+
+
+def _split_k(programs: int, loop_iters: int, target_programs: int, most: int) -> int:
+  """K splits (a power of two <= `most` dividing the loop) until `programs` x splits
+  reach `target_programs`."""
+  k_splits, s = 1, 2
+  while s <= most and programs * k_splits < target_programs:
+    if loop_iters % s == 0:
       k_splits = s
-  return block_m, block_n, k_splits
+    s *= 2
+  return k_splits
 
 
 def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array | None = None,
@@ -320,13 +325,7 @@ def choose_gemv_config(m: int, k: int, n: int, w: QuantizedTensor, *,
          and loop_groups % (groups_per_iter * 2) == 0):
     groups_per_iter *= 2
   iters = loop_groups // groups_per_iter
-  k_splits = 1
-  for s in (2, 4, 8, 16, 32):
-    if (n // block_n) * k_splits >= target_programs:
-      break
-    if iters % s == 0:
-      k_splits = s
-  return block_n, groups_per_iter, k_splits
+  return block_n, groups_per_iter, _split_k(n // block_n, iters, target_programs, most=32)
 
 
 def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array | None = None,
