@@ -195,9 +195,11 @@ def _gelu_tanh(x):
 
 
 def gemma3_forward(weights: dict[str, np.ndarray], hp: dict, tokens,
-                   norm_offset: float = 1.0) -> np.ndarray:
+                   norm_offset: float = 1.0, layer_inputs=None) -> np.ndarray:
   """Gemma 3 logits [T, vocab] (see the module doc). `weights`: HF names, [out, in];
-  norm_offset: added to every norm weight (1 for HF weights, 0 for a GGUF's)."""
+  norm_offset: added to every norm weight (1 for HF weights, 0 for a GGUF's);
+  layer_inputs: as in `forward`."""
+  rows_in = layer_inputs or (lambda a: a)
   tokens = np.asarray(tokens)
   t = len(tokens)
   nh, nkv, hd, eps = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"], hp["eps"]
@@ -212,7 +214,7 @@ def gemma3_forward(weights: dict[str, np.ndarray], hp: dict, tokens,
     rope = {"theta": hp["local_theta"]} if local else {"theta": hp["theta"],
                                                         "rope_scaling": hp.get("rope_scaling")}
     visible = causal & (pos[None, :] > pos[:, None] - hp["window"]) if local else causal
-    h = norm(x, p + "input_layernorm.weight")
+    h = rows_in(norm(x, p + "input_layernorm.weight"))
     q = (h @ weights[p + "self_attn.q_proj.weight"].T).reshape(t, nh, hd)
     k = (h @ weights[p + "self_attn.k_proj.weight"].T).reshape(t, nkv, hd)
     v = (h @ weights[p + "self_attn.v_proj.weight"].T).reshape(t, nkv, hd)
@@ -224,12 +226,13 @@ def gemma3_forward(weights: dict[str, np.ndarray], hp: dict, tokens,
     s = np.where(visible[None], s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
-    o = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd) @ weights[p + "self_attn.o_proj.weight"].T
+    o = rows_in(np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd)) \
+        @ weights[p + "self_attn.o_proj.weight"].T
     x = x + norm(o, p + "post_attention_layernorm.weight")
-    h = norm(x, p + "pre_feedforward_layernorm.weight")
+    h = rows_in(norm(x, p + "pre_feedforward_layernorm.weight"))
     g = h @ weights[p + "mlp.gate_proj.weight"].T
     u = h @ weights[p + "mlp.up_proj.weight"].T
-    m = (_gelu_tanh(g) * u) @ weights[p + "mlp.down_proj.weight"].T
+    m = rows_in(_gelu_tanh(g) * u) @ weights[p + "mlp.down_proj.weight"].T
     x = x + norm(m, p + "post_feedforward_layernorm.weight")
   x = norm(x, "model.norm.weight")
   head = weights.get("lm_head.weight", emb)

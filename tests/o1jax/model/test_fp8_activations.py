@@ -10,7 +10,7 @@ import pytest
 from o1jax import numpy_reference
 from o1jax.checkpoint import load_checkpoint
 from o1jax.model import KVCache, Llama
-from o1jax.testing import tiny_config, write_gguf_checkpoint
+from o1jax.testing import tiny_config, write_gguf_checkpoint, write_hf_checkpoint
 from pallas_kernels.fp8_activations import FP8_MAX, Fp8ActivationWeight
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
@@ -64,3 +64,31 @@ def test_matches_numpy_reference_with_fp8_rows(tiny_path, weight_mode):
   # the f32 reference).
   assert fp8_effect > 1e-2 * np.abs(want).max()
   assert np.abs(got - want).max() < 1e-3 * fp8_effect, (np.abs(got - want).max(), fp8_effect)
+
+
+def test_gemma3_matches_numpy_reference_with_fp8_rows(tmp_path):
+  # Gemma 3's extra norms sit around the same four matmul inputs.
+  from tests.o1jax.model.test_gemma3 import HF_CONFIG, TOKENS as GEMMA_TOKENS, _hp
+  weights = write_hf_checkpoint(tmp_path, HF_CONFIG, seed=4)
+  ck = load_checkpoint(tmp_path)
+
+  def logits(model):
+    out, _ = model(jnp.asarray(GEMMA_TOKENS)[None], jnp.zeros((1,), jnp.int32),
+                   KVCache.zeros(ck.config, 1, len(GEMMA_TOKENS)))
+    return np.asarray(out[0])
+
+  got = logits(Llama(ck.config, ck.params, matmul_dtype="float8"))
+  exact = logits(Llama(ck.config, ck.params))
+  reference = lambda rounding: numpy_reference.gemma3_forward(
+      weights, _hp(HF_CONFIG), GEMMA_TOKENS, layer_inputs=rounding)
+  want = reference(_fp8_rows)
+  # Here some rows sit on e4m3 rounding boundaries: inputs moved by 1e-6 of themselves
+  # move the reference's logits by 0.03 on average (0.002 in f64 instead of f32). The
+  # model must be as close to the reference as such a perturbation is, and far closer
+  # than the unrounded model (0.11 on average).
+  rng = np.random.default_rng(0)
+  nudged = reference(lambda a: _fp8_rows(
+      np.asarray(a, np.float32) * (1 + 1e-6 * rng.standard_normal(np.shape(a))).astype(np.float32)))
+  tie_noise = np.abs(nudged - want).mean()
+  assert np.abs(got - want).mean() <= 2 * tie_noise + 1e-4 * np.abs(want).max()
+  assert np.abs(got - want).mean() < 0.5 * np.abs(exact - want).mean()
