@@ -11,7 +11,7 @@ pallas_kernels/quantized_matmul.py: the largest M up to which gemv's default
 tiling beats dot's at every measured M; dispatch runs the defaults) and writes all rows as JSON.
 
   python scripts/tune_qmm.py [--shape 4096x14336] [--ms 1,16] [--kernels dot,gemv]
-                             [--out tune.json]
+                             [--group 32] [--out tune.json]
 
 On a CPU it runs the kernel in interpret mode at a tiny size (a smoke test of
 the script only; timings mean nothing there).
@@ -67,6 +67,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="4096x14336")
   p.add_argument("--ms", default="1,16")
+  p.add_argument("--group", type=int, default=32, help="Q4_0 group size (e.g. 128: GPTQ/AWQ)")
   p.add_argument("--block-n", default="128,256")
   p.add_argument("--k-splits", default="4,8,16")
   p.add_argument("--warps", default="4,8")
@@ -83,8 +84,9 @@ def main(argv=None) -> int:
   k, n = (int(x) for x in a.shape.split("x"))
   calls = a.calls if on_gpu else 1
   keys = jax.random.split(jax.random.PRNGKey(0), 2 * calls + 2)
-  w0 = random_q4(keys[0], k, n)
-  ws = [w0] + [random_q4(keys[i], k, n) for i in range(1, copies_for(w0.nbytes, calls))]
+  w0 = random_q4(keys[0], k, n, a.group)
+  ws = [w0] + [random_q4(keys[i], k, n, a.group)
+               for i in range(1, copies_for(w0.nbytes, calls))]
   wds = [jax.random.normal(keys[calls + i], (k, n), jnp.bfloat16)
          for i in range(copies_for(2 * k * n, calls))]
   rows = []
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
   if "gemv" in a.kernels and "dot" in a.kernels:
     print(f"GEMV_MAX_ROWS supported by these rows: {gemv_max_rows}")
   if a.out:
-    pathlib.Path(a.out).write_text(json.dumps(dict(shape=[k, n], device=str(jax.devices()[0]),
+    pathlib.Path(a.out).write_text(json.dumps(dict(shape=[k, n], group=a.group,
+                                                   device=str(jax.devices()[0]),
                                                    gemv_max_rows=gemv_max_rows, rows=rows),
                                               indent=1))
   return 0
