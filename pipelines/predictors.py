@@ -462,6 +462,8 @@ class ControllerPredictor:
                        "early_exit": result.early_exit, "loop_invocations": result.loop_invocations,
                        "exit_reasons": [t.exit_reason for t in result.traces],
                        "traces": [t.to_dict() for t in result.traces]})
+      if result.info.get("thinking_limit") is not None:  # lowered to fit the model's context
+        trace["thinking_limit"] = result.info["thinking_limit"]
       # Per-token times as the host sees a device loop: each token's loop call's wall
       # time / the iterations it ran (o1jax.controller.Batch); TTFT from its admission.
       metrics = {"latency_ms": _ms(result.wall_time_s), "ttft_ms": _ms(result.info.get("ttft_s")),

@@ -239,6 +239,7 @@ class Controller:
     # Kept only inside `run` (cleared when it starts), so direct `generate` calls leave none.
     self._budget_log: dict[Any, list[dict]] = collections.defaultdict(list)
     self._latency_log: dict[Any, dict] = {}
+    self._thinking_limits: dict[Any, int] = {}  # budgets lowered to fit the context
     self._logging = False
     self.tokenizer = tokenizer
     self.max_rows = max_rows
@@ -302,6 +303,7 @@ class Controller:
       return []
     self._budget_log.clear()
     self._latency_log.clear()
+    self._thinking_limits.clear()
     self._logging = True
     try:
       return policy.run(self, reqs)
@@ -380,6 +382,8 @@ class Controller:
       info = {**info, "budget": self._budget_log.pop(request.request_id)}
     if request.request_id in self._latency_log:
       info = {**info, **self._latency_log.pop(request.request_id)}
+    if request.request_id in self._thinking_limits:  # its thinking budget, lowered to fit
+      info = {**info, "thinking_limit": self._thinking_limits.pop(request.request_id)}
     return ReasoningResult(
         request_id=request.request_id, policy=policy,
         answer_text=self.final_text(pick) if pick else "",
@@ -418,6 +422,8 @@ class Controller:
       raise ValueError(f"prompt of request {request.request_id} has {prompt_tokens} tokens: "
                        f"with max_answer_tokens={settings.max_answer_tokens} and the forced "
                        f"text it does not fit the model's context of {limit} tokens")
+    if room < settings.max_thinking_tokens:  # reported in the request's result info
+      self._thinking_limits[request.request_id] = room
     return min(settings.max_thinking_tokens, room)
 
   def _opens_thinking(self, ids: Sequence[int]) -> bool:
