@@ -11,6 +11,7 @@ re-layout work.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 import os
 import pathlib
 
@@ -59,14 +60,26 @@ def _read_manifest(directory: pathlib.Path) -> tuple[dict, ModelConfig]:
 
 
 def check_orbax(directory: str | os.PathLike) -> None:
-  """Validates an orbax checkpoint's manifest and layout without restoring its arrays."""
+  """Validates an orbax checkpoint's manifest, layout and array shapes (from orbax's
+  metadata: ~10 ms) without restoring its arrays."""
+  import jax
+  import orbax.checkpoint as ocp
+
   directory = pathlib.Path(directory).absolute()
-  _read_manifest(directory)
+  manifest, config = _read_manifest(directory)
   params = directory / "params"
   if not params.is_dir() or not any(params.iterdir()):
     raise CheckpointError(f"{params}: missing or empty (the parameter arrays)")
   if not (directory / "tokenizer" / "tokenizer.json").is_file():
     raise CheckpointError(f"{directory / 'tokenizer'}: tokenizer.json is missing")
+  try:
+    with ocp.PyTreeCheckpointer() as ckpt:
+      tree = ckpt.metadata(params).item_metadata
+  except Exception as e:
+    raise CheckpointError(f"{params}: cannot be read ({e})") from e
+  shapes = lambda node: (jax.ShapeDtypeStruct(tuple(node.shape), node.dtype)
+                         if hasattr(node, "shape") else node)
+  _params_from(directory, manifest, config, _flat(tree, shapes))
 
 
 def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Tokenizer]:
@@ -79,24 +92,37 @@ def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Token
       restored = ckpt.restore(directory / "params")
   except Exception as e:
     raise CheckpointError(f"{directory / 'params'}: cannot be restored ({e})") from e
-  arrays = {}
+  params = _params_from(directory, manifest, config, _flat(restored, np.asarray))
+  return config, params, Tokenizer.load(directory / "tokenizer")
+
+
+def _flat(tree, leaf) -> dict:
+  """{dotted name: leaf(value)} of a restored (or metadata) tree (keys saved with '/')."""
+  out = {}
 
   def collect(prefix, node):
-    if isinstance(node, dict):
+    if isinstance(node, Mapping) or (hasattr(node, "items") and not hasattr(node, "shape")):
+      # (orbax's metadata tree is dict-like without being a Mapping)
       for k, v in node.items():
-        collect(f"{prefix}.{k}" if prefix else k, v)
+        collect(f"{prefix}.{k}" if prefix else str(k), v)
     else:
-      arrays[prefix] = np.asarray(node)
+      out[prefix.replace("/", ".")] = leaf(node)
 
-  collect("", restored)
-  arrays = {k.replace("/", "."): v for k, v in arrays.items()}
+  collect("", tree)
+  return out
+
+
+def _params_from(directory: pathlib.Path, manifest: dict, config: ModelConfig,
+                 arrays: dict) -> Params:
+  """The param tree of `arrays` (or of their shapes) as the manifest lays it out, checked
+  against the manifest's config."""
   try:
     params = unflatten(arrays, manifest["param_spec"])
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # spec and arrays disagree
     raise CheckpointError(f"{directory / MANIFEST}: param_spec does not match the arrays in "
                           f"{directory / 'params'} ({type(e).__name__}: {e})") from e
   _check_shapes(directory, config, params)
-  return config, params, Tokenizer.load(directory / "tokenizer")
+  return params
 
 
 def _check_shapes(directory: pathlib.Path, config: ModelConfig, params: Params) -> None:

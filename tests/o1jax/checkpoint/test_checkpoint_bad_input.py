@@ -581,8 +581,11 @@ def test_orbax_manifest_config_that_disagrees_with_its_arrays_is_named(tiny_orba
   manifest = json.loads((d / MANIFEST).read_text())
   manifest["config"].update(changes)
   (d / MANIFEST).write_text(json.dumps(manifest))
-  with pytest.raises(CheckpointError, match=rf"^{d}: {message}$"):
-    load_checkpoint(d)
+  # The load (arrays restored) and the pre-flight check (orbax's metadata, no arrays read).
+  for read in (load_checkpoint, check_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{d}: {message}$"):
+      read(d)
+  check_checkpoint(tiny_orbax)  # the unedited one passes
 
 
 def test_orbax_manifest_config_that_is_not_an_object_is_named(tiny_orbax, tmp_path):
