@@ -588,8 +588,9 @@ def main(argv):
       kept = log.close(move_to=local_log)
       print(f"the run failed; what Beam and the workers logged is in {kept}", file=sys.stderr)
     raise
-  if log:
-    log.close(keep=bool(local_log), move_to=local_log)
+  kept = log.close(keep=bool(local_log), move_to=local_log) if log else None
+  for line in worker_warnings(kept):
+    print(f"warning: {line}", file=sys.stderr)
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
@@ -601,6 +602,29 @@ def main(argv):
     print(f"error: {failure}", file=sys.stderr)
     return 1
   return 0
+
+
+# Loggers whose warnings concern the run's results or speed (a KV pool capped by the
+# device's memory, a slow fallback kernel): the workers log them, the console shows them.
+PROJECT_LOGGERS = ("o1jax", "pallas_kernels", "pipelines")
+
+
+def worker_warnings(log_path: Optional[str], limit: int = 5) -> list[str]:
+  """The project's warnings in a run's log (logging's default "WARNING:name:message"
+  lines, as the worker processes write them), each once, at most `limit`."""
+  if not log_path or not os.path.isfile(log_path):
+    return []
+  seen: dict[str, None] = {}
+  with open(log_path, encoding="utf-8", errors="replace") as f:
+    for line in f:
+      level, _, rest = line.partition(":")
+      name, _, message = rest.partition(":")
+      if level == "WARNING" and name.split(".")[0] in PROJECT_LOGGERS and message.strip():
+        seen.setdefault(message.strip(), None)
+  lines = list(seen)
+  if len(lines) > limit:
+    lines = lines[:limit] + [f"{len(lines) - limit} more warnings in {log_path}"]
+  return lines
 
 
 def run_failure(summary: dict, output_dir: str) -> str | None:

@@ -142,3 +142,22 @@ def test_override_values_that_do_not_parse_are_one_usage_error(args, message):
   assert str(e.value) == message
   validate_argv(["eval", FAKE[0], "--config.sampling.top_k=3", "--config.runner.share_model",
                  "--output_dir=x", "--", "--direct_num_workers=abc"])  # Beam's flags are Beam's
+
+
+def test_the_workers_project_warnings_reach_the_console(tmp_path):
+  # Worker processes log to eval.log; the project's warnings there (a KV pool capped by the
+  # device's memory, a slow fallback kernel) are shown once each after the run.
+  from pipelines.eval import worker_warnings
+  log = tmp_path / "eval.log"
+  log.write_text(
+      "WARNING:root:apitools not found\n"
+      "WARNING:o1jax.engine.engine:engine: 64 slots x 8192 tokens need 40000 KV blocks; using 20000\n"
+      "INFO:o1jax.engine.engine:not a warning\n"
+      "WARNING:pallas_kernels.ops:matmul_dtype=int8 runs the XLA reference here\n"
+      "WARNING:o1jax.engine.engine:engine: 64 slots x 8192 tokens need 40000 KV blocks; using 20000\n"
+      "WARNING:apache_beam.options.pipeline_options:Discarding unparseable args\n")
+  assert worker_warnings(str(log)) == [
+      "engine: 64 slots x 8192 tokens need 40000 KV blocks; using 20000",
+      "matmul_dtype=int8 runs the XLA reference here"]
+  assert worker_warnings(str(log), limit=1)[1] == f"1 more warnings in {log}"
+  assert worker_warnings(None) == [] and worker_warnings(str(tmp_path / "missing.log")) == []
