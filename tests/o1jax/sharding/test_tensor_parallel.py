@@ -43,6 +43,15 @@ def test_decode_step_all_reduces_twice_per_layer_and_gathers_nothing(run, case):
                               "collective-permute": 0}
 
 
+def test_fp8_activations_on_a_mesh_give_the_one_device_tokens(run):
+  # Each layer all-reduces the two row-split products as in f32, plus the largest
+  # magnitude of the row-split inputs (wo's and w_down's), whose FP8 scale is the row's.
+  r = run["fp8_tp2"]
+  assert r["same_tokens"]
+  assert r["collectives"] == {"all-reduce": 4 * r["layers"], "all-gather": 0, "all-to-all": 0,
+                              "collective-permute": 0}
+
+
 @pytest.mark.parametrize("case", ["paged_bfloat16", "contiguous_float32"])
 def test_controller_on_a_mesh_gives_the_one_device_traces(run, case):
   # Sampled traces sharing each prompt's blocks, with backtracking, and greedy ones: the

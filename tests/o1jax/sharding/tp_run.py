@@ -20,13 +20,13 @@ from o1jax.sharding import DecodeCollectives, tensor_parallel  # noqa: E402
 from o1jax.testing import tiny_config, write_hf_checkpoint  # noqa: E402
 
 
-def tiny(n_kv_heads: int):
+def tiny(n_kv_heads: int, matmul_dtype: str = "float32"):
   path = tempfile.mkdtemp()
   write_hf_checkpoint(path, tiny_config(max_context=256, n_kv_heads=n_kv_heads), seed=3)
   ck = load_checkpoint(path)
   params = dict(ck.params)
   params["embed"] = np.asarray(params["embed"]) * 0.05  # spread-out next-token distributions
-  return Llama(ck.config, params), ck.tokenizer
+  return Llama(ck.config, params, matmul_dtype=matmul_dtype), ck.tokenizer
 
 
 def mesh_of(tp: int, data: int = 1):
@@ -130,6 +130,12 @@ def main():
         wq_spec=str(sharded.layers[0].wq.get_value().sharding.spec),
         wo_spec=str(sharded.layers[0].wo.get_value().sharding.spec),
         max_logit_diff=float(np.max(np.abs(np.asarray(ref) - np.asarray(par)))))
+  # FP8 activations (matmul_dtype="float8"): a row's scale is its largest magnitude, over
+  # the whole row also where the row is split (the inputs of wo and w_down).
+  model, tok = tiny(2, "float8")
+  want, _, _ = generate(model, tok, None, "float32", prompts)
+  got, _, ops = generate(model, tok, mesh_of(2), "float32", prompts)
+  out["fp8_tp2"] = dict(same_tokens=got == want, collectives=ops, layers=model.config.n_layers)
   out["controller"] = controller_cases(prompts)
   out["replicas"] = replica_cases(prompts)
   model, tok = tiny(2)
