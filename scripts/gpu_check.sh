@@ -17,10 +17,12 @@
 #   hoststeps   the reference backend at 1 decode step per call (the host's share)
 #   hf          HF transformers bf16 `generate`, same shape, same run
 #   ablate      the Pallas path with one op at a time on XLA (what is slow)
+#   controller  self-consistency n=8 through the controller's loop vs the engine at the
+#               same rows (64; issue 14's controller target)
 #   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
-#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,llama8b,speculative]
+#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,controller,llama8b,speculative]
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
@@ -70,6 +72,8 @@ stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1
   --backends reference --decode-steps 1 --out "$OUT/hoststeps.json"
 stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json"
 stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 --out "$OUT/ablate.json"
+stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 \
+  --new-tokens 128 --backends pallas --out "$OUT/controller.json"
 stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape llama3-8b \
   --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python scripts/gpu_engine_check.py hf \
   --shape llama3-8b --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b_hf.json'"

@@ -31,6 +31,9 @@ compares two backends on the same weights, which is what it needs.
     draft model is accepted (nearly) always, the early exit (nearly) never, so
     the rows bound what a trained checkpoint's drafters can do on this device
     (the best case, and that adaptive K never loses much).
+  controller: self-consistency (n=8) through the reasoning controller's device loop
+    against the engine sampling the same rows (prompts x 8): generated tok/s (issue 14's
+    controller target: >= 0.7x the engine's).
   --shape llama3-8b (throughput, hf): a Llama-3-8B-shaped model with random
     weights made on the device: the engine with int4 weights (pallas) vs dense
     bf16 weights (reference backend, bf16 matmuls).
@@ -44,6 +47,8 @@ compares two backends on the same weights, which is what it needs.
       [--out F]
   python scripts/gpu_engine_check.py speculative [--concurrency 1,64] [--new-tokens 128]
       [--max-drafts 7] [--backends pallas] [--out F]
+  python scripts/gpu_engine_check.py controller [--concurrency 64] [--new-tokens 128]
+      [--backends pallas] [--out F]
 
 On a CPU, correctness with --interpret runs the kernels in Pallas interpret
 mode (slow; use --layers 1); throughput runs the reference path only.
@@ -351,6 +356,56 @@ def speculative(args) -> dict:
   return out
 
 
+def controller(args) -> dict:
+  """Self-consistency (n=8 sampled traces per prompt, each prompt's blocks shared) through
+  the reasoning controller's device loop on the paged cache, against the engine sampling
+  the same rows (prompts x 8, `GenerationParams(n=8)`), per concurrency (= rows): generated
+  tokens per second of each, timed warm (a first run compiles every program)."""
+  from o1jax.controller import Controller, build_decode_model
+  from o1jax.engine import GenerationParams, Request
+  from o1jax.model import Llama
+
+  n = 8
+  config, params = random_model_params(args.layers)
+  backend = args.backends.split(",")[0]
+  weight_mode = "dense" if backend == "reference" else "quantized"
+  model = Llama(config, params, backend=backend, weight_mode=weight_mode,
+                matmul_dtype=args.matmul_dtype)
+  # Thinking and answer budgets that add up to --new-tokens per trace; random weights rarely
+  # end a trace early, on either side.
+  policy = {"name": "self_consistency", "n": n, "max_thinking_tokens": args.new_tokens - 16,
+            "max_answer_tokens": 16, "temperature": 0.8}
+  out = {"layers": args.layers, "new_tokens": args.new_tokens, "n": n, "backend": backend,
+         "rows": []}
+  for rows in [int(c) for c in args.concurrency.split(",")]:
+    ps = prompts(max(1, rows // n), seed=4, low=30, high=40, vocab=config.vocab_size)
+    ctl = Controller(build_decode_model(model, {"cache": "paged", "kv_dtype": "bfloat16"}),
+                     byte_tokenizer(), max_rows=max(n, rows))
+    ctl.run(ps, policy)  # compiles
+    t0 = time.perf_counter()
+    results = ctl.run(ps, policy)
+    ctl_s = time.perf_counter() - t0
+    ctl_tokens = sum(r.tokens.generated for r in results)
+    engine = make_engine(config, params, backend, max_slots=max(n, rows),
+                         num_blocks=max(256, rows * (args.new_tokens // 16 + 4)),
+                         matmul_dtype=args.matmul_dtype, weight_mode=weight_mode)
+    gp = GenerationParams(max_new_tokens=args.new_tokens, n=n, temperature=0.8, seed=1,
+                          ignore_eos=True)
+    engine.generate([Request(p, gp) for p in ps])  # compiles
+    t0 = time.perf_counter()
+    done = engine.generate([Request(p, gp) for p in ps])
+    wall = time.perf_counter() - t0
+    engine_tokens = sum(len(sample.token_ids) for r in done for sample in r.samples)
+    row = {"rows": len(ps) * n, "controller_tok_s": ctl_tokens / ctl_s,
+           "engine_tok_s": engine_tokens / wall, "controller_tokens": ctl_tokens,
+           "engine_tokens": engine_tokens}
+    row["ratio"] = row["controller_tok_s"] / row["engine_tok_s"]
+    out["rows"].append(row)
+    print(f"rows={row['rows']:3d}: controller {row['controller_tok_s']:9.1f} gen tok/s, engine "
+          f"{row['engine_tok_s']:9.1f} gen tok/s ({row['ratio']:.2f}x)", flush=True)
+  return out
+
+
 def hf(args) -> dict:
   """HF transformers, same shape, random init, bf16 on the GPU, `generate` greedy."""
   import torch
@@ -401,7 +456,8 @@ def hf(args) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("mode", choices=("correctness", "throughput", "ablate", "hf", "speculative"))
+  ap.add_argument("mode", choices=("correctness", "throughput", "ablate", "hf", "speculative",
+                                   "controller"))
   ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
   ap.add_argument("--decode-steps", default="8")
   ap.add_argument("--layers", type=int, default=None)
@@ -427,8 +483,8 @@ def main(argv=None) -> int:
     if args.shape == "smollm2":
       args.layers = args.layers or SHAPES["smollm2"][1]
     args.new_tokens = args.new_tokens or 128
-    result = {"throughput": throughput, "ablate": ablate, "hf": hf,
-              "speculative": speculative}[args.mode](args)
+    result = {"throughput": throughput, "ablate": ablate, "hf": hf, "speculative": speculative,
+              "controller": controller}[args.mode](args)
   result["device"] = jax.devices()[0].device_kind
   if args.out:
     with open(args.out, "w") as f:

@@ -260,3 +260,17 @@ def test_gpu_engine_check_speculative_rows_on_cpu(tmp_path):
   prompts = check.repeat_prompts(2, vocab=100)
   assert len(prompts[0]) == 104 and prompts[0][48:96] == prompts[0][:48]
   assert prompts[0][96:] == prompts[0][:8] and prompts[0] != prompts[1]
+
+
+def test_gpu_engine_check_controller_rows_on_cpu(tmp_path):
+  """The GPU controller stage at a toy size: self-consistency n=8 through the controller
+  against the engine sampling the same 16 rows; every engine row runs its full budget."""
+  check = load("gpu_engine_check")
+  out = tmp_path / "controller.json"
+  assert check.main(["controller", "--layers", "1", "--concurrency", "16", "--new-tokens", "24",
+                     "--backends", "reference", "--out", str(out)]) == 0
+  [row] = json.loads(out.read_text())["rows"]
+  assert row["rows"] == 16 and row["engine_tokens"] == 16 * 24
+  # budgets plus forced text (the answer prefix: ~20 byte tokens here)
+  assert 16 * 24 <= row["controller_tokens"] <= 16 * (24 + 32)
+  assert row["controller_tok_s"] > 0 and row["ratio"] > 0
