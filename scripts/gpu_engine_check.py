@@ -147,7 +147,7 @@ def byte_tokenizer():
 
 def make_engine(config, params, backend: str, max_slots: int, interpret: bool = False,
                 num_blocks: int = 2048, decode_steps: int = 8, matmul_dtype: str = "float32",
-                weight_mode: str | None = None):
+                weight_mode: str | None = None, kv_dtype: str = "float32"):
   from o1jax.engine import Engine, EngineConfig
   from o1jax.model import Llama
 
@@ -155,6 +155,7 @@ def make_engine(config, params, backend: str, max_slots: int, interpret: bool = 
   model = Llama(config, params, backend=backend, interpret=interpret, weight_mode=weight_mode,
                 matmul_dtype=matmul_dtype)
   cfg = EngineConfig(max_slots=max_slots, num_blocks=num_blocks, prefill_chunk=256,
+                     kv_dtype=kv_dtype,
                      max_prefill_seqs=8, prefix_caching=False, decode_steps=decode_steps,
                      reuse_compiled_shapes=False)  # timed warm: no compile in a timed run
   return Engine(model, byte_tokenizer(), cfg)
@@ -376,10 +377,10 @@ def controller(args) -> dict:
   policy = {"name": "self_consistency", "n": n, "max_thinking_tokens": args.new_tokens - 16,
             "max_answer_tokens": 16, "temperature": 0.8}
   out = {"layers": args.layers, "new_tokens": args.new_tokens, "n": n, "backend": backend,
-         "rows": []}
+         "kv_dtype": args.kv_dtype, "rows": []}
   for rows in [int(c) for c in args.concurrency.split(",")]:
     ps = prompts(max(1, rows // n), seed=4, low=30, high=40, vocab=config.vocab_size)
-    ctl = Controller(build_decode_model(model, {"cache": "paged", "kv_dtype": "bfloat16"}),
+    ctl = Controller(build_decode_model(model, {"cache": "paged", "kv_dtype": args.kv_dtype}),
                      byte_tokenizer(), max_rows=max(n, rows))
     ctl.run(ps, policy)  # compiles
     t0 = time.perf_counter()
@@ -388,7 +389,8 @@ def controller(args) -> dict:
     ctl_tokens = sum(r.tokens.generated for r in results)
     engine = make_engine(config, params, backend, max_slots=max(n, rows),
                          num_blocks=max(256, rows * (args.new_tokens // 16 + 4)),
-                         matmul_dtype=args.matmul_dtype, weight_mode=weight_mode)
+                         matmul_dtype=args.matmul_dtype, weight_mode=weight_mode,
+                         kv_dtype=args.kv_dtype)
     gp = GenerationParams(max_new_tokens=args.new_tokens, n=n, temperature=0.8, seed=1,
                           ignore_eos=True)
     engine.generate([Request(p, gp) for p in ps])  # compiles
@@ -468,6 +470,7 @@ def main(argv=None) -> int:
   ap.add_argument("--concurrency", default="1,64")
   ap.add_argument("--backends", default="pallas,reference")
   ap.add_argument("--max-drafts", type=int, default=7)
+  ap.add_argument("--kv-dtype", default="bfloat16", help="controller: both sides' KV pools")
   ap.add_argument("--matmul-dtype", default="float32",
                   help="the Llama's matmul_dtype (smollm2 shape; float8: FP8 activations)")
   ap.add_argument("--out")
