@@ -125,6 +125,16 @@ def _qmm_kernel(*refs, bits: int, group: int, half_k: int, groups_per_split: int
   o_ref[...] = acc
 
 
+def _finish(partial: jax.Array, m: int, x_scale, out_dtype) -> jax.Array:
+  """[splits, padded rows, N] f32 partial sums -> [m, N]: summed over the K splits, the
+  padding rows cut, times each row's activation scale (FP8), in out_dtype."""
+  y = partial[0] if partial.shape[0] == 1 else jnp.sum(partial, axis=0)
+  y = y[:m]
+  if x_scale is not None:
+    y = y * _row_scale(x_scale, (m,))
+  return y.astype(out_dtype)
+
+
 def _largest_pow2_divisor(n: int, cap: int, floor: int = 16) -> int | None:
   b = cap
   while b >= floor:
@@ -219,11 +229,7 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
       interpret=interpret,
       name=f"quantized_matmul_q{w.bits}_g{g}",
   )(*args)
-  y = partial[0] if ks == 1 else jnp.sum(partial, axis=0)
-  y = y[:m]
-  if x_scale is not None:
-    y = y * _row_scale(x_scale, (m,))
-  return y.astype(out_dtype)
+  return _finish(partial, m, x_scale, out_dtype)
 
 
 # --- small-M kernel (decode) -----------------------------------------------------
@@ -382,11 +388,7 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
       interpret=interpret,
       name=f"quantized_gemv_q{w.bits}_g{g}",
   )(*args)
-  y = partial[0] if ks == 1 else jnp.sum(partial, axis=0)
-  y = y[:m]
-  if x_scale is not None:
-    y = y * _row_scale(x_scale, (m,))
-  return y.astype(out_dtype)
+  return _finish(partial, m, x_scale, out_dtype)
 
 
 def flops_and_bytes(m: int, k: int, n: int, w: QuantizedTensor, x_itemsize: int = 2,
