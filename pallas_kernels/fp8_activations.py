@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
+FP8_DTYPES = (FP8_DTYPE,)  # the FP8 formats the kernels read (activations and KV pools)
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 FP8_MIN_SCALE = float(np.finfo(np.float32).tiny)
 
@@ -55,4 +56,4 @@ def dense_matmul(x8: jax.Array, scale: jax.Array, w: jax.Array) -> jax.Array:
   return y * scale[..., None]
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8ActivationWeight", "dense_matmul", "quantize_rows"]
+__all__ = ["FP8_DTYPE", "FP8_DTYPES", "FP8_MAX", "FP8_MIN_SCALE", "Fp8ActivationWeight", "dense_matmul", "quantize_rows"]

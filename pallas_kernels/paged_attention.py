@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-FP8_DTYPES = (jnp.float8_e4m3fn,)
+from pallas_kernels.fp8_activations import FP8_DTYPES
+
 KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32) + FP8_DTYPES
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Finite "minus infinity": keeps exp(m_old - m_new) NaN-free when nothing is valid yet.

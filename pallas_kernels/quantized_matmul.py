@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.fp8_activations import FP8_DTYPES
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
-FP8_DTYPES = (jnp.float8_e4m3fn,)
 ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32) + FP8_DTYPES
 
 

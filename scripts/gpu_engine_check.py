@@ -374,10 +374,13 @@ def controller(args) -> dict:
                 matmul_dtype=args.matmul_dtype)
   # Thinking and answer budgets that add up to --new-tokens per trace; random weights rarely
   # end a trace early, on either side.
+  # Both sides sample alike (temperature 0.8, --top-p): with top-p below 1 a random
+  # model's flat rows keep more tokens than the sampler's candidates and take its
+  # whole-row threshold search, on both sides.
   policy = {"name": "self_consistency", "n": n, "max_thinking_tokens": args.new_tokens - 16,
-            "max_answer_tokens": 16, "temperature": 0.8}
+            "max_answer_tokens": 16, "temperature": 0.8, "top_p": args.top_p}
   out = {"layers": args.layers, "new_tokens": args.new_tokens, "n": n, "backend": backend,
-         "kv_dtype": args.kv_dtype, "rows": []}
+         "kv_dtype": args.kv_dtype, "top_p": args.top_p, "rows": []}
   for rows in [int(c) for c in args.concurrency.split(",")]:
     ps = prompts(max(1, rows // n), seed=4, low=30, high=40, vocab=config.vocab_size)
     ctl = Controller(build_decode_model(model, {"cache": "paged", "kv_dtype": args.kv_dtype}),
@@ -391,8 +394,8 @@ def controller(args) -> dict:
                          num_blocks=max(256, rows * (args.new_tokens // 16 + 4)),
                          matmul_dtype=args.matmul_dtype, weight_mode=weight_mode,
                          kv_dtype=args.kv_dtype)
-    gp = GenerationParams(max_new_tokens=args.new_tokens, n=n, temperature=0.8, seed=1,
-                          ignore_eos=True)
+    gp = GenerationParams(max_new_tokens=args.new_tokens, n=n, temperature=0.8,
+                          top_p=args.top_p, seed=1, ignore_eos=True)
     engine.generate([Request(p, gp) for p in ps])  # compiles
     t0 = time.perf_counter()
     done = engine.generate([Request(p, gp) for p in ps])
@@ -471,6 +474,8 @@ def main(argv=None) -> int:
   ap.add_argument("--backends", default="pallas,reference")
   ap.add_argument("--max-drafts", type=int, default=7)
   ap.add_argument("--kv-dtype", default="bfloat16", help="controller: both sides' KV pools")
+  ap.add_argument("--top-p", type=float, default=1.0, help="controller: both sides' top-p "
+                  "(the self_consistency policy's own default is 0.95)")
   ap.add_argument("--matmul-dtype", default="float32",
                   help="the Llama's matmul_dtype (smollm2 shape; float8: FP8 activations)")
   ap.add_argument("--out")

@@ -198,3 +198,49 @@ def test_every_seed_the_check_lets_through_makes_a_key():
     SamplingParams(seed=seed)
     assert sequence_key(seed, 0, 0).shape == (2,)
   assert SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1).top_k == 3
+
+
+def test_inverse_cdf_picks_the_index_whose_cumulative_weight_passes_the_target():
+  """The two-level draw against float64 running sums: the index i with
+  cum[i - 1] <= u * total < cum[i] (a positive weight), up to f32 rounding at
+  the boundary; rows of zero blocks, a ragged last block and u at 0 and near 1."""
+  from o1jax.model.sampling import CDF_BLOCK, _inverse_cdf
+
+  rng = np.random.default_rng(3)
+  v = 3 * CDF_BLOCK + 37
+  weights = rng.random((64, v)).astype(np.float32) ** 4
+  weights[weights < 0.05] = 0.0  # zeros inside blocks
+  weights[1, :2 * CDF_BLOCK] = 0.0  # leading empty blocks
+  weights[2, CDF_BLOCK + 5:] = 0.0  # trailing empty blocks: the last positive is early
+  weights[3] = 0.0
+  weights[3, v - 1] = 2.0  # all mass on the ragged block's last index
+  u = rng.random(64).astype(np.float32)
+  u[:5] = [0.0, 0.0, 0.5, 0.3, np.nextafter(np.float32(1), np.float32(0))]
+  ids = np.asarray(jax.jit(_inverse_cdf)(jnp.asarray(weights), jnp.asarray(u)))
+  cum = np.cumsum(weights.astype(np.float64), axis=-1)
+  for r in range(64):
+    i, target = ids[r], float(u[r]) * cum[r, -1]
+    assert weights[r, i] > 0, (r, i)
+    tol = 1e-5 * cum[r, -1]
+    below = cum[r, i - 1] if i else 0.0
+    assert below <= target + tol and target < cum[r, i] + tol, (r, i, below, target, cum[r, i])
+  assert ids[3] == v - 1
+
+
+def test_inverse_cdf_frequencies_over_a_whole_vocabulary():
+  """Rows drawn through the whole-vocabulary path (temperature only, a flat
+  distribution: far more tokens kept than the candidates): mass per rank decile
+  against the softmax."""
+  rng = np.random.default_rng(4)
+  logits = rng.standard_normal(2048 + 37).astype(np.float32)  # a ragged last block
+  n = 20000
+  keys = jax.random.split(jax.random.PRNGKey(9), n)
+  full = lambda x, dt: jnp.full((n,), x, dt)
+  ids = np.asarray(jax.jit(sample)(jnp.asarray(np.repeat(logits[None], n, 0)), keys,
+                                   full(1.0, jnp.float32), full(0, jnp.int32),
+                                   full(1.0, jnp.float32), full(0.0, jnp.float32)))
+  probs = np.exp(logits - logits.max())
+  probs /= probs.sum()
+  freq = np.bincount(ids, minlength=len(logits)) / n
+  for chunk in np.array_split(np.argsort(-probs), 10):
+    assert abs(freq[chunk].sum() - probs[chunk].sum()) < 0.015
