@@ -26,6 +26,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -55,6 +56,8 @@ from o1jax.model.generation import encode_prompt
 from o1jax.model.sampling import (INT32_MAX, Sampling, check_int, check_key_id, is_real,
                                   sequence_key)
 from o1jax.model.shapes import pow2_bucket
+
+log = logging.getLogger(__name__)
 
 NEVER = 1 << 30
 # Loop iterations per call while the host chooses verifying or plain calls: 16 after a
@@ -240,6 +243,7 @@ class Controller:
     self._budget_log: dict[Any, list[dict]] = collections.defaultdict(list)
     self._latency_log: dict[Any, dict] = {}
     self._thinking_limits: dict[Any, int] = {}  # budgets lowered to fit the context
+    self._warned_thinking_limit = False  # a warning the first time a budget is lowered
     self._logging = False
     self.tokenizer = tokenizer
     self.max_rows = max_rows
@@ -424,6 +428,13 @@ class Controller:
                        f"text it does not fit the model's context of {limit} tokens")
     if room < settings.max_thinking_tokens:  # reported in the request's result info
       self._thinking_limits[request.request_id] = room
+      if not self._warned_thinking_limit:  # once: a job's console shows it (not per request)
+        self._warned_thinking_limit = True
+        log.warning("controller: max_thinking_tokens=%d does not fit the model's context of %d "
+                    "tokens beside the prompt and the answer budget; lowered per request "
+                    "(first: %d tokens for a %d-token prompt), reported as thinking_limit in "
+                    "the result info and the record's trace", settings.max_thinking_tokens,
+                    limit, room, prompt_tokens)
     return min(settings.max_thinking_tokens, room)
 
   def _opens_thinking(self, ids: Sequence[int]) -> bool:

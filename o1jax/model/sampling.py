@@ -170,6 +170,38 @@ def _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on):
   return jnp.where(k_on | p_on, _from_order_key(lo), -jnp.inf)
 
 
+SEARCH_ROWS = 1  # rows per pass of the whole-row threshold search
+
+
+def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
+  """`_threshold_by_search` for the rows in `need` ([B] bool), `fallback` elsewhere.
+
+  The search reads a row 32 times. Run over the whole batch it cost every row that
+  while a few need it (a real model's top-p set at temperature 0.8-1 passes the 256
+  candidates at 0-13% of positions), and a batch's rows do not stay in cache between
+  passes. So the rows in need are gathered and searched `SEARCH_ROWS` at a time:
+  [64, 49152] logits with top-p 0.95 on this 2-core CPU (median of 5, `sample`): 1 row
+  in need 32 ms, 8 rows 32 ms, all 64 rows 57 ms; searched as one batch ~100 ms
+  whatever the count; 2, 4 or 8 rows per pass: 31-35 ms at 1-8 rows, 80-95 at 64.
+  A row's threshold comes from its own values alone, whichever rows share its pass."""
+  b = scaled.shape[0]
+  r = min(SEARCH_ROWS, b)
+  count = jnp.sum(need)
+  # Indices of the rows in need, then padding (b) for the last pass.
+  todo = jnp.concatenate([jnp.nonzero(need, size=b, fill_value=b)[0].astype(jnp.int32),
+                          jnp.full((r,), b, jnp.int32)])
+
+  def one_pass(carry):
+    start, cuts = carry
+    rows = jax.lax.dynamic_slice(todo, (start,), (r,))
+    at = jnp.minimum(rows, b - 1)
+    found = _threshold_by_search(scaled[at], lse[at], top_k[at], top_p[at], k_on[at], p_on[at])
+    return start + r, cuts.at[rows].set(found, mode="drop")
+
+  _, cuts = jax.lax.while_loop(lambda c: c[0] < count, one_pass, (jnp.int32(0), fallback))
+  return cuts
+
+
 CDF_BLOCK = 128  # weights per block of the two-level inverse CDF
 
 
@@ -269,10 +301,8 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
       ids = jnp.take_along_axis(idx, _inverse_cdf(weights, u)[:, None], axis=-1)[:, 0]
 
       def whole_row(_):
-        search = lambda _: jnp.maximum(
-            _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on), m_cut)
-        exact = jax.lax.cond(jnp.any(~known), search, lambda _: cut, None)
-        return whole_vocabulary(jnp.where(known, cut, exact))
+        exact = _search_rows(~known, cut, scaled, lse, top_k, top_p, k_on, p_on)
+        return whole_vocabulary(jnp.where(known, cut, jnp.maximum(exact, m_cut)))
 
       return jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids, whole_row, None))
 

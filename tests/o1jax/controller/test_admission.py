@@ -383,7 +383,7 @@ def test_a_prompt_longer_than_the_models_context_is_refused(tiny_llama):
   assert ctl.run([[5] * 20], policy)[0].traces
 
 
-def test_a_thinking_budget_past_the_models_context_is_lowered_for_that_request(tiny_llama):
+def test_a_thinking_budget_past_the_models_context_is_lowered_for_that_request(tiny_llama, caplog):
   """The loop has no stop of its own at the context: a prompt that fits with a budget that
   does not ran on at positions the model never saw. Now that request's thinking budget is
   lowered to what fits (the engine likewise ends a sequence at the context); a request
@@ -393,8 +393,15 @@ def test_a_thinking_budget_past_the_models_context_is_lowered_for_that_request(t
   policy = {"name": "budget_forcing", "max_thinking_tokens": 400, "min_thinking_tokens": 400,
             "max_answer_tokens": 8}
   long_prompt, short_prompt = [7] * 100, [9] * 10
-  together = ctl.run([long_prompt, short_prompt], policy)
+  with caplog.at_level("WARNING", logger="o1jax.controller.controller"):
+    together = ctl.run([long_prompt, short_prompt], policy)
+    ctl.run([long_prompt], policy)
   alone = ctl.run([short_prompt], policy)[0]
+  # One warning for the job's console (pipelines.eval prints workers' warnings), not one
+  # per request.
+  warned = [r.getMessage() for r in caplog.records if "thinking_limit" in r.getMessage()]
+  assert len(warned) == 1 and warned[0].startswith(
+      "controller: max_thinking_tokens=400 does not fit the model's context of 512 tokens"), warned
   long_trace = together[0].traces[0]
   assert len(long_prompt) + len(long_trace.token_ids) <= 512
   assert long_trace.tokens.thinking <= together[0].info["thinking_limit"] < 400  # lowered

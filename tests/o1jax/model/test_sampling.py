@@ -244,3 +244,21 @@ def test_inverse_cdf_frequencies_over_a_whole_vocabulary():
   freq = np.bincount(ids, minlength=len(logits)) / n
   for chunk in np.array_split(np.argsort(-probs), 10):
     assert abs(freq[chunk].sum() - probs[chunk].sum()) < 0.015
+
+
+@pytest.mark.parametrize("need", [[0] * 7, [1] * 7, [0, 1, 0, 0, 1, 1, 0], [0] * 6 + [1]])
+def test_the_whole_row_search_runs_for_the_rows_in_need_only(need):
+  """Rows in need get the batch search's thresholds bit for bit (one row per pass);
+  the others keep the fallback."""
+  from o1jax.model.sampling import _filters, _search_rows, _threshold_by_search
+
+  logits = jnp.asarray(_rows(len(CASES), seed=8))
+  k, p, m, t = (jnp.asarray(np.array(c), dt) for c, dt in
+                zip(zip(*CASES), (jnp.int32, jnp.float32, jnp.float32, jnp.float32)))
+  scaled = logits / t[:, None]
+  k_on, p_on, lse, _ = _filters(scaled, k, p, m)
+  want = np.asarray(jax.jit(_threshold_by_search)(scaled, lse, k, p, k_on, p_on))
+  need = jnp.asarray(need, bool)
+  fallback = jnp.full((len(CASES),), 123.0)
+  got = np.asarray(jax.jit(_search_rows)(need, fallback, scaled, lse, k, p, k_on, p_on))
+  np.testing.assert_array_equal(got, np.where(np.asarray(need), want, 123.0))
