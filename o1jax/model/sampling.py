@@ -183,7 +183,8 @@ def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
   [64, 49152] logits with top-p 0.95 on this 2-core CPU (median of 5, `sample`): 1 row
   in need 32 ms, 8 rows 32 ms, all 64 rows 57 ms; searched as one batch ~100 ms
   whatever the count; 2, 4 or 8 rows per pass: 31-35 ms at 1-8 rows, 80-95 at 64.
-  A row's threshold comes from its own values alone, whichever rows share its pass."""
+  A row's threshold comes from its own values alone, whichever rows share its pass.
+  The CPU's choice (`sample` picks per platform; elsewhere `_search_batch`)."""
   b = scaled.shape[0]
   r = min(SEARCH_ROWS, b)
   count = jnp.sum(need)
@@ -200,6 +201,15 @@ def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
 
   _, cuts = jax.lax.while_loop(lambda c: c[0] < count, one_pass, (jnp.int32(0), fallback))
   return cuts
+
+
+def _search_batch(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
+  """`_search_rows` as one search over the whole batch, if any row needs it: on a GPU
+  each bisection pass is a kernel launch, so one [B, V] pass beats B row-sized ones."""
+  found = jax.lax.cond(jnp.any(need),
+                       lambda _: _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on),
+                       lambda _: fallback, None)
+  return jnp.where(need, found, fallback)
 
 
 CDF_BLOCK = 128  # weights per block of the two-level inverse CDF
@@ -301,7 +311,8 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
       ids = jnp.take_along_axis(idx, _inverse_cdf(weights, u)[:, None], axis=-1)[:, 0]
 
       def whole_row(_):
-        exact = _search_rows(~known, cut, scaled, lse, top_k, top_p, k_on, p_on)
+        exact = jax.lax.platform_dependent(~known, cut, scaled, lse, top_k, top_p, k_on, p_on,
+                                           cpu=_search_rows, default=_search_batch)
         return whole_vocabulary(jnp.where(known, cut, jnp.maximum(exact, m_cut)))
 
       return jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids, whole_row, None))

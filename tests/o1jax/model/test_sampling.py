@@ -262,3 +262,26 @@ def test_the_whole_row_search_runs_for_the_rows_in_need_only(need):
   fallback = jnp.full((len(CASES),), 123.0)
   got = np.asarray(jax.jit(_search_rows)(need, fallback, scaled, lse, k, p, k_on, p_on))
   np.testing.assert_array_equal(got, np.where(np.asarray(need), want, 123.0))
+
+
+def test_the_batch_search_gives_the_row_search_thresholds():
+  """The GPU's whole-batch search (one pass per bisection step) and the CPU's row by
+  row one give the same thresholds; `sample` lowers for CUDA with it."""
+  from o1jax.model.sampling import _filters, _search_batch, _search_rows
+
+  logits = jnp.asarray(_rows(len(CASES), seed=9))
+  k, p, m, t = (jnp.asarray(np.array(c), dt) for c, dt in
+                zip(zip(*CASES), (jnp.int32, jnp.float32, jnp.float32, jnp.float32)))
+  scaled = logits / t[:, None]
+  k_on, p_on, lse, _ = _filters(scaled, k, p, m)
+  fallback = jnp.full((len(CASES),), -5.0)
+  for need in ([0, 1, 0, 0, 1, 1, 0], [0] * 7, [1] * 7):
+    need = jnp.asarray(need, bool)
+    a = jax.jit(_search_rows)(need, fallback, scaled, lse, k, p, k_on, p_on)
+    b = jax.jit(_search_batch)(need, fallback, scaled, lse, k, p, k_on, p_on)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  keys = jax.random.split(jax.random.PRNGKey(0), len(CASES))
+  traced = jax.jit(sample).trace(logits, keys, t, k, p, m)
+  loops = {platform: traced.lower(lowering_platforms=(platform,)).as_text().count("stablehlo.while")
+           for platform in ("cpu", "cuda")}
+  assert loops["cpu"] > loops["cuda"] >= 1, loops  # the CPU's loop over the rows in need
