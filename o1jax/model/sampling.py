@@ -178,12 +178,11 @@ def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
 
   The search reads a row 32 times. Run over the whole batch it cost every row that
   while a few need it (a real model's top-p set at temperature 0.8-1 passes the 256
-  candidates at 0-13% of positions), and a batch's rows do not stay in cache between
-  passes. So the rows in need are gathered and searched `SEARCH_ROWS` at a time:
-  [64, 49152] logits with top-p 0.95 on this 2-core CPU (median of 5, `sample`): 1 row
-  in need 32 ms, 8 rows 32 ms, all 64 rows 57 ms; searched as one batch ~100 ms
-  whatever the count; 2, 4 or 8 rows per pass: 31-35 ms at 1-8 rows, 80-95 at 64.
-  A row's threshold comes from its own values alone, whichever rows share its pass.
+  candidates at 0-13% of positions), and the batch's rows (2 x 12.6 MB at [64, 49152])
+  came from memory in each pass; a gathered row stays in cache for its 32. `sample` on
+  [64, 49152] logits, top-p 0.95, this 2-core CPU (median of 5, quiet machine): 1 / 8 /
+  64 rows in need 28 / 32 / 58 ms; the batch search before: 78-81 ms whatever the count
+  (the search alone at 64 rows: 48 vs 79 ms). 1 to 64 rows per pass: within 2-3 ms.
   The CPU's choice (`sample` picks per platform; elsewhere `_search_batch`)."""
   b = scaled.shape[0]
   r = min(SEARCH_ROWS, b)
