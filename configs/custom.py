@@ -4,8 +4,12 @@
       --config.dataset.question_field=prompt --config.dataset.answer_field=target \
       --config.dataset.answer_format=number --output_dir=runs/custom
 
-answer_format: number (GSM8K normalization + strict/flexible scoring), gsm8k (worked
-solution ending "#### N"), text (exact match of the reply's last line).
+answer_format: number (the gold answer a plain decimal, or a JSON number; the GSM8K
+strict/flexible extraction, compared by numeric value: "4", "4.0" and "$4.00" match a
+gold 4.0, "1000" matches "1,000.00", "4.01" does not match 4 (exact decimals, no rounding,
+no tolerance); the majority vote counts "4" and "4.0" as one answer), gsm8k (worked
+solution ending "#### N", compared as lm-evaluation-harness does, as strings: "1234.0"
+does not match 1234), text (exact match of the reply's last line, case-folded).
 Variants: smoke=True|False, fast=True|False, policy=<name> (see configs/gsm8k.py; controller
 policies vote on numbers: answer_format=text rejects them, use sample_n and the majority vote).
 """
@@ -27,7 +31,7 @@ def get_config(arg: str = ""):
       question_field="question",  # dotted paths reach nested fields ("meta.q")
       answer_field="answer",
       id_field="",  # empty: content-hash ids
-      answer_format="number",  # number | gsm8k | text
+      answer_format="number",  # number (by value) | gsm8k (harness strings) | text
   )
   config.prompt = common.section(
       style="chat",  # chat (system + user turn) | completion (raw text)

@@ -4,9 +4,11 @@
 
 Data flow: 1. group records by example (in dataset order); 2. score each example —
 GSM-style: majority vote over the samples' extracted answers when the policy votes
-(strict and flexible separately; an answer without a digit is no vote), else the mean
-over samples; HumanEval: pass@k for every k <= n (a sample whose sandbox failed is left
-out, counted in `sandbox_errors`); the suite: each category's own metrics
+(strict and flexible separately; an answer without a digit is no vote; keyed by the
+harness's string normalization, or by numeric value where the records' scores say
+``"answer_match": "value"``, the custom task's answer_format=number: "4" and "4.0" are
+one vote and match a reference 4.0), else the mean over samples; HumanEval: pass@k for
+every k <= n (a sample whose sandbox failed is left out, counted in `sandbox_errors`); the suite: each category's own metrics
 (`pipelines/suite/metrics.py`), its headline as `accuracy[category]`; 3. sum tokens by
 kind; 4. latency percentiles (P50/P90/P95/P99) and fixed-bucket histograms over request
 latency, time to first token and per-token latency — the engine's real per-token times
@@ -29,7 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
 from pipelines.tasks import mean_pass_at_k
-from pipelines.tasks.gsm8k import answer_key
+from pipelines.tasks.gsm8k import answer_key, value_key
 from pipelines.tasks.text import text_answer_key
 
 LATENCY_BUCKETS_MS = (0, 10, 50, 100, 200, 500, 1000)  # lower edges; the last is open-ended
@@ -88,8 +90,8 @@ def _round(x, nd=3):
 def majority(answers: Sequence[Optional[str]],
              key: Callable[[str], Optional[str]] = normalize_answer) -> Optional[str]:
   """Most common answer by `key` (the normalized text by default; GSM-style votes use
-  `answer_key`); an answer that is None or whose key is empty or None is no vote; ties
-  go to the one seen first (sample order)."""
+  `answer_key`, or `value_key` where numbers count by value); an answer that is None or
+  whose key is empty or None is no vote; ties go to the one seen first (sample order)."""
   normed = [k for k in (key(a) for a in answers if a is not None) if k]
   if not normed:
     return None
@@ -151,6 +153,10 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     if vote and answer_field:
       right = 0
       for g in groups:
+        if any(r["score"].get("answer_match") == "value" for r in g):  # custom, answer_format=number
+          voted = majority([r["score"].get(answer_field) for r in g], key=value_key)
+          right += voted is not None and voted == value_key(g[0]["reference"] or "")
+          continue
         voted = majority([r["score"].get(answer_field) for r in g], key=answer_key)
         right += voted is not None and voted == normalize_answer(g[0]["reference"] or "")
       acc[kind] = _round(right / n_ex, 4)

@@ -202,7 +202,9 @@ class HumanEvalTask:
 
 @dataclasses.dataclass(frozen=True)
 class CustomTask:
-  """Any JSONL mapped by field names; numbers score like GSM8K, text by exact match."""
+  """Any JSONL mapped by field names; numbers are read like GSM8K and compared by value
+  (``answer_format=number``) or by the harness's string match (``gsm8k``), text by exact
+  match."""
   dataset: Mapping[str, Any]
   prompt_cfg: Mapping[str, Any]
   name: str = "custom"
@@ -239,16 +241,28 @@ class CustomTask:
                        f"policy=greedy")
 
   def scoring_identity(self) -> dict:
+    """What, beside the output, decides a verdict (part of every sample's content key).
+    ``number`` once added nothing (it scored by the harness's string match); it compares by
+    value now, so its identity says so and a store's verdicts scored the old way are not
+    reused."""
     fmt = self.dataset["answer_format"]
-    return {} if fmt == "number" else {"answer_format": fmt}  # number: the hashes from before
+    return {"answer_format": fmt, **({"answer_match": "value"} if fmt == "number" else {})}
 
   def score_batch(self, items) -> list[dict]:
+    """``number``: the GSM8K extractions (strict and flexible), each compared with the
+    reference by numeric value ("4" matches 4.0, `pipelines.tasks.gsm8k.values_match`);
+    the score says ``"answer_match": "value"`` so the summary's vote keys the answers by
+    value too. ``gsm8k``: the harness's string match (as the GSM8K task). ``text``: the
+    reply's last line, by `text_answer_key`. `correct` is the flexible verdict."""
     out = []
+    fmt = self.dataset["answer_format"]
     for example, text, stop in items:
-      if self.dataset["answer_format"] in ("number", "gsm8k"):
-        s = score_gsm8k(text, example.reference, stop_sequences=tuple(stop))
+      if fmt in ("number", "gsm8k"):
+        by_value = fmt == "number"
+        s = score_gsm8k(text, example.reference, stop_sequences=tuple(stop), by_value=by_value)
         answer = s.strict_answer if s.strict_answer is not None else s.flexible_answer
-        out.append({"answer": answer, "correct": s.flexible_correct, **s.to_dict()})
+        out.append({"answer": answer, "correct": s.flexible_correct, **s.to_dict(),
+                    **({"answer_match": "value"} if by_value else {})})
       else:
         answer = text.strip().splitlines()[-1].strip() if text.strip() else ""
         key = text_answer_key(answer)  # the summary's vote uses the same key

@@ -25,8 +25,11 @@ class FieldMapping:
   """Where the common fields live in the source records (dotted paths allowed).
 
   `answer_format` says how to normalize the gold answer: ``text`` (strip only),
-  ``number`` (GSM8K normalization; must be numeric) or ``gsm8k`` (a worked
-  solution ending in ``#### N``).
+  ``number`` (GSM8K normalization; must be a plain decimal, a JSON number read as
+  Python writes it: 4.0 is "4.0") or ``gsm8k`` (a worked solution ending in
+  ``#### N``). The reference keeps its text ("4.0", "1000.00"); the custom task
+  compares ``number`` answers with it by value ("4" matches), ``gsm8k`` ones by the
+  harness's string match (`pipelines.task_specs.CustomTask.score_batch`).
   """
   question: str = "question"
   answer: str = "answer"

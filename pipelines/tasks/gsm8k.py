@@ -3,7 +3,9 @@
 Scoring follows the lm-evaluation-harness GSM8K conventions so numbers are
 comparable with published ones: a *strict* extraction (``#### N`` or ``The
 answer is N.``), a *flexible* one (the last number-like span), the harness's
-string normalization (commas, ``$``, one trailing period) and exact match.
+string normalization (commas, ``$``, one trailing period) and exact match. The
+custom task's ``answer_format=number`` reads answers the same way but compares
+them by numeric value (`value_key`, `values_match`; ``score_gsm8k(by_value=True)``).
 
 The few-shot exemplars below are original to this project (written in the
 standard "Q: ... A: ... The answer is N." layout). The few-shot prefix is a
@@ -221,21 +223,61 @@ def answer_key(answer: Optional[str]) -> Optional[str]:
 def answers_match(predicted: Optional[str], reference: str) -> bool:
   """Exact match after the harness normalization of both sides (strings, not numbers:
   "1,234" and "$1,234." match 1234, "1234.0" and "1234.00" do not, as in the harness).
-  A prediction without a digit never matches, whatever the reference."""
+  A prediction without a digit never matches, whatever the reference. Kept so for GSM8K
+  and the custom task's ``answer_format=gsm8k`` (numbers comparable with the harness's);
+  ``answer_format=number`` compares by value (`values_match`)."""
   key = answer_key(predicted)
   return key is not None and key == normalize_answer(reference)
 
 
+# A plain decimal (ASCII digits) as the harness normalization leaves one: "-12", "3.50",
+# ".5", "-.5", "7." (a second trailing "." of "7.." is left by the normalization).
+_PLAIN_DECIMAL_RE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+def value_key(answer: Optional[str]) -> Optional[str]:
+  """What answers are compared and voted by when numbers count by value (the custom
+  task's ``answer_format=number``): `answer_key` (the harness normalization; None without
+  a digit), then, when what is left is a plain decimal, its value as the controller's vote
+  key writes it (`o1jax.controller.answers.normalize_number`): leading zeros of the
+  integer part and trailing zeros of the fraction dropped, a zero without a minus. So
+  "4.0", "04", "$4.00" and "4." are "4"; "-.5" and "-0.50" are "-0.5"; "1,000.00" is
+  "1000". Exact decimal text, no float parsing: "0.1" and "0.10000000000000001" are two
+  values (a float would round them to one), and "4.01" is not "4"; no tolerance, no
+  exponent ("1e3" is not a plain decimal). What is not a plain decimal after the
+  normalization ("1.2.3") keeps its harness key: a vote of its own, never equal to a
+  number's key.
+
+  `o1jax.controller.answers` is imported on first use (the package imports jax), so the
+  modules that import this one stay light."""
+  key = answer_key(answer)
+  if key is None or not _PLAIN_DECIMAL_RE.fullmatch(key):
+    return key
+  from o1jax.controller.answers import normalize_number
+  return normalize_number(key)
+
+
+def values_match(predicted: Optional[str], reference: str) -> bool:
+  """Match by numeric value (`value_key` of both sides): "4" matches 4.0, "1000" matches
+  "1,000.00", "-.5" matches "-0.50"; "4.01" does not match 4. A prediction without a
+  digit never matches."""
+  key = value_key(predicted)
+  return key is not None and key == value_key(reference)
+
+
 def score_gsm8k(completion: str, reference: str,
-                stop_sequences: tuple[str, ...] = ()) -> GSM8KScore:
+                stop_sequences: tuple[str, ...] = (), by_value: bool = False) -> GSM8KScore:
   """Score a completion against a gold answer (number string or ``... #### N``).
 
   `stop_sequences` (e.g. `COMPLETION_STOP_SEQUENCES` for plain-text few-shot)
   are applied first, so text the model wrote for an imagined next question
-  cannot be extracted.
+  cannot be extracted. Both extractions are the harness's; `by_value` compares them with
+  the reference by numeric value (`values_match`, the custom task's
+  ``answer_format=number``) instead of the harness's string match (`answers_match`, the
+  default: GSM8K and ``answer_format=gsm8k``).
   """
   text = truncate_at_stop(completion, stop_sequences) if stop_sequences else completion
   strict = extract_strict(text)
   flexible = extract_flexible(text)
-  return GSM8KScore(strict, flexible, answers_match(strict, reference),
-                    answers_match(flexible, reference))
+  match = values_match if by_value else answers_match
+  return GSM8KScore(strict, flexible, match(strict, reference), match(flexible, reference))

@@ -176,6 +176,43 @@ def test_free_text_vote_uses_the_key_of_the_per_sample_score():
   assert summarize(blank, task="custom", vote=True)["accuracy"] == {"exact": 0.0}
 
 
+def _scored_records(task, examples_and_replies):
+  """Records as the pipeline writes them, scored by `task` (sample_n: several per example)."""
+  from pipelines.datasets import Example
+  recs = []
+  for ex, (reference, replies) in enumerate(examples_and_replies):
+    example = Example(f"c{ex}", "custom", f"q{ex}", reference)
+    for i, score in enumerate(task.score_batch([(example, r, ()) for r in replies])):
+      recs.append({"example_id": example.id, "example_index": ex, "sample_index": i,
+                   "policy": "sample_n", "reference": reference, "answer": score["answer"],
+                   "correct": score["correct"], "score": score, "tokens": {},
+                   "finish_reason": "stop"})
+  return recs
+
+
+def test_custom_number_votes_count_one_value_as_one_answer():
+  # "4" and "4.0" are one vote for the value 4, which matches a reference "4.0" (and "1000"
+  # and "1,000" match "1,000.00" read as "1000.00"); the string vote split them, so "5" won
+  # its tie and 4 never matched.
+  from pipelines.task_specs import CustomTask
+  task = CustomTask(dataset={"answer_format": "number"}, prompt_cfg={})
+  recs = _scored_records(task, [
+      ("4.0", ["The answer is 5.", "The answer is 4.", "The answer is 4.0."]),
+      ("1000.00", ["The answer is 999.", "The answer is 1000.", "The answer is 1,000."]),
+      ("-0.50", ["The answer is -.5.", "The answer is 0.5.", "The answer is 0.50."])])
+  assert summarize(recs, task="custom", vote=True)["accuracy"] == {"strict": 0.6667, "flexible": 0.6667}
+  assert summarize(recs, task="custom")["accuracy"] == {"strict": 0.5556, "flexible": 0.5556}  # 5 of 9
+  from pipelines.tasks.gsm8k import value_key
+  assert majority([r["score"]["flexible_answer"] for r in recs[:3]], key=value_key) == "4"
+  # The same samples scored as answer_format=gsm8k keep the harness's strings: "4" and
+  # "4.0" are two votes and "5" wins the tie; only the string "4.0" matches "4.0".
+  task = CustomTask(dataset={"answer_format": "gsm8k"}, prompt_cfg={})
+  recs = _scored_records(task, [("4.0", ["The answer is 5.", "The answer is 4.", "The answer is 4.0."])])
+  assert summarize(recs, task="custom", vote=True)["accuracy"] == {"strict": 0.0, "flexible": 0.0}
+  recs = _scored_records(task, [("4.0", ["The answer is 5.", "The answer is 4.0.", "The answer is 4.0."])])
+  assert summarize(recs, task="custom", vote=True)["accuracy"] == {"strict": 1.0, "flexible": 1.0}
+
+
 def test_dead_letters_and_sandbox_errors_are_left_out_and_counted():
   # e0: both samples scored (1 right); e1: sample 1 a dead letter (inference), sample 0
   # right; e2: both samples dead letters. Accuracy is over the 3 scored samples / 2

@@ -45,8 +45,7 @@ def test_custom_text_answers_match_case_insensitively_and_a_blank_reply_never():
 
 def test_scoring_identity_holds_what_can_change_a_verdict():
   """Part of every sample's content key: the sandbox's limits but not its pool size; a
-  custom task's answer format (number, the default, adds nothing: older stores stay
-  valid)."""
+  custom task's answer format (number: and that it compares by value)."""
   def task(module, **sections):
     config = module.get_config()
     for section, values in sections.items():
@@ -56,9 +55,90 @@ def test_scoring_identity_holds_what_can_change_a_verdict():
   base = task(humaneval_config).scoring_identity()
   assert base == task(humaneval_config, sandbox={"workers": 7}).scoring_identity()
   assert base != task(humaneval_config, sandbox={"timeout_s": 99.0}).scoring_identity()
-  assert task(custom_config, dataset={"answer_format": "number"}).scoring_identity() == {}
+  assert task(custom_config, dataset={"answer_format": "number"}).scoring_identity() == {
+      "answer_format": "number", "answer_match": "value"}
+  assert task(custom_config, dataset={"answer_format": "gsm8k"}).scoring_identity() == {
+      "answer_format": "gsm8k"}
   assert task(custom_config, dataset={"answer_format": "text"}).scoring_identity() == {
       "answer_format": "text"}
+
+
+def test_number_verdicts_by_value_change_the_content_key():
+  """Custom numbers were scored by the harness's string match with an empty scoring
+  identity; they are compared by value now, so a sample's key differs from the one it had
+  then (a resumed run recomputes it rather than reuse a verdict scored the old way), and
+  from answer_format=gsm8k's."""
+  import dataclasses
+  from pipelines.beam.pipeline import build_plan, work_items
+  from pipelines.datasets import Example
+  from pipelines.task_specs import CustomTask
+
+  class BeforeValueMatch(CustomTask):  # the identity number had before
+    def scoring_identity(self):
+      return {}
+
+  cfg = custom_config.get_config("smoke=True,policy=greedy")
+  cfg.model.predictor = "fake"
+  cfg.dataset.path = "unused.jsonl"
+  plan = build_plan(cfg, "unused_output_dir")
+  example = Example("custom/0", "custom", "What is 2 + 2?", "4.0")
+
+  def key(task):
+    return work_items(dataclasses.replace(plan, task=task), example, 0)[0].key
+
+  now = key(plan.task)
+  assert now == key(build_task(cfg))  # deterministic
+  assert now != key(BeforeValueMatch(dataset=plan.task.dataset, prompt_cfg=plan.task.prompt_cfg))
+  assert now != key(dataclasses.replace(plan.task, dataset={**plan.task.dataset,
+                                                            "answer_format": "gsm8k"}))
+
+
+def _custom_examples(tmp_path, answer_format, answers):
+  import json
+  from pipelines.datasets import Example
+  from pipelines.task_specs import CustomTask
+  path = tmp_path / "data.jsonl"
+  path.write_text("".join(json.dumps({"question": f"q{i}", "answer": a}) + "\n"
+                          for i, a in enumerate(answers)))
+  dataset = dict(custom_config.get_config().dataset.to_dict(), path=str(path),
+                 answer_format=answer_format)
+  task = CustomTask(dataset=dataset, prompt_cfg={})
+  return task, [r for r in task.load() if isinstance(r, Example)]
+
+
+def test_custom_numbers_are_compared_by_value(tmp_path):
+  # Gold answers as researchers write them (a JSON number among them) against model answers
+  # written otherwise; the harness's string match scored every one of these wrong.
+  task, examples = _custom_examples(tmp_path, "number", ["4.0", 4.0, "1,000.00", "-0.50", "$3"])
+  assert [e.reference for e in examples] == ["4.0", "4.0", "1000.00", "-0.50", "3"]
+  replies = ["The answer is 4.", "2 + 2 = 4", "The answer is 1000.", "The answer is -.5.",
+             "The answer is 3.00."]
+  got = task.score_batch([(e, r, ()) for e, r in zip(examples, replies)])
+  assert [s["correct"] for s in got] == [True] * 5
+  assert [s["flexible_correct"] for s in got] == [True] * 5
+  assert [s["strict_correct"] for s in got] == [True, False, True, True, True]  # no strict form in 2
+  assert all(s["answer_match"] == "value" for s in got)
+  # A different value is still wrong, by either extraction.
+  wrong = task.score_batch([(examples[0], "The answer is 4.01.", ()), (examples[2], "The answer is 100.", ())])
+  assert [(s["strict_correct"], s["flexible_correct"], s["correct"]) for s in wrong] == [(False,) * 3] * 2
+
+
+def test_custom_gsm8k_answers_keep_the_harness_string_match(tmp_path):
+  task, examples = _custom_examples(tmp_path, "gsm8k", ["2 * 617 = 1234\n#### 1234"])
+  got = task.score_batch([(examples[0], "The answer is 1234.0.", ()), (examples[0], "The answer is 1,234.", ())])
+  assert [(s["strict_correct"], s["flexible_correct"], s["correct"]) for s in got] == [
+      (False, False, False), (True, True, True)]
+  assert all("answer_match" not in s for s in got)
+
+
+def test_the_gsm8k_task_keeps_the_harness_string_match():
+  from configs import gsm8k as gsm8k_config
+  from pipelines.datasets import Example
+  task = build_task(gsm8k_config.get_config("smoke=True"))
+  ex = Example("g/0", "gsm", "q", "1234")
+  s, = task.score_batch([(ex, "The answer is 1234.0.", ())])
+  assert (s["strict_correct"], s["flexible_correct"], s["correct"]) == (False, False, False)
+  assert "answer_match" not in s and task.scoring_identity() == {}
 
 
 @pytest.mark.parametrize("section, key, value, message", [

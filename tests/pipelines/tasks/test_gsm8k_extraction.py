@@ -3,7 +3,8 @@
 import pytest
 
 from pipelines.tasks.gsm8k import (COMPLETION_STOP_SEQUENCES, answer_key, answers_match,
-                                   extract_flexible, extract_strict, score_gsm8k)
+                                   extract_flexible, extract_strict, score_gsm8k, value_key,
+                                   values_match)
 
 # (completion, strict extraction, flexible extraction); None means "[invalid]".
 CASES = [
@@ -137,3 +138,52 @@ def test_a_prediction_without_a_digit_never_matches(pred):
     assert not answers_match(pred, reference)
   assert answer_key(pred) is None
   assert answer_key("$1,234.") == "1234" and answer_key("-0.5") == "-0.5" and answer_key(None) is None
+
+
+# By value (the custom task's answer_format=number): the same extractions, compared as
+# numbers; exact decimals (no float rounding), so a different value stays wrong.
+@pytest.mark.parametrize("pred, ref, ok", [
+    ("4", "4.0", True), ("4.", "4.0", True), ("04", "4.0", True), ("$4.00", "4", True),
+    ("1000", "1,000.00", True), ("1,000", "1000.00", True), ("$1,000.", "1000", True),
+    ("-.5", "-0.50", True), ("-0.5", "-.5", True), ("0.5", "-0.50", False),
+    ("3.00", "$3", True), ("3", "$3", True),
+    ("-0", "0.0", True), ("0", "-0.00", True),
+    ("4.01", "4", False), ("4", "4.01", False), ("40", "4.0", False), ("1234.50", "1234.5", True),
+    # Exact decimal text: a float would round these two to one value.
+    ("0.10000000000000001", "0.1", False), ("0.1", "0.100", True),
+    ("5...", "5", False),  # not a plain decimal after the harness normalization: no value
+    (None, "4", False), ("...", "0", False), ("$", "0", False),
+])
+def test_values_match_compares_numbers_by_value(pred, ref, ok):
+  assert values_match(pred, ref) is ok
+
+
+def test_value_key_is_the_controllers_vote_key():
+  from o1jax.controller.answers import normalize_number
+  for raw in ("4.0", "04", "-.5", "1,000.00", "$3", "-0.0", "0.250"):
+    assert value_key(raw) == normalize_number(raw)
+  assert [value_key(a) for a in ("4", "4.0", "4.", "$4.00", "1,000.00")] == ["4", "4", "4", "4", "1000"]
+  assert value_key("1.2.3") == "1.2.3" and value_key("...") is None and value_key(None) is None
+
+
+@pytest.mark.parametrize("text, reference, strict_ok, flexible_ok", [
+    ("The answer is 4.", "4.0", True, True),
+    ("The answer is 1,000.", "1000.00", True, True),
+    ("The answer is -.5.", "-0.50", True, True),
+    ("It costs $3.00 in all. The answer is 3.", "3", True, True),
+    ("The answer is 4.01.", "4", False, False),
+    ("The answer is 1234.0.", REF_1234, True, True),  # the harness says False, False
+    ("The answer is 42", "42", False, True),  # the harness's strict quirk is kept: "4"
+])
+def test_score_by_value_reads_like_the_harness_and_compares_numbers(text, reference, strict_ok,
+                                                                     flexible_ok):
+  s = score_gsm8k(text, reference, by_value=True)
+  assert (s.strict_correct, s.flexible_correct) == (strict_ok, flexible_ok), s
+  harness = score_gsm8k(text, reference)
+  assert (s.strict_answer, s.flexible_answer) == (harness.strict_answer, harness.flexible_answer)
+
+
+def test_the_harness_match_stays_a_string_match():
+  assert not answers_match("1234.0", "1234") and not answers_match("4", "4.0")
+  s = score_gsm8k("The answer is 1234.0.", "1234")
+  assert not s.strict_correct and not s.flexible_correct
