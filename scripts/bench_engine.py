@@ -78,7 +78,7 @@ def few_shot_prefix() -> str:
 
 def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
                 matmul_dtype: str = "float32", kv_dtype: str = "float32",
-                decode_steps: int = 8) -> dict:
+                decode_steps: int = 8, temperature: float = 0.0, top_p: float = 1.0) -> dict:
   from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
   from o1jax.model import Llama
 
@@ -92,7 +92,8 @@ def bench_o1jax(ck, prompts, concurrency: list[int], new_tokens: int,
                        # bigger program could compile during the timed run)
                        reuse_compiled_shapes=False)
     engine = Engine(model, ck.tokenizer, cfg)
-    params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True,
+                              temperature=temperature, top_p=top_p, seed=0)
     batch = [Request(p, params) for p in prompts[:c]]
     one = GenerationParams(max_new_tokens=1, ignore_eos=True)
     prompt_only = [Request(p, one) for p in prompts[:c]]
@@ -270,9 +271,16 @@ def main(argv=None) -> int:
   ap.add_argument("--skip-llamacpp", action="store_true")
   ap.add_argument("--skip-hf", action="store_true")
   ap.add_argument("--skip-prefix", action="store_true")
+  ap.add_argument("--temperature", type=float, default=0.0,
+                  help="o1jax rows sample at this temperature (seeded; references stay greedy, "
+                       "so a sampled run needs --skip-llamacpp --skip-hf)")
+  ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
   ap.add_argument("--only", choices=("llamacpp", "transformers"), help=argparse.SUPPRESS)
   ap.add_argument("--inputs", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.temperature > 0 and not (args.skip_llamacpp and args.skip_hf):
+    ap.error("--temperature measures the engine's sampled decode alone: the references "
+             "decode greedily; add --skip-llamacpp --skip-hf")
   hf_batches = [int(x) for x in args.hf_batches.split(",") if x]
   if args.only:  # child process: no JAX here (see run_reference)
     import pathlib
@@ -294,7 +302,9 @@ def main(argv=None) -> int:
   gguf = resolve_source(args.model)
   concurrency = [int(x) for x in args.concurrency.split(",") if x]
   prompts = chat_prompts(ck.tokenizer, max(concurrency + hf_batches))
-  print(f"model {ck.config.name}; {args.new_tokens} new tokens greedy; {args.threads} threads; "
+  how = (f"sampled (temperature {args.temperature}, top-p {args.top_p})" if args.temperature > 0
+         else "greedy")
+  print(f"model {ck.config.name}; {args.new_tokens} new tokens {how}; {args.threads} threads; "
         f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
 
   lcpp = None if args.skip_llamacpp else run_reference("llamacpp", args, gguf, prompts)
@@ -308,7 +318,8 @@ def main(argv=None) -> int:
       for k in step_counts:
         label = d if kv == "float32" else f"{d}, kv {kv}"
         label += f", {k} steps/call" if len(step_counts) > 1 else ""
-        ours[label] = bench_o1jax(ck, prompts, concurrency, args.new_tokens, d, kv, k)
+        ours[label] = bench_o1jax(ck, prompts, concurrency, args.new_tokens, d, kv, k,
+                                  args.temperature, args.top_p)
 
   print("\n| system | matmuls | concurrency | gen tok/s | prompt tok/s | peak RSS MiB | x llama.cpp "
         "| x transformers |")

@@ -274,3 +274,10 @@ def test_gpu_engine_check_controller_rows_on_cpu(tmp_path):
   # budgets plus forced text (the answer prefix: ~20 byte tokens here)
   assert 16 * 24 <= row["controller_tokens"] <= 16 * (24 + 32)
   assert row["controller_tok_s"] > 0 and row["ratio"] > 0
+
+
+def test_bench_engine_refuses_a_sampled_run_against_greedy_references(capsys):
+  be = load("bench_engine")
+  with pytest.raises(SystemExit):
+    be.main(["--temperature", "0.8"])
+  assert "add --skip-llamacpp --skip-hf" in capsys.readouterr().err
