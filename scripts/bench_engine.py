@@ -278,6 +278,8 @@ def main(argv=None) -> int:
   ap.add_argument("--only", choices=("llamacpp", "transformers"), help=argparse.SUPPRESS)
   ap.add_argument("--inputs", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.top_p != 1.0 and args.temperature <= 0:
+    ap.error("--top-p filters sampled tokens: add --temperature (greedy decoding ignores it)")
   if args.temperature > 0 and not (args.skip_llamacpp and args.skip_hf):
     ap.error("--temperature measures the engine's sampled decode alone: the references "
              "decode greedily; add --skip-llamacpp --skip-hf")
@@ -346,7 +348,7 @@ def main(argv=None) -> int:
   if "float32" in ours:
     for d, rows in ours.items():
       if d != "float32":
-        print(f"greedy tokens of {d} equal to float32 (share of each sequence before the first "
+        print(f"{'sampled' if args.temperature > 0 else 'greedy'} tokens of {d} equal to float32 (share of each sequence before the first "
               f"difference, mean over requests): "
               f"{ {c: round(agreement(r['token_ids'], ours['float32'][c]['token_ids']), 3) for c, r in rows.items()} }")
 

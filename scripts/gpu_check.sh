@@ -2,7 +2,8 @@
 # GPU check on a machine with one NVIDIA GPU and JAX (with CUDA) already
 # installed; needs no network and no checkpoint. Stages (default: engine,
 # throughput, hf, ablate; about 8 minutes at most):
-#   tests       the kernel tests in compiled (non-interpret) mode
+#   tests       the kernel tests in compiled (non-interpret) mode, and the sampler's
+#               tests (its GPU branch: one threshold search over the batch)
 #   engine      the engine through the Pallas kernels vs the XLA reference
 #               (scripts/gpu_engine_check.py correctness)
 #   bench       scripts/bench_kernels.py
@@ -18,7 +19,8 @@
 #   hf          HF transformers bf16 `generate`, same shape, same run
 #   ablate      the Pallas path with one op at a time on XLA (what is slow)
 #   controller  self-consistency n=8 through the controller's loop vs the engine at the
-#               same rows (64; issue 14's controller target)
+#               same rows (64; issue 14's controller target), both at top-p 0.95 (the
+#               policy's default; a random model's flat rows take the threshold search)
 #   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
@@ -53,7 +55,8 @@ stage() {  # stage NAME SECONDS COMMAND...
 }
 
 # Compiled-mode classes only: the *Interpret twins are covered on CPU.
-stage tests 200 python -m pytest tests/pallas_kernels -q -rA -k "not Interpret" -p no:cacheprovider
+stage tests 260 python -m pytest tests/pallas_kernels tests/o1jax/model/test_sampling.py -q -rA \
+  -k "not Interpret" -p no:cacheprovider
 # No gemm autotuning: the check compiles a dozen programs and only compares results.
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json"
@@ -72,7 +75,7 @@ stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1
   --backends reference --decode-steps 1 --out "$OUT/hoststeps.json"
 stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json"
 stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 --out "$OUT/ablate.json"
-stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 \
+stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 --top-p 0.95 \
   --new-tokens 128 --backends pallas --out "$OUT/controller.json"
 stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape llama3-8b \
   --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python scripts/gpu_engine_check.py hf \

@@ -170,11 +170,9 @@ def _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on):
   return jnp.where(k_on | p_on, _from_order_key(lo), -jnp.inf)
 
 
-SEARCH_ROWS = 1  # rows per pass of the whole-row threshold search
-
-
 def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
-  """`_threshold_by_search` for the rows in `need` ([B] bool), `fallback` elsewhere.
+  """`_threshold_by_search` for the rows in `need` ([B] bool), one row at a time;
+  `fallback` elsewhere.
 
   The search reads a row 32 times. Run over the whole batch it cost every row that
   while a few need it (a real model's top-p set at temperature 0.8-1 passes the 256
@@ -182,24 +180,18 @@ def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
   came from memory in each pass; a gathered row stays in cache for its 32. `sample` on
   [64, 49152] logits, top-p 0.95, this 2-core CPU (median of 5, quiet machine): 1 / 8 /
   64 rows in need 28 / 32 / 58 ms; the batch search before: 78-81 ms whatever the count
-  (the search alone at 64 rows: 48 vs 79 ms). 1 to 64 rows per pass: within 2-3 ms.
-  The CPU's choice (`sample` picks per platform; elsewhere `_search_batch`)."""
-  b = scaled.shape[0]
-  r = min(SEARCH_ROWS, b)
-  count = jnp.sum(need)
-  # Indices of the rows in need, then padding (b) for the last pass.
-  todo = jnp.concatenate([jnp.nonzero(need, size=b, fill_value=b)[0].astype(jnp.int32),
-                          jnp.full((r,), b, jnp.int32)])
+  (the search alone at 64 rows: 48 vs 79 ms); 2 to 64 rows per pass were within 2-3 ms
+  of one. The CPU's choice (`sample` picks per platform; elsewhere `_search_batch`)."""
+  todo = jnp.nonzero(need, size=need.shape[0], fill_value=0)[0]
 
-  def one_pass(carry):
-    start, cuts = carry
-    rows = jax.lax.dynamic_slice(todo, (start,), (r,))
-    at = jnp.minimum(rows, b - 1)
-    found = _threshold_by_search(scaled[at], lse[at], top_k[at], top_p[at], k_on[at], p_on[at])
-    return start + r, cuts.at[rows].set(found, mode="drop")
+  def one_row(i, cuts):
+    r = todo[i]
+    row = lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1)
+    found = _threshold_by_search(row(scaled), row(lse), row(top_k), row(top_p), row(k_on),
+                                 row(p_on))
+    return jax.lax.dynamic_update_slice_in_dim(cuts, found.astype(cuts.dtype), r, 0)
 
-  _, cuts = jax.lax.while_loop(lambda c: c[0] < count, one_pass, (jnp.int32(0), fallback))
-  return cuts
+  return jax.lax.fori_loop(0, jnp.sum(need, dtype=jnp.int32), one_row, fallback)
 
 
 def _search_batch(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
@@ -215,14 +207,25 @@ CDF_BLOCK = 128  # weights per block of the two-level inverse CDF
 
 
 def _last_positive(weights: jax.Array) -> jax.Array:
-  """[..., N] -> [...] index of the last positive weight (0 if none)."""
+  """[..., N] -> [...] index of the last positive weight; N - 1 if there is none (an
+  all-NaN row, as its argmax)."""
   n = weights.shape[-1]
-  return jnp.max(jnp.where(weights > 0, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+  last = jnp.max(jnp.where(weights > 0, jnp.arange(n, dtype=jnp.int32), -1), axis=-1)
+  return jnp.where(last >= 0, last, n - 1)
+
+
+def _first_passing(weights: jax.Array, cum: jax.Array, target: jax.Array) -> jax.Array:
+  """[B, N] -> [B] first index with a positive weight whose running sum passes target
+  (N if none). Asking for a positive weight keeps a zero one (a filtered token, the
+  padding) from being drawn where a parallel scan's rounding lifts its running sum."""
+  n = weights.shape[-1]
+  hit = (weights > 0) & (cum > target[:, None])
+  return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
 
 
 def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
   """Index drawn with probability weights / sum(weights) from uniforms u [B] in [0, 1):
-  the first index whose cumulative weight passes u * total.
+  the first positive weight whose running sum passes u * total.
 
   Two levels: the running sum of block sums picks the block, then the running sum
   inside that block (from the blocks before it) picks the index. XLA's CPU cumsum
@@ -233,18 +236,18 @@ def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
   c = min(CDF_BLOCK, v)
   w = jnp.pad(weights, ((0, 0), (0, (-v) % c))).reshape(b, -1, c)
   nb = w.shape[1]
-  block_cum = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, NB]
+  sums = jnp.sum(w, axis=-1)  # [B, NB]
+  block_cum = jnp.cumsum(sums, axis=-1)
   target = u * block_cum[:, -1]
-  blk = jnp.sum(block_cum <= target[:, None], axis=-1)  # first block whose sum passes it
-  past_end = blk >= nb  # u * total rounded up to the total
+  blk = _first_passing(sums, block_cum, target)
+  past_end = blk >= nb  # u * total rounded up to the total (or no positive weight)
   blk = jnp.minimum(blk, nb - 1)
   rows = jnp.arange(b)
   base = jnp.where(blk > 0, block_cum[rows, jnp.maximum(blk - 1, 0)], 0.0)
   inner = w[rows, blk]  # [B, C]
-  j = jnp.sum(base[:, None] + jnp.cumsum(inner, axis=-1) <= target[:, None], axis=-1)
+  j = _first_passing(inner, base[:, None] + jnp.cumsum(inner, axis=-1), target)
   j = jnp.where(j < c, j, _last_positive(inner))
-  last = _last_positive(weights)
-  return jnp.where(past_end, last, blk * c + j).astype(jnp.int32)
+  return jnp.where(past_end, _last_positive(weights), blk * c + j).astype(jnp.int32)
 
 
 def filter_threshold(logits, temperature, top_k, top_p, min_p) -> jax.Array:
@@ -278,8 +281,9 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
   those), else from a bisection over the whole row, and a row that keeps more
   than the candidates draws over the whole vocabulary. Which way a row goes
   depends on that row alone, so its token does not depend on the batch.
-  (A full sort of [32, 49152] f32 logits took 290 ms on a 2-core CPU; this
-  takes ~9 ms when every row's kept set is among its candidates.)"""
+  (A full sort of [32, 49152] f32 logits took 290-310 ms on a 2-core CPU; this
+  takes 5-7 ms when every row's kept set is among its candidates, 2 ms unfiltered:
+  `scripts/bench_sampling.py`.)"""
   def greedy(_):
     return first_argmax(logits)
 
@@ -293,7 +297,9 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
       w = jnp.where(scaled >= cut[:, None], jnp.exp(scaled - top), 0.0)
       return _inverse_cdf(w, u)
 
-    def filtered(_):
+    def candidates(_):
+      """(ids drawn among the candidates, among: a row's kept set lies inside them,
+      cut: its threshold for a draw over the whole vocabulary)."""
       k_on, p_on, lse, m_cut = _filters(scaled, top_k, top_p, min_p)
       # The barrier keeps XLA (CPU) from rewriting top_k + a static slice of its
       # result (vals[:, :1] below) into a full sort, which undid the point of top_k.
@@ -308,23 +314,26 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
       among = known & ((vals[:, -1] < cut) | (vals.shape[-1] == v))
       weights = jnp.where(vals >= cut[:, None], jnp.exp(vals - vals[:, :1]), 0.0)
       ids = jnp.take_along_axis(idx, _inverse_cdf(weights, u)[:, None], axis=-1)[:, 0]
+      # A threshold past the candidates: the exact search, for the sampled rows needing it.
+      exact = jax.lax.platform_dependent(~known & (temperature > 0), cut, scaled, lse, top_k,
+                                         top_p, k_on, p_on, cpu=_search_rows,
+                                         default=_search_batch)
+      return ids.astype(jnp.int32), among, jnp.where(known, cut, jnp.maximum(exact, m_cut))
 
-      def whole_row(_):
-        exact = jax.lax.platform_dependent(~known, cut, scaled, lse, top_k, top_p, k_on, p_on,
-                                           cpu=_search_rows, default=_search_batch)
-        return whole_vocabulary(jnp.where(known, cut, jnp.maximum(exact, m_cut)))
-
-      return jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids, whole_row, None))
-
+    b = scaled.shape[0]
     if v <= CANDIDATES:  # the candidates are the whole vocabulary (in another order)
-      ids = filtered(None)
+      ids, among, cut = candidates(None)
     else:
-      # Without filters a row draws over the whole vocabulary (cut -inf) on either
-      # branch, the same way: the top_k of the candidates is skipped when no row needs it.
+      # An unfiltered row draws over the whole vocabulary (cut -inf) either way: the
+      # candidates' top_k is skipped when no sampled row filters.
       on = (temperature > 0) & (((top_k > 0) & (top_k < v)) | (top_p < 1.0) | (min_p > 0))
-      ids = jax.lax.cond(jnp.any(on), filtered,
-                         lambda _: whole_vocabulary(jnp.full(scaled.shape[:1], -jnp.inf)),
-                         None)
+      no_filter = lambda _: (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool),
+                             jnp.full((b,), -jnp.inf, jnp.float32))
+      ids, among, cut = jax.lax.cond(jnp.any(on), candidates, no_filter, None)
+    # One whole-vocabulary draw (one compiled copy) for every row whose kept set passes
+    # the candidates, whichever branch it came from.
+    ids = jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids,
+                                             lambda _: whole_vocabulary(cut), None))
     # The argmax only where some row is greedy (a pass over the logits).
     greedy_ids = jax.lax.cond(jnp.all(temperature > 0), lambda _: ids.astype(jnp.int32),
                               greedy, None)

@@ -281,3 +281,6 @@ def test_bench_engine_refuses_a_sampled_run_against_greedy_references(capsys):
   with pytest.raises(SystemExit):
     be.main(["--temperature", "0.8"])
   assert "add --skip-llamacpp --skip-hf" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    be.main(["--top-p", "0.9", "--skip-llamacpp", "--skip-hf"])
+  assert "add --temperature" in capsys.readouterr().err

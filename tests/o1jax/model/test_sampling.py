@@ -285,3 +285,22 @@ def test_the_batch_search_gives_the_row_search_thresholds():
   loops = {platform: traced.lower(lowering_platforms=(platform,)).as_text().count("stablehlo.while")
            for platform in ("cpu", "cuda")}
   assert loops["cpu"] > loops["cuda"] >= 1, loops  # the CPU's loop over the rows in need
+
+
+def test_the_draw_never_lands_on_a_zero_weight():
+  """A running sum that rounding lifts at a zero weight (a parallel scan can) does not
+  draw it: the first positive weight past the target is taken; a row without one
+  draws its last index (as the argmax of an all-NaN row)."""
+  from o1jax.model.sampling import _first_passing, _inverse_cdf
+
+  weights = jnp.asarray([[1.0, 0.0, 1.0, 0.0]])
+  lifted = jnp.asarray([[1.0, 1.0000001, 2.0, 2.0]])  # index 1's sum rounded up
+  assert int(_first_passing(weights, lifted, jnp.asarray([1.0]))[0]) == 2
+  assert int(_first_passing(weights, lifted, jnp.asarray([2.0]))[0]) == 4  # none: N
+  zero = jnp.zeros((2, 300))
+  assert np.asarray(jax.jit(_inverse_cdf)(zero, jnp.asarray([0.0, 0.7]))).tolist() == [299, 299]
+  nan = jnp.full((2, 1000), jnp.nan)
+  keys = jax.random.split(jax.random.PRNGKey(0), 2)
+  ids = jax.jit(sample)(nan, keys, jnp.asarray([0.0, 0.8]), jnp.zeros(2, jnp.int32),
+                        jnp.ones(2), jnp.zeros(2))
+  assert np.asarray(ids).tolist() == [999, 999]  # greedy and sampled alike, in range
