@@ -288,7 +288,12 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     return first_argmax(logits)
 
   def sampled(_):
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    x = logits.astype(jnp.float32)
+    # A row with +inf logits puts all its mass on them (equally): as logits 0 among -inf
+    # (exp(inf - inf) would make every weight NaN). Greedy rows' argmax already takes them.
+    posinf = x == jnp.inf
+    x = jnp.where(jnp.any(posinf, axis=-1, keepdims=True), jnp.where(posinf, 0.0, -jnp.inf), x)
+    scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
     v = scaled.shape[-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
 

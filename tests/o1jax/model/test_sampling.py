@@ -304,3 +304,23 @@ def test_the_draw_never_lands_on_a_zero_weight():
   ids = jax.jit(sample)(nan, keys, jnp.asarray([0.0, 0.8]), jnp.zeros(2, jnp.int32),
                         jnp.ones(2), jnp.zeros(2))
   assert np.asarray(ids).tolist() == [999, 999]  # greedy and sampled alike, in range
+
+
+def test_infinite_logits_take_all_the_mass():
+  """+inf logits (an overflowing model) hold all the mass, shared equally; -inf ones
+  none: every setting draws an infinite token, never a masked one (before, an
+  unfiltered row drew token 0)."""
+  v, n = 1000, 400
+  row = np.random.default_rng(1).standard_normal(v).astype(np.float32)
+  row[::3] = -np.inf
+  row[[5, 601]] = np.inf
+  keys = jax.random.split(jax.random.PRNGKey(2), n)
+  full = lambda x, dt: jnp.full((n,), x, dt)
+  for t, k, p, m in [(0.8, 0, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (0.8, 40, 1.0, 0.0),
+                     (50.0, 0, 0.5, 0.1), (0.0, 0, 1.0, 0.0)]:
+    ids = np.asarray(jax.jit(sample)(jnp.asarray(np.repeat(row[None], n, 0)), keys,
+                                     full(t, jnp.float32), full(k, jnp.int32),
+                                     full(p, jnp.float32), full(m, jnp.float32)))
+    assert set(ids.tolist()) <= {5, 601}, (t, k, p, m, sorted(set(ids.tolist()))[:5])
+    if t > 0 and p > 0.5:  # (top-p 0.5 keeps one of the two: the first reaches it)
+      assert 0.4 < np.mean(ids == 5) < 0.6, (t, k, p, m)  # shared equally
