@@ -73,6 +73,12 @@ def test_engine_replicas_give_the_one_engine_tokens_each_on_its_own_devices(run,
   assert r["requests_per_replica"] == [8, 8]  # 16 requests dealt out in turn
 
 
+def test_sampling_on_vocabulary_split_logits_gives_the_one_device_tokens(run):
+  """Every path of `sample` (candidates, the whole-row search, top-k, unfiltered, greedy)
+  on logits split over the mesh's model axis."""
+  assert run["sampling"]["same_tokens"], run["sampling"]
+
+
 def test_uneven_split_is_one_line(run):
   assert run["tp4_kv2_error"] == ("tensor parallelism 4: the model's n_kv_heads=2 is not a "
                                   "multiple of it")

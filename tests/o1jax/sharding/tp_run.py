@@ -108,6 +108,30 @@ def replica_cases(prompts):
   return out
 
 
+def sampling_case():
+  """`sample` on vocabulary-split logits (a split head's output) against one device, every
+  path at once: top-p inside the candidates (peaked rows), the whole-row threshold search
+  (flat rows), top-k, unfiltered, a greedy row beside them. (The tiny model's byte
+  vocabulary never leaves the candidates.)"""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from o1jax.model.sampling import sample
+
+  b, v = 8, 1000
+  rng = np.random.default_rng(0)
+  x = (0.5 * rng.standard_normal((b, v))).astype(np.float32)
+  x[::2, :3] += 30.0
+  keys = jax.random.split(jax.random.PRNGKey(1), b)
+  params = (jnp.asarray([0.9] * 7 + [0.0]), jnp.asarray([0, 0, 0, 0, 40, 40, 0, 0], jnp.int32),
+            jnp.asarray([0.95, 0.95, 0.95, 0.95, 1.0, 1.0, 1.0, 1.0]), jnp.zeros((b,)))
+  want = np.asarray(jax.jit(sample)(jnp.asarray(x), keys, *params)).tolist()
+  mesh = tensor_parallel.auto_mesh(mesh_of(2))
+  with jax.set_mesh(mesh):
+    split = jax.device_put(jnp.asarray(x), NamedSharding(mesh, PartitionSpec(None, "model")))
+    got = np.asarray(jax.jit(sample)(split, keys, *params)).tolist()
+  return dict(same_tokens=got == want, tokens=got)
+
+
 def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 259, size=int(rng.integers(3, 40))).tolist() for _ in range(4)]
@@ -138,6 +162,7 @@ def main():
   out["fp8_tp2"] = dict(same_tokens=got == want, collectives=ops, layers=model.config.n_layers)
   out["controller"] = controller_cases(prompts)
   out["replicas"] = replica_cases(prompts)
+  out["sampling"] = sampling_case()
   model, tok = tiny(2)
   try:
     tensor_parallel.shard_model(model, tensor_parallel.auto_mesh(mesh_of(4)))
