@@ -156,8 +156,8 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   them. chat_template: stored as `tokenizer.chat_template`.
 
   tensor_types: a type per GGUF name suffix (e.g. {"attn_v.weight": "Q6_K"}), overriding
-  matrix_type, as llama.cpp's mixes (Q4_K_M) do. gguf-py cannot quantize to K-quants:
-  those tensors get random codes (`random_gguf_blocks`) instead of the returned weights.
+  matrix_type, as llama.cpp's mixes (Q4_K_M) do. gguf-py cannot quantize to K-quants or
+  IQ4: those tensors get random codes (`random_gguf_blocks`) instead of the returned weights.
   Returns the HF-layout f32 weights it was made from (before quantization)."""
   import gguf
 
@@ -195,7 +195,7 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   def add(name, w, kind):
     kind = next((t for suffix, t in (tensor_types or {}).items() if name.endswith(suffix)), kind)
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind.endswith("_K"):
+    if kind.endswith("_K") or kind.startswith("IQ"):  # gguf-py quantizes neither
       raw = random_gguf_blocks(kind, w.shape[0], w.shape[1], block_rng,
                                kquant_scales(kind, w.shape[1]))
       writer.add_tensor(name, raw, raw_dtype=qtype)
@@ -282,7 +282,8 @@ _BLOCK_SCALE_FIELDS = {
     "Q2_K": ((80, 82, np.float16), (82, 84, np.float16)), "Q3_K": ((108, 110, np.float16),),
     "Q4_K": ((0, 2, np.float16), (2, 4, np.float16)),
     "Q5_K": ((0, 2, np.float16), (2, 4, np.float16)), "Q6_K": ((208, 210, np.float16),),
-    "Q8_K": ((0, 4, np.float32),),
+    "Q8_K": ((0, 4, np.float32),), "IQ4_NL": ((0, 2, np.float16),),
+    "IQ4_XS": ((0, 2, np.float16),),
 }
 
 
@@ -310,7 +311,8 @@ def kquant_scales(kind: str, in_features: int) -> tuple[float, float]:
   # (largest scale, largest code, mean of the min term per unit dmin)
   sc_max, q_max, min_mean = {"Q2_K": (15, 3, 7.5), "Q3_K": (32, 4, 0), "Q4_K": (63, 15, 31.5),
                              "Q5_K": (63, 31, 31.5), "Q6_K": (128, 32, 0),
-                             "Q8_K": (1, 128, 0)}.get(kind, (1, 8, 0))
+                             "Q8_K": (1, 128, 0), "IQ4_NL": (1, 127, 0),
+                             "IQ4_XS": (32, 127, 0)}.get(kind, (1, 8, 0))
   d = target * 2 / (sc_max * q_max)
   dmin = d * (sc_max / 2) * (q_max / 2) / min_mean if min_mean else 0.0
   return d, dmin

@@ -18,12 +18,16 @@ function and a `FORMATS` entry, never a new kernel.
   Q5_K      176      8-bit, 32, f32 (+ f32 min)                0..31
   Q6_K      210      8-bit, 16, f32                            -32..31
   Q8_K      292      8-bit, 256, f32                           -128..127
+  IQ4_NL    144      8-bit, 32, f16                            IQ4_VALUES
+  IQ4_XS    136      8-bit, 32, f32                            IQ4_VALUES
 
 The K-quants hold a two-level scale: an f16 super-block scale d (and dmin) times a 4-
 or 6-bit integer per group. Their product has up to 11 + 8 significant bits, so it is
 exact in f32 (24) but not in f16 (11): stored as f32, the dequantized values are the same
 bits as gguf-py's and llama.cpp's (scale * q rounded once, minus the exact min product).
 5- and 6-bit codes have no packed 5/6-bit layout in the kernels; they take the int8 one.
+The IQ4 formats are non-linear: a nibble indexes a table of 16 integers (IQ4_VALUES),
+which are the codes, so they too take the int8 layout (twice the file's bytes).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ import numpy as np
 from pallas_kernels.quantized_tensor import QuantizedTensor, pack_int4
 
 QK_K = 256  # elements per K-quant super-block
+# The 16 levels a nibble of IQ4_NL / IQ4_XS stands for (ggml's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int8)
 
 
 class Codes(NamedTuple):
@@ -211,6 +218,29 @@ def _unpack_q8_k(b):
   return Codes(_rows(q), _rows(d), None, bits=8, group=QK_K)
 
 
+# --- IQ4: non-linear 4-bit levels ----------------------------------------------------
+
+
+def _unpack_iq4_nl(b):
+  """f16 d, 16 bytes of nibbles laid out as Q4_0's; w = d IQ4_VALUES[nibble]."""
+  return Codes(_rows(IQ4_VALUES[_low_high(b[..., 2:18])]), _f16(b[..., 0:2]), None, bits=8,
+               group=32)
+
+
+def _unpack_iq4_xs(b):
+  """f16 d, 2 bytes scales_h, 4 bytes scales_l, 128 bytes of nibbles: sub-block i (32
+  elements) has the 6-bit scale ls = nibble i of scales_l (low nibble first) + bits 2i of
+  scales_h (a little-endian uint16) << 4, and its 16 bytes laid out as Q4_0's.
+  w = d (ls - 32) IQ4_VALUES[nibble]."""
+  lead = b.shape[:-1]
+  low_sc = np.swapaxes(_low_high(b[..., 4:8]), -1, -2).reshape(*lead, 8)
+  high_sc = np.swapaxes(_bit_planes(b[..., 2:4], 2), -1, -2).reshape(*lead, 8)
+  sc = (low_sc | (high_sc << 4)).astype(np.int16) - 32
+  q = IQ4_VALUES[_low_high(b[..., 8:136].reshape(*lead, 8, 16))]
+  scale, _ = _two_level(_f16_as_f32(b[..., 0:2]), None, sc, None)
+  return Codes(_rows(q), scale, None, bits=8, group=32)
+
+
 FORMATS: dict[str, BlockFormat] = {
     "Q4_0": BlockFormat(32, 18, _unpack_q4_0),
     "Q4_1": BlockFormat(32, 20, _unpack_q4_1),
@@ -223,6 +253,8 @@ FORMATS: dict[str, BlockFormat] = {
     "Q5_K": BlockFormat(QK_K, 176, _unpack_q5_k),
     "Q6_K": BlockFormat(QK_K, 210, _unpack_q6_k),
     "Q8_K": BlockFormat(QK_K, 292, _unpack_q8_k),
+    "IQ4_NL": BlockFormat(32, 18, _unpack_iq4_nl),
+    "IQ4_XS": BlockFormat(QK_K, 136, _unpack_iq4_xs),
 }
 
 

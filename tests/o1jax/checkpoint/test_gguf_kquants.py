@@ -1,4 +1,4 @@
-"""GGUF K-quants: every block format bit-exact against gguf-py, through every matmul path,
+"""GGUF K-quants and IQ4: every block format bit-exact against gguf-py, through every matmul path,
 and a tiny K-quant model against the numpy reference."""
 
 import gguf
@@ -28,7 +28,7 @@ def test_dequantize_bit_exact_against_gguf_py(kind):
     np.testing.assert_array_equal(got, want, err_msg=f"{kind} scale {scale}")
 
 
-@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_pallas_matmul_on_gguf_blocks(kind):
   """The fused kernel (interpret mode) on a loaded K-quant weight = x @ gguf-py's values."""
   rng = np.random.default_rng(7)
@@ -71,14 +71,38 @@ def test_q4_k_sub_block_by_hand():
   np.testing.assert_array_equal(w, want)
 
 
+def test_iq4_xs_by_hand():
+  """d = 0.5; sub-block i has the 6-bit scale ls_i = 32 + (i - 4) * 3 (so i - 4 = 3 (ls - 32) / 3
+  steps, negative below 4), split as the format stores it: low nibbles in scales_l (sub-block
+  2j low, 2j + 1 high), top 2 bits at bits 2i of the little-endian uint16 scales_h. Every
+  nibble is 8 (level 1) except element 0 (low nibble 0: -127) and element 16 of sub-block 7
+  (high nibble 15: 113). w = d (ls - 32) level."""
+  ls = 32 + (np.arange(8) - 4) * 3
+  scales_l = (ls[0::2] & 0xF) | ((ls[1::2] & 0xF) << 4)
+  scales_h = sum(int(v >> 4) << (2 * i) for i, v in enumerate(ls))
+  qs = np.full(128, 0x88, np.uint8)
+  qs[0] = 0x80  # element 0 of sub-block 0: low nibble 0
+  qs[7 * 16] = 0xF8  # element 16 of sub-block 7: high nibble 15
+  raw = np.concatenate([np.array([0.5], np.float16).view(np.uint8),
+                        np.array([scales_h], "<u2").view(np.uint8), scales_l.astype(np.uint8),
+                        qs])[None]
+  assert raw.shape == (1, 136)
+  w = np.asarray(dequantize(quantized_from_gguf("IQ4_XS", raw)))[:, 0]
+  want = np.repeat(0.5 * (ls - 32), 32).astype(np.float32)  # level 1 everywhere
+  want[0] = 0.5 * (ls[0] - 32) * -127
+  want[7 * 32 + 16] = 0.5 * (ls[7] - 32) * 113
+  np.testing.assert_array_equal(w, want)
+
+
 # Q4_K_M's mix: Q4_K matrices, Q6_K for attn_v, ffn_down and the embedding table; plus one
-# matrix of each other K-quant, and Q5_0/Q5_1 (llama.cpp's fallback where K is not a
-# multiple of 256). K = 256 everywhere (a K-quant super-block).
+# matrix of each other K-quant, Q5_0/Q5_1 (llama.cpp's fallback where K is not a
+# multiple of 256) and IQ4_XS/IQ4_NL. K = 256 everywhere (a K-quant super-block).
 KQUANT_CONFIG = dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256)
 KQUANT_MIX = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "blk.1.ffn_up.weight": "Q5_K",
               "blk.1.attn_output.weight": "Q3_K", "blk.1.ffn_gate.weight": "Q2_K",
               "blk.1.attn_k.weight": "Q8_K", "blk.0.ffn_up.weight": "Q5_0",
-              "blk.0.ffn_gate.weight": "Q5_1"}
+              "blk.0.ffn_gate.weight": "Q5_1", "blk.1.attn_q.weight": "IQ4_XS",
+              "blk.0.attn_output.weight": "IQ4_NL"}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +139,7 @@ def test_kquant_model_matches_numpy_reference(kquant_gguf):
 
 def test_kquant_model_int8_matmuls(kquant_gguf):
   """The int8 path (Q6_K/Q3_K/Q2_K requantized to Q8_0, f32 scales rounded to f16; Q5_0/Q5_1
-  exact) stays
+  and IQ4_NL exact) stays
   near the exact logits; measured here: KL and top-1 agreement."""
   ck = load_checkpoint(kquant_gguf)
   exact = _logits(ck)
