@@ -283,7 +283,10 @@ _BLOCK_SCALE_FIELDS = {
     "Q4_K": ((0, 2, np.float16), (2, 4, np.float16)),
     "Q5_K": ((0, 2, np.float16), (2, 4, np.float16)), "Q6_K": ((208, 210, np.float16),),
     "Q8_K": ((0, 4, np.float32),), "IQ4_NL": ((0, 2, np.float16),),
-    "IQ4_XS": ((0, 2, np.float16),),
+    "IQ4_XS": ((0, 2, np.float16),), "IQ3_S": ((0, 2, np.float16),),
+    "IQ3_XXS": ((0, 2, np.float16),), "IQ2_S": ((0, 2, np.float16),),
+    "IQ2_XS": ((0, 2, np.float16),), "IQ2_XXS": ((0, 2, np.float16),),
+    "IQ1_S": ((0, 2, np.float16),), "IQ1_M": (),  # IQ1_M: d split over 4 nibbles (below)
 }
 
 
@@ -300,6 +303,11 @@ def random_gguf_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
     v = rng.standard_normal((rows, k // block)) * scales[i]
     v = v if kind in ("Q4_1", "Q5_1") and i == 1 else np.abs(v)
     raw[..., start:end] = v.astype(dtype)[..., None].view(np.uint8)
+  if kind == "IQ1_M":  # d's 16 bits sit in the top nibbles of the last 4 uint16 (first lowest)
+    d = np.abs(rng.standard_normal((rows, k // block)) * scales[0]).astype(np.float16)
+    nibbles = (d.view(np.uint16)[..., None] >> np.array([0, 4, 8, 12], np.uint16)) & 0xF
+    words = raw[..., 48:56].copy().view("<u2")
+    raw[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12).astype(np.uint16)).view(np.uint8)
   return raw.reshape(rows, -1)
 
 
@@ -312,7 +320,10 @@ def kquant_scales(kind: str, in_features: int) -> tuple[float, float]:
   sc_max, q_max, min_mean = {"Q2_K": (15, 3, 7.5), "Q3_K": (32, 4, 0), "Q4_K": (63, 15, 31.5),
                              "Q5_K": (63, 31, 31.5), "Q6_K": (128, 32, 0),
                              "Q8_K": (1, 128, 0), "IQ4_NL": (1, 127, 0),
-                             "IQ4_XS": (32, 127, 0)}.get(kind, (1, 8, 0))
+                             "IQ4_XS": (32, 127, 0), "IQ3_S": (31, 15, 0),
+                             "IQ3_XXS": (8, 62, 0), "IQ2_S": (4, 43, 0), "IQ2_XS": (4, 43, 0),
+                             "IQ2_XXS": (4, 43, 0), "IQ1_S": (2, 9, 0),
+                             "IQ1_M": (2, 9, 0)}.get(kind, (1, 8, 0))
   d = target * 2 / (sc_max * q_max)
   dmin = d * (sc_max / 2) * (q_max / 2) / min_mean if min_mean else 0.0
   return d, dmin

@@ -20,19 +20,30 @@ function and a `FORMATS` entry, never a new kernel.
   Q8_K      292      8-bit, 256, f32                           -128..127
   IQ4_NL    144      8-bit, 32, f16                            IQ4_VALUES
   IQ4_XS    136      8-bit, 32, f32                            IQ4_VALUES
+  IQ3_S     110      8-bit, 32, f32                            +-1..15 (grid)
+  IQ3_XXS    98      8-bit, 32, f32                            +-4..62 (grid)
+  IQ2_S      82      8-bit, 16, f32                            +-8, 25, 43 (grid)
+  IQ2_XS     74      8-bit, 16, f32                            +-8, 25, 43 (grid)
+  IQ2_XXS    66      8-bit, 32, f32                            +-8, 25, 43 (grid)
+  IQ1_M      56      8-bit, 16, f32                            +-1, 7, 9 (grid, x 8)
+  IQ1_S      50      8-bit, 32, f32                            +-1, 7, 9 (grid, x 8)
 
 The K-quants hold a two-level scale: an f16 super-block scale d (and dmin) times a 4-
 or 6-bit integer per group. Their product has up to 11 + 8 significant bits, so it is
 exact in f32 (24) but not in f16 (11): stored as f32, the dequantized values are the same
 bits as gguf-py's and llama.cpp's (scale * q rounded once, minus the exact min product).
 5- and 6-bit codes have no packed 5/6-bit layout in the kernels; they take the int8 one.
-The IQ4 formats are non-linear: a nibble indexes a table of 16 integers (IQ4_VALUES),
-which are the codes, so they too take the int8 layout (twice the file's bytes).
+The IQ formats are non-linear: a nibble indexes a table of 16 integers (IQ4_VALUES), or an
+index picks 4 or 8 values at once from a fixed grid of small integers (IQ1-IQ3, with sign
+bits), times a per-group scale; the integers are the codes, so they too take the int8
+layout (2-4x the file's bytes in memory). IQ1's values are grid +- 1/8: codes 8 grid +- 1
+under a scale divided by 8 (exact). The grids are gguf-py's tables (the format's data).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -241,6 +252,148 @@ def _unpack_iq4_xs(b):
   return Codes(_rows(q), scale, None, bits=8, group=32)
 
 
+# --- IQ1-IQ3: values from a grid of small integers -------------------------------------
+
+
+@functools.cache
+def _grid(kind: str) -> np.ndarray:
+  """The format's grid [entries, 4 or 8] as int8 (gguf-py holds ggml's tables)."""
+  import gguf
+
+  cls = getattr(gguf.quants, kind)
+  cls.init_grid()
+  return np.asarray(cls.grid, np.float32).reshape(cls.grid_shape).astype(np.int8)
+
+
+# 7 sign bits -> 8 (the 8th makes the number of minus signs even), as ggml's ksigns_iq2xs.
+_EVEN_SIGNS = np.array([i | ((bin(i).count("1") & 1) << 7) for i in range(128)], np.uint8)
+
+
+def _sign_bits(b: np.ndarray) -> np.ndarray:
+  """Bytes [...] -> [..., 8] of +1 / -1 (bit i set: element i negative)."""
+  return 1 - 2 * _bit_planes(b[..., None], 1)[..., 0].astype(np.int8)
+
+
+def _u32(b: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(b).view("<u4")
+
+
+def _u16(b: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(b).view("<u2")
+
+
+def _grid_codes(kind: str, index: np.ndarray, signs: np.ndarray | None) -> np.ndarray:
+  """Grid rows at `index` [...] -> [..., n] int8, times signs [..., n] (+-1) if given."""
+  values = _grid(kind)[index]
+  return values if signs is None else values * signs
+
+
+def _half_step_scale(d, ls, step):
+  """d (ls + 1/2) step: ggml's IQ2/IQ3_XXS sub-block scale (exact in f32)."""
+  return d[..., None] * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(step)
+
+
+def _unpack_iq2_xxs(b):
+  """f16 d, then per 32 elements two little-endian uint32: the first holds 4 grid
+  indices (a byte each, 8 values each), the second 4 x 7 sign bits (bits 7j; the 8th
+  sign from parity) and a 4-bit scale ls in its top bits. w = d (ls + 1/2) / 4 g s."""
+  lead = b.shape[:-1]
+  words = _u32(b[..., 2:66]).reshape(*lead, 8, 2)
+  index = b[..., 2:66].reshape(*lead, 8, 8)[..., 0:4]  # the first word's bytes
+  sign_idx = (words[..., 1:2] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F
+  q = _grid_codes("IQ2_XXS", index, _sign_bits(_EVEN_SIGNS[sign_idx]))
+  scale = _half_step_scale(_f16_as_f32(b[..., 0:2]), words[..., 1] >> 28, 0.25)
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=32)
+
+
+def _unpack_iq2_xs(b):
+  """f16 d, 32 little-endian uint16 (grid index: low 9 bits; 7 sign bits above), 8
+  bytes of 4-bit scales (low nibble first), one per 16 elements.
+  w = d (ls + 1/2) / 4 g s."""
+  lead = b.shape[:-1]
+  qs = _u16(b[..., 2:66])
+  q = _grid_codes("IQ2_XS", qs & 511, _sign_bits(_EVEN_SIGNS[qs >> 9]))
+  ls = np.swapaxes(_low_high(b[..., 66:74]), -1, -2).reshape(*lead, 16)
+  scale = _half_step_scale(_f16_as_f32(b[..., 0:2]), ls, 0.25)
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=16)
+
+
+def _unpack_iq2_s(b):
+  """f16 d, 32 bytes of grid index low bits, 32 bytes of explicit sign bits (one byte
+  per 8 elements), 8 bytes whose 2-bit fields (lowest first) are the indices' bits 8-9,
+  8 bytes of 4-bit scales per 16 elements. w = d (ls + 1/2) / 4 g s."""
+  lead = b.shape[:-1]
+  high = _bit_planes(b[..., 66:74], 2)  # [..., 4 fields, 8 bytes]
+  index = b[..., 2:34].astype(np.uint16) | (np.swapaxes(high, -1, -2).reshape(*lead, 32)
+                                           .astype(np.uint16) << 8)
+  q = _grid_codes("IQ2_S", index, _sign_bits(b[..., 34:66]))
+  ls = np.swapaxes(_low_high(b[..., 74:82]), -1, -2).reshape(*lead, 16)
+  scale = _half_step_scale(_f16_as_f32(b[..., 0:2]), ls, 0.25)
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=16)
+
+
+def _unpack_iq3_xxs(b):
+  """f16 d, 64 bytes of grid indices (4 values each), then per 32 elements a
+  little-endian uint32 of 4 x 7 sign bits (parity completes each 8) and a 4-bit scale ls
+  in its top bits. w = d (ls + 1/2) / 2 g s."""
+  lead = b.shape[:-1]
+  words = _u32(b[..., 66:98])  # [..., 8]
+  sign_idx = (words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F  # [..., 8, 4]
+  signs = _sign_bits(_EVEN_SIGNS[sign_idx]).reshape(*lead, 64, 4)
+  q = _grid_codes("IQ3_XXS", b[..., 2:66], signs)
+  scale = _half_step_scale(_f16_as_f32(b[..., 0:2]), words >> 28, 0.5)
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=32)
+
+
+def _unpack_iq3_s(b):
+  """f16 d, 64 bytes of grid index low bits (4 values each), 8 bytes whose bit i of
+  byte j is bit 8 of index 8j + i, 32 bytes of explicit sign bits, 4 bytes of 4-bit scales
+  (low nibble first) per 32 elements. w = d (2 ls + 1) g s."""
+  lead = b.shape[:-1]
+  high = np.swapaxes(_bit_planes(b[..., 66:74], 1), -1, -2).reshape(*lead, 64)
+  index = b[..., 2:66].astype(np.uint16) | (high.astype(np.uint16) << 8)
+  signs = _sign_bits(b[..., 74:106]).reshape(*lead, 64, 4)
+  q = _grid_codes("IQ3_S", index, signs)
+  ls = np.swapaxes(_low_high(b[..., 106:110]), -1, -2).reshape(*lead, 8)
+  scale = _f16_as_f32(b[..., 0:2])[..., None] * (1 + 2 * ls.astype(np.float32))
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=32)
+
+
+def _iq1_codes(index, minus):
+  """Grid rows (values -1, 0, 1) at `index` plus +-1/8 (minus: -), times 8: int8."""
+  return 8 * _grid("IQ1_S")[index] + np.where(minus, -1, 1)[..., None].astype(np.int8)
+
+
+def _unpack_iq1_s(b):
+  """f16 d, 32 bytes of grid index low bits (8 values each), then per 32 elements a
+  little-endian uint16: 4 x 3 bits of index bits 8-10, a 3-bit scale ls (bits 12-14), and
+  the sign of the shift (bit 15). w = d (2 ls + 1) (g +- 1/8)."""
+  lead = b.shape[:-1]
+  qh = _u16(b[..., 34:50])  # [..., 8]
+  high = (qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7  # [..., 8, 4]
+  index = b[..., 2:34].reshape(*lead, 8, 4).astype(np.uint16) | (high << 8)
+  q = _iq1_codes(index, np.broadcast_to((qh >> 15)[..., None] > 0, index.shape))
+  scale = _f16_as_f32(b[..., 0:2])[..., None] * (2 * ((qh >> 12) & 7).astype(np.float32) + 1) / 8
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=32)
+
+
+def _unpack_iq1_m(b):
+  """32 bytes of grid index low bits (8 values each), 16 bytes of nibbles (low first),
+  one per index: bits 0-2 its bits 8-10, bit 3 the sign of the shift; then 4 little-endian
+  uint16 holding 3-bit scales ls (bits 0-11, per 16 elements) and, in their top nibbles
+  (first word lowest), the f16 d. w = d (2 ls + 1) (g +- 1/8)."""
+  lead = b.shape[:-1]
+  nib = np.swapaxes(_low_high(b[..., 32:48]), -1, -2).reshape(*lead, 32)
+  index = b[..., 0:32].astype(np.uint16) | ((nib & 7).astype(np.uint16) << 8)
+  q = _iq1_codes(index, (nib & 8) > 0)
+  words = _u16(b[..., 48:56])  # [..., 4]
+  d_bits = np.bitwise_or.reduce((words >> 12) << np.array([0, 4, 8, 12], np.uint16), axis=-1)
+  d = np.ascontiguousarray(d_bits.astype(np.uint16)).view(np.float16).astype(np.float32)
+  ls = ((words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(*lead, 16)
+  scale = d[..., None] * (2 * ls.astype(np.float32) + 1) / 8
+  return Codes(_rows(q), _rows(scale), None, bits=8, group=16)
+
+
 FORMATS: dict[str, BlockFormat] = {
     "Q4_0": BlockFormat(32, 18, _unpack_q4_0),
     "Q4_1": BlockFormat(32, 20, _unpack_q4_1),
@@ -255,6 +408,13 @@ FORMATS: dict[str, BlockFormat] = {
     "Q8_K": BlockFormat(QK_K, 292, _unpack_q8_k),
     "IQ4_NL": BlockFormat(32, 18, _unpack_iq4_nl),
     "IQ4_XS": BlockFormat(QK_K, 136, _unpack_iq4_xs),
+    "IQ3_S": BlockFormat(QK_K, 110, _unpack_iq3_s),
+    "IQ3_XXS": BlockFormat(QK_K, 98, _unpack_iq3_xxs),
+    "IQ2_S": BlockFormat(QK_K, 82, _unpack_iq2_s),
+    "IQ2_XS": BlockFormat(QK_K, 74, _unpack_iq2_xs),
+    "IQ2_XXS": BlockFormat(QK_K, 66, _unpack_iq2_xxs),
+    "IQ1_M": BlockFormat(QK_K, 56, _unpack_iq1_m),
+    "IQ1_S": BlockFormat(QK_K, 50, _unpack_iq1_s),
 }
 
 

@@ -123,9 +123,9 @@ def test_truncated_gguf_names_file_and_tensor(tmp_path):
 
 def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
   p = tmp_path / "k.gguf"
-  # 4 rows of one IQ2_XXS super-block (256 elements, codes from a lattice codebook: not
-  # built) each; contents irrelevant.
-  raw = np.zeros((4, gguf.GGML_QUANT_SIZES[Q.IQ2_XXS][1]), np.uint8)
-  _write_raw(p, {"blk.0.attn_q.weight": (raw, Q.IQ2_XXS)})
-  with pytest.raises(CheckpointError, match=r"tensor 'blk.0.attn_q.weight' has type IQ2_XXS"):
+  # 4 rows of one TQ2_0 super-block (256 ternary values: BitNet's type, not built) each;
+  # contents irrelevant.
+  raw = np.zeros((4, gguf.GGML_QUANT_SIZES[Q.TQ2_0][1]), np.uint8)
+  _write_raw(p, {"blk.0.attn_q.weight": (raw, Q.TQ2_0)})
+  with pytest.raises(CheckpointError, match=r"tensor 'blk.0.attn_q.weight' has type TQ2_0"):
     read_tensors(p)

@@ -1,5 +1,5 @@
-"""GGUF K-quants and IQ4: every block format bit-exact against gguf-py, through every matmul path,
-and a tiny K-quant model against the numpy reference."""
+"""GGUF K-quants and IQ types: every block format bit-exact against gguf-py, through every
+matmul path, and tiny K-quant and IQ models against the numpy reference."""
 
 import gguf
 import jax.numpy as jnp
@@ -28,7 +28,8 @@ def test_dequantize_bit_exact_against_gguf_py(kind):
     np.testing.assert_array_equal(got, want, err_msg=f"{kind} scale {scale}")
 
 
-@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                                  "IQ3_S", "IQ2_XS", "IQ1_M"])
 def test_pallas_matmul_on_gguf_blocks(kind):
   """The fused kernel (interpret mode) on a loaded K-quant weight = x @ gguf-py's values."""
   rng = np.random.default_rng(7)
@@ -94,6 +95,33 @@ def test_iq4_xs_by_hand():
   np.testing.assert_array_equal(w, want)
 
 
+def test_iq_grids_and_signs_by_hand():
+  """ggml's tables as its source writes them (iq2xxs_grid[1] = 0x080808080808082b,
+  iq3xxs_grid[1] = 0x04040414, iq1s_grid[1] = 0xffffffffffffff01; little-endian bytes),
+  and the 7-to-8 sign expansion: the 8th bit makes the number of minus signs even."""
+  from o1jax.checkpoint.gguf_blocks import _EVEN_SIGNS, _grid
+  np.testing.assert_array_equal(_grid("IQ2_XXS")[1], [0x2B] + [8] * 7)
+  np.testing.assert_array_equal(_grid("IQ3_XXS")[1], [0x14, 4, 4, 4])
+  np.testing.assert_array_equal(_grid("IQ1_S")[1], [1] + [-1] * 7)
+  assert _grid("IQ2_S").shape == (1024, 8) and _grid("IQ3_S").shape == (512, 4)
+  bits = np.unpackbits(_EVEN_SIGNS[:, None], axis=1)
+  assert (bits.sum(1) % 2 == 0).all() and ((_EVEN_SIGNS & 0x7F) == np.arange(128)).all()
+
+
+def test_iq2_xxs_block_by_hand():
+  """d = 1; sub-block 0: grid indices (1, 0, 0, 0), sign index 1 for its first 8 values
+  (ksigns 0x81: values 0 and 7 negative), scale ls = 3: (3 + 1/2) / 4 = 0.875; other
+  sub-blocks all zero bytes: grid 0 (all 8), signs +, ls 0: 1/8."""
+  raw = np.zeros(66, np.uint8)
+  raw[0:2] = np.array([1.0], np.float16).view(np.uint8)
+  raw[2:10] = np.concatenate([[1, 0, 0, 0], np.array([1 | (3 << 28)], "<u4").view(np.uint8)])
+  w = np.asarray(dequantize(quantized_from_gguf("IQ2_XXS", raw[None])))[:, 0]
+  want = np.full(256, 8 / 8, np.float32)
+  want[:32] = 0.875 * 8
+  want[0], want[7] = -0.875 * 43, -0.875 * 8
+  np.testing.assert_array_equal(w, want)
+
+
 # Q4_K_M's mix: Q4_K matrices, Q6_K for attn_v, ffn_down and the embedding table; plus one
 # matrix of each other K-quant, Q5_0/Q5_1 (llama.cpp's fallback where K is not a
 # multiple of 256) and IQ4_XS/IQ4_NL. K = 256 everywhere (a K-quant super-block).
@@ -105,13 +133,28 @@ KQUANT_MIX = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "blk.1.ffn_up.
               "blk.0.attn_output.weight": "IQ4_NL"}
 
 
-@pytest.fixture(scope="module")
-def kquant_gguf(tmp_path_factory):
-  path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
+# The low-bit IQ mixes (IQ2_M, IQ3_M, ...): every other IQ type, one matrix each, IQ4_XS
+# elsewhere and for the embedding table.
+IQ_MIX = {"blk.0.attn_q.weight": "IQ3_S", "blk.0.attn_k.weight": "IQ3_XXS",
+          "blk.0.attn_v.weight": "IQ2_S", "blk.0.attn_output.weight": "IQ2_XS",
+          "blk.0.ffn_gate.weight": "IQ2_XXS", "blk.0.ffn_up.weight": "IQ1_M",
+          "blk.0.ffn_down.weight": "IQ1_S", "blk.1.attn_k.weight": "IQ4_NL"}
+MIXES = {"q4_k_m": ("Q4_K", "Q6_K", KQUANT_MIX), "iq": ("IQ4_XS", "IQ4_XS", IQ_MIX)}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def kquant_gguf(tmp_path_factory, request):
+  path = tmp_path_factory.mktemp("kquant") / f"tiny-{request.param}.gguf"
   config = testing.tiny_config(tie_embeddings=True, **KQUANT_CONFIG)
-  testing.write_gguf_checkpoint(path, config, seed=5, matrix_type="Q4_K", embed_type="Q6_K",
-                                tensor_types=KQUANT_MIX)
+  matrix_type, embed_type, mix = MIXES[request.param]
+  testing.write_gguf_checkpoint(path, config, seed=5, matrix_type=matrix_type,
+                                embed_type=embed_type, tensor_types=mix)
   return path
+
+
+def test_the_mixes_hold_every_block_format():
+  types = {kind for matrix, embed, mix in MIXES.values() for kind in (matrix, embed, *mix.values())}
+  assert set(FORMATS) - {"Q4_0", "Q4_1", "Q8_0"} == types  # those three: test_gguf_import
 
 
 TOKENS = np.array([5, 17, 42, 99, 200, 7, 3, 250])
@@ -125,11 +168,15 @@ def _logits(ck, **kw):
 
 
 def test_kquant_model_matches_numpy_reference(kquant_gguf):
-  """Weights stay quantized (every K-quant in the file) and give the reference's logits."""
+  """Weights stay quantized (every type in the file) and give the reference's logits."""
   ck = load_checkpoint(kquant_gguf)
   types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(kquant_gguf)).tensors}
-  assert set(FORMATS) - {"Q4_0", "Q4_1", "Q8_0"} <= set(types.values())
-  assert ck.params["layers"][0]["wq"].bits == 4 and ck.params["layers"][0]["wv"].group_size == 16
+  mix = MIXES[kquant_gguf.stem.removeprefix("tiny-")][2]
+  assert all(types[name] == kind for name, kind in mix.items() if name.startswith("blk."))
+  if "q4_k_m" in kquant_gguf.name:
+    assert ck.params["layers"][0]["wq"].bits == 4 and ck.params["layers"][0]["wv"].group_size == 16
+  else:  # IQ codes take the int8 layout; IQ2_S's scales are per 16
+    assert ck.params["layers"][0]["wq"].bits == 8 and ck.params["layers"][0]["wv"].group_size == 16
   ref = numpy_reference.gguf_forward(kquant_gguf, TOKENS)  # gguf-py's dequantizer, f32 numpy
   # f32 throughout; differences are summation order only (|logits| ~ 10). Weights stay
   # quantized through the matmuls; "dense" mode runs the same `dequantize` once at load
