@@ -6,6 +6,9 @@ import dataclasses
 import os
 import pathlib
 
+import jax.numpy as jnp
+import numpy as np
+
 from o1jax.checkpoint import gguf_loader, orbax_io, safetensors_loader
 from o1jax.checkpoint.embedded import resolve_source
 from o1jax.checkpoint.errors import CheckpointError
@@ -74,6 +77,42 @@ def _check_vocab(path, config: ModelConfig, tokenizer: Tokenizer) -> None:
                             f"the model's vocab_size {config.vocab_size}")
 
 
+def _non_finite(array, chunk: int = 1 << 22) -> int:
+  """NaN and inf values in a float array. A value is non-finite iff its bits without the
+  sign reach +inf's (NaN's where the type has no inf): one max over the bits per chunk,
+  ~3x faster than np.isfinite on bf16 (an 8B bf16 model: ~3 s); counted only if found."""
+  if array is None or not jnp.issubdtype(array.dtype, jnp.floating):
+    return 0
+  flat = np.asarray(array).reshape(-1)
+  as_bits = np.dtype(f"u{flat.dtype.itemsize}")
+  limit = int(np.array(np.inf).astype(flat.dtype).view(as_bits))
+  magnitude = (1 << (8 * flat.dtype.itemsize - 1)) - 1
+  bits = flat.view(as_bits)
+  if not any(int(np.max(bits[i:i + chunk] & magnitude)) >= limit
+             for i in range(0, flat.size, chunk)):
+    return 0
+  return sum(int(np.count_nonzero((bits[i:i + chunk] & magnitude) >= limit))
+             for i in range(0, flat.size, chunk))
+
+
+def _check_finite(path, params: Params) -> None:
+  """Every float a weight is made of (dense values; quantized scales and minimums) is
+  finite: a NaN or inf (a corrupted byte, a diverged fine-tune) loaded, and every logit
+  that touched it was NaN, sampled as the last token id without an error."""
+  named = [(k, v) for k, v in params.items() if k != "layers"]
+  named += [(f"layers.{i}.{k}", v) for i, layer in enumerate(params["layers"])
+            for k, v in layer.items()]
+  for name, value in named:
+    fields = ({"scales": value.scale, "minimums": value.minimum} if hasattr(value, "packed")
+              else {"values": value})
+    for field, array in fields.items():
+      bad = _non_finite(array)
+      if bad:
+        raise CheckpointError(f"{path}: tensor {name!r} has {bad} non-finite {field} (NaN or "
+                              f"inf) of {np.size(array)}: the file is corrupt, or the model's "
+                              f"training diverged")
+
+
 def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
   """Loads a named model ("embedded": the shipped SmolLM2-135M GGUF; "gemma3-270m";
   see `embedded.NAMED_MODELS`), a .gguf file, an HF safetensors directory or an o1jax
@@ -91,4 +130,5 @@ def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:
   if not tokenizer.eos_ids and config.eos_ids:
     tokenizer.eos_ids = config.eos_ids
   _check_vocab(path, config, tokenizer)
+  _check_finite(path, params)
   return LoadedCheckpoint(config=config, params=params, tokenizer=tokenizer, source=str(path), format=fmt)

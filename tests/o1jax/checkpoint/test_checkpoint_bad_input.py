@@ -667,3 +667,47 @@ def test_orbax_truncated_arrays_give_one_error_and_no_stray_tracebacks(tiny_orba
   # Before: orbax's other reads completed into its closed event loop after the error,
   # each printing an 'Event loop is closed' traceback (2-16 per load; racy: 2 of 3 runs).
   assert "Event loop is closed" not in run.stderr, run.stderr[-2000:]
+
+
+def test_non_finite_counts_nan_and_inf_of_every_float_type():
+  import ml_dtypes
+  from o1jax.checkpoint.loader import _non_finite
+  for dtype in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
+                ml_dtypes.float8_e4m3fn):
+    finite = np.linspace(-400, 400, 3000).astype(dtype)  # up to each type's range (e4m3: 448)
+    bad = finite.copy()
+    bad[[0, 17, 2999]] = np.nan
+    bad[5], bad[6] = np.inf, -np.inf  # (e4m3fn has no inf: NaN)
+    want = int(np.count_nonzero(~np.isfinite(bad.astype(np.float64))))
+    assert (_non_finite(finite), _non_finite(bad), _non_finite(bad, chunk=7)) == (0, want, want)
+  assert _non_finite(np.arange(10)) == 0 and _non_finite(None) == 0
+
+
+def test_a_gguf_scale_that_is_nan_is_named(tmp_path):
+  import gguf
+  from o1jax.checkpoint import load_checkpoint
+  path = tmp_path / "m.gguf"
+  testing.write_gguf_checkpoint(path, testing.tiny_config(), matrix_type="Q4_0")
+  tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down.weight")
+  data = bytearray(path.read_bytes())
+  at = tensor.data_offset + 18 * 3  # the f16 scale of the tensor's 4th block
+  data[at:at + 2] = np.array([np.nan], np.float16).tobytes()
+  path.write_bytes(bytes(data))
+  # Before: it loaded, and every logit after that layer was NaN (greedy took the last id).
+  with pytest.raises(CheckpointError, match=rf"^{path}: tensor 'layers.1.w_down' has 1 non-finite "
+                                            r"scales \(NaN or inf\) of \d+: the file is corrupt"):
+    load_checkpoint(path)
+
+
+def test_a_safetensors_weight_that_is_inf_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  from o1jax.checkpoint import load_checkpoint
+  import ml_dtypes
+  testing.write_hf_checkpoint(tmp_path, testing.tiny_config(), dtype=ml_dtypes.bfloat16)
+  weights = load_file(str(tmp_path / "model.safetensors"))
+  name = "model.layers.0.self_attn.o_proj.weight"
+  weights[name][2, 3], weights[name][0, 0] = np.inf, np.nan
+  save_file(weights, str(tmp_path / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=rf"^{tmp_path}: tensor 'layers.0.wo' has 2 non-finite "
+                                            r"values \(NaN or inf\) of 4096: "):
+    load_checkpoint(tmp_path)
