@@ -112,6 +112,15 @@ class PredictorSpec:
   longest_prompts: tuple[str, ...] = ()
   max_new_tokens: int = 0
 
+  def __post_init__(self):
+    # Checked when the plan is built: each failed inside every worker's model load before.
+    from o1jax.model.layers import MATMUL_DTYPES
+    from pallas_kernels.ops import BACKENDS
+    for key, value, valid in (("backend", self.backend, BACKENDS),
+                              ("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)):
+      if value not in valid:
+        raise ValueError(f"model.{key}={value!r}: valid values are {list(valid)}")
+
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8,
                   batches_in_flight: int = 1, engine=None, policy=None, controller=None,

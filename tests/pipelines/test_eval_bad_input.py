@@ -164,6 +164,12 @@ def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
     ("engine", "max_slots", -1, r"^engine\.max_slots must be an int >= 1, got -1$"),
     ("engine", "decode_steps", 0, r"^engine\.decode_steps must be an int >= 1, got 0$"),
     ("engine", "kv_dtype", "int4", r"^engine\.kv_dtype='int4' not in \["),
+    # Before: these two started the job and failed in every worker's model load (a Beam
+    # traceback of ~180 lines, exit 1).
+    ("model", "matmul_dtype", "int4",
+     r"^model\.matmul_dtype='int4': valid values are \['float32', 'bfloat16', 'int8', 'float8'\]$"),
+    ("model", "backend", "bogus",
+     r"^model\.backend='bogus': valid values are \['auto', 'pallas', 'reference'\]$"),
 ])
 def test_out_of_range_config_values_are_named_before_any_work(tmp_path, section, key, value, message):
   # Before: the engine refused each request (every sample a dead letter, exit 0), or each
