@@ -9,14 +9,17 @@ in a local of `main()` and is written to the result pipe after `check()` returne
 normally, called the candidate, and every candidate result was plain data (types
 compared by identity). Before any untrusted code runs, an audit hook removes the
 ways Python code can look at other frames or at raw memory (frames, tracebacks'
-frames, gc, signal handlers, tracing, crafted code objects), and the import policy
+frames, gc, gc.garbage (_refuse_gc_debug), signal handlers, tracing, sys.monitoring,
+crafted code objects), and the import policy
 admits native code only from the interpreter's own extension directory, by file
 and by every part of the module's name, including modules made through `_imp`.
 The test runs on private instances of the modules it imports (its randomness
 included), made before the untrusted code runs and sealed (_seal), and compares a
-copy of each result that the untrusted code never saw (_plain_copy). The two
-harness functions untrusted code can reach (`_imp.create_builtin`, the private
-modules' `__import__`) carry globals of their own (_detached), not these.
+copy of each result that the untrusted code never saw (_plain_copy); the untrusted
+code gets copies of the test's arguments (_own_arguments). The harness functions
+untrusted code can reach (`_imp.create_builtin`, `gc.set_debug`, the private modules'
+`__import__`) carry globals of their own (_detached), not these; what the harness
+takes from shared modules (types.FunctionType, ...) it takes before untrusted code runs.
 """
 import builtins
 import gc
@@ -47,12 +50,18 @@ _PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, s
 _PLAIN_CONTAINER_IDS = frozenset(map(id, (list, tuple, set, frozenset)))
 _DICT_ID, _LIST_ID, _TUPLE_ID, _SET_ID = id(dict), id(list), id(tuple), id(set)
 _tuple = tuple
+# Taken now: the program shares `types` (and every module) with the harness and could
+# rebind types.FunctionType, which the harness calls after the program's code ran.
+_FunctionType = types.FunctionType
 _MEMORY_ERROR_LINE = b'error MemoryError: memory limit reached\n'
 _FRAME_ATTRIBUTES = frozenset({'tb_frame', 'gi_frame', 'cr_frame', 'ag_frame'})
 _BLOCKED_EVENTS = frozenset({
   'sys._current_frames', 'sys._current_exceptions', 'sys.settrace', 'sys.setprofile',
   'sys.addaudithook', 'gc.get_objects', 'gc.get_referrers', 'gc.get_referents',
   'code.__new__', 'marshal.loads', 'marshal.load', 'sys.remote_exec',
+  # 3.12+: callbacks get every callable called (the harness's own functions, whose
+  # __globals__ are the harness's) and its first argument.
+  'sys.monitoring.register_callback',
 })
 _SPAWN_EVENTS = frozenset({
   'os.system', 'os.exec', 'os.posix_spawn', 'os.spawn', 'os.fork', 'os.forkpty',
@@ -213,8 +222,8 @@ def _detached(function, **names):
   the audit hook's `_FRAME_ATTRIBUTES`, ...) to replace: a forged pass.
   """
   namespace = {'__builtins__': {}, **names}
-  return types.FunctionType(function.__code__, namespace, function.__name__,
-                            function.__defaults__, function.__closure__)
+  return _FunctionType(function.__code__, namespace, function.__name__,
+                       function.__defaults__, function.__closure__)
 
 
 def _private_modules(names, pristine):
@@ -276,8 +285,8 @@ def _private_modules(names, pristine):
 
 
 def _rebound(function, namespace):
-  copy = types.FunctionType(function.__code__, namespace, function.__name__,
-                            function.__defaults__, function.__closure__)
+  copy = _FunctionType(function.__code__, namespace, function.__name__,
+                       function.__defaults__, function.__closure__)
   copy.__kwdefaults__ = function.__kwdefaults__
   copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
   copy.__dict__.update(function.__dict__)
@@ -308,10 +317,10 @@ def _hide_native_state(module, native_types):
 
   def rebind(value):
     kind = _type(value)
-    if kind is types.FunctionType and value.__globals__ is namespace:
+    if kind is _FunctionType and value.__globals__ is namespace:
       return _rebound(value, shared)
     if (kind is staticmethod or kind is classmethod) and \
-        _type(value.__func__) is types.FunctionType and value.__func__.__globals__ is namespace:
+        _type(value.__func__) is _FunctionType and value.__func__.__globals__ is namespace:
       return kind(_rebound(value.__func__, shared))
     if kind is property:
       return property(*(rebind(f) if f is not None else None
@@ -362,7 +371,7 @@ def _seal(namespaces):
     if kind is property:
       for part in (value.fget, value.fset, value.fdel):
         collect(part)
-    elif kind is types.FunctionType and _id(value) not in functions:
+    elif kind is _FunctionType and _id(value) not in functions:
       functions[_id(value)] = value
 
   classes = {}  # the mutable classes defined by the private modules (builtins' are immutable)
@@ -439,7 +448,8 @@ def _guard_builtin_modules(blocked_modules):
   are even writable) and its globals (see _detached), so it must decide nothing itself.
   """
   import _imp
-  refused_names = blocked_modules | {'_imp'}  # a new _imp would carry the original
+  # A new _imp would carry the original, a new gc the real set_debug (_refuse_gc_debug).
+  refused_names = blocked_modules | {'_imp', 'gc'}
 
   def serve(original, refused_names, make_spec):
     outcome = None
@@ -465,6 +475,17 @@ def _guard_builtin_modules(blocked_modules):
     raise value
 
   _imp.create_builtin = _detached(create_builtin)
+
+
+def _refuse_gc_debug():
+  """gc.set_debug(gc.DEBUG_SAVEALL) puts every unreachable object in gc.garbage, frames
+  included, and raises no audit event: a frame kept in a reference cycle (an exception
+  caught and stored in a local) leads through f_back to main() and the sentinel. The
+  function is replaced before the untrusted code runs (nothing else sets the flag); a
+  new gc module from `_imp.create_builtin` is refused (_guard_builtin_modules)."""
+  def set_debug(flags):
+    raise RuntimeError('sandbox: gc.set_debug is disabled')
+  gc.set_debug = _detached(set_debug, RuntimeError=RuntimeError)
 
 
 def _native_files(paths):
@@ -541,6 +562,19 @@ def _plain_copy(value):
   return copies[_id(value)]
 
 
+def _own_arguments(args, kwargs):
+  """Copies of the test's arguments, when they are plain data (else the originals).
+
+  The program must not change the test's objects: a test that computes its expected
+  value after the call (`candidate(xs) == sum(xs)`) would compare against the program's
+  edit, and an object with a finalizer put into a list the test drops runs the
+  program's code at a point of the test it can count on (see _quiet)."""
+  try:
+    return _plain_copy(args), _plain_copy(kwargs)
+  except _Refused:
+    return args, kwargs
+
+
 def _quiet():
   """No gc hook of the program runs until the candidate is called again.
 
@@ -548,7 +582,8 @@ def _quiet():
   code run there at a point it can count on could patch the private modules right
   after a check and restore them before the next. gc.callbacks hooks and finalizers
   of garbage cycles run at any allocation that starts a collection: the hooks are
-  dropped and the collector is off until the candidate's next call. (Threads still
+  dropped and the collector is off until the candidate's next call. Finalizers the
+  program puts into the arguments run before the checks (_own_arguments). (Threads still
   run between calls; see docs/sandbox.md, "Races with the seal".)
   """
   _gc_disable()
@@ -556,15 +591,11 @@ def _quiet():
 
 
 def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pristine, verify):
-  """Untrusted module first, then the trusted test text in its own namespace."""
-  untrusted_ns = {'__name__': '__main__', '__builtins__': builtins}
-  code = compile(prompt + completion, '<completion>', 'exec', dont_inherit=True, optimize=0)
-  exec(code, untrusted_ns)
-  function = dict.get(untrusted_ns, entry_point)
-  if function is None or not callable(function):
-    raise _Refused(f'{entry_point} is not defined by the completion')
-  _quiet()
+  """Untrusted module first, then the trusted test text in its own namespace.
 
+  Everything the test gets is made before the untrusted code runs: after that, the
+  harness reads no attribute of a module the program shares (types.FunctionType, ...).
+  """
   real_import = pristine['__import__']
 
   def trusted_import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -577,6 +608,14 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
   test_builtins = dict(pristine)
   test_builtins['__import__'] = _detached(trusted_import)
   test_ns = {'__name__': '__sandbox_test__', '__builtins__': test_builtins}
+
+  untrusted_ns = {'__name__': '__main__', '__builtins__': builtins}
+  code = compile(prompt + completion, '<completion>', 'exec', dont_inherit=True, optimize=0)
+  exec(code, untrusted_ns)
+  function = dict.get(untrusted_ns, entry_point)
+  if function is None or not callable(function):
+    raise _Refused(f'{entry_point} is not defined by the completion')
+  _quiet()
   try:  # helpers the tests use (e.g. encode_cyclic) come from the trusted prompt
     exec(compile(prompt, '<prompt>', 'exec', dont_inherit=True, optimize=0), test_ns)
   except SyntaxError:
@@ -588,10 +627,17 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
 
   def candidate(*args, **kwargs):
     calls[0] += 1
+    args, kwargs = _own_arguments(args, kwargs)
     _gc_enable()
     try:
       result = function(*args, **kwargs)
+    except (StopIteration, StopAsyncIteration) as exc:
+      # map(), zip(), filter() and iter() in the test would read it as the end of their
+      # input: `all(map(lambda n: candidate(n) == f(n), cases))` would pass (cf. PEP 479).
+      raise RuntimeError(f'candidate raised {_type(exc).__name__}') from None
     finally:
+      # Finalizers of objects the program put into its copies run now, before the checks.
+      del args, kwargs
       _quiet()
     if strict:
       result = _plain_copy(result)
@@ -601,7 +647,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
   test_ns[entry_point] = candidate  # some tests call the function by its own name
   exec(compile(test, '<test>', 'exec', dont_inherit=True, optimize=0), test_ns)
   check = test_ns.get('check')
-  if _type(check) is not types.FunctionType or check.__code__.co_filename != '<test>':
+  if _type(check) is not _FunctionType or check.__code__.co_filename != '<test>':
     raise _Refused('the test text defines no check()')
   check(candidate)
   verify()
@@ -642,6 +688,7 @@ def main():
     except Exception:  # a missing or broken module fails the test later, in the open
       pass
   pristine = dict(builtins.__dict__)
+  _refuse_gc_debug()  # before the private modules, which may copy gc
   snapshot, namespaces = _private_modules(trusted_modules, pristine)
   verify = _seal(namespaces)
   real_streams = (sys.stdout, sys.stderr)
