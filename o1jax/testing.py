@@ -148,7 +148,8 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
                           architecture: str | None = None,
                           tensor_types: dict[str, str] | None = None,
                           added_tokens: tuple[str, ...] = (),
-                          chat_template: str | None = None) -> dict[str, np.ndarray]:
+                          chat_template: str | None = None,
+                          merges: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
   """Writes a llama GGUF with random weights quantized to `matrix_type`.
 
   added_tokens: appended to the byte vocabulary as llama.cpp marks a model's added
@@ -184,7 +185,7 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   if len(tokens) != config.vocab_size:
     raise ValueError(f"{len(tokens)} tokens for vocab_size {config.vocab_size}")
   writer.add_token_list(tokens)
-  writer.add_token_merges([])
+  writer.add_token_merges(list(merges))  # (llama.cpp refuses a BPE vocabulary without any)
   writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * 256 + [4] * len(added_tokens))
   if chat_template is not None:
     writer.add_chat_template(chat_template)

@@ -284,3 +284,10 @@ def test_bench_engine_refuses_a_sampled_run_against_greedy_references(capsys):
   with pytest.raises(SystemExit):
     be.main(["--top-p", "0.9", "--skip-llamacpp", "--skip-hf"])
   assert "add --temperature" in capsys.readouterr().err
+
+
+def test_check_gguf_quants_llamacpp_names_its_extra_when_llama_cpp_is_missing(capsys):
+  if importlib.util.find_spec("llama_cpp") is not None:
+    pytest.skip("llama-cpp-python is installed: the script runs for real (a study, not a test)")
+  assert load("check_gguf_quants_llamacpp").main(["--types", "Q8_0"]) == 2
+  assert "needs llama-cpp-python" in capsys.readouterr().err
