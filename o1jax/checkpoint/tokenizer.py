@@ -44,9 +44,27 @@ CHATML_TEMPLATE = (
 # and split newlines from other whitespace.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+# Tekken (Mistral Nemo, Small 3, Magistral, Ministral) and o200k (gpt-4o: Phi-4) split
+# words at case changes (an upper-case run, then lower-case letters), "/" may trail
+# punctuation; tekken takes single digits and no contractions, o200k up to three digits
+# and case-insensitive contractions glued to the word. As the models' tokenizer.json
+# writes them (llama.cpp approximates the Unicode case classes with a-z / A-Z).
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+
+
+def _case_split(contraction: str, digits: str) -> str:
+  lead = r"[^\r\n\p{L}\p{N}]?"
+  return (f"{lead}{_UPPER}*{_LOWER}+{contraction}|{lead}{_UPPER}+{_LOWER}*{contraction}"
+          f"|{digits}" r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+_REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+              "dbrx": _LLAMA3_SPLIT,
               "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
-              "deepseek-r1-qwen": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+              "deepseek-r1-qwen": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
+              "tekken": _case_split("", r"\p{N}"),
+              "gpt-4o": _case_split(_CONTRACTION, r"\p{N}{1,3}")}
 
 
 def _byte_level_pre(pre_name: str | None, path) -> pre_tokenizers.PreTokenizer:

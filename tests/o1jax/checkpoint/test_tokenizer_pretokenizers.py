@@ -1,4 +1,6 @@
-"""GGUF pre-tokenizers of Llama 3 and Qwen2/Qwen3 (llama.cpp's names), split by hand."""
+"""GGUF pre-tokenizers (llama.cpp's names) split by hand and against Python's `regex` running
+the models' own patterns. scripts/check_tokenizers_llamacpp.py compares whole tokenizers
+with llama.cpp's (docs/measurements/2026-12-04_tokenizers_vs_llamacpp.json)."""
 
 import pytest
 
@@ -32,5 +34,53 @@ def test_qwen2_tokenizer_from_gguf_metadata_round_trips():
 
 
 def test_unknown_pre_tokenizer_is_named():
-  with pytest.raises(CheckpointError, match="pre-tokenizer 'tekken' is not supported"):
-    _byte_level_pre("tekken", "m.gguf")
+  with pytest.raises(CheckpointError, match="pre-tokenizer 'viking' is not supported"):
+    _byte_level_pre("viking", "m.gguf")
+
+
+CASE_TEXT = "CamelCaseHTTPServer don't 12345 a/b.py/\nx naÏve"
+# Tekken (Mistral) and o200k (gpt-4o, Phi-4): words split where lower case turns upper;
+# a "/" stays with the punctuation before it; Ï is upper case (Lu), so "naÏve" splits.
+CASE_SPLITS = {
+    "tekken": ["Camel", "Case", "HTTPServer", "Ġdon", "'t", "Ġ", "1", "2", "3", "4", "5", "Ġa",
+               "/b", ".py", "/Ċ", "x", "Ġna", "Ãıve"],
+    "gpt-4o": ["Camel", "Case", "HTTPServer", "Ġdon't", "Ġ", "123", "45", "Ġa", "/b", ".py",
+               "/Ċ", "x", "Ġna", "Ãıve"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(CASE_SPLITS))
+def test_case_splitting_pre_tokenizers_by_hand(pre):
+  assert [w for w, _ in _byte_level_pre(pre, "x").pre_tokenize_str(CASE_TEXT)] == CASE_SPLITS[pre]
+
+
+# The patterns as the models' tokenizer.json files write them (Mistral's tekken; o200k).
+_U, _L = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_C = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+ORIGINAL = {
+    "tekken": rf"[^\r\n\p{{L}}\p{{N}}]?{_U}*{_L}+|[^\r\n\p{{L}}\p{{N}}]?{_U}+{_L}*|\p{{N}}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt-4o": rf"[^\r\n\p{{L}}\p{{N}}]?{_U}*{_L}+{_C}|[^\r\n\p{{L}}\p{{N}}]?{_U}+{_L}*{_C}"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+TEXTS = [CASE_TEXT, TEXT, "émigré Straße ΩΣω ÉCOLE ǅungla", "tabs\tand\r\nCRLF  x\n\n\ny",
+         "I'M you'RE x2y22z333 3.14159 1,000", "日本語のテキスト、句読点。😀👍mixed", "a--b...c!!!?"]
+
+
+@pytest.mark.parametrize("pre", sorted(ORIGINAL))
+def test_splits_equal_python_regex_on_the_original_pattern(pre):
+  regex = pytest.importorskip("regex")
+  from tokenizers import pre_tokenizers
+  as_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  for text in TEXTS:
+    want = [as_bytes.pre_tokenize_str(w)[0][0] for w in regex.findall(ORIGINAL[pre], text)]
+    assert [w for w, _ in _byte_level_pre(pre, "x").pre_tokenize_str(text)] == want, text
+
+
+@pytest.mark.parametrize("alias, same_as", [("smaug-bpe", "llama-bpe"), ("dbrx", "llama-bpe")])
+def test_aliases_split_as_llama3(alias, same_as):
+  for text in TEXTS:
+    assert (_byte_level_pre(alias, "x").pre_tokenize_str(text)
+            == _byte_level_pre(same_as, "x").pre_tokenize_str(text))
