@@ -291,3 +291,19 @@ def test_check_gguf_quants_llamacpp_names_its_extra_when_llama_cpp_is_missing(ca
     pytest.skip("llama-cpp-python is installed: the script runs for real (a study, not a test)")
   assert load("check_gguf_quants_llamacpp").main(["--types", "Q8_0"]) == 2
   assert "needs llama-cpp-python" in capsys.readouterr().err
+
+
+def test_check_tokenizers_llamacpp_names_its_extra_when_llama_cpp_is_missing(capsys):
+  if importlib.util.find_spec("llama_cpp") is not None:
+    pytest.skip("llama-cpp-python is installed: the script runs for real (a study, not a test)")
+  assert load("check_tokenizers_llamacpp").main(["--pre", "qwen2"]) == 2
+  assert "needs llama-cpp-python" in capsys.readouterr().err
+
+
+def test_check_tokenizers_llamacpp_vocabulary_merges_every_byte_pair():
+  from o1jax import testing
+  tokens, merges, types = load("check_tokenizers_llamacpp")._vocab()
+  specials = len(testing.SPECIAL_TOKENS)
+  assert len(merges) == 256 * 256 and len(tokens) == len(types) == specials + 256 + 256 * 256
+  assert set(tokens[specials + 256:]) == {m.replace(" ", "") for m in merges}
+  assert len(set(tokens)) == len(tokens) and types == [3] * specials + [1] * (len(tokens) - specials)
