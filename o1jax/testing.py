@@ -149,7 +149,8 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
                           tensor_types: dict[str, str] | None = None,
                           added_tokens: tuple[str, ...] = (),
                           chat_template: str | None = None,
-                          merges: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+                          merges: tuple[str, ...] = (),
+                          pre: str = "smollm") -> dict[str, np.ndarray]:
   """Writes a llama GGUF with random weights quantized to `matrix_type`.
 
   added_tokens: appended to the byte vocabulary as llama.cpp marks a model's added
@@ -180,7 +181,7 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   writer.add_layer_norm_rms_eps(config.rms_eps)
   writer.add_vocab_size(config.vocab_size)
   writer.add_tokenizer_model("gpt2")
-  writer.add_tokenizer_pre("smollm")
+  writer.add_tokenizer_pre(pre)
   tokens = byte_vocab() + list(added_tokens)
   if len(tokens) != config.vocab_size:
     raise ValueError(f"{len(tokens)} tokens for vocab_size {config.vocab_size}")

@@ -1,8 +1,9 @@
 """GGUF quantization types written by llama.cpp's own quantizer, read by o1jax.
 
 Needs llama-cpp-python (the `reference` extra; it compiles llama.cpp). For each type:
-  1. a tiny random Llama (dimensions multiples of 256, so every matrix takes the type)
-     is written as an F32 GGUF and quantized by `llama_model_quantize` (llama.cpp's
+  1. a tiny random Llama (dimensions multiples of 256, so every matrix takes the type;
+     and a Mistral-Nemo-shaped one: heads x head_dim != d_model, grouped KV heads, the
+     tekken pre-tokenizer) is written as an F32 GGUF and quantized by `llama_model_quantize` (llama.cpp's
      mixes, e.g. IQ3_M keep some tensors in other types, as real files do);
   2. o1jax loads the file and computes the logits of fixed tokens (f32 matmuls on the
      quantized weights), compared with
@@ -34,6 +35,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 TYPES = ("F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K",
          "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M")
 TOKENS = [5, 17, 42, 99, 200, 7, 3, 250, 64, 128, 33, 90]
+
+
+def _shapes():
+  from o1jax import testing
+  small = dict(vocab_size=260, d_model=256, ffn_dim=512, tie_embeddings=False)
+  return {
+      "llama": testing.tiny_config(n_heads=4, n_kv_heads=2, head_dim=64, **small),
+      # Mistral Nemo's layout: heads x head_dim (512) != d_model, 4 query heads per KV
+      # head, RoPE base 1e6, the tekken pre-tokenizer.
+      "nemo": testing.tiny_config(n_heads=8, n_kv_heads=2, head_dim=64, rope_theta=1e6, **small),
+  }
+
+
+PRE = {"llama": "smollm", "nemo": "tekken"}
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -72,7 +87,7 @@ def _llamacpp_logits(llama_cpp_module, path: pathlib.Path) -> np.ndarray:
   return np.asarray(model.scores[:len(TOKENS)], np.float32)
 
 
-def check(kinds, work: pathlib.Path) -> list[dict]:
+def check(kinds, work: pathlib.Path, shape: str = "llama") -> list[dict]:
   import gguf
   import jax.numpy as jnp
   import llama_cpp
@@ -82,14 +97,13 @@ def check(kinds, work: pathlib.Path) -> list[dict]:
   from o1jax.checkpoint import load_checkpoint
   from o1jax.model import KVCache, Llama
 
-  config = testing.tiny_config(vocab_size=260, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
-                               tie_embeddings=False)
-  src = work / "tiny-f32.gguf"
+  config = _shapes()[shape]
+  src = work / f"tiny-{shape}-f32.gguf"
   testing.write_gguf_checkpoint(src, config, seed=11, matrix_type="F32", embed_type="F32",
-                                added_tokens=("ab",), merges=("a b",))
+                                added_tokens=("ab",), merges=("a b",), pre=PRE[shape])
   rows = []
   for kind in kinds:
-    dst = work / f"tiny-{kind}.gguf"
+    dst = work / f"tiny-{shape}-{kind}.gguf"
     _quantize(low, src, dst, kind)
     types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(dst)).tensors
                     if len(t.shape) == 2})
@@ -102,14 +116,14 @@ def check(kinds, work: pathlib.Path) -> list[dict]:
     theirs = _llamacpp_logits(llama_cpp, dst)
     p, q = _log_softmax(theirs), _log_softmax(ours)
     kl = (np.exp(p) * (p - q)).sum(-1)
-    rows.append({"type": kind, "matrix_types": types,
+    rows.append({"shape": shape, "type": kind, "matrix_types": types,
                  "vs_numpy_reference_max_abs": float(np.abs(ours - reference).max()),
                  "vs_llamacpp_max_abs": float(np.abs(ours - theirs).max()),
                  "logit_scale": float(np.abs(theirs).max()),
                  "vs_llamacpp_mean_kl": float(kl.mean()),
                  "vs_llamacpp_top1": float((ours.argmax(-1) == theirs.argmax(-1)).mean())})
     r = rows[-1]
-    print(f"{kind:8s} {','.join(types):28s} ref {r['vs_numpy_reference_max_abs']:.1e}  "
+    print(f"{shape:6s} {kind:8s} {','.join(types):28s} ref {r['vs_numpy_reference_max_abs']:.1e}  "
           f"llama.cpp max|d| {r['vs_llamacpp_max_abs']:.3f} (|logits| <= {r['logit_scale']:.1f}) "
           f"KL {r['vs_llamacpp_mean_kl']:.1e} top-1 {r['vs_llamacpp_top1']:.0%}", flush=True)
   return rows
@@ -119,6 +133,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--types", default=",".join(TYPES))
+  parser.add_argument("--nemo-types", default="F32,Q4_K_M",
+                      help="types for the Mistral-Nemo-shaped model ('' = skip)")
   parser.add_argument("--json", default=None, help="write the rows here")
   args = parser.parse_args(argv)
   try:
@@ -128,6 +144,7 @@ def main(argv=None) -> int:
     return 2
   with tempfile.TemporaryDirectory() as tmp:
     rows = check([k for k in args.types.split(",") if k], pathlib.Path(tmp))
+    rows += check([k for k in args.nemo_types.split(",") if k], pathlib.Path(tmp), "nemo")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
   return 0
