@@ -23,6 +23,8 @@ Architecture features, each written from its published description:
     scores times query_pre_attn_scalar^-1/2; layer i is global when (i + 1) % pattern
     == 0 (RoPE base `theta`, `rope_scaling`), else local: RoPE base `local_theta` and a
     query at position i sees keys j with i - window < j <= i.
+  * SmolLM3: the layers in `hp["nope_layers"]` do not rotate q and k (no positional
+    encoding); every other layer is Llama's.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary
     if p + "self_attn.q_norm.weight" in weights:  # Qwen3: per head, before RoPE
       q = _rms(q, weights[p + "self_attn.q_norm.weight"], hp["eps"])
       k = _rms(k, weights[p + "self_attn.k_norm.weight"], hp["eps"])
-    q = _rotary(q, pos, hp, interleaved_rotary)
-    k = _rotary(k, pos, hp, interleaved_rotary)
+    if i not in hp.get("nope_layers", ()):  # SmolLM3: some layers have no RoPE
+      q = _rotary(q, pos, hp, interleaved_rotary)
+      k = _rotary(k, pos, hp, interleaved_rotary)
     v = v.reshape(t, nkv, hd)
     rep = nh // nkv
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -165,6 +168,8 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
   hp["head_dim"] = int(f(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" \
       in reader.fields else int(f(f"{arch}.embedding_length")) // hp["n_heads"]
   hp["interleaved_rotary"] = arch not in _GGUF_ROTATE_HALF
+  if arch == "smollm3":  # not in the file: every 4th layer has no RoPE (as llama.cpp)
+    hp["nope_layers"] = [i for i in range(hp["n_layers"]) if (i + 1) % 4 == 0]
   weights = {}
   for t in reader.tensors:
     w = _dequantize(gguf, np.asarray(t.data), t.tensor_type)

@@ -120,6 +120,8 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
   if config.architecture in ("qwen2", "qwen3"):
     hf["attention_bias"] = config.attention_bias
   hf["head_dim"] = config.head_dim  # transformers' Qwen3 default (128) is not d_model / heads
+  if config.architecture == "smollm3":  # 1: the layer uses RoPE
+    hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
   if config.post_norms:  # Gemma 3, as transformers 4 writes it
     hf.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
               hidden_activation="gelu_pytorch_tanh",

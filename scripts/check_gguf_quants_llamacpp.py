@@ -2,8 +2,9 @@
 
 Needs llama-cpp-python (the `reference` extra; it compiles llama.cpp). For each type:
   1. a tiny random Llama (dimensions multiples of 256, so every matrix takes the type;
-     and a Mistral-Nemo-shaped one: heads x head_dim != d_model, grouped KV heads, the
-     tekken pre-tokenizer) is written as an F32 GGUF and quantized by `llama_model_quantize` (llama.cpp's
+     a Mistral-Nemo-shaped one: heads x head_dim != d_model, grouped KV heads, the
+     tekken pre-tokenizer; a SmolLM3 one: its 4th layer without RoPE) is written as an
+     F32 GGUF and quantized by `llama_model_quantize` (llama.cpp's
      mixes, e.g. IQ3_M keep some tensors in other types, as real files do);
   2. o1jax loads the file and computes the logits of fixed tokens (f32 matmuls on the
      quantized weights), compared with
@@ -45,10 +46,13 @@ def _shapes():
       # Mistral Nemo's layout: heads x head_dim (512) != d_model, 4 query heads per KV
       # head, RoPE base 1e6, the tekken pre-tokenizer.
       "nemo": testing.tiny_config(n_heads=8, n_kv_heads=2, head_dim=64, rope_theta=1e6, **small),
+      # SmolLM3: layer 4 of 4 without RoPE, 4 query heads per KV head.
+      "smollm3": testing.tiny_config(architecture="smollm3", n_layers=4, n_heads=4, n_kv_heads=1,
+                                     head_dim=64, nope_layers=(3,), **small),
   }
 
 
-PRE = {"llama": "smollm", "nemo": "tekken"}
+PRE = {"llama": "smollm", "nemo": "tekken", "smollm3": "llama-bpe"}
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -135,6 +139,8 @@ def main(argv=None) -> int:
   parser.add_argument("--types", default=",".join(TYPES))
   parser.add_argument("--nemo-types", default="F32,Q4_K_M",
                       help="types for the Mistral-Nemo-shaped model ('' = skip)")
+  parser.add_argument("--smollm3-types", default="F32,Q4_K_M",
+                      help="types for the SmolLM3-shaped model ('' = skip)")
   parser.add_argument("--json", default=None, help="write the rows here")
   args = parser.parse_args(argv)
   try:
@@ -145,6 +151,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as tmp:
     rows = check([k for k in args.types.split(",") if k], pathlib.Path(tmp))
     rows += check([k for k in args.nemo_types.split(",") if k], pathlib.Path(tmp), "nemo")
+    rows += check([k for k in args.smollm3_types.split(",") if k], pathlib.Path(tmp), "smollm3")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
   return 0

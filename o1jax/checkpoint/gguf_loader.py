@@ -27,7 +27,10 @@ from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
 # GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3")
+# SmolLM3: every 4th layer has no RoPE; the GGUF does not record it (llama.cpp hard-codes
+# the step, as HF's no_rope_layer_interval default).
+SMOLLM3_NOPE_STEP = 4
 # llama.cpp rotates these with NEOX RoPE (pairs i, i + d/2, as HF): their converter leaves
 # Q/K rows as they are. The others ("normal" RoPE on adjacent pairs) have them permuted.
 _ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3", "gemma3")
@@ -481,6 +484,8 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
         eos_ids=eos_ids,
         architecture=arch,
         name=name if isinstance(name, str) else "",
+        nope_layers=(tuple(i for i in range(n_layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)
+                     if arch == "smollm3" else ()),
     )
   except ValueError as e:  # sizes that do not fit together, e.g. heads not a multiple of KV heads
     raise CheckpointError(f"{path}: {e}") from None

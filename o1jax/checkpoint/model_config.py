@@ -25,13 +25,13 @@ _ROPE_SCALING_KEYS = {"linear": ("factor",), "freq_factors": (),
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM,
-  Gemma 3).
+  SmolLM3, Gemma 3).
 
   Architectures differ only in the switches below: attention_bias (Qwen2's q/k/v biases),
   qk_norm (Qwen3's RMSNorm of each q and k head before RoPE), rope_scaling (Llama 3), and
   Gemma 3's: embeddings scaled by sqrt(d_model), post-attention and post-FFN norms, GeGLU,
   scores scaled by 1/sqrt(query_pre_attn_scalar), and local sliding-window layers with
-  their own RoPE base between global ones. Gemma's RMSNorm multiplies by (1 + w): the
+  their own RoPE base between global ones; SmolLM3's layers without RoPE (nope_layers). Gemma's RMSNorm multiplies by (1 + w): the
   loaders store that sum as the norm weight (as llama.cpp's GGUFs do), so every norm here
   is a plain RMSNorm."""
 
@@ -67,6 +67,8 @@ class ModelConfig:
   sliding_window: int | None = None
   sliding_window_pattern: int = 1
   rope_local_theta: float | None = None  # RoPE base of local layers, unscaled (None: rope_theta)
+  # SmolLM3: layers whose q and k are not rotated (no positional encoding; NoPE).
+  nope_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     for name in SIZE_FIELDS:  # a 0 would divide by zero here or build an empty model
@@ -101,6 +103,12 @@ class ModelConfig:
       raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
     if self.sliding_window_pattern < 1:
       raise ValueError(f"sliding_window_pattern={self.sliding_window_pattern} must be >= 1")
+    nope = tuple(self.nope_layers)
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
+           for i in nope) or len(set(nope)) != len(nope):
+      raise ValueError(f"nope_layers={list(nope)} must be distinct layer indices "
+                       f"(0..{self.n_layers - 1})")
+    object.__setattr__(self, "nope_layers", tuple(sorted(nope)))
 
   def __hash__(self):  # rope_scaling is a dict; hash its items so configs can be jit-static
     items = dataclasses.astuple(dataclasses.replace(self, rope_scaling=None))
@@ -127,4 +135,5 @@ class ModelConfig:
     if not isinstance(data, dict):
       raise ValueError(f"a model config is a JSON object, got {type(data).__name__}")
     data["eos_ids"] = tuple(data.get("eos_ids", ()))
+    data["nope_layers"] = tuple(data.get("nope_layers", ()))
     return cls(**data)

@@ -21,7 +21,7 @@ from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 # Our per-layer names -> HF names (weights are [out, in] in HF files).
@@ -136,6 +136,22 @@ def _token_ids(hf: dict, key: str, path, vocab_size: int, many: bool) -> tuple[i
   return tuple(ids)
 
 
+def _nope_layers(hf: dict, path, n_layers: int) -> tuple[int, ...]:
+  """SmolLM3's layers without RoPE: `no_rope_layers` (one 1 = rotates / 0 = not per layer),
+  else every `no_rope_layer_interval`-th layer (transformers' default: 4)."""
+  flags = hf.get("no_rope_layers")
+  if flags is None:
+    step = _number(hf, "no_rope_layer_interval", path, int, 4)
+    if step < 1:
+      raise CheckpointError(f"{path}: no_rope_layer_interval={step} must be >= 1")
+    return tuple(i for i in range(n_layers) if (i + 1) % step == 0)
+  if (not isinstance(flags, list) or len(flags) != n_layers
+      or any(f not in (0, 1) or isinstance(f, float) for f in flags)):
+    raise CheckpointError(f"{path}: no_rope_layers={flags!r} must be a list of {n_layers} "
+                          f"flags 0 or 1 (1: the layer uses RoPE)")
+  return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
 def config_from_hf(hf: dict, path) -> ModelConfig:
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
@@ -150,7 +166,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
     rope_theta, rope_scaling = _rope(hf, path)
     gemma = _gemma3(hf, path) if model_type == "gemma3_text" else {}
-    return ModelConfig(**gemma,
+    nope = _nope_layers(hf, path, num("num_hidden_layers")) if model_type == "smollm3" else ()
+    return ModelConfig(**gemma, nope_layers=nope,
         vocab_size=vocab, d_model=d_model, n_layers=num("num_hidden_layers"),
         n_heads=n_heads, n_kv_heads=num("num_key_value_heads", default=0) or n_heads,
         head_dim=num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0),

@@ -153,8 +153,9 @@ def _attention_inputs(w: dict, x, positions, inv_freq, *, config: ModelConfig, b
   if c.qk_norm:
     q = layers.rms_norm(q, w["q_norm"], c.rms_eps)
     k = layers.rms_norm(k, w["k_norm"], c.rms_eps)
-  q = layers.apply_rope(q, positions, inv_freq)
-  k = layers.apply_rope(k, positions, inv_freq)
+  if inv_freq is not None:  # None: a layer without positional encoding (SmolLM3's NoPE)
+    q = layers.apply_rope(q, positions, inv_freq)
+    k = layers.apply_rope(k, positions, inv_freq)
   if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
     # Every attention path scales scores by 1/sqrt(head_dim); fold the rest into q.
     q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
@@ -316,6 +317,7 @@ class Llama(nnx.Module):
                   else layers.rope_inv_freq(c.head_dim, c.rope_local_theta))
     for i, layer in enumerate(self.layers[:num_layers]):
       freq = inv_freq if c.layer_window(i) is None else local_freq
+      freq = None if i in c.nope_layers else freq
       x, cache = layer(x, positions, starts, cache, i, freq)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]

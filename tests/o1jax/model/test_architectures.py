@@ -1,5 +1,6 @@
-"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Llama 3 (RoPE frequency scaling),
-from safetensors and GGUF, against the independent numpy reference and HF transformers."""
+"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), Llama 3 (RoPE frequency scaling) and
+SmolLM3 (layers without RoPE), from safetensors and GGUF, against the independent numpy
+reference and HF transformers."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,8 @@ ARCHITECTURES = {
     # head_dim 32 != d_model / n_heads = 16, as in Qwen3 (explicit head_dim)
     "qwen3": dict(architecture="qwen3", qk_norm=True, head_dim=32),
     "llama3": dict(architecture="llama", head_dim=32, rope_scaling=LLAMA3_SCALING),
+    # every 4th layer without RoPE (4 layers: the last), 4 query heads per KV head
+    "smollm3": dict(architecture="smollm3", n_layers=4, n_kv_heads=1, nope_layers=(3,)),
 }
 
 
@@ -30,7 +33,7 @@ def _config(name):
 def _hp(config):
   return {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
           "head_dim": config.head_dim, "theta": config.rope_theta, "eps": config.rms_eps,
-          "rope_scaling": config.rope_scaling}
+          "rope_scaling": config.rope_scaling, "nope_layers": config.nope_layers}
 
 
 def _logits(ck):
@@ -51,8 +54,8 @@ def test_safetensors_matches_numpy_reference(hf_checkpoint):
   name, directory, weights = hf_checkpoint
   ck = load_checkpoint(directory)
   config = _config(name)
-  assert (ck.config.attention_bias, ck.config.qk_norm, ck.config.head_dim) == (
-      config.attention_bias, config.qk_norm, config.head_dim)
+  assert (ck.config.attention_bias, ck.config.qk_norm, ck.config.head_dim, ck.config.nope_layers) == (
+      config.attention_bias, config.qk_norm, config.head_dim, config.nope_layers)
   assert ck.config.rope_scaling == config.rope_scaling
   ref = numpy_reference.forward(weights, _hp(config), TOKENS, interleaved_rotary=False)
   np.testing.assert_allclose(_logits(ck), ref, atol=2e-4, rtol=0)
@@ -66,7 +69,7 @@ def test_safetensors_matches_transformers(hf_checkpoint):
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, dtype=torch.float32, attn_implementation="eager")
   expected_class = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "llama3": "LlamaForCausalLM"}[name]
+                    "llama3": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[name]
   assert type(hf_model).__name__ == expected_class
   with torch.no_grad():
     want = hf_model(torch.tensor(TOKENS)[None]).logits[0].numpy()
@@ -82,7 +85,8 @@ def test_gguf_matches_numpy_reference_and_safetensors(tmp_path, name):
   testing.write_gguf_checkpoint(tmp_path / "m.gguf", config, seed=4, matrix_type="F32",
                                 embed_type="F32")
   ck = load_checkpoint(tmp_path / "m.gguf")
-  assert (ck.config.attention_bias, ck.config.qk_norm) == (config.attention_bias, config.qk_norm)
+  assert (ck.config.attention_bias, ck.config.qk_norm, ck.config.nope_layers) == (
+      config.attention_bias, config.qk_norm, config.nope_layers)
   if name == "llama3":
     assert ck.config.rope_scaling["rope_type"] == "freq_factors"
   logits = _logits(ck)
@@ -90,6 +94,28 @@ def test_gguf_matches_numpy_reference_and_safetensors(tmp_path, name):
                              atol=2e-4, rtol=0)
   testing.write_hf_checkpoint(tmp_path / "hf", config, seed=4)
   np.testing.assert_allclose(logits, _logits(load_checkpoint(tmp_path / "hf")), atol=2e-4, rtol=0)
+
+
+def test_smollm3_layers_without_rope_matter_and_are_read_from_config_json(hf_checkpoint, tmp_path):
+  """Rotating the NoPE layer too moves the logits (the switch is live); config.json's
+  no_rope_layers and no_rope_layer_interval both set it; bad values are named."""
+  import dataclasses
+  import json
+  name, directory, _ = hf_checkpoint
+  if name != "smollm3":
+    pytest.skip("SmolLM3 only")
+  ck = load_checkpoint(directory)
+  rotated = dataclasses.replace(ck, config=dataclasses.replace(ck.config, nope_layers=()))
+  assert np.abs(_logits(ck) - _logits(rotated)).max() > 0.05
+  hf = json.loads((directory / "config.json").read_text())
+  for changes, want in (({"no_rope_layers": None, "no_rope_layer_interval": 2}, (1, 3)),
+                        ({"no_rope_layers": None}, (3,)), ({"no_rope_layers": [0, 1, 1, 0]}, (0, 3))):
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **changes}))
+    from o1jax.checkpoint.safetensors_loader import config_from_hf
+    assert config_from_hf({**hf, **changes}, tmp_path).nope_layers == want
+  for bad in ([1, 1, 0], [1, 1, 2, 0], "1101"):
+    with pytest.raises(CheckpointError, match=r"no_rope_layers=.* must be a list of 4 flags 0 or 1"):
+      config_from_hf({**hf, "no_rope_layers": bad}, "config.json")
 
 
 def test_unsupported_rope_scaling_is_named(tmp_path):
