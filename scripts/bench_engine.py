@@ -159,19 +159,8 @@ def bench_llamacpp(gguf_path, prompt: list[int], new_tokens: int, threads: int) 
   except ImportError as e:
     print(f"llama.cpp: skipped (llama-cpp-python not importable: {e})")
     return None
-  # ggml's "extra" CPU buffer types (AMX tiles, repacked weights) crash here:
-  # the OS does not grant AMX tile state in this sandbox. Llama() has no
-  # argument for it, so patch the default model params it starts from.
-  import llama_cpp.llama_cpp as low
-
-  default_params = low.llama_model_default_params
-
-  def no_extra_buffers():
-    p = default_params()
-    p.use_extra_bufts = False
-    return p
-
-  low.llama_model_default_params = no_extra_buffers
+  from llamacpp_common import disable_extra_buffer_types
+  disable_extra_buffer_types()
   llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
                         n_ctx=2048, n_batch=512, verbose=False)
   best = None

@@ -32,6 +32,8 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from llamacpp_common import disable_extra_buffer_types, require_llama_cpp  # noqa: E402
 
 TYPES = ("F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K",
          "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M")
@@ -72,19 +74,7 @@ def _quantize(llama_cpp, src: pathlib.Path, dst: pathlib.Path, kind: str) -> Non
 
 
 def _llamacpp_logits(llama_cpp_module, path: pathlib.Path) -> np.ndarray:
-  # ggml's "extra" CPU buffer types (AMX tiles, repacked weights) crash in a sandbox that
-  # grants no AMX tile state (as scripts/bench_engine.py): off, through the defaults.
-  import llama_cpp.llama_cpp as low
-  if not getattr(low.llama_model_default_params, "no_extra_buffers", False):
-    default_params = low.llama_model_default_params
-
-    def no_extra_buffers():
-      p = default_params()
-      p.use_extra_bufts = False
-      return p
-
-    no_extra_buffers.no_extra_buffers = True
-    low.llama_model_default_params = no_extra_buffers
+  disable_extra_buffer_types()
   model = llama_cpp_module.Llama(str(path), n_ctx=64, n_threads=2, logits_all=True,
                                  verbose=False)
   model.eval(TOKENS)
@@ -143,10 +133,7 @@ def main(argv=None) -> int:
                       help="types for the SmolLM3-shaped model ('' = skip)")
   parser.add_argument("--json", default=None, help="write the rows here")
   args = parser.parse_args(argv)
-  try:
-    import llama_cpp  # noqa: F401
-  except ImportError as e:
-    print(f"needs llama-cpp-python (pip install -e '.[reference]'): {e}", file=sys.stderr)
+  if not require_llama_cpp():
     return 2
   with tempfile.TemporaryDirectory() as tmp:
     rows = check([k for k in args.types.split(",") if k], pathlib.Path(tmp))

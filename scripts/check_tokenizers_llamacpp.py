@@ -24,6 +24,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from llamacpp_common import require_llama_cpp  # noqa: E402
 
 TEXTS = [
     "Hello World's 12345 IT'S\n\n  x",
@@ -118,10 +120,7 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default=None)
   parser.add_argument("--pre", default=",".join(PRE_NAMES))
   args = parser.parse_args(argv)
-  try:
-    import llama_cpp  # noqa: F401
-  except ImportError as e:
-    print(f"needs llama-cpp-python (pip install -e '.[reference]'): {e}", file=sys.stderr)
+  if not require_llama_cpp():
     return 2
   with tempfile.TemporaryDirectory() as tmp:
     rows = check(pathlib.Path(tmp), [p for p in args.pre.split(",") if p])

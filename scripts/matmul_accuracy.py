@@ -42,16 +42,8 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
 def llamacpp_logits(gguf: str, sequences: list[list[int]]) -> list[np.ndarray]:
   """Child-process entry: llama.cpp's logits at every position of each sequence."""
   import llama_cpp
-  import llama_cpp.llama_cpp as low
-
-  default_params = low.llama_model_default_params
-
-  def no_extra_buffers():  # as in bench_engine.py: extra buffer types crash here
-    p = default_params()
-    p.use_extra_bufts = False
-    return p
-
-  low.llama_model_default_params = no_extra_buffers
+  from llamacpp_common import disable_extra_buffer_types
+  disable_extra_buffer_types()
   out = []
   for seq in sequences:  # a fresh context each: nothing carries over between sequences
     llm = llama_cpp.Llama(model_path=gguf, logits_all=True, n_ctx=1024, n_threads=2,

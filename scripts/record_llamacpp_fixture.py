@@ -30,6 +30,8 @@ import os
 import platform
 import sys
 
+from llamacpp_common import disable_extra_buffer_types
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "llamacpp_smollm2.json")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,25 +185,6 @@ def ggml_info(llama_cpp):
         out[fn] = f().decode()
     break
   return out
-
-
-def disable_extra_buffer_types():
-  """Make Llama() load weights without ggml's CPU "extra" buffer types.
-
-  Extra buffer types (AMX tiles, weight repacking) change the kernel used for the
-  quantized matmuls, and the AMX one crashes where the OS does not grant AMX tile
-  state (seen in sandboxes). Llama() has no argument for this, so wrap the
-  function it uses to get default model params.
-  """
-  import llama_cpp.llama_cpp as low
-  orig = low.llama_model_default_params
-
-  def params():
-    p = orig()
-    p.use_extra_bufts = False
-    return p
-
-  low.llama_model_default_params = params
 
 
 def main():

@@ -58,15 +58,8 @@ def main():
   import llama_cpp
   from llama_cpp import Llama
 
-  import llama_cpp.llama_cpp as low
-  orig = low.llama_model_default_params
-
-  def params():  # no AMX / repacked-weight kernels (see record_llamacpp_fixture.py)
-    p = orig()
-    p.use_extra_bufts = False
-    return p
-
-  low.llama_model_default_params = params
+  from llamacpp_common import disable_extra_buffer_types
+  disable_extra_buffer_types()
   if args.gguf is None:
     from o1jax.checkpoint.embedded import named_model_path
     args.gguf = str(named_model_path("gemma3-270m"))
