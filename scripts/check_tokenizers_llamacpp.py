@@ -3,7 +3,9 @@
 Needs llama-cpp-python (the `reference` extra). For each `tokenizer.ggml.pre` name o1jax
 reads, a vocabulary-only GGUF holds the 256 byte-level symbols plus a merge for every
 pair of them (65536), so a token spans two bytes exactly when they are in the same
-pre-token: the split shows in the ids, also next to multi-byte characters.
+pre-token: the split shows in the ids, also next to multi-byte characters; plus a few
+whole words no merge reaches, which a pre-tokenizer with llama.cpp's ignore_merges
+(llama3, tekken) takes as one token when a pre-token equals one.
 Both tokenizers encode the same texts (contractions, case runs, digit runs, whitespace and
 newlines, punctuation, non-ASCII letters, CJK, emoji); the ids must be equal.
 
@@ -54,7 +56,10 @@ def _vocab():
   base = testing.byte_vocab()
   symbols = sorted(pre_tokenizers.ByteLevel.alphabet())  # all 256 byte-level symbols
   merges = [f"{a} {b}" for a in symbols for b in symbols]
-  tokens = base + [a + b for a in symbols for b in symbols]
+  # Whole words no merge reaches (merges make 2-byte tokens only): taken as one token by
+  # the pre-tokenizers that look a pre-token up before merging (llama.cpp's ignore_merges).
+  words = ["Hello", "ĠWorld", "Camel", "Case", "Ġdon", "Ġthe", "Ġtext", "abc", "ĠHTTP", "ĠIT"]
+  tokens = base + [a + b for a in symbols for b in symbols] + words
   types = [3] * len(testing.SPECIAL_TOKENS) + [1] * (len(tokens) - len(testing.SPECIAL_TOKENS))
   return tokens, merges, types
 

@@ -59,6 +59,10 @@ def _case_split(contraction: str, digits: str) -> str:
           f"|{digits}" r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+# Pre-tokenizers whose BPE takes a pre-token that is itself in the vocabulary as one token
+# before applying any merge (llama.cpp's ignore_merges; their tokenizer.json sets it too).
+_IGNORE_MERGES_PRE = ("llama3", "llama-bpe", "tekken")
+
 _REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
               "dbrx": _LLAMA3_SPLIT,
               "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
@@ -240,7 +244,9 @@ class Tokenizer:
                               f"tokens separated by a space")
       types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
       vocab = {t: i for i, t in enumerate(tokens)}
-      backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+      backend = tokenizers.Tokenizer(models.BPE(
+          vocab=vocab, merges=merges, fuse_unk=False,
+          ignore_merges=meta.get("tokenizer.ggml.pre") in _IGNORE_MERGES_PRE))
       backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre"), path)
       backend.decoder = decoders.ByteLevel()
       special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)

@@ -84,3 +84,18 @@ def test_aliases_split_as_llama3(alias, same_as):
   for text in TEXTS:
     assert (_byte_level_pre(alias, "x").pre_tokenize_str(text)
             == _byte_level_pre(same_as, "x").pre_tokenize_str(text))
+
+
+@pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("tekken", True), ("qwen2", False),
+                                        ("gpt-4o", False), ("smollm", False)])
+def test_a_pre_token_in_the_vocabulary_is_one_token_where_llama_cpp_ignores_merges(pre, whole):
+  # "abc" is a token no merge makes (only "a b"); llama.cpp's llama3 and tekken look a
+  # pre-token up whole before merging (ignore_merges), the others merge from bytes.
+  # Before: "abc" came out as "ab", "c" for every pre-tokenizer.
+  tokens = testing.byte_vocab() + ["ab", "abc"]
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.merges": ["a b"],
+          "tokenizer.ggml.token_type": [3] * len(testing.SPECIAL_TOKENS) + [1] * (256 + 2)}
+  tok = Tokenizer.from_gguf_metadata(meta)
+  ids = tok.encode("abc", add_bos=False)
+  assert [tokens[i] for i in ids] == (["abc"] if whole else ["ab", "c"])
