@@ -60,8 +60,18 @@ def _case_split(contraction: str, digits: str) -> str:
 
 
 # Pre-tokenizers whose BPE takes a pre-token that is itself in the vocabulary as one token
-# before applying any merge (llama.cpp's ignore_merges; their tokenizer.json sets it too).
+# before applying any merge (llama.cpp's ignore_merges; their tokenizer.json sets it too),
+# and which start with BOS unless the GGUF says otherwise (llama.cpp's add_bos default).
 _IGNORE_MERGES_PRE = ("llama3", "llama-bpe", "tekken")
+
+
+
+def _adds_bos_by_default(meta: dict) -> bool:
+  """llama.cpp's default where a GGUF has no tokenizer.ggml.add_bos_token: SentencePiece
+  vocabularies and the llama3 / tekken byte-level ones start with BOS, others do not."""
+  return (meta.get("tokenizer.ggml.model") == "llama"
+          or meta.get("tokenizer.ggml.pre") in _IGNORE_MERGES_PRE)
+
 
 _REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
               "dbrx": _LLAMA3_SPLIT,
@@ -260,7 +270,7 @@ class Tokenizer:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     try:
       return cls(backend, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
-                 add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                 add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", _adds_bos_by_default(meta))),
                  chat_template=meta.get("tokenizer.chat_template"))
     except ValueError as e:  # the chat template does not parse
       raise CheckpointError(f"{path}: {e}") from None

@@ -99,3 +99,18 @@ def test_a_pre_token_in_the_vocabulary_is_one_token_where_llama_cpp_ignores_merg
   tok = Tokenizer.from_gguf_metadata(meta)
   ids = tok.encode("abc", add_bos=False)
   assert [tokens[i] for i in ids] == (["abc"] if whole else ["ab", "c"])
+
+
+@pytest.mark.parametrize("model, pre, key, bos", [
+    ("gpt2", "llama-bpe", None, True), ("gpt2", "tekken", None, True), ("gpt2", "qwen2", None, False),
+    ("gpt2", "smollm", None, False), ("gpt2", "llama-bpe", False, False), ("gpt2", "qwen2", True, True)])
+def test_bos_default_follows_llama_cpp_where_the_gguf_has_no_add_bos_key(model, pre, key, bos):
+  # Before: no key meant no BOS for every vocabulary; llama.cpp starts llama3 and tekken
+  # vocabularies (and SentencePiece ones) with BOS unless the key says otherwise.
+  meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.pre": pre,
+          "tokenizer.ggml.tokens": testing.byte_vocab(), "tokenizer.ggml.merges": [],
+          "tokenizer.ggml.token_type": [3] * len(testing.SPECIAL_TOKENS) + [1] * 256,
+          "tokenizer.ggml.bos_token_id": 1}
+  if key is not None:
+    meta["tokenizer.ggml.add_bos_token"] = key
+  assert (Tokenizer.from_gguf_metadata(meta).encode("hi")[0] == 1) == bos

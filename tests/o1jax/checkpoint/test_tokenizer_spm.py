@@ -119,12 +119,17 @@ def test_tiny_vocabulary_matches_llama_cpp_algorithm(add_space_prefix):
   args = (meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
           meta["tokenizer.ggml.token_type"], add_space_prefix)
   for text in texts:
-    assert tok.encode(text) == _llama_cpp_spm(text, *args), text
+    assert tok.encode(text, add_bos=False) == _llama_cpp_spm(text, *args), text
+  # No add_bos_token key: llama.cpp's SentencePiece default, BOS first.
+  assert tok.encode("hello") == [2] + tok.encode("hello", add_bos=False)
+  no_bos = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.add_bos_token": False})
+  assert no_bos.encode("hello") == tok.encode("hello", add_bos=False)
   # "hel" + "lo": the score order, not the longest piece first
   first = "\u2581hel" if add_space_prefix else "hel"
   hel, lo = (meta["tokenizer.ggml.tokens"].index(p) for p in (first, "lo"))
-  assert tok.encode("hello")[-2:] == [hel, lo]
-  assert tok.decode(tok.encode("héllo wörld")) == (" " if add_space_prefix else "") + "héllo wörld"
+  assert tok.encode("hello", add_bos=False)[-2:] == [hel, lo]
+  assert tok.decode(tok.encode("héllo wörld", add_bos=False)) == \
+      (" " if add_space_prefix else "") + "héllo wörld"
 
 
 @pytest.fixture(scope="module")
