@@ -168,7 +168,8 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
   hp["head_dim"] = int(f(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" \
       in reader.fields else int(f(f"{arch}.embedding_length")) // hp["n_heads"]
   hp["interleaved_rotary"] = arch not in _GGUF_ROTATE_HALF
-  if arch == "smollm3":  # not in the file: every 4th layer has no RoPE (as llama.cpp)
+  if arch == "smollm3":  # not in the file: every 4th layer has no RoPE (llama.cpp's step;
+    # written here, not imported: this module shares no code with o1jax.checkpoint)
     hp["nope_layers"] = [i for i in range(hp["n_layers"]) if (i + 1) % 4 == 0]
   weights = {}
   for t in reader.tensors:

@@ -302,6 +302,8 @@ def random_gguf_blocks(kind: str, rows: int, k: int, rng: np.random.Generator,
   import gguf
 
   block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+  if k % block:  # (k // block rows of blocks would silently write a shorter tensor)
+    raise ValueError(f"{kind} holds blocks of {block} values; K={k} is not a multiple")
   raw = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
   for i, (start, end, dtype) in enumerate(_BLOCK_SCALE_FIELDS[kind]):
     v = rng.standard_normal((rows, k // block)) * scales[i]

@@ -36,7 +36,7 @@ bits as gguf-py's and llama.cpp's (scale * q rounded once, minus the exact min p
 The IQ formats are non-linear: a nibble indexes a table of 16 integers (IQ4_VALUES), or an
 index picks 4 or 8 values at once from a fixed grid of small integers (IQ1-IQ3, with sign
 bits), times a per-group scale; the integers are the codes, so they too take the int8
-layout (2-4x the file's bytes in memory). IQ1's values are grid +- 1/8: codes 8 grid +- 1
+layout: 8.5-10 bits per weight with the scales, 1.9x (IQ4_NL) to 5.8x (IQ1_S) the file. IQ1's values are grid +- 1/8: codes 8 grid +- 1
 under a scale divided by 8 (exact). The grids are gguf-py's tables (the format's data).
 """
 
@@ -282,10 +282,9 @@ def _u16(b: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(b).view("<u2")
 
 
-def _grid_codes(kind: str, index: np.ndarray, signs: np.ndarray | None) -> np.ndarray:
-  """Grid rows at `index` [...] -> [..., n] int8, times signs [..., n] (+-1) if given."""
-  values = _grid(kind)[index]
-  return values if signs is None else values * signs
+def _grid_codes(kind: str, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
+  """Grid rows at `index` [...] -> [..., n] int8, times signs [..., n] (+-1)."""
+  return _grid(kind)[index] * signs
 
 
 def _half_step_scale(d, ls, step):

@@ -22,15 +22,12 @@ import numpy as np
 
 from o1jax.checkpoint import gguf_blocks, tensor_table
 from o1jax.checkpoint.errors import CheckpointError
-from o1jax.checkpoint.model_config import MAX_SIZE, ModelConfig
+from o1jax.checkpoint.model_config import MAX_SIZE, SMOLLM3_NOPE_STEP, ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
 # GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3")
-# SmolLM3: every 4th layer has no RoPE; the GGUF does not record it (llama.cpp hard-codes
-# the step, as HF's no_rope_layer_interval default).
-SMOLLM3_NOPE_STEP = 4
 # llama.cpp rotates these with NEOX RoPE (pairs i, i + d/2, as HF): their converter leaves
 # Q/K rows as they are. The others ("normal" RoPE on adjacent pairs) have them permuted.
 _ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3", "gemma3")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from typing import Any
 
 
@@ -20,6 +21,11 @@ MAX_SIZE = 2**31 - 1
 _ROPE_SCALING_KEYS = {"linear": ("factor",), "freq_factors": (),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                  "original_max_position_embeddings")}
+
+
+# SmolLM3: every 4th layer has no RoPE. A GGUF does not record it (llama.cpp hard-codes
+# the step); transformers' no_rope_layer_interval defaults to it.
+SMOLLM3_NOPE_STEP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +109,14 @@ class ModelConfig:
       raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
     if self.sliding_window_pattern < 1:
       raise ValueError(f"sliding_window_pattern={self.sliding_window_pattern} must be >= 1")
-    nope = tuple(self.nope_layers)
-    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
-           for i in nope) or len(set(nope)) != len(nope):
-      raise ValueError(f"nope_layers={list(nope)} must be distinct layer indices "
+    nope = self.nope_layers
+    nope = tuple(nope) if hasattr(nope, "__len__") and not isinstance(nope, (str, bytes)) else nope
+    if (not isinstance(nope, tuple)
+        or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in nope)
+        or any(not 0 <= i < self.n_layers for i in nope) or len(set(nope)) != len(nope)):
+      raise ValueError(f"nope_layers={self.nope_layers!r} must be a list of distinct layer indices "
                        f"(0..{self.n_layers - 1})")
-    object.__setattr__(self, "nope_layers", tuple(sorted(nope)))
+    object.__setattr__(self, "nope_layers", tuple(sorted(int(i) for i in nope)))
 
   def __hash__(self):  # rope_scaling is a dict; hash its items so configs can be jit-static
     items = dataclasses.astuple(dataclasses.replace(self, rope_scaling=None))
@@ -135,5 +143,4 @@ class ModelConfig:
     if not isinstance(data, dict):
       raise ValueError(f"a model config is a JSON object, got {type(data).__name__}")
     data["eos_ids"] = tuple(data.get("eos_ids", ()))
-    data["nope_layers"] = tuple(data.get("nope_layers", ()))
     return cls(**data)

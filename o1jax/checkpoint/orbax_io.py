@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping
 import os
 import pathlib
+import re
 import sys
 import zlib
 
@@ -86,7 +87,9 @@ def check_orbax(directory: str | os.PathLike) -> None:
     raise CheckpointError(f"{params}: cannot be read ({e})") from e
   shapes = lambda node: (jax.ShapeDtypeStruct(tuple(node.shape), node.dtype)
                          if hasattr(node, "shape") else node)
-  _params_from(directory, manifest, config, _flat(tree, shapes))
+  arrays = _flat(tree, shapes)
+  _checksum_table(directory, manifest, arrays)  # its format and names; the values need the data
+  _params_from(directory, manifest, config, arrays)
 
 
 def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Tokenizer]:
@@ -112,18 +115,31 @@ def _checksum(array) -> str:
   return f"{zlib.crc32(memoryview(data.reshape(-1).view(np.uint8))) & 0xFFFFFFFF:08x}"
 
 
+def _checksum_table(directory: pathlib.Path, manifest: dict, names) -> dict[str, str] | None:
+  """The manifest's checksums (lower case) checked against the array names, or None for
+  a checkpoint written before them. Raises on a malformed table (format only: no data)."""
+  if "checksums" not in manifest:
+    return None
+  sums = manifest["checksums"]
+  where = directory / MANIFEST
+  if not isinstance(sums, Mapping):
+    raise CheckpointError(f"{where}: checksums must be an object of array name -> 8 hex digits, "
+                          f"got {type(sums).__name__}")
+  for name, value in sums.items():
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{8}", value):
+      raise CheckpointError(f"{where}: checksums[{name!r}]={value!r} is not a CRC-32 (8 hex digits)")
+  for name in sorted(set(sums) ^ set(names)):
+    place = "the manifest's checksums" if name in sums else f"{directory / 'params'}"
+    raise CheckpointError(f"{directory / 'params'}: array {name!r} is only in {place} "
+                          f"(the arrays and the manifest are from different checkpoints)")
+  return {name: value.lower() for name, value in sums.items()}
+
+
 def _check_checksums(directory: pathlib.Path, manifest: dict, arrays: dict) -> None:
   """Each restored array against the CRC-32 the manifest saved with it."""
-  sums = manifest.get("checksums")
+  sums = _checksum_table(directory, manifest, arrays)
   if sums is None:  # written before checksums: nothing to check against
     return
-  if not isinstance(sums, Mapping) or not all(isinstance(v, str) for v in sums.values()):
-    raise CheckpointError(f"{directory / MANIFEST}: checksums must map array names to "
-                          f"hex strings, got {type(sums).__name__}")
-  for name in sorted(set(sums) ^ set(arrays)):
-    where = "the manifest's checksums" if name in sums else f"{directory / 'params'}"
-    raise CheckpointError(f"{directory / 'params'}: array {name!r} is only in {where} "
-                          f"(the arrays and the manifest are from different checkpoints)")
   for name, array in arrays.items():
     got = _checksum(array)
     if got != sums[name]:
@@ -133,8 +149,16 @@ def _check_checksums(directory: pathlib.Path, manifest: dict, arrays: dict) -> N
 
 
 def _is_stray_read_callback(unraisable) -> bool:
-  return (isinstance(unraisable.exc_value, RuntimeError)
-          and str(unraisable.exc_value) == "Event loop is closed")
+  """asyncio's 'Event loop is closed', raised where a callback was handed to a closed loop."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    return False
+  tb = unraisable.exc_traceback
+  frames = []
+  while tb is not None:
+    frames.append(tb.tb_frame.f_code.co_name)
+    tb = tb.tb_next
+  return "call_soon_threadsafe" in frames
 
 
 def _drop_stray_read_callbacks() -> None:

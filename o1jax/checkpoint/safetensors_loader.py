@@ -17,7 +17,7 @@ import numpy as np
 
 from o1jax.checkpoint import tensor_table
 from o1jax.checkpoint.errors import CheckpointError, read_json_object
-from o1jax.checkpoint.model_config import ModelConfig
+from o1jax.checkpoint.model_config import SMOLLM3_NOPE_STEP, ModelConfig
 from o1jax.checkpoint.params import Params
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
@@ -141,7 +141,7 @@ def _nope_layers(hf: dict, path, n_layers: int) -> tuple[int, ...]:
   else every `no_rope_layer_interval`-th layer (transformers' default: 4)."""
   flags = hf.get("no_rope_layers")
   if flags is None:
-    step = _number(hf, "no_rope_layer_interval", path, int, 4)
+    step = _number(hf, "no_rope_layer_interval", path, int, SMOLLM3_NOPE_STEP)
     if step < 1:
       raise CheckpointError(f"{path}: no_rope_layer_interval={step} must be >= 1")
     return tuple(i for i in range(n_layers) if (i + 1) % step == 0)

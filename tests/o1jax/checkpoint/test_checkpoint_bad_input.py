@@ -643,12 +643,19 @@ def test_orbax_checkpoint_without_checksums_still_loads_and_bad_checksums_are_na
   (d / MANIFEST).write_text(json.dumps(manifest))  # as written before checksums
   loaded, reference = load_checkpoint(d), load_checkpoint(tiny_orbax)
   np.testing.assert_array_equal(loaded.params["embed"], reference.params["embed"])
-  for bad, message in (([1, 2], r"checksums must map array names to hex strings, got list"),
+  for bad, message in (([1, 2], r"checksums must be an object of array name -> 8 hex digits, got list"),
+                       (None, r"checksums must be an object of array name -> 8 hex digits, got NoneType"),
+                       ({**sums, "embed": "abc"}, r"checksums\['embed'\]='abc' is not a CRC-32"),
+                       ({**sums, "embed": 123}, r"checksums\['embed'\]=123 is not a CRC-32"),
                        ({**sums, "extra": "00000000"},
                         r"array 'extra' is only in the manifest's checksums")):
     (d / MANIFEST).write_text(json.dumps({**manifest, "checksums": bad}))
-    with pytest.raises(CheckpointError, match=message):
-      load_checkpoint(d)
+    for read in (load_checkpoint, check_checkpoint):  # the table's format needs no data
+      with pytest.raises(CheckpointError, match=message):
+        read(d)
+  # Upper-case hex is the same checksum.
+  (d / MANIFEST).write_text(json.dumps({**manifest, "checksums": {k: v.upper() for k, v in sums.items()}}))
+  assert load_checkpoint(d).format == "orbax"
 
 
 def test_orbax_truncated_arrays_give_one_error_and_no_stray_tracebacks(tiny_orbax, tmp_path):
@@ -681,6 +688,13 @@ def test_non_finite_counts_nan_and_inf_of_every_float_type():
     want = int(np.count_nonzero(~np.isfinite(bad.astype(np.float64))))
     assert (_non_finite(finite), _non_finite(bad), _non_finite(bad, chunk=7)) == (0, want, want)
   assert _non_finite(np.arange(10)) == 0 and _non_finite(None) == 0
+  # Types whose NaN is not the largest magnitude (fnuz: -0's bits) or that have none (fp4/6).
+  for dtype in (ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float4_e2m1fn,
+                ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn):
+    finite = np.array([0, 1, -2, 3, -0.5], np.float32).astype(dtype)
+    assert _non_finite(finite) == 0, dtype
+    if "fnuz" in np.dtype(dtype).name:
+      assert _non_finite(np.array([np.nan, 1, np.nan], np.float32).astype(dtype)) == 2, dtype
 
 
 def test_a_gguf_scale_that_is_nan_is_named(tmp_path):

@@ -101,6 +101,7 @@ def test_smollm3_layers_without_rope_matter_and_are_read_from_config_json(hf_che
   no_rope_layers and no_rope_layer_interval both set it; bad values are named."""
   import dataclasses
   import json
+  from o1jax.checkpoint.safetensors_loader import config_from_hf
   name, directory, _ = hf_checkpoint
   if name != "smollm3":
     pytest.skip("SmolLM3 only")
@@ -110,8 +111,6 @@ def test_smollm3_layers_without_rope_matter_and_are_read_from_config_json(hf_che
   hf = json.loads((directory / "config.json").read_text())
   for changes, want in (({"no_rope_layers": None, "no_rope_layer_interval": 2}, (1, 3)),
                         ({"no_rope_layers": None}, (3,)), ({"no_rope_layers": [0, 1, 1, 0]}, (0, 3))):
-    (tmp_path / "config.json").write_text(json.dumps({**hf, **changes}))
-    from o1jax.checkpoint.safetensors_loader import config_from_hf
     assert config_from_hf({**hf, **changes}, tmp_path).nope_layers == want
   for bad in ([1, 1, 0], [1, 1, 2, 0], "1101"):
     with pytest.raises(CheckpointError, match=r"no_rope_layers=.* must be a list of 4 flags 0 or 1"):
@@ -137,3 +136,10 @@ def test_unsupported_architectures_are_named(tmp_path):
   cfg.write_text(cfg.read_text().replace('"model_type": "llama"', '"model_type": "gemma2"'))
   with pytest.raises(CheckpointError, match="model_type 'gemma2' is not supported"):
     load_checkpoint(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("bad", [None, [4], [1, 1], "3", [True], 3])
+def test_bad_nope_layers_are_named(bad):
+  with pytest.raises(ValueError, match=r"nope_layers=.* must be a list of distinct layer indices \(0\.\.3\)"):
+    testing.tiny_config(n_layers=4, nope_layers=bad)
+  assert testing.tiny_config(n_layers=4, nope_layers=np.array([3, 1])).nope_layers == (1, 3)
