@@ -13,18 +13,21 @@ frames, gc, gc.garbage (_refuse_gc_debug), signal handlers, tracing, sys.monitor
 crafted code objects), and the import policy
 admits native code only from the interpreter's own extension directory, by file
 and by every part of the module's name, including modules made through `_imp`.
-The test runs on private instances of the modules it imports (its randomness
-included), made before the untrusted code runs and sealed (_seal), and compares a
+The test runs on private instances of the modules it imports (found in its syntax
+tree, _imported_modules; its randomness included), made before the untrusted code runs
+and sealed (_seal), and compares a
 copy of each result that the untrusted code never saw (_plain_copy); the untrusted
 code gets copies of the test's arguments (_own_arguments). The harness functions
 untrusted code can reach (`_imp.create_builtin`, `gc.set_debug`, the private modules'
 `__import__`) carry globals of their own (_detached), not these; what the harness
 takes from shared modules (types.FunctionType, ...) it takes before untrusted code runs.
 """
+import _ast
 import builtins
 import gc
 import importlib.machinery
 import importlib.util
+import io
 import operator
 import os
 import sys
@@ -41,9 +44,14 @@ _id = id
 _gc_enable, _gc_disable, _gc_callbacks = gc.enable, gc.disable, gc.callbacks
 _is_not = operator.is_not
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: static types, most of the stdlib's C types
-_get_bases = operator.attrgetter('__bases__')
-_get_defaults = operator.attrgetter('__defaults__')
-_get_kwdefaults = operator.attrgetter('__kwdefaults__')
+# The C getters themselves, not attribute lookups: `cls.__bases__` goes through the
+# metaclass's __getattribute__, and a private class's metaclass may derive from a shared
+# one (typing's Protocols: abc.ABCMeta; enums: enum.EnumType) that the program can patch
+# to run its code inside _seal's check, after the namespaces were compared.
+_get_bases = type.__dict__['__bases__'].__get__
+_type_name = type.__dict__['__name__'].__get__
+_get_defaults = types.FunctionType.__dict__['__defaults__'].__get__
+_get_kwdefaults = types.FunctionType.__dict__['__kwdefaults__'].__get__
 # Types are compared by identity (id of the real type), never with ==: a metaclass
 # decides what == means for its classes.
 _PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, str, bytes)))
@@ -53,6 +61,7 @@ _tuple = tuple
 # Taken now: the program shares `types` (and every module) with the harness and could
 # rebind types.FunctionType, which the harness calls after the program's code ran.
 _FunctionType = types.FunctionType
+_StringIO = io.StringIO  # a static (immutable) type; a new instance is out of the program's reach
 _MEMORY_ERROR_LINE = b'error MemoryError: memory limit reached\n'
 _FRAME_ATTRIBUTES = frozenset({'tb_frame', 'gi_frame', 'cr_frame', 'ag_frame'})
 _BLOCKED_EVENTS = frozenset({
@@ -84,8 +93,10 @@ _SPAWN_MODULES = frozenset({'_posixsubprocess', 'signal', '_signal'})
 _PRELOAD = ('typing',)
 
 
-class _Refused(Exception):
-  pass
+# A built-in class, not one of the harness's own: `Exception.__subclasses__()` would list
+# that, and the program could make its `__init__` raise StopIteration, which map() and
+# zip() in a test read as the end of their input (a refused result then passed).
+_Refused = RuntimeError
 
 
 def _blocked_modules(allow_subprocesses):
@@ -163,8 +174,8 @@ def _decode_fields(data):
   return fields
 
 
-def _imported_modules(source):
-  """Top-level module names of `import x` / `from x import y` lines of trusted text."""
+def _imported_lines(source):
+  """Top-level module names of `import x` / `from x import y` lines (text that does not parse)."""
   names = []
   for line in source.splitlines():
     words = line.replace(',', ' ').split()
@@ -173,6 +184,47 @@ def _imported_modules(source):
     elif words and words[0] == 'import':
       names.extend(w.partition('.')[0] for w in words[1:] if w != 'as' and w.isidentifier())
   return names
+
+
+def _imported_modules(*sources):
+  """Every module the trusted texts import: each dotted name and its top-level package.
+
+  Read from the syntax tree, not from lines: `import a; import b`, `try: import a` or
+  `if x: import a` are imports too, and a module the harness does not know of before the
+  program runs would come from the shared `sys.modules`, where the program can put a
+  fake (see _run_humaneval). `from a.b import c` asks for `a.b` itself, and for `a.b.c`
+  when that is a submodule: they are given too (names that are no module are skipped).
+  """
+  names = []
+  for source in sources:
+    try:
+      tree = compile(source, '<trusted>', 'exec', _ast.PyCF_ONLY_AST, dont_inherit=True)
+    except (SyntaxError, ValueError):
+      names.extend(_imported_lines(source))
+      continue
+    nodes = [tree]
+    while nodes:
+      node = nodes.pop()
+      if _type(node) is _ast.Import:
+        dotted = [alias.name for alias in node.names]
+      elif _type(node) is _ast.ImportFrom and not node.level and node.module:
+        # `from a import b` reads b from the module, else sys.modules['a.b'] (shared):
+        # b may be a submodule, which the private `a` must then hold (_private_modules).
+        dotted = [node.module] + [f'{node.module}.{alias.name}' for alias in node.names
+                                  if alias.name != '*']
+      else:
+        dotted = []
+      for name in dotted:
+        names.append(name.partition('.')[0])
+        if '.' in name:
+          names.append(name)
+      for field in node._fields:
+        value = getattr(node, field, None)
+        if _type(value) is list:
+          nodes.extend(item for item in value if isinstance(item, _ast.AST))
+        elif isinstance(value, _ast.AST):
+          nodes.append(value)
+  return list(dict.fromkeys(names))
 
 
 def _module_copy(module):
@@ -222,8 +274,10 @@ def _detached(function, **names):
   the audit hook's `_FRAME_ATTRIBUTES`, ...) to replace: a forged pass.
   """
   namespace = {'__builtins__': {}, **names}
-  return _FunctionType(function.__code__, namespace, function.__name__,
-                       function.__defaults__, function.__closure__)
+  detached = _FunctionType(function.__code__, namespace, function.__name__,
+                           function.__defaults__, function.__closure__)
+  detached.__kwdefaults__ = function.__kwdefaults__
+  return detached
 
 
 def _private_modules(names, pristine):
@@ -262,6 +316,10 @@ def _private_modules(names, pristine):
     except Exception:
       module = None
     modules[name] = module if module is not None else _module_copy(sys.modules[name])
+  for name, module in modules.items():  # `from a import b`, b a submodule the package lacks
+    parent, _, child = name.rpartition('.')
+    if parent in modules and child not in modules[parent].__dict__:
+      modules[parent].__dict__[child] = module
   made = {name: module for name, module in natives.items() if module is not None}
   native_types = tuple(value for module in made.values() for value in module.__dict__.values()
                        if isinstance(value, type))
@@ -394,7 +452,7 @@ def _seal(namespaces):
         instance_types.append(_type(value))
         watch(value.__dict__, by_keys=True)
   class_list = tuple(classes.values())
-  bases, metas = tuple(c.__bases__ for c in class_list), tuple(map(_type, class_list))
+  bases, metas = tuple(map(_get_bases, class_list)), tuple(map(_type, class_list))
   function_list = tuple(functions.values())
   defaults = tuple(map(_get_defaults, function_list))
   kwdefaults = tuple(map(_get_kwdefaults, function_list))
@@ -522,7 +580,7 @@ def _plain_copy(value):
       found[_id(item)] = (item, kind_id, items)
       continue
     else:
-      raise _Refused(f'candidate returned {kind.__name__!r}, not plain built-in data')
+      raise _Refused(f'candidate returned {_type_name(kind)!r}, not plain built-in data')
     found[_id(item)] = (item, kind_id, items)
     stack.extend(items)
 
@@ -590,23 +648,44 @@ def _quiet():
   del _gc_callbacks[:]
 
 
-def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pristine, verify):
+def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, missing, pristine,
+                   verify):
   """Untrusted module first, then the trusted test text in its own namespace.
 
   Everything the test gets is made before the untrusted code runs: after that, the
   harness reads no attribute of a module the program shares (types.FunctionType, ...).
   """
   real_import = pristine['__import__']
+  missing = frozenset(missing)
 
   def trusted_import(name, globals=None, locals=None, fromlist=(), level=0):
     if level == 0:
       wanted = name if fromlist else name.partition('.')[0]
       if wanted in snapshot:
         return snapshot[wanted]
+      if wanted in missing:
+        # Not importable before the program ran: the shared sys.modules may now hold the
+        # program's fake (sys.modules['numpy'] = ...); fail as the honest run would.
+        raise ModuleNotFoundError(f'sandbox: no module named {wanted!r} before the program ran')
     return real_import(name, globals, locals, fromlist, level)
 
   test_builtins = dict(pristine)
-  test_builtins['__import__'] = _detached(trusted_import)
+  test_builtins['__import__'] = _detached(trusted_import, ModuleNotFoundError=ModuleNotFoundError)
+
+  def test_print(*values, sep=' ', end='\n', file=None, flush=False):
+    if file is not None:
+      return print(*values, sep=sep, end=end, file=file, flush=flush)
+    text = StringIO()
+    print(*values, sep=sep, end=end, file=text)
+    data = text.getvalue().encode('utf-8', 'backslashreplace')
+    while data:
+      data = data[write(1, data):]
+
+  # The test's print() goes to fd 1 itself: through sys.stdout (the program's to replace,
+  # or its write method) it would run the program's code at a point of the test the program
+  # can count on, e.g. to patch the private random after a check and before the next draw.
+  test_builtins['print'] = _detached(test_print, print=pristine['print'], StringIO=_StringIO,
+                                     write=_write)
   test_ns = {'__name__': '__sandbox_test__', '__builtins__': test_builtins}
 
   untrusted_ns = {'__name__': '__main__', '__builtins__': builtins}
@@ -625,16 +704,11 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
   calls = [0]
   verify()  # patches made by the module's code
 
-  def candidate(*args, **kwargs):
-    calls[0] += 1
+  def checked_call(args, kwargs):
     args, kwargs = _own_arguments(args, kwargs)
     _gc_enable()
     try:
       result = function(*args, **kwargs)
-    except (StopIteration, StopAsyncIteration) as exc:
-      # map(), zip(), filter() and iter() in the test would read it as the end of their
-      # input: `all(map(lambda n: candidate(n) == f(n), cases))` would pass (cf. PEP 479).
-      raise RuntimeError(f'candidate raised {_type(exc).__name__}') from None
     finally:
       # Finalizers of objects the program put into its copies run now, before the checks.
       del args, kwargs
@@ -643,6 +717,18 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, pris
       result = _plain_copy(result)
     verify()
     return result
+
+  def candidate(*args, **kwargs):
+    calls[0] += 1
+    try:
+      return checked_call(args, kwargs)
+    except (StopIteration, StopAsyncIteration) as exc:
+      # map(), zip(), filter() and iter() in the test would read it as the end of their
+      # input: `all(map(lambda n: candidate(n) == f(n), cases))` would pass (cf. PEP 479).
+      # Wherever it comes from: the program's function, or the program's code that the
+      # checks of its result run (a metaclass's __getattribute__, a finalizer). The name
+      # is read with the C getter: `cls.__name__` could run the program's code again.
+      raise RuntimeError('candidate raised ' + _type_name(_type(exc))) from None
 
   test_ns[entry_point] = candidate  # some tests call the function by its own name
   exec(compile(test, '<test>', 'exec', dont_inherit=True, optimize=0), test_ns)
@@ -681,7 +767,7 @@ def main():
   kind, strict, native, prompt, completion, test, entry_point = _decode_fields(data)
   del data
 
-  trusted_modules = tuple(_imported_modules(prompt + '\n' + test))
+  trusted_modules = tuple(_imported_modules(prompt, test))
   for name in _PRELOAD + trusted_modules:
     try:
       __import__(name)
@@ -703,8 +789,8 @@ def main():
 
   try:
     if kind == 'humaneval':
-      _run_humaneval(prompt, completion, test, entry_point, strict == '1', snapshot, pristine,
-                     verify)
+      _run_humaneval(prompt, completion, test, entry_point, strict == '1', snapshot,
+                     set(trusted_modules) - set(snapshot), pristine, verify)
     else:
       exec(compile(completion, '<program>', 'exec', dont_inherit=True, optimize=0),
            {'__name__': '__main__', '__builtins__': builtins})
