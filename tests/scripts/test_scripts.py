@@ -304,6 +304,9 @@ def test_check_tokenizers_llamacpp_vocabulary_merges_every_byte_pair():
   from o1jax import testing
   tokens, merges, types = load("check_tokenizers_llamacpp")._vocab()
   specials = len(testing.SPECIAL_TOKENS)
-  assert len(merges) == 256 * 256 and len(tokens) == len(types) == specials + 256 + 256 * 256
-  assert set(tokens[specials + 256:]) == {m.replace(" ", "") for m in merges}
+  pairs = tokens[specials + 256:specials + 256 + 256 * 256]
+  words = tokens[specials + 256 + 256 * 256:]  # whole words no merge reaches (ignore_merges)
+  assert len(merges) == 256 * 256 and len(tokens) == len(types)
+  assert set(pairs) == {m.replace(" ", "") for m in merges}
+  assert words and all(len(w) > 2 for w in words)
   assert len(set(tokens)) == len(tokens) and types == [3] * specials + [1] * (len(tokens) - specials)
