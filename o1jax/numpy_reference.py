@@ -25,6 +25,8 @@ Architecture features, each written from its published description:
     query at position i sees keys j with i - window < j <= i.
   * SmolLM3: the layers in `hp["nope_layers"]` do not rotate q and k (no positional
     encoding); every other layer is Llama's.
+  * Phi-3: q/k/v and gate/up stored fused (rows q, k, v; gate, up), split here; with
+    `hp["window"]`, every layer's query sees itself and the window - 1 keys before it.
 """
 
 from __future__ import annotations
@@ -115,7 +117,10 @@ def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary
     rep = nh // nkv
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
-    s = np.where(causal[None], s, -np.inf)
+    visible = causal
+    if hp.get("window"):  # a query sees itself and the window - 1 keys before it
+      visible = causal & (pos[None, :] > pos[:, None] - hp["window"])
+    s = np.where(visible[None], s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
     o = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd)
@@ -140,7 +145,7 @@ _GGUF_TO_HF = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 # llama.cpp applies RoPE to adjacent pairs (on permuted Q/K rows) except for these.
-_GGUF_ROTATE_HALF = ("qwen2", "qwen3")
+_GGUF_ROTATE_HALF = ("qwen2", "qwen3", "phi3")
 
 
 def _dequantize(gguf, data, qtype) -> np.ndarray:
@@ -168,6 +173,8 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
   hp["head_dim"] = int(f(f"{arch}.attention.key_length")) if f"{arch}.attention.key_length" \
       in reader.fields else int(f(f"{arch}.embedding_length")) // hp["n_heads"]
   hp["interleaved_rotary"] = arch not in _GGUF_ROTATE_HALF
+  if arch == "phi3" and f"{arch}.attention.sliding_window" in reader.fields:
+    hp["window"] = int(f(f"{arch}.attention.sliding_window"))  # every layer (transformers)
   if arch == "smollm3":  # not in the file: every 4th layer has no RoPE (llama.cpp's step;
     # written here, not imported: this module shares no code with o1jax.checkpoint)
     hp["nope_layers"] = [i for i in range(hp["n_layers"]) if (i + 1) % 4 == 0]
@@ -184,6 +191,15 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
       weights["lm_head.weight"] = w
     elif name == "rope_freqs.weight":
       hp["freq_factors"] = w
+    elif arch == "phi3" and name.endswith((".attn_qkv.weight", ".ffn_up.weight")):
+      _, i, rest = name.split(".", 2)  # Phi-3's fused rows: q, k, v / gate, up
+      q, kv = hp["n_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["head_dim"]
+      p = f"model.layers.{i}."
+      if rest == "attn_qkv.weight":
+        for part, rows in zip("qkv", np.split(w, [q, q + kv])):
+          weights[p + f"self_attn.{part}_proj.weight"] = rows
+      else:
+        weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"] = np.split(w, 2)
     else:
       _, i, rest = name.split(".", 2)
       weights[f"model.layers.{i}.{_GGUF_TO_HF[rest]}"] = w

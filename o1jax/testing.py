@@ -98,7 +98,15 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
 
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
-  weights = {k: v.astype(dtype) for k, v in random_hf_weights(config, seed).items()}
+  split = {k: v.astype(dtype) for k, v in random_hf_weights(config, seed).items()}
+  weights = dict(split)
+  if config.architecture == "phi3":  # fused, as Phi-3's checkpoints store them
+    for i in range(config.n_layers):
+      p = f"model.layers.{i}."
+      weights[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+          [weights.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+      weights[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+          [weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")])
   names = sorted(weights)
   if shards == 1:
     save_file(weights, str(directory / "model.safetensors"))
@@ -120,6 +128,8 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
   if config.architecture in ("qwen2", "qwen3"):
     hf["attention_bias"] = config.attention_bias
   hf["head_dim"] = config.head_dim  # transformers' Qwen3 default (128) is not d_model / heads
+  if config.architecture == "phi3":
+    hf["sliding_window"] = config.sliding_window
   if config.architecture == "smollm3":  # 1: the layer uses RoPE
     hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
   if config.post_norms:  # Gemma 3, as transformers 4 writes it
@@ -132,7 +142,7 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
               attn_logit_softcapping=None, pad_token_id=0)
   (directory / "config.json").write_text(json.dumps(hf))
   _tiny_tokenizer().save(directory)
-  return {k: np.asarray(v, np.float32) for k, v in weights.items()}
+  return {k: np.asarray(v, np.float32) for k, v in split.items()}  # (Phi-3: split)
 
 
 def _tiny_tokenizer():
@@ -152,7 +162,9 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
                           added_tokens: tuple[str, ...] = (),
                           chat_template: str | None = None,
                           merges: tuple[str, ...] = (),
-                          pre: str = "smollm") -> dict[str, np.ndarray]:
+                          pre: str = "smollm",
+                          extra_tensors: dict[str, np.ndarray] | None = None
+                          ) -> dict[str, np.ndarray]:
   """Writes a llama GGUF with random weights quantized to `matrix_type`.
 
   added_tokens: appended to the byte vocabulary as llama.cpp marks a model's added
@@ -218,9 +230,15 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
       writer.add_rope_scaling_factor(config.rope_scaling["factor"])
   # llama.cpp's converter permutes Q/K rows for adjacent-pair RoPE, not for rotate-half
   # (Qwen, Gemma 3); it stores Gemma's norm weights w as 1 + w.
-  permute = (lambda w, n: w) if arch in ("qwen2", "qwen3", "gemma3") else llama_cpp_permute
+  permute = (lambda w, n: w) if arch in ("qwen2", "qwen3", "gemma3", "phi3") else llama_cpp_permute
+  if arch == "phi3":  # as llama.cpp's converter: the rotary width, the window if any
+    writer.add_rope_dimension_count(config.head_dim)
+    if config.sliding_window:
+      writer.add_sliding_window(config.sliding_window)
   norm = (lambda w: w + np.float32(1)) if gemma else (lambda w: w)
   add("token_embd.weight", weights["model.embed_tokens.weight"], embed_type)
+  for name, w in (extra_tensors or {}).items():  # as given, F32 (e.g. longrope's factors)
+    add(name, w, "F32")
   add("output_norm.weight", norm(weights["model.norm.weight"]), "F32")
   if (config.rope_scaling or {}).get("rope_type") == "llama3":
     add("rope_freqs.weight", llama3_rope_factors(config.head_dim, config.rope_theta,
@@ -229,6 +247,16 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
     add("output.weight", weights["lm_head.weight"], matrix_type)
   for i in range(config.n_layers):
     p, h = f"model.layers.{i}.", f"blk.{i}."
+    if arch == "phi3":  # fused: q, k, v rows in one matrix; gate then up in one
+      add(h + "attn_qkv.weight", np.concatenate([weights[p + f"self_attn.{x}_proj.weight"]
+                                                 for x in "qkv"]), matrix_type)
+      add(h + "attn_output.weight", weights[p + "self_attn.o_proj.weight"], matrix_type)
+      add(h + "ffn_up.weight", np.concatenate([weights[p + "mlp.gate_proj.weight"],
+                                               weights[p + "mlp.up_proj.weight"]]), matrix_type)
+      add(h + "ffn_down.weight", weights[p + "mlp.down_proj.weight"], matrix_type)
+      add(h + "attn_norm.weight", weights[p + "input_layernorm.weight"], "F32")
+      add(h + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], "F32")
+      continue
     add(h + "attn_q.weight", permute(weights[p + "self_attn.q_proj.weight"], config.n_heads),
         matrix_type)
     add(h + "attn_k.weight", permute(weights[p + "self_attn.k_proj.weight"], config.n_kv_heads),

@@ -51,10 +51,13 @@ def _shapes():
       # SmolLM3: layer 4 of 4 without RoPE, 4 query heads per KV head.
       "smollm3": testing.tiny_config(architecture="smollm3", n_layers=4, n_heads=4, n_kv_heads=1,
                                      head_dim=64, nope_layers=(3,), **small),
+      # Phi-3: q/k/v and gate/up fused, rotate-half RoPE (no window: llama.cpp ignores it).
+      "phi3": testing.tiny_config(architecture="phi3", n_heads=4, n_kv_heads=4, head_dim=64,
+                                  **small),
   }
 
 
-PRE = {"llama": "smollm", "nemo": "tekken", "smollm3": "llama-bpe"}
+PRE = {"llama": "smollm", "nemo": "tekken", "smollm3": "llama-bpe", "phi3": "gpt-4o"}
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -131,6 +134,8 @@ def main(argv=None) -> int:
                       help="types for the Mistral-Nemo-shaped model ('' = skip)")
   parser.add_argument("--smollm3-types", default="F32,Q4_K_M",
                       help="types for the SmolLM3-shaped model ('' = skip)")
+  parser.add_argument("--phi3-types", default="F32,Q4_K_M",
+                      help="types for the Phi-3-shaped model ('' = skip)")
   parser.add_argument("--json", default=None, help="write the rows here")
   args = parser.parse_args(argv)
   if not require_llama_cpp():
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
     rows = check([k for k in args.types.split(",") if k], pathlib.Path(tmp))
     rows += check([k for k in args.nemo_types.split(",") if k], pathlib.Path(tmp), "nemo")
     rows += check([k for k in args.smollm3_types.split(",") if k], pathlib.Path(tmp), "smollm3")
+    rows += check([k for k in args.phi3_types.split(",") if k], pathlib.Path(tmp), "phi3")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
   return 0

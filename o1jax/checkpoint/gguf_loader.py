@@ -23,14 +23,14 @@ import numpy as np
 from o1jax.checkpoint import gguf_blocks, tensor_table
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.model_config import MAX_SIZE, SMOLLM3_NOPE_STEP, ModelConfig
-from o1jax.checkpoint.params import Params
+from o1jax.checkpoint.params import FUSED_PARTS, Params, split_fused
 from pallas_kernels.quantized_tensor import QuantizedTensor
 
 # GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3")
 # llama.cpp rotates these with NEOX RoPE (pairs i, i + d/2, as HF): their converter leaves
 # Q/K rows as they are. The others ("normal" RoPE on adjacent pairs) have them permuted.
-_ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3", "gemma3")
+_ROTATE_HALF_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "phi3")
 # What a Gemma 3 GGUF does not record, as llama.cpp hard-codes it (llama-model.cpp): local
 # layers' RoPE base, and every 6th layer global.
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -458,6 +458,8 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
         query_pre_attn_scalar=float(d_model // n_heads if n_layers == 62 else head_dim),
         sliding_window=window, sliding_window_pattern=pattern,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
+  if arch == "phi3":
+    gemma = _phi3(meta, path, dims, head_dim, g)
   name = meta.get("general.name")
   rope_theta = meta.number(g("rope.freq_base"), 10000.0)  # outside the try: these name their key
   rms_eps = meta.number(g("attention.layer_norm_rms_epsilon"), 1e-5, positive=False)
@@ -486,6 +488,21 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     )
   except ValueError as e:  # sizes that do not fit together, e.g. heads not a multiple of KV heads
     raise CheckpointError(f"{path}: {e}") from None
+
+
+def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g) -> dict:
+  """Phi-3's config switches: a sliding window on every layer (as transformers applies
+  the config's sliding_window; llama.cpp ignores it). Refused: partial rotary (Phi-4-mini)
+  and longrope's per-frequency factors (Phi-3.5, the 128k models, Phi-4-mini)."""
+  rot = meta.int(g("rope.dimension_count"))
+  if rot is not None and rot != head_dim:
+    raise CheckpointError(f"{path}: {g('rope.dimension_count')} {rot} of head_dim {head_dim}: "
+                          f"partial rotary embedding is not supported")
+  factors = sorted(n for n in dims if n.startswith("rope_factors_"))
+  if factors:
+    raise CheckpointError(f"{path}: tensors {factors}: longrope scaling is not supported")
+  window = meta.int(g("attention.sliding_window"))
+  return {} if not window else dict(sliding_window=window, sliding_window_pattern=0)
 
 
 class _Tensor(NamedTuple):
@@ -524,11 +541,27 @@ _OTHER_TENSORS = {
 }
 
 
+# Phi-3 stores q, k and v as one matrix and gate and up as one (gate first): read as such,
+# then split into the names above (params.split_fused).
+_FUSED_LAYER_TENSORS = {
+    "wqkv": _Tensor("attn_qkv.weight", ("d", "qkv")),
+    "w_gate_up": _Tensor("ffn_up.weight", ("d", "2f")),
+}
+
+
+def _layer_tensors(config: ModelConfig) -> dict:
+  if config.architecture != "phi3":
+    return _LAYER_TENSORS
+  parts = {name for names in FUSED_PARTS.values() for name in names}
+  return {**{k: t for k, t in _LAYER_TENSORS.items() if k not in parts}, **_FUSED_LAYER_TENSORS}
+
+
 def _sizes(config: ModelConfig) -> dict:
   """The sizes `_Tensor.dims` names."""
   hd = config.head_dim
+  q, kv = config.n_heads * hd, config.n_kv_heads * hd
   return {"d": config.d_model, "hd": hd, "f": config.ffn_dim, "v": config.vocab_size,
-          "q": config.n_heads * hd, "kv": config.n_kv_heads * hd}
+          "q": q, "kv": kv, "qkv": q + 2 * kv, "2f": 2 * config.ffn_dim}
 
 
 def _expected_tensors(config: ModelConfig) -> list[tuple[str, tuple, bool]]:
@@ -537,7 +570,7 @@ def _expected_tensors(config: ModelConfig) -> list[tuple[str, tuple, bool]]:
   size = _sizes(config)
   entry = lambda name, t: (name, tuple(size[k] for k in t.dims), t.present(config))
   return ([entry(f"blk.{i}.{t.gguf}", t) for i in range(config.n_layers)
-           for t in _LAYER_TENSORS.values()]
+           for t in _layer_tensors(config).values()]
           + [entry(t.gguf, t) for t in _OTHER_TENSORS.values()])
 
 
@@ -675,8 +708,11 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
       w = unpermute_columns(w, getattr(config, t.heads), config.head_dim)
     return w
 
-  layers = [{ours: read(f"blk.{i}.{t.gguf}", t) for ours, t in _LAYER_TENSORS.items()
+  layers = [{ours: read(f"blk.{i}.{t.gguf}", t) for ours, t in _layer_tensors(config).items()
              if t.present(config)} for i in range(config.n_layers)]
+  size = _sizes(config)
+  for layer in layers:  # Phi-3's fused matrices, split as the model holds them
+    split_fused(layer, size["q"], size["kv"], size["f"])
   other = {ours: read(t.gguf, t) for ours, t in _OTHER_TENSORS.items() if t.present(config)}
   params: Params = {"embed": other.pop("embed"), "layers": layers, **other}  # lm_head: untied only
   return config, params, {key: meta.get(key) for key in _TOKENIZER_KEYS}

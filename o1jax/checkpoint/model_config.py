@@ -69,7 +69,8 @@ class ModelConfig:
   activation: str = "silu"  # gate activation of the gated MLP (ACTIVATIONS)
   query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (None: head_dim)
   # Local layers: a query sees itself and the sliding_window - 1 keys before it. Layer i is
-  # global when (i + 1) % sliding_window_pattern == 0 (Gemma 3: 6; 1 = every layer global).
+  # global when (i + 1) % sliding_window_pattern == 0 (Gemma 3: 6; 1 = every layer global;
+  # 0 = none: every layer local, Phi-3).
   sliding_window: int | None = None
   sliding_window_pattern: int = 1
   rope_local_theta: float | None = None  # RoPE base of local layers, unscaled (None: rope_theta)
@@ -107,8 +108,9 @@ class ModelConfig:
                        f"(supported: {', '.join(ACTIVATIONS)})")
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
-    if self.sliding_window_pattern < 1:
-      raise ValueError(f"sliding_window_pattern={self.sliding_window_pattern} must be >= 1")
+    if self.sliding_window_pattern < 0:
+      raise ValueError(f"sliding_window_pattern={self.sliding_window_pattern} must be >= 0 "
+                       f"(0: every layer local)")
     nope = self.nope_layers
     nope = tuple(nope) if hasattr(nope, "__len__") and not isinstance(nope, (str, bytes)) else nope
     if (not isinstance(nope, tuple)
@@ -125,7 +127,8 @@ class ModelConfig:
 
   def layer_window(self, layer: int) -> int | None:
     """Keys a query of `layer` sees (itself included), or None for a global layer."""
-    if self.sliding_window is None or (layer + 1) % self.sliding_window_pattern == 0:
+    pattern = self.sliding_window_pattern
+    if self.sliding_window is None or (pattern and (layer + 1) % pattern == 0):
       return None
     return self.sliding_window
 

@@ -221,7 +221,8 @@ def _check_shapes(directory: pathlib.Path, config: ModelConfig, params: Params) 
   # The tensors an HF checkpoint of the config holds, under our names and in our
   # [in_features, out_features] layout (HF's shapes reversed).
   expected = [(ours if layer is None else f"layers.{layer}.{ours}", shape[::-1], read)
-              for layer, ours, _, shape, read in safetensors_loader.expected_tensors(config)]
+              for layer, ours, _, shape, read in safetensors_loader.expected_tensors(config,
+                                                                                     stored=False)]
   tensor_table.check_tensors(
       directory, expected, shapes, config.n_layers, r"layers\.(\d+)\.",
       layers_key=f"{MANIFEST}'s n_layers",

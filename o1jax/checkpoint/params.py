@@ -96,3 +96,28 @@ def to_device(params: Params, dtype=None) -> Params:
   out["layers"] = [{k: move_weight(v) for k, v in layer.items()} for layer in params["layers"]]
   return out
 
+
+# Phi-3 stores q, k and v as one matrix (columns q, k, v in our [in, out] layout) and gate
+# and up as one (gate first); the model holds them apart.
+FUSED_PARTS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def split_columns(w, widths):
+  """A [K, N] weight (dense or quantized: codes packed along K) cut into column blocks."""
+  edges = np.cumsum([0, *widths])
+  spans = list(zip(edges[:-1], edges[1:]))
+  if isinstance(w, QuantizedTensor):
+    cut = lambda a, lo, hi: None if a is None else np.ascontiguousarray(np.asarray(a)[..., lo:hi])
+    return [QuantizedTensor(packed=cut(w.packed, lo, hi), scale=cut(w.scale, lo, hi),
+                            minimum=cut(w.minimum, lo, hi), bits=w.bits, group_size=w.group_size)
+            for lo, hi in spans]
+  return [np.ascontiguousarray(np.asarray(w)[..., lo:hi]) for lo, hi in spans]
+
+
+def split_fused(layer: dict, q: int, kv: int, ffn: int) -> dict:
+  """A layer's fused matrices (FUSED_PARTS) split in place into the model's names."""
+  for fused, parts in FUSED_PARTS.items():
+    if fused in layer:
+      widths = (q, kv, kv) if fused == "wqkv" else (ffn, ffn)
+      layer.update(zip(parts, split_columns(layer.pop(fused), widths)))
+  return layer

@@ -18,10 +18,10 @@ import numpy as np
 from o1jax.checkpoint import tensor_table
 from o1jax.checkpoint.errors import CheckpointError, read_json_object
 from o1jax.checkpoint.model_config import SMOLLM3_NOPE_STEP, ModelConfig
-from o1jax.checkpoint.params import Params
+from o1jax.checkpoint.params import FUSED_PARTS, Params, split_fused
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "phi3")
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 # Our per-layer names -> HF names (weights are [out, in] in HF files).
@@ -33,6 +33,8 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
+# Phi-3's fused matrices (HF [out, in]: rows q, k, v / gate, up), split at load.
+_PHI3_FUSED_NAMES = {"wqkv": "self_attn.qkv_proj.weight", "w_gate_up": "mlp.gate_up_proj.weight"}
 # Gemma 3's layer norms (HF's Gemma3RMSNorm multiplies by 1 + w: we store the sum).
 # Its post_attention_layernorm is the attention output's norm; the MLP's input norm is
 # pre_feedforward_layernorm. (It has no q/k/v biases: attention_bias is off.)
@@ -136,6 +138,17 @@ def _token_ids(hf: dict, key: str, path, vocab_size: int, many: bool) -> tuple[i
   return tuple(ids)
 
 
+def _phi3(hf: dict, path) -> dict:
+  """Phi-3: the config's sliding_window on every layer (as transformers applies it); a
+  partial rotary embedding (Phi-4-mini) is refused (longrope by `_rope`)."""
+  rotary = _number(hf, "partial_rotary_factor", path, float, 1.0)
+  if rotary != 1.0:
+    raise CheckpointError(f"{path}: partial_rotary_factor={rotary}: partial rotary embedding "
+                          f"is not supported")
+  window = _number(hf, "sliding_window", path, int, 0)
+  return {} if not window else dict(sliding_window=window, sliding_window_pattern=0)
+
+
 def _nope_layers(hf: dict, path, n_layers: int) -> tuple[int, ...]:
   """SmolLM3's layers without RoPE: `no_rope_layers` (one 1 = rotates / 0 = not per layer),
   else every `no_rope_layer_interval`-th layer (transformers' default: 4)."""
@@ -166,6 +179,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
     rope_theta, rope_scaling = _rope(hf, path)
     gemma = _gemma3(hf, path) if model_type == "gemma3_text" else {}
+    if model_type == "phi3":
+      gemma = _phi3(hf, path)
     nope = _nope_layers(hf, path, num("num_hidden_layers")) if model_type == "smollm3" else ()
     return ModelConfig(**gemma, nope_layers=nope,
         vocab_size=vocab, d_model=d_model, n_layers=num("num_hidden_layers"),
@@ -243,18 +258,24 @@ def _read_headers(directory: pathlib.Path) -> dict[str, tuple[pathlib.Path, tupl
   return headers
 
 
-def expected_tensors(config: ModelConfig) -> list[tuple[int | None, str, str, tuple, bool]]:
+def expected_tensors(config: ModelConfig, stored: bool = True
+                     ) -> list[tuple[int | None, str, str, tuple, bool]]:
   """(layer (None outside layers), our name, HF name, HF shape ([out, in]), read) of every
-  tensor an HF checkpoint of `config` may hold, in the order `load_safetensors` reads them."""
+  tensor an HF checkpoint of `config` may hold, in the order `load_safetensors` reads them.
+  stored=False: the model's names, Phi-3's fused matrices split (as orbax stores them)."""
   d, hd, f, v = config.d_model, config.head_dim, config.ffn_dim, config.vocab_size
   q, kv = config.n_heads * hd, config.n_kv_heads * hd
   shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,),
             "bv": (kv,), "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f), "q_norm": (hd,),
-            "k_norm": (hd,)}
+            "k_norm": (hd,), "wqkv": (q + 2 * kv, d), "w_gate_up": (2 * f, d)}
   gemma = config.architecture == "gemma3_text"
+  names = _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
+  if stored and config.architecture == "phi3":
+    parts = {name for fused in FUSED_PARTS.values() for name in fused}
+    names = {**{k: n for k, n in names.items() if k not in parts}, **_PHI3_FUSED_NAMES}
   out = []
   for i in range(config.n_layers):
-    for ours, theirs in (_GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES).items():
+    for ours, theirs in names.items():
       read = not ((ours.startswith("b") and not config.attention_bias) or
                   (ours in ("q_norm", "k_norm") and not config.qk_norm))
       out.append((i, ours, f"model.layers.{i}.{theirs}", shapes.get(ours, (d,)), read))
@@ -317,6 +338,9 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
     if read:
       w = get(name, transpose=len(want) == 2)  # matrices: HF's [out, in] to our [in, out]
       (other if i is None else layers[i])[ours] = shift(w) if ours.endswith("_norm") else w
+  hd = config.head_dim
+  for layer in layers:  # Phi-3's fused matrices, split as the model holds them
+    split_fused(layer, config.n_heads * hd, config.n_kv_heads * hd, config.ffn_dim)
   params: Params = {"embed": other.pop("embed"), "layers": layers, **other}  # lm_head: untied only
   return config, params
 
@@ -332,7 +356,7 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
   """Writes config.json + model.safetensors (quantized weights dequantized)."""
   from safetensors.numpy import save_file
 
-  if config.post_norms or config.sliding_window is not None:
+  if config.post_norms or config.sliding_window is not None or config.architecture == "phi3":
     raise CheckpointError(f"saving a {config.architecture!r} model as safetensors is not "
                           f"supported (Llama-family layouts only)")
   directory = pathlib.Path(directory)
@@ -355,6 +379,8 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
       "rope_scaling": config.rope_scaling, "rms_norm_eps": config.rms_eps,
       "max_position_embeddings": config.max_context, "tie_word_embeddings": config.tie_embeddings,
       "attention_bias": config.attention_bias, "bos_token_id": config.bos_id,
+      **({"no_rope_layers": [int(i not in config.nope_layers) for i in range(config.n_layers)]}
+         if config.nope_layers else {}),
       "eos_token_id": list(config.eos_ids), "torch_dtype": np.dtype(dtype).name,
       # A GGUF's rope_freqs ({"rope_type": "freq_factors"}) has no HF spelling: our loader
       # reads it back, transformers does not.

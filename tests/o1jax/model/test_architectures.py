@@ -23,6 +23,8 @@ ARCHITECTURES = {
     "llama3": dict(architecture="llama", head_dim=32, rope_scaling=LLAMA3_SCALING),
     # every 4th layer without RoPE (4 layers: the last), 4 query heads per KV head
     "smollm3": dict(architecture="smollm3", n_layers=4, n_kv_heads=1, nope_layers=(3,)),
+    # fused q/k/v and gate/up; a window of 5 on every layer (shorter than TOKENS)
+    "phi3": dict(architecture="phi3", sliding_window=5, sliding_window_pattern=0),
 }
 
 
@@ -33,7 +35,8 @@ def _config(name):
 def _hp(config):
   return {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
           "head_dim": config.head_dim, "theta": config.rope_theta, "eps": config.rms_eps,
-          "rope_scaling": config.rope_scaling, "nope_layers": config.nope_layers}
+          "rope_scaling": config.rope_scaling, "nope_layers": config.nope_layers,
+          "window": config.sliding_window if config.sliding_window_pattern == 0 else None}
 
 
 def _logits(ck):
@@ -69,7 +72,8 @@ def test_safetensors_matches_transformers(hf_checkpoint):
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, dtype=torch.float32, attn_implementation="eager")
   expected_class = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "llama3": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[name]
+                    "llama3": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                    "phi3": "Phi3ForCausalLM"}[name]
   assert type(hf_model).__name__ == expected_class
   with torch.no_grad():
     want = hf_model(torch.tensor(TOKENS)[None]).logits[0].numpy()
@@ -143,3 +147,45 @@ def test_bad_nope_layers_are_named(bad):
   with pytest.raises(ValueError, match=r"nope_layers=.* must be a list of distinct layer indices \(0\.\.3\)"):
     testing.tiny_config(n_layers=4, nope_layers=bad)
   assert testing.tiny_config(n_layers=4, nope_layers=np.array([3, 1])).nope_layers == (1, 3)
+
+
+def test_phi3_window_matters_and_what_is_not_built_is_named(hf_checkpoint, tmp_path):
+  """The window is live (no window moves the logits); partial rotary (Phi-4-mini) and
+  longrope (Phi-3.5, the 128k models) are refused by name in both formats."""
+  import dataclasses
+  import gguf
+  import json
+  name, directory, _ = hf_checkpoint
+  if name != "phi3":
+    pytest.skip("Phi-3 only")
+  ck = load_checkpoint(directory)
+  assert (ck.config.sliding_window, ck.config.sliding_window_pattern) == (5, 0)
+  unwindowed = dataclasses.replace(ck, config=dataclasses.replace(ck.config, sliding_window=None))
+  assert np.abs(_logits(ck) - _logits(unwindowed)).max() > 0.05
+  hf = json.loads((directory / "config.json").read_text())
+  from o1jax.checkpoint.safetensors_loader import config_from_hf
+  with pytest.raises(CheckpointError, match=r"partial_rotary_factor=0.75: partial rotary embedding "
+                                            r"is not supported"):
+    config_from_hf({**hf, "partial_rotary_factor": 0.75}, "config.json")
+  longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+              "original_max_position_embeddings": 64}
+  with pytest.raises(CheckpointError, match=r"rope scaling type 'longrope' is not supported"):
+    config_from_hf({**hf, "rope_scaling": longrope}, "config.json")
+  # GGUF: a rotary width below head_dim (the key's u32 value patched), longrope's factors.
+  path = tmp_path / "m.gguf"
+  testing.write_gguf_checkpoint(path, _config("phi3"), seed=4, matrix_type="F32", embed_type="F32")
+  data = bytearray(path.read_bytes())
+  key = b"phi3.rope.dimension_count"
+  at = data.index(key) + len(key) + 4  # then the u32 type tag, then the value
+  assert int(np.frombuffer(bytes(data[at:at + 4]), "<u4")[0]) == 16
+  data[at:at + 4] = np.array([8], "<u4").tobytes()
+  (tmp_path / "partial.gguf").write_bytes(bytes(data))
+  with pytest.raises(CheckpointError, match=r"phi3.rope.dimension_count 8 of head_dim 16: partial "
+                                            r"rotary embedding is not supported"):
+    load_checkpoint(tmp_path / "partial.gguf")
+  testing.write_gguf_checkpoint(tmp_path / "long.gguf", _config("phi3"), matrix_type="F32",
+                                embed_type="F32",
+                                extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
+  with pytest.raises(CheckpointError, match=r"tensors \['rope_factors_long.weight'\]: longrope "
+                                            r"scaling is not supported"):
+    load_checkpoint(tmp_path / "long.gguf")
