@@ -247,20 +247,17 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
     add("output.weight", weights["lm_head.weight"], matrix_type)
   for i in range(config.n_layers):
     p, h = f"model.layers.{i}.", f"blk.{i}."
-    if arch == "phi3":  # fused: q, k, v rows in one matrix; gate then up in one
+    # Phi-3 stores q, k, v rows in one matrix and gate then up in one; the order of the
+    # adds is the writer's draw order of random blocks (kept as it was for the others).
+    fused = arch == "phi3"
+    if fused:
       add(h + "attn_qkv.weight", np.concatenate([weights[p + f"self_attn.{x}_proj.weight"]
                                                  for x in "qkv"]), matrix_type)
-      add(h + "attn_output.weight", weights[p + "self_attn.o_proj.weight"], matrix_type)
-      add(h + "ffn_up.weight", np.concatenate([weights[p + "mlp.gate_proj.weight"],
-                                               weights[p + "mlp.up_proj.weight"]]), matrix_type)
-      add(h + "ffn_down.weight", weights[p + "mlp.down_proj.weight"], matrix_type)
-      add(h + "attn_norm.weight", weights[p + "input_layernorm.weight"], "F32")
-      add(h + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], "F32")
-      continue
-    add(h + "attn_q.weight", permute(weights[p + "self_attn.q_proj.weight"], config.n_heads),
-        matrix_type)
-    add(h + "attn_k.weight", permute(weights[p + "self_attn.k_proj.weight"], config.n_kv_heads),
-        matrix_type)
+    else:
+      add(h + "attn_q.weight", permute(weights[p + "self_attn.q_proj.weight"], config.n_heads),
+          matrix_type)
+      add(h + "attn_k.weight", permute(weights[p + "self_attn.k_proj.weight"], config.n_kv_heads),
+          matrix_type)
     if config.attention_bias:
       add(h + "attn_q.bias", permute(weights[p + "self_attn.q_proj.bias"], config.n_heads), "F32")
       add(h + "attn_k.bias", permute(weights[p + "self_attn.k_proj.bias"], config.n_kv_heads),
@@ -269,10 +266,15 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
     if config.qk_norm:
       add(h + "attn_q_norm.weight", norm(weights[p + "self_attn.q_norm.weight"]), "F32")
       add(h + "attn_k_norm.weight", norm(weights[p + "self_attn.k_norm.weight"]), "F32")
-    add(h + "attn_v.weight", weights[p + "self_attn.v_proj.weight"], matrix_type)
+    if not fused:
+      add(h + "attn_v.weight", weights[p + "self_attn.v_proj.weight"], matrix_type)
     add(h + "attn_output.weight", weights[p + "self_attn.o_proj.weight"], matrix_type)
-    add(h + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"], matrix_type)
-    add(h + "ffn_up.weight", weights[p + "mlp.up_proj.weight"], matrix_type)
+    if fused:
+      add(h + "ffn_up.weight", np.concatenate([weights[p + "mlp.gate_proj.weight"],
+                                               weights[p + "mlp.up_proj.weight"]]), matrix_type)
+    else:
+      add(h + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"], matrix_type)
+      add(h + "ffn_up.weight", weights[p + "mlp.up_proj.weight"], matrix_type)
     add(h + "ffn_down.weight", weights[p + "mlp.down_proj.weight"], matrix_type)
     add(h + "attn_norm.weight", norm(weights[p + "input_layernorm.weight"]), "F32")
     if gemma:

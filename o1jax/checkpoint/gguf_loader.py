@@ -23,8 +23,7 @@ import numpy as np
 from o1jax.checkpoint import gguf_blocks, tensor_table
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.model_config import MAX_SIZE, SMOLLM3_NOPE_STEP, ModelConfig
-from o1jax.checkpoint.params import FUSED_PARTS, Params, split_fused
-from pallas_kernels.quantized_tensor import QuantizedTensor
+from o1jax.checkpoint.params import FUSED_PARTS, Params, split_fused, take_columns
 
 # GGUF architectures that are Llama-style decoders in our model (ModelConfig's switches).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3")
@@ -433,7 +432,7 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
   eos_ids = tuple(sorted({i for i in (token_id("tokenizer.ggml.eos_token_id"),
                                       token_id("tokenizer.ggml.eot_token_id")) if i is not None}))
   bos = token_id("tokenizer.ggml.bos_token_id")
-  gemma = {}
+  switches = {}  # Gemma 3's or Phi-3's ModelConfig fields
   if arch == "gemma3":
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
       if meta.get(g(key)) is not None:
@@ -452,19 +451,19 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
                                 f"every {pattern}th layer global (the only interleave supported)")
     else:
       pattern = meta.int(key, GEMMA3_SLIDING_WINDOW_PATTERN)
-    gemma = dict(
+    switches = dict(
         scale_embeddings=True, post_norms=True, activation="gelu_tanh",
         # llama.cpp: 1/sqrt(d_model / heads) for the 62-layer 27B, else 1/sqrt(head_dim)
         query_pre_attn_scalar=float(d_model // n_heads if n_layers == 62 else head_dim),
         sliding_window=window, sliding_window_pattern=pattern,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
   if arch == "phi3":
-    gemma = _phi3(meta, path, dims, head_dim, g)
+    switches = _phi3(meta, path, dims, head_dim, g)
   name = meta.get("general.name")
   rope_theta = meta.number(g("rope.freq_base"), 10000.0)  # outside the try: these name their key
   rms_eps = meta.number(g("attention.layer_norm_rms_epsilon"), 1e-5, positive=False)
   try:
-    return ModelConfig(**gemma,
+    return ModelConfig(**switches,
         vocab_size=vocab,
         d_model=d_model,
         n_layers=n_layers,
@@ -649,11 +648,7 @@ def unpermute_columns(w, n_heads: int, head_dim: int):
 
   GGUF output row h*hd + 2*i + j holds HF row h*hd + j*hd/2 + i."""
   perm = np.arange(n_heads * head_dim).reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
-  if isinstance(w, QuantizedTensor):
-    take = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a)[..., perm])
-    return QuantizedTensor(packed=take(w.packed), scale=take(w.scale), minimum=take(w.minimum),
-                           bits=w.bits, group_size=w.group_size)
-  return np.ascontiguousarray(np.asarray(w)[..., perm])
+  return take_columns(w, perm)
 
 
 def read_tensors(path: str | os.PathLike, names=None) -> dict:

@@ -31,15 +31,16 @@ SMOLLM3_NOPE_STEP = 4
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM,
-  SmolLM3, Gemma 3).
+  SmolLM3, Phi-3, Gemma 3).
 
   Architectures differ only in the switches below: attention_bias (Qwen2's q/k/v biases),
   qk_norm (Qwen3's RMSNorm of each q and k head before RoPE), rope_scaling (Llama 3), and
   Gemma 3's: embeddings scaled by sqrt(d_model), post-attention and post-FFN norms, GeGLU,
   scores scaled by 1/sqrt(query_pre_attn_scalar), and local sliding-window layers with
-  their own RoPE base between global ones; SmolLM3's layers without RoPE (nope_layers). Gemma's RMSNorm multiplies by (1 + w): the
-  loaders store that sum as the norm weight (as llama.cpp's GGUFs do), so every norm here
-  is a plain RMSNorm."""
+  their own RoPE base between global ones; Phi-3's window on every layer; SmolLM3's
+  layers without RoPE (nope_layers). Gemma's RMSNorm multiplies by (1 + w): the loaders
+  store that sum as the norm weight (as llama.cpp's GGUFs do), so every norm here is a
+  plain RMSNorm."""
 
   vocab_size: int
   d_model: int

@@ -97,21 +97,26 @@ def to_device(params: Params, dtype=None) -> Params:
   return out
 
 
-# Phi-3 stores q, k and v as one matrix (columns q, k, v in our [in, out] layout) and gate
-# and up as one (gate first); the model holds them apart.
+# Matrices that read the same input, one fused matrix each: Phi-3 stores them so (columns
+# q, k, v / gate, up in our [in, out] layout; split at load, the model holds them apart)
+# and the model's int8 path fuses them again for its kernel.
 FUSED_PARTS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
-def split_columns(w, widths):
-  """A [K, N] weight (dense or quantized: codes packed along K) cut into column blocks."""
-  edges = np.cumsum([0, *widths])
-  spans = list(zip(edges[:-1], edges[1:]))
+def take_columns(w, index):
+  """Columns `index` (a slice or an index array) of a [K, N] weight, dense or quantized
+  (codes packed along K, so columns are independent)."""
+  take = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a)[..., index])
   if isinstance(w, QuantizedTensor):
-    cut = lambda a, lo, hi: None if a is None else np.ascontiguousarray(np.asarray(a)[..., lo:hi])
-    return [QuantizedTensor(packed=cut(w.packed, lo, hi), scale=cut(w.scale, lo, hi),
-                            minimum=cut(w.minimum, lo, hi), bits=w.bits, group_size=w.group_size)
-            for lo, hi in spans]
-  return [np.ascontiguousarray(np.asarray(w)[..., lo:hi]) for lo, hi in spans]
+    return QuantizedTensor(packed=take(w.packed), scale=take(w.scale), minimum=take(w.minimum),
+                           bits=w.bits, group_size=w.group_size)
+  return take(w)
+
+
+def split_columns(w, widths):
+  """A [K, N] weight cut into consecutive column blocks of `widths`."""
+  edges = np.cumsum([0, *widths])
+  return [take_columns(w, slice(lo, hi)) for lo, hi in zip(edges[:-1], edges[1:])]
 
 
 def split_fused(layer: dict, q: int, kv: int, ffn: int) -> dict:

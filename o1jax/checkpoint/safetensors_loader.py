@@ -178,11 +178,10 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     eos_ids = _token_ids(hf, "eos_token_id", path, vocab, many=True)
     bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
     rope_theta, rope_scaling = _rope(hf, path)
-    gemma = _gemma3(hf, path) if model_type == "gemma3_text" else {}
-    if model_type == "phi3":
-      gemma = _phi3(hf, path)
+    switches = ({"gemma3_text": _gemma3, "phi3": _phi3}[model_type](hf, path)
+                if model_type in ("gemma3_text", "phi3") else {})
     nope = _nope_layers(hf, path, num("num_hidden_layers")) if model_type == "smollm3" else ()
-    return ModelConfig(**gemma, nope_layers=nope,
+    return ModelConfig(**switches, nope_layers=nope,
         vocab_size=vocab, d_model=d_model, n_layers=num("num_hidden_layers"),
         n_heads=n_heads, n_kv_heads=num("num_key_value_heads", default=0) or n_heads,
         head_dim=num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0),

@@ -65,7 +65,6 @@ def _case_split(contraction: str, digits: str) -> str:
 _IGNORE_MERGES_PRE = ("llama3", "llama-bpe", "tekken")
 
 
-
 def _adds_bos_by_default(meta: dict) -> bool:
   """llama.cpp's default where a GGUF has no tokenizer.ggml.add_bos_token: SentencePiece
   vocabularies and the llama3 / tekken byte-level ones start with BOS, others do not."""

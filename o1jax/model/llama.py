@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from o1jax.checkpoint.model_config import ModelConfig
-from o1jax.checkpoint.params import Params, device_array, to_device
+from o1jax.checkpoint.params import FUSED_PARTS, Params, device_array, to_device
 from o1jax.model import layers
 from pallas_kernels import ops as kernel_ops
 from pallas_kernels.f32_matmul import TiledF32Weight, pack as pack_f32
@@ -26,10 +26,6 @@ from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
 
 WEIGHT_MODES = ("auto", "quantized", "dense")
-
-
-# Matrices that read the same input, fused for the int8 kernel (see `concat_columns`).
-INT8_FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def _pack_int8_matrices(params: Params) -> Params:
@@ -45,7 +41,7 @@ def _pack_int8_matrices(params: Params) -> Params:
   out["layers"] = []
   for i, layer in enumerate(params["layers"]):
     packed = {name: pack(f"layers.{i}.{name}", w) for name, w in layer.items()}
-    for fused, parts in INT8_FUSED.items():
+    for fused, parts in FUSED_PARTS.items():
       try:
         packed[fused] = concat_columns([packed[n] for n in parts], f"layers.{i}.{fused}")
       except ValueError:  # mixed formats (e.g. a Q8_0 wv among Q4 weights): keep them apart
@@ -186,7 +182,7 @@ def _attention_output_and_mlp(w: dict, x, attn, *, config: ModelConfig, backend:
 
 
 class DecoderLayer(nnx.Module):
-  # Its weights: q/k/v and gate/up apart, or fused (int8 matmuls: INT8_FUSED); biases
+  # Its weights: q/k/v and gate/up apart, or fused (int8 matmuls: FUSED_PARTS); biases
   # (Qwen2), q/k norms (Qwen3) and post norms (Gemma 3) where the config has them.
   WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wqkv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
              "post_attn_norm", "post_ffn_norm", "ffn_norm", "w_gate", "w_up", "w_gate_up",
@@ -235,7 +231,7 @@ class Llama(nnx.Module):
     block of 32 to two int8 levels (~15 bits); the native VNNI/AMX kernel reads
     ~1/4 of the f32 weight bytes (~4x faster batch-1 decoding here), with an
     XLA fallback elsewhere. Logits move ~100x less than bf16's (in KL); q/k/v
-    and gate/up are fused into one matrix each (INT8_FUSED).
+    and gate/up are fused into one matrix each (FUSED_PARTS).
     "float8" (`pallas_kernels.fp8_activations`): the decoder layers' matmuls round
     their input rows to float8_e4m3fn, each row under its own scale (its largest
     magnitude / 448), and multiply the matrices as float32 mode stores them (quantized

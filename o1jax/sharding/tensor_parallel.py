@@ -26,11 +26,13 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from o1jax.checkpoint.params import FUSED_PARTS
+
 MODEL_AXIS = "model"
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
 COLUMN_BIAS = ("bq", "bk", "bv")
 ROW = ("wo", "w_down")
-FUSED = ("wqkv", "w_gate_up")  # int8 matmuls' fused matrices: their columns interleave
+FUSED = tuple(FUSED_PARTS)  # int8 matmuls' fused matrices: their columns interleave
 POOL_SPEC = P(None, None, MODEL_AXIS, None)  # [num_blocks, block_size, kv_heads, head_dim]
 SCALE_SPEC = P(None, MODEL_AXIS)  # FP8 pools' scales [num_blocks, kv_heads]
 CONTIGUOUS_SPEC = P(None, MODEL_AXIS, None, None)  # a contiguous cache [batch, kv_heads, S, D]
