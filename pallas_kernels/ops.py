@@ -316,14 +316,13 @@ def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, 
   if k_pages.dtype != v_pages.dtype:
     raise ValueError(f"{op}: k_pages.dtype={_dtype_name(k_pages.dtype)} != "
                      f"v_pages.dtype={_dtype_name(v_pages.dtype)}")
-  # The reference widens any float pool to f32; the kernels read FP8 or q's dtype.
-  narrower = not pallas and q_dtype == jnp.float32 and k_pages.dtype in (jnp.bfloat16,
-                                                                          jnp.float16)
+  # Every backend widens the pages it reads to q's dtype: FP8 (scaled), and bf16/f16
+  # under f32 q (a bf16 KV pool under an f32 model: exact, half the bytes read).
+  narrower = q_dtype == jnp.float32 and k_pages.dtype in (jnp.bfloat16, jnp.float16)
   if k_pages.dtype not in pa.FP8_DTYPES and k_pages.dtype != q_dtype and not narrower:
     raise ValueError(f"{op}: KV dtype {_dtype_name(k_pages.dtype)} (k_pages.shape="
-                     f"{k_pages.shape}) must equal q.dtype={_dtype_name(q_dtype)} or be "
-                     "float8_e4m3fn" + ("" if pallas else
-                                        " (or bf16/f16 under f32 q on the reference backend)"))
+                     f"{k_pages.shape}) must equal q.dtype={_dtype_name(q_dtype)}, be "
+                     "float8_e4m3fn, or be bf16/f16 under f32 q")
   if (k_scale is not None or v_scale is not None) and k_pages.dtype not in pa.FP8_DTYPES:
     raise ValueError(f"{op}: k_scale/v_scale are for float8_e4m3fn pools, got "
                      f"{_dtype_name(k_pages.dtype)}")

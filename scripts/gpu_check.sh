@@ -18,23 +18,37 @@
 #   hoststeps   the reference backend at 1 decode step per call (the host's share)
 #   hf          HF transformers bf16 `generate`, same shape, same run
 #   ablate      the Pallas path with one op at a time on XLA (what is slow)
+#   profile     one warm engine run at concurrency 64 under jax.profiler: the device's
+#               busy time against the wall time, the kernels and modules that take it
 #   controller  self-consistency n=8 through the controller's loop vs the engine at the
 #               same rows (64; issue 14's controller target), both at top-p 0.95 (the
 #               policy's default; a random model's flat rows take the threshold search)
 #   llama8b     Llama-3-8B shape: int4 engine vs bf16 engine vs HF bf16
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
-#   scripts/gpu_check.sh OUTDIR [tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,controller,llama8b,speculative]
-# OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage.
+#   scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]
+#   STAGES: comma-separated, run in the order listed (default engine,throughput,hf,ablate)
+#   SECONDS: the whole run's deadline; a stage gets at most what is left, and none
+#   starts with under 20 s left (default: none)
+# OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage, and
+# gpu_check.tar.gz of all of them (or $GPU_CHECK_ARCHIVE), rewritten after each stage (a
+# device call brings back a few files only; a call cut at its limit keeps the archive).
 set -u
-OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES]}
-STAGES=,${2:-engine,throughput,hf,ablate},
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]}
+STAGES=${2:-engine,throughput,hf,ablate}
+DEADLINE=$((SECONDS + ${3:-1000000}))
+KNOWN=,tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,profile,controller,llama8b,speculative,
+for name in ${STAGES//,/ }; do
+  [[ $KNOWN == *,$name,* ]] || { echo "gpu_check.sh: unknown stage '$name' (known: ${KNOWN:1:-1})" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Leave room for the dense bf16 comparators of the benchmark.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Stages compile some of the same programs (throughput, ablate, profile): compile once.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/o1jax_gpu_check_jax_cache}
 
 {
   date -u
@@ -43,42 +57,67 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 
+pack() {  # the archive of OUTDIR, built beside it and moved in whole
+  local part
+  part=$(mktemp) && tar -czf "$part" -C "$OUT" --exclude=gpu_check.tar.gz . \
+    && mv "$part" "${GPU_CHECK_ARCHIVE:-$OUT/gpu_check.tar.gz}"
+}
+
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
-  [[ $STAGES == *,$name,* ]] || return 0
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 20)); then
+    echo "== $name: skipped, $left s left of the deadline" | tee "$OUT/$name.log"
+    pack
+    return 0
+  fi
+  ((limit > left)) && limit=$left
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo $? > "$OUT/$name.rc"
-  echo "== $name: rc=$(cat "$OUT/$name.rc") in $((SECONDS - t0)) s"
+  echo "== $name: rc=$(cat "$OUT/$name.rc") in $((SECONDS - t0)) s (limit $limit s)"
   tail -n 25 "$OUT/$name.log"
+  pack
+}
+run_stage() {  # run_stage NAME
+  case $1 in
+  # Compiled-mode classes only: the *Interpret twins are covered on CPU.
+  tests) stage tests 260 python -m pytest tests/pallas_kernels tests/o1jax/model/test_sampling.py \
+    -q -rA -k "not Interpret" -p no:cacheprovider ;;
+  # No gemm autotuning: the check compiles a dozen programs and only compares results.
+  engine) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json" ;;
+  bench) stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json" ;;
+  qmm) stage qmm 240 bash -c "for shape in 4096x14336 14336x4096; do python scripts/tune_qmm.py \
+    --shape \$shape --ms 1,2,4,8,16 --kernels dot,gemv --block-n 128 --k-splits 8 --warps 4,8 \
+    --stages 3 --gemv-block-n 64,128 --groups-per-iter 1,4 --gemv-k-splits 8,32 \
+    --out '$OUT/qmm_'\$shape.json || exit 1; done" ;;
+  fp8) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \
+    --out '$OUT/fp8_engine.json' && python scripts/gpu_engine_check.py throughput \
+    --matmul-dtype float8 --backends pallas --concurrency 1,64 --out '$OUT/fp8_throughput.json'" ;;
+  throughput) stage throughput 200 python scripts/gpu_engine_check.py throughput \
+    --concurrency 1,64,256 --decode-steps 8 --out "$OUT/throughput.json" ;;
+  hoststeps) stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \
+    --backends reference --decode-steps 1 --out "$OUT/hoststeps.json" ;;
+  hf) stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json" ;;
+  ablate) stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 \
+    --out "$OUT/ablate.json" ;;
+  profile) stage profile 90 python scripts/gpu_engine_check.py profile --concurrency 64 \
+    --backends pallas --out "$OUT/profile.json" ;;
+  controller) stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 \
+    --top-p 0.95 --new-tokens 128 --backends pallas --out "$OUT/controller.json" ;;
+  llama8b) stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape \
+    llama3-8b --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python \
+    scripts/gpu_engine_check.py hf --shape llama3-8b --concurrency 1,64 --new-tokens 64 \
+    --out '$OUT/llama8b_hf.json'" ;;
+  speculative) stage speculative 240 python scripts/gpu_engine_check.py speculative \
+    --concurrency 1,64 --new-tokens 128 --backends pallas --out "$OUT/speculative.json" ;;
+  *) return 1 ;;
+  esac
 }
 
-# Compiled-mode classes only: the *Interpret twins are covered on CPU.
-stage tests 260 python -m pytest tests/pallas_kernels tests/o1jax/model/test_sampling.py -q -rA \
-  -k "not Interpret" -p no:cacheprovider
-# No gemm autotuning: the check compiles a dozen programs and only compares results.
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json"
-stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json"
-stage qmm 240 bash -c "for shape in 4096x14336 14336x4096; do python scripts/tune_qmm.py \
-  --shape \$shape --ms 1,2,4,8,16 --kernels dot,gemv --block-n 128 --k-splits 8 --warps 4,8 \
-  --stages 3 --gemv-block-n 64,128 --groups-per-iter 1,4 --gemv-k-splits 8,32 \
-  --out '$OUT/qmm_'\$shape.json || exit 1; done"
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \
-  --out '$OUT/fp8_engine.json' && python scripts/gpu_engine_check.py throughput \
-  --matmul-dtype float8 --backends pallas --concurrency 1,64 --out '$OUT/fp8_throughput.json'"
-stage throughput 200 python scripts/gpu_engine_check.py throughput --concurrency 1,64,256 \
-  --decode-steps 8 --out "$OUT/throughput.json"
-stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \
-  --backends reference --decode-steps 1 --out "$OUT/hoststeps.json"
-stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json"
-stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 --out "$OUT/ablate.json"
-stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 --top-p 0.95 \
-  --new-tokens 128 --backends pallas --out "$OUT/controller.json"
-stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape llama3-8b \
-  --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python scripts/gpu_engine_check.py hf \
-  --shape llama3-8b --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b_hf.json'"
-stage speculative 240 python scripts/gpu_engine_check.py speculative --concurrency 1,64 \
-  --new-tokens 128 --backends pallas --out "$OUT/speculative.json"
+for name in ${STAGES//,/ }; do
+  run_stage "$name"
+done

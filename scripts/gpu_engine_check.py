@@ -31,6 +31,10 @@ compares two backends on the same weights, which is what it needs.
     draft model is accepted (nearly) always, the early exit (nearly) never, so
     the rows bound what a trained checkpoint's drafters can do on this device
     (the best case, and that adaptive K never loses much).
+  profile: one warm engine run under jax.profiler (Python tracer off): each device
+    line's busy time against the run's wall time, the kernels, XLA ops and modules
+    that take the device's time, the host's busiest lines (issue 14: where a decode
+    step's time goes).
   controller: self-consistency (n=8) through the reasoning controller's device loop
     against the engine sampling the same rows (prompts x 8): generated tok/s (issue 14's
     controller target: >= 0.7x the engine's).
@@ -47,6 +51,7 @@ compares two backends on the same weights, which is what it needs.
       [--out F]
   python scripts/gpu_engine_check.py speculative [--concurrency 1,64] [--new-tokens 128]
       [--max-drafts 7] [--backends pallas] [--out F]
+  python scripts/gpu_engine_check.py profile [--concurrency 64] [--backends pallas] [--out F]
   python scripts/gpu_engine_check.py controller [--concurrency 64] [--new-tokens 128]
       [--backends pallas] [--out F]
 
@@ -201,6 +206,13 @@ def correctness(args) -> dict:
   return out
 
 
+def _dump(args, out: dict) -> None:
+  """Write the rows so far to --out: a stage cut by its time limit keeps what it measured."""
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+
+
 def _timed_generate(engine, batch) -> tuple[float, float, int, int]:
   """(warm-up s, timed wall s, generated tokens, programs compiled) of one workload."""
   t0 = time.perf_counter()
@@ -250,6 +262,7 @@ def throughput(args) -> dict:
                "warmup_s": warm, "programs": programs,
                "recompiled": sum(engine.trace_counts.values()) - programs}
         out["rows"].append(row)
+        _dump(args, out)
         print(f"{label:15s} steps/call {steps} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
               f"{row['ms_per_step']:.2f} ms per decode step (prefill included), "
               f"warm-up {warm:.0f} s, "
@@ -282,10 +295,89 @@ def ablate(args) -> dict:
     row = {"on_reference": on_reference or "none", "gen_tok_s": generated / wall,
            "ms_per_step": 1e3 * wall / args.new_tokens}
     out["rows"].append(row)
+    _dump(args, out)
     print(f"pallas, {row['on_reference']:24s} on XLA: {row['gen_tok_s']:9.1f} gen tok/s, "
           f"{row['ms_per_step']:.2f} ms per step", flush=True)
   for name, fn in originals.items():
     setattr(ops, name, fn)
+  return out
+
+
+def _line_summary(line, top: int) -> dict:
+  """Events of one profiler line: count, busy time, span and the top names by total time."""
+  totals: dict[str, list] = {}
+  first, last, busy = None, None, 0.0
+  for event in line.events:
+    d = float(event.duration_ns)
+    busy += d
+    first = event.start_ns if first is None else min(first, event.start_ns)
+    last = event.end_ns if last is None else max(last, event.end_ns)
+    entry = totals.setdefault(event.name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += d
+  ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+  return {"line": line.name, "events": sum(n for n, _ in totals.values()), "busy_ms": busy / 1e6,
+          "span_ms": 0.0 if first is None else (last - first) / 1e6,
+          "top": [{"name": name[:160], "count": n, "ms": ns / 1e6} for name, (n, ns) in ranked]}
+
+
+def profile(args) -> dict:
+  """One warm engine run (--backends: its first; --concurrency: its last) under
+  jax.profiler with the Python tracer off: each device line's busy time against the
+  run's wall time (the rest is the host's and the gaps between launches) and the
+  kernels, XLA ops and modules that take the device's time; the host's busiest lines."""
+  import glob
+  import os
+  import shutil
+  import tempfile
+
+  import jax
+  from jax.profiler import ProfileData
+
+  from o1jax.engine import GenerationParams, Request
+
+  config, params = random_model_params(args.layers)
+  backend = args.backends.split(",")[0]
+  c = int(args.concurrency.split(",")[-1])
+  steps = int(args.decode_steps.split(",")[0])
+  ps = prompts(c, seed=2, low=30, high=40, vocab=config.vocab_size)
+  gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+  engine = make_engine(config, params, backend, max_slots=c, decode_steps=steps,
+                       num_blocks=max(256, c * (args.new_tokens // 16 + 4)))
+  batch = [Request(p, gp) for p in ps]
+  t0 = time.perf_counter()
+  engine.generate(batch)  # compiles every program of the traced run
+  untraced = time.perf_counter() - t0  # compiling included
+  log_dir = tempfile.mkdtemp()
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  t0 = time.perf_counter()
+  with jax.profiler.trace(log_dir, profiler_options=options):
+    results = engine.generate(batch)
+  wall = time.perf_counter() - t0
+  path = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)[0]
+  out = {"backend": backend, "concurrency": c, "decode_steps": steps, "layers": args.layers,
+         "new_tokens": args.new_tokens, "generated": sum(len(r.token_ids) for r in results),
+         "warmup_wall_s": untraced, "traced_wall_s": wall,
+         "trace_bytes": os.path.getsize(path), "device_lines": [], "host_lines": []}
+  _dump(args, out)
+  for plane in ProfileData.from_file(path).planes:
+    if plane.name.startswith("/device:"):
+      out["device_lines"] += [dict(plane=plane.name, **_line_summary(line, 25))
+                              for line in plane.lines]
+    elif plane.name.startswith("/host:"):
+      out["host_lines"] += [dict(plane=plane.name, **_line_summary(line, 12))
+                            for line in plane.lines]
+  out["host_lines"] = sorted(out["host_lines"], key=lambda r: -r["busy_ms"])[:8]
+  print(f"{backend} c={c} steps/call {steps}: wall {wall:.2f} s traced, {untraced:.2f} s "
+        f"warm-up (compiles)", flush=True)
+  for row in out["device_lines"] + out["host_lines"]:
+    print(f"{row['plane']} | {row['line']}: {row['events']} events, busy {row['busy_ms']:.1f} ms "
+          f"over {row['span_ms']:.1f} ms", flush=True)
+    for top in row["top"][:6]:
+      print(f"    {top['ms']:9.2f} ms {top['count']:6d}x {top['name'][:100]}", flush=True)
+  if args.out and out["trace_bytes"] < 8 << 20:
+    shutil.copy(path, os.path.splitext(args.out)[0] + ".xplane.pb")
   return out
 
 
@@ -350,9 +442,7 @@ def speculative(args) -> dict:
             f"{row['decode_ratio']:5.2f}x plain, accept {r['acceptance_rate']:.2f}, "
             f"{100 * r['verify_share']:3.0f}% verify calls, same tokens {row['same_tokens']}, "
             f"compiled in timed run {r['compiled_in_timed_run']}", flush=True)
-    if args.out:
-      with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    _dump(args, out)
     del engine
   return out
 
@@ -406,6 +496,7 @@ def controller(args) -> dict:
            "engine_tokens": engine_tokens}
     row["ratio"] = row["controller_tok_s"] / row["engine_tok_s"]
     out["rows"].append(row)
+    _dump(args, out)
     print(f"rows={row['rows']:3d}: controller {row['controller_tok_s']:9.1f} gen tok/s, engine "
           f"{row['engine_tok_s']:9.1f} gen tok/s ({row['ratio']:.2f}x)", flush=True)
   return out
@@ -454,6 +545,7 @@ def hf(args) -> dict:
     row = {"concurrency": c, "gen_tok_s": (gen.shape[1] - width) * c / wall,
            "ms_per_step": 1e3 * wall / args.new_tokens}
     out["rows"].append(row)
+    _dump(args, out)
     print(f"transformers bf16 c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
           f"{row['ms_per_step']:.2f} ms per step", flush=True)
   return out
@@ -462,7 +554,7 @@ def hf(args) -> dict:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("mode", choices=("correctness", "throughput", "ablate", "hf", "speculative",
-                                   "controller"))
+                                   "controller", "profile"))
   ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
   ap.add_argument("--decode-steps", default="8")
   ap.add_argument("--layers", type=int, default=None)
@@ -492,7 +584,7 @@ def main(argv=None) -> int:
       args.layers = args.layers or SHAPES["smollm2"][1]
     args.new_tokens = args.new_tokens or 128
     result = {"throughput": throughput, "ablate": ablate, "hf": hf, "speculative": speculative,
-              "controller": controller}[args.mode](args)
+              "controller": controller, "profile": profile}[args.mode](args)
   result["device"] = jax.devices()[0].device_kind
   if args.out:
     with open(args.out, "w") as f:

@@ -95,12 +95,14 @@ class TestPagedDecodeKernelInterpret(TestPagedDecodeKernel):
   INTERPRET = True
 
 
-@pytest.mark.parametrize("dtype,fp8", [(jnp.bfloat16, False), (jnp.float32, False),
-                                       (jnp.bfloat16, True)])
-def test_lowers_for_cuda(dtype, fp8):
+@pytest.mark.parametrize("dtype,fp8,q_dtype", [(jnp.bfloat16, False, jnp.bfloat16),
+                                               (jnp.float32, False, jnp.float32),
+                                               (jnp.bfloat16, True, jnp.bfloat16),
+                                               (jnp.bfloat16, False, jnp.float32)])
+def test_lowers_for_cuda(dtype, fp8, q_dtype):
   rng = np.random.default_rng(0)
   kp, vp, bt, ks, vs = make_paged_cache(rng, 2, 2, 64, 16, 4, [10, 50], dtype, fp8)
-  q = jnp.asarray(rng.normal(size=(2, 6, 64)), dtype)
+  q = jnp.asarray(rng.normal(size=(2, 6, 64)), q_dtype)
   lengths = jnp.asarray([10, 50], jnp.int32)
   text = lowers_for_cuda(
       lambda q, kp, vp, bt, n, ks, vs: ops.paged_decode_attention(
@@ -139,15 +141,17 @@ class TestValidation:
   def test_kv_dtype(self):
     q, kp, vp, bt, n = self._args()
     kb, vb = kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16)
-    # The kernels read FP8 or q's dtype; the reference also widens bf16 under f32 q.
-    with pytest.raises(ValueError, match=r"KV dtype bfloat16"):
-      ops.paged_decode_attention(q, kb, vb, bt, n, backend="pallas", interpret=True)
-    with pytest.raises(ValueError, match=r"KV dtype bfloat16"):
-      ops.paged_decode_attention(q.astype(jnp.float16), kb, vb, bt, n, backend="reference")
-    got = ops.paged_decode_attention(q, kb, vb, bt, n, backend="reference")
-    want = ops.paged_decode_attention(q, kb.astype(jnp.float32), vb.astype(jnp.float32), bt, n,
-                                      backend="reference")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Every backend widens a bf16 pool under f32 q (an engine with bf16 KV under an f32
+    # model on a GPU); bf16 pages under f16 q are refused.
+    for backend in ("pallas", "reference"):
+      with pytest.raises(ValueError, match=r"KV dtype bfloat16"):
+        ops.paged_decode_attention(q.astype(jnp.float16), kb, vb, bt, n, backend=backend,
+                                   interpret=True)
+      got = ops.paged_decode_attention(q, kb, vb, bt, n, backend=backend, interpret=True)
+      want = ops.paged_decode_attention(q, kb.astype(jnp.float32), vb.astype(jnp.float32), bt, n,
+                                        backend=backend, interpret=True)
+      assert got.dtype == jnp.float32
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
   def test_scale_shape(self):
     q, kp, vp, bt, n = self._args()

@@ -130,12 +130,14 @@ def test_blocked_xla_path_matches_reference(case, key_block):
   assert_like_reference(got, args, kw, case, 1e-5 if case[8] == jnp.float32 else tol_for(case[8]))
 
 
-@pytest.mark.parametrize("dtype,fp8", [(jnp.bfloat16, False), (jnp.float32, False),
-                                       (jnp.bfloat16, True)])
-def test_lowers_for_cuda(dtype, fp8):
+@pytest.mark.parametrize("dtype,fp8,q_dtype", [(jnp.bfloat16, False, jnp.bfloat16),
+                                               (jnp.float32, False, jnp.float32),
+                                               (jnp.bfloat16, True, jnp.bfloat16),
+                                               (jnp.bfloat16, False, jnp.float32)])
+def test_lowers_for_cuda(dtype, fp8, q_dtype):
   rng = np.random.default_rng(0)
   kp, vp, bt, ks, vs = make_paged_cache(rng, 2, 2, 64, 16, 4, [20, 50], dtype, fp8)
-  q = jnp.asarray(rng.normal(size=(2, 8, 6, 64)), dtype)
+  q = jnp.asarray(rng.normal(size=(2, 8, 6, 64)), q_dtype)
   starts, clens = jnp.asarray([12, 42], jnp.int32), jnp.asarray([8, 8], jnp.int32)
   text = lowers_for_cuda(
       lambda q, kp, vp, bt, s, c, ks, vs: ops.paged_prefill_attention(

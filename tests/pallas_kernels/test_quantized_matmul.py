@@ -291,8 +291,41 @@ def test_auto_dispatch_by_rows(monkeypatch):
   assert "quantized_matmul_q4" in text
 
 
+def _dot_operand_dtypes(jaxpr) -> set:
+  """Operand dtypes of every dot_general in a jaxpr and the jaxprs nested in it (the
+  kernel bodies of pallas_call, loop bodies)."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found |= _dot_operand_dtypes(inner)
+  return found
+
+
 @pytest.mark.parametrize("fmt", range(len(FORMATS)))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_f32_activations_take_bf16_dots_at_f32_accuracy(fmt):
+  # A float32 dot in Triton runs on the CUDA cores (1.9 ms a call at M = 64 on an H200);
+  # the kernel splits f32 x into three bf16 parts, exact against the codes.
+  bits, group, symmetric = FORMATS[fmt]
+  rng = np.random.default_rng(fmt)
+  _, w, _ = _case(rng, bits, group, symmetric, 16, 256, 64, jnp.float32)
+  # Magnitudes over six decades: one or two bf16 parts would lose bits a f32 dot keeps.
+  x = jnp.asarray(rng.normal(size=(16, 256)) * 10.0 ** rng.uniform(-3, 3, size=(16, 256)),
+                  jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda x: ops.quantized_matmul(x, w, backend="pallas"))(x)
+  assert _dot_operand_dtypes(jaxpr.jaxpr) == {("bfloat16", "bfloat16")}
+  got = ops.quantized_matmul(x, w, backend="pallas", interpret=True)
+  want = ops.quantized_matmul(x, w, backend="reference")
+  assert got.dtype == jnp.float32
+  assert rel_err(got, want) <= 1e-6  # three parts: 3e-7; two: 2-7e-6
+
+
+@pytest.mark.parametrize("fmt", range(len(FORMATS)))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32])
 def test_lowers_for_cuda(fmt, dtype):
   bits, group, symmetric = FORMATS[fmt]
   x, w, xs = _case(np.random.default_rng(0), bits, group, symmetric, 4, 256, 64, dtype)
