@@ -18,8 +18,8 @@
 #   hoststeps   the reference backend at 1 decode step per call (the host's share)
 #   hf          HF transformers bf16 `generate`, same shape, same run
 #   ablate      the Pallas path with one op at a time on XLA (what is slow)
-#   profile     one warm engine run at concurrency 64 under jax.profiler: the device's
-#               busy time against the wall time, the kernels and modules that take it
+#   profile     one warm engine run at concurrency 64 (8 layers) under jax.profiler: the
+#               device's busy time against the wall time, the kernels and modules that take it
 #   controller  self-consistency n=8 through the controller's loop vs the engine at the
 #               same rows (64; issue 14's controller target), both at top-p 0.95 (the
 #               policy's default; a random model's flat rows take the threshold search)
@@ -104,8 +104,10 @@ run_stage() {  # run_stage NAME
   hf) stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json" ;;
   ablate) stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 \
     --out "$OUT/ablate.json" ;;
-  profile) stage profile 90 python scripts/gpu_engine_check.py profile --concurrency 64 \
-    --backends pallas --out "$OUT/profile.json" ;;
+  # 8 layers, 64 tokens: the per-layer picture of the 30-layer run at a quarter of its
+  # compile time (2026-12-04: 36 s to compile and warm up, 6.8 s traced).
+  profile) stage profile 90 python scripts/gpu_engine_check.py profile --layers 8 \
+    --new-tokens 64 --concurrency 64 --backends pallas --out "$OUT/profile.json" ;;
   controller) stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 \
     --top-p 0.95 --new-tokens 128 --backends pallas --out "$OUT/controller.json" ;;
   llama8b) stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape \

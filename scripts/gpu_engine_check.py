@@ -206,6 +206,21 @@ def correctness(args) -> dict:
   return out
 
 
+# Seconds spent compiling, by JAX's compile events (tracing, lowering to MLIR, XLA's
+# backend compile): summed by a listener registered in main().
+COMPILE_SECONDS: dict[str, float] = {}
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+  if event.startswith("/jax/core/compile/"):
+    name = event.rsplit("/", 1)[-1].removesuffix("_duration")
+    COMPILE_SECONDS[name] = COMPILE_SECONDS.get(name, 0.0) + seconds
+
+
+def _backend_compile_s() -> float:
+  return COMPILE_SECONDS.get("backend_compile", 0.0)
+
+
 def _dump(args, out: dict) -> None:
   """Write the rows so far to --out: a stage cut by its time limit keeps what it measured."""
   if args.out:
@@ -213,16 +228,19 @@ def _dump(args, out: dict) -> None:
       json.dump(out, f, indent=1)
 
 
-def _timed_generate(engine, batch) -> tuple[float, float, int, int]:
-  """(warm-up s, timed wall s, generated tokens, programs compiled) of one workload."""
+def _timed_generate(engine, batch) -> tuple[float, float, int, int, float]:
+  """(warm-up s, timed wall s, generated tokens, programs compiled, XLA compile s of the
+  warm-up) of one workload."""
+  compiled = _backend_compile_s()
   t0 = time.perf_counter()
   engine.generate(batch)
   warm = time.perf_counter() - t0
+  compiled = _backend_compile_s() - compiled
   programs = sum(engine.trace_counts.values())
   t0 = time.perf_counter()
   results = engine.generate(batch)
   wall = time.perf_counter() - t0
-  return warm, wall, sum(len(r.token_ids) for r in results), programs
+  return warm, wall, sum(len(r.token_ids) for r in results), programs, compiled
 
 
 def _engine_variants(args):
@@ -250,22 +268,25 @@ def throughput(args) -> dict:
   gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True)
   out = {"shape": args.shape, "layers": args.layers, "new_tokens": args.new_tokens,
          "matmul_dtype": args.matmul_dtype, "rows": []}
-  for label, config, params, kw in _engine_variants(args):
-    ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=config.vocab_size)
+  variants = _engine_variants(args)
+  ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=variants[0][1].vocab_size)
+  # Concurrency outermost: a stage cut by its time limit keeps the engines' rows in pairs.
+  for c in concurrency:
     for steps in [int(k) for k in args.decode_steps.split(",")]:
-      for c in concurrency:
+      for label, config, params, kw in variants:
         engine = make_engine(config, params, max_slots=c, decode_steps=steps,
                              num_blocks=max(256, c * (args.new_tokens // 16 + 4)), **kw)
-        warm, wall, generated, programs = _timed_generate(engine, [Request(p, gp) for p in ps[:c]])
+        warm, wall, generated, programs, compile_s = _timed_generate(
+            engine, [Request(p, gp) for p in ps[:c]])
         row = {"engine": label, "decode_steps": steps, "concurrency": c,
                "gen_tok_s": generated / wall, "ms_per_step": 1e3 * wall / args.new_tokens,
-               "warmup_s": warm, "programs": programs,
+               "warmup_s": warm, "xla_compile_s": compile_s, "programs": programs,
                "recompiled": sum(engine.trace_counts.values()) - programs}
         out["rows"].append(row)
         _dump(args, out)
         print(f"{label:15s} steps/call {steps} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
               f"{row['ms_per_step']:.2f} ms per decode step (prefill included), "
-              f"warm-up {warm:.0f} s, "
+              f"warm-up {warm:.0f} s ({compile_s:.0f} s XLA compile), "
               f"{programs} programs", flush=True)
         del engine
   return out
@@ -291,7 +312,7 @@ def ablate(args) -> dict:
         setattr(ops, name, fn)
     engine = make_engine(config, params, "pallas", max_slots=c,
                          num_blocks=max(256, c * (args.new_tokens // 16 + 4)))
-    _, wall, generated, _ = _timed_generate(engine, [Request(p, gp) for p in ps])
+    _, wall, generated, _, _ = _timed_generate(engine, [Request(p, gp) for p in ps])
     row = {"on_reference": on_reference or "none", "gen_tok_s": generated / wall,
            "ms_per_step": 1e3 * wall / args.new_tokens}
     out["rows"].append(row)
@@ -574,6 +595,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   import jax
 
+  jax.monitoring.register_event_duration_secs_listener(_count_compile)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   if args.mode == "correctness":
     args.layers = args.layers or 2
@@ -586,6 +608,9 @@ def main(argv=None) -> int:
     result = {"throughput": throughput, "ablate": ablate, "hf": hf, "speculative": speculative,
               "controller": controller, "profile": profile}[args.mode](args)
   result["device"] = jax.devices()[0].device_kind
+  result["compile_seconds"] = dict(COMPILE_SECONDS)
+  print("compile seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in COMPILE_SECONDS.items()),
+        flush=True)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)
