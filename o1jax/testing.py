@@ -7,6 +7,7 @@ tiny file exercises the same code paths as the real model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -16,6 +17,21 @@ import numpy as np
 from o1jax.checkpoint.model_config import ModelConfig
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@contextlib.contextmanager
+def as_if_on_gpu():
+  """`jax.default_backend()` answers "gpu" inside: every dispatch that asks it (the
+  kernels' `backend="auto"`, the sampler's GPU branch) takes the GPU's branch, so a CPU
+  test can trace and lower for CUDA (`lowering_platforms=("cuda",)`) what a GPU runs."""
+  import jax
+
+  real = jax.default_backend
+  jax.default_backend = lambda: "gpu"
+  try:
+    yield
+  finally:
+    jax.default_backend = real
 
 
 def tiny_config(**overrides) -> ModelConfig:

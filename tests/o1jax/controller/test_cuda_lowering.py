@@ -1,0 +1,75 @@
+"""The controller's reasoning loop lowered for CUDA with the Pallas kernels compiled, on a
+CPU, for the policies issue 14 names (self_consistency, deepconf, think_verify_backtrack)
+over the paged cache: what runs on a GPU, caught here. The loop runs with the kernels in
+interpret mode (dispatching as on a GPU); each loop program it runs is also traced with the
+compiled-kernel model and lowered for CUDA."""
+
+import pytest
+
+from o1jax.checkpoint import load_checkpoint
+from o1jax.controller import Controller, build_decode_model
+from o1jax.controller.registry import get_policy
+from o1jax.model import Llama
+from o1jax.testing import as_if_on_gpu, tiny_config, write_gguf_checkpoint
+
+
+class _LoweringLoop:
+  """A ReasoningLoop whose `run` first lowers its CUDA twin for the state's shapes."""
+
+  def __init__(self, loop, cuda_loop, lowered: list):
+    self._loop, self._cuda, self._lowered = loop, cuda_loop, lowered
+
+  def __getattr__(self, name):
+    return getattr(self._loop, name)
+
+  def run(self, params, state):
+    with as_if_on_gpu():
+      type(self._cuda).run.trace(self._cuda, params, state).lower(lowering_platforms=("cuda",))
+      self._lowered.append(tuple(state.tokens.shape))
+      return self._loop.run(params, state)
+
+
+class LoweringController(Controller):
+  cuda_model = None
+
+  def __init__(self, *args, **kwargs):
+    self.lowered: list = []
+    super().__init__(*args, **kwargs)
+
+  def loop(self, settings, verify=False):
+    real = super().loop(settings, verify)
+    model, self.model = self.model, self.cuda_model
+    try:
+      cuda = super().loop(settings, verify)
+    finally:
+      self.model = model
+    return _LoweringLoop(real, cuda, self.lowered)
+
+
+POLICIES = {
+    "self_consistency": dict(n=4, max_thinking_tokens=10, max_answer_tokens=3,
+                             temperature=0.8, top_p=0.95),
+    "deepconf": dict(n=4, warmup=2, window=4, max_thinking_tokens=10, max_answer_tokens=3,
+                     step_delimiter="a", step_max_tokens=5, temperature=0.9),
+    "think_verify_backtrack": dict(verifier="mean_logprob", max_thinking_tokens=12,
+                                   step_delimiter="a", step_max_tokens=5),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_controller_loop_lowers_for_cuda(policy, tmp_path):
+  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
+                        matrix_type="Q4_1")
+  ck = load_checkpoint(tmp_path / "m.gguf")
+  cache = {"cache": "paged", "kv_dtype": "bfloat16"}  # under an f32 model (GPU check's)
+  with as_if_on_gpu():
+    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
+                                    weight_mode="quantized"), cache)
+    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
+                                     weight_mode="quantized"), cache)
+  ctl = LoweringController(model, ck.tokenizer, max_rows=8)
+  ctl.cuda_model = cuda
+  with as_if_on_gpu():
+    results = ctl.run(["2+2=", "Say a word"], get_policy(policy, **POLICIES[policy]))
+  assert len(results) == 2 and all(r.traces for r in results)
+  assert ctl.lowered, "no loop program ran"
