@@ -27,6 +27,12 @@ Architecture features, each written from its published description:
     encoding); every other layer is Llama's.
   * Phi-3: q/k/v and gate/up stored fused (rows q, k, v; gate, up), split here; with
     `hp["window"]`, every layer's query sees itself and the window - 1 keys before it.
+  * Partial rotary (Phi-4-mini, `hp["rotary_dim"]` r): only the first r dimensions of a
+    head are rotated (its halves of r / 2), the rest pass unchanged.
+  * LongRoPE (Phi-3.5, Phi-4-mini; rope_type "longrope"): frequency i of the r rotated
+    dims is theta^(-2i / r) divided by short_factor[i] at a position below
+    original_max_position_embeddings and by long_factor[i] at or past it (transformers
+    for a token decoded at that position), cos and sin times attention_factor.
 """
 
 from __future__ import annotations
@@ -66,20 +72,40 @@ def _frequencies(d, hp):
   return np.array(out)
 
 
+def _longrope_angles(positions, r, hp):
+  """[T, r/2] angles of LongRoPE, position by position."""
+  scaling = hp["rope_scaling"]
+  base = hp["theta"] ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+  rows = []
+  for p in positions:
+    long = p >= scaling["original_max_position_embeddings"]
+    factors = np.asarray(scaling["long_factor" if long else "short_factor"], np.float64)
+    rows.append(p * base / factors)
+  return np.array(rows).reshape(len(positions), r // 2)
+
+
 def _rotary(x, positions, hp, interleaved):
-  """x: [T, heads, D]."""
+  """x: [T, heads, D]; the first hp["rotary_dim"] (default D) dims rotate."""
   d = x.shape[-1]
-  freqs = _frequencies(d, hp)
-  ang = positions[:, None].astype(np.float64) * freqs  # [T, D/2]
-  cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+  r = hp.get("rotary_dim") or d
+  x, rest = x[..., :r], x[..., r:]
+  scaling = hp.get("rope_scaling") or {}
+  scale = 1.0
+  if scaling.get("rope_type", scaling.get("type")) == "longrope":
+    ang = _longrope_angles(positions, r, hp)
+    scale = scaling["attention_factor"]
+  else:
+    ang = positions[:, None].astype(np.float64) * _frequencies(r, hp)  # [T, r/2]
+  cos, sin = scale * np.cos(ang)[:, None, :], scale * np.sin(ang)[:, None, :]
   if interleaved:
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = a * cos - b * sin
     out[..., 1::2] = a * sin + b * cos
-    return out.astype(np.float32)
-  a, b = x[..., : d // 2], x[..., d // 2 :]
-  return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(np.float32)
+  else:
+    out = np.concatenate([x[..., : r // 2] * cos - x[..., r // 2:] * sin,
+                          x[..., r // 2:] * cos + x[..., : r // 2] * sin], axis=-1)
+  return np.concatenate([out, rest], axis=-1).astype(np.float32)
 
 
 def forward(weights: dict[str, np.ndarray], hp: dict, tokens, interleaved_rotary: bool,
@@ -175,6 +201,16 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
   hp["interleaved_rotary"] = arch not in _GGUF_ROTATE_HALF
   if arch == "phi3" and f"{arch}.attention.sliding_window" in reader.fields:
     hp["window"] = int(f(f"{arch}.attention.sliding_window"))  # every layer (transformers)
+  if f"{arch}.rope.dimension_count" in reader.fields:
+    hp["rotary_dim"] = int(f(f"{arch}.rope.dimension_count"))
+  factor_names = {"rope_factors_short.weight", "rope_factors_long.weight"}
+  if arch == "phi3" and factor_names & {t.name for t in reader.tensors}:
+    get = lambda key, default: float(f(key)) if key in reader.fields else default
+    hp["rope_scaling"] = {
+        "rope_type": "longrope",
+        "attention_factor": get(f"{arch}.rope.scaling.attn_factor", 1.0),
+        "original_max_position_embeddings": get(f"{arch}.rope.scaling.original_context_length",
+                                                get(f"{arch}.context_length", 0.0))}
   if arch == "smollm3":  # not in the file: every 4th layer has no RoPE (llama.cpp's step;
     # written here, not imported: this module shares no code with o1jax.checkpoint)
     hp["nope_layers"] = [i for i in range(hp["n_layers"]) if (i + 1) % 4 == 0]
@@ -191,6 +227,8 @@ def gguf_weights(path) -> tuple[dict[str, np.ndarray], dict]:
       weights["lm_head.weight"] = w
     elif name == "rope_freqs.weight":
       hp["freq_factors"] = w
+    elif name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+      hp["rope_scaling"][name.split("_")[2].split(".")[0] + "_factor"] = w
     elif arch == "phi3" and name.endswith((".attn_qkv.weight", ".ffn_up.weight")):
       _, i, rest = name.split(".", 2)  # Phi-3's fused rows: q, k, v / gate, up
       q, kv = hp["n_heads"] * hp["head_dim"], hp["n_kv_heads"] * hp["head_dim"]

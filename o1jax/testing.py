@@ -146,12 +146,23 @@ def write_hf_checkpoint(directory: str | os.PathLike, config: ModelConfig, seed:
   hf["head_dim"] = config.head_dim  # transformers' Qwen3 default (128) is not d_model / heads
   if config.architecture == "phi3":
     hf["sliding_window"] = config.sliding_window
+    if config.rotary_dim is not None:
+      hf["partial_rotary_factor"] = config.rotary_dim / config.head_dim
+    if (config.rope_scaling or {}).get("rope_type") == "longrope":  # as Phi-3.5 writes it
+      scaling = config.rope_scaling
+      hf["rope_scaling"] = {"type": "longrope", "short_factor": list(scaling["short_factor"]),
+                            "long_factor": list(scaling["long_factor"]),
+                            "attention_factor": scaling["attention_factor"]}
+      hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
   if config.architecture == "smollm3":  # 1: the layer uses RoPE
     hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
   if config.post_norms:  # Gemma 3, as transformers 4 writes it
     hf.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
               hidden_activation="gelu_pytorch_tanh",
-              query_pre_attn_scalar=config.query_pre_attn_scalar,
+              # an int, as Gemma 3's config.json (transformers 5 checks the type)
+              query_pre_attn_scalar=(int(config.query_pre_attn_scalar)
+                                     if float(config.query_pre_attn_scalar).is_integer()
+                                     else config.query_pre_attn_scalar),
               sliding_window=config.sliding_window,
               sliding_window_pattern=config.sliding_window_pattern,
               rope_local_base_freq=config.rope_local_theta, final_logit_softcapping=None,
@@ -247,15 +258,23 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   # llama.cpp's converter permutes Q/K rows for adjacent-pair RoPE, not for rotate-half
   # (Qwen, Gemma 3); it stores Gemma's norm weights w as 1 + w.
   permute = (lambda w, n: w) if arch in ("qwen2", "qwen3", "gemma3", "phi3") else llama_cpp_permute
-  if arch == "phi3":  # as llama.cpp's converter: the rotary width, the window if any
-    writer.add_rope_dimension_count(config.head_dim)
+  if arch == "phi3":  # as llama.cpp's converter: the rotary width, the window if any,
+    writer.add_rope_dimension_count(config.rope_dim)  # longrope's numbers (factors: below)
     if config.sliding_window:
       writer.add_sliding_window(config.sliding_window)
+    if (config.rope_scaling or {}).get("rope_type") == "longrope":
+      writer.add_rope_scaling_attn_factors(config.rope_scaling["attention_factor"])
+      writer.add_rope_scaling_orig_ctx_len(
+          config.rope_scaling["original_max_position_embeddings"])
   norm = (lambda w: w + np.float32(1)) if gemma else (lambda w: w)
   add("token_embd.weight", weights["model.embed_tokens.weight"], embed_type)
   for name, w in (extra_tensors or {}).items():  # as given, F32 (e.g. longrope's factors)
     add(name, w, "F32")
   add("output_norm.weight", norm(weights["model.norm.weight"]), "F32")
+  if arch == "phi3" and (config.rope_scaling or {}).get("rope_type") == "longrope":
+    for kind in ("long", "short"):
+      add(f"rope_factors_{kind}.weight",
+          np.asarray(config.rope_scaling[f"{kind}_factor"], np.float32), "F32")
   if (config.rope_scaling or {}).get("rope_type") == "llama3":
     add("rope_freqs.weight", llama3_rope_factors(config.head_dim, config.rope_theta,
                                                  config.rope_scaling), "F32")

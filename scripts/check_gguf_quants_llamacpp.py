@@ -54,10 +54,22 @@ def _shapes():
       # Phi-3: q/k/v and gate/up fused, rotate-half RoPE (no window: llama.cpp ignores it).
       "phi3": testing.tiny_config(architecture="phi3", n_heads=4, n_kv_heads=4, head_dim=64,
                                   **small),
+      # Phi-4-mini's RoPE: 48 of 64 head dims rotate, LongRoPE's short factors and its
+      # attention factor. llama.cpp turns every position by the long factors when its
+      # context (here 256, its smallest) passes the original one; o1jax positions past
+      # it: an original context of 256 keeps both on the short ones.
+      "phi4": testing.tiny_config(
+          architecture="phi3", n_heads=4, n_kv_heads=4, head_dim=64, rotary_dim=48,
+          max_context=512,
+          rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 256,
+                        "attention_factor": 1.1902380714238083,
+                        "short_factor": tuple(1.0 + 0.3 * i for i in range(24)),
+                        "long_factor": tuple(4.0 + i for i in range(24))}, **small),
   }
 
 
-PRE = {"llama": "smollm", "nemo": "tekken", "smollm3": "llama-bpe", "phi3": "gpt-4o"}
+PRE = {"llama": "smollm", "nemo": "tekken", "smollm3": "llama-bpe", "phi3": "gpt-4o",
+       "phi4": "gpt-4o"}
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -136,6 +148,9 @@ def main(argv=None) -> int:
                       help="types for the SmolLM3-shaped model ('' = skip)")
   parser.add_argument("--phi3-types", default="F32,Q4_K_M",
                       help="types for the Phi-3-shaped model ('' = skip)")
+  parser.add_argument("--phi4-types", default="F32,Q4_K_M",
+                      help="types for the Phi-4-mini-shaped model (partial rotary, LongRoPE; "
+                      "'' = skip)")
   parser.add_argument("--json", default=None, help="write the rows here")
   args = parser.parse_args(argv)
   if not require_llama_cpp():
@@ -145,6 +160,7 @@ def main(argv=None) -> int:
     rows += check([k for k in args.nemo_types.split(",") if k], pathlib.Path(tmp), "nemo")
     rows += check([k for k in args.smollm3_types.split(",") if k], pathlib.Path(tmp), "smollm3")
     rows += check([k for k in args.phi3_types.split(",") if k], pathlib.Path(tmp), "phi3")
+    rows += check([k for k in args.phi4_types.split(",") if k], pathlib.Path(tmp), "phi4")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
   return 0

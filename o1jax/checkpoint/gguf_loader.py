@@ -458,7 +458,11 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
         sliding_window=window, sliding_window_pattern=pattern,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
   if arch == "phi3":
-    switches = _phi3(meta, path, dims, head_dim, g)
+    switches, longrope = _phi3(meta, path, dims, head_dim, g, tensors)
+    if longrope is not None and rope_scaling is not None:
+      raise CheckpointError(f"{path}: both longrope factors and rope scaling "
+                            f"{rope_scaling['rope_type']!r}")
+    rope_scaling = longrope or rope_scaling
   name = meta.get("general.name")
   rope_theta = meta.number(g("rope.freq_base"), 10000.0)  # outside the try: these name their key
   rms_eps = meta.number(g("attention.layer_norm_rms_epsilon"), 1e-5, positive=False)
@@ -489,19 +493,47 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     raise CheckpointError(f"{path}: {e}") from None
 
 
-def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g) -> dict:
-  """Phi-3's config switches: a sliding window on every layer (as transformers applies
-  the config's sliding_window; llama.cpp ignores it). Refused: partial rotary (Phi-4-mini)
-  and longrope's per-frequency factors (Phi-3.5, the 128k models, Phi-4-mini)."""
+def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g, tensors) -> tuple[dict, dict | None]:
+  """Phi-3's config switches and its rope scaling: a sliding window on every layer (as
+  transformers applies the config's sliding_window; llama.cpp ignores it), a partial
+  rotary embedding (`rope.dimension_count` of the head: Phi-4-mini's 96 of 128) and
+  longrope (Phi-3.5, the 128k models, Phi-4-mini): the `rope_factors_short/long` tensors
+  (rotary dims / 2 divisors each), `rope.scaling.attn_factor` (default 1, as llama.cpp)
+  and `rope.scaling.original_context_length` (default: the context length), where the
+  long factors take over. Returns (switches, rope scaling or None)."""
   rot = meta.int(g("rope.dimension_count"))
+  switches = {}
   if rot is not None and rot != head_dim:
-    raise CheckpointError(f"{path}: {g('rope.dimension_count')} {rot} of head_dim {head_dim}: "
-                          f"partial rotary embedding is not supported")
-  factors = sorted(n for n in dims if n.startswith("rope_factors_"))
-  if factors:
-    raise CheckpointError(f"{path}: tensors {factors}: longrope scaling is not supported")
+    switches["rotary_dim"] = rot  # ModelConfig names a bad one
+  rot = rot or head_dim
   window = meta.int(g("attention.sliding_window"))
-  return {} if not window else dict(sliding_window=window, sliding_window_pattern=0)
+  context = meta.int(g("context_length"))
+  if window and not (context and window >= context):  # Phi-4-mini's never binds: dropped
+    switches.update(sliding_window=window, sliding_window_pattern=0)
+  names = ("rope_factors_short.weight", "rope_factors_long.weight")
+  present = [n for n in names if n in dims]
+  if not present:
+    return switches, None
+  if len(present) == 1:
+    raise CheckpointError(f"{path}: longrope needs both {names[0]!r} and {names[1]!r}, "
+                          f"found only {present[0]!r}")
+  factors = {}
+  for name in names:
+    if dims[name] != (rot // 2,):
+      raise CheckpointError(f"{path}: {name} has shape {dims[name][::-1]}, expected "
+                            f"({rot // 2},) (rotary dims / 2)")
+    values = (1.0,) * (rot // 2)  # the header check: shape only
+    if tensors is not None:
+      if tensors[name].tensor_type.name not in _DENSE_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has type "
+                              f"{tensors[name].tensor_type.name}, expected F32, F16 or BF16")
+      values = tuple(float(f) for f in np.asarray(_dense_from_gguf(tensors[name]), np.float32))
+    factors[name] = values
+  original = meta.int(g("rope.scaling.original_context_length")) or meta.int(g("context_length"))
+  scaling = {"rope_type": "longrope", "short_factor": factors[names[0]],
+             "long_factor": factors[names[1]], "original_max_position_embeddings": original or 0,
+             "attention_factor": meta.number(g("rope.scaling.attn_factor"), 1.0)}
+  return switches, scaling
 
 
 class _Tensor(NamedTuple):

@@ -10,7 +10,7 @@ from typing import Any
 
 
 # rope_scaling["rope_type"] values the model computes (layers.rope_inv_freq).
-ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors", "longrope")
 # Gated-MLP activations (layers.ACTIVATIONS): SwiGLU for Llama/Qwen, GeGLU (tanh GELU) for Gemma 3.
 ACTIVATIONS = ("silu", "gelu_tanh")
 # Sizes a model needs to be at least 1 (and that index int32 arrays on the device).
@@ -20,7 +20,10 @@ MAX_SIZE = 2**31 - 1
 # The numbers each rope_scaling type is computed from (layers.rope_inv_freq).
 _ROPE_SCALING_KEYS = {"linear": ("factor",), "freq_factors": (),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                 "original_max_position_embeddings")}
+                                 "original_max_position_embeddings"),
+                      "longrope": ("original_max_position_embeddings", "attention_factor")}
+# Per-frequency lists (rotary_dim / 2 floats > 0) of each rope_scaling type.
+_ROPE_SCALING_LISTS = {"freq_factors": ("factors",), "longrope": ("short_factor", "long_factor")}
 
 
 # SmolLM3: every 4th layer has no RoPE. A GGUF does not record it (llama.cpp hard-codes
@@ -53,8 +56,14 @@ class ModelConfig:
   # None, or a dict like HF's rope_scaling: {"rope_type": "linear", "factor": 2.0} or
   # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
   #  "original_max_position_embeddings"}, or llama.cpp's per-frequency divisors (a GGUF's
-  # rope_freqs tensor): {"rope_type": "freq_factors", "factors": (head_dim / 2 floats)}.
+  # rope_freqs tensor): {"rope_type": "freq_factors", "factors": (rotary_dim / 2 floats)},
+  # or Phi-3.5/Phi-4's {"rope_type": "longrope", "short_factor", "long_factor" (rotary_dim /
+  # 2 divisors each: short below original_max_position_embeddings, long from it),
+  # "original_max_position_embeddings", "attention_factor" (cos and sin scaled by it)}.
   rope_scaling: dict[str, Any] | None = None
+  # Leading dimensions of each head that RoPE rotates (rotate-half within them); the rest
+  # pass through. None: all (head_dim). Phi-4-mini: 96 of 128.
+  rotary_dim: int | None = None
   rms_eps: float = 1e-5
   max_context: int = 2048
   tie_embeddings: bool = True
@@ -91,6 +100,11 @@ class ModelConfig:
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+    if self.rotary_dim is not None and (
+        isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, numbers.Integral)
+        or self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
+      raise ValueError(f"rotary_dim={self.rotary_dim!r} must be an even number in 2.."
+                       f"{self.head_dim} (head_dim)")
     if self.rope_scaling is not None:  # lists (from JSON) become tuples: configs hash
       scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in self.rope_scaling.items()}
       kind = scaling.get("rope_type", scaling.get("type"))
@@ -103,6 +117,14 @@ class ModelConfig:
             or value <= 0:
           raise ValueError(f"rope_scaling[{key!r}]={value!r} must be a finite number > 0 "
                            f"(rope type {kind!r})")
+      half = (self.head_dim if self.rotary_dim is None else self.rotary_dim) // 2
+      for key in _ROPE_SCALING_LISTS.get(kind, ()):
+        value = scaling.get(key)
+        if (not isinstance(value, tuple) or len(value) != half
+            or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                   or not math.isfinite(v) or v <= 0 for v in value)):
+          raise ValueError(f"rope_scaling[{key!r}] must be {half} finite numbers > 0 (rotary "
+                           f"dims / 2), got {value!r:.200}")
       object.__setattr__(self, "rope_scaling", scaling)
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"activation {self.activation!r} is not supported "
@@ -125,6 +147,11 @@ class ModelConfig:
     items = dataclasses.astuple(dataclasses.replace(self, rope_scaling=None))
     scaling = tuple(sorted((self.rope_scaling or {}).items()))
     return hash((items, scaling))
+
+  @property
+  def rope_dim(self) -> int:
+    """Leading dimensions of a head that RoPE rotates (rotary_dim, else head_dim)."""
+    return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
   def layer_window(self, layer: int) -> int | None:
     """Keys a query of `layer` sees (itself included), or None for a global layer."""

@@ -138,15 +138,37 @@ def _token_ids(hf: dict, key: str, path, vocab_size: int, many: bool) -> tuple[i
   return tuple(ids)
 
 
-def _phi3(hf: dict, path) -> dict:
-  """Phi-3: the config's sliding_window on every layer (as transformers applies it); a
-  partial rotary embedding (Phi-4-mini) is refused (longrope by `_rope`)."""
-  rotary = _number(hf, "partial_rotary_factor", path, float, 1.0)
+def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
+  """Phi-3's switches: the config's sliding_window on every layer (as transformers applies
+  it; one no shorter than the context binds nothing and is dropped), a partial rotary embedding (`partial_rotary_factor`, at the top or in transformers
+  5's `rope_parameters`: Phi-4-mini's 0.75) and longrope's numbers as transformers derives
+  them: original_max_position_embeddings (the config's, else max_position_embeddings)
+  and attention_factor (given, else sqrt(1 + ln(factor) / ln(original)) for factor =
+  max_position_embeddings / original > 1, else 1)."""
+  params = _object(hf, "rope_parameters", path)
+  rotary = _number(hf, "partial_rotary_factor", path, float,
+                   _number(params, "partial_rotary_factor", path, float, 1.0))
+  out = {}
   if rotary != 1.0:
-    raise CheckpointError(f"{path}: partial_rotary_factor={rotary}: partial rotary embedding "
-                          f"is not supported")
+    out["rotary_dim"] = int(head_dim * rotary)  # as transformers; ModelConfig names a bad one
   window = _number(hf, "sliding_window", path, int, 0)
-  return {} if not window else dict(sliding_window=window, sliding_window_pattern=0)
+  longest = _number(hf, "max_position_embeddings", path, int, 2048)
+  if window and window < longest:  # Phi-4-mini's 262144 of 131072 never binds
+    out.update(sliding_window=window, sliding_window_pattern=0)
+  if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+    original = _number(hf, "original_max_position_embeddings", path, int,
+                       _number(scaling, "original_max_position_embeddings", path, int, 0))
+    factor = longest / original if original else _number(scaling, "factor", path, float, 1.0)
+    original = original or longest
+    attention = _number(scaling, "attention_factor", path, float, 0.0)
+    if not attention:
+      attention = (math.sqrt(1 + math.log(factor) / math.log(original))
+                   if factor > 1 and original > 1 else 1.0)
+    out["rope_scaling"] = {**{k: v for k, v in scaling.items() if k != "type"},
+                           "rope_type": "longrope",
+                           "original_max_position_embeddings": original,
+                           "attention_factor": attention}
+  return out
 
 
 def _nope_layers(hf: dict, path, n_layers: int) -> tuple[int, ...]:
@@ -178,13 +200,15 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     eos_ids = _token_ids(hf, "eos_token_id", path, vocab, many=True)
     bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
     rope_theta, rope_scaling = _rope(hf, path)
-    switches = ({"gemma3_text": _gemma3, "phi3": _phi3}[model_type](hf, path)
-                if model_type in ("gemma3_text", "phi3") else {})
+    head_dim = num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0)
+    switches = (_gemma3(hf, path) if model_type == "gemma3_text" else
+                _phi3(hf, path, head_dim, rope_scaling) if model_type == "phi3" else {})
+    rope_scaling = switches.pop("rope_scaling", rope_scaling)
     nope = _nope_layers(hf, path, num("num_hidden_layers")) if model_type == "smollm3" else ()
     return ModelConfig(**switches, nope_layers=nope,
         vocab_size=vocab, d_model=d_model, n_layers=num("num_hidden_layers"),
         n_heads=n_heads, n_kv_heads=num("num_key_value_heads", default=0) or n_heads,
-        head_dim=num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0),
+        head_dim=head_dim,
         ffn_dim=num("intermediate_size"), rope_theta=rope_theta,
         rope_scaling=rope_scaling, rms_eps=num("rms_norm_eps", float, 1e-6),
         max_context=num("max_position_embeddings", default=2048),

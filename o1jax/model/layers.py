@@ -52,10 +52,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (xf * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
-  """Inverse frequencies [head_dim/2], with HF-style linear or llama3 scaling, or divided
-  by llama.cpp's per-frequency factors (GGUF rope_freqs)."""
-  inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
+  """Inverse frequencies [rotary_dim/2], with HF-style linear or llama3 scaling, divided
+  by llama.cpp's per-frequency factors (GGUF rope_freqs), or by longrope's short factors
+  (its long ones: `rope_tables`)."""
+  inv = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
   if not scaling:
     return inv
   kind = scaling.get("rope_type", scaling.get("type"))
@@ -64,6 +65,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> j
     return inv / factor
   if kind == "freq_factors":
     return inv / jnp.asarray(scaling["factors"], jnp.float32)
+  if kind == "longrope":
+    return inv / jnp.asarray(scaling["short_factor"], jnp.float32)
   if kind == "llama3":
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
@@ -74,17 +77,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> j
     mid = (1 - smooth) * inv / factor + smooth * inv
     is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
     return jnp.where(is_mid, mid, scaled)
-  raise ValueError(f"rope scaling type {kind!r} is not supported (linear, llama3, freq_factors)")
+  raise ValueError(f"rope scaling type {kind!r} is not supported "
+                   f"(linear, llama3, freq_factors, longrope)")
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotate-half rotary embedding. x: [B, T, heads, D]; positions: [B, T]."""
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float,
+                scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) [B, T, rotary_dim/2] f32 of the rotary embedding at positions [B, T].
+
+  longrope (Phi-3.5, Phi-4-mini): a position below original_max_position_embeddings
+  turns by the short factors, one at or past it by the long ones, and cos and sin are
+  scaled by attention_factor. That is transformers' choice for a token decoded at that
+  position (it switches the whole model to the long factors once the sequence passes the
+  original context; keys already cached keep their short rotation); a prompt longer than
+  the original context that transformers runs in one call turns by the long factors
+  throughout."""
+  inv = rope_inv_freq(rotary_dim, theta, scaling)
+  pos = positions.astype(jnp.float32)[..., None]
+  angles = pos * inv
+  scale = 1.0
+  if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+    base = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    long_inv = base / jnp.asarray(scaling["long_factor"], jnp.float32)
+    long_from = int(scaling["original_max_position_embeddings"])
+    angles = jnp.where(positions[..., None] >= long_from, pos * long_inv, angles)
+    scale = float(scaling["attention_factor"])
+  return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate-half rotary embedding of the first 2 * cos.shape[-1] dimensions of each head
+  (the rest pass through: partial rotary). x: [B, T, heads, D]; cos, sin: [B, T, r/2]."""
+  half = cos.shape[-1]
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   xf = x.astype(jnp.float32)
-  x1, x2 = jnp.split(xf, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
   return out.astype(x.dtype)
 
 

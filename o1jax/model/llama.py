@@ -126,9 +126,10 @@ _STATIC = ("config", "backend", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _attention_inputs(w: dict, x, positions, inv_freq, *, config: ModelConfig, backend: str,
+def _attention_inputs(w: dict, x, rope, *, config: ModelConfig, backend: str,
                       interpret: bool):
-  """x [B, T, d] -> rotated q [B, T, H, D], k and v [B, T, KVH, D]."""
+  """x [B, T, d] -> rotated q [B, T, H, D], k and v [B, T, KVH, D]. rope: the (cos, sin)
+  tables of `layers.rope_tables`, or None."""
   c = config
   kw = dict(backend=backend, interpret=interpret)  # the weights say int8/bf16/f32
   b, t, _ = x.shape
@@ -149,9 +150,9 @@ def _attention_inputs(w: dict, x, positions, inv_freq, *, config: ModelConfig, b
   if c.qk_norm:
     q = layers.rms_norm(q, w["q_norm"], c.rms_eps)
     k = layers.rms_norm(k, w["k_norm"], c.rms_eps)
-  if inv_freq is not None:  # None: a layer without positional encoding (SmolLM3's NoPE)
-    q = layers.apply_rope(q, positions, inv_freq)
-    k = layers.apply_rope(k, positions, inv_freq)
+  if rope is not None:  # None: a layer without positional encoding (SmolLM3's NoPE)
+    q = layers.apply_rope(q, *rope)
+    k = layers.apply_rope(k, *rope)
   if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
     # Every attention path scales scores by 1/sqrt(head_dim); fold the rest into q.
     q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
@@ -196,12 +197,13 @@ class DecoderLayer(nnx.Module):
     for name in self.WEIGHTS:
       setattr(self, name, Weight(p[name]) if name in p or name in self.REQUIRED else None)
 
-  def __call__(self, x, positions, starts, cache, index: int, inv_freq):
-    """x: [B, T, d]; positions: [B, T]; starts: [B]. Returns (x, cache)."""
+  def __call__(self, x, positions, starts, cache, index: int, rope):
+    """x: [B, T, d]; positions: [B, T]; starts: [B]; rope: (cos, sin) tables or None.
+    Returns (x, cache)."""
     w = {n: None if getattr(self, n) is None else getattr(self, n).get_value()
          for n in self.WEIGHTS}
     static = dict(config=self.config, backend=self.backend, interpret=self.interpret)
-    q, k, v = _attention_inputs(w, x, positions, inv_freq, **static)
+    q, k, v = _attention_inputs(w, x, rope, **static)
     attn, cache = cache.attend(index, q, k, v, positions, starts, backend=self.backend,
                                interpret=self.interpret, window=self.config.layer_window(index))
     return _attention_output_and_mlp(w, x, attn, **static), cache
@@ -307,14 +309,15 @@ class Llama(nnx.Module):
     x = layers.embed(self.embed.get_value(), tokens, self.dtype)
     if c.scale_embeddings:  # Gemma: rows times sqrt(d_model), rounded to f32 as HF does
       x = x * jnp.asarray(np.float32(math.sqrt(c.d_model)), x.dtype)
-    inv_freq = layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    # The rotation tables once per call, shared by the layers.
+    rope = layers.rope_tables(positions, c.rope_dim, c.rope_theta, c.rope_scaling)
     # Gemma 3's local layers rotate with their own base and no scaling.
-    local_freq = (inv_freq if c.rope_local_theta is None
-                  else layers.rope_inv_freq(c.head_dim, c.rope_local_theta))
+    local_rope = (rope if c.rope_local_theta is None
+                  else layers.rope_tables(positions, c.rope_dim, c.rope_local_theta))
     for i, layer in enumerate(self.layers[:num_layers]):
-      freq = inv_freq if c.layer_window(i) is None else local_freq
-      freq = None if i in c.nope_layers else freq
-      x, cache = layer(x, positions, starts, cache, i, freq)
+      layer_rope = rope if c.layer_window(i) is None else local_rope
+      layer_rope = None if i in c.nope_layers else layer_rope
+      x, cache = layer(x, positions, starts, cache, i, layer_rope)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     return layers.rms_norm(x, self.final_norm.get_value(), c.rms_eps), cache

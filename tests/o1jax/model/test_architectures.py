@@ -2,6 +2,8 @@
 SmolLM3 (layers without RoPE), from safetensors and GGUF, against the independent numpy
 reference and HF transformers."""
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +18,10 @@ TOKENS = np.array([5, 17, 42, 99, 200, 7, 3, 250, 11, 64, 128, 9])
 # (interpolated: 8..32), 35 and up (divided by 8).
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+PHI4_LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 8,
+                 "attention_factor": 1.25,
+                 "short_factor": tuple(1.0 + 0.5 * i for i in range(6)),
+                 "long_factor": tuple(2.0 + 3.0 * i for i in range(6))}
 ARCHITECTURES = {
     "qwen2": dict(architecture="qwen2", attention_bias=True),
     # head_dim 32 != d_model / n_heads = 16, as in Qwen3 (explicit head_dim)
@@ -25,6 +31,9 @@ ARCHITECTURES = {
     "smollm3": dict(architecture="smollm3", n_layers=4, n_kv_heads=1, nope_layers=(3,)),
     # fused q/k/v and gate/up; a window of 5 on every layer (shorter than TOKENS)
     "phi3": dict(architecture="phi3", sliding_window=5, sliding_window_pattern=0),
+    # Phi-4-mini's RoPE: 12 of 16 head dims rotate (its 0.75), LongRoPE whose original
+    # context (8) TOKENS passes: positions 8.. turn by the long factors
+    "phi4": dict(architecture="phi3", rotary_dim=12, rope_scaling=PHI4_LONGROPE),
 }
 
 
@@ -36,7 +45,8 @@ def _hp(config):
   return {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
           "head_dim": config.head_dim, "theta": config.rope_theta, "eps": config.rms_eps,
           "rope_scaling": config.rope_scaling, "nope_layers": config.nope_layers,
-          "window": config.sliding_window if config.sliding_window_pattern == 0 else None}
+          "window": config.sliding_window if config.sliding_window_pattern == 0 else None,
+          "rotary_dim": config.rotary_dim}
 
 
 def _logits(ck):
@@ -65,19 +75,28 @@ def test_safetensors_matches_numpy_reference(hf_checkpoint):
 
 
 def test_safetensors_matches_transformers(hf_checkpoint):
-  """HF transformers (torch f32, eager attention) on the same config.json + safetensors."""
+  """HF transformers (torch f32, eager attention) on the same config.json + safetensors:
+  the first 8 tokens in one call, then one token per call on its cache (as `generate`
+  decodes: Phi-4's LongRoPE turns the tokens past the original context by the long
+  factors; a one-call 12-token prompt would turn them all so)."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   name, directory, _ = hf_checkpoint
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-      directory, dtype=torch.float32, attn_implementation="eager")
+      directory, dtype=torch.float32, attn_implementation="eager", pad_token_id=0)
   expected_class = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "llama3": "LlamaForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                    "phi3": "Phi3ForCausalLM"}[name]
+                    "phi3": "Phi3ForCausalLM", "phi4": "Phi3ForCausalLM"}[name]
   assert type(hf_model).__name__ == expected_class
   with torch.no_grad():
-    want = hf_model(torch.tensor(TOKENS)[None]).logits[0].numpy()
-  np.testing.assert_allclose(_logits(load_checkpoint(directory)), want, atol=2e-4, rtol=0)
+    out = hf_model(torch.tensor(TOKENS[:8])[None], use_cache=True)
+    want = [out.logits[0].numpy()]
+    for i in range(8, len(TOKENS)):
+      out = hf_model(torch.tensor([[TOKENS[i]]]), past_key_values=out.past_key_values,
+                     position_ids=torch.tensor([[i]]), use_cache=True)
+      want.append(out.logits[0].numpy())
+  np.testing.assert_allclose(_logits(load_checkpoint(directory)), np.concatenate(want),
+                             atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -149,12 +168,9 @@ def test_bad_nope_layers_are_named(bad):
   assert testing.tiny_config(n_layers=4, nope_layers=np.array([3, 1])).nope_layers == (1, 3)
 
 
-def test_phi3_window_matters_and_what_is_not_built_is_named(hf_checkpoint, tmp_path):
-  """The window is live (no window moves the logits); partial rotary (Phi-4-mini) and
-  longrope (Phi-3.5, the 128k models) are refused by name in both formats."""
+def test_phi3_window_matters(hf_checkpoint):
+  """The window is live: no window moves the logits."""
   import dataclasses
-  import gguf
-  import json
   name, directory, _ = hf_checkpoint
   if name != "phi3":
     pytest.skip("Phi-3 only")
@@ -162,30 +178,90 @@ def test_phi3_window_matters_and_what_is_not_built_is_named(hf_checkpoint, tmp_p
   assert (ck.config.sliding_window, ck.config.sliding_window_pattern) == (5, 0)
   unwindowed = dataclasses.replace(ck, config=dataclasses.replace(ck.config, sliding_window=None))
   assert np.abs(_logits(ck) - _logits(unwindowed)).max() > 0.05
-  hf = json.loads((directory / "config.json").read_text())
+
+
+def test_phi4_partial_rotary_and_longrope_are_live_and_read_from_both_formats(hf_checkpoint,
+                                                                              tmp_path):
+  """Each of the rotary width, the short and long factors and the attention factor moves
+  the logits (long ones only from the original context on); config.json and the GGUF
+  give the same config."""
+  import dataclasses
+  name, directory, _ = hf_checkpoint
+  if name != "phi4":
+    pytest.skip("Phi-4 RoPE only")
+  ck = load_checkpoint(directory)
+  assert ck.config.rotary_dim == 12 and ck.config.rope_scaling == PHI4_LONGROPE
+  base = _logits(ck)
+  scaling = ck.config.rope_scaling
+  variants = {"full rotary": dict(rotary_dim=None, rope_scaling=None),
+              "short factors": dict(rope_scaling={**scaling, "short_factor": (1.0,) * 6}),
+              "long factors": dict(rope_scaling={**scaling, "long_factor": (1.0,) * 6}),
+              "attention factor": dict(rope_scaling={**scaling, "attention_factor": 1.0})}
+  for what, change in variants.items():
+    other = _logits(dataclasses.replace(ck, config=dataclasses.replace(ck.config, **change)))
+    moved = np.abs(other - base).max(axis=-1)
+    assert moved.max() > 0.01, what
+    if what == "long factors":  # positions below the original context do not use them
+      assert moved[:8].max() < 1e-6 and moved[8:].min() > 1e-3
+  testing.write_gguf_checkpoint(tmp_path / "m.gguf", _config("phi4"), seed=4,
+                                matrix_type="F32", embed_type="F32")
+  gguf_config = load_checkpoint(tmp_path / "m.gguf").config
+  assert (gguf_config.rotary_dim, gguf_config.rope_scaling) == (12, PHI4_LONGROPE)
+
+
+def test_phi3_rope_settings_from_config_json_and_bad_ones_named(hf_checkpoint):
+  """transformers' derivations: original_max_position_embeddings from the top level (else
+  max_position_embeddings), attention_factor sqrt(1 + ln(factor) / ln(original)) when not
+  given; transformers 5's rope_parameters; bad values are named."""
+  import json
   from o1jax.checkpoint.safetensors_loader import config_from_hf
-  with pytest.raises(CheckpointError, match=r"partial_rotary_factor=0.75: partial rotary embedding "
-                                            r"is not supported"):
-    config_from_hf({**hf, "partial_rotary_factor": 0.75}, "config.json")
-  longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-              "original_max_position_embeddings": 64}
-  with pytest.raises(CheckpointError, match=r"rope scaling type 'longrope' is not supported"):
-    config_from_hf({**hf, "rope_scaling": longrope}, "config.json")
-  # GGUF: a rotary width below head_dim (the key's u32 value patched), longrope's factors.
-  path = tmp_path / "m.gguf"
-  testing.write_gguf_checkpoint(path, _config("phi3"), seed=4, matrix_type="F32", embed_type="F32")
-  data = bytearray(path.read_bytes())
-  key = b"phi3.rope.dimension_count"
-  at = data.index(key) + len(key) + 4  # then the u32 type tag, then the value
-  assert int(np.frombuffer(bytes(data[at:at + 4]), "<u4")[0]) == 16
-  data[at:at + 4] = np.array([8], "<u4").tobytes()
-  (tmp_path / "partial.gguf").write_bytes(bytes(data))
-  with pytest.raises(CheckpointError, match=r"phi3.rope.dimension_count 8 of head_dim 16: partial "
-                                            r"rotary embedding is not supported"):
-    load_checkpoint(tmp_path / "partial.gguf")
-  testing.write_gguf_checkpoint(tmp_path / "long.gguf", _config("phi3"), matrix_type="F32",
-                                embed_type="F32",
-                                extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
-  with pytest.raises(CheckpointError, match=r"tensors \['rope_factors_long.weight'\]: longrope "
-                                            r"scaling is not supported"):
-    load_checkpoint(tmp_path / "long.gguf")
+  name, directory, _ = hf_checkpoint
+  if name != "phi3":
+    pytest.skip("Phi-3 only")
+  hf = json.loads((directory / "config.json").read_text())
+  longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+  c = config_from_hf({**hf, "rope_scaling": longrope, "max_position_embeddings": 128,
+                      "original_max_position_embeddings": 8}, "config.json")
+  assert c.rope_scaling["original_max_position_embeddings"] == 8
+  assert c.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(16) / math.log(8)))
+  c = config_from_hf({**hf, "rope_scaling": None, "max_position_embeddings": 128,
+                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                          "short_factor": [1.0] * 4, "long_factor": [3.0] * 4,
+                                          "partial_rotary_factor": 0.5}}, "config.json")
+  assert c.rotary_dim == 8 and c.rope_scaling["original_max_position_embeddings"] == 128
+  assert c.rope_scaling["attention_factor"] == 1.0  # factor 1
+  assert config_from_hf({**hf, "partial_rotary_factor": 0.75}, "config.json").rotary_dim == 12
+  # Phi-4-mini's window (262144) is longer than its context (131072): no window.
+  c = config_from_hf({**hf, "sliding_window": 262144, "max_position_embeddings": 131072},
+                     "config.json")
+  assert (c.sliding_window, c.sliding_window_pattern) == (None, 1)
+  with pytest.raises(CheckpointError, match=r"rotary_dim=7 must be an even number in 2\.\.16"):
+    config_from_hf({**hf, "partial_rotary_factor": 0.4375}, "config.json")
+  with pytest.raises(CheckpointError, match=r"rope_scaling\['long_factor'\] must be 8 finite "
+                                            r"numbers > 0"):
+    config_from_hf({**hf, "rope_scaling": {**longrope, "long_factor": [2.0] * 7}}, "config.json")
+  with pytest.raises(CheckpointError, match=r"rope_scaling\['short_factor'\] must be 8 finite"):
+    config_from_hf({**hf, "rope_scaling": {**longrope, "short_factor": [1.0] * 7 + [0.0]}},
+                   "config.json")
+
+
+def test_phi3_gguf_longrope_tensors_checked(tmp_path):
+  """One factor tensor without the other, or one of the wrong length, is named; a window
+  no shorter than the context is dropped."""
+  import dataclasses
+  wide = dataclasses.replace(_config("phi3"), sliding_window=128)  # = max_context
+  testing.write_gguf_checkpoint(tmp_path / "wide.gguf", wide, matrix_type="F32",
+                                embed_type="F32")
+  assert load_checkpoint(tmp_path / "wide.gguf").config.sliding_window is None
+  one = {"rope_factors_long.weight": np.ones(8, np.float32)}
+  testing.write_gguf_checkpoint(tmp_path / "one.gguf", _config("phi3"), matrix_type="F32",
+                                embed_type="F32", extra_tensors=one)
+  with pytest.raises(CheckpointError, match=r"longrope needs both 'rope_factors_short.weight' "
+                                            r"and 'rope_factors_long.weight'"):
+    load_checkpoint(tmp_path / "one.gguf")
+  short = {"rope_factors_short.weight": np.ones(5, np.float32), **one}
+  testing.write_gguf_checkpoint(tmp_path / "short.gguf", _config("phi3"), matrix_type="F32",
+                                embed_type="F32", extra_tensors=short)
+  with pytest.raises(CheckpointError, match=r"rope_factors_short.weight has shape \(5,\), "
+                                            r"expected \(8,\)"):
+    load_checkpoint(tmp_path / "short.gguf")

@@ -21,12 +21,32 @@ def test_rope_rotates_halves_by_position_times_frequency():
   inv = layers.rope_inv_freq(4, 10000.0)
   np.testing.assert_allclose(np.asarray(inv), [1.0, 0.01], rtol=1e-6)
   x = jnp.array([1.0, 0.0, 0.0, 1.0]).reshape(1, 1, 1, 4)  # pairs (x0, x2) = (1, 0), (x1, x3) = (0, 1)
-  at0 = layers.apply_rope(x, jnp.array([[0]]), inv)
+  at0 = layers.apply_rope(x, *layers.rope_tables(jnp.array([[0]]), 4, 10000.0))
   np.testing.assert_allclose(np.asarray(at0), np.asarray(x), atol=1e-7)  # position 0: identity
-  at2 = np.asarray(layers.apply_rope(x, jnp.array([[2]]), inv)).reshape(4)
+  at2 = np.asarray(layers.apply_rope(x, *layers.rope_tables(jnp.array([[2]]), 4, 10000.0)))
+  at2 = at2.reshape(4)
   # pair 0 (angle 2): (1, 0) -> (cos 2, sin 2); pair 1 (angle 0.02): (0, 1) -> (-sin .02, cos .02)
   want = [math.cos(2), -math.sin(0.02), math.sin(2), math.cos(0.02)]
   np.testing.assert_allclose(at2, want, rtol=1e-6, atol=1e-7)
+
+
+def test_partial_rope_rotates_the_leading_dims_and_passes_the_rest():
+  # head_dim 6, rotary_dim 4: pairs (x0, x2) and (x1, x3) turn; x4, x5 pass through.
+  x = jnp.array([1.0, 0.0, 0.0, 1.0, 5.0, -7.0]).reshape(1, 1, 1, 6)
+  got = np.asarray(layers.apply_rope(x, *layers.rope_tables(jnp.array([[2]]), 4, 10000.0)))
+  want = [math.cos(2), -math.sin(0.02), math.sin(2), math.cos(0.02), 5.0, -7.0]
+  np.testing.assert_allclose(got.reshape(6), want, rtol=1e-6, atol=1e-7)
+
+
+def test_longrope_short_below_the_original_context_long_from_it_scaled():
+  # rotary_dim 4, theta 100: base frequencies [1, 0.1]; short factors [2, 4], long [8, 16].
+  scaling = {"rope_type": "longrope", "short_factor": (2.0, 4.0), "long_factor": (8.0, 16.0),
+             "original_max_position_embeddings": 10, "attention_factor": 1.5}
+  cos, sin = layers.rope_tables(jnp.array([[3, 9, 10, 25]]), 4, 100.0, scaling)
+  freqs = {3: (1 / 2, 0.1 / 4), 9: (1 / 2, 0.1 / 4), 10: (1 / 8, 0.1 / 16), 25: (1 / 8, 0.1 / 16)}
+  want = np.array([[p * f for f in freqs[p]] for p in (3, 9, 10, 25)])
+  np.testing.assert_allclose(np.asarray(cos)[0], 1.5 * np.cos(want), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(sin)[0], 1.5 * np.sin(want), rtol=1e-6, atol=1e-7)
 
 
 def test_rope_linear_scaling_divides_frequencies():
