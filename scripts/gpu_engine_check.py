@@ -8,9 +8,9 @@ per token, so throughput is that of the real model; the correctness check
 compares two backends on the same weights, which is what it needs.
 
   correctness: the engine with backend "pallas" (quantized matmul, paged prefill
-    and decode attention kernels) and with backend "reference" (XLA; dense f32
-    weights dequantized from the same 4-bit values), random prompts of 5 tokens
-    up to --max-prompt,
+    and decode attention kernels), the same on a one-device tensor-parallel mesh, and
+    with backend "reference" (XLA; dense f32 weights dequantized from the same 4-bit
+    values), random prompts of 5 tokens up to --max-prompt,
     greedy, new tokens with logprobs: share of identical tokens (common prefix
     per sequence) and the largest |log p| difference on the common prefix.
   throughput: aggregate generated tok/s at each concurrency, both backends (a
@@ -152,7 +152,7 @@ def byte_tokenizer():
 
 def make_engine(config, params, backend: str, max_slots: int, interpret: bool = False,
                 num_blocks: int = 2048, decode_steps: int = 8, matmul_dtype: str = "float32",
-                weight_mode: str | None = None, kv_dtype: str = "float32"):
+                weight_mode: str | None = None, kv_dtype: str = "float32", mesh=None):
   from o1jax.engine import Engine, EngineConfig
   from o1jax.model import Llama
 
@@ -163,7 +163,7 @@ def make_engine(config, params, backend: str, max_slots: int, interpret: bool = 
                      kv_dtype=kv_dtype,
                      max_prefill_seqs=8, prefix_caching=False, decode_steps=decode_steps,
                      reuse_compiled_shapes=False)  # timed warm: no compile in a timed run
-  return Engine(model, byte_tokenizer(), cfg)
+  return Engine(model, byte_tokenizer(), cfg, mesh=mesh)
 
 
 def prompts(n: int, seed: int, low: int, high: int, vocab: int) -> list[list[int]]:
@@ -177,32 +177,45 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def correctness(args) -> dict:
   from o1jax.engine import GenerationParams, Request
+  from o1jax.sharding.tensor_parallel import group_mesh
 
   config, params = random_model_params(args.layers)
   ps = prompts(args.sequences, seed=1, low=5, high=args.max_prompt, vocab=config.vocab_size)
   gp = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=True)
+  # The Pallas path twice: as is, and on a one-device tensor-parallel mesh placed by the
+  # machine's topology (issue 20: the mesh code on a real GPU).
+  variants = {"reference": ("reference", None), "pallas": ("pallas", None),
+              "pallas, TP=1 mesh": ("pallas", group_mesh(1))}
   runs = {}
-  for backend in ("reference", "pallas"):
+  for label, (backend, mesh) in variants.items():
     engine = make_engine(config, params, backend, max_slots=len(ps), interpret=args.interpret,
-                         matmul_dtype=args.matmul_dtype)
+                         matmul_dtype=args.matmul_dtype, mesh=mesh)
     t0 = time.perf_counter()
-    runs[backend] = engine.generate([Request(p, gp) for p in ps])
-    print(f"{backend}: {time.perf_counter() - t0:.1f} s, {sum(engine.trace_counts.values())} "
+    runs[label] = engine.generate([Request(p, gp) for p in ps])
+    print(f"{label}: {time.perf_counter() - t0:.1f} s, {sum(engine.trace_counts.values())} "
           f"programs compiled", flush=True)
-  same, total, worst = 0, 0, 0.0
-  for ref, got in zip(runs["reference"], runs["pallas"]):
-    n = common_prefix(ref.token_ids, got.token_ids)
-    same += n
-    total += len(ref.token_ids)
-    if n:
-      worst = max(worst, float(np.max(np.abs(np.subtract(ref.logprobs[:n], got.logprobs[:n])))))
+
+  def compare(got_runs):
+    same, total, worst = 0, 0, 0.0
+    for ref, got in zip(runs["reference"], got_runs):
+      n = common_prefix(ref.token_ids, got.token_ids)
+      same += n
+      total += len(ref.token_ids)
+      if n:
+        worst = max(worst, float(np.max(np.abs(np.subtract(ref.logprobs[:n],
+                                                           got.logprobs[:n])))))
+    first = sum(r.token_ids[0] == g.token_ids[0] for r, g in zip(runs["reference"], got_runs))
+    return same / total, worst, first
+
   out = {"layers": args.layers, "sequences": len(ps), "new_tokens": args.new_tokens,
-         "matmul_dtype": args.matmul_dtype, "identical_token_share": same / total, "max_abs_logprob_diff": worst,
-         "first_tokens_equal": sum(r.token_ids[0] == g.token_ids[0]
-                                   for r, g in zip(runs["reference"], runs["pallas"]))}
-  print(f"pallas vs reference: {100 * out['identical_token_share']:.1f}% identical tokens "
-        f"(common prefix), first token equal in {out['first_tokens_equal']}/{len(ps)}, "
-        f"max |log p diff| {worst:.2e}", flush=True)
+         "matmul_dtype": args.matmul_dtype}
+  for label in ("pallas", "pallas, TP=1 mesh"):
+    share, worst, first = compare(runs[label])
+    key = "" if label == "pallas" else "mesh_"
+    out.update({f"{key}identical_token_share": share, f"{key}max_abs_logprob_diff": worst,
+                f"{key}first_tokens_equal": first})
+    print(f"{label} vs reference: {100 * share:.1f}% identical tokens (common prefix), first "
+          f"token equal in {first}/{len(ps)}, max |log p diff| {worst:.2e}", flush=True)
   return out
 
 

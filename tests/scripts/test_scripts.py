@@ -49,8 +49,8 @@ def test_gpu_engine_check_correctness_in_interpret_mode(tmp_path):
   assert check.main(["correctness", "--layers", "1", "--new-tokens", "3", "--sequences", "2",
                      "--max-prompt", "40", "--interpret", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert result["identical_token_share"] == 1.0
-  assert result["max_abs_logprob_diff"] < 1e-3
+  assert result["identical_token_share"] == 1.0 and result["mesh_identical_token_share"] == 1.0
+  assert result["max_abs_logprob_diff"] < 1e-3 and result["mesh_max_abs_logprob_diff"] < 1e-3
 
 
 def test_gpu_engine_check_throughput_rows_per_decode_steps_on_cpu(tmp_path):
