@@ -9,6 +9,7 @@ whatever the backend."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -379,11 +380,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         sliding_window, backend == "pallas")
   _check_per_seq(op, "lengths", lengths, b)
   if (requested == "auto" and backend == "reference" and _on_cpu() and ks is None
-      and sliding_window is None and sm_scale is None and k_pages.dtype in native.POOL_DTYPES
-      and native.available()):
+      and sm_scale is None and k_pages.dtype in native.POOL_DTYPES and native.available()):
     # The native kernel reads the pages in place (the reference gathers them first).
-    attend = _per_model_shard(native.paged_decode_attention, (_HEADS, _POOL, _POOL, P(), P()),
-                              _HEADS)
+    attend = _per_model_shard(functools.partial(native.paged_decode_attention,
+                                                sliding_window=sliding_window),
+                              (_HEADS, _POOL, _POOL, P(), P()), _HEADS)
     return attend(q, k_pages, v_pages, block_tables, lengths).astype(q.dtype)
   if backend == "reference":
     return pa.paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, ks, vs,

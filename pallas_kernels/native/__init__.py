@@ -131,13 +131,15 @@ def unavailable_reason() -> str | None:
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
+                           block_tables: jax.Array, lengths: jax.Array,
+                           sliding_window: int | None = None) -> jax.Array:
   """One query per row against its paged f32 keys/values, read in place.
 
   q [B, H, D] f32; k_pages, v_pages [NB, BS, KVH, D] f32 or bf16 (read as they
   are stored, widened to f32 in the kernel); block_tables [B, MB]
   int32; lengths [B] int32 (keys 0..lengths[b]-1 visible; 0 -> zeros; capped at
-  MB * BS; table entries are clipped to [0, NB)). Returns [B, H, D] f32.
+  MB * BS; table entries are clipped to [0, NB)); sliding_window w: only the last w
+  of them (only their pages are read). Returns [B, H, D] f32.
   Same math as `pallas_kernels.paged_attention.paged_decode_attention_reference`
   (to f32 rounding); `pallas_kernels.ops` chooses between them."""
   if not available():
@@ -152,10 +154,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if k_pages.dtype not in POOL_DTYPES or v_pages.dtype != k_pages.dtype:
     raise ValueError(f"paged_decode_attention (native): pools are {k_pages.dtype} / "
                      f"{v_pages.dtype}; both must be one of {[str(t) for t in POOL_DTYPES]}")
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"paged_decode_attention (native): sliding_window={sliding_window} must "
+                     f"be >= 1 or None")
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, h, d), jnp.float32),
                           vmap_method="sequential")
   return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
-              lengths.astype(jnp.int32))
+              lengths.astype(jnp.int32), window=np.int64(sliding_window or 0))
 
 
 def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array,

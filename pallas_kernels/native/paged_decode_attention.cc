@@ -10,6 +10,7 @@
 //                                widened to f32 exactly, the math stays f32)
 //   tables  [B, MB]              s32  logical block j of row b -> physical block
 //   lengths [B]                  s32  keys 0..lengths[b]-1 are visible
+//   window  attribute            > 0: only the last `window` of them (a sliding window)
 //   out     [B, H, D]            f32  (rows with length 0 -> zeros)
 //
 // Rows (or (row, kv head) pairs for tiny batches) are shared out over XLA's
@@ -84,12 +85,14 @@ inline float ToF32(Bf16 x) {
 }
 
 // Offsets (in floats) of a row's positions inside a pool, through its block table.
-void RowOffsets(const Dims& d, const int32_t* table, int64_t len, std::vector<int64_t>& rows) {
+// Offsets of the rows of positions first..len-1 (the visible keys), in order.
+void RowOffsets(const Dims& d, const int32_t* table, int64_t first, int64_t len,
+                std::vector<int64_t>& rows) {
   const int64_t row_stride = d.kv_heads * d.head_dim;  // floats between positions in a block
-  rows.resize(len);
-  for (int64_t p = 0; p < len; ++p) {
+  rows.resize(len - first);
+  for (int64_t p = first; p < len; ++p) {
     const int64_t block = std::clamp<int64_t>(table[p / d.block_size], 0, d.num_blocks - 1);
-    rows[p] = (block * d.block_size + p % d.block_size) * row_stride;
+    rows[p - first] = (block * d.block_size + p % d.block_size) * row_stride;
   }
 }
 
@@ -292,20 +295,25 @@ AttendFn PickAttend(int64_t hd, int64_t g) {
   return Erased<T, AttendKvHead<T, 0, 0>>;
 }
 
-// Row b, kv heads [kh_lo, kh_hi). Rows with nothing visible give zeros.
+// Row b, kv heads [kh_lo, kh_hi). Rows with nothing visible give zeros. A sliding
+// window (> 0) leaves the last `window` keys visible.
 void AttendRow(const Dims& d, AttendFn attend, const float* q, const void* kp, const void* vp,
                const int32_t* tables, const int32_t* lengths, float* out, int64_t b,
-               int64_t kh_lo, int64_t kh_hi, std::vector<float>& scores,
+               int64_t kh_lo, int64_t kh_hi, int64_t window, std::vector<float>& scores,
                std::vector<int64_t>& rows) {
   const int64_t g = d.heads / d.kv_heads;
   const int64_t len = std::min<int64_t>(lengths[b], d.max_blocks * d.block_size);
-  if (len <= 0) {
+  // The window ends at the row's length even past what its table holds (as the XLA path).
+  const int64_t first = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
+  if (len - first <= 0) {
     float* o = out + (b * d.heads + kh_lo * g) * d.head_dim;
     std::fill(o, o + (kh_hi - kh_lo) * g * d.head_dim, 0.0f);
     return;
   }
-  RowOffsets(d, tables + b * d.max_blocks, len, rows);
-  for (int64_t kh = kh_lo; kh < kh_hi; ++kh) attend(d, q, kp, vp, out, b, kh, len, rows, scores);
+  RowOffsets(d, tables + b * d.max_blocks, first, len, rows);
+  for (int64_t kh = kh_lo; kh < kh_hi; ++kh) {
+    attend(d, q, kp, vp, out, b, kh, len - first, rows, scores);
+  }
 }
 
 // One call's work, shared by the calling thread and the pool tasks it schedules.
@@ -319,6 +327,7 @@ struct Work {
   AttendFn attend;
   bool split_heads;
   int64_t items;
+  int64_t window;  // > 0: a sliding window of that many keys
   const float* q;
   const void *kp, *vp;
   const int32_t *tables, *lengths;
@@ -333,7 +342,8 @@ void Drain(Work& w) {
     const int64_t b = w.split_heads ? it / w.d.kv_heads : it;
     const int64_t lo = w.split_heads ? it % w.d.kv_heads : 0;
     const int64_t hi = w.split_heads ? lo + 1 : w.d.kv_heads;
-    AttendRow(w.d, w.attend, w.q, w.kp, w.vp, w.tables, w.lengths, w.out, b, lo, hi, scores, rows);
+    AttendRow(w.d, w.attend, w.q, w.kp, w.vp, w.tables, w.lengths, w.out, b, lo, hi, w.window,
+              scores, rows);
     w.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -341,7 +351,7 @@ void Drain(Work& w) {
 ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                     ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                                    ffi::ResultBuffer<ffi::F32> out) {
+                                    ffi::ResultBuffer<ffi::F32> out, int64_t window) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto td = tables.dimensions();
@@ -368,6 +378,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const int64_t g = d.heads / d.kv_heads;
   work->attend = dtype == ffi::DataType::F32 ? PickAttend<float>(d.head_dim, g)
                                              : PickAttend<Bf16>(d.head_dim, g);
+  work->window = window;
   work->split_heads = d.batch < threads;
   work->items = work->split_heads ? d.batch * d.kv_heads : d.batch;
   work->q = q.typed_data();
@@ -431,4 +442,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(O1jaxPagedDecodeAttention, PagedDecodeAttentionImp
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));

@@ -46,6 +46,29 @@ def test_matches_xla_path(heads, kv_heads, head_dim, block_size):
   assert not np.asarray(got[0]).any()  # length 0 -> zeros
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 10_000])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sliding_window_matches_xla_path(window, dtype):
+  """Only the last `window` keys visible (Phi-3's and Gemma 3's local layers): windows
+  of one key, within a block, a block's size, across blocks, longer than every row."""
+  if not native.available():
+    pytest.skip(native.unavailable_reason())
+  q, kp, vp, tables, lengths = _case(7, 6, 9, 3, 64, 16, 40, 6)
+  kp, vp = kp.astype(dtype), vp.astype(dtype)
+  lengths = lengths.at[0].set(0).at[1].set(1).at[2].set(6 * 16 + 50)
+  attend = lambda *a: native.paged_decode_attention(*a, sliding_window=window)
+  got = jax.jit(attend)(q, kp, vp, tables, lengths)
+  want = jax.jit(lambda *a: paged_decode_attention_reference(*a, sliding_window=window))(
+      q, kp, vp, tables, lengths)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  assert not np.asarray(got[0]).any()  # length 0 -> zeros
+  if window < 50:  # the window binds: not the same as attending to every key
+    everything = jax.jit(native.paged_decode_attention)(q, kp, vp, tables, lengths)
+    assert np.abs(np.asarray(everything) - np.asarray(got)).max() > 1e-3
+  with pytest.raises(ValueError, match=r"sliding_window=0 must be >= 1 or None"):
+    native.paged_decode_attention(q, kp, vp, tables, lengths, sliding_window=0)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 16), (6, 2, 128)])
 def test_bf16_pools_match_xla_path(heads, kv_heads, head_dim):
   """bf16 pools are read as stored (widened to f32 exactly): same keys and values
