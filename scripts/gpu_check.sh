@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check on a machine with one NVIDIA GPU and JAX (with CUDA) already
 # installed; needs no network and no checkpoint. Stages (default: engine,
-# throughput, hf, ablate; about 8 minutes at most):
+# throughput, hf, profile; about 9 minutes at most, compiling dominates: an engine's
+# warm-up took 32-111 s on an H200, 2026-12-04):
 #   tests       the kernel tests in compiled (non-interpret) mode, and the sampler's
 #               tests (its GPU branch: one threshold search over the batch)
 #   engine      the engine through the Pallas kernels vs the XLA reference
@@ -17,7 +18,8 @@
 #               steps per device call, concurrency 1/64/256
 #   hoststeps   the reference backend at 1 decode step per call (the host's share)
 #   hf          HF transformers bf16 `generate`, same shape, same run
-#   ablate      the Pallas path with one op at a time on XLA (what is slow)
+#   ablate      the Pallas path with one op at a time on XLA (what is slow; XLA fuses the
+#               4-bit dequantization into an f32 GEMM that costs like the kernel did)
 #   profile     one warm engine run at concurrency 64 (8 layers) under jax.profiler: the
 #               device's busy time against the wall time, the kernels and modules that take it
 #   controller  self-consistency n=8 through the controller's loop vs the engine at the
@@ -27,7 +29,7 @@
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
 #   scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]
-#   STAGES: comma-separated, run in the order listed (default engine,throughput,hf,ablate)
+#   STAGES: comma-separated, run in the order listed (default engine,throughput,hf,profile)
 #   SECONDS: the whole run's deadline; a stage gets at most what is left, and none
 #   starts with under 20 s left (default: none)
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage, and
@@ -35,7 +37,7 @@
 # device call brings back a few files only; a call cut at its limit keeps the archive).
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]}
-STAGES=${2:-engine,throughput,hf,ablate}
+STAGES=${2:-engine,throughput,hf,profile}
 DEADLINE=$((SECONDS + ${3:-1000000}))
 KNOWN=,tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,profile,controller,llama8b,speculative,
 for name in ${STAGES//,/ }; do
@@ -97,7 +99,8 @@ run_stage() {  # run_stage NAME
     stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \
     --out '$OUT/fp8_engine.json' && python scripts/gpu_engine_check.py throughput \
     --matmul-dtype float8 --backends pallas --concurrency 1,64 --out '$OUT/fp8_throughput.json'" ;;
-  throughput) stage throughput 200 python scripts/gpu_engine_check.py throughput \
+  # Six engines (two backends x three concurrencies), each compiled: 300 s.
+  throughput) stage throughput 300 python scripts/gpu_engine_check.py throughput \
     --concurrency 1,64,256 --decode-steps 8 --out "$OUT/throughput.json" ;;
   hoststeps) stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \
     --backends reference --decode-steps 1 --out "$OUT/hoststeps.json" ;;
