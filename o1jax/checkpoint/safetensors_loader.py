@@ -140,17 +140,19 @@ def _token_ids(hf: dict, key: str, path, vocab_size: int, many: bool) -> tuple[i
 
 def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
   """Phi-3's switches: the config's sliding_window on every layer (as transformers applies
-  it; one no shorter than the context binds nothing and is dropped), a partial rotary embedding (`partial_rotary_factor`, at the top or in transformers
-  5's `rope_parameters`: Phi-4-mini's 0.75) and longrope's numbers as transformers derives
-  them: original_max_position_embeddings (the config's, else max_position_embeddings)
+  it; one no shorter than the context binds nothing and is dropped), a partial rotary
+  embedding (`partial_rotary_factor`, at the top or in transformers 5's `rope_parameters`:
+  Phi-4-mini's 0.75) and longrope's numbers as transformers derives them: original_max_position_embeddings (the config's, else max_position_embeddings)
   and attention_factor (given, else sqrt(1 + ln(factor) / ln(original)) for factor =
   max_position_embeddings / original > 1, else 1)."""
   params = _object(hf, "rope_parameters", path)
   rotary = _number(hf, "partial_rotary_factor", path, float,
                    _number(params, "partial_rotary_factor", path, float, 1.0))
   out = {}
+  if not 0 < rotary <= 1:
+    raise CheckpointError(f"{path}: partial_rotary_factor={rotary} must be in (0, 1]")
   if rotary != 1.0:
-    out["rotary_dim"] = int(head_dim * rotary)  # as transformers; ModelConfig names a bad one
+    out["rotary_dim"] = int(head_dim * rotary)  # as transformers; ModelConfig names an odd one
   window = _number(hf, "sliding_window", path, int, 0)
   longest = _number(hf, "max_position_embeddings", path, int, 2048)
   if window and window < longest:  # Phi-4-mini's 262144 of 131072 never binds
@@ -164,7 +166,8 @@ def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
     if not attention:
       attention = (math.sqrt(1 + math.log(factor) / math.log(original))
                    if factor > 1 and original > 1 else 1.0)
-    out["rope_scaling"] = {**{k: v for k, v in scaling.items() if k != "type"},
+    out["rope_scaling"] = {**{k: v for k, v in scaling.items()
+                              if k not in ("type", "partial_rotary_factor")},
                            "rope_type": "longrope",
                            "original_max_position_embeddings": original,
                            "attention_factor": attention}

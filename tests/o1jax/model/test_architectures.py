@@ -229,12 +229,15 @@ def test_phi3_rope_settings_from_config_json_and_bad_ones_named(hf_checkpoint):
                                           "short_factor": [1.0] * 4, "long_factor": [3.0] * 4,
                                           "partial_rotary_factor": 0.5}}, "config.json")
   assert c.rotary_dim == 8 and c.rope_scaling["original_max_position_embeddings"] == 128
+  assert "partial_rotary_factor" not in c.rope_scaling
   assert c.rope_scaling["attention_factor"] == 1.0  # factor 1
   assert config_from_hf({**hf, "partial_rotary_factor": 0.75}, "config.json").rotary_dim == 12
   # Phi-4-mini's window (262144) is longer than its context (131072): no window.
   c = config_from_hf({**hf, "sliding_window": 262144, "max_position_embeddings": 131072},
                      "config.json")
   assert (c.sliding_window, c.sliding_window_pattern) == (None, 1)
+  with pytest.raises(CheckpointError, match=r"partial_rotary_factor=1.5 must be in \(0, 1\]"):
+    config_from_hf({**hf, "partial_rotary_factor": 1.5}, "config.json")
   with pytest.raises(CheckpointError, match=r"rotary_dim=7 must be an even number in 2\.\.16"):
     config_from_hf({**hf, "partial_rotary_factor": 0.4375}, "config.json")
   with pytest.raises(CheckpointError, match=r"rope_scaling\['long_factor'\] must be 8 finite "
