@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check on a machine with one NVIDIA GPU and JAX (with CUDA) already
 # installed; needs no network and no checkpoint. Stages (default: engine,
-# throughput, hf, profile; about 9 minutes at most, compiling dominates: an engine's
-# warm-up took 32-111 s on an H200, 2026-12-04):
+# throughput, hf, profile; their limits add up to 11 minutes, a deadline cuts them;
+# compiling dominates: an engine's warm-up took 32-111 s on an H200, 2026-12-04):
 #   tests       the kernel tests in compiled (non-interpret) mode, and the sampler's
 #               tests (its GPU branch: one threshold search over the batch)
 #   engine      the engine through the Pallas kernels vs the XLA reference
@@ -30,8 +30,8 @@
 #               lookup, early exit, a same-weights draft model; issue 18)
 #   scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]
 #   STAGES: comma-separated, run in the order listed (default engine,throughput,hf,profile)
-#   SECONDS: the whole run's deadline; a stage gets at most what is left, and none
-#   starts with under 20 s left (default: none)
+#   SECONDS: the whole run's deadline; a stage gets at most what is left less 15 s, and
+#   none starts with under 20 s left (default: none)
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage, and
 # gpu_check.tar.gz of all of them (or $GPU_CHECK_ARCHIVE), rewritten after each stage (a
 # device call brings back a few files only; a call cut at its limit keeps the archive).
@@ -59,16 +59,21 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/o1jax_gpu_che
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 
-pack() {  # the archive of OUTDIR, built beside it and moved in whole
-  local part
-  part=$(mktemp) && tar -czf "$part" -C "$OUT" --exclude=gpu_check.tar.gz . \
-    && mv "$part" "${GPU_CHECK_ARCHIVE:-$OUT/gpu_check.tar.gz}"
+pack() {  # the archive of OUTDIR, built beside the archive and renamed over it
+  local archive=${GPU_CHECK_ARCHIVE:-$OUT/gpu_check.tar.gz} part
+  part=$(mktemp "$(dirname "$archive")/.gpu_check.XXXXXX") || return 1
+  if tar -czf "$part" -C "$OUT" --exclude=gpu_check.tar.gz --exclude='.gpu_check.*' \
+      --exclude="$(basename "$archive")" .; then
+    mv "$part" "$archive"
+  else
+    rm -f "$part"
+  fi
 }
 
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
-  local left=$((DEADLINE - SECONDS))
+  local left=$((DEADLINE - SECONDS - 15))  # 15 s for the log's tail and the archive
   if ((left < 20)); then
     echo "== $name: skipped, $left s left of the deadline" | tee "$OUT/$name.log"
     pack

@@ -225,7 +225,9 @@ COMPILE_SECONDS: dict[str, float] = {}
 
 
 def _count_compile(event: str, seconds: float, **_) -> None:
-  if event.startswith("/jax/core/compile/"):
+  # A program loaded from the persistent cache (JAX_COMPILATION_CACHE_DIR) reports a
+  # cache retrieval instead of a backend compile.
+  if event.startswith(("/jax/core/compile/", "/jax/compilation_cache/")):
     name = event.rsplit("/", 1)[-1].removesuffix("_duration")
     COMPILE_SECONDS[name] = COMPILE_SECONDS.get(name, 0.0) + seconds
 
@@ -282,6 +284,8 @@ def throughput(args) -> dict:
   out = {"shape": args.shape, "layers": args.layers, "new_tokens": args.new_tokens,
          "matmul_dtype": args.matmul_dtype, "rows": []}
   variants = _engine_variants(args)
+  if len({config.vocab_size for _, config, _, _ in variants}) != 1:
+    raise SystemExit("throughput: the engines compared must share a vocabulary (same prompts)")
   ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=variants[0][1].vocab_size)
   # Concurrency outermost: a stage cut by its time limit keeps the engines' rows in pairs.
   for c in concurrency:
@@ -389,7 +393,10 @@ def profile(args) -> dict:
   with jax.profiler.trace(log_dir, profiler_options=options):
     results = engine.generate(batch)
   wall = time.perf_counter() - t0
-  path = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)[0]
+  traces = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)
+  if not traces:
+    raise RuntimeError(f"profile: jax.profiler wrote no .xplane.pb under {log_dir}")
+  path = traces[0]
   out = {"backend": backend, "concurrency": c, "decode_steps": steps, "layers": args.layers,
          "new_tokens": args.new_tokens, "generated": sum(len(r.token_ids) for r in results),
          "warmup_wall_s": untraced, "traced_wall_s": wall,
@@ -412,6 +419,7 @@ def profile(args) -> dict:
       print(f"    {top['ms']:9.2f} ms {top['count']:6d}x {top['name'][:100]}", flush=True)
   if args.out and out["trace_bytes"] < 8 << 20:
     shutil.copy(path, os.path.splitext(args.out)[0] + ".xplane.pb")
+  shutil.rmtree(log_dir, ignore_errors=True)
   return out
 
 

@@ -457,6 +457,11 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
         query_pre_attn_scalar=float(d_model // n_heads if n_layers == 62 else head_dim),
         sliding_window=window, sliding_window_pattern=pattern,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
+  if arch != "phi3":  # only Phi-3's rotary width is read; a narrower one elsewhere is refused
+    rot = meta.int(g("rope.dimension_count"))
+    if rot is not None and rot != head_dim:
+      raise CheckpointError(f"{path}: {g('rope.dimension_count')}={rot} differs from the head "
+                            f"size {head_dim}: partial rotary is supported for phi3 only")
   if arch == "phi3":
     switches, longrope = _phi3(meta, path, dims, head_dim, g, tensors)
     if longrope is not None and rope_scaling is not None:
@@ -503,8 +508,11 @@ def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g, tensors) -> tuple
   long factors take over. Returns (switches, rope scaling or None)."""
   rot = meta.int(g("rope.dimension_count"))
   switches = {}
+  if rot is not None and (rot % 2 or rot > head_dim):
+    raise CheckpointError(f"{path}: {g('rope.dimension_count')}={rot} must be even and at "
+                          f"most the head size {head_dim}")
   if rot is not None and rot != head_dim:
-    switches["rotary_dim"] = rot  # ModelConfig names a bad one
+    switches["rotary_dim"] = rot
   rot = rot or head_dim
   window = meta.int(g("attention.sliding_window"))
   context = meta.int(g("context_length"))
@@ -530,8 +538,11 @@ def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g, tensors) -> tuple
       values = tuple(float(f) for f in np.asarray(_dense_from_gguf(tensors[name]), np.float32))
     factors[name] = values
   original = meta.int(g("rope.scaling.original_context_length")) or meta.int(g("context_length"))
+  if not original:
+    raise CheckpointError(f"{path}: longrope needs {g('rope.scaling.original_context_length')} "
+                          f"or {g('context_length')}")
   scaling = {"rope_type": "longrope", "short_factor": factors[names[0]],
-             "long_factor": factors[names[1]], "original_max_position_embeddings": original or 0,
+             "long_factor": factors[names[1]], "original_max_position_embeddings": original,
              "attention_factor": meta.number(g("rope.scaling.attn_factor"), 1.0)}
   return switches, scaling
 

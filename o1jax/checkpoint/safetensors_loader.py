@@ -162,8 +162,8 @@ def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
                        _number(scaling, "original_max_position_embeddings", path, int, 0))
     factor = longest / original if original else _number(scaling, "factor", path, float, 1.0)
     original = original or longest
-    attention = _number(scaling, "attention_factor", path, float, 0.0)
-    if not attention:
+    attention = _number(scaling, "attention_factor", path, float, None)  # 0: ModelConfig names it
+    if attention is None:
       attention = (math.sqrt(1 + math.log(factor) / math.log(original))
                    if factor > 1 and original > 1 else 1.0)
     out["rope_scaling"] = {**{k: v for k, v in scaling.items()

@@ -268,3 +268,21 @@ def test_phi3_gguf_longrope_tensors_checked(tmp_path):
   with pytest.raises(CheckpointError, match=r"rope_factors_short.weight has shape \(5,\), "
                                             r"expected \(8,\)"):
     load_checkpoint(tmp_path / "short.gguf")
+
+
+@pytest.mark.parametrize("arch,value,message", [
+    ("phi3", 7, r"phi3.rope.dimension_count=7 must be even and at most the head size 16"),
+    ("phi3", 32, r"phi3.rope.dimension_count=32 must be even and at most the head size 16")])
+def test_gguf_rotary_width_is_checked(tmp_path, arch, value, message):
+  """The key's u32 value patched in a written GGUF."""
+  config = testing.tiny_config(architecture=arch, tie_embeddings=False)
+  path = tmp_path / "m.gguf"
+  testing.write_gguf_checkpoint(path, config, matrix_type="F32", embed_type="F32")
+  data = bytearray(path.read_bytes())
+  key = f"{arch}.rope.dimension_count".encode()
+  at = data.index(key) + len(key) + 4  # then the u32 type tag, then the value
+  assert int(np.frombuffer(bytes(data[at:at + 4]), "<u4")[0]) == 16
+  data[at:at + 4] = np.array([value], "<u4").tobytes()
+  path.write_bytes(bytes(data))
+  with pytest.raises(CheckpointError, match=message):
+    load_checkpoint(path)
