@@ -416,16 +416,7 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
   if "rope_freqs.weight" in dims:  # Llama 3: theta_i / factor_i, written by the converter
     if rope_scaling is not None:
       raise CheckpointError(f"{path}: both rope_freqs and rope scaling {scaling_type!r}")
-    if dims["rope_freqs.weight"] != (head_dim // 2,):
-      raise CheckpointError(f"{path}: rope_freqs.weight has shape {dims['rope_freqs.weight'][::-1]}, "
-                            f"expected ({head_dim // 2},)")
-    factors = (1.0,) * (head_dim // 2)  # the header check: shape only
-    if tensors is not None:
-      if tensors["rope_freqs.weight"].tensor_type.name not in _DENSE_DTYPES:
-        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' has type "
-                              f"{tensors['rope_freqs.weight'].tensor_type.name}, expected F32, F16 or BF16")
-      factors = tuple(float(f) for f in np.asarray(_dense_from_gguf(tensors["rope_freqs.weight"]),
-                                                   np.float32))
+    factors = _rope_factors(path, dims, tensors, "rope_freqs.weight", head_dim // 2)
     rope_scaling = {"rope_type": "freq_factors", "factors": factors}
   n_tokens = tokens[1] if tokens else vocab
   token_id = lambda key: _token_id(meta, key, n_tokens)
@@ -498,6 +489,20 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     raise CheckpointError(f"{path}: {e}") from None
 
 
+def _rope_factors(path, dims: dict, tensors, name: str, length: int) -> tuple[float, ...]:
+  """A 1-D tensor of per-frequency RoPE divisors (Llama 3's rope_freqs, longrope's
+  factors) as floats, its shape checked; ones at the header check (tensors None)."""
+  if dims[name] != (length,):
+    raise CheckpointError(f"{path}: {name} has shape {dims[name][::-1]}, expected ({length},) "
+                          f"(rotary dims / 2)")
+  if tensors is None:
+    return (1.0,) * length
+  if tensors[name].tensor_type.name not in _DENSE_DTYPES:
+    raise CheckpointError(f"{path}: tensor {name!r} has type {tensors[name].tensor_type.name}, "
+                          f"expected F32, F16 or BF16")
+  return tuple(float(f) for f in np.asarray(_dense_from_gguf(tensors[name]), np.float32))
+
+
 def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g, tensors) -> tuple[dict, dict | None]:
   """Phi-3's config switches and its rope scaling: a sliding window on every layer (as
   transformers applies the config's sliding_window; llama.cpp ignores it), a partial
@@ -525,18 +530,7 @@ def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g, tensors) -> tuple
   if len(present) == 1:
     raise CheckpointError(f"{path}: longrope needs both {names[0]!r} and {names[1]!r}, "
                           f"found only {present[0]!r}")
-  factors = {}
-  for name in names:
-    if dims[name] != (rot // 2,):
-      raise CheckpointError(f"{path}: {name} has shape {dims[name][::-1]}, expected "
-                            f"({rot // 2},) (rotary dims / 2)")
-    values = (1.0,) * (rot // 2)  # the header check: shape only
-    if tensors is not None:
-      if tensors[name].tensor_type.name not in _DENSE_DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r} has type "
-                              f"{tensors[name].tensor_type.name}, expected F32, F16 or BF16")
-      values = tuple(float(f) for f in np.asarray(_dense_from_gguf(tensors[name]), np.float32))
-    factors[name] = values
+  factors = {name: _rope_factors(path, dims, tensors, name, rot // 2) for name in names}
   original = meta.int(g("rope.scaling.original_context_length")) or meta.int(g("context_length"))
   if not original:
     raise CheckpointError(f"{path}: longrope needs {g('rope.scaling.original_context_length')} "

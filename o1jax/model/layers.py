@@ -52,11 +52,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (xf * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def _base_inv_freq(rotary_dim: int, theta: float) -> jax.Array:
+  return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+
+
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
   """Inverse frequencies [rotary_dim/2], with HF-style linear or llama3 scaling, divided
   by llama.cpp's per-frequency factors (GGUF rope_freqs), or by longrope's short factors
   (its long ones: `rope_tables`)."""
-  inv = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+  inv = _base_inv_freq(rotary_dim, theta)
   if not scaling:
     return inv
   kind = scaling.get("rope_type", scaling.get("type"))
@@ -97,8 +101,8 @@ def rope_tables(positions: jax.Array, rotary_dim: int, theta: float,
   angles = pos * inv
   scale = 1.0
   if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
-    base = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    long_inv = base / jnp.asarray(scaling["long_factor"], jnp.float32)
+    long_inv = _base_inv_freq(rotary_dim, theta) / jnp.asarray(scaling["long_factor"],
+                                                               jnp.float32)
     long_from = int(scaling["original_max_position_embeddings"])
     angles = jnp.where(positions[..., None] >= long_from, pos * long_inv, angles)
     scale = float(scaling["attention_factor"])
