@@ -520,8 +520,7 @@ def _phi3(meta: _Metadata, path, dims: dict, head_dim: int, g, tensors) -> tuple
     switches["rotary_dim"] = rot
   rot = rot or head_dim
   window = meta.int(g("attention.sliding_window"))
-  context = meta.int(g("context_length"))
-  if window and not (context and window >= context):  # Phi-4-mini's never binds: dropped
+  if window:
     switches.update(sliding_window=window, sliding_window_pattern=0)
   names = ("rope_factors_short.weight", "rope_factors_long.weight")
   present = [n for n in names if n in dims]

@@ -140,10 +140,10 @@ def _token_ids(hf: dict, key: str, path, vocab_size: int, many: bool) -> tuple[i
 
 def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
   """Phi-3's switches: the config's sliding_window on every layer (as transformers applies
-  it; one no shorter than the context binds nothing and is dropped), a partial rotary
-  embedding (`partial_rotary_factor`, at the top or in transformers 5's `rope_parameters`:
-  Phi-4-mini's 0.75) and longrope's numbers as transformers derives them: original_max_position_embeddings (the config's, else max_position_embeddings)
-  and attention_factor (given, else sqrt(1 + ln(factor) / ln(original)) for factor =
+  it), a partial rotary embedding (`partial_rotary_factor`, at the top or in transformers
+  5's `rope_parameters`: Phi-4-mini's 0.75) and longrope's numbers as transformers derives
+  them: original_max_position_embeddings (the config's, else max_position_embeddings) and
+  attention_factor (given, else sqrt(1 + ln(factor) / ln(original)) for factor =
   max_position_embeddings / original > 1, else 1)."""
   params = _object(hf, "rope_parameters", path)
   rotary = _number(hf, "partial_rotary_factor", path, float,
@@ -154,9 +154,9 @@ def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
   if rotary != 1.0:
     out["rotary_dim"] = int(head_dim * rotary)  # as transformers; ModelConfig names an odd one
   window = _number(hf, "sliding_window", path, int, 0)
-  longest = _number(hf, "max_position_embeddings", path, int, 2048)
-  if window and window < longest:  # Phi-4-mini's 262144 of 131072 never binds
+  if window:
     out.update(sliding_window=window, sliding_window_pattern=0)
+  longest = _number(hf, "max_position_embeddings", path, int, 2048)
   if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
     original = _number(hf, "original_max_position_embeddings", path, int,
                        _number(scaling, "original_max_position_embeddings", path, int, 0))

@@ -232,10 +232,11 @@ def test_phi3_rope_settings_from_config_json_and_bad_ones_named(hf_checkpoint):
   assert "partial_rotary_factor" not in c.rope_scaling
   assert c.rope_scaling["attention_factor"] == 1.0  # factor 1
   assert config_from_hf({**hf, "partial_rotary_factor": 0.75}, "config.json").rotary_dim == 12
-  # Phi-4-mini's window (262144) is longer than its context (131072): no window.
+  # Phi-4-mini's window (262144) is longer than its context (131072): kept as written (it
+  # binds nothing; every attention path, the native CPU kernel too, takes a window).
   c = config_from_hf({**hf, "sliding_window": 262144, "max_position_embeddings": 131072},
                      "config.json")
-  assert (c.sliding_window, c.sliding_window_pattern) == (None, 1)
+  assert (c.sliding_window, c.sliding_window_pattern) == (262144, 0)
   with pytest.raises(CheckpointError, match=r"partial_rotary_factor=1.5 must be in \(0, 1\]"):
     config_from_hf({**hf, "partial_rotary_factor": 1.5}, "config.json")
   with pytest.raises(CheckpointError, match=r"rotary_dim=7 must be an even number in 2\.\.16"):
@@ -250,12 +251,12 @@ def test_phi3_rope_settings_from_config_json_and_bad_ones_named(hf_checkpoint):
 
 def test_phi3_gguf_longrope_tensors_checked(tmp_path):
   """One factor tensor without the other, or one of the wrong length, is named; a window
-  no shorter than the context is dropped."""
+  no shorter than the context is read as written."""
   import dataclasses
   wide = dataclasses.replace(_config("phi3"), sliding_window=128)  # = max_context
   testing.write_gguf_checkpoint(tmp_path / "wide.gguf", wide, matrix_type="F32",
                                 embed_type="F32")
-  assert load_checkpoint(tmp_path / "wide.gguf").config.sliding_window is None
+  assert load_checkpoint(tmp_path / "wide.gguf").config.sliding_window == 128
   one = {"rope_factors_long.weight": np.ones(8, np.float32)}
   testing.write_gguf_checkpoint(tmp_path / "one.gguf", _config("phi3"), matrix_type="F32",
                                 embed_type="F32", extra_tensors=one)
