@@ -222,6 +222,7 @@ def correctness(args) -> dict:
 # Seconds spent compiling, by JAX's compile events (tracing, lowering to MLIR, XLA's
 # backend compile): summed by a listener registered in main().
 COMPILE_SECONDS: dict[str, float] = {}
+_listening = False
 
 
 def _count_compile(event: str, seconds: float, **_) -> None:
@@ -616,7 +617,11 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   import jax
 
-  jax.monitoring.register_event_duration_secs_listener(_count_compile)
+  global _listening
+  if not _listening:  # once per process: a second main() would count every event twice
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+    _listening = True
+  COMPILE_SECONDS.clear()  # this run's
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   if args.mode == "correctness":
     args.layers = args.layers or 2
