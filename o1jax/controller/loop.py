@@ -1,9 +1,10 @@
 """The reasoning loop: think / verify / backtrack as one jitted `jax.lax.while_loop`.
 
-`ReasoningLoop` is a frozen dataclass holding only static configuration (the
-decode model, the verifier class, the probe switch); everything a policy
-varies is an array in `ReasoningState.knobs`. One iteration = one token for
-every row, with step-boundary decisions applied by masks:
+It is the engine's decode loop (`o1jax.engine.steps.run_rows`) with a row program
+of its own, `ReasoningRows`. `ReasoningLoop` is a frozen dataclass holding only
+static configuration (the decode model, the verifier class, the probe switch);
+everything a policy varies is an array in `ReasoningState.knobs`. One iteration =
+one token for every row, with step-boundary decisions applied by masks:
 
   1. feed token length-1 of every row at its position (one T=1 forward);
   2. draw the next token with key fold_in(fold_in(base, attempt), position)
@@ -46,7 +47,7 @@ from o1jax.controller import state as S
 from o1jax.controller.decode_model import DecodeModel
 from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.controller.verifiers import MeanLogprob, StepStats, Verifier
-from o1jax.model.sampling import sample
+from o1jax.engine import steps
 
 
 def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.Array,
@@ -219,29 +220,24 @@ class ReasoningLoop:
     return voting & row_decided
 
   def _step(self, params, s: ReasoningState) -> ReasoningState:
-    """One iteration: plain (one token per running row), or with `verify` a verify
-    call. The host picks the loop per call: a `lax.cond` between the two inside the
-    loop made XLA copy the KV cache every iteration (+30% per step on a CPU)."""
-    if not self.draft_k:
-      return self._plain(params, s)
-    drafts, available = self._drafts(s)
-    if self.verify:
-      return self._verify(params, s, drafts, available)
-    return self._plain(params, s, shadow=(drafts, available))
+    """One iteration: plain (the decode loop's: one token per running row), or with
+    `verify` a verify call. The host picks the loop per call: a `lax.cond` between the
+    two inside the loop made XLA copy the KV cache every iteration (+30% per step on a
+    CPU)."""
+    return self._iteration(ReasoningRows(self, params), s)
 
-  def _plain(self, params, s: ReasoningState, shadow=None) -> ReasoningState:
-    """1. forward the last token of every row; then `_advance` by one token.
-    shadow: this iteration's (drafts, available): a row without a shadow call in
-    progress starts one with them; the drawn token is checked against it."""
-    b = s.tokens.shape[0]
-    rows = jnp.arange(b)
-    last = s.tokens[rows, s.length - 1]
-    logits, cache = self.model.forward(params, s.cache, last[:, None], s.length - 1,
-                                       jnp.zeros((b,), jnp.int32))
-    new, _ = self._advance(params, s.replace(cache=cache), logits, s.phase != S.DONE)
-    if shadow is not None:
-      new = self._shadow(s, new, *shadow)
-    return new.replace(iteration=s.iteration + 1)
+  def _iteration(self, rows: "ReasoningRows", s: ReasoningState) -> ReasoningState:
+    if self.verify:
+      return self._verify(rows.params, s, *self._drafts(s))
+    return steps.decode_iteration(rows, s)
+
+  def _draw(self, s: ReasoningState) -> steps.Draw:
+    """How each row draws token `length`: key fold_in(fold_in(base, attempt), position),
+    temperature + bump x (backtracks of this step), its policy's filters."""
+    k = s.knobs
+    return steps.Draw(keys=jax.vmap(jax.random.fold_in)(s.keys, s.backtracks), steps=s.length,
+                      temperature=k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32),
+                      top_k=k.top_k, top_p=k.top_p, min_p=k.min_p)
 
   def _shadow(self, s: ReasoningState, new: ReasoningState, drafts, available):
     """Advances each running row's shadow call by the token it just drew."""
@@ -322,8 +318,9 @@ class ReasoningLoop:
 
     def body(c):
       j, st, on, accepted = c
-      new, probed = self._advance(params, st, jnp.take(logits_all, j, axis=1), on,
-                                  truncate=False)
+      logits = jnp.take(logits_all, j, axis=1)
+      new, probed = self._advance(params, st, logits, on,
+                                  steps.draw_tokens(logits, self._draw(st)), truncate=False)
       emitted = new.tokens[rows, jnp.clip(st.length, 0, l - 1)]
       draft = jnp.take(drafts, jnp.minimum(j, kd - 1), axis=1)
       matched = on & (new.length == st.length + 1) & (j < available) & (emitted == draft)
@@ -344,8 +341,9 @@ class ReasoningLoop:
   # -- one token ------------------------------------------------------------------
 
   def _advance(self, params, s: ReasoningState, logits: jax.Array, live: jax.Array,
-               truncate: bool = True) -> tuple[ReasoningState, jax.Array]:
-    """Steps 2-7 for the rows in `live` given the logits of their next token.
+               drawn: jax.Array, truncate: bool = True) -> tuple[ReasoningState, jax.Array]:
+    """Steps 2-7 for the rows in `live` given the logits of their next token and
+    the token each row drew from them (`_draw`).
     Returns (state, whether a probe ran: it writes past every row's end).
     truncate=False leaves the cache's truncation to the caller (a verify call
     keeps its drafts' K/V until it knows its final lengths)."""
@@ -359,11 +357,7 @@ class ReasoningLoop:
     cache = s.cache
     logp = jax.nn.log_softmax(logits, axis=-1)
 
-    # 2. draw, then let an open force queue override the draw.
-    keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(s.keys, s.backtracks),
-                                        s.length)
-    temperature = k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32)
-    drawn = sample(logits, keys, temperature, k.top_k, k.top_p, k.min_p)
+    # 2. an open force queue overrides the draw.
     forcing = active & (s.force_pos < s.force_len)  # a row outside `live` keeps its queue
     tok = jnp.where(forcing, s.force_buf[rows, jnp.clip(s.force_pos, 0, f - 1)], drawn)
     force_buf, force_pos, force_len = s.force_buf, s.force_pos + forcing, s.force_len
@@ -580,8 +574,8 @@ class ReasoningLoop:
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, params, state: ReasoningState) -> ReasoningState:
-    """Iterates `_step` inside one while_loop until all rows are done or stop_at."""
-    return jax.lax.while_loop(self._cond, functools.partial(self._step, params), state)
+    """The decode loop (`steps.run_rows`) over these rows until all are done or stop_at."""
+    return steps.run_rows(ReasoningRows(self, params), state, self._iteration)
 
   @functools.partial(jax.jit, static_argnames=("self",))
   def step(self, params, state: ReasoningState) -> ReasoningState:
@@ -595,3 +589,32 @@ class ReasoningLoop:
       if on_step is not None:
         on_step(state)
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningRows:
+  """The controller's row program for the decode loop (`steps.RowProgram`): every row
+  feeds its last token (rows that are done too: their write lands past their end,
+  where nothing reads it), the live rows draw and `_advance` (steps 2-7); with
+  speculation the drawn tokens also advance the shadow calls (`_shadow`)."""
+
+  loop: ReasoningLoop
+  params: object
+
+  def more(self, s: ReasoningState) -> jax.Array:
+    return self.loop._cond(s)
+
+  def feed(self, s: ReasoningState):
+    last = s.tokens[jnp.arange(s.tokens.shape[0]), s.length - 1]
+    return last, s.length - 1, s.phase != S.DONE, self.loop._draw(s)
+
+  def forward(self, s: ReasoningState, tokens, positions, live):
+    logits, cache = self.loop.model.forward(self.params, s.cache, tokens[:, None], positions,
+                                            jnp.zeros_like(positions))
+    return logits, s.replace(cache=cache)
+
+  def advance(self, s: ReasoningState, logits, drawn) -> ReasoningState:
+    new, _ = self.loop._advance(self.params, s, logits, s.phase != S.DONE, drawn)
+    if self.loop.draft_k:
+      new = self.loop._shadow(s, new, *self.loop._drafts(s))
+    return new.replace(iteration=s.iteration + 1)

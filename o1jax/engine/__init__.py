@@ -11,5 +11,6 @@ from o1jax.engine.metrics import LatencyHistogram, MetricsCollector, RequestMetr
 from o1jax.engine.replicas import EngineReplicas, build_engine, replica_meshes
 from o1jax.engine.speculative import (DRAFTERS, SpeculationPlanner, SpeculativeConfig,
                                       expected_tokens, prompt_lookup)
-from o1jax.engine.steps import (DecodeBatch, DecodeOutput, LoopOutput, VerifyOutput, decode_loop,
-                                decode_step, draft_greedy, prefill_step, verify_step)
+from o1jax.engine.steps import (DecodeBatch, Draw, LoopOutput, PlainRows, RowProgram, VerifyOutput,
+                                decode_iteration, decode_loop, draft_greedy, draw_tokens,
+                                prefill_step, run_rows, verify_step)

@@ -1,13 +1,20 @@
-"""The engine's jittable steps: chunked prefill, one batched decode step, and
-the device-resident decode loop that runs several decode steps per call.
+"""The engine's jittable steps: chunked prefill, the device-resident decode loop that
+runs several decode steps per call, and speculative verification.
 
-All are pure functions of (model graphdef, model state, paged cache, batch
-arrays), so the reasoning controller can call `decode_step` inside its own
-`jax.lax.while_loop`; the engine jits `prefill_step` and `decode_loop` with the
-graphdef static and the cache donated (updated in place).
+The decode loop is one for the engine and the reasoning controller: `run_rows`
+iterates `decode_iteration` (feed each row's last token -> forward on the paged
+cache -> draw -> advance) over a `RowProgram`, which says what the rows do with
+their tokens: `PlainRows` is the engine's (stop ids, token limits), the
+controller's reasoning loop (`o1jax.controller.loop`) the other. All steps are pure
+functions of (model graphdef, model state, paged cache, batch arrays); the engine
+jits them with the graphdef static and the cache donated (updated in place).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol
 
 import flax.struct
 import jax
@@ -36,14 +43,6 @@ class DecodeBatch:
   top_k: jax.Array  # [B] int32 (0 = off)
   top_p: jax.Array  # [B] f32 (1 = off)
   min_p: jax.Array  # [B] f32 (0 = off)
-
-
-@flax.struct.dataclass
-class DecodeOutput:
-  tokens: jax.Array  # [B] int32 sampled next tokens
-  logprobs: jax.Array  # [B] f32 log p(token) under the model (temperature 1, unfiltered)
-  top_ids: jax.Array  # [B, K] int32 most likely alternatives (K = top_logprobs, may be 0)
-  top_logprobs: jax.Array  # [B, K] f32
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
@@ -81,29 +80,6 @@ def forward(model, tokens: jax.Array, starts: jax.Array, cache, logits_at: jax.A
   return logits.astype(jnp.float32), cache
 
 
-def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
-                top_logprobs: int = 0, head_t: jax.Array | None = None):
-  """One token for every active row.
-
-  1. point the cache at this batch (block tables; inactive rows write nothing);
-  2. model forward on T=1: writes K/V at `positions`, logits [B, V];
-  3. sample with per-sample keys fold_in(keys, steps) and per-row params;
-  4. log-probs of the sampled tokens (+ top-K alternatives).
-  head_t: optional [V, d] transposed dense head (see `forward`).
-  Returns (DecodeOutput, cache with placeholder tables: `pools_only`)."""
-  model = nnx.merge(graphdef, state)
-  active = batch.active
-  cache = cache.for_batch(batch.block_tables, active.astype(jnp.int32))
-  starts = jnp.where(active, batch.positions, 0).astype(jnp.int32)
-  logits, cache = forward(model, batch.tokens[:, None].astype(jnp.int32), starts, cache,
-                          jnp.zeros_like(starts), head_t)
-  keys = jax.vmap(jax.random.fold_in)(batch.keys, batch.steps)
-  next_ids = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-  chosen, top_ids, top_lp = token_logprobs(logits, next_ids, top_logprobs)
-  out = DecodeOutput(tokens=next_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
-  return out, cache.pools_only()
-
-
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens: jax.Array,
                  starts: jax.Array, chunk_lens: jax.Array, block_tables: jax.Array) -> PagedKVCache:
   """Writes the K/V of one prompt chunk per row; no sampling.
@@ -119,61 +95,171 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
   return cache.pools_only()
 
 
+# --- the decode loop: one for the engine and the controller ------------------------------
+
+
+@flax.struct.dataclass
+class Draw:
+  """How each row draws its next token: with key fold_in(keys[b], steps[b]) and its
+  own sampling params (`o1jax.model.sampling.sample`)."""
+
+  keys: jax.Array  # [B, 2] uint32
+  steps: jax.Array  # [B] int32
+  temperature: jax.Array  # [B] f32 (0 = greedy)
+  top_k: jax.Array  # [B] int32 (0 = off)
+  top_p: jax.Array  # [B] f32 (1 = off)
+  min_p: jax.Array  # [B] f32 (0 = off)
+
+
+def draw_tokens(logits: jax.Array, draw: Draw) -> jax.Array:
+  """[B] next tokens drawn from logits [B, V] as `draw` says."""
+  keys = jax.vmap(jax.random.fold_in)(draw.keys, draw.steps)
+  return sample(logits, keys, draw.temperature, draw.top_k, draw.top_p, draw.min_p)
+
+
+class RowProgram(Protocol):
+  """What the rows of a decode loop do with their tokens. The engine's rows
+  (`PlainRows`: stop ids and token limits) and the controller's reasoning rows
+  (`o1jax.controller.loop`: steps, verifiers, backtracking, budgets, votes) are the
+  two programs of the one loop, `run_rows`; the carry is the program's own
+  pytree and holds the KV cache."""
+
+  def more(self, carry) -> jax.Array:
+    """[] bool: run another iteration."""
+
+  def feed(self, carry) -> tuple[jax.Array, jax.Array, jax.Array, Draw]:
+    """(tokens [B], positions [B], live [B], draw): each row's last token and its
+    position, the rows that take a token this iteration, and how they draw it."""
+
+  def forward(self, carry, tokens: jax.Array, positions: jax.Array, live: jax.Array):
+    """The model over tokens [B, 1] at `positions` on the carry's cache (K/V
+    written); returns (logits [B, V] f32, carry)."""
+
+  def advance(self, carry, logits: jax.Array, drawn: jax.Array):
+    """Takes each live row's drawn token [B] (or what the program puts in its
+    place) and decides what the row does next; returns the carry."""
+
+
+def decode_iteration(program: RowProgram, carry):
+  """One token for every live row: feed -> forward -> draw -> advance."""
+  tokens, positions, live, draw = program.feed(carry)
+  logits, carry = program.forward(carry, tokens, positions, live)
+  return program.advance(carry, logits, draw_tokens(logits, draw))
+
+
+def run_rows(program: RowProgram, carry, iteration=decode_iteration):
+  """The device-resident decode loop: `iteration` while `program.more`, in one
+  `jax.lax.while_loop` (one device call, no host in between). `iteration`: the
+  plain one token per row, or a program's own (the controller's verify calls)."""
+  return jax.lax.while_loop(program.more, functools.partial(iteration, program), carry)
+
+
 @flax.struct.dataclass
 class LoopOutput:
   """Tokens of up to `num_steps` decode steps; row b's real ones are [:counts[b]]."""
 
   tokens: jax.Array  # [K, B] int32
-  logprobs: jax.Array  # [K, B] f32
-  top_ids: jax.Array  # [K, B, N] int32
+  logprobs: jax.Array  # [K, B] f32 log p(token) under the model (temperature 1, unfiltered)
+  top_ids: jax.Array  # [K, B, N] int32 most likely alternatives (N = top_logprobs, may be 0)
   top_logprobs: jax.Array  # [K, B, N] f32
   counts: jax.Array  # [B] int32 tokens sampled per row (0 for inactive rows)
   iterations: jax.Array  # [] int32 decode steps the call ran
 
 
+@flax.struct.dataclass
+class PlainCarry:
+  iteration: jax.Array  # [] int32
+  cache: PagedKVCache
+  running: jax.Array  # [B] bool
+  counts: jax.Array  # [B] int32
+  tokens: jax.Array  # [B] int32 last token of each row
+  positions: jax.Array  # [B] int32 its position
+  steps: jax.Array  # [B] int32 index of the token being sampled (0 = first generated)
+  out: LoopOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainRows:
+  """The engine's row program: a row emits what it draws (with its log-prob and top-N
+  alternatives) until `limits[b]` tokens or a token in its `stop_ids[b]` row; the
+  loop ends after `max_iterations` or when every row stopped. Built inside a trace
+  (`decode_loop`): its fields are that call's arrays."""
+
+  model: nnx.Module
+  batch: DecodeBatch
+  limits: jax.Array  # [B] int32
+  stop_ids: jax.Array  # [B, S] int32 (-1 pads)
+  max_iterations: jax.Array  # [] int32
+  top_logprobs: int
+  head_t: jax.Array | None
+
+  def start(self, cache: PagedKVCache, num_steps: int) -> PlainCarry:
+    rows, n = self.batch.tokens.shape[0], self.top_logprobs
+    out = LoopOutput(
+        tokens=jnp.zeros((num_steps, rows), jnp.int32),
+        logprobs=jnp.zeros((num_steps, rows), jnp.float32),
+        top_ids=jnp.zeros((num_steps, rows, n), jnp.int32),
+        top_logprobs=jnp.zeros((num_steps, rows, n), jnp.float32),
+        counts=jnp.zeros(rows, jnp.int32), iterations=jnp.int32(0))
+    b = self.batch
+    return PlainCarry(iteration=jnp.int32(0), cache=cache.pools_only(),
+                      running=b.active & (self.limits > 0), counts=jnp.zeros(rows, jnp.int32),
+                      tokens=b.tokens.astype(jnp.int32), positions=b.positions.astype(jnp.int32),
+                      steps=b.steps.astype(jnp.int32), out=out)
+
+  def more(self, c: PlainCarry) -> jax.Array:
+    return (c.iteration < self.max_iterations) & jnp.any(c.running)
+
+  def feed(self, c: PlainCarry):
+    b = self.batch
+    draw = Draw(keys=b.keys, steps=c.steps, temperature=b.temperature, top_k=b.top_k,
+                top_p=b.top_p, min_p=b.min_p)
+    return c.tokens, c.positions, c.running, draw
+
+  def forward(self, c: PlainCarry, tokens, positions, live):
+    # Block tables point the cache at this batch; rows not live write nothing.
+    cache = c.cache.for_batch(self.batch.block_tables, live.astype(jnp.int32))
+    starts = jnp.where(live, positions, 0).astype(jnp.int32)
+    logits, cache = forward(self.model, tokens[:, None].astype(jnp.int32), starts, cache,
+                            jnp.zeros_like(starts), self.head_t)
+    return logits, c.replace(cache=cache.pools_only())
+
+  def advance(self, c: PlainCarry, logits, drawn) -> PlainCarry:
+    i, running = c.iteration, c.running
+    chosen, top_ids, top_lp = token_logprobs(logits, drawn, self.top_logprobs)
+    out = c.out.replace(tokens=c.out.tokens.at[i].set(drawn),
+                        logprobs=c.out.logprobs.at[i].set(chosen),
+                        top_ids=c.out.top_ids.at[i].set(top_ids),
+                        top_logprobs=c.out.top_logprobs.at[i].set(top_lp))
+    counts = c.counts + running.astype(jnp.int32)
+    stopped = jnp.any(drawn[:, None] == self.stop_ids, axis=1) | (counts >= self.limits)
+    advance = running.astype(jnp.int32)
+    return c.replace(iteration=i + 1, running=running & ~stopped, counts=counts,
+                     tokens=jnp.where(running, drawn, c.tokens), positions=c.positions + advance,
+                     steps=c.steps + advance, out=out)
+
+
 def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
                 limits: jax.Array, stop_ids: jax.Array, max_iterations: jax.Array,
                 num_steps: int = 1, top_logprobs: int = 0, head_t: jax.Array | None = None):
-  """Up to `num_steps` decode steps in one device call, without the host in between.
+  """Up to `num_steps` decode steps in one device call, without the host in between
+  (`run_rows` over `PlainRows`).
 
-  Each iteration is `decode_step` on the rows still running: a row feeds back the
-  token it sampled, its position and step advance, and it stops after `limits[b]`
-  tokens (budget, context and the blocks the host reserved) or on a token in its
-  `stop_ids[b]` row (eos and stop ids; -1 pads). The loop ends after
-  `max_iterations` (<= num_steps; dynamic, so one program serves single steps
-  too) or when every row stopped. Draws use fold_in(keys, steps) as in one step,
-  so a sequence gets the same tokens whatever the number of steps per call.
-  Stop strings are the host's: it drops what a row sampled past a match.
-  Returns (LoopOutput, cache with placeholder tables)."""
-  rows = batch.tokens.shape[0]
-  n = top_logprobs
-
-  def cond(carry):
-    i, running = carry[0], carry[2]
-    return (i < max_iterations) & jnp.any(running)
-
-  def body(carry):
-    i, cache, running, counts, tokens, positions, steps_, out = carry
-    step_batch = batch.replace(tokens=tokens, positions=positions, steps=steps_, active=running)
-    result, cache = decode_step(graphdef, state, cache, step_batch, n, head_t)
-    out = (out[0].at[i].set(result.tokens), out[1].at[i].set(result.logprobs),
-           out[2].at[i].set(result.top_ids), out[3].at[i].set(result.top_logprobs))
-    counts = counts + running.astype(jnp.int32)
-    stopped = jnp.any(result.tokens[:, None] == stop_ids, axis=1) | (counts >= limits)
-    advance = running.astype(jnp.int32)
-    tokens = jnp.where(running, result.tokens, tokens)
-    return (i + 1, cache, running & ~stopped, counts, tokens, positions + advance,
-            steps_ + advance, out)
-
-  out = (jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
-         jnp.zeros((num_steps, rows, n), jnp.int32), jnp.zeros((num_steps, rows, n), jnp.float32))
-  running = batch.active & (limits > 0)
-  carry = (jnp.int32(0), cache.pools_only(), running, jnp.zeros(rows, jnp.int32),
-           batch.tokens.astype(jnp.int32), batch.positions.astype(jnp.int32),
-           batch.steps.astype(jnp.int32), out)
-  iterations, cache, _, counts, _, _, _, out = jax.lax.while_loop(cond, body, carry)
-  return LoopOutput(tokens=out[0], logprobs=out[1], top_ids=out[2], top_logprobs=out[3],
-                    counts=counts, iterations=iterations), cache
+  Each iteration writes the K/V of every running row's last token and draws its
+  next one: a row feeds back the token it drew, its position and step advance, and
+  it stops after `limits[b]` tokens (budget, context and the blocks the host
+  reserved) or on a token in its `stop_ids[b]` row (eos and stop ids; -1 pads).
+  The loop ends after `max_iterations` (<= num_steps; dynamic, so one program
+  serves single steps too) or when every row stopped. Token `steps[b]` draws with
+  fold_in(keys[b], steps[b]), so a sequence gets the same tokens whatever the
+  number of steps per call. Stop strings are the host's: it drops what a row
+  sampled past a match. head_t: optional [V, d] transposed dense head (`forward`).
+  Returns (LoopOutput, cache with placeholder tables: `pools_only`)."""
+  program = PlainRows(model=nnx.merge(graphdef, state), batch=batch, limits=limits,
+                      stop_ids=stop_ids, max_iterations=max_iterations,
+                      top_logprobs=top_logprobs, head_t=head_t)
+  c = run_rows(program, program.start(cache, num_steps))
+  return c.out.replace(counts=c.counts, iterations=c.iteration), c.cache
 
 
 # --- speculative decoding: drafts checked in one forward -----------------------------------
@@ -199,8 +285,8 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   1. the row's last token and its drafts [B, K] run as one T = K + 1 call from
      `positions` (K/V written for the first num_drafts[b] + 1; each query attends
      through the decode kernel, `PagedKVCache.decode_queries`);
-  2. at every position the target draws its token exactly as `decode_step`
-     would at that step: `sample` with key fold_in(keys, steps + j);
+  2. at every position the target draws its token exactly as the decode loop
+     would at that step: `draw_tokens` with key fold_in(keys, steps + j);
   3. drafts are accepted while they equal those tokens; the row emits its
      accepted drafts and then the target's token at the first mismatch (or after
      the last draft). So the emitted tokens are the ones one-token decoding would
@@ -226,9 +312,9 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   logits = logits.reshape(b * t, -1)
   rep = lambda x: jnp.repeat(x, t, axis=0)
   steps_ = (batch.steps[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
-  keys = jax.vmap(jax.random.fold_in)(rep(batch.keys), steps_)
-  target = sample(logits, keys, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p),
-                  rep(batch.min_p))
+  target = draw_tokens(logits, Draw(keys=rep(batch.keys), steps=steps_,
+                                    temperature=rep(batch.temperature), top_k=rep(batch.top_k),
+                                    top_p=rep(batch.top_p), min_p=rep(batch.min_p)))
   chosen, top_ids, top_lp = token_logprobs(logits, target, top_logprobs)
   target = target.reshape(b, t)
   match = (drafts == target[:, :k]) & (jnp.arange(k)[None, :] < num_drafts[:, None])
