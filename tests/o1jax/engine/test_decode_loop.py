@@ -128,3 +128,66 @@ def test_a_request_ends_when_its_last_token_was_sampled(engines):
 def test_decode_steps_must_be_positive(steps):
   with pytest.raises(ValueError, match="decode_steps"):
     EngineConfig(decode_steps=steps)
+
+
+# --- the loop itself: one driver for every row program (the engine's and the controller's) ---
+
+
+def test_run_rows_drives_any_row_program():
+  """A bigram "model" as a row program: greedy rows follow the table's chain, a sampled
+  row draws with fold_in(key, step) (the same bits as calling the sampler directly),
+  each row stops at its own limit, and the loop ends when the program says so."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  from o1jax.engine import steps
+  from o1jax.model.sampling import sample
+
+  v = 7
+  chain = jnp.array([3, 5, 1, 6, 2, 0, 4])  # argmax successor of each token
+  table = jax.nn.one_hot(chain, v) * 4.0  # soft enough that the sampled row can stray
+
+  @dataclasses.dataclass(frozen=True)
+  class Bigram:
+    limits: jax.Array
+    temperature: jax.Array
+    keys: jax.Array
+
+    def more(self, c):
+      return jnp.any(c["n"] < self.limits)
+
+    def feed(self, c):
+      live = c["n"] < self.limits
+      draw = steps.Draw(keys=self.keys, steps=c["n"], temperature=self.temperature,
+                        top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2), min_p=jnp.zeros(2))
+      return c["last"], c["n"], live, draw
+
+    def forward(self, c, tokens, positions, live):
+      return table[tokens], dict(c, calls=c["calls"] + 1)
+
+    def advance(self, c, logits, drawn):
+      live = c["n"] < self.limits
+      out = c["out"].at[jnp.arange(2), c["n"]].set(jnp.where(live, drawn, -1), mode="drop")
+      return dict(c, last=jnp.where(live, drawn, c["last"]), n=c["n"] + live, out=out)
+
+  keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)]).astype(jnp.uint32)
+  program = Bigram(limits=jnp.array([5, 3]), temperature=jnp.array([0.0, 1.0]), keys=keys)
+  start = dict(last=jnp.array([0, 0]), n=jnp.zeros(2, jnp.int32),
+               out=jnp.full((2, 6), -1), calls=jnp.int32(0))
+  end = jax.jit(lambda c: steps.run_rows(program, c))(start)
+  assert int(end["calls"]) == 5  # the longest row's limit; then `more` is False
+  assert end["out"][0].tolist() == [3, 6, 4, 2, 1, -1]  # greedy: the chain from 0
+  # The sampled row, redrawn step by step with the sampler called directly.
+  last, want = 0, []
+  for step in range(3):
+    key = jax.random.fold_in(keys[1], step)[None]
+    last = int(sample(table[jnp.array([last])], key, jnp.array([1.0]), jnp.array([0]),
+                      jnp.array([1.0]), jnp.array([0.0]))[0])
+    want.append(last)
+  assert end["out"][1].tolist() == want + [-1, -1, -1]
+  # A program's own iteration (the controller's verify calls) replaces the plain one.
+  twice = lambda p, c: steps.decode_iteration(p, steps.decode_iteration(p, c))
+  end2 = jax.jit(lambda c: steps.run_rows(program, c, twice))(start)
+  assert int(end2["calls"]) == 6 and end2["out"][0].tolist() == [3, 6, 4, 2, 1, -1]
