@@ -622,9 +622,11 @@ class Engine:
     `config.decode_steps` steps, `max_iterations` of them. Returns (LoopOutput, cache)."""
     # The transposed head only pays off from batch 8 (at batch 1 the stored layout is faster).
     head_t = self._head_t if batch.tokens.shape[0] >= 8 else None
+    num_steps = self.config.decode_steps
+    if max_iterations == 1 and steps.fixed_trip_loops():
+      num_steps = 1  # a loop of fixed trips runs them all: one step has a program of its own
     return self._decode_jit(self._state_leaves, cache, batch, limits, stop_ids,
-                            jnp.int32(max_iterations), self.config.decode_steps, top_logprobs,
-                            head_t)
+                            jnp.int32(max_iterations), num_steps, top_logprobs, head_t)
 
   def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
     """The jitted prefill step (cache donated). Returns the cache."""
@@ -1161,9 +1163,11 @@ class Engine:
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
     rows, width = self._decode_rows(len(seqs)), self._table_width(seqs, decode=True)
     planned_rows, statics = rows, self._decode_statics(seqs)  # (planner: verify vs plain)
-    if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs)
-      rows, width = self._decode_shapes.choose((rows, width, *statics), repeats=iterations)[:2]
-    batch, stop_ids, top_n = self._decode_batch(seqs, rows, width, statics)
+    if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs;
+      # a rented "any" program draws a greedy or sampled batch's tokens too)
+      rows, width, *statics = self._decode_shapes.choose((rows, width, *statics),
+                                                          repeats=iterations)
+    batch, stop_ids, top_n = self._decode_batch(seqs, rows, width, tuple(statics))
     row_limits = np.zeros(rows, np.int32)
     row_limits[:len(seqs)] = [limits[s] for s in seqs]
     start, traces = self.clock(), self.trace_counts["decode"]
@@ -1198,14 +1202,19 @@ class Engine:
       self._planner.observe(planned_rows, 0, (self.clock() - call_start) / ran,  # (not compiling)
                             single=iterations == 1, steps=ran)
 
-  def _decode_statics(self, seqs: Sequence[_Seq]) -> tuple[int, int]:
-    """The stop-id width and top-K alternatives of a decode call over `seqs`."""
+  def _decode_statics(self, seqs: Sequence[_Seq]) -> tuple[int, int, str]:
+    """The stop-id width, top-K alternatives and draw kind (`steps.DRAW_KINDS`) of a
+    decode call over `seqs`."""
     stop_width = pow2_bucket(max(len(s.group.stop_ids) for s in seqs), 8)
-    want_top = max(s.group.params.top_logprobs for s in seqs)
-    return stop_width, self.config.max_top_logprobs if want_top else 0
+    params = [s.group.params for s in seqs]
+    want_top = max(p.top_logprobs for p in params)
+    kind = steps.draw_kind([p.temperature for p in params], [p.top_k for p in params],
+                           [p.top_p for p in params], [p.min_p for p in params],
+                           self.model_config.vocab_size)
+    return stop_width, self.config.max_top_logprobs if want_top else 0, kind
 
   def _decode_batch(self, seqs: Sequence[_Seq], rows: int, width: int | None = None,
-                    statics: tuple[int, int] | None = None):
+                    statics: tuple[int, int, str] | None = None):
     """The decode inputs of `seqs` in `rows` slots (`width`: the table's, default its
     bucket; `statics`: `_decode_statics(seqs)` when known): (DecodeBatch, stop ids
     [rows, S] (-1 pads), the top-K alternatives the call computes)."""
@@ -1216,7 +1225,7 @@ class Engine:
     temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
     top_k = np.zeros(rows, i32)
     stop_lists = [s.group.stop_ids for s in seqs]
-    stop_width, top_n = statics or self._decode_statics(seqs)
+    stop_width, top_n, kind = statics or self._decode_statics(seqs)
     stop_ids = np.full((rows, stop_width), -1, i32)
     for i, s in enumerate(seqs):
       p = s.group.params
@@ -1229,8 +1238,7 @@ class Engine:
         block_tables=jnp.asarray(self._table(seqs, rows, decode=True, width=width)),
         keys=jnp.asarray(keys),
         steps=jnp.asarray(steps_), temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
-        top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
-    # Two programs at most: without and with the engine's top-K alternatives.
+        top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p), draw_kind=kind)
     return batch, stop_ids, top_n
 
   def _speculate_once(self, running: Sequence[_Seq], call_start: float) -> bool:

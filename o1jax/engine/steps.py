@@ -19,6 +19,7 @@ from typing import Protocol
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from o1jax.engine.kv_cache import PagedKVCache
@@ -43,6 +44,7 @@ class DecodeBatch:
   top_k: jax.Array  # [B] int32 (0 = off)
   top_p: jax.Array  # [B] f32 (1 = off)
   min_p: jax.Array  # [B] f32 (0 = off)
+  draw_kind: str = flax.struct.field(pytree_node=False, default="any")  # see `Draw`
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
@@ -98,10 +100,26 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
 # --- the decode loop: one for the engine and the controller ------------------------------
 
 
+# What the host knows of a batch's sampling params (a static part of the program):
+# "greedy" every row takes the argmax; "sampled" every row samples without top-k /
+# top-p / min-p; "any" otherwise (the sampler tests the batch's values on the device).
+DRAW_KINDS = ("greedy", "sampled", "any")
+
+
+def draw_kind(temperature, top_k, top_p, min_p, vocab_size: int) -> str:
+  """The `DRAW_KINDS` entry of rows with these (host) sampling params."""
+  t, k = np.asarray(temperature, np.float32), np.asarray(top_k)
+  if not np.any(t > 0):
+    return "greedy"
+  filters = ((k > 0) & (k < vocab_size)) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0)
+  return "sampled" if np.all(t > 0) and not np.any(filters) else "any"
+
+
 @flax.struct.dataclass
 class Draw:
   """How each row draws its next token: with key fold_in(keys[b], steps[b]) and its
-  own sampling params (`o1jax.model.sampling.sample`)."""
+  own sampling params (`o1jax.model.sampling.sample`); `kind` (static, `DRAW_KINDS`)
+  leaves out the sampler's branches the host knows are not taken."""
 
   keys: jax.Array  # [B, 2] uint32
   steps: jax.Array  # [B] int32
@@ -109,12 +127,19 @@ class Draw:
   top_k: jax.Array  # [B] int32 (0 = off)
   top_p: jax.Array  # [B] f32 (1 = off)
   min_p: jax.Array  # [B] f32 (0 = off)
+  kind: str = flax.struct.field(pytree_node=False, default="any")
 
 
 def draw_tokens(logits: jax.Array, draw: Draw) -> jax.Array:
-  """[B] next tokens drawn from logits [B, V] as `draw` says."""
+  """[B] next tokens drawn from logits [B, V] as `draw` says (the same tokens
+  whatever its kind, where the kind is true of the rows)."""
+  if draw.kind not in DRAW_KINDS:
+    raise ValueError(f"draw kind {draw.kind!r} not in {DRAW_KINDS}")
+  if draw.kind == "greedy":
+    return first_argmax(logits)
   keys = jax.vmap(jax.random.fold_in)(draw.keys, draw.steps)
-  return sample(logits, keys, draw.temperature, draw.top_k, draw.top_p, draw.min_p)
+  return sample(logits, keys, draw.temperature, draw.top_k, draw.top_p, draw.min_p,
+                all_sampled=draw.kind == "sampled")
 
 
 class RowProgram(Protocol):
@@ -147,11 +172,28 @@ def decode_iteration(program: RowProgram, carry):
   return program.advance(carry, logits, draw_tokens(logits, draw))
 
 
-def run_rows(program: RowProgram, carry, iteration=decode_iteration):
-  """The device-resident decode loop: `iteration` while `program.more`, in one
-  `jax.lax.while_loop` (one device call, no host in between). `iteration`: the
-  plain one token per row, or a program's own (the controller's verify calls)."""
-  return jax.lax.while_loop(program.more, functools.partial(iteration, program), carry)
+def fixed_trip_loops() -> bool:
+  """Whether decode loops here run a static number of iterations (`run_rows`'
+  `trips`). A GPU runs a `while_loop` whose condition depends on the data by copying
+  the condition to the host after every iteration and waiting for the device (XLA's
+  WhileThunk; one with a trip count known at compile time runs without): the host
+  cannot queue the next iteration's kernels while the device runs this one, so every
+  kernel launch of a step is paid in full. On a CPU the loop's test costs nothing and
+  the loop stops as soon as it can."""
+  return jax.default_backend() != "cpu"
+
+
+def run_rows(program: RowProgram, carry, iteration=decode_iteration, trips: int | None = None):
+  """The device-resident decode loop, one device call with no host in between:
+  `iteration` while `program.more` (a `jax.lax.while_loop`), or with `trips` exactly
+  that many iterations (a loop of static trip count, `fixed_trip_loops`): the
+  program then must idle its rows once it has no more to do (`PlainRows` does).
+  `iteration`: the plain one token per row, or a program's own (the controller's
+  verify calls)."""
+  step = functools.partial(iteration, program)
+  if trips is None:
+    return jax.lax.while_loop(program.more, step, carry)
+  return jax.lax.fori_loop(0, trips, lambda _, c: step(c), carry)
 
 
 @flax.struct.dataclass
@@ -163,12 +205,13 @@ class LoopOutput:
   top_ids: jax.Array  # [K, B, N] int32 most likely alternatives (N = top_logprobs, may be 0)
   top_logprobs: jax.Array  # [K, B, N] f32
   counts: jax.Array  # [B] int32 tokens sampled per row (0 for inactive rows)
-  iterations: jax.Array  # [] int32 decode steps the call ran
+  iterations: jax.Array  # [] int32 decode steps the call ran (in which some row took a token)
 
 
 @flax.struct.dataclass
 class PlainCarry:
-  iteration: jax.Array  # [] int32
+  iteration: jax.Array  # [] int32 iterations so far (the output row of the next one)
+  ran: jax.Array  # [] int32 those in which some row took a token
   cache: PagedKVCache
   running: jax.Array  # [B] bool
   counts: jax.Array  # [B] int32
@@ -181,9 +224,10 @@ class PlainCarry:
 @dataclasses.dataclass(frozen=True)
 class PlainRows:
   """The engine's row program: a row emits what it draws (with its log-prob and top-N
-  alternatives) until `limits[b]` tokens or a token in its `stop_ids[b]` row; the
-  loop ends after `max_iterations` or when every row stopped. Built inside a trace
-  (`decode_loop`): its fields are that call's arrays."""
+  alternatives) until `limits[b]` tokens or a token in its `stop_ids[b]` row; no row
+  takes a token after `max_iterations` iterations (the loop ends there, or when every
+  row stopped; a loop of fixed trips idles on). Built inside a trace (`decode_loop`):
+  its fields are that call's arrays."""
 
   model: nnx.Module
   batch: DecodeBatch
@@ -202,7 +246,7 @@ class PlainRows:
         top_logprobs=jnp.zeros((num_steps, rows, n), jnp.float32),
         counts=jnp.zeros(rows, jnp.int32), iterations=jnp.int32(0))
     b = self.batch
-    return PlainCarry(iteration=jnp.int32(0), cache=cache.pools_only(),
+    return PlainCarry(iteration=jnp.int32(0), ran=jnp.int32(0), cache=cache.pools_only(),
                       running=b.active & (self.limits > 0), counts=jnp.zeros(rows, jnp.int32),
                       tokens=b.tokens.astype(jnp.int32), positions=b.positions.astype(jnp.int32),
                       steps=b.steps.astype(jnp.int32), out=out)
@@ -210,11 +254,14 @@ class PlainRows:
   def more(self, c: PlainCarry) -> jax.Array:
     return (c.iteration < self.max_iterations) & jnp.any(c.running)
 
+  def _live(self, c: PlainCarry) -> jax.Array:
+    return c.running & (c.iteration < self.max_iterations)
+
   def feed(self, c: PlainCarry):
     b = self.batch
     draw = Draw(keys=b.keys, steps=c.steps, temperature=b.temperature, top_k=b.top_k,
-                top_p=b.top_p, min_p=b.min_p)
-    return c.tokens, c.positions, c.running, draw
+                top_p=b.top_p, min_p=b.min_p, kind=b.draw_kind)
+    return c.tokens, c.positions, self._live(c), draw
 
   def forward(self, c: PlainCarry, tokens, positions, live):
     # Block tables point the cache at this batch; rows not live write nothing.
@@ -225,17 +272,18 @@ class PlainRows:
     return logits, c.replace(cache=cache.pools_only())
 
   def advance(self, c: PlainCarry, logits, drawn) -> PlainCarry:
-    i, running = c.iteration, c.running
+    i, live = c.iteration, self._live(c)
     chosen, top_ids, top_lp = token_logprobs(logits, drawn, self.top_logprobs)
     out = c.out.replace(tokens=c.out.tokens.at[i].set(drawn),
                         logprobs=c.out.logprobs.at[i].set(chosen),
                         top_ids=c.out.top_ids.at[i].set(top_ids),
                         top_logprobs=c.out.top_logprobs.at[i].set(top_lp))
-    counts = c.counts + running.astype(jnp.int32)
+    counts = c.counts + live.astype(jnp.int32)
     stopped = jnp.any(drawn[:, None] == self.stop_ids, axis=1) | (counts >= self.limits)
-    advance = running.astype(jnp.int32)
-    return c.replace(iteration=i + 1, running=running & ~stopped, counts=counts,
-                     tokens=jnp.where(running, drawn, c.tokens), positions=c.positions + advance,
+    advance = live.astype(jnp.int32)
+    return c.replace(iteration=i + 1, ran=c.ran + jnp.any(live).astype(jnp.int32),
+                     running=c.running & ~(live & stopped), counts=counts,
+                     tokens=jnp.where(live, drawn, c.tokens), positions=c.positions + advance,
                      steps=c.steps + advance, out=out)
 
 
@@ -243,7 +291,7 @@ def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
                 limits: jax.Array, stop_ids: jax.Array, max_iterations: jax.Array,
                 num_steps: int = 1, top_logprobs: int = 0, head_t: jax.Array | None = None):
   """Up to `num_steps` decode steps in one device call, without the host in between
-  (`run_rows` over `PlainRows`).
+  (`run_rows` over `PlainRows`; `num_steps` fixed trips where `fixed_trip_loops`).
 
   Each iteration writes the K/V of every running row's last token and draws its
   next one: a row feeds back the token it drew, its position and step advance, and
@@ -258,8 +306,9 @@ def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   program = PlainRows(model=nnx.merge(graphdef, state), batch=batch, limits=limits,
                       stop_ids=stop_ids, max_iterations=max_iterations,
                       top_logprobs=top_logprobs, head_t=head_t)
-  c = run_rows(program, program.start(cache, num_steps))
-  return c.out.replace(counts=c.counts, iterations=c.iteration), c.cache
+  trips = num_steps if fixed_trip_loops() else None
+  c = run_rows(program, program.start(cache, num_steps), trips=trips)
+  return c.out.replace(counts=c.counts, iterations=c.ran), c.cache
 
 
 # --- speculative decoding: drafts checked in one forward -----------------------------------
@@ -314,7 +363,8 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   steps_ = (batch.steps[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
   target = draw_tokens(logits, Draw(keys=rep(batch.keys), steps=steps_,
                                     temperature=rep(batch.temperature), top_k=rep(batch.top_k),
-                                    top_p=rep(batch.top_p), min_p=rep(batch.min_p)))
+                                    top_p=rep(batch.top_p), min_p=rep(batch.min_p),
+                                    kind=batch.draw_kind))
   chosen, top_ids, top_lp = token_logprobs(logits, target, top_logprobs)
   target = target.reshape(b, t)
   match = (drafts == target[:, :k]) & (jnp.arange(k)[None, :] < num_drafts[:, None])

@@ -270,7 +270,7 @@ def first_argmax(logits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+           top_p: jax.Array, min_p: jax.Array, all_sampled: bool = False) -> jax.Array:
   """Samples one token per row. logits: [B, V]; keys: [B, 2]; params: [B]. Returns [B] int32.
 
   Rows with temperature 0 take the argmax. A sampled row draws from
@@ -283,7 +283,13 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
   depends on that row alone, so its token does not depend on the batch.
   (A full sort of [32, 49152] f32 logits took 290-310 ms on a 2-core CPU; this
   takes 5-7 ms when every row's kept set is among its candidates, 2 ms unfiltered:
-  `scripts/bench_sampling.py`.)"""
+  `scripts/bench_sampling.py`.)
+
+  all_sampled: the caller knows that every row samples (temperature > 0) without
+  filters: the tests that choose between branches (`lax.cond` on the batch's
+  values) are known then and left out. Same tokens. A GPU runs a `lax.cond` by
+  copying its predicate to the host and waiting for the device (XLA's
+  ConditionalThunk); the device loop then cannot queue the next kernels ahead."""
   def greedy(_):
     return first_argmax(logits)
 
@@ -328,6 +334,8 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     b = scaled.shape[0]
     if v <= CANDIDATES:  # the candidates are the whole vocabulary (in another order)
       ids, among, cut = candidates(None)
+    elif all_sampled:  # no row filters: every row draws over the whole vocabulary
+      return whole_vocabulary(jnp.full((b,), -jnp.inf, jnp.float32))
     else:
       # An unfiltered row draws over the whole vocabulary (cut -inf) either way: the
       # candidates' top_k is skipped when no sampled row filters.
@@ -339,9 +347,13 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     # the candidates, whichever branch it came from.
     ids = jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids,
                                              lambda _: whole_vocabulary(cut), None))
+    if all_sampled:
+      return ids.astype(jnp.int32)
     # The argmax only where some row is greedy (a pass over the logits).
     greedy_ids = jax.lax.cond(jnp.all(temperature > 0), lambda _: ids.astype(jnp.int32),
                               greedy, None)
     return jnp.where(temperature > 0, ids.astype(jnp.int32), greedy_ids)
 
+  if all_sampled:
+    return sampled(None)
   return jax.lax.cond(jnp.any(temperature > 0), sampled, greedy, None)

@@ -124,6 +124,95 @@ def test_a_request_ends_when_its_last_token_was_sampled(engines):
       assert sum(b - a for a, b in zip([m.arrival] + times[:-1], times)) == pytest.approx(m.e2e)
 
 
+def _mixed_requests(tiny, make_prompts, seed):
+  prompts = make_prompts(10, seed=seed)
+  params = [
+      GenerationParams(max_new_tokens=20, ignore_eos=True),
+      GenerationParams(max_new_tokens=17, temperature=1.0, seed=3, logprobs=True),
+      GenerationParams(max_new_tokens=9, temperature=0.8, top_k=20, top_p=0.9, seed=5,
+                       top_logprobs=3),
+      GenerationParams(max_new_tokens=13, temperature=1.0, seed=2, n=3, ignore_eos=True),
+      GenerationParams(max_new_tokens=11),
+  ]
+  return [Request(p, params[i % len(params)], request_id=i) for i, p in enumerate(prompts)]
+
+
+def test_fixed_trip_loop_matches_the_while_loop(tiny, engines, make_prompts, monkeypatch):
+  """What a GPU runs (`steps.fixed_trip_loops`: a static trip count, rows idle after the
+  call's steps, one-step calls a program of their own) gives the same tokens, log-probs,
+  decisions and step counts as the CPU's while loop: single steps while prompts fill,
+  calls cut short by waiting requests' budgets, rows stopping mid-call."""
+  from o1jax.engine import steps
+  many = engines[1]
+  requests = _mixed_requests(tiny, make_prompts, seed=23)
+  before = (many.metrics.decode_calls, many.metrics.decode_steps)
+  want = many.generate(requests)
+  want_counts = (many.metrics.decode_calls - before[0], many.metrics.decode_steps - before[1])
+  monkeypatch.setattr(steps, "fixed_trip_loops", lambda: True)
+  fixed = _engines(tiny, max_slots=8, num_blocks=128)[1]
+  _same(want, fixed.generate(requests))
+  assert (fixed.metrics.decode_calls, fixed.metrics.decode_steps) == want_counts
+  assert fixed.metrics.decode_steps > fixed.metrics.decode_calls  # multi-step calls ran
+
+
+def test_batches_draw_by_their_kind_with_the_same_tokens(tiny, engines, make_prompts):
+  """All-greedy and all-sampled (unfiltered) batches compile a draw without the sampler's
+  branches (`steps.draw_kind`); their tokens equal those of the same requests drawn in a
+  batch of the general kind (mixed with a filtered request)."""
+  many = _engines(tiny, max_slots=16, num_blocks=128)[1]
+  prompts = make_prompts(4, seed=51)
+  greedy = [Request(p, GenerationParams(max_new_tokens=12, ignore_eos=True), request_id=i)
+            for i, p in enumerate(prompts)]
+  sampled = [Request(p, GenerationParams(max_new_tokens=12, temperature=0.9, seed=4, n=2,
+                                         ignore_eos=True), request_id=10 + i)
+             for i, p in enumerate(prompts)]
+  filtered = Request(prompts[0], GenerationParams(max_new_tokens=12, temperature=0.7, top_p=0.8,
+                                                  seed=1, ignore_eos=True), request_id=99)
+  alone = many.generate(greedy) + many.generate(sampled)
+  mixed = many.generate(greedy + sampled + [filtered])[:-1]
+  _same(alone, mixed)
+  assert {shape[4] for shape in many._decode_shapes.compiled} == {"greedy", "sampled", "any"}
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_gpu_decode_call_has_no_data_dependent_control_flow(tiny, kind):
+  """Traced as on a GPU, the decode program of a greedy or an unfiltered sampled batch has
+  no `cond` and no `while` outside the kernels (a GPU reads their predicates on the host
+  after every step): its loops are scans of static length."""
+  import jax
+  import jax.extend
+  import jax.numpy as jnp
+
+  from o1jax.engine import steps
+  from o1jax.testing import as_if_on_gpu
+
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=32))
+  b, mb = 4, 4
+  i32 = lambda v: jnp.full((b,), v, jnp.int32)
+  batch = steps.DecodeBatch(
+      tokens=i32(5), positions=i32(3), active=jnp.ones(b, bool),
+      block_tables=jnp.zeros((b, mb), jnp.int32), keys=jnp.zeros((b, 2), jnp.uint32),
+      steps=i32(0), temperature=jnp.full((b,), 0.0 if kind == "greedy" else 0.9),
+      top_k=i32(0), top_p=jnp.ones(b), min_p=jnp.zeros(b), draw_kind=kind)
+  with as_if_on_gpu():
+    jaxpr = jax.make_jaxpr(lambda cache, batch: steps.decode_loop(
+        engine.graphdef, engine.state, cache, batch, i32(8), jnp.full((b, 8), -1, jnp.int32),
+        jnp.int32(8), num_steps=8))(engine.cache, batch)
+  found = []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        continue  # the kernels' own loops run on the device
+      found.append(eqn.primitive.name)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  assert "scan" in found  # the decode loop itself
+  assert not {"cond", "while"} & set(found), sorted(set(found))
+
+
 @pytest.mark.parametrize("steps", [0, -1])
 def test_decode_steps_must_be_positive(steps):
   with pytest.raises(ValueError, match="decode_steps"):
