@@ -20,6 +20,10 @@
 #   hf          HF transformers bf16 `generate`, same shape, same run
 #   ablate      the Pallas path with one op at a time on XLA (what is slow; XLA fuses the
 #               4-bit dequantization into an f32 GEMM that costs like the kernel did)
+#   loops       the engine's decode loop as a while loop vs a loop of fixed trips (what
+#               a GPU runs by default: no host sync per step; o1jax/engine/steps.py
+#               fixed_trip_loops), and the while loop under XLA command buffers with
+#               WHILE/CONDITIONAL (CUDA graphs' conditional nodes); 8 layers, 1 and 64 rows
 #   profile     one warm engine run at concurrency 64 (8 layers) under jax.profiler: the
 #               device's busy time against the wall time, the kernels and modules that take it
 #   controller  self-consistency n=8 through the controller's loop vs the engine at the
@@ -39,7 +43,7 @@ set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]}
 STAGES=${2:-engine,throughput,hf,profile}
 DEADLINE=$((SECONDS + ${3:-1000000}))
-KNOWN=,tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,profile,controller,llama8b,speculative,
+KNOWN=,tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,loops,profile,controller,llama8b,speculative,
 for name in ${STAGES//,/ }; do
   [[ $KNOWN == *,$name,* ]] || { echo "gpu_check.sh: unknown stage '$name' (known: ${KNOWN:1:-1})" >&2; exit 2; }
 done
@@ -112,6 +116,12 @@ run_stage() {  # run_stage NAME
   hf) stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json" ;;
   ablate) stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 \
     --out "$OUT/ablate.json" ;;
+  loops) stage loops 240 bash -c "for variant in while fixed while_cmdbuf; do flags=''; \
+    [ \$variant = while_cmdbuf ] && flags='--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL'; \
+    trips=1; [ \${variant%%_*} = while ] && trips=0; \
+    O1JAX_FIXED_TRIP_LOOPS=\$trips XLA_FLAGS=\"\${XLA_FLAGS:-} \$flags\" python \
+    scripts/gpu_engine_check.py throughput --layers 8 --new-tokens 64 --concurrency 1,64 \
+    --backends pallas --out '$OUT/loops_'\$variant.json || exit 1; done" ;;
   # 8 layers, 64 tokens: the per-layer picture of the 30-layer run at a quarter of its
   # compile time (2026-12-04: 36 s to compile and warm up, 6.8 s traced).
   profile) stage profile 90 python scripts/gpu_engine_check.py profile --layers 8 \

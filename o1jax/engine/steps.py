@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Protocol
 
 import flax.struct
@@ -179,7 +180,11 @@ def fixed_trip_loops() -> bool:
   WhileThunk; one with a trip count known at compile time runs without): the host
   cannot queue the next iteration's kernels while the device runs this one, so every
   kernel launch of a step is paid in full. On a CPU the loop's test costs nothing and
-  the loop stops as soon as it can."""
+  the loop stops as soon as it can. O1JAX_FIXED_TRIP_LOOPS=0 / 1 forces either (the
+  GPU check's `loops` stage measures both)."""
+  forced = os.environ.get("O1JAX_FIXED_TRIP_LOOPS", "")
+  if forced in ("0", "1"):
+    return forced == "1"
   return jax.default_backend() != "cpu"
 
 
