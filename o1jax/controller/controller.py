@@ -49,6 +49,7 @@ from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.model.thinking import ThinkingSpan
 from o1jax.sharding import tensor_parallel
 from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
+from o1jax.engine import steps
 from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.engine import check_fits_device
 from o1jax.engine.speculative import SpeculativeConfig
@@ -932,10 +933,14 @@ class Controller:
 
   def loop(self, settings: LoopSettings, verify: bool = False) -> ReasoningLoop:
     spec = self.speculative
+    kind = steps.draw_kind([settings.temperature], [settings.top_k], [settings.top_p],
+                           [settings.min_p], self.model.vocab_size)
+    if kind == "greedy" and settings.temp_bump > 0:
+      kind = "any"  # a backtracked step is drawn at temperature > 0
     return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
                          settings.answer_vote, draft_k=self.draft_k, verify=verify,
                          ngram_max=spec.ngram_max if spec else 4,
-                         ngram_min=spec.ngram_min if spec else 1)
+                         ngram_min=spec.ngram_min if spec else 1, draw_kind=kind)
 
   def _generate_slots(self, requests, settings, n, sample_offset, conf_stop, budget,
                       vote_floor, prior_votes, unstopped_samples: int = 0) -> Batch:

@@ -108,7 +108,10 @@ class ReasoningLoop:
   draft_k: speculation: drafts per row and iteration (0 = off); verify: this loop's
     iterations check them (a verify call each), else they are only observed
     (shadow acceptance; the host picks the loop per call); ngram_max / ngram_min:
-    the prompt-lookup n-gram sizes (see `_drafts`)."""
+    the prompt-lookup n-gram sizes (see `_drafts`).
+  draw_kind: what the policy's settings say of every row's draws (`steps.DRAW_KINDS`:
+    "greedy" at temperature 0 without a bump, "sampled" without filters): the
+    sampler's branches that cannot be taken are left out of the program."""
 
   model: DecodeModel
   verifier: Verifier = MeanLogprob()
@@ -119,6 +122,7 @@ class ReasoningLoop:
   verify: bool = False
   ngram_max: int = 4
   ngram_min: int = 1
+  draw_kind: str = "any"
 
   # -- one iteration --------------------------------------------------------------
 
@@ -237,7 +241,7 @@ class ReasoningLoop:
     k = s.knobs
     return steps.Draw(keys=jax.vmap(jax.random.fold_in)(s.keys, s.backtracks), steps=s.length,
                       temperature=k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32),
-                      top_k=k.top_k, top_p=k.top_p, min_p=k.min_p)
+                      top_k=k.top_k, top_p=k.top_p, min_p=k.min_p, kind=self.draw_kind)
 
   def _shadow(self, s: ReasoningState, new: ReasoningState, drafts, available):
     """Advances each running row's shadow call by the token it just drew."""

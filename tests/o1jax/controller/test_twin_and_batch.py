@@ -1,5 +1,7 @@
 """The while_loop and its Python twin agree token for token; batch size never matters."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,27 @@ def test_batch_1_equals_batch_16(tiny_llama):
       _same(big.traces[i][j], alone)
   texts = {tuple(t.token_ids) for ts in big.traces for t in ts}
   assert len(texts) > 4  # samples of one request differ (keys by sample index)
+
+
+@pytest.mark.parametrize("settings, kind", [
+    (SAMPLED, "sampled"),  # temperature > 0 on every row, no filters
+    (dataclasses.replace(SAMPLED, temperature=0.0, temp_bump=0.0), "greedy"),
+    (dataclasses.replace(SAMPLED, temperature=0.0), "any"),  # a backtrack samples
+    (dataclasses.replace(SAMPLED, top_p=0.9), "any"),
+])
+def test_the_loop_draws_by_the_settings_kind_with_the_same_traces(settings, kind, monkeypatch):
+  """The loop leaves out the sampler's branches its settings cannot take
+  (`steps.draw_kind`); the traces equal those of the general draw."""
+  requests = [ReasoningRequest(prompt="Q", request_id=r, seed=5) for r in range(2)]
+  model, tok = _random_mock(1), MockTokenizer(VOCAB)
+  ctl = Controller(model, tok)
+  assert ctl.loop(settings).draw_kind == kind
+  fast = ctl.generate(requests, settings, 2)
+  general = Controller.loop
+  monkeypatch.setattr(Controller, "loop", lambda self, st, verify=False: dataclasses.replace(
+      general(self, st, verify), draw_kind="any"))
+  slow = Controller(model, tok).generate(requests, settings, 2)
+  assert fast.iterations == slow.iterations
+  for fa, sl in zip(fast.traces, slow.traces):
+    for a, b in zip(fa, sl):
+      _same(a, b)
