@@ -103,8 +103,9 @@ def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, 
 
 # What the host knows of a batch's sampling params (a static part of the program):
 # "greedy" every row takes the argmax; "sampled" every row samples without top-k /
-# top-p / min-p; "any" otherwise (the sampler tests the batch's values on the device).
-DRAW_KINDS = ("greedy", "sampled", "any")
+# top-p / min-p; "filtered" every row samples and some filter; "any" otherwise (the
+# sampler tests the batch's values on the device).
+DRAW_KINDS = ("greedy", "sampled", "filtered", "any")
 
 
 def draw_kind(temperature, top_k, top_p, min_p, vocab_size: int) -> str:
@@ -112,8 +113,10 @@ def draw_kind(temperature, top_k, top_p, min_p, vocab_size: int) -> str:
   t, k = np.asarray(temperature, np.float32), np.asarray(top_k)
   if not np.any(t > 0):
     return "greedy"
+  if not np.all(t > 0):
+    return "any"
   filters = ((k > 0) & (k < vocab_size)) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0)
-  return "sampled" if np.all(t > 0) and not np.any(filters) else "any"
+  return "filtered" if np.any(filters) else "sampled"
 
 
 @flax.struct.dataclass
@@ -139,8 +142,9 @@ def draw_tokens(logits: jax.Array, draw: Draw) -> jax.Array:
   if draw.kind == "greedy":
     return first_argmax(logits)
   keys = jax.vmap(jax.random.fold_in)(draw.keys, draw.steps)
+  all_sampled = draw.kind in ("sampled", "filtered")
   return sample(logits, keys, draw.temperature, draw.top_k, draw.top_p, draw.min_p,
-                all_sampled=draw.kind == "sampled")
+                all_sampled=all_sampled, filters=(draw.kind == "filtered") if all_sampled else None)
 
 
 class RowProgram(Protocol):

@@ -270,7 +270,8 @@ def first_argmax(logits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array, min_p: jax.Array, all_sampled: bool = False) -> jax.Array:
+           top_p: jax.Array, min_p: jax.Array, all_sampled: bool = False,
+           filters: bool | None = None) -> jax.Array:
   """Samples one token per row. logits: [B, V]; keys: [B, 2]; params: [B]. Returns [B] int32.
 
   Rows with temperature 0 take the argmax. A sampled row draws from
@@ -285,11 +286,12 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
   takes 5-7 ms when every row's kept set is among its candidates, 2 ms unfiltered:
   `scripts/bench_sampling.py`.)
 
-  all_sampled: the caller knows that every row samples (temperature > 0) without
-  filters: the tests that choose between branches (`lax.cond` on the batch's
-  values) are known then and left out. Same tokens. A GPU runs a `lax.cond` by
-  copying its predicate to the host and waiting for the device (XLA's
-  ConditionalThunk); the device loop then cannot queue the next kernels ahead."""
+  What the caller knows of the rows leaves out the tests that choose between
+  branches (`lax.cond` on the batch's values), with the same tokens: all_sampled,
+  every row samples (temperature > 0); filters, some sampled row filters (True) or
+  none does (False; None: unknown). A GPU runs a `lax.cond` by copying its
+  predicate to the host and waiting for the device (XLA's ConditionalThunk); the
+  device loop then cannot queue the next kernels ahead."""
   def greedy(_):
     return first_argmax(logits)
 
@@ -334,8 +336,10 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     b = scaled.shape[0]
     if v <= CANDIDATES:  # the candidates are the whole vocabulary (in another order)
       ids, among, cut = candidates(None)
-    elif all_sampled:  # no row filters: every row draws over the whole vocabulary
+    elif filters is False and all_sampled:  # every row draws over the whole vocabulary
       return whole_vocabulary(jnp.full((b,), -jnp.inf, jnp.float32))
+    elif filters:
+      ids, among, cut = candidates(None)
     else:
       # An unfiltered row draws over the whole vocabulary (cut -inf) either way: the
       # candidates' top_k is skipped when no sampled row filters.

@@ -79,7 +79,7 @@ def test_batch_1_equals_batch_16(tiny_llama):
     (SAMPLED, "sampled"),  # temperature > 0 on every row, no filters
     (dataclasses.replace(SAMPLED, temperature=0.0, temp_bump=0.0), "greedy"),
     (dataclasses.replace(SAMPLED, temperature=0.0), "any"),  # a backtrack samples
-    (dataclasses.replace(SAMPLED, top_p=0.9), "any"),
+    (dataclasses.replace(SAMPLED, top_p=0.9), "filtered"),
 ])
 def test_the_loop_draws_by_the_settings_kind_with_the_same_traces(settings, kind, monkeypatch):
   """The loop leaves out the sampler's branches its settings cannot take

@@ -156,9 +156,9 @@ def test_fixed_trip_loop_matches_the_while_loop(tiny, engines, make_prompts, mon
 
 
 def test_batches_draw_by_their_kind_with_the_same_tokens(tiny, engines, make_prompts):
-  """All-greedy and all-sampled (unfiltered) batches compile a draw without the sampler's
-  branches (`steps.draw_kind`); their tokens equal those of the same requests drawn in a
-  batch of the general kind (mixed with a filtered request)."""
+  """All-greedy, all-sampled (unfiltered) and all-filtered batches compile a draw without
+  the sampler's branches their kind cannot take (`steps.draw_kind`); their tokens equal
+  those of the same requests drawn together (the general kind)."""
   many = _engines(tiny, max_slots=16, num_blocks=128)[1]
   prompts = make_prompts(4, seed=51)
   greedy = [Request(p, GenerationParams(max_new_tokens=12, ignore_eos=True), request_id=i)
@@ -168,10 +168,11 @@ def test_batches_draw_by_their_kind_with_the_same_tokens(tiny, engines, make_pro
              for i, p in enumerate(prompts)]
   filtered = Request(prompts[0], GenerationParams(max_new_tokens=12, temperature=0.7, top_p=0.8,
                                                   seed=1, ignore_eos=True), request_id=99)
-  alone = many.generate(greedy) + many.generate(sampled)
-  mixed = many.generate(greedy + sampled + [filtered])[:-1]
+  alone = many.generate(greedy) + many.generate(sampled) + many.generate([filtered])
+  mixed = many.generate(greedy + sampled + [filtered])
   _same(alone, mixed)
-  assert {shape[4] for shape in many._decode_shapes.compiled} == {"greedy", "sampled", "any"}
+  kinds = {shape[4] for shape in many._decode_shapes.compiled}
+  assert kinds == {"greedy", "sampled", "filtered", "any"}
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])

@@ -324,3 +324,24 @@ def test_infinite_logits_take_all_the_mass():
     assert set(ids.tolist()) <= {5, 601}, (t, k, p, m, sorted(set(ids.tolist()))[:5])
     if t > 0 and p > 0.5:  # (top-p 0.5 keeps one of the two: the first reaches it)
       assert 0.4 < np.mean(ids == 5) < 0.6, (t, k, p, m)  # shared equally
+
+
+@pytest.mark.parametrize("vocab", [100, 3000])  # candidates = the whole row / a part of it
+def test_what_the_caller_knows_of_the_rows_keeps_the_tokens(vocab):
+  """`all_sampled` / `filters` leave branches out; every row's token stays the general
+  sampler's, for peaked and flat rows, filters that pass the candidates or not."""
+  rng = np.random.default_rng(vocab)
+  b = 16
+  logits = jnp.asarray(rng.normal(0, 1, (b, vocab)) * rng.choice([0.2, 3.0], (b, 1)), jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(2), b)
+  t = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)
+  none_k, none_p, none_m = jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b)
+  general = sample(logits, keys, t, none_k, none_p, none_m)
+  np.testing.assert_array_equal(
+      sample(logits, keys, t, none_k, none_p, none_m, all_sampled=True, filters=False), general)
+  top_k = jnp.asarray(rng.choice([0, 5, 400], b), jnp.int32)
+  top_p = jnp.asarray(rng.choice([1.0, 0.9, 0.995], b), jnp.float32)
+  min_p = jnp.asarray(rng.choice([0.0, 0.05], b), jnp.float32)
+  general = sample(logits, keys, t, top_k, top_p, min_p)
+  np.testing.assert_array_equal(
+      sample(logits, keys, t, top_k, top_p, min_p, all_sampled=True, filters=True), general)
