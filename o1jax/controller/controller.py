@@ -65,6 +65,10 @@ NEVER = 1 << 30
 # change of mind, doubling while the choice stays the same (each call costs a host
 # round trip; on a CPU, ~25 ms measured at batch 8, against ~30 ms per iteration).
 SPEC_INTERVAL, SPEC_INTERVAL_MAX = 16, 128
+# Plain iterations per call where loops run fixed trips (a GPU: `steps.fixed_trip_loops`):
+# the iterations after the rows' call ends (done, a freed slot, stop_at) still run, idle;
+# 8 bounds that waste to what a first budgeted call runs anyway.
+FIXED_TRIPS = 8
 
 
 ADMISSIONS = ("fifo", "shortest_budget")  # Controller(admission=...)
@@ -940,7 +944,8 @@ class Controller:
     return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
                          settings.answer_vote, draft_k=self.draft_k, verify=verify,
                          ngram_max=spec.ngram_max if spec else 4,
-                         ngram_min=spec.ngram_min if spec else 1, draw_kind=kind)
+                         ngram_min=spec.ngram_min if spec else 1, draw_kind=kind,
+                         trips=FIXED_TRIPS if steps.fixed_trip_loops() else None)
 
   def _generate_slots(self, requests, settings, n, sample_offset, conf_stop, budget,
                       vote_floor, prior_votes, unstopped_samples: int = 0) -> Batch:

@@ -78,6 +78,9 @@ def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.
 # geometric model would underrate.
 CALL_DECAY = 0.9  # weight of the past per (real or shadow) call
 
+# Fields `_shadow` advances.
+_SHADOW_FIELDS = ("shadow_draft", "shadow_len", "shadow_pos", "spec_acc", "spec_calls_row")
+
 # Fields the loop never changes per row (or that are shared by all rows).
 _SHARED = ("iteration", "stop_at", "slot", "slot_live", "return_on_free", "knobs", "cache",
            "spec_calls")
@@ -111,7 +114,10 @@ class ReasoningLoop:
     the prompt-lookup n-gram sizes (see `_drafts`).
   draw_kind: what the policy's settings say of every row's draws (`steps.DRAW_KINDS`:
     "greedy" at temperature 0 without a bump, "sampled" without filters): the
-    sampler's branches that cannot be taken are left out of the program."""
+    sampler's branches that cannot be taken are left out of the program.
+  trips: plain iterations run as a loop of this many (static; `steps.fixed_trip_loops`:
+    a GPU) rather than while `_cond` holds: the iterations after it fails idle every
+    row, so a call returns after `trips` whatever happened (None: the while loop)."""
 
   model: DecodeModel
   verifier: Verifier = MeanLogprob()
@@ -123,6 +129,7 @@ class ReasoningLoop:
   ngram_max: int = 4
   ngram_min: int = 1
   draw_kind: str = "any"
+  trips: int | None = None
 
   # -- one iteration --------------------------------------------------------------
 
@@ -578,8 +585,10 @@ class ReasoningLoop:
 
   @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
   def run(self, params, state: ReasoningState) -> ReasoningState:
-    """The decode loop (`steps.run_rows`) over these rows until all are done or stop_at."""
-    return steps.run_rows(ReasoningRows(self, params), state, self._iteration)
+    """The decode loop (`steps.run_rows`) over these rows until all are done or stop_at
+    (or `trips` iterations, the later ones idle)."""
+    return steps.run_rows(ReasoningRows(self, params), state, self._iteration,
+                          trips=None if self.verify else self.trips)
 
   @functools.partial(jax.jit, static_argnames=("self",))
   def step(self, params, state: ReasoningState) -> ReasoningState:
@@ -608,9 +617,18 @@ class ReasoningRows:
   def more(self, s: ReasoningState) -> jax.Array:
     return self.loop._cond(s)
 
+  def _going(self, s: ReasoningState):
+    """Under fixed trips: whether this iteration is a real one ([] bool); else None
+    (the while loop runs only those)."""
+    return self.loop._cond(s) if self.loop.trips and not self.loop.verify else None
+
+  def _live(self, s: ReasoningState, going) -> jax.Array:
+    live = s.phase != S.DONE
+    return live if going is None else live & going
+
   def feed(self, s: ReasoningState):
     last = s.tokens[jnp.arange(s.tokens.shape[0]), s.length - 1]
-    return last, s.length - 1, s.phase != S.DONE, self.loop._draw(s)
+    return last, s.length - 1, self._live(s, self._going(s)), self.loop._draw(s)
 
   def forward(self, s: ReasoningState, tokens, positions, live):
     logits, cache = self.loop.model.forward(self.params, s.cache, tokens[:, None], positions,
@@ -618,7 +636,13 @@ class ReasoningRows:
     return logits, s.replace(cache=cache)
 
   def advance(self, s: ReasoningState, logits, drawn) -> ReasoningState:
-    new, _ = self.loop._advance(self.params, s, logits, s.phase != S.DONE, drawn)
+    going = self._going(s)
+    new, _ = self.loop._advance(self.params, s, logits, self._live(s, going), drawn)
     if self.loop.draft_k:
-      new = self.loop._shadow(s, new, *self.loop._drafts(s))
-    return new.replace(iteration=s.iteration + 1)
+      shadowed = self.loop._shadow(s, new, *self.loop._drafts(s))
+      if going is not None:  # an idle iteration draws nothing to check
+        shadowed = shadowed.replace(**{f: jnp.where(going, getattr(shadowed, f), getattr(new, f))
+                                       for f in _SHADOW_FIELDS})
+      new = shadowed
+    step = 1 if going is None else going.astype(jnp.int32)
+    return new.replace(iteration=s.iteration + step)

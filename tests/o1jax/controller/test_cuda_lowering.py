@@ -40,9 +40,11 @@ class LoweringController(Controller):
     real = super().loop(settings, verify)
     model, self.model = self.model, self.cuda_model
     try:
-      cuda = super().loop(settings, verify)
+      with as_if_on_gpu():  # the loop a GPU runs (fixed trips)
+        cuda = super().loop(settings, verify)
     finally:
       self.model = model
+    assert verify or cuda.trips  # (a GPU's plain loop runs fixed trips)
     return _LoweringLoop(real, cuda, self.lowered)
 
 

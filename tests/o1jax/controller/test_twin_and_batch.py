@@ -97,3 +97,28 @@ def test_the_loop_draws_by_the_settings_kind_with_the_same_traces(settings, kind
   for fa, sl in zip(fast.traces, slow.traces):
     for a, b in zip(fa, sl):
       _same(a, b)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_fixed_trip_calls_give_the_same_traces(speculate, monkeypatch):
+  """What a GPU runs (`steps.fixed_trip_loops`: 8 iterations a call, idle past the
+  rows' end, a freed slot or stop_at) gives the traces, decisions and iteration count
+  of the while loop: backtracks, forced "Wait"s, requests waiting for slots, and with
+  speculation the shadow calls (plain calls) and verify calls (still while loops)."""
+  from o1jax.engine import steps
+  from o1jax.engine.speculative import SpeculativeConfig
+
+  requests = [ReasoningRequest(prompt="Q", request_id=r, seed=7) for r in range(5)]
+  model, tok = _random_mock(3), MockTokenizer(VOCAB)
+  kw = dict(max_rows=4, speculative=SpeculativeConfig(max_drafts=3) if speculate else None)
+  want = Controller(model, tok, **kw).generate(requests, SAMPLED, 2)
+  monkeypatch.setattr(steps, "fixed_trip_loops", lambda: True)
+  ctl = Controller(model, tok, **kw)
+  assert ctl.loop(SAMPLED).trips == 8
+  got = ctl.generate(requests, SAMPLED, 2)
+  if not speculate:  # (speculation picks verify or plain calls from their measured times)
+    assert got.iterations == want.iterations
+  assert sum(t.backtracks for ts in got.traces for t in ts) > 0
+  for fa, sl in zip(want.traces, got.traces):
+    for a, b in zip(fa, sl):
+      _same(a, b)
