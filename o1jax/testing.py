@@ -258,6 +258,8 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   # llama.cpp's converter permutes Q/K rows for adjacent-pair RoPE, not for rotate-half
   # (Qwen, Gemma 3); it stores Gemma's norm weights w as 1 + w.
   permute = (lambda w, n: w) if arch in ("qwen2", "qwen3", "gemma3", "phi3") else llama_cpp_permute
+  if arch == "llama":  # as llama.cpp's converter: the rotary width (the head's)
+    writer.add_rope_dimension_count(config.rope_dim)
   if arch == "phi3":  # as llama.cpp's converter: the rotary width, the window if any,
     writer.add_rope_dimension_count(config.rope_dim)  # longrope's numbers (factors: below)
     if config.sliding_window:

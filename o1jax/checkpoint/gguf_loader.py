@@ -399,7 +399,9 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
   tokens = meta.arrays.get("tokenizer.ggml.tokens")
   vocab = size["vocab_size"] or (tokens[1] if tokens else 0)
   head_dim = size["attention.key_length"]
+  head_from = g("attention.key_length")  # where the head size came from (for messages)
   if head_dim is None:
+    head_from = f"{g('embedding_length')} / {g('attention.head_count')}"
     if d_model % n_heads:
       raise CheckpointError(f"{path}: {g('embedding_length')} {d_model} is not a multiple of "
                             f"{g('attention.head_count')} {n_heads}, and {g('attention.key_length')} "
@@ -452,7 +454,8 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     rot = meta.int(g("rope.dimension_count"))
     if rot is not None and rot != head_dim:
       raise CheckpointError(f"{path}: {g('rope.dimension_count')}={rot} differs from the head "
-                            f"size {head_dim}: partial rotary is supported for phi3 only")
+                            f"size {head_dim} ({head_from}): partial rotary is supported for "
+                            f"phi3 only")
   if arch == "phi3":
     switches, longrope = _phi3(meta, path, dims, head_dim, g, tensors)
     if longrope is not None and rope_scaling is not None:

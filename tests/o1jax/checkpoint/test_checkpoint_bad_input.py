@@ -335,8 +335,11 @@ _GGUF_MUTANTS = {
     "heads_not_dividing_dim": (_set("llama.attention.head_count", _U32, 5),
                                r"llama.embedding_length 64 is not a multiple of llama.attention.head_count "
                                r"5, and llama.attention.key_length is not set"),
+    # The rotary width (llama.cpp writes the head's) is the first thing to disagree.
     "heads_disagree_with_shapes": (_set("llama.attention.head_count", _U32, 8),
-                                   r"tensor 'blk.0.attn_k.weight' has shape \(32, 64\), expected \(16, 64\)"),
+                                   r"llama.rope.dimension_count=16 differs from the head size 8 "
+                                   r"\(llama.embedding_length / llama.attention.head_count\): "
+                                   r"partial rotary is supported for phi3 only"),
     "block_count_too_small": (_set("llama.block_count", _U32, 1),
                               r"tensor 'blk.1.attn_q.weight' is past the model's 1 layers \(llama.block_count\)"),
     "vocab_size_disagrees": (_set("llama.vocab_size", _U32, 300),
@@ -372,7 +375,7 @@ _GGUF_MUTANTS = {
                     rf"corrupt or truncated GGUF file \(ValueError: tensor '{_Q}' claims 1000 dimensions\)"),
     # Before: IndexError / numpy's reshape ValueError, or silently aliased or misread bytes.
     "dims_2_40": (_tensor(_Q, 1, [64, 2**40]),
-                  rf"truncated GGUF file: tensor '{_Q}' ends at byte \d+ but the file has 70496"),
+                  rf"truncated GGUF file: tensor '{_Q}' ends at byte \d+ but the file has 70560"),
     "dim_zero": (_tensor(_Q, 1, [64, 0]), rf"tensor '{_Q}' has dimensions \[64, 0\]: expected sizes >= 1 "
                                            r"and a first one that is a multiple of Q4_1's 32"),
     "dims_swapped": (_tensor(_K, 1, [32, 64]),

@@ -273,7 +273,10 @@ def test_phi3_gguf_longrope_tensors_checked(tmp_path):
 
 @pytest.mark.parametrize("arch,value,message", [
     ("phi3", 7, r"phi3.rope.dimension_count=7 must be even and at most the head size 16"),
-    ("phi3", 32, r"phi3.rope.dimension_count=32 must be even and at most the head size 16")])
+    ("phi3", 32, r"phi3.rope.dimension_count=32 must be even and at most the head size 16"),
+    ("llama", 8, r"llama.rope.dimension_count=8 differs from the head size 16 "
+                 r"\(llama.embedding_length / llama.attention.head_count\): partial rotary is "
+                 r"supported for phi3 only")])
 def test_gguf_rotary_width_is_checked(tmp_path, arch, value, message):
   """The key's u32 value patched in a written GGUF."""
   config = testing.tiny_config(architecture=arch, tie_embeddings=False)
