@@ -262,9 +262,12 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
       raise ValueError(f"quantized_matmul (pallas): W.shape={w.shape}: {why}")
     if why is not None:  # auto: shapes the kernel cannot tile stay on XLA
       backend = "reference"
+  m = int(np.prod(lead, dtype=np.int64))
+  if (backend == "pallas" and requested == "auto" and qmm.PALLAS_MAX_ROWS is not None
+      and m > qmm.PALLAS_MAX_ROWS):
+    backend = "reference"  # measured faster than the kernels there (bench_kernels.py)
   if backend == "reference":
     return qmm.quantized_matmul_reference(x, w, x_scale, out_dtype)
-  m = int(np.prod(lead, dtype=np.int64))
   x2 = x.reshape(m, k)
   xs2 = None if x_scale is None else x_scale.reshape(m)
   if m == 0:

@@ -268,6 +268,12 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
 # (more bytes in flight), and K is split over programs so that all SMs stream at
 # M = 1. Activations are f32 in the kernel (FP8 and bf16 widen exactly).
 
+# Largest M that `backend="auto"` sends to the Pallas kernels; above it XLA's dequantize +
+# dot (it fuses the dequantization into the product) runs. None: every M. To be set from
+# what `scripts/bench_kernels.py` prints on a GPU ("dispatch: set ..."; not measured yet:
+# on 2026-11-30 the dot kernel ran 0.35-0.61x a dense bf16 product at M = 64/256).
+PALLAS_MAX_ROWS = None
+
 # Largest M that dispatch sends to this kernel; 0 keeps every M on the dot kernel.
 # To be set by hand from what `scripts/tune_qmm.py --kernels dot,gemv` prints on a GPU
 # (not measured yet).
@@ -417,7 +423,8 @@ def flops_and_bytes(m: int, k: int, n: int, w: QuantizedTensor, x_itemsize: int 
 
 
 __all__ = [
-    "ACT_DTYPES", "FP8_DTYPES", "GEMV_MAX_ROWS", "GEMV_ROW_LIMIT", "choose_config",
+    "ACT_DTYPES", "FP8_DTYPES", "GEMV_MAX_ROWS", "GEMV_ROW_LIMIT", "PALLAS_MAX_ROWS",
+    "choose_config",
     "choose_gemv_config", "flops_and_bytes", "pallas_support_error", "quantized_gemv_pallas",
     "quantized_matmul_pallas", "quantized_matmul_reference",
 ]

@@ -118,11 +118,17 @@ def bench_qmm(rows, peaks, backend, quick, iters, calls):
     for m in ms:
       xs = [jax.random.normal(kx, (m, k), jnp.bfloat16)
             for kx in jax.random.split(keys[-1] + m, calls)]
-      t = bench(lambda x, w: ops.quantized_matmul(x, w, backend=backend),
-                [(x, ws[i % len(ws)]) for i, x in enumerate(xs)], iters=iters)
+      quantized = [(x, ws[i % len(ws)]) for i, x in enumerate(xs)]
+      t = bench(lambda x, w: ops.quantized_matmul(x, w, backend=backend), quantized, iters=iters)
       td = bench(jnp.dot, [(x, wds[i % len(wds)]) for i, x in enumerate(xs)], iters=iters)
+      # What dispatch could take instead on the same weights: XLA's dequantize + dot
+      # (it fuses the dequantization into the product).
+      tx = t if backend == "reference" else bench(
+          lambda x, w: ops.quantized_matmul(x, w, backend="reference"), quantized, iters=iters)
       flops, nbytes = flops_and_bytes(m, k, n, w0)
-      report(rows, f"qmm q4_0 g32 M={m} {k}x{n}", t, td, nbytes, flops, peaks)
+      report(rows, f"qmm q4_0 g32 M={m} {k}x{n}", t, td, nbytes, flops, peaks,
+             extra=f"  xla dequant {tx * 1e3:9.3f} ms  x{tx / t:5.2f}")
+      rows[-1].update(xla_dequant_ms=tx * 1e3, speedup_vs_xla_dequant=tx / t)
     del ws, wds
 
 
@@ -233,6 +239,26 @@ def check_targets(rows) -> list[dict]:
   if r and "hbm_frac" in r:
     out.append(dict(target="paged decode B=64 ctx=4096 >= 70% of HBM peak", value=r["hbm_frac"],
                     met=r["hbm_frac"] >= 0.70))
+  # Dispatch (`backend="auto"`) must never take the slower of the kernel and XLA's
+  # dequantize + dot: the largest M from which XLA is faster on every shape measured.
+  qmm = [r for r in by_name.values() if r["name"].startswith("qmm ") and
+         "speedup_vs_xla_dequant" in r]
+  for r in qmm:
+    if r["speedup_vs_xla_dequant"] < 1.0:
+      print(f"dispatch: {r['name']}: the kernel is {r['speedup_vs_xla_dequant']:.2f}x XLA's "
+            f"dequantize + dot")
+  if qmm:
+    m_of = lambda r: int(r["name"].split("M=")[1].split()[0])
+    ms = sorted({m_of(r) for r in qmm})
+    ok = {m: all(r["speedup_vs_xla_dequant"] >= 1.0 for r in qmm if m_of(r) == m) for m in ms}
+    # The kernel up to the largest M before its first loss (every shape), XLA above it.
+    limit = None if all(ok.values()) else max([0] + [m for i, m in enumerate(ms)
+                                                    if all(ok[x] for x in ms[:i + 1])])
+    print(f"dispatch: set quantized_matmul.PALLAS_MAX_ROWS = {limit} (None: the kernel won at "
+          f"every M measured)")
+    out.append(dict(target="4-bit matmul never slower than XLA's dequantize + dot",
+                    value=min(r["speedup_vs_xla_dequant"] for r in qmm), met=all(ok.values()),
+                    pallas_max_rows=limit))
   for t in out:
     print(f"target: {t['target']}: {t['value']:.2f} -> {'met' if t['met'] else 'NOT met'}")
   return out

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tests.pallas_kernels.kernel_testing import lowers_for_cuda, rel_err, tol_for
+from o1jax.testing import as_if_on_gpu
 from pallas_kernels import ops
 from pallas_kernels.quantized_matmul import quantized_matmul_reference
 from pallas_kernels.quantized_tensor import QuantizedTensor, as_jax, pack_int4, quantize, unpack_int4
@@ -289,6 +290,21 @@ def test_auto_dispatch_by_rows(monkeypatch):
   text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x, w, backend="pallas", block_m=16),
                          x[:2], w)
   assert "quantized_matmul_q4" in text
+
+
+def test_auto_dispatch_leaves_large_m_to_xla_past_the_measured_limit(monkeypatch):
+  """Above PALLAS_MAX_ROWS rows `backend="auto"` runs XLA's dequantize + dot (where the
+  GPU benchmark measured it faster); an explicit "pallas" keeps the kernels."""
+  x, w, _ = _case(np.random.default_rng(4), 4, 32, True, 4, 128, 32, jnp.bfloat16)
+  monkeypatch.setattr(ops.qmm, "PALLAS_MAX_ROWS", 2)
+  with as_if_on_gpu():
+    lower = lambda x, backend: lowers_for_cuda(
+        lambda x, w: ops.quantized_matmul(x, w, backend=backend), x, w)
+    assert "quantized_matmul_q4" in lower(x[:2], "auto")
+    assert "quantized_matmul_q4" not in lower(x[:3], "auto")
+    assert "quantized_matmul_q4" in lower(x[:3], "pallas")
+  np.testing.assert_allclose(np.asarray(ops.quantized_matmul(x[:3], w, backend="auto")),
+                             np.asarray(ops.quantized_matmul(x[:3], w, backend="reference")))
 
 
 def _dot_operand_dtypes(jaxpr) -> set:

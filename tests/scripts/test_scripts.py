@@ -30,6 +30,15 @@ def test_bench_kernels_copies_exceed_the_l2_and_targets_read_the_rows():
   got = {t["target"].split(" >=")[0]: t["met"] for t in bk.check_targets(rows)}
   assert got == {"qmm M=1 4096x14336": True, "qmm M=8 4096x14336": False,
                  "paged decode B=64 ctx=4096": True}
+  # Dispatch: the kernel until its first loss to XLA's dequantize + dot on any shape.
+  xla = lambda m, shape, ratio: dict(name=f"qmm q4_0 g32 M={m} {shape}", speedup_vs_dense=1.0,
+                                     speedup_vs_xla_dequant=ratio)
+  rule = lambda rows: [t for t in bk.check_targets(rows) if "dequantize" in t["target"]][0]
+  rows = [xla(1, "4096x14336", 2.0), xla(8, "4096x14336", 1.5), xla(8, "576x1536", 1.1),
+          xla(64, "4096x14336", 1.2), xla(64, "576x1536", 0.8), xla(256, "4096x14336", 0.3)]
+  assert (rule(rows)["pallas_max_rows"], rule(rows)["met"]) == (8, False)
+  assert rule(rows[:3])["pallas_max_rows"] is None and rule(rows[:3])["met"]
+  assert rule([xla(1, "4096x14336", 0.9)] + rows[1:])["pallas_max_rows"] == 0
 
 
 def test_bench_kernels_quick_run_writes_rows(tmp_path):
