@@ -64,6 +64,7 @@ NEVER = 1 << 30
 # Loop iterations per call while the host chooses verifying or plain calls: 16 after a
 # change of mind, doubling while the choice stays the same (each call costs a host
 # round trip; on a CPU, ~25 ms measured at batch 8, against ~30 ms per iteration).
+# Plain calls of fixed trips (a GPU) run FIXED_TRIPS at most.
 SPEC_INTERVAL, SPEC_INTERVAL_MAX = 16, 128
 # Plain iterations per call where loops run fixed trips (a GPU: `steps.fixed_trip_loops`):
 # the iterations after the rows' call ends (done, a freed slot, stop_at) still run, idle;
@@ -740,26 +741,31 @@ class Controller:
     b, length = state.tokens.shape
     if (b, length, True) in self._call_times:
       return
-    runs = {}
-    for verify in (False, True):
-      loop = self.loop(settings, verify=verify)
-      runs[verify] = loop.run_python if self.python_twin else loop.run
-    for run in runs.values():
-      self._timed_iterations(run, state)  # compiles
+    loops = {verify: self.loop(settings, verify=verify) for verify in (False, True)}
+    for loop in loops.values():
+      self._timed_iterations(loop, state)  # compiles
     for _ in range(3):
-      for verify, run in runs.items():
+      for verify, loop in loops.items():
         self._call_times.setdefault((b, length, verify), collections.deque(maxlen=8)).append(
-            self._timed_iterations(run, state))
-    self._seen_calls.update((b, length, v) for v in runs)
+            self._timed_iterations(loop, state))
+    self._seen_calls.update((b, length, v) for v in loops)
 
-  def _timed_iterations(self, run, state: ReasoningState, iterations: int = 2) -> float:
-    """Seconds per iteration of `run` for `iterations` iterations on a copy of `state`
-    (the loop donates its state)."""
+  @staticmethod
+  def _trips_run(loop: ReasoningLoop, iterations: int) -> int:
+    """Iterations the device ran in a call that took `iterations`: a loop of fixed trips
+    runs all of them (the idle ones cost as much)."""
+    return loop.trips if loop.trips and not loop.verify else iterations
+
+  def _timed_iterations(self, loop: ReasoningLoop, state: ReasoningState,
+                        iterations: int = 2) -> float:
+    """Seconds per iteration of `loop` for `iterations` iterations (its trips, if fixed)
+    on a copy of `state` (the loop donates its state)."""
+    iterations = self._trips_run(loop, iterations)
     copy = jax.tree.map(jnp.copy, state.replace(stop_at=state.iteration + iterations))
     jax.block_until_ready(copy)
     t0 = time.perf_counter()
     with self._on_mesh():
-      out = run(self.model.params, copy)
+      out = (loop.run_python if self.python_twin else loop.run)(self.model.params, copy)
     jax.block_until_ready(out.length)
     return (time.perf_counter() - t0) / iterations
 
@@ -935,7 +941,11 @@ class Controller:
                       prior_votes=list(prior_votes) if prior_votes else None,
                       unstopped_samples=unstopped_samples)
 
-  def loop(self, settings: LoopSettings, verify: bool = False) -> ReasoningLoop:
+  def loop(self, settings: LoopSettings, verify: bool = False,
+           trips: int = 0) -> ReasoningLoop:
+    """The compiled loop for these settings (`verify`: of verify calls). Where loops run
+    fixed trips (`steps.fixed_trip_loops`) a plain loop runs `trips` (default
+    FIXED_TRIPS) iterations a call."""
     spec = self.speculative
     kind = steps.draw_kind([settings.temperature], [settings.top_k], [settings.top_p],
                            [settings.min_p], self.model.vocab_size)
@@ -945,7 +955,7 @@ class Controller:
                          settings.answer_vote, draft_k=self.draft_k, verify=verify,
                          ngram_max=spec.ngram_max if spec else 4,
                          ngram_min=spec.ngram_min if spec else 1, draw_kind=kind,
-                         trips=FIXED_TRIPS if steps.fixed_trip_loops() else None)
+                         trips=(trips or FIXED_TRIPS) if steps.fixed_trip_loops() else None)
 
   def _generate_slots(self, requests, settings, n, sample_offset, conf_stop, budget,
                       vote_floor, prior_votes, unstopped_samples: int = 0) -> Batch:
@@ -1020,11 +1030,15 @@ class Controller:
                          if verify == again and not admitted_now else SPEC_INTERVAL)
         admitted_now = False
       start_iter = iteration
+      call_iterations = min(per_call, spec_interval)
+      loop = loops[verify]
+      if loop.trips and not verify and call_iterations < loop.trips:
+        # Fixed trips: the call's own (a power of two: 1/2/4/8 programs), none idle by plan.
+        loop = self.loop(settings, trips=1 << (call_iterations.bit_length() - 1))
       state = state.replace(
-          stop_at=jnp.int32(min(start_iter + min(per_call, spec_interval), NEVER)),
+          stop_at=jnp.int32(min(start_iter + call_iterations, NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
       t_call = time.perf_counter()
-      loop = loops[verify]
       with self._on_mesh():
         state = (loop.run_python if self.python_twin else loop.run)(self.model.params, state)
       # One sync per invocation (adaptive: the next choice reads these rows too).
@@ -1039,21 +1053,22 @@ class Controller:
       self.model.check(state.cache)  # a paged pool that ran out raises here
       loop_seconds += dt
       ran = max(1, iteration - start_iter)
+      trips = self._trips_run(loop, ran)  # what the call's time paid for
       if adaptive:
-        self._time_call((b, length, verify), dt / ran)
+        self._time_call((b, length, verify), dt / trips)
       grown = np.clip(after - lengths, 0, ran * (self.draft_k + 1))
       lengths = after
       for g, entry in in_slot.items():
         entry[2] += 1
         i, tokens = entry[0], int(grown[g * n:(g + 1) * n].max())
-        per_token = dt / max(ran, tokens)  # a verify call gives a row several tokens
+        per_token = dt / max(trips, tokens)  # a verify call gives a row several tokens
         token_ms[i] += [per_token * 1e3] * tokens
         if ttft[i] is None and tokens:
           ttft[i] = t_call - entry[1] + per_token
       if budget is not None:  # a loop call lasts about the budget's interval
-        budget.observe_step(dt / ran)
+        budget.observe_step(dt / trips)
         per_call = min(self.iterations_per_call or NEVER,
-                       max(1, int(budget.interval_s / max(dt / ran, 1e-6))))
+                       max(1, int(budget.interval_s / max(dt / trips, 1e-6))))
       finished = [g for g in sorted(in_slot) if done[g * n:(g + 1) * n].all()]
       if finished:
         host = jax.device_get(state.replace(cache=None, knobs=None))

@@ -1,4 +1,5 @@
-"""The reasoning loop: think / verify / backtrack as one jitted `jax.lax.while_loop`.
+"""The reasoning loop: think / verify / backtrack as one jitted `jax.lax.while_loop` (a
+loop of fixed trips on a GPU, `ReasoningLoop.trips`).
 
 It is the engine's decode loop (`o1jax.engine.steps.run_rows`) with a row program
 of its own, `ReasoningRows`. `ReasoningLoop` is a frozen dataclass holding only

@@ -617,16 +617,16 @@ class Engine:
     return self._state
 
   def decode(self, cache: PagedKVCache, batch: steps.DecodeBatch, limits, stop_ids,
-             max_iterations: int, top_logprobs: int = 0):
-    """The jitted decode loop (`steps.decode_loop`, cache donated): up to
-    `config.decode_steps` steps, `max_iterations` of them. Returns (LoopOutput, cache)."""
+             max_iterations: int, top_logprobs: int = 0, num_steps: int | None = None):
+    """The jitted decode loop (`steps.decode_loop`, cache donated): up to `num_steps`
+    steps (default `config.decode_steps`; where loops run fixed trips, exactly that
+    many, the ones past `max_iterations` idle), `max_iterations` of them. Returns
+    (LoopOutput, cache)."""
     # The transposed head only pays off from batch 8 (at batch 1 the stored layout is faster).
     head_t = self._head_t if batch.tokens.shape[0] >= 8 else None
-    num_steps = self.config.decode_steps
-    if max_iterations == 1 and steps.fixed_trip_loops():
-      num_steps = 1  # a loop of fixed trips runs them all: one step has a program of its own
     return self._decode_jit(self._state_leaves, cache, batch, limits, stop_ids,
-                            jnp.int32(max_iterations), num_steps, top_logprobs, head_t)
+                            jnp.int32(max_iterations), num_steps or self.config.decode_steps,
+                            top_logprobs, head_t)
 
   def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
     """The jitted prefill step (cache donated). Returns the cache."""
@@ -1149,6 +1149,10 @@ class Engine:
     if self.speculative is not None and self._speculate_once(running, call_start):
       return
     iterations = self._call_iterations(running)
+    fixed = steps.fixed_trip_loops()
+    if fixed:  # a loop of fixed trips runs them all: a power of two at most (1/2/4/8 programs)
+      iterations = 1 << (iterations.bit_length() - 1)
+    num_steps = iterations if fixed else self.config.decode_steps
     copies: list[tuple[int, int]] = []
     limits = {}
     for seq in running:
@@ -1162,7 +1166,8 @@ class Engine:
     self._run_copies(copies)
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)  # the call's peak
     rows, width = self._decode_rows(len(seqs)), self._table_width(seqs, decode=True)
-    planned_rows, statics = rows, self._decode_statics(seqs)  # (planner: verify vs plain)
+    planned_rows = rows  # (planner: verify vs plain)
+    statics = (*self._decode_statics(seqs), num_steps)
     if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs;
       # a rented "any" program draws a greedy or sampled batch's tokens too)
       rows, width, *statics = self._decode_shapes.choose((rows, width, *statics),
@@ -1172,7 +1177,7 @@ class Engine:
     row_limits[:len(seqs)] = [limits[s] for s in seqs]
     start, traces = self.clock(), self.trace_counts["decode"]
     out, self.cache = self.decode(self.cache, batch, jnp.asarray(row_limits), jnp.asarray(stop_ids),
-                                  iterations, top_n)
+                                  iterations, top_n, num_steps)
     dispatched = self.clock()
     out = jax.device_get(out)
     end = self.clock()
@@ -1181,16 +1186,20 @@ class Engine:
       shape, compiled = (rows, width, *statics), self.trace_counts["decode"] > traces
       if compiled:
         self._decode_shapes.observe_compile(shape, dispatched - start)
-      self._decode_shapes.observe_run(shape, end - (dispatched if compiled else start),
-                                      repeats=int(out.iterations))
-    # Per-token times: the call's wall time spread evenly over the steps it ran.
+    # Steps that took tokens; the device ran `trips` (fixed trips: idle ones too, the
+    # call's time is theirs: costs per step divide by them).
     ran = max(int(out.iterations), 1)
+    trips = num_steps if fixed else ran
+    if self._decode_shapes is not None:
+      self._decode_shapes.observe_run(shape, end - (dispatched if compiled else start),
+                                      repeats=trips)
+    # Per-token times: step j of the call ends at (j + 1) / trips of its wall time.
     if self.budget is not None:
-      self.budget.observe_step((end - start) / ran)
+      self.budget.observe_step((end - start) / trips)
     self.metrics.decode_calls += 1
     self.metrics.decode_steps += ran
     self.metrics.decode_seconds += end - start
-    times = [start + (end - start) * (j + 1) / ran for j in range(ran)]
+    times = [start + (end - start) * (j + 1) / trips for j in range(ran)]
     for i, s in enumerate(seqs):
       for j in range(int(out.counts[i])):
         s.n_computed = len(s.tokens)
@@ -1199,8 +1208,8 @@ class Engine:
         if s.finish_reason is not None:
           break  # a stop string: what the row sampled past it is dropped
     if self._planner is not None and sum(self.trace_counts.values()) == call_traces:
-      self._planner.observe(planned_rows, 0, (self.clock() - call_start) / ran,  # (not compiling)
-                            single=iterations == 1, steps=ran)
+      self._planner.observe(planned_rows, 0, (self.clock() - call_start) / trips,  # (not compiling)
+                            single=iterations == 1, steps=trips)
 
   def _decode_statics(self, seqs: Sequence[_Seq]) -> tuple[int, int, str]:
     """The stop-id width, top-K alternatives and draw kind (`steps.DRAW_KINDS`) of a
@@ -1225,7 +1234,7 @@ class Engine:
     temperature, top_p, min_p = np.zeros(rows, f32), np.ones(rows, f32), np.zeros(rows, f32)
     top_k = np.zeros(rows, i32)
     stop_lists = [s.group.stop_ids for s in seqs]
-    stop_width, top_n, kind = statics or self._decode_statics(seqs)
+    stop_width, top_n, kind = (statics or self._decode_statics(seqs))[:3]
     stop_ids = np.full((rows, stop_width), -1, i32)
     for i, s in enumerate(seqs):
       p = s.group.params
@@ -1303,9 +1312,10 @@ class Engine:
         drafts[i, :num_drafts[i]] = proposals[s][:num_drafts[i]]
     start, sunk = self.clock(), 0.0
     drafts_dev = jnp.asarray(drafts)
+    draft_batch = batch.replace(draw_kind="any")  # drafts are greedy: one program for every kind
     if cfg.drafter == "early_exit":
       head_t = self._head_t if rows >= 8 else None
-      drafts_dev, self.cache = self._draft_jit(self._state_leaves, self.cache, batch,
+      drafts_dev, self.cache = self._draft_jit(self._state_leaves, self.cache, draft_batch,
                                                jnp.asarray(num_drafts), k, self._exit_layer, head_t)
     elif cfg.drafter == "draft_model":
       # A catch-up is a one-off cost (a prompt, or what plain decoding added), timed on
@@ -1317,7 +1327,7 @@ class Engine:
       prev = np.zeros(rows, np.int32)  # the token before each row's last
       prev[:len(seqs)] = [s.tokens[-2] if len(s.tokens) > 1 else 0 for s in seqs]
       drafts_dev, self.draft_cache = self._draft_model_jit(
-          self._draft_leaves, self.draft_cache, batch, jnp.asarray(num_drafts), k, None, head_t,
+          self._draft_leaves, self.draft_cache, draft_batch, jnp.asarray(num_drafts), k, None, head_t,
           jnp.asarray(prev))
     head_t = self._head_t if rows * (k + 1) >= 8 else None
     out, self.cache = self._verify_jit(self._state_leaves, self.cache, batch, drafts_dev,

@@ -43,12 +43,13 @@ def prefill_fits(bigger: Shape, wanted: Shape) -> bool:
 
 
 def decode_fits(bigger: tuple, wanted: tuple) -> bool:
-  """`bigger` can run a decode call of shape `wanted` (rows, table width, stop-id width,
-  top-K, draw kind): more rows, a wider table (at most MAX_WIDTH_RATIO wider), the
-  same stop-id width and top-K (other programs), the same draw kind or "any" (which
-  draws every kind's tokens)."""
+  """`bigger` can run a decode call of shape `wanted` (rows, table width, then what
+  makes other programs: stop-id width, top-K, draw kind, steps per call): more rows,
+  a wider table (at most MAX_WIDTH_RATIO wider), the same rest. (An "any" draw would
+  give a greedy batch its tokens, but a GPU would pay the branch tests the kind
+  leaves out on every step.)"""
   return (bigger[0] >= wanted[0] and wanted[1] <= bigger[1] <= MAX_WIDTH_RATIO * wanted[1]
-          and bigger[2:4] == wanted[2:4] and bigger[4:] in (wanted[4:], ("any",)))
+          and bigger[2:] == wanted[2:])
 
 
 class ShapePlan:

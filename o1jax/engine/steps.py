@@ -189,7 +189,7 @@ def fixed_trip_loops() -> bool:
   forced = os.environ.get("O1JAX_FIXED_TRIP_LOOPS", "")
   if forced in ("0", "1"):
     return forced == "1"
-  return jax.default_backend() != "cpu"
+  return jax.default_backend() == "gpu"
 
 
 def run_rows(program: RowProgram, carry, iteration=decode_iteration, trips: int | None = None):

@@ -99,8 +99,8 @@ def test_the_loop_draws_by_the_settings_kind_with_the_same_traces(settings, kind
       _same(a, b)
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_fixed_trip_calls_give_the_same_traces(speculate, monkeypatch):
+@pytest.mark.parametrize("speculate, per_call", [(False, 0), (False, 5), (True, 0)])
+def test_fixed_trip_calls_give_the_same_traces(speculate, per_call, monkeypatch):
   """What a GPU runs (`steps.fixed_trip_loops`: 8 iterations a call, idle past the
   rows' end, a freed slot or stop_at) gives the traces, decisions and iteration count
   of the while loop: backtracks, forced "Wait"s, requests waiting for slots, and with
@@ -110,7 +110,8 @@ def test_fixed_trip_calls_give_the_same_traces(speculate, monkeypatch):
 
   requests = [ReasoningRequest(prompt="Q", request_id=r, seed=7) for r in range(5)]
   model, tok = _random_mock(3), MockTokenizer(VOCAB)
-  kw = dict(max_rows=4, speculative=SpeculativeConfig(max_drafts=3) if speculate else None)
+  kw = dict(max_rows=4, speculative=SpeculativeConfig(max_drafts=3) if speculate else None,
+            iterations_per_call=per_call)  # 5: calls of 4 trips (a power of two)
   want = Controller(model, tok, **kw).generate(requests, SAMPLED, 2)
   monkeypatch.setattr(steps, "fixed_trip_loops", lambda: True)
   ctl = Controller(model, tok, **kw)
@@ -118,6 +119,8 @@ def test_fixed_trip_calls_give_the_same_traces(speculate, monkeypatch):
   got = ctl.generate(requests, SAMPLED, 2)
   if not speculate:  # (speculation picks verify or plain calls from their measured times)
     assert got.iterations == want.iterations
+  if per_call:
+    assert got.loop_seconds > 0 and max(got.invocations) > max(want.invocations)
   assert sum(t.backtracks for ts in got.traces for t in ts) > 0
   for fa, sl in zip(want.traces, got.traces):
     for a, b in zip(fa, sl):

@@ -138,21 +138,22 @@ def _mixed_requests(tiny, make_prompts, seed):
 
 
 def test_fixed_trip_loop_matches_the_while_loop(tiny, engines, make_prompts, monkeypatch):
-  """What a GPU runs (`steps.fixed_trip_loops`: a static trip count, rows idle after the
-  call's steps, one-step calls a program of their own) gives the same tokens, log-probs,
-  decisions and step counts as the CPU's while loop: single steps while prompts fill,
-  calls cut short by waiting requests' budgets, rows stopping mid-call."""
+  """What a GPU runs (`steps.fixed_trip_loops`: a static trip count, a power of two of
+  steps a call, rows idle once stopped) gives the same tokens, log-probs and decisions
+  as the CPU's while loop: single steps while prompts fill, calls cut short by waiting
+  requests' budgets, rows stopping mid-call."""
   from o1jax.engine import steps
   many = engines[1]
   requests = _mixed_requests(tiny, make_prompts, seed=23)
-  before = (many.metrics.decode_calls, many.metrics.decode_steps)
   want = many.generate(requests)
-  want_counts = (many.metrics.decode_calls - before[0], many.metrics.decode_steps - before[1])
   monkeypatch.setattr(steps, "fixed_trip_loops", lambda: True)
   fixed = _engines(tiny, max_slots=8, num_blocks=128)[1]
   _same(want, fixed.generate(requests))
-  assert (fixed.metrics.decode_calls, fixed.metrics.decode_steps) == want_counts
   assert fixed.metrics.decode_steps > fixed.metrics.decode_calls  # multi-step calls ran
+  # A call runs a power of two of steps (its trips all run): 1/2/4/8-step programs.
+  steps_per_call = {shape[-1] for shape in fixed._decode_shapes.compiled}
+  assert steps_per_call <= {1, 2, 4, 8} and {1, 8} <= steps_per_call
+  assert {shape[-1] for shape in many._decode_shapes.compiled} == {8}
 
 
 def test_batches_draw_by_their_kind_with_the_same_tokens(tiny, engines, make_prompts):
@@ -176,7 +177,7 @@ def test_batches_draw_by_their_kind_with_the_same_tokens(tiny, engines, make_pro
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
-def test_a_gpu_decode_call_has_no_data_dependent_control_flow(tiny, kind):
+def test_a_gpu_decode_call_has_no_data_dependent_control_flow(tiny, kind, monkeypatch):
   """Traced as on a GPU, the decode program of a greedy or an unfiltered sampled batch has
   no `cond` and no `while` outside the kernels (a GPU reads their predicates on the host
   after every step): its loops are scans of static length."""
@@ -187,6 +188,7 @@ def test_a_gpu_decode_call_has_no_data_dependent_control_flow(tiny, kind):
   from o1jax.engine import steps
   from o1jax.testing import as_if_on_gpu
 
+  monkeypatch.delenv("O1JAX_FIXED_TRIP_LOOPS", raising=False)  # a GPU's default loop
   engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=4, num_blocks=32))
   b, mb = 4, 4
   i32 = lambda v: jnp.full((b,), v, jnp.int32)

@@ -113,18 +113,16 @@ def test_reuse_compiled_shapes_must_be_a_bool():
 def test_decode_calls_rent_wider_tables_and_more_rows_of_the_same_program_kind():
   from o1jax.engine.shape_plan import decode_fits
   plan = ShapePlan(fits=decode_fits)
-  plan.observe_compile((8, 16, 8, 0, "any"), 1.0)
-  plan.observe_run((8, 16, 8, 0, "any"), 8 * 16 * 1e-4 * 8, repeats=8)  # 1e-4 s per row-block
+  shape = lambda *dims: (*dims, "any", 8)  # (rows, width, stop width, top-K, kind, steps)
+  plan.observe_compile(shape(8, 16, 8, 0), 1.0)
+  plan.observe_run(shape(8, 16, 8, 0), 8 * 16 * 1e-4 * 8, repeats=8)  # 1e-4 s per row-block
   assert plan.position_seconds == pytest.approx(1e-4)
-  assert plan.choose((8, 12, 8, 0, "any"), repeats=8) == (8, 16, 8, 0, "any")  # 32 x 1e-4 x 8 steps
-  assert plan.debt[(8, 12, 8, 0, "any")] == pytest.approx(32 * 1e-4 * 8)
-  assert plan.choose((1, 16, 8, 0, "any")) == (8, 16, 8, 0, "any")
-  assert plan.choose((8, 16, 16, 0, "any")) == (8, 16, 16, 0, "any")  # other stop-id width: its own program
-  assert plan.choose((8, 16, 8, 20, "any")) == (8, 16, 8, 20, "any")  # with top-K alternatives: its own
-  assert plan.choose((8, 6, 8, 0, "any")) == (8, 6, 8, 0, "any")  # 16 is over twice 6
-  # Draw kinds: an "any" program draws a greedy batch's tokens; a greedy one not a mixed batch's.
-  assert plan.choose((8, 16, 8, 0, "greedy")) == (8, 16, 8, 0, "any")
-  plan.observe_compile((8, 16, 8, 0, "sampled"), 1.0)
-  assert plan.choose((8, 16, 8, 0, "sampled")) == (8, 16, 8, 0, "sampled")
-  plan.observe_compile((4, 8, 8, 0, "greedy"), 1.0)
-  assert plan.choose((4, 8, 8, 0, "any"))[4] == "any"
+  assert plan.choose(shape(8, 12, 8, 0), repeats=8) == shape(8, 16, 8, 0)  # 32 x 1e-4 x 8 steps
+  assert plan.debt[shape(8, 12, 8, 0)] == pytest.approx(32 * 1e-4 * 8)
+  assert plan.choose(shape(1, 16, 8, 0)) == shape(8, 16, 8, 0)
+  assert plan.choose(shape(8, 16, 16, 0)) == shape(8, 16, 16, 0)  # other stop-id width: its own
+  assert plan.choose(shape(8, 16, 8, 20)) == shape(8, 16, 8, 20)  # with top-K alternatives too
+  assert plan.choose(shape(8, 6, 8, 0)) == shape(8, 6, 8, 0)  # 16 is over twice 6
+  # Other draw kinds and steps per call (fixed trips) are other programs.
+  assert plan.choose((8, 16, 8, 0, "greedy", 8)) == (8, 16, 8, 0, "greedy", 8)
+  assert plan.choose((8, 12, 8, 0, "any", 4)) == (8, 12, 8, 0, "any", 4)
