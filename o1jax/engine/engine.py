@@ -1327,8 +1327,8 @@ class Engine:
       prev = np.zeros(rows, np.int32)  # the token before each row's last
       prev[:len(seqs)] = [s.tokens[-2] if len(s.tokens) > 1 else 0 for s in seqs]
       drafts_dev, self.draft_cache = self._draft_model_jit(
-          self._draft_leaves, self.draft_cache, draft_batch, jnp.asarray(num_drafts), k, None, head_t,
-          jnp.asarray(prev))
+          self._draft_leaves, self.draft_cache, draft_batch, jnp.asarray(num_drafts), k, None,
+          head_t, jnp.asarray(prev))
     head_t = self._head_t if rows * (k + 1) >= 8 else None
     out, self.cache = self._verify_jit(self._state_leaves, self.cache, batch, drafts_dev,
                                        jnp.asarray(num_drafts), top_n, head_t)

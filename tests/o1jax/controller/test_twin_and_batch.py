@@ -90,8 +90,8 @@ def test_the_loop_draws_by_the_settings_kind_with_the_same_traces(settings, kind
   assert ctl.loop(settings).draw_kind == kind
   fast = ctl.generate(requests, settings, 2)
   general = Controller.loop
-  monkeypatch.setattr(Controller, "loop", lambda self, st, verify=False: dataclasses.replace(
-      general(self, st, verify), draw_kind="any"))
+  monkeypatch.setattr(Controller, "loop", lambda self, st, verify=False, trips=0: (
+      dataclasses.replace(general(self, st, verify, trips), draw_kind="any")))
   slow = Controller(model, tok).generate(requests, settings, 2)
   assert fast.iterations == slow.iterations
   for fa, sl in zip(fast.traces, slow.traces):
@@ -125,3 +125,20 @@ def test_fixed_trip_calls_give_the_same_traces(speculate, per_call, monkeypatch)
   for fa, sl in zip(want.traces, got.traces):
     for a, b in zip(fa, sl):
       _same(a, b)
+
+
+def test_sampled_kind_on_a_vocabulary_past_the_candidates(tiny_llama, monkeypatch):
+  """The unfiltered draw over the whole vocabulary (259 tokens, past the sampler's 256
+  candidates) gives the general draw's traces."""
+  model, tok = tiny_llama
+  st = LoopSettings(temperature=0.8, max_thinking_tokens=12, max_answer_tokens=3)
+  requests = [ReasoningRequest(prompt="hello there", request_id=3, seed=2)]
+  ctl = Controller(model, tok)
+  assert ctl.loop(st).draw_kind == "sampled" and model.vocab_size > 256
+  fast = ctl.generate(requests, st, 3).traces[0]
+  general = Controller.loop
+  monkeypatch.setattr(Controller, "loop", lambda self, s, verify=False, trips=0: (
+      dataclasses.replace(general(self, s, verify, trips), draw_kind="any")))
+  slow = Controller(model, tok).generate(requests, st, 3).traces[0]
+  for a, b in zip(fast, slow):
+    _same(a, b)

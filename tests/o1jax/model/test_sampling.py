@@ -332,7 +332,10 @@ def test_what_the_caller_knows_of_the_rows_keeps_the_tokens(vocab):
   sampler's, for peaked and flat rows, filters that pass the candidates or not."""
   rng = np.random.default_rng(vocab)
   b = 16
-  logits = jnp.asarray(rng.normal(0, 1, (b, vocab)) * rng.choice([0.2, 3.0], (b, 1)), jnp.float32)
+  logits = rng.normal(0, 1, (b, vocab)) * rng.choice([0.2, 3.0], (b, 1))
+  logits[0, [3, 7]] = np.inf  # +inf logits share the mass
+  logits[1, :] = np.nan  # an all-NaN row takes its last index
+  logits = jnp.asarray(logits, jnp.float32)
   keys = jax.random.split(jax.random.PRNGKey(2), b)
   t = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)
   none_k, none_p, none_m = jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b)
