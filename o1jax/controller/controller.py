@@ -754,7 +754,7 @@ class Controller:
   def _trips_run(loop: ReasoningLoop, iterations: int) -> int:
     """Iterations the device ran in a call that took `iterations`: a loop of fixed trips
     runs all of them (the idle ones cost as much)."""
-    return loop.trips if loop.trips and not loop.verify else iterations
+    return loop.fixed_trips or iterations
 
   def _timed_iterations(self, loop: ReasoningLoop, state: ReasoningState,
                         iterations: int = 2) -> float:
@@ -1032,7 +1032,7 @@ class Controller:
       start_iter = iteration
       call_iterations = min(per_call, spec_interval)
       loop = loops[verify]
-      if loop.trips and not verify and call_iterations < loop.trips:
+      if loop.fixed_trips and call_iterations < loop.fixed_trips:
         # Fixed trips: the call's own (a power of two: 1/2/4/8 programs), none idle by plan.
         loop = self.loop(settings, trips=1 << (call_iterations.bit_length() - 1))
       state = state.replace(

@@ -79,9 +79,6 @@ def tail_match(tokens: jax.Array, length: jax.Array, seqs: jax.Array, lens: jax.
 # geometric model would underrate.
 CALL_DECAY = 0.9  # weight of the past per (real or shadow) call
 
-# Fields `_shadow` advances.
-_SHADOW_FIELDS = ("shadow_draft", "shadow_len", "shadow_pos", "spec_acc", "spec_calls_row")
-
 # Fields the loop never changes per row (or that are shared by all rows).
 _SHARED = ("iteration", "stop_at", "slot", "slot_live", "return_on_free", "knobs", "cache",
            "spec_calls")
@@ -131,6 +128,12 @@ class ReasoningLoop:
   ngram_min: int = 1
   draw_kind: str = "any"
   trips: int | None = None
+
+  @property
+  def fixed_trips(self) -> int | None:
+    """Iterations every call of this loop runs (idle past `_cond`), or None: its plain
+    loop under `trips`; verify calls keep the while loop."""
+    return None if self.verify else self.trips
 
   # -- one iteration --------------------------------------------------------------
 
@@ -251,11 +254,11 @@ class ReasoningLoop:
                       temperature=k.temperature + k.temp_bump * s.step_bt.astype(jnp.float32),
                       top_k=k.top_k, top_p=k.top_p, min_p=k.min_p, kind=self.draw_kind)
 
-  def _shadow(self, s: ReasoningState, new: ReasoningState, drafts, available):
-    """Advances each running row's shadow call by the token it just drew."""
+  def _shadow(self, s: ReasoningState, new: ReasoningState, drafts, available,
+              running: jax.Array):
+    """Advances the shadow call of each `running` row by the token it just drew."""
     kd = self.draft_k
     rows = jnp.arange(s.tokens.shape[0])
-    running = s.phase != S.DONE
     fresh = running & (s.shadow_len == 0)
     draft = jnp.where(fresh[:, None], drafts, s.shadow_draft)
     count = jnp.where(fresh, available, s.shadow_len)
@@ -589,7 +592,7 @@ class ReasoningLoop:
     """The decode loop (`steps.run_rows`) over these rows until all are done or stop_at
     (or `trips` iterations, the later ones idle)."""
     return steps.run_rows(ReasoningRows(self, params), state, self._iteration,
-                          trips=None if self.verify else self.trips)
+                          trips=self.fixed_trips)
 
   @functools.partial(jax.jit, static_argnames=("self",))
   def step(self, params, state: ReasoningState) -> ReasoningState:
@@ -621,7 +624,7 @@ class ReasoningRows:
   def _going(self, s: ReasoningState):
     """Under fixed trips: whether this iteration is a real one ([] bool); else None
     (the while loop runs only those)."""
-    return self.loop._cond(s) if self.loop.trips and not self.loop.verify else None
+    return self.loop._cond(s) if self.loop.fixed_trips else None
 
   def _live(self, s: ReasoningState, going) -> jax.Array:
     live = s.phase != S.DONE
@@ -638,12 +641,9 @@ class ReasoningRows:
 
   def advance(self, s: ReasoningState, logits, drawn) -> ReasoningState:
     going = self._going(s)
-    new, _ = self.loop._advance(self.params, s, logits, self._live(s, going), drawn)
-    if self.loop.draft_k:
-      shadowed = self.loop._shadow(s, new, *self.loop._drafts(s))
-      if going is not None:  # an idle iteration draws nothing to check
-        shadowed = shadowed.replace(**{f: jnp.where(going, getattr(shadowed, f), getattr(new, f))
-                                       for f in _SHADOW_FIELDS})
-      new = shadowed
+    live = self._live(s, going)
+    new, _ = self.loop._advance(self.params, s, logits, live, drawn)
+    if self.loop.draft_k:  # (an idle iteration's rows draw nothing to check)
+      new = self.loop._shadow(s, new, *self.loop._drafts(s), live)
     step = 1 if going is None else going.astype(jnp.int32)
     return new.replace(iteration=s.iteration + step)

@@ -617,16 +617,14 @@ class Engine:
     return self._state
 
   def decode(self, cache: PagedKVCache, batch: steps.DecodeBatch, limits, stop_ids,
-             max_iterations: int, top_logprobs: int = 0, num_steps: int | None = None):
-    """The jitted decode loop (`steps.decode_loop`, cache donated): up to `num_steps`
-    steps (default `config.decode_steps`; where loops run fixed trips, exactly that
-    many, the ones past `max_iterations` idle), `max_iterations` of them. Returns
-    (LoopOutput, cache)."""
+             max_iterations: int, top_logprobs: int, num_steps: int):
+    """The jitted decode loop (`steps.decode_loop`, cache donated): `max_iterations`
+    steps of at most `num_steps` (where loops run fixed trips, exactly `num_steps`, the
+    ones after every row stopped idle). Returns (LoopOutput, cache)."""
     # The transposed head only pays off from batch 8 (at batch 1 the stored layout is faster).
     head_t = self._head_t if batch.tokens.shape[0] >= 8 else None
     return self._decode_jit(self._state_leaves, cache, batch, limits, stop_ids,
-                            jnp.int32(max_iterations), num_steps or self.config.decode_steps,
-                            top_logprobs, head_t)
+                            jnp.int32(max_iterations), num_steps, top_logprobs, head_t)
 
   def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
     """The jitted prefill step (cache donated). Returns the cache."""
@@ -1168,8 +1166,7 @@ class Engine:
     rows, width = self._decode_rows(len(seqs)), self._table_width(seqs, decode=True)
     planned_rows = rows  # (planner: verify vs plain)
     statics = (*self._decode_statics(seqs), num_steps)
-    if self._decode_shapes is not None:  # (the stop-id width and top-K are other programs;
-      # a rented "any" program draws a greedy or sampled batch's tokens too)
+    if self._decode_shapes is not None:  # (other statics are other programs: `decode_fits`)
       rows, width, *statics = self._decode_shapes.choose((rows, width, *statics),
                                                           repeats=iterations)
     batch, stop_ids, top_n = self._decode_batch(seqs, rows, width, tuple(statics))

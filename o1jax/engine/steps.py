@@ -142,9 +142,9 @@ def draw_tokens(logits: jax.Array, draw: Draw) -> jax.Array:
   if draw.kind == "greedy":
     return first_argmax(logits)
   keys = jax.vmap(jax.random.fold_in)(draw.keys, draw.steps)
-  all_sampled = draw.kind in ("sampled", "filtered")
   return sample(logits, keys, draw.temperature, draw.top_k, draw.top_p, draw.min_p,
-                all_sampled=all_sampled, filters=(draw.kind == "filtered") if all_sampled else None)
+                all_sampled=draw.kind != "any",
+                filters={"sampled": False, "filtered": True}.get(draw.kind))
 
 
 class RowProgram(Protocol):
@@ -306,8 +306,9 @@ def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   next one: a row feeds back the token it drew, its position and step advance, and
   it stops after `limits[b]` tokens (budget, context and the blocks the host
   reserved) or on a token in its `stop_ids[b]` row (eos and stop ids; -1 pads).
-  The loop ends after `max_iterations` (<= num_steps; dynamic, so one program
-  serves single steps too) or when every row stopped. Token `steps[b]` draws with
+  The loop ends after `max_iterations` (<= num_steps; dynamic, so on a CPU one
+  program serves single steps too) or when every row stopped; with fixed trips it
+  runs `num_steps`, idle past either. Token `steps[b]` draws with
   fold_in(keys[b], steps[b]), so a sequence gets the same tokens whatever the
   number of steps per call. Stop strings are the host's: it drops what a row
   sampled past a match. head_t: optional [V, d] transposed dense head (`forward`).

@@ -84,8 +84,8 @@ inline float ToF32(Bf16 x) {
   return f;
 }
 
-// Offsets (in floats) of a row's positions inside a pool, through its block table.
-// Offsets of the rows of positions first..len-1 (the visible keys), in order.
+// Offsets (in floats) inside a pool of a row's positions first..len-1 (its visible
+// keys), in order, through its block table.
 void RowOffsets(const Dims& d, const int32_t* table, int64_t first, int64_t len,
                 std::vector<int64_t>& rows) {
   const int64_t row_stride = d.kv_heads * d.head_dim;  // floats between positions in a block

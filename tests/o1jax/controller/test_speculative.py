@@ -213,18 +213,24 @@ def test_shadow_calls_record_what_a_verify_call_would_accept():
   # Row 0 draws 7 (= draft 0), row 1 draws 5 (differs: its call would accept 0).
   new = s.replace(tokens=jnp.array([[1, 2, 3, 7, 0, 0], [1, 2, 3, 5, 0, 0]]),
                   length=jnp.array([4, 4]))
-  out = loop._shadow(s, new, drafts, available)
+  running = jnp.ones((2,), bool)  # no row is done
+  out = loop._shadow(s, new, drafts, available, running)
   assert out.shadow_len.tolist() == [3, 0] and out.shadow_pos.tolist() == [1, 0]
   assert out.spec_calls_row.tolist() == [0.0, 1.0] and out.spec_acc.tolist() == [0.0, 0.0]
   # Row 0 then draws 8 and 9: all three drafts match, its call ends having accepted 3.
   s2 = out.replace(length=jnp.array([4, 4]))
   out2 = loop._shadow(s2, s2.replace(tokens=jnp.array([[1, 2, 3, 7, 8, 0], [1, 2, 3, 5, 0, 0]]),
-                                     length=jnp.array([5, 4])), drafts * 0, available * 0)
+                                     length=jnp.array([5, 4])), drafts * 0, available * 0, running)
   assert out2.shadow_pos.tolist()[0] == 2
   s3 = out2.replace(length=jnp.array([5, 4]))
   out3 = loop._shadow(s3, s3.replace(tokens=jnp.array([[1, 2, 3, 7, 8, 9], [1, 2, 3, 5, 0, 0]]),
-                                     length=jnp.array([6, 4])), drafts * 0, available * 0)
+                                     length=jnp.array([6, 4])), drafts * 0, available * 0, running)
   assert out3.shadow_len.tolist()[0] == 0 and float(out3.spec_acc[0]) == 3.0
   assert float(out3.spec_calls_row[0]) == 1.0
   # Row 1 made no progress (length unchanged) with no drafts: calls accepting 0.
   assert float(out3.spec_calls_row[1]) == pytest.approx(1 + CALL_DECAY * (1 + CALL_DECAY))
+  # Rows not running (an idle iteration of a loop of fixed trips) keep their shadow calls.
+  idle = loop._shadow(s2, s2.replace(length=jnp.array([5, 4])), drafts, available,
+                      jnp.zeros((2,), bool))
+  for f in ("shadow_draft", "shadow_len", "shadow_pos", "spec_acc", "spec_calls_row"):
+    assert getattr(idle, f).tolist() == getattr(s2, f).tolist(), f
