@@ -20,14 +20,15 @@ throughput over the samples computed in this run; 6. dead letters by stage, and
 `unscored`: the samples (and examples with no sample left) that went to dead letters at
 inference or scoring — accuracy is over the scored ones, they do not count as wrong;
 7. reasoning-path statistics when traces carry them (absent until the controller).
-Pure Python: the report and tests use it directly.
+No Beam: the report and tests use it directly.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
 
 from pipelines.datasets.records import normalize_answer
 from pipelines.tasks import mean_pass_at_k
@@ -40,13 +41,8 @@ REASONING_KEYS = ("steps", "backtracks", "early_exit")
 
 
 def percentile(values: Sequence[float], p: float) -> Optional[float]:
-  """Linear-interpolated percentile (numpy's default), None for no values."""
-  if not values:
-    return None
-  xs = sorted(values)
-  rank = (len(xs) - 1) * p / 100.0
-  lo, hi = math.floor(rank), math.ceil(rank)
-  return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+  """numpy's default (linear-interpolated) percentile, None for no values."""
+  return float(np.percentile(values, p)) if len(values) else None
 
 
 def bucket_label(i: int) -> str:
@@ -79,8 +75,8 @@ def coefficient_of_variation(values: Sequence[float]) -> Optional[float]:
   """Coefficient of variation: population standard deviation / mean (None without values)."""
   if not values:
     return None
-  mean = sum(values) / len(values)
-  return _round(math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean, 4) if mean > 0 else None
+  mean = float(np.mean(values))
+  return _round(np.std(values) / mean, 4) if mean > 0 else None
 
 
 def _round(x, nd=3):

