@@ -108,7 +108,8 @@ run_stage() {  # run_stage NAME
     stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \
     --out '$OUT/fp8_engine.json' && python scripts/gpu_engine_check.py throughput \
     --matmul-dtype float8 --backends pallas --concurrency 1,64 --out '$OUT/fp8_throughput.json'" ;;
-  # Six engines (two backends x three concurrencies), each compiled: 300 s.
+  # Six engines (two backends x three concurrencies), compiled at once on threads (one
+  # engine's warm-up took 32-111 s alone), then timed one at a time: 300 s.
   throughput) stage throughput 300 python scripts/gpu_engine_check.py throughput \
     --concurrency 1,64,256 --decode-steps 8 --out "$OUT/throughput.json" ;;
   hoststeps) stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \

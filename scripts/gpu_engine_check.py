@@ -13,10 +13,11 @@ compares two backends on the same weights, which is what it needs.
     values), random prompts of 5 tokens up to --max-prompt,
     greedy, new tokens with logprobs: share of identical tokens (common prefix
     per sequence) and the largest |log p| difference on the common prefix.
-  throughput: aggregate generated tok/s at each concurrency, both backends (a
-    warm-up run compiles every program the timed run needs first), at each
+  throughput: aggregate generated tok/s at each concurrency, both backends, at each
     number of decode steps per device call (--decode-steps 1,8: 1 is a host
-    round trip per token).
+    round trip per token). A warm-up run compiles every program a timed run needs:
+    every engine's at once, on threads, then the timed runs one at a time
+    (--serial-warmup: each engine's right before its timed run).
   ablate: the Pallas path with one op at a time sent to the XLA reference
     (quantized matmul / decode attention / prefill attention), at one
     concurrency: which op makes the Pallas path slow.
@@ -45,7 +46,8 @@ compares two backends on the same weights, which is what it needs.
   python scripts/gpu_engine_check.py correctness [--layers 2] [--sequences 8] [--max-prompt 120]
       [--new-tokens 16] [--interpret] [--matmul-dtype float32|float8] [--out F]
   python scripts/gpu_engine_check.py throughput [--layers 30] [--concurrency 1,64]
-      [--new-tokens 128] [--backends pallas,reference] [--decode-steps 1,8] [--out F]
+      [--new-tokens 128] [--backends pallas,reference] [--decode-steps 1,8] [--serial-warmup]
+      [--out F]
   python scripts/gpu_engine_check.py ablate [--concurrency 64] [--out F]
   python scripts/gpu_engine_check.py hf [--concurrency 1,64,256] [--shape smollm2|llama3-8b]
       [--out F]
@@ -248,15 +250,41 @@ def _timed_generate(engine, batch) -> tuple[float, float, int, int, float]:
   """(warm-up s, timed wall s, generated tokens, programs compiled, XLA compile s of the
   warm-up) of one workload."""
   compiled = _backend_compile_s()
-  t0 = time.perf_counter()
-  engine.generate(batch)
-  warm = time.perf_counter() - t0
+  warm = _warm_up(engine, batch)
   compiled = _backend_compile_s() - compiled
   programs = sum(engine.trace_counts.values())
+  wall, generated = _timed_run(engine, batch)
+  return warm, wall, generated, programs, compiled
+
+
+def _warm_up(engine, batch) -> float:
+  """Seconds of a first run of the workload: it compiles every program the timed run needs."""
+  t0 = time.perf_counter()
+  engine.generate(batch)
+  return time.perf_counter() - t0
+
+
+def _timed_run(engine, batch) -> tuple[float, int]:
+  """(wall s, generated tokens) of a run of the workload."""
   t0 = time.perf_counter()
   results = engine.generate(batch)
-  wall = time.perf_counter() - t0
-  return warm, wall, sum(len(r.token_ids) for r in results), programs, compiled
+  return time.perf_counter() - t0, sum(len(r.token_ids) for r in results)
+
+
+def _warm_up_together(jobs) -> tuple[list[float], float, float]:
+  """Warm-up runs of (engine, batch) jobs on threads at once: ([s per job], wall s, XLA
+  compile s summed over the jobs). XLA compiles without Python's lock, so the compiles
+  of several engines overlap on a many-core host (one engine's warm-up took 32-111 s on
+  an H200's host, 2026-12-04, most of it compiling); the timed runs come after, one at a
+  time. (XLA's GEMM autotuning then times its candidates beside other work: the choice
+  may differ from a lone compile's; --serial-warmup compiles one engine at a time.)"""
+  from concurrent.futures import ThreadPoolExecutor
+
+  compiled = _backend_compile_s()
+  t0 = time.perf_counter()
+  with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+    seconds = list(pool.map(lambda job: _warm_up(*job), jobs))
+  return seconds, time.perf_counter() - t0, _backend_compile_s() - compiled
 
 
 def _engine_variants(args):
@@ -289,24 +317,44 @@ def throughput(args) -> dict:
     raise SystemExit("throughput: the engines compared must share a vocabulary (same prompts)")
   ps = prompts(max(concurrency), seed=2, low=30, high=40, vocab=variants[0][1].vocab_size)
   # Concurrency outermost: a stage cut by its time limit keeps the engines' rows in pairs.
-  for c in concurrency:
-    for steps in [int(k) for k in args.decode_steps.split(",")]:
-      for label, config, params, kw in variants:
-        engine = make_engine(config, params, max_slots=c, decode_steps=steps,
-                             num_blocks=max(256, c * (args.new_tokens // 16 + 4)), **kw)
-        warm, wall, generated, programs, compile_s = _timed_generate(
-            engine, [Request(p, gp) for p in ps[:c]])
-        row = {"engine": label, "decode_steps": steps, "concurrency": c,
-               "gen_tok_s": generated / wall, "ms_per_step": 1e3 * wall / args.new_tokens,
-               "warmup_s": warm, "xla_compile_s": compile_s, "programs": programs,
-               "recompiled": sum(engine.trace_counts.values()) - programs}
-        out["rows"].append(row)
-        _dump(args, out)
-        print(f"{label:15s} steps/call {steps} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
-              f"{row['ms_per_step']:.2f} ms per decode step (prefill included), "
-              f"warm-up {warm:.0f} s ({compile_s:.0f} s XLA compile), "
-              f"{programs} programs", flush=True)
-        del engine
+  runs = [(c, steps, label, config, params, kw) for c in concurrency
+          for steps in [int(k) for k in args.decode_steps.split(",")]
+          for label, config, params, kw in variants]
+  engine_for = lambda c, steps, config, params, kw: make_engine(
+      config, params, max_slots=c, decode_steps=steps,
+      num_blocks=max(256, c * (args.new_tokens // 16 + 4)), **kw)
+  batch_for = lambda c: [Request(p, gp) for p in ps[:c]]
+  warmed = {}
+  if not args.serial_warmup and len(runs) > 1:
+    engines = [engine_for(c, steps, config, params, kw)
+               for c, steps, _, config, params, kw in runs]
+    seconds, wall, compile_s = _warm_up_together(
+        [(e, batch_for(run[0])) for e, run in zip(engines, runs)])
+    out["warmup"] = {"together": len(runs), "wall_s": wall, "xla_compile_s": compile_s}
+    print(f"warm-up of {len(runs)} engines together: {wall:.0f} s ({compile_s:.0f} s XLA "
+          f"compile summed over them)", flush=True)
+    warmed = {i: (e, s) for i, (e, s) in enumerate(zip(engines, seconds))}
+    _dump(args, out)
+  for i, (c, steps, label, config, params, kw) in enumerate(runs):
+    if i in warmed:
+      engine, warm = warmed.pop(i)
+      compile_s = None  # counted for all of them together
+      programs = sum(engine.trace_counts.values())
+      wall, generated = _timed_run(engine, batch_for(c))
+    else:
+      engine = engine_for(c, steps, config, params, kw)
+      warm, wall, generated, programs, compile_s = _timed_generate(engine, batch_for(c))
+    row = {"engine": label, "decode_steps": steps, "concurrency": c,
+           "gen_tok_s": generated / wall, "ms_per_step": 1e3 * wall / args.new_tokens,
+           "warmup_s": warm, "xla_compile_s": compile_s, "programs": programs,
+           "recompiled": sum(engine.trace_counts.values()) - programs}
+    out["rows"].append(row)
+    _dump(args, out)
+    compiled = "" if compile_s is None else f" ({compile_s:.0f} s XLA compile)"
+    print(f"{label:15s} steps/call {steps} c={c:4d}: {row['gen_tok_s']:9.1f} gen tok/s, "
+          f"{row['ms_per_step']:.2f} ms per decode step (prefill included), "
+          f"warm-up {warm:.0f} s{compiled}, {programs} programs", flush=True)
+    del engine
   return out
 
 
@@ -613,6 +661,9 @@ def main(argv=None) -> int:
                   "(the self_consistency policy's own default is 0.95)")
   ap.add_argument("--matmul-dtype", default="float32",
                   help="the Llama's matmul_dtype (smollm2 shape; float8: FP8 activations)")
+  ap.add_argument("--serial-warmup", action="store_true",
+                  help="throughput: warm each engine up alone, right before its timed run "
+                  "(default: every engine's warm-up at once, on threads, then the timed runs)")
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   import jax

@@ -67,9 +67,18 @@ def test_gpu_engine_check_throughput_rows_per_decode_steps_on_cpu(tmp_path):
   out = tmp_path / "throughput.json"
   assert check.main(["throughput", "--layers", "1", "--concurrency", "2", "--new-tokens", "4",
                      "--backends", "reference", "--decode-steps", "1,4", "--out", str(out)]) == 0
-  rows = json.loads(out.read_text())["rows"]
+  result = json.loads(out.read_text())
+  assert result["warmup"]["together"] == 2  # both engines warmed up at once, then timed
+  rows = result["rows"]
   assert [(r["decode_steps"], r["concurrency"]) for r in rows] == [(1, 2), (4, 2)]
-  assert all(r["gen_tok_s"] > 0 and r["recompiled"] == 0 for r in rows)
+  assert all(r["gen_tok_s"] > 0 and r["programs"] > 0 and r["recompiled"] == 0 for r in rows)
+  assert check.main(["throughput", "--layers", "1", "--concurrency", "2", "--new-tokens", "4",
+                     "--backends", "reference", "--decode-steps", "1,4", "--serial-warmup",
+                     "--out", str(out)]) == 0
+  serial = json.loads(out.read_text())
+  assert "warmup" not in serial and [r["programs"] for r in serial["rows"]] == [
+      r["programs"] for r in rows]
+  assert all(r["recompiled"] == 0 and r["xla_compile_s"] is not None for r in serial["rows"])
 
 
 def test_gpu_engine_check_device_weights_int4_and_bf16():
