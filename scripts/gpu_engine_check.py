@@ -496,8 +496,8 @@ def repeat_prompts(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
 
 def speculative(args) -> dict:
   """Per concurrency, one engine: plain, each drafter (adaptive K), plain again; the
-  ratios are to the mean of the two plain runs. Each row is written to --out as it
-  finishes (a stage cut by its time limit keeps the rows it measured)."""
+  ratios are to the mean of the two plain runs. Each run is written to --out as it
+  finishes (a stage cut by its time limit keeps the runs it measured)."""
   from o1jax.engine import SpeculativeConfig
   from o1jax.model import Llama
 
@@ -519,10 +519,14 @@ def speculative(args) -> dict:
     engine = make_engine(config, params, backend, max_slots=c,
                          num_blocks=max(256, c * ((112 + args.new_tokens) // 16 + 4)))
     batch = [(p, ()) for p in repeat_prompts(max(c, 4), config.vocab_size)]
-    runs = [("plain", bench.measure(engine, batch, opts))]
-    for name, spec, draft in drafters:
+    runs = []
+    for name, spec, draft in [("plain", None, None), *drafters, ("plain (again)", None, None)]:
       runs.append((name, bench.measure(engine, batch, opts, spec, draft)))
-    runs.append(("plain (again)", bench.measure(engine, batch, opts)))
+      # A stage cut by its time limit keeps the runs it measured (ratios come at the end).
+      out["partial"] = {"concurrency": c, "runs": [
+          {"config": n, **{k: v for k, v in r.items() if k != "tokens"}} for n, r in runs]}
+      _dump(args, out)
+    del out["partial"]
     base = (runs[0][1]["decode_tok_s"] + runs[-1][1]["decode_tok_s"]) / 2
     for name, r in runs:
       row = {"concurrency": c, "config": name, "decode_ratio": r["decode_tok_s"] / base,
