@@ -164,6 +164,37 @@ class Batch:
   verify_calls: int = 0  # iterations that verified drafts (speculative)
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _admit_rows(model, params, state, leaders, tokens, last, children, parents, rows, fresh,
+                knobs, prior_at, priors):
+  """`Controller.admit`'s device part. Static on the decode model (hashed by identity), not
+  on the controller: every controller of a model shares its compiled programs (keyed on the
+  controller, each new one compiled them again and kept them: ~225 memory maps a
+  controller on a CPU, and a process past ~290 controllers failed in LLVM's allocator)."""
+  b = state.tokens.shape[0]
+  cache = state.cache
+  # Release everything the slots' rows held, then prefill and share the prompts.
+  held = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32).at[rows].set(0, mode="drop")
+  cache = model.truncate(cache, held)
+  cache = model.prefill_rows(params, cache, leaders, tokens, last)
+  if children.shape[0]:
+    cache = model.copy_rows(cache, children, parents)
+  # Every per-row field at its start value (one row, broadcast to the admitted rows).
+  blank = S.row_start_values(1, window=state.conf_ring.shape[1],
+                             records=state.rec_start.shape[1], key_capacity=state.key.shape[1],
+                             force_capacity=state.force_buf.shape[1],
+                             draft_capacity=state.shadow_draft.shape[1])
+  put = lambda x, v: x.at[rows].set(jnp.asarray(v, x.dtype), mode="drop")
+  updates = {f: put(getattr(state, f), jnp.broadcast_to(v, (rows.shape[0],) + v.shape[1:]))
+             for f, v in blank.items()}
+  updates.update({f: put(getattr(state, f), v) for f, v in fresh.items()})
+  updates["phase"] = put(state.phase, jnp.full(rows.shape, S.THINK, jnp.int32))
+  k = state.knobs
+  k = k.replace(**{f: put(getattr(k, f), v) for f, v in knobs.items()},
+                **{f: getattr(k, f).at[prior_at].set(v, mode="drop") for f, v in priors.items()})
+  return state.replace(**updates, knobs=k, cache=cache)
+
+
 class Controller:
   """Runs reasoning policies on a DecodeModel.
 
@@ -887,9 +918,10 @@ class Controller:
     priors = dict(zip(("prior_group", "prior_key", "prior_key_len", "prior_known",
                        "prior_weight"), prior))
     with self._on_mesh():
-      return self._admit_device(self.model.params, state, jnp.asarray(leaders), jnp.asarray(tok),
-                                jnp.asarray(last), jnp.asarray(children), jnp.asarray(parents),
-                                jnp.asarray(rows), fresh, knobs, jnp.asarray(prior_at), priors)
+      return _admit_rows(self.model, self.model.params, state, jnp.asarray(leaders),
+                         jnp.asarray(tok), jnp.asarray(last), jnp.asarray(children),
+                         jnp.asarray(parents), jnp.asarray(rows), fresh, knobs,
+                         jnp.asarray(prior_at), priors)
 
   @staticmethod
   def step_limit(settings: LoopSettings, request: ReasoningRequest) -> int:
@@ -900,32 +932,6 @@ class Controller:
     """The decode model's mesh set for a device call (tensor parallelism), else nothing."""
     mesh = getattr(self.model, "mesh", None)
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-
-  @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-  def _admit_device(self, params, state, leaders, tokens, last, children, parents, rows, fresh,
-                    knobs, prior_at, priors):
-    b = state.tokens.shape[0]
-    cache = state.cache
-    # Release everything the slots' rows held, then prefill and share the prompts.
-    held = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32).at[rows].set(0, mode="drop")
-    cache = self.model.truncate(cache, held)
-    cache = self.model.prefill_rows(params, cache, leaders, tokens, last)
-    if children.shape[0]:
-      cache = self.model.copy_rows(cache, children, parents)
-    # Every per-row field at its start value (one row, broadcast to the admitted rows).
-    blank = S.row_start_values(1, window=state.conf_ring.shape[1],
-                               records=state.rec_start.shape[1], key_capacity=state.key.shape[1],
-                               force_capacity=state.force_buf.shape[1],
-                               draft_capacity=state.shadow_draft.shape[1])
-    put = lambda x, v: x.at[rows].set(jnp.asarray(v, x.dtype), mode="drop")
-    updates = {f: put(getattr(state, f), jnp.broadcast_to(v, (rows.shape[0],) + v.shape[1:]))
-               for f, v in blank.items()}
-    updates.update({f: put(getattr(state, f), v) for f, v in fresh.items()})
-    updates["phase"] = put(state.phase, jnp.full(rows.shape, S.THINK, jnp.int32))
-    k = state.knobs
-    k = k.replace(**{f: put(getattr(k, f), v) for f, v in knobs.items()},
-                  **{f: getattr(k, f).at[prior_at].set(v, mode="drop") for f, v in priors.items()})
-    return state.replace(**updates, knobs=k, cache=cache)
 
   def initial_state(self, requests, prompts, settings, n, sample_offset, conf_stop,
                     vote_floor=None, prior_votes=(), unstopped_samples: int = 0) -> ReasoningState:

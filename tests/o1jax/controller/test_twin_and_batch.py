@@ -142,3 +142,20 @@ def test_sampled_kind_on_a_vocabulary_past_the_candidates(tiny_llama, monkeypatc
   slow = Controller(model, tok).generate(requests, st, 3).traces[0]
   for a, b in zip(fast, slow):
     _same(a, b)
+
+
+def test_a_new_controller_on_the_same_model_compiles_nothing_new():
+  """Compiled programs are keyed on the decode model, not the controller: a process that
+  makes many controllers (a sweep of policies, a notebook) reuses them rather than
+  compiling and keeping a copy per controller (each held ~225 memory maps on a CPU)."""
+  from o1jax.controller import controller as controller_lib
+  from o1jax.controller.loop import ReasoningLoop
+
+  requests = [ReasoningRequest(prompt="Q", request_id=1, seed=1)]
+  model, tok = _random_mock(4), MockTokenizer(VOCAB)
+  first = Controller(model, tok).generate(requests, SAMPLED, 2)
+  programs = (controller_lib._admit_rows._cache_size(), ReasoningLoop.run._cache_size())
+  again = Controller(model, tok).generate(requests, SAMPLED, 2)
+  assert (controller_lib._admit_rows._cache_size(), ReasoningLoop.run._cache_size()) == programs
+  for a, b in zip(first.traces[0], again.traces[0]):
+    _same(a, b)
