@@ -40,7 +40,7 @@ from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.model import thinking as thinking_lib
 from o1jax.controller.answers import extract_number
-from o1jax.controller.decode_model import CachePlan, DecodeModel
+from o1jax.controller.decode_model import CachePlan, DecodeModel, program_view
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.registry import BasePolicy, build_policy, policy_names
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
@@ -167,10 +167,11 @@ class Batch:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _admit_rows(model, params, state, leaders, tokens, last, children, parents, rows, fresh,
                 knobs, prior_at, priors):
-  """`Controller.admit`'s device part. Static on the decode model (hashed by identity), not
-  on the controller: every controller of a model shares its compiled programs (keyed on the
-  controller, each new one compiled them again and kept them: ~225 memory maps a
-  controller on a CPU, and a process past ~290 controllers failed in LLVM's allocator)."""
+  """`Controller.admit`'s device part. Static on the decode model's program view
+  (`decode_model.program_view`), not on the controller: every controller of a model
+  shares its compiled programs (keyed on the controller, each new one compiled them again
+  and kept them: ~225 memory maps a controller on a CPU, and a process past ~290
+  controllers failed in LLVM's allocator)."""
   b = state.tokens.shape[0]
   cache = state.cache
   # Release everything the slots' rows held, then prefill and share the prompts.
@@ -273,6 +274,9 @@ class Controller:
     self._spec_prior = (0.5, 0.5)
     self.admission = admission
     self.model = model
+    # What the compiled programs hold of the model (static arguments): no params, so the
+    # jit caches keep no weights alive, and equal models share the programs.
+    self._program_model = program_view(model)
     self.budget = budget
     # Per request id, until `result` attaches them: budget decisions while it ran, and
     # its host-side token latencies (see Batch), summed over the policy's calls.
@@ -918,7 +922,7 @@ class Controller:
     priors = dict(zip(("prior_group", "prior_key", "prior_key_len", "prior_known",
                        "prior_weight"), prior))
     with self._on_mesh():
-      return _admit_rows(self.model, self.model.params, state, jnp.asarray(leaders),
+      return _admit_rows(self._program_model, self.model.params, state, jnp.asarray(leaders),
                          jnp.asarray(tok), jnp.asarray(last), jnp.asarray(children),
                          jnp.asarray(parents), jnp.asarray(rows), fresh, knobs,
                          jnp.asarray(prior_at), priors)
@@ -957,7 +961,7 @@ class Controller:
                            [settings.min_p], self.model.vocab_size)
     if kind == "greedy" and settings.temp_bump > 0:
       kind = "any"  # a backtracked step is drawn at temperature > 0
-    return ReasoningLoop(self.model, settings.verifier, settings.answer_probe, self.top_k,
+    return ReasoningLoop(self._program_model, settings.verifier, settings.answer_probe, self.top_k,
                          settings.answer_vote, draft_k=self.draft_k, verify=verify,
                          ngram_max=spec.ngram_max if spec else 4,
                          ngram_min=spec.ngram_min if spec else 1, draw_kind=kind,

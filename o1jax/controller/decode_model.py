@@ -42,6 +42,7 @@ Implementations: `ContiguousLlama` (o1jax Llama + contiguous KVCache),
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Mapping, Protocol, runtime_checkable
 
@@ -110,6 +111,39 @@ class CachePlan:
   prompts: int | None = None  # prompts held at once (requests in flight); None: the batch
 
 
+class ProgramKeyed:
+  """Hash and equality by what the compiled programs read of a decode model: its class and
+  `PROGRAM_FIELDS` (graphdef, config, cache settings, mesh), not its params. A decode model
+  is a static jit argument (the controller's loop and admission programs): keyed by
+  identity, every new decode model compiled its programs again, and the jit caches kept it
+  alive with its weights (~1,000 memory maps and the whole model per decode model built in
+  a process). `without_params` is what those caches should hold."""
+
+  PROGRAM_FIELDS: tuple[str, ...] = ()
+  params: Any
+
+  def _program_key(self) -> tuple:
+    return (type(self),) + tuple(getattr(self, f) for f in self.PROGRAM_FIELDS)
+
+  def __hash__(self):
+    return hash(self._program_key())
+
+  def __eq__(self, other):
+    return type(other) is type(self) and other._program_key() == self._program_key()
+
+  def without_params(self) -> "ProgramKeyed":
+    """A copy without the params (equal to this model): calls take them as an argument."""
+    view = copy.copy(self)
+    view.params = None
+    return view
+
+
+def program_view(model):
+  """What a static jit argument should hold of `model`: a `ProgramKeyed` model without its
+  params; any other decode model as it is (keyed as it defines)."""
+  return model.without_params() if isinstance(model, ProgramKeyed) else model
+
+
 @runtime_checkable
 class DecodeModel(Protocol):
   params: Any
@@ -161,12 +195,13 @@ def copy_batch_major_rows(cache, dst, src):
       lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), cache)
 
 
-class ContiguousLlama:
+class ContiguousLlama(ProgramKeyed):
   """`Llama` over the contiguous `KVCache` ([B, KVH, S, D] per layer).
 
   The model is split once (graphdef static, `params` = its nnx.State passed
-  into every jitted call). Hash and equality are by identity, so a loop
-  object holding this model is a valid static jit argument. mesh: a mesh with a
+  into every jitted call). Hash and equality are by the program's fields
+  (`ProgramKeyed`), so a loop object holding this model is a valid static jit
+  argument, shared by equal models. mesh: a mesh with a
   "model" axis: weights and cache split by heads (o1jax/sharding/tensor_parallel.py;
   the controller runs its calls with the mesh set)."""
 
@@ -176,6 +211,8 @@ class ContiguousLlama:
     self.config = model.config
     self.vocab_size = model.config.vocab_size
     self.cache_dtype = cache_dtype
+
+  PROGRAM_FIELDS = ("graphdef", "config", "cache_dtype", "mesh")
 
   def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> KVCache:
     del plan  # every row holds all `length` positions

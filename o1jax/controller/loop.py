@@ -102,7 +102,8 @@ def _set_row(buf: jax.Array, index: jax.Array, value: jax.Array, mask: jax.Array
 class ReasoningLoop:
   """Static configuration of the compiled loop (hashable; jitted with static self).
 
-  model: a DecodeModel (hashed by identity). verifier: scores steps.
+  model: a DecodeModel (its `program_view`: hashed by what the programs read of it, no
+    params; params are the calls' argument). verifier: scores steps.
   answer_probe: compile the answer-confidence probe used for early exit.
   top_k: log-probs averaged into one token confidence (DeepConf).
   vote: compile the answer keys and the consensus stop (DeepConf).

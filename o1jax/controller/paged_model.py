@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from o1jax.controller.decode_model import CacheConfig, CachePlan, place_on_mesh
+from o1jax.controller.decode_model import CacheConfig, CachePlan, ProgramKeyed, place_on_mesh
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, add_row_refs,
                                    copy_blocks, reserve_for_append, truncate_rows)
 from o1jax.model.llama import Llama
@@ -107,7 +107,7 @@ def reserve_span(blocks: BlockState, starts: jax.Array, write_lens: jax.Array, t
   return blocks.replace(lengths=held), src.reshape(-1), dst.reshape(-1), ok
 
 
-class PagedLlama:
+class PagedLlama(ProgramKeyed):
   """`Llama` over the engine's `PagedKVCache` + `BlockState` (see the module doc).
 
   block_size: tokens per block. num_blocks: a fixed pool (None: sized from the
@@ -115,7 +115,10 @@ class PagedLlama:
   "bfloat16" or "float8_e4m3fn" (as the engine's EngineConfig.kv_dtype).
   mesh: a mesh with a "model" axis: weights and pools split by heads, block
   tables replicated (as the engine's; the controller runs its calls with the mesh set).
-  Hash and equality are by identity (a valid static jit argument)."""
+  Hash and equality are by the program's fields (`ProgramKeyed`: a valid static jit
+  argument, shared by equal models)."""
+
+  PROGRAM_FIELDS = ("graphdef", "config", "block_size", "num_blocks", "kv_dtype", "mesh")
 
   def __init__(self, model: Llama, block_size: int = 16, num_blocks: int | None = None,
                kv_dtype: str = "float32", mesh=None):

@@ -159,3 +159,41 @@ def test_a_new_controller_on_the_same_model_compiles_nothing_new():
   assert (controller_lib._admit_rows._cache_size(), ReasoningLoop.run._cache_size()) == programs
   for a, b in zip(first.traces[0], again.traces[0]):
     _same(a, b)
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_equal_decode_models_share_programs_and_none_is_kept_alive(cache, tmp_path):
+  """A decode model is keyed by what its programs read (graphdef, config, cache settings),
+  and the compiled programs hold a copy without its params: a second decode model of the
+  same checkpoint compiles nothing, and a dropped one is freed with its weights (the jit
+  caches kept every decode model ever used, ~1,000 memory maps and the weights each)."""
+  import gc
+  import weakref
+
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.controller import build_decode_model
+  from o1jax.controller import controller as controller_lib
+  from o1jax.controller.decode_model import program_view
+  from o1jax.controller.loop import ReasoningLoop
+  from o1jax.model import Llama
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=128), seed=2)
+  ck = load_checkpoint(tmp_path)
+  st = LoopSettings(temperature=0.7, max_thinking_tokens=6, step_max_tokens=3)
+  requests = [ReasoningRequest(prompt="hi", request_id=3, seed=1)]
+  make = lambda **kw: build_decode_model(Llama(ck.config, ck.params, **kw), {"cache": cache})
+  first, second = make(), make()
+  assert first == second and hash(first) == hash(second) and first != make(
+      matmul_dtype="bfloat16")
+  assert program_view(first) == first and program_view(first).params is None
+  want = Controller(first, ck.tokenizer).generate(requests, st, 2)
+  programs = (controller_lib._admit_rows._cache_size(), ReasoningLoop.run._cache_size())
+  got = Controller(second, ck.tokenizer).generate(requests, st, 2)
+  assert (controller_lib._admit_rows._cache_size(), ReasoningLoop.run._cache_size()) == programs
+  for a, b in zip(want.traces[0], got.traces[0]):
+    _same(a, b)
+  dropped = weakref.ref(first)
+  del first, want
+  gc.collect()
+  assert dropped() is None
