@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check on a machine with one NVIDIA GPU and JAX (with CUDA) already
-# installed; needs no network and no checkpoint. Stages (default: engine,
-# throughput, hf, profile; their limits add up to 11 minutes, a deadline cuts them;
-# compiling dominates: an engine's warm-up took 32-111 s on an H200, 2026-12-04):
+# installed; needs no network and no checkpoint. Stages (default: engine, speculative,
+# bench: the GPU items of issues 20 and 18 and the kernels' table for 15 and 14; their
+# limits add up to 10.5 minutes, a deadline cuts them; compiling dominates: an engine's
+# warm-up took 32-111 s on an H200, 2026-12-04):
 #   tests       the kernel tests in compiled (non-interpret) mode, and the sampler's
 #               tests (its GPU branch: one threshold search over the batch)
 #   engine      the engine through the Pallas kernels vs the XLA reference
@@ -33,7 +34,7 @@
 #   speculative speculative decoding vs plain at concurrency 1 and 64 (prompt
 #               lookup, early exit, a same-weights draft model; issue 18)
 #   scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]
-#   STAGES: comma-separated, run in the order listed (default engine,throughput,hf,profile)
+#   STAGES: comma-separated, run in the order listed (default engine,speculative,bench)
 #   SECONDS: the whole run's deadline; a stage gets at most what is left less 15 s, and
 #   none starts with under 20 s left (default: none)
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage, and
@@ -41,7 +42,7 @@
 # device call brings back a few files only; a call cut at its limit keeps the archive).
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]}
-STAGES=${2:-engine,throughput,hf,profile}
+STAGES=${2:-engine,speculative,bench}
 DEADLINE=$((SECONDS + ${3:-1000000}))
 KNOWN=,tests,engine,bench,qmm,fp8,throughput,hoststeps,hf,ablate,loops,profile,controller,llama8b,speculative,
 for name in ${STAGES//,/ }; do
