@@ -961,8 +961,8 @@ class Controller:
                            [settings.min_p], self.model.vocab_size)
     if kind == "greedy" and settings.temp_bump > 0:
       kind = "any"  # a backtracked step is drawn at temperature > 0
-    return ReasoningLoop(self._program_model, settings.verifier, settings.answer_probe, self.top_k,
-                         settings.answer_vote, draft_k=self.draft_k, verify=verify,
+    return ReasoningLoop(self._program_model, settings.verifier, settings.answer_probe,
+                         self.top_k, settings.answer_vote, draft_k=self.draft_k, verify=verify,
                          ngram_max=spec.ngram_max if spec else 4,
                          ngram_min=spec.ngram_min if spec else 1, draw_kind=kind,
                          trips=(trips or FIXED_TRIPS) if steps.fixed_trip_loops() else None)

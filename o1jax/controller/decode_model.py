@@ -205,14 +205,14 @@ class ContiguousLlama(ProgramKeyed):
   "model" axis: weights and cache split by heads (o1jax/sharding/tensor_parallel.py;
   the controller runs its calls with the mesh set)."""
 
+  PROGRAM_FIELDS = ("graphdef", "config", "cache_dtype", "mesh")
+
   def __init__(self, model: Llama, cache_dtype=jnp.float32, mesh=None):
     self.mesh, model = place_on_mesh(model, mesh)
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.vocab_size = model.config.vocab_size
     self.cache_dtype = cache_dtype
-
-  PROGRAM_FIELDS = ("graphdef", "config", "cache_dtype", "mesh")
 
   def init_cache(self, batch: int, length: int, plan: CachePlan | None = None) -> KVCache:
     del plan  # every row holds all `length` positions
