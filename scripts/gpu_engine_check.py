@@ -64,6 +64,7 @@ mode (slow; use --layers 1); throughput runs the reference path only.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -271,19 +272,25 @@ def _timed_run(engine, batch) -> tuple[float, int]:
   return time.perf_counter() - t0, sum(len(r.token_ids) for r in results)
 
 
-def _warm_up_together(jobs) -> tuple[list[float], float, float]:
-  """Warm-up runs of (engine, batch) jobs on threads at once: ([s per job], wall s, XLA
-  compile s summed over the jobs). XLA compiles without Python's lock, so the compiles
-  of several engines overlap on a many-core host (one engine's warm-up took 32-111 s on
-  an H200's host, 2026-12-04, most of it compiling); the timed runs come after, one at a
-  time. (XLA's GEMM autotuning then times its candidates beside other work: the choice
-  may differ from a lone compile's; --serial-warmup compiles one engine at a time.)"""
+def _warm_up_together(runs) -> tuple[list[float], float, float]:
+  """Warm-up runs (callables: a first run of a workload, which compiles its programs) on
+  threads at once: ([s per run], wall s, XLA compile s summed over them). XLA compiles
+  without Python's lock, so the compiles of several engines overlap on a many-core host
+  (one engine's warm-up took 32-111 s on an H200's host, 2026-12-04, most of it
+  compiling); the timed runs come after, one at a time. (XLA's GEMM autotuning then times
+  its candidates beside other work: the choice may differ from a lone compile's;
+  --serial-warmup warms one engine at a time.)"""
   from concurrent.futures import ThreadPoolExecutor
+
+  def timed(run):
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
 
   compiled = _backend_compile_s()
   t0 = time.perf_counter()
-  with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-    seconds = list(pool.map(lambda job: _warm_up(*job), jobs))
+  with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+    seconds = list(pool.map(timed, runs))
   return seconds, time.perf_counter() - t0, _backend_compile_s() - compiled
 
 
@@ -329,7 +336,7 @@ def throughput(args) -> dict:
     engines = [engine_for(c, steps, config, params, kw)
                for c, steps, _, config, params, kw in runs]
     seconds, wall, compile_s = _warm_up_together(
-        [(e, batch_for(run[0])) for e, run in zip(engines, runs)])
+        [functools.partial(_warm_up, e, batch_for(run[0])) for e, run in zip(engines, runs)])
     out["warmup"] = {"together": len(runs), "wall_s": wall, "xla_compile_s": compile_s}
     print(f"warm-up of {len(runs)} engines together: {wall:.0f} s ({compile_s:.0f} s XLA "
           f"compile summed over them)", flush=True)
@@ -546,7 +553,8 @@ def controller(args) -> dict:
   """Self-consistency (n=8 sampled traces per prompt, each prompt's blocks shared) through
   the reasoning controller's device loop on the paged cache, against the engine sampling
   the same rows (prompts x 8, `GenerationParams(n=8)`), per concurrency (= rows): generated
-  tokens per second of each, timed warm (a first run compiles every program)."""
+  tokens per second of each, timed warm (first runs of both compile every program, at
+  once unless --serial-warmup)."""
   from o1jax.controller import Controller, build_decode_model
   from o1jax.engine import GenerationParams, Request
   from o1jax.model import Llama
@@ -570,18 +578,23 @@ def controller(args) -> dict:
     ps = prompts(max(1, rows // n), seed=4, low=30, high=40, vocab=config.vocab_size)
     ctl = Controller(build_decode_model(model, {"cache": "paged", "kv_dtype": args.kv_dtype}),
                      byte_tokenizer(), max_rows=max(n, rows))
-    ctl.run(ps, policy)  # compiles
-    t0 = time.perf_counter()
-    results = ctl.run(ps, policy)
-    ctl_s = time.perf_counter() - t0
-    ctl_tokens = sum(r.tokens.generated for r in results)
     engine = make_engine(config, params, backend, max_slots=max(n, rows),
                          num_blocks=max(256, rows * (args.new_tokens // 16 + 4)),
                          matmul_dtype=args.matmul_dtype, weight_mode=weight_mode,
                          kv_dtype=args.kv_dtype)
     gp = GenerationParams(max_new_tokens=args.new_tokens, n=n, temperature=0.8,
                           top_p=args.top_p, seed=1, ignore_eos=True)
-    engine.generate([Request(p, gp) for p in ps])  # compiles
+    # First runs compile, both sides at once (`_warm_up_together`); then each is timed alone.
+    warm = [lambda: ctl.run(ps, policy), lambda: engine.generate([Request(p, gp) for p in ps])]
+    if args.serial_warmup:
+      for run in warm:
+        run()
+    else:
+      _warm_up_together(warm)
+    t0 = time.perf_counter()
+    results = ctl.run(ps, policy)
+    ctl_s = time.perf_counter() - t0
+    ctl_tokens = sum(r.tokens.generated for r in results)
     t0 = time.perf_counter()
     done = engine.generate([Request(p, gp) for p in ps])
     wall = time.perf_counter() - t0
@@ -666,8 +679,8 @@ def main(argv=None) -> int:
   ap.add_argument("--matmul-dtype", default="float32",
                   help="the Llama's matmul_dtype (smollm2 shape; float8: FP8 activations)")
   ap.add_argument("--serial-warmup", action="store_true",
-                  help="throughput: warm each engine up alone, right before its timed run "
-                  "(default: every engine's warm-up at once, on threads, then the timed runs)")
+                  help="throughput, controller: warm each engine up alone (default: every "
+                  "engine's warm-up at once, on threads, then the timed runs one at a time)")
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   import jax
