@@ -38,6 +38,11 @@ the paged cache (`paged_model.PagedLlama`) releases blocks there instead.
 Implementations: `ContiguousLlama` (o1jax Llama + contiguous KVCache),
 `PagedLlama` (the engine's paged KV cache: rows share the prompt's blocks) and
 `o1jax.controller.testing.MockDecodeModel` (hand-computable logits).
+
+A decode model is a static argument of the compiled programs, so it must hash. The two
+Llama ones hash by what their programs read (`ProgramKeyed`) and the programs hold them
+without params (`program_view`); any other (the mock) hashes as it defines (identity by
+default: the jit caches keep it, and its params, for the process' life).
 """
 
 from __future__ import annotations
