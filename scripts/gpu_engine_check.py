@@ -258,11 +258,15 @@ def _timed_generate(engine, batch) -> tuple[float, float, int, int, float]:
   return warm, wall, generated, programs, compiled
 
 
+def _seconds(run) -> float:
+  t0 = time.perf_counter()
+  run()
+  return time.perf_counter() - t0
+
+
 def _warm_up(engine, batch) -> float:
   """Seconds of a first run of the workload: it compiles every program the timed run needs."""
-  t0 = time.perf_counter()
-  engine.generate(batch)
-  return time.perf_counter() - t0
+  return _seconds(lambda: engine.generate(batch))
 
 
 def _timed_run(engine, batch) -> tuple[float, int]:
@@ -282,15 +286,10 @@ def _warm_up_together(runs) -> tuple[list[float], float, float]:
   --serial-warmup warms one engine at a time.)"""
   from concurrent.futures import ThreadPoolExecutor
 
-  def timed(run):
-    t0 = time.perf_counter()
-    run()
-    return time.perf_counter() - t0
-
   compiled = _backend_compile_s()
   t0 = time.perf_counter()
   with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-    seconds = list(pool.map(timed, runs))
+    seconds = list(pool.map(_seconds, runs))
   return seconds, time.perf_counter() - t0, _backend_compile_s() - compiled
 
 
@@ -340,7 +339,8 @@ def throughput(args) -> dict:
     out["warmup"] = {"together": len(runs), "wall_s": wall, "xla_compile_s": compile_s}
     print(f"warm-up of {len(runs)} engines together: {wall:.0f} s ({compile_s:.0f} s XLA "
           f"compile summed over them)", flush=True)
-    warmed = {i: (e, s) for i, (e, s) in enumerate(zip(engines, seconds))}
+    warmed = dict(enumerate(zip(engines, seconds)))
+    del engines  # each engine is freed after its timed run (`warmed.pop`)
     _dump(args, out)
   for i, (c, steps, label, config, params, kw) in enumerate(runs):
     if i in warmed:

