@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from o1jax.checkpoint.tokenizer import token_texts
+from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.model import thinking as thinking_lib
@@ -1048,6 +1049,7 @@ class Controller:
       state = state.replace(
           stop_at=jnp.int32(min(start_iter + call_iterations, NEVER)),
           slot_live=jnp.asarray(live), return_on_free=jnp.asarray(bool(waiting)))
+      release_programs_near_map_limit()
       t_call = time.perf_counter()
       with self._on_mesh():
         state = (loop.run_python if self.python_twin else loop.run)(self.model.params, state)

@@ -53,6 +53,7 @@ from jax.sharding import Mesh
 from pallas_kernels import ops as kernel_ops
 
 from o1jax.checkpoint import load_checkpoint
+from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.engine import fields
 from o1jax.engine import steps
 from o1jax.engine.allocator import BlockAllocator, OutOfBlocks
@@ -778,6 +779,7 @@ class Engine:
     consumed, the pool is rebuilt and every sequence that held blocks is requeued for
     recomputation (`_recover_pools`) before the error propagates: the caller cancels
     its own requests, the others go on with the tokens they would have had."""
+    release_programs_near_map_limit()
     t0 = self.clock()
     try:
       self._apply_budget()

@@ -197,3 +197,27 @@ def test_equal_decode_models_share_programs_and_none_is_kept_alive(cache, tmp_pa
   del first, want
   gc.collect()
   assert dropped() is None
+
+
+def test_programs_released_between_loop_calls_give_the_same_traces(tiny_llama, monkeypatch,
+                                                                   caplog):
+  """Past the memory-map bound (checked before each loop call) JAX's programs are
+  dropped and compiled again mid-generate: the traces do not change."""
+  import logging
+
+  from o1jax import compilation_cache
+  from o1jax.controller.loop import ReasoningLoop
+
+  model, tokenizer = tiny_llama
+  st = LoopSettings(temperature=0.8, max_thinking_tokens=12, step_max_tokens=4)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=3)
+              for i, p in enumerate(["ab", "cde", "f"])]
+  want = Controller(model, tokenizer, max_rows=4).generate(requests, st, 2)
+  monkeypatch.setattr(compilation_cache, "map_limit", lambda: 2)
+  with caplog.at_level(logging.WARNING, logger=compilation_cache.__name__):
+    got = Controller(model, tokenizer, max_rows=4).generate(requests, st, 2)
+  assert "released JAX's compiled programs" in caplog.text
+  assert ReasoningLoop.run._cache_size() >= 1  # compiled again after the release
+  for w, g in zip(want.traces, got.traces):
+    for a, b in zip(w, g):
+      _same(a, b)

@@ -520,3 +520,23 @@ def test_engine_arguments_of_the_wrong_type_are_named(tiny):
       Engine(tiny.model, tiny.tokenizer, **kwargs)
   Engine(tiny.model, tiny.tokenizer, config, budget=BudgetLoop(BudgetConfig()),
          speculative=SpeculativeConfig())
+
+
+def test_programs_released_mid_run_give_the_same_tokens(tiny, make_prompts, monkeypatch, caplog):
+  """Past the memory-map bound (`compilation_cache.release_programs_near_map_limit`,
+  checked before each step) JAX's programs are dropped between steps and compiled
+  again: the tokens do not change."""
+  import logging
+
+  from o1jax import compilation_cache
+
+  config = EngineConfig(max_slots=4, num_blocks=128, prefill_chunk=16)
+  requests = [Request(p, SAMPLED[i % 2]) for i, p in enumerate(make_prompts(6, seed=11))]
+  want = Engine(tiny.model, tiny.tokenizer, config).generate(requests)
+  monkeypatch.setattr(compilation_cache, "map_limit", lambda: 2)
+  with caplog.at_level(logging.WARNING, logger=compilation_cache.__name__):
+    engine = Engine(tiny.model, tiny.tokenizer, config)
+    got = engine.generate(requests)
+  assert caplog.text.count("released JAX's compiled programs") >= 2
+  assert engine.trace_counts["decode"] >= 2  # compiled again after a release
+  assert [g.token_ids for g in got] == [w.token_ids for w in want]
