@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -43,7 +44,7 @@ import math
 import os
 import time
 import zlib
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,54 @@ from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
 
 log = logging.getLogger(__name__)
+
+
+class _BoundStep:
+  """step_fn(graphdef, state, *args) as fn(state_leaves, *args). Equal (and hashed) by
+  the step, the graphdef and the state's tree structure, all its programs read: the
+  params are the calls' argument. (Binding them here rather than passing them per call
+  saves ~3 ms of host time per decode step: hashing a static graphdef, flattening the
+  NNX state.)"""
+
+  def __init__(self, step_fn, graphdef, state_def):
+    functools.update_wrapper(self, step_fn)  # its name in logs; __wrapped__: the step
+    self.graphdef, self.state_def = graphdef, state_def
+
+  def __call__(self, state_leaves, *args):
+    return self.__wrapped__(self.graphdef, jax.tree.unflatten(self.state_def, state_leaves),
+                            *args)
+
+  def _key(self):
+    return self.__wrapped__, self.graphdef, self.state_def
+
+  def __eq__(self, other):
+    return type(other) is _BoundStep and self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key())
+
+
+class _Counted:
+  """fn, counting each trace in the calling engine's `trace_counts` and logging it."""
+
+  def __init__(self, name: str, fn):
+    functools.update_wrapper(self, fn)
+    self.name = name
+
+  def __call__(self, *args):
+    counts = _TRACE_COUNTS.get()
+    if counts is not None:
+      counts[self.name] += 1
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(args[1:]) if hasattr(x, "shape")][-12:]
+    log.info("engine: compiling %s for shapes %s", self.name, shapes)
+    return self.__wrapped__(*args)
+
+
+# Every engine's jitted calls, keyed by what they compile (`Engine._jit`), and the calling
+# engine's trace counter while one of them runs.
+_PROGRAMS: dict[tuple, Any] = {}
+_TRACE_COUNTS: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar(
+    "engine_trace_counts", default=None)
 
 POLICIES = ("fifo", "shortest_budget", "length_groups")
 # A prefill call's fixed cost in positions computed, for packing its rows (see
@@ -448,9 +497,7 @@ class Engine:
                             else None)
     self._decode_shapes = (ShapePlan(fits=decode_fits)
                            if config.reuse_compiled_shapes else None)
-    # The graphdef and the state's tree structure are bound here rather than
-    # passed per call: hashing a static graphdef and flattening the NNX state
-    # cost ~3 ms of host time per decode step. Calls pass the flat leaves.
+    # Calls pass the flat state leaves (`_BoundStep`).
     self._state_leaves, self._state_def = jax.tree.flatten(self._state)
     self._decode_jit = self._jit("decode", self._bound(steps.decode_loop),
                                  static_argnums=(6, 7), donate_argnums=(1,))
@@ -576,38 +623,33 @@ class Engine:
     graphdef and state structure, or the given ones (the draft model's)."""
     graphdef = self._graphdef if graphdef is None else graphdef
     state_def = self._state_def if state_def is None else state_def
-
-    @functools.wraps(step_fn)
-    def fn(state_leaves, *args):
-      return step_fn(graphdef, jax.tree.unflatten(state_def, state_leaves), *args)
-
-    return fn
+    return _BoundStep(step_fn, graphdef, state_def)
 
   def _jit(self, name: str, fn, **jit_kwargs):
-    """jax.jit of fn (traces counted, see `_traced`); on a mesh, every call runs with it
-    set, so ops that XLA cannot partition run per shard (`pallas_kernels.ops`)."""
-    compiled = jax.jit(self._traced(name, fn), **jit_kwargs)
-    if self.mesh is None:
-      return compiled
+    """The jitted fn, shared by every engine whose fn is equal (`_BoundStep`: the same step
+    of an equal graphdef and state structure; no params) and mesh: a second engine on
+    the same model compiles nothing again. Each trace (= each compilation of a new
+    shape) is counted in the calling engine's `trace_counts` and logged. On a mesh,
+    every call runs with it set, so ops that XLA cannot partition run per shard
+    (`pallas_kernels.ops`)."""
+    key = (name, fn, self.mesh, tuple(sorted(jit_kwargs.items())))
+    program = _PROGRAMS.get(key)
+    if program is None:
+      program = _PROGRAMS[key] = jax.jit(_Counted(name, fn), **jit_kwargs)
+    counts, mesh = self.trace_counts, self.mesh
 
-    @functools.wraps(compiled)
-    def on_mesh(*args):
-      with jax.set_mesh(self.mesh):
-        return compiled(*args)
+    @functools.wraps(program)
+    def call(*args):
+      caller = _TRACE_COUNTS.set(counts)
+      try:
+        if mesh is None:
+          return program(*args)
+        with jax.set_mesh(mesh):
+          return program(*args)
+      finally:
+        _TRACE_COUNTS.reset(caller)
 
-    return on_mesh
-
-  def _traced(self, name: str, fn):
-    """fn, counting and logging each trace (= each compilation of a new shape)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args):
-      shapes = [tuple(x.shape) for x in jax.tree.leaves(args[1:]) if hasattr(x, "shape")][-12:]
-      self.trace_counts[name] += 1
-      log.info("engine: compiling %s (#%d) for shapes %s", name, self.trace_counts[name], shapes)
-      return fn(*args)
-
-    return wrapper
+    return call
 
   @property
   def graphdef(self):

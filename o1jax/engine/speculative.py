@@ -193,7 +193,11 @@ class SpeculationPlanner:
   call per admitted sequence (at batch 8-32, where rows arrive one by one, that was
   6-30% of the calls and up to 14% of the time; at a 2% share, 2-4% at batch 1),
   while one that pays for some sequences (prompt lookup over a mix of copying and
-  free text) keeps trying every new one.
+  free text) keeps trying every new one. These totals cover the last
+  `HISTORY_SECONDS` of decode time seen (scaled down together past it): a long-lived
+  engine whose workload changes (copying, then free text) judges exploring by what it
+  saves now, and a long stretch without exploring does not bank a budget that a burst
+  of new sequences would then spend at once.
 
   While no request waits (`draining`), the batch ends with its last row: rows
   still prefilling (`pending`) count with the calls they have ahead, so no verify
@@ -217,6 +221,7 @@ class SpeculationPlanner:
   # A sequence with no evidence, when exploring: high enough that a drafter which pays
   # only at high acceptance (a draft model's steps cost a share of a step each) is tried.
   OPTIMISTIC_RATE = 0.9
+  HISTORY_SECONDS = 300.0  # decode time the exploring totals cover (see above)
 
   def __init__(self, config: SpeculativeConfig, draft_step_share: float = 0.0):
     self.config = config
@@ -259,6 +264,11 @@ class SpeculationPlanner:
     if k and emitted is not None and plain is not None:
       self.saved_seconds += emitted * plain - seconds - one_off
     self.seen_seconds += seconds * steps + one_off
+    if self.seen_seconds > self.HISTORY_SECONDS:
+      forget = self.HISTORY_SECONDS / self.seen_seconds
+      self.seen_seconds *= forget
+      self.explored_seconds *= forget
+      self.saved_seconds *= forget
     self.timings.setdefault(key, collections.deque(maxlen=self.KEEP)).append(seconds)
     self._timed_at[key] = self.decisions
 

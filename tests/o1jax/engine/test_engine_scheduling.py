@@ -540,3 +540,33 @@ def test_programs_released_mid_run_give_the_same_tokens(tiny, make_prompts, monk
   assert caplog.text.count("released JAX's compiled programs") >= 2
   assert engine.trace_counts["decode"] >= 2  # compiled again after a release
   assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_engines_on_equal_models_share_programs_and_count_their_own_traces(tiny, make_prompts):
+  """A second engine on the same model (or an equal one: the same checkpoint loaded
+  again) compiles nothing the first compiled, and gives the same tokens; traces are
+  counted by the engine whose call compiled; another matmul dtype compiles its own. A
+  dropped engine is freed (programs hold no params and no engine)."""
+  import gc
+  import weakref
+
+  from o1jax.model import Llama
+
+  # (Every bucket compiled: renting a compiled shape depends on measured times.)
+  config = EngineConfig(max_slots=4, num_blocks=128, prefill_chunk=32,
+                        reuse_compiled_shapes=False)
+  requests = [Request(p, SAMPLED[i % 2]) for i, p in enumerate(make_prompts(5, seed=21))]
+  first = Engine(tiny.model, tiny.tokenizer, config)
+  want = [r.token_ids for r in first.generate(requests)]
+  assert first.trace_counts["decode"] >= 1 and first.trace_counts["prefill"] >= 1
+  equal_model = Llama(tiny.config, tiny.params)
+  second = Engine(equal_model, tiny.tokenizer, config)
+  assert [r.token_ids for r in second.generate(requests)] == want
+  assert sum(second.trace_counts.values()) == 0
+  other = Engine(Llama(tiny.config, tiny.params, matmul_dtype="bfloat16"), tiny.tokenizer, config)
+  other.generate(requests[:1])
+  assert other.trace_counts["decode"] >= 1
+  dropped = weakref.ref(first)
+  del first
+  gc.collect()
+  assert dropped() is None

@@ -3,6 +3,7 @@ hand-fed costs, and the engine through it (fewer programs, the same tokens)."""
 
 import dataclasses
 
+import jax
 import pytest
 
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
@@ -71,6 +72,7 @@ def test_engine_rents_compiled_prefill_shapes_with_the_same_tokens(tiny, make_pr
   config = EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, prefix_caching=False)
   results, engines = {}, {}
   for reuse in (True, False):
+    jax.clear_caches()  # each engine compiles its own (engines on one model share programs)
     engine = Engine(tiny.model, tiny.tokenizer,
                     dataclasses.replace(config, reuse_compiled_shapes=reuse))
     results[reuse] = [r.token_ids for r in engine.generate(
@@ -93,6 +95,7 @@ def test_engine_rents_compiled_decode_shapes_with_the_same_tokens(tiny, make_pro
   config = EngineConfig(max_slots=8, num_blocks=256, prefill_chunk=64, prefix_caching=False)
   tokens, engines = {}, {}
   for reuse in (True, False):
+    jax.clear_caches()  # each engine compiles its own (engines on one model share programs)
     engine = Engine(tiny.model, tiny.tokenizer,
                     dataclasses.replace(config, reuse_compiled_shapes=reuse))
     out = engine.generate([Request(p, params, request_id=i) for i, p in enumerate(long_prompts)])

@@ -559,3 +559,40 @@ def test_embedded_model_greedy_tokens_equal_plain_decoding(embedded_checkpoint, 
 def test_speculative_config_values_of_the_wrong_type_are_named(fields, match):
   with pytest.raises(ValueError, match=match):
     SpeculativeConfig(**fields)
+
+
+def test_planner_judges_exploring_by_its_recent_history():
+  """The exploring totals cover the last HISTORY_SECONDS of decode time: after a long
+  stretch in which speculation paid (ten histories: the full share, and kept forever if
+  every second counted), a stretch of explorations that only lose brings the share down
+  to the floor; and a long stretch without exploring banks at most a share of
+  HISTORY_SECONDS, not of all the time seen. (Slow calls, so that few make hours.)"""
+  history = SpeculationPlanner.HISTORY_SECONDS
+
+  def explore(planner, emitted):
+    planner._exploring = planner._key(8, 3, False)
+    planner.observe(8, 3, 1.8, emitted=emitted)  # 0.8 s beyond a plain step of 1 s
+
+  planner = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
+  planner.observe(8, 0, 1.0)
+  explore(planner, 1.0)
+  for _ in range(int(10 * history / 1.8)):  # copying: each verify call saves 2.2 s
+    planner.observe(8, 3, 1.8, emitted=4.0)
+  assert planner.explore_share() == planner.EXPLORE_SHARE
+  assert planner.seen_seconds == pytest.approx(history)
+  for _ in range(int(3 * history / 1.8)):  # free text: each exploration loses 0.8 s
+    explore(planner, 1.0)
+  # (With every second kept: 3,667 s saved against 1,333 s explored, the full share.)
+  assert planner.saved_seconds < 0
+  assert planner.explore_share() == planner.EXPLORE_FLOOR
+  # An hour of plain decoding, then explorations: the budget is a share of the history.
+  idle = SpeculationPlanner(SpeculativeConfig(max_drafts=3))
+  for _ in range(3600 // 8):
+    idle.observe(8, 0, 1.0, steps=8)
+  assert idle.seen_seconds == pytest.approx(history)
+  explorations = 0
+  while idle.explored_seconds <= idle.explore_share() * idle.seen_seconds:
+    explore(idle, 1.0)
+    explorations += 1
+  # 6 s of exploring budget (2% of 300 s), not 72 s (2% of the hour)
+  assert explorations <= idle.EXPLORE_SHARE * history / 0.8 + 1
