@@ -249,7 +249,8 @@ def _dump(args, out: dict) -> None:
 
 def _timed_generate(engine, batch) -> tuple[float, float, int, int, float]:
   """(warm-up s, timed wall s, generated tokens, programs compiled, XLA compile s of the
-  warm-up) of one workload."""
+  warm-up) of one workload. (Programs this engine traced: engines on an equal model
+  share them, so a later engine compiles only the shapes no earlier one had.)"""
   compiled = _backend_compile_s()
   warm = _warm_up(engine, batch)
   compiled = _backend_compile_s() - compiled

@@ -72,12 +72,19 @@ def test_gpu_engine_check_throughput_rows_per_decode_steps_on_cpu(tmp_path):
   rows = result["rows"]
   assert [(r["decode_steps"], r["concurrency"]) for r in rows] == [(1, 2), (4, 2)]
   assert all(r["gen_tok_s"] > 0 and r["programs"] > 0 and r["recompiled"] == 0 for r in rows)
+  import jax
+
+  jax.clear_caches()  # engines on an equal model share programs: compile them again
   assert check.main(["throughput", "--layers", "1", "--concurrency", "2", "--new-tokens", "4",
                      "--backends", "reference", "--decode-steps", "1,4", "--serial-warmup",
                      "--out", str(out)]) == 0
   serial = json.loads(out.read_text())
-  assert "warmup" not in serial and [r["programs"] for r in serial["rows"]] == [
-      r["programs"] for r in rows]
+  # Engines on one model share programs: warmed up one by one, the second compiles only
+  # its own decode calls' (its decode steps); at once, every program is traced at least
+  # once (by either engine, or both while neither had it).
+  programs = [r["programs"] for r in serial["rows"]]
+  assert "warmup" not in serial and programs[0] > programs[1] > 0
+  assert sum(r["programs"] for r in rows) >= sum(programs)
   assert all(r["recompiled"] == 0 and r["xla_compile_s"] is not None for r in serial["rows"])
 
 
