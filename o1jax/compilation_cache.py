@@ -27,12 +27,13 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> path
 # -- compiled programs in memory -----------------------------------------------------------
 
 # XLA:CPU maps each compiled kernel's code, constants and data into regions of their own:
-# ~900 memory maps per decode program of the embedded model, ~550 for a 2-layer one. JAX
-# keeps every program for the process' life, so a sweep of ~35 controller settings in
-# one process reached Linux's vm.max_map_count (65,530), where the next compile failed
-# in LLVM with "Cannot allocate memory". Past this fraction of the limit the in-memory
-# programs are dropped (the next call of each compiles again, from the disk cache above
-# when it is on).
+# a new controller setting (its loop and admission programs) took ~1,050 memory maps on a
+# 2-layer model and ~1,750 on the embedded one. JAX keeps every program for the process'
+# life, so a one-process sweep of controller settings on the 2-layer model aborted at
+# its 61st (Linux's vm.max_map_count is 65,530) with "LLVM compilation error: Cannot
+# allocate memory" (docs/measurements/2026-12-04_compiled_programs.md). Past this
+# fraction of the limit the in-memory programs are dropped (the next call of each
+# compiles again, from the disk cache above when it is on).
 RELEASE_AT_MAP_FRACTION = 0.5
 _MAX_MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")
 _PROCESS_MAPS = pathlib.Path("/proc/self/maps")
