@@ -85,6 +85,29 @@ def _is_default(value, field: dataclasses.Field) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_steps(graphdef):
+  """(prefill, decode) of a model graph, jitted with the graph bound: shared by every
+  Generator on an equal model, and holding no weights (params are the calls' argument,
+  STYLE.md #4), so a dropped Generator frees its model. (Static `self` made each
+  Generator compile again and kept it, weights and all, in the jit caches for good.)"""
+
+  def prefill(state, tokens, starts, cache, last_index):
+    return nnx.merge(graphdef, state)(tokens, starts, cache, logits_at=last_index)
+
+  def decode(state, tokens, positions, cache, base_keys, step, temperature, top_k, top_p,
+             min_p):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(tokens[:, None], positions, cache, logits_at=jnp.zeros_like(positions))
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
+    return sample(logits, keys, temperature, top_k, top_p, min_p), cache
+
+  return jax.jit(prefill, donate_argnums=(3,)), jax.jit(decode, donate_argnums=(3,))
+
+
+_sample_first = jax.jit(sample)
+
+
 class Generator:
   """Greedy / sampled generation for a batch of prompts with one model."""
 
@@ -96,33 +119,9 @@ class Generator:
     self.tokenizer = tokenizer
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
     self.config = model.config
-    self._graphdef, self._state = nnx.split(model)
+    graphdef, self._state = nnx.split(model)
+    self._prefill, self._decode = _jitted_steps(graphdef)
     self._eos = np.array(sorted(set(tokenizer.eos_ids) | set(model.config.eos_ids)) or [-1])
-
-  # -- jitted steps (graphdef static, parameters passed in: STYLE.md #4) --------
-
-  @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-  def _prefill(self, state, tokens, starts, cache, last_index):
-    model = nnx.merge(self._graphdef, state)
-    return model(tokens, starts, cache, logits_at=last_index)
-
-  @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-  def _decode(self, state, tokens, positions, cache, base_keys, step, temperature, top_k, top_p, min_p):
-    model = nnx.merge(self._graphdef, state)
-    logits, cache = model(tokens[:, None], positions, cache, logits_at=jnp.zeros_like(positions))
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
-    next_ids = sample(logits, keys, temperature, top_k, top_p, min_p)
-    return next_ids, cache
-
-  @functools.partial(jax.jit, static_argnums=(0,))
-  def _sample_first(self, logits, keys, temperature, top_k, top_p, min_p):
-    return sample(logits, keys, temperature, top_k, top_p, min_p)
-
-  def __hash__(self):
-    return id(self)
-
-  def __eq__(self, other):
-    return self is other
 
   # -- helpers --------------------------------------------------------------------
 
@@ -228,7 +227,7 @@ class Generator:
                                   cache, jnp.asarray(lengths - 1))
     base_keys = self._base_keys(params, request_ids)
     first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, 0)
-    next_ids = self._sample_first(logits, first_keys, *sampling)
+    next_ids = _sample_first(logits, first_keys, *sampling)
     out = [[] for _ in range(n)]
     spans = [None if self.thinking is None else
              SpanReader(self.thinking, self.tokenizer.decode, p) for p in ids]

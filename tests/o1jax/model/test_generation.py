@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from o1jax import testing
 from o1jax.checkpoint import load_checkpoint
@@ -199,3 +200,27 @@ def test_params_whose_own_settings_the_generator_would_ignore_are_refused(tiny):
   out = tiny_gen.generate([[5, 6, 7]], max_new_tokens=3,
                           params=GenerationParams(temperature=0.0, seed=3))
   assert len(out[0].token_ids) <= 3
+
+
+def test_generators_on_equal_models_share_programs_and_a_dropped_one_is_freed(tiny):
+  """The jitted steps hold the model's graph, not the Generator or its weights: a second
+  Generator on an equal model compiles nothing and gives the same tokens, and a dropped
+  Generator is freed with its params (static `self` kept both for the process' life)."""
+  import gc
+  import weakref
+
+  from o1jax.model import generation
+
+  ck, _ = tiny
+  params = [SamplingParams(temperature=0.8, seed=3), SamplingParams()]
+  first = Generator(Llama(ck.config, ck.params), ck.tokenizer)
+  want = [o.token_ids for o in first.generate(["ab", "xyz"], max_new_tokens=6, params=params)]
+  prefill, decode = generation._jitted_steps(nnx.graphdef(first.model))
+  sizes = (prefill._cache_size(), decode._cache_size())
+  second = Generator(Llama(ck.config, ck.params), ck.tokenizer)
+  got = [o.token_ids for o in second.generate(["ab", "xyz"], max_new_tokens=6, params=params)]
+  assert got == want and (prefill._cache_size(), decode._cache_size()) == sizes
+  dropped, weights = weakref.ref(first), weakref.ref(first.model)
+  del first
+  gc.collect()
+  assert dropped() is None and weights() is None
