@@ -117,9 +117,18 @@ class _Counted:
     return self.__wrapped__(*args)
 
 
-# Every engine's jitted calls, keyed by what they compile (`Engine._jit`), and the calling
-# engine's trace counter while one of them runs.
-_PROGRAMS: dict[tuple, Any] = {}
+# Every engine's jitted calls, keyed by what they compile (`Engine._jit`) and then by
+# `_trace_context`, and the calling engine's trace counter while one of them runs.
+_PROGRAMS: dict[tuple, dict[tuple, Any]] = {}
+
+
+def _trace_context() -> tuple:
+  """What a trace reads from the process rather than from its arguments: the default
+  backend (the kernels' `auto` dispatch, the sampler's GPU branch) and the loop form
+  (`steps.fixed_trip_loops`). A program traced under other values is another program
+  (an engine made after O1JAX_FIXED_TRIP_LOOPS changed must not run the old loop)."""
+  return jax.default_backend(), steps.fixed_trip_loops()
+
 _TRACE_COUNTS: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar(
     "engine_trace_counts", default=None)
 
@@ -627,19 +636,22 @@ class Engine:
 
   def _jit(self, name: str, fn, **jit_kwargs):
     """The jitted fn, shared by every engine whose fn is equal (`_BoundStep`: the same step
-    of an equal graphdef and state structure; no params) and mesh: a second engine on
-    the same model compiles nothing again. Each trace (= each compilation of a new
+    of an equal graphdef and state structure; no params) and mesh, per `_trace_context`:
+    a second engine on the same model compiles nothing again. Each trace (= each compilation of a new
     shape) is counted in the calling engine's `trace_counts` and logged. On a mesh,
     every call runs with it set, so ops that XLA cannot partition run per shard
     (`pallas_kernels.ops`)."""
-    key = (name, fn, self.mesh, tuple(sorted(jit_kwargs.items())))
-    program = _PROGRAMS.get(key)
-    if program is None:
-      program = _PROGRAMS[key] = jax.jit(_Counted(name, fn), **jit_kwargs)
+    # (The key hashes the graphdef: once here, not per call.)
+    by_context = _PROGRAMS.setdefault((name, fn, self.mesh, tuple(sorted(jit_kwargs.items()))),
+                                      {})
     counts, mesh = self.trace_counts, self.mesh
 
-    @functools.wraps(program)
+    @functools.wraps(fn)
     def call(*args):
+      context = _trace_context()
+      program = by_context.get(context)
+      if program is None:
+        program = by_context[context] = jax.jit(_Counted(name, fn), **jit_kwargs)
       caller = _TRACE_COUNTS.set(counts)
       try:
         if mesh is None:

@@ -154,6 +154,9 @@ def test_fixed_trip_loop_matches_the_while_loop(tiny, engines, make_prompts, mon
   steps_per_call = {shape[-1] for shape in fixed._decode_shapes.compiled}
   assert steps_per_call <= {1, 2, 4, 8} and {1, 8} <= steps_per_call
   assert {shape[-1] for shape in many._decode_shapes.compiled} == {8}
+  # Every fixed-trip program was traced as such, none taken from the while-loop engine
+  # on the same model (the loop form is part of a shared program's key).
+  assert fixed.trace_counts["decode"] == len(fixed._decode_shapes.compiled)
 
 
 def test_batches_draw_by_their_kind_with_the_same_tokens(tiny, engines, make_prompts):
