@@ -129,6 +129,7 @@ def _trace_context() -> tuple:
   (an engine made after O1JAX_FIXED_TRIP_LOOPS changed must not run the old loop)."""
   return jax.default_backend(), steps.fixed_trip_loops()
 
+
 _TRACE_COUNTS: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar(
     "engine_trace_counts", default=None)
 
