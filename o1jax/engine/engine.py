@@ -647,12 +647,16 @@ class Engine:
                                       {})
     counts, mesh = self.trace_counts, self.mesh
 
-    @functools.wraps(fn)
-    def call(*args):
+    def current():
       context = _trace_context()
       program = by_context.get(context)
       if program is None:
         program = by_context[context] = jax.jit(_Counted(name, fn), **jit_kwargs)
+      return program
+
+    @functools.wraps(fn)
+    def call(*args):
+      program = current()
       caller = _TRACE_COUNTS.set(counts)
       try:
         if mesh is None:
@@ -662,6 +666,7 @@ class Engine:
       finally:
         _TRACE_COUNTS.reset(caller)
 
+    call.lower = lambda *args: current().lower(*args)  # as a jitted function's (not counted)
     return call
 
   @property

@@ -159,7 +159,8 @@ class DecodeCollectives:
   Installed before the engine runs, it records the first decode call's argument shapes
   and shardings (host inputs stay uncommitted); `counts()` then lowers and compiles that
   program once more and counts each collective in its HLO text. The engine is duck-typed
-  (its `_decode_jit` and `mesh`), so this package stays a leaf."""
+  (its `_decode_jit`, which lowers as a jitted function does, and `mesh`), so this
+  package stays a leaf."""
 
   def __init__(self, engine):
     self._engine = engine
@@ -178,5 +179,5 @@ class DecodeCollectives:
     if self._args is None:
       raise RuntimeError("the engine has not run a decode step yet")
     with jax.set_mesh(self._engine.mesh):
-      text = self._decode.__wrapped__.lower(*self._args).compile().as_text()
+      text = self._decode.lower(*self._args).compile().as_text()
     return {op: text.count(f" {op}(") for op in COLLECTIVES}
