@@ -348,9 +348,11 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
                              jnp.full((b,), -jnp.inf, jnp.float32))
       ids, among, cut = jax.lax.cond(jnp.any(on), candidates, no_filter, None)
     # One whole-vocabulary draw (one compiled copy) for every row whose kept set passes
-    # the candidates, whichever branch it came from.
-    ids = jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids,
-                                             lambda _: whole_vocabulary(cut), None))
+    # the candidates, whichever branch it came from (none can where the candidates are
+    # the whole vocabulary: every threshold is known there).
+    if v > CANDIDATES:
+      ids = jnp.where(among, ids, jax.lax.cond(jnp.all(among), lambda _: ids,
+                                               lambda _: whole_vocabulary(cut), None))
     if all_sampled:
       return ids.astype(jnp.int32)
     # The argmax only where some row is greedy (a pass over the logits).
