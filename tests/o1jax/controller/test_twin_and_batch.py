@@ -187,6 +187,8 @@ def test_equal_decode_models_share_programs_and_none_is_kept_alive(cache, tmp_pa
   assert first == second and hash(first) == hash(second) and first != make(
       matmul_dtype="bfloat16")
   assert program_view(first) == first and program_view(first).params is None
+  # One view for equal models: the jit finds the static argument by identity.
+  assert program_view(first) is program_view(second)
   want = Controller(first, ck.tokenizer).generate(requests, st, 2)
   programs = (controller_lib._admit_rows._cache_size(), ReasoningLoop.run._cache_size())
   got = Controller(second, ck.tokenizer).generate(requests, st, 2)
