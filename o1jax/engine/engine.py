@@ -117,19 +117,9 @@ class _Counted:
     return self.__wrapped__(*args)
 
 
-# Every engine's jitted calls, keyed by what they compile (`Engine._jit`) and then by
-# `_trace_context`, and the calling engine's trace counter while one of them runs.
-_PROGRAMS: dict[tuple, dict[tuple, Any]] = {}
-
-
-def _trace_context() -> tuple:
-  """What a trace reads from the process rather than from its arguments: the default
-  backend (the kernels' `auto` dispatch, the sampler's GPU branch) and the loop form
-  (`steps.fixed_trip_loops`). A program traced under other values is another program
-  (an engine made after O1JAX_FIXED_TRIP_LOOPS changed must not run the old loop)."""
-  return jax.default_backend(), steps.fixed_trip_loops()
-
-
+# Every engine's jitted calls, keyed by what they compile (`Engine._jit`), and the calling
+# engine's trace counter while one of them runs.
+_PROGRAMS: dict[tuple, Any] = {}
 _TRACE_COUNTS: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar(
     "engine_trace_counts", default=None)
 
@@ -510,7 +500,7 @@ class Engine:
     # Calls pass the flat state leaves (`_BoundStep`).
     self._state_leaves, self._state_def = jax.tree.flatten(self._state)
     self._decode_jit = self._jit("decode", self._bound(steps.decode_loop),
-                                 static_argnums=(6, 7), donate_argnums=(1,))
+                                 static_argnums=(6, 7, 9), donate_argnums=(1,))
     self._prefill_jit = self._jit("prefill", self._bound(steps.prefill_step), donate_argnums=(1,))
     self._copy_jit = self._jit("copy", copy_blocks, donate_argnums=(0,))
     self._verify_jit = self._jit("verify", self._bound(steps.verify_step), static_argnums=(5,),
@@ -637,26 +627,22 @@ class Engine:
 
   def _jit(self, name: str, fn, **jit_kwargs):
     """The jitted fn, shared by every engine whose fn is equal (`_BoundStep`: the same step
-    of an equal graphdef and state structure; no params) and mesh, per `_trace_context`:
-    a second engine on the same model compiles nothing again. Each trace (= each compilation of a new
+    of an equal graphdef and state structure; no params) and mesh: a second engine on
+    the same model compiles nothing again. Each trace (= each compilation of a new
     shape) is counted in the calling engine's `trace_counts` and logged. On a mesh,
     every call runs with it set, so ops that XLA cannot partition run per shard
-    (`pallas_kernels.ops`)."""
+    (`pallas_kernels.ops`). What a trace depends on must be in its arguments (static
+    ones for host decisions: the decode loop's `fixed_trips`), not read from the process:
+    another engine's program would be taken for it."""
     # (The key hashes the graphdef: once here, not per call.)
-    by_context = _PROGRAMS.setdefault((name, fn, self.mesh, tuple(sorted(jit_kwargs.items()))),
-                                      {})
+    key = (name, fn, self.mesh, tuple(sorted(jit_kwargs.items())))
+    program = _PROGRAMS.get(key)
+    if program is None:
+      program = _PROGRAMS[key] = jax.jit(_Counted(name, fn), **jit_kwargs)
     counts, mesh = self.trace_counts, self.mesh
-
-    def current():
-      context = _trace_context()
-      program = by_context.get(context)
-      if program is None:
-        program = by_context[context] = jax.jit(_Counted(name, fn), **jit_kwargs)
-      return program
 
     @functools.wraps(fn)
     def call(*args):
-      program = current()
       caller = _TRACE_COUNTS.set(counts)
       try:
         if mesh is None:
@@ -666,7 +652,7 @@ class Engine:
       finally:
         _TRACE_COUNTS.reset(caller)
 
-    call.lower = lambda *args: current().lower(*args)  # as a jitted function's (not counted)
+    call.lower = program.lower  # as a jitted function's (not counted)
     return call
 
   @property
@@ -678,14 +664,15 @@ class Engine:
     return self._state
 
   def decode(self, cache: PagedKVCache, batch: steps.DecodeBatch, limits, stop_ids,
-             max_iterations: int, top_logprobs: int, num_steps: int):
+             max_iterations: int, top_logprobs: int, num_steps: int, fixed_trips: bool):
     """The jitted decode loop (`steps.decode_loop`, cache donated): `max_iterations`
-    steps of at most `num_steps` (where loops run fixed trips, exactly `num_steps`, the
-    ones after every row stopped idle). Returns (LoopOutput, cache)."""
+    steps of at most `num_steps` (`fixed_trips`: exactly `num_steps`, the ones after
+    every row stopped idle). Returns (LoopOutput, cache)."""
     # The transposed head only pays off from batch 8 (at batch 1 the stored layout is faster).
     head_t = self._head_t if batch.tokens.shape[0] >= 8 else None
     return self._decode_jit(self._state_leaves, cache, batch, limits, stop_ids,
-                            jnp.int32(max_iterations), num_steps, top_logprobs, head_t)
+                            jnp.int32(max_iterations), num_steps, top_logprobs, head_t,
+                            fixed_trips)
 
   def prefill(self, cache: PagedKVCache, tokens, starts, chunk_lens, block_tables) -> PagedKVCache:
     """The jitted prefill step (cache donated). Returns the cache."""
@@ -1236,7 +1223,7 @@ class Engine:
     row_limits[:len(seqs)] = [limits[s] for s in seqs]
     start, traces = self.clock(), self.trace_counts["decode"]
     out, self.cache = self.decode(self.cache, batch, jnp.asarray(row_limits), jnp.asarray(stop_ids),
-                                  iterations, top_n, num_steps)
+                                  iterations, top_n, num_steps, fixed)
     dispatched = self.clock()
     out = jax.device_get(out)
     end = self.clock()

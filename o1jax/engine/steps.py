@@ -298,9 +298,11 @@ class PlainRows:
 
 def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, batch: DecodeBatch,
                 limits: jax.Array, stop_ids: jax.Array, max_iterations: jax.Array,
-                num_steps: int = 1, top_logprobs: int = 0, head_t: jax.Array | None = None):
+                num_steps: int = 1, top_logprobs: int = 0, head_t: jax.Array | None = None,
+                fixed_trips: bool = False):
   """Up to `num_steps` decode steps in one device call, without the host in between
-  (`run_rows` over `PlainRows`; `num_steps` fixed trips where `fixed_trip_loops`).
+  (`run_rows` over `PlainRows`; `num_steps` fixed trips if `fixed_trips`: the host's
+  `fixed_trip_loops`, a static argument like the controller's `trips`).
 
   Each iteration writes the K/V of every running row's last token and draws its
   next one: a row feeds back the token it drew, its position and step advance, and
@@ -316,7 +318,7 @@ def decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
   program = PlainRows(model=nnx.merge(graphdef, state), batch=batch, limits=limits,
                       stop_ids=stop_ids, max_iterations=max_iterations,
                       top_logprobs=top_logprobs, head_t=head_t)
-  trips = num_steps if fixed_trip_loops() else None
+  trips = num_steps if fixed_trips else None
   c = run_rows(program, program.start(cache, num_steps), trips=trips)
   return c.out.replace(counts=c.counts, iterations=c.ran), c.cache
 

@@ -201,9 +201,10 @@ def test_a_gpu_decode_call_has_no_data_dependent_control_flow(tiny, kind, monkey
       steps=i32(0), temperature=jnp.full((b,), 0.0 if kind == "greedy" else 0.9),
       top_k=i32(0), top_p=jnp.ones(b), min_p=jnp.zeros(b), draw_kind=kind)
   with as_if_on_gpu():
+    assert steps.fixed_trip_loops()  # what the engine's host passes as fixed_trips there
     jaxpr = jax.make_jaxpr(lambda cache, batch: steps.decode_loop(
         engine.graphdef, engine.state, cache, batch, i32(8), jnp.full((b, 8), -1, jnp.int32),
-        jnp.int32(8), num_steps=8))(engine.cache, batch)
+        jnp.int32(8), num_steps=8, fixed_trips=steps.fixed_trip_loops()))(engine.cache, batch)
   found = []
 
   def walk(jx):
