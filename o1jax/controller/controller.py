@@ -165,9 +165,44 @@ class Batch:
   verify_calls: int = 0  # iterations that verified drafts (speculative)
 
 
+# A prompt takes a prefix of another row's prompt (instead of computing it) when they share
+# at least this many tokens, and at least half of its own: a shared few-shot prompt is
+# computed once per admission, and a prompt that would share little computes its own and
+# can lend it to the prompts after it.
+SHARED_PREFIX_MIN_TOKENS = 32
+
+
+def plan_shared_prefixes(prompts: Sequence[Sequence[int]],
+                         held: Mapping[Any, Sequence[int]], unit: int,
+                         minimum: int = SHARED_PREFIX_MIN_TOKENS) -> list[Optional[tuple]]:
+  """Per prompt being admitted: None (it computes its whole prompt: a root), or (donor,
+  shared tokens) where donor is ("root", j) for an earlier root of this admission or
+  ("held", key) for a row of `held` (key -> the prompt that row still holds). The shared
+  tokens are whole multiples of `unit` (a paged cache's block), at most the prompt's
+  length - 1 (its last token is computed: the loop starts from its logits), and the
+  longest such prefix over the donors (the first donor on a tie)."""
+  donors = [(("held", k), np.asarray(p, np.int64)) for k, p in held.items()]
+  plan: list[Optional[tuple]] = []
+  for i, ids in enumerate(prompts):
+    ids = np.asarray(ids, np.int64)
+    best = None
+    for name, other in donors:
+      m = min(len(ids) - 1, len(other))
+      differ = np.flatnonzero(ids[:m] != other[:m])
+      shared = (int(differ[0]) if differ.size else m) // unit * unit
+      if best is None or shared > best[1]:
+        best = (name, shared)
+    if best is not None and best[1] >= max(minimum, unit) and 2 * best[1] >= len(ids):
+      plan.append(best)
+    else:
+      plan.append(None)
+      donors.append((("root", i), ids))
+  return plan
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _admit_rows(model, params, state, leaders, tokens, last, children, parents, rows, fresh,
-                knobs, prior_at, priors):
+def _admit_rows(model, params, state, leaders, tokens, last, sharers, donors, suffixes,
+                suffix_last, shared, children, parents, rows, fresh, knobs, prior_at, priors):
   """`Controller.admit`'s device part. Static on the decode model's program view
   (`decode_model.program_view`), not on the controller: every controller of a model
   shares its compiled programs (keyed on the controller, each new one compiled them again
@@ -175,10 +210,15 @@ def _admit_rows(model, params, state, leaders, tokens, last, children, parents, 
   controllers failed in LLVM's allocator)."""
   b = state.tokens.shape[0]
   cache = state.cache
-  # Release everything the slots' rows held, then prefill and share the prompts.
+  # Release everything the slots' rows held, then prefill and share the prompts: the
+  # roots whole, then the others from their donors' prefixes (`plan_shared_prefixes`).
   held = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32).at[rows].set(0, mode="drop")
   cache = model.truncate(cache, held)
-  cache = model.prefill_rows(params, cache, leaders, tokens, last)
+  if leaders.shape[0]:
+    cache = model.prefill_rows(params, cache, leaders, tokens, last, jnp.zeros_like(last))
+  if sharers.shape[0]:
+    cache = model.copy_rows(cache, sharers, donors)
+    cache = model.prefill_rows(params, cache, sharers, suffixes, suffix_last, shared)
   if children.shape[0]:
     cache = model.copy_rows(cache, children, parents)
   # Every per-row field at its start value (one row, broadcast to the admitted rows).
@@ -231,7 +271,10 @@ class Controller:
       iterations (longer while its choice stays the same), a verifying or a plain
       loop call (`verify_next`): verify when the rows' expected tokens per call beat
       plain steps at the measured cost ratio (`cost_ratio`); without it every call
-      verifies."""
+      verifies.
+    share_prefixes: a prompt sharing a long prefix with another one in the cache (a
+      few-shot prompt) computes only what follows it (`plan_shared_prefixes`); the
+      tokens are the same either way (False: every prompt computes all of its own)."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
@@ -240,7 +283,7 @@ class Controller:
                python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
                budget: BudgetLoop | None = None,
                thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo",
-               speculative: SpeculativeConfig | None = None):
+               speculative: SpeculativeConfig | None = None, share_prefixes: bool = True):
     # Sizes of the loop's arrays: a float or a 0 failed inside the first jitted call.
     for name, value, low in (("max_rows", max_rows, 1), ("top_k", top_k, 1),
                              ("max_records", max_records, 1),
@@ -250,8 +293,9 @@ class Controller:
                              ("iterations_per_call", iterations_per_call, 0),
                              ("key_capacity", key_capacity, 1), ("key_classes", key_classes, 1)):
       check_int(value, name, low)
-    if not isinstance(python_twin, (bool, np.bool_)):
-      raise ValueError(f"python_twin must be a bool, got {python_twin!r}")
+    for name, value in (("python_twin", python_twin), ("share_prefixes", share_prefixes)):
+      if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
     if extract_answer is not None and not callable(extract_answer):
       raise ValueError(f"extract_answer must be a function of the text, got {extract_answer!r}")
     if budget is not None and not isinstance(budget, BudgetLoop):
@@ -297,6 +341,7 @@ class Controller:
     self.iterations_per_call = iterations_per_call
     self.extract_answer = extract_answer
     self.python_twin = python_twin
+    self.share_prefixes = bool(share_prefixes)
     self.key_capacity = key_capacity
     self.key_classes = key_classes
     self._key_tables: tuple[np.ndarray, np.ndarray] | None = None
@@ -852,44 +897,76 @@ class Controller:
             sample_offset: int = 0, conf_stop: Sequence[float] | None = None,
             vote_floor: Sequence[float] | None = None,
             prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None,
-            unstopped_samples: int = 0) -> ReasoningState:
+            unstopped_samples: int = 0,
+            held_prompts: Mapping[int, Sequence[int]] | None = None) -> ReasoningState:
     """Puts requests into slots: admissions = (slot, request, prompt ids) each, with
     per-admission conf_stop / vote_floor / prior_votes. The slots' rows are released,
     each prompt is prefilled once into the slot's first row and shared by its other
-    rows, and the rows start fresh (sample j of the request is row slot * n + j)."""
+    rows, and the rows start fresh (sample j of the request is row slot * n + j).
+    A prompt that shares a long prefix with an earlier one of the admission, or with the
+    prompt a slot not being admitted still holds (held_prompts: slot -> its prompt ids),
+    computes only what follows that prefix (`plan_shared_prefixes`; the same K/V, so the
+    same tokens)."""
     b, length = state.tokens.shape
     m = len(admissions)
     if m == 0:
       return state
-    rp = pow2_bucket(m)
-    t = pow2_bucket(max(len(p) for _, _, p in admissions), 16)
-    if t > length:
-      t = length
-    leaders = np.full(rp, b, np.int32)  # padding: row b (dropped)
-    tok = np.zeros((rp, t), np.int32)
-    last = np.zeros(rp, np.int32)
-    rows = np.full(rp * n, b, np.int32)
-    fresh_tokens = np.zeros((rp * n, length), np.int32)
-    prompt_len = np.ones(rp * n, np.int32)
-    keys = np.zeros((rp * n, 2), np.uint32)
-    stops = np.full(rp * n, -np.inf, np.float32)
-    steps = np.full(rp * n, NEVER, np.int32)
-    think = np.full(rp * n, settings.max_thinking_tokens, np.int32)
-    floors = np.full(rp * n, -np.inf, np.float32)
-    group = np.full(rp * n, -1, np.int32)
-    q = state.knobs.prior_group.shape[0]
-    per_slot = q // max(1, state.slot_live.shape[0])
-    prior_at = np.full(rp * per_slot, q, np.int32)  # padding: entry q (dropped)
-    prior = [np.zeros((rp * per_slot,) + a.shape[1:], a.dtype)
-             for a in self.prior_entries([], 1, -1)]
-    prior[0][:] = -1
-    for i, (slot, req, ids) in enumerate(admissions):
+    for _, req, ids in admissions:
       if len(ids) > length:
         raise ValueError(f"prompt of request {req.request_id} is {len(ids)} tokens; the cache "
                          f"holds {length}")
-      leaders[i] = slot * n
-      tok[i, :len(ids)] = ids
-      last[i] = len(ids) - 1
+    slots_in = {slot for slot, _, _ in admissions}
+    held = {g: p for g, p in (held_prompts or {}).items() if g not in slots_in}
+    sharing = (plan_shared_prefixes([p for _, _, p in admissions], held,
+                                    int(getattr(self.model, "block_size", 1)))
+               if self.share_prefixes else [None] * m)
+    roots = [i for i in range(m) if sharing[i] is None]
+    sharers = [i for i in range(m) if sharing[i] is not None]
+    bucket = lambda count: pow2_bucket(count) if count else 0
+    width = lambda longest: min(pow2_bucket(longest, 16), length)
+    rp, rs = bucket(len(roots)), bucket(len(sharers))
+    t = width(max([len(admissions[i][2]) for i in roots], default=1))
+    leaders = np.full(rp, b, np.int32)  # padding: row b (dropped)
+    tok = np.zeros((rp, t), np.int32)
+    last = np.zeros(rp, np.int32)
+    ts = width(max([len(admissions[i][2]) - sharing[i][1] for i in sharers], default=1))
+    sharer_rows = np.full(rs, b, np.int32)
+    donor_rows = np.full(rs, b - 1, np.int32)
+    suffixes = np.zeros((rs, ts), np.int32)
+    suffix_last = np.zeros(rs, np.int32)
+    shared = np.zeros(rs, np.int32)
+    for at, i in enumerate(roots):
+      slot, _, ids = admissions[i]
+      leaders[at] = slot * n
+      tok[at, :len(ids)] = ids
+      last[at] = len(ids) - 1
+    for at, i in enumerate(sharers):
+      slot, _, ids = admissions[i]
+      (kind, key), count = sharing[i]
+      sharer_rows[at] = slot * n
+      donor_rows[at] = (admissions[key][0] if kind == "root" else key) * n
+      suffixes[at, :len(ids) - count] = ids[count:]
+      suffix_last[at] = len(ids) - 1 - count
+      shared[at] = count
+    ra = pow2_bucket(m)  # admissions (per-row fields, rows, priors)
+    first_rows = np.full(ra, b, np.int32)  # each admission's first row (padding: b)
+    rows = np.full(ra * n, b, np.int32)
+    fresh_tokens = np.zeros((ra * n, length), np.int32)
+    prompt_len = np.ones(ra * n, np.int32)
+    keys = np.zeros((ra * n, 2), np.uint32)
+    stops = np.full(ra * n, -np.inf, np.float32)
+    steps = np.full(ra * n, NEVER, np.int32)
+    think = np.full(ra * n, settings.max_thinking_tokens, np.int32)
+    floors = np.full(ra * n, -np.inf, np.float32)
+    group = np.full(ra * n, -1, np.int32)
+    q = state.knobs.prior_group.shape[0]
+    per_slot = q // max(1, state.slot_live.shape[0])
+    prior_at = np.full(ra * per_slot, q, np.int32)  # padding: entry q (dropped)
+    prior = [np.zeros((ra * per_slot,) + a.shape[1:], a.dtype)
+             for a in self.prior_entries([], 1, -1)]
+    prior[0][:] = -1
+    for i, (slot, req, ids) in enumerate(admissions):
+      first_rows[i] = slot * n
       span = slice(i * n, (i + 1) * n)
       rows[span] = np.arange(slot * n, slot * n + n)
       fresh_tokens[span, :len(ids)] = ids
@@ -913,9 +990,9 @@ class Controller:
       entry = self.prior_entries(votes, per_slot, slot)
       for arr, val in zip(prior, entry):
         arr[i * per_slot:(i + 1) * per_slot] = val
-    children = np.array([[leaders[i] + j for j in range(1, n)] if i < m else [b] * (n - 1)
-                         for i in range(rp)], np.int32).reshape(-1)
-    parents = np.repeat(np.minimum(leaders, b - 1), n - 1)
+    children = np.array([[first_rows[i] + j for j in range(1, n)] if i < m else [b] * (n - 1)
+                         for i in range(ra)], np.int32).reshape(-1)
+    parents = np.repeat(np.minimum(first_rows, b - 1), n - 1)
     fresh = dict(tokens=fresh_tokens, length=prompt_len, prompt_len=prompt_len,
                  step_start=prompt_len, keys=keys)
     knobs = dict(conf_stop=stops, vote_floor=floors, group=group, max_steps=steps,
@@ -924,7 +1001,9 @@ class Controller:
                        "prior_weight"), prior))
     with self._on_mesh():
       return _admit_rows(self._program_model, self.model.params, state, jnp.asarray(leaders),
-                         jnp.asarray(tok), jnp.asarray(last), jnp.asarray(children),
+                         jnp.asarray(tok), jnp.asarray(last), jnp.asarray(sharer_rows),
+                         jnp.asarray(donor_rows), jnp.asarray(suffixes),
+                         jnp.asarray(suffix_last), jnp.asarray(shared), jnp.asarray(children),
                          jnp.asarray(parents), jnp.asarray(rows), fresh, knobs,
                          jnp.asarray(prior_at), priors)
 
@@ -991,13 +1070,15 @@ class Controller:
 
     def fill(state, free):
       picked = [(g, waiting.popleft()) for g in free[:len(waiting)]]
+      # Running slots keep their prompts: a new prompt may take a prefix from them.
+      held = {g: prompts[entry[0]] for g, entry in in_slot.items()}
       for g, i in picked:
         in_slot[g] = [i, time.perf_counter(), 0]
       return self.admit(state, settings, n, [(g, requests[i], prompts[i]) for g, i in picked],
                         sample_offset=sample_offset, conf_stop=[conf_stop[i] for _, i in picked],
                         vote_floor=[vote_floor[i] for _, i in picked],
                         prior_votes=[prior_votes[i] for _, i in picked],
-                        unstopped_samples=unstopped_samples)
+                        unstopped_samples=unstopped_samples, held_prompts=held)
 
     state = fill(state, list(range(slots)))
     lengths = np.asarray(state.length)  # read again only after an admission changes them

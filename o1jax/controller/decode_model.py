@@ -18,11 +18,14 @@ A `DecodeModel` is what the reasoning loop needs from a model, and nothing more:
       starts [B], counts [B])                 [B, T, V] f32; writes tokens[b, :counts[b]]
       -> (logits [B, T, V], cache)            (speculative verification: the last token and
                                               the drafts after it)
-  prefill_rows(params, cache, rows [R],    rows[i] drops what it held and takes the prompt
-      tokens [R, T], last [R]) -> cache    tokens[i, :last[i] + 1] (positions 0..last[i]);
-                                           the other rows are untouched; rows[i] >= B is
-                                           padding (ignored). Admits requests between
-                                           loop calls
+  prefill_rows(params, cache, rows [R],    rows[i] keeps its first starts[i] positions,
+      tokens [R, T], last [R],             drops the rest and takes the prompt tokens
+      starts [R]) -> cache                 tokens[i, :last[i] + 1] at positions starts[i]..
+                                           starts[i] + last[i]; the other rows are
+                                           untouched; rows[i] >= B is padding (ignored).
+                                           Admits requests between loop calls (starts > 0:
+                                           a prompt prefix taken from another row by
+                                           `copy_rows` just before)
   copy_rows(cache, dst [C], src [C])       row dst[i] becomes a copy of row src[i] (dst
       -> cache                             distinct and disjoint from src; >= B: padding)
   truncate(cache, lengths [B]) -> cache    forget positions >= lengths[b]
@@ -180,7 +183,7 @@ class DecodeModel(Protocol):
     ...
 
   def prefill_rows(self, params, cache, rows: jax.Array, tokens: jax.Array,
-                   last: jax.Array) -> Any:
+                   last: jax.Array, starts: jax.Array) -> Any:
     ...
 
   def copy_rows(self, cache, dst: jax.Array, src: jax.Array) -> Any:
@@ -201,11 +204,12 @@ def place_on_mesh(model: Llama, mesh):
   return mesh, tensor_parallel.shard_model(model, mesh)
 
 
-def prefill_batch_major_rows(forward, params, cache, rows, tokens, last):
+def prefill_batch_major_rows(forward, params, cache, rows, tokens, last, starts):
   """`prefill_rows` for a cache whose every leaf is batch-major: gather the rows,
-  run the prompt through them, scatter them back (padding rows >= B are dropped)."""
+  run the prompt through them from `starts`, scatter them back (padding rows >= B are
+  dropped)."""
   sub = jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), cache)
-  _, sub = forward(params, sub, tokens, jnp.zeros_like(last), last)
+  _, sub = forward(params, sub, tokens, starts, last)
   return jax.tree.map(lambda x, y: x.at[rows].set(y, mode="drop"), cache, sub)
 
 
@@ -251,9 +255,9 @@ class ContiguousLlama(ProgramKeyed):
     model = nnx.merge(self.graphdef, params)
     return model(tokens.astype(jnp.int32), starts.astype(jnp.int32), cache)
 
-  def prefill_rows(self, params, cache, rows, tokens, last):
+  def prefill_rows(self, params, cache, rows, tokens, last, starts):
     # Positions past the new prompt keep stale K/V: rewritten before they are visible.
-    return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last)
+    return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last, starts)
 
   def copy_rows(self, cache, dst, src):
     return copy_batch_major_rows(cache, dst, src)

@@ -16,8 +16,9 @@ jitted while_loop with no host sync.
                  K/V through the tables, then paged attention). Only tokens up
                  to logits_at are written: later ones (prompt and probe
                  padding) cannot change the logits and would hold blocks
-  prefill_rows  the rows release their blocks and write their prompts into
-              fresh ones
+  prefill_rows  the rows release their blocks past their start (0, or the whole
+              blocks of a prompt prefix shared from another row) and write their
+              prompts from there into fresh ones
   copy_rows   dst rows release their blocks and take src's tables; each
               block's count rises by its new holders. Nothing is copied: the
               first write into a shared partial block copies it (step 1 above)
@@ -180,20 +181,23 @@ class PagedLlama(ProgramKeyed):
     return logits, self._note(cache.replace(pages=pages, blocks=blocks,
                                             overflow=cache.overflow | ~jnp.all(ok)))
 
-  def prefill_rows(self, params, cache: PagedCache, rows, tokens, last):
-    """The rows release their blocks, then the prompts are written through a view
-    of those rows over the same pool (fresh blocks; padding rows write nothing)."""
+  def prefill_rows(self, params, cache: PagedCache, rows, tokens, last, starts):
+    """The rows release their blocks past `starts` (0, or a prompt prefix shared from
+    another row), then the prompts are written from there through a view of those rows
+    over the same pool (fresh blocks past a block-aligned start; padding rows write
+    nothing)."""
     b = cache.blocks.tables.shape[0]
     rows = rows.astype(jnp.int32)
     real = rows < b
     at = jnp.minimum(rows, b - 1)
+    starts = jnp.where(real, starts.astype(jnp.int32), 0)
     keep_all = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32)
-    blocks = truncate_rows(cache.blocks, keep_all.at[rows].set(0, mode="drop"))
-    zero = jnp.zeros_like(rows)
-    view = blocks.replace(tables=jnp.where(real[:, None], blocks.tables[at], 0),
-                          used=zero, lengths=zero)
+    blocks = truncate_rows(cache.blocks, keep_all.at[rows].set(starts, mode="drop"))
+    row = lambda x: jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x[at], 0)
+    view = blocks.replace(tables=row(blocks.tables), used=row(blocks.used),
+                          lengths=row(blocks.lengths))
     last = last.astype(jnp.int32)
-    _, sub = self._forward(params, cache.replace(blocks=view), tokens, zero,
+    _, sub = self._forward(params, cache.replace(blocks=view), tokens, starts,
                            jnp.where(real, last, 0), jnp.where(real, last + 1, 0))
     put = lambda x, y: x.at[rows].set(y, mode="drop")
     blocks = blocks.replace(tables=put(blocks.tables, sub.blocks.tables),

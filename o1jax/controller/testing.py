@@ -82,8 +82,8 @@ class MockDecodeModel:
     counts = jnp.sum(hits, axis=1).astype(jnp.float32)  # [B, K]
     return (params["table"][last] + counts @ params["boosts"]).astype(jnp.float32)
 
-  def prefill_rows(self, params, cache, rows, tokens, last):
-    return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last)
+  def prefill_rows(self, params, cache, rows, tokens, last, starts):
+    return prefill_batch_major_rows(self.forward, params, cache, rows, tokens, last, starts)
 
   def copy_rows(self, cache, dst, src):
     return copy_batch_major_rows(cache, dst, src)

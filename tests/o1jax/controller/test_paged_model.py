@@ -149,7 +149,7 @@ def test_truncate_frees_blocks_and_rewrites_read_right(models):
   prompt = rng.integers(3, 259, 10).astype(np.int32)
   fwd = jax.jit(paged.forward)
   cache = jax.jit(paged.prefill_rows)(paged.params, paged.init_cache(2, 32), jnp.array([0]),
-                                      jnp.asarray(prompt[None]), jnp.array([9]))
+                                      jnp.asarray(prompt[None]), jnp.array([9]), jnp.array([0]))
   cache = jax.jit(paged.copy_rows)(cache, jnp.array([1]), jnp.array([0]))
   seqs = [list(prompt), list(prompt)]
   step = lambda cache, toks, pos: fwd(paged.params, cache, jnp.asarray(toks)[:, None],
