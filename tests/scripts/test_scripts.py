@@ -337,3 +337,19 @@ def test_check_tokenizers_llamacpp_vocabulary_merges_every_byte_pair():
   assert set(pairs) == {m.replace(" ", "") for m in merges}
   assert words and all(len(w) > 2 for w in words)
   assert len(set(tokens)) == len(tokens) and types == [3] * specials + [1] * (len(tokens) - specials)
+
+
+def test_bench_shared_prefix_runs_both_controllers_alternating(tmp_path):
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  model = tmp_path / "tiny.gguf"  # room for the 8-shot prompt in byte tokens (~2,100)
+  write_gguf_checkpoint(model, tiny_config(max_context=4096), seed=0)
+  out = load("bench_shared_prefix").main(
+      ["--model", str(model), "--requests", "3", "--batch", "2", "--n", "2", "--max-thinking",
+       "4", "--max-answer", "2", "--rounds", "1", "--prompt", "text", *TINY_NUMERICS,
+       "--json", str(tmp_path / "p.json")])
+  assert [(r["round"], r["share_prefixes"]) for r in out["runs"]] == [
+      (0, False), (0, True), (1, True), (1, False)]
+  assert len(out["speedups"]) == 1 and out["speedups"][0] > 0
+  assert out["traces"] == 6 and 0 <= out["identical_traces"] <= 6
+  assert min(out["prompt_tokens"]) > 2000  # the 8-shot prefix in byte tokens
+  assert json.loads((tmp_path / "p.json").read_text())["runs"] == json.loads(json.dumps(out["runs"]))
