@@ -48,10 +48,13 @@ def generate(model, tokenizer, mesh, kv_dtype: str, prompts):
 def controller_cases(prompts):
   """The controller's loop on a TP=2 mesh against one device: self-consistency (4 sampled
   traces sharing each prompt's blocks, a backtracking verifier) and greedy, on the paged
-  cache (bf16 pools) and the contiguous one (f32)."""
+  cache (bf16 pools) and the contiguous one (f32). Two more prompts extend a 40-token
+  prefix of their own: the admission computes it once (`plan_shared_prefixes`)."""
   from o1jax.controller import Controller, LoopSettings, ReasoningRequest, build_decode_model
 
   model, tok = tiny(2)
+  prefix = np.random.default_rng(1).integers(3, 259, 40).tolist()
+  prompts = list(prompts) + [prefix + [5, 6, 7], prefix + [9]]
   requests = [ReasoningRequest(prompt=p, request_id=i, seed=7) for i, p in enumerate(prompts)]
   # Steps of 6 tokens whose geometric-mean probability (~1/259 with these soft logits)
   # is below 0.01 are retried once: every trace backtracks.
