@@ -273,8 +273,8 @@ class Controller:
       plain steps at the measured cost ratio (`cost_ratio`); without it every call
       verifies.
     share_prefixes: a prompt sharing a long prefix with another one in the cache (a
-      few-shot prompt) computes only what follows it (`plan_shared_prefixes`); the
-      tokens are the same either way (False: every prompt computes all of its own)."""
+      few-shot prompt) computes only what follows it (`plan_shared_prefixes`; the same
+      tokens up to f32 rounding at a near-tie. False: every prompt computes all of its own)."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
                max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
@@ -905,8 +905,9 @@ class Controller:
     rows, and the rows start fresh (sample j of the request is row slot * n + j).
     A prompt that shares a long prefix with an earlier one of the admission, or with the
     prompt a slot not being admitted still holds (held_prompts: slot -> its prompt ids),
-    computes only what follows that prefix (`plan_shared_prefixes`; the same K/V, so the
-    same tokens)."""
+    computes only what follows that prefix (`plan_shared_prefixes`): the prefix's K/V
+    are the donor's, and only the suffix's attention sums in another order (logprobs
+    within f32 rounding; a token differs only at a near-tie, as with another batch)."""
     b, length = state.tokens.shape
     m = len(admissions)
     if m == 0:
