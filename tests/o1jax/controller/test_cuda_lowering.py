@@ -76,3 +76,37 @@ def test_controller_loop_lowers_for_cuda(policy, tmp_path, monkeypatch):
     results = ctl.run(["2+2=", "Say a word"], get_policy(policy, **POLICIES[policy]))
   assert len(results) == 2 and all(r.traces for r in results)
   assert ctl.lowered, "no loop program ran"
+
+
+def test_an_admission_sharing_a_prompt_prefix_lowers_for_cuda(tmp_path, monkeypatch):
+  """The admission program with roots and sharers (a prefix taken from another row, then
+  prefilled from past it through the paged prefill kernel) lowered for CUDA."""
+  from o1jax.controller import controller as controller_lib
+  from o1jax.controller.decode_model import program_view
+
+  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
+                        matrix_type="Q4_1")
+  ck = load_checkpoint(tmp_path / "m.gguf")
+  cache = {"cache": "paged", "kv_dtype": "bfloat16"}
+  with as_if_on_gpu():
+    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
+                                    weight_mode="quantized"), cache)
+    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
+                                     weight_mode="quantized"), cache)
+  real, lowered = controller_lib._admit_rows, []
+
+  def lowering(view, params, state, leaders, tokens, last, sharers, *rest):
+    with as_if_on_gpu():
+      real.trace(program_view(cuda), cuda.params, state, leaders, tokens, last, sharers,
+                 *rest).lower(lowering_platforms=("cuda",))
+    lowered.append((leaders.shape[0], sharers.shape[0]))
+    return real(view, params, state, leaders, tokens, last, sharers, *rest)
+
+  monkeypatch.setattr(controller_lib, "_admit_rows", lowering)
+  fewshot = "Q: two plus two? A: four.\nQ: three plus one? A: four.\nQ: "
+  with as_if_on_gpu():
+    results = Controller(model, ck.tokenizer, max_rows=4).run(
+        [fewshot + "one plus one?", fewshot + "five?"],
+        get_policy("self_consistency", n=2, max_thinking_tokens=4, max_answer_tokens=2))
+  assert len(results) == 2 and all(r.traces for r in results)
+  assert lowered == [(1, 1)]  # one root, one sharer, in one admission
