@@ -173,8 +173,7 @@ SHARED_PREFIX_MIN_TOKENS = 32
 
 
 def plan_shared_prefixes(prompts: Sequence[Sequence[int]],
-                         held: Mapping[Any, Sequence[int]], unit: int,
-                         minimum: int = SHARED_PREFIX_MIN_TOKENS) -> list[Optional[tuple]]:
+                         held: Mapping[Any, Sequence[int]], unit: int) -> list[Optional[tuple]]:
   """Per prompt being admitted: None (it computes its whole prompt: a root), or (donor,
   shared tokens) where donor is ("root", j) for an earlier root of this admission or
   ("held", key) for a row of `held` (key -> the prompt that row still holds). The shared
@@ -192,7 +191,8 @@ def plan_shared_prefixes(prompts: Sequence[Sequence[int]],
       shared = (int(differ[0]) if differ.size else m) // unit * unit
       if best is None or shared > best[1]:
         best = (name, shared)
-    if best is not None and best[1] >= max(minimum, unit) and 2 * best[1] >= len(ids):
+    if (best is not None and best[1] >= max(SHARED_PREFIX_MIN_TOKENS, unit)
+        and 2 * best[1] >= len(ids)):
       plan.append(best)
     else:
       plan.append(None)

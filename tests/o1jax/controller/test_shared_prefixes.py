@@ -7,7 +7,6 @@ traces must be those of every prompt computing its own prefix."""
 
 import math
 
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -110,8 +109,8 @@ def test_a_prompt_admitted_beside_a_running_one_takes_its_prefix(monkeypatch):
   plans = []
   plan = controller_lib.plan_shared_prefixes
 
-  def spy(prompts, held, unit, **kw):
-    out = plan(prompts, held, unit, **kw)
+  def spy(prompts, held, unit):
+    out = plan(prompts, held, unit)
     plans.append(out)
     return out
 
