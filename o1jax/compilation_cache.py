@@ -1,14 +1,19 @@
-"""Compiled programs: the persistent XLA compilation cache (runs and tests do not pay
-compiles twice) and a bound on the programs JAX keeps in memory."""
+"""Compiled programs: how the model's programs are compiled (`jit`: batch-invariant
+numerics), the persistent XLA compilation cache (runs and tests do not pay compiles twice)
+and a bound on the programs JAX keeps in memory."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DIR = pathlib.Path.home() / ".cache" / "o1jax" / "jax"
 
@@ -22,6 +27,71 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> path
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
+
+
+# -- how programs are compiled ------------------------------------------------------------
+
+# XLA:CPU (jaxlib 0.10-0.11) hands elementwise ops and row reductions to YNNPACK fusions
+# whose sums depend on how many rows the program has: RMSNorm of the same row came out
+# 2e-6 apart in a batch of 1 and of 4, and an 830-token prompt's logits 4e-5 (f32) / 1e-2
+# (int8) apart alone and beside 3 others (docs/measurements/2026-12-05_batch_invariance.md).
+# A request's tokens must not depend on its batch (the engine's promise; a resumed eval
+# job batches its records anew), so the model's programs keep YNNPACK for single dots and
+# convolutions only: bf16 products stay on it (their rows are padded to stay invariant).
+YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+BATCH_INVARIANT_CPU_OPTIONS = {
+    YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"}
+
+
+@functools.cache
+def compiler_options() -> dict[str, str] | None:
+  """The XLA options the model's programs compile with (`jit`): BATCH_INVARIANT_CPU_OPTIONS
+  on a CPU backend whose XLA takes them (probed once with a tiny program: an XLA without
+  the option refuses it), else None (GPU and TPU: XLA's defaults)."""
+  if jax.default_backend() != "cpu":
+    return None
+  try:
+    jax.jit(lambda x: x * x, compiler_options=BATCH_INVARIANT_CPU_OPTIONS).lower(
+        jnp.zeros(2)).compile()
+  except Exception as e:  # noqa: BLE001 - whatever this XLA says, fall back to its defaults
+    log.warning("XLA:CPU refused %s (%s): a row's numerics may depend on its batch",
+                BATCH_INVARIANT_CPU_OPTIONS, str(e).splitlines()[0])
+    return None
+  return dict(BATCH_INVARIANT_CPU_OPTIONS)
+
+
+class _Jit:
+  """`jax.jit(fun, **kwargs)` with `compiler_options()`, built at its first use (the
+  backend is known only then; importing a module must not start it). Calls, attribute
+  reads (lower, trace, _cache_size) and method binding go to the jitted function."""
+
+  def __init__(self, fun, kwargs):
+    functools.update_wrapper(self, fun)
+    self._fun, self._kwargs, self._jitted = fun, kwargs, None
+
+  def _get(self):
+    if self._jitted is None:
+      self._jitted = jax.jit(self._fun, compiler_options=compiler_options(), **self._kwargs)
+    return self._jitted
+
+  def __call__(self, *args, **kwargs):
+    return self._get()(*args, **kwargs)
+
+  def __getattr__(self, name):
+    if name.startswith("__") or name in ("_fun", "_kwargs", "_jitted"):
+      raise AttributeError(name)
+    return getattr(self._get(), name)
+
+  def __get__(self, obj, objtype=None):
+    return self if obj is None else self._get().__get__(obj, objtype)
+
+
+def jit(fun=None, **kwargs):
+  """`jax.jit` for the programs that run the model (decorator or call, same arguments):
+  compiled with `compiler_options()`, so a row's numbers do not depend on its batch."""
+  if fun is None:
+    return functools.partial(jit, **kwargs)
+  return _Jit(fun, kwargs)
 
 
 # -- compiled programs in memory -----------------------------------------------------------
@@ -41,7 +111,6 @@ _PROCESS_MAPS = pathlib.Path("/proc/self/maps")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _programs_built = 0  # compiles and disk-cache loads (JAX's backend-compile event)
 _programs_checked = 0
-log = logging.getLogger(__name__)
 
 
 def _count_program(event: str, duration: float, **kwargs) -> None:

@@ -25,7 +25,6 @@ import collections
 import collections.abc
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from o1jax.checkpoint.tokenizer import token_texts
+from o1jax import compilation_cache
 from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.controller import answers
 from o1jax.controller import state as S
@@ -200,7 +200,7 @@ def plan_shared_prefixes(prompts: Sequence[Sequence[int]],
   return plan
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@compilation_cache.jit(static_argnums=0, donate_argnums=2)
 def _admit_rows(model, params, state, leaders, tokens, last, sharers, donors, suffixes,
                 suffix_last, shared, children, parents, rows, fresh, knobs, prior_at, priors):
   """`Controller.admit`'s device part. Static on the decode model's program view

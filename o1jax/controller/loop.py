@@ -37,12 +37,12 @@ is the debugging twin that calls the same `_step` one iteration at a time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from o1jax import compilation_cache
 from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.controller.decode_model import DecodeModel
@@ -588,14 +588,14 @@ class ReasoningLoop:
 
   # -- drivers --------------------------------------------------------------------
 
-  @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
+  @compilation_cache.jit(static_argnames=("self",), donate_argnames=("state",))
   def run(self, params, state: ReasoningState) -> ReasoningState:
     """The decode loop (`steps.run_rows`) over these rows until all are done or stop_at
     (or `trips` iterations, the later ones idle)."""
     return steps.run_rows(ReasoningRows(self, params), state, self._iteration,
                           trips=self.fixed_trips)
 
-  @functools.partial(jax.jit, static_argnames=("self",))
+  @compilation_cache.jit(static_argnames=("self",))
   def step(self, params, state: ReasoningState) -> ReasoningState:
     return self._step(params, state)
 

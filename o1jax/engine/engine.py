@@ -54,6 +54,7 @@ from jax.sharding import Mesh
 from pallas_kernels import ops as kernel_ops
 
 from o1jax.checkpoint import load_checkpoint
+from o1jax import compilation_cache
 from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.engine import fields
 from o1jax.engine import steps
@@ -638,7 +639,7 @@ class Engine:
     key = (name, fn, self.mesh, tuple(sorted(jit_kwargs.items())))
     program = _PROGRAMS.get(key)
     if program is None:
-      program = _PROGRAMS[key] = jax.jit(_Counted(name, fn), **jit_kwargs)
+      program = _PROGRAMS[key] = compilation_cache.jit(_Counted(name, fn), **jit_kwargs)
     counts, mesh = self.trace_counts, self.mesh
 
     @functools.wraps(fn)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from o1jax import compilation_cache
 from o1jax.checkpoint.tokenizer import Tokenizer
 from o1jax.model.llama import KVCache, Llama
 from o1jax.model.sampling import (SamplingParams, check_int, check_key_id, is_int, sample,
@@ -102,10 +103,11 @@ def _jitted_steps(graphdef):
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
     return sample(logits, keys, temperature, top_k, top_p, min_p), cache
 
-  return jax.jit(prefill, donate_argnums=(3,)), jax.jit(decode, donate_argnums=(3,))
+  return (compilation_cache.jit(prefill, donate_argnums=(3,)),
+          compilation_cache.jit(decode, donate_argnums=(3,)))
 
 
-_sample_first = jax.jit(sample)
+_sample_first = compilation_cache.jit(sample)
 
 
 class Generator:
