@@ -223,3 +223,32 @@ def test_programs_released_between_loop_calls_give_the_same_traces(tiny_llama, m
   for w, g in zip(want.traces, got.traces):
     for a, b in zip(w, g):
       _same(a, b)
+
+
+def test_embedded_model_traces_do_not_depend_on_the_batch(embedded_checkpoint):
+  """Three requests, self_consistency-style sampling (n=2), in one batch and each alone,
+  int8 matmuls + bf16 KV on the paged cache: bit-identical traces and log-probs. (Before
+  the model's programs were compiled with `compilation_cache.compiler_options`, XLA:CPU's
+  YNNPACK fusions moved the log-probs ~2e-3 and 5 of 16 such traces forked.)"""
+  from o1jax.controller import build_decode_model
+  from o1jax.model import Llama
+  from pallas_kernels import native
+
+  if not native.int8_matmul_available():
+    pytest.skip("no native int8 kernel on this CPU")
+  ck = embedded_checkpoint
+  model = build_decode_model(Llama(ck.config, ck.params, matmul_dtype="int8"),
+                             {"cache": "paged", "block_size": 16, "kv_dtype": "bfloat16"})
+  settings = LoopSettings(temperature=0.7, max_thinking_tokens=16, max_answer_tokens=4,
+                          step_delimiter="\n")
+  questions = ["Tom has 12 apples and gives 5 to Ann. How many are left?",
+               "What is 17 times 23?", "Sam buys 3 pens at 4 dollars each. What does he pay?"]
+  requests = [ReasoningRequest(prompt=[{"role": "user", "content": q}], request_id=i, seed=0)
+              for i, q in enumerate(questions)]
+  together = Controller(model, ck.tokenizer, max_rows=6, share_prefixes=False).generate(
+      requests, settings, 2)
+  narrow = Controller(model, ck.tokenizer, max_rows=2, share_prefixes=False)
+  for request, traces in zip(requests, together.traces):
+    alone = narrow.generate([request], settings, 2).traces[0]
+    assert [t.token_ids for t in alone] == [t.token_ids for t in traces]
+    assert [t.mean_logprob for t in alone] == [t.mean_logprob for t in traces]
