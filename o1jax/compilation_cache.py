@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import pathlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -68,17 +69,20 @@ class _Jit:
   def __init__(self, fun, kwargs):
     functools.update_wrapper(self, fun)
     self._fun, self._kwargs, self._jitted = fun, kwargs, None
+    self._lock = threading.Lock()  # Beam's threads: one jitted function, one set of programs
 
   def _get(self):
     if self._jitted is None:
-      self._jitted = jax.jit(self._fun, compiler_options=compiler_options(), **self._kwargs)
+      with self._lock:
+        if self._jitted is None:
+          self._jitted = jax.jit(self._fun, compiler_options=compiler_options(), **self._kwargs)
     return self._jitted
 
   def __call__(self, *args, **kwargs):
     return self._get()(*args, **kwargs)
 
   def __getattr__(self, name):
-    if name.startswith("__") or name in ("_fun", "_kwargs", "_jitted"):
+    if name.startswith("__") or name in ("_fun", "_kwargs", "_jitted", "_lock"):
       raise AttributeError(name)
     return getattr(self._get(), name)
 
