@@ -166,17 +166,23 @@ class PagedLlama(ProgramKeyed):
     return self._forward(params, cache, tokens, starts, logits_at, logits_at + 1)
 
   def forward_all(self, params, cache: PagedCache, tokens, starts, counts):
-    # Only the first counts[b] tokens take blocks (padding drafts are not written).
-    return self._forward(params, cache, tokens, starts, None, counts.astype(jnp.int32))
+    # Only the first counts[b] tokens take blocks (padding drafts are not written). Each
+    # query attends as a decode row (`PagedKVCache.decode_queries`): a verified position
+    # gets the bits a plain step would give it, as in the engine.
+    return self._forward(params, cache, tokens, starts, None, counts.astype(jnp.int32),
+                         decode_queries=True)
 
-  def _forward(self, params, cache: PagedCache, tokens, starts, logits_at, write_lens):
+  def _forward(self, params, cache: PagedCache, tokens, starts, logits_at, write_lens,
+               decode_queries: bool = False):
     t = tokens.shape[1]
     starts = starts.astype(jnp.int32)
     blocks, src, dst, ok = reserve_span(cache.blocks, starts, write_lens, t)
     write_lens = jnp.where(ok, write_lens, 0)  # a row without its blocks writes nothing
-    pages = copy_blocks(cache.pages, src, dst).for_batch(blocks.tables, write_lens)
+    pages = copy_blocks(cache.pages, src, dst).for_batch(blocks.tables, write_lens,
+                                                         decode_queries=decode_queries)
     model = nnx.merge(self.graphdef, params)
     logits, pages = model(tokens.astype(jnp.int32), starts, pages, logits_at=logits_at)
+    pages = pages.replace(decode_queries=False)  # the loop's carry keeps one structure
     blocks = blocks.replace(lengths=jnp.maximum(blocks.lengths, starts + write_lens))
     return logits, self._note(cache.replace(pages=pages, blocks=blocks,
                                             overflow=cache.overflow | ~jnp.all(ok)))

@@ -71,6 +71,10 @@ def test_greedy_and_forced_runs_on_the_paged_tiny_llama(tiny_llama):
   plain = _run(paged, tok, st, 1, None, requests)
   spec = _run(paged, tok, st, 1, SpeculativeConfig(max_drafts=3, adaptive=False), requests)
   _check_same(plain, spec)
+  # Bit for bit: a verify call attends each query as a decode row (`decode_queries`).
+  numbers = lambda batch: [(t.mean_logprob, [s.score for s in t.steps])
+                           for ts in batch.traces for t in ts]
+  assert numbers(spec) == numbers(plain)
   assert spec.verify_calls > 0
   assert all(t.tokens.probe > 0 for ts in spec.traces for t in ts)
 
