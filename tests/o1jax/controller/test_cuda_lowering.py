@@ -25,7 +25,7 @@ class _LoweringLoop:
   def run(self, params, state):
     with as_if_on_gpu():
       type(self._cuda).run.trace(self._cuda, params, state).lower(lowering_platforms=("cuda",))
-      self._lowered.append(tuple(state.tokens.shape))
+      self._lowered.append((tuple(state.tokens.shape), self._cuda.verify))
       return self._loop.run(params, state)
 
 
@@ -110,3 +110,29 @@ def test_an_admission_sharing_a_prompt_prefix_lowers_for_cuda(tmp_path, monkeypa
         get_policy("self_consistency", n=2, max_thinking_tokens=4, max_answer_tokens=2))
   assert len(results) == 2 and all(r.traces for r in results)
   assert lowered == [(1, 1)]  # one root, one sharer, in one admission
+
+
+def test_the_speculative_verify_loop_lowers_for_cuda(tmp_path, monkeypatch):
+  """Prompt-lookup drafts verified inside the loop (each drafted position attends through
+  the paged decode kernel, `PagedKVCache.decode_queries`) lowered for CUDA."""
+  from o1jax.engine.speculative import SpeculativeConfig
+
+  monkeypatch.delenv("O1JAX_FIXED_TRIP_LOOPS", raising=False)
+  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
+                        matrix_type="Q4_1")
+  ck = load_checkpoint(tmp_path / "m.gguf")
+  cache = {"cache": "paged", "kv_dtype": "bfloat16"}
+  with as_if_on_gpu():
+    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
+                                    weight_mode="quantized"), cache)
+    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
+                                     weight_mode="quantized"), cache)
+  ctl = LoweringController(model, ck.tokenizer, max_rows=4,
+                           speculative=SpeculativeConfig(max_drafts=3, adaptive=False))
+  ctl.cuda_model = cuda
+  with as_if_on_gpu():
+    results = ctl.run(["abcabcabcabc", "hello hello hello"],
+                      get_policy("self_consistency", n=2, max_thinking_tokens=8,
+                                 max_answer_tokens=2))
+  assert len(results) == 2 and all(r.traces for r in results)
+  assert any(verify for _, verify in ctl.lowered), ctl.lowered
