@@ -29,6 +29,22 @@ class _LoweringLoop:
       return self._loop.run(params, state)
 
 
+def _tiny_models(tmp_path):
+  """(checkpoint, the paged decode model with interpret-mode kernels, its twin with the
+  kernels compiled for CUDA) of a tiny Q4_1 GGUF; bf16 KV under an f32 model (the GPU
+  check's)."""
+  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
+                        matrix_type="Q4_1")
+  ck = load_checkpoint(tmp_path / "m.gguf")
+  cache = {"cache": "paged", "kv_dtype": "bfloat16"}
+  with as_if_on_gpu():
+    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
+                                    weight_mode="quantized"), cache)
+    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
+                                     weight_mode="quantized"), cache)
+  return ck, model, cuda
+
+
 class LoweringController(Controller):
   cuda_model = None
 
@@ -61,15 +77,7 @@ POLICIES = {
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_controller_loop_lowers_for_cuda(policy, tmp_path, monkeypatch):
   monkeypatch.delenv("O1JAX_FIXED_TRIP_LOOPS", raising=False)  # a GPU's default loop
-  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
-                        matrix_type="Q4_1")
-  ck = load_checkpoint(tmp_path / "m.gguf")
-  cache = {"cache": "paged", "kv_dtype": "bfloat16"}  # under an f32 model (GPU check's)
-  with as_if_on_gpu():
-    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
-                                    weight_mode="quantized"), cache)
-    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
-                                     weight_mode="quantized"), cache)
+  ck, model, cuda = _tiny_models(tmp_path)
   ctl = LoweringController(model, ck.tokenizer, max_rows=8)
   ctl.cuda_model = cuda
   with as_if_on_gpu():
@@ -84,15 +92,7 @@ def test_an_admission_sharing_a_prompt_prefix_lowers_for_cuda(tmp_path, monkeypa
   from o1jax.controller import controller as controller_lib
   from o1jax.controller.decode_model import program_view
 
-  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
-                        matrix_type="Q4_1")
-  ck = load_checkpoint(tmp_path / "m.gguf")
-  cache = {"cache": "paged", "kv_dtype": "bfloat16"}
-  with as_if_on_gpu():
-    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
-                                    weight_mode="quantized"), cache)
-    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
-                                     weight_mode="quantized"), cache)
+  ck, model, cuda = _tiny_models(tmp_path)
   real, lowered = controller_lib._admit_rows, []
 
   def lowering(view, params, state, leaders, tokens, last, sharers, *rest):
@@ -118,15 +118,7 @@ def test_the_speculative_verify_loop_lowers_for_cuda(tmp_path, monkeypatch):
   from o1jax.engine.speculative import SpeculativeConfig
 
   monkeypatch.delenv("O1JAX_FIXED_TRIP_LOOPS", raising=False)
-  write_gguf_checkpoint(tmp_path / "m.gguf", tiny_config(max_context=256), seed=1,
-                        matrix_type="Q4_1")
-  ck = load_checkpoint(tmp_path / "m.gguf")
-  cache = {"cache": "paged", "kv_dtype": "bfloat16"}
-  with as_if_on_gpu():
-    cuda = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=False,
-                                    weight_mode="quantized"), cache)
-    model = build_decode_model(Llama(ck.config, ck.params, backend="auto", interpret=True,
-                                     weight_mode="quantized"), cache)
+  ck, model, cuda = _tiny_models(tmp_path)
   ctl = LoweringController(model, ck.tokenizer, max_rows=4,
                            speculative=SpeculativeConfig(max_drafts=3, adaptive=False))
   ctl.cuda_model = cuda

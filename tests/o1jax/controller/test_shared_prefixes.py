@@ -7,6 +7,7 @@ traces must be those of every prompt computing its own prefix."""
 
 import math
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -78,6 +79,10 @@ def test_shared_prefixes_give_the_traces_of_whole_prompts(models, cache):
   for a, b in zip(shared.traces, whole.traces, strict=True):
     for x, y in zip(a, b, strict=True):
       _same_scores(x, y, 1e-5)
+      # Bit for bit: a row's sums do not depend on its batch (compilation_cache.jit), and
+      # the suffix's attention over the donor's blocks adds what the whole prompt's does.
+      np.testing.assert_array_equal([x.mean_logprob] + [s.score for s in x.steps],
+                                    [y.mean_logprob] + [s.score for s in y.steps])
 
 
 def test_the_prefix_blocks_are_held_once(models):
