@@ -14,6 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from o1jax.checkpoint import load_checkpoint  # noqa: E402
+from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request  # noqa: E402
 from o1jax.model import KVCache, Llama  # noqa: E402
 from o1jax.sharding import DecodeCollectives, tensor_parallel  # noqa: E402
@@ -136,6 +137,7 @@ def sampling_case():
 
 
 def main():
+  enable_compilation_cache()  # as the suite's own processes (tests/conftest.py)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 259, size=int(rng.integers(3, 40))).tolist() for _ in range(4)]
   out = {}
