@@ -56,22 +56,24 @@ def test_sampled_traces_with_backtracks_equal_plain_decoding(python_twin):
   assert all(t.speculative is None for ts in plain.traces for t in ts)
 
 
-def test_greedy_and_forced_runs_on_the_paged_tiny_llama(tiny_llama):
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_greedy_and_forced_runs_on_the_tiny_llama(tiny_llama, cache):
   """Greedy rows, a self-verification probe at every step boundary (it writes past the
-  rows' ends, over the drafts) and forced answer prefixes (drafted exactly), on the
-  paged cache: the same traces as plain decoding."""
+  rows' ends, over the drafts) and forced answer prefixes (drafted exactly), on both
+  caches: the same traces as plain decoding."""
   model, tok = tiny_llama
-  paged = PagedLlama(_llama(model), block_size=4)
+  decode_model = PagedLlama(_llama(model), block_size=4) if cache == "paged" else model
   st = LoopSettings(temperature=0.0, step_delimiter="a", step_max_tokens=6,
                     max_thinking_tokens=24, max_answer_tokens=4, max_steps=3,
                     verifier=SelfVerify(probe=" ok?", yes="y", no="n"),
                     backtrack_threshold=0.4, max_step_backtracks=1, max_backtracks=2)
   requests = [ReasoningRequest(prompt=p, request_id=i, seed=1)
               for i, p in enumerate(["abcabcabc", "hello hello hello", "xyz"])]
-  plain = _run(paged, tok, st, 1, None, requests)
-  spec = _run(paged, tok, st, 1, SpeculativeConfig(max_drafts=3, adaptive=False), requests)
+  plain = _run(decode_model, tok, st, 1, None, requests)
+  spec = _run(decode_model, tok, st, 1, SpeculativeConfig(max_drafts=3, adaptive=False), requests)
   _check_same(plain, spec)
-  # Bit for bit: a verify call attends each query as a decode row (`decode_queries`).
+  # Bit for bit: a paged verify call attends each query as a decode row
+  # (`decode_queries`); the contiguous cache's one attention serves any number of queries.
   numbers = lambda batch: [(t.mean_logprob, [s.score for s in t.steps])
                            for ts in batch.traces for t in ts]
   assert numbers(spec) == numbers(plain)
