@@ -440,12 +440,20 @@ def write_error(e: BaseException):
 
 
 def _check_model(plan, direct: bool) -> None:
-  """The checkpoint's header, checked here rather than failing in every worker. Other
-  runners load the model on their own machines (a container image): a local copy, if any,
-  is checked."""
-  from pipelines.predictors import check_model_source
-  if direct or os.path.exists(plan.predictor.source):
-    check_model_source(plan.predictor)
+  """The checkpoints' headers (the model's, a draft model's, which must share its
+  vocabulary), checked here rather than failing in every worker. Other runners load them
+  on their own machines (a container image): a local copy, if any, is checked."""
+  from o1jax.checkpoint import check_checkpoint
+  from pipelines.predictors import model_sources
+  sources = model_sources(plan.predictor)
+  configs = {source: check_checkpoint(source) for source in sources
+             if direct or os.path.exists(source)}
+  if len(sources) == 2 and set(sources) <= configs.keys():
+    model, draft = sources
+    want, got = configs[model].vocab_size, configs[draft].vocab_size
+    if got != want:
+      raise ValueError(f"speculative.draft_source={draft}: its vocab_size={got} differs "
+                       f"from the model's {want} (a draft model shares the tokenizer)")
 
 
 def _no_examples(plan, scan, out: str) -> ValueError:

@@ -169,14 +169,13 @@ def _load_model(spec: PredictorSpec):
           ck.tokenizer)
 
 
-def check_model_source(spec: PredictorSpec) -> None:
-  """Cheap check of the model a predictor will load (file header, directory layout), so a
-  missing or corrupt checkpoint is one `CheckpointError` line from the launcher rather than
-  a failure inside every worker. The fake predictor loads no model."""
-  if spec.name == "fake":
-    return
-  from o1jax.checkpoint import check_checkpoint
-  check_checkpoint(spec.source)
+def model_sources(spec: PredictorSpec) -> list[str]:
+  """The checkpoints a predictor will load: its model and a speculative draft model's."""
+  if spec.name == "fake":  # loads no model
+    return []
+  speculative = spec.speculative_config()
+  draft = speculative.draft_source if speculative is not None else ""
+  return [spec.source] + ([draft] if draft else [])
 
 
 TRACE_FLOAT_DIGITS = 4

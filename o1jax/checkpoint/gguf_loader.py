@@ -169,11 +169,11 @@ class _Header:
     return meta, tensors, off + (-off % align)
 
 
-def check_gguf(path: str | os.PathLike) -> None:
+def check_gguf(path: str | os.PathLike) -> ModelConfig:
   """Validates a GGUF file without loading it: magic, the header's structure, the tensor
   table (types, extents, overlaps), the architecture and the metadata keys the config needs,
   every tensor's shape against that config, the tokenizer metadata. Raises the
-  `CheckpointError` that loading would raise."""
+  `CheckpointError` that loading would raise; returns the config."""
   import mmap
 
   path = pathlib.Path(path)
@@ -191,6 +191,7 @@ def check_gguf(path: str | os.PathLike) -> None:
   config = _config_from_metadata(meta, path, dims)
   _check_tensors(path, config, dims, {t.name: t.qtype.name for t in tensors})
   _check_tokenizer_metadata(meta, config)
+  return config
 
 
 def _check_table(path, table, data_start: int, size: int, align: int) -> list:

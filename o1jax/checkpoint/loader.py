@@ -44,24 +44,23 @@ def detect_format(path: pathlib.Path) -> str:
   raise CheckpointError(f"{path}: no such file or directory")
 
 
-def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> str:
+def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> ModelConfig:
   """Cheap validation of what `load_checkpoint(source)` would read, without reading weights:
   GGUF: the header walked in place (magic, tensor table, types, extents, architecture, sizes,
   tokenizer); HF: config.json, every shard's safetensors header and the tokenizer files;
   orbax: the manifest and the layout. Raises the `CheckpointError` loading would raise
-  (missing, random bytes, truncated, unsupported); returns the format. For launchers,
-  before any worker loads it."""
+  (missing, random bytes, truncated, unsupported); returns the model's config. For
+  launchers, before any worker loads it."""
   path = resolve_source(source)
   fmt = detect_format(path)
   if fmt == "gguf":
-    gguf_loader.check_gguf(path)
-  elif fmt == "orbax":
-    orbax_io.check_orbax(path)
-  else:
-    config = safetensors_loader.check_safetensors(path)
-    # tokenizer.json and tokenizer_config.json parse (a GGUF's are metadata), and fit the model
-    _check_vocab(path, config, Tokenizer.load(path))
-  return fmt
+    return gguf_loader.check_gguf(path)
+  if fmt == "orbax":
+    return orbax_io.check_orbax(path)
+  config = safetensors_loader.check_safetensors(path)
+  # tokenizer.json and tokenizer_config.json parse (a GGUF's are metadata), and fit the model
+  _check_vocab(path, config, Tokenizer.load(path))
+  return config
 
 
 def _check_vocab(path, config: ModelConfig, tokenizer: Tokenizer) -> None:

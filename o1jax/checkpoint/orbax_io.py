@@ -67,9 +67,9 @@ def _read_manifest(directory: pathlib.Path) -> tuple[dict, ModelConfig]:
   return manifest, config
 
 
-def check_orbax(directory: str | os.PathLike) -> None:
+def check_orbax(directory: str | os.PathLike) -> ModelConfig:
   """Validates an orbax checkpoint's manifest, layout and array shapes (from orbax's
-  metadata: ~10 ms) without restoring its arrays."""
+  metadata: ~10 ms) without restoring its arrays; returns the config."""
   import jax
   import orbax.checkpoint as ocp
 
@@ -90,6 +90,7 @@ def check_orbax(directory: str | os.PathLike) -> None:
   arrays = _flat(tree, shapes)
   _checksum_table(directory, manifest, arrays)  # its format and names; the values need the data
   _params_from(directory, manifest, config, arrays)
+  return config
 
 
 def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Tokenizer]:

@@ -162,6 +162,9 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   if spec_cfg is not None and name not in ("engine", "controller"):
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine or a controller "
                      f"policy; this run uses {name!r} (the generator does not speculate)")
+  if spec_cfg is not None and spec_cfg.drafter == "draft_model" and not spec_cfg.draft_source:
+    raise ValueError("speculative.drafter='draft_model' needs speculative.draft_source: the "
+                     "draft checkpoint (it must share the model's tokenizer)")
   if spec_cfg is not None and name == "controller" and spec_cfg.drafter != "prompt_lookup":
     raise ValueError(f"speculative.drafter={spec_cfg.drafter!r}: the controller's loop drafts "
                      f"by 'prompt_lookup' only (the engine runs every drafter)")

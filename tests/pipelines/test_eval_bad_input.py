@@ -156,6 +156,31 @@ def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
   assert _nothing_written(tmp_path / "out")
 
 
+
+def test_speculative_draft_model_checkpoint_is_checked_by_the_launcher(tmp_path):
+  """Drafter draft_model loads a second checkpoint in every worker: without one, with a
+  corrupt one or with another vocabulary, the launcher says so in one line before any
+  work."""
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  good = tmp_path / "tiny.gguf"
+  write_gguf_checkpoint(good, tiny_config())
+  cfg = _config(data, predictor="engine", source=str(good))
+  cfg.speculative.update(enabled=True, drafter="draft_model")
+  with pytest.raises(ValueError, match=r"^speculative\.drafter='draft_model' needs "
+                                       r"speculative\.draft_source: the draft checkpoint"):
+    _run(cfg, tmp_path / "out")
+  junk = tmp_path / "draft.gguf"
+  junk.write_bytes(bytes(range(256)) * 64)
+  cfg.speculative.draft_source = str(junk)
+  with pytest.raises(CheckpointError, match=rf"^{junk}: not a GGUF file"):
+    _run(cfg, tmp_path / "out")
+  cfg.speculative.draft_source = "embedded"  # SmolLM2's 49152 tokens, the tiny model's 259
+  with pytest.raises(ValueError, match=r"^speculative\.draft_source=embedded: its "
+                                       r"vocab_size=49152 differs from the model's 259 \(a draft"):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
 # -- 7. config values out of range -------------------------------------------------------
 
 @pytest.mark.parametrize("section, key, value, message", [

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from o1jax import testing
-from o1jax.checkpoint import CheckpointError, check_checkpoint
+from o1jax.checkpoint import CheckpointError, check_checkpoint, load_checkpoint
 from o1jax.checkpoint.gguf_loader import load_gguf
 from o1jax.checkpoint.orbax_io import MANIFEST
 
@@ -20,10 +20,10 @@ def tiny_gguf(tmp_path_factory):
   return p
 
 
-def test_good_checkpoints_pass(tiny_gguf, tmp_path):
-  check_checkpoint(tiny_gguf)
+def test_good_checkpoints_pass_and_give_the_loaded_config(tiny_gguf, tmp_path):
   testing.write_hf_checkpoint(tmp_path / "hf", testing.tiny_config())
-  check_checkpoint(tmp_path / "hf")
+  for path in (tiny_gguf, tmp_path / "hf"):
+    assert check_checkpoint(path) == load_checkpoint(path).config
 
 
 def test_embedded_model_check_is_cheap():
@@ -151,7 +151,6 @@ def test_gguf_size_of_zero_is_named_by_check_and_load(tiny_gguf, tmp_path, key):
 
 
 def test_hf_config_and_tokenizer_files_that_are_not_what_they_should_be(tmp_path):
-  from o1jax.checkpoint import load_checkpoint
   hf = tmp_path / "hf"
   testing.write_hf_checkpoint(hf, testing.tiny_config())
   good_config = (hf / "config.json").read_text()
@@ -396,7 +395,6 @@ _GGUF_MUTANTS = {
 
 @pytest.mark.parametrize("mutant", list(_GGUF_MUTANTS))
 def test_gguf_header_mutants_are_one_line_errors_from_check_and_load(tiny_gguf, tmp_path, mutant):
-  from o1jax.checkpoint import load_checkpoint
   edit, message = _GGUF_MUTANTS[mutant]
   g = _Gguf(tiny_gguf.read_bytes())
   p = tmp_path / f"{mutant}.gguf"
@@ -407,7 +405,6 @@ def test_gguf_header_mutants_are_one_line_errors_from_check_and_load(tiny_gguf, 
 
 
 def test_gguf_rewriter_round_trips_and_merges_are_checked_at_load(tiny_gguf, tmp_path):
-  from o1jax.checkpoint import load_checkpoint
   g = _Gguf(tiny_gguf.read_bytes())
   assert g.bytes() == tiny_gguf.read_bytes()
   # The header check does not read arrays' contents; the load names a malformed merge.
@@ -501,7 +498,6 @@ _HF_MUTANTS = {
 
 @pytest.mark.parametrize("mutant", list(_HF_MUTANTS))
 def test_hf_mutants_are_one_line_errors_from_check_and_load(tmp_path, mutant):
-  from o1jax.checkpoint import load_checkpoint
   edit, message = _HF_MUTANTS[mutant]
   hf = tmp_path / "hf"
   testing.write_hf_checkpoint(hf, testing.tiny_config())
@@ -512,7 +508,6 @@ def test_hf_mutants_are_one_line_errors_from_check_and_load(tmp_path, mutant):
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused_and_a_padded_one_loads(tmp_path):
-  from o1jax.checkpoint import load_checkpoint
   # Before: token ids past the embedding's rows loaded, to be clamped on the device.
   small = tmp_path / "small"
   testing.write_hf_checkpoint(small, testing.tiny_config(vocab_size=200))
@@ -527,7 +522,6 @@ def test_tokenizer_larger_than_the_embedding_is_refused_and_a_padded_one_loads(t
 
 
 def test_valid_variants_still_check_and_load(tmp_path):
-  from o1jax.checkpoint import load_checkpoint
   for name, config in (("gemma3", testing.tiny_gemma3_config()),
                        ("qwen2", testing.tiny_config(architecture="qwen2", attention_bias=True,
                                                      tie_embeddings=False))):
@@ -543,7 +537,6 @@ def test_valid_variants_still_check_and_load(tmp_path):
 
 @pytest.mark.parametrize("source", [None, 5, b"/tmp"])
 def test_a_source_that_is_not_a_name_or_path_is_named(source):
-  from o1jax.checkpoint import load_checkpoint
   # Before: pathlib's TypeError ("expected str, bytes or os.PathLike object, not NoneType").
   for read in (check_checkpoint, load_checkpoint):
     with pytest.raises(CheckpointError, match=r"^a checkpoint source is a model name \(embedded, "
@@ -553,7 +546,6 @@ def test_a_source_that_is_not_a_name_or_path_is_named(source):
 
 @pytest.fixture(scope="module")
 def tiny_orbax(tmp_path_factory):
-  from o1jax.checkpoint import load_checkpoint
   from o1jax.checkpoint.orbax_io import save_orbax
   root = tmp_path_factory.mktemp("orbax")
   testing.write_hf_checkpoint(root / "hf", testing.tiny_config())
@@ -577,7 +569,6 @@ _ORBAX_CONFIG_MUTANTS = {
 @pytest.mark.parametrize("mutant", list(_ORBAX_CONFIG_MUTANTS))
 def test_orbax_manifest_config_that_disagrees_with_its_arrays_is_named(tiny_orbax, tmp_path, mutant):
   import shutil
-  from o1jax.checkpoint import load_checkpoint
   changes, message = _ORBAX_CONFIG_MUTANTS[mutant]
   d = tmp_path / "orbax"
   shutil.copytree(tiny_orbax, d)
@@ -588,12 +579,11 @@ def test_orbax_manifest_config_that_disagrees_with_its_arrays_is_named(tiny_orba
   for read in (load_checkpoint, check_checkpoint):
     with pytest.raises(CheckpointError, match=rf"^{d}: {message}$"):
       read(d)
-  check_checkpoint(tiny_orbax)  # the unedited one passes
+  assert check_checkpoint(tiny_orbax) == load_checkpoint(tiny_orbax).config  # unedited: passes
 
 
 def test_orbax_manifest_config_that_is_not_an_object_is_named(tiny_orbax, tmp_path):
   import shutil
-  from o1jax.checkpoint import load_checkpoint
   d = tmp_path / "orbax"
   shutil.copytree(tiny_orbax, d)
   (d / MANIFEST).write_text(json.dumps({"config": [], "param_spec": {}}))
@@ -614,7 +604,6 @@ def _orbax_copy(tiny_orbax, tmp_path):
 
 def test_orbax_arrays_with_a_flipped_bit_are_refused(tiny_orbax, tmp_path):
   import re
-  from o1jax.checkpoint import load_checkpoint
   src = max((p for p in (tiny_orbax / "params").rglob("*") if p.is_file()),
             key=lambda p: p.stat().st_size)
   named = []
@@ -638,7 +627,6 @@ def test_orbax_arrays_with_a_flipped_bit_are_refused(tiny_orbax, tmp_path):
 
 def test_orbax_checkpoint_without_checksums_still_loads_and_bad_checksums_are_named(
     tiny_orbax, tmp_path):
-  from o1jax.checkpoint import load_checkpoint
   d = _orbax_copy(tiny_orbax, tmp_path)
   manifest = json.loads((d / MANIFEST).read_text())
   sums = manifest.pop("checksums")
@@ -702,7 +690,6 @@ def test_non_finite_counts_nan_and_inf_of_every_float_type():
 
 def test_a_gguf_scale_that_is_nan_is_named(tmp_path):
   import gguf
-  from o1jax.checkpoint import load_checkpoint
   path = tmp_path / "m.gguf"
   testing.write_gguf_checkpoint(path, testing.tiny_config(), matrix_type="Q4_0")
   tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down.weight")
@@ -718,7 +705,6 @@ def test_a_gguf_scale_that_is_nan_is_named(tmp_path):
 
 def test_a_safetensors_weight_that_is_inf_is_named(tmp_path):
   from safetensors.numpy import load_file, save_file
-  from o1jax.checkpoint import load_checkpoint
   import ml_dtypes
   testing.write_hf_checkpoint(tmp_path, testing.tiny_config(), dtype=ml_dtypes.bfloat16)
   weights = load_file(str(tmp_path / "model.safetensors"))
