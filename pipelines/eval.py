@@ -306,8 +306,8 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     else:
       result = pipeline.run()
       result.wait_until_finish()
-  except Exception as e:  # a record or result file that cannot be written: one line
-    error = write_error(e)
+  except Exception as e:  # a file that cannot be written, a model no worker loads: one line
+    error = worker_error(e)
     if error is None:
       raise
     raise error from e
@@ -421,20 +421,22 @@ def clear_previous_results(config, out: str, console) -> None:
       raise OutputError(f"cannot remove the earlier run's {out}/{name}: {os_reason(e)}") from e
 
 
-def write_error(e: BaseException):
-  """The `WriteError` behind a failed job (its chain, or the runner's text of a worker's
-  exception: `... WriteError: cannot write PATH: REASON [while running 'Store']`), or None."""
+def worker_error(e: BaseException):
+  """The `WriteError` or `ModelLoadError` behind a failed job (its chain, or the runner's
+  text of a worker's exception: `... WriteError: cannot write PATH: REASON [while running
+  'Store']`), or None."""
+  from pipelines.beam.handler import ModelLoadError
   from pipelines.beam.store import WriteError
+  kinds = {"WriteError": WriteError, "ModelLoadError": ModelLoadError}
+  strip = lambda text: re.sub(r"( \[while running '[^']*'\])+$", "", text)
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
-    if isinstance(e, WriteError):
-      message = re.sub(r"( \[while running '[^']*'\])+$", "", str(e).strip().splitlines()[0])
-      return WriteError(message)
-    text = str(e)
-    found = re.search(r"WriteError: (cannot write .+?)(?: \[while running '[^']*'\])*$", text, re.M)
+    if isinstance(e, tuple(kinds.values())):
+      return type(e)(strip(str(e).strip().splitlines()[0]))
+    found = re.search(r"\b(WriteError|ModelLoadError): (.+)$", str(e), re.M)
     if found:  # raised in a worker process: the runner passes its text on
-      return WriteError(found.group(1))
+      return kinds[found.group(1)](strip(found.group(2)))
     e = e.__cause__ or e.__context__
   return None
 
@@ -582,8 +584,9 @@ def main(argv):
   try:
     summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
   except ValueError as e:  # bad input: config, output directory, checkpoint, dataset
+    from pipelines.beam.handler import ModelLoadError
     from pipelines.beam.store import WriteError
-    if log and isinstance(e, WriteError):  # the job ran: what it logged is kept
+    if log and isinstance(e, (WriteError, ModelLoadError)):  # the job ran: its log is kept
       log.close(move_to=local_log)
     elif log:
       log.close(keep=False)

@@ -53,8 +53,12 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 def group_mesh(tp: int, devices=None) -> Mesh:
   """A (data=1, model=tp) mesh: the first tensor-parallel group that `make_mesh` places
   on the best links among `devices` (default: all)."""
-  from o1jax.sharding.topology import make_mesh
+  from o1jax.sharding.topology import TopologyError, make_mesh
 
+  devices = list(jax.devices() if devices is None else devices)
+  if tp > len(devices):
+    raise TopologyError(f"tensor_parallel={tp} needs {tp} devices; this process has "
+                        f"{len(devices)}")
   full = make_mesh(model=tp, devices=devices)
   return Mesh(full.devices[:1], full.axis_names)
 

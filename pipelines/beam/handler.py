@@ -31,6 +31,12 @@ from pipelines.predictors import Predictor, PredictorSpec, WorkItem, build_predi
 ERROR_KEY = "error"  # a prediction holding only this: the predictor refused the item
 
 
+class ModelLoadError(ValueError):
+  """A worker could not build its predictor from the spec, for a reason the launcher could
+  not check (the worker's devices, a checkpoint only the workers read): the run stops with
+  this one line, before any sample is computed."""
+
+
 class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor]):
   """Loads a predictor by spec; batches of work items in, `PredictionResult`s out.
 
@@ -55,7 +61,10 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
     self._loader = loader or build_predictor
 
   def load_model(self) -> Predictor:
-    return self._loader(self.spec)
+    try:
+      return self._loader(self.spec)
+    except ValueError as e:  # the spec asks for what this worker cannot give (e.g. devices)
+      raise ModelLoadError(f"a worker could not load the model: {e}") from e
 
   def run_inference(self, batch: Sequence[WorkItem], model: Predictor,
                     inference_args: Optional[dict[str, Any]] = None) -> list[PredictionResult]:

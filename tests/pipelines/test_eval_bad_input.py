@@ -254,6 +254,34 @@ def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
   assert summary["samples"] == 3 and summary["dead_letters"]["by_stage"] == {"inference": 1}
 
 
+def _device_short_loader(spec):
+  from o1jax.sharding.tensor_parallel import group_mesh
+  group_mesh(2)  # this process has 1 CPU device
+  raise AssertionError("unreachable")
+
+
+def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
+  """A spec the launcher cannot check (here: more devices than the worker has) fails in
+  the workers' `load_model`: one line naming what is missing, nothing stored. With the
+  multi-processing runner the launcher gets the worker's traceback as text."""
+  from pipelines.beam.handler import ModelLoadError
+  from pipelines.eval import worker_error
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  with pytest.raises(ModelLoadError, match=r"^a worker could not load the model: "
+                                           r"tensor_parallel=2 needs 2 devices; this process "
+                                           r"has 1$"):
+    run(_config(data), str(tmp_path / "out"), clock=FakeClock(), progress=False, report=False,
+        loader=_device_short_loader)
+  assert _nothing_written(tmp_path / "out")
+  text = ("Traceback (most recent call last):\n  File \"handler.py\", line 60, in load_model\n"
+          "pipelines.beam.handler.ModelLoadError: a worker could not load the model: "
+          "tensor_parallel=2 needs 2 devices; this process has 1 [while running "
+          "'RunInference/BeamML_RunInference/ParDo(_RunInferenceDoFn)']")
+  found = worker_error(RuntimeError(text))
+  assert type(found) is ModelLoadError and str(found) == (
+      "a worker could not load the model: tensor_parallel=2 needs 2 devices; this process has 1")
+  assert worker_error(RuntimeError("ValueError: something else")) is None
+
 def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
   # Before: every example refused gave "accuracy": {"exact": 0.0}, which reads as a result.
   data = _write(tmp_path / "refused.jsonl", [json.dumps({"question": f"REFUSE {i}", "answer": "1"})
