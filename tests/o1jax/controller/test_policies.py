@@ -272,6 +272,8 @@ NAN = float("nan")
      r"^think_verify_backtrack: max_backtracks must be an int >= 0, got -1$"),
     ({"name": "think_verify_backtrack", "max_steps": -1},
      r"^think_verify_backtrack: max_steps must be an int >= 0, got -1$"),
+    ({"name": "think_verify_backtrack", "verifier": "bogus"},
+     r"^think_verify_backtrack: unknown verifier 'bogus'; registered: \['group_confidence', "),
     ({"name": "think_verify_backtrack", "latency_slo_s": 0},
      r"^think_verify_backtrack: latency_slo_s must be > 0, got 0$"),
     ({"name": "budget_forcing", "min_thinking_tokens": -1},
