@@ -307,7 +307,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
       result = pipeline.run()
       result.wait_until_finish()
   except Exception as e:  # a file that cannot be written, a model no worker loads: one line
-    error = worker_error(e)
+    error = worker_error(e) or runner_start_error(e, options)
     if error is None:
       raise
     raise error from e
@@ -437,6 +437,23 @@ def worker_error(e: BaseException):
     found = re.search(r"\b(WriteError|ModelLoadError): (.+)$", str(e), re.M)
     if found:  # raised in a worker process: the runner passes its text on
       return kinds[found.group(1)](strip(found.group(2)))
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def runner_start_error(e: BaseException, options):
+  """A ValueError naming the runner when the job failed because its runner could not start
+  (Flink, Spark, Prism: Beam fetches a job server jar or binary at run time, and a machine
+  that cannot reach it fails there, before any work), else None."""
+  from apache_beam.options.pipeline_options import StandardOptions
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    text = str(e).strip()
+    if re.match(r"Unable to fetch remote (job server jar|prism binary)", text):
+      runner = options.view_as(StandardOptions).runner
+      return ValueError(f"runner {runner} could not start its job server: "
+                        f"{text.splitlines()[0]}")
     e = e.__cause__ or e.__context__
   return None
 

@@ -282,6 +282,32 @@ def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
       "a worker could not load the model: tensor_parallel=2 needs 2 devices; this process has 1")
   assert worker_error(RuntimeError("ValueError: something else")) is None
 
+
+@pytest.mark.parametrize("runner, text", [
+    ("FlinkRunner", "Unable to fetch remote job server jar at https://repo/flink-job-server.jar: "
+                    "<urlopen error [Errno -2] Name or service not known>. Also failed ..."),
+    ("PrismRunner", "Unable to fetch remote prism binary at https://host/prism.zip: <urlopen "
+                    "error [Errno -2] Name or service not known>"),
+])
+def test_a_runner_that_cannot_start_its_job_server_is_one_line(runner, text):
+  """Flink, Spark and Prism fetch a job server at run time (not testable end to end here:
+  a machine with a network would download it); the launcher's line for Beam's error."""
+  import urllib.error
+
+  from apache_beam.options.pipeline_options import PipelineOptions
+
+  from pipelines.eval import runner_start_error
+  try:
+    try:
+      raise urllib.error.URLError("Name or service not known")
+    except urllib.error.URLError as cause:
+      raise RuntimeError(text) from cause
+  except RuntimeError as e:
+    error = runner_start_error(e, PipelineOptions([f"--runner={runner}"]))
+  assert str(error) == f"runner {runner} could not start its job server: {text}"
+  assert runner_start_error(RuntimeError("a worker failed"), PipelineOptions([])) is None
+
+
 def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
   # Before: every example refused gave "accuracy": {"exact": 0.0}, which reads as a result.
   data = _write(tmp_path / "refused.jsonl", [json.dumps({"question": f"REFUSE {i}", "answer": "1"})
