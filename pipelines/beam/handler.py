@@ -33,8 +33,8 @@ ERROR_KEY = "error"  # a prediction holding only this: the predictor refused the
 
 class ModelLoadError(ValueError):
   """A worker could not build its predictor from the spec, for a reason the launcher could
-  not check (the worker's devices, a checkpoint only the workers read): the run stops with
-  this one line, before any sample is computed."""
+  not check (the worker's devices, a checkpoint only the workers read, weights whose values
+  are bad): the run stops with this one line (what other workers stored stays stored)."""
 
 
 class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor]):
