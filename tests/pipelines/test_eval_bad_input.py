@@ -283,6 +283,28 @@ def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
   assert worker_error(RuntimeError("ValueError: something else")) is None
 
 
+def test_weights_only_the_load_finds_bad_stop_the_run_in_one_line(tmp_path):
+  """NaN weights pass the header check (they need the values): the workers' load finds
+  them, and the run stops with its one line, nothing stored."""
+  import gguf
+  import numpy as np
+
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  from pipelines.beam.handler import ModelLoadError
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  path = tmp_path / "nan.gguf"
+  write_gguf_checkpoint(path, tiny_config(), matrix_type="Q4_0")
+  tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down.weight")
+  raw = bytearray(path.read_bytes())
+  at = tensor.data_offset + 18 * 3  # the f16 scale of the tensor's 4th block
+  raw[at:at + 2] = np.array([np.nan], np.float16).tobytes()
+  path.write_bytes(bytes(raw))
+  with pytest.raises(ModelLoadError, match=rf"^a worker could not load the model: {path}: tensor "
+                                           r"'layers\.1\.w_down' has 1 non-finite scales"):
+    _run(_config(data, predictor="engine", source=str(path)), tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
 @pytest.mark.parametrize("runner, text", [
     ("FlinkRunner", "Unable to fetch remote job server jar at https://repo/flink-job-server.jar: "
                     "<urlopen error [Errno -2] Name or service not known>. Also failed ..."),
