@@ -48,8 +48,13 @@ BATCH_INVARIANT_CPU_OPTIONS = {
 def compiler_options() -> dict[str, str] | None:
   """The XLA options the model's programs compile with (`jit`): BATCH_INVARIANT_CPU_OPTIONS
   on a CPU backend whose XLA takes them (probed once with a tiny program: an XLA without
-  the option refuses it), else None (GPU and TPU: XLA's defaults)."""
+  the option refuses it), else None (GPU and TPU: XLA's defaults; and where XLA_FLAGS sets
+  the option itself: the user's choice is kept)."""
   if jax.default_backend() != "cpu":
+    return None
+  if f"--{YNN_FUSION_OPTION}=" in os.environ.get("XLA_FLAGS", ""):
+    log.warning("XLA_FLAGS sets %s: the model's programs keep it (a row's numerics may then "
+                "depend on its batch)", YNN_FUSION_OPTION)
     return None
   try:
     jax.jit(lambda x: x * x, compiler_options=BATCH_INVARIANT_CPU_OPTIONS).lower(

@@ -82,6 +82,21 @@ def test_an_xla_without_the_options_falls_back_to_its_defaults(monkeypatch, capl
     compilation_cache.compiler_options.cache_clear()
 
 
+def test_an_xla_flag_the_user_set_is_kept(monkeypatch, caplog):
+  """A user who sets the YNNPACK fusion option in XLA_FLAGS gets it for the model's
+  programs too (read by XLA when the backend starts; the per-program options would
+  override it)."""
+  flags = f"--{compilation_cache.YNN_FUSION_OPTION}=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  compilation_cache.compiler_options.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING, logger=compilation_cache.__name__):
+      assert compilation_cache.compiler_options() is None
+    assert "XLA_FLAGS sets xla_cpu_experimental_ynn_fusion_type" in caplog.text
+  finally:
+    compilation_cache.compiler_options.cache_clear()
+
+
 class _Scaled:
   def __init__(self, factor):
     self.factor = factor
