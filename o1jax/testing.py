@@ -329,6 +329,20 @@ def write_gguf_checkpoint(path: str | os.PathLike, config: ModelConfig, seed: in
   return weights
 
 
+def write_gguf_with_a_nan_scale(path: str | os.PathLike, config: ModelConfig,
+                                tensor: str = "blk.1.ffn_down.weight", block: int = 3) -> None:
+  """A Q4_0 GGUF of `config` whose `tensor` has a NaN f16 scale in its `block`-th block:
+  a header that checks out, values that do not (only loading sees them)."""
+  import gguf
+
+  write_gguf_checkpoint(path, config, matrix_type="Q4_0")
+  offset = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == tensor).data_offset
+  at = offset + 18 * block  # a Q4_0 block: its f16 scale, then 16 bytes of 4-bit values
+  data = bytearray(pathlib.Path(path).read_bytes())
+  data[at:at + 2] = np.array([np.nan], np.float16).tobytes()
+  pathlib.Path(path).write_bytes(bytes(data))
+
+
 def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
   """The per-frequency divisors llama.cpp's converter writes as a Llama 3 GGUF's rope_freqs:
   1 below wavelength original_ctx / high_freq_factor, `factor` above original_ctx /

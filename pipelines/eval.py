@@ -421,6 +421,15 @@ def clear_previous_results(config, out: str, console) -> None:
       raise OutputError(f"cannot remove the earlier run's {out}/{name}: {os_reason(e)}") from e
 
 
+def _chain(e: BaseException | None):
+  """e, then its cause or context, and so on (each once)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    yield e
+    e = e.__cause__ or e.__context__
+
+
 def worker_error(e: BaseException):
   """The `WriteError` or `ModelLoadError` behind a failed job (its chain, or the runner's
   text of a worker's exception: `... WriteError: cannot write PATH: REASON [while running
@@ -429,15 +438,12 @@ def worker_error(e: BaseException):
   from pipelines.beam.store import WriteError
   kinds = {"WriteError": WriteError, "ModelLoadError": ModelLoadError}
   strip = lambda text: re.sub(r"( \[while running '[^']*'\])+$", "", text)
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, tuple(kinds.values())):
-      return type(e)(strip(str(e).strip().splitlines()[0]))
-    found = re.search(r"\b(WriteError|ModelLoadError): (.+)$", str(e), re.M)
+  for link in _chain(e):
+    if isinstance(link, tuple(kinds.values())):
+      return type(link)(strip(str(link).strip().splitlines()[0]))
+    found = re.search(r"\b(WriteError|ModelLoadError): (.+)$", str(link), re.M)
     if found:  # raised in a worker process: the runner passes its text on
       return kinds[found.group(1)](strip(found.group(2)))
-    e = e.__cause__ or e.__context__
   return None
 
 
@@ -446,15 +452,12 @@ def runner_start_error(e: BaseException, options):
   (Flink, Spark, Prism: Beam fetches a job server jar or binary at run time, and a machine
   that cannot reach it fails there, before any work), else None."""
   from apache_beam.options.pipeline_options import StandardOptions
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    text = str(e).strip()
+  for link in _chain(e):
+    text = str(link).strip()
     if re.match(r"Unable to fetch remote (job server jar|prism binary)", text):
       runner = options.view_as(StandardOptions).runner
       return ValueError(f"runner {runner} could not start its job server: "
                         f"{text.splitlines()[0]}")
-    e = e.__cause__ or e.__context__
   return None
 
 
@@ -468,11 +471,12 @@ def _check_model(plan, direct: bool) -> None:
   configs = {source: check_checkpoint(source) for source in sources
              if direct or os.path.exists(source)}
   if len(sources) == 2 and set(sources) <= configs.keys():
+    from o1jax.engine.speculative import check_draft_vocabulary
     model, draft = sources
-    want, got = configs[model].vocab_size, configs[draft].vocab_size
-    if got != want:
-      raise ValueError(f"speculative.draft_source={draft}: its vocab_size={got} differs "
-                       f"from the model's {want} (a draft model shares the tokenizer)")
+    try:
+      check_draft_vocabulary(configs[model], configs[draft])
+    except ValueError as e:
+      raise ValueError(f"speculative.draft_source={draft}: {e}") from e
 
 
 def _no_examples(plan, scan, out: str) -> ValueError:

@@ -30,7 +30,7 @@ from o1jax.controller.answers import best_index, majority_vote, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
-from o1jax.controller.verifiers import SCORERS, VERIFIERS, MeanLogprob, Verifier, get_verifier
+from o1jax.controller.verifiers import SCORERS, Verifier, get_verifier
 from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
 from o1jax.model.sampling import check_int, is_real
 
@@ -374,9 +374,7 @@ class ThinkVerifyBacktrack(Policy):
     _check_flags(self, "adaptive")
     if not isinstance(self.verifier, (str, Verifier)):
       raise ValueError(f"verifier must be a registered verifier's name, got {self.verifier!r}")
-    if isinstance(self.verifier, str) and self.verifier not in VERIFIERS:
-      get_verifier(self.verifier)  # its one-line error, now rather than in every request
-    self._loop_settings(MeanLogprob())  # (the verifier itself is built at run time)
+    self._loop_settings(get_verifier(self.verifier))  # an unknown name: refused now
 
   def _loop_settings(self, verifier) -> LoopSettings:
     steps = self.max_steps or allocate_budget(self.latency_slo_s, self.load)

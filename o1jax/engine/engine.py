@@ -64,7 +64,7 @@ from o1jax.engine.kv_cache import KV_DTYPES, PagedKVCache, copy_blocks
 from o1jax.engine.metrics import MetricsCollector, RequestMetrics
 from o1jax.engine.shape_plan import ShapePlan, decode_fits
 from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, SpeculativeConfig,
-                                      prompt_lookup)
+                                      check_draft_vocabulary, prompt_lookup)
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama
@@ -566,9 +566,7 @@ class Engine:
       ck = load_checkpoint(speculative.draft_source)
       draft_model = Llama(ck.config, ck.params, backend=model.backend, interpret=model.interpret,
                           matmul_dtype=model.matmul_dtype)
-    if draft_model.config.vocab_size != model.config.vocab_size:
-      raise ValueError(f"draft model vocab_size={draft_model.config.vocab_size} differs from the "
-                       f"target's {model.config.vocab_size}: it must share the tokenizer")
+    check_draft_vocabulary(model.config, draft_model.config)
     return draft_model
 
   def _init_draft_model(self, draft: Llama) -> None:

@@ -103,6 +103,14 @@ class SpeculativeConfig:
     return layer
 
 
+def check_draft_vocabulary(target, draft) -> None:
+  """A draft model proposes token ids of the target's vocabulary: the two `ModelConfig`s
+  must have the same vocab_size (one-line ValueError)."""
+  if draft.vocab_size != target.vocab_size:
+    raise ValueError(f"draft model vocab_size={draft.vocab_size} differs from the target's "
+                     f"{target.vocab_size}: it must share the tokenizer")
+
+
 def prompt_lookup(tokens: Sequence[int], max_drafts: int, ngram_max: int = 4,
                   ngram_min: int = 1) -> list[int]:
   """Drafts from the sequence itself: for n = ngram_max .. ngram_min, the last n

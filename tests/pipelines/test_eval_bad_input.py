@@ -176,8 +176,9 @@ def test_speculative_draft_model_checkpoint_is_checked_by_the_launcher(tmp_path)
   with pytest.raises(CheckpointError, match=rf"^{junk}: not a GGUF file"):
     _run(cfg, tmp_path / "out")
   cfg.speculative.draft_source = "embedded"  # SmolLM2's 49152 tokens, the tiny model's 259
-  with pytest.raises(ValueError, match=r"^speculative\.draft_source=embedded: its "
-                                       r"vocab_size=49152 differs from the model's 259 \(a draft"):
+  with pytest.raises(ValueError, match=r"^speculative\.draft_source=embedded: draft model "
+                                       r"vocab_size=49152 differs from the target's 259: it must "
+                                       r"share the tokenizer$"):
     _run(cfg, tmp_path / "out")
   assert _nothing_written(tmp_path / "out")
 
@@ -286,19 +287,11 @@ def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
 def test_weights_only_the_load_finds_bad_stop_the_run_in_one_line(tmp_path):
   """NaN weights pass the header check (they need the values): the workers' load finds
   them, and the run stops with its one line, nothing stored."""
-  import gguf
-  import numpy as np
-
-  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  from o1jax.testing import tiny_config, write_gguf_with_a_nan_scale
   from pipelines.beam.handler import ModelLoadError
   data = _write(tmp_path / "ok.jsonl", _good_lines())
   path = tmp_path / "nan.gguf"
-  write_gguf_checkpoint(path, tiny_config(), matrix_type="Q4_0")
-  tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down.weight")
-  raw = bytearray(path.read_bytes())
-  at = tensor.data_offset + 18 * 3  # the f16 scale of the tensor's 4th block
-  raw[at:at + 2] = np.array([np.nan], np.float16).tobytes()
-  path.write_bytes(bytes(raw))
+  write_gguf_with_a_nan_scale(path, tiny_config())
   with pytest.raises(ModelLoadError, match=rf"^a worker could not load the model: {path}: tensor "
                                            r"'layers\.1\.w_down' has 1 non-finite scales"):
     _run(_config(data, predictor="engine", source=str(path)), tmp_path / "out")

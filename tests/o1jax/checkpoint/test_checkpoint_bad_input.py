@@ -689,14 +689,8 @@ def test_non_finite_counts_nan_and_inf_of_every_float_type():
 
 
 def test_a_gguf_scale_that_is_nan_is_named(tmp_path):
-  import gguf
   path = tmp_path / "m.gguf"
-  testing.write_gguf_checkpoint(path, testing.tiny_config(), matrix_type="Q4_0")
-  tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down.weight")
-  data = bytearray(path.read_bytes())
-  at = tensor.data_offset + 18 * 3  # the f16 scale of the tensor's 4th block
-  data[at:at + 2] = np.array([np.nan], np.float16).tobytes()
-  path.write_bytes(bytes(data))
+  testing.write_gguf_with_a_nan_scale(path, testing.tiny_config())  # blk.1.ffn_down, block 3
   # Before: it loaded, and every logit after that layer was NaN (greedy took the last id).
   with pytest.raises(CheckpointError, match=rf"^{path}: tensor 'layers.1.w_down' has 1 non-finite "
                                             r"scales \(NaN or inf\) of \d+: the file is corrupt"):
