@@ -422,7 +422,7 @@ class ControllerPredictor:
 
   @classmethod
   def load(cls, spec: PredictorSpec) -> "ControllerPredictor":
-    from o1jax.controller import Controller, build_decode_model
+    from o1jax.controller import Controller, build_decode_model, build_policy
     if not spec.policy:
       raise ValueError("predictor=controller needs a controller policy (policy.name = one of the "
                        "controller's policies)")
@@ -435,10 +435,12 @@ class ControllerPredictor:
     from o1jax.sharding import group_mesh
     tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
     decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
-    return cls(Controller(decode_model, tokenizer, max_rows=max(rows, 1),
-                          budget=spec.budget_loop(), thinking=spec.thinking,
-                          admission=str(engine.get("policy", "fifo")),
-                          speculative=spec.speculative_config()), policy)
+    controller = Controller(decode_model, tokenizer, max_rows=max(rows, 1),
+                            budget=spec.budget_loop(), thinking=spec.thinking,
+                            admission=str(engine.get("policy", "fifo")),
+                            speculative=spec.speculative_config())
+    controller.check_policy_fits(build_policy(policy))  # once here, not per request
+    return cls(controller, policy)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest

@@ -850,6 +850,22 @@ class Controller:
     jax.block_until_ready(out.length)
     return (time.perf_counter() - t0) / iterations
 
+  def check_policy_fits(self, policy) -> None:
+    """ValueError when `policy`'s largest loop call cannot fit the device even for one
+    request of one prompt token: checked once where the policy is chosen (a pipeline
+    worker's load) rather than found per request."""
+    self._loop_shape(policy.loop_settings(), policy.traces_per_call, 1, 1)
+
+  def _loop_shape(self, settings: LoopSettings, n: int, slots: int,
+                  longest_prompt: int) -> tuple[int, int, CachePlan]:
+    """Rows, positions per row and cache plan of a loop call with `slots` request slots of
+    n traces, checked against the device's memory."""
+    b = pow2_bucket(slots * n)
+    length = self.cache_length(settings, longest_prompt)
+    plan = self.cache_plan(settings, b, longest_prompt, slots)
+    self._check_state_fits(settings, n, b, length, plan)
+    return b, length, plan
+
   def _check_state_fits(self, settings: LoopSettings, n: int, rows: int, length: int,
                         plan: CachePlan) -> None:
     """The loop's largest buffers (the cache, tokens [rows, length], the confidence ring
@@ -1057,12 +1073,9 @@ class Controller:
     prompts = [self.encode(r.prompt) for r in requests]
     r = len(requests)
     slots = max(1, min(self.max_rows // n, r))
-    b = pow2_bucket(slots * n)
     longest = max(len(p) for p in prompts)  # of all requests: the rows are reused
-    length = self.cache_length(settings, longest)
+    b, length, plan = self._loop_shape(settings, n, slots, longest)
     per_slot = max([1] + [len(p) for p in prior_votes])
-    plan = self.cache_plan(settings, b, longest, slots)
-    self._check_state_fits(settings, n, b, length, plan)
     state = self.empty_state(settings, n, slots, length, plan, per_slot)
     limits = [self.step_limit(settings, q) for q in requests]
     # Every request is known up front, so the priority order is fixed: one sort.

@@ -73,6 +73,15 @@ class Policy(BasePolicy):
   def num_samples(self) -> int:
     return 1
 
+  def loop_settings(self) -> LoopSettings:
+    """The settings of the loop calls `run` makes (what a check before any request sizes)."""
+    return self.settings()
+
+  @property
+  def traces_per_call(self) -> int:
+    """Most traces per request in one `generate` call of `run`."""
+    return 1
+
   def settings(self, **overrides) -> LoopSettings:
     """LoopSettings from this policy's shared fields (+ overrides)."""
     base = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -125,7 +134,7 @@ class GreedyCoT(Policy):
   name: ClassVar[str] = "greedy_cot"
 
   def run(self, ctl, requests):
-    st = self.settings()
+    st = self.loop_settings()
     batch = ctl.generate(requests, st, 1)
     return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
                        batch.wall_time_s[i], batch.invocations[i])
@@ -145,8 +154,12 @@ class SelfConsistency(Policy):
     super().check_params()
     _check_count(self, "n")
 
+  @property
+  def traces_per_call(self) -> int:
+    return self.n
+
   def run(self, ctl, requests):
-    st = self.settings()
+    st = self.loop_settings()
     return _vote_results(ctl, self, requests, ctl.generate(requests, st, self.n), st)
 
 
@@ -168,11 +181,15 @@ class BestOfN(Policy):
     if not isinstance(self.score, str):  # (a name: scorers may be registered after this)
       raise ValueError(f"score must be a registered scorer's name, got {self.score!r}")
 
+  @property
+  def traces_per_call(self) -> int:
+    return self.n
+
   def run(self, ctl, requests):
     if self.score not in SCORERS:
       raise ValueError(f"{self.name}: unknown scorer {self.score!r}; registered: {sorted(SCORERS)}")
     scorer = SCORERS[self.score]
-    batch = ctl.generate(requests, self.settings(), self.n)
+    batch = ctl.generate(requests, self.loop_settings(), self.n)
     out = []
     for i, req in enumerate(requests):
       traces = batch.traces[i]
@@ -249,10 +266,18 @@ class DeepConf(Policy):
   def cross_row_stops(self) -> bool:
     return self.consensus <= 1.0 or self.stop_when_decided
 
+  def loop_settings(self) -> LoopSettings:
+    return self.settings(conf_window=self.window)
+
+  @property
+  def traces_per_call(self) -> int:
+    # A known threshold runs all n in one call; else the warm-up call, then the rest.
+    return self.n if self.threshold is not None else max(self.warmup, self.n - self.warmup)
+
   def run(self, ctl, requests):
     # The loop's answer keys mirror the default extraction only.
     consensus = ctl.extract_answer is None
-    st = self.settings(conf_window=self.window, answer_vote=consensus)
+    st = dataclasses.replace(self.loop_settings(), answer_vote=consensus)
     if self.threshold is not None:
       return self._run_fixed_threshold(ctl, requests, st, consensus)
     warm = ctl.generate(requests, st, self.warmup)
@@ -334,7 +359,7 @@ class DeepConf(Policy):
     """A fixed threshold from held-out requests: `n` traces each, run in full
     (no stopping) with this policy's sampling and window; the (100 - keep_percent)th
     percentile of all their confidences. Use it as `threshold` on other problems."""
-    batch = ctl.generate(requests, self.settings(conf_window=self.window), self.n)
+    batch = ctl.generate(requests, self.loop_settings(), self.n)
     return self._percentile([t.lowest_group_confidence for traces in batch.traces
                              for t in traces])
 
@@ -374,17 +399,17 @@ class ThinkVerifyBacktrack(Policy):
     _check_flags(self, "adaptive")
     if not isinstance(self.verifier, (str, Verifier)):
       raise ValueError(f"verifier must be a registered verifier's name, got {self.verifier!r}")
-    self._loop_settings(get_verifier(self.verifier))  # an unknown name: refused now
+    self.loop_settings()  # builds the verifier: an unknown name is refused now
 
-  def _loop_settings(self, verifier) -> LoopSettings:
+  def loop_settings(self) -> LoopSettings:
     steps = self.max_steps or allocate_budget(self.latency_slo_s, self.load)
-    return self.settings(verifier=verifier, backtrack_threshold=self.backtrack_threshold,
+    return self.settings(verifier=get_verifier(self.verifier), backtrack_threshold=self.backtrack_threshold,
                          max_step_backtracks=self.max_step_backtracks,
                          max_backtracks=self.max_backtracks, temp_bump=self.temp_bump,
                          exit_tau=self.exit_tau, answer_probe=self.exit_tau <= 1.0, max_steps=steps)
 
   def run(self, ctl, requests):
-    st = self._loop_settings(get_verifier(self.verifier))
+    st = self.loop_settings()
     steps = st.max_steps
     # adaptive: a live budget with this SLO for the call, unless the controller has one.
     budget = (BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=self.latency_slo_s))
@@ -408,10 +433,13 @@ class BudgetForcing(Policy):
 
   def check_params(self):
     super().check_params()
-    self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)
+    self.loop_settings()
+
+  def loop_settings(self) -> LoopSettings:
+    return self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)
 
   def run(self, ctl, requests):
-    st = self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)
+    st = self.loop_settings()
     batch = ctl.generate(requests, st, 1)
     return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
                        batch.wall_time_s[i], batch.invocations[i])

@@ -279,3 +279,19 @@ def test_work_lost_to_preemptions_is_recorded_summed_and_reported(tiny, tmp_path
   assert roomy["throughput"]["recomputed_tokens"] == 0
   assert _stable(_records(tmp_path / "roomy")) == [
       {k: v for k, v in r.items() if k not in ("key", "timing")} for r in records]
+
+
+def test_a_reasoning_loop_larger_than_the_device_stops_the_run_at_load(tiny, tmp_path):
+  """`policy.n` so large that even one request's loop cannot fit the device is found
+  once, where the workers build the controller (one line, nothing stored), not as one
+  dead letter per request."""
+  from pipelines.beam.handler import ModelLoadError
+  cfg = _config(tiny, policy="self_consistency")
+  cfg.policy.n = 2**24
+  with pytest.raises(ModelLoadError, match=r"^a worker could not load the model: the reasoning "
+                                           r"loop \(16777216 rows for n=16777216, \d+ positions "
+                                           r"each, conf_window \d+\) needs [\d,.]+ GiB but the "
+                                           r"device has [\d,.]+ GiB: lower n, max_rows"):
+    run(cfg, str(tmp_path / "out"), progress=False, report=False)
+  assert not (tmp_path / "out" / "results.jsonl").exists()
+  assert not list((tmp_path / "out").glob("store/*.json"))

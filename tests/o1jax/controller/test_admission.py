@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from o1jax.controller import (Controller, LoopSettings, PagedLlama, ReasoningRequest, SelfVerify,
-                              get_policy)
+                              build_policy, get_policy)
 from o1jax.controller.testing import MockTokenizer
 from tests.o1jax.controller.conftest import VOCAB
 from tests.o1jax.controller.test_twin_and_batch import SAMPLED, _random_mock, _same
@@ -339,7 +339,26 @@ def test_a_loop_state_larger_than_the_device_is_refused_before_allocating(world)
       ctl.run(["Q"], policy)
     with pytest.raises(ValueError, match=detail):
       ctl.run(["Q"], policy)
+    with pytest.raises(ValueError, match=detail):  # what a pipeline worker checks at load
+      ctl.check_policy_fits(build_policy(policy))
   assert ctl.run(["Q"], {"name": "self_consistency", "n": 9})[0].answer is not None  # n > max_rows
+  for policy in ({"name": "self_consistency", "n": 9}, {"name": "deepconf", "n": 64},
+                 {"name": "think_verify_backtrack"}, {"name": "budget_forcing"}):
+    ctl.check_policy_fits(build_policy(policy))
+
+
+@pytest.mark.parametrize("section, traces", [
+    ({"name": "greedy_cot"}, 1), ({"name": "budget_forcing"}, 1),
+    ({"name": "think_verify_backtrack"}, 1), ({"name": "self_consistency", "n": 12}, 12),
+    ({"name": "best_of_n", "n": 5}, 5),
+    ({"name": "deepconf", "n": 16, "warmup": 4}, 12),  # warm-up call, then the other 12
+    ({"name": "deepconf", "n": 16, "warmup": 12}, 12),
+    ({"name": "deepconf", "n": 16, "warmup": 4, "threshold": 1.0}, 16),  # one call of all
+])
+def test_traces_per_call_is_the_largest_generate_call(section, traces):
+  """What `check_policy_fits` sizes: the policy's largest `generate` call (a real run's
+  calls are recorded in tests/o1jax/controller/test_policies.py)."""
+  assert build_policy(section).traces_per_call == traces
 
 
 def test_token_budgets_past_the_loops_int32_counters_are_named(world):

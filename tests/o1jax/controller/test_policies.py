@@ -109,7 +109,15 @@ def test_deepconf_stops_low_confidence_traces_and_saves_tokens():
   # Every trace answers 7: the consensus stop (tested below) would end all of them at once.
   kw = dict(n=12, warmup=4, keep_percent=50.0, window=4, temperature=1.0, top_p=1.0,
             max_thinking_tokens=16, consensus=2.0, stop_when_decided=False)
-  res, = ctl.run([ReasoningRequest("Q", request_id=5)], get_policy("deepconf", **kw))
+  calls, generate = [], ctl.generate
+  ctl.generate = lambda requests, settings, n, **kw: (calls.append((settings, n)),
+                                                      generate(requests, settings, n, **kw))[1]
+  policy = get_policy("deepconf", **kw)
+  res, = ctl.run([ReasoningRequest("Q", request_id=5)], policy)
+  del ctl.generate
+  # What a pipeline worker sizes at load (`check_policy_fits`) is the largest call made.
+  assert [n for _, n in calls] == [4, 8] and policy.traces_per_call == 8
+  assert all(s.conf_window == policy.loop_settings().conf_window == 4 for s, _ in calls)
   stopped = [t for t in res.traces if t.stopped_low_confidence]
   assert res.info["stopped"] == len(stopped) > 0
   assert all(t.sample_index >= 4 for t in stopped)  # warm-up traces always finish
