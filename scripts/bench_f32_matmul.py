@@ -50,7 +50,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if not native.f32_matmul_available():
     raise SystemExit(f"the native f32 matmul does not run here: "
-                     f"{native.unavailable_reason() or 'this CPU lacks AVX-512'}")
+                     f"{native.unavailable_reason() or 'this CPU has no fused multiply-add'}")
   rng = np.random.default_rng(0)
   dense = [[jnp.asarray(rng.standard_normal(s, np.float32)) for s in SHAPES]
            for _ in range(args.layers)] + [[jnp.asarray(rng.standard_normal(HEAD, np.float32))]]

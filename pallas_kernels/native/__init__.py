@@ -10,6 +10,7 @@ few rows for about the cost of one (XLA's CPU dot costs 2.3x from 8 rows on). Th
 system C++ compiler against the headers jaxlib ships (`jax.ffi.include_dir()`),
 cached under $O1JAX_CACHE_DIR (default ~/.cache/o1jax) keyed by sources,
 compiler flags, jaxlib version and CPU, and registered as FFI targets.
+$O1JAX_NATIVE_ARCH_FLAGS replaces -march=native (another target CPU).
 
 Everything degrades gracefully: no compiler, a failed build, a non-CPU
 backend, or O1JAX_NATIVE_KERNELS=0 -> `available()` is False and callers keep
@@ -42,8 +43,16 @@ _TARGET = "o1jax_paged_decode_attention"
 _WRITE_TARGET = "o1jax_write_pool_rows"
 _INT8_MATMUL_TARGET = "o1jax_int8_matmul"
 _F32_MATMUL_TARGET = "o1jax_f32_matmul"
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
-          "-mprefer-vector-width=512", "-w"]
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def _flags() -> list[str]:
+  """Compiler flags: for this CPU (-march=native), or the target that
+  $O1JAX_NATIVE_ARCH_FLAGS names instead (e.g. "-march=haswell": the AVX2 build that
+  CPUs without AVX-512 run, built and tested on one that has it)."""
+  arch = os.environ.get("O1JAX_NATIVE_ARCH_FLAGS", "-march=native").split()
+  wide = ["-mprefer-vector-width=512"] if _X86 else []
+  return ["-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", *wide, "-w"]
 
 
 def _cpu_signature() -> str:
@@ -68,7 +77,8 @@ def _build() -> pathlib.Path:
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++/c++) on PATH")
   sources = b"\0".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-  key = hashlib.sha256(b"\0".join([sources, " ".join(_FLAGS).encode(), compiler.encode(),
+  flags = _flags()
+  key = hashlib.sha256(b"\0".join([sources, " ".join(flags).encode(), compiler.encode(),
                                    jax.__version__.encode(), _cpu_signature().encode()]))
   out = _cache_dir() / f"libo1jax_native_{key.hexdigest()[:16]}.so"
   if out.exists():
@@ -76,7 +86,7 @@ def _build() -> pathlib.Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     tmp_lib = pathlib.Path(tmp) / out.name
-    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o",
+    cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o",
            str(tmp_lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,7 +116,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_F32_MATMUL_TARGET, jax.ffi.pycapsule(lib.O1jaxF32Matmul),
                                 platform="cpu")
     _int8_matmul_built = bool(lib.O1jaxInt8MatmulSupported())
-    _f32_matmul_built = bool(lib.O1jaxF32MatmulSupported())
+    _f32_matmul_built = F32_MATMUL_BUILDS[lib.O1jaxF32MatmulSupported()]
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning("native kernels unavailable, using the XLA path: %s", e)
     return str(e)
@@ -114,7 +124,9 @@ def _load() -> str | None:
 
 
 _int8_matmul_built = False  # set by _load: the build has AVX512-VNNI
-_f32_matmul_built = False  # set by _load: the build has AVX-512
+# What f32_matmul.cc's O1jaxF32MatmulSupported() reports: the instructions it was built for.
+F32_MATMUL_BUILDS = (None, "avx512", "avx2", "portable")
+_f32_matmul_built = None  # set by _load (None: no fused multiply-add in the build)
 
 
 # KV pool element types the native paged decode attention reads.
@@ -209,8 +221,15 @@ def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.
 
 
 def f32_matmul_available() -> bool:
-  """True when the native f32 matmul runs here (kernels built, AVX-512)."""
-  return available() and _f32_matmul_built
+  """True when the native f32 matmul runs here (kernels built for a CPU with a fused
+  multiply-add: AVX-512, AVX2 + FMA, aarch64)."""
+  return available() and _f32_matmul_built is not None
+
+
+def f32_matmul_build() -> str | None:
+  """Which build of the f32 kernel runs here ("avx512", "avx2", "portable"; all three
+  give the same bits), None where none does."""
+  return _f32_matmul_built if available() else None
 
 
 def f32_matmul(x: jax.Array, tiles: jax.Array) -> jax.Array:
@@ -219,7 +238,7 @@ def f32_matmul(x: jax.Array, tiles: jax.Array) -> jax.Array:
   f32 sum over k of x[m, k] w[k, n] (fused multiply-adds): it does not depend on the
   other rows."""
   if not f32_matmul_available():
-    why = unavailable_reason() or "this CPU lacks AVX-512"
+    why = unavailable_reason() or "this CPU has no fused multiply-add"
     raise RuntimeError(f"native f32_matmul unavailable: {why}")
   if (x.ndim != 2 or tiles.ndim != 3 or tiles.shape[1:] != (x.shape[1], 32)
       or x.dtype != jnp.float32 or tiles.dtype != jnp.float32):

@@ -34,7 +34,9 @@
 // whatever the number of rows, the row's position in a row group, or the thread
 // that computes the tile: a row's result never depends on the other rows.
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>

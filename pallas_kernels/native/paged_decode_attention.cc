@@ -20,7 +20,9 @@
 // Also here: O1jaxWritePoolRows, the in-place write of a step's new K/V rows
 // into a bf16 pool (see WritePoolRowsImpl).
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,12 @@
 """The tiled f32 weight and the native f32 matmul, against f64 numpy products."""
 
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +17,7 @@ from pallas_kernels import native, ops
 
 needs_native = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not native.f32_matmul_available(),
-    reason="the native f32 matmul runs on a CPU with AVX-512 only")
+    reason="the native f32 matmul needs a CPU with a fused multiply-add and a C++ compiler")
 
 
 def _weights(k, n, seed=0):
@@ -82,3 +89,54 @@ def test_only_auto_on_a_cpu_with_the_kernel_prefers_tiles():
   assert not ops.tiled_f32_preferred("pallas")
   expected = jax.default_backend() == "cpu" and native.f32_matmul_available()
   assert ops.tiled_f32_preferred("auto") == expected
+
+
+# Another build of the kernel, in a process of its own (the library loads once per process):
+# prints its name and its products' bits for the cases below.
+_OTHER_BUILD = """
+import json, sys, numpy as np, jax, jax.numpy as jnp
+from pallas_kernels import f32_matmul as f32m, native, ops
+out = {"build": native.f32_matmul_build(), "results": []}
+for m, k, n in json.loads(sys.argv[1]):
+  rng = np.random.default_rng(m * 1000 + k)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  y = np.asarray(jax.jit(ops.tiled_f32_matmul)(jnp.asarray(x), f32m.pack(jnp.asarray(w))))
+  out["results"].append(y.view(np.uint32).tolist())
+print(json.dumps(out))
+"""
+_CASES = [(1, 576, 1536), (2, 37, 70), (3, 576, 192), (4, 1536, 64), (7, 3, 32), (13, 576, 96)]
+
+
+def _cpu_flags() -> set[str]:
+  try:
+    return set(pathlib.Path("/proc/cpuinfo").read_text().split())
+  except OSError:
+    return set()
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 builds")
+@pytest.mark.parametrize("arch,build,needs", [
+    ("-march=haswell", "avx2", {"avx2", "fma"}),
+    ("-march=x86-64-v2 -mfma", "portable", {"sse4_2", "fma"}),
+])
+def test_every_build_gives_the_same_bits(arch, build, needs):
+  """What a CPU without AVX-512 runs (the AVX2 build; the portable one, as on aarch64),
+  built here with O1JAX_NATIVE_ARCH_FLAGS: the same in-order fused sums, so the same bits
+  as this CPU's build, at every row count (rows alone or together: see above)."""
+  if not needs <= _cpu_flags():
+    pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
+  env = {**os.environ, "O1JAX_NATIVE_ARCH_FLAGS": arch}
+  proc = subprocess.run([sys.executable, "-c", _OTHER_BUILD, json.dumps(_CASES)], env=env,
+                        capture_output=True, text=True, timeout=600,
+                        cwd=pathlib.Path(__file__).resolve().parents[2])
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  other = json.loads(proc.stdout.splitlines()[-1])
+  assert other["build"] == build
+  for (m, k, n), bits in zip(_CASES, other["results"]):
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    here = np.asarray(jax.jit(ops.tiled_f32_matmul)(jnp.asarray(x), f32m.pack(jnp.asarray(w))))
+    np.testing.assert_array_equal(np.asarray(bits, np.uint32).view(np.float32), here)

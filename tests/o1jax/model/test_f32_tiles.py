@@ -15,7 +15,7 @@ from pallas_kernels.quantized_tensor import dequantize
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not native.f32_matmul_available(),
-    reason="tiles are used where the native f32 matmul runs (a CPU with AVX-512)")
+    reason="tiles are used where the native f32 matmul runs (a CPU with a fused multiply-add)")
 
 
 @pytest.fixture(scope="module")
