@@ -53,7 +53,7 @@ def model_section(predictor: str = "engine") -> ml_collections.ConfigDict:
       # float32 (exact) | bfloat16 (bf16 matmul inputs, f32 accumulation: ~1.5x
       # faster batched decode on CPUs with AVX512-BF16; logits move ~1e-2) | int8
       # (4-bit weights as stored, two int8 levels per block of activations, native
-      # VNNI/AMX kernel: ~2.5x faster decode on such CPUs; logits move ~1e-3) | float8
+      # VNNI/AMX or AVX2 kernel: ~2.3-2.5x faster batch-1 decode; logits move ~1e-3) | float8
       # (decoder-layer matmul inputs rounded to FP8 e4m3 per row; README "FP8 activations")
       matmul_dtype="float32",
       # Reasoning models' thinking span (o1jax/model/thinking.py): auto = the markers the
@@ -69,7 +69,7 @@ VARIANTS = {"smoke": "False", "policy": "greedy", "fast": "False"}
 
 def fast_numerics(config: ml_collections.ConfigDict, fast: bool) -> None:
   """The `fast=True` variant: the fastest matmuls this machine runs
-  (`pallas_kernels.ops.fastest_matmul_dtype`: int8 with the native VNNI/AMX kernel, else
+  (`pallas_kernels.ops.fastest_matmul_dtype`: int8 with the native int8 kernel, else
   float32 on a CPU) and bf16 KV. Both enter the content hash, so its results never mix with
   exact-f32 ones or with another machine's int8 ones."""
   if fast:

@@ -186,8 +186,8 @@ def tiled_f32_matmul(x: jax.Array, w: TiledF32Weight, *, backend: str = "auto") 
 
 
 def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Array:
-  """x [..., K] @ w -> f32 [..., N] (`pallas_kernels.vnni_matmul`): the native VNNI/AMX
-  kernel where it runs (a CPU with AVX512-VNNI and the kernels built), else the XLA
+  """x [..., K] @ w -> f32 [..., N] (`pallas_kernels.vnni_matmul`): the native kernel
+  where it runs (a CPU with AVX512-VNNI (+ AMX) or AVX2, kernels built), else the XLA
   reference; backend "reference" forces the reference."""
   k, n = w.shape
   if x.shape[-1] != k:
@@ -207,10 +207,12 @@ def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Ar
 
 def fastest_matmul_dtype() -> str:
   """The Llama `matmul_dtype` that decodes fastest on the default device (what the configs'
-  `fast=True` picks): "int8" where the native VNNI/AMX kernel runs (~2.5x float32 decode);
-  "float32" on any other CPU, where the XLA int8 reference is 4-8x slower than float32 and
-  bf16 (without AVX512-BF16) slower too (docs/measurements/2026-12-01_fast_numerics.md);
-  "bfloat16" on accelerators (bf16 tensor cores)."""
+  `fast=True` picks): "int8" where the native int8 kernel runs (VNNI/AMX: ~2.5x float32
+  decode; AVX2: 2.3x at batch 1, about even at 8,
+  docs/measurements/2026-12-05_f32_kernel_avx2.md); "float32" on any other CPU, where the
+  XLA int8 reference is 4-8x slower than float32 and bf16 (without AVX512-BF16) slower too
+  (docs/measurements/2026-12-01_fast_numerics.md); "bfloat16" on accelerators (bf16 tensor
+  cores)."""
   if not _on_cpu():
     return "bfloat16"
   return "int8" if native.int8_matmul_available() else "float32"
@@ -224,7 +226,7 @@ def _warn_int8_fallback() -> None:
   global _int8_fallback_warned
   if not _int8_fallback_warned:
     _int8_fallback_warned = True
-    why = native.unavailable_reason() or "this CPU lacks AVX512-VNNI"
+    why = native.unavailable_reason() or "this CPU has neither AVX512-VNNI nor AVX2"
     log.warning("matmul_dtype=int8 runs the XLA reference here, several times slower than the "
                 "native kernel (%s); float32 or bfloat16 matmuls are faster on this machine", why)
 

@@ -1,4 +1,4 @@
-"""4-/8-bit weights times int8-quantized activations (AVX512-VNNI on the CPU).
+"""4-/8-bit weights times int8-quantized activations (AVX512-VNNI / AMX, or AVX2, on the CPU).
 
 `pack(w)` lays a `QuantizedTensor` (Q4_0, Q4_1, Q8_0 or any group size that is
 a multiple of 32) or a dense [K, N] matrix (quantized to Q8_0 here) out for the
@@ -19,7 +19,7 @@ bf16. A row's result depends only on that row (batch-invariant): its own
 quantization, exact integer sums, f32 accumulation over the blocks in a fixed
 order.
 
-Without the native kernel (no compiler, no VNNI, not a CPU) the XLA reference
+Without the native kernel (no compiler, neither AVX512-VNNI nor AVX2, not a CPU) the XLA reference
 below computes the same quantities (same activation rounding; f32 sums in
 another order).
 """

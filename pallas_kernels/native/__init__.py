@@ -115,7 +115,7 @@ def _load() -> str | None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(_F32_MATMUL_TARGET, jax.ffi.pycapsule(lib.O1jaxF32Matmul),
                                 platform="cpu")
-    _int8_matmul_built = bool(lib.O1jaxInt8MatmulSupported())
+    _int8_matmul_built = INT8_MATMUL_BUILDS[lib.O1jaxInt8MatmulSupported()]
     _f32_matmul_built = F32_MATMUL_BUILDS[lib.O1jaxF32MatmulSupported()]
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning("native kernels unavailable, using the XLA path: %s", e)
@@ -123,7 +123,9 @@ def _load() -> str | None:
   return None
 
 
-_int8_matmul_built = False  # set by _load: the build has AVX512-VNNI
+# What int8_matmul.cc's O1jaxInt8MatmulSupported() reports (AMX is chosen per call).
+INT8_MATMUL_BUILDS = (None, "avx512_vnni", "avx2")
+_int8_matmul_built = None  # set by _load (None: neither in the build)
 # What f32_matmul.cc's O1jaxF32MatmulSupported() reports: the instructions it was built for.
 F32_MATMUL_BUILDS = (None, "avx512", "avx2", "portable")
 _f32_matmul_built = None  # set by _load (None: no fused multiply-add in the build)
@@ -195,8 +197,15 @@ def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array,
 
 
 def int8_matmul_available() -> bool:
-  """True when the native int8 matmul runs here (kernels built, AVX512-VNNI)."""
-  return available() and _int8_matmul_built
+  """True when the native int8 matmul runs here (kernels built for AVX512-VNNI, or for
+  AVX2 + FMA + F16C)."""
+  return available() and _int8_matmul_built is not None
+
+
+def int8_matmul_build() -> str | None:
+  """Which build of the int8 kernel runs here ("avx512_vnni", "avx2"; both give the same
+  bits), None where none does."""
+  return _int8_matmul_built if available() else None
 
 
 def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, *,
@@ -204,7 +213,7 @@ def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.
   """x f32 [M, K] times a weight in `pallas_kernels.vnni_matmul`'s tiled layout
   (packed uint8, scale / minimum f16 [Np/16, K/32, 16]) -> f32 [M, Np]."""
   if not int8_matmul_available():
-    why = unavailable_reason() or "this CPU lacks AVX512-VNNI"
+    why = unavailable_reason() or "this CPU has neither AVX512-VNNI nor AVX2"
     raise RuntimeError(f"native int8_matmul unavailable: {why}")
   m, k = x.shape
   tiles, blocks, tile = scale.shape

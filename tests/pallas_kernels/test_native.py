@@ -158,9 +158,12 @@ def test_concurrent_calls_finish_and_agree():
     np.testing.assert_array_equal(r, want)
 
 
-def test_int8_matmul_builds_where_the_cpu_has_vnni():
+def test_int8_matmul_builds_where_the_cpu_has_vnni_or_avx2():
   if shutil.which("g++") is None and shutil.which("c++") is None:
     pytest.skip("no C++ compiler: int8 matmuls use the XLA reference")
   flags = open("/proc/cpuinfo").read().split()
   vnni = all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
-  assert native.int8_matmul_available() == vnni, native.unavailable_reason()
+  avx2 = all(f in flags for f in ("avx2", "fma", "f16c"))
+  assert native.int8_matmul_build() == ("avx512_vnni" if vnni else "avx2" if avx2 else None), (
+      native.unavailable_reason())
+  assert native.int8_matmul_available() == (vnni or avx2)

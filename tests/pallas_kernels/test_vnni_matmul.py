@@ -5,6 +5,13 @@ matches the XLA reference (same activation rounding, f32 sums in another order);
 both stay within the two-level activation rounding of an exact f32 matmul; and a
 row's result is bit-identical whatever other rows share the call."""
 
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +44,7 @@ def _activations(m, k, seed=1):
 
 def _needs_native():
   if not native.int8_matmul_available():
-    pytest.skip("native int8 matmul unavailable (no compiler, no AVX512-VNNI, or not a CPU)")
+    pytest.skip("native int8 matmul unavailable (no compiler, no AVX512-VNNI / AVX2, or not a CPU)")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -97,7 +104,7 @@ def test_native_matches_reference(fmt, m, k, n):
   want = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w, backend="reference"))(x))
   assert got.shape == (m, n)
   # Same integers; the f32 sums over blocks run in another order (and a residual
-  # may round one step apart when the compiler fuses x - xa*s).
+  # may round one step apart: the kernel computes x - xa*s fused, XLA in two steps).
   np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
@@ -173,3 +180,49 @@ def test_fastest_matmul_dtype_picks_int8_only_where_the_native_kernel_runs(
   monkeypatch.setattr(native, "int8_matmul_available", lambda: native_int8)
   monkeypatch.setattr(ops.jax, "default_backend", lambda: platform)
   assert ops.fastest_matmul_dtype() == expected
+
+
+# The AVX2 build, in a process of its own (the kernel library loads once per process):
+# its name and its products' bits for every format and row-count case below.
+_AVX2_BUILD = """
+import json, sys, numpy as np, jax, jax.numpy as jnp
+from pallas_kernels import native, ops
+from tests.pallas_kernels.test_vnni_matmul import _CROSS_BUILD_CASES, _cross_build_case
+out = {"build": native.int8_matmul_build(), "results": []}
+for case in _CROSS_BUILD_CASES:
+  w, x = _cross_build_case(*case)
+  y = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w))(x))
+  out["results"].append(y.view(np.uint32).tolist())
+print(json.dumps(out))
+"""
+# Row counts: the AVX2 build's 4-row groups and every remainder; 16 and 20 take AMX tiles
+# where this CPU has them. K 1536: many blocks; N 40: a padded last tile.
+_CROSS_BUILD_CASES = [(fmt, m, k, n) for fmt in FORMATS
+                      for m, k, n in [(1, 576, 192), (3, 1536, 64), (6, 64, 40), (20, 576, 96)]]
+
+
+def _cross_build_case(fmt, m, k, n):
+  return _packed(_weight(fmt, k, n, seed=m + k)), jnp.asarray(_activations(m, k, seed=k))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 builds")
+def test_the_avx2_build_gives_the_vnni_builds_bits():
+  """What a CPU without AVX-512 runs (vpmaddubsw on nibbles instead of vpdpbusd), built
+  here with O1JAX_NATIVE_ARCH_FLAGS=-march=haswell: the same exact integer sums and the
+  same f32 operations in the same order, so the same bits as this CPU's build."""
+  _needs_native()
+  flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
+  if not {"avx2", "fma", "f16c"} <= flags:
+    pytest.skip("this CPU cannot run the AVX2 build")
+  env = {**os.environ, "O1JAX_NATIVE_ARCH_FLAGS": "-march=haswell"}
+  repo = pathlib.Path(__file__).resolve().parents[2]
+  proc = subprocess.run([sys.executable, "-c", _AVX2_BUILD], env=env, capture_output=True,
+                        text=True, timeout=600, cwd=repo)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  other = json.loads(proc.stdout.splitlines()[-1])
+  assert other["build"] == "avx2"
+  for case, bits in zip(_CROSS_BUILD_CASES, other["results"]):
+    w, x = _cross_build_case(*case)
+    here = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w))(x))
+    np.testing.assert_array_equal(np.asarray(bits, np.uint32).view(np.float32), here,
+                                  err_msg=str(case))

@@ -584,7 +584,7 @@ def test_embedded_model_log_probs_do_not_depend_on_the_batch(embedded_checkpoint
   from pallas_kernels import native
 
   # Without the native kernels (f32: a CPU without a fused multiply-add; int8: without
-  # AVX512-VNNI) the products run on XLA's dot, whose sums change with the row count.
+  # AVX512-VNNI or AVX2) the products run on XLA's dot, whose sums change with the row count.
   kernel = {"float32": native.f32_matmul_available, "int8": native.int8_matmul_available}
   if matmul_dtype in kernel and not kernel[matmul_dtype]():
     pytest.skip(f"no native {matmul_dtype} kernel on this CPU")
