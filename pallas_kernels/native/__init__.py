@@ -47,10 +47,12 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _flags() -> list[str]:
-  """Compiler flags: for this CPU (-march=native), or the target that
+  """Compiler flags: for this CPU (-march=native on x86), or the target that
   $O1JAX_NATIVE_ARCH_FLAGS names instead (e.g. "-march=haswell": the AVX2 build that
   CPUs without AVX-512 run, built and tested on one that has it)."""
-  arch = os.environ.get("O1JAX_NATIVE_ARCH_FLAGS", "-march=native").split()
+  # (-mcpu=native elsewhere: what GCC and clang both take on aarch64.)
+  native = "-march=native" if _X86 else "-mcpu=native"
+  arch = os.environ.get("O1JAX_NATIVE_ARCH_FLAGS", native).split()
   wide = ["-mprefer-vector-width=512"] if _X86 else []
   return ["-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", *wide, "-w"]
 
