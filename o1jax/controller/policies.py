@@ -403,7 +403,8 @@ class ThinkVerifyBacktrack(Policy):
 
   def loop_settings(self) -> LoopSettings:
     steps = self.max_steps or allocate_budget(self.latency_slo_s, self.load)
-    return self.settings(verifier=get_verifier(self.verifier), backtrack_threshold=self.backtrack_threshold,
+    return self.settings(verifier=get_verifier(self.verifier),
+                         backtrack_threshold=self.backtrack_threshold,
                          max_step_backtracks=self.max_step_backtracks,
                          max_backtracks=self.max_backtracks, temp_bump=self.temp_bump,
                          exit_tau=self.exit_tau, answer_probe=self.exit_tau <= 1.0, max_steps=steps)

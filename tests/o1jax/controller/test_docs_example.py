@@ -17,6 +17,10 @@ class GreedyThenVote(Policy):
   min_logprob: float = -0.5
   temperature: float = 0.7  # for the extra samples
 
+  @property
+  def traces_per_call(self) -> int:  # its largest generate call (sized at load)
+    return self.n
+
   def run(self, ctl, requests):
     first = ctl.generate(requests, self.settings(temperature=0.0), 1)
     out = []
@@ -46,3 +50,4 @@ def test_greedy_then_vote_by_name():
   unsure, = ctl.run(["Q"], {"name": "greedy_then_vote", "n": 3, "min_logprob": -0.01})
   assert len(unsure.traces) == 4 and unsure.loop_invocations == 2
   assert [t.sample_index for t in unsure.traces] == [0, 1, 2, 3]
+  ctl.check_policy_fits(GreedyThenVote(n=3))  # what a pipeline worker checks at load
