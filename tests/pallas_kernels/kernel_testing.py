@@ -1,7 +1,16 @@
 """Helpers shared by the kernel tests (imported by basename; pytest puts this dir on sys.path)."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def rel_err(got, want) -> float:
@@ -56,3 +65,25 @@ def make_paged_cache(rng, batch, kv_heads, head_dim, block_size, max_blocks, use
   else:
     kp, vp = (jnp.asarray(p, dtype) for p in pools)
   return kp, vp, jnp.asarray(perm), ks, vs
+
+
+def cpu_flags() -> set[str]:
+  """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+  try:
+    return set(pathlib.Path("/proc/cpuinfo").read_text().split())
+  except OSError:
+    return set()
+
+
+def run_native_build(arch_flags: str, needs: set[str], script: str, *args: str) -> dict:
+  """Runs `script` (Python printing one JSON line last) in a process of its own whose
+  native kernels are built with O1JAX_NATIVE_ARCH_FLAGS=arch_flags (the library loads
+  once per process), after skipping where this CPU lacks a flag in `needs`."""
+  missing = needs - cpu_flags()
+  if missing:
+    pytest.skip(f"this CPU lacks {sorted(missing)}")
+  env = {**os.environ, "O1JAX_NATIVE_ARCH_FLAGS": arch_flags}
+  proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                        text=True, timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return json.loads(proc.stdout.splitlines()[-1])

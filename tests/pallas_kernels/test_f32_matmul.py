@@ -1,11 +1,7 @@
 """The tiled f32 weight and the native f32 matmul, against f64 numpy products."""
 
 import json
-import os
-import pathlib
 import platform
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +10,7 @@ import pytest
 
 from pallas_kernels import f32_matmul as f32m
 from pallas_kernels import native, ops
+from tests.pallas_kernels.kernel_testing import run_native_build
 
 needs_native = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not native.f32_matmul_available(),
@@ -108,13 +105,6 @@ print(json.dumps(out))
 _CASES = [(1, 576, 1536), (2, 37, 70), (3, 576, 192), (4, 1536, 64), (7, 3, 32), (13, 576, 96)]
 
 
-def _cpu_flags() -> set[str]:
-  try:
-    return set(pathlib.Path("/proc/cpuinfo").read_text().split())
-  except OSError:
-    return set()
-
-
 @needs_native
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 builds")
 @pytest.mark.parametrize("arch,build,needs", [
@@ -125,14 +115,7 @@ def test_every_build_gives_the_same_bits(arch, build, needs):
   """What a CPU without AVX-512 runs (the AVX2 build; the portable one, as on aarch64),
   built here with O1JAX_NATIVE_ARCH_FLAGS: the same in-order fused sums, so the same bits
   as this CPU's build, at every row count (rows alone or together: see above)."""
-  if not needs <= _cpu_flags():
-    pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-  env = {**os.environ, "O1JAX_NATIVE_ARCH_FLAGS": arch}
-  proc = subprocess.run([sys.executable, "-c", _OTHER_BUILD, json.dumps(_CASES)], env=env,
-                        capture_output=True, text=True, timeout=600,
-                        cwd=pathlib.Path(__file__).resolve().parents[2])
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  other = json.loads(proc.stdout.splitlines()[-1])
+  other = run_native_build(arch, needs, _OTHER_BUILD, json.dumps(_CASES))
   assert other["build"] == build
   for (m, k, n), bits in zip(_CASES, other["results"]):
     rng = np.random.default_rng(m * 1000 + k)

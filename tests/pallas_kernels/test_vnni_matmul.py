@@ -5,12 +5,7 @@ matches the XLA reference (same activation rounding, f32 sums in another order);
 both stay within the two-level activation rounding of an exact f32 matmul; and a
 row's result is bit-identical whatever other rows share the call."""
 
-import json
-import os
-import pathlib
 import platform
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +15,7 @@ import pytest
 from pallas_kernels import native, ops
 from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import dequantize, quantize
+from tests.pallas_kernels.kernel_testing import run_native_build
 
 FORMATS = {"q4_0": dict(bits=4, symmetric=True), "q4_1": dict(bits=4, symmetric=False),
            "q8_0": dict(bits=8)}
@@ -211,15 +207,7 @@ def test_the_avx2_build_gives_the_vnni_builds_bits():
   here with O1JAX_NATIVE_ARCH_FLAGS=-march=haswell: the same exact integer sums and the
   same f32 operations in the same order, so the same bits as this CPU's build."""
   _needs_native()
-  flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
-  if not {"avx2", "fma", "f16c"} <= flags:
-    pytest.skip("this CPU cannot run the AVX2 build")
-  env = {**os.environ, "O1JAX_NATIVE_ARCH_FLAGS": "-march=haswell"}
-  repo = pathlib.Path(__file__).resolve().parents[2]
-  proc = subprocess.run([sys.executable, "-c", _AVX2_BUILD], env=env, capture_output=True,
-                        text=True, timeout=600, cwd=repo)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  other = json.loads(proc.stdout.splitlines()[-1])
+  other = run_native_build("-march=haswell", {"avx2", "fma", "f16c"}, _AVX2_BUILD)
   assert other["build"] == "avx2"
   for case, bits in zip(_CROSS_BUILD_CASES, other["results"]):
     w, x = _cross_build_case(*case)
