@@ -162,7 +162,7 @@ def tiled_f32_preferred(backend: str = "auto") -> bool:
   decode batch, a verify call), 0.61x at 32, 0.83x at 128 and 0.93x at 512 (prefill chunks;
   scripts/bench_f32_matmul.py, docs/measurements/2026-12-02_f32_matmul.md; 1.01-1.05x at
   512 on 2026-12-05); the AVX2 build 0.45-1.04x at 1-16 rows and 1.05-1.48x at 128-512
-  (docs/measurements/2026-12-05_f32_kernel_avx2.md). Used at every row count all the same:
+  (docs/measurements/2026-12-05_native_kernels_cpu.md). Used at every row count all the same:
   its rows do not depend on the batch, XLA's do."""
   resolve_backend(backend)
   return backend == "auto" and _on_cpu() and native.f32_matmul_available()
@@ -197,7 +197,7 @@ def int8_matmul(x: jax.Array, w: VnniWeight, *, backend: str = "auto") -> jax.Ar
   x2 = x.reshape(-1, k).astype(jnp.float32)
   if backend != "reference" and _on_cpu() and native.int8_matmul_available():
     y = native.int8_matmul(x2, w.packed, w.scale, w.minimum, bits=w.bits, zero=w.zero,
-                           has_min=w.has_min)[:, :n]
+                           has_min=w.has_min, lut=w.lut)[:, :n]
   else:
     if backend == "auto" and _on_cpu():
       _warn_int8_fallback()
@@ -209,7 +209,7 @@ def fastest_matmul_dtype() -> str:
   """The Llama `matmul_dtype` that decodes fastest on the default device (what the configs'
   `fast=True` picks): "int8" where the native int8 kernel runs (VNNI/AMX: ~2.5x float32
   decode; AVX2: 2.3x at batch 1, about even at 8,
-  docs/measurements/2026-12-05_f32_kernel_avx2.md); "float32" on any other CPU, where the
+  docs/measurements/2026-12-05_native_kernels_cpu.md); "float32" on any other CPU, where the
   XLA int8 reference is 4-8x slower than float32 and bf16 (without AVX512-BF16) slower too
   (docs/measurements/2026-12-01_fast_numerics.md); "bfloat16" on accelerators (bf16 tensor
   cores)."""

@@ -19,6 +19,10 @@ bf16. A row's result depends only on that row (batch-invariant): its own
 quantization, exact integer sums, f32 accumulation over the blocks in a fixed
 order.
 
+Codes of at most 16 distinct values (GGUF IQ4_NL / IQ4_XS: 16 fixed levels) are packed
+as 4-bit indices with a table of the values (`VnniWeight.lut`): half the bytes, and the
+same results as the 8-bit layout.
+
 Without the native kernel (no compiler, neither AVX512-VNNI nor AVX2, not a CPU) the XLA reference
 below computes the same quantities (same activation rounding; f32 sums in
 another order).
@@ -45,7 +49,10 @@ class VnniWeight:
     in its low and q[8kb+4+j] in its high nibble) or [Np/16, K/4, 16, 4]
     (8-bit: q[4kb+j] + 128); Np = N rounded up to 16 (padding columns are 0).
   scale, minimum: float16 [Np/16, K/32, 16] (minimum: zeros when symmetric).
-  w[k, n] = (q[k, n] - zero) * scale + minimum."""
+  w[k, n] = (q[k, n] - zero) * scale + minimum.
+  lut: for an 8-bit weight of at most 16 distinct codes (GGUF IQ4_NL / IQ4_XS: a nibble
+    stands for one of 16 levels), the 16 stored values (code + 128) its nibbles index:
+    packed as 4-bit (half the bytes), q[k, n] = lut[nibble]; None otherwise."""
 
   packed: jax.Array
   scale: jax.Array
@@ -54,6 +61,7 @@ class VnniWeight:
   zero: int = flax.struct.field(pytree_node=False, default=8)
   has_min: bool = flax.struct.field(pytree_node=False, default=False)
   n: int = flax.struct.field(pytree_node=False, default=0)
+  lut: tuple[int, ...] | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -113,20 +121,41 @@ def pack(w, name: str = "weight") -> VnniWeight:
   has_min = w.minimum is not None
   minimum = (np.repeat(np.asarray(w.minimum, np.float32), repeat, axis=0).astype(np.float16)
              if has_min else np.zeros_like(scale))
+  lut = None
   if w.bits == 4:
-    q = np.asarray(unpack_int4(np.asarray(w.packed)), np.uint8)  # [K, N] in 0..15
-    q = q.reshape(k // 8, 2, 4, n)  # (kb, low/high nibble, j, n)
-    q = (q[:, 0] | (q[:, 1] << 4)).astype(np.uint8)  # [K/8, 4, N]
-    zero = 0 if has_min else 8
+    nibbles, zero = np.asarray(unpack_int4(np.asarray(w.packed)), np.uint8), 0 if has_min else 8
   else:
-    q = (np.asarray(w.packed, np.int16) + 128).astype(np.uint8).reshape(k // 4, 4, n)
+    stored = (np.asarray(w.packed, np.int16) + 128).astype(np.uint8)  # [K, N]
     zero = 128
+    present = np.flatnonzero(np.bincount(stored.ravel(), minlength=256))
+    if len(present) <= 16:  # 16 levels or fewer: 4-bit indices into them
+      lut = tuple(int(v) for v in np.pad(present, (0, 16 - len(present)), mode="edge"))
+      index = np.zeros(256, np.uint8)
+      index[present] = np.arange(len(present), dtype=np.uint8)
+      nibbles = index[stored]
+  if w.bits == 4 or lut is not None:
+    q = nibbles.reshape(k // 8, 2, 4, n)  # (kb, low/high nibble, j, n)
+    q = (q[:, 0] | (q[:, 1] << 4)).astype(np.uint8)  # [K/8, 4, N]
+  else:
+    q = stored.reshape(k // 4, 4, n)
   rows = q.shape[0]
   q = np.pad(q, ((0, 0), (0, 0), (0, np_cols - n)))
   packed = np.ascontiguousarray(
       q.reshape(rows, 4, np_cols // TILE, TILE).transpose(2, 0, 3, 1))  # [T, rows, 16, 4]
   return VnniWeight(packed=packed, scale=_tiles(scale, np_cols), minimum=_tiles(minimum, np_cols),
-                    bits=w.bits, zero=zero, has_min=has_min, n=n)
+                    bits=4 if lut is not None else w.bits, zero=zero, has_min=has_min, n=n,
+                    lut=lut)
+
+
+def _widened(w: VnniWeight) -> VnniWeight:
+  """A 4-bit weight with a lut as the 8-bit layout of the same values (host-side)."""
+  q, _, _ = unpack(w)  # [K, Np] stored values
+  q = np.asarray(q, np.uint8)
+  k, np_cols = q.shape
+  q = q.reshape(k // 4, 4, np_cols)
+  packed = np.ascontiguousarray(
+      q.reshape(k // 4, 4, np_cols // TILE, TILE).transpose(2, 0, 3, 1))
+  return w.replace(packed=packed, bits=8, lut=None)
 
 
 def concat_columns(weights: list[VnniWeight], name: str = "weights") -> VnniWeight:
@@ -134,6 +163,8 @@ def concat_columns(weights: list[VnniWeight], name: str = "weights") -> VnniWeig
   its own call would (columns are independent; x is quantized the same way), with
   one activation quantization and one thread hand-off instead of several. Every
   part but the last must have N a multiple of 16 (no padding columns inside)."""
+  if len({w.lut for w in weights}) > 1:  # parts indexing different levels: all 8-bit
+    weights = [_widened(w) if w.lut is not None else w for w in weights]
   first = weights[0]
   for w in weights:
     if (w.bits, w.zero, w.has_min) != (first.bits, first.zero, first.has_min) \
@@ -158,6 +189,8 @@ def unpack(w: VnniWeight) -> tuple[jax.Array, jax.Array, jax.Array]:
   else:
     q = p
   q = q.reshape(-1, tiles * TILE).astype(jnp.int32)
+  if w.lut is not None:
+    q = jnp.asarray(w.lut, jnp.int32)[q]
   per_block = lambda a: jnp.transpose(a, (1, 0, 2)).reshape(a.shape[1], -1).astype(jnp.float32)
   return q, per_block(w.scale), per_block(w.minimum)
 

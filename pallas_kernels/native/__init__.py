@@ -211,9 +211,10 @@ def int8_matmul_build() -> str | None:
 
 
 def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, *,
-                bits: int, zero: int, has_min: bool) -> jax.Array:
+                bits: int, zero: int, has_min: bool, lut=None) -> jax.Array:
   """x f32 [M, K] times a weight in `pallas_kernels.vnni_matmul`'s tiled layout
-  (packed uint8, scale / minimum f16 [Np/16, K/32, 16]) -> f32 [M, Np]."""
+  (packed uint8, scale / minimum f16 [Np/16, K/32, 16]; lut: the 16 stored values 4-bit
+  indices stand for, or None) -> f32 [M, Np]."""
   if not int8_matmul_available():
     why = unavailable_reason() or "this CPU has neither AVX512-VNNI nor AVX2"
     raise RuntimeError(f"native int8_matmul unavailable: {why}")
@@ -225,10 +226,14 @@ def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.
     raise ValueError(f"int8_matmul (native): x{x.shape} {x.dtype}, packed{packed.shape} "
                      f"{packed.dtype}, scale{scale.shape} {scale.dtype}, minimum{minimum.shape} "
                      f"{minimum.dtype} (bits={bits}) are inconsistent")
+  if lut is not None and (bits != 4 or len(lut) != 16):
+    raise ValueError(f"int8_matmul (native): a lut needs bits=4 and 16 values, got bits={bits} "
+                     f"and {len(lut)}")
   call = jax.ffi.ffi_call(_INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, tiles * tile), jnp.float32),
                           vmap_method="sequential")
-  return call(x, packed, scale, minimum, bits=np.int64(bits), zero=np.int64(zero),
-              has_min=bool(has_min))
+  table = jnp.asarray(np.asarray(lut if lut is not None else np.zeros(16), np.uint8))
+  return call(x, packed, scale, minimum, table, bits=np.int64(bits), zero=np.int64(zero),
+              has_min=bool(has_min), has_lut=lut is not None)
 
 
 def f32_matmul_available() -> bool:

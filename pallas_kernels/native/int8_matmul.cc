@@ -20,6 +20,8 @@
 // Layout (built by `pallas_kernels.vnni_matmul.pack`), per tile of 16 columns:
 //   w      u8  [N/16, K/8, 16, 4] (4-bit: byte j of (t, kb, c) = q[8kb+j] | q[8kb+4+j] << 4)
 //          u8  [N/16, K/4, 16, 4] (8-bit: byte j of (t, kb, c) = q[4kb+j] + 128)
+//          4-bit with a lut (has_lut): a nibble indexes lut u8 [16], the stored values
+//          (code + 128, zero 128) of a weight of at most 16 distinct codes (IQ4_NL/XS)
 //   scale  f16 [N/16, K/32, 16];  minimum f16 [N/16, K/32, 16] (read when has_min)
 //   x      f32 [M, K];            out f32 [M, N]
 //
@@ -89,6 +91,7 @@ struct Problem {
   const uint8_t* w;
   const uint16_t* scale;
   const uint16_t* minimum;
+  const uint8_t* lut;  // 4-bit with a lut: the 16 stored values (code + 128) a nibble indexes
   // Quantized activations (filled by the calling thread before the tiles run).
   const int8_t* xa;     // [M, K] coarse level
   const int8_t* xr;     // [M, K] fine level (the rounding residual of xa)
@@ -168,7 +171,7 @@ inline __m512 ScaleBlock(const Problem& p, __m512 acc, __m512i coarse, __m512i f
 }
 
 // Rows m0..m0+MR of tile t.
-template <int MR, int BITS, bool HAS_MIN>
+template <int MR, int BITS, bool HAS_MIN, bool LUT>
 void TileRows(const Problem& p, int64_t t, int64_t m0) {
   const int64_t blocks = p.k / kBlock;
   constexpr int64_t kLoads = BITS == 4 ? 4 : 8;  // 64-byte weight loads per block
@@ -176,6 +179,8 @@ void TileRows(const Problem& p, int64_t t, int64_t m0) {
   const uint16_t* st = p.scale + t * blocks * kTile;
   const uint16_t* mt = HAS_MIN ? p.minimum + t * blocks * kTile : nullptr;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i lutv = _mm512_setzero_si512();
+  if constexpr (LUT) lutv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.lut)));
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -185,8 +190,12 @@ void TileRows(const Problem& p, int64_t t, int64_t m0) {
     for (int j = 0; j < kLoads; ++j) {
       const __m512i raw = _mm512_loadu_si512(wb + j * 64);
       if constexpr (BITS == 4) {
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        __m512i lo = _mm512_and_si512(raw, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        if constexpr (LUT) {  // nibbles -> stored values (u8, exact in vpdpbusd)
+          lo = _mm512_shuffle_epi8(lutv, lo);
+          hi = _mm512_shuffle_epi8(lutv, hi);
+        }
         const int64_t kk = b * kBlock + j * 8;
         for (int r = 0; r < MR; ++r) {
           const int64_t at = (m0 + r) * p.k + kk;
@@ -247,15 +256,23 @@ void ConfigureTiles() {
 
 // Block b's exact sums for rows m0..m0+15 into sums[0] (coarse), sums[1] (fine).
 // (GCC's tile intrinsics take literal register numbers, hence the two branches.)
-template <int BITS>
+template <int BITS, bool LUT>
 inline void AmxBlockSums(const Problem& p, const uint8_t* wb, int64_t m0, int64_t b, bool odd,
                          uint8_t* wbuf, int32_t* sums) {
   if constexpr (BITS == 4) {  // rows 2j / 2j+1: k = 8j..8j+3 / 8j+4..8j+7
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i lutv = _mm512_setzero_si512();
+    if constexpr (LUT) lutv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.lut)));
     for (int j = 0; j < 4; ++j) {
       const __m512i raw = _mm512_loadu_si512(wb + j * 64);
-      _mm512_store_si512(wbuf + (2 * j) * 64, _mm512_and_si512(raw, low4));
-      _mm512_store_si512(wbuf + (2 * j + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+      __m512i lo = _mm512_and_si512(raw, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      if constexpr (LUT) {
+        lo = _mm512_shuffle_epi8(lutv, lo);
+        hi = _mm512_shuffle_epi8(lutv, hi);
+      }
+      _mm512_store_si512(wbuf + (2 * j) * 64, lo);
+      _mm512_store_si512(wbuf + (2 * j + 1) * 64, hi);
     }
     _tile_loadd(0, wbuf, 64);
   } else {
@@ -281,7 +298,7 @@ inline void AmxBlockSums(const Problem& p, const uint8_t* wb, int64_t m0, int64_
   }
 }
 
-template <int BITS, bool HAS_MIN>
+template <int BITS, bool HAS_MIN, bool LUT>
 void TileAmx(const Problem& p, int64_t t) {
   const int64_t blocks = p.k / kBlock;
   constexpr int64_t kLoads = BITS == 4 ? 4 : 8;
@@ -293,11 +310,11 @@ void TileAmx(const Problem& p, int64_t t) {
   for (int64_t m0 = 0; m0 < p.m; m0 += kAmxRows) {
     __m512 acc[kAmxRows];
     for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
-    AmxBlockSums<BITS>(p, wt, m0, 0, false, wbuf[0], sums[0]);
+    AmxBlockSums<BITS, LUT>(p, wt, m0, 0, false, wbuf[0], sums[0]);
     for (int64_t b = 0; b < blocks; ++b) {
       const int cur = b & 1;
       if (b + 1 < blocks) {  // next block's sums while this one is scaled
-        AmxBlockSums<BITS>(p, wt + (b + 1) * kLoads * 64, m0, b + 1, cur == 0, wbuf[1 - cur],
+        AmxBlockSums<BITS, LUT>(p, wt + (b + 1) * kLoads * 64, m0, b + 1, cur == 0, wbuf[1 - cur],
                            sums[1 - cur]);
       }
       const int32_t* coarse = sums[cur];
@@ -319,15 +336,15 @@ void TileAmx(const Problem& p, int64_t t) {
 
 #endif  // O1JAX_AMX
 
-template <int BITS, bool HAS_MIN>
+template <int BITS, bool HAS_MIN, bool LUT>
 void Tile(const Problem& p, int64_t t) {
   constexpr int kRows = 4;  // rows sharing each weight load
   int64_t m0 = 0;
-  for (; m0 + kRows <= p.m; m0 += kRows) TileRows<kRows, BITS, HAS_MIN>(p, t, m0);
+  for (; m0 + kRows <= p.m; m0 += kRows) TileRows<kRows, BITS, HAS_MIN, LUT>(p, t, m0);
   switch (p.m - m0) {
-    case 3: TileRows<3, BITS, HAS_MIN>(p, t, m0); break;
-    case 2: TileRows<2, BITS, HAS_MIN>(p, t, m0); break;
-    case 1: TileRows<1, BITS, HAS_MIN>(p, t, m0); break;
+    case 3: TileRows<3, BITS, HAS_MIN, LUT>(p, t, m0); break;
+    case 2: TileRows<2, BITS, HAS_MIN, LUT>(p, t, m0); break;
+    case 1: TileRows<1, BITS, HAS_MIN, LUT>(p, t, m0); break;
     default: break;
   }
 }
@@ -388,7 +405,7 @@ inline __m256i Dot4(__m256i w4, __m256i x) {
 
 // Rows m0..m0+MR of columns 8h..8h+7 of tile t: the same block sums and scaling as
 // the AVX-512 TileRows.
-template <int MR, int BITS, bool HAS_MIN>
+template <int MR, int BITS, bool HAS_MIN, bool LUT>
 void HalfTileRows(const Problem& p, int64_t t, int h, int64_t m0) {
   const int64_t blocks = p.k / kBlock;
   constexpr int64_t kLoads = BITS == 4 ? 4 : 8;  // 64-byte weight groups per block
@@ -396,6 +413,14 @@ void HalfTileRows(const Problem& p, int64_t t, int h, int64_t m0) {
   const uint16_t* st = p.scale + t * blocks * kTile + 8 * h;
   const uint16_t* mt = HAS_MIN ? p.minimum + t * blocks * kTile + 8 * h : nullptr;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // With a lut: a nibble's stored value (up to 255) as its two 4-bit halves, so that
+  // vpmaddubsw still cannot saturate.
+  __m256i lut_hi = _mm256_setzero_si256(), lut_lo = _mm256_setzero_si256();
+  if constexpr (LUT) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.lut)));
+    lut_lo = _mm256_and_si256(lut, low4);
+    lut_hi = _mm256_and_si256(_mm256_srli_epi16(lut, 4), low4);
+  }
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -406,7 +431,22 @@ void HalfTileRows(const Problem& p, int64_t t, int h, int64_t m0) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 64));
       const __m256i lo = _mm256_and_si256(raw, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      if constexpr (BITS == 4) {  // lo: k = 8j'..8j'+3, hi: 8j'+4..8j'+7
+      if constexpr (BITS == 4 && LUT) {  // as below, each value as 16 hi + lo
+        const int64_t kk = b * kBlock + j * 8;
+        const __m256i lh = _mm256_shuffle_epi8(lut_hi, lo), ll = _mm256_shuffle_epi8(lut_lo, lo);
+        const __m256i hh = _mm256_shuffle_epi8(lut_hi, hi), hl = _mm256_shuffle_epi8(lut_lo, hi);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t at = (m0 + r) * p.k + kk;
+          const __m256i a0 = Bcast4(p.xa + at), a1 = Bcast4(p.xa + at + 4);
+          const __m256i r0 = Bcast4(p.xr + at), r1 = Bcast4(p.xr + at + 4);
+          coarse[r] = _mm256_add_epi32(coarse[r], _mm256_add_epi32(
+              _mm256_slli_epi32(_mm256_add_epi32(Dot4(lh, a0), Dot4(hh, a1)), 4),
+              _mm256_add_epi32(Dot4(ll, a0), Dot4(hl, a1))));
+          fine[r] = _mm256_add_epi32(fine[r], _mm256_add_epi32(
+              _mm256_slli_epi32(_mm256_add_epi32(Dot4(lh, r0), Dot4(hh, r1)), 4),
+              _mm256_add_epi32(Dot4(ll, r0), Dot4(hl, r1))));
+        }
+      } else if constexpr (BITS == 4) {  // lo: k = 8j'..8j'+3, hi: 8j'+4..8j'+7
         const int64_t kk = b * kBlock + j * 8;
         for (int r = 0; r < MR; ++r) {
           const int64_t at = (m0 + r) * p.k + kk;
@@ -444,18 +484,18 @@ void HalfTileRows(const Problem& p, int64_t t, int h, int64_t m0) {
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(p.out + (m0 + r) * p.n + t * kTile + 8 * h, acc[r]);
 }
 
-template <int BITS, bool HAS_MIN>
+template <int BITS, bool HAS_MIN, bool LUT>
 void Tile(const Problem& p, int64_t t) {
   // Rows sharing each weight load: 4 was ~5-10 % faster than 2 at 32 rows and no slower
   // at 1 and 8 (on a cache-resident matrix set; 1 and 3 no better).
   constexpr int kRows = 4;
   for (int h = 0; h < 2; ++h) {
     int64_t m0 = 0;
-    for (; m0 + kRows <= p.m; m0 += kRows) HalfTileRows<kRows, BITS, HAS_MIN>(p, t, h, m0);
+    for (; m0 + kRows <= p.m; m0 += kRows) HalfTileRows<kRows, BITS, HAS_MIN, LUT>(p, t, h, m0);
     switch (p.m - m0) {
-      case 3: HalfTileRows<3, BITS, HAS_MIN>(p, t, h, m0); break;
-      case 2: HalfTileRows<2, BITS, HAS_MIN>(p, t, h, m0); break;
-      case 1: HalfTileRows<1, BITS, HAS_MIN>(p, t, h, m0); break;
+      case 3: HalfTileRows<3, BITS, HAS_MIN, LUT>(p, t, h, m0); break;
+      case 2: HalfTileRows<2, BITS, HAS_MIN, LUT>(p, t, h, m0); break;
+      case 1: HalfTileRows<1, BITS, HAS_MIN, LUT>(p, t, h, m0); break;
       default: break;
     }
   }
@@ -465,13 +505,15 @@ void Tile(const Problem& p, int64_t t) {
 
 using TileFn = void (*)(const Problem&, int64_t);
 
-TileFn PickTile(int64_t bits, bool has_min, bool amx) {
+TileFn PickTile(int64_t bits, bool has_min, bool amx, bool lut) {
 #if O1JAX_AMX
-  if (amx && bits == 4) return has_min ? TileAmx<4, true> : TileAmx<4, false>;
-  if (amx) return has_min ? TileAmx<8, true> : TileAmx<8, false>;
+  if (amx && lut) return has_min ? TileAmx<4, true, true> : TileAmx<4, false, true>;
+  if (amx && bits == 4) return has_min ? TileAmx<4, true, false> : TileAmx<4, false, false>;
+  if (amx) return has_min ? TileAmx<8, true, false> : TileAmx<8, false, false>;
 #endif
-  if (bits == 4) return has_min ? Tile<4, true> : Tile<4, false>;
-  return has_min ? Tile<8, true> : Tile<8, false>;
+  if (lut) return has_min ? Tile<4, true, true> : Tile<4, false, true>;
+  if (bits == 4) return has_min ? Tile<4, true, false> : Tile<4, false, false>;
+  return has_min ? Tile<8, true, false> : Tile<8, false, false>;
 }
 
 struct Work {
@@ -502,8 +544,8 @@ void Drain(Work& w) {
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> minimum,
-                          ffi::ResultBuffer<ffi::F32> out, int64_t bits, int64_t zero,
-                          bool has_min) {
+                          ffi::Buffer<ffi::U8> lut, ffi::ResultBuffer<ffi::F32> out, int64_t bits,
+                          int64_t zero, bool has_min, bool has_lut) {
   auto xd = x.dimensions();
   auto od = out->dimensions();
   if (xd.size() != 2 || od.size() != 2 || od[0] != xd[0]) {
@@ -512,7 +554,8 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t m = xd[0], k = xd[1], n = od[1];
   if ((bits != 4 && bits != 8) || k % kBlock != 0 || n % kTile != 0 ||
       w.element_count() != k * n / (bits == 4 ? 2 : 1) || scale.element_count() != k / kBlock * n ||
-      (has_min && minimum.element_count() != scale.element_count())) {
+      (has_min && minimum.element_count() != scale.element_count()) ||
+      (has_lut && (bits != 4 || lut.element_count() != 16))) {
     return ffi::Error::InvalidArgument("int8_matmul: inconsistent shapes");
   }
   if (m == 0) return ffi::Error::Success();
@@ -541,10 +584,10 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   }
   work->p = Problem{m, k, n, bits, zero, has_min,
                     w.typed_data(), reinterpret_cast<const uint16_t*>(scale.untyped_data()),
-                    reinterpret_cast<const uint16_t*>(minimum.untyped_data()),
+                    reinterpret_cast<const uint16_t*>(minimum.untyped_data()), lut.typed_data(),
                     work->xa.data(), work->xr.data(), work->xs.data(), work->xsum.data(),
                     work->fsum.data(), out->typed_data()};
-  work->tile = PickTile(bits, has_min, work->amx);
+  work->tile = PickTile(bits, has_min, work->amx, has_lut);
   o1jax::RunTiles(pool, work, n / kTile, m * k * n, Drain);
   return ffi::Error::Success();
 #endif
@@ -559,7 +602,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(O1jaxInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("zero")
-                                  .Attr<bool>("has_min"));
+                                  .Attr<bool>("has_min")
+                                  .Attr<bool>("has_lut"));

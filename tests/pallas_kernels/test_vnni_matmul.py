@@ -14,7 +14,7 @@ import pytest
 
 from pallas_kernels import native, ops
 from pallas_kernels import vnni_matmul as vm
-from pallas_kernels.quantized_tensor import dequantize, quantize
+from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize, quantize
 from tests.pallas_kernels.kernel_testing import run_native_build
 
 FORMATS = {"q4_0": dict(bits=4, symmetric=True), "q4_1": dict(bits=4, symmetric=False),
@@ -28,6 +28,20 @@ def _weight(fmt, k, n, seed=0, group_size=32):
 
 def _packed(qt):
   return jax.tree.map(jnp.asarray, vm.pack(qt))
+
+
+# GGUF IQ4_NL / IQ4_XS: 8-bit codes of 16 levels (ggml's kvalues_iq4nl), scale per 32.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int8)
+
+
+def _iq4_weight(k, n, seed=0, levels=IQ4_LEVELS, minimum=False):
+  rng = np.random.default_rng(seed)
+  codes = levels[rng.integers(0, len(levels), (k, n))]
+  f16 = lambda a: a.astype(np.float16).astype(np.float32)
+  scale = f16(rng.random((k // 32, n)) * 0.01 + 1e-3)
+  mn = f16(rng.standard_normal((k // 32, n)) * 0.01) if minimum else None
+  return QuantizedTensor(packed=codes, scale=scale, minimum=mn, bits=8, group_size=32)
 
 
 def _activations(m, k, seed=1):
@@ -192,13 +206,16 @@ for case in _CROSS_BUILD_CASES:
 print(json.dumps(out))
 """
 # Row counts: the AVX2 build's 4-row groups and every remainder; 16 and 20 take AMX tiles
-# where this CPU has them. K 1536: many blocks; N 40: a padded last tile.
-_CROSS_BUILD_CASES = [(fmt, m, k, n) for fmt in FORMATS
+# where this CPU has them. K 1536: many blocks; N 40: a padded last tile. "iq4": 16 levels
+# as nibbles with a lut.
+_CROSS_BUILD_CASES = [(fmt, m, k, n) for fmt in [*FORMATS, "iq4", "iq4_min"]
                       for m, k, n in [(1, 576, 192), (3, 1536, 64), (6, 64, 40), (20, 576, 96)]]
 
 
 def _cross_build_case(fmt, m, k, n):
-  return _packed(_weight(fmt, k, n, seed=m + k)), jnp.asarray(_activations(m, k, seed=k))
+  weight = (_iq4_weight(k, n, seed=m + k, minimum=fmt == "iq4_min") if fmt.startswith("iq4")
+            else _weight(fmt, k, n, seed=m + k))
+  return _packed(weight), jnp.asarray(_activations(m, k, seed=k))
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 builds")
@@ -214,3 +231,39 @@ def test_the_avx2_build_gives_the_vnni_builds_bits():
     here = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w))(x))
     np.testing.assert_array_equal(np.asarray(bits, np.uint32).view(np.float32), here,
                                   err_msg=str(case))
+
+
+def test_sixteen_levels_pack_as_nibbles_with_a_lut():
+  """8-bit codes of at most 16 levels (IQ4_NL / IQ4_XS) take half the bytes: 4-bit indices
+  into a lut of their stored values. Same values (round trip), and the kernel gives the
+  bits the 8-bit layout of the same weight gives, at every row count (VNNI, AMX)."""
+  qt = _iq4_weight(576, 200, seed=3)
+  w = vm.pack(qt)
+  assert w.bits == 4 and w.zero == 128 and len(w.lut) == 16
+  wide = vm._widened(w)
+  assert wide.bits == 8 and wide.lut is None and wide.packed.nbytes == 2 * w.packed.nbytes
+  q, _, _ = vm.unpack(w)
+  np.testing.assert_array_equal(np.asarray(q)[:, :200] - 128, np.asarray(qt.packed))
+  np.testing.assert_array_equal(np.asarray(vm.unpack(wide)[0]), np.asarray(q))
+  few = vm.pack(_iq4_weight(64, 40, levels=IQ4_LEVELS[[2, 9, 15]]))  # 3 levels: lut padded
+  assert few.lut[:3] == (-83 + 128, 13 + 128, 113 + 128) and set(few.lut[3:]) == {241}
+  assert vm.pack(_weight("q8_0", 64, 40)).lut is None  # a real Q8_0: 8-bit
+  _needs_native()
+  x = jnp.asarray(_activations(40, 576, seed=5))
+  w, wide = (jax.tree.map(jnp.asarray, a) for a in (w, wide))
+  for rows in (1, 3, 8, 20, 40):
+    got = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w))(x[:rows]))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(lambda x: ops.int8_matmul(x, wide))(x[:rows])))
+  want = np.asarray(ops.int8_matmul(x, w, backend="reference"))
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_concatenated_parts_with_different_luts_fall_back_to_8_bit():
+  same = [vm.pack(_iq4_weight(64, 32, seed=s)) for s in (1, 2)]
+  assert vm.concat_columns(same).lut == same[0].lut and vm.concat_columns(same).bits == 4
+  other = vm.pack(_iq4_weight(64, 24, seed=3, levels=IQ4_LEVELS[:8]))
+  cat = vm.concat_columns(same + [other])
+  assert cat.bits == 8 and cat.lut is None and cat.n == 88
+  q = np.asarray(vm.unpack(cat)[0])
+  parts = [np.asarray(vm.unpack(w)[0])[:, :w.n] for w in same + [other]]
+  np.testing.assert_array_equal(q[:, :88], np.concatenate(parts, axis=1))

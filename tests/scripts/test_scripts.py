@@ -255,6 +255,21 @@ def test_bench_prefill_times_every_backend_and_chunk(tiny_gguf, capsys):
   assert "x auto/16" in capsys.readouterr().out
 
 
+def test_bench_int8_matmul_times_every_format_per_row_count(tmp_path):
+  from pallas_kernels import native
+
+  if not native.int8_matmul_available():
+    pytest.skip("the native int8 matmul does not run here")
+  out = tmp_path / "int8.json"
+  results = load("bench_int8_matmul").main(["--rows", "1,3", "--rounds", "1", "--layers", "1",
+                                            "--json", str(out)])
+  assert [r["rows"] for r in results] == [1, 3]
+  for r in results:
+    assert all(r[f"{f}_ms"] > 0 for f in ("q4_0", "q8_0", "iq4_lut", "iq4_8bit"))
+    assert r["lut_over_8bit"] == pytest.approx(r["iq4_lut_ms"] / r["iq4_8bit_ms"])
+  assert json.loads(out.read_text())["results"] == results
+
+
 def test_bench_f32_matmul_times_both_paths_per_row_count(tmp_path):
   from pallas_kernels import native
 

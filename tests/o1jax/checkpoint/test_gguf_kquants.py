@@ -11,6 +11,7 @@ from o1jax.checkpoint import load_checkpoint
 from o1jax.checkpoint.gguf_blocks import FORMATS, unpack_blocks, quantized_from_gguf
 from o1jax.checkpoint.gguf_loader import read_tensors
 from o1jax.model import KVCache, Llama
+from o1jax.model.llama import _pack_int8_matrices
 from pallas_kernels import ops
 from pallas_kernels.quantized_tensor import dequantize
 
@@ -186,7 +187,7 @@ def test_kquant_model_matches_numpy_reference(kquant_gguf):
 
 def test_kquant_model_int8_matmuls(kquant_gguf):
   """The int8 path (Q6_K/Q3_K/Q2_K requantized to Q8_0, f32 scales rounded to f16; Q5_0/Q5_1
-  and IQ4_NL exact) stays
+  and IQ4_NL exact; codes of at most 16 levels as nibbles with a lut) stays
   near the exact logits; measured here: KL and top-1 agreement."""
   ck = load_checkpoint(kquant_gguf)
   exact = _logits(ck)
@@ -199,3 +200,7 @@ def test_kquant_model_int8_matmuls(kquant_gguf):
         f"{np.abs(int8 - exact).max():.1e}")
   assert kl.max() < 1e-3, kl
   np.testing.assert_array_equal(int8.argmax(-1), exact.argmax(-1))
+  if "iq" in kquant_gguf.name:  # IQ4_XS / IQ4_NL (and IQ1_S's few levels): 4-bit with a lut
+    packed = _pack_int8_matrices(ck.params)["layers"]
+    assert all(w.bits == 4 and w.lut is not None for w in packed[1].values() if hasattr(w, "lut"))
+    assert packed[0]["w_down"].lut is not None and packed[0]["wqkv"].bits == 8
