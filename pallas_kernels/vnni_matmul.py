@@ -147,8 +147,9 @@ def pack(w, name: str = "weight") -> VnniWeight:
                     lut=lut)
 
 
-def _widened(w: VnniWeight) -> VnniWeight:
-  """A 4-bit weight with a lut as the 8-bit layout of the same values (host-side)."""
+def widened(w: VnniWeight) -> VnniWeight:
+  """A 4-bit weight with a lut in the 8-bit layout of the same values (host-side): what
+  such weights took before luts (scripts/bench_int8_matmul.py compares the two)."""
   q, _, _ = unpack(w)  # [K, Np] stored values
   q = np.asarray(q, np.uint8)
   k, np_cols = q.shape
@@ -163,14 +164,13 @@ def concat_columns(weights: list[VnniWeight], name: str = "weights") -> VnniWeig
   its own call would (columns are independent; x is quantized the same way), with
   one activation quantization and one thread hand-off instead of several. Every
   part but the last must have N a multiple of 16 (no padding columns inside)."""
-  if len({w.lut for w in weights}) > 1:  # parts indexing different levels: all 8-bit
-    weights = [_widened(w) if w.lut is not None else w for w in weights]
   first = weights[0]
   for w in weights:
-    if (w.bits, w.zero, w.has_min) != (first.bits, first.zero, first.has_min) \
+    # (Parts whose luts differ stay apart: each read at 4 bits beats one 8-bit matrix.)
+    if (w.bits, w.zero, w.has_min, w.lut) != (first.bits, first.zero, first.has_min, first.lut) \
         or w.packed.shape[1:] != first.packed.shape[1:]:
       raise ValueError(f"vnni_matmul.concat_columns: {name} differ in format or K: "
-                       f"{[(w.bits, w.zero, w.has_min, w.shape) for w in weights]}")
+                       f"{[(w.bits, w.zero, w.has_min, w.lut, w.shape) for w in weights]}")
   if any(w.n % TILE for w in weights[:-1]):
     raise ValueError(f"vnni_matmul.concat_columns: {name}: N {[w.n for w in weights]} must be "
                      f"multiples of {TILE} (but the last)")

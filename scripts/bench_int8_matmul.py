@@ -51,7 +51,7 @@ def _weights(fmt: str, layers: int, rng) -> list:
         w = vm.pack(_iq4(rng, k, n))
         assert w.lut is not None
         if fmt == "iq4_8bit":
-          w = vm._widened(w)
+          w = vm.widened(w)
       out.append(jax.tree.map(jnp.asarray, w))
   return out
 

@@ -240,7 +240,7 @@ def test_sixteen_levels_pack_as_nibbles_with_a_lut():
   qt = _iq4_weight(576, 200, seed=3)
   w = vm.pack(qt)
   assert w.bits == 4 and w.zero == 128 and len(w.lut) == 16
-  wide = vm._widened(w)
+  wide = vm.widened(w)
   assert wide.bits == 8 and wide.lut is None and wide.packed.nbytes == 2 * w.packed.nbytes
   q, _, _ = vm.unpack(w)
   np.testing.assert_array_equal(np.asarray(q)[:, :200] - 128, np.asarray(qt.packed))
@@ -258,12 +258,12 @@ def test_sixteen_levels_pack_as_nibbles_with_a_lut():
   np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
-def test_concatenated_parts_with_different_luts_fall_back_to_8_bit():
+def test_concatenated_parts_share_a_lut_or_stay_apart():
   same = [vm.pack(_iq4_weight(64, 32, seed=s)) for s in (1, 2)]
-  assert vm.concat_columns(same).lut == same[0].lut and vm.concat_columns(same).bits == 4
+  cat = vm.concat_columns(same)
+  assert cat.lut == same[0].lut and cat.bits == 4 and cat.n == 64
+  np.testing.assert_array_equal(np.asarray(vm.unpack(cat)[0]),
+                                np.concatenate([np.asarray(vm.unpack(w)[0]) for w in same], 1))
   other = vm.pack(_iq4_weight(64, 24, seed=3, levels=IQ4_LEVELS[:8]))
-  cat = vm.concat_columns(same + [other])
-  assert cat.bits == 8 and cat.lut is None and cat.n == 88
-  q = np.asarray(vm.unpack(cat)[0])
-  parts = [np.asarray(vm.unpack(w)[0])[:, :w.n] for w in same + [other]]
-  np.testing.assert_array_equal(q[:, :88], np.concatenate(parts, axis=1))
+  with pytest.raises(ValueError, match="differ in format"):  # the model keeps them apart
+    vm.concat_columns(same + [other])

@@ -203,4 +203,7 @@ def test_kquant_model_int8_matmuls(kquant_gguf):
   if "iq" in kquant_gguf.name:  # IQ4_XS / IQ4_NL (and IQ1_S's few levels): 4-bit with a lut
     packed = _pack_int8_matrices(ck.params)["layers"]
     assert all(w.bits == 4 and w.lut is not None for w in packed[1].values() if hasattr(w, "lut"))
-    assert packed[0]["w_down"].lut is not None and packed[0]["wqkv"].bits == 8
+    # Layer 0: IQ1_S's few levels take a lut; IQ2_S (groups of 16) became Q8_0, so its
+    # q/k/v stay apart.
+    assert packed[0]["w_down"].lut is not None and packed[0]["wv"].bits == 8
+    assert "wqkv" not in packed[0] and "wqkv" in packed[1]
