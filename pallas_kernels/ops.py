@@ -161,8 +161,8 @@ def tiled_f32_preferred(backend: str = "auto") -> bool:
   kernels built). With AVX-512 it costs 0.97x XLA's dot at one row, 0.55x at 4-16 rows (a
   decode batch, a verify call), 0.61x at 32, 0.83x at 128 and 0.93x at 512 (prefill chunks;
   scripts/bench_f32_matmul.py, docs/measurements/2026-12-02_f32_matmul.md; 1.01-1.05x at
-  512 on 2026-12-05); the AVX2 build 0.45-1.04x at 1-16 rows and 1.05-1.48x at 128-512
-  (docs/measurements/2026-12-05_native_kernels_cpu.md). Used at every row count all the same:
+  512 on 2026-12-05); the AVX2 build 0.43-0.96x at 1-16 rows, 0.84-0.98x at 32-128 and
+  1.02-1.08x at 512 (docs/measurements/2026-12-05_native_kernels_cpu.md). Used at every row count all the same:
   its rows do not depend on the batch, XLA's do."""
   resolve_backend(backend)
   return backend == "auto" and _on_cpu() and native.f32_matmul_available()

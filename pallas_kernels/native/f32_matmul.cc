@@ -24,7 +24,8 @@
 // get the bits a one-row decode step gets.
 //
 // Three builds of the same sum (so all three give the same bits): AVX-512 (12 rows
-// x 2 zmm accumulators), AVX2 + FMA (3 rows x 4 ymm: 12 of the 16 registers), and a
+// x 2 zmm accumulators), AVX2 + FMA (3 rows x 4 ymm; from 32 rows on 6 rows x 2 ymm,
+// half a tile at a time), and a
 // portable one for other CPUs with a hardware fused multiply-add (aarch64; x86 with
 // FMA but no AVX2), whose column loop the compiler vectorizes. Without any of them
 // the kernel reports itself unsupported and XLA's dot runs.
@@ -102,7 +103,16 @@ void Group(const Problem& p, int64_t m0, int64_t t) {
 }
 
 #elif O1JAX_F32_MATMUL == 2
-constexpr int kMaxRows = 3;  // rows per group: 12 accumulators, 4 weight registers
+// Two row-group shapes, by the number of rows (same sums, so same bits): few rows, 3 rows
+// over the whole tile (4 weight loads shared by 3 rows; each row's 4 accumulators hide
+// the FMA latency); many rows, 6 rows over half a tile at a time (12 accumulators + 2
+// weight registers + a broadcast: 15 of the 16 ymm, where 3 x 4 + 4 + 1 spills).
+// Measured (scripts/bench_f32_matmul.py): 3 x 32 0.64-0.93x XLA at 1-8 rows where 6 x 16
+// took 0.96-1.54x; 6 x 16 0.83-1.07x at 128-512 where 3 x 32 took 1.01-1.43x; about even
+// at 16-32.
+constexpr int kMaxRows = 3;        // the few-rows shape
+constexpr int kWideRows = 6;       // the many-rows shape
+constexpr int64_t kManyRows = 32;  // from this many rows on
 
 template <int R>
 void Group(const Problem& p, int64_t m0, int64_t t) {
@@ -127,6 +137,40 @@ void Group(const Problem& p, int64_t m0, int64_t t) {
     float* o = p.out + (m0 + r) * n + t * kTile;
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + 8 * c, acc[r][c]);
   }
+}
+
+template <int R>
+void WideGroup(const Problem& p, int64_t m0, int64_t t) {
+  const int64_t n = p.tiles * kTile;
+  const float* x = p.x + m0 * p.k;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* w = p.w + t * p.k * kTile + 16 * h;
+    for (int64_t kk = 0; kk < p.k; ++kk) {
+      const float* wr = w + kk * kTile;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch * kTile), _MM_HINT_T0);
+      const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * p.k + kk]);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* o = p.out + (m0 + r) * n + t * kTile + 16 * h;
+      _mm256_storeu_ps(o, acc[r][0]);
+      _mm256_storeu_ps(o + 8, acc[r][1]);
+    }
+  }
+}
+
+template <int R>
+void WideGroupsOf(const Problem& p, int64_t m0, int64_t rows, int64_t t) {
+  if constexpr (R > 1) {
+    if (rows < R) return WideGroupsOf<R - 1>(p, m0, rows, t);
+  }
+  WideGroup<R>(p, m0, t);
 }
 
 #else
@@ -161,6 +205,14 @@ void GroupsOf(const Problem& p, int64_t m0, int64_t rows, int64_t t) {
 // (Splitting K into L1-sized chunks, the group sums carried through the output, was
 // measured slower at 32-512 rows with both builds: not done.)
 void Tile(const Problem& p, int64_t t) {
+#if O1JAX_F32_MATMUL == 2
+  if (p.m >= kManyRows) {
+    for (int64_t m0 = 0; m0 < p.m; m0 += kWideRows) {
+      WideGroupsOf<kWideRows>(p, m0, std::min<int64_t>(kWideRows, p.m - m0), t);
+    }
+    return;
+  }
+#endif
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxRows) {
     GroupsOf<kMaxRows>(p, m0, std::min<int64_t>(kMaxRows, p.m - m0), t);
   }

@@ -102,7 +102,9 @@ for m, k, n in json.loads(sys.argv[1]):
   out["results"].append(y.view(np.uint32).tolist())
 print(json.dumps(out))
 """
-_CASES = [(1, 576, 1536), (2, 37, 70), (3, 576, 192), (4, 1536, 64), (7, 3, 32), (13, 576, 96)]
+# (the AVX2 build: 3-row groups below 32 rows, 6-row half-tile groups from 32 on, every remainder)
+_CASES = [(1, 576, 1536), (2, 37, 70), (3, 576, 192), (4, 1536, 64), (7, 3, 32), (13, 576, 96),
+          (31, 64, 40), (32, 37, 70), (35, 576, 96), (40, 37, 70)]
 
 
 @needs_native
