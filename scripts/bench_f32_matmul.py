@@ -31,7 +31,8 @@ SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 153
 HEAD = (576, 49152)
 
 
-def _time(fn, *args, calls: int) -> float:
+def median_ms(fn, *args, calls: int) -> float:
+  """Median wall ms of `calls` calls of fn(*args), after one call that compiles."""
   jax.block_until_ready(fn(*args))  # compile
   times = []
   for _ in range(calls):
@@ -74,8 +75,8 @@ def main(argv=None):
     for m in rows:
       x = jnp.asarray(rng.standard_normal((m, 1536), np.float32))
       calls = 10 if m <= 32 else 3
-      a = _time(xla, x, dense, calls=calls)
-      b = _time(kernel, x, tiled, calls=calls)
+      a = median_ms(xla, x, dense, calls=calls)
+      b = median_ms(kernel, x, tiled, calls=calls)
       results.append({"rows": m, "round": round_, "xla_ms": a, "native_ms": b, "ratio": b / a})
       print(f"{m:5d} {round_:5d} {a:8.1f} {b:9.1f} {b / a:10.2f}", flush=True)
   print("\nrows  native/xla median (range over rounds)")

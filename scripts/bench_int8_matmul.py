@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,8 @@ from pallas_kernels import native, ops
 from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import QuantizedTensor, quantize
 
-SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_f32_matmul import SHAPES, median_ms  # noqa: E402  (the same matrices and timing)
 # ggml's kvalues_iq4nl: the 16 levels of an IQ4_NL / IQ4_XS nibble.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                       np.int8)
@@ -54,16 +56,6 @@ def _weights(fmt: str, layers: int, rng) -> list:
           w = vm.widened(w)
       out.append(jax.tree.map(jnp.asarray, w))
   return out
-
-
-def _time(fn, *args, calls: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
 
 
 def main(argv=None):
@@ -98,7 +90,7 @@ def main(argv=None):
     for m in rows:
       x = jnp.asarray(rng.standard_normal((m, 1536), np.float32))
       calls = 10 if m <= 8 else 5
-      ms = {f: _time(programs[f], x, calls=calls) for f in formats}
+      ms = {f: median_ms(programs[f], x, calls=calls) for f in formats}
       ratio = ms["iq4_lut"] / ms["iq4_8bit"]
       results.append({"rows": m, "round": round_, **{f"{f}_ms": v for f, v in ms.items()},
                       "lut_over_8bit": ratio})
