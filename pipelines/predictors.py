@@ -31,7 +31,7 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from o1jax.controller.sampling_policies import SamplingSpec
 from o1jax.model.sampling import SamplingParams
@@ -414,9 +414,11 @@ class ControllerPredictor:
      the host sees the device loop (see `o1jax.controller.Batch`).
   """
 
-  def __init__(self, controller, policy: dict):
+  def __init__(self, controller, policy):
+    from o1jax.controller import build_policy
     self.controller = controller
-    self.policy = dict(policy)
+    # Built once (a section: its params checked here), not per batch by `Controller.run`.
+    self.policy = build_policy(policy) if isinstance(policy, Mapping) else policy
     self._lock = threading.Lock()  # one batch at a time, as for the engine
     self._queue = _QueuedItems(getattr(controller, "budget", None))
 
@@ -439,8 +441,9 @@ class ControllerPredictor:
                             budget=spec.budget_loop(), thinking=spec.thinking,
                             admission=str(engine.get("policy", "fifo")),
                             speculative=spec.speculative_config())
-    controller.check_policy_fits(build_policy(policy))  # once here, not per request
-    return cls(controller, policy)
+    built = build_policy(policy)
+    controller.check_policy_fits(built)  # once here, not per request
+    return cls(controller, built)
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     from o1jax.controller import ReasoningRequest

@@ -42,6 +42,18 @@ def median_ms(fn, *args, calls: int) -> float:
   return statistics.median(times) * 1e3
 
 
+def program(matmul):
+  """A jitted run(x, weights) that multiplies x's first K columns by every matrix of
+  `weights` (a list of lists) once; the sums keep each product alive."""
+  def run(x, weights):
+    total = jnp.float32(0)
+    for layer in weights:
+      for w in layer:
+        total = total + matmul(x[:, :w.shape[0]], w).sum()
+    return total
+  return jax.jit(run)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rows", default="1,2,4,8,16,32,128,512")
@@ -56,15 +68,6 @@ def main(argv=None):
   dense = [[jnp.asarray(rng.standard_normal(s, np.float32)) for s in SHAPES]
            for _ in range(args.layers)] + [[jnp.asarray(rng.standard_normal(HEAD, np.float32))]]
   tiled = [[f32m.pack(w) for w in layer] for layer in dense]
-
-  def program(matmul):
-    def run(x, weights):  # every matrix once; the sums keep each product alive
-      total = jnp.float32(0)
-      for layer in weights:
-        for w in layer:
-          total = total + matmul(x[:, :w.shape[0]], w).sum()
-      return total
-    return jax.jit(run)
 
   xla = program(lambda x, w: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))
   kernel = program(ops.tiled_f32_matmul)

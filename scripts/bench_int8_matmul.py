@@ -28,7 +28,7 @@ from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import QuantizedTensor, quantize
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_f32_matmul import SHAPES, median_ms  # noqa: E402  (the same matrices and timing)
+from bench_f32_matmul import SHAPES, median_ms, program  # noqa: E402  (same matrices, timing)
 # ggml's kvalues_iq4nl: the 16 levels of an IQ4_NL / IQ4_XS nibble.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                       np.int8)
@@ -72,15 +72,7 @@ def main(argv=None):
   formats = ["q4_0", "q8_0", "iq4_lut", "iq4_8bit"]
   weights = {f: _weights(f, args.layers, rng) for f in formats}
 
-  def program(ws):
-    def run(x):  # every matrix once; the sums keep each product alive
-      total = jnp.float32(0)
-      for w in ws:
-        total = total + ops.int8_matmul(x[:, :w.shape[0]], w).sum()
-      return total
-    return jax.jit(run)
-
-  programs = {f: program(weights[f]) for f in formats}
+  run = program(ops.int8_matmul)
   rows = [int(r) for r in args.rows.split(",")]
   results = []
   print(f"build {native.int8_matmul_build()}")
@@ -90,7 +82,7 @@ def main(argv=None):
     for m in rows:
       x = jnp.asarray(rng.standard_normal((m, 1536), np.float32))
       calls = 10 if m <= 8 else 5
-      ms = {f: median_ms(programs[f], x, calls=calls) for f in formats}
+      ms = {f: median_ms(run, x, [weights[f]], calls=calls) for f in formats}
       ratio = ms["iq4_lut"] / ms["iq4_8bit"]
       results.append({"rows": m, "round": round_, **{f"{f}_ms": v for f, v in ms.items()},
                       "lut_over_8bit": ratio})

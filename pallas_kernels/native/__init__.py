@@ -201,7 +201,7 @@ def write_pool_rows(pool: jax.Array, rows: jax.Array, block: jax.Array,
 def int8_matmul_available() -> bool:
   """True when the native int8 matmul runs here (kernels built for AVX512-VNNI, or for
   AVX2 + FMA + F16C)."""
-  return available() and _int8_matmul_built is not None
+  return int8_matmul_build() is not None
 
 
 def int8_matmul_build() -> str | None:
@@ -239,7 +239,7 @@ def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.
 def f32_matmul_available() -> bool:
   """True when the native f32 matmul runs here (kernels built for a CPU with a fused
   multiply-add: AVX-512, AVX2 + FMA, aarch64)."""
-  return available() and _f32_matmul_built is not None
+  return f32_matmul_build() is not None
 
 
 def f32_matmul_build() -> str | None:
