@@ -272,6 +272,8 @@ def _by_process(devices: Sequence[Any]) -> list[list[Any]]:
 def _check_shape(n: int, model: int, data: Optional[int]) -> int:
   if model < 1:
     raise TopologyError(f"model={model}: the model axis needs at least 1 device")
+  if model > n:
+    raise TopologyError(f"model={model} needs {model} devices; there are {n}")
   if n % model:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     raise TopologyError(f"model={model} does not divide the {n} devices (model can be one of {divisors})")
