@@ -31,6 +31,7 @@ prints tracebacks).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pathlib
@@ -42,6 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from typing import IO, Optional, Sequence
 
 from absl import app, flags
@@ -248,6 +250,16 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
       os.close(lock)
 
 
+def remove_shared_model_files(model_tag: str) -> None:
+  """Deletes the files Beam's cross-process model sharing left in the temp directory
+  (`<tag>….lock`, `<tag>….address`) once the job that used them is over."""
+  for path in pathlib.Path(tempfile.gettempdir()).glob(f"{glob.escape(model_tag)}*"):
+    try:
+      path.unlink()
+    except OSError:  # another process removed it, or it is not ours to remove
+      pass
+
+
 def _scan(plan, out: str, console):
   """The dataset read once here: `DatasetError` for a missing, unreadable or example-less
   file; a warning per file with duplicate lines."""
@@ -297,7 +309,10 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     mark_launcher()  # local worker processes watch this process and exit with it
   pipeline = beam.Pipeline(options=options)
   plan = sized_for(plan, scan.items)  # the engine's KV pool holds the longest sequences
-  build_pipeline(pipeline, plan, clock=clock, loader=loader)
+  # Beam keeps a lock and an address file per shared model in the temp directory; a
+  # run here removes its own afterwards (a remote worker's temp directory is its own).
+  model_tag = f"o1jax-{uuid.uuid4().hex}"
+  build_pipeline(pipeline, plan, clock=clock, loader=loader, model_tag=model_tag)
   try:
     if local and show:
       with Progress(store, keys, file=console):
@@ -311,6 +326,9 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     if error is None:
       raise
     raise error from e
+  finally:
+    if direct:
+      remove_shared_model_files(model_tag)
   wall_s = time.perf_counter() - t0
 
   records = _read_jsonl(f"{out}/results.jsonl")

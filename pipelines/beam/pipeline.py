@@ -521,11 +521,13 @@ def _dead_order(d: dict):
           d.get("sample_index") or 0, d["reason"])
 
 
-def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loader=None):
+def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loader=None,
+                   model_tag: str | None = None):
   """Adds the evaluation graph to `p`; returns (records, dead letters) PCollections.
 
   `clock` (an object with time_ns()) and `loader` (spec → predictor) are injection
-  points for tests.
+  points for tests. `model_tag` names the shared model (RunInference's model_identifier;
+  a random one when None): Beam names its cross-process lock and address files after it.
   """
   read = (p
           | "Start" >> beam.Create([None])
@@ -540,7 +542,8 @@ def build_pipeline(p: beam.Pipeline, plan: EvalPlan, *, clock: Any = time, loade
   handler = PredictorModelHandler(plan.predictor, plan.batch_size, share_model=plan.share_model,
                                   clock=clock, loader=loader)
   predictions, dlq = (split.todo
-                      | "RunInference" >> RunInference(handler, clock=clock).with_exception_handling())
+                      | "RunInference" >> RunInference(handler, clock=clock, model_identifier=model_tag)
+                        .with_exception_handling())
   score = (predictions
            | "ScoreBatches" >> beam.BatchElements(min_batch_size=1, max_batch_size=max(plan.batch_size, 8))
            | "Score" >> beam.ParDo(Score(plan)).with_exception_handling().with_outputs("unscored"))

@@ -242,3 +242,24 @@ def test_second_run_on_a_directory_in_use_is_refused_and_leaves_it_alone(finishe
   assert _same(out, finished[1]) and (out / LOCK_NAME).exists()
   summary, _ = _run(_config(finished[0]), out)  # once the first run ended
   assert summary["run"]["resumed"] == 6
+
+
+def test_a_run_removes_the_shared_model_files_beam_made(finished, tmp_path):
+  """Beam's cross-process model sharing leaves a lock and an address file per model in the
+  temp directory; the run that made them removes them (thousands per test-suite run before)."""
+  import pipelines.eval as eval_mod
+  seen = {}
+  real = eval_mod.remove_shared_model_files
+
+  def spy(tag):
+    temp = pathlib.Path(eval_mod.tempfile.gettempdir())
+    seen["before"] = sorted(p.name for p in temp.glob(f"{tag}*"))
+    real(tag)
+    seen["after"] = sorted(p.name for p in temp.glob(f"{tag}*"))
+
+  cfg = _config(finished[0], policy="greedy")
+  assert cfg.runner.share_model
+  with mock.patch.object(eval_mod, "remove_shared_model_files", spy):
+    _run(cfg, tmp_path / "run")
+  assert any(n.endswith(".address") for n in seen["before"]), seen  # Beam used this tag
+  assert seen["after"] == []
