@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Literal, Mapping, Optional, get_args
 
-from pipelines.datasets.jsonl import JsonLine, load_jsonl, require_str
+from pipelines.datasets.jsonl import JsonLine, load_records, require_str
 from pipelines.datasets.records import (Example, LoadResult, RecordError,
                                         content_id, is_number, normalize_answer,
                                         split_gsm8k_answer)
@@ -88,7 +88,8 @@ def read_custom_jsonl(
     dataset: str = "custom",
     answer_format: Optional[AnswerFormat] = None,
 ) -> Iterator[LoadResult]:
-  """Read a JSONL file through `mapping`, yielding `Example` or `DeadLetter`.
+  """Read a dataset file (JSONL, or another of `jsonl.FORMATS`) through `mapping`,
+  yielding `Example` or `DeadLetter`.
 
   `mapping` may be a plain dict such as ``{"question": "prompt", "answer":
   "target"}``; `answer_format` overrides the mapping's own.
@@ -100,4 +101,4 @@ def read_custom_jsonl(
 
   def parse(line: JsonLine) -> Example:
     return example_from_custom_record(line.obj, mapping, dataset=dataset)
-  return load_jsonl(path, parse)
+  return load_records(path, parse)

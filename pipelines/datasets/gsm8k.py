@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Iterable, Iterator, Optional
 
-from pipelines.datasets.jsonl import JsonLine, load_jsonl, require_str
+from pipelines.datasets.jsonl import JsonLine, load_records, require_str
 from pipelines.datasets.records import (DeadLetter, Example, LoadResult,
                                         RecordError, split_gsm8k_answer)
 
@@ -56,7 +56,8 @@ def read_gsm8k_jsonl(
     dataset: str = DATASET,
     split: str = "test",
 ) -> Iterator[LoadResult]:
-  """Read a GSM8K-format JSONL file, yielding `Example` or `DeadLetter` per line.
+  """Read a GSM8K-format file (JSONL, or another of `jsonl.FORMATS`), yielding `Example`
+  or `DeadLetter` per record.
 
   Ids default to ``{dataset}/{split}/{i}`` with i the 0-based line index, so an
   example keeps its id even if an earlier malformed line gets fixed or dropped.
@@ -64,7 +65,7 @@ def read_gsm8k_jsonl(
   def parse(line: JsonLine) -> Example:
     return example_from_gsm8k_record(line.obj, dataset=dataset, split=split,
                                      index=line.line_number - 1)
-  return load_jsonl(path, parse)
+  return load_records(path, parse)
 
 
 def _from_records(records: Iterable[dict[str, Any]], source: str, split: str,

@@ -10,7 +10,7 @@ import contextlib
 import importlib.resources
 from typing import Iterator, Optional
 
-from pipelines.datasets.jsonl import JsonLine, load_jsonl, require_str
+from pipelines.datasets.jsonl import JsonLine, load_records, require_str
 from pipelines.datasets.records import Duplicate, Example, LoadResult
 
 DATASET = "humaneval"
@@ -39,15 +39,16 @@ def load_humaneval(path: Optional[str] = None) -> Iterator[LoadResult]:
   """Yield HumanEval `Example`s (or `DeadLetter`s for malformed lines).
 
   With no `path`, reads the packaged ``HumanEval.jsonl.gz``; otherwise any
-  HumanEval-format JSONL (optionally .gz) that Beam's FileSystems can open.
+  HumanEval-format file (JSONL, JSON array, Parquet, CSV: `dataset_format`) that
+  Beam's FileSystems can open.
   """
   if path is not None:
-    yield from load_jsonl(path, _parse)
+    yield from load_records(path, _parse)
     return
   resource = importlib.resources.files(_PACKAGE).joinpath(*_DATA_FILE)
   with contextlib.ExitStack() as stack:
     local = stack.enter_context(importlib.resources.as_file(resource))
-    yield from load_jsonl(str(local), _parse)
+    yield from load_records(str(local), _parse)
 
 
 def humaneval_examples() -> list[Example]:

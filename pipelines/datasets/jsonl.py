@@ -1,15 +1,26 @@
-"""Line-oriented JSONL reading through Beam's file systems, never raising per line.
+"""Dataset files read through Beam's file systems, never raising per record.
 
 `apache_beam.io.filesystems.FileSystems.open` is used so local paths, ``gs://``
 and ``s3://`` (where their extras are installed) all work, with compression
 detected from the extension. Beam is imported lazily: without it, plain local
 paths still work, which keeps these modules usable in tests and small tools.
+
+Formats (`dataset_format`): JSON Lines (the default), a JSON array of objects (a
+file whose first character is ``[``), Parquet (what the Hugging Face Hub serves:
+``PAR1`` magic) and CSV/TSV (by the ``.csv`` / ``.tsv`` extension, a header row
+naming the fields). Every record is numbered like a line (a Parquet row or array
+element by its 1-based position; a CSV row by the line it starts on), so dead
+letters, duplicates and line-based ids work the same in each.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import csv
+import datetime
+import decimal
+import io
 import dataclasses
 import gzip
 import hashlib
@@ -151,11 +162,173 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
       yield JsonLine(path, line_number, raw, obj)
 
 
-def load_jsonl(
+FORMATS = ("jsonl", "json", "parquet", "csv", "tsv")
+_PARQUET_MAGIC = b"PAR1"
+_SNIFF_BYTES = 1 << 16
+
+
+def dataset_format(path: str) -> str:
+  """The format of a dataset file (one of `FORMATS`): CSV/TSV by extension (before a
+  compression suffix), Parquet by its magic bytes, a JSON array by a leading ``[``,
+  JSON Lines otherwise. Raises `DatasetError` for a file that cannot be opened."""
+  name = re.sub(r"\.(gz|bz2|deflate|zst|lzma|xz)$", "", path.lower())
+  for ext in ("csv", "tsv"):
+    if name.endswith(f".{ext}"):
+      return ext
+  with open_binary(path) as f:
+    try:
+      head = f.read(_SNIFF_BYTES)
+    except (OSError, EOFError, zlib.error):  # the line reader names the line it stops at
+      head = b""
+  if head.startswith(_PARQUET_MAGIC):
+    return "parquet"
+  if head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
+    return "json"
+  return "jsonl"
+
+
+def iter_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
+  """Each record of a dataset file in any of `FORMATS`, as `JsonLine` (numbered like
+  lines) or `DeadLetter`."""
+  fmt = dataset_format(path)
+  if fmt == "parquet":
+    return _parquet_records(path)
+  if fmt == "json":
+    return _json_array_records(path)
+  if fmt in ("csv", "tsv"):
+    return _csv_records(path, "\t" if fmt == "tsv" else ",")
+  return iter_json_lines(path)
+
+
+def _not_text(obj: Any) -> Optional[str]:
+  """Why a decoded record is not text, else None: bytes that were not UTF-8 (decoded with
+  surrogateescape) or a lone surrogate escape."""
+  bad = lone_surrogate(obj)
+  if bad is None:
+    return None
+  where = f"field {bad[0]!r}" if bad[0] else "a key"
+  code = ord(bad[1])
+  if 0xDC80 <= code <= 0xDCFF:
+    return f"invalid UTF-8 (byte 0x{code - 0xDC00:02x}) in {where}"
+  return f"invalid JSON: lone surrogate {bad[1]!r} in {where}"
+
+
+def _record(path: str, number: int, obj: Any) -> Union[JsonLine, DeadLetter]:
+  """A decoded record as `JsonLine`, or a `DeadLetter` when it is not an object of text."""
+  if not isinstance(obj, dict):
+    return DeadLetter(path, number, f"expected a JSON object, got {type(obj).__name__}",
+                      json.dumps(obj, default=str))
+  problem = _not_text(obj)
+  if problem:
+    return DeadLetter(path, number, problem, json.dumps(obj, default=str))  # ASCII escapes
+  return JsonLine(path, number, json.dumps(obj, ensure_ascii=False, default=str), obj)
+
+
+def _json_array_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
+  """The elements of a file holding one JSON array. A file that starts with a JSON value
+  followed by more (JSON Lines whose first line is an array) is read as JSON Lines."""
+  with open_binary(path) as f:
+    data = b"".join(_read_lines(f, path))
+  # Bytes that are not UTF-8 stay in the text as surrogates: their record is a dead letter.
+  text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
+  try:
+    items = json.loads(text)
+  except json.JSONDecodeError as e:
+    try:
+      json.JSONDecoder().raw_decode(text.lstrip())
+    except (json.JSONDecodeError, RecursionError, ValueError):
+      raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e.msg} "
+                         f"(line {e.lineno} column {e.colno})") from None
+    yield from iter_json_lines(path)  # a first value and more: JSON Lines
+    return
+  except (RecursionError, ValueError) as e:
+    raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e}") from None
+  if not isinstance(items, list):  # "[" then a parse to something else cannot happen
+    raise DatasetError(f"dataset file {path} holds a JSON {type(items).__name__}, not an array")
+  for number, obj in enumerate(items, start=1):
+    yield _record(path, number, obj)
+
+
+def _plain(value: Any) -> Any:
+  """A Parquet cell as a JSON value: text for bytes (UTF-8) and dates, numbers kept."""
+  if isinstance(value, dict):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if isinstance(value, bytes):
+    return value.decode("utf-8", errors="replace")
+  if isinstance(value, (datetime.date, datetime.time, datetime.timedelta)):
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+  if isinstance(value, decimal.Decimal):
+    return str(value)
+  return value
+
+
+def _parquet_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
+  """The rows of a Parquet file (pyarrow, which apache-beam installs)."""
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise DatasetError(f"dataset file {path} is Parquet, which needs pyarrow "
+                       f"(pip install pyarrow)") from e
+  with open_binary(path) as f:
+    data = b"".join(_read_lines(f, path))
+  try:
+    table = pq.read_table(io.BytesIO(data))
+  except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+    raise DatasetError(f"cannot read dataset file {path} as Parquet: {e}") from e
+  for number, row in enumerate(table.to_pylist(), start=1):
+    yield _record(path, number, _plain(row))
+
+
+def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLetter]]:
+  """The rows of a CSV/TSV file with a header row; every value is a string. A row with
+  more or fewer cells than the header is a dead letter."""
+  with open_binary(path) as f:
+    data = b"".join(_read_lines(f, path))
+  if data.startswith(_UTF16_BOMS):
+    raise DatasetError(f"dataset file is UTF-16, not UTF-8: {path} (convert it, e.g. "
+                       f"iconv -f UTF-16 -t UTF-8)")
+  text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
+  reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+  try:
+    header = next(reader, None)
+    if header is None:
+      return
+    header = [h.strip() for h in header]
+    if not any(header):
+      raise DatasetError(f"dataset file {path} has an empty header row (line 1): the first "
+                         f"row names the fields")
+    twice = sorted({h for h in header if header.count(h) > 1})
+    if twice:
+      raise DatasetError(f"dataset file {path}: the header row names {twice[0]!r} twice")
+    start = reader.line_num + 1
+    for cells in reader:
+      number, start = start, reader.line_num + 1
+      if not any(c.strip() for c in cells):
+        continue
+      raw = delimiter.join(cells).encode("utf-8", "backslashreplace").decode("utf-8")
+      if len(cells) != len(header):
+        yield DeadLetter(path, number, f"{len(cells)} cells where the header has "
+                         f"{len(header)}", raw)
+        continue
+      obj = dict(zip(header, cells))
+      problem = _not_text(obj)
+      if problem:
+        yield DeadLetter(path, number, problem, raw)
+        continue
+      yield JsonLine(path, number, raw, obj)
+  except csv.Error as e:
+    raise DatasetError(f"cannot read dataset file {path} as CSV (line {reader.line_num}): "
+                       f"{e}") from e
+
+
+def load_records(
     path: str,
     parse: Callable[[JsonLine], Example],
 ) -> Iterator[Union[Example, DeadLetter, Duplicate]]:
-  """Run `parse` over every decoded line; its `RecordError`s become dead letters.
+  """Run `parse` over every record of the file (`iter_records`: any of `FORMATS`); its
+  `RecordError`s become dead letters.
 
   A line holding the same JSON object as an earlier one (key order and spacing aside)
   becomes a `Duplicate` and is skipped: the first line keeps the example. A different
@@ -164,7 +337,7 @@ def load_jsonl(
   """
   first_line: dict[bytes, int] = {}  # sha256 of the canonical object -> its first line
   id_line: dict[str, int] = {}
-  for item in iter_json_lines(path):
+  for item in iter_records(path):
     if isinstance(item, DeadLetter):
       yield item
       continue

@@ -1,0 +1,158 @@
+"""Dataset files in the formats researchers bring: JSON Lines, a JSON array, Parquet (the
+Hugging Face Hub's), CSV/TSV. Each record reads as the same JSONL line would."""
+
+import dataclasses
+import gzip
+import json
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.datasets import DatasetError, DeadLetter, Duplicate, Example
+from pipelines.datasets.custom_jsonl import read_custom_jsonl
+from pipelines.datasets.gsm8k import read_gsm8k_jsonl
+from pipelines.datasets.humaneval import humaneval_examples, load_humaneval
+from pipelines.datasets.jsonl import dataset_format
+
+GSM = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+       {"question": "What is 7 - 1?", "answer": "7 - 1 = 6\n#### 6"},
+       {"question": "What is 4 * 2?", "answer": "4 * 2 = 8\n#### 8"}]
+
+
+def _write(path, fmt, records):
+  if fmt == "jsonl":
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  elif fmt == "json":
+    path.write_text(json.dumps(records, indent=2))
+  elif fmt == "parquet":
+    pq.write_table(pa.Table.from_pylist(records), path)
+  elif fmt == "csv":
+    fields = list(records[0])
+    import csv
+    with open(path, "w", newline="") as f:
+      w = csv.DictWriter(f, fields)
+      w.writeheader()
+      w.writerows(records)
+  return str(path)
+
+
+@pytest.mark.parametrize("fmt,name", [("json", "d.json"), ("parquet", "d.parquet"),
+                                      ("csv", "d.csv"), ("parquet", "data-no-extension")])
+def test_each_format_gives_the_jsonl_examples(tmp_path, fmt, name):
+  jsonl = _write(tmp_path / "d.jsonl", "jsonl", GSM)
+  other = _write(tmp_path / name, fmt, GSM)
+  assert dataset_format(other) == fmt and dataset_format(jsonl) == "jsonl"
+  want = list(read_gsm8k_jsonl(jsonl))
+  got = list(read_gsm8k_jsonl(other))
+  assert all(isinstance(e, Example) for e in got) and len(got) == 3
+  if fmt == "csv":  # a CSV row is numbered by its first line: the header is line 1, and
+    # each row spans two (the quoted answer holds a newline)
+    assert [e.id for e in got] == ["gsm8k/test/1", "gsm8k/test/3", "gsm8k/test/5"]
+    got = [dataclasses.replace(e, id=w.id) for e, w in zip(got, want)]
+  assert got == want  # ids (gsm8k/test/<record - 1>), questions, references, metadata
+
+
+def test_bad_records_are_dead_letters_numbered_by_record(tmp_path):
+  rows = [GSM[0], {"question": None, "answer": "#### 1"}, GSM[1], GSM[0]]
+  for fmt in ("json", "parquet"):
+    got = list(read_gsm8k_jsonl(_write(tmp_path / f"d.{fmt}", fmt, rows)))
+    assert [type(r) for r in got] == [Example, DeadLetter, Example, Duplicate], fmt
+    assert got[1].line_number == 2 and "'question' must be a string, got NoneType" in got[1].reason
+    assert (got[3].line_number, got[3].first_line_number) == (4, 1)
+    json.dumps(got[1].raw)  # written to dead_letters.jsonl as text
+
+
+def test_json_array_elements_that_are_not_objects_or_not_utf8(tmp_path):
+  path = tmp_path / "d.json"
+  path.write_bytes(b'[{"question": "caf\xe9?", "answer": "#### 1"}, 5, ' + json.dumps(GSM[0]).encode()
+                   + b', {"question": "\\ud800", "answer": "#### 2"}]')
+  got = list(read_gsm8k_jsonl(str(path)))
+  assert [type(r) for r in got] == [DeadLetter, DeadLetter, Example, DeadLetter]
+  assert got[0].reason == "invalid UTF-8 (byte 0xe9) in field 'question'"
+  assert got[1].reason == "expected a JSON object, got int"
+  assert got[2].id == "gsm8k/test/2"
+  assert got[3].reason.startswith("invalid JSON: lone surrogate")
+  for d in (got[0], got[3]):
+    d.raw.encode("utf-8")  # the raw text of a dead letter can be written
+
+
+def test_a_json_array_that_does_not_parse_is_one_error_naming_the_place(tmp_path):
+  path = tmp_path / "d.json"
+  path.write_text('[\n  {"question": "q", "answer": "#### 1"},\n  {"question": \n')
+  with pytest.raises(DatasetError) as e:
+    list(read_gsm8k_jsonl(str(path)))
+  assert str(e.value).startswith(f"dataset file {path} is a JSON array that does not parse: ")
+  assert "(line 4 column 1)" in str(e.value)
+
+
+def test_jsonl_whose_first_line_is_an_array_stays_jsonl(tmp_path):
+  path = tmp_path / "d.jsonl"
+  path.write_text("[1, 2]\n" + json.dumps(GSM[0]) + "\n")
+  got = list(read_gsm8k_jsonl(str(path)))
+  assert isinstance(got[0], DeadLetter) and got[0].reason == "expected a JSON object, got list"
+  assert isinstance(got[1], Example) and got[1].id == "gsm8k/test/1"
+
+
+def test_parquet_cells_become_json_values(tmp_path):
+  import datetime
+  path = tmp_path / "d.parquet"
+  table = pa.table({"question": ["q?"], "answer": ["#### 3"], "blob": [b"bytes"],
+                    "when": [datetime.date(2024, 1, 2)], "tags": [["a", "b"]],
+                    "meta": [{"level": 2}]})
+  pq.write_table(table, path)
+  (ex,) = read_gsm8k_jsonl(str(path))
+  assert ex.metadata["blob"] == "bytes" and ex.metadata["when"] == "2024-01-02"
+  assert ex.metadata["tags"] == ["a", "b"] and ex.metadata["meta"] == {"level": 2}
+  json.dumps(ex.to_dict())  # crosses process boundaries as JSON
+
+
+def test_a_damaged_parquet_file_is_one_dataset_error(tmp_path):
+  path = tmp_path / "d.parquet"
+  _write(path, "parquet", GSM)
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+  with pytest.raises(DatasetError, match=rf"^cannot read dataset file {path} as Parquet: "):
+    list(read_gsm8k_jsonl(str(path)))
+
+
+def test_csv_rows_with_quoted_commas_newlines_and_wrong_cell_counts(tmp_path):
+  path = tmp_path / "d.csv"
+  path.write_bytes(b'\xef\xbb\xbfprompt,target\r\n"What is, 2+2?",4\r\n"two\nlines",5\r\n'
+                   b'only one cell\r\n\r\n"caf\xe9",6\r\n7+1,8\r\n')
+  got = list(read_custom_jsonl(str(path), {"question": "prompt", "answer": "target"}))
+  assert [type(r) for r in got] == [Example, Example, DeadLetter, DeadLetter, Example]
+  assert [e.question for e in got if isinstance(e, Example)] == ["What is, 2+2?", "two\nlines", "7+1"]
+  assert (got[2].line_number, got[2].reason) == (5, "1 cells where the header has 2")
+  assert (got[3].line_number, got[3].reason) == (7, "invalid UTF-8 (byte 0xe9) in field 'prompt'")
+
+
+def test_tsv_and_compressed_csv(tmp_path):
+  tsv = tmp_path / "d.tsv"
+  tsv.write_text("question\tanswer\nWhat is 1, 2 or 3?\t3\n")
+  (ex,) = read_custom_jsonl(str(tsv), {})
+  assert (ex.question, ex.reference) == ("What is 1, 2 or 3?", "3")
+  gz = tmp_path / "d.csv.gz"
+  gz.write_bytes(gzip.compress(b"question,answer\nq?,7\n"))
+  assert dataset_format(str(gz)) == "csv"
+  (ex,) = read_custom_jsonl(str(gz), {})
+  assert ex.reference == "7"
+
+
+@pytest.mark.parametrize("header,message", [
+    (",,\n", "has an empty header row (line 1)"),
+    ("question,answer,question\n", "the header row names 'question' twice")])
+def test_a_csv_header_that_names_no_fields_or_one_twice_is_one_error(tmp_path, header, message):
+  path = tmp_path / "d.csv"
+  path.write_text(header + "a,b,c\n")
+  with pytest.raises(DatasetError, match=re.escape(message)):
+    list(read_custom_jsonl(str(path), {}))
+
+
+def test_humaneval_from_the_hubs_parquet_equals_the_packaged_problems(tmp_path):
+  problems = humaneval_examples()[:5]
+  rows = [{"task_id": e.id, "prompt": e.question, "canonical_solution": e.reference,
+           "test": e.metadata["test"], "entry_point": e.metadata["entry_point"]} for e in problems]
+  path = _write(tmp_path / "test-00000-of-00001.parquet", "parquet", rows)
+  assert list(load_humaneval(path)) == problems
