@@ -1,4 +1,4 @@
-"""Batch evaluation as an Apache Beam job: `python -m pipelines.eval`.
+r"""Batch evaluation as an Apache Beam job: `python -m pipelines.eval`.
 
   python -m pipelines.eval                                   # embedded default, < 10 min on 2 cores
   python -m pipelines.eval --config=configs/gsm8k.py:policy=self_consistency \
