@@ -126,9 +126,12 @@ def sandbox_config(c: Mapping[str, Any]):
   like a result), and too small a memory limit stops the interpreter before the sandbox
   can start."""
   from pipelines.sandbox import SandboxConfig
-  from pipelines.sandbox.config import MIN_MEMORY_MB
+  from pipelines.sandbox.config import MIN_MEMORY_MB, RLIMIT_MAX
   if int(c["memory_mb"]) < MIN_MEMORY_MB:  # the section's unit; SandboxConfig's is bytes
     raise ValueError(f"sandbox.memory_mb={c['memory_mb']} must be >= {MIN_MEMORY_MB} "
+                     f"(address space per program)")
+  if int(c["memory_mb"]) > RLIMIT_MAX >> 20:
+    raise ValueError(f"sandbox.memory_mb={c['memory_mb']} must be <= {RLIMIT_MAX >> 20} "
                      f"(address space per program)")
   try:  # SandboxConfig checks its own limits; its message gets the section's name
     return SandboxConfig(timeout_s=float(c["timeout_s"]), memory_bytes=int(c["memory_mb"]) << 20,

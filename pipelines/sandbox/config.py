@@ -36,6 +36,10 @@ MIN_MEMORY_MB = 16
 # Open files the sandboxed interpreter needs to start (measured: 6 runs a one-function
 # program, 4 fails to load libpython); 8 leaves the harness room for its imports.
 MIN_OPEN_FILES = 8
+# A day per program: beyond it a limit is a typo, and far beyond it the waits and
+# rlimits it sets overflow (1e300 s stopped every program with an OverflowError).
+MAX_TIMEOUT_S = 86_400.0
+RLIMIT_MAX = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +76,16 @@ class SandboxConfig:
   def __post_init__(self):
     # Checked here, for library callers too: a timeout <= 0 fails every program as timed
     # out (pass@1 = 0.0 that looks like a result); a NaN limit compares false everywhere.
-    def positive(name, value, allow_none=False):
+    def positive(name, value, allow_none=False, most=math.inf):
       if value is None and allow_none:
         return
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
           or not math.isfinite(value):
         raise ValueError(f'SandboxConfig.{name}={value!r} must be a finite number > 0')
-    positive('timeout_s', self.timeout_s)
-    positive('timeout_floor_s', self.timeout_floor_s, allow_none=True)
+      if value > most:
+        raise ValueError(f'SandboxConfig.{name}={value!r} must be <= {most:g} (a day)')
+    positive('timeout_s', self.timeout_s, most=MAX_TIMEOUT_S)
+    positive('timeout_floor_s', self.timeout_floor_s, allow_none=True, most=MAX_TIMEOUT_S)
     positive('timeout_factor', self.timeout_factor, allow_none=True)
     for name, low in (('cpu_seconds', 1), ('memory_bytes', MIN_MEMORY_MB << 20),
                       ('max_processes', 1), ('max_open_files', MIN_OPEN_FILES),
@@ -90,11 +96,13 @@ class SandboxConfig:
         continue
       if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f'SandboxConfig.{name}={value!r} must be an int >= {low}')
+      if value > RLIMIT_MAX:  # setrlimit takes a C long
+        raise ValueError(f'SandboxConfig.{name}={value!r} must be <= {RLIMIT_MAX}')
 
   def timeout_for(self, reference_time_s: float | None = None) -> float:
     if (reference_time_s is not None and self.timeout_floor_s is not None
         and self.timeout_factor is not None):
-      return max(self.timeout_floor_s, self.timeout_factor * reference_time_s)
+      return min(MAX_TIMEOUT_S, max(self.timeout_floor_s, self.timeout_factor * reference_time_s))
     return self.timeout_s
 
   def allowed_native_modules(self) -> tuple[str, ...]:

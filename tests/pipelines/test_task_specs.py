@@ -12,6 +12,11 @@ from pipelines.task_specs import build_task
      r"^sandbox\.timeout_s=0\.0 must be a finite number > 0 \(seconds per program\)$"),
     ("memory_mb", 8, r"^sandbox\.memory_mb=8 must be >= 16 \(address space per program\)$"),
     ("workers", -1, r"^sandbox\.workers=-1 must be an int >= 0 \(0 = one per usable CPU\)$"),
+    # Past a day / a C long: an OverflowError in every execution, reported as no sandbox.
+    ("timeout_s", 1e300,
+     r"^sandbox\.timeout_s=1e\+300 must be <= 86400 \(a day\) \(seconds per program\)$"),
+    ("memory_mb", 10**15,
+     r"^sandbox\.memory_mb=1000000000000000 must be <= 8796093022207 \(address space per program\)$"),
 ])
 def test_sandbox_limits_that_cannot_run_a_program_are_named(key, value, message):
   # Before: a timeout <= 0 timed out every program (pass@1 0.0, exit 0); 8 MB stopped the

@@ -283,13 +283,21 @@ def _alive(pid):
     ('timeout_s', '3'), ('timeout_floor_s', 0), ('timeout_factor', -2.0), ('cpu_seconds', 0),
     ('memory_bytes', 8 << 20), ('max_processes', 0), ('max_open_files', 4),
     ('max_file_bytes', -1), ('max_output_bytes', 0), ('workers', -1), ('workers', 2.0),
-    ('max_processes', True),
+    ('max_processes', True), ('timeout_s', 1e300), ('timeout_floor_s', 86_401.0),
+    ('memory_bytes', 2**70), ('cpu_seconds', 2**64),
 ])
 def test_limits_that_cannot_run_a_program_are_refused_when_the_config_is_built(field, value):
   # Before: SandboxConfig(timeout_s=0) timed out every program (pass@1 0.0 that looks like a
   # result); max_open_files=4 was reported as missing namespaces by Sandbox().
+  # Limits past a day / a C long overflowed inside every execution (OverflowError, reported
+  # as a sandbox that cannot start).
   with pytest.raises(ValueError, match=rf'^SandboxConfig\.{field}=.* must be '):
     SandboxConfig(**{field: value})
+
+
+def test_a_factor_times_a_slow_reference_stays_within_a_day():
+  config = SandboxConfig(timeout_floor_s=1.0, timeout_factor=1e300)
+  assert config.timeout_for(2.0) == 86_400.0
 
 
 def test_smallest_accepted_limits_still_run_a_program():
