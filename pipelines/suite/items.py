@@ -17,6 +17,7 @@ naming the file; deleting it regenerates it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -78,11 +79,17 @@ def write_cache(path: pathlib.Path, items: Sequence[Example], seed: int) -> str:
   """Writes the file atomically (temp file + rename: concurrent writers leave one whole file)."""
   lines = [_line(ex) for ex in items]
   digest = sha256_lines(lines)
-  path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-  tmp.write_text("\n".join([json.dumps(_header(seed, digest), sort_keys=True)] + lines) + "\n",
-                 encoding="utf-8")
-  os.replace(tmp, path)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text("\n".join([json.dumps(_header(seed, digest), sort_keys=True)] + lines) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, path)
+  except OSError as e:  # the cache directory is a file, not writable, on a full disk, ...
+    with contextlib.suppress(OSError):
+      tmp.unlink(missing_ok=True)
+    raise SuiteCacheError(f"cannot write the suite cache {path}: {e.strerror or e} (set "
+                          f"dataset.cache_dir to a writable directory)") from e
   return digest
 
 

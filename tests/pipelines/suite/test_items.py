@@ -58,3 +58,16 @@ def test_malformed_cache_is_an_error_naming_the_file(suite_cache_dir, tmp_path, 
   assert str(bad) in str(err.value) and "delete it to regenerate it" in str(err.value)
   bad.unlink()  # deleting it regenerates the same file
   assert items.load_or_create(tmp_path, seed=0)[1]["content_sha256"] == json.loads(good[0])["content_sha256"]
+
+
+@pytest.mark.parametrize("under, reason", [("", "File exists"), ("cache", "Not a directory")])
+def test_a_cache_directory_that_is_a_file_is_one_error_naming_it(tmp_path, under, reason):
+  # Before: FileExistsError's traceback from the launcher's dataset scan.
+  blocker = tmp_path / "afile"
+  blocker.write_text("not a directory\n")
+  with pytest.raises(items.SuiteCacheError) as e:
+    items.load_or_create(blocker / under, seed=0)
+  path = items.cache_path(blocker / under, 0)
+  assert str(e.value) == (f"cannot write the suite cache {path}: {reason} (set "
+                          f"dataset.cache_dir to a writable directory)")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
