@@ -57,8 +57,32 @@ def shortshot_messages(question: str, system: Optional[str]) -> list:
   return msgs + [{"role": "user", "content": question.strip()}]
 
 
-def _plain(cfg_section) -> dict[str, Any]:
-  return cfg_section.to_dict() if hasattr(cfg_section, "to_dict") else dict(cfg_section)
+class MissingConfigKey(KeyError, ValueError):
+  """A key a task reads is not in its config section (a config file of one's own): a
+  ValueError, so the launcher shows it as one line; a KeyError to code that expects one."""
+
+  def __str__(self) -> str:
+    return str(self.args[0])
+
+
+class ConfigSection(dict):
+  """A task's plain copy of a config section that names the key a lookup misses."""
+
+  def __init__(self, name: str, values: Mapping[str, Any]):
+    super().__init__(values)
+    self.name = name
+
+  def __missing__(self, key):
+    raise MissingConfigKey(f"config key {self.name}.{key} is missing: the {self.name} section "
+                           f"has {sorted(self)} (the shipped configs/*.py show every key)")
+
+  def __reduce__(self):  # pickled into the workers with the task
+    return (ConfigSection, (self.name, dict(self)))
+
+
+def _plain(cfg_section, name: str) -> ConfigSection:
+  return ConfigSection(name, cfg_section.to_dict() if hasattr(cfg_section, "to_dict")
+                       else dict(cfg_section))
 
 
 def _system(name: str) -> Optional[str]:
@@ -292,12 +316,16 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
   name = config.task
   if name not in TASKS:
     raise ValueError(f"task={name!r}: registered tasks are {sorted(TASKS)}")
-  kwargs = {"dataset": _plain(config.dataset), "prompt_cfg": _plain(config.prompt)}
+  kwargs = {"dataset": _plain(config.dataset, "dataset"),
+            "prompt_cfg": _plain(config.prompt, "prompt")}
   n = kwargs["dataset"].get("n")
   if n is not None and int(n) < 0:  # a negative count would silently drop examples
     raise ValueError(f"dataset.n={n} must be >= 0 (0 = every example)")
   if name in ("humaneval", "suite"):
-    kwargs["sandbox_cfg"] = _plain(config.sandbox)
+    if "sandbox" not in config:
+      raise ValueError(f"config has no sandbox section: task {name} runs programs in the "
+                       f"sandbox (configs/{name}.py: timeout_s, memory_mb, workers)")
+    kwargs["sandbox_cfg"] = _plain(config.sandbox, "sandbox")
     sandbox_config(kwargs["sandbox_cfg"])  # its limits, before any work
   if name == "custom":
     check_custom_config(kwargs["dataset"], kwargs["prompt_cfg"])

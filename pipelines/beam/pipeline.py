@@ -122,9 +122,42 @@ def check_engine_section(spec: PredictorSpec) -> None:
     raise ValueError(f"engine.{message}" if re.match(r"^\w+(=| must be)", message) else message) from e
 
 
+# What every run reads of a config, by section (a config file of one's own may leave parts
+# out; the other sections and keys are optional or read by the task, which names a missing
+# one: task_specs.ConfigSection).
+REQUIRED_CONFIG = {"task": (), "model": ("predictor", "source"), "dataset": (), "prompt": (),
+                   "sampling": ("max_new_tokens", "temperature", "top_p", "top_k", "seed"),
+                   "policy": ("name",), "runner": ("name", "batch_size", "share_model")}
+
+
+def check_config_shape(config) -> None:
+  """One line for a config without a part every run reads, rather than an AttributeError
+  from deep in `build_plan`."""
+  import ml_collections
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f"config: get_config() must return an ml_collections.ConfigDict, got "
+                     f"{type(config).__name__}")
+  for name, keys in REQUIRED_CONFIG.items():
+    if name not in config:
+      what = "key" if name == "task" else "section"
+      raise ValueError(f"config has no {what} {name!r}: every config has "
+                       f"{list(REQUIRED_CONFIG)} (configs/common.py builds the sections)")
+    if name == "task":
+      continue
+    section = config[name]
+    if not isinstance(section, ml_collections.ConfigDict):
+      raise ValueError(f"config.{name} must be a section (a ConfigDict), got "
+                       f"{type(section).__name__}")
+    missing = [k for k in keys if k not in section]
+    if missing:
+      raise ValueError(f"config key {name}.{missing[0]} is missing: the {name} section has "
+                       f"{sorted(section.keys())} (the shipped configs/*.py show every key)")
+
+
 def build_plan(config, output_dir: str) -> EvalPlan:
-  """Config → plan; raises ValueError on a module of `imports` that cannot be imported,
-  or an unknown task, policy or predictor."""
+  """Config → plan; raises ValueError on a config without a part every run reads, a
+  module of `imports` that cannot be imported, or an unknown task, policy or predictor."""
+  check_config_shape(config)
   imports = import_modules(config.get("imports", ()))  # they may register what follows
   policy = build_policy(config.policy.to_dict())
   s = config.sampling

@@ -208,6 +208,52 @@ def test_out_of_range_config_values_are_named_before_any_work(tmp_path, section,
   assert not (tmp_path / "out").exists()
 
 
+def _without(cfg, dotted):
+  """A copy of `cfg` (a config file of one's own) without the key or section `dotted`."""
+  import ml_collections
+  plain = cfg.to_dict()
+  *parents, last = dotted.split(".")
+  node = plain
+  for part in parents:
+    node = node[part]
+  del node[last]
+  return ml_collections.ConfigDict(plain)
+
+
+@pytest.mark.parametrize("task, dotted, message", [
+    ("custom", "policy", r"^config has no section 'policy': every config has \['task', 'model', "),
+    ("custom", "task", r"^config has no key 'task': "),
+    ("custom", "sampling.seed", r"^config key sampling\.seed is missing: the sampling section has "
+                                r"\['max_new_tokens', 'temperature', 'top_k', 'top_p'\] "),
+    ("custom", "runner.batch_size", r"^config key runner\.batch_size is missing: "),
+    # read by the task: named by its section (task_specs.ConfigSection)
+    ("custom", "dataset.answer_format", r"^dataset\.answer_format=None: expected one of "),
+    ("custom", "dataset.question_field", r"^config key dataset\.question_field is missing: the "
+                                         r"dataset section has \['answer_field', "),
+    ("humaneval", "sandbox", r"^config has no sandbox section: task humaneval runs programs in "),
+    ("humaneval", "sandbox.memory_mb", r"^config key sandbox\.memory_mb is missing: "),
+])
+def test_a_config_file_without_a_part_a_run_reads_is_one_line(tmp_path, task, dotted, message):
+  # Before: an AttributeError or KeyError traceback from the launcher ("'policy'").
+  from configs import humaneval as humaneval_config
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data) if task == "custom" else humaneval_config.get_config("smoke=True")
+  if task == "humaneval":
+    cfg.model.predictor = "fake"
+  with pytest.raises(ValueError, match=message):
+    _run(_without(cfg, dotted), tmp_path / "out")
+  assert not (tmp_path / "out" / "store").exists() or _nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("value, message", [
+    (5, "config: get_config() must return an ml_collections.ConfigDict, got int"),
+    ({"task": "gsm8k"}, "config: get_config() must return an ml_collections.ConfigDict, got dict")])
+def test_a_config_that_is_not_a_config_dict_is_one_line(tmp_path, value, message):
+  with pytest.raises(ValueError) as e:
+    _run(value, tmp_path / "out")
+  assert str(e.value) == message
+
+
 def test_policy_sampling_values_name_the_policy(tmp_path):
   data = _write(tmp_path / "ok.jsonl", _good_lines())
   cfg = custom_config.get_config("smoke=True,policy=sample_n")
