@@ -385,7 +385,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   runs = [d for d in runs if d not in failed]
   if len(runs) > 1:
     out = args.output_dir or os.path.commonpath([os.path.abspath(d) for d in runs])
-    print(write_comparison(runs, out))
+    try:
+      print(write_comparison(runs, out))
+    except OSError as e:  # --output_dir is a file, not writable, ...
+      print(f"error: cannot write the comparison under {out}: {e.strerror or e}", file=sys.stderr)
+      return 2
   return 2 if failed else 0
 
 

@@ -45,3 +45,15 @@ def test_run_files_of_another_shape_are_one_line_naming_them(tmp_path, capsys):
     assert main([str(d)]) == 2
     err = capsys.readouterr().err
     assert message.fullmatch(err) if isinstance(message, re.Pattern) else err == message
+
+
+def test_a_comparison_directory_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+  # Before: FileExistsError's traceback (--output_dir naming a file).
+  import pipelines.report as report
+  monkeypatch.setattr(report, "write_run_report", lambda d: d)  # the runs' own reports: not here
+  runs = [str(_run_dir(tmp_path, name, "{}")) for name in ("a", "b")]
+  blocker = tmp_path / "afile"
+  blocker.write_text("")
+  assert main([*runs, f"--output_dir={blocker}"]) == 2
+  err = capsys.readouterr().err
+  assert err == f"error: cannot write the comparison under {blocker}: File exists\n"
