@@ -110,7 +110,13 @@ def load_config_file(path: str, arg: str = ""):
     raise app.UsageError(f"config file {path} cannot be loaded: {type(e).__name__}: {e}") from e
   if not callable(getattr(module, "get_config", None)):
     raise app.UsageError(f"config file {path} has no get_config(arg) function")
-  return module.get_config(arg) if arg else module.get_config()
+  try:
+    return module.get_config(arg) if arg else module.get_config()
+  except ValueError:  # a bad variant: the file's own message lists the valid ones
+    raise
+  except Exception as e:  # whatever get_config raises: the traceback stays behind --verbose
+    raise app.UsageError(f"config file {path}: get_config({arg!r}) raised "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def check_overrides(config, argv: Sequence[str]) -> None:

@@ -17,6 +17,7 @@ Beam-free, so tests and tools can use it directly.
 from __future__ import annotations
 
 import dataclasses
+import string
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm8k_jsonl,
@@ -254,9 +255,9 @@ class CustomTask:
   def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
     template = self.prompt_cfg["template"]
     if self.prompt_cfg["style"] == "completion":
-      return template.format(question=example.question), tuple(self.prompt_cfg["stop"])
+      return template.format(question=example.question), stop_strings(self.prompt_cfg)
     user = template.format(question=example.question)
-    return zero_shot_messages(user, system=_system(self.prompt_cfg["system"])), tuple(self.prompt_cfg["stop"])
+    return zero_shot_messages(user, system=_system(self.prompt_cfg["system"])), stop_strings(self.prompt_cfg)
 
   def check_policy(self, policy) -> None:
     """Controller policies vote, stop and answer by the number after 'The answer is':
@@ -329,7 +330,40 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
     sandbox_config(kwargs["sandbox_cfg"])  # its limits, before any work
   if name == "custom":
     check_custom_config(kwargs["dataset"], kwargs["prompt_cfg"])
+  if name == "gsm8k":
+    check_gsm_config(kwargs["dataset"])
   return TASKS[name](**kwargs)
+
+
+# The generator makes ~40k problems/s here and holds them all (the launcher's scan): more
+# than this is a typo, not a dataset (1e9 grew without end, without a word).
+MAX_SYNTHETIC = 1_000_000
+
+
+def check_gsm_config(dataset: Mapping[str, Any]) -> None:
+  """A file named for the generated dataset would be ignored without a word (the README's
+  gsm8k_jsonl example with `dataset.name` left out scored generated problems)."""
+  name = dataset.get("name")
+  if name not in ("gsm_synthetic", "gsm8k_jsonl"):
+    raise ValueError(f"dataset.name={name!r}: expected gsm_synthetic or gsm8k_jsonl")
+  if name == "gsm_synthetic" and dataset.get("path"):
+    raise ValueError(f"dataset.path={dataset['path']!r} is set but dataset.name=gsm_synthetic "
+                     f"generates its problems: add --config.dataset.name=gsm8k_jsonl to read "
+                     f"the file")
+  if name == "gsm_synthetic" and int(dataset.get("n") or 0) > MAX_SYNTHETIC:
+    raise ValueError(f"dataset.n={dataset['n']}: the generated dataset holds at most "
+                     f"{MAX_SYNTHETIC:,} problems")
+
+
+def stop_strings(prompt_cfg: Mapping[str, Any]) -> tuple[str, ...]:
+  """prompt.stop as a tuple of non-empty strings (a single string is one stop string)."""
+  stop = prompt_cfg.get("stop") or ()
+  if isinstance(stop, str):
+    stop = (stop,)
+  if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+    raise ValueError(f"prompt.stop={prompt_cfg.get('stop')!r}: expected a list of non-empty "
+                     f"strings, e.g. --config.prompt.stop=\"('Q:', '\\n\\n')\"")
+  return tuple(stop)
 
 
 CUSTOM_STYLES = ("chat", "completion")
@@ -352,3 +386,7 @@ def check_custom_config(dataset: Mapping[str, Any], prompt_cfg: Mapping[str, Any
     reason = f"unknown field {e}" if isinstance(e, KeyError) else str(e)
     raise ValueError(f"prompt.template={template!r}: {reason} (the one field is {{question}}; "
                      f"a literal brace is written {{{{ or }}}})") from None
+  if "question" not in {field for _, field, _, _ in string.Formatter().parse(str(template))}:
+    raise ValueError(f"prompt.template={template!r} has no {{question}} field: every example "
+                     f"would get the same prompt")
+  stop_strings(prompt_cfg)

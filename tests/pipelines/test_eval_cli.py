@@ -50,6 +50,17 @@ def test_broken_config_file(tmp_path):
   assert verbose.returncode == 2 and "Traceback" in verbose.stderr  # the details on request
 
 
+def test_a_get_config_that_raises_is_one_usage_error(tmp_path):
+  # Before: exit 1 with the RuntimeError's traceback.
+  from absl import app
+  from pipelines.eval import load_config_file
+  cfg = tmp_path / "raises.py"
+  cfg.write_text("def get_config(arg=''):\n  raise RuntimeError('boom')\n")
+  with pytest.raises(app.UsageError) as e:
+    load_config_file(str(cfg), "smoke=True")
+  assert str(e.value) == f"config file {cfg}: get_config('smoke=True') raised RuntimeError: boom"
+
+
 @pytest.mark.parametrize("case", ["missing_dataset", "empty_dataset", "unwritable_output", "bad_checkpoint"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
   data, out, extra = _data(tmp_path), tmp_path / "out", []

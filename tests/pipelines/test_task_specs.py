@@ -153,6 +153,11 @@ def test_the_gsm8k_task_keeps_the_harness_string_match():
     ("prompt", "template", "Q: {", r"^prompt\.template='Q: \{': Single '\{' encountered in format string \("),
     ("prompt", "template", "{0}", r"^prompt\.template='\{0\}': Replacement index 0 out of range"),
     ("dataset", "answer_format", "nums", r"^dataset\.answer_format='nums': expected one of \['number', "),
+    # Before: every example got the same prompt (exit 0); an empty stop string made every
+    # sample a dead letter after the model ran (exit 1, the key never named).
+    ("prompt", "template", "Answer the question.",
+     r"^prompt\.template='Answer the question\.' has no \{question\} field: every example would "),
+    ("prompt", "stop", ("Q:", ""), r"^prompt\.stop=\('Q:', ''\): expected a list of non-empty strings"),
 ])
 def test_custom_prompt_and_answer_format_choices_are_named(section, key, value, message):
   # Before: a mistyped style ran as chat without a word; a template naming another field was a
@@ -175,3 +180,33 @@ def test_a_registered_task_without_scoring_identity_keeps_its_sandbox_limits():
   task = type("OwnTask", (), {"sandbox_cfg": {"timeout_s": 3.0, "memory_mb": 512, "workers": 4}})()
   assert scoring_identity(task) == {"timeout_s": 3.0, "memory_mb": 512}
   assert scoring_identity(type("Bare", (), {})()) == {}
+
+
+def test_a_stop_given_as_one_string_is_one_stop_string():
+  from pipelines.task_specs import stop_strings
+  assert stop_strings({"stop": "Q:"}) == ("Q:",)
+  assert stop_strings({"stop": ["Q:", "\n\n"]}) == ("Q:", "\n\n")
+  assert stop_strings({}) == ()
+  for bad in (5, [5], ["Q:", None]):
+    with pytest.raises(ValueError, match=r"^prompt\.stop="):
+      stop_strings({"stop": bad})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("path", "gsm8k/test.jsonl",
+     r"^dataset\.path='gsm8k/test\.jsonl' is set but dataset\.name=gsm_synthetic generates its "
+     r"problems: add --config\.dataset\.name=gsm8k_jsonl to read the file$"),
+    ("n", 10**9, r"^dataset\.n=1000000000: the generated dataset holds at most 1,000,000 problems$"),
+    ("name", "gsm8k", r"^dataset\.name='gsm8k': expected gsm_synthetic or gsm8k_jsonl$"),
+])
+def test_gsm_dataset_settings_that_would_be_ignored_or_never_end_are_named(key, value, message):
+  # Before: a path without dataset.name=gsm8k_jsonl scored generated problems (exit 0, no
+  # word); n=1e9 grew the launcher's memory without end.
+  from configs import gsm8k as gsm8k_config
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.dataset[key] = value
+  with pytest.raises(ValueError, match=message):
+    build_task(cfg)
+  cfg.dataset.name = "gsm8k_jsonl"
+  if key != "name":
+    build_task(cfg)
