@@ -372,7 +372,9 @@ def require_str(obj: dict[str, Any], key: str, *, what: Optional[str] = None) ->
     cur = cur[part]
   if isinstance(cur, bool) or not isinstance(cur, (str, int, float)):
     raise RecordError(f"field {label} must be a string, got {type(cur).__name__}")
-  s = str(cur)
+  # A JSON number as written in decimals: Python spells 1e16 and 1e-7 with an exponent,
+  # which no answer matcher reads as the number.
+  s = format(decimal.Decimal(repr(cur)), "f") if isinstance(cur, float) else str(cur)
   if not s.strip():
     raise RecordError(f"field {label} is empty")
   return s

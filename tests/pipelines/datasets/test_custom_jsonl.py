@@ -62,3 +62,13 @@ def test_bad_mapping_rejected():
     FieldMapping.from_dict({"questoin": "prompt"})
   with pytest.raises(ValueError, match="answer_format"):
     FieldMapping.from_dict({}, answer_format="float")
+
+
+def test_gold_answers_written_as_json_numbers_with_exponents_are_numbers(tmp_path):
+  # Before: 1e16 became '1e+16' and the line a dead letter ("answer is not a number").
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"question": "a", "answer": 1e16}\n{"question": "b", "answer": 1E-7}\n'
+                  '{"question": "c", "answer": 2.5e-05}\n{"question": "d", "answer": 12}\n'
+                  '{"question": "e", "answer": 0.1}\n')
+  got = list(read_custom_jsonl(str(path), {}, answer_format="number"))
+  assert [e.reference for e in got] == ["10000000000000000", "0.0000001", "0.000025", "12", "0.1"]
