@@ -283,44 +283,56 @@ def _parquet_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
 
 def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   """The rows of a CSV/TSV file with a header row; every value is a string. A row with
-  more or fewer cells than the header is a dead letter."""
+  more or fewer cells than the header, or with a stray quote (read strictly: a lenient
+  reader would take the next rows into its cell), is a dead letter."""
   with open_binary(path) as f:
     data = b"".join(_read_lines(f, path))
   if data.startswith(_UTF16_BOMS):
     raise DatasetError(f"dataset file is UTF-16, not UTF-8: {path} (convert it, e.g. "
                        f"iconv -f UTF-16 -t UTF-8)")
   text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
-  reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+  lines = io.StringIO(text, newline="").readlines()  # as the reader counts them
+  reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
   try:
     header = next(reader, None)
-    if header is None:
-      return
-    header = [h.strip() for h in header]
-    if not any(header):
-      raise DatasetError(f"dataset file {path} has an empty header row (line 1): the first "
-                         f"row names the fields")
-    twice = sorted({h for h in header if header.count(h) > 1})
-    if twice:
-      raise DatasetError(f"dataset file {path}: the header row names {twice[0]!r} twice")
-    start = reader.line_num + 1
-    for cells in reader:
-      number, start = start, reader.line_num + 1
-      if not any(c.strip() for c in cells):
-        continue
-      raw = delimiter.join(cells).encode("utf-8", "backslashreplace").decode("utf-8")
-      if len(cells) != len(header):
-        yield DeadLetter(path, number, f"{len(cells)} cells where the header has "
-                         f"{len(header)}", raw)
-        continue
-      obj = dict(zip(header, cells))
-      problem = _not_text(obj)
-      if problem:
-        yield DeadLetter(path, number, problem, raw)
-        continue
-      yield JsonLine(path, number, raw, obj)
   except csv.Error as e:
-    raise DatasetError(f"cannot read dataset file {path} as CSV (line {reader.line_num}): "
-                       f"{e}") from e
+    raise DatasetError(f"cannot read dataset file {path} as CSV: the header row (line "
+                       f"{reader.line_num}): {e}") from e
+  if header is None:
+    return
+  header = [h.strip() for h in header]
+  if not any(header):
+    raise DatasetError(f"dataset file {path} has an empty header row (line 1): the first "
+                       f"row names the fields")
+  twice = sorted({h for h in header if header.count(h) > 1})
+  if twice:
+    raise DatasetError(f"dataset file {path}: the header row names {twice[0]!r} twice")
+  start = reader.line_num + 1
+  while True:
+    try:
+      cells = next(reader)
+    except StopIteration:
+      return
+    except csv.Error as e:  # the reader goes on at the next line
+      raw = "".join(lines[start - 1:reader.line_num]).rstrip("\r\n")
+      yield DeadLetter(path, start, f"not CSV: {e} (a quote that is not closed or doubled)",
+                       raw.encode("utf-8", "backslashreplace").decode("utf-8"))
+      start = reader.line_num + 1
+      continue
+    number, start = start, reader.line_num + 1
+    if not any(c.strip() for c in cells):
+      continue
+    raw = delimiter.join(cells).encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(cells) != len(header):
+      yield DeadLetter(path, number, f"{len(cells)} cells where the header has "
+                       f"{len(header)}", raw)
+      continue
+    obj = dict(zip(header, cells))
+    problem = _not_text(obj)
+    if problem:
+      yield DeadLetter(path, number, problem, raw)
+      continue
+    yield JsonLine(path, number, raw, obj)
 
 
 def load_records(

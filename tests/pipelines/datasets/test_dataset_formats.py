@@ -156,3 +156,19 @@ def test_humaneval_from_the_hubs_parquet_equals_the_packaged_problems(tmp_path):
            "test": e.metadata["test"], "entry_point": e.metadata["entry_point"]} for e in problems]
   path = _write(tmp_path / "test-00000-of-00001.parquet", "parquet", rows)
   assert list(load_humaneval(path)) == problems
+
+
+def test_a_csv_quote_that_is_not_closed_is_a_dead_letter_not_a_merged_row(tmp_path):
+  # Before (a lenient reader): the row took the next one into its question, exit 0.
+  path = tmp_path / "d.csv"
+  path.write_text('question,answer\n"What is 2+2?",4\n"What is 3+3?,6\n"What is 4+4?",8\n'
+                  '"What is 5+5?",10\n')
+  got = list(read_custom_jsonl(str(path), {}))
+  assert [type(r) for r in got] == [Example, DeadLetter, Example]
+  assert [e.question for e in got if isinstance(e, Example)] == ["What is 2+2?", "What is 5+5?"]
+  assert got[1].line_number == 3 and got[1].reason.startswith("not CSV: ")
+  assert got[1].raw == '"What is 3+3?,6\n"What is 4+4?",8'
+  header = tmp_path / "h.csv"
+  header.write_text('"question,answer\nq,1\n')
+  with pytest.raises(DatasetError, match=r"as CSV: the header row \(line 2\): unexpected end of data"):
+    list(read_custom_jsonl(str(header), {}))
