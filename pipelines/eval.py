@@ -286,13 +286,11 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
 
   from pipelines.beam import build_pipeline
   from pipelines.beam.pipeline import sized_for, stored_record, write_text
-  from pipelines.beam.store import is_local
+  from pipelines.beam.store import OutputError, is_local
   from pipelines.beam.worker import mark_launcher
   from pipelines.summary import summarize
 
   output_dir = out
-  if is_local(out):
-    clear_previous_results(config, out, console)
   keys = {i.key for i in scan.items}
   resumed_before = None
   if local:  # what the job will resume: the valid records; damaged files are named now
@@ -301,6 +299,9 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
       if item.key in stored:
         record, problem = stored_record(store, item)
         resumed_before += record is not None
+        if problem == "is a directory":  # a rerun would compute it, then fail to store it
+          raise OutputError(f"store record {store.path(item.key)} is a directory: the run "
+                            f"stores that sample there; remove the directory and rerun")
         if problem:
           damaged.append(f"{store.path(item.key)} {problem}")
     for line in damaged[:MAX_DAMAGED_SHOWN]:
@@ -308,6 +309,8 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     if len(damaged) > MAX_DAMAGED_SHOWN:
       print(f"warning: {len(damaged) - MAX_DAMAGED_SHOWN} more damaged store records under "
             f"{plan.store_dir} are recomputed", file=console)
+  if is_local(out):  # after the checks above: a refused run leaves the earlier results
+    clear_previous_results(config, out, console)
   show = config.runner.progress if progress is None else progress
   started_ms = clock.time_ns() / 1e6
   t0 = time.perf_counter()

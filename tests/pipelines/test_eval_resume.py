@@ -130,10 +130,13 @@ def test_store_record_path_taken_by_a_directory_stops_with_one_line(finished, tm
   out, names = _copy(finished, tmp_path / "run")
   (out / "store" / names[0]).unlink()
   (out / "store" / names[0]).mkdir()
-  with pytest.raises(WriteError) as e:
+  before = (out / "results.jsonl").read_bytes()
+  with pytest.raises(OutputError) as e:  # before any work (it was found after all of it)
     _run(_config(finished[0]), out)
   path = f"{out}/store/{names[0]}"
-  assert str(e.value) == f"cannot write store record {path}: Is a directory"
+  assert str(e.value) == (f"store record {path} is a directory: the run stores that sample "
+                          f"there; remove the directory and rerun")
+  assert (out / "results.jsonl").read_bytes() == before  # the earlier run's results stay
 
 
 def test_rerun_after_dataset_edit_reuses_unchanged_examples_at_their_new_place(finished, tmp_path):
