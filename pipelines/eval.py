@@ -235,6 +235,9 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   from pipelines.beam.store import check_writable, is_local
 
   console = console or sys.stderr
+  if not str(output_dir).strip():
+    from pipelines.beam.store import OutputError
+    raise OutputError("--output_dir is empty: name the directory for the results")
   plan = build_plan(config, output_dir)  # imports the config's modules first
   options = pipeline_options(config.runner, beam_flags, plan.imports)
   direct = runs_here(options)  # the DirectRunner, or a dask LocalCluster started here
@@ -381,6 +384,9 @@ def lock_output_dir(out: str) -> int:
   path = f"{out.removeprefix('file://')}/{LOCK_NAME}"
   try:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  except IsADirectoryError as e:
+    raise OutputError(f"the run lock {path} is a directory: remove it (the run creates "
+                      f"the file)") from e
   except OSError as e:
     raise OutputError(f"output directory is not writable: {out} ({os_reason(e)})") from e
   try:
@@ -495,6 +501,9 @@ def _check_model(plan, direct: bool) -> None:
   from o1jax.checkpoint import check_checkpoint
   from pipelines.predictors import model_sources
   sources = model_sources(plan.predictor)
+  if sources and not str(sources[0]).strip():  # "" would be read as the current directory
+    raise ValueError("model.source is empty: name a checkpoint (a .gguf file, an HF or orbax "
+                     "directory) or 'embedded'")
   configs = {source: check_checkpoint(source) for source in sources
              if direct or os.path.exists(source)}
   if len(sources) == 2 and set(sources) <= configs.keys():

@@ -359,9 +359,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="where comparison.md goes with several runs (default: the runs' common parent)")
   args = parser.parse_args(argv)
   runs = [d for d in args.runs if (pathlib.Path(d) / "summary.json").exists()]
-  skipped = sorted(set(args.runs) - set(runs))
+  missing = sorted(d for d in set(args.runs) - set(runs) if not os.path.exists(d))
+  skipped = sorted(set(args.runs) - set(runs) - set(missing))
+  if missing:
+    print(f"skipping (not found): {missing}", file=sys.stderr)
   if skipped:
     print(f"skipping (no summary.json): {skipped}", file=sys.stderr)
+  for d in runs:  # (a summary.json that cannot be read is an error below)
+    run_dir = pathlib.Path(d)
+    if (run_dir / "summary.json").is_file() and not (run_dir / "results.jsonl").exists():
+      print(f"warning: {d}/results.jsonl is missing: its report has the summary only (no "
+            f"per-sample sections)", file=sys.stderr)
   if not runs:
     print("error: no run directory with a summary.json", file=sys.stderr)
     return 2

@@ -254,6 +254,22 @@ def test_a_config_that_is_not_a_config_dict_is_one_line(tmp_path, value, message
   assert str(e.value) == message
 
 
+def test_an_empty_output_dir_or_model_source_and_a_lock_that_is_a_directory_are_named(tmp_path):
+  # Before: "output directory is not writable:  (No such file or directory)", ".: directory
+  # holds neither o1jax_model.json ...", "output directory is not writable: DIR (Is a directory)".
+  from pipelines.eval import LOCK_NAME
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  with pytest.raises(OutputError, match=r"^--output_dir is empty: name the directory for the results$"):
+    _run(_config(data), "")
+  with pytest.raises(ValueError, match=r"^model\.source is empty: name a checkpoint \(a \.gguf file"):
+    _run(_config(data, predictor="engine", source=""), tmp_path / "out")
+  (tmp_path / "locked" / LOCK_NAME).mkdir(parents=True)
+  with pytest.raises(OutputError) as e:
+    _run(_config(data), tmp_path / "locked")
+  assert str(e.value) == (f"the run lock {tmp_path}/locked/{LOCK_NAME} is a directory: remove it "
+                          f"(the run creates the file)")
+
+
 def test_policy_sampling_values_name_the_policy(tmp_path):
   data = _write(tmp_path / "ok.jsonl", _good_lines())
   cfg = custom_config.get_config("smoke=True,policy=sample_n")

@@ -57,3 +57,17 @@ def test_a_comparison_directory_that_cannot_be_written_is_one_line(tmp_path, cap
   assert main([*runs, f"--output_dir={blocker}"]) == 2
   err = capsys.readouterr().err
   assert err == f"error: cannot write the comparison under {blocker}: File exists\n"
+
+
+def test_a_run_directory_not_found_or_without_results_is_said(tmp_path, capsys, monkeypatch):
+  import pipelines.report as report
+  monkeypatch.setattr(report, "write_run_report", lambda d: d)
+  only_summary = tmp_path / "only_summary"
+  only_summary.mkdir()
+  (only_summary / "summary.json").write_text("{}")
+  assert main([str(tmp_path / "nope")]) == 2
+  assert capsys.readouterr().err == (f"skipping (not found): ['{tmp_path}/nope']\n"
+                                     f"error: no run directory with a summary.json\n")
+  assert main([str(only_summary)]) == 0
+  assert capsys.readouterr().err == (f"warning: {only_summary}/results.jsonl is missing: its report "
+                                     f"has the summary only (no per-sample sections)\n")
