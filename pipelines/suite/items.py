@@ -88,7 +88,8 @@ def write_cache(path: pathlib.Path, items: Sequence[Example], seed: int) -> str:
   except OSError as e:  # the cache directory is a file, not writable, on a full disk, ...
     with contextlib.suppress(OSError):
       tmp.unlink(missing_ok=True)
-    raise SuiteCacheError(f"cannot write the suite cache {path}: {e.strerror or e} (set "
+    where = f"{e.filename}: " if e.filename and str(e.filename) != str(tmp) else ""
+    raise SuiteCacheError(f"cannot write the suite cache {path}: {where}{e.strerror or e} (set "
                           f"dataset.cache_dir to a writable directory)") from e
   return digest
 

@@ -68,6 +68,6 @@ def test_a_cache_directory_that_is_a_file_is_one_error_naming_it(tmp_path, under
   with pytest.raises(items.SuiteCacheError) as e:
     items.load_or_create(blocker / under, seed=0)
   path = items.cache_path(blocker / under, 0)
-  assert str(e.value) == (f"cannot write the suite cache {path}: {reason} (set "
-                          f"dataset.cache_dir to a writable directory)")
+  assert str(e.value) == (f"cannot write the suite cache {path}: {blocker / under}: {reason} "
+                          f"(set dataset.cache_dir to a writable directory)")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
