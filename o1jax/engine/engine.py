@@ -42,6 +42,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 import zlib
 from typing import Any, Callable, Iterator, Sequence
@@ -424,6 +425,13 @@ class Engine:
     ThinkingSpan. With a span a sample's text is its answer after the span, its thinking
     is `SampleResult.thinking`, and stop strings apply to the answer only."""
     # (each was an AttributeError at its first use, or never: a str budget was kept)
+    if not isinstance(model, Llama):
+      hint = (" (build it: Llama(ck.config, ck.params))" if hasattr(model, "params")
+              and hasattr(model, "config") else "")
+      raise ValueError(f"model must be an o1jax.model.Llama, got {type(model).__name__}{hint}")
+    if not all(hasattr(tokenizer, a) for a in ("encode", "decode", "eos_ids")):
+      raise ValueError(f"tokenizer must be the checkpoint's tokenizer (ck.tokenizer), got "
+                       f"{type(tokenizer).__name__}")
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
     for name, value, cls in (("budget", budget, BudgetLoop),
@@ -491,6 +499,9 @@ class Engine:
     self._running: list[_Seq] = []
     self._groups: list[_Group] = []
     self._arrivals = 0
+    # Queues, pools and programs are one thread's at a time: threads that share the engine
+    # take turns per step (their requests still decode in the same batches).
+    self._lock = threading.RLock()
     self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
                                   config.min_table_blocks)
     # Prefill calls rent a bigger compiled shape until compiling their own pays off.
@@ -738,12 +749,15 @@ class Engine:
 
   def add_request(self, request: Request | dict | str, index: int | None = None) -> _Group:
     """Validates and queues one request; returns its handle."""
-    group = self._make_group(request, len(self._groups) if index is None else index)
+    with self._lock:
+      group = self._make_group(request, len(self._groups) if index is None else index)
+      self._queue(group)
+      return group
+
+  def _queue(self, group: _Group) -> None:
     self._groups.append(group)
-    seq = _Seq(group, 0, list(group.prompt_ids), self._arrivals, group.params.n)
+    self._waiting.append(_Seq(group, 0, list(group.prompt_ids), self._arrivals, group.params.n))
     self._arrivals += 1
-    self._waiting.append(seq)
-    return group
 
   # -- public API ------------------------------------------------------------------------
 
@@ -764,19 +778,25 @@ class Engine:
 
     All requests are validated before any work starts (a bad one raises
     ValueError and nothing runs). A request without request_id uses its
-    position in `requests` as id (for its sampling keys)."""
-    groups = self._make_groups(requests)
-    for g in groups:
-      self._groups.append(g)
-      self._waiting.append(_Seq(g, 0, list(g.prompt_ids), self._arrivals, g.params.n))
-      self._arrivals += 1
-    try:
-      self.run_until_idle()
-    except BaseException:  # (an interrupt too) the next call must not inherit these requests
+    position in `requests` as id (for its sampling keys).
+
+    Threads may share an engine: each call runs until its own requests are done, and the
+    calls take turns per step, so their requests decode in the same batches."""
+    with self._lock:
+      groups = self._make_groups(requests)
       for g in groups:
-        self.cancel(g)
+        self._queue(g)
+    try:
+      while True:
+        with self._lock:
+          if not any(g.unfinished for g in groups):
+            return [self.result(g) for g in groups]
+          self.step()
+    except BaseException:  # (an interrupt too) the next call must not inherit these requests
+      with self._lock:
+        for g in groups:
+          self.cancel(g)
       raise
-    return [self.result(g) for g in groups]
 
   def stream(self, request: Request | dict | str) -> Iterator[StreamEvent]:
     """Yields one StreamEvent per generated token (all samples), as they come.
@@ -788,8 +808,9 @@ class Engine:
       while group.unfinished or group.events:
         while group.events:
           yield group.events.popleft()
-        if group.unfinished:
-          self.step()
+        with self._lock:
+          if group.unfinished:
+            self.step()
     finally:  # also when the caller stops reading early: its slots and blocks come back
       self.cancel(group)
 
@@ -798,6 +819,10 @@ class Engine:
     queues (finish reason "cancelled") and their blocks are freed. For a caller that
     will not collect it (it failed, or stopped reading a stream); a no-op when the
     request was already collected."""
+    with self._lock:
+      self._cancel(group)
+
+  def _cancel(self, group: _Group) -> None:
     for queue in (self._waiting, self._prefilling, self._running):
       for seq in [q for q in queue if q.group is group]:
         queue.remove(seq)
@@ -810,8 +835,9 @@ class Engine:
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
 
   def run_until_idle(self) -> None:
-    while self._waiting or self._prefilling or self._running:
-      self.step()
+    with self._lock:
+      while self._waiting or self._prefilling or self._running:
+        self.step()
 
   def has_work(self) -> bool:
     return bool(self._waiting or self._prefilling or self._running)
@@ -825,6 +851,10 @@ class Engine:
     consumed, the pool is rebuilt and every sequence that held blocks is requeued for
     recomputation (`_recover_pools`) before the error propagates: the caller cancels
     its own requests, the others go on with the tokens they would have had."""
+    with self._lock:
+      self._step()
+
+  def _step(self) -> None:
     release_programs_near_map_limit()
     t0 = self.clock()
     try:
@@ -1558,6 +1588,10 @@ class Engine:
 
   def result(self, group: _Group) -> RequestResult:
     """The result of a finished request queued with `add_request` (the engine forgets it)."""
+    with self._lock:
+      return self._result(group)
+
+  def _result(self, group: _Group) -> RequestResult:
     if group.unfinished:
       raise ValueError(f"request {group.request_id!r} has {group.unfinished} unfinished samples")
     self._groups.remove(group)

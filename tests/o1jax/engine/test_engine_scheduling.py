@@ -520,6 +520,32 @@ def test_engine_arguments_of_the_wrong_type_are_named(tiny):
       Engine(tiny.model, tiny.tokenizer, **kwargs)
   Engine(tiny.model, tiny.tokenizer, config, budget=BudgetLoop(BudgetConfig()),
          speculative=SpeculativeConfig())
+  # Before: AttributeError ('LoadedCheckpoint' object has no attribute 'head_weight';
+  # 'NoneType' object has no attribute 'eos_ids') at the first use.
+  loaded = types.SimpleNamespace(config=tiny.config, params=tiny.params)
+  with pytest.raises(ValueError, match=r"^model must be an o1jax\.model\.Llama, got "
+                                       r"SimpleNamespace \(build it: Llama\(ck\.config, ck\.params\)\)$"):
+    Engine(loaded, tiny.tokenizer, config)
+  with pytest.raises(ValueError, match=r"^tokenizer must be the checkpoint's tokenizer "
+                                       r"\(ck\.tokenizer\), got NoneType$"):
+    Engine(tiny.model, None, config)
+
+
+def test_threads_sharing_an_engine_take_turns_and_get_their_tokens(tiny, make_prompts):
+  # Before: concurrent generate calls failed ("Buffer has been deleted or donated", "block
+  # freed twice") and left an engine whose later greedy tokens were wrong, without an error.
+  import concurrent.futures
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=8, num_blocks=256))
+  prompts = make_prompts(8, seed=11)
+  params = [GREEDY, *SAMPLED]
+  requests = lambda: [Request(p, params[i % 3], request_id=i) for i, p in enumerate(prompts)]
+  alone = [r.samples[0].token_ids for r in engine.generate(requests())]
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    futures = [pool.submit(engine.generate, [r]) for r in requests()]
+    threaded = [f.result()[0].samples[0].token_ids for f in futures]
+  assert threaded == alone
+  assert not engine.has_work() and engine.allocator.num_used == 0
+  assert [r.samples[0].token_ids for r in engine.generate(requests())] == alone
 
 
 def test_programs_released_mid_run_give_the_same_tokens(tiny, make_prompts, monkeypatch, caplog):
