@@ -371,6 +371,9 @@ class Controller:
 
   def run(self, requests: Sequence[ReasoningRequest | Any], policy) -> list[ReasoningResult]:
     """Runs `policy` (a Policy, a registered name, or {"name": ..., **params})."""
+    if isinstance(policy, type):  # (build_policy failed on it: to_dict() missing 'self')
+      raise ValueError(f"policy must be a Policy, a registered name or a dict, got the class "
+                       f"{policy.__name__} (make one: {policy.__name__}(...))")
     if isinstance(policy, str):
       policy = build_policy({"name": policy})
     elif not isinstance(policy, BasePolicy):
@@ -389,7 +392,9 @@ class Controller:
             for i, r in enumerate(requests)]
     twice = sorted(i for i, k in collections.Counter(r.request_id for r in reqs).items() if k > 1)
     if twice:  # an id keys its request's sampling stream, and its logs until `result`
-      raise ValueError(f"request ids must be unique in one run, got {twice[:5]} more than once")
+      raise ValueError(f"request ids must be unique in one run, got {twice[:5]} more than once "
+                       f"(a prompt given bare takes its position in the list as id, and a "
+                       f"ReasoningRequest's request_id defaults to 0)")
     if not reqs:
       return []
     self._budget_log.clear()
@@ -499,6 +504,20 @@ class Controller:
     """The model's context (a Llama's config; a DecodeModel without one has none)."""
     return getattr(getattr(self.model, "config", None), "max_context", None)
 
+  def check_prompt_fits(self, settings: LoopSettings, prompt_tokens: int) -> int:
+    """Room for thinking beside a prompt of `prompt_tokens` and what a trace keeps after
+    its thinking; ValueError when there is none (checked for every request of a call
+    before any runs: found at its turn, the earlier requests' traces were lost)."""
+    limit = self._context()
+    if limit is None:
+      return settings.max_thinking_tokens
+    room = limit - prompt_tokens - (self._kept_tokens(settings) - settings.max_thinking_tokens)
+    if room < 0:
+      raise ValueError(f"prompt has {prompt_tokens} tokens: with max_answer_tokens="
+                       f"{settings.max_answer_tokens} and the forced text it does not fit the "
+                       f"model's context of {limit} tokens")
+    return room
+
   def thinking_limit(self, settings: LoopSettings, request: ReasoningRequest,
                      prompt_tokens: int) -> int:
     """A request's thinking budget in this call: the policy's, lowered so that the prompt
@@ -508,11 +527,7 @@ class Controller:
     limit = self._context()
     if limit is None:
       return settings.max_thinking_tokens
-    room = limit - prompt_tokens - (self._kept_tokens(settings) - settings.max_thinking_tokens)
-    if room < 0:
-      raise ValueError(f"prompt of request {request.request_id} has {prompt_tokens} tokens: "
-                       f"with max_answer_tokens={settings.max_answer_tokens} and the forced "
-                       f"text it does not fit the model's context of {limit} tokens")
+    room = self.check_prompt_fits(settings, prompt_tokens)
     if room < settings.max_thinking_tokens:  # reported in the request's result info
       self._thinking_limits[request.request_id] = room
       if not self._warned_thinking_limit:  # once: a job's console shows it (not per request)
@@ -1070,7 +1085,15 @@ class Controller:
     """Streams the requests through max(1, max_rows // n) slots of n rows: each loop
     call returns when a request's rows are all done while others wait; the host
     collects its traces and admits the next request into the freed slot."""
-    prompts = [self.encode(r.prompt) for r in requests]
+    prompts = []
+    for i, request in enumerate(requests):  # checked before any work: which one is at fault
+      try:
+        prompts.append(self.encode(request.prompt))
+        self.check_prompt_fits(settings, len(prompts[-1]))
+      except ValueError as e:
+        if len(requests) == 1:
+          raise
+        raise ValueError(f"request {i} (request_id={request.request_id!r}): {e}") from e
     r = len(requests)
     slots = max(1, min(self.max_rows // n, r))
     longest = max(len(p) for p in prompts)  # of all requests: the rows are reused

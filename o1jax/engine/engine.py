@@ -713,8 +713,8 @@ class Engine:
       raise ValueError(f"params must be GenerationParams or a dict, got {type(params).__name__}")
     ids = self.encode_prompt(request.prompt)
     if len(ids) >= self.max_context:
-      raise ValueError(f"request {request.request_id!r}: prompt has {len(ids)} tokens but the "
-                       f"context is {self.max_context} tokens (room for >= 1 new token needed)")
+      raise ValueError(f"prompt has {len(ids)} tokens but the context is {self.max_context} "
+                       f"tokens (room for >= 1 new token needed)")
     if params.n > self.config.max_slots:
       raise ValueError(f"n={params.n} samples exceed the engine's {self.config.max_slots} decode slots")
     if params.top_logprobs > self.config.max_top_logprobs:
@@ -734,10 +734,11 @@ class Engine:
     worst = min(len(ids) + params.max_new_tokens, self.max_context)
     need = math.ceil(worst / self.config.block_size)
     if need > self.num_blocks:
-      raise ValueError(f"request {request.request_id!r} may need {need} KV blocks but the pool "
-                       f"has {self.num_blocks}: raise num_blocks/kv_cache_bytes")
+      raise ValueError(f"the request may need {need} KV blocks but the pool has "
+                       f"{self.num_blocks}: raise num_blocks/kv_cache_bytes")
     rid = index if request.request_id is None else request.request_id
-    key_id = int(rid) if is_int(rid) else zlib.crc32(str(rid).encode())
+    # (surrogatepass: an id holding a lone surrogate still names one stream)
+    key_id = int(rid) if is_int(rid) else zlib.crc32(str(rid).encode("utf-8", "surrogatepass"))
     metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
     group = _Group(index, rid, key_id, ids, params, metrics)
     # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.
@@ -767,7 +768,18 @@ class Engine:
       raise ValueError(f"requests must be a list of requests, got one {type(requests).__name__}")
     if not isinstance(requests, collections.abc.Iterable):
       raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
-    return [self._make_group(r, i) for i, r in enumerate(requests)]
+    requests = list(requests)
+    if len(requests) == 1:
+      return [self._make_group(requests[0], 0)]
+    groups = []
+    for i, r in enumerate(requests):  # one bad request of many: which one
+      try:
+        groups.append(self._make_group(r, i))
+      except ValueError as e:
+        rid = getattr(r, "request_id", r.get("request_id") if isinstance(r, dict) else None)
+        named = f" (request_id={rid!r})" if rid is not None else ""
+        raise ValueError(f"request {i}{named}: {e}") from e
+    return groups
 
   def check_requests(self, requests: Sequence[Request | dict | str]) -> None:
     """Raises the ValueError `generate` would raise for a bad request; queues nothing."""

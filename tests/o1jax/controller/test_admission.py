@@ -289,7 +289,13 @@ def test_bad_requests_and_prompts_are_refused_before_the_loop(world):
       ([[-1]], r"^prompt has token ids outside the vocabulary"),
       ([[13.0]], r"^prompt token ids must be ints, got 13.0$"),
       ([ReasoningRequest("Q", request_id=3), ReasoningRequest("Q", request_id=3, seed=1)],
-       r"^request ids must be unique in one run, got \[3\] more than once$"),
+       r"^request ids must be unique in one run, got \[3\] more than once \("),
+      # Two requests without ids, or a bare prompt at an explicit id's position: the message
+      # says where the ids came from (they were never written).
+      ([ReasoningRequest("Q"), ReasoningRequest("R")],
+       r"^request ids must be unique in one run, got \[0\] more than once \(a prompt given bare "
+       r"takes its position in the list as id, and a ReasoningRequest's request_id defaults to 0\)$"),
+      (["Q", "Q ", [13, 999]], r"^request 2 \(request_id=2\): prompt has token ids outside the "),
   ]:
     with pytest.raises(ValueError, match=match):
       ctl.run(requests, policy)
@@ -427,11 +433,18 @@ def test_a_thinking_budget_past_the_models_context_is_lowered_for_that_request(t
   assert "thinking_limit" not in together[1].info
   assert together[1].traces[0].token_ids == alone.traces[0].token_ids
   assert alone.traces[0].tokens.thinking >= 400  # min_thinking_tokens: the full budget ran
-  # A prompt whose answer budget alone passes the context is named.
-  with pytest.raises(ValueError, match=r"^prompt of request 0 has 500 tokens: with "
+  # A prompt whose answer budget alone passes the context is named, before any request
+  # runs (it was found at its turn: the earlier requests' traces were lost).
+  with pytest.raises(ValueError, match=r"^prompt has 500 tokens: with "
                                        r"max_answer_tokens=8 and the forced text it does not "
                                        r"fit the model's context of 512 tokens$"):
     ctl.run([[5] * 500], policy)
+  admitted = []
+  real_admit = ctl.admit
+  ctl.admit = lambda *a, **k: admitted.append(1) or real_admit(*a, **k)
+  with pytest.raises(ValueError, match=r"^request 2 \(request_id=2\): prompt has 500 tokens: "):
+    ctl.run([short_prompt, [9] * 11, [5] * 500], policy)
+  assert admitted == []  # nothing ran
 
 
 def test_generate_arguments_a_policy_of_ones_own_may_get_wrong_are_named(world):

@@ -3,13 +3,14 @@ determinism across batch sizes, fork / prefix reuse / preemption, compilation
 counts, stop rules, streaming and bad input."""
 
 import dataclasses
+import re
 import types
 
 import numpy as np
 import pytest
 
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
-from o1jax.model import Generator
+from o1jax.model import Generator, Llama
 
 SAMPLED = [GenerationParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
            GenerationParams(max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02,
@@ -232,7 +233,7 @@ def test_engine_config_edge_values(tiny):
   # Checked against the model before any program is built.
   with pytest.raises(ValueError, match=r"^max_top_logprobs=1000 exceeds the model's vocabulary"):
     Engine(tiny.model, tiny.tokenizer, EngineConfig(max_top_logprobs=1000, num_blocks=8))
-  pallas = types.SimpleNamespace(config=tiny.config, backend="pallas")
+  pallas = Llama(tiny.config, tiny.params, backend="pallas")
   with pytest.raises(ValueError, match=r"^block_size=12 must be a power of two in \[8, 128\]"):
     Engine(pallas, tiny.tokenizer, EngineConfig(block_size=12, num_blocks=8))
 
@@ -253,11 +254,16 @@ def test_refused_requests_leave_the_engine_serving(engine32):
       (Request([5], request_id=2**40), r"^request_id=1099511627776 must be in \[0, 2\*\*32\)"),
       (Request([5], request_id=1.0), r"^request_id must be an int, a str or None, got 1.0$"),
       (Request([5], request_id=True), r"^request_id must be an int, a str or None, got True$"),
+      (Request("x" * 400), r"^prompt has 400 tokens but the context is 256 tokens \(room for "),
       (5, r"^request must be a Request, a dict or a prompt str, got int$"),
       (None, r"^request must be a Request, a dict or a prompt str, got NoneType$"),
   ]
   for request, match in bad:
-    with pytest.raises(ValueError, match=match):
+    # One bad request of several is named by its position (and id): a batch of 1,000
+    # prompts said which was at fault only by its message.
+    rid = getattr(request, "request_id", None)
+    named = "" if rid is None else re.escape(f" (request_id={rid!r})")
+    with pytest.raises(ValueError, match=rf"^request 1{named}: " + match[1:]):
       engine32.generate([good, request])
     with pytest.raises(ValueError, match=match):
       engine32.check_requests([request])
@@ -277,6 +283,11 @@ def test_valid_edge_cases_run(engine32):
   greedy = GenerationParams(max_new_tokens=3, temperature=0, ignore_eos=True, top_k=10**6)
   assert engine32.generate([Request([5, 6, 7], greedy)])[0].token_ids == engine32.generate(
       [Request([5, 6, 7], GenerationParams(max_new_tokens=3, ignore_eos=True))])[0].token_ids
+  # A str id holding a lone surrogate names a stream too (was a UnicodeEncodeError).
+  sampled = GenerationParams(max_new_tokens=3, temperature=1.0, ignore_eos=True)
+  odd = [engine32.generate([Request([5, 6, 7], sampled, request_id="q\ud800")])[0].token_ids
+         for _ in range(2)]
+  assert odd[0] == odd[1] and len(odd[0]) == 3
 
 
 def test_a_numpy_int_request_id_is_the_same_id(engine32):
