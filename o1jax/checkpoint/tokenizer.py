@@ -110,6 +110,22 @@ def compile_chat_template(text: str) -> jinja2.Template:
                      ) from None
 
 
+def _text_of_parts(parts: list, message: int) -> str:
+  """The text of a content given as parts; a part that is not text is named."""
+  texts = []
+  for j, part in enumerate(parts):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and not isinstance(part.get("text"), str):
+      raise ValueError(f"chat message {message}'s content part {j} has no 'text' string: "
+                       f"{repr(part)[:60]}")
+    if kind != "text":
+      what = f"of type {kind!r}" if kind is not None else repr(part)[:60]
+      raise ValueError(f"chat message {message}'s content part {j} is {what}: the model reads "
+                       f"text parts ({{'type': 'text', 'text': ...}}) only")
+    texts.append(part["text"])
+  return "".join(texts)
+
+
 class Tokenizer:
   """Text <-> token ids, special tokens, and the chat template."""
 
@@ -150,15 +166,21 @@ class Tokenizer:
     return self.backend.token_to_id(token)
 
   def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-    """Renders chat messages ([{"role", "content"}]) with the checkpoint's template."""
+    """Renders chat messages ([{"role", "content"}]) with the checkpoint's template.
+
+    A content given as a list of parts (the OpenAI style, [{"type": "text", "text": ...}])
+    is its text parts joined: the models here read text only, and most templates
+    concatenate the content (a list failed inside jinja with a TypeError)."""
+    messages = list(messages)
     for i, m in enumerate(messages):
       if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
-      # (a template concatenates them: an int failed inside jinja with a TypeError; a list
-      # of parts is left to templates that take one)
+      # (a template concatenates them: an int failed inside jinja with a TypeError)
       if not isinstance(m["role"], str):
         raise ValueError(f"chat message {i}'s role must be a str, got {m['role']!r}")
-      if not isinstance(m["content"], (str, list)):
+      if isinstance(m["content"], list):
+        messages[i] = {**m, "content": _text_of_parts(m["content"], i)}
+      elif not isinstance(m["content"], str):
         raise ValueError(f"chat message {i}'s content must be a str, got {m['content']!r}")
     if not self.has_chat_template and self.token_to_id("<|im_start|>") is None:
       # e.g. a base (pretrained) model such as Gemma 3 270M: ChatML would be plain text to it

@@ -466,6 +466,18 @@ class Engine:
     self.model_config = mc = model.config
     self.clock = clock
     self.max_context = min(config.max_context or mc.max_context, mc.max_context)
+    # Shape settings past what a context can use: a program that never finishes compiling
+    # (decode_steps=1e9), a host loop of 1e8 turns, a table of 30 GB (each found at the first
+    # generate, as a hang or an out-of-memory error).
+    context_blocks = math.ceil(self.max_context / config.block_size)
+    for name, value, most, what in (
+        ("decode_steps", config.decode_steps, self.max_context, "the context's tokens"),
+        ("min_chunk_bucket", config.min_chunk_bucket, max(config.prefill_chunk, 16),
+         "prefill_chunk"),
+        ("min_table_blocks", config.min_table_blocks, max(context_blocks, 8),
+         "the blocks of one context")):
+      if value > most:
+        raise ValueError(f"{name}={value} must be <= {most} ({what})")
     self._graphdef, self._state = nnx.split(model)
     self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(mc.eos_ids)
     # (shapes only: a probe block of a typo'd block_size was itself an out-of-memory error)

@@ -127,6 +127,23 @@ def test_chat_templates_that_cannot_run_are_named():
     refuses.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_content_given_as_parts_is_its_text_and_other_parts_are_named():
+  """The OpenAI style content [{"type": "text", "text": ...}] is its text parts joined (it
+  was jinja's TypeError "can only concatenate str (not "list") to str")."""
+  tok = _tokenizer_with_template("{% for m in messages %}<{{ m.role }}>" + "{{ '' + m.content }}"
+                                 "{% endfor %}")
+  parts = [{"type": "text", "text": "2 + 2"}, {"type": "text", "text": "?"}]
+  assert tok.apply_chat_template([{"role": "user", "content": parts}]) == \
+      tok.apply_chat_template([{"role": "user", "content": "2 + 2?"}]) == "<user>2 + 2?"
+  for bad, message in [
+      ([{"type": "image_url", "image_url": {"url": "x.png"}}],
+       r"^chat message 0's content part 0 is of type 'image_url': the model reads text parts "),
+      (["hi"], r"^chat message 0's content part 0 is 'hi': the model reads text parts "),
+      ([{"type": "text", "text": 5}], r"^chat message 0's content part 0 has no 'text' string: ")]:
+    with pytest.raises(ValueError, match=message):
+      tok.apply_chat_template([{"role": "user", "content": bad}])
+
+
 def _with_metadata_value(src: bytes, key: str, value: int) -> bytes:
   """A GGUF's bytes with the uint32 metadata value of `key` replaced."""
   import struct

@@ -233,6 +233,14 @@ def test_engine_config_edge_values(tiny):
   # Checked against the model before any program is built.
   with pytest.raises(ValueError, match=r"^max_top_logprobs=1000 exceeds the model's vocabulary"):
     Engine(tiny.model, tiny.tokenizer, EngineConfig(max_top_logprobs=1000, num_blocks=8))
+  # Past what the context can use (before: a program that never finished compiling, a host
+  # loop of ~1e8 turns, a 30 GB table, each at the first generate).
+  for field, value, message in [("decode_steps", 10**9, r"<= 256 \(the context's tokens\)$"),
+                                ("min_chunk_bucket", 10**9, r"<= 128 \(prefill_chunk\)$"),
+                                ("min_table_blocks", 10**9, r"<= 16 \(the blocks of one context\)$")]:
+    with pytest.raises(ValueError, match=rf"^{field}={value} must be " + message):
+      Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, **{field: value}))
+  Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, decode_steps=256))
   pallas = Llama(tiny.config, tiny.params, backend="pallas")
   with pytest.raises(ValueError, match=r"^block_size=12 must be a power of two in \[8, 128\]"):
     Engine(pallas, tiny.tokenizer, EngineConfig(block_size=12, num_blocks=8))
