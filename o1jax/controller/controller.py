@@ -55,6 +55,7 @@ from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.engine import check_fits_device
 from o1jax.engine.speculative import SpeculativeConfig
 from o1jax.model.generation import encode_prompt
+from o1jax.model.llama import Llama
 from o1jax.model.sampling import (INT32_MAX, Sampling, check_int, check_key_id, is_real,
                                   sequence_key)
 from o1jax.model.shapes import pow2_bucket
@@ -284,6 +285,16 @@ class Controller:
                budget: BudgetLoop | None = None,
                thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo",
                speculative: SpeculativeConfig | None = None, share_prefixes: bool = True):
+    # (a Llama or no tokenizer was an AttributeError at the first use)
+    if isinstance(model, Llama):
+      raise ValueError("model must be a decode model: wrap the Llama, ContiguousLlama(llama) "
+                       "or PagedLlama(llama) (shared prompt blocks)")
+    if not hasattr(model, "vocab_size") or not callable(getattr(model, "forward", None)):
+      raise ValueError(f"model must be a decode model (ContiguousLlama, PagedLlama), got "
+                       f"{type(model).__name__}")
+    if not all(callable(getattr(tokenizer, a, None)) for a in ("encode", "decode")):
+      raise ValueError(f"tokenizer must be the checkpoint's tokenizer (ck.tokenizer), got "
+                       f"{type(tokenizer).__name__}")
     # Sizes of the loop's arrays: a float or a 0 failed inside the first jitted call.
     for name, value, low in (("max_rows", max_rows, 1), ("top_k", top_k, 1),
                              ("max_records", max_records, 1),

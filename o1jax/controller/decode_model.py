@@ -196,6 +196,14 @@ class DecodeModel(Protocol):
     ...
 
 
+def check_llama(model, wrapper: str) -> None:
+  """A decode model wraps a Llama (a checkpoint was a JAX TypeError at the first call)."""
+  if not isinstance(model, Llama):
+    hint = (" (build it: Llama(ck.config, ck.params))" if hasattr(model, "params")
+            and hasattr(model, "config") else "")
+    raise ValueError(f"{wrapper} takes an o1jax.model.Llama, got {type(model).__name__}{hint}")
+
+
 def place_on_mesh(model: Llama, mesh):
   """(mesh in Auto mode, the model's weights on it) or (None, the model)."""
   if mesh is None:
@@ -232,6 +240,7 @@ class ContiguousLlama(ProgramKeyed):
   PROGRAM_FIELDS = ("graphdef", "config", "cache_dtype", "mesh")
 
   def __init__(self, model: Llama, cache_dtype=jnp.float32, mesh=None):
+    check_llama(model, "ContiguousLlama")
     self.mesh, model = place_on_mesh(model, mesh)
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config

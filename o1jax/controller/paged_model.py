@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from o1jax.controller.decode_model import CacheConfig, CachePlan, ProgramKeyed, place_on_mesh
+from o1jax.controller.decode_model import (CacheConfig, CachePlan, ProgramKeyed, check_llama,
+                                          place_on_mesh)
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, add_row_refs,
                                    copy_blocks, reserve_for_append, truncate_rows)
 from o1jax.model.llama import Llama
@@ -123,6 +124,7 @@ class PagedLlama(ProgramKeyed):
 
   def __init__(self, model: Llama, block_size: int = 16, num_blocks: int | None = None,
                kv_dtype: str = "float32", mesh=None):
+    check_llama(model, "PagedLlama")
     if num_blocks is not None and num_blocks < 1:
       raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or None: sized from the plan)")
     CacheConfig("paged", block_size, num_blocks or 0, kv_dtype)  # the checks, in one place

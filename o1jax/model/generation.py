@@ -117,6 +117,8 @@ class Generator:
                thinking: str | ThinkingSpan | None = "auto"):
     """thinking: a reasoning model's thinking span, as `o1jax.engine.Engine` reads it
     (o1jax/model/thinking.py): texts are the answers after it, stop strings apply there."""
+    if not isinstance(model, Llama):  # (a checkpoint was a JAX TypeError at the first call)
+      raise ValueError(f"model must be an o1jax.model.Llama, got {type(model).__name__}")
     self.model = model
     self.tokenizer = tokenizer
     self.thinking = thinking_lib.resolve(thinking, tokenizer)

@@ -239,6 +239,15 @@ class Llama(nnx.Module):
     magnitude / 448), and multiply the matrices as float32 mode stores them (quantized
     ones through the quantized kernels' FP8 input path); the output head keeps full
     precision activations, as FP8 serving stacks do."""
+    # (a wrong object was a KeyError or AttributeError at its first use)
+    if not isinstance(config, ModelConfig):
+      raise ValueError(f"config must be the checkpoint's ModelConfig (ck.config), got "
+                       f"{type(config).__name__}")
+    missing = [k for k in ("embed", "layers", "final_norm")
+               if not hasattr(params, "keys") or k not in params]
+    if missing:
+      raise ValueError(f"params must be the checkpoint's parameters (ck.params): no "
+                       f"{missing[0]!r} in a {type(params).__name__}")
     if weight_mode not in WEIGHT_MODES:
       raise ValueError(f"weight_mode={weight_mode!r} not in {WEIGHT_MODES}")
     if matmul_dtype not in layers.MATMUL_DTYPES:

@@ -477,3 +477,33 @@ def test_generate_arguments_a_policy_of_ones_own_may_get_wrong_are_named(world):
       ctl.generate(*args, **kwargs)
   ok = ctl.generate(req, vote, 2, conf_stop=-float("inf"), vote_floor=0.0, prior_votes=[[("7", 1.0)]])
   assert len(ok.traces[0]) == 2
+
+
+def test_objects_of_the_wrong_kind_are_named_when_built(tiny_llama):
+  """Passing the checkpoint for the Llama, or the Llama for its decode model, are natural
+  slips; each was an AttributeError, a KeyError or a JAX TypeError at the first call."""
+  import types
+  from o1jax.controller import ContiguousLlama, PagedLlama
+  from o1jax.model import Generator, Llama
+  decode_model, tok = tiny_llama
+  ck = types.SimpleNamespace(config=decode_model.config, params={})
+  for build, message in [
+      (lambda: Controller(_llama_of(decode_model), tok),
+       r"^model must be a decode model: wrap the Llama, ContiguousLlama\(llama\) or "),
+      (lambda: Controller(decode_model, None),
+       r"^tokenizer must be the checkpoint's tokenizer \(ck\.tokenizer\), got NoneType$"),
+      (lambda: ContiguousLlama(ck), r"^ContiguousLlama takes an o1jax\.model\.Llama, got "
+                                    r"SimpleNamespace \(build it: Llama\(ck\.config, ck\.params\)\)$"),
+      (lambda: PagedLlama(ck), r"^PagedLlama takes an o1jax\.model\.Llama, got SimpleNamespace"),
+      (lambda: Generator(ck, tok), r"^model must be an o1jax\.model\.Llama, got SimpleNamespace$"),
+      (lambda: Llama(decode_model.config, {}),
+       r"^params must be the checkpoint's parameters \(ck\.params\): no 'embed' in a dict$"),
+      (lambda: Llama(None, {}), r"^config must be the checkpoint's ModelConfig \(ck\.config\), "
+                                r"got NoneType$")]:
+    with pytest.raises(ValueError, match=message):
+      build()
+
+
+def _llama_of(decode_model):
+  from flax import nnx
+  return nnx.merge(decode_model.graphdef, decode_model.params)
