@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -342,6 +343,9 @@ class Controller:
     self._thinking_limits: dict[Any, int] = {}  # budgets lowered to fit the context
     self._warned_thinking_limit = False  # a warning the first time a budget is lowered
     self._logging = False
+    # One run at a time: the logs above and the calls' timings are the running one's
+    # (threads sharing a controller take turns, a run each).
+    self._run_lock = threading.RLock()
     self.tokenizer = tokenizer
     self.max_rows = max_rows
     self.top_k = min(int(top_k), model.vocab_size)  # (every token, in a tiny vocabulary)
@@ -408,14 +412,15 @@ class Controller:
                        f"ReasoningRequest's request_id defaults to 0)")
     if not reqs:
       return []
-    self._budget_log.clear()
-    self._latency_log.clear()
-    self._thinking_limits.clear()
-    self._logging = True
-    try:
-      return policy.run(self, reqs)
-    finally:
-      self._logging = False
+    with self._run_lock:
+      self._budget_log.clear()
+      self._latency_log.clear()
+      self._thinking_limits.clear()
+      self._logging = True
+      try:
+        return policy.run(self, reqs)
+      finally:
+        self._logging = False
 
   def generate(self, requests: Sequence[ReasoningRequest], settings: LoopSettings, n: int = 1, *,
                sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
@@ -474,7 +479,8 @@ class Controller:
       return Batch(traces=[], wall_time_s=[], invocations=[])
     if (vote_floor is not None or prior_votes is not None) and not settings.answer_vote:
       raise ValueError("vote_floor / prior_votes need settings.answer_vote=True")
-    return self._generate_slots(requests, settings, n, sample_offset, stops,
+    with self._run_lock:  # (a policy's own calls inside `run` hold it already)
+      return self._generate_slots(requests, settings, n, sample_offset, stops,
                                 budget or self.budget, floors, priors, unstopped_samples)
 
   def result(self, request: ReasoningRequest, policy: str, traces: list[Trace],

@@ -507,3 +507,22 @@ def test_objects_of_the_wrong_kind_are_named_when_built(tiny_llama):
 def _llama_of(decode_model):
   from flax import nnx
   return nnx.merge(decode_model.graphdef, decode_model.params)
+
+
+def test_threads_sharing_a_controller_take_turns_and_get_their_traces(tiny_llama):
+  """A run's logs (budget decisions, latencies, lowered thinking budgets) are the
+  controller's: two runs at once mixed them. Runs take turns now."""
+  import concurrent.futures
+  decode_model, tok = tiny_llama
+  ctl = Controller(decode_model, tok)
+  policy = {"name": "self_consistency", "n": 2, "temperature": 1.0, "max_thinking_tokens": 6,
+            "max_answer_tokens": 3}
+  batches = [[[5, 6, 7]], [[9, 10]], [[11, 12, 13, 14]]]
+  # (each batch's request has id 0: the logs of runs at once went to one another's)
+  seen = lambda r: ([t.token_ids for t in r.traces], len(r.info.get("token_ms", [])))
+  alone = [seen(ctl.run(b, policy)[0]) for b in batches]
+  assert all(n_times > 0 for _, n_times in alone)
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    futures = [pool.submit(ctl.run, b, policy) for b in batches]
+    threaded = [seen(f.result()[0]) for f in futures]
+  assert threaded == alone
