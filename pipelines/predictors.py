@@ -179,6 +179,10 @@ def model_sources(spec: PredictorSpec) -> list[str]:
   return [spec.source] + ([draft] if draft else [])
 
 
+# A prediction holding only this key: the predictor refused the item (or its output is no
+# answer); it becomes an inference dead letter with the value as reason.
+ERROR_KEY = "error"
+
 TRACE_FLOAT_DIGITS = 4
 
 
@@ -353,6 +357,11 @@ class EnginePredictor:
         metrics["speculative"] = {"drafted": m.spec_drafted, "accepted": m.spec_accepted}
       if m.recomputed_tokens:  # preempted (the KV pool was full) and run again
         metrics["recomputed_tokens"] = int(m.recomputed_tokens)
+      if sample.finish_reason == "error":  # an output that is no answer: a dead letter
+        out.append({ERROR_KEY: f"the model's logits were not finite (NaN or inf) after "
+                               f"{len(sample.token_ids)} tokens: its weights or activations "
+                               f"overflow"})
+        continue
       out.append({"text": sample.text, **_tokens_and_thinking(len(result.prompt_token_ids), sample),
                   "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0,
                   "metrics": metrics})

@@ -295,8 +295,9 @@ class SampleResult:
   index: int
   text: str
   token_ids: list[int]
-  # "stop" (eos, stop id or stop string), "length", or "pruned" (a live budget stopped this
-  # sample of an n > 1 request: the lowest-confidence one running; see Engine._prune)
+  # "stop" (eos, stop id or stop string), "length", "pruned" (a live budget stopped this
+  # sample of an n > 1 request: the lowest-confidence one running; see Engine._prune), or
+  # "error" (the model's logits were not finite: its text ends before that token)
   finish_reason: str
   logprobs: list[float] | None = None
   top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -514,6 +515,7 @@ class Engine:
     # Queues, pools and programs are one thread's at a time: threads that share the engine
     # take turns per step (their requests still decode in the same batches).
     self._lock = threading.RLock()
+    self._warned_nonfinite = False
     self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
                                   config.min_table_blocks)
     # Prefill calls rent a bigger compiled shape until compiling their own pays off.
@@ -1535,7 +1537,16 @@ class Engine:
     group.metrics.record_token(seq.sample, now)
     reason = None
     appended = not ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids)
-    if not appended:
+    if not math.isfinite(logprob):
+      # NaN/inf logits (weights or activations that overflow) draw an arbitrary token
+      # (greedy took the last id over and over): the sample ends here, marked.
+      appended, reason = False, "error"
+      if not self._warned_nonfinite:
+        self._warned_nonfinite = True
+        log.warning("engine: the model's logits were not finite (NaN or inf) for request %r "
+                    "after %d tokens: its weights or activations overflow; such samples end "
+                    "with finish_reason 'error'", group.request_id, len(seq.generated))
+    elif not appended:
       reason = "stop"  # eos / stop ids end the sample and are not part of its output
     else:
       seq.generated.append(token)

@@ -26,9 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from pipelines.predictors import Predictor, PredictorSpec, WorkItem, build_predictor
+from pipelines.predictors import ERROR_KEY, Predictor, PredictorSpec, WorkItem, build_predictor
 
-ERROR_KEY = "error"  # a prediction holding only this: the predictor refused the item
 
 
 class ModelLoadError(ValueError):

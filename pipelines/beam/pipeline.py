@@ -40,15 +40,15 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import RunInference
 
-from pipelines.beam.handler import ERROR_KEY, PredictorModelHandler
+from pipelines.beam.handler import PredictorModelHandler
 from pipelines.beam.options import batches_sharing_a_model
 from pipelines.beam.store import ResultStore, is_local, utf8, write_whole
 from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
 from o1jax.controller import BasePolicy, SamplingSpec, build_policy, policy_names
-from pipelines.predictors import (PredictorSpec, WorkItem, model_fingerprint, request_id_for,
-                                  speculative_config)
+from pipelines.predictors import (ERROR_KEY, PredictorSpec, WorkItem, model_fingerprint,
+                                  request_id_for, speculative_config)
 from pipelines.task_specs import build_task, sandbox_identity
 
 STORE_VERSION = 1  # bump when the record layout changes, so old stores are not reused

@@ -317,6 +317,26 @@ def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
   assert summary["samples"] == 3 and summary["dead_letters"]["by_stage"] == {"inference": 1}
 
 
+def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path):
+  """A finite weight that overflows (3e38 in the final norm: the load accepts it) gives NaN
+  logits; the engine ends such a sample with finish reason "error" and the job puts it
+  in dead letters instead of scoring the last token id repeated."""
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+  model = tmp_path / "overflow"
+  write_hf_checkpoint(model, tiny_config(max_context=512), seed=0)
+  weights = load_file(str(model / "model.safetensors"))
+  weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], 3e38)
+  save_file(weights, str(model / "model.safetensors"))
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  summary = _run(_config(data, predictor="engine", source=str(model)), tmp_path / "out")
+  dead = [json.loads(l) for l in (tmp_path / "out" / "dead_letters.jsonl").read_text().splitlines()]
+  assert summary["samples"] == 0 and summary["dead_letters"]["by_stage"] == {"inference": 3}
+  assert all(d["reason"] == "the model's logits were not finite (NaN or inf) after 0 tokens: "
+                            "its weights or activations overflow" for d in dead), dead
+
+
 def _device_short_loader(spec):
   from o1jax.sharding.tensor_parallel import group_mesh
   group_mesh(2)  # this process has 1 CPU device

@@ -651,3 +651,17 @@ def test_embedded_model_log_probs_do_not_depend_on_the_batch(embedded_checkpoint
   for a, t in zip(alone, together):
     assert a.token_ids == t.token_ids
     np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(t.logprobs))
+
+
+def test_non_finite_logits_end_the_sample_marked_error(tiny, caplog):
+  """A finite weight that overflows (3e38 in the final norm) makes the logits NaN: greedy
+  took the last token id over and over with NaN log-probs, finish reason "length"."""
+  params = dict(tiny.params)
+  params["final_norm"] = np.full_like(np.asarray(params["final_norm"]), 3e38)
+  engine = Engine(Llama(tiny.config, params), tiny.tokenizer,
+                  EngineConfig(max_slots=2, num_blocks=32))
+  with caplog.at_level("WARNING", logger="o1jax.engine.engine"):
+    out, = engine.generate([Request([5, 6, 7], GenerationParams(max_new_tokens=4, logprobs=True))])
+  assert (out.finish_reason, out.token_ids, out.text) == ("error", [], "")
+  assert any("logits were not finite" in r.getMessage() for r in caplog.records)
+  assert not engine.has_work() and engine.allocator.num_used == 0
