@@ -473,6 +473,13 @@ class ControllerPredictor:
       results = self.controller.run(requests, self.policy)
     out = []
     for item, result in zip(items, results):
+      overflowed = [t.sample_index for t in result.traces
+                    if t.token_ids and not math.isfinite(t.mean_logprob)]
+      if overflowed:  # traces drawn from NaN/inf logits: no answer to score
+        out.append({ERROR_KEY: f"the model's logits were not finite (NaN or inf) in trace "
+                               f"{overflowed[0]} (of {len(overflowed)}): its weights or "
+                               f"activations overflow"})
+        continue
       text = result.answer_text or (self.controller.final_text(result.traces[0])
                                     if result.traces else "")
       counts = result.tokens.to_dict()

@@ -317,10 +317,12 @@ def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
   assert summary["samples"] == 3 and summary["dead_letters"]["by_stage"] == {"inference": 1}
 
 
-def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path):
+@pytest.mark.parametrize("policy", ["greedy", "greedy_cot"])
+def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path, policy):
   """A finite weight that overflows (3e38 in the final norm: the load accepts it) gives NaN
-  logits; the engine ends such a sample with finish reason "error" and the job puts it
-  in dead letters instead of scoring the last token id repeated."""
+  logits; the engine ends such a sample with finish reason "error", the controller's
+  traces have a NaN mean log-prob, and the job puts them in dead letters instead of
+  scoring the last token id repeated."""
   import numpy as np
   from safetensors.numpy import load_file, save_file
   from o1jax.testing import tiny_config, write_hf_checkpoint
@@ -330,11 +332,15 @@ def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path):
   weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], 3e38)
   save_file(weights, str(model / "model.safetensors"))
   data = _write(tmp_path / "ok.jsonl", _good_lines())
-  summary = _run(_config(data, predictor="engine", source=str(model)), tmp_path / "out")
+  cfg = _config(data, predictor="engine", source=str(model))
+  if policy != "greedy":
+    cfg.policy = custom_config.get_config(f"smoke=True,policy={policy}").policy
+  summary = _run(cfg, tmp_path / "out")
   dead = [json.loads(l) for l in (tmp_path / "out" / "dead_letters.jsonl").read_text().splitlines()]
   assert summary["samples"] == 0 and summary["dead_letters"]["by_stage"] == {"inference": 3}
-  assert all(d["reason"] == "the model's logits were not finite (NaN or inf) after 0 tokens: "
-                            "its weights or activations overflow" for d in dead), dead
+  want = ("after 0 tokens: " if policy == "greedy" else "in trace 0 (of 1): ")
+  assert all(d["reason"] == f"the model's logits were not finite (NaN or inf) {want}its "
+                            f"weights or activations overflow" for d in dead), dead
 
 
 def _device_short_loader(spec):
