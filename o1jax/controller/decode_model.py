@@ -61,7 +61,7 @@ from flax import nnx
 
 from o1jax.engine import fields
 from o1jax.engine.kv_cache import KV_DTYPES
-from o1jax.model.llama import KVCache, Llama
+from o1jax.model.llama import KVCache, Llama, check_llama
 from o1jax.sharding import tensor_parallel
 
 CACHES = ("contiguous", "paged")
@@ -194,14 +194,6 @@ class DecodeModel(Protocol):
 
   def check(self, cache) -> None:
     ...
-
-
-def check_llama(model, wrapper: str) -> None:
-  """A decode model wraps a Llama (a checkpoint was a JAX TypeError at the first call)."""
-  if not isinstance(model, Llama):
-    hint = (" (build it: Llama(ck.config, ck.params))" if hasattr(model, "params")
-            and hasattr(model, "config") else "")
-    raise ValueError(f"{wrapper} takes an o1jax.model.Llama, got {type(model).__name__}{hint}")
 
 
 def place_on_mesh(model: Llama, mesh):

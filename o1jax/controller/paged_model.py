@@ -50,11 +50,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from o1jax.controller.decode_model import (CacheConfig, CachePlan, ProgramKeyed, check_llama,
-                                          place_on_mesh)
+from o1jax.controller.decode_model import CacheConfig, CachePlan, ProgramKeyed, place_on_mesh
 from o1jax.engine.kv_cache import (BlockState, PagedKVCache, add_row_refs,
                                    copy_blocks, reserve_for_append, truncate_rows)
-from o1jax.model.llama import Llama
+from o1jax.model.llama import Llama, check_llama
 from o1jax.sharding import tensor_parallel
 
 

@@ -68,7 +68,7 @@ from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, Speculativ
                                       check_draft_vocabulary, prompt_lookup)
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.generation import encode_prompt
-from o1jax.model.llama import Llama
+from o1jax.model.llama import Llama, check_llama
 from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, is_int,
                                   sequence_key)
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
@@ -426,10 +426,7 @@ class Engine:
     ThinkingSpan. With a span a sample's text is its answer after the span, its thinking
     is `SampleResult.thinking`, and stop strings apply to the answer only."""
     # (each was an AttributeError at its first use, or never: a str budget was kept)
-    if not isinstance(model, Llama):
-      hint = (" (build it: Llama(ck.config, ck.params))" if hasattr(model, "params")
-              and hasattr(model, "config") else "")
-      raise ValueError(f"model must be an o1jax.model.Llama, got {type(model).__name__}{hint}")
+    check_llama(model, "Engine")
     if not all(hasattr(tokenizer, a) for a in ("encode", "decode", "eos_ids")):
       raise ValueError(f"tokenizer must be the checkpoint's tokenizer (ck.tokenizer), got "
                        f"{type(tokenizer).__name__}")

@@ -21,7 +21,7 @@ from flax import nnx
 
 from o1jax import compilation_cache
 from o1jax.checkpoint.tokenizer import Tokenizer
-from o1jax.model.llama import KVCache, Llama
+from o1jax.model.llama import KVCache, Llama, check_llama
 from o1jax.model.sampling import (SamplingParams, check_int, check_key_id, is_int, sample,
                                   sequence_key)
 from o1jax.model import thinking as thinking_lib
@@ -117,8 +117,7 @@ class Generator:
                thinking: str | ThinkingSpan | None = "auto"):
     """thinking: a reasoning model's thinking span, as `o1jax.engine.Engine` reads it
     (o1jax/model/thinking.py): texts are the answers after it, stop strings apply there."""
-    if not isinstance(model, Llama):  # (a checkpoint was a JAX TypeError at the first call)
-      raise ValueError(f"model must be an o1jax.model.Llama, got {type(model).__name__}")
+    check_llama(model, "Generator")
     self.model = model
     self.tokenizer = tokenizer
     self.thinking = thinking_lib.resolve(thinking, tokenizer)

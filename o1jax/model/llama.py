@@ -340,3 +340,12 @@ class Llama(nnx.Module):
     """f32 logits of final-normed hidden states x: [..., d] -> [..., V]."""
     logits = layers.linear(x, self.head_weight, backend=self.backend, interpret=self.interpret)
     return logits.astype(jnp.float32)
+
+
+def check_llama(model, who: str) -> None:
+  """`who` takes a Llama: a checkpoint or another object passed instead was an
+  AttributeError, a KeyError or a JAX TypeError at its first use."""
+  if not isinstance(model, Llama):
+    hint = (" (build it: Llama(ck.config, ck.params))" if hasattr(model, "params")
+            and hasattr(model, "config") else "")
+    raise ValueError(f"{who} takes an o1jax.model.Llama, got {type(model).__name__}{hint}")

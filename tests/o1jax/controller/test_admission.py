@@ -495,7 +495,8 @@ def test_objects_of_the_wrong_kind_are_named_when_built(tiny_llama):
       (lambda: ContiguousLlama(ck), r"^ContiguousLlama takes an o1jax\.model\.Llama, got "
                                     r"SimpleNamespace \(build it: Llama\(ck\.config, ck\.params\)\)$"),
       (lambda: PagedLlama(ck), r"^PagedLlama takes an o1jax\.model\.Llama, got SimpleNamespace"),
-      (lambda: Generator(ck, tok), r"^model must be an o1jax\.model\.Llama, got SimpleNamespace$"),
+      (lambda: Generator(ck, tok), r"^Generator takes an o1jax\.model\.Llama, got SimpleNamespace "
+                                   r"\(build it: Llama\(ck\.config, ck\.params\)\)$"),
       (lambda: Llama(decode_model.config, {}),
        r"^params must be the checkpoint's parameters \(ck\.params\): no 'embed' in a dict$"),
       (lambda: Llama(None, {}), r"^config must be the checkpoint's ModelConfig \(ck\.config\), "

@@ -542,7 +542,7 @@ def test_engine_arguments_of_the_wrong_type_are_named(tiny):
   # Before: AttributeError ('LoadedCheckpoint' object has no attribute 'head_weight';
   # 'NoneType' object has no attribute 'eos_ids') at the first use.
   loaded = types.SimpleNamespace(config=tiny.config, params=tiny.params)
-  with pytest.raises(ValueError, match=r"^model must be an o1jax\.model\.Llama, got "
+  with pytest.raises(ValueError, match=r"^Engine takes an o1jax\.model\.Llama, got "
                                        r"SimpleNamespace \(build it: Llama\(ck\.config, ck\.params\)\)$"):
     Engine(loaded, tiny.tokenizer, config)
   with pytest.raises(ValueError, match=r"^tokenizer must be the checkpoint's tokenizer "
