@@ -183,6 +183,13 @@ def model_sources(spec: PredictorSpec) -> list[str]:
 # answer); it becomes an inference dead letter with the value as reason.
 ERROR_KEY = "error"
 
+def _overflowed(where: str) -> dict:
+  """The prediction of a sample drawn from logits that were not finite (engine finish
+  reason / controller exit "error"): an inference dead letter."""
+  return {ERROR_KEY: f"the model's logits were not finite (NaN or inf) {where}: its weights "
+                     f"or activations overflow"}
+
+
 TRACE_FLOAT_DIGITS = 4
 
 
@@ -358,9 +365,7 @@ class EnginePredictor:
       if m.recomputed_tokens:  # preempted (the KV pool was full) and run again
         metrics["recomputed_tokens"] = int(m.recomputed_tokens)
       if sample.finish_reason == "error":  # an output that is no answer: a dead letter
-        out.append({ERROR_KEY: f"the model's logits were not finite (NaN or inf) after "
-                               f"{len(sample.token_ids)} tokens: its weights or activations "
-                               f"overflow"})
+        out.append(_overflowed(f"after {len(sample.token_ids)} tokens"))
         continue
       out.append({"text": sample.text, **_tokens_and_thinking(len(result.prompt_token_ids), sample),
                   "finish_reason": sample.finish_reason, "latency_s": m.e2e or 0.0,
@@ -473,12 +478,9 @@ class ControllerPredictor:
       results = self.controller.run(requests, self.policy)
     out = []
     for item, result in zip(items, results):
-      overflowed = [t.sample_index for t in result.traces
-                    if t.token_ids and not math.isfinite(t.mean_logprob)]
+      overflowed = [t.sample_index for t in result.traces if t.exit_reason == "error"]
       if overflowed:  # traces drawn from NaN/inf logits: no answer to score
-        out.append({ERROR_KEY: f"the model's logits were not finite (NaN or inf) in trace "
-                               f"{overflowed[0]} (of {len(overflowed)}): its weights or "
-                               f"activations overflow"})
+        out.append(_overflowed(f"in trace {overflowed[0]} (of {len(overflowed)})"))
         continue
       text = result.answer_text or (self.controller.final_text(result.traces[0])
                                     if result.traces else "")

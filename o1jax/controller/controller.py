@@ -342,6 +342,7 @@ class Controller:
     self._latency_log: dict[Any, dict] = {}
     self._thinking_limits: dict[Any, int] = {}  # budgets lowered to fit the context
     self._warned_thinking_limit = False  # a warning the first time a budget is lowered
+    self._warned_nonfinite = False
     self._logging = False
     # One run at a time: the logs above and the calls' timings are the running one's
     # (threads sharing a controller take turns, a run each).
@@ -1301,14 +1302,22 @@ class Controller:
       answer_text = answer_text[close + len(self.thinking.close):].lstrip("\n") if close >= 0 else (
           answer_text.lstrip("\n"))
     reason = S.EXIT_NAMES[int(h.exit_reason[row])]
+    if kept and not math.isfinite(float(h.lp_total[row])):
+      # Drawn from NaN/inf logits (weights or activations that overflow): no answer.
+      reason = "error"
+      if not self._warned_nonfinite:
+        self._warned_nonfinite = True
+        log.warning("controller: the model's logits were not finite (NaN or inf) in a trace: "
+                    "its weights or activations overflow; such traces exit 'error' without "
+                    "an answer")
     key = None
-    if (settings.answer_vote and int(h.answer_start[row]) >= 0
+    if (reason != "error" and settings.answer_vote and int(h.answer_start[row]) >= 0
         and int(h.key_state[row]) >= S.KEY_INT and not bool(h.key_unknown[row])):
       key = answers.key_text(h.key[row, :int(h.key_commit[row])])
     return Trace(
         sample_index=sample_index, token_ids=[int(x) for x in gen], text=text,
         thinking_text=thinking_text, answer_text=answer_text,
-        answer=None if reason == "pruned" else self.extract(
+        answer=None if reason in ("pruned", "error") else self.extract(
             text if self.thinking is None else answer_text, settings), steps=steps,
         tokens=TokenCounts(thinking=int(h.think_tokens[row]), answer=int(h.answer_tokens[row]),
                            prefix=int(h.prefix_tokens[row]), probe=int(h.probe_tokens[row]), discarded=int(h.discarded[row]),

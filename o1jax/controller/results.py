@@ -90,7 +90,7 @@ class Trace:
   tokens: TokenCounts
   backtracks: int
   early_exit: bool
-  exit_reason: str
+  exit_reason: str  # state.EXIT_NAMES, or "error": drawn from logits that were not finite
   mean_logprob: float  # mean log p of the kept tokens
   mean_confidence: float  # DeepConf mean token confidence of the trace
   lowest_group_confidence: float  # lowest full-window group confidence (tail if none)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from o1jax.controller import (Controller, LoopSettings, PagedLlama, ReasoningRequest, SelfVerify,
-                              build_policy, get_policy)
+from o1jax.controller import (ContiguousLlama, Controller, LoopSettings, PagedLlama,
+                              ReasoningRequest, SelfVerify, build_policy, get_policy)
 from o1jax.controller.testing import MockTokenizer
 from tests.o1jax.controller.conftest import VOCAB
 from tests.o1jax.controller.test_twin_and_batch import SAMPLED, _random_mock, _same
@@ -483,7 +483,6 @@ def test_objects_of_the_wrong_kind_are_named_when_built(tiny_llama):
   """Passing the checkpoint for the Llama, or the Llama for its decode model, are natural
   slips; each was an AttributeError, a KeyError or a JAX TypeError at the first call."""
   import types
-  from o1jax.controller import ContiguousLlama, PagedLlama
   from o1jax.model import Generator, Llama
   decode_model, tok = tiny_llama
   ck = types.SimpleNamespace(config=decode_model.config, params={})
@@ -527,3 +526,22 @@ def test_threads_sharing_a_controller_take_turns_and_get_their_traces(tiny_llama
     futures = [pool.submit(ctl.run, b, policy) for b in batches]
     threaded = [seen(f.result()[0]) for f in futures]
   assert threaded == alone
+
+
+def test_traces_drawn_from_non_finite_logits_exit_error_without_an_answer(tmp_path, caplog):
+  """A finite weight that overflows (3e38 in the final norm) makes the logits NaN; such a
+  trace exits "error", has no answer and does not vote (its tokens are arbitrary)."""
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.model import Llama
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=128), seed=5)
+  ck = load_checkpoint(tmp_path)
+  params = dict(ck.params)
+  params["final_norm"] = np.full_like(np.asarray(params["final_norm"]), 3e38)
+  ctl = Controller(ContiguousLlama(Llama(ck.config, params)), ck.tokenizer)
+  with caplog.at_level("WARNING", logger="o1jax.controller.controller"):
+    result, = ctl.run([[5, 6, 7]], {"name": "self_consistency", "n": 2, "temperature": 1.0,
+                                    "max_thinking_tokens": 4, "max_answer_tokens": 2})
+  assert [(t.exit_reason, t.answer) for t in result.traces] == [("error", None)] * 2
+  assert result.answer is None
+  assert any("logits were not finite" in r.getMessage() for r in caplog.records)
