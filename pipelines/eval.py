@@ -289,7 +289,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
 
   from pipelines.beam import build_pipeline
   from pipelines.beam.pipeline import sized_for, stored_record, write_text
-  from pipelines.beam.store import OutputError, is_local
+  from pipelines.beam.store import IS_A_DIRECTORY, OutputError, is_local
   from pipelines.beam.worker import mark_launcher
   from pipelines.summary import summarize
 
@@ -302,7 +302,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
       if item.key in stored:
         record, problem = stored_record(store, item)
         resumed_before += record is not None
-        if problem == "is a directory":  # a rerun would compute it, then fail to store it
+        if problem == IS_A_DIRECTORY:  # a rerun would compute it, then fail to store it
           raise OutputError(f"store record {store.path(item.key)} is a directory: the run "
                             f"stores that sample there; remove the directory and rerun")
         if problem:

@@ -109,15 +109,13 @@ class GSMTask:
 
   def load(self) -> Iterator[Union[Example, DeadLetter]]:
     ds = self.dataset
+    check_gsm_config(ds)  # (build_task checks it too; a task may be built directly)
     if ds["name"] == "gsm_synthetic":
       yield from synthetic_examples(ds["n"], seed=ds["seed"], levels=tuple(ds["levels"]))
       return
-    if ds["name"] == "gsm8k_jsonl":
-      if not ds["path"]:
-        raise ValueError("dataset.name=gsm8k_jsonl needs --config.dataset.path=FILE.jsonl")
-      yield from _first_n(read_gsm8k_jsonl(ds["path"]), ds["n"])
-      return
-    raise ValueError(f"dataset.name={ds['name']!r}: expected gsm_synthetic or gsm8k_jsonl")
+    if not ds["path"]:  # gsm8k_jsonl
+      raise ValueError("dataset.name=gsm8k_jsonl needs --config.dataset.path=FILE.jsonl")
+    yield from _first_n(read_gsm8k_jsonl(ds["path"]), ds["n"])
 
   def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
     style = self.prompt_cfg["style"]
@@ -356,14 +354,13 @@ def check_gsm_config(dataset: Mapping[str, Any]) -> None:
 
 
 def stop_strings(prompt_cfg: Mapping[str, Any]) -> tuple[str, ...]:
-  """prompt.stop as a tuple of non-empty strings (a single string is one stop string)."""
-  stop = prompt_cfg.get("stop") or ()
-  if isinstance(stop, str):
-    stop = (stop,)
-  if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-    raise ValueError(f"prompt.stop={prompt_cfg.get('stop')!r}: expected a list of non-empty "
-                     f"strings, e.g. --config.prompt.stop=\"('Q:', '\\n\\n')\"")
-  return tuple(stop)
+  """prompt.stop as the engine will take it (one str is one stop string), checked by the
+  engine's own rule (`GenerationParams`) with the key named."""
+  from o1jax.engine import GenerationParams
+  try:
+    return GenerationParams(stop=prompt_cfg.get("stop") or ()).stop
+  except ValueError as e:
+    raise ValueError(f"prompt.stop={prompt_cfg.get('stop')!r}: {e}") from None
 
 
 CUSTOM_STYLES = ("chat", "completion")

@@ -109,6 +109,11 @@ def check_writable(directory: str) -> None:
     raise OutputError(f"output directory is not writable: {directory} ({os_reason(e)})") from e
 
 
+# `ResultStore.read`'s problem for a record path taken by a directory: the launcher
+# refuses the run (the sample could be computed but never stored).
+IS_A_DIRECTORY = "is a directory"
+
+
 class ResultStore:
   """Records keyed by content hash under `root` (a local directory, gs://, s3://, ...)."""
 
@@ -141,7 +146,7 @@ class ResultStore:
     except FileNotFoundError:
       return None, None
     except IsADirectoryError:
-      return None, "is a directory"
+      return None, IS_A_DIRECTORY
     except OSError as e:
       return None, f"cannot be read ({os_reason(e)})"
     if not data.strip(b" \t\r\n\0"):

@@ -108,6 +108,15 @@ def _read_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
     yield line
 
 
+def _read_all(f: IO[bytes], path: str) -> bytes:
+  """The whole file, with `_read_lines`' errors (a whole-file format: JSON array, Parquet,
+  CSV)."""
+  try:
+    return f.read()
+  except (OSError, EOFError, zlib.error) as e:
+    raise DatasetError(f"cannot read dataset file {path}: {e}") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class JsonLine:
   """A successfully decoded JSON object plus where it came from."""
@@ -228,7 +237,7 @@ def _json_array_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   """The elements of a file holding one JSON array. A file that starts with a JSON value
   followed by more (JSON Lines whose first line is an array) is read as JSON Lines."""
   with open_binary(path) as f:
-    data = b"".join(_read_lines(f, path))
+    data = _read_all(f, path)
   # Bytes that are not UTF-8 stay in the text as surrogates: their record is a dead letter.
   text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
   try:
@@ -272,7 +281,7 @@ def _parquet_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
     raise DatasetError(f"dataset file {path} is Parquet, which needs pyarrow "
                        f"(pip install pyarrow)") from e
   with open_binary(path) as f:
-    data = b"".join(_read_lines(f, path))
+    data = _read_all(f, path)
   try:
     table = pq.read_table(io.BytesIO(data))
   except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
@@ -286,7 +295,7 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
   more or fewer cells than the header, or with a stray quote (read strictly: a lenient
   reader would take the next rows into its cell), is a dead letter."""
   with open_binary(path) as f:
-    data = b"".join(_read_lines(f, path))
+    data = _read_all(f, path)
   if data.startswith(_UTF16_BOMS):
     raise DatasetError(f"dataset file is UTF-16, not UTF-8: {path} (convert it, e.g. "
                        f"iconv -f UTF-16 -t UTF-8)")

@@ -157,7 +157,8 @@ def test_the_gsm8k_task_keeps_the_harness_string_match():
     # sample a dead letter after the model ran (exit 1, the key never named).
     ("prompt", "template", "Answer the question.",
      r"^prompt\.template='Answer the question\.' has no \{question\} field: every example would "),
-    ("prompt", "stop", ("Q:", ""), r"^prompt\.stop=\('Q:', ''\): expected a list of non-empty strings"),
+    ("prompt", "stop", ("Q:", ""), r"^prompt\.stop=\('Q:', ''\): stop strings must be non-empty "
+                                   r"str, got ''$"),
 ])
 def test_custom_prompt_and_answer_format_choices_are_named(section, key, value, message):
   # Before: a mistyped style ran as chat without a word; a template naming another field was a
@@ -187,9 +188,12 @@ def test_a_stop_given_as_one_string_is_one_stop_string():
   assert stop_strings({"stop": "Q:"}) == ("Q:",)
   assert stop_strings({"stop": ["Q:", "\n\n"]}) == ("Q:", "\n\n")
   assert stop_strings({}) == ()
-  for bad in (5, [5], ["Q:", None]):
-    with pytest.raises(ValueError, match=r"^prompt\.stop="):
+  for bad, message in ((5, "stop must be a str or a list of str, got 5"),
+                       ([5], "stop strings must be non-empty str, got 5"),
+                       (["Q:", None], "stop strings must be non-empty str, got None")):
+    with pytest.raises(ValueError) as e:
       stop_strings({"stop": bad})
+    assert str(e.value) == f"prompt.stop={bad!r}: {message}"
 
 
 @pytest.mark.parametrize("key, value, message", [
