@@ -54,13 +54,26 @@ def program(matmul):
   return jax.jit(run)
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--rows", default="1,2,4,8,16,32,128,512")
+def bench_args(argv, description: str, rows: str, layers: int) -> argparse.Namespace:
+  """The flags of the matmul benches: row counts, rounds, layers, a JSON output."""
+  ap = argparse.ArgumentParser(description=description.split("\n")[0])
+  ap.add_argument("--rows", default=rows)
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--layers", type=int, default=LAYERS)
+  ap.add_argument("--layers", type=int, default=layers)
   ap.add_argument("--json", default="")
-  args = ap.parse_args(argv)
+  return ap.parse_args(argv)
+
+
+def print_summary(results: list[dict], rows: list[int], key: str, label: str) -> None:
+  """Per row count: the median of `key` over the rounds and its range (every run shown)."""
+  print(f"\nrows  {label} median (range over rounds)")
+  for m in rows:
+    r = [x[key] for x in results if x["rows"] == m]
+    print(f"{m:4d}  {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+
+
+def main(argv=None):
+  args = bench_args(argv, __doc__, "1,2,4,8,16,32,128,512", LAYERS)
   if not native.f32_matmul_available():
     raise SystemExit(f"the native f32 matmul does not run here: "
                      f"{native.unavailable_reason() or 'this CPU has no fused multiply-add'}")
@@ -82,10 +95,7 @@ def main(argv=None):
       b = median_ms(kernel, x, tiled, calls=calls)
       results.append({"rows": m, "round": round_, "xla_ms": a, "native_ms": b, "ratio": b / a})
       print(f"{m:5d} {round_:5d} {a:8.1f} {b:9.1f} {b / a:10.2f}", flush=True)
-  print("\nrows  native/xla median (range over rounds)")
-  for m in rows:
-    r = [x["ratio"] for x in results if x["rows"] == m]
-    print(f"{m:4d}  {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+  print_summary(results, rows, "ratio", "native/xla")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "results": results}, f, indent=1)

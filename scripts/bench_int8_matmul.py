@@ -13,10 +13,8 @@ of the lut layout to the 8-bit one (below 1: the lut is faster).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import statistics
 import sys
 
 import jax
@@ -28,7 +26,8 @@ from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.quantized_tensor import QuantizedTensor, quantize
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_f32_matmul import SHAPES, median_ms, program  # noqa: E402  (same matrices, timing)
+from bench_f32_matmul import (SHAPES, bench_args, median_ms, print_summary,  # noqa: E402
+                              program)  # (same matrices, timing, flags and summary)
 # ggml's kvalues_iq4nl: the 16 levels of an IQ4_NL / IQ4_XS nibble.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                       np.int8)
@@ -59,12 +58,7 @@ def _weights(fmt: str, layers: int, rng) -> list:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--rows", default="1,8,32")
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--layers", type=int, default=30)
-  ap.add_argument("--json", default="")
-  args = ap.parse_args(argv)
+  args = bench_args(argv, __doc__, "1,8,32", 30)
   if not native.int8_matmul_available():
     raise SystemExit(f"the native int8 matmul does not run here: "
                      f"{native.unavailable_reason() or 'this CPU has neither AVX512-VNNI nor AVX2'}")
@@ -88,10 +82,7 @@ def main(argv=None):
                       "lut_over_8bit": ratio})
       print(f"{m:5d} {round_:5d} " + " ".join(f"{ms[f]:12.2f}" for f in formats)
             + f" {ratio:9.2f}", flush=True)
-  print("\nrows  lut/8bit median (range over rounds)")
-  for m in rows:
-    r = [x["lut_over_8bit"] for x in results if x["rows"] == m]
-    print(f"{m:4d}  {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+  print_summary(results, rows, "lut_over_8bit", "lut/8bit")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "build": native.int8_matmul_build(), "results": results},
