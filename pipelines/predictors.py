@@ -184,8 +184,8 @@ def model_sources(spec: PredictorSpec) -> list[str]:
 ERROR_KEY = "error"
 
 def _overflowed(where: str) -> dict:
-  """The prediction of a sample drawn from logits that were not finite (engine finish
-  reason / controller exit "error"): an inference dead letter."""
+  """The prediction of a sample drawn from logits that were not finite (engine / generator
+  finish reason, controller exit "error"): an inference dead letter."""
   return {ERROR_KEY: f"the model's logits were not finite (NaN or inf) {where}: its weights "
                      f"or activations overflow"}
 
@@ -238,6 +238,9 @@ class GeneratorPredictor:
                                         request_ids=[items[i].request_id for i in idx], stop=stop)
       elapsed = self.clock() - t0
       for i, o in zip(idx, outputs):
+        if o.finish_reason == "error":  # an output that is no answer: a dead letter
+          out[i] = _overflowed(f"after {len(o.token_ids)} tokens")
+          continue
         out[i] = {"text": o.text, **_tokens_and_thinking(o.prompt_tokens, o),
                   "finish_reason": o.finish_reason, "latency_s": elapsed}
     return out  # type: ignore[return-value]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import functools
+import logging
 import time
 from typing import Iterator, Sequence
 
@@ -28,12 +29,16 @@ from o1jax.model import thinking as thinking_lib
 from o1jax.model.shapes import pow2_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class GenerationOutput:
   token_ids: list[int]
   text: str
-  finish_reason: str  # "stop" (eos / stop string) or "length"
+  # "stop" (eos / stop string), "length", or "error": the model's logits were not finite
+  # (NaN or inf: weights or activations that overflow) where the next token was drawn
+  finish_reason: str
   prompt_tokens: int
   seconds: float
   # With a thinking span (Generator(thinking=...)): `text` is the answer after it; this is
@@ -101,13 +106,22 @@ def _jitted_steps(graphdef):
     model = nnx.merge(graphdef, state)
     logits, cache = model(tokens[:, None], positions, cache, logits_at=jnp.zeros_like(positions))
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, step)
-    return sample(logits, keys, temperature, top_k, top_p, min_p), cache
+    return _sample_checked(logits, keys, temperature, top_k, top_p, min_p), cache
 
   return (compilation_cache.jit(prefill, donate_argnums=(3,)),
           compilation_cache.jit(decode, donate_argnums=(3,)))
 
 
-_sample_first = compilation_cache.jit(sample)
+def _sample_checked(logits, keys, temperature, top_k, top_p, min_p):
+  """(tokens [B], finite [B]): the drawn tokens, and whether each one's log-prob is finite
+  (the engine's rule: NaN/inf logits draw an arbitrary token, e.g. greedy the last id)."""
+  ids = sample(logits, keys, temperature, top_k, top_p, min_p)
+  x = logits.astype(jnp.float32)
+  drawn = jnp.take_along_axis(x, ids[:, None], axis=-1)[:, 0]
+  return ids, jnp.isfinite(drawn - jax.nn.logsumexp(x, axis=-1))
+
+
+_sample_first = compilation_cache.jit(_sample_checked)
 
 
 class Generator:
@@ -125,6 +139,7 @@ class Generator:
     graphdef, self._state = nnx.split(model)
     self._prefill, self._decode = _jitted_steps(graphdef)
     self._eos = np.array(sorted(set(tokenizer.eos_ids) | set(model.config.eos_ids)) or [-1])
+    self._warned_nonfinite = False
 
   # -- helpers --------------------------------------------------------------------
 
@@ -230,7 +245,7 @@ class Generator:
                                   cache, jnp.asarray(lengths - 1))
     base_keys = self._base_keys(params, request_ids)
     first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, 0)
-    next_ids = _sample_first(logits, first_keys, *sampling)
+    next_ids, finite = _sample_first(logits, first_keys, *sampling)
     out = [[] for _ in range(n)]
     spans = [None if self.thinking is None else
              SpanReader(self.thinking, self.tokenizer.decode, p) for p in ids]
@@ -240,11 +255,20 @@ class Generator:
     # Stop strings are looked for in the text the output shows (`generate`'s `text`).
     visible = lambda t: self.tokenizer.decode(t, skip_special=True)
     for step in range(max_new_tokens):
-      host_ids = np.asarray(next_ids)
+      host_ids, host_finite = np.asarray(next_ids), np.asarray(finite)
       for i in range(n):
         if done[i]:
           continue
         tok = int(host_ids[i])
+        if not host_finite[i]:
+          done[i], reasons[i] = True, "error"
+          if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            log.warning("generator: the model's logits were not finite (NaN or inf) for "
+                        "request %r after %d tokens: its weights or activations overflow; "
+                        "such samples end with finish_reason 'error'", request_ids[i],
+                        len(out[i]))
+          continue
         if tok in self._eos:
           done[i], reasons[i] = True, "stop"
           continue
@@ -258,7 +282,7 @@ class Generator:
           done[i], reasons[i] = True, "stop"
       if done.all() or step == max_new_tokens - 1:
         break
-      next_ids, cache = self._decode(self._state, next_ids, jnp.asarray(positions), cache,
+      (next_ids, finite), cache = self._decode(self._state, next_ids, jnp.asarray(positions), cache,
                                      base_keys, jnp.int32(step + 1), *sampling)
       positions += 1
     if not stream:

@@ -317,12 +317,13 @@ def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
   assert summary["samples"] == 3 and summary["dead_letters"]["by_stage"] == {"inference": 1}
 
 
-@pytest.mark.parametrize("policy", ["greedy", "greedy_cot"])
-def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path, policy):
+@pytest.mark.parametrize("predictor,policy", [("engine", "greedy"), ("generator", "greedy"),
+                                              ("engine", "greedy_cot")])
+def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path, predictor, policy):
   """A finite weight that overflows (3e38 in the final norm: the load accepts it) gives NaN
-  logits; the engine ends such a sample with finish reason "error", the controller's
-  traces have a NaN mean log-prob, and the job puts them in dead letters instead of
-  scoring the last token id repeated."""
+  logits; the engine and the generator end such a sample with finish reason "error", the
+  controller's traces have a NaN mean log-prob, and the job puts them in dead letters
+  instead of scoring the last token id repeated."""
   import numpy as np
   from safetensors.numpy import load_file, save_file
   from o1jax.testing import tiny_config, write_hf_checkpoint
@@ -332,7 +333,7 @@ def test_samples_whose_logits_overflow_are_inference_dead_letters(tmp_path, poli
   weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], 3e38)
   save_file(weights, str(model / "model.safetensors"))
   data = _write(tmp_path / "ok.jsonl", _good_lines())
-  cfg = _config(data, predictor="engine", source=str(model))
+  cfg = _config(data, predictor=predictor, source=str(model))
   if policy != "greedy":
     cfg.policy = custom_config.get_config(f"smoke=True,policy={policy}").policy
   summary = _run(cfg, tmp_path / "out")

@@ -224,3 +224,32 @@ def test_generators_on_equal_models_share_programs_and_a_dropped_one_is_freed(ti
   del first
   gc.collect()
   assert dropped() is None and weights() is None
+
+
+
+
+class _NaNLogitsOnRow0(Llama):
+  """Row 0's logits are NaN once it feeds position 5 (as weights or activations that
+  overflow make them; RMSNorm keeps a single huge weight from doing it on a tiny model)."""
+
+  def __call__(self, tokens, starts, cache, logits_at=None):
+    logits, cache = super().__call__(tokens, starts, cache, logits_at)
+    bad = (jnp.arange(logits.shape[0]) == 0) & (starts >= 5)
+    return jnp.where(bad[:, None], jnp.nan, logits), cache
+
+
+def test_non_finite_logits_end_the_sample_marked_error(tiny, caplog):
+  """NaN logits drew an arbitrary token (greedy: the last id over and over) and the sample
+  went on: it ends where they appear with finish reason "error", warned once, and the
+  other rows of the batch go on unchanged."""
+  ck, gen = tiny
+  prompts = [[5, 6, 7], [40, 41, 42, 43]]
+  clean = gen.generate(prompts, max_new_tokens=6)
+  assert len(clean[0].token_ids) >= 3  # (the tiny model does not stop before)
+  broken_gen = Generator(_NaNLogitsOnRow0(ck.config, ck.params), ck.tokenizer)
+  with caplog.at_level("WARNING", logger="o1jax.model.generation"):
+    broken, other = broken_gen.generate(prompts, max_new_tokens=6)
+  # Row 0 fed positions 3 and 4 (its first two tokens) and drew a third before position 5.
+  assert (broken.finish_reason, broken.token_ids) == ("error", clean[0].token_ids[:3])
+  assert (other.finish_reason, other.token_ids) == (clean[1].finish_reason, clean[1].token_ids)
+  assert any("logits were not finite" in r.getMessage() for r in caplog.records)
