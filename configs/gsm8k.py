@@ -18,6 +18,10 @@ params from configs.policies.policy_config(name, smoke), each settable as
 
 from configs import common
 
+# gsm_synthetic's choice of problems: the generator's seed and difficulty levels (the
+# 135M model is near zero beyond level 1). A file (gsm8k_jsonl) is read as it is: other
+# values there are refused (pipelines.task_specs.check_gsm_config), not ignored.
+SYNTHETIC_DEFAULTS = {"seed": 0, "levels": (1,)}
 
 def get_config(arg: str = ""):
   variant = common.parse_arg(arg, common.VARIANTS)
@@ -30,8 +34,7 @@ def get_config(arg: str = ""):
       name="gsm_synthetic",  # gsm_synthetic | gsm8k_jsonl
       path="",  # gsm8k_jsonl: official GSM8K JSONL (local, gs://, s3://)
       n=8 if smoke else 48,  # examples (0 = all, for files)
-      seed=0,
-      levels=(1,),  # synthetic difficulty levels; the 135M model is near zero beyond 1
+      **SYNTHETIC_DEFAULTS,
   )
   # Few short worked examples, then one short sentence ending "The answer is N.":
   # the verbose 135M model otherwise spends its budget before answering.

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm8k_jsonl,
                                 synthetic_examples)
 from pipelines.datasets.custom_jsonl import ANSWER_FORMATS
+from pipelines.datasets.gsm_synthetic import LEVELS as SYNTHETIC_LEVELS
 from pipelines.datasets.humaneval import load_humaneval
 from pipelines.suite.task import SuiteTask
 from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
@@ -351,6 +352,21 @@ def check_gsm_config(dataset: Mapping[str, Any]) -> None:
   if name == "gsm_synthetic" and int(dataset.get("n") or 0) > MAX_SYNTHETIC:
     raise ValueError(f"dataset.n={dataset['n']}: the generated dataset holds at most "
                      f"{MAX_SYNTHETIC:,} problems")
+  if name == "gsm_synthetic":
+    levels = dataset.get("levels")
+    ok = isinstance(levels, (list, tuple)) and levels and all(
+        type(v) is int and v in SYNTHETIC_LEVELS for v in levels)  # (bool is no level)
+    if not ok:
+      raise ValueError(f"dataset.levels={levels!r}: the generator's levels are a non-empty "
+                       f"list of {list(SYNTHETIC_LEVELS)}")
+  else:  # a file is read as it is: the generator's settings would be ignored without a word
+    from configs.gsm8k import SYNTHETIC_DEFAULTS  # (their defaults are set by every config)
+    for key, default in SYNTHETIC_DEFAULTS.items():
+      value = dataset.get(key, default)
+      if (tuple(value) if isinstance(value, (list, tuple)) else value) != default:
+        raise ValueError(f"dataset.{key}={value!r} chooses generated problems, but "
+                         f"dataset.name=gsm8k_jsonl reads the file as it is (dataset.n takes "
+                         f"its first n): leave dataset.{key} out")
 
 
 def stop_strings(prompt_cfg: Mapping[str, Any]) -> tuple[str, ...]:

@@ -1,5 +1,7 @@
 """`build_task`: config sections the tasks read, checked when the plan is built."""
 
+import re
+
 import pytest
 
 from configs import custom as custom_config
@@ -202,6 +204,10 @@ def test_a_stop_given_as_one_string_is_one_stop_string():
      r"problems: add --config\.dataset\.name=gsm8k_jsonl to read the file$"),
     ("n", 10**9, r"^dataset\.n=1000000000: the generated dataset holds at most 1,000,000 problems$"),
     ("name", "gsm8k", r"^dataset\.name='gsm8k': expected gsm_synthetic or gsm8k_jsonl$"),
+    ("levels", (5,), r"^dataset\.levels=\(5,\): the generator's levels are a non-empty list "
+                     r"of \[1, 2, 3, 4\]$"),
+    ("levels", (), r"^dataset\.levels=\(\): the generator's levels"),
+    ("levels", (1, True), r"^dataset\.levels=\(1, True\): the generator's levels"),
 ])
 def test_gsm_dataset_settings_that_would_be_ignored_or_never_end_are_named(key, value, message):
   # Before: a path without dataset.name=gsm8k_jsonl scored generated problems (exit 0, no
@@ -212,5 +218,21 @@ def test_gsm_dataset_settings_that_would_be_ignored_or_never_end_are_named(key, 
   with pytest.raises(ValueError, match=message):
     build_task(cfg)
   cfg.dataset.name = "gsm8k_jsonl"
-  if key != "name":
+  if key not in ("name", "levels"):
     build_task(cfg)
+
+
+@pytest.mark.parametrize("key, value", [("levels", (2, 3)), ("seed", 7)])
+def test_generator_settings_with_a_gsm8k_file_are_refused_not_ignored(key, value):
+  # Before: the file was scored as it is, the settings dropped without a word.
+  from configs import gsm8k as gsm8k_config
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.dataset.name, cfg.dataset.path = "gsm8k_jsonl", "test.jsonl"
+  build_task(cfg)  # the defaults are fine
+  cfg.dataset[key] = value
+  with pytest.raises(ValueError, match=rf"^dataset\.{key}={re.escape(repr(value))} chooses generated "
+                                       rf"problems, but dataset\.name=gsm8k_jsonl reads the "
+                                       rf"file as it is .*: leave dataset\.{key} out$"):
+    build_task(cfg)
+  cfg.dataset.name, cfg.dataset.path = "gsm_synthetic", ""
+  build_task(cfg)
