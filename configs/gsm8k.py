@@ -32,7 +32,7 @@ def get_config(arg: str = ""):
   config.model = common.model_section()
   config.dataset = common.section(
       name="gsm_synthetic",  # gsm_synthetic | gsm8k_jsonl
-      path="",  # gsm8k_jsonl: official GSM8K JSONL (local, gs://, s3://)
+      path="",  # gsm8k_jsonl: official GSM8K JSONL (local, gs://, s3://; a pattern: shards)
       n=8 if smoke else 48,  # examples (0 = all, for files)
       **SYNTHETIC_DEFAULTS,
   )

@@ -64,7 +64,7 @@ def read_gsm8k_jsonl(
   """
   def parse(line: JsonLine) -> Example:
     return example_from_gsm8k_record(line.obj, dataset=dataset, split=split,
-                                     index=line.line_number - 1)
+                                     index=line.index)
   return load_records(path, parse)
 
 

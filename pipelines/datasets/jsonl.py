@@ -22,6 +22,7 @@ import datetime
 import decimal
 import io
 import dataclasses
+import glob
 import gzip
 import hashlib
 import json
@@ -119,11 +120,19 @@ def _read_all(f: IO[bytes], path: str) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class JsonLine:
-  """A successfully decoded JSON object plus where it came from."""
+  """A successfully decoded JSON object plus where it came from. offset: the records of
+  the files before this one, when a pattern names several (`dataset_files`)."""
   source: str
   line_number: int
   raw: str
   obj: dict[str, Any]
+  offset: int = 0
+
+  @property
+  def index(self) -> int:
+    """0-based position in the whole dataset (line-based ids: shards in name order number
+    their records as one file holding them in that order would)."""
+    return self.offset + self.line_number - 1
 
 
 def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
@@ -344,40 +353,79 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
     yield JsonLine(path, number, raw, obj)
 
 
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def dataset_files(path: str) -> list[str]:
+  """The files `path` names: itself, or for a pattern (``*``, ``?``, ``[...]``: e.g. the
+  Hub's shards, ``data/test-*.parquet``) the files it matches, sorted by name. A pattern
+  matching no file raises `DatasetError`; a file whose name holds those characters is
+  itself."""
+  local = None if _SCHEME_RE.match(path) and not path.startswith("file://") else path.removeprefix("file://")
+  if not _GLOB_CHARS.search(path) or (local is not None and os.path.exists(local)):
+    return [path]
+  if local is not None:
+    files = sorted(f for f in glob.glob(local) if not os.path.isdir(f))
+  else:
+    try:
+      from apache_beam.io.filesystems import FileSystems  # pylint: disable=g-import-not-at-top
+      matched = FileSystems.match([path])[0].metadata_list
+    except ImportError as e:
+      raise DatasetError(f"reading {path!r} needs apache-beam with the scheme's extra") from e
+    except Exception as e:  # object stores raise assorted errors for a bad bucket
+      raise DatasetError(f"cannot list dataset files {path}: {e}") from e
+    files = sorted(m.path for m in matched)
+  if not files:
+    raise DatasetError(f"dataset path pattern matches no file: {path}")
+  return files
+
+
 def load_records(
     path: str,
     parse: Callable[[JsonLine], Example],
 ) -> Iterator[Union[Example, DeadLetter, Duplicate]]:
-  """Run `parse` over every record of the file (`iter_records`: any of `FORMATS`); its
-  `RecordError`s become dead letters.
+  """Run `parse` over every record of the file, or of the files a pattern names in name
+  order (`dataset_files`; each file any of `FORMATS`: `iter_records`); its `RecordError`s
+  become dead letters.
 
   A line holding the same JSON object as an earlier one (key order and spacing aside)
   becomes a `Duplicate` and is skipped: the first line keeps the example. A different
   line whose example takes an id already taken is a dead letter (results, votes and
   request ids are per example id).
   """
-  first_line: dict[bytes, int] = {}  # sha256 of the canonical object -> its first line
-  id_line: dict[str, int] = {}
-  for item in iter_records(path):
-    if isinstance(item, DeadLetter):
-      yield item
-      continue
-    digest = hashlib.sha256(json.dumps(item.obj, sort_keys=True).encode()).digest()
-    if digest in first_line:
-      yield Duplicate(item.source, item.line_number, first_line[digest])
-      continue
-    first_line[digest] = item.line_number
-    try:
-      example = parse(item)
-    except RecordError as e:
-      yield DeadLetter(item.source, item.line_number, str(e), item.raw)
-      continue
-    taken = id_line.setdefault(example.id, item.line_number)
-    if taken != item.line_number:
-      yield DeadLetter(item.source, item.line_number,
-                       f"example id {example.id!r} is already used by line {taken}", item.raw)
-      continue
-    yield example
+  files = dataset_files(path)
+  first_line: dict[bytes, tuple[str, int]] = {}  # sha256 of the canonical object -> its first line
+  id_line: dict[str, tuple[str, int]] = {}
+  offset = 0  # records of the files before this one
+  for source in files:
+    last = 0
+    for item in iter_records(source):
+      last = item.line_number
+      if isinstance(item, DeadLetter):
+        yield item
+        continue
+      item = dataclasses.replace(item, offset=offset)
+      where = (item.source, item.line_number)
+      digest = hashlib.sha256(json.dumps(item.obj, sort_keys=True).encode()).digest()
+      if digest in first_line:
+        first_source, first_number = first_line[digest]
+        yield Duplicate(item.source, item.line_number, first_number,
+                        "" if first_source == item.source else first_source)
+        continue
+      first_line[digest] = where
+      try:
+        example = parse(item)
+      except RecordError as e:
+        yield DeadLetter(item.source, item.line_number, str(e), item.raw)
+        continue
+      taken = id_line.setdefault(example.id, where)
+      if taken != where:
+        at = f"line {taken[1]}" if taken[0] == item.source else f"{taken[0]} line {taken[1]}"
+        yield DeadLetter(item.source, item.line_number,
+                         f"example id {example.id!r} is already used by {at}", item.raw)
+        continue
+      yield example
+    offset += last
 
 
 def require_str(obj: dict[str, Any], key: str, *, what: Optional[str] = None) -> str:

@@ -77,10 +77,12 @@ class Duplicate:
     source: the file path / URL.
     line_number: 1-based line number of this (skipped) copy.
     first_line_number: the line that was kept.
+    first_source: the file of that line, when a pattern names several ("": this one).
   """
   source: str
   line_number: int
   first_line_number: int
+  first_source: str = ""
 
 
 LoadResult = Union[Example, DeadLetter, Duplicate]

@@ -172,3 +172,43 @@ def test_a_csv_quote_that_is_not_closed_is_a_dead_letter_not_a_merged_row(tmp_pa
   header.write_text('"question,answer\nq,1\n')
   with pytest.raises(DatasetError, match=r"as CSV: the header row \(line 2\): unexpected end of data"):
     list(read_custom_jsonl(str(header), {}))
+
+
+def test_a_pattern_reads_the_shards_in_name_order_as_one_file(tmp_path):
+  """The Hub splits larger datasets into shards (`test-00000-of-00003.parquet`, ...): a
+  pattern reads them in name order, numbered as the one file holding them would be."""
+  whole = _write(tmp_path / "whole.jsonl", "jsonl", GSM)
+  shards = tmp_path / "data"
+  shards.mkdir()
+  for i in (2, 0, 1):  # (written out of order)
+    _write(shards / f"test-0000{i}-of-00003.parquet", "parquet", [GSM[i]])
+  got = list(read_gsm8k_jsonl(str(shards / "test-*.parquet")))
+  assert got == list(read_gsm8k_jsonl(whole))
+  assert [e.id for e in got] == ["gsm8k/test/0", "gsm8k/test/1", "gsm8k/test/2"]
+  # JSONL shards: the second shard's lines continue the first's numbering.
+  _write(shards / "part-a.jsonl", "jsonl", GSM[:2])
+  _write(shards / "part-b.jsonl", "jsonl", GSM[2:])
+  assert list(read_gsm8k_jsonl(str(shards / "part-?.jsonl"))) == got
+
+
+def test_shards_share_duplicates_and_ids_and_name_the_file(tmp_path):
+  a = _write(tmp_path / "a.jsonl", "jsonl", [{"id": "x", "q": "one", "a": "1"}])
+  _write(tmp_path / "b.jsonl", "jsonl", [{"id": "y", "q": "two", "a": "2"},
+                                         {"id": "x", "q": "one", "a": "1"},
+                                         {"id": "x", "q": "three", "a": "3"}])
+  got = list(read_custom_jsonl(str(tmp_path / "[ab].jsonl"),
+                               {"question": "q", "answer": "a", "id": "id"}))
+  assert [e.id for e in got if isinstance(e, Example)] == ["custom/x", "custom/y"]
+  dup, = [d for d in got if isinstance(d, Duplicate)]
+  assert (dup.source, dup.line_number, dup.first_source, dup.first_line_number) == (
+      str(tmp_path / "b.jsonl"), 2, a, 1)
+  dead, = [d for d in got if isinstance(d, DeadLetter)]
+  assert (dead.source, dead.line_number) == (str(tmp_path / "b.jsonl"), 3)
+  assert dead.reason == f"example id 'custom/x' is already used by {a} line 1"
+
+
+def test_a_pattern_that_matches_nothing_is_one_line_and_a_name_with_brackets_is_a_file(tmp_path):
+  with pytest.raises(DatasetError, match=r"^dataset path pattern matches no file: .*/nope-\*\.parquet$"):
+    list(read_gsm8k_jsonl(str(tmp_path / "nope-*.parquet")))
+  odd = _write(tmp_path / "gsm[1].jsonl", "jsonl", GSM[:1])  # the file itself, not a pattern
+  assert [e.question for e in read_gsm8k_jsonl(odd)] == [GSM[0]["question"]]
