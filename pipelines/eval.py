@@ -24,7 +24,7 @@ nothing already stored is recomputed.
 Output: the progress bar, warnings, the summary and `error: ...` lines (exit code 2,
 no traceback) for bad input; exit code 1 when the run scored no sample (every work item
 a dead letter: the summary's accuracy is empty, not 0.0) or the sandbox failed for every
-program (HumanEval: no verdict); what Beam, absl, JAX and the
+program (HumanEval, or a suite category: no verdict); what Beam, absl, JAX and the
 worker processes log goes to OUTPUT_DIR/eval.log, or to stderr with --verbose (which also
 prints tracebacks).
 """
@@ -704,6 +704,10 @@ def run_failure(summary: dict, output_dir: str) -> str | None:
     # no verdict at all: the sandbox failed for every program, which is not the model's fault
     return (f"the sandbox failed for all {summary['samples']} programs (status sandbox_error in "
             f"{output_dir}/results.jsonl): no sample has a verdict")
+  for category, c in (summary.get("categories") or {}).items():  # the suite's, each alone
+    if c.get("sandbox_errors") == c["samples"]:
+      return (f"the sandbox failed for all {c['samples']} programs of category {category} "
+              f"(sandbox_error in {output_dir}/results.jsonl): it has no verdict")
   return None
 
 

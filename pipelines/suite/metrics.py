@@ -96,4 +96,7 @@ def category_summaries(records: Sequence[dict], vote: bool = False) -> dict[str,
                    "completion_per_sample": _r(sum(completion) / len(recs), 2),
                    "prompt_per_sample": _r(sum(prompt) / len(recs), 1)},
         **latency_profile(recs)}
+    errors = sum(bool(r["score"].get("sandbox_error")) for r in recs)
+    if errors:  # programs the sandbox could not judge (left out of the category's metrics)
+      out[category]["sandbox_errors"] = errors
   return out

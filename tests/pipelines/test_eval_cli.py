@@ -134,6 +134,31 @@ def test_a_run_whose_sandbox_failed_for_every_program_exits_1():
   assert some["accuracy"] == {"pass@1": 0.0} and run_failure(some, "out") is None
 
 
+def test_a_suite_category_whose_sandbox_failed_for_every_program_exits_1():
+  # Before: a code-only suite run with every program a sandbox error exited 0.
+  from pipelines.eval import run_failure
+  from pipelines.summary import summarize
+
+  def record(i, category, status="failed"):
+    score = {"category": category, "status": status, "sandbox_error": status == "sandbox_error",
+             "metrics": {"pass": 0.0, "exact_match": 1.0, "f1": 1.0}}
+    return {"example_id": f"{category}{i}", "example_index": i, "sample_index": 0,
+            "policy": "greedy", "reference": "x", "answer": "x", "correct": False,
+            "tokens": {}, "finish_reason": "stop", "score": score}
+
+  code = [record(0, "code", "sandbox_error"), record(1, "code", "sandbox_error")]
+  qa = [record(2, "qa")]
+  for records in (code, code + qa):
+    summary = summarize(records, task="suite")
+    assert summary["categories"]["code"]["sandbox_errors"] == 2
+    assert run_failure(summary, "out") == (
+        "the sandbox failed for all 2 programs of category code (sandbox_error in "
+        "out/results.jsonl): it has no verdict")
+  some = summarize([code[0], record(1, "code")] + qa, task="suite")
+  assert some["categories"]["code"]["sandbox_errors"] == 1 and run_failure(some, "out") is None
+  assert "sandbox_errors" not in summarize(qa, task="suite")["categories"]["qa"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--config.sampling.top_k=abc"],
      "flag --config.sampling.top_k=abc: invalid literal for int() with base 10: 'abc'"),
