@@ -178,16 +178,18 @@ class BestOfN(Policy):
   def check_params(self):
     super().check_params()
     _check_count(self, "n")
-    if not isinstance(self.score, str):  # (a name: scorers may be registered after this)
+    if not isinstance(self.score, str):
       raise ValueError(f"score must be a registered scorer's name, got {self.score!r}")
+    # (the modules of --config.imports register theirs before policies are built: an
+    # unknown name found here is named before any work, not once per example)
+    if self.score not in SCORERS:
+      raise ValueError(f"unknown scorer {self.score!r}; registered: {sorted(SCORERS)}")
 
   @property
   def traces_per_call(self) -> int:
     return self.n
 
   def run(self, ctl, requests):
-    if self.score not in SCORERS:
-      raise ValueError(f"{self.name}: unknown scorer {self.score!r}; registered: {sorted(SCORERS)}")
     scorer = SCORERS[self.score]
     batch = ctl.generate(requests, self.loop_settings(), self.n)
     out = []

@@ -263,6 +263,8 @@ NAN = float("nan")
     ({"name": "self_consistency", "n": True}, r"^self_consistency: n must be an int >= 1"),
     ({"name": "best_of_n", "n": 0}, r"^best_of_n: n must be an int >= 1, got 0$"),
     ({"name": "best_of_n", "score": None}, r"^best_of_n: score must be a registered scorer"),
+    ({"name": "best_of_n", "score": "bogus"},  # was: found per example, after the model ran
+     r"^best_of_n: unknown scorer 'bogus'; registered: \['lowest_group_confidence', "),
     ({"name": "deepconf", "warmup": 2.5}, r"^deepconf: warmup must be an int >= 1, got 2.5$"),
     ({"name": "deepconf", "window": 0}, r"^deepconf: window must be an int >= 1, got 0$"),
     ({"name": "deepconf", "consensus": NAN}, r"^deepconf: consensus must be > 0.5"),
