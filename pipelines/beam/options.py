@@ -28,11 +28,29 @@ RUNNERS = ("DirectRunner", "dask", "DataflowRunner", "FlinkRunner", "SparkRunner
            "PortableRunner")
 
 
+def runner_name(name, key: str = "runner.name") -> str:
+  """The runner a name means, spelled as the project compares it: "dask" for the dask
+  runner, Beam's class name otherwise (Beam reads "directrunner" or "direct" as the
+  DirectRunner, and the DirectRunner's settings were then dropped without a word); a
+  dotted class path as given. Raises ValueError naming `key` for a name Beam does not know."""
+  if not isinstance(name, str) or not name.strip():
+    raise ValueError(f"{key}={name!r}: expected one of {list(RUNNERS)} (or a runner class path)")
+  if name in DASK_NAMES or name.lower() in ("dask", "daskrunner"):
+    return "dask"
+  if "." in name:
+    return name
+  from apache_beam.runners.runner import _RUNNER_MAP  # Beam's own table of names
+  path = _RUNNER_MAP.get(name.lower(), _RUNNER_MAP.get(name.lower() + "runner"))
+  if path is None:
+    raise ValueError(f"{key}={name!r}: expected one of {list(RUNNERS)} (or a runner class path)")
+  return path.rsplit(".", 1)[1]
+
+
 def batches_sharing_a_model(runner_cfg) -> int:
   """Beam batches one shared model may serve at once: the DirectRunner's worker processes
   or threads when they share it (runner.share_model); 1 where the runner does not say how
   many workers of a machine share it (a cluster) or each has its own model."""
-  if (runner_cfg.name == "DirectRunner" and runner_cfg.get("share_model", True)
+  if (runner_name(runner_cfg.name) == "DirectRunner" and runner_cfg.get("share_model", True)
       and runner_cfg.get("direct_running_mode", "multi_processing") != "in_memory"):
     return max(1, int(runner_cfg.get("direct_num_workers", 1)))
   return 1
@@ -40,11 +58,11 @@ def batches_sharing_a_model(runner_cfg) -> int:
 
 def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:
   extra = list(extra)
-  runner = runner_cfg.name
+  runner = runner_name(runner_cfg.name)
   for arg in extra:
     if arg.startswith("--runner="):
-      runner = arg.split("=", 1)[1]
-  if runner in DASK_NAMES:
+      runner = runner_name(arg.split("=", 1)[1], "--runner")
+  if runner == "dask":
     return _dask_args(runner_cfg, extra, plugins)
   args = [f"--runner={runner}"]
   if runner == "DirectRunner":
@@ -83,6 +101,15 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
     if not isinstance(value, int) or value < (1 if key == "local_workers" else 0):
       raise ValueError(f"runner.{key}={value!r}: expected an integer >= "
                        f"{1 if key == 'local_workers' else 0}")
+  if address:  # (distributed's own message names no key: "missing port number in address")
+    from distributed.comm import parse_address  # pylint: disable=g-import-not-at-top
+    from distributed.comm.addressing import parse_host_port  # pylint: disable=g-import-not-at-top
+    try:
+      scheme, location = parse_address(address)
+      if scheme in ("tcp", "tls"):
+        parse_host_port(location)
+    except ValueError as e:
+      raise ValueError(f"runner.address={address!r}: {e} (expected tcp://host:8786)") from None
   args = [f"--runner={DASK_RUNNER}"]
   if address and "--dask_client_address" not in given:
     args.append(f"--dask_client_address={address}")

@@ -48,6 +48,10 @@ def test_bad_runner_settings_are_one_line_errors(tmp_path):
   cfg.local_workers = 0
   with pytest.raises(ValueError, match=r"^runner.local_workers=0: expected an integer >= 1$"):
     beam_args(cfg)
+  cfg.local_workers, cfg.address = 1, "not-an-address"  # was distributed's message alone
+  with pytest.raises(ValueError, match=r"^runner.address='not-an-address': missing port number "
+                                       r"in address 'not-an-address' \(expected tcp://host:8786\)$"):
+    beam_args(cfg)
   # Nothing listens on the discard port here: the error names the scheduler (python -m
   # pipelines.eval prints a ValueError as one `error:` line, exit code 2).
   cfg = gsm8k_config.get_config("smoke=True")

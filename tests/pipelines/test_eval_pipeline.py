@@ -96,6 +96,33 @@ def test_handler_contract():
   assert out[0].inference["timing"]["batch_size"] == 3
 
 
+@pytest.mark.parametrize("name, want", [("DirectRunner", "DirectRunner"),
+                                        ("directrunner", "DirectRunner"), ("direct", "DirectRunner"),
+                                        ("flink", "FlinkRunner"), ("Dask", "dask"),
+                                        ("my.pkg.Runner", "my.pkg.Runner")])
+def test_runner_names_are_read_as_beam_reads_them(name, want):
+  # Before: "directrunner" ran on the DirectRunner (Beam's reading) without its settings
+  # (the project compared the exact spelling): one worker, no progress bar, no resume counts.
+  from pipelines.beam.options import beam_args, batches_sharing_a_model, runner_name
+  assert runner_name(name) == want
+  cfg = fake_config().runner
+  cfg.name = name
+  if want == "DirectRunner":
+    assert "--direct_num_workers=2" in beam_args(cfg) and batches_sharing_a_model(cfg) == 2
+
+
+@pytest.mark.parametrize("name", ["bogus", "", "Directrunnr"])
+def test_an_unknown_runner_name_is_one_line_naming_the_key(name):
+  from pipelines.beam.options import runner_name
+  cfg = fake_config()
+  cfg.runner.name = name
+  with pytest.raises(ValueError, match=rf"^runner\.name='{name}': expected one of \['DirectRunner', "
+                                       rf"'dask', .*\] \(or a runner class path\)$"):
+    build_plan(cfg, "unused_output_dir")
+  with pytest.raises(ValueError, match=r"^--runner='bogus': expected one of"):
+    runner_name("bogus", "--runner")
+
+
 @pytest.mark.parametrize("args", [
     ["--runner=DataflowRunner", "--project=my-project-123", "--region=us-central1",
      "--temp_location=gs://my-bucket/tmp"],
