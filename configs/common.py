@@ -26,11 +26,18 @@ def parse_arg(arg: str, known: Mapping[str, str]) -> dict[str, str]:
   values = dict(known)
   if not arg:
     return values
+  given = set()
   for part in arg.split(","):
     key, sep, value = part.partition("=")
     key = key.strip()
+    if not sep and given:  # "category=math,qa": a second value for the key before it
+      raise ValueError(f"config variant {part!r}: expected key=value with key in "
+                       f"{sorted(known)} (a variant takes one value)")
     if not sep or key not in known:
       raise ValueError(f"config variant {part!r}: expected key=value with key in {sorted(known)}")
+    if key in given:  # the last one won without a word
+      raise ValueError(f"config variant {key!r} is given twice: it takes one value")
+    given.add(key)
     values[key] = value.strip()
   return values
 

@@ -279,6 +279,8 @@ def _scan(plan, out: str, console):
   for source, count in sorted(scan.duplicates.items()):
     print(f"warning: {source}: {count} duplicate line{'s' if count > 1 else ''} skipped "
           f"(the first line of each example is kept)", file=console)
+  for line in plan.task.warnings(plan.sampling) if hasattr(plan.task, "warnings") else ():
+    print(f"warning: {line}", file=console)
   return scan
 
 

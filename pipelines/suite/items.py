@@ -49,11 +49,12 @@ def check_category(category: str) -> str:
 
 def default_cache_dir() -> pathlib.Path:
   env = os.environ.get("O1JAX_SUITE_CACHE")
-  return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "o1jax" / "suite"
+  return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "o1jax" / "suite"
 
 
 def cache_path(cache_dir: str | os.PathLike = "", seed: int = 0) -> pathlib.Path:
-  directory = pathlib.Path(cache_dir) if str(cache_dir) else default_cache_dir()
+  # "~" as a shell would read it (a quoted flag value made a directory named "~" here)
+  directory = pathlib.Path(cache_dir).expanduser() if str(cache_dir) else default_cache_dir()
   return directory / f"suite-v{SUITE_VERSION}-seed{seed}.jsonl"
 
 
@@ -89,7 +90,11 @@ def write_cache(path: pathlib.Path, items: Sequence[Example], seed: int) -> str:
     with contextlib.suppress(OSError):
       tmp.unlink(missing_ok=True)
     where = f"{e.filename}: " if e.filename and str(e.filename) != str(tmp) else ""
-    raise SuiteCacheError(f"cannot write the suite cache {path}: {where}{e.strerror or e} (set "
+    why = e.strerror or e
+    blocking = next((p for p in reversed(path.parents) if p.is_file()), None)
+    if blocking is not None:  # (mkdir says "File exists" or "Not a directory")
+      where, why = "", f"{blocking} is a file, not a directory"
+    raise SuiteCacheError(f"cannot write the suite cache {path}: {where}{why} (set "
                           f"dataset.cache_dir to a writable directory)") from e
   return digest
 

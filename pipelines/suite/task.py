@@ -3,6 +3,7 @@
 Same interface as the other tasks (load / prompt / score_batch), plus:
   check_policy(policy)       controller policies only where they apply (category=math)
   sampling_for(example, s)   the category's token budget (min of it and sampling.max_new_tokens)
+  warnings(s)                the budgets sampling.max_new_tokens caps (printed by the launcher)
   data_info()                suite version, seed, cache file, content hash, selection hash
 Scoring goes by each item's `metadata.category`; a scorer that raises on one item returns
 that exception in the item's place, and the pipeline turns it into a dead letter
@@ -34,7 +35,22 @@ class SuiteTask:
   vote_field: str = "flexible_answer"
 
   def __post_init__(self):
+    # Settings a run would drop or clamp without a word, named when the plan is built.
     self.code_style  # a bad prompt.code_style fails when the plan is built
+    style = self.prompt_cfg.get("style", "per_category")
+    if style != "per_category":
+      raise ValueError(f"prompt.style={style!r}: the suite renders each category's own prompt "
+                       f"(per_category); prompt.code_style picks code's (chat or completion)")
+    n = int(self.dataset["n"])
+    if n > suite_items.ITEMS_PER_CATEGORY:
+      raise ValueError(f"dataset.n={n}: the suite holds {suite_items.ITEMS_PER_CATEGORY} items "
+                       f"per category (0 = all of them)")
+    budgets = self.dataset["max_new_tokens"]
+    for category in self.categories:
+      value = budgets.get(category)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"dataset.max_new_tokens.{category}={value!r}: expected an int >= 1 "
+                         f"(the category's new tokens, capped by sampling.max_new_tokens)")
 
   @property
   def categories(self) -> tuple[str, ...]:
@@ -74,6 +90,15 @@ class SuiteTask:
                        f"number after 'The answer is'); suite categories {rejected} reject it "
                        f"(code needs stop sequences and pass@k, the others free-text answers): "
                        f"use category=math, or policy=greedy / sample_n")
+
+  def warnings(self, base) -> list[str]:
+    """What the run's settings change without an error (the launcher prints them)."""
+    budgets = self.dataset["max_new_tokens"]
+    capped = [f"{c} {budgets[c]}" for c in self.categories if budgets[c] > base.max_new_tokens]
+    if not capped:
+      return []
+    return [f"sampling.max_new_tokens={base.max_new_tokens} caps the per-category budgets "
+            f"(dataset.max_new_tokens) of {', '.join(capped)}"]
 
   def sampling_for(self, example: Example, base):
     budget = int(self.dataset["max_new_tokens"][example.metadata["category"]])

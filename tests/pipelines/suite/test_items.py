@@ -60,14 +60,23 @@ def test_malformed_cache_is_an_error_naming_the_file(suite_cache_dir, tmp_path, 
   assert items.load_or_create(tmp_path, seed=0)[1]["content_sha256"] == json.loads(good[0])["content_sha256"]
 
 
-@pytest.mark.parametrize("under, reason", [("", "File exists"), ("cache", "Not a directory")])
-def test_a_cache_directory_that_is_a_file_is_one_error_naming_it(tmp_path, under, reason):
-  # Before: FileExistsError's traceback from the launcher's dataset scan.
+@pytest.mark.parametrize("under", ["", "cache"])
+def test_a_cache_directory_that_is_a_file_is_one_error_naming_it(tmp_path, under):
+  # Before: FileExistsError's traceback from the launcher's dataset scan; then mkdir's
+  # "File exists" / "Not a directory", naming the directory asked for.
   blocker = tmp_path / "afile"
   blocker.write_text("not a directory\n")
   with pytest.raises(items.SuiteCacheError) as e:
     items.load_or_create(blocker / under, seed=0)
   path = items.cache_path(blocker / under, 0)
-  assert str(e.value) == (f"cannot write the suite cache {path}: {blocker / under}: {reason} "
-                          f"(set dataset.cache_dir to a writable directory)")
+  assert str(e.value) == (f"cannot write the suite cache {path}: {blocker} is a file, not a "
+                          f"directory (set dataset.cache_dir to a writable directory)")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_cache_directory_under_home_is_read_as_a_shell_would(monkeypatch, tmp_path):
+  # Before: a quoted '~/cache' made a directory named "~" in the working directory.
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert items.cache_path("~/suite", 3) == tmp_path / "suite" / "suite-v1-seed3.jsonl"
+  monkeypatch.setenv("O1JAX_SUITE_CACHE", "~/env")
+  assert items.cache_path("", 0) == tmp_path / "env" / "suite-v1-seed0.jsonl"

@@ -90,6 +90,49 @@ def test_controller_policies_only_with_category_math(suite_cache_dir, tmp_path):
   assert len(plan_items(plan)[0]) == 3 * plan.policy.num_samples
 
 
+@pytest.mark.parametrize("key, value, message", [
+    # Each ran before: the style ignored, n capped at 200 (the summary said 100000), a
+    # negative budget named as sampling's would be.
+    ("prompt.style", "fewshot", r"^prompt\.style='fewshot': the suite renders each category's "
+                                r"own prompt \(per_category\)"),
+    ("dataset.n", 100000, r"^dataset\.n=100000: the suite holds 200 items per category "
+                          r"\(0 = all of them\)$"),
+    ("dataset.max_new_tokens.qa", -5, r"^dataset\.max_new_tokens\.qa=-5: expected an int >= 1"),
+])
+def test_suite_settings_it_would_drop_or_clamp_are_named(suite_cache_dir, tmp_path, key,
+                                                         value, message):
+  cfg = fake_config(suite_cache_dir, "smoke=True,category=qa")
+  section, _, name = key.partition(".")
+  target = cfg[section]
+  while "." in name:
+    part, _, name = name.partition(".")
+    target = target[part]
+  target[name] = value
+  with pytest.raises(ValueError, match=message):
+    build_plan(cfg, str(tmp_path))
+
+
+def test_budgets_that_sampling_caps_are_a_warning(suite_cache_dir, tmp_path):
+  cfg = fake_config(suite_cache_dir, "smoke=True,category=qa")
+  plan = build_plan(cfg, str(tmp_path))
+  assert plan.task.warnings(plan.sampling) == []
+  cfg.dataset.max_new_tokens.qa = 500
+  cfg.sampling.max_new_tokens = 5
+  plan = build_plan(cfg, str(tmp_path))
+  assert plan.task.warnings(plan.sampling) == [
+      "sampling.max_new_tokens=5 caps the per-category budgets (dataset.max_new_tokens) of qa 500"]
+  assert {i.sampling.max_new_tokens for i in plan_items(plan)[0]} == {5}
+
+
+def test_a_variant_given_twice_is_refused():
+  # Before: the last one won without a word ("category=math,category=qa" ran qa only).
+  with pytest.raises(ValueError, match=r"^config variant 'category' is given twice: it takes "
+                                       r"one value$"):
+    suite_config.get_config("category=math,category=qa")
+  with pytest.raises(ValueError, match=r"^config variant 'qa': .* \(a variant takes one value\)$"):
+    suite_config.get_config("category=math,qa")
+
+
 def test_unknown_category_variant_lists_the_valid_ones():
   with pytest.raises(ValueError, match=r"unknown suite category 'poetry'.*code, math, qa"):
     suite_config.get_config("category=poetry")
