@@ -109,8 +109,8 @@ class BudgetConfig:
     if self.mode not in MODES:
       raise ValueError(f"budget.mode={self.mode!r}: valid modes are {list(MODES)}")
     check_slo(self.latency_slo_s, "budget.latency_slo_s")
-    if not self.interval_ms > 0:
-      raise ValueError(f"budget.interval_ms must be > 0, got {self.interval_ms}")
+    if not 0 < self.interval_ms < math.inf:  # (inf: the budget never re-evaluated)
+      raise ValueError(f"budget.interval_ms must be a finite number > 0, got {self.interval_ms}")
     if not is_int(self.window) or self.window < 1:  # (a deque's maxlen: 2.5 failed at first use)
       raise ValueError(f"budget.window must be an int >= 1, got {self.window!r}")
     if not self.window_s > 0:

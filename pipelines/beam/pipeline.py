@@ -188,7 +188,11 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   budget = config.get("budget")
   if budget is not None:  # checked now rather than in a worker
     from o1jax.engine.budget import BudgetConfig
-    BudgetConfig.from_dict(budget.to_dict() if hasattr(budget, "to_dict") else budget)
+    budget_cfg = BudgetConfig.from_dict(budget.to_dict() if hasattr(budget, "to_dict") else budget)
+    if budget_cfg.mode != "fixed" and name not in ("engine", "controller"):
+      raise ValueError(f"budget.mode={budget_cfg.mode!r} needs model.predictor=engine or a "
+                       f"controller policy; this run uses {name!r} (the generator has no "
+                       f"budget to adapt)")
   speculative = config.get("speculative")
   speculative = speculative.to_dict() if hasattr(speculative, "to_dict") else speculative
   spec_cfg = speculative_config(speculative or {})

@@ -231,6 +231,11 @@ def test_speculative_engine_run_gives_the_plain_records_under_the_same_keys(tiny
   bad.speculative.enabled = True
   with pytest.raises(ValueError, match="speculative.enabled=True needs model.predictor=engine or"):
     build_plan(bad, str(tmp_path / "bad"))
+  bad = _config(tiny, predictor="generator")  # (was: run with rc 0, the budget ignored)
+  bad.budget.mode = "adaptive"
+  with pytest.raises(ValueError, match=r"^budget.mode='adaptive' needs model.predictor=engine or "
+                                       r"a controller policy; this run uses 'generator'"):
+    build_plan(bad, str(tmp_path / "bad"))
   bad = _config(tiny, policy="self_consistency")
   bad.speculative.update(enabled=True, drafter="early_exit")
   with pytest.raises(ValueError, match="the controller's loop drafts by 'prompt_lookup' only"):

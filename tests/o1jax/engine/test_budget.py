@@ -230,6 +230,13 @@ def test_allocate_budget_names_an_slo_that_is_no_finite_number(slo, match):
   assert allocate_budget(0.5, float("inf")) == 32  # an infinite load is a clamped factor of 2
 
 
+def test_budget_interval_must_be_finite():
+  # Before: inf was accepted, and an adaptive budget never re-evaluated.
+  for interval in (float("inf"), 0.0, float("nan")):
+    with pytest.raises(ValueError, match=r"^budget.interval_ms must be a finite number > 0"):
+      BudgetConfig(mode="adaptive", interval_ms=interval)
+
+
 def test_budget_window_must_be_a_count():
   # Before: 2.5 was accepted (a deque's maxlen fails at first use); "x" a TypeError.
   for window in (2.5, "x"):
