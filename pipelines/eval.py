@@ -506,8 +506,15 @@ def _check_model(plan, direct: bool) -> None:
   if sources and not str(sources[0]).strip():  # "" would be read as the current directory
     raise ValueError("model.source is empty: name a checkpoint (a .gguf file, an HF or orbax "
                      "directory) or 'embedded'")
-  configs = {source: check_checkpoint(source) for source in sources
-             if direct or os.path.exists(source)}
+  configs = {}
+  for i, source in enumerate(sources):
+    if direct or os.path.exists(source):
+      try:
+        configs[source] = check_checkpoint(source)
+      except ValueError as e:  # the draft's own file names its key (the model's is the one)
+        if i == 0:
+          raise
+        raise type(e)(f"speculative.draft_source: {e}") from e
   if len(sources) == 2 and set(sources) <= configs.keys():
     from o1jax.engine.speculative import check_draft_vocabulary
     model, draft = sources

@@ -279,6 +279,16 @@ def engine_config(spec: PredictorSpec):
   unknown = sorted(set(values) - valid)
   if unknown:
     raise ValueError(f"engine section has no keys {unknown}; EngineConfig fields: {sorted(valid)}")
+  # The section's 0 means automatic (the EngineConfig's own message would ask for >= 1).
+  for key, zero in (("max_slots", "runner.batch_size x the batches sharing the model"),
+                    ("num_blocks", "from kv_cache_bytes")):
+    value = values.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+      raise ValueError(f"{key} must be an int >= 0 (0: {zero}), got {value!r}")
+  value = values.get("kv_cache_bytes")
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    raise ValueError(f"kv_cache_bytes must be an int >= 1 (the KV pool's bytes; num_blocks "
+                     f"sets it in blocks), got {value!r}")
   in_flight = spec.batches_in_flight if int(values.get("data_parallel") or 1) == 1 else 1
   values["max_slots"] = int(values.get("max_slots") or spec.batch_size * in_flight)
   values["num_blocks"] = int(values.get("num_blocks") or 0) or None

@@ -173,7 +173,11 @@ def test_speculative_draft_model_checkpoint_is_checked_by_the_launcher(tmp_path)
   junk = tmp_path / "draft.gguf"
   junk.write_bytes(bytes(range(256)) * 64)
   cfg.speculative.draft_source = str(junk)
-  with pytest.raises(CheckpointError, match=rf"^{junk}: not a GGUF file"):
+  with pytest.raises(CheckpointError, match=rf"^speculative\.draft_source: {junk}: not a GGUF file"):
+    _run(cfg, tmp_path / "out")
+  cfg.speculative.draft_source = str(tmp_path / "missing.gguf")
+  with pytest.raises(CheckpointError, match=r"^speculative\.draft_source: .*/missing\.gguf: no "
+                                            r"such file or directory$"):
     _run(cfg, tmp_path / "out")
   cfg.speculative.draft_source = "embedded"  # SmolLM2's 49152 tokens, the tiny model's 259
   with pytest.raises(ValueError, match=r"^speculative\.draft_source=embedded: draft model "
@@ -187,7 +191,14 @@ def test_speculative_draft_model_checkpoint_is_checked_by_the_launcher(tmp_path)
 @pytest.mark.parametrize("section, key, value, message", [
     ("sampling", "max_new_tokens", -5, r"^sampling: max_new_tokens must be an int >= 1, got -5$"),
     ("sampling", "temperature", -1.0, r"^sampling: temperature must be >= 0, got -1\.0$"),
-    ("engine", "max_slots", -1, r"^engine\.max_slots must be an int >= 1, got -1$"),
+    ("engine", "max_slots", -1,  # (0 is the section's "automatic")
+     r"^engine\.max_slots must be an int >= 0 \(0: runner\.batch_size x the batches sharing "
+     r"the model\), got -1$"),
+    ("engine", "num_blocks", -2, r"^engine\.num_blocks must be an int >= 0 \(0: from "
+                                 r"kv_cache_bytes\), got -2$"),
+    ("engine", "kv_cache_bytes", 0,  # (was: "or None (the default)", which no flag can give)
+     r"^engine\.kv_cache_bytes must be an int >= 1 \(the KV pool's bytes; num_blocks sets it "
+     r"in blocks\), got 0$"),
     ("engine", "decode_steps", 0, r"^engine\.decode_steps must be an int >= 1, got 0$"),
     ("engine", "kv_dtype", "int4", r"^engine\.kv_dtype='int4' not in \["),
     # Before: these two started the job and failed in every worker's model load (a Beam
