@@ -236,7 +236,8 @@ class PagedLlama(ProgramKeyed):
     """Raises PagedCacheOverflow if a write found no block (one scalar to the host)."""
     if not bool(cache.overflow):
       return
-    fix = ("raise num_blocks, or leave it None to size the pool from the controller's plan"
+    fix = ("raise num_blocks (a config's controller.num_blocks), or leave it None (0 in a "
+           "config) to size the pool from the controller's plan"
            if self.num_blocks is not None else
            "pass the controller's CachePlan to init_cache, or set num_blocks")
     raise PagedCacheOverflow(
