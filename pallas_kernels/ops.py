@@ -42,6 +42,16 @@ def resolve_backend(backend: str) -> str:
   return backend
 
 
+def check_backend_runs_here(backend: str, interpret: bool = False) -> None:
+  """A model about to run (not merely be lowered for another platform): the compiled Pallas
+  kernels need a GPU; on a CPU JAX refuses them at the first call ("Only interpret mode is
+  supported on CPU backend"), which names neither the setting nor what to do."""
+  resolve_backend(backend)  # (validates the name)
+  if backend == "pallas" and not interpret and _on_cpu():
+    raise ValueError("backend='pallas' runs the Pallas kernels compiled for a GPU, and this "
+                     "machine has none (a CPU runs them only interpreted, for tests): use "
+                     "backend 'auto' (this CPU's native kernels) or 'reference'")
+
 
 def pallas_block_size_ok(block_size: int) -> bool:
   """Whether the Pallas paged-attention kernels take pages of `block_size` tokens (a power

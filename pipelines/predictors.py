@@ -164,7 +164,12 @@ def _load_model(spec: PredictorSpec):
   from o1jax.checkpoint import load_checkpoint
   from o1jax.compilation_cache import enable_compilation_cache
   from o1jax.model import Llama
+  from pallas_kernels.ops import check_backend_runs_here
   enable_compilation_cache()
+  try:
+    check_backend_runs_here(spec.backend)  # (each request was a dead letter saying JAX's words)
+  except ValueError as e:
+    raise ValueError(f"model.{e}") from None
   ck = load_checkpoint(spec.source)
   return (Llama(ck.config, ck.params, backend=spec.backend, matmul_dtype=spec.matmul_dtype),
           ck.tokenizer)

@@ -384,6 +384,20 @@ def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
   assert worker_error(RuntimeError("ValueError: something else")) is None
 
 
+def test_compiled_pallas_kernels_on_a_cpu_stop_the_run_in_one_line(tmp_path):
+  # Before: every sample a dead letter with JAX's "Only interpret mode is supported on CPU
+  # backend.", exit 1 "no sample was scored".
+  from pipelines.beam.handler import ModelLoadError
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data, predictor="engine", source="embedded")
+  cfg.model.backend = "pallas"
+  with pytest.raises(ModelLoadError, match=r"^a worker could not load the model: "
+                                           r"model\.backend='pallas' runs the Pallas kernels "
+                                           r"compiled for a GPU, and this machine has none"):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
 def test_weights_only_the_load_finds_bad_stop_the_run_in_one_line(tmp_path):
   """NaN weights pass the header check (they need the values): the workers' load finds
   them, and the run stops with its one line, nothing stored."""

@@ -1,0 +1,55 @@
+"""`python -m o1jax.generate` when the user stops it, pipes it, or picks what cannot run here."""
+
+import signal
+import subprocess
+import sys
+
+COMMAND = [sys.executable, "-m", "o1jax.generate", "--raw", "--prompt", "1, 2, 3, 4, 5,"]
+
+
+def test_compiled_pallas_kernels_on_a_cpu_are_one_line_naming_the_flag():
+  # Before: JAX's "Only interpret mode is supported on CPU backend." after the model loaded.
+  out = subprocess.run(COMMAND + ["--backend", "pallas"], capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip().splitlines() == [
+      "error: --backend='pallas' runs the Pallas kernels compiled for a GPU, and this machine "
+      "has none (a CPU runs them only interpreted, for tests): use backend 'auto' (this CPU's "
+      "native kernels) or 'reference'"]
+
+
+def test_a_reader_that_goes_away_stops_it_quietly():
+  # Before: a BrokenPipeError traceback and exit code 1 (`... | head -c 20`).
+  proc = subprocess.Popen(COMMAND + ["--max_new_tokens", "16"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  proc.stdout.close()  # before the first token is written
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 141, err
+  assert "Traceback" not in err
+
+
+def test_ctrl_c_keeps_the_answer_so_far_and_its_numbers():
+  # Before: a 14-line KeyboardInterrupt traceback, the answer without its stats line.
+  proc = subprocess.Popen(COMMAND + ["--max_new_tokens", "4000"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  first = proc.stdout.read(8)  # tokens are streaming
+  proc.send_signal(signal.SIGINT)
+  rest, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, err
+  assert (first + rest).startswith(" 6, 7,")
+  assert "Traceback" not in err
+  assert err.strip().splitlines()[-2:][0].endswith("tok/s]")
+  assert err.strip().splitlines()[-1] == "[stopped by Ctrl-C]"
+
+
+def test_more_new_tokens_than_the_context_holds_is_said():
+  # Before: clamped to the context without a word.
+  proc = subprocess.Popen(COMMAND + ["--max_new_tokens", "100000000"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    line = proc.stderr.readline()  # printed before the first token
+  finally:
+    proc.kill()
+    proc.communicate(timeout=60)
+  assert line == ("note: --max_new_tokens 100000000 is more than the 8178 tokens the model's "
+                  "context has left after the prompt: at most 8178 are generated\n")
