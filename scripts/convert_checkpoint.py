@@ -9,17 +9,28 @@ Prints how long loading the source and the result take, side by side.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from o1jax.checkpoint import CheckpointError, load_checkpoint
+from o1jax.checkpoint.errors import new_checkpoint_dir
 from o1jax.checkpoint.orbax_io import save_orbax
 from o1jax.checkpoint.safetensors_loader import save_safetensors
 
 
 def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
+  if fmt not in ("orbax", "safetensors"):
+    raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
+  existed = os.path.exists(dst)
+  new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
   t0 = time.perf_counter()
-  ck = load_checkpoint(src)
+  try:
+    ck = load_checkpoint(src)
+  except Exception:
+    if not existed:
+      os.rmdir(dst)
+    raise
   src_s = time.perf_counter() - t0
   if fmt == "orbax":
     save_orbax(dst, ck.config, ck.params, ck.tokenizer)

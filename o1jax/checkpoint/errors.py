@@ -1,4 +1,4 @@
-"""Errors raised while reading checkpoints: each names the file/tensor at fault."""
+"""Errors raised while reading (or writing) checkpoints: each names the file/tensor at fault."""
 
 import json
 import pathlib
@@ -18,3 +18,21 @@ def read_json_object(path: pathlib.Path) -> dict:
   if not isinstance(value, dict):
     raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
   return value
+
+
+def new_checkpoint_dir(directory) -> pathlib.Path:
+  """The directory a converted checkpoint is written to, created: it must not exist or be
+  empty (a save into a model's directory overwrote its config.json and tokenizer files).
+  Each problem is a `CheckpointError` naming the path."""
+  if not str(directory).strip():  # "" is the current directory
+    raise CheckpointError("destination is empty: name the directory to write the checkpoint to")
+  path = pathlib.Path(directory).expanduser().absolute()
+  if path.exists() and not path.is_dir():
+    raise CheckpointError(f"{path}: destination is a file, not a directory")
+  if path.is_dir() and any(path.iterdir()):
+    raise CheckpointError(f"{path}: destination exists and is not empty")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a file in the way above it, no permission, a read-only place
+    raise CheckpointError(f"{path}: cannot create the destination: {e.strerror or e}") from e
+  return path

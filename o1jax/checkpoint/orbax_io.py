@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 
-from o1jax.checkpoint.errors import CheckpointError
+from o1jax.checkpoint.errors import CheckpointError, new_checkpoint_dir
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params, flatten, unflatten
 from o1jax.checkpoint.tokenizer import Tokenizer
@@ -40,10 +40,7 @@ def save_orbax(directory: str | os.PathLike, config: ModelConfig, params: Params
                tokenizer: Tokenizer) -> None:
   import orbax.checkpoint as ocp
 
-  directory = pathlib.Path(directory).absolute()
-  if directory.exists() and any(directory.iterdir()):
-    raise CheckpointError(f"{directory}: destination exists and is not empty")
-  directory.mkdir(parents=True, exist_ok=True)
+  directory = new_checkpoint_dir(directory)
   arrays, spec = flatten(params)
   # Orbax treats dots in keys as nothing special, but keep keys path-safe anyway.
   with ocp.PyTreeCheckpointer() as ckpt:

@@ -16,7 +16,7 @@ import pathlib
 import numpy as np
 
 from o1jax.checkpoint import tensor_table
-from o1jax.checkpoint.errors import CheckpointError, read_json_object
+from o1jax.checkpoint.errors import CheckpointError, new_checkpoint_dir, read_json_object
 from o1jax.checkpoint.model_config import SMOLLM3_NOPE_STEP, ModelConfig
 from o1jax.checkpoint.params import FUSED_PARTS, Params, split_fused
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
@@ -385,8 +385,7 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
   if config.post_norms or config.sliding_window is not None or config.architecture == "phi3":
     raise CheckpointError(f"saving a {config.architecture!r} model as safetensors is not "
                           f"supported (Llama-family layouts only)")
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
+  directory = new_checkpoint_dir(directory)
   out = {"model.embed_tokens.weight": _dense(params["embed"]).T,
          "model.norm.weight": _dense(params["final_norm"])}
   if "lm_head" in params:

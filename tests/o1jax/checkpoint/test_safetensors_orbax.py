@@ -105,12 +105,23 @@ def test_hf_missing_tensor_is_named(tmp_path):
     load_checkpoint(tmp_path)
 
 
-def test_orbax_refuses_to_overwrite(tmp_path):
+@pytest.mark.parametrize("fmt", ["orbax", "safetensors"])
+def test_saving_refuses_to_overwrite_and_names_the_destination(tmp_path, fmt):
+  # Before (safetensors): config.json in a non-empty directory overwritten; a file as the
+  # destination a NotADirectoryError traceback.
+  save = {"orbax": lambda d, ck: save_orbax(d, ck.config, ck.params, ck.tokenizer),
+          "safetensors": lambda d, ck: save_safetensors(d, ck.config, ck.params)}[fmt]
   (tmp_path / "x").mkdir()
-  (tmp_path / "x" / "keep.txt").write_text("precious")
+  (tmp_path / "x" / "config.json").write_text("precious")
   gguf_path = tmp_path / "tiny.gguf"
   testing.write_gguf_checkpoint(gguf_path, testing.tiny_config())
   ck = load_checkpoint(gguf_path)
-  with pytest.raises(CheckpointError, match="destination exists and is not empty"):
-    save_orbax(tmp_path / "x", ck.config, ck.params, ck.tokenizer)
-  assert (tmp_path / "x" / "keep.txt").read_text() == "precious"
+  with pytest.raises(CheckpointError, match=r"/x: destination exists and is not empty$"):
+    save(tmp_path / "x", ck)
+  assert (tmp_path / "x" / "config.json").read_text() == "precious"
+  with pytest.raises(CheckpointError, match=r"tiny\.gguf: destination is a file, not a directory$"):
+    save(gguf_path, ck)
+  with pytest.raises(CheckpointError, match=r"/tiny\.gguf/sub: cannot create the destination: "):
+    save(gguf_path / "sub", ck)
+  with pytest.raises(CheckpointError, match=r"^destination is empty: name the directory"):
+    save("", ck)
