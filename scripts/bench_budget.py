@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+import sys
+import pathlib
 import argparse
 import dataclasses
 import json
@@ -37,6 +39,8 @@ from o1jax.engine.budget import BudgetConfig, BudgetLoop
 from o1jax.model import Llama
 from pipelines.datasets import Example
 from pipelines.task_specs import GSMTask
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 
 def percentiles(values, qs=(5, 50, 95, 99)) -> dict:
@@ -80,8 +84,8 @@ def main(argv=None):
   ap.add_argument("--slo-factor", type=float, default=1.5)
   ap.add_argument("--interval-ms", type=float, default=200.0)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--json", default="")
-  ap.add_argument("--png", default="")
+  ap.add_argument("--json", type=output_file, default="")
+  ap.add_argument("--png", type=output_file, default="")
   args = ap.parse_args(argv)
 
   enable_compilation_cache()

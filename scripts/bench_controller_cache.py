@@ -28,6 +28,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 QUESTION = ("Tom has 3 boxes with 12 apples each. He gives away 7 apples and buys 5 more. "
             "How many apples does he have now?")
@@ -45,7 +47,7 @@ def parse_args(argv=None):
   p.add_argument("--max-answer", type=int, default=12)
   p.add_argument("--block-size", type=int, default=16)
   p.add_argument("--repeats", type=int, default=2)
-  p.add_argument("--json", default="", help="also write the numbers here")
+  p.add_argument("--json", type=output_file, default="", help="also write the numbers here")
   return p.parse_args(argv)
 
 

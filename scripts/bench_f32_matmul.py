@@ -14,6 +14,8 @@ step (batch), a verify call (batch x (K + 1)) or a prefill chunk multiplies.
 
 from __future__ import annotations
 
+import sys
+import pathlib
 import argparse
 import json
 import statistics
@@ -25,6 +27,8 @@ import numpy as np
 
 from pallas_kernels import f32_matmul as f32m
 from pallas_kernels import native, ops
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
@@ -60,7 +64,7 @@ def bench_args(argv, description: str, rows: str, layers: int) -> argparse.Names
   ap.add_argument("--rows", default=rows)
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--layers", type=int, default=layers)
-  ap.add_argument("--json", default="")
+  ap.add_argument("--json", type=output_file, default="")
   return ap.parse_args(argv)
 
 

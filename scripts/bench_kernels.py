@@ -11,6 +11,7 @@ only say the reference path is usable.
 
 from __future__ import annotations
 
+import pathlib
 import argparse
 import json
 import sys
@@ -25,6 +26,8 @@ from pallas_kernels.paged_attention import decode_bytes_and_flops
 from pallas_kernels.prefill_attention import prefill_bytes_and_flops
 from pallas_kernels.quantized_matmul import flops_and_bytes
 from pallas_kernels.quantized_tensor import QuantizedTensor
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 # Dense (no sparsity) peaks: HBM bytes/s, bf16 FLOP/s.
 PEAKS = {
@@ -267,7 +270,7 @@ def check_targets(rows) -> list[dict]:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="a few small shapes (CPU smoke run)")
-  p.add_argument("--out", help="write the rows as JSON here")
+  p.add_argument("--out", type=output_file, help="write the rows as JSON here")
   p.add_argument("--only", default="qmm,decode,prefill", help="comma-separated kernels")
   p.add_argument("--iters", type=int, default=None)
   p.add_argument("--calls", type=int, default=None,

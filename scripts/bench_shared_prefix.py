@@ -29,6 +29,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -44,7 +46,7 @@ def parse_args(argv=None):
   p.add_argument("--kv-dtype", default="bfloat16")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--prompt", default="chat", choices=("chat", "text"))
-  p.add_argument("--json", default="", help="also write the runs here")
+  p.add_argument("--json", type=output_file, default="", help="also write the runs here")
   return p.parse_args(argv)
 
 

@@ -42,6 +42,8 @@ admissions included), after one warm-up run of each configuration.
 
 from __future__ import annotations
 
+import sys
+import pathlib
 import argparse
 import dataclasses
 import json
@@ -52,6 +54,8 @@ import time
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
 from o1jax.model import Llama
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 
 def copy_prompts(n: int, seed: int = 0) -> list:
@@ -219,7 +223,7 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=1,
                   help="measure every configuration this many times, in rounds (each with "
                        "its own plain baseline); the summary gives the median ratio and range")
-  ap.add_argument("--json", default="")
+  ap.add_argument("--json", type=output_file, default="")
   args = ap.parse_args(argv)
 
   from o1jax.checkpoint import load_checkpoint

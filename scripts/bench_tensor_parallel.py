@@ -16,12 +16,15 @@ The SmolLM2 embedded model has 9 heads / 3 KV heads, so --tp 3 by default.
 
 from __future__ import annotations
 
+import pathlib
 import argparse
 import dataclasses
 import json
 import os
 import sys
 import time
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,7 +36,7 @@ def parse_args(argv=None):
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=2)
-  p.add_argument("--json", default="", help="also write the results here")
+  p.add_argument("--json", type=output_file, default="", help="also write the results here")
   return p.parse_args(argv)
 
 

@@ -24,20 +24,22 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
+from script_args import count, levels, user_errors  # noqa: E402
 
 
+@user_errors
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--problems", type=int, default=8)
+  p.add_argument("--problems", type=count(1), default=8)
   p.add_argument("--seed", type=int, default=1000)
-  p.add_argument("--levels", default="1,2")
-  p.add_argument("--n", type=int, default=8)
+  p.add_argument("--levels", type=levels, default="1,2")
+  p.add_argument("--n", type=count(1), default=8)
   p.add_argument("--keep-percent", type=float, default=None,
                  help="default: deepconf's configured keep_percent")
-  p.add_argument("--window", type=int, default=None, help="default: deepconf's configured window")
-  p.add_argument("--max-thinking", type=int, default=96)
-  p.add_argument("--max-answer", type=int, default=12)
-  p.add_argument("--max-rows", type=int, default=16)
+  p.add_argument("--window", type=count(1), default=None, help="default: deepconf's configured window")
+  p.add_argument("--max-thinking", type=count(0), default=96)
+  p.add_argument("--max-answer", type=count(1), default=12)
+  p.add_argument("--max-rows", type=count(1), default=16)
   p.add_argument("--model", default="embedded", help="checkpoint: embedded, a GGUF, an HF dir")
   a = p.parse_args(argv)
   enable_compilation_cache()
@@ -56,8 +58,7 @@ def main(argv=None) -> int:
   policy = get_policy("deepconf", **params)
   ck = load_checkpoint(a.model)
   ctl = Controller(ContiguousLlama(Llama(ck.config, ck.params)), ck.tokenizer, max_rows=a.max_rows)
-  levels = [int(x) for x in a.levels.split(",")]
-  _, requests = gsm_requests(a.problems, a.seed, levels)
+  _, requests = gsm_requests(a.problems, a.seed, a.levels)
   t0 = time.perf_counter()
   threshold = policy.calibrate(ctl, requests)
   print(json.dumps({"threshold": threshold, "problems": len(requests), "seed": a.seed, "n": a.n,

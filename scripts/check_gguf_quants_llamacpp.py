@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from llamacpp_common import disable_extra_buffer_types, require_llama_cpp  # noqa: E402
+from script_args import output_file  # noqa: E402
 
 TYPES = ("F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K",
          "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M")
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
   parser.add_argument("--phi4-types", default="F32,Q4_K_M",
                       help="types for the Phi-4-mini-shaped model (partial rotary, LongRoPE; "
                       "'' = skip)")
-  parser.add_argument("--json", default=None, help="write the rows here")
+  parser.add_argument("--json", type=output_file, default=None, help="write the rows here")
   args = parser.parse_args(argv)
   if not require_llama_cpp():
     return 2

@@ -28,6 +28,7 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from llamacpp_common import require_llama_cpp  # noqa: E402
+from script_args import output_file  # noqa: E402
 
 TEXTS = [
     "Hello World's 12345 IT'S\n\n  x",
@@ -122,7 +123,7 @@ def check(work: pathlib.Path, names=PRE_NAMES) -> list[dict]:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--json", type=output_file, default=None)
   parser.add_argument("--pre", default=",".join(PRE_NAMES))
   args = parser.parse_args(argv)
   if not require_llama_cpp():

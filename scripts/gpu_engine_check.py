@@ -63,6 +63,7 @@ mode (slow; use --layers 1); throughput runs the reference path only.
 
 from __future__ import annotations
 
+import pathlib
 import argparse
 import functools
 import json
@@ -70,6 +71,8 @@ import sys
 import time
 
 import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 SMOLLM2_SHAPE = dict(d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
                      vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5)
@@ -682,7 +685,7 @@ def main(argv=None) -> int:
   ap.add_argument("--serial-warmup", action="store_true",
                   help="throughput, controller: warm each engine up alone (default: every "
                   "engine's warm-up at once, on threads, then the timed runs one at a time)")
-  ap.add_argument("--out")
+  ap.add_argument("--out", type=output_file)
   args = ap.parse_args(argv)
   import jax
 

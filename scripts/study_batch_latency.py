@@ -34,6 +34,7 @@ from o1jax.model import Llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_engine import chat_prompts  # noqa: E402
+from script_args import output_file  # noqa: E402
 
 
 def peak_read_gb_s(mib: int = 512, repeats: int = 5) -> float:
@@ -68,8 +69,8 @@ def main(argv=None):
   ap.add_argument("--new-tokens", type=int, default=48)
   ap.add_argument("--matmul-dtype", default="int8")
   ap.add_argument("--kv-dtype", default="bfloat16")
-  ap.add_argument("--json", default="")
-  ap.add_argument("--png", default="")
+  ap.add_argument("--json", type=output_file, default="")
+  ap.add_argument("--png", type=output_file, default="")
   args = ap.parse_args(argv)
 
   enable_compilation_cache()

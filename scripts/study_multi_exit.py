@@ -14,6 +14,8 @@ tokens per second and the mean time between tokens (TPOT) over the run.
 
 from __future__ import annotations
 
+import sys
+import pathlib
 import argparse
 import dataclasses
 import json
@@ -27,6 +29,8 @@ from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
 from o1jax.model import Llama
 from pipelines.datasets import Example
 from pipelines.task_specs import GSMTask
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import output_file  # noqa: E402
 
 
 def truncated(ck, exit_layer: int, matmul_dtype: str) -> Llama:
@@ -49,7 +53,7 @@ def main(argv=None):
   ap.add_argument("--matmul-dtype", default="int8")
   ap.add_argument("--kv-dtype", default="bfloat16")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--json", default="")
+  ap.add_argument("--json", type=output_file, default="")
   args = ap.parse_args(argv)
 
   enable_compilation_cache()

@@ -13,6 +13,8 @@ token limit, and accuracy (strict exact match, as the pipeline scores it).
 
 from __future__ import annotations
 
+import sys
+import pathlib
 import argparse
 import json
 
@@ -24,21 +26,24 @@ from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
 from o1jax.model import Llama
 from pipelines.datasets import Example
 from pipelines.task_specs import GSMTask
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import count, numbers, output_file, user_errors
 
 
+@user_errors
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
-  ap.add_argument("--temperatures", default="0.3,0.7,1.2")
-  ap.add_argument("--problems", type=int, default=48)
-  ap.add_argument("--max-new-tokens", type=int, default=384)
-  ap.add_argument("--long", type=int, default=256, help="a path longer than this is long")
-  ap.add_argument("--slots", type=int, default=16)
+  ap.add_argument("--temperatures", type=numbers, default="0.3,0.7,1.2")
+  ap.add_argument("--problems", type=count(1), default=48)
+  ap.add_argument("--max-new-tokens", type=count(1), default=384)
+  ap.add_argument("--long", type=count(0), default=256, help="a path longer than this is long")
+  ap.add_argument("--slots", type=count(1), default=16)
   ap.add_argument("--matmul-dtype", default="int8")
   ap.add_argument("--kv-dtype", default="bfloat16")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--json", default="")
-  ap.add_argument("--png", default="")
+  ap.add_argument("--json", type=output_file, default="")
+  ap.add_argument("--png", type=output_file, default="")
   args = ap.parse_args(argv)
 
   enable_compilation_cache()
@@ -51,7 +56,7 @@ def main(argv=None):
                  prompt_cfg={"style": "zero_shot", "system": "tutor"})
   examples = [e for e in task.load() if isinstance(e, Example)]
   rows = []
-  for t in [float(x) for x in args.temperatures.split(",")]:
+  for t in args.temperatures:
     params = GenerationParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=args.seed)
     results = engine.generate([Request(task.prompt(e)[0], params, request_id=i)
                                for i, e in enumerate(examples)])

@@ -37,6 +37,7 @@ from pallas_kernels.quantized_matmul import (GEMV_ROW_LIMIT, choose_config,  # n
                                               choose_gemv_config, quantized_gemv_pallas,
                                               quantized_matmul_pallas,
                                               quantized_matmul_reference)
+from script_args import output_file  # noqa: E402
 
 
 def tilings(kernel, m, k, n, w, a):
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
   p.add_argument("--gemv-k-splits", default="8,32")
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--iters", type=int, default=10)
-  p.add_argument("--out")
+  p.add_argument("--out", type=output_file)
   a = p.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   k, n = (int(x) for x in a.shape.split("x"))

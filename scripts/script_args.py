@@ -1,0 +1,72 @@
+"""Argument types the scripts share: a bad value is argparse's one line naming the flag
+(exit 2) before any work, and an output file that cannot be written is found before the
+computation whose numbers it would hold (they were lost after minutes of work)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def count(low: int = 1):
+  """An int >= low (`--problems 0` ended in an IndexError after the model loaded)."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
+    return value
+  return parse
+
+
+def numbers(text: str) -> list[float]:
+  """A comma-separated list of numbers ("0.3,0.7,1.2")."""
+  try:
+    values = [float(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+  if not values:
+    raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+  return values
+
+
+def levels(text: str) -> list[int]:
+  """Synthetic GSM difficulty levels ("1,2"), each one the generator has."""
+  from pipelines.datasets.gsm_synthetic import LEVELS  # pylint: disable=g-import-not-at-top
+  try:
+    values = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    values = []
+  if not values or any(v not in LEVELS for v in values):
+    raise argparse.ArgumentTypeError(f"expected comma-separated levels of {list(LEVELS)}, got "
+                                     f"{text!r}")
+  return values
+
+
+def output_file(text: str) -> str:
+  """A file to write the results to ("" = none): its directory exists and is writable."""
+  if not text:
+    return text
+  if os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text} is a directory: name a file")
+  parent = os.path.dirname(os.path.abspath(text))
+  if not os.path.isdir(parent):
+    raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
+  if not os.access(parent, os.W_OK):
+    raise argparse.ArgumentTypeError(f"cannot write in {parent}")
+  return text
+
+
+def user_errors(main):
+  """`main`, with a checkpoint that cannot be loaded (a wrong --model / --source) printed as
+  one `error:` line, exit code 2, instead of a traceback."""
+  def run(argv=None) -> int:
+    from o1jax.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+    try:
+      return main(argv)
+    except CheckpointError as e:
+      print(f"error: {e}", file=__import__("sys").stderr)
+      return 2
+  return run
