@@ -1,5 +1,6 @@
 """`python -m o1jax.generate` when the user stops it, pipes it, or picks what cannot run here."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def test_ctrl_c_keeps_the_answer_so_far_and_its_numbers():
   assert proc.returncode == 130, err
   assert (first + rest).startswith(" 6, 7,")
   assert "Traceback" not in err
-  assert err.strip().splitlines()[-2:][0].endswith("tok/s]")
+  assert re.match(r"^\[14 prompt tokens, \d+ generated; load .*tok/s.*\]$",
+                  err.strip().splitlines()[-2])
   assert err.strip().splitlines()[-1] == "[stopped by Ctrl-C]"
 
 
@@ -53,3 +55,11 @@ def test_more_new_tokens_than_the_context_holds_is_said():
     proc.communicate(timeout=60)
   assert line == ("note: --max_new_tokens 100000000 is more than the 8178 tokens the model's "
                   "context has left after the prompt: at most 8178 are generated\n")
+
+
+def test_the_decode_rate_leaves_out_the_tokens_of_the_first_call():
+  from o1jax.generate import decode_rate
+  # 2 tokens with the prefill's call, 2 more 0.5 s and 1 s after them
+  assert abs(decode_rate([10.0, 10.0002, 10.5, 11.0], 11.0) - 2 / 0.9998) < 1e-9
+  assert decode_rate([10.0, 10.0002], 10.5) != decode_rate([10.0, 10.0002], 10.5)  # NaN: no rate
+  assert decode_rate([], 1.0) != decode_rate([], 1.0)
