@@ -154,9 +154,9 @@ def speculative_config(section: dict):
   or absent); an unknown key or a bad value raises ValueError naming it."""
   from o1jax.engine.speculative import SpeculativeConfig
   values = dict(section)
-  if not values.pop("enabled", False):
-    return None
-  return SpeculativeConfig.from_dict(values)
+  enabled = values.pop("enabled", False)
+  config = SpeculativeConfig.from_dict(values)  # (checked when off too: a typo stays one)
+  return config if enabled else None
 
 
 def _load_model(spec: PredictorSpec):

@@ -64,6 +64,10 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
       runner = runner_name(arg.split("=", 1)[1], "--runner")
   if runner == "dask":
     return _dask_args(runner_cfg, extra, plugins)
+  address = str(runner_cfg.get("address", "") or "")
+  if address:  # (the run went to this machine's DirectRunner without a word)
+    raise ValueError(f"runner.address={address!r} is a dask scheduler's, but runner.name="
+                     f"{runner_cfg.name!r}: add --config.runner.name=dask to run there")
   args = [f"--runner={runner}"]
   if runner == "DirectRunner":
     args += [f"--direct_num_workers={int(runner_cfg.direct_num_workers)}",

@@ -175,14 +175,16 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     # named here: the engine's slots are sized from it and would take the blame
     raise ValueError(f"runner.batch_size={batch!r}: expected an int >= 1 (examples per batch)")
   name = resolve_predictor(config.model.predictor, policy)
-  controller = None
-  if policy.controller:  # its KV cache: the controller section and the engine's kv_dtype
-    from o1jax.controller import CacheConfig
-    section = config.get("controller") or {}
-    section = dict(section.to_dict() if hasattr(section, "to_dict") else section)
-    engine = config.get("engine") or {}
-    section["kv_dtype"] = str(engine.get("kv_dtype", "float32"))
-    controller = CacheConfig.from_dict(section).to_dict()
+  # The controller's KV cache: the controller section and the engine's kv_dtype. The section
+  # is checked for every policy (a typo there is one whichever policy runs); the kv_dtype it
+  # shares with the engine only where a controller runs.
+  from o1jax.controller import CacheConfig
+  section = config.get("controller") or {}
+  section = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  section["kv_dtype"] = (str((config.get("engine") or {}).get("kv_dtype", "float32"))
+                         if policy.controller else "float32")
+  cache = CacheConfig.from_dict(section).to_dict()
+  controller = cache if policy.controller else None
   from o1jax.model import thinking
   thinking.check_setting(config.model.get("thinking", "auto"))  # markers: when a worker loads
   budget = config.get("budget")

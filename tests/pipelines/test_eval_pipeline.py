@@ -111,6 +111,24 @@ def test_runner_names_are_read_as_beam_reads_them(name, want):
     assert "--direct_num_workers=2" in beam_args(cfg) and batches_sharing_a_model(cfg) == 2
 
 
+@pytest.mark.parametrize("section, key, value, message", [
+    # Settings of a section the run does not use, each accepted without a word before (a
+    # typo stays one when the section is turned on later; an address meant a cluster).
+    ("speculative", "drafter", "bogus", r"^speculative\.drafter='bogus' not in "),
+    ("controller", "cache", "bogus", r"^controller cache='bogus': valid caches are "),
+    ("runner", "address", "tcp://h:8786", r"^runner\.address='tcp://h:8786' is a dask "
+                                          r"scheduler's, but runner\.name='DirectRunner': add "
+                                          r"--config\.runner\.name=dask to run there$"),
+])
+def test_settings_of_an_unused_section_are_checked_too(tmp_path, section, key, value, message):
+  cfg = fake_config()  # greedy, no speculation, the DirectRunner
+  cfg[section][key] = value
+  with pytest.raises(ValueError, match=message):
+    build_plan(cfg, str(tmp_path))
+    from pipelines.beam import beam_args
+    beam_args(cfg.runner)
+
+
 @pytest.mark.parametrize("name", ["bogus", "", "Directrunnr"])
 def test_an_unknown_runner_name_is_one_line_naming_the_key(name):
   from pipelines.beam.options import runner_name
