@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -16,7 +17,7 @@ import time
 from o1jax.checkpoint import EMBEDDED, CheckpointError, load_checkpoint
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
-from o1jax.model import Llama, SamplingParams
+from o1jax.model import Llama
 from o1jax.model.generation import encode_prompt
 from o1jax.model.layers import MATMUL_DTYPES
 from pallas_kernels.ops import check_backend_runs_here
@@ -34,6 +35,9 @@ def load_model(model: str = EMBEDDED, backend: str = "auto", interpret: bool = F
                 matmul_dtype=matmul_dtype), ckpt.tokenizer)
 
 
+BLOCK_SIZE = 16  # tokens per KV block of the chat engine's pool
+
+
 def chat_engine(model: Llama, tokenizer, tokens: int) -> Engine:
   """The serving engine for one stream of `tokens` prompt + new tokens: its chunked prefill
   and multi-token decode calls (the static-batch Generator took ~10 s to the first token of
@@ -42,11 +46,10 @@ def chat_engine(model: Llama, tokenizer, tokens: int) -> Engine:
       max_slots=1, num_blocks=-(-tokens // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE))
 
 
-BLOCK_SIZE = 16
-
-
 def _decode_text(rate: float) -> str:
-  return f"decode {rate:.1f} tok/s" if math.isfinite(rate) else ("decode tok/s: n/a (every token came with the first call)")
+  if math.isfinite(rate):
+    return f"decode {rate:.1f} tok/s"
+  return "decode tok/s: n/a (every token came with the first call)"
 
 
 def decode_rate(times: list[float], end: float) -> float:
@@ -78,8 +81,9 @@ def main(argv=None) -> int:
 
   enable_compilation_cache()
   try:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed)
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              seed=args.seed)  # (checked before the model loads)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.backend, matmul_dtype=args.matmul_dtype)
     load_s = time.perf_counter() - t0
@@ -99,9 +103,7 @@ def main(argv=None) -> int:
             file=sys.stderr)
     new_tokens = min(args.max_new_tokens, room)
     engine = chat_engine(model, tokenizer, len(prompt_ids) + new_tokens)
-    request = Request(prompt_ids, GenerationParams(
-        max_new_tokens=new_tokens, temperature=params.temperature, top_k=params.top_k,
-        top_p=params.top_p, min_p=params.min_p, seed=params.seed))
+    request = Request(prompt_ids, dataclasses.replace(params, max_new_tokens=new_tokens))
     times = []  # when each token reached us: the engine returns a call's tokens together
     t_start = time.perf_counter()
     stopped = None
