@@ -231,6 +231,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   fakes); `console` gets the progress bar and warnings (default stderr).
   """
   from pipelines.beam import ResultStore, build_plan, pipeline_options
+  from pipelines.beam.pipeline import check_engine_pool
   from pipelines.beam.options import runs_here
   from pipelines.beam.store import check_writable, is_local
 
@@ -251,6 +252,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     store.check_writable()
     _check_model(plan, direct)
     scan = _scan(plan, out, console)
+    check_engine_pool(plan, scan.items)
     return _run_locked(config, plan, options, scan, store, out, beam_flags, local=local,
                        direct=direct, clock=clock, loader=loader, progress=progress,
                        report=report, console=console)

@@ -34,7 +34,7 @@ import logging
 import re
 import time
 import traceback
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -120,6 +120,26 @@ def check_engine_section(spec: PredictorSpec) -> None:
   except (TypeError, ValueError) as e:
     message = str(e)
     raise ValueError(f"engine.{message}" if re.match(r"^\w+(=| must be)", message) else message) from e
+
+
+def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem]) -> None:
+  """A fixed engine pool (engine.num_blocks) too small for any of the job's requests,
+  named once the work items are known (every sample was a dead letter): even a 1-token
+  prompt with the smallest max_new_tokens of the items does not fit."""
+  if plan.predictor.name != "engine" or not items:
+    return
+  from pipelines.predictors import engine_config
+  config = engine_config(plan.predictor)
+  if config.num_blocks is None:
+    return
+  new = min(int(i.sampling.max_new_tokens) for i in items)
+  need = -(-(1 + new) // config.block_size)
+  if need > config.num_blocks:
+    raise ValueError(f"engine.num_blocks={config.num_blocks} holds "
+                     f"{config.num_blocks * config.block_size} tokens: no request fits (even a "
+                     f"1-token prompt with the job's smallest max_new_tokens, {new}, needs "
+                     f"{need} blocks of {config.block_size}); raise it, or 0 sizes the pool "
+                     f"for the job's prompts")
 
 
 # What every run reads of a config, by section (a config file of one's own may leave parts

@@ -384,6 +384,20 @@ def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
   assert worker_error(RuntimeError("ValueError: something else")) is None
 
 
+def test_a_fixed_engine_pool_no_request_fits_is_named_before_any_work(tmp_path):
+  # Before: every sample a dead letter ("the request may need 3 KV blocks but the pool has
+  # 1"), exit 1 after the model ran.
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data, predictor="engine", source="embedded")
+  cfg.engine.num_blocks = 1
+  want = cfg.sampling.max_new_tokens
+  with pytest.raises(ValueError, match=rf"^engine\.num_blocks=1 holds 16 tokens: no request "
+                                       rf"fits \(even a 1-token prompt with the job's smallest "
+                                       rf"max_new_tokens, {want}, needs"):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
 def test_compiled_pallas_kernels_on_a_cpu_stop_the_run_in_one_line(tmp_path):
   # Before: every sample a dead letter with JAX's "Only interpret mode is supported on CPU
   # backend.", exit 1 "no sample was scored".
