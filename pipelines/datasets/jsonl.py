@@ -62,6 +62,11 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
   except ImportError:
     FileSystems = None  # pylint: disable=invalid-name
   local = None if _SCHEME_RE.match(path) and not path.startswith("file://") else path.removeprefix("file://")
+  if local is not None and os.path.isdir(local):  # (a sharded dataset's folder, often)
+    suffixes = {os.path.splitext(f.name)[1] for f in os.scandir(local) if f.is_file()}
+    suffix = suffixes.pop() if len(suffixes) == 1 else ".parquet"
+    raise DatasetError(f"dataset path is a directory: {path} (name a file, or its files with "
+                       f"a pattern: {local.rstrip('/')}/*{suffix})")
   try:
     if local is not None and os.path.exists(local) and not os.path.isdir(local) \
         and not os.path.isfile(local):

@@ -18,7 +18,8 @@ def _lines(path, *lines):
 def test_missing_or_unreadable_file_is_one_dataset_error(tmp_path):
   with pytest.raises(DatasetError, match=r"^dataset file not found: .*nope\.jsonl$"):
     list(read_gsm8k_jsonl(str(tmp_path / "nope.jsonl")))
-  with pytest.raises(DatasetError, match=r"^cannot read dataset file .*: Is a directory$"):
+  with pytest.raises(DatasetError, match=r"^dataset path is a directory: .* \(name a file, or its "
+                                         r"files with a pattern: .*/\*\.parquet\)$"):
     list(read_gsm8k_jsonl(str(tmp_path)))
 
 
