@@ -87,6 +87,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.backend, matmul_dtype=args.matmul_dtype)
     load_s = time.perf_counter() - t0
+    if args.raw and args.system is not None:  # (it was dropped without a word)
+      raise ValueError("--system goes into the chat template, which --raw leaves out: put it "
+                       "in the prompt, or drop --raw")
     if args.raw:
       prompt = args.prompt
     else:
@@ -95,12 +98,13 @@ def main(argv=None) -> int:
     prompt_ids = encode_prompt(tokenizer, prompt, model.config.vocab_size)
     room = model.config.max_context - len(prompt_ids)
     if room < 1:
-      raise ValueError(f"prompt has {len(prompt_ids)} tokens but the model's context is "
-                       f"{model.config.max_context} tokens")
+      raise ValueError(f"prompt has {len(prompt_ids)} tokens and the model's context is "
+                       f"{model.config.max_context}: no room is left to generate")
     if args.max_new_tokens > room:
-      print(f"note: --max_new_tokens {args.max_new_tokens} is more than the {room} tokens the "
-            f"model's context has left after the prompt: at most {room} are generated",
-            file=sys.stderr)
+      left = f"{room} token{'s' if room != 1 else ''}"
+      print(f"note: --max_new_tokens {args.max_new_tokens} is more than the {left} the "
+            f"model's context has left after the prompt: at most {room} "
+            f"{'are' if room != 1 else 'is'} generated", file=sys.stderr)
     new_tokens = min(args.max_new_tokens, room)
     engine = chat_engine(model, tokenizer, len(prompt_ids) + new_tokens)
     request = Request(prompt_ids, dataclasses.replace(params, max_new_tokens=new_tokens))

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 from typing import Sequence
 
@@ -37,9 +38,16 @@ def runner_name(name, key: str = "runner.name") -> str:
     raise ValueError(f"{key}={name!r}: expected one of {list(RUNNERS)} (or a runner class path)")
   if name in DASK_NAMES or name.lower() in ("dask", "daskrunner"):
     return "dask"
-  if "." in name:
-    return name
   from apache_beam.runners.runner import _RUNNER_MAP  # Beam's own table of names
+  if "." in name:
+    if name in _RUNNER_MAP.values():  # Beam's own class by its path: its short name
+      return name.rsplit(".", 1)[1]
+    module, _, attr = name.rpartition(".")
+    try:  # (Beam imports it when the job starts: a traceback after the output was made)
+      getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"{key}={name!r}: cannot import it ({e})") from None
+    return name
   path = _RUNNER_MAP.get(name.lower(), _RUNNER_MAP.get(name.lower() + "runner"))
   if path is None:
     raise ValueError(f"{key}={name!r}: expected one of {list(RUNNERS)} (or a runner class path)")
@@ -64,7 +72,7 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
       runner = runner_name(arg.split("=", 1)[1], "--runner")
   if runner == "dask":
     return _dask_args(runner_cfg, extra, plugins)
-  address = str(runner_cfg.get("address", "") or "")
+  address = str(runner_cfg.get("address", "") or "").strip()
   if address:  # (the run went to this machine's DirectRunner without a word)
     raise ValueError(f"runner.address={address!r} is a dask scheduler's, but runner.name="
                      f"{runner_cfg.name!r}: add --config.runner.name=dask to run there")
@@ -99,7 +107,7 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
   """The config's address (or LocalCluster size) and partitions; flags after `--` win."""
   check_dask_beam_version()
   given = {a.split("=", 1)[0] for a in extra}
-  address = str(runner_cfg.get("address", "") or "")
+  address = str(runner_cfg.get("address", "") or "").strip()
   for key in ("local_workers", "partitions"):
     value = runner_cfg.get(key, 0)
     if not isinstance(value, int) or value < (1 if key == "local_workers" else 0):

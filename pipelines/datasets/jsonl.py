@@ -362,15 +362,16 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 def dataset_files(path: str) -> list[str]:
-  """The files `path` names: itself, or for a pattern (``*``, ``?``, ``[...]``: e.g. the
-  Hub's shards, ``data/test-*.parquet``) the files it matches, sorted by name. A pattern
+  """The files `path` names: itself, or for a pattern (``*``, ``?``, ``[...]``, ``**`` for
+  any depth: e.g. the Hub's shards, ``data/test-*.parquet``) the files it matches, sorted
+  by name. A pattern
   matching no file raises `DatasetError`; a file whose name holds those characters is
   itself."""
   local = None if _SCHEME_RE.match(path) and not path.startswith("file://") else path.removeprefix("file://")
   if not _GLOB_CHARS.search(path) or (local is not None and os.path.exists(local)):
     return [path]
   if local is not None:
-    files = sorted(f for f in glob.glob(local) if not os.path.isdir(f))
+    files = sorted(f for f in glob.glob(local, recursive=True) if not os.path.isdir(f))
   else:
     try:
       from apache_beam.io.filesystems import FileSystems  # pylint: disable=g-import-not-at-top

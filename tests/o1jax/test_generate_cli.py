@@ -63,3 +63,12 @@ def test_the_decode_rate_leaves_out_the_tokens_of_the_first_call():
   assert abs(decode_rate([10.0, 10.0002, 10.5, 11.0], 11.0) - 2 / 0.9998) < 1e-9
   assert decode_rate([10.0, 10.0002], 10.5) != decode_rate([10.0, 10.0002], 10.5)  # NaN: no rate
   assert decode_rate([], 1.0) != decode_rate([], 1.0)
+
+
+def test_a_system_message_with_raw_is_refused():
+  # Before: --system was dropped without a word (the prompt was the raw text alone).
+  out = subprocess.run(COMMAND + ["--system", "Answer in French."], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --system goes into the chat template, which --raw leaves out: put it in the "
+      "prompt, or drop --raw")

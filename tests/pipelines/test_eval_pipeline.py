@@ -99,7 +99,10 @@ def test_handler_contract():
 @pytest.mark.parametrize("name, want", [("DirectRunner", "DirectRunner"),
                                         ("directrunner", "DirectRunner"), ("direct", "DirectRunner"),
                                         ("flink", "FlinkRunner"), ("Dask", "dask"),
-                                        ("my.pkg.Runner", "my.pkg.Runner")])
+                                        ("apache_beam.runners.direct.direct_runner.DirectRunner",
+                                         "DirectRunner"),
+                                        ("apache_beam.runners.runner.PipelineRunner",
+                                         "apache_beam.runners.runner.PipelineRunner")])
 def test_runner_names_are_read_as_beam_reads_them(name, want):
   # Before: "directrunner" ran on the DirectRunner (Beam's reading) without its settings
   # (the project compared the exact spelling): one worker, no progress bar, no resume counts.
@@ -139,6 +142,10 @@ def test_an_unknown_runner_name_is_one_line_naming_the_key(name):
     build_plan(cfg, "unused_output_dir")
   with pytest.raises(ValueError, match=r"^--runner='bogus': expected one of"):
     runner_name("bogus", "--runner")
+  # (was Beam's ModuleNotFoundError traceback once the job started)
+  with pytest.raises(ValueError, match=r"^runner\.name='foo\.bar\.Runner': cannot import it "
+                                       r"\(No module named 'foo'\)$"):
+    runner_name("foo.bar.Runner")
 
 
 @pytest.mark.parametrize("args", [

@@ -212,3 +212,12 @@ def test_a_pattern_that_matches_nothing_is_one_line_and_a_name_with_brackets_is_
     list(read_gsm8k_jsonl(str(tmp_path / "nope-*.parquet")))
   odd = _write(tmp_path / "gsm[1].jsonl", "jsonl", GSM[:1])  # the file itself, not a pattern
   assert [e.question for e in read_gsm8k_jsonl(odd)] == [GSM[0]["question"]]
+
+
+def test_a_double_star_reaches_any_depth(tmp_path):
+  # Before: "**" matched one directory level, and deeper shards were left out without a word.
+  (tmp_path / "a" / "b").mkdir(parents=True)
+  _write(tmp_path / "a" / "test-1.jsonl", "jsonl", GSM[1:])
+  _write(tmp_path / "a" / "b" / "test-0.jsonl", "jsonl", GSM[:1])
+  got = list(read_gsm8k_jsonl(str(tmp_path / "**" / "test-*.jsonl")))
+  assert [e.question for e in got] == [r["question"] for r in GSM]  # a/b/test-0 sorts first
