@@ -384,30 +384,25 @@ def test_a_model_no_worker_can_load_stops_the_run_in_one_line(tmp_path):
   assert worker_error(RuntimeError("ValueError: something else")) is None
 
 
-def test_a_fixed_engine_pool_no_request_fits_is_named_before_any_work(tmp_path):
-  # Before: every sample a dead letter ("the request may need 3 KV blocks but the pool has
-  # 1"), exit 1 after the model ran.
-  data = _write(tmp_path / "ok.jsonl", _good_lines())
-  cfg = _config(data, predictor="engine", source="embedded")
-  cfg.engine.num_blocks = 1
-  want = cfg.sampling.max_new_tokens
-  with pytest.raises(ValueError, match=rf"^engine\.num_blocks=1 holds 16 tokens: no request "
-                                       rf"fits \(even a 1-token prompt with the job's smallest "
-                                       rf"max_new_tokens, {want}, needs"):
-    _run(cfg, tmp_path / "out")
-  assert _nothing_written(tmp_path / "out")
-
-
-def test_compiled_pallas_kernels_on_a_cpu_stop_the_run_in_one_line(tmp_path):
-  # Before: every sample a dead letter with JAX's "Only interpret mode is supported on CPU
-  # backend.", exit 1 "no sample was scored".
+@pytest.mark.parametrize("section, key, value, where, message", [
+    # Before: every sample a dead letter ("the request may need 3 KV blocks but the pool has
+    # 1"), exit 1 after the model ran; found once the work items are known.
+    ("engine", "num_blocks", 1, "launcher",
+     r"^engine\.num_blocks=1 holds 16 tokens: no request fits \(even a 1-token prompt with "
+     r"the job's smallest max_new_tokens, \d+, needs"),
+    # Before: every sample a dead letter with JAX's "Only interpret mode is supported on CPU
+    # backend.", exit 1 "no sample was scored"; found by the workers' model load.
+    ("model", "backend", "pallas", "worker",
+     r"^a worker could not load the model: model\.backend='pallas' runs the Pallas kernels "
+     r"compiled for a GPU, and this machine has none"),
+])
+def test_settings_no_request_can_run_under_stop_the_run_in_one_line(tmp_path, section, key,
+                                                                    value, where, message):
   from pipelines.beam.handler import ModelLoadError
   data = _write(tmp_path / "ok.jsonl", _good_lines())
   cfg = _config(data, predictor="engine", source="embedded")
-  cfg.model.backend = "pallas"
-  with pytest.raises(ModelLoadError, match=r"^a worker could not load the model: "
-                                           r"model\.backend='pallas' runs the Pallas kernels "
-                                           r"compiled for a GPU, and this machine has none"):
+  cfg[section][key] = value
+  with pytest.raises(ModelLoadError if where == "worker" else ValueError, match=message):
     _run(cfg, tmp_path / "out")
   assert _nothing_written(tmp_path / "out")
 
