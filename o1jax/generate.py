@@ -35,15 +35,20 @@ def load_model(model: str = EMBEDDED, backend: str = "auto", interpret: bool = F
                 matmul_dtype=matmul_dtype), ckpt.tokenizer)
 
 
-BLOCK_SIZE = 16  # tokens per KV block of the chat engine's pool
-
-
 def chat_engine(model: Llama, tokenizer, tokens: int) -> Engine:
   """The serving engine for one stream of `tokens` prompt + new tokens: its chunked prefill
   and multi-token decode calls (the static-batch Generator took ~10 s to the first token of
-  a 1,000-token prompt and decoded at a third of the speed, measured on 2 cores)."""
-  return Engine(model, tokenizer, EngineConfig(
-      max_slots=1, num_blocks=-(-tokens // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE))
+  a 1,000-token prompt and decoded at a third of the speed, measured on 2 cores). The pool
+  is sized as the pipelines size theirs (`min_tokens_per_slot`: the default pool, grown to
+  a bucketed size when one sequence needs more), so prompts of other lengths reuse the
+  compiled programs; a pool of exactly their blocks compiled again for each length."""
+  return Engine(model, tokenizer, EngineConfig(max_slots=1, min_tokens_per_slot=tokens))
+
+
+def _reader_gone() -> int:
+  """stdout's reader went away (`| head`): stop quietly, as shell tools do."""
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  return 141
 
 
 def _decode_text(rate: float) -> str:
@@ -128,14 +133,12 @@ def main(argv=None) -> int:
   except KeyboardInterrupt:  # while loading: nothing to show
     print("\nstopped by Ctrl-C", file=sys.stderr)
     return 130
-  except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as shell tools do
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 141
+  except BrokenPipeError:
+    return _reader_gone()
   try:
     print(flush=True)  # (before the numbers on stderr)
   except BrokenPipeError:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 141
+    return _reader_gone()
   print(f"[{len(prompt_ids)} prompt tokens, {len(times)} generated; load {load_s:.1f}s, "
         f"first token {(times[0] if times else t_end) - t_start:.2f}s (incl. compile), "
         f"{_decode_text(decode_rate(times, t_end))}]", file=sys.stderr)

@@ -34,11 +34,9 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   src_s = time.perf_counter() - t0
   if fmt == "orbax":
     save_orbax(dst, ck.config, ck.params, ck.tokenizer)
-  elif fmt == "safetensors":
+  else:  # safetensors (the format was checked first)
     save_safetensors(dst, ck.config, ck.params)
     ck.tokenizer.save(dst)
-  else:
-    raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
   t0 = time.perf_counter()
   load_checkpoint(dst)
   dst_s = time.perf_counter() - t0

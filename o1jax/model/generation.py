@@ -24,7 +24,7 @@ from o1jax import compilation_cache
 from o1jax.checkpoint.tokenizer import Tokenizer
 from o1jax.model.llama import KVCache, Llama, check_llama
 from o1jax.model.sampling import (SamplingParams, check_int, check_key_id, is_int, sample,
-                                  sequence_key)
+                                  sequence_key, token_logprobs)
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.shapes import pow2_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
@@ -116,9 +116,7 @@ def _sample_checked(logits, keys, temperature, top_k, top_p, min_p):
   """(tokens [B], finite [B]): the drawn tokens, and whether each one's log-prob is finite
   (the engine's rule: NaN/inf logits draw an arbitrary token, e.g. greedy the last id)."""
   ids = sample(logits, keys, temperature, top_k, top_p, min_p)
-  x = logits.astype(jnp.float32)
-  drawn = jnp.take_along_axis(x, ids[:, None], axis=-1)[:, 0]
-  return ids, jnp.isfinite(drawn - jax.nn.logsumexp(x, axis=-1))
+  return ids, jnp.isfinite(token_logprobs(logits, ids, 0)[0])
 
 
 _sample_first = compilation_cache.jit(_sample_checked)

@@ -269,6 +269,23 @@ def first_argmax(logits: jax.Array) -> jax.Array:
   return jnp.minimum(first, v - 1)
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
+  """log-softmax of logits [B, V] at tokens [B]; plus the top_n best (ids, logprobs)."""
+  if top_n:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, top_n)
+  else:
+    # The same operations as log_softmax, at one token per row instead of all V.
+    shifted = logits.astype(jnp.float32)
+    shifted = shifted - jnp.max(shifted, axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    chosen = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_norm
+    top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+  return chosen, top_ids.astype(jnp.int32), top_lp
+
+
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, min_p: jax.Array, all_sampled: bool = False,
            filters: bool | None = None) -> jax.Array:

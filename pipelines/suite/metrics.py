@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
 from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, majority,
-                               pass_counts, per_token_latencies, percentile)
+                               pass_counts, per_token_latencies, percentile, scored_samples)
 from pipelines.tasks import mean_pass_at_k
 from pipelines.tasks.gsm8k import answer_key
 
@@ -96,7 +96,7 @@ def category_summaries(records: Sequence[dict], vote: bool = False) -> dict[str,
                    "completion_per_sample": _r(sum(completion) / len(recs), 2),
                    "prompt_per_sample": _r(sum(prompt) / len(recs), 1)},
         **latency_profile(recs)}
-    errors = sum(bool(r["score"].get("sandbox_error")) for r in recs)
+    errors = len(recs) - len(scored_samples(recs))
     if errors:  # programs the sandbox could not judge (left out of the category's metrics)
       out[category]["sandbox_errors"] = errors
   return out

@@ -74,7 +74,7 @@ def test_first_argmax_is_argmax_including_ties():
 
 
 def test_token_logprobs_without_alternatives_match_log_softmax():
-  from o1jax.engine.steps import token_logprobs
+  from o1jax.model.sampling import token_logprobs
 
   rng = np.random.default_rng(1)
   logits = jnp.asarray(rng.standard_normal((5, 1000)) * 4, jnp.float32)
