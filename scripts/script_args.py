@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def count(low: int = 1):
@@ -67,6 +68,6 @@ def user_errors(main):
     try:
       return main(argv)
     except CheckpointError as e:
-      print(f"error: {e}", file=__import__("sys").stderr)
+      print(f"error: {e}", file=sys.stderr)
       return 2
   return run
