@@ -42,7 +42,7 @@ from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.model import thinking as thinking_lib
 from o1jax.controller.answers import extract_number
-from o1jax.controller.decode_model import CachePlan, DecodeModel, program_view
+from o1jax.controller.decode_model import CacheConfig, CachePlan, DecodeModel, program_view
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.registry import BasePolicy, build_policy, policy_names
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
@@ -886,7 +886,12 @@ class Controller:
   def check_policy_fits(self, policy) -> None:
     """ValueError when `policy`'s largest loop call cannot fit the device even for one
     request of one prompt token: checked once where the policy is chosen (a pipeline
-    worker's load) rather than found per request."""
+    worker's load) rather than found per request; so is a fixed paged pool too small for
+    any request."""
+    num_blocks = getattr(self.model, "num_blocks", None)  # PagedLlama's fixed pool
+    if num_blocks is not None:
+      CacheConfig("paged", self.model.block_size, num_blocks).check_holds_request(
+          policy.traces_per_call, "num_blocks")
     self._loop_shape(policy.loop_settings(), policy.traces_per_call, 1, 1)
 
   def _loop_shape(self, settings: LoopSettings, n: int, slots: int,

@@ -95,6 +95,16 @@ class CacheConfig:
                        f"{sorted(valid)}" + (" (float8_e4m3fn needs cache='paged')"
                                              if self.cache == "contiguous" else ""))
 
+  def check_holds_request(self, traces: int, key: str = "controller.num_blocks") -> None:
+    """A fixed paged pool smaller than any request of `traces` traces needs, refused
+    before it runs (every request overflowed): each trace writes a block of its own (its
+    copy of the prompt's last block) beside the prompt's."""
+    need = traces + 1
+    if self.cache == "paged" and 0 < int(self.num_blocks) < need:
+      raise ValueError(f"{key}={self.num_blocks}: a request of {traces} trace(s) needs at "
+                       f"least {need} blocks (each trace writes a block of its own beside the "
+                       f"prompt's); raise it, or 0 sizes the pool from the plan")
+
   @classmethod
   def from_dict(cls, values: Mapping[str, Any] | None) -> "CacheConfig":
     values = dict(values.to_dict() if hasattr(values, "to_dict") else values or {})

@@ -203,8 +203,10 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   section = dict(section.to_dict() if hasattr(section, "to_dict") else section)
   section["kv_dtype"] = (str((config.get("engine") or {}).get("kv_dtype", "float32"))
                          if policy.controller else "float32")
-  cache = CacheConfig.from_dict(section).to_dict()
-  controller = cache if policy.controller else None
+  cache = CacheConfig.from_dict(section)
+  if policy.controller:
+    cache.check_holds_request(policy.traces_per_call)
+  controller = cache.to_dict() if policy.controller else None
   from o1jax.model import thinking
   thinking.check_setting(config.model.get("thinking", "auto"))  # markers: when a worker loads
   budget = config.get("budget")

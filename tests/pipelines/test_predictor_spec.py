@@ -66,6 +66,24 @@ def test_controller_cache_flows_from_config_to_the_decode_model_and_fingerprint(
     build_plan(cfg, "unused_output_dir")
 
 
+def test_a_controller_pool_no_request_fits_is_refused_at_plan_time(tmp_path):
+  # Before: the plan took controller.num_blocks=1, and every request overflowed the pool
+  # (each sample a dead letter, after the model loaded).
+  from pipelines.beam import build_plan
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=64), seed=1)
+  cfg = gsm8k_config.get_config("policy=self_consistency,smoke=True")
+  cfg.model.source = str(tmp_path)
+  cfg.policy.n = 4
+  cfg.controller.num_blocks = 4
+  with pytest.raises(ValueError, match=r"^controller\.num_blocks=4: a request of 4 trace\(s\) "
+                                       r"needs at least 5 blocks \(each trace writes"):
+    build_plan(cfg, "unused_output_dir")
+  cfg.controller.num_blocks = 5  # the least one request needs (long prompts: per request)
+  assert dict(build_plan(cfg, "unused_output_dir").predictor.controller)["num_blocks"] == 5
+  cfg.controller.update(cache="contiguous", num_blocks=1)  # no pool: the setting is unused
+  assert dict(build_plan(cfg, "unused_output_dir").predictor.controller)["cache"] == "contiguous"
+
+
 @pytest.mark.parametrize("policy, predictor, attribute", [
     ("greedy_cot", "controller", "controller"), ("greedy", "engine", "engine"),
     ("greedy", "generator", "generator")])

@@ -197,6 +197,18 @@ def test_a_pool_that_runs_out_raises_and_spares_the_other_rows(models):
   np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref[0]), atol=2e-4)
 
 
+def test_a_fixed_pool_no_request_fits_is_found_before_any_request(models):
+  """Each trace writes a block of its own beside the prompt's: a 3-block pool holds a
+  request of 2 traces at best, never one of 3 (was: every request overflowed)."""
+  _, paged, tok = models
+  small = Controller(PagedLlama(nnx.merge(paged.graphdef, paged.params), block_size=BS,
+                                num_blocks=3), tok)
+  small.check_policy_fits(get_policy("self_consistency", n=2))
+  with pytest.raises(ValueError, match=r"^num_blocks=3: a request of 3 trace\(s\) needs at "
+                                       r"least 4 blocks"):
+    small.check_policy_fits(get_policy("self_consistency", n=3))
+
+
 class _OutOfBlocks(MockDecodeModel):
   def check(self, cache):
     raise PagedCacheOverflow("the paged KV cache ran out of blocks")
