@@ -23,6 +23,11 @@ from o1jax.model.layers import MATMUL_DTYPES
 from pallas_kernels.ops import check_backend_runs_here
 
 
+# A prompt longer than this many prefill calls is announced: the terminal stays silent until
+# its first token otherwise.
+LONG_PROMPT_CHUNKS = 4
+
+
 def load_model(model: str = EMBEDDED, backend: str = "auto", interpret: bool = False,
                matmul_dtype: str = "float32"):
   """(Llama, tokenizer) of a checkpoint, its backend checked against this machine first."""
@@ -113,6 +118,10 @@ def main(argv=None) -> int:
     new_tokens = min(args.max_new_tokens, room)
     engine = chat_engine(model, tokenizer, len(prompt_ids) + new_tokens)
     request = Request(prompt_ids, dataclasses.replace(params, max_new_tokens=new_tokens))
+    chunk = engine.config.prefill_chunk
+    if len(prompt_ids) > LONG_PROMPT_CHUNKS * chunk:  # (8k tokens: ~1 minute on 2 cores)
+      print(f"[reading {len(prompt_ids):,} prompt tokens, {chunk} per call: the answer starts "
+            f"after them]", file=sys.stderr, flush=True)
     times = []  # when each token reached us: the engine returns a call's tokens together
     t_start = time.perf_counter()
     stopped = None

@@ -57,6 +57,20 @@ def test_more_new_tokens_than_the_context_holds_is_said():
                   "context has left after the prompt: at most 8178 are generated\n")
 
 
+def test_a_long_prompt_is_announced_before_its_prefill():
+  # Before: nothing until the first token (an 8,101-token prompt: ~1 minute here).
+  prompt = " ".join(str(i) for i in range(400))  # 1,000+ tokens
+  proc = subprocess.Popen(COMMAND[:-1] + [prompt], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    line = proc.stderr.readline()
+  finally:
+    proc.kill()
+    proc.communicate(timeout=60)
+  assert re.fullmatch(r"\[reading 1,\d{3} prompt tokens, 128 per call: the answer starts after "
+                      r"them\]\n", line), line
+
+
 def test_the_decode_rate_leaves_out_the_tokens_of_the_first_call():
   from o1jax.generate import decode_rate
   # 2 tokens with the prefill's call, 2 more 0.5 s and 1 s after them
