@@ -151,7 +151,24 @@ def pipeline_options(runner_cfg, extra: Sequence[str] = (),
   except SystemExit:
     error = usage.getvalue().strip().splitlines()[-1:] or ["cannot be parsed"]
     raise ValueError(f"Beam flags: {error[0].partition(': error: ')[2] or error[0]}") from None
+  check_runner_options(options)
   return options
+
+
+def check_runner_options(options: PipelineOptions) -> None:
+  """Beam's own check of the options against their runner (Dataflow's project, region,
+  temp_location), made now: Beam makes it when the pipeline is built, after the output
+  directory and its store were made, as a message of several lines."""
+  from apache_beam.options.pipeline_options import StandardOptions
+  from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
+  from apache_beam.runners import create_runner
+  runner = options.view_as(StandardOptions).runner
+  if is_direct(options) or runner in DASK_NAMES:
+    return
+  errors = PipelineOptionsValidator(options, create_runner(runner)).validate()
+  if errors:
+    raise ValueError(f"Beam flags for the {runner}: "
+                     + "; ".join(" ".join(e.split()).rstrip(".") for e in errors))
 
 
 def is_direct(options: PipelineOptions) -> bool:

@@ -421,6 +421,19 @@ def test_weights_only_the_load_finds_bad_stop_the_run_in_one_line(tmp_path):
   assert _nothing_written(tmp_path / "out")
 
 
+def test_options_the_runner_refuses_are_one_line_before_anything_is_made(tmp_path):
+  # Before: Beam's "Pipeline has validations errors:" over five lines, after the output
+  # directory and its store/ were made.
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data)
+  cfg.runner.name = "DataflowRunner"
+  with pytest.raises(ValueError, match=r"^Beam flags for the DataflowRunner: Missing GCS path "
+                                       r"option: temp_location; .*Missing required option: "
+                                       r"project; Missing required option: region$"):
+    _run(cfg, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("runner, text", [
     ("FlinkRunner", "Unable to fetch remote job server jar at https://repo/flink-job-server.jar: "
                     "<urlopen error [Errno -2] Name or service not known>. Also failed ..."),
