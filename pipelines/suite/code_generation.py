@@ -5,8 +5,9 @@ docstring), `metadata` holds `test` (defines `check(candidate)`), `entry_point` 
 canonical solution. Two prompt styles (`prompt.code_style`):
   chat (the default; for instruction-tuned models such as the embedded one): a user turn
     asks to complete the function and reply with it in a Python code block, the prompt's
-    code in a fence; the program's code is the reply's first fenced block (or what follows
-    an unclosed fence; a reply without a fence is taken whole), appended to the prompt, so
+    code in a fence; the program's code is the reply's first block fenced as Python (else
+    its first untagged block, else its first block; what follows an unclosed fence; a
+    reply without a fence is taken whole), appended to the prompt, so
     a whole function redefines the stub and a bare body completes it. Generation stops at
     a closing fence on its own line. The embedded model writes an empty body to the raw
     prompt half the time (it starts a new `def` at once): 0 of the first 40 HumanEval
@@ -229,14 +230,23 @@ def prompt(example: Example, style: str = "chat"):
   return [{"role": "user", "content": content}], (CLOSING_FENCE,)
 
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|$)", re.S | re.I)
+# An opening fence with any info string (```python, ```bash, ```text), its block, and the
+# closing fence (or the end of an unfinished reply). Blocks are read in order, so the closing
+# fence of a block is never taken for the opening of the next.
+_FENCE = re.compile(r"```[ \t]*([^\s`]*)[^\n]*\n(.*?)(?:\n[ \t]*```|$)", re.S)
+_PYTHON_TAGS = ("python", "python3", "py", "py3")
 
 
 def extract_code(reply: str) -> str:
-  """The code of a chat reply: its first fenced block, or what follows an unclosed opening
-  fence; a reply without a fence, whole."""
-  match = _FENCE.search(reply)
-  return match.group(1) if match else reply
+  """The code of a chat reply: its first block fenced as Python, else its first untagged
+  block (else its first block), or what follows an unclosed opening fence; a reply without
+  a fence, whole. (A ```bash or ```text block before the code was taken for it.)"""
+  blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(reply.replace("\r\n", "\n"))]
+  for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
+    for tag, code in blocks:
+      if wanted(tag):
+        return code
+  return reply
 
 
 def program_code(text: str, stop: tuple[str, ...], style: str) -> str:

@@ -57,3 +57,21 @@ def test_chat_replies_pass_with_the_function_in_a_code_block_and_fail_without_it
   assert code.extract_code("a\n```python\nx = 1\n```\n```python\ny = 2\n```") == "x = 1"
   with pytest.raises(ValueError, match="prompt.code_style='diff': valid styles are"):
     code.prompt(ex, "diff")
+
+
+@pytest.mark.parametrize("reply, want", [
+    # Before: the bash block's closing fence read as an opening one ('Then:'), the text
+    # block taken for the code (''), a CRLF reply compiled whole, fences included.
+    ("Install:\n```bash\npip install x\n```\nThen:\n```python\ndef f(x):\n    return x\n```\n",
+     "def f(x):\n    return x"),
+    ("Output:\n```text\n[1, 2]\n```\n\n```python\ndef f(x):\n    return x\n```\n",
+     "def f(x):\n    return x"),
+    ("```python\r\ndef f(x):\r\n    return x\r\n```\r\n", "def f(x):\n    return x"),
+    ("```Python3 title='f.py'\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
+    ("```text\nnote\n```\n```\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
+    ("```text\nonly a block of text\n```", "only a block of text"),
+    ("```python\ndef f(x):\n    return x", "def f(x):\n    return x"),  # unfinished reply
+    ("def f(x):\n    return x\n", "def f(x):\n    return x\n"),  # no fence: whole
+])
+def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
+  assert code.extract_code(reply) == want
