@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import logging
 import os
 import pathlib
@@ -140,21 +141,67 @@ def _gone(pid: int) -> bool:
 
 
 class _CpuLeases:
-  """Spreads concurrent executions over CPUs so busy loops share cores fairly."""
+  """Spreads concurrent executions over CPUs so busy loops share cores fairly, across every
+  sandbox of this user on the machine: a lease is an flock on a slot file of its CPU, and
+  CPUs are filled slot by slot (each Beam worker process has its own Sandbox, and each put
+  its first execution on the first CPU: two programs of 1 s took 2 s each, next to an idle
+  CPU, and a right answer near the limit timed out). A lock dies with its process. Where
+  the directory cannot be made, or every slot is taken, the least loaded CPU of this one."""
+
+  SLOTS = 8  # leases per CPU coordinated across processes
 
   def __init__(self):
     self._lock = threading.Lock()
     self._load = {cpu: 0 for cpu in sorted(os.sched_getaffinity(0))}
+    self._dir = _lease_dir()
 
-  def acquire(self) -> int:
+  def acquire(self) -> tuple[int, int]:
+    """(cpu, the slot file's descriptor, -1 if none)."""
     with self._lock:
-      cpu = min(self._load, key=lambda c: (self._load[c], c))
+      order = sorted(self._load, key=lambda c: (self._load[c], c))
+      cpu, fd = order[0], -1
+      for slot in range(self.SLOTS if self._dir else 0):
+        for candidate in order:
+          fd = _try_lock(f'{self._dir}/cpu{candidate}.{slot}')
+          if fd >= 0:
+            cpu = candidate
+            break
+        if fd >= 0:
+          break
       self._load[cpu] += 1
-      return cpu
+      return cpu, fd
 
-  def release(self, cpu: int) -> None:
+  def release(self, lease: tuple[int, int]) -> None:
+    cpu, fd = lease
+    if fd >= 0:
+      os.close(fd)
     with self._lock:
       self._load[cpu] -= 1
+
+
+def _lease_dir() -> str | None:
+  path = os.path.join(tempfile.gettempdir(), f'o1jax-sandbox-cpus-{os.geteuid()}')
+  try:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_uid != os.geteuid():  # another user's: not ours to coordinate in
+      return None
+  except OSError:
+    return None
+  return path
+
+
+def _try_lock(path: str) -> int:
+  """An open descriptor holding an exclusive flock on `path`, or -1 if it is taken."""
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+  except OSError:
+    return -1
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    os.close(fd)
+    return -1
+  return fd
 
 
 class Sandbox:
@@ -269,7 +316,8 @@ class Sandbox:
       fields = ('script', '0', native, '', program, '', '')
     sentinel = secrets.token_hex(16).encode()
     start = time.monotonic()
-    cpu = self._cpus.acquire() if self.config.pin_cpus else -1
+    lease = self._cpus.acquire() if self.config.pin_cpus else None
+    cpu = lease[0] if lease else -1
     root = tempfile.mkdtemp(prefix='o1jax-sandbox-')
     try:
       payload = _encode_payload(sentinel, fields)
@@ -281,8 +329,8 @@ class Sandbox:
       return ExecutionResult(Status.SANDBOX_ERROR, f'host: {type(exc).__name__}: {exc}',
                              duration_s=time.monotonic() - start, isolated=isolate)
     finally:
-      if cpu >= 0:
-        self._cpus.release(cpu)
+      if lease is not None:
+        self._cpus.release(lease)
       shutil.rmtree(root, ignore_errors=True)
 
 

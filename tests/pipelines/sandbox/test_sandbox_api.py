@@ -307,3 +307,21 @@ def test_smallest_accepted_limits_still_run_a_program():
                              test='def check(candidate):\n    assert candidate(1) == 2\n',
                              entry_point='f')
   assert Sandbox(config).run(program).status is Status.PASSED
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs two CPUs')
+def test_two_sandboxes_running_at_once_pin_to_different_cpus():
+  # Before: each Sandbox (one per Beam worker process) leased CPUs on its own, and both
+  # put their first execution on the first CPU: 1 s programs took 2 s next to an idle CPU.
+  import threading
+  program = 'import os, time\nprint(sorted(os.sched_getaffinity(0)))\ntime.sleep(1.5)\n'
+  sandboxes = [Sandbox(SandboxConfig(timeout_s=10.0, workers=1)) for _ in range(2)]
+  cpus = {}
+  threads = [threading.Thread(target=lambda i=i: cpus.__setitem__(i, sandboxes[i].run(program)))
+             for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  pinned = [json.loads(cpus[i].stdout) for i in range(2)]
+  assert all(len(p) == 1 for p in pinned) and pinned[0] != pinned[1], pinned
