@@ -155,10 +155,23 @@ def plot_reasoning(records: Sequence[dict], path: pathlib.Path) -> bool:
   return True
 
 
+# The metric of each task's per-sample `correct`, so the comparison and its Pareto plot
+# rank runs by what their records call right: GSM8K's strict match (lm-evaluation-harness's
+# strict-match), a custom task's number match (flexible) or text match (exact), HumanEval's
+# pass@1. (The flexible match ranked GSM8K runs while their records scored strict.)
+HEADLINE_METRICS = {"gsm8k": ("strict",), "custom": ("flexible", "exact"),
+                    "humaneval": ("pass@1",)}
+
+
 def accuracy_value(summary: dict) -> Optional[float]:
-  """Headline accuracy: pass@1 for HumanEval, else flexible (then strict / exact)."""
+  """Headline accuracy (`HEADLINE_METRICS`); the suite's is the mean of its categories'
+  headlines (None while one has none)."""
   acc = summary.get("accuracy") or {}
-  for k in ("pass@1", "flexible", "strict", "exact"):
+  task = summary.get("task")
+  if task == "suite":
+    values = list(acc.values())
+    return round(sum(values) / len(values), 4) if values and None not in values else None
+  for k in HEADLINE_METRICS.get(task, ("pass@1", "strict", "flexible", "exact")):
     if acc.get(k) is not None:
       return acc[k]
   return None

@@ -95,7 +95,7 @@ def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   dominated in both is on neither."""
   def summary(policy, acc, tokens, span, spec=False):
     return {"task": "gsm8k", "policy": policy, "examples": 4, "samples": 4,
-            "samples_per_example": 1, "accuracy": {"flexible": acc},
+            "samples_per_example": 1, "accuracy": {"strict": acc, "flexible": 1.0},
             "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
             "throughput": {"samples_computed": 4, "span_s": span, "completion_tokens_per_s": 1.0},
             "config": {"speculative": {"enabled": spec, "drafter": "prompt_lookup"}}}
@@ -114,6 +114,22 @@ def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   assert rows["self_consistency (sc)"].endswith("| tokens/seconds |")
   assert rows["best_of_n (worse)"].endswith("|  |")
   assert report.pareto_front([(1, 0.5), (1, 0.5), (2, 0.4)]) == [0, 1]  # ties both stay
+
+
+@pytest.mark.parametrize("task, accuracy, want", [
+    # Before: GSM8K runs were ranked by the flexible match while their records (and the
+    # task's `correct`) scored strict; suite runs had no accuracy in the comparison.
+    ("gsm8k", {"strict": 0.25, "flexible": 0.75}, 0.25),
+    ("custom", {"strict": 0.25, "flexible": 0.75}, 0.75),  # number answers: `correct` is flexible
+    ("custom", {"exact": 0.5}, 0.5),
+    ("humaneval", {"pass@1": 0.125}, 0.125),
+    ("suite", {"math": 0.5, "code": 0.25, "qa": 0.75, "summarization": 0.125,
+               "instructions": 1.0}, 0.525),
+    ("suite", {"math": 0.5, "code": None}, None),
+    ("gsm8k", {}, None),
+])
+def test_the_headline_accuracy_is_the_metric_of_the_records_correct(task, accuracy, want):
+  assert report.accuracy_value({"task": task, "accuracy": accuracy}) == want
 
 
 def test_configs_variants_smoke_and_unknown_keys():
