@@ -163,6 +163,12 @@ HEADLINE_METRICS = {"gsm8k": ("strict",), "custom": ("flexible", "exact"),
                     "humaneval": ("pass@1",)}
 
 
+def _answer_key(answer: str) -> Optional[str]:
+  """The controller's key of a scored answer (its first number), for comparing the two."""
+  from o1jax.controller.answers import extract_number
+  return extract_number(str(answer), prefix="")
+
+
 def accuracy_value(summary: dict) -> Optional[float]:
   """Headline accuracy (`HEADLINE_METRICS`); the suite's is the mean of its categories'
   headlines (None while one has none)."""
@@ -310,8 +316,14 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
     out += ["First reasoning paths (traces, steps, backtracks, early exit, exit reasons, votes):", ""]
     for rec in [x for x in records if "steps" in (x.get("trace") or {})][:5]:
       t = rec["trace"]
-      out.append(f"- `{rec['example_id']}`: answer `{t.get('answer')}` "
-                 f"({'correct' if rec['correct'] else 'wrong'}); {len(t.get('traces') or [])} traces, "
+      # The vote's key reads the number after the last answer prefix, the task's score its
+      # own rule (GSM8K strict: the first): where they differ, the scored answer is shown.
+      scored = rec.get("answer")
+      shown = (f"`{t.get('answer')}` (voted; scored `{scored}`, "
+               if scored is not None and _answer_key(scored) != t.get("answer") else
+               f"`{t.get('answer')}` (")
+      out.append(f"- `{rec['example_id']}`: answer {shown}"
+                 f"{'correct' if rec['correct'] else 'wrong'}); {len(t.get('traces') or [])} traces, "
                  f"{t.get('steps')} steps, {t.get('backtracks')} backtracks, early exit "
                  f"{bool(t.get('early_exit'))}; exits {t.get('exit_reasons')}; votes {t.get('votes')}")
   else:

@@ -77,6 +77,21 @@ def test_report_files_and_comparison(tmp_path):
   assert "| greedy (greedy) | gsm8k |" in (tmp_path / "comparison.md").read_text()
 
 
+def test_a_voted_answer_the_score_reads_otherwise_shows_both(tmp_path):
+  # Before: "answer `7` (wrong)" against a reference of 7: the vote reads the number after
+  # the last "The answer is", GSM8K's strict score the first (5).
+  trace = {"steps": 2, "answer": "7", "traces": [{}], "votes": {"7": 1.0}}
+  recs = [_rec(0, 0, "5", "7", "7", 20, 5, trace=trace),
+          _rec(1, 0, "1,200", "1,200", "1,200", 20, 5, trace=dict(trace, answer="1200"))]
+  (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+  s = summarize(recs, task="gsm8k", vote=False, config={"dataset": {"name": "x"}})
+  (tmp_path / "summary.json").write_text(json.dumps({**s, "policy": "self_consistency"}))
+  assert report.main([str(tmp_path)]) == 0
+  md = (tmp_path / "report.md").read_text()
+  assert "- `e0`: answer `7` (voted; scored `5`, wrong); 1 traces" in md
+  assert "- `e1`: answer `1200` (correct); 1 traces" in md  # the same value: one answer
+
+
 def test_report_says_what_accuracy_leaves_out(tmp_path):
   recs = [_rec(0, 0, "5", "5", "5", 20, 5)]
   dead = [{"stage": "inference", "reason": "too long", "example_id": "e1", "sample_index": 0}]
