@@ -673,9 +673,10 @@ def main(argv):
   keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
-  from pipelines.report import recomputed_line
-  if lost := recomputed_line(summary):
-    print(f"warning: {lost}", file=sys.stderr)
+  from pipelines.report import recomputed_line, unscored_line
+  for line in (recomputed_line(summary), unscored_line(summary)):
+    if line:
+      print(f"warning: {line}", file=sys.stderr)
   failure = run_failure(summary, output_dir)
   if failure:
     print(f"error: {failure}", file=sys.stderr)

@@ -35,6 +35,20 @@ def recomputed_line(summary: dict) -> str:
   return (f"The engine recomputed {n} tokens of preempted sequences: its KV pool was too small "
           f"for the running sequences (raise engine.kv_cache_bytes or engine.num_blocks)") if n else ""
 
+def unscored_line(summary: dict) -> str:
+  """What the accuracy leaves out ('' when nothing): it is over the scored samples, and a
+  sample without a verdict (a dead letter, a sandbox error) is not counted wrong."""
+  lost = summary.get("unscored") or {}
+  samples, examples = int(lost.get("samples") or 0), int(lost.get("examples") or 0)
+  errors = int(summary.get("sandbox_errors") or 0)
+  if not (samples or examples or errors):
+    return ""
+  parts = ([f"{samples} samples went to dead letters (dead_letters.jsonl)"] if samples else []) + (
+      [f"{errors} samples were sandbox errors (their records' score.detail)"] if errors else [])
+  return (f"Left out of accuracy (not counted wrong): {'; '.join(parts)}; {examples} examples "
+          f"with no scored sample")
+
+
 def _plt():
   import matplotlib
   matplotlib.use("Agg")  # files only; never needs a display
@@ -331,10 +345,8 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
                "(run a controller policy, e.g. policy=self_consistency or deepconf).")
   dead = summary["dead_letters"]
   out += ["", "## Dead letters", "", f"{dead['total']} total; by stage: {dead['by_stage'] or 'none'}."]
-  lost = summary.get("unscored") or {}
-  if lost.get("samples"):  # accuracy is over the scored samples: say what it leaves out
-    out.append(f"Left out of accuracy (not counted wrong): {lost['samples']} samples; "
-               f"{lost['examples']} examples with no scored sample.")
+  if left_out := unscored_line(summary):  # accuracy is over the scored samples
+    out.append(left_out + ".")
   dl_path = run_dir / "dead_letters.jsonl"
   if dead["total"] and dl_path.exists():
     for i, line in enumerate(dl_path.read_text(encoding="utf-8", errors="replace").splitlines()[:10], 1):

@@ -177,12 +177,16 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
 
 def unscored(records: Sequence[dict], dead_letters: Sequence[dict]) -> dict[str, int]:
   """Work items that went to dead letters (inference, scoring) and have no record: left out
-  of accuracy, not counted wrong; `examples`: those with no scored sample at all. A resumed
+  of accuracy, not counted wrong; `examples`: those with no scored sample at all (their
+  samples dead letters or sandbox errors). A resumed
   run's later record for an item supersedes its old dead letter."""
   done = {(r["example_id"], r["sample_index"]) for r in records}
   lost = {(d["example_id"], d.get("sample_index")) for d in dead_letters
           if d.get("stage") != "input" and d.get("example_id") is not None} - done
-  return {"samples": len(lost), "examples": len({e for e, _ in lost} - {r["example_id"] for r in records})}
+  # An example whose records are all sandbox errors has no verdict either (pass@k leaves it out).
+  scored = {r["example_id"] for r in scored_samples(records)}
+  examples = {e for e, _ in lost} | {r["example_id"] for r in records}
+  return {"samples": len(lost), "examples": len(examples - scored)}
 
 
 def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:

@@ -100,8 +100,9 @@ def test_report_says_what_accuracy_leaves_out(tmp_path):
   s = summarize(recs, dead, task="gsm8k", vote=False, config={"dataset": {"name": "x"}})
   (tmp_path / "summary.json").write_text(json.dumps({**s, "policy": "greedy"}))
   assert report.main([str(tmp_path)]) == 0
-  assert ("Left out of accuracy (not counted wrong): 1 samples; 1 examples with no scored "
-          "sample.") in (tmp_path / "report.md").read_text()
+  assert ("Left out of accuracy (not counted wrong): 1 samples went to dead letters "
+          "(dead_letters.jsonl); 1 examples with no scored sample.") in (
+              tmp_path / "report.md").read_text()
 
 
 def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
@@ -269,6 +270,13 @@ def test_dead_letters_and_sandbox_errors_are_left_out_and_counted():
   # h0 scored on 2 samples (1 pass); h1 has none left: pass@1 = 1/2, pass@2 = 1.
   assert s["pass_at_k"] == {"1": 0.5, "2": 1.0} and s["sandbox_errors"] == 3
   assert s["sample_accuracy"] == 0.5
+  # h1, left out of pass@k, is counted (was not: `examples` said 2, pass@k averaged 1),
+  # and the console and report say so.
+  assert s["unscored"] == {"samples": 0, "examples": 1}
+  assert report.unscored_line(s) == (
+      "Left out of accuracy (not counted wrong): 3 samples were sandbox errors (their records' "
+      "score.detail); 1 examples with no scored sample")
+  assert report.unscored_line(summarize(recs[:1], task="humaneval")) == ""
 
 
 def test_empty_and_all_unscored_runs_give_no_nan():
