@@ -271,7 +271,8 @@ def scoring_identity(task) -> dict:
   registered without one: its sandbox limits, as before that method)."""
   if hasattr(task, "scoring_identity"):
     return task.scoring_identity()
-  return sandbox_identity(getattr(task, "sandbox_cfg", {}) or {})
+  limits = getattr(task, "sandbox_cfg", {}) or {}
+  return sandbox_identity(limits) if limits else {}
 
 
 def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[WorkItem]:

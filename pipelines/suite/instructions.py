@@ -13,9 +13,11 @@ google-research `instruction_following_eval/instructions.py`):
   format:json                  the response, without ```json fences, parses with json.loads
   format:bullets               exactly N lines starting "* " or "- " (markdown bullets)
   format:title                 a title in double angular brackets, <<like this>>
-  case:lowercase               response == response.lower() (IFEval also runs langdetect: skipped)
-  case:uppercase               response == response.upper()
-  end:phrase                   ends (after strip, case-insensitive) with the exact phrase
+  case:lowercase               response.islower(): a cased letter, none upper (IFEval also runs
+                               langdetect: skipped)
+  case:uppercase               response.isupper()
+  end:phrase                   ends (after stripping whitespace, then double quotes;
+                               case-insensitive) with the exact phrase
   punctuation:no_comma         no ',' anywhere
 
 Metrics, as IFEval defines them: prompt-level accuracy (every instruction of the prompt
@@ -197,7 +199,7 @@ class Lowercase(Instruction):
     return "Your entire response should be in English, and in all lowercase letters. No capital letters are allowed."
 
   def check(self, response):
-    return response == response.lower()
+    return response.islower()  # as IFEval: "12345." has no letter to be lowercase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +210,7 @@ class Uppercase(Instruction):
     return "Your entire response should be in English, and in all capital letters."
 
   def check(self, response):
-    return response == response.upper()
+    return response.isupper()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +222,8 @@ class EndPhrase(Instruction):
     return f"Finish your response with this exact phrase: {self.phrase} No other words should follow it."
 
   def check(self, response):
-    return response.strip().lower().endswith(self.phrase.strip().lower())
+    # IFEval strips a closing quote too: `... "Is there anything else?"` ends with it
+    return response.strip().strip('"').lower().endswith(self.phrase.strip().lower())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,11 +172,16 @@ def question_phrase(example: Example) -> Optional[str]:
 
 def extract_answer(text: str, phrase: Optional[str] = None) -> Optional[str]:
   """First non-empty line, without a leading 'Answer:'; None for an empty response. When
-  the line restates `phrase` followed by "is"/"was", what follows up to the sentence's end."""
+  the line says "The (final) answer is X" or restates `phrase` followed by "is"/"was", what
+  follows up to the sentence's end."""
   for line in text.splitlines():
     line = line.strip()
     if line:
       line = re.sub(r"^[*\s]*answer[*\s]*:[*\s]*", "", line, flags=re.IGNORECASE).strip()
+      stated = re.match(r"^\W*(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(.+?)(?:\.(?:\s|$)|$)",
+                        line, flags=re.IGNORECASE)
+      if stated:  # "The answer is Sabga Group." (was compared whole: EM 0)
+        return stated.group(1).strip()
       if phrase:
         words = r"\W+".join(re.escape(w) for w in phrase.split())
         restated = re.match(rf"^\W*(?:the\s+)?{words}\s+(?:is|was)\s+(.+?)(?:\.(?:\s|$)|$)",

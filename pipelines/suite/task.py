@@ -20,6 +20,11 @@ from pipelines.datasets.records import Example
 from pipelines.suite import items as suite_items
 from pipelines.suite.items import CATEGORY_MODULES, CATEGORIES
 
+# The categories' scoring rules, by version (with the sandbox's: task_specs.SANDBOX_RULES):
+# 2 reads code from the reply's Python block whatever fences come first, IFEval's case and
+# end-phrase rules, and QA's "The answer is X" (2026-12-06). A new version recomputes.
+SUITE_RULES = 2
+
 
 class ScoringError(Exception):
   """One item's scorer raised; carried in the item's place so the batch goes on."""
@@ -122,7 +127,7 @@ class SuiteTask:
 
   def scoring_identity(self) -> dict:
     from pipelines.task_specs import sandbox_identity
-    return sandbox_identity(self.sandbox_cfg)
+    return {**sandbox_identity(self.sandbox_cfg), "suite_rules": SUITE_RULES}
 
   def score_batch(self, items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox=None) -> list:
     """One score dict (or ScoringError) per item; code items run in the sandbox as one pool."""

@@ -178,10 +178,11 @@ def test_custom_prompt_and_answer_format_choices_are_named(section, key, value, 
 
 def test_a_registered_task_without_scoring_identity_keeps_its_sandbox_limits():
   """Tasks registered by users (config imports) predate `scoring_identity`: their keys
-  hold their sandbox limits as before (the pool size aside)."""
+  hold their sandbox limits as before (the pool size aside), and the sandbox's rules."""
   from pipelines.beam.pipeline import scoring_identity
+  from pipelines.task_specs import SANDBOX_RULES
   task = type("OwnTask", (), {"sandbox_cfg": {"timeout_s": 3.0, "memory_mb": 512, "workers": 4}})()
-  assert scoring_identity(task) == {"timeout_s": 3.0, "memory_mb": 512}
+  assert scoring_identity(task) == {"timeout_s": 3.0, "memory_mb": 512, "rules": SANDBOX_RULES}
   assert scoring_identity(type("Bare", (), {})()) == {}
 
 

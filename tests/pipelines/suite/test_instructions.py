@@ -20,6 +20,10 @@ from pipelines.suite import instructions as ins
     (ins.Uppercase(), "ALL UPPER 42.", "ALL Upper."),
     (ins.EndPhrase("Thanks for reading."), "Hello.\nthanks for reading.  ", "Thanks for reading. Bye."),
     (ins.NoComma(), "No commas here.", "One, two."),
+    # As IFEval (before: "12345 67." was lowercase and uppercase; a quoted ending failed)
+    (ins.Lowercase(), "x = 12345.", "12345 67."),
+    (ins.Uppercase(), "X = 12345.", "12345 67."),
+    (ins.EndPhrase("Thanks for reading."), 'He said: "Thanks for reading."', '"Thanks." for reading.'),
 ])
 def test_each_checker_on_a_right_and_a_wrong_response(instruction, right, wrong):
   assert instruction.check(right)

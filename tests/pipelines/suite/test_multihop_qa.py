@@ -16,6 +16,8 @@ def test_answer_extraction_takes_the_first_line_without_answer_prefix():
   assert qa.extract_answer("\n  Answer: Ostal\nbecause ...") == "Ostal"
   assert qa.extract_answer("**Answer:** Ostal") == "Ostal"
   assert qa.extract_answer("") is None
+  assert qa.extract_answer("The answer is Sabga Group.\nIt was founded ...") == "Sabga Group"
+  assert qa.extract_answer("The final answer is: Orren Vale. It is a city.") == "Orren Vale"
 
 
 def test_gold_answer_is_the_end_of_the_path_through_the_stated_facts():
