@@ -20,7 +20,8 @@ ran. The summary reports pass@1 (greedy) and pass@k for every k <= n (policy=sam
 
 The generated tasks come from 12 templates, 3 instances each, with parameters drawn from a
 seeded RNG (`random.Random(f"suite/code:{seed}:{index}")`). The docstring shows two
-examples; the hidden test checks 6 other inputs. Expected outputs are computed by running
+examples; the hidden test checks 6 other inputs, not all with one output (a constant
+answer never passes). Expected outputs are computed by running
 the template's own reference solution (project text, not model output) in this process.
 """
 
@@ -189,6 +190,17 @@ def generated_task(seed: int, index: int) -> Example:
     if len(cases) == 2 + HIDDEN_TESTS:
       break
   shown, hidden = cases[:2], cases[2:]
+  # Hidden cases that all expect one output pass a constant (`return []`): the last is
+  # swapped for an input with another output (an item whose outputs differ is unchanged).
+  outputs = {repr(r) for _, r in hidden}
+  for _ in range(200 if len(outputs) == 1 else 0):
+    args = spec["inputs"](rng)
+    if repr(args) not in seen:
+      seen.add(repr(args))
+      result = fn(*args)
+      if repr(result) not in outputs:
+        hidden[-1] = (args, result)
+        break
   examples = "".join(f"    >>> {name}({', '.join(map(repr, a))})\n    {r!r}\n" for a, r in shown)
   prompt = f"def {name}{spec['sig']}:\n    \"\"\"{spec['doc']}\n{examples}    \"\"\"\n"
   test = "def check(candidate):\n" + "".join(

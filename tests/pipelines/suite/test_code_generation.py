@@ -75,3 +75,15 @@ def test_chat_replies_pass_with_the_function_in_a_code_block_and_fail_without_it
 ])
 def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
   assert code.extract_code(reply) == want
+
+
+def test_no_generated_test_is_passed_by_a_constant():
+  """Before: 30 of 1,200 items of seeds 0-199 expected one output in all 6 hidden cases
+  (seed 7's `words_longer_than_5` always `[]`: `return []` passed)."""
+  import ast
+  for seed in range(60):
+    for index in range(code.GENERATED):
+      test = code.generated_task(seed, index).metadata["test"]
+      expected = {repr(ast.literal_eval(line.split(") == ", 1)[1]))
+                  for line in test.splitlines() if ") == " in line}
+      assert len(expected) > 1, (seed, index, test)
