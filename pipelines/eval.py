@@ -732,4 +732,9 @@ if __name__ == "__main__":
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   define_flags()
-  app.run(main)
+  asked_help = bool({"--help", "-h", "-?", "--helpshort", "--helpfull"} & set(
+      sys.argv[1:sys.argv.index("--") if "--" in sys.argv else None]))
+  try:
+    app.run(main)
+  except SystemExit as e:  # absl ends --help with exit status 1: help asked for is a success
+    sys.exit(0 if asked_help and e.code == 1 else e.code)

@@ -35,6 +35,13 @@ def _assert_one_error_line(proc, expected):
   assert proc.stdout == ""
 
 
+def test_help_is_printed_with_exit_status_0():
+  # Before: absl's exit status 1 (a script checking `pipelines.eval --help` saw a failure).
+  proc = _cli("--help")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "python -m pipelines.eval" in proc.stdout and "--output_dir" in proc.stdout
+
+
 def test_missing_config_file(tmp_path):
   proc = _cli(f"--config={tmp_path}/nope.py", f"--output_dir={tmp_path}/out")
   _assert_one_error_line(proc, f"config file not found: {tmp_path}/nope.py")
