@@ -589,11 +589,12 @@ def build_predictor(spec: PredictorSpec) -> Predictor:
 
 
 def model_fingerprint(spec: PredictorSpec) -> dict:
-  """Identity of the model for content hashes: name, source, and the weights file's size + head hash.
+  """Identity of the model for content hashes: name, source, and the sha256 of the weights
+  (a file's content; a directory's files, every level: `content_digest`).
 
-  Hashing the first MiB (not all of it) keeps this instant for big checkpoints
-  while still telling re-quantized or retrained files apart in practice.
-  """
+  The whole content, not a head: a GGUF's first MiB is its metadata, so a fine-tune saved
+  at the same path with the same size had the old keys, and the store's samples of the old
+  weights were resumed as the new model's (a directory was named by file sizes only)."""
   import os
   fp = {"predictor": spec.name, "source": spec.source, "backend": spec.backend}
   if spec.matmul_dtype != "float32":  # other numerics, other results (f32 keeps old hashes)
@@ -624,10 +625,76 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   except Exception:  # a missing named model fails later, at load time, with a clear message
     return fp
   if os.path.isfile(path):
-    with open(path, "rb") as f:
-      head = hashlib.sha256(f.read(1 << 20)).hexdigest()
-    fp.update(file=os.path.basename(path), bytes=os.path.getsize(path), head_sha256=head)
+    fp.update(file=os.path.basename(path), bytes=os.path.getsize(path),
+              sha256=content_digest(path))
   elif os.path.isdir(path):
-    fp["files"] = sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)
-                         if os.path.isfile(os.path.join(path, n)))
+    fp["sha256"] = content_digest(path)
   return fp
+
+
+DIGEST_CACHE = "file_digests.json"  # under ~/.cache/o1jax: a file's digest by its stat
+
+
+def content_digest(path: str) -> str:
+  """sha256 of a file's bytes, or of a directory's files (relative path, size and digest
+  of each, every level, in name order). A file's digest is kept by (real path, size,
+  mtime, inode) in ~/.cache/o1jax (1 GB/s here: a 100 MB model 0.09 s, an 8B one ~5 s, once
+  per version of the file)."""
+  import os
+  if os.path.isdir(path):
+    entries = []
+    for root, dirs, files in os.walk(path):
+      dirs.sort()
+      for name in sorted(files):
+        full = os.path.join(root, name)
+        entries.append(f"{os.path.relpath(full, path)}\0{os.path.getsize(full)}\0"
+                       f"{content_digest(full)}\n")
+    return hashlib.sha256("".join(entries).encode("utf-8", "surrogatepass")).hexdigest()
+  st = os.stat(path)
+  key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+  cache = _digest_cache()
+  if key in cache:
+    return cache[key]
+  with open(path, "rb") as f:
+    digest = hashlib.file_digest(f, "sha256").hexdigest()
+  # Timestamps are coarse (a few ms): a file changed within the last seconds could change
+  # again under the same stat, so its digest is not kept (git's "racy" files).
+  if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+    cache[key] = digest
+    _save_digest_cache(cache)
+  return digest
+
+
+_digest_lock = threading.Lock()
+_digests: dict[str, str] | None = None
+
+
+def _digest_cache_path():
+  import pathlib
+  return pathlib.Path.home() / ".cache" / "o1jax" / DIGEST_CACHE
+
+
+def _digest_cache() -> dict[str, str]:
+  global _digests
+  with _digest_lock:
+    if _digests is None:
+      try:
+        loaded = json.loads(_digest_cache_path().read_text())
+        _digests = {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+      except (OSError, ValueError):  # none yet, or damaged: hashed again
+        _digests = {}
+    return _digests
+
+
+def _save_digest_cache(cache: dict[str, str]) -> None:
+  import os
+  import tempfile
+  path = _digest_cache_path()
+  try:  # atomic; a cache that cannot be written costs the hash again, nothing else
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".digests-")
+    with os.fdopen(fd, "w") as f:
+      json.dump(dict(list(cache.items())[-4096:]), f)
+    os.replace(tmp, path)
+  except OSError:
+    pass

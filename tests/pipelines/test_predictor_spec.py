@@ -408,3 +408,33 @@ def test_the_engine_pool_holds_every_slot_s_longest_sequence_of_the_job(tmp_path
   assert small.num_blocks < engine.num_blocks
   fixed = dataclasses.replace(sized, engine=tuple(dict(sized.engine, num_blocks=7).items()))
   assert EnginePredictor.load(fixed).engine.num_blocks == 7
+
+
+def test_the_fingerprint_changes_with_any_weight_byte_and_only_with_the_content(tmp_path):
+  """Before: a file was named by its size and first MiB (a GGUF's metadata: weights edited
+  in place kept the keys, and the old model's stored samples were resumed as the new
+  one's); a directory by its top-level file sizes."""
+  import os
+  import shutil
+  gguf = tmp_path / "a" / "model.gguf"
+  gguf.parent.mkdir()
+  gguf.write_bytes(bytes(3 << 20))
+  fp = lambda path: model_fingerprint(PredictorSpec(name="engine", source=str(path)))
+  before = fp(gguf)
+  with open(gguf, "r+b") as f:  # one byte deep in the tensor data, same size, same path
+    f.seek(2 << 20)
+    f.write(b"\x01")
+  after = fp(gguf)
+  assert after != before and after["bytes"] == before["bytes"] and after["file"] == "model.gguf"
+  (tmp_path / "b").mkdir()
+  shutil.copy(gguf, tmp_path / "b" / "model.gguf")  # the same bytes elsewhere: the same model
+  assert fp(tmp_path / "b" / "model.gguf") == after | {"source": str(tmp_path / "b" / "model.gguf")}
+  ckpt = tmp_path / "hf"
+  write_hf_checkpoint(ckpt, tiny_config(), seed=1)
+  (ckpt / "shard").mkdir()
+  (ckpt / "shard" / "extra.bin").write_bytes(b"x")
+  first = fp(ckpt)
+  (ckpt / "shard" / "extra.bin").write_bytes(b"y")  # a nested file, same size
+  assert fp(ckpt) != first
+  os.remove(ckpt / "shard" / "extra.bin")
+  assert fp(ckpt) != first
