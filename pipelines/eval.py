@@ -239,6 +239,9 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   if not str(output_dir).strip():
     from pipelines.beam.store import OutputError
     raise OutputError("--output_dir is empty: name the directory for the results")
+  # A file:// URL is the local path (Beam's file systems know no "file" scheme: the run
+  # computed every sample, then could not read its own results back).
+  output_dir = str(output_dir).removeprefix("file://")
   plan = build_plan(config, output_dir)  # imports the config's modules first
   options = pipeline_options(config.runner, beam_flags, plan.imports)
   direct = runs_here(options)  # the DirectRunner, or a dask LocalCluster started here

@@ -123,6 +123,15 @@ def test_missing_dataset_file_is_an_error_naming_it(tmp_path):
 
 # -- 5. output directory ---------------------------------------------------------------
 
+def test_a_file_url_output_dir_is_the_local_directory(tmp_path):
+  # Before: every sample computed, then "Unable to get filesystem from specified path"
+  # reading the results back; no summary, and every rerun the same.
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  summary = _run(_config(data), f"file://{tmp_path}/out")
+  assert summary["samples"] == len(Q)
+  assert (tmp_path / "out" / "summary.json").exists() and (tmp_path / "out" / "results.jsonl").exists()
+
+
 def test_unwritable_output_dir_is_found_before_any_work(tmp_path):
   data = _write(tmp_path / "ok.jsonl", _good_lines())
   blocker = tmp_path / "a_file"
