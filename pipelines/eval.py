@@ -341,7 +341,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
       result = pipeline.run()
       result.wait_until_finish()
   except Exception as e:  # a file that cannot be written, a model no worker loads: one line
-    error = worker_error(e) or runner_start_error(e, options)
+    error = worker_error(e) or runner_start_error(e, options) or worker_lost_error(e)
     if error is None:
       raise
     raise error from e
@@ -484,6 +484,28 @@ def worker_error(e: BaseException):
     found = re.search(r"\b(WriteError|ModelLoadError): (.+)$", str(link), re.M)
     if found:  # raised in a worker process: the runner passes its text on
       return kinds[found.group(1)](strip(found.group(2)))
+  return None
+
+
+class WorkerLostError(RuntimeError):
+  """A worker process of the job ended in the middle of it (killed: the out-of-memory killer,
+  a signal); what was stored stays, and a rerun resumes."""
+
+
+# What the runner says when a worker process is gone (Beam's DirectRunner in
+# multi_processing mode: its data channel to the worker closes).
+_WORKER_LOST = re.compile(r"Channel closed prematurely|SDK harness .*(?:exited|failed|died)")
+
+
+def worker_lost_error(e: BaseException):
+  """A `WorkerLostError` when the job failed because a worker process went away, else None
+  (it was Beam's traceback of ~80 lines on the console)."""
+  for link in _chain(e):
+    found = _WORKER_LOST.search(str(link))
+    if found:
+      return WorkerLostError(
+          f"a worker process ended during the run ({found.group(0)}: killed, or out of "
+          f"memory?); the finished samples are stored: rerun the same command to resume")
   return None
 
 
@@ -654,6 +676,12 @@ def main(argv):
   _exit_on_signals(stop)
   try:
     summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
+  except WorkerLostError as e:  # not bad input: the run stopped, its log is kept
+    kept = log.close(move_to=local_log) if log else None
+    if verbose:
+      traceback.print_exc()
+    print(f"error: {e}" + (f" (log: {kept})" if kept else ""), file=sys.stderr)
+    return 1
   except ValueError as e:  # bad input: config, output directory, checkpoint, dataset
     from pipelines.beam.handler import ModelLoadError
     from pipelines.beam.store import WriteError

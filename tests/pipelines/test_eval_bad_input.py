@@ -443,6 +443,24 @@ def test_options_the_runner_refuses_are_one_line_before_anything_is_made(tmp_pat
   assert not (tmp_path / "out").exists()
 
 
+def test_a_worker_process_that_dies_is_one_line():
+  """A worker killed mid-run (the out-of-memory killer) ended the launcher with Beam's ~80
+  lines of traceback; the run's error is now one line (the kill itself: by hand, see the
+  session note of 2026-12-06)."""
+  from pipelines.eval import WorkerLostError, worker_lost_error
+  try:
+    try:
+      raise RuntimeError("Channel closed prematurely.")
+    except RuntimeError as cause:
+      raise RuntimeError("Pipeline failed") from cause
+  except RuntimeError as e:
+    error = worker_lost_error(e)
+  assert isinstance(error, WorkerLostError) and str(error) == (
+      "a worker process ended during the run (Channel closed prematurely: killed, or out of "
+      "memory?); the finished samples are stored: rerun the same command to resume")
+  assert worker_lost_error(RuntimeError("something else")) is None
+
+
 @pytest.mark.parametrize("runner, text", [
     ("FlinkRunner", "Unable to fetch remote job server jar at https://repo/flink-job-server.jar: "
                     "<urlopen error [Errno -2] Name or service not known>. Also failed ..."),
