@@ -71,13 +71,13 @@ class PredictorModelHandler(ModelHandler[WorkItem, PredictionResult, Predictor])
     start_ns = self._clock.time_ns()
     try:
       predictions = model.predict(list(batch))
-    except ValueError:
-      if len(batch) == 1:
-        raise
+    except ValueError as e:
       # A request the predictor refuses (a prompt longer than the model's context, bad
       # metadata) fails the whole batch: run the items alone, so only those refused become
-      # dead letters and their neighbours are computed.
-      predictions = [_predict_alone(model, item) for item in batch]
+      # dead letters and their neighbours are computed. Alone already, it is refused as it
+      # would be in a batch (its dead letter's text must not depend on its batch).
+      predictions = ([_refusal(e)] if len(batch) == 1 else
+                     [_predict_alone(model, item) for item in batch])
     end_ns = self._clock.time_ns()
     if len(predictions) != len(batch):
       raise RuntimeError(f"predictor returned {len(predictions)} predictions for {len(batch)} items")
@@ -106,7 +106,11 @@ def _predict_alone(model: Predictor, item: WorkItem) -> dict:
   try:
     return model.predict([item])[0]
   except ValueError as e:
-    return {ERROR_KEY: "".join(traceback.format_exception_only(type(e), e)).strip()}
+    return _refusal(e)
+
+
+def _refusal(e: ValueError) -> dict:
+  return {ERROR_KEY: "".join(traceback.format_exception_only(type(e), e)).strip()}
 
 
 def _timing(batch_timing: dict, metrics: Optional[dict]) -> dict:

@@ -319,13 +319,16 @@ def _refusing_loader(spec):
   return RefusingPredictor()
 
 
-def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path):
-  # Before: the whole batch of 4 went to dead letters with the refused request's reason.
+@pytest.mark.parametrize("batch_size", [4, 1])
+def test_a_refused_request_is_one_dead_letter_and_its_batch_runs(tmp_path, batch_size):
+  # Before: the whole batch of 4 went to dead letters with the refused request's reason;
+  # alone in its batch, its reason was Beam's repr ("ValueError('request ...')"): the dead
+  # letter's text changed when a resumed run batched it alone.
   lines = _good_lines()
   data = _write(tmp_path / "mixed.jsonl", [lines[0], json.dumps({"question": "REFUSE me", "answer": "1"}),
                                            lines[1], lines[2]])
   cfg = _config(data)
-  cfg.runner.batch_size = 4
+  cfg.runner.batch_size = batch_size
   summary = run(cfg, str(tmp_path / "out"), clock=FakeClock(), progress=False, report=False,
                 loader=_refusing_loader)
   records = [json.loads(l) for l in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
