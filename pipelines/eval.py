@@ -53,6 +53,7 @@ import configs
 
 DEFAULT_CONFIG = str(pathlib.Path(configs.__file__).parent / "gsm8k.py")
 LOG_NAME = "eval.log"  # under the output directory: what the default output leaves out
+PARTIAL_LOG_SUFFIX = ".partial"  # the log while the run writes it
 _FLAGS: dict = {}
 
 
@@ -581,9 +582,11 @@ class _LogFile:
   (they inherit it) all write to, goes to a log file; `console` keeps the terminal for the
   progress bar, warnings and errors. `close` puts fd 2 back and keeps the log at a path.
 
-  The log is `path` (OUTPUT_DIR/eval.log, so a killed run leaves it there) when that can
-  be created; otherwise (an object store, a directory that cannot be written: the run
-  will say so) a temporary file.
+  The log is written beside `path` (OUTPUT_DIR/eval.log.partial, so a run killed with
+  kill -9 leaves it there) when that can be created, and `close` puts it at `move_to`;
+  otherwise (an object store, a directory that cannot be written: the run will say so) a
+  temporary file. A run refused for bad input deletes its own log only: the previous
+  run's eval.log stays.
   """
 
   def __init__(self, path: Optional[str] = None):
@@ -593,8 +596,8 @@ class _LogFile:
     if path and not lock_held_elsewhere(os.path.dirname(os.path.abspath(path))):
       try:  # (a run that holds the directory writes its log there: left alone)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path, "wb").close()  # this run's log only
-        self.path = path
+        open(path + PARTIAL_LOG_SUFFIX, "wb").close()  # this run's log only
+        self.path = path + PARTIAL_LOG_SUFFIX
       except OSError:
         pass
     if self.path is None:

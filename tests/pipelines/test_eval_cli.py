@@ -42,6 +42,17 @@ def test_help_is_printed_with_exit_status_0():
   assert "python -m pipelines.eval" in proc.stdout and "--output_dir" in proc.stdout
 
 
+def test_a_rerun_refused_for_bad_input_keeps_the_previous_runs_log(tmp_path):
+  # Before: the refused run's log replaced eval.log and was then deleted.
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "eval.log").write_text("the finished run's log\n")
+  proc = _cli(*FAKE, f"--config.dataset.path={_data(tmp_path)}", "--config.policy.name=nosuch",
+              f"--output_dir={tmp_path}/out")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert (tmp_path / "out" / "eval.log").read_text() == "the finished run's log\n"
+  assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.log"]
+
+
 def test_missing_config_file(tmp_path):
   proc = _cli(f"--config={tmp_path}/nope.py", f"--output_dir={tmp_path}/out")
   _assert_one_error_line(proc, f"config file not found: {tmp_path}/nope.py")
