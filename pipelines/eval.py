@@ -265,9 +265,15 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
       os.close(lock)
 
 
+# The shared-model tags of the job running in this process: a stopping signal removes
+# their files too (the process ends with os._exit, past the `finally` that would).
+_RUNNING_MODEL_TAGS: set[str] = set()
+
+
 def remove_shared_model_files(model_tag: str) -> None:
   """Deletes the files Beam's cross-process model sharing left in the temp directory
   (`<tag>….lock`, `<tag>….address`) once the job that used them is over."""
+  _RUNNING_MODEL_TAGS.discard(model_tag)
   for path in pathlib.Path(tempfile.gettempdir()).glob(f"{glob.escape(model_tag)}*"):
     try:
       path.unlink()
@@ -332,6 +338,8 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   # Beam keeps a lock and an address file per shared model in the temp directory; a
   # run here removes its own afterwards (a remote worker's temp directory is its own).
   model_tag = f"o1jax-{uuid.uuid4().hex}"
+  if direct:
+    _RUNNING_MODEL_TAGS.add(model_tag)
   build_pipeline(pipeline, plan, clock=clock, loader=loader, model_tag=model_tag)
   try:
     if local and show:
@@ -670,6 +678,8 @@ def main(argv):
 
   def stop(signum: int):
     # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
+    for tag in list(_RUNNING_MODEL_TAGS):
+      remove_shared_model_files(tag)
     kept = log.close(move_to=local_log) if log else None
     print(f"stopped by {signal.Signals(signum).name}: finished samples are kept in the store; rerun "
           f"the same command to resume" + (f" (log: {kept})" if kept else ""), file=sys.stderr)

@@ -52,7 +52,10 @@ def test_killing_the_launcher_stops_its_workers(tmp_path, sig):
          "--config.policy.n=2", "--config.runner.batch_size=1", "--config.runner.direct_num_workers=2",
          "--config.runner.direct_running_mode=multi_processing", "--config.runner.progress=False",
          f"--output_dir={out}"]
+  tmp = tmp_path / "tmp"  # the temp directory of the launcher and its workers
+  tmp.mkdir()
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          env={**os.environ, "TMPDIR": str(tmp)},
                           start_new_session=True)  # the test kills only the launcher, not its group
   workers = []
   try:
@@ -81,6 +84,8 @@ def test_killing_the_launcher_stops_its_workers(tmp_path, sig):
   files = list(store.glob("*.json"))
   assert files and all(isinstance(json.loads(f.read_text()), dict) for f in files)
   assert not (out / "results.jsonl").exists()
+  if sig != signal.SIGKILL:  # Beam's shared-model files go with a stopped run (they were left)
+    assert not list(tmp.glob("o1jax-*")), list(tmp.iterdir())
 
 
 def _cmdline(pid: int) -> str:
