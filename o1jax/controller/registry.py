@@ -48,6 +48,11 @@ class BasePolicy(abc.ABC):
   def to_dict(self) -> dict[str, Any]:
     return {"name": self.name, **dataclasses.asdict(self)}
 
+  def sample_identity(self) -> dict[str, Any]:
+    """What of the policy can change one sample's output (its content key): all of it,
+    unless a policy says otherwise (sample_n: not `n`)."""
+    return self.to_dict()
+
 
 POLICIES: dict[str, type[BasePolicy]] = {}
 

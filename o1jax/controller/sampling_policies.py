@@ -39,6 +39,16 @@ class SamplingSpec(SamplingParams):
       out["min_p"] = self.min_p
     return out
 
+  def sample_identity(self) -> dict[str, Any]:
+    """What of it can change a plainly decoded sample (its content key): at temperature 0
+    the draw is the argmax whatever the seed and the filters (a seed changed for a greedy
+    run computed every sample again, to the same text)."""
+    out = self.to_dict()
+    if self.temperature == 0:
+      for name in ("seed", "top_p", "top_k", "min_p"):
+        out.pop(name, None)
+    return out
+
 
 @register
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +85,11 @@ class SampleN(BasePolicy):
   @property
   def num_samples(self) -> int:
     return self.n
+
+  def sample_identity(self) -> dict[str, Any]:
+    """Not `n`: sample i is drawn from the seed, the request and i whatever n is (n=8 after
+    n=4 computes samples 4-7 only)."""
+    return {k: v for k, v in self.to_dict().items() if k != "n"}
 
   def sampling(self, base: SamplingSpec, sample_index: int) -> SamplingSpec:
     del sample_index  # the work key, not the seed, separates samples

@@ -284,9 +284,13 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
   scoring = scoring_identity(plan.task)
   for i in range(plan.policy.num_samples):
     sampling = plan.policy.sampling(base, i)
+    # What can change the sample: a controller policy's settings all can (its loop draws
+    # with the seed even at temperature 0, after a backtrack), plain decoding's not all.
     content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
-        "stop": list(stop), "sampling": sampling.to_dict(), "policy": plan.policy.to_dict(),
+        "stop": list(stop),
+        "sampling": sampling.to_dict() if plan.policy.controller else sampling.sample_identity(),
+        "policy": plan.policy.sample_identity(),
         "scoring": scoring, "example": example.to_dict(), "sample_index": i}
     if plan.speculation_changes_outputs:
       content["speculative"] = dict(plan.predictor.speculative)

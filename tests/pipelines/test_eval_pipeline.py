@@ -53,6 +53,25 @@ def test_samples_are_keyed_by_example_and_index(tmp_path):
   # The key is a content hash: a different seed or model changes every key.
   cfg.sampling.seed = 1
   assert not {i.key for i in plan_items(build_plan(cfg, str(tmp_path)))[0]} & {i.key for i in items}
+  # ... but not what cannot change a sample: sample_n's n (sample i is drawn from the seed,
+  # the request and i), a greedy run's seed and filters (the argmax). Before, n=4 -> 8 and
+  # a greedy run's new seed computed every sample again, to the same text.
+  cfg.sampling.seed = 0
+  cfg.policy.n = 8
+  more = plan_items(build_plan(cfg, str(tmp_path)))[0]
+  assert {i.key for i in more if i.sample_index < 4} == {i.key for i in items}
+  greedy = fake_config(n=3, policy="greedy")
+  keys = lambda c: [i.key for i in plan_items(build_plan(c, str(tmp_path)))[0]]
+  first = keys(greedy)
+  greedy.sampling.update(seed=7, top_p=0.5, top_k=3)
+  assert keys(greedy) == first
+  greedy.sampling.max_new_tokens += 1
+  assert not set(keys(greedy)) & set(first)
+  # A controller policy's seed counts at temperature 0 (its loop samples after a backtrack).
+  tvb = fake_config(n=3, policy="think_verify_backtrack")
+  before = keys(tvb)
+  tvb.sampling.seed = 7
+  assert not set(keys(tvb)) & set(before)
 
 
 def test_malformed_lines_and_failed_batches_become_dead_letters(tmp_path):
