@@ -628,22 +628,31 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     fp.update(file=os.path.basename(path), bytes=os.path.getsize(path),
               sha256=content_digest(path))
   elif os.path.isdir(path):
-    fp["sha256"] = content_digest(path)
+    # What the loaders read: an orbax checkpoint's tree, an HF directory's own files (not
+    # a subdirectory such as `original/`); another directory is no checkpoint (the model
+    # check refuses it), and hashing it could read gigabytes first.
+    from o1jax.checkpoint.orbax_io import is_orbax_checkpoint
+    if is_orbax_checkpoint(path):
+      fp["sha256"] = content_digest(path)
+    elif os.path.isfile(os.path.join(path, "config.json")):
+      fp["sha256"] = content_digest(path, recursive=False)
   return fp
 
 
 DIGEST_CACHE = "file_digests.json"  # under ~/.cache/o1jax: a file's digest by its stat
 
 
-def content_digest(path: str) -> str:
+def content_digest(path: str, recursive: bool = True) -> str:
   """sha256 of a file's bytes, or of a directory's files (relative path, size and digest
-  of each, every level, in name order). A file's digest is kept by (real path, size,
-  mtime, inode) in ~/.cache/o1jax (1 GB/s here: a 100 MB model 0.09 s, an 8B one ~5 s, once
-  per version of the file)."""
+  of each, in name order; every level, or its own files only). A file's digest is kept by
+  (real path, size, mtime, inode) in ~/.cache/o1jax (1 GB/s here: a 100 MB model 0.09 s,
+  an 8B one ~5 s, once per version of the file)."""
   import os
   if os.path.isdir(path):
     entries = []
     for root, dirs, files in os.walk(path):
+      if not recursive:
+        dirs.clear()
       dirs.sort()
       for name in sorted(files):
         full = os.path.join(root, name)

@@ -18,6 +18,7 @@ another key's record) counts as not finished: `read` says why, and the sample is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -114,6 +115,17 @@ def check_writable(directory: str) -> None:
 IS_A_DIRECTORY = "is a directory"
 
 
+# Each stored record carries the sha256 of its content: a record still valid JSON after an
+# edit or a flipped bit (a changed output, `correct` flipped) was resumed as it was, and the
+# summary then disagreed with itself.
+CHECKSUM_FIELD = "record_sha256"
+
+
+def record_digest(record: dict) -> str:
+  """sha256 of the record's canonical JSON (sorted keys, ASCII escapes: any text hashes)."""
+  return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
 class ResultStore:
   """Records keyed by content hash under `root` (a local directory, gs://, s3://, ...)."""
 
@@ -159,6 +171,8 @@ class ResultStore:
       return None, f"holds a JSON {type(record).__name__}, not a record"
     if record.get("key") != key:
       return None, f"holds the record of another key ({str(record.get('key'))[:16]!r})"
+    if record.pop(CHECKSUM_FIELD, None) != record_digest(record):
+      return None, "does not match its checksum (edited or damaged)"
     return record, None
 
   def check_writable(self) -> None:
@@ -168,7 +182,8 @@ class ResultStore:
   def put(self, key: str, record: dict) -> None:
     """Writes the record whole; raises `WriteError` naming the file (no partial file is
     left: the temporary file is removed)."""
-    data = utf8(json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n")
+    data = utf8(json.dumps({**record, CHECKSUM_FIELD: record_digest(record)},
+                           ensure_ascii=False, sort_keys=False) + "\n")
     write_whole(self.path(key), data, "store record ")
 
   def count(self) -> int:

@@ -73,13 +73,27 @@ def _copy(finished, dest):
   return dest, sorted(p.name for p in (dest / "store").glob("*.json"))
 
 
+def _signed(record):
+  """A record as the store writes it (its checksum over the rest): what a writer of a wrong
+  record would leave, rather than an edit of a right one."""
+  from pipelines.beam.store import CHECKSUM_FIELD, record_digest
+  record = {k: v for k, v in record.items() if k != CHECKSUM_FIELD}
+  return json.dumps({**record, CHECKSUM_FIELD: record_digest(record)})
+
+
 def _other_sample(store, keys):
   """The record of another example than keys[0]'s, under keys[0]'s key."""
   a = json.loads((store / keys[0]).read_bytes())
   b = next(r for r in (json.loads((store / k).read_bytes()) for k in keys)
            if r["example_id"] != a["example_id"])
-  return json.dumps({**b, "key": a["key"]}), (f"is the record of another sample (example_id "
-                                                f"{b['example_id']!r}, expected {a['example_id']!r})")
+  return _signed({**b, "key": a["key"]}), (f"is the record of another sample (example_id "
+                                           f"{b['example_id']!r}, expected {a['example_id']!r})")
+
+
+def _edited(store, keys, **changes):
+  """keys[0]'s record with fields changed after it was written (its checksum kept)."""
+  return json.dumps({**json.loads((store / keys[0]).read_bytes()), **changes}), (
+      "does not match its checksum (edited or damaged)")
 
 
 DAMAGE = {  # name -> (store dir, sorted file names) -> (bytes written to the first, warning)
@@ -89,8 +103,12 @@ DAMAGE = {  # name -> (store dir, sorted file names) -> (bytes written to the fi
     "json_list": lambda s, k: (b"[1, 2]\n", "holds a JSON list, not a record"),
     "other_key": lambda s, k: ((s / k[1]).read_bytes(), f"holds the record of another key ({k[1][:16]!r})"),
     "other_sample": lambda s, k: _other_sample(s, k),
-    "old_layout": lambda s, k: (json.dumps({x: v for x, v in json.loads((s / k[0]).read_bytes()).items()
-                                            if x != "trace"}), "is not a result record (missing trace)"),
+    "old_layout": lambda s, k: (_signed({x: v for x, v in json.loads((s / k[0]).read_bytes()).items()
+                                         if x != "trace"}), "is not a result record (missing trace)"),
+    # Valid JSON of the right key, changed since: was resumed as it was (the summary then
+    # disagreed with itself).
+    "edited_output": lambda s, k: _edited(s, k, output="something else"),
+    "flipped_correct": lambda s, k: _edited(s, k, correct=not json.loads((s / k[0]).read_bytes())["correct"]),
 }
 
 

@@ -431,10 +431,24 @@ def test_the_fingerprint_changes_with_any_weight_byte_and_only_with_the_content(
   assert fp(tmp_path / "b" / "model.gguf") == after | {"source": str(tmp_path / "b" / "model.gguf")}
   ckpt = tmp_path / "hf"
   write_hf_checkpoint(ckpt, tiny_config(), seed=1)
-  (ckpt / "shard").mkdir()
-  (ckpt / "shard" / "extra.bin").write_bytes(b"x")
+  (ckpt / "original").mkdir()  # what the HF loader does not read: not hashed
+  (ckpt / "original" / "consolidated.bin").write_bytes(b"x")
   first = fp(ckpt)
-  (ckpt / "shard" / "extra.bin").write_bytes(b"y")  # a nested file, same size
+  (ckpt / "original" / "consolidated.bin").write_bytes(b"y")
+  assert fp(ckpt) == first
+  weights = next(ckpt.glob("*.safetensors"))
+  data = bytearray(weights.read_bytes())
+  data[-1] ^= 1  # the last weight byte, same size
+  weights.write_bytes(bytes(data))
   assert fp(ckpt) != first
-  os.remove(ckpt / "shard" / "extra.bin")
-  assert fp(ckpt) != first
+  orbax = tmp_path / "orbax"  # an orbax checkpoint's arrays live in subdirectories
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.checkpoint.orbax_io import save_orbax
+  loaded = load_checkpoint(str(ckpt))
+  save_orbax(orbax, loaded.config, loaded.params, loaded.tokenizer)
+  nested = sorted(p for p in orbax.rglob("*") if p.is_file() and p.parent != orbax)
+  before = fp(orbax)
+  with open(nested[-1], "ab") as f:
+    f.write(b"\0")
+  assert nested and fp(orbax) != before
+  assert "sha256" not in fp(tmp_path / "a")  # a directory that is no checkpoint: not walked
