@@ -401,7 +401,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if missing:
     print(f"skipping (not found): {missing}", file=sys.stderr)
   if skipped:
-    print(f"skipping (no summary.json): {skipped}", file=sys.stderr)
+    print(f"skipping (no summary.json): {skipped}"
+          + (" (a run stopped before its end: run pipelines.eval on it again to finish)"
+             if any((pathlib.Path(d) / "store").is_dir() for d in skipped) else ""),
+          file=sys.stderr)
   for d in runs:  # (a summary.json that cannot be read is an error below)
     run_dir = pathlib.Path(d)
     if (run_dir / "summary.json").is_file() and not (run_dir / "results.jsonl").exists():
@@ -413,6 +416,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   failed = []
   for d in runs:
     try:
+      summary, records = load_run(d)
+      counted = summary.get("samples")
+      if (run_dir := pathlib.Path(d) / "results.jsonl").exists() and isinstance(counted, int) \
+          and len(records) != counted:
+        print(f"warning: {run_dir} holds {len(records)} records where summary.json counts "
+              f"{summary.get('samples')}: the file was cut or changed since the run (pipelines.eval "
+              f"on the directory writes both again from its store)", file=sys.stderr)
       print(write_run_report(d))
     except ReportError as e:  # one bad run: the others are still reported
       print(f"error: {e}", file=sys.stderr)

@@ -71,3 +71,19 @@ def test_a_run_directory_not_found_or_without_results_is_said(tmp_path, capsys, 
   assert main([str(only_summary)]) == 0
   assert capsys.readouterr().err == (f"warning: {only_summary}/results.jsonl is missing: its report "
                                      f"has the summary only (no per-sample sections)\n")
+
+
+def test_an_unfinished_run_and_a_cut_results_file_are_said(tmp_path, capsys, monkeypatch):
+  # Before: "skipping (no summary.json)" without what to do; a results.jsonl cut at a line
+  # boundary was reported as if whole.
+  import pipelines.report as report
+  monkeypatch.setattr(report, "write_run_report", lambda d: d)
+  stopped = tmp_path / "stopped"
+  (stopped / "store").mkdir(parents=True)
+  cut = _run_dir(tmp_path, "cut", json.dumps({"samples": 3}), [json.dumps({"example_id": "x"})])
+  assert main([str(stopped), str(cut)]) == 0
+  err = capsys.readouterr().err
+  assert (f"skipping (no summary.json): ['{stopped}'] (a run stopped before its end: run "
+          f"pipelines.eval on it again to finish)\n") in err
+  assert (f"warning: {cut}/results.jsonl holds 1 records where summary.json counts 3: the file "
+          f"was cut or changed since the run") in err
