@@ -645,7 +645,7 @@ DIGEST_CACHE = "file_digests.json"  # under ~/.cache/o1jax: a file's digest by i
 def content_digest(path: str, recursive: bool = True) -> str:
   """sha256 of a file's bytes, or of a directory's files (relative path, size and digest
   of each, in name order; every level, or its own files only). A file's digest is kept by
-  (real path, size, mtime, inode) in ~/.cache/o1jax (1 GB/s here: a 100 MB model 0.09 s,
+  (real path, size, mtime, ctime, inode, device) in ~/.cache/o1jax (1 GB/s here: a 100 MB model 0.09 s,
   an 8B one ~5 s, once per version of the file)."""
   import os
   if os.path.isdir(path):
@@ -660,7 +660,10 @@ def content_digest(path: str, recursive: bool = True) -> str:
                        f"{content_digest(full)}\n")
     return hashlib.sha256("".join(entries).encode("utf-8", "surrogatepass")).hexdigest()
   st = os.stat(path)
-  key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+  # ctime too: `cp -p`, `rsync -t` and archives restore an mtime over new bytes (and a file
+  # made again may get its inode back); no tool sets ctime.
+  key = (f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|"
+         f"{st.st_ino}|{st.st_dev}")
   cache = _digest_cache()
   if key in cache:
     return cache[key]
@@ -668,7 +671,7 @@ def content_digest(path: str, recursive: bool = True) -> str:
     digest = hashlib.file_digest(f, "sha256").hexdigest()
   # Timestamps are coarse (a few ms): a file changed within the last seconds could change
   # again under the same stat, so its digest is not kept (git's "racy" files).
-  if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+  if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > 2_000_000_000:
     cache[key] = digest
     _save_digest_cache(cache)
   return digest

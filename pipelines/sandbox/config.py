@@ -59,7 +59,7 @@ class SandboxConfig:
   max_open_files: int = 128
   max_file_bytes: int = 16 << 20  # largest file the program may write
   tmp_bytes: int = 32 << 20  # size of its private /tmp
-  max_output_bytes: int = 1 << 20  # stdout kept; past it, dropped (the program runs on)
+  max_output_bytes: int = 1 << 20  # stdout kept; past it dropped, past 64x it the run ends
   stderr_tail_bytes: int = 4096
   workers: int | None = None  # run_many's pool size; default: number of usable CPUs
   pin_cpus: bool = True  # pin each execution to one CPU (best effort, see docs)

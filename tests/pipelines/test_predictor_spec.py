@@ -452,3 +452,24 @@ def test_the_fingerprint_changes_with_any_weight_byte_and_only_with_the_content(
     f.write(b"\0")
   assert nested and fp(orbax) != before
   assert "sha256" not in fp(tmp_path / "a")  # a directory that is no checkpoint: not walked
+
+
+def test_new_bytes_under_a_restored_mtime_are_hashed_again(tmp_path, monkeypatch):
+  """`cp -p`, `rsync -t` and archives restore an mtime over new bytes (the red-team's find:
+  a digest kept by path, size, mtime and inode was the old weights'): ctime is in the key."""
+  import os
+  import time
+  from pipelines import predictors
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))  # a digest cache of its own
+  monkeypatch.setattr(predictors, "_digests", None)
+  path = tmp_path / "model.bin"
+  path.write_bytes(b"A" * 1000)
+  os.utime(path, ns=(1_600_000_000_000_000_000,) * 2)
+  time.sleep(2.1)  # older than the 2 s a digest must be to be kept
+  before = predictors.content_digest(str(path))
+  assert predictors._digest_cache()  # kept
+  stat = os.stat(path)
+  path.write_bytes(b"C" * 1000)
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and os.stat(path).st_size == stat.st_size
+  assert predictors.content_digest(str(path)) != before

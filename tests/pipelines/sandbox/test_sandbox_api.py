@@ -325,3 +325,14 @@ def test_two_sandboxes_running_at_once_pin_to_different_cpus():
     t.join()
   pinned = [json.loads(cpus[i].stdout) for i in range(2)]
   assert all(len(p) == 1 for p in pinned) and pinned[0] != pinned[1], pinned
+
+
+def test_a_host_failure_before_the_run_frees_the_cpu_lease(monkeypatch):
+  # Before: mkdtemp failing (ENOSPC) raised out of run() and kept the lease (its flock too).
+  sandbox = Sandbox(SandboxConfig(timeout_s=5.0, workers=1))
+  def no_space(*args, **kwargs):
+    raise OSError(28, 'No space left on device')
+  monkeypatch.setattr(runner.tempfile, 'mkdtemp', no_space)
+  result = sandbox.run('print(1)')
+  assert result.status is Status.SANDBOX_ERROR and 'No space left on device' in result.detail
+  assert set(sandbox._cpus._load.values()) == {0}

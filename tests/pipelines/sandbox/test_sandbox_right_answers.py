@@ -70,6 +70,15 @@ CASES = {
                            "    for c in s:\n        d[c] += 1\n    return d\n", COUNT_TEST, True),
     "namedtuple": (PAIR, "    from collections import namedtuple\n    P = namedtuple('P', 'n k')\n"
                          "    return P(len(s), 1)\n", PAIR_TEST, True),
+    # Its own order (move_to_end), not its dict storage's: the red-team's find.
+    "ordered_dict_in_its_own_order": (
+        COUNT, "    from collections import OrderedDict\n    d = OrderedDict([('b', 1), ('a', 2)])\n"
+               "    d.move_to_end('b')\n    return d\n",
+        "def check(candidate):\n    assert list(candidate('aab')) == ['a', 'b']\n", True),
+    "ordered_dict_storage_order_is_not_its_order": (
+        COUNT, "    from collections import OrderedDict\n    d = OrderedDict([('a', 2), ('b', 1)])\n"
+               "    d.move_to_end('a')\n    return d\n",
+        "def check(candidate):\n    assert list(candidate('aab')) == ['a', 'b']\n", False),
     "dict_subclass_with_a_forged_eq_and_items": (
         COUNT, "    class D(dict):\n        def __eq__(self, o): return True\n"
                "        def items(self): return [('a', 2), ('b', 1)]\n"
@@ -121,7 +130,9 @@ def test_canonical_solutions_in_a_chat_reply_with_a_doctest_main_block_pass():
   assert [s["correct"] for s in scores] == [True] * 20 + [False] * 3, [s["detail"] for s in scores]
 
 
-def test_a_program_printing_forever_still_times_out():
-  result = Sandbox(SandboxConfig(timeout_s=1.0, workers=1)).run(humaneval_program(
+def test_a_program_printing_forever_is_ended_at_64_times_the_kept_output():
+  # The host reads what it drops: a flood for the whole time limit took ~60% of a host CPU.
+  result = Sandbox(SandboxConfig(timeout_s=10.0, workers=1)).run(humaneval_program(
       read_problems()["HumanEval/0"], "    while True:\n        print('x' * 65536)\n"))
-  assert result.status is Status.TIMED_OUT and len(result.stdout.encode()) == 1 << 20
+  assert result.status is Status.FAILED and result.detail == "output exceeded 67108864 bytes"
+  assert len(result.stdout.encode()) == 1 << 20 and result.duration_s < 5
