@@ -589,8 +589,9 @@ def build_predictor(spec: PredictorSpec) -> Predictor:
 
 
 def model_fingerprint(spec: PredictorSpec) -> dict:
-  """Identity of the model for content hashes: name, source, and the sha256 of the weights
-  (a file's content; a directory's files, every level: `content_digest`).
+  """Identity of the model for content hashes: name, source, and the sha256 of what the
+  loaders read (a file's content; an orbax checkpoint's tree; an HF directory's own
+  files: `content_digest`).
 
   The whole content, not a head: a GGUF's first MiB is its metadata, so a fine-tune saved
   at the same path with the same size had the old keys, and the store's samples of the old
@@ -645,8 +646,8 @@ DIGEST_CACHE = "file_digests.json"  # under ~/.cache/o1jax: a file's digest by i
 def content_digest(path: str, recursive: bool = True) -> str:
   """sha256 of a file's bytes, or of a directory's files (relative path, size and digest
   of each, in name order; every level, or its own files only). A file's digest is kept by
-  (real path, size, mtime, ctime, inode, device) in ~/.cache/o1jax (1 GB/s here: a 100 MB model 0.09 s,
-  an 8B one ~5 s, once per version of the file)."""
+  (real path, size, mtime, ctime, inode, device) in ~/.cache/o1jax (1 GB/s here: a 100 MB
+  model 0.09 s, an 8B one ~5 s, once per version of the file)."""
   import os
   if os.path.isdir(path):
     entries = []
