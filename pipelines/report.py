@@ -204,10 +204,18 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
           if not any(c2 <= c and a2 >= a and (c2 < c or a2 > a) for c2, a2 in points)]
 
 
-def front_members(costs: Sequence[Optional[float]], accuracies: Sequence[Optional[float]]) -> set[int]:
-  """Indices of the runs on the Pareto frontier among those with both values."""
-  kept = [i for i, (c, a) in enumerate(zip(costs, accuracies)) if c is not None and a is not None]
-  return {kept[j] for j in pareto_front([(costs[i], accuracies[i]) for i in kept])}
+def front_members(costs: Sequence[Optional[float]], accuracies: Sequence[Optional[float]],
+                  groups: Optional[Sequence] = None) -> set[int]:
+  """Indices of the runs on the Pareto frontier of their group (their task: accuracies of
+  two tasks do not compare, and one task's runs dominated the other's) among those with
+  both values."""
+  groups = list(groups) if groups is not None else [None] * len(costs)
+  members = set()
+  for group in dict.fromkeys(groups):
+    kept = [i for i, (c, a) in enumerate(zip(costs, accuracies))
+            if groups[i] == group and c is not None and a is not None]
+    members |= {kept[j] for j in pareto_front([(costs[i], accuracies[i]) for i in kept])}
+  return members
 
 
 def run_label(name: str, summary: dict) -> str:
@@ -235,9 +243,10 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
   costs = ((lambda s: s["tokens"].get("completion_per_example", 0), "completion tokens per example"),
            (seconds_per_example, "wall seconds per example"))
   accuracies = [accuracy_value(s) for _, s in runs]
+  tasks = [s.get("task") for _, s in runs]
   for ax, (cost, label) in zip(axes, costs):
     xs = [cost(s) for _, s in runs]
-    front = front_members(xs, accuracies)
+    front = front_members(xs, accuracies, tasks)
     for i, (name, s) in enumerate(runs):
       x, y = xs[i], accuracies[i]
       if x is None or y is None:
@@ -245,8 +254,9 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
       ax.scatter([x], [y], s=40, marker="o" if i in front else "x")
       ax.annotate(run_label(name, s), (x, y), textcoords="offset points", xytext=(4, 4),
                   fontsize=7)
-    line = sorted((xs[i], accuracies[i]) for i in front)
-    ax.plot([p[0] for p in line], [p[1] for p in line], "--", lw=1)
+    for task in dict.fromkeys(tasks):  # one frontier per task
+      line = sorted((xs[i], accuracies[i]) for i in front if tasks[i] == task)
+      ax.plot([p[0] for p in line], [p[1] for p in line], "--", lw=1)
     ax.set_xlabel(label)
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
@@ -372,7 +382,8 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
   seconds = [seconds_per_example(s) for _, s in runs]
   tokens = [s["tokens"].get("completion_per_example", 0) for _, s in runs]
-  on_front = [front_members(cost, [accuracy_value(s) for _, s in runs]) for cost in (tokens, seconds)]
+  on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], [s.get("task") for _, s in runs])
+              for cost in (tokens, seconds)]
   rows = [[run_label(name, s), s["task"], s["examples"], s["samples"], _fmt(accuracy_value(s), 4),
            _fmt(s["tokens"].get("completion_per_example")), _fmt(seconds[i], 2),
            _fmt(s["latency_ms"].get("p50")), _fmt(s["throughput"].get("completion_tokens_per_s")),
@@ -381,8 +392,8 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   text = "\n".join(["# Run comparison", "",
                     _table(rows, ["run", "task", "examples", "samples", "accuracy",
                                   "tokens/example", "s/example", "P50 ms", "tok/s", "Pareto"]), "",
-                    "Pareto: the run is on the accuracy-vs-cost frontier by tokens and/or by "
-                    "wall seconds per example.", "",
+                    "Pareto: the run is on its task's accuracy-vs-cost frontier by tokens "
+                    "and/or by wall seconds per example.", "",
                     "![accuracy vs cost](accuracy_vs_cost.png)", ""])
   path = output_dir / "comparison.md"
   path.write_text(text, encoding="utf-8", errors="backslashreplace")

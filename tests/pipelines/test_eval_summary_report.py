@@ -130,6 +130,10 @@ def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   assert rows["self_consistency (sc)"].endswith("| tokens/seconds |")
   assert rows["best_of_n (worse)"].endswith("|  |")
   assert report.pareto_front([(1, 0.5), (1, 0.5), (2, 0.4)]) == [0, 1]  # ties both stay
+  # One frontier per task: a HumanEval run is not dominated by a GSM8K run (was: the
+  # cheaper, more accurate GSM8K run took every HumanEval run off the frontier).
+  assert report.front_members([10, 40, 50], [0.5, 0.1, 0.05], ["gsm8k", "humaneval", "humaneval"]) == {0, 1}
+  assert report.front_members([10, 40, 50], [0.5, 0.1, 0.05]) == {0}
 
 
 @pytest.mark.parametrize("task, accuracy, want", [
