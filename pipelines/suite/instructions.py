@@ -7,7 +7,8 @@ google-research `instruction_following_eval/instructions.py`):
 
   id                           check (as IFEval)
   length:max_words / min_words words = \\w+ runs (IFEval's nltk RegexpTokenizer(r"\\w+")); < N / >= N
-  length:max_sentences         sentences <= N (a regex splitter, simplified from IFEval's)
+  length:max_sentences         sentences <= N (abbreviations and initials end none, as in
+                               IFEval's splitter; a capital after . starts one)
   keywords:include             every keyword found, case-insensitive (re.search)
   keywords:forbidden           no keyword found as a whole word, case-insensitive
   format:json                  the response, without ```json fences, parses with json.loads
@@ -75,9 +76,28 @@ def _words(text: str) -> int:
   return len(re.findall(r"\w+", text))
 
 
+# A "." after these (case-insensitive) or after a single capital (an initial) ends no
+# sentence, as in IFEval's splitter ("Dr. Smith left." is one sentence).
+_ABBREVIATIONS = ("mr", "mrs", "ms", "dr", "st", "prof", "jr", "sr", "vs", "etc", "inc", "ltd",
+                  "e.g", "i.e", "fig")
+_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$|[\"')\]]|[A-Z])")
+
+
 def _sentences(text: str) -> int:
-  # Ends at . ! ? followed by space or end; "e.g." style abbreviations are rare in replies.
-  return len([s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if re.search(r"\w", s)])
+  """Sentences: text ending at . ! ? before a space, the end, a closing quote or bracket,
+  or a capital ("Hello.World." is two), except after an abbreviation or an initial, and
+  not inside a number ("3.14")."""
+  count, start = 0, 0
+  for end in _SENTENCE_END.finditer(text):
+    before = re.search(r"([\w.]+)$", text[start:end.start()])
+    word = before.group(1).lower() if before else ""
+    if end.group() == "." and (word in _ABBREVIATIONS or re.fullmatch(r"[A-Z]", before.group(1)
+                                                                         if before else "")):
+      continue
+    if re.search(r"\w", text[start:end.start()]):
+      count += 1
+    start = end.end()
+  return count + bool(re.search(r"\w", text[start:]))
 
 
 def _strip_json_fence(text: str) -> str:

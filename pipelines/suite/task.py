@@ -21,8 +21,9 @@ from pipelines.suite import items as suite_items
 from pipelines.suite.items import CATEGORY_MODULES, CATEGORIES
 
 # The categories' scoring rules, by version (with the sandbox's: task_specs.SANDBOX_RULES):
-# 2 reads code from the reply's Python block whatever fences come first, IFEval's case and
-# end-phrase rules, and QA's "The answer is X" (2026-12-06). A new version recomputes.
+# 2 reads code from the reply's Python block whatever fences come first, IFEval's case,
+# end-phrase and sentence rules, and QA's "The answer is X" (2026-12-06). A new version
+# recomputes.
 SUITE_RULES = 2
 
 

@@ -68,3 +68,13 @@ def test_generated_prompts_have_one_to_three_compatible_instructions():
     assert not any(frozenset((a, b)) in ins.CONFLICTS for a in kinds for b in kinds if a != b)
     for d in ex.metadata["instructions"]:
       assert ins.from_dict(d).describe() in ex.question
+
+
+@pytest.mark.parametrize("text, sentences", [
+    # Before: 3 and 1 (a "." after "Dr" ended a sentence; "Hello.World." was one).
+    ("Dr. Smith visited. He left.", 2), ("Hello.World.", 2),
+    ("Pi is 3.14 today.", 1), ("J. R. R. Tolkien wrote it. Yes.", 2),
+    ('He said "Go." Then left.', 2), ("No. I disagree.", 2), ("No end", 1), ("", 0),
+])
+def test_sentences_are_counted_as_ifeval_splits_them(text, sentences):
+  assert ins._sentences(text) == sentences
