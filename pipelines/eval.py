@@ -568,6 +568,11 @@ def _no_examples(plan, scan, out: str) -> ValueError:
   is_file = source == plan.task.dataset.get("path")
   if not scan.dead:
     if is_file:
+      from pipelines.datasets.jsonl import dataset_files
+      files = dataset_files(source)
+      if files != [source]:  # a pattern: the files it matched, which hold nothing
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return DatasetError(f"dataset files matching {source} are empty: {shown}")
       return DatasetError(f"dataset file is empty: {source}")
     return DatasetError(f"dataset {source} has no examples (see dataset.n and dataset.levels)")
   # Every line is bad: the dead letters say why, line by line.

@@ -54,6 +54,16 @@ def test_empty_dataset_file_is_an_error_naming_it(tmp_path, content):
   assert _nothing_written(tmp_path / "out")
 
 
+def test_a_pattern_matching_only_empty_files_names_them(tmp_path):
+  # Before: "dataset file is empty: .../shard-*.jsonl" (the pattern, as if it were a file).
+  for name in ("shard-0.jsonl", "shard-1.jsonl"):
+    (tmp_path / name).write_text("\n")
+  with pytest.raises(DatasetError, match=rf"^dataset files matching {tmp_path}/shard-\*\.jsonl "
+                                         rf"are empty: {tmp_path}/shard-0\.jsonl, "
+                                         rf"{tmp_path}/shard-1\.jsonl$"):
+    _run(_config(f"{tmp_path}/shard-*.jsonl"), tmp_path / "out")
+
+
 def test_dataset_with_only_bad_lines_is_an_error_and_lists_them(tmp_path):
   data = _write(tmp_path / "bad.jsonl", ["{not json", json.dumps({"question": "no answer"}), "[1]"])
   with pytest.raises(DatasetError) as e:
