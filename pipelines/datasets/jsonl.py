@@ -132,12 +132,14 @@ class JsonLine:
   raw: str
   obj: dict[str, Any]
   offset: int = 0
+  header_lines: int = 0  # lines before the first record (CSV/TSV: the header row)
 
   @property
   def index(self) -> int:
     """0-based position in the whole dataset (line-based ids: shards in name order number
-    their records as one file holding them in that order would)."""
-    return self.offset + self.line_number - 1
+    their records as one file holding them in that order would; a CSV's first row is 0,
+    its header not counted)."""
+    return self.offset + self.line_number - 1 - self.header_lines
 
 
 def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
@@ -355,7 +357,7 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
     if problem:
       yield DeadLetter(path, number, problem, raw)
       continue
-    yield JsonLine(path, number, raw, obj)
+    yield JsonLine(path, number, raw, obj, header_lines=1)
 
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -404,9 +406,10 @@ def load_records(
   id_line: dict[str, tuple[str, int]] = {}
   offset = 0  # records of the files before this one
   for source in files:
+    header = 1 if dataset_format(source) in ("csv", "tsv") else 0  # its header row
     last = 0
     for item in iter_records(source):
-      last = item.line_number
+      last = item.line_number - header
       if isinstance(item, DeadLetter):
         yield item
         continue

@@ -47,9 +47,9 @@ def test_each_format_gives_the_jsonl_examples(tmp_path, fmt, name):
   want = list(read_gsm8k_jsonl(jsonl))
   got = list(read_gsm8k_jsonl(other))
   assert all(isinstance(e, Example) for e in got) and len(got) == 3
-  if fmt == "csv":  # a CSV row is numbered by its first line: the header is line 1, and
-    # each row spans two (the quoted answer holds a newline)
-    assert [e.id for e in got] == ["gsm8k/test/1", "gsm8k/test/3", "gsm8k/test/5"]
+  if fmt == "csv":  # a CSV row is numbered by its first line after the header (was: the
+    # header counted, the first id 1); each row spans two (the answer holds a newline)
+    assert [e.id for e in got] == ["gsm8k/test/0", "gsm8k/test/2", "gsm8k/test/4"]
     got = [dataclasses.replace(e, id=w.id) for e, w in zip(got, want)]
   assert got == want  # ids (gsm8k/test/<record - 1>), questions, references, metadata
 
@@ -189,6 +189,12 @@ def test_a_pattern_reads_the_shards_in_name_order_as_one_file(tmp_path):
   _write(shards / "part-a.jsonl", "jsonl", GSM[:2])
   _write(shards / "part-b.jsonl", "jsonl", GSM[2:])
   assert list(read_gsm8k_jsonl(str(shards / "part-?.jsonl"))) == got
+  # CSV shards: no header takes a number (ids skipped one per shard).
+  one_line = [dict(r, answer=r["answer"].replace("\n", " ")) for r in GSM]
+  _write(shards / "rows-a.csv", "csv", one_line[:2])
+  _write(shards / "rows-b.csv", "csv", one_line[2:])
+  assert [e.id for e in read_gsm8k_jsonl(str(shards / "rows-?.csv"))] == [
+      "gsm8k/test/0", "gsm8k/test/1", "gsm8k/test/2"]
 
 
 def test_shards_share_duplicates_and_ids_and_name_the_file(tmp_path):
