@@ -26,13 +26,18 @@ from o1jax.engine.engine import Engine, EngineConfig, Request, RequestResult
 from o1jax.sharding import topology
 
 
-def replica_meshes(replicas: int, tp: int = 1, devices=None) -> list[Mesh]:
-  """One (data=1, model=tp) mesh per replica, the groups placed by topology."""
+def replica_meshes(replicas: int, tp: int = 1, devices=None, topo="auto") -> list[Mesh]:
+  """One (data=1, model=tp) mesh per replica, the groups placed by topology (`topo`: as
+  `topology.make_mesh` takes it)."""
   devices = list(jax.devices() if devices is None else devices)
   if replicas * tp > len(devices):
     raise topology.TopologyError(f"data_parallel={replicas} x tensor_parallel={tp} needs "
                                  f"{replicas * tp} devices; this process has {len(devices)}")
-  full = topology.make_mesh(model=tp, data=replicas, devices=devices[:replicas * tp])
+  # Groups placed over every device, then the first `replicas` taken: cutting the device
+  # list first could leave out a group's NVLink partners (3 x TP=2 on a box of interleaved
+  # islands paired GPUs 0 and 1 over SYS).
+  usable = devices[:len(devices) // tp * tp]
+  full = topology.make_mesh(model=tp, devices=usable, topology=topo)
   return [Mesh(full.devices[i:i + 1], full.axis_names) for i in range(replicas)]
 
 

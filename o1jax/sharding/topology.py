@@ -54,6 +54,11 @@ class TopologyError(ValueError):
   """Bad topology text, or a mesh shape the devices cannot take."""
 
 
+class VisibleDevicesError(TopologyError):
+  """CUDA_VISIBLE_DEVICES cannot be matched to nvidia-smi's table (UUIDs, MIG names, -1):
+  placement then falls back to the devices' JAX attributes (`make_mesh`)."""
+
+
 # -- nvidia-smi topo -m -----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,7 @@ class GpuTopology:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines the header
-_DEVICE = re.compile(r"^(GPU\d+|NIC\d+|mlx\d+_\d+)$")
+_DEVICE = re.compile(r"^[\w.:-]+$")  # GPU0, NIC0, and older drivers' RDMA names: mlx5_bond_0, hfi1_0
 _ATTRIBUTES = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 
 
@@ -100,12 +105,15 @@ def parse_nvidia_smi_topo(text: str) -> GpuTopology:
   if header_at is None:
     raise TopologyError("nvidia-smi topo -m: no header line starting with GPU0")
   header = lines[header_at]
+  attributes = sorted((a for a in _ATTRIBUTES if a in header), key=header.index)
+  # The device columns: every name before the attribute columns (a NIC column may carry an
+  # older driver's RDMA device name, `mlx5_bond_0`, `hfi1_0`, `bnxt_re0`: a table with one
+  # was refused, and placement fell back to device order).
   columns = []
-  for token in header.split():
+  for token in header[:header.index(attributes[0]) if attributes else None].split():
     if not _DEVICE.match(token):
       break
     columns.append(token)
-  attributes = sorted((a for a in _ATTRIBUTES if a in header), key=header.index)
   rows: dict[str, list[str]] = {}
   for line in lines[header_at + 1:]:
     cells = line.split()
@@ -169,8 +177,8 @@ def _gpu_index(device, visible: Optional[str], rank: int) -> int:
   if visible:
     entries = [v.strip() for v in visible.split(",") if v.strip()]
     if not all(e.isdigit() for e in entries):
-      raise TopologyError(f"CUDA_VISIBLE_DEVICES={visible!r}: only GPU indices can be matched "
-                          f"to nvidia-smi's table (not UUIDs)")
+      raise VisibleDevicesError(f"CUDA_VISIBLE_DEVICES={visible!r}: only GPU indices can be "
+                                f"matched to nvidia-smi's table (not UUIDs, MIG names or -1)")
     if ordinal >= len(entries):
       raise TopologyError(f"device {device.id}: CUDA ordinal {ordinal} is not in "
                           f"CUDA_VISIBLE_DEVICES={visible!r}")
@@ -335,7 +343,11 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
       return Mesh(mesh_utils.create_device_mesh((rows, model), devices), AXES)
   if cuda_visible_devices is None:
     cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES") if topology is not None else None
-  groups = tp_groups(devices, model, topology, cuda_visible_devices)
+  try:
+    groups = tp_groups(devices, model, topology if model > 1 else None, cuda_visible_devices)
+  except VisibleDevicesError as e:  # (was: no mesh at all on nodes that hand out GPU UUIDs)
+    warnings.warn(f"{e}; placing devices by their JAX attributes instead")
+    groups = tp_groups(devices, model, None, None)
   return Mesh(np.array(groups, dtype=object).reshape(rows, model), AXES)
 
 

@@ -53,6 +53,18 @@ def test_parse_reads_links_and_affinity_from_the_real_layout():
   assert t.level(0, 1) > pcie.level(0, 1) and t.level(0, 1) > topo("islands_2x4").level(0, 1)
 
 
+def test_nic_columns_of_older_drivers_are_read_as_nics():
+  # Before: "row 'mlx5_bond_0' is not a column of the header", and placement by device order.
+  text = ("\tGPU0\tGPU1\tmlx5_bond_0\thfi1_0\tCPU Affinity\tNUMA Affinity\n"
+          "GPU0\t X \tNV4\tPXB\tSYS\t0-31\t0\n"
+          "GPU1\tNV4\t X \tSYS\tPXB\t0-31\t0\n"
+          "mlx5_bond_0\tPXB\tSYS\t X \tSYS\n"
+          "hfi1_0\tSYS\tPXB\tSYS\t X \n\nLegend:\n\n  X    = Self\n")
+  t = parse_nvidia_smi_topo(text)
+  assert t.gpus == ("GPU0", "GPU1") and t.links == (("X", "NV4"), ("NV4", "X"))
+  assert t.cpu_affinity == ("0-31", "0-31") and t.numa_affinity == ("0", "0")
+
+
 @pytest.mark.parametrize("text, message", [
     ("no table here\n", "no header line starting with GPU0"),
     ("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \tQQQ\nGPU2\tX\n", "row 'GPU2' is not a column"),
@@ -97,7 +109,7 @@ def test_interleaved_islands_with_cuda_visible_devices():
   visible = [FakeGpu(id=i, local_hardware_id=i) for i in range(4)]
   groups = tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="4,5,6,7")
   assert ids(groups) == [[0, 2], [1, 3]]
-  with pytest.raises(TopologyError, match="not UUIDs"):
+  with pytest.raises(TopologyError, match="not UUIDs"):  # (make_mesh falls back: below)
     tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="GPU-1a2b,GPU-3c4d")
 
 
@@ -165,6 +177,18 @@ for kwargs in ({"model": 3}, {"model": 2, "data": 3}):
     make_mesh(**kwargs)
   except TopologyError as e:
     out.setdefault("errors", []).append(str(e))
+# Data-parallel replicas: groups placed over every device, then the first taken (the device
+# list was cut first: 3 x TP=2 paired GPUs 0 and 1 over SYS).
+from o1jax.engine.replicas import replica_meshes
+out["replicas"] = [[d.id for d in m.devices[0]] for m in replica_meshes(3, 2, topo=islands)]
+# GPU UUIDs in CUDA_VISIBLE_DEVICES cannot be matched to the table: placed by attributes,
+# with a warning (was: no mesh at all).
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  mesh = make_mesh(model=2, topology=islands, cuda_visible_devices="GPU-1a2b,GPU-3c4d")
+out["uuid_groups"] = [[d.id for d in row] for row in mesh.devices]
+out["uuid_warning"] = [str(w.message) for w in caught]
 print(json.dumps(out))
 """
 
@@ -187,3 +211,9 @@ def test_mesh_on_8_forced_cpu_devices():
   assert out["errors"] == [
       "model=3 does not divide the 8 devices (model can be one of [1, 2, 4, 8])",
       "data=3 x model=2 = 6 devices, but there are 8 (pass devices= to use fewer)"]
+  assert out["replicas"] == [[0, 2], [1, 3], [4, 6]]  # NVLink pairs of the islands
+  assert out["uuid_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert out["uuid_warning"] == [
+      "CUDA_VISIBLE_DEVICES='GPU-1a2b,GPU-3c4d': only GPU indices can be matched to "
+      "nvidia-smi's table (not UUIDs, MIG names or -1); placing devices by their JAX "
+      "attributes instead"]
