@@ -121,10 +121,15 @@ def parse_nvidia_smi_topo(text: str) -> GpuTopology:
       break
     if cells[0] not in columns:
       raise TopologyError(f"nvidia-smi topo -m: row {cells[0]!r} is not a column of the header")
+    if cells[0] in rows:  # (the last one won)
+      raise TopologyError(f"nvidia-smi topo -m: row {cells[0]} appears twice")
     rows[cells[0]] = cells[1:]
-  gpus = tuple(c for c in columns if c.startswith("GPU"))
+  gpus = tuple(c for c in columns if re.fullmatch(r"GPU\d+", c))
   if not gpus:
     raise TopologyError("nvidia-smi topo -m: the header names no GPU")
+  if gpus != tuple(f"GPU{i}" for i in range(len(gpus))):  # GPUs are found by their number
+    raise TopologyError(f"nvidia-smi topo -m: the header's GPUs are {', '.join(gpus)}; "
+                        f"nvidia-smi lists GPU0..GPU{len(gpus) - 1} in order")
   links, cpu, numa = [], [], []
   for gpu in gpus:
     cells = rows.get(gpu)
@@ -351,11 +356,15 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
   return Mesh(np.array(groups, dtype=object).reshape(rows, model), AXES)
 
 
-def describe(groups: Sequence[Sequence[Any]], topology: Optional[GpuTopology] = None) -> str:
-  """One line per group: its devices and its weakest link (for logs and the docs)."""
+def describe(groups: Sequence[Sequence[Any]], topology: Optional[GpuTopology] = None,
+             cuda_visible_devices: Optional[str] = None) -> str:
+  """One line per group: its devices and its weakest link (for logs and the docs);
+  cuda_visible_devices as `make_mesh` takes it (default: the environment's)."""
+  if topology is not None and cuda_visible_devices is None:
+    cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
   lines = []
   for row, group in enumerate(groups):
-    levels = link_levels(group, topology, os.environ.get("CUDA_VISIBLE_DEVICES") if topology else None)
+    levels = link_levels(group, topology, cuda_visible_devices if topology else None)
     weakest = min((int(levels[a, b]) for a, b in itertools.combinations(range(len(group)), 2)),
                   default=SAME_CHIP)
     lines.append(f"data={row}: devices {[d.id for d in group]}, weakest link {_level_name(weakest)}")

@@ -67,6 +67,10 @@ def test_nic_columns_of_older_drivers_are_read_as_nics():
 
 @pytest.mark.parametrize("text, message", [
     ("no table here\n", "no header line starting with GPU0"),
+    # Before: accepted, GPU2 then read as GPU1 / the last row of GPU1 kept.
+    ("\tGPU0\tGPU2\nGPU0\t X \tNV4\nGPU2\tNV4\t X \n",
+     r"the header's GPUs are GPU0, GPU2; nvidia-smi lists GPU0..GPU1 in order"),
+    ("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \nGPU1\tSYS\t X \n", "row GPU1 appears twice"),
     ("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \tQQQ\nGPU2\tX\n", "row 'GPU2' is not a column"),
     ("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tFOO\t X \n", "unknown link 'FOO'"),
     ("\tGPU0\tGPU1\nGPU0\t X \tNV4\n", "no row for GPU1"),
@@ -109,6 +113,9 @@ def test_interleaved_islands_with_cuda_visible_devices():
   visible = [FakeGpu(id=i, local_hardware_id=i) for i in range(4)]
   groups = tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="4,5,6,7")
   assert ids(groups) == [[0, 2], [1, 3]]
+  # describe() reads the mapping it is given (it read the environment's only)
+  assert all(line.endswith("weakest link NV12") for line in describe(
+      groups, topo("islands_2x4_interleaved"), cuda_visible_devices="4,5,6,7").splitlines())
   with pytest.raises(TopologyError, match="not UUIDs"):  # (make_mesh falls back: below)
     tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="GPU-1a2b,GPU-3c4d")
 
