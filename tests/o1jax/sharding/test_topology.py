@@ -113,9 +113,13 @@ def test_interleaved_islands_with_cuda_visible_devices():
   visible = [FakeGpu(id=i, local_hardware_id=i) for i in range(4)]
   groups = tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="4,5,6,7")
   assert ids(groups) == [[0, 2], [1, 3]]
-  # describe() reads the mapping it is given (it read the environment's only)
-  assert all(line.endswith("weakest link NV12") for line in describe(
-      groups, topo("islands_2x4_interleaved"), cuda_visible_devices="4,5,6,7").splitlines())
+  # describe() reads the mapping it is given (it read the environment's only): ordinals 0
+  # and 1 are GPU0 and GPU2 (NVLink) under "0,2,1,3", GPU0 and GPU1 (SYS) without it.
+  pair = [visible[:2]]
+  assert describe(pair, topo("islands_2x4_interleaved"), cuda_visible_devices="0,2,1,3") == (
+      "data=0: devices [0, 1], weakest link NV12")
+  assert describe(pair, topo("islands_2x4_interleaved"), cuda_visible_devices="0,1,2,3") == (
+      "data=0: devices [0, 1], weakest link SYS")
   with pytest.raises(TopologyError, match="not UUIDs"):  # (make_mesh falls back: below)
     tp_groups(visible, 2, topo("islands_2x4_interleaved"), cuda_visible_devices="GPU-1a2b,GPU-3c4d")
 
