@@ -42,7 +42,8 @@ from o1jax.controller import answers
 from o1jax.controller import state as S
 from o1jax.model import thinking as thinking_lib
 from o1jax.controller.answers import extract_number
-from o1jax.controller.decode_model import CacheConfig, CachePlan, DecodeModel, program_view
+from o1jax.controller.decode_model import (CachePlan, DecodeModel, check_pool_holds_request,
+                                         program_view)
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.registry import BasePolicy, build_policy, policy_names
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,
@@ -888,10 +889,8 @@ class Controller:
     request of one prompt token: checked once where the policy is chosen (a pipeline
     worker's load) rather than found per request; so is a fixed paged pool too small for
     any request."""
-    num_blocks = getattr(self.model, "num_blocks", None)  # PagedLlama's fixed pool
-    if num_blocks is not None:
-      CacheConfig("paged", self.model.block_size, num_blocks).check_holds_request(
-          policy.traces_per_call, "num_blocks")
+    # PagedLlama's fixed pool (None: sized from the plan; other caches have none)
+    check_pool_holds_request(getattr(self.model, "num_blocks", None), policy.traces_per_call)
     self._loop_shape(policy.loop_settings(), policy.traces_per_call, 1, 1)
 
   def _loop_shape(self, settings: LoopSettings, n: int, slots: int,

@@ -96,14 +96,9 @@ class CacheConfig:
                                              if self.cache == "contiguous" else ""))
 
   def check_holds_request(self, traces: int, key: str = "controller.num_blocks") -> None:
-    """A fixed paged pool smaller than any request of `traces` traces needs, refused
-    before it runs (every request overflowed): each trace writes a block of its own (its
-    copy of the prompt's last block) beside the prompt's."""
-    need = traces + 1
-    if self.cache == "paged" and 0 < int(self.num_blocks) < need:
-      raise ValueError(f"{key}={self.num_blocks}: a request of {traces} trace(s) needs at "
-                       f"least {need} blocks (each trace writes a block of its own beside the "
-                       f"prompt's); raise it, or 0 sizes the pool from the plan")
+    """`check_pool_holds_request` for this section's pool (a paged one, fixed)."""
+    if self.cache == "paged":
+      check_pool_holds_request(int(self.num_blocks) or None, traces, key)
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any] | None) -> "CacheConfig":
@@ -112,6 +107,17 @@ class CacheConfig:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+def check_pool_holds_request(num_blocks: int | None, traces: int, key: str = "num_blocks") -> None:
+  """A fixed paged pool smaller than any request of `traces` traces needs, refused before
+  it runs (every request overflowed): each trace writes a block of its own (its copy of
+  the prompt's last block) beside the prompt's. None: sized from the plan."""
+  need = traces + 1
+  if num_blocks is not None and num_blocks < need:
+    raise ValueError(f"{key}={num_blocks}: a request of {traces} trace(s) needs at least "
+                     f"{need} blocks (each trace writes a block of its own beside the "
+                     f"prompt's); raise it, or 0 sizes the pool from the plan")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,8 +31,8 @@ class SamplingSpec(SamplingParams):
     check_int(self.max_new_tokens, "max_new_tokens", 1)
 
   def to_dict(self) -> dict[str, Any]:
-    """What enters the sample's content hash and record; min_p only when set (it is not a
-    config setting), so earlier records keep their keys."""
+    """The sample's record (and a controller policy's content hash: `sample_identity` is
+    plain decoding's); min_p only when set (it is not a config setting)."""
     out = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
            "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
     if self.min_p:

@@ -172,22 +172,18 @@ def _exec_stub(source, module):
   exec(source, module.__dict__)
 
 
-def _spawn_stubs():
-  """The modules a program gets for `signal` and `_posixsubprocess` without subprocesses
-  (a module in sys.modules imports without the audit event that refuses the real ones)."""
+def _install_spawn_stubs():
+  """The stand-ins of `signal` and `_posixsubprocess` in sys.modules before any trusted
+  import (a module in sys.modules imports without the audit event that refuses the real
+  ones): a module the test imports (unittest.signals, pdb, subprocess) binds them, never
+  the real ones, which the program could otherwise take from it (a SIGALRM handler
+  walking frames to the sentinel)."""
   posixsubprocess = types.ModuleType('_posixsubprocess')
   _exec_stub(_POSIXSUBPROCESS_STUB, posixsubprocess)
-  return {'signal': _signal_stub(), '_posixsubprocess': posixsubprocess}
-
-
-def _install_spawn_stubs():
-  """The stand-ins in sys.modules before any trusted import: a module the test imports
-  (unittest.signals, pdb, subprocess) binds them, never the real ones, which the program
-  could otherwise take from it (a SIGALRM handler walking frames to the sentinel)."""
-  stubs = _spawn_stubs()
+  signal_stub = _signal_stub()
   for name in ('signal', '_signal', '_posixsubprocess'):
     sys.modules.pop(name, None)
-  sys.modules.update(stubs)
+  sys.modules.update(signal=signal_stub, _posixsubprocess=posixsubprocess)
 
 
 def _refused_name(name, blocked_modules):
