@@ -46,6 +46,5 @@ def get_config(arg: str = ""):
   config.speculative = common.speculative_section()
   config.controller = common.controller_section()
   config.runner = common.runner_section(batch_size=8)
-  config.smoke = smoke
   common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)

@@ -31,6 +31,5 @@ def get_config(arg: str = ""):
   config.budget = common.budget_section()
   config.speculative = common.speculative_section()
   config.runner = common.runner_section(batch_size=4 if smoke else 8)
-  config.smoke = smoke
   common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)

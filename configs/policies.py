@@ -4,8 +4,8 @@
   cfg = policy_config("deepconf", smoke=True)   # every param; then cfg.n = 16
   policy = o1jax.controller.build_policy(cfg)
 
-A section holds every parameter of the policy class (class defaults < EXAMPLES <
-the smoke variant < overrides), so `--config.policy.n=16` works and an unknown
+A section holds every parameter of the policy class (its class defaults, the one place
+they are kept, < the smoke variant < overrides), so `--config.policy.n=16` works and an unknown
 key fails in `build_policy` with the list of valid ones. The smoke variant
 shrinks the reasoning policies' samples and token budgets for a quick local run.
 """
@@ -19,21 +19,6 @@ import ml_collections
 
 from o1jax.controller.registry import POLICIES, policy_class, policy_defaults
 
-# Values that differ from the class defaults, per policy.
-EXAMPLES: dict[str, dict] = {
-    "greedy_cot": dict(max_thinking_tokens=256),
-    "self_consistency": dict(n=8, temperature=0.7),
-    "best_of_n": dict(n=4, score="mean_logprob"),
-    # Chosen on 48 synthetic problems of seed 1 (the benchmark uses seed 0): see
-    # docs/controller.md, "DeepConf settings".
-    "deepconf": dict(n=8, warmup=2, keep_percent=10.0, window=8, consensus=0.95,
-                     consensus_min_votes=2, stop_when_decided=True),
-    "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
-                                   max_step_backtracks=2, max_backtracks=6, exit_tau=0.85,
-                                   latency_slo_s=0.5, load=0.8),
-    "budget_forcing": dict(min_thinking_tokens=64, max_thinking_tokens=256),
-}
-
 # The smoke variant of a reasoning policy (plain policies take the config's own).
 SMOKE = dict(max_thinking_tokens=24, max_answer_tokens=8, step_max_tokens=16)
 SMOKE_SAMPLES = dict(n=2)
@@ -42,10 +27,9 @@ SMOKE_MIN_THINKING = 8
 
 
 def policy_config(name: str, smoke: bool = False, **overrides) -> ml_collections.ConfigDict:
-  """Every param of policy `name` (class defaults < EXAMPLES < smoke < overrides); smoke
+  """Every param of policy `name` (class defaults < smoke < overrides); smoke
   shrinks the reasoning policies only (a plain policy's samples are the config's)."""
   values = policy_defaults(name)
-  values.update(EXAMPLES.get(name, {}))
   if smoke and policy_class(name).controller:
     values.update(SMOKE)
     if "n" in values:

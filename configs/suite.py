@@ -57,6 +57,5 @@ def get_config(arg: str = ""):
   # into two bundles that the shared engine would run one after the other): one decode pass.
   config.runner = (common.runner_section(batch_size=16, workers=1) if smoke
                    else common.runner_section(batch_size=8))
-  config.smoke = smoke
   common.fast_numerics(config, common.is_true(variant["fast"]))
   return common.finish(config)

@@ -26,7 +26,7 @@ from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels import vnni_matmul as vm
 from pallas_kernels.f32_matmul import TiledF32Weight
 from pallas_kernels.fp8_activations import Fp8ActivationWeight
-from pallas_kernels.quantized_tensor import QuantizedTensor
+from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
 from pallas_kernels.vnni_matmul import VnniWeight
 
 BACKENDS = ("auto", "pallas", "reference")
@@ -152,6 +152,17 @@ def fp8_activation_matmul(x: jax.Array, w: Fp8ActivationWeight, *, backend: str 
     resolve_backend(backend)
     y = fp8.dense_matmul(x8, scale, inner)
   return y.astype(x.dtype)
+
+
+def embedding_rows(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """Columns `ids` [N] of a [d_model, vocab] weight (the output head's layout), as rows
+  [N, d_model] in `dtype`; the weight says how (quantized: those columns dequantized;
+  native f32 tiles; dense)."""
+  if isinstance(table, QuantizedTensor):
+    return dequantize_columns(table, ids, dtype)
+  if isinstance(table, TiledF32Weight):
+    return f32m.columns(table, ids).astype(dtype)
+  return jnp.take(table, ids, axis=1).T.astype(dtype)
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

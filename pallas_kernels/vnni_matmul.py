@@ -84,15 +84,6 @@ def _tiles(a: np.ndarray, np_cols: int) -> np.ndarray:
   return np.ascontiguousarray(a.reshape(r, np_cols // TILE, TILE).transpose(1, 0, 2))
 
 
-def exactly_packable(w: QuantizedTensor) -> bool:
-  """Whether `pack` keeps w's values exactly: groups a multiple of BLOCK and every scale
-  and minimum representable in f16 (true of GGUF Q4_0/Q4_1/Q8_0, whose scales are f16)."""
-  if w.group_size % BLOCK:
-    return False
-  fields = [np.asarray(w.scale)] + ([] if w.minimum is None else [np.asarray(w.minimum)])
-  return all(np.array_equal(f.astype(np.float16).astype(f.dtype), f) for f in fields)
-
-
 def pack(w, name: str = "weight") -> VnniWeight:
   """QuantizedTensor (4-/8-bit) or dense [K, N] -> VnniWeight (host-side numpy).
 
@@ -100,8 +91,8 @@ def pack(w, name: str = "weight") -> VnniWeight:
   are quantized to Q8_0 first; so are weights in groups of 16 (GGUF Q2_K/Q3_K/Q6_K:
   two groups' scales cannot share one block); f32 scales (the other K-quants) are
   rounded to f16. Q8_0 moves a value by at most ~1/254 of its block's largest; f16 moves
-  a scale or minimum by at most 2^-11 of itself (`exactly_packable` says whether either
-  happens; the accuracy cost is measured by scripts/matmul_accuracy.py --kquant)."""
+  a scale or minimum by at most 2^-11 of itself (GGUF Q4_0/Q4_1/Q8_0 scales are f16: kept
+  exactly; the accuracy cost is measured by scripts/matmul_accuracy.py --kquant)."""
   if not isinstance(w, QuantizedTensor):
     w = np.asarray(jax.device_get(w), np.float32)
     if w.ndim != 2:

@@ -93,7 +93,7 @@ class PredictorSpec:
   imports (the config's modules, imported before the predictor is built: they may
   define the policy, its verifier or scorer; not part of the model's identity).
   """
-  name: str = "generator"
+  name: str  # which predictor: no default (the configs' default is model.predictor)
   source: str = "embedded"
   backend: str = "auto"
   matmul_dtype: str = "float32"
@@ -131,10 +131,9 @@ class PredictorSpec:
       plain = section.to_dict() if hasattr(section, "to_dict") else dict(section)
       return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in plain.items()))
     return cls(name=name or model_cfg.predictor, source=model_cfg.source,
-               backend=model_cfg.get("backend", "auto"),
-               matmul_dtype=str(model_cfg.get("matmul_dtype", "float32")),
-               thinking=str(model_cfg.get("thinking", "auto")),
-               fake_delay_s=float(model_cfg.get("fake_delay_s", 0.0)), batch_size=int(batch_size),
+               backend=model_cfg.backend, matmul_dtype=str(model_cfg.matmul_dtype),
+               thinking=str(model_cfg.thinking), fake_delay_s=float(model_cfg.fake_delay_s),
+               batch_size=int(batch_size),
                batches_in_flight=int(batches_in_flight), engine=items(engine), policy=items(policy), controller=items(controller),
                budget=items(budget), speculative=items(speculative), imports=tuple(imports))
 

@@ -4,7 +4,7 @@
   for rec in task.load(): ...         # Example | DeadLetter | Duplicate, in file order
   task.source                         # the dataset file (or generator), for messages
   prompt, stop = task.prompt(example)
-  scores = task.score_batch([(example, text), ...])   # one dict per sample
+  scores = task.score_batch([(example, text, stop), ...])   # one dict per sample
 
 Data flow: 1. `load` reads the dataset through `pipelines.datasets` (bad lines
 come back as `DeadLetter`s with file and line); 2. `prompt` renders the chat
@@ -101,7 +101,6 @@ class GSMTask:
   dataset: Mapping[str, Any]
   prompt_cfg: Mapping[str, Any]
   name: str = "gsm8k"
-  vote_field: str = "flexible_answer"
 
   @property
   def source(self) -> str:
@@ -192,7 +191,6 @@ class HumanEvalTask:
   prompt_cfg: Mapping[str, Any]
   sandbox_cfg: Mapping[str, Any]
   name: str = "humaneval"
-  vote_field: str = ""
 
   @property
   def source(self) -> str:
@@ -242,7 +240,6 @@ class CustomTask:
   dataset: Mapping[str, Any]
   prompt_cfg: Mapping[str, Any]
   name: str = "custom"
-  vote_field: str = "answer"
 
   @property
   def source(self) -> str:

@@ -70,15 +70,14 @@ def parse_args(argv=None):
 
 
 def policy_params(name: str, a) -> dict:
-  from configs.policies import EXAMPLES  # deepconf's chosen settings
-
   common = dict(max_thinking_tokens=a.max_thinking, max_answer_tokens=a.max_answer,
                 step_delimiter="\n", step_max_tokens=48)
   extra = {
       "greedy_cot": {},
       "self_consistency": dict(n=a.n, temperature=0.7),
       "best_of_n": dict(n=a.n, temperature=0.7, score="mean_logprob"),
-      "deepconf": {**EXAMPLES["deepconf"], "n": a.n, "warmup": a.warmup, "temperature": 0.7},
+      # (its other settings: the class defaults, chosen in docs/controller.md)
+      "deepconf": dict(n=a.n, warmup=a.warmup, temperature=0.7),
       "think_verify_backtrack": dict(verifier="self_verify", backtrack_threshold=0.5,
                                      max_step_backtracks=1, max_backtracks=3, exit_tau=0.85),
       "budget_forcing": dict(min_thinking_tokens=a.max_thinking // 2),

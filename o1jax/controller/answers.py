@@ -29,13 +29,11 @@ from __future__ import annotations
 import collections
 import math
 import re
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 _NUMBER = re.compile(r"[-\u2212]?\$?(?:\d[\d,]*(?:\.\d+)?|(?<![\d.])\.\d+)")
-
-AnswerExtractor = Callable[[str], Optional[str]]
 
 
 def normalize_number(raw: str) -> str:

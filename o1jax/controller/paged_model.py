@@ -51,8 +51,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from o1jax.controller.decode_model import CacheConfig, CachePlan, ProgramKeyed, place_on_mesh
-from o1jax.engine.kv_cache import (BlockState, PagedKVCache, add_row_refs,
-                                   copy_blocks, reserve_for_append, truncate_rows)
+from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks, reserve_for_append,
+                                   share_rows, truncate_rows)
 from o1jax.model.llama import Llama, check_llama
 from o1jax.sharding import tensor_parallel
 
@@ -216,17 +216,8 @@ class PagedLlama(ProgramKeyed):
 
   def copy_rows(self, cache: PagedCache, dst, src):
     """dst rows release their blocks and share src's (counts rise; nothing copied)."""
-    old = cache.blocks
-    b = old.tables.shape[0]
-    dst, src = dst.astype(jnp.int32), jnp.minimum(src.astype(jnp.int32), b - 1)
-    real = dst < b
-    d = jnp.minimum(dst, b - 1)
-    refcounts = add_row_refs(old.refcounts, old.tables[d], jnp.where(real, old.used[d], 0), -1)
-    refcounts = add_row_refs(refcounts, old.tables[src], jnp.where(real, old.used[src], 0), 1)
-    put = lambda x: x.at[dst].set(x[src], mode="drop")
-    blocks = old.replace(tables=put(old.tables), used=put(old.used), lengths=put(old.lengths),
-                         refcounts=refcounts)
-    pages = cache.pages.for_batch(blocks.tables, jnp.zeros((b,), jnp.int32))
+    blocks = share_rows(cache.blocks, dst, src)
+    pages = cache.pages.for_batch(blocks.tables, jnp.zeros((blocks.tables.shape[0],), jnp.int32))
     return self._note(cache.replace(pages=pages, blocks=blocks))
 
   def truncate(self, cache: PagedCache, lengths):

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from o1jax.controller.answers import best_index, majority_vote, weighted_vote
+from o1jax.controller.answers import best_index, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace

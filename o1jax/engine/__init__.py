@@ -5,8 +5,8 @@ from o1jax.engine.budget import (BudgetConfig, BudgetLoop, Decision, LatencyWind
                                  allocate_budget, measured_load, token_limit)
 from o1jax.engine.engine import (Engine, EngineConfig, GenerationParams, Request, RequestResult,
                                  SampleResult, StreamEvent)
-from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks, fork_rows,
-                                   reserve_for_append, truncate_rows)
+from o1jax.engine.kv_cache import (BlockState, PagedKVCache, copy_blocks,
+                                   reserve_for_append, share_rows, truncate_rows)
 from o1jax.engine.metrics import LatencyHistogram, MetricsCollector, RequestMetrics
 from o1jax.engine.replicas import EngineReplicas, build_engine, replica_meshes
 from o1jax.engine.speculative import (DRAFTERS, SpeculationPlanner, SpeculativeConfig,

@@ -38,7 +38,6 @@ class BlockAllocator:
     self._parked: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU, count 0
     self._key_of: dict[int, Hashable] = {}
     self._block_of: dict[Hashable, int] = {}
-    self.prefix_hits = 0  # blocks served from the prefix cache
 
   # -- counts ---------------------------------------------------------------------
 
@@ -123,7 +122,6 @@ class BlockAllocator:
     blocks = self._cached_blocks(tokens, limit)
     for block in blocks:
       self.incref(block)
-    self.prefix_hits += len(blocks)
     return blocks
 
   def register_prefix(self, tokens: Sequence[int], blocks: Sequence[int], n_computed: int) -> None:

@@ -858,6 +858,8 @@ class Engine:
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
 
   def run_until_idle(self) -> None:
+    """Steps until every request added with `add_request` has finished (then read
+    each with `result`)."""
     with self._lock:
       while self._waiting or self._prefilling or self._running:
         self.step()

@@ -9,7 +9,7 @@ Layout (one pool per layer, K and V separate, as `pallas_kernels.ops` expects):
 `PagedKVCache` is a pytree that implements the model's cache protocol
 (`check_fits`, `attend`), so `Llama.__call__` runs unchanged on it. The host
 (`allocator.BlockAllocator`) decides which physical blocks a sequence owns; the
-functions at the bottom of this file (`fork_rows`, `truncate_rows`,
+functions at the bottom of this file (`share_rows`, `truncate_rows`,
 `reserve_for_append`) do the same bookkeeping on device arrays so a
 `jax.lax.while_loop` can fork, roll back and grow sequences without the host.
 
@@ -17,8 +17,6 @@ All functions here are pure and jittable.
 """
 
 from __future__ import annotations
-
-import math
 
 import flax.struct
 import jax
@@ -288,12 +286,6 @@ class BlockState:
     return self.refcounts.shape[0]
 
 
-def _held_mask(state: BlockState) -> jax.Array:
-  """[S, MB] bool: table entries a row holds."""
-  mb = state.tables.shape[1]
-  return jnp.arange(mb, dtype=jnp.int32)[None, :] < state.used[:, None]
-
-
 def _add_refs(refcounts: jax.Array, tables: jax.Array, mask: jax.Array, amount) -> jax.Array:
   nb = refcounts.shape[0]
   ids = jnp.where(mask, tables, nb).reshape(-1)
@@ -307,22 +299,20 @@ def add_row_refs(refcounts: jax.Array, tables: jax.Array, used: jax.Array, amoun
   return _add_refs(refcounts, tables, held, amount)
 
 
-def fork_rows(state: BlockState, parent: jax.Array, children: jax.Array) -> BlockState:
-  """Rows `children` [C] become copies of row `parent` sharing all its blocks.
-
-  1. children's old blocks are released (their counts drop);
-  2. the parent's table/lengths are copied into the children's rows;
-  3. each shared block's count rises by C. The last partial block is shared
-     too: `reserve_for_append` copies it on the first write (copy-on-write)."""
-  c = children.shape[0]
-  refcounts = _add_refs(state.refcounts, state.tables[children], _held_mask(state)[children], -1)
-  row = state.tables[parent]
-  held = jnp.arange(row.shape[0]) < state.used[parent]
-  refcounts = _add_refs(refcounts, row[None], held[None], c)
-  return state.replace(tables=state.tables.at[children].set(row),
-                       used=state.used.at[children].set(state.used[parent]),
-                       lengths=state.lengths.at[children].set(state.lengths[parent]),
-                       refcounts=refcounts)
+def share_rows(state: BlockState, dst: jax.Array, src: jax.Array) -> BlockState:
+  """Rows `dst` [C] release their blocks and become copies of rows `src` [C], sharing
+  their blocks (each shared block's count rises; nothing is copied). A `dst` past the
+  last row is padding and changes nothing. The last partial block is shared too:
+  `reserve_for_append` copies it on the first write (copy-on-write)."""
+  b = state.tables.shape[0]
+  dst, src = dst.astype(jnp.int32), jnp.minimum(src.astype(jnp.int32), b - 1)
+  real = dst < b
+  d = jnp.minimum(dst, b - 1)
+  refcounts = add_row_refs(state.refcounts, state.tables[d], jnp.where(real, state.used[d], 0), -1)
+  refcounts = add_row_refs(refcounts, state.tables[src], jnp.where(real, state.used[src], 0), 1)
+  put = lambda x: x.at[dst].set(x[src], mode="drop")
+  return state.replace(tables=put(state.tables), used=put(state.used),
+                       lengths=put(state.lengths), refcounts=refcounts)
 
 
 def truncate_rows(state: BlockState, new_lengths: jax.Array) -> BlockState:

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ops as kernel_ops
-from pallas_kernels.f32_matmul import TiledF32Weight, columns as f32_columns
-from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize_columns
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -35,13 +33,7 @@ def linear(x: jax.Array, w, bias: jax.Array | None = None, *, backend: str = "au
 
 def embed(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
   """Rows of the embedding table. table: [d_model, vocab] (head layout); ids: [...] -> [..., d]."""
-  flat = ids.reshape(-1)
-  if isinstance(table, QuantizedTensor):
-    rows = dequantize_columns(table, flat, dtype)
-  elif isinstance(table, TiledF32Weight):
-    rows = f32_columns(table, flat).astype(dtype)
-  else:
-    rows = jnp.take(table, flat, axis=1).T.astype(dtype)
+  rows = kernel_ops.embedding_rows(table, ids.reshape(-1), dtype)
   return rows.reshape(*ids.shape, rows.shape[-1])
 
 

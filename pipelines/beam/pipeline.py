@@ -42,7 +42,7 @@ from apache_beam.ml.inference.base import RunInference
 
 from pipelines.beam.handler import PredictorModelHandler
 from pipelines.beam.options import batches_sharing_a_model
-from pipelines.beam.store import ResultStore, is_local, utf8, write_whole
+from pipelines.beam.store import ResultStore, utf8, write_whole
 from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import re
 from typing import Any, Optional, Union
 
@@ -182,8 +181,3 @@ def split_gsm8k_answer(answer: str) -> tuple[str, str]:
   return answer[:idx].rstrip(), final
 
 
-def dumps_line(record: Union[Example, DeadLetter, dict[str, Any]]) -> str:
-  """One compact JSON line (no trailing newline), key order kept."""
-  if isinstance(record, (Example, DeadLetter)):
-    record = record.to_dict()
-  return json.dumps(record, ensure_ascii=False)

@@ -36,7 +36,6 @@ from pipelines.datasets.records import Example
 from pipelines.tasks import HUMANEVAL_STOP_SEQUENCES, truncate_completion
 
 CATEGORY = "code"
-GENERATED = 36
 HIDDEN_TESTS = 6
 
 

@@ -37,7 +37,7 @@ import dataclasses
 import json
 import random
 import re
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 from pipelines.datasets.records import Example
 
@@ -352,9 +352,3 @@ def score(example: Example, text: str, stop: tuple[str, ...] = ()) -> dict:
                       "instructions_strict": sum(strict), "instructions_loose": sum(loose),
                       "instructions_total": len(instructions)}}
 
-
-def instruction_level(scores: Sequence[dict]) -> dict:
-  """Instruction-level accuracy over many items: followed / total (strict and loose)."""
-  total = sum(s["metrics"]["instructions_total"] for s in scores)
-  return {kind: (sum(s["metrics"][f"instructions_{kind}"] for s in scores) / total if total else None)
-          for kind in ("strict", "loose")}

@@ -10,40 +10,33 @@ in the bucket, annotated with the count.
 from __future__ import annotations
 
 import pathlib
-from typing import Sequence
 
+from pipelines.report import fmt_number, markdown_table
 from pipelines.summary import LATENCY_BUCKETS_MS, bucket_label
 
 HEATMAP_FILE = "suite_latency_heatmap.png"
 
 
-def _f(x, nd=1) -> str:
-  return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
-
-
-def _table(rows: Sequence[Sequence], header: Sequence[str]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
-
-
 def category_table(categories: dict) -> str:
   """Accuracy, tokens, TTFT P50/P95, per-token P50/P90/P95 and CV, one row per category."""
+  f = fmt_number
   rows = []
   for name, c in categories.items():
-    others = ", ".join(f"{k} {_f(v, 3)}" for k, v in c["metrics"].items() if k != c["headline"])
+    others = ", ".join(f"{k} {f(v, 3)}" for k, v in c["metrics"].items() if k != c["headline"])
     t, p = c["ttft_ms"], c["per_token_ms"]
-    rows.append([name, f"{c['headline']} {_f(c['accuracy'], 3)}", others or "-", c["samples"],
-                 _f(c["tokens"]["completion_per_sample"]), _f(t["p50"]), _f(t["p95"]), _f(p["p50"]),
-                 _f(p["p90"]), _f(p["p95"]), _f(p["cv"], 3)])
-  return _table(rows, ["category", "accuracy", "other metrics", "samples", "tokens/sample",
-                       "TTFT P50 ms", "TTFT P95 ms", "tok P50 ms", "tok P90 ms", "tok P95 ms", "tok CV"])
+    rows.append([name, f"{c['headline']} {f(c['accuracy'], 3)}", others or "-", c["samples"],
+                 f(c["tokens"]["completion_per_sample"]), f(t["p50"]), f(t["p95"]), f(p["p50"]),
+                 f(p["p90"]), f(p["p95"]), f(p["cv"], 3)])
+  return markdown_table(rows, ["category", "accuracy", "other metrics", "samples",
+                               "tokens/sample", "TTFT P50 ms", "TTFT P95 ms", "tok P50 ms",
+                               "tok P90 ms", "tok P95 ms", "tok CV"])
 
 
 def histogram_table(categories: dict) -> str:
   labels = [bucket_label(i) for i in range(len(LATENCY_BUCKETS_MS))]
   rows = [[name, *(c["per_token_ms"]["histogram"].get(label, 0) for label in labels)]
           for name, c in categories.items()]
-  return _table(rows, ["per-token ms", *labels])
+  return markdown_table(rows, ["per-token ms", *labels])
 
 
 def plot_category_heatmap(categories: dict, path: pathlib.Path) -> None:

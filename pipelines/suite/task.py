@@ -38,7 +38,6 @@ class SuiteTask:
   prompt_cfg: Mapping[str, Any]
   sandbox_cfg: Mapping[str, Any]
   name: str = "suite"
-  vote_field: str = "flexible_answer"
 
   def __post_init__(self):
     # Settings a run would drop or clamp without a word, named when the plan is built.

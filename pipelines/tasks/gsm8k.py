@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import Optional
 
-from pipelines.datasets.records import Example, normalize_answer
+from pipelines.datasets.records import normalize_answer
 from pipelines.tasks.text import ChatMessage, truncate_at_stop
 
 
@@ -142,17 +142,6 @@ def fewshot_prompt(question: str) -> str:
   and stop at `COMPLETION_STOP_SEQUENCES`.
   """
   return f"{FEWSHOT_PREFIX}Q: {_q(question)}\nA:"
-
-
-def example_prompt(example: Example, style: str = "fewshot_text"):
-  """Prompt for an `Example` in one of: zero_shot_chat, fewshot_chat, fewshot_text."""
-  if style == "zero_shot_chat":
-    return zero_shot_messages(example.question)
-  if style == "fewshot_chat":
-    return fewshot_messages(example.question)
-  if style == "fewshot_text":
-    return fewshot_prompt(example.question)
-  raise ValueError(f"unknown prompt style {style!r}")
 
 
 # --------------------------------------------------------------------------

@@ -26,11 +26,6 @@ from pipelines.tasks.text import truncate_at_stop
 STOP_SEQUENCES: tuple[str, ...] = ("\ndef", "\nclass", "\nif", "\nprint", "\n#")
 
 
-def completion_prompt(example: Example) -> str:
-  """The prompt is the problem's own code (signature + docstring), unchanged."""
-  return example.question
-
-
 def truncate_completion(completion: str,
                         stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:
   """Cut a completion at the first stop sequence, so only the function body remains."""

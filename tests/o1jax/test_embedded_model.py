@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from o1jax import numpy_reference
-from o1jax.model import Generator, KVCache, Llama
+from o1jax.model import KVCache, Llama
 
 pytestmark = pytest.mark.slow
 

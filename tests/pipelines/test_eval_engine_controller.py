@@ -19,7 +19,6 @@ from configs import humaneval as humaneval_config
 from o1jax.controller import build_policy
 from pipelines.beam import build_plan
 from pipelines.eval import run, validate_argv
-from pipelines.report import write_run_report
 from tests.pipelines.conftest import QUESTIONS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

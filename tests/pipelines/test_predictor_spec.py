@@ -414,7 +414,6 @@ def test_the_fingerprint_changes_with_any_weight_byte_and_only_with_the_content(
   """Before: a file was named by its size and first MiB (a GGUF's metadata: weights edited
   in place kept the keys, and the old model's stored samples were resumed as the new
   one's); a directory by its top-level file sizes."""
-  import os
   import shutil
   gguf = tmp_path / "a" / "model.gguf"
   gguf.parent.mkdir()

@@ -9,7 +9,6 @@ import pytest
 from o1jax import numpy_reference, testing
 from o1jax.checkpoint import load_checkpoint
 from o1jax.checkpoint.gguf_blocks import FORMATS, unpack_blocks, quantized_from_gguf
-from o1jax.checkpoint.gguf_loader import read_tensors
 from o1jax.model import KVCache, Llama
 from o1jax.model.llama import _pack_int8_matrices
 from pallas_kernels import ops

@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import pytest
 
 from o1jax.controller import LoopSettings, ReasoningRequest, SelfVerify

@@ -11,7 +11,7 @@ from configs.policies import policy_config, policy_params
 from o1jax.controller import (POLICIES, ReasoningRequest, SamplingSpec, build_policy,
                               extract_number, get_policy, majority_vote, policy_names,
                               weighted_vote)
-from tests.o1jax.controller.conftest import ID, VOCAB, MockWorld
+from tests.o1jax.controller.conftest import MockWorld
 
 POLICY_NAMES = ["greedy_cot", "self_consistency", "best_of_n", "deepconf",
                 "think_verify_backtrack", "budget_forcing"]

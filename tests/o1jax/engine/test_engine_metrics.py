@@ -3,7 +3,6 @@
 import itertools
 import math
 
-import numpy as np
 import pytest
 
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request

@@ -2,8 +2,6 @@
 hand-made token tables, then the generator on a tiny random Qwen3-shaped GGUF against the
 same generator without a span (the tokens are the same; only the split differs)."""
 
-import pytest
-
 from o1jax.model import Generator, SamplingParams, SpanReader, ThinkingSpan, thinking
 
 VOCAB = ["<think>", "</think>", "\n", "\n\n", " a", " b", "42", "</", "think", ">", "<", "Q:",

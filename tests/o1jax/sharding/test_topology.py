@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from o1jax.sharding import (GpuTopology, TopologyError, best_groups, describe, link_levels,
+from o1jax.sharding import (GpuTopology, TopologyError, best_groups, describe,
                             parse_nvidia_smi_topo, tp_groups)
 
 HERE = pathlib.Path(__file__).parent

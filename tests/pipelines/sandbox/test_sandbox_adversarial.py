@@ -8,7 +8,6 @@ import os
 import pathlib
 import secrets
 import socket
-import sys
 import threading
 import time
 

@@ -5,6 +5,8 @@ import pytest
 from pipelines.sandbox import Sandbox, SandboxConfig
 from pipelines.suite import code_generation as code
 
+GENERATED = 200 - 164  # a category's items after HumanEval's problems
+
 
 def test_humaneval_first_then_generated_tasks_with_hidden_tests():
   items = code.generate(200, seed=0)
@@ -18,7 +20,7 @@ def test_humaneval_first_then_generated_tasks_with_hidden_tests():
 
 
 def test_generated_canonical_solutions_pass_and_wrong_ones_fail_in_the_sandbox():
-  generated = [code.generated_task(0, i) for i in range(code.GENERATED)]
+  generated = [code.generated_task(0, i) for i in range(GENERATED)]
   right = [(ex, ex.metadata["canonical_solution"], ()) for ex in generated]
   wrong = [(ex, "    return None\n", ()) for ex in generated[:4]]
   # The stop sequence cuts what follows the function: a trailing top-level line is ignored.
@@ -82,7 +84,7 @@ def test_no_generated_test_is_passed_by_a_constant():
   (seed 7's `words_longer_than_5` always `[]`: `return []` passed)."""
   import ast
   for seed in range(60):
-    for index in range(code.GENERATED):
+    for index in range(GENERATED):
       test = code.generated_task(seed, index).metadata["test"]
       expected = {repr(ast.literal_eval(line.split(") == ", 1)[1]))
                   for line in test.splitlines() if ") == " in line}

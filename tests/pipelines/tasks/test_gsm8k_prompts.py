@@ -2,7 +2,6 @@
 
 import re
 
-from pipelines.datasets.records import Example
 from pipelines.tasks import gsm8k as task
 
 Q1 = "Tom has 3 apples and buys 4 more. How many apples does Tom have now?"
@@ -62,15 +61,3 @@ def test_zero_shot_messages():
   assert "The answer is N." in task.ZERO_SHOT_SYSTEM  # matches the strict pattern
   assert task.zero_shot_messages(Q1, system=None) == [{"role": "user", "content": Q1}]
 
-
-def test_example_prompt_styles():
-  ex = Example("gsm8k/test/0", "gsm8k", Q1, "7")
-  assert task.example_prompt(ex) == task.fewshot_prompt(Q1)
-  assert task.example_prompt(ex, "fewshot_chat") == task.fewshot_messages(Q1)
-  assert task.example_prompt(ex, "zero_shot_chat") == task.zero_shot_messages(Q1)
-  try:
-    task.example_prompt(ex, "five_shot")
-  except ValueError as e:
-    assert "five_shot" in str(e)
-  else:
-    raise AssertionError("unknown style accepted")
