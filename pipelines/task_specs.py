@@ -26,8 +26,9 @@ from pipelines.datasets.custom_jsonl import ANSWER_FORMATS
 from pipelines.datasets.gsm_synthetic import LEVELS as SYNTHETIC_LEVELS
 from pipelines.datasets.humaneval import load_humaneval
 from pipelines.suite.task import SuiteTask
-from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, HUMANEVAL_STOP_SEQUENCES, fewshot_messages,
-                             fewshot_prompt, score_gsm8k, truncate_completion, zero_shot_messages)
+from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, fewshot_messages, fewshot_prompt,
+                             score_gsm8k, zero_shot_messages)
+from pipelines.tasks import humaneval
 from pipelines.tasks.text import text_answer_key
 
 Prompt = Union[str, list]  # completion text, or chat messages [{"role", "content"}]
@@ -186,11 +187,20 @@ def sandbox_from_config(c: Mapping[str, Any]):
 
 @dataclasses.dataclass(frozen=True)
 class HumanEvalTask:
-  """HumanEval: the problem's code as a completion prompt; completions run in the sandbox."""
+  """HumanEval: the problem's code, asked for in a chat turn (`prompt.style=chat`) or as a
+  completion prompt (`completion`: HumanEval's original protocol, for base models); the
+  programs run in the sandbox (`pipelines/tasks/humaneval.py`)."""
   dataset: Mapping[str, Any]
   prompt_cfg: Mapping[str, Any]
   sandbox_cfg: Mapping[str, Any]
   name: str = "humaneval"
+
+  def __post_init__(self):
+    self.style  # a bad prompt.style fails when the plan is built
+
+  @property
+  def style(self) -> str:
+    return humaneval.check_style(str(self.prompt_cfg.get("style", "chat")))
 
   @property
   def source(self) -> str:
@@ -201,7 +211,7 @@ class HumanEvalTask:
     yield from _first_n(load_humaneval(path), self.dataset["n"])
 
   def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
-    return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
+    return humaneval.code_prompt(example, self.style)
 
   def sandbox(self):
     return sandbox_from_config(self.sandbox_cfg)
@@ -216,20 +226,8 @@ class HumanEvalTask:
                        f"policy=greedy or policy=sample_n")
 
   def score_batch(self, items, sandbox=None) -> list[dict]:
-    """Runs every completion (truncated at the stop sequences) in the sandbox, as a pool."""
-    from pipelines.sandbox import HumanEvalProgram
-    sandbox = sandbox or self.sandbox()
-    programs, completions = [], []
-    for example, text, stop in items:
-      completion = truncate_completion(text, tuple(stop) or HUMANEVAL_STOP_SEQUENCES)
-      completions.append(completion)
-      programs.append(HumanEvalProgram(prompt=example.question, completion=completion,
-                                       test=example.metadata["test"],
-                                       entry_point=example.metadata["entry_point"]))
-    results = sandbox.run_many(programs)
-    return [{"answer": c, "correct": r.passed, "status": r.status.value, "detail": r.detail,
-             "sandbox_error": r.status.value == "sandbox_error"}
-            for c, r in zip(completions, results)]
+    """Runs every item's program in the sandbox, as a pool (`humaneval.run_programs`)."""
+    return humaneval.run_programs(items, sandbox or self.sandbox(), self.style)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,8 @@ def code_prompts(n: int, seed: int = 0) -> list:
   from pipelines.datasets import Example
   from pipelines.task_specs import HumanEvalTask
 
-  task = HumanEvalTask(dataset={"path": "", "n": n}, prompt_cfg={}, sandbox_cfg={})
+  task = HumanEvalTask(dataset={"path": "", "n": n}, prompt_cfg={"style": "completion"},
+                      sandbox_cfg={})
   return [task.prompt(e) for e in task.load() if isinstance(e, Example)]
 
 

