@@ -72,6 +72,11 @@ class SandboxConfig:
   python: str | None = None  # interpreter for the program; default: this one's base
   native_modules: tuple[str, ...] = NATIVE_MODULES  # see NATIVE_MODULES
   unsafe_no_isolation: bool = False  # run with only rlimits if namespaces are unavailable
+  # A run that ends in SANDBOX_ERROR (the harness failed: the sandbox or the worker
+  # interpreter did not start before the deadline on a loaded machine, a host error) has
+  # no verdict and is run again, up to this many times: a program is then left out of
+  # pass@k only when its sandbox failed every time.
+  sandbox_error_retries: int = 2
 
   def __post_init__(self):
     # Checked here, for library callers too: a timeout <= 0 fails every program as timed
@@ -90,7 +95,7 @@ class SandboxConfig:
     for name, low in (('cpu_seconds', 1), ('memory_bytes', MIN_MEMORY_MB << 20),
                       ('max_processes', 1), ('max_open_files', MIN_OPEN_FILES),
                       ('max_file_bytes', 0), ('tmp_bytes', 0), ('max_output_bytes', 1),
-                      ('stderr_tail_bytes', 0), ('workers', 0)):
+                      ('stderr_tail_bytes', 0), ('workers', 0), ('sandbox_error_retries', 0)):
       value = getattr(self, name)
       if value is None and name in ('cpu_seconds', 'workers'):
         continue

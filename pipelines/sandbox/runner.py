@@ -265,9 +265,15 @@ class Sandbox:
 
   def run(self, program: HumanEvalProgram | str,
           reference_time_s: float | None = None) -> ExecutionResult:
-    result = self._execute(program, self.config.timeout_for(reference_time_s), self.isolated)
-    if result.status is Status.SANDBOX_ERROR:
-      logger.warning('sandbox error (not a model failure): %s', result.detail)
+    """The program's verdict; a run whose harness failed (SANDBOX_ERROR: no verdict, the
+    program did not start) is tried again, up to `config.sandbox_error_retries` times."""
+    tries = self.config.sandbox_error_retries + 1
+    for attempt in range(1, tries + 1):
+      result = self._execute(program, self.config.timeout_for(reference_time_s), self.isolated)
+      if result.status is not Status.SANDBOX_ERROR:
+        return result
+      logger.warning('sandbox error (not a model failure), try %d of %d: %s', attempt, tries,
+                     result.detail)
     return result
 
   def run_many(self, programs: Iterable[HumanEvalProgram | str],

@@ -336,3 +336,25 @@ def test_a_host_failure_before_the_run_frees_the_cpu_lease(monkeypatch):
   result = sandbox.run('print(1)')
   assert result.status is Status.SANDBOX_ERROR and 'No space left on device' in result.detail
   assert set(sandbox._cpus._load.values()) == {0}
+
+
+def test_a_run_whose_harness_failed_is_tried_again_until_it_has_a_verdict(monkeypatch, caplog):
+  """Before: a sandbox that did not start in time on a loaded machine (3 of 120 runs once
+  here) left the sample out of pass@k; a SANDBOX_ERROR run is tried again (the program
+  never started), up to `sandbox_error_retries` times."""
+  real_mkdtemp, calls = runner.tempfile.mkdtemp, []
+  def fails_twice(*args, **kwargs):
+    calls.append(1)
+    if len(calls) <= 2:
+      raise OSError(28, 'No space left on device')
+    return real_mkdtemp(*args, **kwargs)
+  monkeypatch.setattr(runner.tempfile, 'mkdtemp', fails_twice)
+  program = HumanEvalProgram('def f():\n', '    return 1\n', 'def check(c):\n    assert c() == 1\n', 'f')
+  with caplog.at_level(logging.WARNING, logger='pipelines.sandbox.runner'):
+    assert Sandbox(SandboxConfig(timeout_s=5.0, workers=1)).run(program).status is Status.PASSED
+  assert len(calls) == 3 and 'try 1 of 3' in caplog.text and 'try 2 of 3' in caplog.text
+  calls.clear()
+  once = Sandbox(SandboxConfig(timeout_s=5.0, workers=1, sandbox_error_retries=1)).run(program)
+  assert once.status is Status.SANDBOX_ERROR and len(calls) == 2  # retries spent: no verdict
+  with pytest.raises(ValueError, match=r"sandbox_error_retries=-1 must be an int >= 0"):
+    SandboxConfig(sandbox_error_retries=-1)
