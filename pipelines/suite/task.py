@@ -22,9 +22,9 @@ from pipelines.suite.items import CATEGORY_MODULES, CATEGORIES
 
 # The categories' scoring rules, by version (with the sandbox's: task_specs.SANDBOX_RULES):
 # 2 reads code from the reply's Python block whatever fences come first, IFEval's case,
-# end-phrase and sentence rules, and QA's "The answer is X" (2026-12-06). A new version
-# recomputes.
-SUITE_RULES = 2
+# end-phrase and sentence rules, and QA's "The answer is X" (2026-12-06); 3 strips JSON
+# fences as IFEval does (every prefix in turn). A new version recomputes.
+SUITE_RULES = 3
 
 
 class ScoringError(Exception):

@@ -161,7 +161,9 @@ def _group(match) -> Optional[str]:
 
 
 def extract_strict(text: str) -> Optional[str]:
-  """First ``#### N``; failing that, first ``The answer is N.``; else None.
+  """First ``#### N``; failing that, first ``The answer is N.``; else None: the harness's
+  `gsm8k` strict filter, then its `gsm8k-cot` one (each harness task reads one of them;
+  docs/pipelines.md, "GSM8K scoring").
 
   Kept byte-for-byte with the harness regexes, including their quirks: the
   pattern is case-sensitive, and its trailing ``.`` matches any character, so

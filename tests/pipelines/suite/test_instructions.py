@@ -24,6 +24,8 @@ from pipelines.suite import instructions as ins
     (ins.Lowercase(), "x = 12345.", "12345 67."),
     (ins.Uppercase(), "X = 12345.", "12345 67."),
     (ins.EndPhrase("Thanks for reading."), 'He said: "Thanks for reading."', '"Thanks." for reading.'),
+    # IFEval removes every fence prefix in turn (before: only the first that matched)
+    (ins.JsonFormat(), '```json```{"a": 1}```', '```json```{"a": 1'),
 ])
 def test_each_checker_on_a_right_and_a_wrong_response(instruction, right, wrong):
   assert instruction.check(right)
