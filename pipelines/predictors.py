@@ -197,6 +197,11 @@ def _overflowed(where: str) -> dict:
 TRACE_FLOAT_DIGITS = 4
 
 
+# `ReasoningResult.info` keys that are timing or the budget (the record's `metrics`) or
+# written to the trace under their own name.
+_TIMING_INFO = frozenset({"budget", "ttft_s", "token_ms", "thinking_limit"})
+
+
 def _finite(x):
   """JSON-safe copy: NaN/inf floats (unscored steps) become None, tuples lists.
 
@@ -513,6 +518,12 @@ class ControllerPredictor:
                        "traces": [t.to_dict() for t in result.traces]})
       if result.info.get("thinking_limit") is not None:  # lowered to fit the model's context
         trace["thinking_limit"] = result.info["thinking_limit"]
+      # The policy's own figures (deepconf: its threshold, traces stopped for low
+      # confidence or by the consensus, key mismatches; think_verify_backtrack: max_steps):
+      # what its decisions are checked against. Timing and the budget go to `metrics`.
+      policy_info = {k: v for k, v in result.info.items() if k not in _TIMING_INFO}
+      if policy_info:
+        trace["policy_info"] = _finite(policy_info)
       # Per-token times as the host sees a device loop: each token's loop call's wall
       # time / the iterations it ran (o1jax.controller.Batch); TTFT from its admission.
       metrics = {"latency_ms": _ms(result.wall_time_s), "ttft_ms": _ms(result.info.get("ttft_s")),

@@ -67,6 +67,24 @@ def test_engine_predictor_matches_generator_greedy_and_records_real_token_times(
   assert "ttft_ms" not in summaries["generator"]
 
 
+def test_a_deepconf_record_carries_its_threshold_and_stop_counts(tiny, tmp_path):
+  """Before: the record dropped the request's threshold and stop counts (the Python API's
+  result had them): a researcher could not check the policy's decisions from the record."""
+  cfg = _config(tiny, policy="deepconf", batch=3)
+  cfg.policy.update(n=4, warmup=2, max_thinking_tokens=12, max_answer_tokens=4, window=2,
+                    keep_percent=90.0)
+  run(cfg, str(tmp_path / "dc"), progress=False)
+  for r in _records(tmp_path / "dc"):
+    info, traces = r["trace"]["policy_info"], r["trace"]["traces"]
+    assert set(info) == {"threshold", "stopped", "consensus_stopped", "key_mismatches"}
+    assert info["stopped"] == sum(t["stopped_low_confidence"] for t in traces)
+    assert info["consensus_stopped"] == sum(t["stopped_consensus"] for t in traces)
+    # The threshold: the (100 - keep_percent)th percentile of the warm-up traces' lowest
+    # group confidences (linear interpolation), rounded as every float of a trace.
+    warm = sorted(t["lowest_group_confidence"] for t in traces[:2])
+    assert info["threshold"] == pytest.approx(warm[0] + 0.1 * (warm[1] - warm[0]), abs=2e-4)
+
+
 def test_controller_policy_records_traces_token_kinds_and_report(tiny, tmp_path):
   cfg = _config(tiny, policy="self_consistency", batch=3)
   cfg.policy.update(n=2, max_thinking_tokens=6, max_answer_tokens=4, temperature=5.0, top_p=1.0)
