@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import json
 import os
+import pathlib
 import re
 import zlib
 from typing import Any, Callable, IO, Iterator, Optional, Union
@@ -363,17 +364,30 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
+def _literal_dirs_escaped(pattern: str) -> str:
+  """`pattern` with its longest leading run of directories that exist as written escaped
+  for `glob`: only what follows them is a pattern."""
+  parts = pathlib.PurePath(pattern).parts
+  for i in range(len(parts) - 1, 0, -1):
+    head = os.path.join(*parts[:i])
+    if os.path.isdir(head):
+      return os.path.join(glob.escape(head), *parts[i:])
+  return pattern
+
+
 def dataset_files(path: str) -> list[str]:
   """The files `path` names: itself, or for a pattern (``*``, ``?``, ``[...]``, ``**`` for
   any depth: e.g. the Hub's shards, ``data/test-*.parquet``) the files it matches, sorted
   by name. A pattern
   matching no file raises `DatasetError`; a file whose name holds those characters is
-  itself."""
+  itself, and so is a directory (``runs[1]/data/*.jsonl``: the pattern is the part after
+  the longest directory that exists as written)."""
   local = None if _SCHEME_RE.match(path) and not path.startswith("file://") else path.removeprefix("file://")
   if not _GLOB_CHARS.search(path) or (local is not None and os.path.exists(local)):
     return [path]
   if local is not None:
-    files = sorted(f for f in glob.glob(local, recursive=True) if not os.path.isdir(f))
+    files = sorted(f for f in glob.glob(_literal_dirs_escaped(local), recursive=True)
+                   if not os.path.isdir(f))
   else:
     try:
       from apache_beam.io.filesystems import FileSystems  # pylint: disable=g-import-not-at-top

@@ -218,6 +218,13 @@ def test_a_pattern_that_matches_nothing_is_one_line_and_a_name_with_brackets_is_
     list(read_gsm8k_jsonl(str(tmp_path / "nope-*.parquet")))
   odd = _write(tmp_path / "gsm[1].jsonl", "jsonl", GSM[:1])  # the file itself, not a pattern
   assert [e.question for e in read_gsm8k_jsonl(odd)] == [GSM[0]["question"]]
+  # A directory with such a name is itself too; the pattern is what follows it (before:
+  # "[1]" read as a character class, and the run stopped: "matches no file").
+  (tmp_path / "runs[1]" / "data").mkdir(parents=True)
+  _write(tmp_path / "runs[1]" / "data" / "test-0.jsonl", "jsonl", GSM[:1])
+  _write(tmp_path / "runs[1]" / "data" / "test-1.jsonl", "jsonl", GSM[1:])
+  got = list(read_gsm8k_jsonl(str(tmp_path / "runs[1]" / "data" / "test-*.jsonl")))
+  assert [e.question for e in got] == [r["question"] for r in GSM]
 
 
 def test_a_double_star_reaches_any_depth(tmp_path):
