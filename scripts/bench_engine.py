@@ -51,10 +51,9 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     if i >= len(ASKS) * len(TOPICS):
       ask += f" (variant {i})"
     try:
-      text = tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+      out.append(tokenizer.encode_chat([{"role": "user", "content": ask}]))
     except ValueError:  # no chat template
-      text = ask
-    out.append(tokenizer.encode(text))
+      out.append(tokenizer.encode(ask))
   return out
 
 

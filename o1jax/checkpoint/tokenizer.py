@@ -9,12 +9,15 @@ checkpoint's Jinja chat template.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
 import re
 from typing import Iterable, Sequence
 
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
@@ -95,13 +98,44 @@ def _byte_level_pre(pre_name: str | None, path) -> pre_tokenizers.PreTokenizer:
                         f"(supported: {', '.join(supported)})")
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's tokens
+  with it for training): renders its body."""
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # transformers' filter: Jinja's own escapes <, >, &, ' as \u003c... and sorts keys, so a
+  # tool call's JSON read differently to the model than it was trained on.
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+  return datetime.datetime.now().strftime(fmt)
+
+
 def compile_chat_template(text: str) -> jinja2.Template:
   """A chat template compiled as transformers renders templates: a sandbox, loop controls
-  ({% break %}), and the raise_exception() many templates call on input they refuse. One
-  that does not parse raises ValueError with its line."""
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                     extensions=["jinja2.ext.loopcontrols"])
+  ({% break %}), `{% generation %}`, its `tojson` filter, and the globals templates call:
+  raise_exception() on input they refuse, strftime_now() for today's date (Llama 3.2 and
+  Mistral Small 3 templates put it in the system turn: the prompt then holds the date it
+  was rendered on, as with transformers). One that does not parse raises ValueError with
+  its line."""
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True,
+      extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+  env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_template_error
+  env.globals["strftime_now"] = _strftime_now
   try:
     return env.from_string(text)
   except jinja2.TemplateError as e:
@@ -159,6 +193,17 @@ class Tokenizer:
       ids = [self.bos_id] + ids
     return ids
 
+  def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True
+                  ) -> list[int]:
+    """The token ids of the rendered chat (`apply_chat_template`). A template that writes
+    the BOS token itself (`{{ bos_token }}`: Llama 3, Gemma, Mistral) gets that one BOS,
+    not a second one for `add_bos` (transformers tokenizes a rendered chat without adding
+    special tokens; llama.cpp warns of a doubled BOS); one that writes none gets the
+    checkpoint's `add_bos`."""
+    text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None
+    return self.encode(text, add_bos=False if bos and text.startswith(bos) else None)
+
   def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
     return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
@@ -189,9 +234,10 @@ class Tokenizer:
     bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
     eos = self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
     try:
+      # (tools and documents: None, as transformers passes them when there are none)
       return self._template.render(messages=list(messages),
                                    add_generation_prompt=add_generation_prompt,
-                                   bos_token=bos, eos_token=eos)
+                                   bos_token=bos, eos_token=eos, tools=None, documents=None)
     except jinja2.TemplateError as e:  # e.g. a variable or filter this renderer does not provide
       raise ValueError(f"chat template failed to render these messages: {type(e).__name__}: "
                        f"{e.message or e}") from None

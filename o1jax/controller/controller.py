@@ -245,7 +245,7 @@ class Controller:
 
   Args:
     model: a DecodeModel (ContiguousLlama, MockDecodeModel, ...).
-    tokenizer: encode / decode / eos_ids / apply_chat_template.
+    tokenizer: encode / encode_chat / decode / eos_ids / apply_chat_template.
     max_rows: most rows (request x sample) in one compiled batch.
     top_k: log-probs averaged into a DeepConf token confidence.
     max_records: step records kept per trace.

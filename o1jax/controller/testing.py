@@ -126,3 +126,6 @@ class MockTokenizer:
 
   def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
     return "".join(m["content"] for m in messages)
+
+  def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+    return self.encode(self.apply_chat_template(messages))

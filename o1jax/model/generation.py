@@ -65,7 +65,7 @@ def encode_prompt(tokenizer, prompt, vocab_size: int) -> list[int]:
     raise ValueError(f"prompt must be text, chat messages or token ids, got "
                      f"{type(prompt).__name__}")
   elif len(prompt) and isinstance(prompt[0], collections.abc.Mapping):
-    ids = tokenizer.encode(tokenizer.apply_chat_template(list(prompt)))
+    ids = tokenizer.encode_chat(list(prompt))
   else:
     bad = [i for i in prompt if not is_int(i)]
     if bad:  # int() would cut 1.5 to 1 and read True as 1

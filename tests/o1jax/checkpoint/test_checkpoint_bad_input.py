@@ -725,3 +725,36 @@ def test_a_safetensors_weight_that_is_inf_is_named(tmp_path):
   with pytest.raises(CheckpointError, match=rf"^{tmp_path}: tensor 'layers.0.wo' has 2 non-finite "
                                             r"values \(NaN or inf\) of 4096: "):
     load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_template_writing_the_bos_token_gets_one_bos(add_bos):
+  """Before: `{{ bos_token }}` in the template (Llama 3, Gemma, Mistral) and the
+  checkpoint's add_bos gave two BOS tokens; transformers gives one (a rendered chat is
+  tokenized without adding special tokens). A template without it gets add_bos's."""
+  from o1jax.model.generation import encode_prompt
+  chat = [{"role": "user", "content": "a"}]
+  writes_bos = _tokenizer_with_template("{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                                        "{% endfor %}")
+  writes_none = _tokenizer_with_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+  for tok in (writes_bos, writes_none):
+    tok.add_bos = add_bos
+  a = writes_none.encode("a", add_bos=False)
+  assert writes_bos.encode_chat(chat) == [1] + a
+  assert writes_none.encode_chat(chat) == [1] * add_bos + a
+  assert encode_prompt(writes_bos, chat, 10_000) == [1] + a  # what every predictor reads
+
+
+def test_templates_get_what_transformers_gives_them():
+  """strftime_now (Llama 3.2's date, Mistral Small 3 called it unguarded: every render
+  failed), transformers' tojson (no HTML escaping, keys in order), `tools`/`documents` as
+  None, and the `{% generation %}` block (a template using it did not load)."""
+  import datetime
+  tok = _tokenizer_with_template(
+      "{{ strftime_now('%Y') }}|{{ messages[0] | tojson }}|{{ tools is defined and tools is none }}"
+      "|{{ documents is none }}|{% generation %}{{ messages[0].content }}{% endgeneration %}"
+      "|{{ {'k': [1, 2]} | tojson(indent=1) }}")
+  year = str(datetime.date.today().year)
+  got = tok.apply_chat_template([{"role": "user", "content": "<é>&'"}])
+  assert got == (f'{year}|{{"role": "user", "content": "<é>&\'"}}|True|True|<é>&\''
+                 '|{\n "k": [\n  1,\n  2\n ]\n}')
