@@ -258,7 +258,11 @@ class Tokenizer:
 
   @classmethod
   def load(cls, directory: str | os.PathLike) -> "Tokenizer":
-    """Reads tokenizer.json (+ tokenizer_config.json) from an HF-style directory."""
+    """Reads tokenizer.json (+ tokenizer_config.json, + chat_template.jinja) from an
+    HF-style directory, as transformers reads them: the chat template from
+    chat_template.jinja where there is one (transformers >= 4.47 saves it there, not in
+    tokenizer_config.json), and without an `add_bos_token` key a BOS where tokenizer.json's
+    post-processor adds one (Llama 3's TemplateProcessing)."""
     directory = pathlib.Path(directory)
     tok_file = directory / "tokenizer.json"
     if not tok_file.is_file():
@@ -298,10 +302,20 @@ class Tokenizer:
       template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if template is not None and not isinstance(template, str):
       raise bad("chat_template", "a string or a list of {name, template} objects")
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+      try:
+        template = jinja_file.read_text(encoding="utf-8")
+      except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{jinja_file}: cannot be read ({e})") from None
     bos_id = tok_id("bos_token")  # outside the try: its error names its key already
+    if "add_bos_token" in cfg:
+      add_bos = bool(cfg["add_bos_token"])
+    else:  # what transformers' tokenizer(text) does: the post-processor's special tokens
+      add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
     try:
-      return cls(backend, bos_id=bos_id, eos_ids=eos_ids,
-                 add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
+      return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
+                 chat_template=template)
     except ValueError as e:  # the chat template does not parse
       raise CheckpointError(f"{cfg_file}: {e}") from None
 

@@ -758,3 +758,33 @@ def test_templates_get_what_transformers_gives_them():
   got = tok.apply_chat_template([{"role": "user", "content": "<é>&'"}])
   assert got == (f'{year}|{{"role": "user", "content": "<é>&\'"}}|True|True|<é>&\''
                  '|{\n "k": [\n  1,\n  2\n ]\n}')
+
+
+def test_an_hf_tokenizer_is_read_as_transformers_reads_it(tmp_path):
+  """Before: a chat_template.jinja (where transformers >= 4.47 saves the template) was not
+  read, so chats got the ChatML fallback; without an `add_bos_token` key no BOS was added,
+  where transformers adds the one tokenizer.json's post-processor adds (Llama 3)."""
+  import json
+
+  import tokenizers
+  from tokenizers import processors
+
+  from o1jax.checkpoint.tokenizer import Tokenizer
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  cfg = json.loads((hf / "tokenizer_config.json").read_text())
+  del cfg["add_bos_token"], cfg["chat_template"]
+  (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+  assert Tokenizer.load(hf).add_bos is False  # no key, no post-processor: no BOS
+  backend = tokenizers.Tokenizer.from_file(str(hf / "tokenizer.json"))
+  bos = cfg["bos_token"]
+  backend.post_processor = processors.TemplateProcessing(
+      single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, backend.token_to_id(bos))])
+  backend.save(str(hf / "tokenizer.json"))
+  (hf / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}[{{ m.content }}]"
+                                          "{% endfor %}")
+  tok = Tokenizer.load(hf)
+  assert tok.add_bos and tok.has_chat_template
+  assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == f"{bos}[hi]"
+  assert tok.encode("hi")[0] == tok.bos_id and tok.encode_chat(
+      [{"role": "user", "content": "hi"}]).count(tok.bos_id) == 1
