@@ -200,9 +200,11 @@ class Tokenizer:
     not a second one for `add_bos` (transformers tokenizes a rendered chat without adding
     special tokens; llama.cpp warns of a doubled BOS); one that writes none gets the
     checkpoint's `add_bos`."""
-    text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None
-    return self.encode(text, add_bos=False if bos and text.startswith(bos) else None)
+    ids = self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
+                      add_bos=False)
+    if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+      ids = [self.bos_id] + ids
+    return ids
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
     return self.backend.decode(list(ids), skip_special_tokens=skip_special)
