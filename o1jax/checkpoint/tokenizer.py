@@ -112,9 +112,15 @@ class _GenerationBlock(jinja2.ext.Extension):
     return caller()
 
 
+_MAX_TOJSON_INDENT = 64  # characters: a template's indent multiplies with its nesting
+
+
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-  # transformers' filter: Jinja's own escapes <, >, &, ' as \u003c... and sorts keys, so a
-  # tool call's JSON read differently to the model than it was trained on.
+  # transformers' filter: Jinja's own escapes <, >, &, ' (as \u003c ...) and sorts keys,
+  # so a tool call's JSON would read differently to the model than it was trained on.
+  width = indent if isinstance(indent, int) and not isinstance(indent, bool) else len(str(indent or ""))
+  if width > _MAX_TOJSON_INDENT:
+    raise ValueError(f"tojson indent of {width} characters: at most {_MAX_TOJSON_INDENT}")
   return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                     sort_keys=sort_keys)
 
@@ -240,9 +246,15 @@ class Tokenizer:
       return self._template.render(messages=list(messages),
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=bos, eos_token=eos, tools=None, documents=None)
+    except _TemplateRefusal:
+      raise
     except jinja2.TemplateError as e:  # e.g. a variable or filter this renderer does not provide
       raise ValueError(f"chat template failed to render these messages: {type(e).__name__}: "
                        f"{e.message or e}") from None
+    except (TypeError, ValueError, ArithmeticError, RecursionError, MemoryError) as e:
+      # a filter or global given what it cannot take (tojson of an undefined, 1 // 0, ...)
+      raise ValueError(f"chat template failed to render these messages: {type(e).__name__}: "
+                       f"{e}") from None
 
   def save(self, directory: str | os.PathLike) -> None:
     """Writes HF-style tokenizer.json + tokenizer_config.json."""
@@ -304,8 +316,10 @@ class Tokenizer:
       template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if template is not None and not isinstance(template, str):
       raise bad("chat_template", "a string or a list of {name, template} objects")
+    template_file = cfg_file  # where the template came from, for its errors
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
+      template_file = jinja_file
       try:
         template = jinja_file.read_text(encoding="utf-8")
       except (OSError, UnicodeDecodeError) as e:
@@ -319,7 +333,7 @@ class Tokenizer:
       return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
                  chat_template=template)
     except ValueError as e:  # the chat template does not parse
-      raise CheckpointError(f"{cfg_file}: {e}") from None
+      raise CheckpointError(f"{template_file}: {e}") from None
 
   @classmethod
   def from_gguf_metadata(cls, meta: dict, path="GGUF") -> "Tokenizer":
@@ -413,8 +427,12 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
   return backend
 
 
+class _TemplateRefusal(ValueError):
+  """What a template's raise_exception() raises: its own message, passed on as is."""
+
+
 def _raise_template_error(message):
-  raise ValueError(f"chat template: {message}")
+  raise _TemplateRefusal(f"chat template: {message}")
 
 
 def token_texts(tokenizer, *, skip_special: bool = False) -> list[str]:

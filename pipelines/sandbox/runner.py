@@ -246,7 +246,7 @@ class Sandbox:
       if key not in _probe_cache:
         error = 'unshare (util-linux) not found' if unshare is None else None
         if error is None:
-          result = self._execute('print("ok")', self.config.timeout_s + 10, isolate=True)
+          result, _ = self._execute('print("ok")', self.config.timeout_s + 10, isolate=True)
           if not result.passed:
             error = f'{result.status.value}: {result.detail} {result.stderr_tail[-500:]}'
         _probe_cache[key] = error
@@ -265,15 +265,21 @@ class Sandbox:
 
   def run(self, program: HumanEvalProgram | str,
           reference_time_s: float | None = None) -> ExecutionResult:
-    """The program's verdict; a run whose harness failed (SANDBOX_ERROR: no verdict, the
-    program did not start) is tried again, up to `config.sandbox_error_retries` times."""
+    """The program's verdict; a run whose harness failed before the program started
+    (SANDBOX_ERROR, no verdict) is tried again, up to `config.sandbox_error_retries` times.
+    One that failed after it started is not: the program could have caused it (a retry
+    would run it, and its side effects, again, until it passed)."""
     tries = self.config.sandbox_error_retries + 1
     for attempt in range(1, tries + 1):
-      result = self._execute(program, self.config.timeout_for(reference_time_s), self.isolated)
+      result, started = self._execute(program, self.config.timeout_for(reference_time_s),
+                                      self.isolated)
       if result.status is not Status.SANDBOX_ERROR:
         return result
-      logger.warning('sandbox error (not a model failure), try %d of %d: %s', attempt, tries,
-                     result.detail)
+      again = not started and attempt < tries
+      logger.warning('sandbox error (not a model failure)%s: %s',
+                     f', try {attempt} of {tries}' if again or attempt > 1 else '', result.detail)
+      if not again:
+        break
     return result
 
   def run_many(self, programs: Iterable[HumanEvalProgram | str],
@@ -313,7 +319,8 @@ class Sandbox:
     return command
 
   def _execute(self, program: HumanEvalProgram | str, timeout_s: float,
-               isolate: bool) -> ExecutionResult:
+               isolate: bool) -> tuple[ExecutionResult, bool]:
+    """The run's result, and whether the program started (the worker said so)."""
     native = self._native_paths
     if isinstance(program, HumanEvalProgram):
       fields = ('humaneval', '1' if self.config.strict_return_types else '0', native,
@@ -324,17 +331,18 @@ class Sandbox:
     start = time.monotonic()
     lease = self._cpus.acquire() if self.config.pin_cpus else None
     cpu = lease[0] if lease else -1
-    root = None
+    root = watch = None
     try:
       root = tempfile.mkdtemp(prefix='o1jax-sandbox-')  # (ENOSPC: a sandbox error, lease freed)
       payload = _encode_payload(sentinel, fields)
       watch = _Watch(self.config)
       watch.launch(self._command, isolate, root, timeout_s, cpu, payload)
       watch.follow(start + timeout_s)
-      return watch.classify(sentinel, time.monotonic() - start, isolate)
+      return watch.classify(sentinel, time.monotonic() - start, isolate), watch.started
     except Exception as exc:  # a host-side failure is ours, never the model's
       return ExecutionResult(Status.SANDBOX_ERROR, f'host: {type(exc).__name__}: {exc}',
-                             duration_s=time.monotonic() - start, isolated=isolate)
+                             duration_s=time.monotonic() - start, isolated=isolate), (
+                                 watch is not None and watch.started)
     finally:
       if lease is not None:
         self._cpus.release(lease)
@@ -357,6 +365,11 @@ class _Watch:
                 'result': bytearray()}
     self.killed_for: str | None = None
     self.streamed = 0  # bytes of stdout and stderr read, kept or not
+
+  @property
+  def started(self) -> bool:
+    """Whether the worker reported that it started (the program may have run)."""
+    return self.out['result'].startswith(b'started\n')
 
   def launch(self, build_command, isolate, root, timeout_s, cpu, payload):
     payload_r, payload_w = os.pipe()
@@ -492,7 +505,7 @@ class _Watch:
         return made(Status.SANDBOX_ERROR, 'sandbox setup did not finish before the deadline')
       return made(Status.SANDBOX_ERROR,
                   f'sandbox did not start (exit status {self.proc.returncode})')
-    if not self.out['result'].startswith(b'started\n'):
+    if not self.started:
       return made(Status.SANDBOX_ERROR, 'the worker interpreter did not start'
                   + (' before the deadline' if self.killed_for == 'timeout' else ''))
     ending = next((line for line in status_lines if line.startswith(('exit ', 'signal '))), '')
@@ -508,7 +521,10 @@ class _Watch:
     if 'MemoryError' in error or (not error and 'MemoryError' in stderr):
       return made(Status.MEMORY_EXCEEDED, error or 'MemoryError')
     if ending.startswith('signal '):
-      signum = int(ending.split()[1])
+      try:
+        signum = int(ending.split()[1])
+      except (IndexError, ValueError):  # the supervisor writes a number; anything else is forged
+        return made(Status.CRASHED, f'malformed ending {ending[:40]!r}')
       name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else signum
       if signum == signal.SIGXCPU:
         return made(Status.TIMED_OUT, 'CPU-time limit reached')

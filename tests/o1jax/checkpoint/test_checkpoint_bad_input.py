@@ -788,3 +788,22 @@ def test_an_hf_tokenizer_is_read_as_transformers_reads_it(tmp_path):
   assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == f"{bos}[hi]"
   assert tok.encode("hi")[0] == tok.bos_id and tok.encode_chat(
       [{"role": "user", "content": "hi"}]).count(tok.bos_id) == 1
+
+
+def test_template_errors_name_their_file_and_filters_fail_in_one_line(tmp_path):
+  """(From a red-team of the transformers-like rendering.) A chat_template.jinja that does
+  not parse is named (it was tokenizer_config.json); a filter given what it cannot take, or
+  an indent that would fill memory, is the one-line render error, not a traceback."""
+  from o1jax.checkpoint.tokenizer import Tokenizer
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  (hf / "chat_template.jinja").write_text("{% for m in messages %}")
+  with pytest.raises(CheckpointError, match=r"chat_template\.jinja: chat template cannot be parsed"):
+    Tokenizer.load(hf)
+  chat = [{"role": "user", "content": "x"}]
+  for template, error in (("{{ nothing | tojson }}", "TypeError"),
+                          ("{{ strftime_now(None) }}", "TypeError"),
+                          ("{{ 1 // 0 }}", "ZeroDivisionError"),
+                          ("{{ [1] | tojson(indent=2000000000) }}", "ValueError: tojson indent")):
+    with pytest.raises(ValueError, match=rf"^chat template failed to render these messages: {error}"):
+      _tokenizer_with_template(template).apply_chat_template(chat)

@@ -342,6 +342,8 @@ def test_a_run_whose_harness_failed_is_tried_again_until_it_has_a_verdict(monkey
   """Before: a sandbox that did not start in time on a loaded machine (3 of 120 runs once
   here) left the sample out of pass@k; a SANDBOX_ERROR run is tried again (the program
   never started), up to `sandbox_error_retries` times."""
+  sandbox = Sandbox(SandboxConfig(timeout_s=5.0, workers=1))  # (its probe runs unpatched)
+  once = Sandbox(SandboxConfig(timeout_s=5.0, workers=1, sandbox_error_retries=1))
   real_mkdtemp, calls = runner.tempfile.mkdtemp, []
   def fails_twice(*args, **kwargs):
     calls.append(1)
@@ -351,10 +353,37 @@ def test_a_run_whose_harness_failed_is_tried_again_until_it_has_a_verdict(monkey
   monkeypatch.setattr(runner.tempfile, 'mkdtemp', fails_twice)
   program = HumanEvalProgram('def f():\n', '    return 1\n', 'def check(c):\n    assert c() == 1\n', 'f')
   with caplog.at_level(logging.WARNING, logger='pipelines.sandbox.runner'):
-    assert Sandbox(SandboxConfig(timeout_s=5.0, workers=1)).run(program).status is Status.PASSED
+    assert sandbox.run(program).status is Status.PASSED
   assert len(calls) == 3 and 'try 1 of 3' in caplog.text and 'try 2 of 3' in caplog.text
   calls.clear()
-  once = Sandbox(SandboxConfig(timeout_s=5.0, workers=1, sandbox_error_retries=1)).run(program)
-  assert once.status is Status.SANDBOX_ERROR and len(calls) == 2  # retries spent: no verdict
+  result = once.run(program)
+  assert result.status is Status.SANDBOX_ERROR and len(calls) == 2  # retries spent: no verdict
   with pytest.raises(ValueError, match=r"sandbox_error_retries=-1 must be an int >= 0"):
     SandboxConfig(sandbox_error_retries=-1)
+
+
+def test_a_harness_failure_after_the_program_started_is_not_retried(monkeypatch):
+  """The program may have caused it (red-team: without namespaces, a program wrote a
+  malformed ending into the status pipe, the host failed reading it, and each retry ran
+  the program again until it passed): no second run."""
+  sandbox = Sandbox(SandboxConfig(timeout_s=5.0, workers=1))  # (its probe runs unpatched)
+  launches = []
+  real_launch = runner._Watch.launch
+  def counted(self, *args, **kwargs):
+    launches.append(1)
+    return real_launch(self, *args, **kwargs)
+  def host_fails(self, *args, **kwargs):
+    raise RuntimeError('reading the result failed')
+  monkeypatch.setattr(runner._Watch, 'launch', counted)
+  monkeypatch.setattr(runner._Watch, 'classify', host_fails)
+  result = sandbox.run('print(1)')
+  assert result.status is Status.SANDBOX_ERROR and 'reading the result failed' in result.detail
+  assert len(launches) == 1
+
+
+def test_a_forged_ending_line_is_a_crash_not_a_host_failure():
+  watch = runner._Watch(SandboxConfig())
+  watch.out['status'] += b'ready\nsignal abc\n'
+  watch.out['result'] += b'started\n'
+  result = watch.classify(b'0' * 32, 0.1, True)
+  assert result.status is Status.CRASHED and "malformed ending 'signal abc'" in result.detail
