@@ -197,9 +197,9 @@ def _overflowed(where: str) -> dict:
 TRACE_FLOAT_DIGITS = 4
 
 
-# `ReasoningResult.info` keys that are timing or the budget (the record's `metrics`) or
-# written to the trace under their own name.
-_TIMING_INFO = frozenset({"budget", "ttft_s", "token_ms", "thinking_limit"})
+# `ReasoningResult.info` keys the record holds elsewhere: timing and the budget (its
+# `metrics`), the thinking limit (the trace, under its own name).
+_INFO_RECORDED_ELSEWHERE = frozenset({"budget", "ttft_s", "token_ms", "thinking_limit"})
 
 
 def _finite(x):
@@ -521,7 +521,7 @@ class ControllerPredictor:
       # The policy's own figures (deepconf: its threshold, traces stopped for low
       # confidence or by the consensus, key mismatches; think_verify_backtrack: max_steps):
       # what its decisions are checked against. Timing and the budget go to `metrics`.
-      policy_info = {k: v for k, v in result.info.items() if k not in _TIMING_INFO}
+      policy_info = {k: v for k, v in result.info.items() if k not in _INFO_RECORDED_ELSEWHERE}
       if policy_info:
         trace["policy_info"] = _finite(policy_info)
       # Per-token times as the host sees a device loop: each token's loop call's wall

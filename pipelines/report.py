@@ -268,11 +268,12 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
 
 def _stability_lines(summary: dict) -> list[str]:
   """Latency stability against the reference thresholds, one pass/fail line each."""
+  num = fmt_number
   st = summary.get("latency_stability")
   if not st:
     return []
-  values = {"per_token_cv": fmt_number(st.get("per_token_cv"), 3),
-            "ttft_p95_ms": fmt_number(st.get("ttft_p95_ms"))}
+  values = {"per_token_cv": num(st.get("per_token_cv"), 3),
+            "ttft_p95_ms": num(st.get("ttft_p95_ms"))}
   verdict = {True: "PASS", False: "FAIL", None: "not measured"}
   return ["Latency stability against the reference system's serving thresholds (a GPU "
           "server under steady load; an offline batch job on a CPU, whose first calls of "
@@ -295,6 +296,7 @@ def fmt_number(x, nd=1) -> str:
 
 def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   """report.md + latency_histogram.png + latency_heatmap.png (+ reasoning.png) in `run_dir`."""
+  table, num = markdown_table, fmt_number
   run_dir = pathlib.Path(run_dir)
   summary, records = load_run(run_dir)
   plot_latency(records, run_dir / "latency_histogram.png")
@@ -305,39 +307,39 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   out = [f"# Evaluation report: {summary['task']} / {summary.get('policy')}", ""]
   out.append(f"Model `{model.get('source', '?')}` ({model.get('predictor', '?')}), dataset "
              f"`{(cfg.get('dataset') or {}).get('name', '?')}`: {summary['examples']} examples, "
-             f"{summary['samples']} samples ({fmt_number(summary['samples_per_example'], 2)} per example).")
+             f"{summary['samples']} samples ({num(summary['samples_per_example'], 2)} per example).")
   out += ["", "## Accuracy", ""]
-  out.append(markdown_table([[k, fmt_number(v, 4)] for k, v in (summary.get("accuracy") or {}).items()]
-                    + [["per-sample (mean)", fmt_number(summary.get("sample_accuracy"), 4)]], ["metric", "value"]))
+  out.append(table([[k, num(v, 4)] for k, v in (summary.get("accuracy") or {}).items()]
+                    + [["per-sample (mean)", num(summary.get("sample_accuracy"), 4)]], ["metric", "value"]))
   if summary.get("pass_at_k"):
-    out += ["", "### pass@k", "", markdown_table([[f"pass@{k}", fmt_number(v, 4)] for k, v in summary["pass_at_k"].items()],
+    out += ["", "### pass@k", "", table([[f"pass@{k}", num(v, 4)] for k, v in summary["pass_at_k"].items()],
                                          ["k", "value"])]
   if summary.get("sample_accuracy_by_level"):
     out += ["", "Per-sample accuracy by level: " + ", ".join(
-        f"level {k}: {fmt_number(v, 3)}" for k, v in summary["sample_accuracy_by_level"].items())]
+        f"level {k}: {num(v, 3)}" for k, v in summary["sample_accuracy_by_level"].items())]
   tok = summary["tokens"]
-  out += ["", "## Tokens", "", markdown_table([[k, v] for k, v in tok.items()], ["kind", "value"])]
+  out += ["", "## Tokens", "", table([[k, v] for k, v in tok.items()], ["kind", "value"])]
   lat, ptl, thr = summary["latency_ms"], summary["latency_ms_per_token"], summary["throughput"]
   out += ["", "## Latency and throughput", "",
-          markdown_table([[name, *(fmt_number(d.get(f"p{p}")) for p in (50, 90, 95, 99)), fmt_number(d.get("mean")), fmt_number(d.get("max"))]
+          table([[name, *(num(d.get(f"p{p}")) for p in (50, 90, 95, 99)), num(d.get("mean")), num(d.get("max"))]
                   for name, d in (("request (ms)", lat), ("per token (ms)", ptl),
                                   *((("time to first token (ms)", summary["ttft_ms"]),)
                                     if summary.get("ttft_ms") else ()))],
                  ["", "P50", "P90", "P95", "P99", "mean", "max"]), "",
-          f"Computed this run: {thr['samples_computed']} samples in {fmt_number(thr['span_s'])} s "
-          f"({fmt_number(thr['samples_per_s'], 3)} samples/s, {fmt_number(thr['completion_tokens_per_s'])} completion tok/s); "
-          f"resumed from the store: {fmt_number((summary.get('run') or {}).get('resumed'))}; "
-          f"wall time {fmt_number((summary.get('run') or {}).get('wall_s'))} s."
+          f"Computed this run: {thr['samples_computed']} samples in {num(thr['span_s'])} s "
+          f"({num(thr['samples_per_s'], 3)} samples/s, {num(thr['completion_tokens_per_s'])} completion tok/s); "
+          f"resumed from the store: {num((summary.get('run') or {}).get('resumed'))}; "
+          f"wall time {num((summary.get('run') or {}).get('wall_s'))} s."
           + "".join(f" {line}." for line in [recomputed_line(summary)] if line), "",
           f"Per-token latency source: {ptl.get('source', 'request_latency/completion')} "
-          f"({fmt_number(ptl.get('count'))} values).", "", *_stability_lines(summary), "",
+          f"({num(ptl.get('count'))} values).", "", *_stability_lines(summary), "",
           "![latency histogram](latency_histogram.png)", "", "![latency heatmap](latency_heatmap.png)"]
   from pipelines.suite.report import report_section
   out += report_section(summary, run_dir)  # the suite's table across categories, if any
   out += ["", "## Reasoning paths", ""]
   if has_reasoning:
     r = summary.get("reasoning") or {}
-    out += [markdown_table([[k, fmt_number(v.get("total")), fmt_number(v.get("mean"), 2)] for k, v in r.items() if isinstance(v, dict)],
+    out += [table([[k, num(v.get("total")), num(v.get("mean"), 2)] for k, v in r.items() if isinstance(v, dict)],
                    ["", "total", "mean per sample"]), "", "![reasoning](reasoning.png)", ""]
     out += ["First reasoning paths (traces, steps, backtracks, early exit, exit reasons, votes):", ""]
     for rec in [x for x in records if "steps" in (x.get("trace") or {})][:5]:
@@ -378,6 +380,7 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
 
 def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os.PathLike) -> pathlib.Path:
   """comparison.md + accuracy_vs_cost.png over several runs."""
+  table, num = markdown_table, fmt_number
   output_dir = pathlib.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   runs = [(pathlib.Path(d).name, load_run(d)[0]) for d in run_dirs]
@@ -386,13 +389,13 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   tokens = [s["tokens"].get("completion_per_example", 0) for _, s in runs]
   on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], [s.get("task") for _, s in runs])
               for cost in (tokens, seconds)]
-  rows = [[run_label(name, s), s["task"], s["examples"], s["samples"], fmt_number(accuracy_value(s), 4),
-           fmt_number(s["tokens"].get("completion_per_example")), fmt_number(seconds[i], 2),
-           fmt_number(s["latency_ms"].get("p50")), fmt_number(s["throughput"].get("completion_tokens_per_s")),
+  rows = [[run_label(name, s), s["task"], s["examples"], s["samples"], num(accuracy_value(s), 4),
+           num(s["tokens"].get("completion_per_example")), num(seconds[i], 2),
+           num(s["latency_ms"].get("p50")), num(s["throughput"].get("completion_tokens_per_s")),
            "/".join(k for k, f in zip(("tokens", "seconds"), on_front) if i in f)]
           for i, (name, s) in enumerate(runs)]
   text = "\n".join(["# Run comparison", "",
-                    markdown_table(rows, ["run", "task", "examples", "samples", "accuracy",
+                    table(rows, ["run", "task", "examples", "samples", "accuracy",
                                   "tokens/example", "s/example", "P50 ms", "tok/s", "Pareto"]), "",
                     "Pareto: the run is on its task's accuracy-vs-cost frontier by tokens "
                     "and/or by wall seconds per example.", "",

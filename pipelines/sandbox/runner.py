@@ -275,10 +275,9 @@ class Sandbox:
                                       self.isolated)
       if result.status is not Status.SANDBOX_ERROR:
         return result
-      again = not started and attempt < tries
-      logger.warning('sandbox error (not a model failure)%s: %s',
-                     f', try {attempt} of {tries}' if again or attempt > 1 else '', result.detail)
-      if not again:
+      logger.warning('sandbox error (not a model failure), try %d of %d: %s', attempt, tries,
+                     result.detail)
+      if started:
         break
     return result
 
