@@ -240,6 +240,11 @@ def _admit_rows(model, params, state, leaders, tokens, last, sharers, donors, su
   return state.replace(**updates, knobs=k, cache=cache)
 
 
+# An answer prefix starting with whitespace or with one of these continues the text
+# as written (no "\n\n" is forced before it).
+_GLUING = " \t\r\n.,;:!?"
+
+
 class Controller:
   """Runs reasoning policies on a DecodeModel.
 
@@ -280,7 +285,7 @@ class Controller:
       tokens up to f32 rounding at a near-tie. False: every prompt computes all of its own)."""
 
   def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
-               max_records: int = 64, force_capacity: int = 16, probe_capacity: int = 16,
+               max_records: int = 64, force_capacity: int = 20, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
                extract_answer: Callable[[str], Optional[str]] | None = None,
                python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
@@ -366,6 +371,7 @@ class Controller:
     eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
     self.eos_ids = tuple(sorted(eos))
     self._masks: dict[str, np.ndarray] = {}
+    self._spaced: np.ndarray | None = None
     self._texts: dict[bool, list[str]] = {}
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
     if self.thinking is not None:  # checked once, here, rather than at the first request
@@ -632,6 +638,16 @@ class Controller:
       self._masks[delim] = mask
     return self._masks[delim]
 
+  def _ends_in_space(self) -> np.ndarray:
+    """[V] tokens whose text ends in whitespace or is empty (special tokens): a forced
+    answer prefix after them needs no separator."""
+    if self._spaced is None:
+      v = self.model.vocab_size
+      texts = self._token_texts(skip_special=True)[:v]
+      self._spaced = np.ones(v, bool)
+      self._spaced[:len(texts)] = [not t or t[-1].isspace() for t in texts]
+    return self._spaced
+
   def key_tables(self) -> tuple[np.ndarray, np.ndarray]:
     """[V, C] character classes of every token's text (-1 = none) and [V] overflow
     (more than C classes, or text the automaton cannot read: a non-ASCII digit, or
@@ -662,7 +678,7 @@ class Controller:
     full = lambda x, dt: jnp.full((b,), x, dt)
     eos = np.zeros(v, bool)
     eos[list(self.eos_ids)] = True
-    answer, after_close = self._end_of_thinking(st)
+    answer, separator_len, after_close = self._end_of_thinking(st)
     wait = self.tokenizer.encode(st.wait_text)
     probe = yes = no = [0]
     if isinstance(st.verifier, SelfVerify):
@@ -692,7 +708,8 @@ class Controller:
         prefix_seqs=jnp.asarray(prefix_seqs), prefix_lens=jnp.asarray(prefix_lens),
         restart_seqs=jnp.asarray(restart_seqs), restart_lens=jnp.asarray(restart_lens),
         answer_ids=jnp.asarray(self._pad(answer, self.force_capacity, "answer_prefix")),
-        answer_len=jnp.int32(len(answer)),
+        answer_len=jnp.int32(len(answer)), answer_separator_len=jnp.int32(separator_len),
+        ends_in_space=jnp.asarray(self._ends_in_space()),
         after_close_ids=jnp.asarray(self._pad(after_close, self.force_capacity,
                                               "answer_prefix after the thinking span")),
         after_close_len=jnp.int32(len(after_close)),
@@ -700,19 +717,26 @@ class Controller:
         wait_len=jnp.int32(len(wait)),
         probe_ids=jnp.asarray(self._pad(probe, self.probe_capacity, "verifier probe")),
         probe_len=jnp.int32(len(probe)), yes_id=jnp.int32(yes[-1]), no_id=jnp.int32(no[-1]),
-        answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
-        answer_probe_len=jnp.int32(len(answer)),
+        # Probes sit at step boundaries (after a delimiter): the prefix without separator.
+        answer_probe_ids=jnp.asarray(self._pad(answer[separator_len:], self.probe_capacity,
+                                               "answer_prefix")),
+        answer_probe_len=jnp.int32(len(answer) - separator_len),
         **self._vote_knobs(st, b, group, vote_floor, prior_votes, priors_per_group))
 
-  def _end_of_thinking(self, settings: LoopSettings) -> tuple[list[int], list[int]]:
-    """(forced end of thinking, forced after a close the model wrote): the answer prefix
-    and nothing; with a thinking span, close + "\n\n" + prefix and "\n\n" + prefix
-    (nothing without a prefix)."""
+  def _end_of_thinking(self, settings: LoopSettings) -> tuple[list[int], int, list[int]]:
+    """(forced end of thinking, its leading separator tokens, forced after a close the
+    model wrote): "\n\n" + the answer prefix, 1-2 separator tokens, and nothing (the loop
+    skips the separator after a token that ends in whitespace; without it the prefix
+    glued onto a cut-off word, "got onThe answer is"; a prefix that starts with
+    whitespace brings its own, one that starts with `_GLUING` punctuation, ". The
+    answer is", is meant to continue the text); with a thinking span, close + "\n\n" + prefix, 0, and
+    "\n\n" + prefix (nothing without a prefix)."""
     prefix = settings.answer_prefix
     if self.thinking is None:
-      return self.tokenizer.encode(prefix), []
+      separator = self.tokenizer.encode("\n\n") if prefix[:1].strip(_GLUING) else []
+      return separator + self.tokenizer.encode(prefix), len(separator), []
     after = self.tokenizer.encode("\n\n" + prefix)
-    return self.tokenizer.encode(self.thinking.close) + after, after if prefix.strip() else []
+    return self.tokenizer.encode(self.thinking.close) + after, 0, after if prefix.strip() else []
 
   def prior_entries(self, votes, q: int, group: int, at: Sequence[int] | None = None):
     """Arrays (group, key, key_len, known, weight) of [q] prior-vote entries holding
@@ -1303,8 +1327,8 @@ class Controller:
     thinking_text, answer_text = dec(h.tokens[row, pl:a0]), dec(h.tokens[row, a0:ln])
     if self.thinking is not None:  # the answer is what follows the close marker
       close = answer_text.find(self.thinking.close)
-      answer_text = answer_text[close + len(self.thinking.close):].lstrip("\n") if close >= 0 else (
-          answer_text.lstrip("\n"))
+      answer_text = answer_text[close + len(self.thinking.close):] if close >= 0 else answer_text
+    answer_text = answer_text.lstrip("\n")  # the forced prefix's separator
     reason = S.EXIT_NAMES[int(h.exit_reason[row])]
     if kept and not math.isfinite(float(h.lp_total[row])):
       # Drawn from NaN/inf logits (weights or activations that overflow): no answer.

@@ -379,13 +379,19 @@ class ReasoningLoop:
     force_buf, force_pos, force_len = s.force_buf, s.force_pos + forcing, s.force_len
     is_eos = k.eos_mask[tok] & ~forcing
 
-    def start_forcing(mask, ids, n, tok, buf, pos, ln, first_now):
-      """Opens a force queue of ids[:n]; first_now emits ids[0] in this iteration."""
-      tok = jnp.where(mask & first_now, ids[0], tok)
+    def start_forcing(mask, ids, n, tok, buf, pos, ln, first_now, skip=0):
+      """Opens a force queue of ids[skip:n] (skip: [B] or a scalar); first_now emits
+      ids[skip] in this iteration."""
+      tok = jnp.where(mask & first_now, jnp.take(ids, skip), tok)
       buf = jnp.where(mask[:, None], ids[None, :], buf)
-      pos = jnp.where(mask, jnp.where(first_now, 1, 0), pos)
+      pos = jnp.where(mask, skip + jnp.where(first_now, 1, 0), pos)
       ln = jnp.where(mask, n, ln)
       return tok, buf, pos, ln
+
+    def answer_skip(tokens, length):
+      """The forced answer's separator is skipped after a token ending in whitespace."""
+      last = tokens[rows, jnp.maximum(length - 1, 0)]
+      return jnp.where(k.ends_in_space[last], k.answer_separator_len, 0)
 
     # 3. end of sequence while thinking: "Wait" below the minimum (if the whole "Wait"
     # still fits the thinking budget), else end / answer.
@@ -396,7 +402,8 @@ class ReasoningLoop:
     eos_think = think & is_eos & ~wait_now
     eos_to_answer = eos_think & k.answer_on_eos
     tok, force_buf, force_pos, force_len = start_forcing(
-        eos_to_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, True)
+        eos_to_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, True,
+        answer_skip(s.tokens, s.length))
     finish_eos = (eos_think & ~k.answer_on_eos) | (answer & is_eos)
 
     # 4. append and count.
@@ -524,7 +531,8 @@ class ReasoningLoop:
     over_think = still_thinking & (think_tokens >= k.max_think) & ~exit_early & ~out_of_steps
     force_answer = exit_early | out_of_steps | over_think
     _, force_buf, force_pos, force_len = start_forcing(
-        force_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, False)
+        force_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, False,
+        answer_skip(tokens, length))
     answer_start = jnp.where(force_answer, length, answer_start)
     phase = jnp.where(force_answer, S.ANSWER, phase)
     low_conf = (active & (phase == S.THINK)  # only thinking is cut short

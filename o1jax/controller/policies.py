@@ -42,6 +42,7 @@ class Policy(BasePolicy):
   One work item per example: the policy draws its traces itself, sharing the prompt's cache."""
 
   controller: ClassVar[bool] = True
+  own_sampling: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k")
   temperature: float = 0.0
   top_p: float = 1.0
   top_k: int = 0
@@ -101,6 +102,14 @@ def _check_count(policy, name: str, low: int = 1) -> None:
   check_int(getattr(policy, name), name, low)
 
 
+def _check_sampled(policy) -> None:
+  """n traces at temperature 0 would be n copies of one greedy trace (sample_n refuses
+  the same)."""
+  _check_count(policy, "n")
+  if policy.n > 1 and not policy.temperature > 0:
+    raise ValueError(f"n={policy.n} traces need temperature > 0, got {policy.temperature!r}")
+
+
 def _check_flags(policy, *names: str) -> None:
   for name in names:
     if not isinstance(getattr(policy, name), (bool, np.bool_)):
@@ -152,7 +161,7 @@ class SelfConsistency(Policy):
 
   def check_params(self):
     super().check_params()
-    _check_count(self, "n")
+    _check_sampled(self)
 
   @property
   def traces_per_call(self) -> int:
@@ -177,7 +186,7 @@ class BestOfN(Policy):
 
   def check_params(self):
     super().check_params()
-    _check_count(self, "n")
+    _check_sampled(self)
     if not isinstance(self.score, str):
       raise ValueError(f"score must be a registered scorer's name, got {self.score!r}")
     # (the modules of --config.imports register theirs before policies are built: an
@@ -248,7 +257,7 @@ class DeepConf(Policy):
 
   def check_params(self):
     super().check_params()
-    _check_count(self, "n")
+    _check_sampled(self)
     _check_count(self, "warmup")
     if not 1 <= self.warmup <= self.n:
       raise ValueError(f"need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")

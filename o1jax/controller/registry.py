@@ -34,6 +34,9 @@ class BasePolicy(abc.ABC):
   # The traces of a request stop each other (a consensus stop in the loop): speculation,
   # which advances rows at different rates, may then move where they stop.
   cross_row_stops: ClassVar[bool] = False
+  # The config's sampling fields the policy replaces with its own (the pipeline refuses
+  # a config that sets them: they would be ignored).
+  own_sampling: ClassVar[tuple[str, ...]] = ()
 
   @property
   @abc.abstractmethod

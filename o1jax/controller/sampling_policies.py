@@ -67,6 +67,7 @@ class SampleN(BasePolicy):
   """`n` independent samples at `temperature`; every k <= n is scored (pass@k, vote)."""
   name: ClassVar[str] = "sample_n"
   vote: ClassVar[bool] = True
+  own_sampling: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k")
   n: int = 4
   temperature: float = 0.7
   top_p: float = 0.95

@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p — per row of a batch.
 
 Randomness is derived, never positional: the key of token `step` of sample `j`
-of request `r` is fold_in(fold_in(fold_in(PRNGKey(seed), r), j), step), so a
+of request `r` is fold_in(fold_in(fold_in(seed_key(seed), r), j), step), so a
 sequence samples the same tokens whatever batch or slot it runs in.
 """
 
@@ -13,11 +13,14 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-# Seeds jax.random.PRNGKey takes (64 bits), and request ids fold_in takes (32 bits).
+# Seeds `seed_key` takes (64 bits), and request ids fold_in takes (32 bits).
 SEED_RANGE = (-2**63, 2**63)
 KEY_ID_RANGE = (0, 2**32)
 INT32_MAX = 2**31 - 1
+MIN_TEMPERATURE = 1e-6  # the smallest temperature the draw divides by
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def is_int(value) -> bool:
@@ -76,6 +79,12 @@ class Sampling:
       raise ValueError(f"temperature must be finite, got {self.temperature}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.temperature and not MIN_TEMPERATURE <= self.temperature <= F32_MAX:
+      # The device divides by max(t, MIN_TEMPERATURE) in float32: a smaller t was raised
+      # to it (1e-300 even read as 0 by the host, greedy on the device) and a larger one
+      # is inf there.
+      raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                       f"{F32_MAX:.4g}], got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0.0 <= self.min_p < 1.0:
@@ -97,9 +106,17 @@ class SamplingParams(Sampling):
     check_seed(self.seed)
 
 
+def seed_key(seed: int) -> jax.Array:
+  """PRNGKey(seed) with all 64 bits of `seed` ([high word, low word], what PRNGKey gives
+  with x64 on): without x64 it keeps the low word only, and seeds 2**32 apart drew the
+  same samples. Seeds in [0, 2**32) keep their keys."""
+  seed = int(seed) % 2**64  # two's complement
+  return jnp.asarray([seed >> 32, seed & 0xFFFFFFFF], jnp.uint32)
+
+
 def sequence_key(seed: int, request_id: int, sample_index: int) -> jax.Array:
   """Base key of one sample of one request (uint32 key data [2])."""
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), request_id)
+  key = jax.random.fold_in(seed_key(seed), request_id)
   return jax.random.fold_in(key, sample_index)
 
 
@@ -135,39 +152,63 @@ def _filters(scaled, top_k, top_p, min_p):
 def _threshold_from_candidates(vals, lse, top_k, top_p, k_on, p_on, vocab: int):
   """(threshold [B], known [B]) from each row's C largest scaled values `vals` (descending).
 
-  top-k: the k-th largest value (ties at it are kept); top-p: the value of the
-  last token of the smallest prefix whose mass reaches p. Known when it lies
-  among the candidates; filters that are off give -inf."""
+  In the order of transformers' and vLLM's samplers: top-k keeps the values >= the
+  k-th largest (ties at it are kept); top-p then keeps the smallest prefix of those
+  whose mass *among them* (renormalized) reaches p; min-p (the caller's) is relative
+  to the largest probability, which renormalizing does not change. Known when the
+  cuts lie among the candidates (top-k's ties too); filters that are off give -inf."""
   c = vals.shape[-1]
   kth = jnp.take_along_axis(vals, (jnp.clip(top_k, 1, c) - 1)[:, None], axis=-1)[:, 0]
-  k_known = ~k_on | (top_k <= c)
+  # With top-p on, top-k's mass must be whole: ties at the k-th value may continue past
+  # the candidates.
+  k_known = ~k_on | (c >= vocab) | ((top_k <= c) & (~p_on | (vals[:, -1] < kth)))
   probs = jnp.exp(vals - lse[:, None])
+  k_mass = jnp.sum(jnp.where(vals >= kth[:, None], probs, 0.0), axis=-1)
+  target = top_p * jnp.where(k_on & p_on, k_mass, 1.0)  # top-p's mass, in the row's units
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  n_keep = jnp.sum(mass_before < top_p[:, None], axis=-1)
+  n_keep = jnp.sum(mass_before < target[:, None], axis=-1)
   pth = jnp.take_along_axis(vals, (jnp.clip(n_keep, 1, c) - 1)[:, None], axis=-1)[:, 0]
   p_known = ~p_on | (n_keep < c) | (c >= vocab)  # the prefix ends inside the candidates
   cut = jnp.maximum(jnp.where(k_on, kth, -jnp.inf), jnp.where(p_on, pth, -jnp.inf))
   return cut, k_known & p_known
 
 
-def _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on):
-  """The same threshold over the whole row, without sorting: the largest value t
-  with (count(x >= t) >= k) or (mass(x >= t) >= p) is max(k-th value, top-p value).
-  Bisection over the order keys of f32 (exact in 32 steps). [B]"""
-  probs = jnp.exp(scaled - lse[:, None])
-  lo = _order_key(jnp.min(scaled, axis=-1))  # every filter holds at the minimum
+def _bisect(scaled, holds) -> jax.Array:
+  """[B] the largest value t of each row with holds(scaled >= t) ([B, V] -> [B] bool;
+  true at the row's minimum, monotone): a bisection over the order keys of f32,
+  exact in 32 steps."""
+  lo = _order_key(jnp.min(scaled, axis=-1))
   hi = _order_key(jnp.max(scaled, axis=-1)) + 1
 
   def halve(_, bounds):
     lo, hi = bounds
     mid = lo + (hi - lo) // 2
-    kept = scaled >= _from_order_key(mid)[:, None]
-    holds = ((k_on & (jnp.sum(kept, axis=-1) >= top_k))
-             | (p_on & (jnp.sum(jnp.where(kept, probs, 0.0), axis=-1) >= top_p)))
-    return jnp.where(holds, mid, lo), jnp.where(holds, hi, mid)
+    ok = holds(scaled >= _from_order_key(mid)[:, None])
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
   lo, _ = jax.lax.fori_loop(0, _SEARCH_STEPS, halve, (lo, hi))
-  return jnp.where(k_on | p_on, _from_order_key(lo), -jnp.inf)
+  return _from_order_key(lo)
+
+
+def _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on):
+  """The same threshold over the whole row, without sorting: the largest value t
+  with (count(x >= t) >= k) or (mass(x >= t) >= p x the top-k set's mass) is
+  max(k-th value, top-p value). With both filters on, a first bisection finds the
+  k-th value (whose set's mass top-p reads). [B]"""
+  probs = jnp.exp(scaled - lse[:, None])
+  count_holds = lambda kept: jnp.sum(kept, axis=-1) >= top_k
+
+  def k_mass(_):
+    kept = scaled >= _bisect(scaled, count_holds)[:, None]
+    return jnp.where(k_on & p_on, jnp.sum(jnp.where(kept, probs, 0.0), axis=-1), 1.0)
+
+  # (a cond: the first bisection only where a row needs it; the rows here are rare)
+  target = top_p * jax.lax.cond(jnp.any(k_on & p_on), k_mass,
+                                lambda _: jnp.ones_like(top_p), None)
+  cut = _bisect(scaled, lambda kept: ((k_on & count_holds(kept))
+                                      | (p_on & (jnp.sum(jnp.where(kept, probs, 0.0), axis=-1)
+                                                 >= target))))
+  return jnp.where(k_on | p_on, cut, -jnp.inf)
 
 
 def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
@@ -253,7 +294,7 @@ def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
 def filter_threshold(logits, temperature, top_k, top_p, min_p) -> jax.Array:
   """[B] the smallest scaled logit (logits / temperature) a row keeps after top-k,
   top-p and min-p: `sample` draws from softmax(scaled) restricted to scaled >= it."""
-  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
   k_on, p_on, lse, m_cut = _filters(scaled, top_k, top_p, min_p)
   return jnp.maximum(_threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on), m_cut)
 
@@ -318,7 +359,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     # (exp(inf - inf) would make every weight NaN). Greedy rows' argmax already takes them.
     posinf = x == jnp.inf
     x = jnp.where(jnp.any(posinf, axis=-1, keepdims=True), jnp.where(posinf, 0.0, -jnp.inf), x)
-    scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = x / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
     v = scaled.shape[-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
 

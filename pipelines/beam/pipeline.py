@@ -40,6 +40,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import RunInference
 
+from configs import common
 from pipelines.beam.handler import PredictorModelHandler
 from pipelines.beam.options import batches_sharing_a_model
 from pipelines.beam.store import ResultStore, utf8, write_whole
@@ -186,6 +187,12 @@ def build_plan(config, output_dir: str) -> EvalPlan:
                             top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
   except ValueError as e:
     raise ValueError(f"sampling: {e}") from e
+  neutral = common.sampling_section(1)
+  for field in policy.own_sampling:  # set where the policy's own value replaces it
+    if s[field] != neutral[field]:
+      raise ValueError(
+          f"sampling.{field}={s[field]!r} is not used: policy {policy.name} samples with its "
+          f"own {field} ({getattr(policy, field)!r}); set policy.{field} instead")
   try:  # a policy's own sampling settings, checked now rather than per example
     policy.sampling(sampling, 0)
   except ValueError as e:

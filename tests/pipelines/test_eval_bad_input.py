@@ -4,11 +4,13 @@ an error naming the file or directory, or goes on with a dead letter / a warning
 import io
 import json
 import pathlib
+import re
 
 import pytest
 
 from configs import custom as custom_config
 from o1jax.checkpoint import CheckpointError
+from o1jax.controller import build_policy
 from pipelines.beam.store import OutputError
 from pipelines.beam.testing import FakeClock
 from pipelines.datasets import DatasetError
@@ -321,6 +323,36 @@ def test_policy_sampling_values_name_the_policy(tmp_path):
   cfg.policy.top_p = 2.0
   with pytest.raises(ValueError, match=r"^policy sample_n: top_p must be in \(0, 1\], got 2\.0$"):
     _run(cfg, tmp_path / "out")
+
+
+@pytest.mark.parametrize("policy, field, value", [
+    ("sample_n", "temperature", 0.2), ("sample_n", "top_p", 0.5),
+    ("self_consistency", "top_k", 3), ("deepconf", "temperature", 0.9)])
+def test_sampling_values_a_policy_replaces_are_refused(tmp_path, policy, field, value):
+  # Before: run without a word with the policy's own values (a controller policy's record
+  # even showed the section's, and they entered the content hash).
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = custom_config.get_config(f"smoke=True,policy={policy}")
+  cfg.model.predictor = "fake" if policy == "sample_n" else "engine"
+  cfg.dataset.path = str(data)
+  cfg.sampling[field] = value
+  own = getattr(build_policy(cfg.policy.to_dict()), field)
+  with pytest.raises(ValueError, match=re.escape(
+      f"sampling.{field}={value!r} is not used: policy {policy} samples with its own {field} "
+      f"({own!r}); set policy.{field} instead")):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
+def test_greedy_reads_the_sampling_section(tmp_path):
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = custom_config.get_config("smoke=True,policy=greedy")
+  cfg.model.predictor = "fake"
+  cfg.dataset.path = str(data)
+  cfg.sampling.temperature = 0.5
+  _run(cfg, tmp_path / "out")
+  with open(tmp_path / "out" / "results.jsonl") as f:
+    assert all(json.loads(line)["trace"]["sampling"]["temperature"] == 0.5 for line in f)
 
 
 # -- 8. a request the model refuses --------------------------------------------------------

@@ -24,8 +24,9 @@ from o1jax.controller.testing import MockDecodeModel, MockTokenizer
 from tests.o1jax.controller.conftest import VOCAB, MockWorld
 
 C = math.log(math.exp(5) + 19) - 1
-LOOP = [("Q", " A", 5), (" A", " B", 5), (" B", " A", 5), ("The answer is", " 7", 5),
-        (" 7", "</s>", 5)]
+# "\n\n" leads the forced answer prefix after a token that does not end in whitespace.
+LOOP = [("Q", " A", 5), (" A", " B", 5), (" B", " A", 5), ("\n\n", "The answer is", 5),
+        ("The answer is", " 7", 5), (" 7", "</s>", 5)]
 # Seed 5: its 16 samples at temperature 1 reach all three answers (7, 3 and none),
 # which the consensus cases below need (they assert it).
 REQ = [ReasoningRequest(prompt="Q", request_id=0, seed=5)]
@@ -104,7 +105,7 @@ def _gen(model, n, prior, floor=None, **settings):
                       vote_floor=floor).traces[0]
 
 
-FULL = 14  # 12 thinking tokens, the forced prefix, " 7" (then end of sequence)
+FULL = 15  # 12 thinking tokens, the forced "\n\n" + prefix, " 7" (then end of sequence)
 
 
 @pytest.mark.parametrize("weight, stopped_at", [(2 * C + 0.01, 4), (2 * C - 0.01, None)])

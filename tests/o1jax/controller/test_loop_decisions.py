@@ -109,9 +109,12 @@ def test_early_exit_at_tau():
 def test_think_and_answer_budgets_to_the_token():
   edges = CHAIN[:-1] + [(" 7", " 3", 5), (" 3", " 7", 5)]
   t, = one(MockWorld(edges), LoopSettings(max_thinking_tokens=10, max_answer_tokens=3))
-  # The answer budget counts the 3 tokens after the 1-token prefix.
-  assert (t.tokens.thinking, t.tokens.answer, t.tokens.prefix) == (10, 4, 1)
+  # The answer budget counts the 3 tokens after the 2-token prefix: thinking was cut
+  # after " C", so the forced prefix starts with its separator "\n\n" (after a
+  # delimiter it does not: test_steps_scores_and_step_budget).
+  assert (t.tokens.thinking, t.tokens.answer, t.tokens.prefix) == (10, 5, 2)
   assert t.thinking_text == " A B\n\n C D\n\n C D\n\n C"
+  assert t.text == t.thinking_text + "\n\nThe answer is 7 3 7"
   assert t.answer_text == "The answer is 7 3 7"
   assert t.steps[-1].action == "think_budget" and t.exit_reason == "answer_budget"
 
@@ -128,6 +131,7 @@ def test_budget_forcing_waits_exactly_while_below_minimum(minimum, waits, thinki
   assert t.tokens.waits == waits
   assert t.tokens.thinking == thinking
   assert t.thinking_text == " A B C" + " Wait A B C" * waits
+  assert t.text == t.thinking_text + "\n\nThe answer is 7"  # the forced prefix's separator
   assert t.answer_text == "The answer is 7"
   assert [s.action for s in t.steps].count("wait") == waits
 

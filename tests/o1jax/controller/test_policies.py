@@ -262,6 +262,13 @@ NAN = float("nan")
     ({"name": "self_consistency", "n": 2.5}, r"^self_consistency: n must be an int >= 1"),
     ({"name": "self_consistency", "n": True}, r"^self_consistency: n must be an int >= 1"),
     ({"name": "best_of_n", "n": 0}, r"^best_of_n: n must be an int >= 1, got 0$"),
+    # n identical greedy traces (sample_n refused the same; these ran them).
+    ({"name": "self_consistency", "temperature": 0.0},
+     r"^self_consistency: n=8 traces need temperature > 0, got 0\.0$"),
+    ({"name": "best_of_n", "n": 2, "temperature": 0},
+     r"^best_of_n: n=2 traces need temperature > 0, got 0$"),
+    ({"name": "deepconf", "temperature": 0.0},
+     r"^deepconf: n=8 traces need temperature > 0, got 0\.0$"),
     ({"name": "best_of_n", "score": None}, r"^best_of_n: score must be a registered scorer"),
     ({"name": "best_of_n", "score": "bogus"},  # was: found per example, after the model ran
      r"^best_of_n: unknown scorer 'bogus'; registered: \['lowest_group_confidence', "),

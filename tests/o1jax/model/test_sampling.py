@@ -91,14 +91,17 @@ def test_token_logprobs_without_alternatives_match_log_softmax():
 # -- vocabularies larger than the candidates: every path of `sample` ------------------
 
 def _kept_reference(scaled, top_k, top_p, min_p):
-  """numpy: the kept mask of one row by a full sort (the textbook definitions)."""
+  """numpy: the kept mask of one row by a full sort, in transformers' order: top-k, then
+  top-p on the top-k set's renormalized probabilities, then min-p."""
   order = np.argsort(-scaled, kind="stable")
   s = scaled[order]
   keep = np.ones_like(scaled, bool)
   if 0 < top_k < len(s):
     keep &= scaled >= s[top_k - 1]
-  if top_p < 1.0:
+  if top_p < 1.0:  # on the top-k set, renormalized (transformers' and vLLM's order)
     p = np.exp(s - s.max())
+    if 0 < top_k < len(s):
+      p = np.where(s >= s[top_k - 1], p, 0.0)
     p /= p.sum()
     before = np.cumsum(p) - p
     n_keep = max(int((before < top_p).sum()), 1)
@@ -112,8 +115,10 @@ def _kept_reference(scaled, top_k, top_p, min_p):
 # (top_k, top_p, min_p, temperature): inside the 256 candidates (top-k 40, peaked
 # top-p), more kept than the candidates (pure temperature, min-p), and thresholds
 # that lie past the candidates (top-k 400, top-p of a flat row): bisection.
+# Top-k with top-p: inside the candidates (k 40 and k 50 with min-p) and past them (k 300).
 CASES = [(40, 1.0, 0.0, 0.7), (0, 0.9, 0.0, 0.7), (0, 1.0, 0.0, 1.3), (0, 1.0, 0.001, 1.0),
-         (400, 1.0, 0.0, 1.0), (0, 0.95, 0.0, 3.0), (300, 0.99, 0.0, 2.0)]
+         (400, 1.0, 0.0, 1.0), (0, 0.95, 0.0, 3.0), (300, 0.99, 0.0, 2.0), (40, 0.8, 0.0, 1.0),
+         (50, 0.9, 0.005, 1.3)]
 
 
 def _rows(n, vocab=1000, seed=3):
@@ -180,6 +185,11 @@ def test_a_rows_token_does_not_depend_on_the_other_rows():
     (dict(temperature=float("nan")), r"^temperature must be finite, got nan$"),
     (dict(temperature=float("inf")), r"^temperature must be finite, got inf$"),
     (dict(temperature=True), r"^temperature must be a number, got True$"),
+    # Below the draw's floor (1e-300 was greedy on the device, sampled for the host) and
+    # past float32's range (inf on the device).
+    (dict(temperature=1e-300), r"^temperature must be 0 \(greedy\) or in \[1e-06, 3\.403e\+38\], got 1e-300$"),
+    (dict(temperature=5e-7), r"^temperature must be 0 \(greedy\) or in \[1e-06, "),
+    (dict(temperature=1e39), r"^temperature must be 0 \(greedy\) or in .*, got 1e\+39$"),
     (dict(top_p=None), r"^top_p must be a number, got None$"),
     (dict(min_p="0.1"), r"^min_p must be a number, got '0.1'$"),
     (dict(top_k=5.0), r"^top_k must be an int in \[0, 2147483647\], got 5.0$"),
@@ -198,6 +208,21 @@ def test_every_seed_the_check_lets_through_makes_a_key():
     SamplingParams(seed=seed)
     assert sequence_key(seed, 0, 0).shape == (2,)
   assert SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1).top_k == 3
+
+
+def test_seeds_use_all_64_bits():
+  """Seeds 2**32 apart (1 and 2**32 + 1, -1 and 2**32 - 1) drew the same samples: the
+  key held the seed's low word only. Keys are PRNGKey's with x64 on ([high, low]); seeds
+  in [0, 2**32) keep the keys they had."""
+  from o1jax.model.sampling import seed_key
+  pairs = [(1, 2**32 + 1), (-1, 2**32 - 1), (0, -2**63), (-2**31, 2**31)]
+  for a, b in pairs:
+    assert not np.array_equal(np.asarray(sequence_key(a, 0, 0)), np.asarray(sequence_key(b, 0, 0)))
+  for seed in (0, 1, 2**31, 2**32 - 1):
+    assert np.array_equal(np.asarray(seed_key(seed)), np.asarray(jax.random.PRNGKey(seed)))
+  with jax.enable_x64(True):
+    for seed in (-2**63, -1, 2**32 + 1, 2**63 - 1):
+      assert np.array_equal(np.asarray(seed_key(seed)), np.asarray(jax.random.PRNGKey(seed)))
 
 
 def test_inverse_cdf_picks_the_index_whose_cumulative_weight_passes_the_target():
@@ -246,7 +271,7 @@ def test_inverse_cdf_frequencies_over_a_whole_vocabulary():
     assert abs(freq[chunk].sum() - probs[chunk].sum()) < 0.015
 
 
-@pytest.mark.parametrize("need", [[0] * 7, [1] * 7, [0, 1, 0, 0, 1, 1, 0], [0] * 6 + [1]])
+@pytest.mark.parametrize("need", [[0] * 9, [1] * 9, [0, 1, 0, 0, 1, 1, 0, 1, 0], [0] * 8 + [1]])
 def test_the_whole_row_search_runs_for_the_rows_in_need_only(need):
   """Rows in need get the batch search's thresholds bit for bit (one row per pass);
   the others keep the fallback."""
@@ -275,7 +300,7 @@ def test_the_batch_search_gives_the_row_search_thresholds():
   scaled = logits / t[:, None]
   k_on, p_on, lse, _ = _filters(scaled, k, p, m)
   fallback = jnp.full((len(CASES),), -5.0)
-  for need in ([0, 1, 0, 0, 1, 1, 0], [0] * 7, [1] * 7):
+  for need in ([0, 1, 0, 0, 1, 1, 0, 0, 1], [0] * 9, [1] * 9):
     need = jnp.asarray(need, bool)
     a = jax.jit(_search_rows)(need, fallback, scaled, lse, k, p, k_on, p_on)
     b = jax.jit(_search_batch)(need, fallback, scaled, lse, k, p, k_on, p_on)
