@@ -229,6 +229,8 @@ class DeepConf(Policy):
      least `consensus_min_votes` traces, or (stop_when_decided) once the running
      traces could no longer change the winner even if each voted with its current
      lowest group confidence. `consensus` > 1 and stop_when_decided=False turn it off.
+     A request whose warm-up votes already decide it starts no other trace
+     (`Trace.unstarted`).
 
   Consensus needs the loop to read answers the way the host does: it is used
   with the default numeric extraction only (not with a custom extract_answer).
@@ -295,23 +297,38 @@ class DeepConf(Policy):
     thresholds = [self._percentile([t.lowest_group_confidence for t in traces])
                   for traces in warm.traces]
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
-    rest = None
-    if self.n > self.warmup:
-      online = self._online_settings(st, consensus)
-      extra = {}
-      if consensus:
-        extra = dict(vote_floor=floors, prior_votes=[
-            [(t.answer_key, t.lowest_group_confidence) for t in traces
-             if t.lowest_group_confidence >= f] for traces, f in zip(warm.traces, floors)])
-      rest = ctl.generate(requests, online, self.n - self.warmup, sample_offset=self.warmup,
-                          conf_stop=thresholds, **extra)
+    priors = [[(t.answer_key, t.lowest_group_confidence) for t in traces
+               if t.lowest_group_confidence >= f] for traces, f in zip(warm.traces, floors)]
+    # A request its warm-up votes already decide starts no other trace (the loop would
+    # stop them at their first token, after prefilling their prompt again).
+    todo = [i for i in range(len(requests))
+            if self.n > self.warmup and not (consensus and self._decided(priors[i]))]
+    rest = {}
+    if todo:
+      pick = lambda xs: [xs[i] for i in todo]
+      extra = dict(vote_floor=pick(floors), prior_votes=pick(priors)) if consensus else {}
+      batch = ctl.generate(pick(requests), self._online_settings(st, consensus),
+                           self.n - self.warmup, sample_offset=self.warmup,
+                           conf_stop=pick(thresholds), **extra)
+      rest = {i: (batch.traces[j], batch.wall_time_s[j], batch.invocations[j])
+              for j, i in enumerate(todo)}
     out = []
     for i, req in enumerate(requests):
-      traces = warm.traces[i] + (rest.traces[i] if rest else [])
-      wall = warm.wall_time_s[i] + (rest.wall_time_s[i] if rest else 0.0)
-      calls = warm.invocations[i] + (rest.invocations[i] if rest else 0)
-      out.append(self._result(ctl, req, traces, thresholds[i], floors[i], wall, calls))
+      traces, wall, calls = rest.get(
+          i, ([Trace.unstarted(j) for j in range(self.warmup, self.n)], 0.0, 0))
+      out.append(self._result(ctl, req, warm.traces[i] + traces, thresholds[i], floors[i],
+                              warm.wall_time_s[i] + wall, warm.invocations[i] + calls))
     return out
+
+  def _decided(self, votes) -> bool:
+    """Whether the loop's consensus stop holds on `votes` ((answer key or None, weight))
+    before any other trace runs, for the case the warm-up makes common: at least
+    consensus_min_votes votes, all for one known answer, and a share rule that is on.
+    (Otherwise the loop decides: a split vote's share, and stop_when_decided, which
+    needs a full window of every running trace.)"""
+    cast = [key for key, weight in votes if weight > 0]
+    return (self.consensus <= 1.0 and len(cast) >= self.consensus_min_votes
+            and cast[0] is not None and len(set(cast)) == 1)
 
   def _online_settings(self, st, consensus: bool):
     if not consensus:

@@ -106,6 +106,16 @@ class Trace:
   def n_steps(self) -> int:
     return sum(1 for s in self.steps if s.action not in ("backtrack", "wait"))
 
+  @classmethod
+  def unstarted(cls, sample_index: int) -> "Trace":
+    """A trace its request's vote had decided before it started (DeepConf: the warm-up
+    traces' votes): no token, exit `consensus`, as the loop stops a running one."""
+    return cls(sample_index=sample_index, token_ids=[], text="", thinking_text="",
+               answer_text="", answer=None, steps=[], tokens=TokenCounts(), backtracks=0,
+               early_exit=False, exit_reason="consensus", mean_logprob=0.0,
+               mean_confidence=0.0, lowest_group_confidence=math.inf,
+               tail_confidence=math.inf, stopped_consensus=True)
+
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["tokens"] = self.tokens.to_dict()

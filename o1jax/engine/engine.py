@@ -1109,15 +1109,20 @@ class Engine:
     fits = [b for b in self.config.decode_buckets if b >= n]
     return min(min(fits) if fits else pow2_bucket(n), max(n, self.config.max_slots))
 
-  def _table_width(self, seqs: Sequence[_Seq], decode: bool = False) -> int:
+  def _table_width(self, seqs: Sequence[_Seq], decode: bool = False,
+                   chunk: int = 0) -> int:
+    """Block-table width of a call over `seqs`; a prefill call of `chunk` tokens (its
+    padded length T) also needs width * block_size >= T, which the rows' own blocks
+    do not give when T is padded past them (a non-power-of-two block size: 13 blocks
+    of 5 for a 65-token chunk bucketed to 96; a min_chunk_bucket above the rows'
+    blocks): every prefill of those failed."""
     need = max(len(s.blocks) for s in seqs)
     # Decode cost grows with the width on the XLA attention path (every row
     # gathers all of it): a CPU step at 12 vs 16 blocks took 41 vs 44 / 86 vs
     # 92 / 190 vs 211 ms at batch 1 / 8 / 32, so decode also uses 3/4 buckets.
-    # Prefill keeps powers of two: a chunk of T tokens needs width * block_size
-    # >= T, which a power-of-two width over the rows' blocks guarantees.
     bucket = three_quarter_bucket if decode else pow2_bucket
-    return min(bucket(need, self.config.min_table_blocks), self._table_cap)
+    width = min(bucket(need, self.config.min_table_blocks), self._table_cap)
+    return max(width, pow2_bucket(-(-chunk // self.config.block_size)))
 
   def _table(self, seqs: Sequence[_Seq], rows: int, decode: bool = False,
              width: int | None = None) -> np.ndarray:
@@ -1195,8 +1200,10 @@ class Engine:
     self._run_copies(copies)
     # Two row counts only: one sequence, or the full prefill batch.
     seqs = [s for s, _ in batch]
-    wanted = (1 if len(batch) == 1 else self.config.max_prefill_seqs,
-              self._chunk_bucket(max(n for _, n in batch)), self._table_width(seqs))
+    # (Every recorded shape holds its chunk in its width, so a rented bigger one does too.)
+    t = self._chunk_bucket(max(n for _, n in batch))
+    wanted = (1 if len(batch) == 1 else self.config.max_prefill_seqs, t,
+              self._table_width(seqs, chunk=t))
     shape = self._prefill_shapes.choose(wanted) if self._prefill_shapes else wanted
     rows, t, width = shape
     tokens = np.zeros((rows, t), np.int32)
@@ -1484,7 +1491,10 @@ class Engine:
       return 0, 0.0
     start, total = self.clock(), 0
     rows = self._decode_rows(len(behind))
-    tables = jnp.asarray(self._table(behind, rows))
+    chunk = self._chunk_bucket(min(max(self._draft_behind(s) for s in behind),
+                                   self.config.prefill_chunk))
+    tables = jnp.asarray(self._table(behind, rows,
+                                     width=self._table_width(behind, chunk=chunk)))
     while any(self._draft_behind(s) > 0 for s in behind):
       lens = np.zeros(rows, np.int32)
       lens[:len(behind)] = [min(self._draft_behind(s), self.config.prefill_chunk) for s in behind]

@@ -1,6 +1,7 @@
 """Policies on the mock: registry (reasoning and plain sampling), votes, best-of-N, DeepConf
 stopping, budgets, configs."""
 
+import dataclasses
 import math
 
 import ml_collections
@@ -208,6 +209,38 @@ def test_deepconf_consensus_stop_saves_tokens_and_keeps_the_decided_answer():
   assert sum(r.info["consensus_stopped"] for r in sure) > 0
   assert sum(r.tokens.generated for r in sure) < sum(r.tokens.generated for r in off)
   assert sum(r.tokens.generated for r in share) < sum(r.tokens.generated for r in off)
+
+
+def test_deepconf_starts_no_trace_its_warm_up_votes_decided():
+  """Warm-up votes all for one answer decide the share rule before any other trace runs:
+  those traces never start (the loop stopped each at its first token, after prefilling
+  the prompt again); a split warm-up runs them."""
+  ctl = MockWorld(VOTING, triggers=[(" B", {" 3": 30.0})]).controller()
+  reqs = [ReasoningRequest("Q", request_id=r) for r in range(8)]
+  policy = get_policy("deepconf", n=6, warmup=2, keep_percent=90.0, window=2, temperature=1.0,
+                      top_p=1.0, max_thinking_tokens=24, consensus=0.8, stop_when_decided=False)
+  results = ctl.run(reqs, policy)
+  st = dataclasses.replace(policy.loop_settings(), answer_vote=True)
+  warm = ctl.generate(reqs, st, 2).traces
+  kinds = set()
+  for req, r, w in zip(reqs, results, warm):
+    assert [t.token_ids for t in r.traces[:2]] == [t.token_ids for t in w]
+    unanimous = len({t.answer_key for t in w}) == 1 and w[0].answer_key is not None
+    kinds.add(unanimous)
+    if unanimous:
+      assert all(t.tokens.generated == 0 and t.stopped_consensus and t.exit_reason == "consensus"
+                 for t in r.traces[2:])
+      assert r.info["consensus_stopped"] == 4 and r.loop_invocations == 1
+      assert r.answer == w[0].answer
+      # What the loop did with them: every one stopped at its first token.
+      rest, = ctl.generate([req], policy._online_settings(st, True), 4, sample_offset=2,
+                           conf_stop=[r.info["threshold"]], vote_floor=[-math.inf],
+                           prior_votes=[[(t.answer_key, t.lowest_group_confidence)
+                                         for t in w]]).traces
+      assert all(t.stopped_consensus and t.tokens.generated == 1 for t in rest)
+    else:
+      assert r.loop_invocations == 2 and all(t.tokens.generated > 0 for t in r.traces)
+  assert kinds == {True, False}
 
 
 def test_think_verify_backtrack_policy_and_budget_forcing_policy():

@@ -665,3 +665,22 @@ def test_non_finite_logits_end_the_sample_marked_error(tiny, caplog):
   assert (out.finish_reason, out.token_ids, out.text) == ("error", [], "")
   assert any("logits were not finite" in r.getMessage() for r in caplog.records)
   assert not engine.has_work() and engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("config", [
+    # 13 blocks of 5 for a 65-token chunk padded to 96 (a width of 16 holds 80).
+    dict(block_size=5, prefill_chunk=128),
+    # A chunk bucket above the rows' blocks (8 blocks of 4 hold 32 of 64 tokens).
+    dict(block_size=4, prefill_chunk=64, min_chunk_bucket=64),
+])
+def test_a_prefill_chunk_padded_past_its_rows_blocks_fits_its_table(tiny, engine32, make_prompts,
+                                                                    config):
+  """Both configs are accepted; every prefill whose padded chunk outgrew the rows' blocks
+  failed ("96 tokens do not fit 16 blocks of 5")."""
+  lengths = (6, 39, 40, 66, 70, 97, 120)
+  prompts = [make_prompts(1, seed=60 + n, low=n, high=n + 1)[0] for n in lengths]
+  params = GenerationParams(max_new_tokens=4, ignore_eos=True)
+  engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=2, num_blocks=128, **config))
+  want = [r.token_ids for r in engine32.generate([Request(p, params) for p in prompts])]
+  assert [engine.generate([Request(p, params)])[0].token_ids for p in prompts] == want
+  assert engine.allocator.num_used == 0
