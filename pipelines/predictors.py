@@ -618,11 +618,15 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     # block stores depends on how its writes were grouped, so on the block size, the
     # prefill chunk and speculation's verify writes (and on preemption, which no hash
     # can hold: the README's "FP8 KV and write grouping").
-    eng = dict(spec.engine)
-    fp["kv_writes"] = {"block_size": int(eng.get("block_size", 16)),
-                       "prefill_chunk": int(eng.get("prefill_chunk", 128))}
+    # (The controller's block size is its cache's, hashed below; it has no prefill chunk.)
+    eng, writes = dict(spec.engine), {}
+    if spec.name == "engine":
+      writes = {"block_size": int(eng.get("block_size", 16)),
+                "prefill_chunk": int(eng.get("prefill_chunk", 128))}
     if spec.speculative_config() is not None:
-      fp["kv_writes"]["speculative"] = dict(spec.speculative)
+      writes["speculative"] = dict(spec.speculative)
+    if writes:
+      fp["kv_writes"] = writes
   tp = int(dict(spec.engine).get("tensor_parallel", 1) or 1)
   if tp > 1 and spec.name in ("engine", "controller"):  # all-reduced sums: logits move ~1e-6 (near-ties fork)
     fp["tensor_parallel"] = tp

@@ -33,8 +33,9 @@ def sort_sample(logits, keys, temperature, top_k, top_p, min_p):
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
   sorted_desc = -jnp.sort(-scaled, axis=-1)
   k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-  keep = scaled >= jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+  keep = scaled >= kth
+  probs = jax.nn.softmax(jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf), axis=-1)  # top-p in top-k
   before = jnp.cumsum(probs, axis=-1) - probs
   n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
   keep &= scaled >= jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
   keys = jax.random.split(jax.random.PRNGKey(0), a.rows)
   settings = [("temperature 0.7, top-p 0.95", 0.7, 0, 0.95, 0.0),
               ("temperature 0.7, top-k 40", 0.7, 40, 1.0, 0.0),
+              ("temperature 0.7, top-k 40, top-p 0.9", 0.7, 40, 0.9, 0.0),
               ("temperature 1.0 (no filter)", 1.0, 0, 1.0, 0.0),
               ("temperature 1.0, top-p 0.999", 1.0, 0, 0.999, 0.0),
               ("temperature 0.7, min-p 0.05", 0.7, 0, 1.0, 0.05),

@@ -240,11 +240,6 @@ def _admit_rows(model, params, state, leaders, tokens, last, sharers, donors, su
   return state.replace(**updates, knobs=k, cache=cache)
 
 
-# An answer prefix starting with whitespace or with one of these continues the text
-# as written (no "\n\n" is forced before it).
-_GLUING = " \t\r\n.,;:!?"
-
-
 class Controller:
   """Runs reasoning policies on a DecodeModel.
 
@@ -639,13 +634,13 @@ class Controller:
     return self._masks[delim]
 
   def _ends_in_space(self) -> np.ndarray:
-    """[V] tokens whose text ends in whitespace or is empty (special tokens): a forced
-    answer prefix after them needs no separator."""
+    """[V] tokens whose text ends in whitespace: a forced answer prefix after them needs
+    no separator (after a special token, whose text is empty, it gets one)."""
     if self._spaced is None:
       v = self.model.vocab_size
       texts = self._token_texts(skip_special=True)[:v]
-      self._spaced = np.ones(v, bool)
-      self._spaced[:len(texts)] = [not t or t[-1].isspace() for t in texts]
+      self._spaced = np.zeros(v, bool)
+      self._spaced[:len(texts)] = [t[-1:].isspace() for t in texts]
     return self._spaced
 
   def key_tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -717,24 +712,32 @@ class Controller:
         wait_len=jnp.int32(len(wait)),
         probe_ids=jnp.asarray(self._pad(probe, self.probe_capacity, "verifier probe")),
         probe_len=jnp.int32(len(probe)), yes_id=jnp.int32(yes[-1]), no_id=jnp.int32(no[-1]),
-        # Probes sit at step boundaries (after a delimiter): the prefix without separator.
-        answer_probe_ids=jnp.asarray(self._pad(answer[separator_len:], self.probe_capacity,
-                                               "answer_prefix")),
-        answer_probe_len=jnp.int32(len(answer) - separator_len),
+        # The probe reads what forcing would write (the separator skipped as there).
+        answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
+        answer_probe_len=jnp.int32(len(answer)),
         **self._vote_knobs(st, b, group, vote_floor, prior_votes, priors_per_group))
 
   def _end_of_thinking(self, settings: LoopSettings) -> tuple[list[int], int, list[int]]:
     """(forced end of thinking, its leading separator tokens, forced after a close the
-    model wrote): "\n\n" + the answer prefix, 1-2 separator tokens, and nothing (the loop
-    skips the separator after a token that ends in whitespace; without it the prefix
-    glued onto a cut-off word, "got onThe answer is"; a prefix that starts with
-    whitespace brings its own, one that starts with `_GLUING` punctuation, ". The
-    answer is", is meant to continue the text); with a thinking span, close + "\n\n" + prefix, 0, and
-    "\n\n" + prefix (nothing without a prefix)."""
+    model wrote).
+
+    Without a thinking span: "\n\n" + the answer prefix as the tokenizer reads it in
+    running text, the separator's token count, and nothing. The loop skips the
+    separator after a token that ends in whitespace; without it the prefix glued onto
+    a cut-off word ("got onThe answer is"). Only a prefix that starts with a letter or
+    a digit gets one: others continue the text as written (" The answer is",
+    ". The answer is", "</think>...").
+    With a thinking span: close + "\n\n" + prefix, 0, and "\n\n" + prefix (nothing
+    without a prefix)."""
     prefix = settings.answer_prefix
     if self.thinking is None:
-      separator = self.tokenizer.encode("\n\n") if prefix[:1].strip(_GLUING) else []
-      return separator + self.tokenizer.encode(prefix), len(separator), []
+      plain = self.tokenizer.encode(prefix)
+      if not prefix[:1].isalnum():
+        return plain, 0, []
+      full = self.tokenizer.encode("\n\n" + prefix)  # "\n\n" reads as 2 tokens on SmolLM2
+      if full[len(full) - len(plain):] != plain:  # merged across the seam: keep them apart
+        full = self.tokenizer.encode("\n\n") + plain
+      return full, len(full) - len(plain), []
     after = self.tokenizer.encode("\n\n" + prefix)
     return self.tokenizer.encode(self.thinking.close) + after, 0, after if prefix.strip() else []
 

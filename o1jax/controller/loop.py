@@ -144,15 +144,18 @@ class ReasoningLoop:
             & (s.iteration < s.stop_at)  # this invocation's share of iterations is left
             & ~freed)  # no request finished while another one waits for its slot
 
-  def _probe(self, params, cache, tokens, length, ids, n):
-    """Runs [last token, probe ids] past the sequence end; returns (probs [B, V], cache).
+  def _probe(self, params, cache, tokens, length, ids, n, skip=None):
+    """Runs [last token, probe ids[skip:n]] past the sequence end (skip: [B], default 0);
+    returns (probs [B, V] after the probe's last token, cache).
 
     The probe's K/V land at positions >= length, which the sequence rewrites
     before it can attend to them: the sequence itself is untouched."""
-    b = tokens.shape[0]
+    b, p = tokens.shape[0], ids.shape[0]
+    skip = jnp.zeros((b,), jnp.int32) if skip is None else skip
     last = tokens[jnp.arange(b), length - 1]
-    seq = jnp.concatenate([last[:, None], jnp.broadcast_to(ids, (b, ids.shape[0]))], axis=1)
-    logits, cache = self.model.forward(params, cache, seq, length - 1, jnp.full((b,), n))
+    rows = jnp.take(ids, jnp.clip(skip[:, None] + jnp.arange(p)[None, :], 0, p - 1))
+    seq = jnp.concatenate([last[:, None], rows], axis=1)
+    logits, cache = self.model.forward(params, cache, seq, length - 1, n - skip)
     return jax.nn.softmax(logits, axis=-1), cache
 
   def _read_key(self, k: Knobs, s: ReasoningState, tok, feed, restart):
@@ -466,13 +469,15 @@ class ReasoningLoop:
     if self.answer_probe:
       wants = probing & (k.exit_tau <= 1.0)
       probed |= jnp.any(wants)
+      skip = answer_skip(tokens, length)  # the probe reads what forcing would write
       def confidence(c):
-        probs, c = self._probe(params, c, tokens, length, k.answer_probe_ids, k.answer_probe_len)
+        probs, c = self._probe(params, c, tokens, length, k.answer_probe_ids, k.answer_probe_len,
+                               skip)
         return jnp.max(probs, axis=-1), c
       answer_conf, cache = jax.lax.cond(jnp.any(wants), confidence, lambda c: (answer_conf, c),
                                         cache)
       answer_conf = jnp.where(wants, answer_conf, 0.0)
-      probe_tokens += jnp.where(wants, k.answer_probe_len, 0)
+      probe_tokens += jnp.where(wants, k.answer_probe_len - skip, 0)
     score = self.verifier.score(StepStats(lp_sum=step_lp, n_tokens=step_len, group_conf=group_conf,
                                           lowest_conf=lowest_conf, p_yes=p_yes))
     score = score.astype(jnp.float32)

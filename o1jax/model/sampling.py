@@ -238,8 +238,10 @@ def _search_rows(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
 def _search_batch(need, fallback, scaled, lse, top_k, top_p, k_on, p_on):
   """`_search_rows` as one search over the whole batch, if any row needs it: on a GPU
   each bisection pass is a kernel launch, so one [B, V] pass beats B row-sized ones."""
+  # (filters off outside `need`: its first bisection runs only if a row in need has both)
   found = jax.lax.cond(jnp.any(need),
-                       lambda _: _threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on),
+                       lambda _: _threshold_by_search(scaled, lse, top_k, top_p, k_on & need,
+                                                      p_on & need),
                        lambda _: fallback, None)
   return jnp.where(need, found, fallback)
 

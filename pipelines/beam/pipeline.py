@@ -52,7 +52,9 @@ from pipelines.predictors import (ERROR_KEY, PredictorSpec, WorkItem, model_fing
                                   request_id_for, speculative_config)
 from pipelines.task_specs import build_task, sandbox_identity
 
-STORE_VERSION = 1  # bump when the record layout changes, so old stores are not reused
+# Bump when the record layout or what a sample computes changes, so old stores are not
+# reused. 2: the forced answer prefix's separator, top-k before top-p, 64-bit seeds.
+STORE_VERSION = 2
 NAMESPACE = "o1jax_eval"
 
 

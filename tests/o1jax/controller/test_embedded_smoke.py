@@ -36,3 +36,23 @@ def test_policy_smoke(controller, name):
     assert res.tokens.probe > 0  # the self-verification probe ran
   if name == "budget_forcing":
     assert res.traces[0].tokens.thinking >= min(cfg.min_thinking_tokens, cfg.max_thinking_tokens)
+
+
+def test_a_forced_answer_reads_as_running_text(controller):
+  """Thinking cut mid-sentence gets "\n\n" before the forced prefix, tokenized as the
+  tokenizer reads it in running text (SmolLM2: two "\n" tokens, not its "\n\n" token,
+  which the model hardly sees before a word); after a token ending in whitespace the
+  separator is skipped."""
+  from o1jax.controller import LoopSettings, ReasoningRequest
+
+  tok = controller.tokenizer
+  running = tok.encode("got on\n\nThe answer is")
+  forced = tok.encode("\n\nThe answer is")
+  assert running[len(running) - len(forced):] == forced
+  st = LoopSettings(max_thinking_tokens=5, max_answer_tokens=2)
+  t, = controller.generate([ReasoningRequest(QUESTION, request_id=0)], st, 1).traces[0]
+  kept = t.token_ids[:t.tokens.thinking]
+  assert not tok.decode(kept)[-1:].isspace()
+  assert t.token_ids[t.tokens.thinking:t.tokens.thinking + len(forced)] == forced
+  assert t.text.startswith(tok.decode(kept) + "\n\nThe answer is")
+  assert t.answer_text.startswith("The answer is") and t.tokens.prefix == len(forced)

@@ -1,5 +1,7 @@
 """The engine with FP8 activations (matmul_dtype="float8") and FP8 KV pools keeps its
-determinism guarantee: a request's tokens do not depend on the batch it runs in."""
+determinism guarantee for a prompt prefilled in one write: a request's tokens do not
+depend on the batch it decodes in. (An FP8 block's values do depend on how a prompt's
+prefill is cut, which its neighbours can move: the README's "FP8 KV and write grouping".)"""
 
 import pytest
 
