@@ -139,7 +139,7 @@ def test_bench_sampling_prints_both_samplers_for_every_setting(capsys):
   bs = load("bench_sampling")
   assert bs.main(["--rows", "4", "--vocab", "600", "--repeats", "1"]) == 0
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| temperature")]
-  assert len(rows) == 6 and all(l.rstrip().endswith("x |") for l in rows)
+  assert len(rows) == 7 and all(l.rstrip().endswith("x |") for l in rows)
 
 
 def test_bench_policies_paired_interval():
