@@ -315,11 +315,16 @@ def test_an_empty_output_dir_or_model_source_and_a_lock_that_is_a_directory_are_
                           f"(the run creates the file)")
 
 
+def _policy_run_config(tmp_path, policy: str, predictor: str = "fake"):
+  """The custom task's smoke config over good lines, with `policy` on `predictor`."""
+  cfg = custom_config.get_config(f"smoke=True,policy={policy}")
+  cfg.model.predictor = predictor
+  cfg.dataset.path = str(_write(tmp_path / "ok.jsonl", _good_lines()))
+  return cfg
+
+
 def test_policy_sampling_values_name_the_policy(tmp_path):
-  data = _write(tmp_path / "ok.jsonl", _good_lines())
-  cfg = custom_config.get_config("smoke=True,policy=sample_n")
-  cfg.model.predictor = "fake"
-  cfg.dataset.path = str(data)
+  cfg = _policy_run_config(tmp_path, "sample_n")
   cfg.policy.top_p = 2.0
   with pytest.raises(ValueError, match=r"^policy sample_n: top_p must be in \(0, 1\], got 2\.0$"):
     _run(cfg, tmp_path / "out")
@@ -331,10 +336,7 @@ def test_policy_sampling_values_name_the_policy(tmp_path):
 def test_sampling_values_a_policy_replaces_are_refused(tmp_path, policy, field, value):
   # Before: run without a word with the policy's own values (a controller policy's record
   # even showed the section's, and they entered the content hash).
-  data = _write(tmp_path / "ok.jsonl", _good_lines())
-  cfg = custom_config.get_config(f"smoke=True,policy={policy}")
-  cfg.model.predictor = "fake" if policy == "sample_n" else "engine"
-  cfg.dataset.path = str(data)
+  cfg = _policy_run_config(tmp_path, policy, "fake" if policy == "sample_n" else "engine")
   cfg.sampling[field] = value
   own = getattr(build_policy(cfg.policy.to_dict()), field)
   with pytest.raises(ValueError, match=re.escape(
@@ -345,10 +347,7 @@ def test_sampling_values_a_policy_replaces_are_refused(tmp_path, policy, field, 
 
 
 def test_greedy_reads_the_sampling_section(tmp_path):
-  data = _write(tmp_path / "ok.jsonl", _good_lines())
-  cfg = custom_config.get_config("smoke=True,policy=greedy")
-  cfg.model.predictor = "fake"
-  cfg.dataset.path = str(data)
+  cfg = _policy_run_config(tmp_path, "greedy")
   cfg.sampling.temperature = 0.5
   _run(cfg, tmp_path / "out")
   with open(tmp_path / "out" / "results.jsonl") as f:
