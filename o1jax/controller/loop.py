@@ -192,8 +192,8 @@ class ReasoningLoop:
     """[B] rows whose request's confidence-weighted vote is decided (see DeepConf).
 
     Candidates are this batch's rows plus the prior votes of the host. A finished
-    row votes (weight = its confidence) unless it was stopped or is below the
-    vote floor; a running row may still add at most its current lowest group
+    row votes (weight = its confidence) unless it was stopped, is below the vote
+    floor or kept no token (`s.conf_count` is this iteration's); a running row may still add at most its current lowest group
     confidence (min only falls; +inf before a full window), 0 if that is below
     the floor. Decided: the leader's lead over the runner-up exceeds what the
     running rows and the unknown-key votes could add (stop_decided), or the
@@ -203,7 +203,11 @@ class ReasoningLoop:
     voting = k.group >= 0
     voter = (voting & done & (exit_reason != S.EXIT_LOW_CONF)
              & (exit_reason != S.EXIT_CONSENSUS) & (exit_reason != S.EXIT_PRUNED)
-             & (weight >= k.vote_floor))
+             & (weight >= k.vote_floor)
+             # A row that kept no token (an end of sequence first) has no text, so no
+             # answer on the host (it abstains), and no confidence (+inf: as a wildcard
+             # it would block every decision of its request).
+             & (s.conf_count > 0))
     bound = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, jnp.inf)
     bound = jnp.where(voting & ~done & (bound >= k.vote_floor), bound, 0.0)
     q = k.prior_group.shape[0]
@@ -565,8 +569,8 @@ class ReasoningLoop:
       known = (answer_start >= 0) & (key_fields["key_state"] >= S.KEY_INT)
       known &= ~key_fields["key_unknown"]
       weight = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, group_conf)
-      decided = self._decided(k, s.replace(**key_fields), phase, exit_reason, known, weight,
-                              lowest_conf)
+      decided = self._decided(k, s.replace(conf_count=conf_count, **key_fields), phase,
+                              exit_reason, known, weight, lowest_conf)
       consensus = decided & active & (phase != S.DONE)
       exit_reason = jnp.where(consensus, S.EXIT_CONSENSUS, exit_reason)
       phase = jnp.where(consensus, S.DONE, phase)

@@ -297,8 +297,10 @@ class DeepConf(Policy):
     thresholds = [self._percentile([t.lowest_group_confidence for t in traces])
                   for traces in warm.traces]
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
-    priors = [[(t.answer_key, t.lowest_group_confidence) for t in traces
-               if t.lowest_group_confidence >= f] for traces, f in zip(warm.traces, floors)]
+    # The warm-up traces vote in the loop as they will in `_result`: with the host's own
+    # answer (exact, where the loop's key is a reading of it); none if they abstain.
+    priors = [[(t.answer, t.lowest_group_confidence) for t in self._voters(traces, f)
+               if t.answer is not None] for traces, f in zip(warm.traces, floors)]
     # A request its warm-up votes already decide starts no other trace (the loop would
     # stop them at their first token, after prefilling their prompt again).
     todo = [i for i in range(len(requests))
@@ -350,9 +352,15 @@ class DeepConf(Policy):
             for req, traces, wall, calls in zip(requests, batch.traces, batch.wall_time_s,
                                                 batch.invocations)]
 
-  def _result(self, ctl, req, traces, s, floor, wall, calls):
+  @staticmethod
+  def _voters(traces, floor):
+    """The traces that vote: not stopped; of those, the ones with confidence >= floor
+    (all of them if none has)."""
     voted = [t for t in traces if not (t.stopped_low_confidence or t.stopped_consensus)]
-    voters = [t for t in voted if t.lowest_group_confidence >= floor] or voted
+    return [t for t in voted if t.lowest_group_confidence >= floor] or voted
+
+  def _result(self, ctl, req, traces, s, floor, wall, calls):
+    voters = self._voters(traces, floor)
     winner, votes = weighted_vote([t.answer for t in voters],
                                   [t.lowest_group_confidence for t in voters])
     # Voters whose loop-read answer differs from the host's extraction (expected 0):

@@ -20,6 +20,7 @@ import pytest
 from o1jax.controller import Controller, LoopSettings, ReasoningLoop, ReasoningRequest, answers
 from o1jax.controller import state as S
 from o1jax.controller.answers import extract_number
+from o1jax.controller.registry import build_policy
 from o1jax.controller.testing import MockDecodeModel, MockTokenizer
 from tests.o1jax.controller.conftest import VOCAB, MockWorld
 
@@ -148,6 +149,22 @@ def test_consensus_share(loop_model, rival, min_votes, generated):
   assert [t.tokens.generated for t in traces] == [generated] * 2
 
 
+def test_a_row_that_keeps_no_token_abstains():
+  # An end of sequence first (answer_on_eos off) ends a row with no text: the host's
+  # vote skips it. It used to count as an unknown answer of weight +inf (no confidence),
+  # which no lead or share can beat: the rule above never fired for its request.
+  model = MockWorld(LOOP + [("Q", "</s>", 5)]).model()
+  ctl = controller(model)
+  st = LoopSettings(**{**VOTE, "answer_on_eos": False, "temperature": 1.0,
+                       "consensus_share": 0.95, "consensus_min_votes": 2})
+  traces = ctl.generate(REQ, st, 8, prior_votes=[[("7", 1.0), ("3", 0.04)]]).traces[0]
+  silent = [t for t in traces if not t.token_ids]
+  assert silent and all(t.exit_reason == "eos" and t.answer is None for t in silent)
+  # The others stop where the share rule holds, at their first token.
+  assert all(t.stopped_consensus and t.tokens.generated == 1
+             for t in traces if t.token_ids), [t.token_ids for t in traces]
+
+
 def test_settings_validation(loop_model):
   with pytest.raises(ValueError, match="answer_vote"):
     LoopSettings(stop_when_decided=True)
@@ -184,8 +201,8 @@ def reference_decisions(h, n, prior, settings):
     if int(h.phase[r]) != S.DONE:
       running += lowest if math.isfinite(lowest) else math.inf
       continue
-    if int(h.exit_reason[r]) in (S.EXIT_LOW_CONF, S.EXIT_CONSENSUS):
-      continue
+    if int(h.exit_reason[r]) in (S.EXIT_LOW_CONF, S.EXIT_CONSENSUS) or not h.conf_count[r]:
+      continue  # stopped, or no token kept: no text, no answer (the host's vote skips it)
     tail = float(h.conf_ring[r].sum()) / min(int(h.conf_count[r]), w)
     known = (int(h.answer_start[r]) >= 0 and int(h.key_state[r]) >= S.KEY_INT
              and not bool(h.key_unknown[r]))
@@ -252,3 +269,28 @@ def test_stops_exactly_at_the_first_decided_iteration(branch_model, mode, prior,
       REQ, stop, n, prior_votes=[prior]).traces[0]
   assert [(t.token_ids, t.exit_reason) for t in twin] == [(t.token_ids, t.exit_reason)
                                                           for t in traces]
+
+
+def test_warmup_traces_vote_in_the_loop_as_on_the_host(branch_model):
+  """DeepConf's second call gets the warm-up votes as priors: each voter's host answer
+  (not the loop's reading of it) and confidence; a trace without an answer abstains
+  there as in the final vote (it used to join as a wildcard of its confidence)."""
+  policy = build_policy({"name": "deepconf", "n": 8, "warmup": 4, "temperature": 1.0,
+                         "top_p": 1.0, "window": 2, "max_thinking_tokens": 24,
+                         "answer_on_eos": True})
+  ctl = controller(branch_model)
+  calls, generate = [], ctl.generate
+  ctl.generate = lambda *a, **kw: calls.append(kw) or generate(*a, **kw)
+  results = ctl.run([ReasoningRequest(prompt="Q", request_id=i, seed=i) for i in range(12)],
+                    policy)
+  priors, = [kw["prior_votes"] for kw in calls if "prior_votes" in kw]
+  started = [r for r in results if any(t.token_ids for t in r.traces[4:])]
+  assert len(started) == len(priors)
+  for res, prior in zip(started, priors):
+    voters = [t for t in res.traces[:4] if t.answer is not None]
+    assert prior == [(t.answer, t.lowest_group_confidence) for t in voters]
+  # Some warm-ups held a trace of the " C" branch (no number); those whose other votes
+  # agree start no other trace (a wildcard used to send them to the loop).
+  silent = [r for r in results if any(t.answer is None for t in r.traces[:4])]
+  assert silent and any(r not in started for r in silent), [
+      [t.answer for t in r.traces[:4]] for r in silent]

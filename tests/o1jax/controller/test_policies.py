@@ -318,6 +318,12 @@ NAN = float("nan")
      r"^think_verify_backtrack: exit_tau must be a number, got nan$"),
     ({"name": "think_verify_backtrack", "temp_bump": -1},
      r"^think_verify_backtrack: temp_bump must be finite and >= 0, got -1$"),
+    # A retry's temperature the device would raise (1e-9 -> 1e-6) or overflow.
+    ({"name": "think_verify_backtrack", "temperature": 0, "temp_bump": 1e-9},
+     r"^think_verify_backtrack: temp_bump=1e-09 gives retry temperatures outside \[1e-06, "),
+    ({"name": "think_verify_backtrack", "temp_bump": 2e38},
+     r"^think_verify_backtrack: temp_bump=2e\+38 gives retry temperatures outside .*"
+     r"up to 2 backtracks a step\)$"),
     ({"name": "think_verify_backtrack", "max_backtracks": -1},
      r"^think_verify_backtrack: max_backtracks must be an int >= 0, got -1$"),
     ({"name": "think_verify_backtrack", "max_steps": -1},
