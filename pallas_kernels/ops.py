@@ -318,20 +318,25 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
 _Q_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _check_scale(name: str, scale, num_blocks: int, kv_heads: int):
-  """[NB, KVH] / per-block [NB, 1] / per-head [1, KVH] -> [NB, KVH] f32 (or None)."""
+def _check_scale(name: str, scale, num_blocks: int, block_size: int, kv_heads: int):
+  """Per token [NB, BS, KVH] (the engine's pools), per block and head [NB, KVH], per
+  block [NB, 1] or per head [1, KVH] -> [NB, BS, KVH] f32 (or None)."""
   if scale is None:
     return None
-  ok = ((num_blocks, kv_heads), (num_blocks, 1), (1, kv_heads))
-  if scale.shape not in ok:
-    raise ValueError(f"{name}.shape={scale.shape} must be one of {list(ok)} "
-                     f"(num_blocks={num_blocks}, kv_heads={kv_heads})")
-  return jnp.broadcast_to(scale.astype(jnp.float32), (num_blocks, kv_heads))
+  full = (num_blocks, block_size, kv_heads)
+  coarse = ((num_blocks, kv_heads), (num_blocks, 1), (1, kv_heads))
+  if scale.shape not in (full,) + coarse:
+    raise ValueError(f"{name}.shape={scale.shape} must be one of {[full, *coarse]} "
+                     f"(num_blocks={num_blocks}, block_size={block_size}, kv_heads={kv_heads})")
+  scale = scale.astype(jnp.float32)
+  if scale.ndim == 2:
+    scale = jnp.broadcast_to(scale, (num_blocks, kv_heads))[:, None, :]
+  return jnp.broadcast_to(scale, full)
 
 
 def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, block_tables,
                  batch: int, k_scale, v_scale, sliding_window, pallas: bool):
-  """Shared validation of the paged cache arguments; returns the [NB, KVH] scales."""
+  """Shared validation of the paged cache arguments; returns the [NB, BS, KVH] scales."""
   if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
     raise ValueError(f"{op}: k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} "
                      "must both be [num_blocks, block_size, kv_heads, head_dim]")
@@ -370,10 +375,10 @@ def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, 
     if d & (d - 1) or d < 16:
       raise ValueError(f"{op} (pallas): head_dim={d} (k_pages.shape={k_pages.shape}) must be a "
                        "power of two >= 16")
-  ks = _check_scale("k_scale", k_scale, nb, kvh)
-  vs = _check_scale("v_scale", v_scale, nb, kvh)
+  ks = _check_scale("k_scale", k_scale, nb, bs, kvh)
+  vs = _check_scale("v_scale", v_scale, nb, bs, kvh)
   if (ks is None) != (vs is None):  # one given: the other is 1
-    ones = jnp.ones((nb, kvh), jnp.float32)
+    ones = jnp.ones((nb, bs, kvh), jnp.float32)
     ks = ones if ks is None else ks
     vs = ones if vs is None else vs
   return ks, vs
@@ -397,7 +402,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   q [B, H, D]; k_pages, v_pages [num_blocks, block_size, KVH, D] (H % KVH == 0);
   block_tables [B, max_blocks] int32; lengths [B] int32 (<= max_blocks *
   block_size; 0 -> zeros). FP8 (float8_e4m3fn) pools take k_scale/v_scale of
-  shape [num_blocks, KVH], per-block [num_blocks, 1] or per-head [1, KVH].
+  shape [num_blocks, block_size, KVH] (a scale per token: the engine's), [num_blocks,
+  KVH], per-block [num_blocks, 1] or per-head [1, KVH].
   sliding_window=w: attend to the last w keys. sm_scale defaults to D**-0.5.
   Returns [B, H, D] in q's dtype."""
   op = "paged_decode_attention"

@@ -4,9 +4,9 @@ Cache layout (one pool per layer, K and V separate):
   k_pages, v_pages  [num_blocks, block_size, kv_heads, head_dim]
   block_tables      [batch, max_blocks] int32 (logical page -> physical block)
   lengths           [batch] int32 (tokens in the cache; 0 = empty, output 0)
-  k_scale, v_scale  optional f32 [num_blocks, kv_heads] for FP8 (e4m3) pools:
-                    real K = k_pages * k_scale[block, head] (the ops wrapper
-                    broadcasts per-block [num_blocks, 1] or per-head [1, kv_heads]).
+  k_scale, v_scale  optional f32 [num_blocks, block_size, kv_heads] for FP8 (e4m3)
+                    pools: real K = k_pages * k_scale[block, slot, head], a scale per
+                    token (the ops wrapper broadcasts coarser scales).
 The query of sequence b sits at position lengths[b] - 1 and attends to keys
 0..lengths[b]-1, or with `sliding_window=w` to the last w of them.
 
@@ -44,15 +44,15 @@ NEG_INF = -1e30
 def gather_kv(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array) -> jax.Array:
   """Pages of each sequence in logical order, dequantized to f32.
 
-  pages [NB, bs, KVH, D], scale [NB, KVH] or None, block_tables [B, MB]
+  pages [NB, bs, KVH, D], scale [NB, bs, KVH] or None, block_tables [B, MB]
   -> [B, MB * bs, KVH, D]. Out-of-range table entries are clamped (masked later)."""
   nb, bs, kvh, d = pages.shape
   b, mb = block_tables.shape
   ids = jnp.clip(block_tables, 0, nb - 1)
   kv = jnp.take(pages, ids, axis=0).astype(jnp.float32)  # [B, MB, bs, KVH, D]
   if scale is not None:
-    s = jnp.take(scale.astype(jnp.float32), ids, axis=0)  # [B, MB, KVH]
-    kv = kv * s[:, :, None, :, None]
+    s = jnp.take(scale.astype(jnp.float32), ids, axis=0)  # [B, MB, bs, KVH]
+    kv = kv * s[..., None]
   return kv.reshape(b, mb * bs, kvh, d)
 
 
@@ -107,14 +107,15 @@ def compute_dtype(q_dtype, kv_dtype):
 
 def load_token_rows(t, b, h, bt_ref, kv_ref, scale_ref, *, block_size: int, num_blocks: int,
                     max_blocks: int):
-  """Gathers the K or V rows of tokens `t` ([C] int32) of sequence b, kv head h.
+  """Gathers the K or V rows of tokens `t` ([C] int32) of sequence b, kv head h; the
+  pool and its scales flattened to token rows ([NB * bs, KVH, D], [NB * bs, KVH]).
 
   Returns (rows [C, D] in the pool dtype, per-token scale [C] f32 or None)."""
   pidx = jnp.minimum(t // block_size, max_blocks - 1)
   page = jnp.clip(bt_ref[b, pidx], 0, num_blocks - 1)
   rows = page * block_size + t % block_size
   kv = kv_ref[rows, h, :]
-  scale = None if scale_ref is None else scale_ref[page, h].astype(jnp.float32)
+  scale = None if scale_ref is None else scale_ref[rows, h].astype(jnp.float32)
   return kv, scale
 
 
@@ -160,7 +161,7 @@ def _decode_kernel(*refs, block_size: int, num_blocks: int, max_blocks: int, blo
   # len_ref,  # [batch] int32
   # k_ref,    # [num_blocks * block_size, kv_heads, head_dim] (whole pool)
   # v_ref,    # [num_blocks * block_size, kv_heads, head_dim]
-  # ks_ref,   # [num_blocks, kv_heads] f32 (FP8 only)
+  # ks_ref,   # [num_blocks * block_size, kv_heads] f32 (FP8 only)
   # acc_ref,  # [rows, head_dim] f32 unnormalised output of this split
   # m_ref,    # [rows] f32 running max
   # l_ref,    # [rows] f32 softmax denominator
@@ -217,7 +218,7 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_
                                   num_splits: int | None = None, num_warps: int = 4,
                                   num_stages: int = 2, interpret: bool = False):
   """q [B, H, D] -> [B, H, D]. Inputs assumed validated by the ops wrapper;
-  k_scale/v_scale are [num_blocks, kv_heads] f32 or None."""
+  k_scale/v_scale are [num_blocks, block_size, kv_heads] f32 or None."""
   b, h, d = q.shape
   nb, bs, kvh, _ = k_pages.shape
   mb = block_tables.shape[1]
@@ -241,7 +242,7 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_
           k_pages.reshape(nb * bs, kvh, d), v_pages.reshape(nb * bs, kvh, d)]
   if has_scale:
     in_specs += [whole, whole]
-    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    args += [s.reshape(nb * bs, kvh).astype(jnp.float32) for s in (k_scale, v_scale)]
   acc, m, l = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),

@@ -157,7 +157,7 @@ def _prefill_kernel(*refs, block_size: int, num_blocks: int, max_blocks: int, bl
   # clen_ref,   # [batch] int32 valid queries in the chunk
   # k_ref,      # [num_blocks * block_size, kv_heads, head_dim] (whole pool)
   # v_ref,      # [num_blocks * block_size, kv_heads, head_dim]
-  # ks_ref,     # [num_blocks, kv_heads] f32 (FP8 only)
+  # ks_ref,     # [num_blocks * block_size, kv_heads] f32 (FP8 only)
   # o_ref,      # [block_q, head_dim] normalised output
   b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_q, d = q_ref.shape
@@ -202,7 +202,7 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, starts, ch
                                    block_kv: int | None = None, num_warps: int = 4,
                                    num_stages: int = 2, interpret: bool = False):
   """q [B, T, H, D] -> [B, T, H, D]. Inputs assumed validated by the ops wrapper;
-  k_scale/v_scale are [num_blocks, kv_heads] f32 or None."""
+  k_scale/v_scale are [num_blocks, block_size, kv_heads] f32 or None."""
   b, t, h, d = q.shape
   nb, bs, kvh, _ = k_pages.shape
   mb = block_tables.shape[1]
@@ -229,7 +229,7 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, starts, ch
           v_pages.reshape(nb * bs, kvh, d)]
   if has_scale:
     in_specs += [whole, whole]
-    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    args += [s.reshape(nb * bs, kvh).astype(jnp.float32) for s in (k_scale, v_scale)]
   o = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((b, kvh, rows_p, d), q.dtype),

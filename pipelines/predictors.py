@@ -614,19 +614,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
   if kv_dtype.startswith("float8"):
-    # Each write rescales its whole block (one scale covers every value in it): what a
-    # block stores depends on how its writes were grouped, so on the block size, the
-    # prefill chunk and speculation's verify writes (and on preemption, which no hash
-    # can hold: the README's "FP8 KV and write grouping").
-    # (The controller's block size is its cache's, hashed below; it has no prefill chunk.)
-    eng, writes = dict(spec.engine), {}
-    if spec.name == "engine":
-      writes = {"block_size": int(eng.get("block_size", 16)),
-                "prefill_chunk": int(eng.get("prefill_chunk", 128))}
-    if spec.speculative_config() is not None:
-      writes["speculative"] = dict(spec.speculative)
-    if writes:
-      fp["kv_writes"] = writes
+    # A scale per token (what it stores depends on its own values alone, not on how the
+    # writes were grouped); FP8 pools of earlier versions had one per block.
+    fp["kv_scales"] = "per_token"
   tp = int(dict(spec.engine).get("tensor_parallel", 1) or 1)
   if tp > 1 and spec.name in ("engine", "controller"):  # all-reduced sums: logits move ~1e-6 (near-ties fork)
     fp["tensor_parallel"] = tp

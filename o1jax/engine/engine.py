@@ -177,7 +177,7 @@ class EngineConfig:
   block_size: int = 16
   num_blocks: int | None = None  # KV pool size in blocks; or derive from kv_cache_bytes
   kv_cache_bytes: int | None = None  # used when num_blocks is None (default 256 MiB)
-  kv_dtype: str = "float32"  # or "float8_e4m3fn" (per-block scales)
+  kv_dtype: str = "float32"  # or "float8_e4m3fn" (a scale per token and KV head)
   max_context: int | None = None  # default: the model's max_context
   prefill_chunk: int = 128  # prompt tokens per prefill call (all rows together)
   max_prefill_seqs: int = 4  # rows of a prefill call

@@ -2,7 +2,8 @@
 
 Layout (one pool per layer, K and V separate, as `pallas_kernels.ops` expects):
   k_pages[i], v_pages[i]  [num_blocks, block_size, kv_heads, head_dim]
-  k_scale[i], v_scale[i]  [num_blocks, kv_heads] f32, only for FP8 (e4m3) pools
+  k_scale[i], v_scale[i]  [num_blocks, block_size, kv_heads] f32, only for FP8 (e4m3) pools:
+                          one scale per token and KV head
   block_tables            [batch, max_blocks] int32: logical block j of row b -> physical block
   write_lens              [batch] int32: how many of this call's T tokens are real
 
@@ -66,43 +67,24 @@ def write_pages(pages: jax.Array, new: jax.Array, block_tables: jax.Array, start
 @jax.jit  # every layer writes the same shapes: one trace per program
 def write_pages_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, block_tables: jax.Array,
                     starts: jax.Array, write_lens: jax.Array):
-  """Writes new rows into an FP8 pool with one scale per (block, kv head).
+  """Writes new rows into an FP8 pool with one scale per (token, KV head): its largest
+  magnitude over head_dim / 448.
 
-  A block's scale must cover every value in it, so each touched block is
-  rewritten whole (read-modify-write):
-  1. gather the blocks the T new tokens land in and dequantize them: [B, nt, bs, KVH, D];
-  2. keep the old values at positions before starts[b] (this sequence's
-     history), put the new ones at their positions, zero the rest;
-  3. new scale = max |value| / 448 per (block, head); requantize; scatter back.
-  Blocks are exclusively owned when written (the allocator copies shared
-  blocks first), so rewriting a whole block is safe.
-  pages [NB, bs, KVH, D] float8_e4m3fn; scale [NB, KVH] f32; new [B, T, KVH, D].
+  What a token stores depends on its own values only. (One scale per block made each
+  write re-quantize its whole block, so a token's stored values depended on how the
+  block's writes were grouped: the prefill chunk, speculation's verify writes,
+  recompute after preemption, the batch's prefill budget.)
+  pages [NB, bs, KVH, D] float8_e4m3fn; scale [NB, bs, KVH] f32; new [B, T, KVH, D].
   Returns (pages, scale)."""
   nb, bs, kvh, d = pages.shape
   b, t = new.shape[:2]
-  mb = block_tables.shape[1]
-  nt = (t + bs - 2) // bs + 1  # blocks a run of t tokens can touch
-  starts = starts.astype(jnp.int32)
-  logical = starts[:, None] // bs + jnp.arange(nt, dtype=jnp.int32)[None, :]  # [B, nt]
-  phys = jnp.take_along_axis(block_tables, jnp.clip(logical, 0, mb - 1), axis=1)
-  ends = starts + write_lens
-  touched = (logical * bs < ends[:, None]) & (write_lens[:, None] > 0) & (logical < mb)
-  old = jnp.take(pages, phys, axis=0).astype(jnp.float32)  # [B, nt, bs, KVH, D]
-  old = old * jnp.take(scale, phys, axis=0)[:, :, None, :, None]
-  pos = logical[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, nt, bs]
-  rel = pos - starts[:, None, None]
-  is_new = (rel >= 0) & (rel < write_lens[:, None, None])
-  is_old = pos < starts[:, None, None]
-  new_rows = jnp.take_along_axis(new.astype(jnp.float32)[:, :, None, :, :].reshape(b, t, kvh * d),
-                                 jnp.clip(rel, 0, t - 1).reshape(b, nt * bs)[:, :, None], axis=1)
-  new_rows = new_rows.reshape(b, nt, bs, kvh, d)
-  vals = jnp.where(is_new[..., None, None], new_rows, jnp.where(is_old[..., None, None], old, 0.0))
-  amax = jnp.max(jnp.abs(vals), axis=(2, 4))  # [B, nt, KVH]
-  block_scale = jnp.maximum(amax / FP8_MAX, 1e-12)
-  quant = (vals / block_scale[:, :, None, :, None]).astype(pages.dtype)
-  target = jnp.where(touched, phys, nb).reshape(-1)
-  pages = kernel_ops.write_pool_blocks(pages, target, quant.reshape(-1, bs, kvh, d))
-  scale = kernel_ops.scatter_rows(scale, (target,), block_scale.reshape(-1, kvh))
+  block, offset = token_slots(block_tables, starts, write_lens, t, bs, nb)
+  block, offset = block.reshape(-1), offset.reshape(-1)
+  rows = new.astype(jnp.float32).reshape(b * t, kvh, d)
+  row_scale = jnp.maximum(jnp.max(jnp.abs(rows), axis=-1) / FP8_MAX, 1e-12)  # [B*T, KVH]
+  quant = (rows / row_scale[..., None]).astype(pages.dtype)
+  pages = kernel_ops.write_pool_rows(pages, quant, block, offset)
+  scale = kernel_ops.scatter_rows(scale, (block, offset), row_scale)
   return pages, scale
 
 
@@ -137,7 +119,7 @@ class PagedKVCache:
     shape = (num_blocks, block_size, kv_heads, head_dim)
     fp8 = jnp.dtype(dtype) == jnp.dtype(FP8)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layers))
-    scales = lambda: tuple(jnp.ones((num_blocks, kv_heads), jnp.float32) for _ in range(n_layers))
+    scales = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(n_layers))
     return cls(k_pages=zeros(), v_pages=zeros(), k_scale=scales() if fp8 else None,
                v_scale=scales() if fp8 else None,
                block_tables=jnp.zeros((batch, max_blocks), jnp.int32),
@@ -160,7 +142,7 @@ class PagedKVCache:
     nb, bs, kvh, d = self.k_pages[0].shape
     per_layer = 2 * bs * kvh * d * jnp.dtype(self.k_pages[0].dtype).itemsize
     if self.is_fp8:
-      per_layer += 2 * kvh * 4
+      per_layer += 2 * bs * kvh * 4  # a scale per token and KV head
     return per_layer * len(self.k_pages)
 
   def for_batch(self, block_tables: jax.Array, write_lens: jax.Array,
@@ -195,7 +177,7 @@ class PagedKVCache:
     every layer's full history, as the global layers need it anyway.
 
     1. write k, v [B, T, KVH, D] at positions starts[b].. through the block
-       table (only the first write_lens[b] tokens; FP8 pools rescale blocks);
+       table (only the first write_lens[b] tokens; FP8: each under its own scale);
     2. T == 1 (decode): lengths = starts + write_lens; the paged decode op
        (`pallas_kernels.ops` picks Pallas on GPU, the native kernel on a CPU where
        it fits, else the XLA reference; backend "reference" forces that);

@@ -34,7 +34,7 @@ COLUMN_BIAS = ("bq", "bk", "bv")
 ROW = ("wo", "w_down")
 FUSED = tuple(FUSED_PARTS)  # int8 matmuls' fused matrices: their columns interleave
 POOL_SPEC = P(None, None, MODEL_AXIS, None)  # [num_blocks, block_size, kv_heads, head_dim]
-SCALE_SPEC = P(None, MODEL_AXIS)  # FP8 pools' scales [num_blocks, kv_heads]
+SCALE_SPEC = P(None, None, MODEL_AXIS)  # FP8 pools' scales [num_blocks, block_size, kv_heads]
 CONTIGUOUS_SPEC = P(None, MODEL_AXIS, None, None)  # a contiguous cache [batch, kv_heads, S, D]
 
 

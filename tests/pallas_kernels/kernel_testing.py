@@ -41,7 +41,8 @@ def make_paged_cache(rng, batch, kv_heads, head_dim, block_size, max_blocks, use
 
   used[b] = tokens of sequence b that are real. Pages are assigned in a random
   order with spare blocks. Returns (k_pages, v_pages, block_tables, k_scale, v_scale);
-  FP8 pools are float8_e4m3fn with scales of `scale_shape` (default per block-and-head)."""
+  FP8 pools are float8_e4m3fn with scales of `scale_shape` (default per token, as the
+  engine's pools: [nb, block_size, kv_heads]; "nb" in a shape stands for the block count)."""
   import jax.numpy as jnp
   nb = batch * max_blocks + 3
   shape = (nb, block_size, kv_heads, head_dim)
@@ -57,7 +58,7 @@ def make_paged_cache(rng, batch, kv_heads, head_dim, block_size, max_blocks, use
     pools.append(x)
   ks = vs = None
   if fp8:
-    scale_shape = scale_shape or (nb, kv_heads)
+    scale_shape = scale_shape or (nb, block_size, kv_heads)
     scale_shape = tuple(nb if s == "nb" else s for s in scale_shape)
     ks = jnp.asarray(rng.uniform(0.25, 2.0, size=scale_shape), jnp.float32)
     vs = jnp.asarray(rng.uniform(0.25, 2.0, size=scale_shape), jnp.float32)

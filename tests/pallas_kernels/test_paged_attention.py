@@ -52,6 +52,18 @@ class TestReference:
                                    sm_scale=1.0, backend="reference")
     np.testing.assert_allclose(np.asarray(o)[0, 0], [1.6, 2.0], rtol=1e-6)
 
+  def test_fp8_per_token_scale_by_hand(self):
+    # A scale per (block, slot, head), as the engine's pools: v1 (block 2 slot 1) x 0.2,
+    # v2 (block 0 slot 0) x 3: v0=[1,0] v1=[0,1] v2=[6,0];
+    # o = (2*[1,0] + [0,1] + 2*[6,0]) / 5 = [2.8, 0.2]
+    k, v, bt = _hand_cache(jnp.float8_e4m3fn)
+    q = jnp.asarray([[[math.log(2), 0.0]], [[1.0, 1.0]]], jnp.float32)
+    vs = np.ones((3, 2, 1), np.float32)
+    vs[2, 1, 0], vs[0, 0, 0] = 0.2, 3.0
+    o = ops.paged_decode_attention(q, k, v, bt, jnp.asarray([3, 0], jnp.int32),
+                                   v_scale=jnp.asarray(vs), sm_scale=1.0, backend="reference")
+    np.testing.assert_allclose(np.asarray(o)[0, 0], [2.8, 0.2], rtol=1e-6)
+
 
 # (batch, heads, kv_heads, head_dim, block_size, lengths, dtype, fp8 scale shape, window, splits)
 SWEEP = [
@@ -62,6 +74,8 @@ SWEEP = [
     (2, 6, 2, 32, 16, [17, 0], jnp.bfloat16, ("nb", 2), None, 1),  # FP8, block-and-head
     (1, 3, 1, 32, 16, [40], jnp.float32, ("nb", 1), 17, 2),  # FP8 per-block + window
     (2, 4, 2, 16, 16, [5, 31], jnp.float32, (1, 2), None, 1),  # FP8 per-head
+    (2, 6, 2, 32, 16, [23, 9], jnp.bfloat16, ("nb", 16, 2), None, 2),  # FP8 per token (engine)
+    (1, 4, 1, 16, 8, [30], jnp.float32, ("nb", 8, 1), 11, 1),  # FP8 per token + window
 ]
 
 
@@ -158,6 +172,10 @@ class TestValidation:
     kp8 = kp.astype(jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"k_scale.shape=\(2, 5\)"):
       ops.paged_decode_attention(q, kp8, kp8, bt, n, k_scale=jnp.ones((2, 5)))
+    nb, bs, kvh, _ = kp.shape  # per token, but of another block size
+    with pytest.raises(ValueError, match=rf"k_scale.shape=\({nb}, {bs + 1}, {kvh}\) must be one "
+                                         rf"of \[\({nb}, {bs}, {kvh}\), "):
+      ops.paged_decode_attention(q, kp8, kp8, bt, n, k_scale=jnp.ones((nb, bs + 1, kvh)))
 
   def test_pallas_block_size(self):
     q, kp, vp, bt, n = self._args()

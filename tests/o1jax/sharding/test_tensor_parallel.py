@@ -25,18 +25,22 @@ def run():
   return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16"])
+@pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16",
+                                  "tp2_kv2_float8_e4m3fn"])
 def test_sharded_engine_gives_the_one_device_tokens(run, case):
   r = run[case]
   assert r["same_tokens"]
   assert r["max_logit_diff"] < 1e-4
   assert (r["wq_spec"], r["wo_spec"], r["pool_spec"]) == (
       "P(None, 'model')", "P('model', None)", "P(None, None, 'model')")
+  # FP8 pools' scales ([num_blocks, block_size, kv_heads]) split with their heads.
+  assert r["scale_spec"] == ("P(None, None, 'model')" if "float8" in case else None)
   # The pools keep their sharding: the mesh adds no re-trace to the one-device programs.
   assert r["traces"] == r["one_device_traces"] and r["traces"]["decode"] >= 1
 
 
-@pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16"])
+@pytest.mark.parametrize("case", ["tp2_kv2_float32", "tp4_kv4_float32", "tp2_kv2_bfloat16",
+                                  "tp2_kv2_float8_e4m3fn"])
 def test_decode_step_all_reduces_twice_per_layer_and_gathers_nothing(run, case):
   r = run[case]
   assert r["collectives"] == {"all-reduce": 2 * r["layers"], "all-gather": 0, "all-to-all": 0,

@@ -141,7 +141,8 @@ def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 259, size=int(rng.integers(3, 40))).tolist() for _ in range(4)]
   out = {}
-  for n_kv, tp, kv_dtype in ((2, 2, "float32"), (4, 4, "float32"), (2, 2, "bfloat16")):
+  for n_kv, tp, kv_dtype in ((2, 2, "float32"), (4, 4, "float32"), (2, 2, "bfloat16"),
+                             (2, 2, "float8_e4m3fn")):
     model, tok = tiny(n_kv)
     want, one_device, _ = generate(model, tok, None, kv_dtype, prompts)
     got, engine, ops = generate(model, tok, mesh_of(tp), kv_dtype, prompts)
@@ -156,6 +157,7 @@ def main():
         one_device_traces=dict(one_device.trace_counts), collectives=ops,
         layers=model.config.n_layers,
         pool_spec=str(engine.cache.k_pages[0].sharding.spec),
+        scale_spec=str(engine.cache.k_scale[0].sharding.spec) if engine.cache.is_fp8 else None,
         wq_spec=str(sharded.layers[0].wq.get_value().sharding.spec),
         wo_spec=str(sharded.layers[0].wo.get_value().sharding.spec),
         max_logit_diff=float(np.max(np.abs(np.asarray(ref) - np.asarray(par)))))
