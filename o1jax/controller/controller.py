@@ -127,14 +127,15 @@ class LoopSettings(Sampling):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not 0 <= self.temp_bump < math.inf:  # a negative bump would reach greedy on a retry
       raise ValueError(f"temp_bump must be finite and >= 0, got {self.temp_bump}")
-    if self.temp_bump and self.max_step_backtracks:
+    retries = min(self.max_step_backtracks, self.max_backtracks)  # a step's, at most
+    if self.temp_bump and retries:
       # A retry draws at temperature + bump x (backtracks of the step): that, too, must be
       # a temperature the device can use (see Sampling's range).
-      hottest = self.temperature + self.temp_bump * self.max_step_backtracks
+      hottest = self.temperature + self.temp_bump * retries
       if self.temperature + self.temp_bump < MIN_TEMPERATURE or hottest > F32_MAX:
         raise ValueError(f"temp_bump={self.temp_bump} gives retry temperatures outside "
                          f"[{MIN_TEMPERATURE:g}, {F32_MAX:.4g}] (temperature "
-                         f"{self.temperature}, up to {self.max_step_backtracks} backtracks a step)")
+                         f"{self.temperature}, up to {retries} backtracks a step)")
     for name in ("step_delimiter", "answer_prefix", "wait_text"):
       if not isinstance(getattr(self, name), str):
         raise ValueError(f"{name} must be a str, got {getattr(self, name)!r}")

@@ -193,7 +193,8 @@ class ReasoningLoop:
 
     Candidates are this batch's rows plus the prior votes of the host. A finished
     row votes (weight = its confidence) unless it was stopped, is below the vote
-    floor or kept no token (`s.conf_count` is this iteration's); a running row may still add at most its current lowest group
+    floor, kept no token or has a log p that is not finite (the host's "error"; `s`
+    holds this iteration's conf_count and lp_total); a running row may still add at most its current lowest group
     confidence (min only falls; +inf before a full window), 0 if that is below
     the floor. Decided: the leader's lead over the runner-up exceeds what the
     running rows and the unknown-key votes could add (stop_decided), or the
@@ -206,8 +207,9 @@ class ReasoningLoop:
              & (weight >= k.vote_floor)
              # A row that kept no token (an end of sequence first) has no text, so no
              # answer on the host (it abstains), and no confidence (+inf: as a wildcard
-             # it would block every decision of its request).
-             & (s.conf_count > 0))
+             # it would block every decision of its request); a row whose log p is not
+             # finite is an "error" trace there, with no answer either.
+             & (s.conf_count > 0) & jnp.isfinite(s.lp_total))
     bound = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, jnp.inf)
     bound = jnp.where(voting & ~done & (bound >= k.vote_floor), bound, 0.0)
     q = k.prior_group.shape[0]
@@ -569,7 +571,8 @@ class ReasoningLoop:
       known = (answer_start >= 0) & (key_fields["key_state"] >= S.KEY_INT)
       known &= ~key_fields["key_unknown"]
       weight = jnp.where(jnp.isfinite(lowest_conf), lowest_conf, group_conf)
-      decided = self._decided(k, s.replace(conf_count=conf_count, **key_fields), phase,
+      decided = self._decided(k, s.replace(conf_count=conf_count, lp_total=lp_total,
+                                           **key_fields), phase,
                               exit_reason, known, weight, lowest_conf)
       consensus = decided & active & (phase != S.DONE)
       exit_reason = jnp.where(consensus, S.EXIT_CONSENSUS, exit_reason)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
+from o1jax.controller import answers
 from o1jax.controller.answers import best_index, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
@@ -294,8 +295,7 @@ class DeepConf(Policy):
     if self.threshold is not None:
       return self._run_fixed_threshold(ctl, requests, st, consensus)
     warm = ctl.generate(requests, st, self.warmup)
-    thresholds = [self._percentile([t.lowest_group_confidence for t in traces])
-                  for traces in warm.traces]
+    thresholds = [self._percentile(self._confidences(traces)) for traces in warm.traces]
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
     # The warm-up traces vote in the loop as they will in `_result`: with the host's own
     # answer (exact, where the loop's key is a reading of it); none if they abstain.
@@ -304,7 +304,7 @@ class DeepConf(Policy):
     # A request its warm-up votes already decide starts no other trace (the loop would
     # stop them at their first token, after prefilling their prompt again).
     todo = [i for i in range(len(requests))
-            if self.n > self.warmup and not (consensus and self._decided(priors[i]))]
+            if self.n > self.warmup and not (consensus and self._decided(ctl, priors[i]))]
     rest = {}
     if todo:
       pick = lambda xs: [xs[i] for i in todo]
@@ -322,15 +322,16 @@ class DeepConf(Policy):
                               warm.wall_time_s[i] + wall, warm.invocations[i] + calls))
     return out
 
-  def _decided(self, votes) -> bool:
-    """Whether the loop's consensus stop holds on `votes` ((answer key or None, weight))
-    before any other trace runs, for the case the warm-up makes common: at least
-    consensus_min_votes votes, all for one known answer, and a share rule that is on.
-    (Otherwise the loop decides: a split vote's share, and stop_when_decided, which
-    needs a full window of every running trace.)"""
+  def _decided(self, ctl, votes) -> bool:
+    """Whether the loop's consensus stop holds on `votes` ((answer, weight)) before any
+    other trace runs, for the case the warm-up makes common: at least
+    consensus_min_votes votes, all for one answer the loop can hold as a key, and a share
+    rule that is on. (Otherwise the loop decides: a split vote's share, and
+    stop_when_decided, which needs a full window of every running trace.)"""
     cast = [key for key, weight in votes if weight > 0]
+    codes = answers.text_key(cast[0]) if cast and cast[0] is not None else None
     return (self.consensus <= 1.0 and len(cast) >= self.consensus_min_votes
-            and cast[0] is not None and len(set(cast)) == 1)
+            and codes is not None and len(codes) <= ctl.key_capacity and len(set(cast)) == 1)
 
   def _online_settings(self, st, consensus: bool):
     if not consensus:
@@ -353,6 +354,15 @@ class DeepConf(Policy):
                                                 batch.invocations)]
 
   @staticmethod
+  def _confidences(traces) -> list[float]:
+    """The confidences a threshold is a percentile of: of the traces that kept a token
+    and have an answer's worth of log p (not "error"). A trace that kept none has
+    confidence +inf: at the top rank it made the threshold +inf, which stopped every
+    other trace and, as a vote floor, left only itself (no answer) to vote."""
+    return [t.lowest_group_confidence for t in traces
+            if t.token_ids and t.exit_reason != "error"]
+
+  @staticmethod
   def _voters(traces, floor):
     """The traces that vote: not stopped; of those, the ones with confidence >= floor
     (all of them if none has)."""
@@ -372,7 +382,10 @@ class DeepConf(Policy):
                       key_mismatches=mismatched)
 
   def _percentile(self, confidences) -> float:
-    # f32 like the loop's confidences, so host and loop compare the same numbers.
+    """The (100 - keep_percent)th percentile, in f32 like the loop's confidences (host and
+    loop compare the same numbers); -inf (stop nothing, every trace votes) with none."""
+    if not len(confidences):
+      return -math.inf
     xs = np.sort(np.asarray(confidences, np.float64))
     q = 100.0 - self.keep_percent
     if np.isinf(xs).any() and not np.isnan(xs).any():
@@ -396,8 +409,7 @@ class DeepConf(Policy):
     (no stopping) with this policy's sampling and window; the (100 - keep_percent)th
     percentile of all their confidences. Use it as `threshold` on other problems."""
     batch = ctl.generate(requests, self.loop_settings(), self.n)
-    return self._percentile([t.lowest_group_confidence for traces in batch.traces
-                             for t in traces])
+    return self._percentile(self._confidences([t for traces in batch.traces for t in traces]))
 
 
 @dataclasses.dataclass(frozen=True)

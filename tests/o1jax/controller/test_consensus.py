@@ -294,3 +294,47 @@ def test_warmup_traces_vote_in_the_loop_as_on_the_host(branch_model):
   silent = [r for r in results if any(t.answer is None for t in r.traces[:4])]
   assert silent and any(r not in started for r in silent), [
       [t.answer for t in r.traces[:4]] for r in silent]
+
+
+def test_error_traces_do_not_vote_in_the_loop():
+  """A forced answer prefix the model gives -inf: the trace's log p is not finite, the host
+  calls it an "error" with no answer. The loop counted its key as a vote, so the exact
+  rule (stop_when_decided) decided for "7" on votes the host then dropped (8 of 24 seeds
+  answered otherwise than without the stop; found by a helper's fuzz)."""
+  world = [("Q", " A", 9.0), ("Q", " B", 7.5), (" A", "</s>", 9.0), (" B", " B", 6.0),
+           (" B", "The answer is", 5.0), ("\n\n", "The answer is", -math.inf),
+           ("The answer is", " 7", 8.0), (" 7", "</s>", 9.0), (" 3", "</s>", 9.0),
+           (" B", " 3", -1000), (" 3", " 3", -1000)]
+  ctl = MockWorld(world, triggers=[(" B", {" 3": 30.0})]).controller()
+  requests = [ReasoningRequest(prompt="Q", request_id=i, seed=i) for i in range(24)]
+  policy = dict(name="deepconf", n=8, warmup=1, window=1, keep_percent=100.0,
+                consensus=math.inf, temperature=1.0, top_p=1.0, max_thinking_tokens=12,
+                answer_on_eos=True)
+  stop = ctl.run(requests, {**policy, "stop_when_decided": True})
+  free = ctl.run(requests, {**policy, "stop_when_decided": False})
+  assert any(t.exit_reason == "error" for r in free for t in r.traces)
+  assert [r.answer for r in stop] == [r.answer for r in free]
+
+
+def test_a_warmup_trace_without_a_token_sets_no_threshold():
+  """A warm-up trace that ended at its first token has confidence +inf; at the top rank it
+  made the per-request threshold +inf: every other trace stopped at its first window, and
+  with filter_votes the +inf floor left only that trace (no answer) to vote."""
+  world = [("Q", " A", 6.0), ("Q", "</s>", 4.0), (" A", " A", 5.0), (" A", "The answer is", 4.0),
+           ("The answer is", " 7", 8.0), (" 7", "</s>", 9.0), ("\n\n", "The answer is", 8.0)]
+  ctl = MockWorld(world).controller()
+  requests = [ReasoningRequest(prompt="Q", request_id=i, seed=i) for i in range(8)]
+  seen = 0
+  for filter_votes in (True, False):
+    policy = dict(name="deepconf", n=8, warmup=4, window=2, keep_percent=10.0,
+                  filter_votes=filter_votes, consensus=math.inf, temperature=1.0, top_p=1.0,
+                  max_thinking_tokens=8, answer_on_eos=False)
+    for r in ctl.run(requests, policy):
+      warm = r.traces[:4]
+      if not any(not t.token_ids for t in warm):
+        continue
+      seen += 1
+      measured = [t.lowest_group_confidence for t in warm if t.token_ids]
+      assert math.isfinite(r.info["threshold"]) and r.info["threshold"] <= max(measured)
+      assert r.answer == "7" and not all(t.stopped_low_confidence for t in r.traces[4:])
+  assert seen

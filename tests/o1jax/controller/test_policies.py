@@ -356,7 +356,10 @@ def test_controller_run_refuses_a_policy_that_is_no_policy():
   for section in ({"name": "greedy_cot", "max_thinking_tokens": 0},
                   {"name": "self_consistency", "step_delimiter": "", "n": 1},
                   {"name": "deepconf", "threshold": -1.0, "consensus": math.inf},
-                  {"name": "think_verify_backtrack", "exit_tau": 0.0}):
+                  {"name": "think_verify_backtrack", "exit_tau": 0.0},
+                  # no retry can happen, so no retry temperature is refused
+                  {"name": "think_verify_backtrack", "temperature": 0, "temp_bump": 1e-9,
+                   "max_backtracks": 0}):
     build_policy(section)
   res, = ctl.run(["Q"], {"name": "greedy_cot", "max_thinking_tokens": 0})
   assert res.answer == "7"
@@ -391,6 +394,7 @@ class _FakeCtl:
   """generate() hands out prepared traces; result() returns what the policy chose."""
   extract_answer = None
   budget = None
+  key_capacity = 24
 
   def __init__(self, *batches):
     self.batches = list(batches)
@@ -405,9 +409,9 @@ class _FakeCtl:
     return chosen, answer, dict(votes or {}), info
 
 
-def _trace(i, answer, conf=1.0, logprob=-1.0, stopped=False):
+def _trace(i, answer, conf=1.0, logprob=-1.0, stopped=False, token_ids=(5,)):
   from o1jax.controller.results import TokenCounts, Trace
-  return Trace(sample_index=i, token_ids=[], text="", thinking_text="", answer_text="",
+  return Trace(sample_index=i, token_ids=list(token_ids), text="", thinking_text="", answer_text="",
                answer=answer, steps=[], tokens=TokenCounts(), backtracks=0, early_exit=False,
                exit_reason="eos", mean_logprob=logprob, mean_confidence=conf,
                lowest_group_confidence=conf, tail_confidence=conf,
@@ -452,6 +456,11 @@ def test_deepconf_vote_with_an_infinite_warmup_confidence():
   pol = get_policy("deepconf", n=4, warmup=2, keep_percent=10.0, filter_votes=True)
   chosen, answer, votes, info = pol.run(_FakeCtl(warm, rest), [ReasoningRequest("Q")])[0]
   assert info["threshold"] == INF and (chosen, answer, votes) == (1, "8", {"8": INF})
+  # A trace that kept no token (+inf: no confidence at all) sets no threshold: the
+  # others' 10% cut stands, and every trace kept votes.
+  warm = [_trace(0, "7", conf=2.0), _trace(1, None, conf=INF, token_ids=())]
+  chosen, answer, votes, info = pol.run(_FakeCtl(warm, rest), [ReasoningRequest("Q")])[0]
+  assert info["threshold"] == 2.0 and (answer, votes) == ("7", {"7": 8.0})
   # a NaN confidence abstains from the weighted vote instead of crashing it
   warm = [_trace(0, "7", conf=NAN), _trace(1, "8", conf=1.0)]
   pol = get_policy("deepconf", n=2, warmup=2, keep_percent=100.0)
