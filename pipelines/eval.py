@@ -719,7 +719,8 @@ def main(argv):
   kept = log.close(keep=bool(local_log), move_to=local_log) if log else None
   for line in worker_warnings(kept):
     print(f"warning: {line}", file=sys.stderr)
-  keys = ("task", "policy", "examples", "samples", "accuracy", "pass_at_k", "dead_letters", "data")
+  keys = ("task", "policy", "examples", "samples", "accuracy", "accuracy_ci95", "pass_at_k",
+          "dead_letters", "data")
   print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
   from pipelines.report import recomputed_line, unscored_line

@@ -200,6 +200,18 @@ def accuracy_value(summary: dict) -> Optional[float]:
   return None
 
 
+def accuracy_interval(summary: dict) -> Optional[list[float]]:
+  """The 95% interval of the headline accuracy (`accuracy_value`'s metric) where the
+  summary has one (one 0/1 result per example: summary.json's `accuracy_ci95`)."""
+  acc, ci = summary.get("accuracy") or {}, summary.get("accuracy_ci95") or {}
+  if summary.get("task") == "suite":
+    return None
+  for k in HEADLINE_METRICS.get(summary.get("task"), ("pass@1", "strict", "flexible", "exact")):
+    if acc.get(k) is not None:
+      return ci.get(k)
+  return None
+
+
 def comparison_group(summary: dict) -> tuple:
   """What a run's accuracy is comparable within: its task and its data (the config's
   `dataset` section; a run written without its config: the task alone). Accuracies on
@@ -321,8 +333,11 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
              f"`{(cfg.get('dataset') or {}).get('name', '?')}`: {summary['examples']} examples, "
              f"{summary['samples']} samples ({num(summary['samples_per_example'], 2)} per example).")
   out += ["", "## Accuracy", ""]
-  out.append(table([[k, num(v, 4)] for k, v in (summary.get("accuracy") or {}).items()]
-                    + [["per-sample (mean)", num(summary.get("sample_accuracy"), 4)]], ["metric", "value"]))
+  ci = summary.get("accuracy_ci95") or {}
+  interval = lambda k: f"{num(ci[k][0], 4)} .. {num(ci[k][1], 4)}" if ci.get(k) else ""
+  out.append(table([[k, num(v, 4), interval(k)] for k, v in (summary.get("accuracy") or {}).items()]
+                   + [["per-sample (mean)", num(summary.get("sample_accuracy"), 4), ""]],
+                   ["metric", "value", "95% interval (Wilson, over examples)"]))
   if summary.get("pass_at_k"):
     out += ["", "### pass@k", "", table([[f"pass@{k}", num(v, 4)] for k, v in summary["pass_at_k"].items()],
                                          ["k", "value"])]
@@ -415,14 +430,16 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
                              else s["task"])
   legend = [f"- {task} [data {k}]: `{data}`" for task, ds in data_sets.items() if len(ds) > 1
             for data, k in ds.items()]
+  interval = lambda s: (f"{num(ci[0], 3)} .. {num(ci[1], 3)}"
+                        if (ci := accuracy_interval(s)) else "")
   rows = [[run_label(name, s), task_label(s, groups[i]), s["examples"], s["samples"],
-           num(accuracy_value(s), 4),
+           num(accuracy_value(s), 4), interval(s),
            num(s["tokens"].get("completion_per_example")), num(seconds[i], 2),
            num(s["latency_ms"].get("p50")), num(s["throughput"].get("completion_tokens_per_s")),
            "/".join(k for k, f in zip(("tokens", "seconds"), on_front) if i in f)]
           for i, (name, s) in enumerate(runs)]
   text = "\n".join(["# Run comparison", "",
-                    table(rows, ["run", "task", "examples", "samples", "accuracy",
+                    table(rows, ["run", "task", "examples", "samples", "accuracy", "95% interval",
                                   "tokens/example", "s/example", "P50 ms", "tok/s", "Pareto"]), "",
                     "Pareto: the run is on its task's accuracy-vs-cost frontier by tokens "
                     "and/or by wall seconds per example (runs of a task on different data, "

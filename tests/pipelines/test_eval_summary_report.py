@@ -400,3 +400,38 @@ def test_comparison_keeps_one_frontier_per_dataset(tmp_path):
   assert rows["greedy (hard)"].endswith("| tokens/seconds |") and "custom [data 2]" in rows["greedy (hard)"]
   assert rows["greedy (hard_long)"].endswith("|  |")  # dominated on its own data
   assert '- custom [data 2]: `{"name": "custom", "path": "hard.jsonl"}`' in md
+
+
+def test_accuracy_has_a_wilson_interval_where_examples_are_independent(tmp_path):
+  """One result per example (greedy, or a vote): the 95% Wilson interval, checked against
+  the formula by hand; several samples scored one by one get none (they are not
+  independent draws); the report and the comparison show it."""
+  import math
+
+  def wilson(k, n, z=1.959963984540054):
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [round(c - h, 4), round(c + h, 4)]
+
+  greedy = [_rec(i, 0, "5" if i < 15 else "4", "5", "5", 10.0, 3) for i in range(48)]
+  s = summarize(greedy, task="gsm8k")
+  assert s["accuracy"] == {"strict": 0.3125, "flexible": 1.0}
+  assert s["accuracy_ci95"] == {"strict": wilson(15, 48), "flexible": [wilson(48, 48)[0], 1.0]}
+  assert report.accuracy_interval(s) == wilson(15, 48)
+  voted = summarize(greedy + [_rec(i, 1, "5", "5", "5", 10.0, 3) for i in range(48)],
+                    task="gsm8k", vote=True)
+  assert voted["accuracy_ci95"]["strict"] == wilson(15, 48)  # "5" first among ties: 15 right
+  sampled = summarize(greedy + [_rec(i, 1, "5", "5", "5", 10.0, 3) for i in range(48)],
+                      task="gsm8k")
+  assert "accuracy_ci95" not in sampled
+  assert summarize([_rec(0, 0, "1", "1", "1", 10.0, 3)], task="gsm8k")["accuracy_ci95"][
+      "strict"] == wilson(1, 1)
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "summary.json").write_text(json.dumps({**s, "policy": "greedy"}))
+  md = report.write_comparison([tmp_path / "run"], tmp_path).read_text()
+  assert f"| {wilson(15, 48)[0]:.3f} .. {wilson(15, 48)[1]:.3f} |" in md
+  he = [{"example_id": f"h{i}", "example_index": i, "sample_index": 0, "policy": "greedy",
+         "reference": None, "answer": "", "correct": i < 3, "tokens": {}, "finish_reason": "stop",
+         "score": {"status": "passed" if i < 3 else "failed", "sandbox_error": False}}
+        for i in range(8)]
+  assert summarize(he, task="humaneval")["accuracy_ci95"] == {"pass@1": wilson(3, 8)}
