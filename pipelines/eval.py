@@ -721,7 +721,10 @@ def main(argv):
     print(f"warning: {line}", file=sys.stderr)
   keys = ("task", "policy", "examples", "samples", "accuracy", "accuracy_ci95", "pass_at_k",
           "dead_letters", "data")
-  print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
+  text = json.dumps({k: summary[k] for k in keys if k in summary}, indent=2)
+  # A list of numbers (an interval) on one line.
+  print(re.sub(r"\[\s+([-\d.,\s]*?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]",
+               text))
   print(f"wrote results.jsonl, summary.json and report.md under {output_dir}", file=sys.stderr)
   from pipelines.report import recomputed_line, unscored_line
   for line in (recomputed_line(summary), unscored_line(summary)):
