@@ -137,7 +137,9 @@ def attend_chunk(q, k, v, k_scale, v_scale, mask, kv_valid, carry, *, sm_scale: 
   p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
   l = l * alpha + jnp.sum(p, axis=1)
   if v_scale is not None:
-    p = p * v_scale[None, :]
+    # A slot past the length keeps its last owner's scale, NaN where that row was NaN:
+    # NaN x 0 is NaN, so the scale is masked too, not only the values.
+    p = p * jnp.where(kv_valid, v_scale, 0.0)[None, :]
   # Garbage (even NaN) in unused page slots must not reach the PV dot.
   v = jnp.where(kv_valid[:, None], v.astype(jnp.float32), 0.0).astype(cd)
   pv = jnp.dot(p.astype(cd), v, preferred_element_type=jnp.float32, precision=precision)

@@ -214,11 +214,16 @@ def accuracy_interval(summary: dict) -> Optional[list[float]]:
 
 def comparison_group(summary: dict) -> tuple:
   """What a run's accuracy is comparable within: its task and its data (the config's
-  `dataset` section; a run written without its config: the task alone). Accuracies on
-  other data do not compare: an easier dataset's run took a harder one's off the frontier."""
+  `dataset` section, a file named by its base name: `data.jsonl`, `./data.jsonl` and
+  `gs://b/data.jsonl` are one dataset; a run written without its config: the task
+  alone). Accuracies on other data do not compare: an easier dataset's run took a harder
+  one's off the frontier."""
   data = (summary.get("config") or {}).get("dataset")
-  return summary.get("task"), None if data is None else json.dumps(data, sort_keys=True,
-                                                                   default=str)
+  if data is None:
+    return summary.get("task"), None
+  data = {k: os.path.basename(str(v).rstrip("/")) if k.endswith("path") and v else v
+          for k, v in dict(data).items()}
+  return summary.get("task"), json.dumps(data, sort_keys=True, default=str)
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -428,8 +433,8 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
     data_sets.setdefault(task, {}).setdefault(data, len(data_sets.get(task, {})) + 1)
   task_label = lambda s, g: (f"{g[0]} [data {data_sets[g[0]][g[1]]}]" if len(data_sets[g[0]]) > 1
                              else s["task"])
-  legend = [f"- {task} [data {k}]: `{data}`" for task, ds in data_sets.items() if len(ds) > 1
-            for data, k in ds.items()]
+  legend = [f"- {task} [data {k}]: " + (f"`{data}`" if data else "no config in its summary")
+            for task, ds in data_sets.items() if len(ds) > 1 for data, k in ds.items()]
   interval = lambda s: (f"{num(ci[0], 3)} .. {num(ci[1], 3)}"
                         if (ci := accuracy_interval(s)) else "")
   rows = [[run_label(name, s), task_label(s, groups[i]), s["examples"], s["samples"],

@@ -37,7 +37,8 @@ def lowers_for_cuda(fn, *args) -> str:
 
 def make_paged_cache(rng, batch, kv_heads, head_dim, block_size, max_blocks, used, dtype,
                      fp8=False, scale_shape=None):
-  """Random paged K/V pools whose unused slots are NaN (kernels must never read them).
+  """Random paged K/V pools whose unused slots are NaN (kernels must never read them), and
+  so are their per-token FP8 scales (a slot keeps its last owner's, NaN where that row was).
 
   used[b] = tokens of sequence b that are real. Pages are assigned in a random
   order with spare blocks. Returns (k_pages, v_pages, block_tables, k_scale, v_scale);
@@ -60,8 +61,10 @@ def make_paged_cache(rng, batch, kv_heads, head_dim, block_size, max_blocks, use
   if fp8:
     scale_shape = scale_shape or (nb, block_size, kv_heads)
     scale_shape = tuple(nb if s == "nb" else s for s in scale_shape)
-    ks = jnp.asarray(rng.uniform(0.25, 2.0, size=scale_shape), jnp.float32)
-    vs = jnp.asarray(rng.uniform(0.25, 2.0, size=scale_shape), jnp.float32)
+    ks, vs = (rng.uniform(0.25, 2.0, size=scale_shape).astype(np.float32) for _ in range(2))
+    if scale_shape == (nb, block_size, kv_heads):
+      ks[~live], vs[~live] = np.nan, np.nan
+    ks, vs = jnp.asarray(ks), jnp.asarray(vs)
     kp, vp = (jnp.asarray(p).astype(jnp.float8_e4m3fn) for p in pools)
   else:
     kp, vp = (jnp.asarray(p, dtype) for p in pools)

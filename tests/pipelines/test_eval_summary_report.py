@@ -387,18 +387,22 @@ def test_comparison_keeps_one_frontier_per_dataset(tmp_path):
             "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
             "config": {"dataset": {"name": "custom", "path": path}}}
   runs = {"easy": summary("easy.jsonl", 0.9, 10), "hard": summary("hard.jsonl", 0.3, 50),
-          "hard_long": summary("hard.jsonl", 0.2, 80)}
+          "hard_long": summary("./hard.jsonl", 0.2, 80),  # one file, however it is named
+          "hard_gcs": summary("gs://b/data/hard.jsonl", 0.3, 60)}
   for name, s in runs.items():
     (tmp_path / name).mkdir()
     (tmp_path / name / "summary.json").write_text(json.dumps(s))
   md = report.write_comparison([tmp_path / "easy", tmp_path / "hard", tmp_path / "hard_long",
-                                str(tmp_path / "hard") + "/"], tmp_path).read_text()
+                                tmp_path / "hard_gcs", str(tmp_path / "hard") + "/"],
+                               tmp_path).read_text()
   rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
           if line.startswith("| greedy")}
-  assert len(rows) == 3
+  assert len(rows) == 4
   assert rows["greedy (easy)"].endswith("| tokens/seconds |") and "custom [data 1]" in rows["greedy (easy)"]
   assert rows["greedy (hard)"].endswith("| tokens/seconds |") and "custom [data 2]" in rows["greedy (hard)"]
   assert rows["greedy (hard_long)"].endswith("|  |")  # dominated on its own data
+  # dominated by tokens; the same seconds as "hard" (a tie stays on the frontier)
+  assert rows["greedy (hard_gcs)"].endswith("| seconds |") and "custom [data 2]" in rows["greedy (hard_gcs)"]
   assert '- custom [data 2]: `{"name": "custom", "path": "hard.jsonl"}`' in md
 
 
