@@ -246,6 +246,11 @@ class DeepConf(Policy):
   (default) is the paper's per-request threshold."""
 
   name: ClassVar[str] = "deepconf"
+  # Raised when the vote or threshold rules change what a sample computes: a stored
+  # sample's content key holds it (other policies' stores stay). 2 (2026-12-06): the
+  # loop votes as the host does (no-token and error traces abstain, warm-up priors are
+  # the host's answers); thresholds over the traces that kept a token.
+  RULES: ClassVar[int] = 2
   n: int = 8
   warmup: int = 2
   keep_percent: float = 10.0
@@ -279,6 +284,9 @@ class DeepConf(Policy):
   @property
   def cross_row_stops(self) -> bool:
     return self.consensus <= 1.0 or self.stop_when_decided
+
+  def sample_identity(self) -> dict[str, Any]:
+    return {**super().sample_identity(), "rules": self.RULES}
 
   def loop_settings(self) -> LoopSettings:
     return self.settings(conf_window=self.window)

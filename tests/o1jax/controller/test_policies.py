@@ -466,3 +466,10 @@ def test_deepconf_vote_with_an_infinite_warmup_confidence():
   pol = get_policy("deepconf", n=2, warmup=2, keep_percent=100.0)
   chosen, answer, _, _ = pol.run(_FakeCtl(warm), [ReasoningRequest("Q")])[0]
   assert (chosen, answer) == (1, "8")
+
+
+def test_deepconf_content_keys_carry_its_rules_version():
+  # Its vote and threshold rules changed what a sample computes (2026-12-06): stores of
+  # the earlier rules are computed again, other policies' are kept.
+  assert get_policy("deepconf").sample_identity()["rules"] == 2
+  assert "rules" not in get_policy("self_consistency").sample_identity()
