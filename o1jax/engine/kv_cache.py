@@ -38,13 +38,15 @@ def token_slots(block_tables: jax.Array, starts: jax.Array, write_lens: jax.Arra
                 block_size: int, num_blocks: int):
   """Physical (block, offset) of token t' of row b, at position starts[b] + t'.
 
-  Returns (block [B, T], offset [B, T]); tokens t' >= write_lens[b] get block =
-  num_blocks, which `.at[].set(mode="drop")` discards."""
+  Returns (block [B, T], offset [B, T]); tokens t' >= write_lens[b], and tokens past
+  the table's blocks (clamped onto its last block, they overwrote its earlier tokens),
+  get block = num_blocks, which `.at[].set(mode="drop")` discards."""
   ts = jnp.arange(t, dtype=jnp.int32)
   pos = starts.astype(jnp.int32)[:, None] + ts[None, :]  # [B, T]
-  logical = jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)
+  mb = block_tables.shape[1]
+  logical = jnp.clip(pos // block_size, 0, mb - 1)
   block = jnp.take_along_axis(block_tables, logical, axis=1)
-  valid = ts[None, :] < write_lens[:, None]
+  valid = (ts[None, :] < write_lens[:, None]) & (pos // block_size < mb)
   return jnp.where(valid, block, num_blocks), pos % block_size
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from o1jax.engine import BlockAllocator, BlockState, OutOfBlocks, PagedKVCache, copy_blocks
 from o1jax.engine import reserve_for_append, share_rows, truncate_rows
-from o1jax.engine.kv_cache import write_pages_fp8
+from o1jax.engine.kv_cache import write_pages, write_pages_fp8
 from pallas_kernels import native
 from pallas_kernels.paged_attention import gather_kv
 from o1jax.model import KVCache
@@ -284,3 +284,24 @@ def test_copy_blocks_never_converts_the_whole_pool(dtype):
   # convert inside a gather fusion only touches the gathered blocks.
   whole = re.findall(r"= f32\[440,16,3,64\]\{[^}]*\} (?:fusion|scatter)\(", hlo)
   assert not whole, whole
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_writes_past_the_block_table_are_dropped(dtype):
+  """A 3-block table of block size 3 holds 9 positions; 4 tokens written at 8 put the
+  last 3 past it. They are dropped: they used to land on the last block's slots 0 and 1
+  (the table index clamped), overwriting positions 6 and 7."""
+  cache = PagedKVCache.create(1, 6, 3, 1, 2, dtype, batch=1, max_blocks=3)
+  tables = jnp.asarray([[4, 2, 5]], jnp.int32)
+  first = jnp.arange(1.0, 17.0).reshape(1, 8, 1, 2)  # positions 0..7
+  later = jnp.full((1, 4, 1, 2), 99.0)  # positions 8..11
+  k, s = cache.k_pages[0], cache.k_scale[0] if cache.is_fp8 else None
+  for new, start in ((first, 0), (later, 8)):
+    starts, lens = jnp.asarray([start]), jnp.asarray([new.shape[1]])
+    if cache.is_fp8:
+      k, s = write_pages_fp8(k, s, new, tables, starts, lens)
+    else:
+      k = write_pages(k, new, tables, starts, lens)
+  got = np.asarray(gather_kv(k, s, tables))[0, :, 0]
+  np.testing.assert_allclose(got[:8], np.asarray(first)[0, :, 0], rtol=0.07)  # e4m3: 3 bits
+  np.testing.assert_array_equal(got[8], [99.0, 99.0])
