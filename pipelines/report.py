@@ -186,30 +186,31 @@ def _answer_key(answer: str) -> Optional[str]:
   return extract_number(str(answer), prefix="")
 
 
+def _headline_metric(summary: dict) -> Optional[str]:
+  """The accuracy metric a (non-suite) run is ranked by (`HEADLINE_METRICS`), if it has it."""
+  acc = summary.get("accuracy") or {}
+  for k in HEADLINE_METRICS.get(summary.get("task"), ("pass@1", "strict", "flexible", "exact")):
+    if acc.get(k) is not None:
+      return k
+  return None
+
+
 def accuracy_value(summary: dict) -> Optional[float]:
   """Headline accuracy (`HEADLINE_METRICS`); the suite's is the mean of its categories'
   headlines (None while one has none)."""
   acc = summary.get("accuracy") or {}
-  task = summary.get("task")
-  if task == "suite":
+  if summary.get("task") == "suite":
     values = list(acc.values())
     return round(sum(values) / len(values), 4) if values and None not in values else None
-  for k in HEADLINE_METRICS.get(task, ("pass@1", "strict", "flexible", "exact")):
-    if acc.get(k) is not None:
-      return acc[k]
-  return None
+  k = _headline_metric(summary)
+  return None if k is None else acc[k]
 
 
 def accuracy_interval(summary: dict) -> Optional[list[float]]:
-  """The 95% interval of the headline accuracy (`accuracy_value`'s metric) where the
-  summary has one (one 0/1 result per example: summary.json's `accuracy_ci95`)."""
-  acc, ci = summary.get("accuracy") or {}, summary.get("accuracy_ci95") or {}
-  if summary.get("task") == "suite":
-    return None
-  for k in HEADLINE_METRICS.get(summary.get("task"), ("pass@1", "strict", "flexible", "exact")):
-    if acc.get(k) is not None:
-      return ci.get(k)
-  return None
+  """The 95% interval of the headline accuracy where the summary has one (one 0/1 result
+  per example: summary.json's `accuracy_ci95`; none for the suite's mean)."""
+  k = None if summary.get("task") == "suite" else _headline_metric(summary)
+  return None if k is None else (summary.get("accuracy_ci95") or {}).get(k)
 
 
 def comparison_group(summary: dict) -> tuple:

@@ -158,13 +158,12 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     out["sandbox_errors"] = len(all_samples) - len(samples)
     return out
   n_ex = max(len(groups), 1)
-  scored_set = {id(r) for r in samples}
   if task == "gsm8k" or any("strict_answer" in r["score"] for r in samples):
     kinds = (("strict", "strict_answer", "strict_correct"), ("flexible", "flexible_answer", "flexible_correct"))
   else:
     kinds = (("exact", None, "correct"),)
   acc, ci = {}, {}
-  one_each = all(sum(id(r) in scored_set for r in g) == 1 for g in groups)
+  one_each = all(len(scored_samples(g)) == 1 for g in groups)
   for kind, answer_field, correct_field in kinds:
     if vote and answer_field:
       right = 0

@@ -750,6 +750,12 @@ class Controller:
     after = self.tokenizer.encode("\n\n" + prefix)
     return self.tokenizer.encode(self.thinking.close) + after, 0, after if prefix.strip() else []
 
+  def key_codes(self, answer: Optional[str]) -> Optional[list[int]]:
+    """The loop's key codes of an answer, None where it cannot hold them (no number, or
+    longer than `key_capacity`): such a vote is unknown there (a wildcard)."""
+    codes = None if answer is None else answers.text_key(answer)
+    return codes if codes is not None and len(codes) <= self.key_capacity else None
+
   def prior_entries(self, votes, q: int, group: int, at: Sequence[int] | None = None):
     """Arrays (group, key, key_len, known, weight) of [q] prior-vote entries holding
     `votes` ((answer key or None, weight)) of `group` at positions `at` (default
@@ -761,8 +767,8 @@ class Controller:
     prior_known = np.zeros(q, bool)
     prior_weight = np.zeros(q, np.float32)
     for i, (key, weight) in zip(range(q) if at is None else at, votes):
-      codes = None if key is None else answers.text_key(key)
-      known = codes is not None and len(codes) <= a
+      codes = self.key_codes(key)
+      known = codes is not None
       prior_group[i], prior_known[i], prior_weight[i] = group, known, weight
       if known:
         prior_key[i, :len(codes)] = codes

@@ -194,9 +194,9 @@ class ReasoningLoop:
     Candidates are this batch's rows plus the prior votes of the host. A finished
     row votes (weight = its confidence) unless it was stopped, is below the vote
     floor, kept no token or has a log p that is not finite (the host's "error"; `s`
-    holds this iteration's conf_count and lp_total); a running row may still add at most its current lowest group
-    confidence (min only falls; +inf before a full window), 0 if that is below
-    the floor. Decided: the leader's lead over the runner-up exceeds what the
+    holds this iteration's conf_count and lp_total); a running row may still add at
+    most its current lowest group confidence (min only falls; +inf before a full
+    window), 0 if that is below the floor. Decided: the leader's lead over the runner-up exceeds what the
     running rows and the unknown-key votes could add (stop_decided), or the
     leader holds `consensus` of the cast votes with >= consensus_min voters."""
     b = phase.shape[0]

@@ -26,7 +26,6 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from o1jax.controller import answers
 from o1jax.controller.answers import best_index, weighted_vote
 from o1jax.controller.controller import Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
@@ -337,9 +336,8 @@ class DeepConf(Policy):
     rule that is on. (Otherwise the loop decides: a split vote's share, and
     stop_when_decided, which needs a full window of every running trace.)"""
     cast = [key for key, weight in votes if weight > 0]
-    codes = answers.text_key(cast[0]) if cast and cast[0] is not None else None
     return (self.consensus <= 1.0 and len(cast) >= self.consensus_min_votes
-            and codes is not None and len(codes) <= ctl.key_capacity and len(set(cast)) == 1)
+            and ctl.key_codes(cast[0]) is not None and len(set(cast)) == 1)
 
   def _online_settings(self, st, consensus: bool):
     if not consensus:

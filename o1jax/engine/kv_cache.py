@@ -43,10 +43,10 @@ def token_slots(block_tables: jax.Array, starts: jax.Array, write_lens: jax.Arra
   get block = num_blocks, which `.at[].set(mode="drop")` discards."""
   ts = jnp.arange(t, dtype=jnp.int32)
   pos = starts.astype(jnp.int32)[:, None] + ts[None, :]  # [B, T]
+  logical = pos // block_size
   mb = block_tables.shape[1]
-  logical = jnp.clip(pos // block_size, 0, mb - 1)
-  block = jnp.take_along_axis(block_tables, logical, axis=1)
-  valid = (ts[None, :] < write_lens[:, None]) & (pos // block_size < mb)
+  block = jnp.take_along_axis(block_tables, jnp.clip(logical, 0, mb - 1), axis=1)
+  valid = (ts[None, :] < write_lens[:, None]) & (logical < mb)
   return jnp.where(valid, block, num_blocks), pos % block_size
 
 
