@@ -293,10 +293,28 @@ def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
   return jnp.where(past_end, _last_positive(weights), blk * c + j).astype(jnp.int32)
 
 
+def _scaled(logits, temperature) -> jax.Array:
+  """[B, V] f32 logits / temperature, the values a sampled row draws from by softmax.
+
+  A row with +inf logits puts all its mass on them (equally): as logits 0 among -inf
+  (exp(inf - inf) would make every weight NaN). A row whose finite logits overflow when
+  divided (|logit| > f32 max x temperature) is divided after subtracting its largest
+  logit: the same softmax, now without inf - inf; other rows keep the plain quotient,
+  so their draws do not change by a rounding."""
+  x = logits.astype(jnp.float32)
+  t = jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
+  # One pass over the row finds both cases: its largest value (NaN aside) is +inf, or
+  # finite with a quotient that is not (the row's other quotients are then finite or -inf).
+  top = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1, keepdims=True)
+  overflow = jnp.isfinite(top) & ~jnp.isfinite(top / t)
+  return jnp.where(top == jnp.inf, jnp.where(x == jnp.inf, 0.0, -jnp.inf),
+                   jnp.where(overflow, (x - top) / t, x / t))
+
+
 def filter_threshold(logits, temperature, top_k, top_p, min_p) -> jax.Array:
   """[B] the smallest scaled logit (logits / temperature) a row keeps after top-k,
   top-p and min-p: `sample` draws from softmax(scaled) restricted to scaled >= it."""
-  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
+  scaled = _scaled(logits, temperature)
   k_on, p_on, lse, m_cut = _filters(scaled, top_k, top_p, min_p)
   return jnp.maximum(_threshold_by_search(scaled, lse, top_k, top_p, k_on, p_on), m_cut)
 
@@ -356,12 +374,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     return first_argmax(logits)
 
   def sampled(_):
-    x = logits.astype(jnp.float32)
-    # A row with +inf logits puts all its mass on them (equally): as logits 0 among -inf
-    # (exp(inf - inf) would make every weight NaN). Greedy rows' argmax already takes them.
-    posinf = x == jnp.inf
-    x = jnp.where(jnp.any(posinf, axis=-1, keepdims=True), jnp.where(posinf, 0.0, -jnp.inf), x)
-    scaled = x / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
+    scaled = _scaled(logits, temperature)
     v = scaled.shape[-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
 

@@ -373,3 +373,49 @@ def test_what_the_caller_knows_of_the_rows_keeps_the_tokens(vocab):
   general = sample(logits, keys, t, top_k, top_p, min_p)
   np.testing.assert_array_equal(
       sample(logits, keys, t, top_k, top_p, min_p, all_sampled=True, filters=True), general)
+
+
+@pytest.mark.parametrize("vocab", [100, 1000])  # candidates = the whole row / a part of it
+def test_logits_that_overflow_when_scaled_draw_from_the_same_softmax(vocab):
+  """Finite logits past f32 max x temperature (inf once divided): the row draws from the
+  softmax the quotient means (before, inf - inf made every weight NaN and the draw
+  landed anywhere). The scale by 1e30 keeps the gaps: softmax(1e30 x / 1e-6)'s mass is
+  on the row's maximum, and the rows beside it keep their tokens."""
+  rng = np.random.default_rng(vocab)
+  n = 64
+  row = rng.standard_normal(vocab).astype(np.float32)
+  row[17] = 4.0  # the maximum, by a gap far past the temperature
+  huge = np.repeat(row[None] * np.float32(1e35), n, 0)
+  huge[1, ::2] = -np.inf
+  huge[1, 17] = row[17] * 1e35
+  keys = jax.random.split(jax.random.PRNGKey(3), n)
+  full = lambda x, dt: jnp.full((n,), x, dt)
+  for k, p, m in [(0, 1.0, 0.0), (0, 0.9, 0.0), (40, 1.0, 0.0), (0, 1.0, 0.1)]:
+    ids = np.asarray(jax.jit(sample)(jnp.asarray(huge), keys, full(1e-6, jnp.float32),
+                                     full(k, jnp.int32), full(p, jnp.float32),
+                                     full(m, jnp.float32)))
+    assert set(ids.tolist()) == {17}, (k, p, m, sorted(set(ids.tolist()))[:5])
+  from o1jax.model.sampling import filter_threshold
+  cut = np.asarray(filter_threshold(jnp.asarray(huge[:2]), jnp.full((2,), 1e-6, jnp.float32),
+                                    jnp.full((2,), 40, jnp.int32), jnp.ones(2, jnp.float32),
+                                    jnp.zeros(2, jnp.float32)))
+  # (the 40th value is -inf: the others are past the range below the max)
+  assert not np.isnan(cut).any() and (cut <= 0).all()  # the max's shifted value is 0
+  normal = np.asarray(sample(jnp.asarray(row[None].repeat(2, 0)), keys[:2],
+                             jnp.full((2,), 0.7, jnp.float32), jnp.zeros(2, jnp.int32),
+                             jnp.ones(2), jnp.zeros(2)))
+  plain = np.asarray(sample(jnp.asarray(np.stack([row, row * 1e35])), keys[:2],
+                            jnp.asarray([0.7, 0.7], jnp.float32), jnp.zeros(2, jnp.int32),
+                            jnp.ones(2), jnp.zeros(2)))
+  assert plain[0] == normal[0]  # a row without overflow keeps its draw beside one with it
+
+
+def test_filter_threshold_maps_infinite_logits_as_the_draw_does():
+  """filter_threshold reads the values `sample` draws from: +inf logits as 0 among -inf."""
+  from o1jax.model.sampling import filter_threshold
+  row = np.random.default_rng(4).standard_normal((1, 500)).astype(np.float32)
+  row[0, [5, 9]] = np.inf
+  cut = np.asarray(filter_threshold(jnp.asarray(row), jnp.ones(1, jnp.float32),
+                                    jnp.full((1,), 2, jnp.int32), jnp.ones(1, jnp.float32),
+                                    jnp.zeros(1, jnp.float32)))
+  assert cut[0] == 0.0  # the two infinite tokens' value; the others are -inf
