@@ -40,11 +40,13 @@ def unscored_line(summary: dict) -> str:
   sample without a verdict (a dead letter, a sandbox error) is not counted wrong."""
   lost = summary.get("unscored") or {}
   samples, examples = int(lost.get("samples") or 0), int(lost.get("examples") or 0)
+  unknown = int(lost.get("unidentified") or 0)
   errors = int(summary.get("sandbox_errors") or 0)
   missing = summary.get("missing_categories") or []
-  if not (samples or examples or errors or missing):
+  if not (samples or examples or unknown or errors or missing):
     return ""
   parts = ([f"{samples} samples went to dead letters (dead_letters.jsonl)"] if samples else []) + (
+      [f"{unknown} failures of unknown work items (dead_letters.jsonl)"] if unknown else []) + (
       [f"{errors} samples were sandbox errors (their records' score.detail)"] if errors else []) + (
       [f"no record of the suite categories {', '.join(missing)} (no headline accuracy "
        "without them)"] if missing else [])

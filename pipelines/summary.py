@@ -26,6 +26,7 @@ No Beam: the report and tests use it directly.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -80,7 +81,8 @@ def coefficient_of_variation(values: Sequence[float]) -> Optional[float]:
 
 
 def _round(x, nd=3):
-  return None if x is None else round(float(x), nd)
+  """x rounded; None for None and for NaN / inf (summary.json stays strict JSON)."""
+  return None if x is None or not math.isfinite(float(x)) else round(float(x), nd)
 
 
 def majority(answers: Sequence[Optional[str]],
@@ -203,15 +205,18 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
 def unscored(records: Sequence[dict], dead_letters: Sequence[dict]) -> dict[str, int]:
   """Work items that went to dead letters (inference, scoring) and have no record: left out
   of accuracy, not counted wrong; `examples`: those with no scored sample at all (their
-  samples dead letters or sandbox errors). A resumed
-  run's later record for an item supersedes its old dead letter."""
+  samples dead letters or sandbox errors); `unidentified`: failures whose work items are
+  not known (a batch the runner could not take apart), so nothing says which examples
+  they cost. A resumed run's later record for an item supersedes its old dead letter."""
   done = {(r["example_id"], r["sample_index"]) for r in records}
-  lost = {(d["example_id"], d.get("sample_index")) for d in dead_letters
-          if d.get("stage") != "input" and d.get("example_id") is not None} - done
+  after_input = [d for d in dead_letters if d.get("stage") != "input"]
+  lost = {(d["example_id"], d.get("sample_index")) for d in after_input
+          if d.get("example_id") is not None} - done
   # An example whose records are all sandbox errors has no verdict either (pass@k leaves it out).
   scored = {r["example_id"] for r in scored_samples(records)}
   examples = {e for e, _ in lost} | {r["example_id"] for r in records}
-  return {"samples": len(lost), "examples": len(examples - scored)}
+  return {"samples": len(lost), "examples": len(examples - scored),
+          "unidentified": sum(d.get("example_id") is None for d in after_input)}
 
 
 def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:

@@ -258,11 +258,16 @@ def test_dead_letters_and_sandbox_errors_are_left_out_and_counted():
           {"stage": "inference", "reason": "too long", "example_id": "e1", "sample_index": 1},
           {"stage": "inference", "reason": "too long", "example_id": "e2", "sample_index": 0},
           {"stage": "scoring", "reason": "boom", "example_id": "e2", "sample_index": 1},
-          {"stage": "inference", "reason": "stale", "example_id": "e0", "sample_index": 0}]  # resumed since
+          {"stage": "inference", "reason": "stale", "example_id": "e0", "sample_index": 0},  # resumed since
+          {"stage": "inference", "reason": "a batch not taken apart"}]  # items unknown
   s = summarize(records, dead, task="gsm8k", vote=False)
   assert s["examples"] == 2 and s["accuracy"] == {"strict": 0.6667, "flexible": 0.6667}
-  assert s["unscored"] == {"samples": 3, "examples": 1}
-  assert s["dead_letters"]["total"] == 5
+  assert s["unscored"] == {"samples": 3, "examples": 1, "unidentified": 1}
+  assert s["dead_letters"]["total"] == 6
+  assert report.unscored_line(s) == (
+      "Left out of accuracy (not counted wrong): 3 samples went to dead letters "
+      "(dead_letters.jsonl); 1 failures of unknown work items (dead_letters.jsonl); "
+      "1 examples with no scored sample")
   # HumanEval: a sandbox error is the harness's failure, not the model's.
   def he(ex, i, passed, sandbox_error=False):
     return {"example_id": f"h{ex}", "example_index": ex, "sample_index": i, "policy": "sample_n",
@@ -276,11 +281,21 @@ def test_dead_letters_and_sandbox_errors_are_left_out_and_counted():
   assert s["sample_accuracy"] == 0.5
   # h1, left out of pass@k, is counted (was not: `examples` said 2, pass@k averaged 1),
   # and the console and report say so.
-  assert s["unscored"] == {"samples": 0, "examples": 1}
+  assert s["unscored"] == {"samples": 0, "examples": 1, "unidentified": 0}
   assert report.unscored_line(s) == (
       "Left out of accuracy (not counted wrong): 3 samples were sandbox errors (their records' "
       "score.detail); 1 examples with no scored sample")
   assert report.unscored_line(summarize(recs[:1], task="humaneval")) == ""
+
+
+def test_a_non_finite_latency_gives_null_not_nan():
+  """A record whose timing holds NaN or inf (hand-merged results) leaves summary.json
+  strict JSON: the statistics it spoils are null."""
+  recs = [_rec(0, 0, "5", "5", "5", float("nan"), 2), _rec(1, 0, "4", "4", "4", 10.0, 2),
+          _rec(2, 0, "3", "3", "3", float("inf"), 2)]
+  s = summarize(recs, task="gsm8k")
+  json.dumps(s, allow_nan=False)
+  assert s["latency_ms"]["max"] is None and s["accuracy"]["strict"] == 1.0
 
 
 def test_empty_and_all_unscored_runs_give_no_nan():
@@ -290,7 +305,7 @@ def test_empty_and_all_unscored_runs_give_no_nan():
                     task=task, vote=vote)
       json.dumps(s, allow_nan=False)
       assert s["accuracy"] == {} and s["sample_accuracy"] is None
-      assert s["unscored"] == {"samples": 1, "examples": 1}
+      assert s["unscored"] == {"samples": 1, "examples": 1, "unidentified": 0}
   only_errors = [{"example_id": "h0", "example_index": 0, "sample_index": 0, "policy": "greedy", "reference": None,
                   "answer": "", "correct": False, "tokens": {}, "finish_reason": "stop",
                   "score": {"status": "sandbox_error", "sandbox_error": True}}]
