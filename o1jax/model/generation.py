@@ -224,7 +224,10 @@ class Generator:
     n = len(ids)
     longest = max(len(p) for p in ids)
     self._check_call(ids, max_new_tokens, params, request_ids, stop)
-    max_new_tokens = min(max_new_tokens, self.config.max_context - longest)
+    # Each prompt's own room in the context (one limit for the batch cut every output to
+    # the room its longest prompt left).
+    room = [min(max_new_tokens, self.config.max_context - len(p)) for p in ids]
+    max_new_tokens = max(room)
     b = pow2_bucket(n)
     t = pow2_bucket(longest, 16)
     cache_len = pow2_bucket(t + max_new_tokens, 256)
@@ -278,6 +281,8 @@ class Generator:
         if stop and thinking_lib.hits_stop(spans[i], out[i], stop, visible,
                                            self.tokenizer.decode):
           done[i], reasons[i] = True, "stop"
+        elif len(out[i]) >= room[i]:
+          done[i] = True  # (reason "length")
       if done.all() or step == max_new_tokens - 1:
         break
       (next_ids, finite), cache = self._decode(self._state, next_ids, jnp.asarray(positions), cache,

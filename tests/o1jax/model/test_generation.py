@@ -44,6 +44,20 @@ def test_batch_with_padding_equals_single(tiny):
     assert b.prompt_tokens == len(p)
 
 
+def test_each_prompt_keeps_its_own_room_in_the_context(tiny):
+  """A prompt near the context (64) beside a short one: each gets the tokens it gets alone
+  (the batch used to cut every output to the room its longest prompt left)."""
+  _, gen = tiny
+  prompts = [[5, 6, 7], list(range(10, 68))]  # 3 and 58 tokens: 61 and 6 left
+  batched = gen.generate(prompts, max_new_tokens=20)
+  alone = [gen.generate([p], max_new_tokens=20)[0] for p in prompts]
+  for a, b in zip(alone, batched):
+    assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+  assert len(alone[0].token_ids) > 6  # past the long prompt's room
+  assert len(alone[1].token_ids) <= 6
+  assert list(gen.stream(prompts[0], max_new_tokens=20)) == alone[0].token_ids
+
+
 def test_sampling_is_seeded_and_independent_of_batch(tiny):
   _, gen = tiny
   # The random tiny model's logits are peaked (~40): a high temperature makes sampling matter.
