@@ -545,6 +545,14 @@ class Controller:
       raise ValueError(f"prompt has {prompt_tokens} tokens: with max_answer_tokens="
                        f"{settings.max_answer_tokens} and the forced text it does not fit the "
                        f"model's context of {limit} tokens")
+    if isinstance(settings.verifier, SelfVerify):
+      # Its probe is written after a thinking step (a forced "Wait" may precede it) and
+      # its verdict read there: inside the context too (it was read past it). Without
+      # room for one, the trace thinks no step and answers. (The answer probe reads the
+      # forced end of thinking, which the room above holds.)
+      probe = (len(self.tokenizer.encode(settings.verifier.probe))
+               + len(self.tokenizer.encode(settings.wait_text)))
+      room = max(0, min(room, limit - prompt_tokens - probe))
     return room
 
   def thinking_limit(self, settings: LoopSettings, request: ReasoningRequest,
@@ -562,7 +570,8 @@ class Controller:
       if not self._warned_thinking_limit:  # once: a job's console shows it (not per request)
         self._warned_thinking_limit = True
         log.warning("controller: max_thinking_tokens=%d does not fit the model's context of %d "
-                    "tokens beside the prompt and the answer budget; lowered per request "
+                    "tokens beside the prompt and the answer budget (or a verifier's probe); "
+                    "lowered per request "
                     "(first: %d tokens for a %d-token prompt), reported as thinking_limit in "
                     "the result info and the record's trace", settings.max_thinking_tokens,
                     limit, room, prompt_tokens)

@@ -545,3 +545,40 @@ def test_traces_drawn_from_non_finite_logits_exit_error_without_an_answer(tmp_pa
   assert [(t.exit_reason, t.answer) for t in result.traces] == [("error", None)] * 2
   assert result.answer is None
   assert any("logits were not finite" in r.getMessage() for r in caplog.records)
+
+
+def test_a_self_verify_probe_is_read_inside_the_models_context(tmp_path, monkeypatch):
+  """The thinking budget near the context leaves room for the verifier's probe (written
+  after a step, a forced "Wait" before it), whose verdict is read at the probe's last
+  position: every logit the loop computes lies inside the context. Before, a 90-token
+  prompt (context 136) read a 40-token probe's verdict at position 137."""
+  import jax
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.controller import paged_model
+  from o1jax.model import Llama
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+
+  write_hf_checkpoint(tmp_path, tiny_config(max_context=136), seed=6)  # (its own programs)
+  ck = load_checkpoint(tmp_path)
+  read = []
+  forward = paged_model.PagedLlama.forward
+
+  def recording(self, params, cache, tokens, starts, logits_at):
+    jax.debug.callback(lambda s, at: read.append(int(np.max(s + at))), starts, logits_at)
+    return forward(self, params, cache, tokens, starts, logits_at)
+
+  monkeypatch.setattr(paged_model.PagedLlama, "forward", recording)
+  ctl = Controller(PagedLlama(Llama(ck.config, ck.params), block_size=16), ck.tokenizer,
+                   probe_capacity=64)
+  policy = get_policy("think_verify_backtrack", max_thinking_tokens=64, max_answer_tokens=8,
+                      step_max_tokens=8)
+  settings = policy.loop_settings()
+  probe = len(ck.tokenizer.encode(settings.verifier.probe)) + len(
+      ck.tokenizer.encode(settings.wait_text))
+  rng = np.random.default_rng(0)
+  for length in (60, 90):
+    read.clear()
+    result, = ctl.run([rng.integers(3, 259, size=length).tolist()], policy)
+    assert read and max(read) < 136
+    assert result.info.get("thinking_limit", 64) == min(64, max(0, 136 - length - probe))
+  assert result.tokens.probe == 0  # no room for a probe: no step was verified
