@@ -622,7 +622,9 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     fp["tensor_parallel"] = tp
   budget = dict(spec.budget)
   if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing
-    fp["budget"] = budget
+    from o1jax.engine.budget import BudgetConfig
+    # Its checked form: 5 and 5.0, a section and its defaults written out, are one budget.
+    fp["budget"] = dataclasses.asdict(BudgetConfig.from_dict(budget))
   cache = dict(spec.controller)
   if spec.name == "controller" and cache.get("cache", "contiguous") != "contiguous":
     # The paged cache's attention kernels add in another order (contiguous keeps old hashes);

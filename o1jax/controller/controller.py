@@ -1178,6 +1178,7 @@ class Controller:
     order = range(r) if self.admission == "fifo" else sorted(range(r), key=lambda i: (limits[i], i))
     waiting = collections.deque(order)
     in_slot: dict[int, list] = {}  # slot -> [request index, admitted at, loop calls]
+    arrived = time.perf_counter()  # every request of the call is known (waiting) from now
 
     def fill(state, free):
       picked = [(g, waiting.popleft()) for g in free[:len(waiting)]]
@@ -1286,8 +1287,8 @@ class Controller:
             log = self._latency_log.setdefault(requests[i].request_id,
                                                {"token_ms": [], "ttft_s": ttft[i]})
             log["token_ms"] += token_ms[i]
-          if budget is not None:
-            budget.observe_request(wall[i])
+          if budget is not None:  # end to end, as the engine's: the wait for a slot too
+            budget.observe_request(now - arrived)
         if waiting:
           state = fill(state, finished)
           lengths = np.asarray(state.length)
@@ -1309,13 +1310,19 @@ class Controller:
     kv_use = (float(cache.blocks_in_use) / cache.blocks.num_blocks
               if hasattr(cache, "blocks_in_use") else 0.0)
     # Load against the controller's capacity (max_rows // n slots), not this call's slots.
+    ticked = time.perf_counter()
     decision = budget.tick(busy=int(live.sum()), queued=queued,
                            slots=max(len(live), self.max_rows // n), kv_use=kv_use)
     last = decision or (budget.decisions[-1] if budget.decisions else None)
     for g, (i, admitted, _) in in_slot.items():
       log = self._budget_log[requests[i].request_id] if self._logging else []
       if last is not None and (decision is not None or not log):
-        log.append(last.to_dict(since=admitted))
+        # Times since the request's admission on the controller's clock (the budget's may
+        # be another). A decision made before the admission is the budget the request
+        # starts under: at 0 ms (it read -20 ms), as the engine's "budget at arrival".
+        entry = last.to_dict()
+        entry["at_ms"] = round((ticked - admitted) * 1e3, 1) if decision is not None else 0.0
+        log.append(entry)
     steps = np.full(state.knobs.max_steps.shape, budget.steps, np.int32)
     for g, (i, _, _) in in_slot.items():
       steps[g * n:(g + 1) * n] = min(budget.steps, requests[i].max_steps or NEVER)

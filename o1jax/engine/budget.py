@@ -10,10 +10,12 @@ The formula (the reference system's; `int` truncates, as it does):
 The live loop (`BudgetLoop`, used by the engine and the controller) closes it:
 
   * load is measured, not configured:
-        load = busy slots / slots + queued requests / slots
-    (busy = decode slots holding a running or prefilling sequence; queued = requests
-    waiting for a slot, plus, in a pipeline, the requests of Beam batches waiting for
-    the model). 0.8 is nominal; a full batch with nothing queued is 1.0.
+        load = busy slots / slots + queued / slots
+    (busy = slots holding a running or prefilling request; queued = what waits for a
+    slot, in the slots' unit: the engine's slot is a sequence, so a waiting request of
+    n samples counts n; the controller's slot holds a request's n traces, so it counts
+    1; plus, in a pipeline, the requests of Beam batches waiting for the model). 0.8 is
+    nominal; a full batch with nothing queued is 1.0.
   * a latency observer keeps sliding windows of end-to-end request latency and of
     per-step latency: the last `window` values, none older than `window_s` seconds (so
     a slow start, compilation included, stops steering the budget once it is past),
@@ -45,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import sys
 import time
 from typing import Callable, Optional
 
@@ -81,7 +84,8 @@ def allocate_budget(latency_slo_s: float, load: float) -> int:
   if not is_real(load) or not load >= 0:
     raise ValueError(f"load must be >= 0, got {load!r}")
   steps = BASE_STEPS * (latency_slo_s / BASE_SLO_S) / load_factor(load)
-  return max(MIN_STEPS, min(MAX_STEPS, int(steps)))
+  # (clamped before `int`: an SLO past ~2.8e306 s makes the quotient inf)
+  return max(MIN_STEPS, int(min(steps, MAX_STEPS)))
 
 
 def token_limit(max_new_tokens: int, steps: int) -> int:
@@ -109,14 +113,25 @@ class BudgetConfig:
     if self.mode not in MODES:
       raise ValueError(f"budget.mode={self.mode!r}: valid modes are {list(MODES)}")
     check_slo(self.latency_slo_s, "budget.latency_slo_s")
+    # Types first (a str compared with a TypeError; True read as 1).
+    for name in ("interval_ms", "window_s", "kv_limit"):
+      if not is_real(getattr(self, name)):
+        raise ValueError(f"budget.{name} must be a number, got {getattr(self, name)!r}")
     if not 0 < self.interval_ms < math.inf:  # (inf: the budget never re-evaluated)
       raise ValueError(f"budget.interval_ms must be a finite number > 0, got {self.interval_ms}")
-    if not is_int(self.window) or self.window < 1:  # (a deque's maxlen: 2.5 failed at first use)
+    # A deque's maxlen: 2.5 failed at first use, past sys.maxsize at the worker's start.
+    if not is_int(self.window) or self.window < 1:
       raise ValueError(f"budget.window must be an int >= 1, got {self.window!r}")
+    if self.window > sys.maxsize:
+      raise ValueError(f"budget.window must be at most {sys.maxsize}, got {self.window}")
     if not self.window_s > 0:
       raise ValueError(f"budget.window_s must be > 0, got {self.window_s}")
     if not 0 < self.kv_limit <= 1:
       raise ValueError(f"budget.kv_limit must be in (0, 1], got {self.kv_limit}")
+    # One value, one form (5 and 5.0 are one budget: the content hash reads these).
+    for name in ("latency_slo_s", "interval_ms", "window_s", "kv_limit"):
+      object.__setattr__(self, name, float(getattr(self, name)))
+    object.__setattr__(self, "window", int(self.window))
 
   @classmethod
   def from_dict(cls, values) -> "BudgetConfig":

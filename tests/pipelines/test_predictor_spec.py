@@ -1,6 +1,7 @@
 """PredictorSpec: the model section's matmul_dtype, the engine section's kv_dtype and the
 controller section's cache reach the model / engine / controller and the content hash."""
 
+import json
 import jax.numpy as jnp
 import pytest
 
@@ -24,6 +25,22 @@ def test_matmul_dtype_flows_from_config_to_model_and_fingerprint(tmp_path):
   # results computed with other numerics must not be reused from the store
   assert model_fingerprint(fast) != model_fingerprint(default)
   assert "matmul_dtype" not in model_fingerprint(default)  # f32 hashes stay as before
+
+
+def test_an_adaptive_budget_hashes_by_its_values_not_their_spelling():
+  """5 and 5.0 are one SLO (a config file or dict may write either; the CLI writes floats):
+  before, their content hashes differed and a resumed run computed everything again."""
+  cfg = gsm8k_config.get_config("smoke=True")
+  spec = lambda **b: PredictorSpec.from_config(cfg.model, name="engine", batch_size=4,
+                                               engine=cfg.engine, budget={**cfg.budget, **b})
+  # (as the store hashes it: JSON, where 5 and 5.0 differ; as dicts they compare equal)
+  model_fingerprint_json = lambda s: json.dumps(model_fingerprint(s), sort_keys=True)
+  fixed = model_fingerprint(spec())
+  assert "budget" not in fixed and model_fingerprint(spec(latency_slo_s=3.0)) == fixed
+  adaptive = model_fingerprint_json(spec(mode="adaptive", latency_slo_s=5.0, kv_limit=1.0))
+  assert model_fingerprint_json(spec(mode="adaptive", latency_slo_s=5, kv_limit=1)) == adaptive
+  assert '"latency_slo_s": 5.0' in adaptive
+  assert model_fingerprint_json(spec(mode="adaptive", latency_slo_s=4.0, kv_limit=1.0)) != adaptive
 
 
 def test_kv_dtype_flows_from_config_to_engine_and_fingerprint():

@@ -582,3 +582,33 @@ def test_a_self_verify_probe_is_read_inside_the_models_context(tmp_path, monkeyp
     assert read and max(read) < 136
     assert result.info.get("thinking_limit", 64) == min(64, max(0, 136 - length - probe))
   assert result.tokens.probe == 0  # no room for a probe: no step was verified
+
+
+def test_the_live_budget_sees_the_wait_for_a_slot(monkeypatch):
+  """The budget's P95 is of end-to-end latency, as the engine's: a request that waited for
+  a slot reports the wait too (it reported from its admission: a queue far past the SLO
+  looked fast). Its log starts at 0 ms with the budget it was admitted under (it read
+  the time since its admission of a decision made before it: negative)."""
+  import itertools
+  import types
+  from o1jax.controller import controller as controller_module
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  # The controller's clock advances 1 s per reading: every wait is long and exact.
+  monkeypatch.setattr(controller_module, "time",
+                      types.SimpleNamespace(perf_counter=itertools.count(0.0, 1.0).__next__))
+  model, tok = _random_mock(3), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=4) for i, p in enumerate(MOCK_PROMPTS)]
+  policy = get_policy("think_verify_backtrack", verifier="mean_logprob",
+                      max_thinking_tokens=30, step_delimiter="\n\n", step_max_tokens=6,
+                      exit_tau=2.0)
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5, interval_ms=1e9))
+  observed = []
+  monkeypatch.setattr(budget, "observe_request", observed.append)
+  batch = Controller(model, tok, max_rows=2, budget=budget).generate(requests, policy.loop_settings(), 1)
+  # Finished in order of admission on 2 slots; the last admitted waited for 5 finishes.
+  assert len(observed) == len(requests)
+  assert max(observed) > max(batch.wall_time_s) + 5
+  results = Controller(model, tok, max_rows=2, budget=budget).run(requests, policy)
+  assert len(budget.decisions) == 1  # one decision (the interval is long), made first
+  for r in results:
+    assert r.info["budget"][0]["at_ms"] == 0.0 and all(e["at_ms"] >= 0 for e in r.info["budget"])

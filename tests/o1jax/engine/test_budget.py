@@ -237,6 +237,24 @@ def test_budget_interval_must_be_finite():
       BudgetConfig(mode="adaptive", interval_ms=interval)
 
 
+def test_budget_values_the_worker_would_fail_on_are_named_or_clamped():
+  """Before: an SLO past ~2.8e306 s overflowed `int` in the worker; a window past
+  sys.maxsize failed as a deque's maxlen there; a str interval / window_s / kv_limit
+  compared with a TypeError, and True passed as 1."""
+  import sys
+  assert allocate_budget(1e308, 0.8) == 128 and allocate_budget(3e306, 0.0) == 128
+  assert BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=1e308)).steps == 128
+  with pytest.raises(ValueError, match=rf"^budget.window must be at most {sys.maxsize}, "):
+    BudgetConfig(window=10**20)
+  for name in ("interval_ms", "window_s", "kv_limit"):
+    for value in ("200", None, True):
+      with pytest.raises(ValueError, match=rf"^budget.{name} must be a number, got {value!r}$"):
+        BudgetConfig(**{name: value})
+  # One value, one form: 5 and 5.0 are one budget (the content hash reads the section).
+  assert BudgetConfig(latency_slo_s=5, kv_limit=1) == BudgetConfig(latency_slo_s=5.0, kv_limit=1.0)
+  assert repr(BudgetConfig(latency_slo_s=5)) == repr(BudgetConfig(latency_slo_s=5.0))
+
+
 def test_budget_window_must_be_a_count():
   # Before: 2.5 was accepted (a deque's maxlen fails at first use); "x" a TypeError.
   for window in (2.5, "x"):
