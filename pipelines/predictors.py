@@ -623,8 +623,10 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   budget = dict(spec.budget)
   if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing
     from o1jax.engine.budget import BudgetConfig
-    # Its checked form: 5 and 5.0, a section and its defaults written out, are one budget.
-    fp["budget"] = dataclasses.asdict(BudgetConfig.from_dict(budget))
+    # The section's keys in their checked form: 5 and 5.0 are one budget (a section's
+    # keys as given: the hashes of existing stores, floats spelled as the configs do, stay).
+    checked = BudgetConfig.from_dict(budget)
+    fp["budget"] = {key: getattr(checked, key) for key in budget}
   cache = dict(spec.controller)
   if spec.name == "controller" and cache.get("cache", "contiguous") != "contiguous":
     # The paged cache's attention kernels add in another order (contiguous keeps old hashes);

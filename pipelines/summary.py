@@ -65,6 +65,11 @@ def histogram(values_ms: Iterable[float]) -> dict[str, int]:
   return {bucket_label(i): c for i, c in enumerate(counts)}
 
 
+def _finite(values: Iterable) -> list[float]:
+  """The values as floats, NaN and inf left out."""
+  return [v for v in map(float, values) if math.isfinite(v)]
+
+
 def _stats(values: Sequence[float]) -> dict[str, Any]:
   out = {f"p{p}": _round(percentile(values, p)) for p in PERCENTILES}
   out["mean"] = _round(sum(values) / len(values)) if values else None
@@ -269,13 +274,17 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
   for r in records:
     tokens.update({k: int(v) for k, v in (r.get("tokens") or {}).items()})
   completion = [int((r.get("tokens") or {}).get("completion", 0)) for r in records]
-  latency = [float(r["timing"]["latency_ms"]) for r in records if r.get("timing")]
+  # A time that is not finite (a hand-merged record) is no measurement: left out, as a
+  # missing one (inside, NaN made max() depend on the records' order).
+  latency = _finite(r["timing"]["latency_ms"] for r in records if r.get("timing"))
   per_token, per_token_source = per_token_latencies(records)
-  ttft = [float(r["timing"]["ttft_ms"]) for r in records
-          if r.get("timing") and r["timing"].get("ttft_ms") is not None]
+  per_token = _finite(per_token)
+  ttft = _finite(r["timing"]["ttft_ms"] for r in records
+                 if r.get("timing") and r["timing"].get("ttft_ms") is not None)
   run = dict(run or {})
   since = run.get("started_ms")
-  fresh = [r for r in records if r.get("timing") and (since is None or r["timing"]["start_ms"] >= since)]
+  fresh = [r for r in records if r.get("timing") and (since is None or r["timing"]["start_ms"] >= since)
+           and len(_finite([r["timing"]["start_ms"], r["timing"]["end_ms"]])) == 2]
   span_s = ((max(r["timing"]["end_ms"] for r in fresh) - min(r["timing"]["start_ms"] for r in fresh)) / 1e3
             if fresh else 0.0)
   fresh_tokens = sum(int((r.get("tokens") or {}).get("completion", 0)) for r in fresh)

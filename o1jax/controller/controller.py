@@ -354,6 +354,9 @@ class Controller:
     self._warned_thinking_limit = False  # a warning the first time a budget is lowered
     self._warned_nonfinite = False
     self._logging = False
+    # When the running `run` call started: its requests' arrival, from which the live
+    # budget measures their end-to-end latency (over all of a policy's calls).
+    self._run_started: float | None = None
     # One run at a time: the logs above and the calls' timings are the running one's
     # (threads sharing a controller take turns, a run each).
     self._run_lock = threading.RLock()
@@ -429,17 +432,19 @@ class Controller:
       self._latency_log.clear()
       self._thinking_limits.clear()
       self._logging = True
+      self._run_started = time.perf_counter()
       try:
         return policy.run(self, reqs)
       finally:
         self._logging = False
+        self._run_started = None
 
   def generate(self, requests: Sequence[ReasoningRequest], settings: LoopSettings, n: int = 1, *,
                sample_offset: int = 0, conf_stop: Sequence[float] | float | None = None,
                budget: BudgetLoop | None = None,
                vote_floor: Sequence[float] | float | None = None,
                prior_votes: Sequence[Sequence[tuple[Optional[str], float]]] | None = None,
-               unstopped_samples: int = 0) -> Batch:
+               unstopped_samples: int = 0, finishes_requests: bool = True) -> Batch:
     """n traces per request (sample indices sample_offset ..); see the module doc.
 
     conf_stop: DeepConf stop threshold per request; the first `unstopped_samples`
@@ -448,7 +453,9 @@ class Controller:
     vote_floor (a finished row votes only with confidence >= it) and prior_votes
     (per request, (answer key or None, weight) of votes cast before this call,
     e.g. DeepConf's warm-up traces) feed the consensus stop. budget: a live budget for
-    this call (default: the controller's)."""
+    this call (default: the controller's). finishes_requests=False: the requests go on in
+    a later call (a warm-up), so their latency is not yet observed by the budget (the
+    policy calls `observe_finished` for those that end there)."""
     # What a policy of one's own may pass wrong (each was an AttributeError, a TypeError or
     # an OverflowError inside the batch's setup, or a NaN threshold that silently stopped
     # nothing), checked before anything runs.
@@ -493,7 +500,17 @@ class Controller:
       raise ValueError("vote_floor / prior_votes need settings.answer_vote=True")
     with self._run_lock:  # (a policy's own calls inside `run` hold it already)
       return self._generate_slots(requests, settings, n, sample_offset, stops,
-                                budget or self.budget, floors, priors, unstopped_samples)
+                                budget or self.budget, floors, priors, unstopped_samples,
+                                finishes_requests)
+
+  def observe_finished(self, count: int = 1) -> None:
+    """Tells the live budget that `count` requests of the running `run` end now (their
+    end-to-end latency), for a policy whose last call for them did not finish them
+    (`generate(finishes_requests=False)`)."""
+    if self.budget is not None:
+      since = self._run_started if self._run_started is not None else time.perf_counter()
+      for _ in range(count):
+        self.budget.observe_request(time.perf_counter() - since)
 
   def result(self, request: ReasoningRequest, policy: str, traces: list[Trace],
              chosen: Optional[int], answer: Optional[str], wall_time_s: float, invocations: int,
@@ -1154,7 +1171,8 @@ class Controller:
                          trips=(trips or FIXED_TRIPS) if steps.fixed_trip_loops() else None)
 
   def _generate_slots(self, requests, settings, n, sample_offset, conf_stop, budget,
-                      vote_floor, prior_votes, unstopped_samples: int = 0) -> Batch:
+                      vote_floor, prior_votes, unstopped_samples: int = 0,
+                      finishes_requests: bool = True) -> Batch:
     """Streams the requests through max(1, max_rows // n) slots of n rows: each loop
     call returns when a request's rows are all done while others wait; the host
     collects its traces and admits the next request into the freed slot."""
@@ -1178,7 +1196,8 @@ class Controller:
     order = range(r) if self.admission == "fifo" else sorted(range(r), key=lambda i: (limits[i], i))
     waiting = collections.deque(order)
     in_slot: dict[int, list] = {}  # slot -> [request index, admitted at, loop calls]
-    arrived = time.perf_counter()  # every request of the call is known (waiting) from now
+    # Every request is known (waiting) from the start of its `run` (of this call alone).
+    arrived = self._run_started if self._run_started is not None else time.perf_counter()
 
     def fill(state, free):
       picked = [(g, waiting.popleft()) for g in free[:len(waiting)]]
@@ -1287,7 +1306,8 @@ class Controller:
             log = self._latency_log.setdefault(requests[i].request_id,
                                                {"token_ms": [], "ttft_s": ttft[i]})
             log["token_ms"] += token_ms[i]
-          if budget is not None:  # end to end, as the engine's: the wait for a slot too
+          if budget is not None and finishes_requests:
+            # End to end, as the engine's: the wait for a slot and earlier calls too.
             budget.observe_request(now - arrived)
         if waiting:
           state = fill(state, finished)

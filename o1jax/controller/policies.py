@@ -301,7 +301,7 @@ class DeepConf(Policy):
     st = dataclasses.replace(self.loop_settings(), answer_vote=consensus)
     if self.threshold is not None:
       return self._run_fixed_threshold(ctl, requests, st, consensus)
-    warm = ctl.generate(requests, st, self.warmup)
+    warm = ctl.generate(requests, st, self.warmup, finishes_requests=self.n == self.warmup)
     thresholds = [self._percentile(self._confidences(traces)) for traces in warm.traces]
     floors = thresholds if self.filter_votes else [-math.inf] * len(requests)
     # The warm-up traces vote in the loop as they will in `_result`: with the host's own
@@ -312,6 +312,8 @@ class DeepConf(Policy):
     # stop them at their first token, after prefilling their prompt again).
     todo = [i for i in range(len(requests))
             if self.n > self.warmup and not (consensus and self._decided(ctl, priors[i]))]
+    if self.n > self.warmup:  # the requests the warm-up decided end here
+      ctl.observe_finished(len(requests) - len(todo))
     rest = {}
     if todo:
       pick = lambda xs: [xs[i] for i in todo]

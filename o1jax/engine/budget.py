@@ -74,7 +74,11 @@ def check_slo(latency_slo_s, name: str = "latency_slo_s") -> None:
     raise ValueError(f"{name} must be a number, got {latency_slo_s!r}")
   if not latency_slo_s > 0:
     raise ValueError(f"{name} must be > 0, got {latency_slo_s}")
-  if not math.isfinite(latency_slo_s):
+  try:
+    finite = math.isfinite(latency_slo_s)
+  except OverflowError:  # an int past float's range
+    finite = False
+  if not finite:
     raise ValueError(f"{name} must be finite, got {latency_slo_s}")
 
 
@@ -130,7 +134,10 @@ class BudgetConfig:
       raise ValueError(f"budget.kv_limit must be in (0, 1], got {self.kv_limit}")
     # One value, one form (5 and 5.0 are one budget: the content hash reads these).
     for name in ("latency_slo_s", "interval_ms", "window_s", "kv_limit"):
-      object.__setattr__(self, name, float(getattr(self, name)))
+      try:
+        object.__setattr__(self, name, float(getattr(self, name)))
+      except OverflowError:  # an int past float's range
+        raise ValueError(f"budget.{name} must be a float, got {getattr(self, name)}") from None
     object.__setattr__(self, "window", int(self.window))
 
   @classmethod

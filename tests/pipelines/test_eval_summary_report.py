@@ -288,14 +288,21 @@ def test_dead_letters_and_sandbox_errors_are_left_out_and_counted():
   assert report.unscored_line(summarize(recs[:1], task="humaneval")) == ""
 
 
-def test_a_non_finite_latency_gives_null_not_nan():
-  """A record whose timing holds NaN or inf (hand-merged results) leaves summary.json
-  strict JSON: the statistics it spoils are null."""
-  recs = [_rec(0, 0, "5", "5", "5", float("nan"), 2), _rec(1, 0, "4", "4", "4", 10.0, 2),
-          _rec(2, 0, "3", "3", "3", float("inf"), 2)]
-  s = summarize(recs, task="gsm8k")
-  json.dumps(s, allow_nan=False)
-  assert s["latency_ms"]["max"] is None and s["accuracy"]["strict"] == 1.0
+def test_a_non_finite_time_is_no_measurement():
+  """A record whose timing holds NaN or inf (hand-merged results) is left out of the
+  timing statistics as a record without timing, whatever the order (NaN made max()
+  depend on it), and summary.json stays strict JSON."""
+  for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+    recs = [_rec(0, 0, "5", "5", "5", float("nan"), 2), _rec(1, 0, "4", "4", "4", 10.0, 2),
+            _rec(2, 0, "3", "3", "3", float("inf"), 2)]
+    recs[2]["timing"]["ttft_ms"] = float("nan")
+    s = summarize([recs[i] for i in order], task="gsm8k")
+    json.dumps(s, allow_nan=False)
+    assert s["latency_ms"]["max"] == s["latency_ms"]["p50"] == 10.0
+    assert s["latency_ms"]["histogram"]["0-10"] == 0  # (NaN fell in the first bucket)
+    # (throughput places samples by their start and end: the two without are left out)
+    assert s["throughput"]["samples_computed"] == 1 and s["accuracy"]["strict"] == 1.0
+    assert s["latency_stability"]["pass"]["ttft_p95_ms < 320"] is None  # none measured
 
 
 def test_empty_and_all_unscored_runs_give_no_nan():

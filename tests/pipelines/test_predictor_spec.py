@@ -41,6 +41,10 @@ def test_an_adaptive_budget_hashes_by_its_values_not_their_spelling():
   assert model_fingerprint_json(spec(mode="adaptive", latency_slo_s=5, kv_limit=1)) == adaptive
   assert '"latency_slo_s": 5.0' in adaptive
   assert model_fingerprint_json(spec(mode="adaptive", latency_slo_s=4.0, kv_limit=1.0)) != adaptive
+  # A section's keys as given (a partial one's hash is what it was: no defaults added).
+  partial = PredictorSpec.from_config(cfg.model, name="engine", batch_size=4, engine=cfg.engine,
+                                      budget={"mode": "adaptive"})
+  assert model_fingerprint(partial)["budget"] == {"mode": "adaptive"}
 
 
 def test_kv_dtype_flows_from_config_to_engine_and_fingerprint():

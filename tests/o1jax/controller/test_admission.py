@@ -612,3 +612,27 @@ def test_the_live_budget_sees_the_wait_for_a_slot(monkeypatch):
   assert len(budget.decisions) == 1  # one decision (the interval is long), made first
   for r in results:
     assert r.info["budget"][0]["at_ms"] == 0.0 and all(e["at_ms"] >= 0 for e in r.info["budget"])
+
+
+def test_the_live_budget_sees_each_deepconf_request_once_end_to_end(monkeypatch):
+  """DeepConf runs a warm-up call, then the rest: a request is observed once, when it
+  ends, from the start of its run (it was observed in each call, from that call's start:
+  twice, each half its latency)."""
+  import itertools
+  import types
+  from o1jax.controller import controller as controller_module
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  ticks = itertools.count(0.0, 1.0)
+  monkeypatch.setattr(controller_module, "time", types.SimpleNamespace(perf_counter=ticks.__next__))
+  model, tok = _random_mock(3), MockTokenizer(VOCAB)
+  requests = [ReasoningRequest(prompt=p, request_id=i, seed=4) for i, p in enumerate(MOCK_PROMPTS)]
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5, interval_ms=1e9))
+  observed = []
+  monkeypatch.setattr(budget, "observe_request", observed.append)
+  ctl = Controller(model, tok, max_rows=4, budget=budget)
+  results = ctl.run(requests, get_policy("deepconf", n=4, warmup=2, consensus=2.0,
+                                         stop_when_decided=False))
+  assert len(observed) == len(requests) == len(results)
+  assert observed == sorted(observed)  # one start: the later a request ends, the longer
+  # The last request ended in the second call: its latency spans the warm-up call too.
+  assert observed[-1] > sum(r.wall_time_s for r in results[-1:])

@@ -250,6 +250,9 @@ def test_budget_values_the_worker_would_fail_on_are_named_or_clamped():
     for value in ("200", None, True):
       with pytest.raises(ValueError, match=rf"^budget.{name} must be a number, got {value!r}$"):
         BudgetConfig(**{name: value})
+  for name in ("latency_slo_s", "interval_ms", "window_s"):  # an int past float's range
+    with pytest.raises(ValueError, match=rf"^budget.{name} must be (finite|a float), got 1000"):
+      BudgetConfig(**{name: 10**400})
   # One value, one form: 5 and 5.0 are one budget (the content hash reads the section).
   assert BudgetConfig(latency_slo_s=5, kv_limit=1) == BudgetConfig(latency_slo_s=5.0, kv_limit=1.0)
   assert repr(BudgetConfig(latency_slo_s=5)) == repr(BudgetConfig(latency_slo_s=5.0))
