@@ -408,6 +408,9 @@ class _FakeCtl:
   def result(self, req, name, traces, chosen, answer, wall, calls, votes=None, **info):
     return chosen, answer, dict(votes or {}), info
 
+  def observe_finished(self, count=1):  # (no live budget)
+    pass
+
 
 def _trace(i, answer, conf=1.0, logprob=-1.0, stopped=False, token_ids=(5,)):
   from o1jax.controller.results import TokenCounts, Trace
