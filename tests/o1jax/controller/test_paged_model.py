@@ -256,8 +256,7 @@ def test_fp8_pool_samples_read_the_shared_prompt_as_the_f32_pool_does(tmp_path):
   first write, codes with their scales. On a tiny model with sharp logits (its embedding
   as written) at temperature 1e-6 the FP8 pool gives the f32 pool's tokens, and a mean
   log p within 0.1 (measured: 0.02); with the scales left behind by the copy, positions
-  8-10 read other scales and every trace moved (log p -10.1 against -16.5). A request
-  alone gives its traces beside others."""
+  8-10 read other scales and every trace moved (log p -10.1 against -16.5)."""
   from o1jax.checkpoint import load_checkpoint
   from o1jax.model import Llama
   from o1jax.testing import tiny_config, write_hf_checkpoint
@@ -275,5 +274,3 @@ def test_fp8_pool_samples_read_the_shared_prompt_as_the_f32_pool_does(tmp_path):
     assert [t.token_ids for t in q.traces] == [t.token_ids for t in e.traces]
     np.testing.assert_allclose([t.mean_logprob for t in q.traces],
                                [t.mean_logprob for t in e.traces], atol=0.1)
-  _same_results(quantized[1:2],
-                Controller(fp8, ck.tokenizer, max_rows=3).run(requests[1:2], policy))
