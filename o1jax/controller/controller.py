@@ -259,7 +259,8 @@ class Controller:
     top_k: log-probs averaged into a DeepConf token confidence.
     max_records: step records kept per trace.
     force_capacity / probe_capacity / pattern_capacity: array sizes of forced
-      texts, probe texts and delimiter / prefix tokenizations.
+      texts, probe texts and delimiter / prefix tokenizations (the first two grow to
+      fit a call's settings: `fit_capacities`).
     iterations_per_call: loop iterations per invocation (0 = until done).
     budget: a live latency-aware budget (engine/budget.py) applied to every
       `generate` call: the step limit of running rows is re-evaluated on its
@@ -855,18 +856,42 @@ class Controller:
     st = settings
     return self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens + 8
 
+  def fit_capacities(self, settings: LoopSettings) -> None:
+    """Grows the array sizes of forced and probe texts to what `settings` force or probe
+    (to the next power of two; a new program shape, compiled once): an answer_prefix, a
+    wait_text or a verifier probe longer than the defaults runs (every sample of such a
+    config went to dead letters: "answer_prefix is 19 tokens; capacity is 16")."""
+    def tokens(text: str) -> int:
+      try:
+        return len(self.tokenizer.encode(text))
+      except ValueError:  # (a tokenizer that cannot: the call that uses the text says so)
+        return 0
+
+    answer, _, after_close = self._end_of_thinking(settings)
+    forced = max(len(answer), len(after_close), tokens(settings.wait_text))
+    probed = len(answer)
+    if isinstance(settings.verifier, SelfVerify):
+      probed = max(probed, tokens(settings.verifier.probe))
+    if forced > self.force_capacity:
+      self.force_capacity = pow2_bucket(forced)
+    if probed > self.probe_capacity:
+      self.probe_capacity = pow2_bucket(probed)
+
   def cache_plan(self, settings: LoopSettings, rows: int, longest_prompt: int,
                  prompts: int | None = None) -> CachePlan:
     """What the rows will do with the cache: a row writes from its last prompt token
     up to max_generated past the prompt, plus a probe past that end; `prompts`
     requests are in flight at once."""
+    self.fit_capacities(settings)
     return CachePlan(rows=rows, prompt_tokens=longest_prompt,
                      new_tokens=self.max_generated(settings) + self.probe_capacity
                      + self.draft_k, prompts=prompts)
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
     """Positions per row: the longest prompt, what a row keeps, and a probe (or a
-    verify call's drafts) past it."""
+    verify call's drafts) past it. (The first thing a call sizes: the capacities of its
+    forced and probe texts are fitted here.)"""
+    self.fit_capacities(settings)
     return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.probe_capacity
                        + self.draft_k + 8, 64)
 

@@ -568,8 +568,9 @@ def test_a_self_verify_probe_is_read_inside_the_models_context(tmp_path, monkeyp
     return forward(self, params, cache, tokens, starts, logits_at)
 
   monkeypatch.setattr(paged_model.PagedLlama, "forward", recording)
-  ctl = Controller(PagedLlama(Llama(ck.config, ck.params), block_size=16), ck.tokenizer,
-                   probe_capacity=64)
+  # (The byte tokenizer makes the default probe 40 tokens: past the default capacity of
+  # 16, which the controller grows to fit.)
+  ctl = Controller(PagedLlama(Llama(ck.config, ck.params), block_size=16), ck.tokenizer)
   policy = get_policy("think_verify_backtrack", max_thinking_tokens=64, max_answer_tokens=8,
                       step_max_tokens=8)
   settings = policy.loop_settings()
@@ -636,3 +637,19 @@ def test_the_live_budget_sees_each_deepconf_request_once_end_to_end(monkeypatch)
   assert observed == sorted(observed)  # one start: the later a request ends, the longer
   # The last request ended in the second call: its latency spans the warm-up call too.
   assert observed[-1] > sum(r.wall_time_s for r in results[-1:])
+
+
+def test_forced_and_probe_texts_longer_than_the_default_capacities_run(tiny_llama):
+  """An answer_prefix or a verifier probe longer than the default array sizes
+  (force 20, probe 16 tokens; byte tokens here): the controller grows them to fit
+  (every sample of such a config went to dead letters: "answer_prefix is 19 tokens;
+  capacity is 16")."""
+  decode_model, tok = tiny_llama
+  ctl = Controller(decode_model, tok)
+  prefix = "After all that checking, the final answer is"  # 44 byte tokens
+  policy = get_policy("think_verify_backtrack", max_thinking_tokens=24, max_answer_tokens=4,
+                      step_max_tokens=6, step_delimiter="a", answer_prefix=prefix)
+  result, = ctl.run([[7] * 20], policy)
+  trace = result.traces[0]
+  assert ctl.force_capacity == 64 and ctl.probe_capacity == 64
+  assert prefix in tok.decode(trace.token_ids) and result.tokens.probe > 0
