@@ -284,7 +284,7 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
   run = dict(run or {})
   since = run.get("started_ms")
   fresh = [r for r in records if r.get("timing") and (since is None or r["timing"]["start_ms"] >= since)
-           and len(_finite([r["timing"]["start_ms"], r["timing"]["end_ms"]])) == 2]
+           and math.isfinite(r["timing"]["start_ms"]) and math.isfinite(r["timing"]["end_ms"])]
   span_s = ((max(r["timing"]["end_ms"] for r in fresh) - min(r["timing"]["start_ms"] for r in fresh)) / 1e3
             if fresh else 0.0)
   fresh_tokens = sum(int((r.get("tokens") or {}).get("completion", 0)) for r in fresh)

@@ -259,8 +259,8 @@ class Controller:
     top_k: log-probs averaged into a DeepConf token confidence.
     max_records: step records kept per trace.
     force_capacity / probe_capacity / pattern_capacity: array sizes of forced
-      texts, probe texts and delimiter / prefix tokenizations (the first two grow to
-      fit a call's settings: `fit_capacities`).
+      texts, probe texts and delimiter / prefix tokenizations (a call whose texts are
+      longer runs with the next power of two: `capacities`).
     iterations_per_call: loop iterations per invocation (0 = until done).
     budget: a live latency-aware budget (engine/budget.py) applied to every
       `generate` call: the step limit of running rows is re-evaluated on its
@@ -563,14 +563,14 @@ class Controller:
       raise ValueError(f"prompt has {prompt_tokens} tokens: with max_answer_tokens="
                        f"{settings.max_answer_tokens} and the forced text it does not fit the "
                        f"model's context of {limit} tokens")
-    if isinstance(settings.verifier, SelfVerify):
-      # Its probe is written after a thinking step (a forced "Wait" may precede it) and
-      # its verdict read there: inside the context too (it was read past it). Without
-      # room for one, the trace thinks no step and answers. (The answer probe reads the
-      # forced end of thinking, which the room above holds.)
-      probe = (len(self.tokenizer.encode(settings.verifier.probe))
-               + len(self.tokenizer.encode(settings.wait_text)))
-      room = max(0, min(room, limit - prompt_tokens - probe))
+    probe = self._verify_probe(settings)
+    if probe:
+      # A self-verify probe is written after a thinking step (a forced "Wait" may precede
+      # it) and its verdict read there: inside the context too (it was read past it).
+      # Without room for one, the trace thinks no step and answers. (The answer probe
+      # reads the forced end of thinking, which the room above holds.)
+      wait = self.tokenizer.encode(settings.wait_text)
+      room = max(0, min(room, limit - prompt_tokens - len(probe) - len(wait)))
     return room
 
   def thinking_limit(self, settings: LoopSettings, request: ReasoningRequest,
@@ -711,9 +711,10 @@ class Controller:
     eos[list(self.eos_ids)] = True
     answer, separator_len, after_close = self._end_of_thinking(st)
     wait = self.tokenizer.encode(st.wait_text)
+    force_capacity, probe_capacity = self.capacities(st)
     probe = yes = no = [0]
     if isinstance(st.verifier, SelfVerify):
-      probe = self.tokenizer.encode(st.verifier.probe)
+      probe = self._verify_probe(st)
       yes, no = self.tokenizer.encode(st.verifier.yes), self.tokenizer.encode(st.verifier.no)
     delim_seqs, delim_lens = self._patterns(st.step_delimiter)
     restart_seqs, restart_lens = self._patterns(st.answer_prefix.strip())
@@ -738,18 +739,18 @@ class Controller:
         delim_seqs=jnp.asarray(delim_seqs), delim_lens=jnp.asarray(delim_lens),
         prefix_seqs=jnp.asarray(prefix_seqs), prefix_lens=jnp.asarray(prefix_lens),
         restart_seqs=jnp.asarray(restart_seqs), restart_lens=jnp.asarray(restart_lens),
-        answer_ids=jnp.asarray(self._pad(answer, self.force_capacity, "answer_prefix")),
+        answer_ids=jnp.asarray(self._pad(answer, force_capacity, "answer_prefix")),
         answer_len=jnp.int32(len(answer)), answer_separator_len=jnp.int32(separator_len),
         ends_in_space=jnp.asarray(self._ends_in_space()),
-        after_close_ids=jnp.asarray(self._pad(after_close, self.force_capacity,
+        after_close_ids=jnp.asarray(self._pad(after_close, force_capacity,
                                               "answer_prefix after the thinking span")),
         after_close_len=jnp.int32(len(after_close)),
-        wait_ids=jnp.asarray(self._pad(wait, self.force_capacity, "wait_text")),
+        wait_ids=jnp.asarray(self._pad(wait, force_capacity, "wait_text")),
         wait_len=jnp.int32(len(wait)),
-        probe_ids=jnp.asarray(self._pad(probe, self.probe_capacity, "verifier probe")),
+        probe_ids=jnp.asarray(self._pad(probe, probe_capacity, "verifier probe")),
         probe_len=jnp.int32(len(probe)), yes_id=jnp.int32(yes[-1]), no_id=jnp.int32(no[-1]),
         # The probe reads what forcing would write (the separator skipped as there).
-        answer_probe_ids=jnp.asarray(self._pad(answer, self.probe_capacity, "answer_prefix")),
+        answer_probe_ids=jnp.asarray(self._pad(answer, probe_capacity, "answer_prefix")),
         answer_probe_len=jnp.int32(len(answer)),
         **self._vote_knobs(st, b, group, vote_floor, prior_votes, priors_per_group))
 
@@ -856,43 +857,44 @@ class Controller:
     st = settings
     return self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens + 8
 
-  def fit_capacities(self, settings: LoopSettings) -> None:
-    """Grows the array sizes of forced and probe texts to what `settings` force or probe
-    (to the next power of two; a new program shape, compiled once): an answer_prefix, a
-    wait_text or a verifier probe longer than the defaults runs (every sample of such a
-    config went to dead letters: "answer_prefix is 19 tokens; capacity is 16")."""
-    def tokens(text: str) -> int:
+  def _verify_probe(self, settings: LoopSettings) -> list[int]:
+    """The self-verify probe's tokens ([] without a SelfVerify verifier)."""
+    if not isinstance(settings.verifier, SelfVerify):
+      return []
+    return self.tokenizer.encode(settings.verifier.probe)
+
+  def capacities(self, settings: LoopSettings) -> tuple[int, int]:
+    """(force, probe) array sizes for a call with `settings`: the controller's, or the
+    next power of two of the longest forced text (answer prefix, "Wait") / probe
+    (verifier probe, answer prefix) where that is longer. A longer text then runs in
+    other program shapes (a config's 19-token answer_prefix sent every sample to dead
+    letters: "answer_prefix is 19 tokens; capacity is 16")."""
+    def tokens(encode) -> int:
       try:
-        return len(self.tokenizer.encode(text))
+        return len(encode())
       except ValueError:  # (a tokenizer that cannot: the call that uses the text says so)
         return 0
 
     answer, _, after_close = self._end_of_thinking(settings)
-    forced = max(len(answer), len(after_close), tokens(settings.wait_text))
-    probed = len(answer)
-    if isinstance(settings.verifier, SelfVerify):
-      probed = max(probed, tokens(settings.verifier.probe))
-    if forced > self.force_capacity:
-      self.force_capacity = pow2_bucket(forced)
-    if probed > self.probe_capacity:
-      self.probe_capacity = pow2_bucket(probed)
+    forced = max(len(answer), len(after_close),
+                 tokens(lambda: self.tokenizer.encode(settings.wait_text)))
+    probed = max(len(answer), tokens(lambda: self._verify_probe(settings)))
+    fit = lambda need, size: size if need <= size else pow2_bucket(need)
+    return fit(forced, self.force_capacity), fit(probed, self.probe_capacity)
 
   def cache_plan(self, settings: LoopSettings, rows: int, longest_prompt: int,
                  prompts: int | None = None) -> CachePlan:
     """What the rows will do with the cache: a row writes from its last prompt token
     up to max_generated past the prompt, plus a probe past that end; `prompts`
     requests are in flight at once."""
-    self.fit_capacities(settings)
     return CachePlan(rows=rows, prompt_tokens=longest_prompt,
-                     new_tokens=self.max_generated(settings) + self.probe_capacity
+                     new_tokens=self.max_generated(settings) + self.capacities(settings)[1]
                      + self.draft_k, prompts=prompts)
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
     """Positions per row: the longest prompt, what a row keeps, and a probe (or a
-    verify call's drafts) past it. (The first thing a call sizes: the capacities of its
-    forced and probe texts are fitted here.)"""
-    self.fit_capacities(settings)
-    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.probe_capacity
+    verify call's drafts) past it."""
+    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.capacities(settings)[1]
                        + self.draft_k + 8, 64)
 
   @property
@@ -1035,7 +1037,8 @@ class Controller:
         return_on_free=jnp.asarray(False), knobs=knobs,
         cache=self.model.init_cache(b, length, plan),
         **S.row_start_values(b, window=settings.conf_window, records=self.max_records,
-                             key_capacity=self.key_capacity, force_capacity=self.force_capacity,
+                             key_capacity=self.key_capacity,
+                             force_capacity=self.capacities(settings)[0],
                              draft_capacity=self.draft_k))
 
   def admit(self, state: ReasoningState, settings: LoopSettings, n: int,
@@ -1365,9 +1368,7 @@ class Controller:
         # Times since the request's admission on the controller's clock (the budget's may
         # be another). A decision made before the admission is the budget the request
         # starts under: at 0 ms (it read -20 ms), as the engine's "budget at arrival".
-        entry = last.to_dict()
-        entry["at_ms"] = round((ticked - admitted) * 1e3, 1) if decision is not None else 0.0
-        log.append(entry)
+        log.append(last.to_dict((ticked - admitted) * 1e3 if decision is not None else 0.0))
     steps = np.full(state.knobs.max_steps.shape, budget.steps, np.int32)
     for g, (i, _, _) in in_slot.items():
       steps[g * n:(g + 1) * n] = min(budget.steps, requests[i].max_steps or NEVER)

@@ -175,10 +175,10 @@ class Decision:
   prune: bool
   why: str
 
-  def to_dict(self) -> dict:
-    """The decision for a log (`at_ms`: its clock time; a request's log puts its own)."""
+  def to_dict(self, at_ms: float) -> dict:
+    """The decision for a request's log, `at_ms` after its admission."""
     r = lambda x, d=4: None if x is None else round(float(x), d)
-    return {"at_ms": r(self.at_s * 1e3, 1), "steps": self.steps, "load": r(self.load, 3),
+    return {"at_ms": r(at_ms, 1), "steps": self.steps, "load": r(self.load, 3),
             "p95_request_ms": r(None if self.p95_request_s is None else self.p95_request_s * 1e3, 1),
             "p95_step_ms": r(None if self.p95_step_s is None else self.p95_step_s * 1e3, 2),
             "kv_use": r(self.kv_use, 3), "prune": self.prune, "why": self.why}

@@ -569,7 +569,7 @@ def test_a_self_verify_probe_is_read_inside_the_models_context(tmp_path, monkeyp
 
   monkeypatch.setattr(paged_model.PagedLlama, "forward", recording)
   # (The byte tokenizer makes the default probe 40 tokens: past the default capacity of
-  # 16, which the controller grows to fit.)
+  # 16; the call runs with one that fits.)
   ctl = Controller(PagedLlama(Llama(ck.config, ck.params), block_size=16), ck.tokenizer)
   policy = get_policy("think_verify_backtrack", max_thinking_tokens=64, max_answer_tokens=8,
                       step_max_tokens=8)
@@ -641,9 +641,9 @@ def test_the_live_budget_sees_each_deepconf_request_once_end_to_end(monkeypatch)
 
 def test_forced_and_probe_texts_longer_than_the_default_capacities_run(tiny_llama):
   """An answer_prefix or a verifier probe longer than the default array sizes
-  (force 20, probe 16 tokens; byte tokens here): the controller grows them to fit
+  (force 20, probe 16 tokens; byte tokens here): the call runs with sizes that fit
   (every sample of such a config went to dead letters: "answer_prefix is 19 tokens;
-  capacity is 16")."""
+  capacity is 16"); the controller's own sizes stay for other calls."""
   decode_model, tok = tiny_llama
   ctl = Controller(decode_model, tok)
   prefix = "After all that checking, the final answer is"  # 44 byte tokens
@@ -651,5 +651,6 @@ def test_forced_and_probe_texts_longer_than_the_default_capacities_run(tiny_llam
                       step_max_tokens=6, step_delimiter="a", answer_prefix=prefix)
   result, = ctl.run([[7] * 20], policy)
   trace = result.traces[0]
-  assert ctl.force_capacity == 64 and ctl.probe_capacity == 64
+  assert ctl.capacities(policy.loop_settings()) == (64, 64)
+  assert (ctl.force_capacity, ctl.probe_capacity) == (20, 16)
   assert prefix in tok.decode(trace.token_ids) and result.tokens.probe > 0
