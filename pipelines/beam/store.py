@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import uuid
@@ -121,6 +122,19 @@ IS_A_DIRECTORY = "is a directory"
 CHECKSUM_FIELD = "record_sha256"
 
 
+def strict_json(value):
+  """`value` with NaN and +-inf floats as None: records are strict JSON (Python writes
+  NaN / Infinity, which jq, JavaScript and most JSON readers refuse); a value that is
+  not finite is no measurement."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict):
+    return {k: strict_json(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [strict_json(v) for v in value]
+  return value
+
+
 def record_digest(record: dict) -> str:
   """sha256 of the record's canonical JSON (sorted keys, ASCII escapes: any text hashes)."""
   return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
@@ -183,9 +197,9 @@ class ResultStore:
     """Writes the record whole; raises `WriteError` naming the file (no partial file is
     left: the temporary file is removed)."""
     # The digest of the record as it will read back (JSON makes int keys strings).
-    plain = json.loads(json.dumps(record, ensure_ascii=False))
+    plain = json.loads(json.dumps(strict_json(record), ensure_ascii=False, allow_nan=False))
     data = utf8(json.dumps({**plain, CHECKSUM_FIELD: record_digest(plain)},
-                           ensure_ascii=False, sort_keys=False) + "\n")
+                           ensure_ascii=False, sort_keys=False, allow_nan=False) + "\n")
     write_whole(self.path(key), data, "store record ")
 
   def count(self) -> int:

@@ -296,3 +296,20 @@ def test_a_record_with_int_keys_reads_back_as_written(tmp_path):
   store.put(key, {"key": key, "trace": {"votes": {2: 1.0, 10: 0.5}}})
   record, problem = store.read(key)
   assert problem is None and record == {"key": key, "trace": {"votes": {"2": 1.0, "10": 0.5}}}
+
+
+def test_a_record_with_non_finite_floats_is_stored_as_strict_json(tmp_path):
+  # Python's json writes NaN / Infinity, which strict readers (jq, JavaScript) refuse: a
+  # budget decision's p95 past float range put Infinity into a record.
+  import json
+  from pipelines.beam import ResultStore
+  store = ResultStore(str(tmp_path / "store"))
+  (tmp_path / "store").mkdir()
+  key = "cd" * 32
+  store.put(key, {"key": key, "metrics": {"budget": [{"p95_request_ms": float("inf")}],
+                                          "x": [float("nan"), -float("inf"), 1.5]}})
+  text = (tmp_path / "store" / f"{key}.json").read_text()
+  json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+  record, problem = store.read(key)
+  assert problem is None
+  assert record["metrics"] == {"budget": [{"p95_request_ms": None}], "x": [None, None, 1.5]}
