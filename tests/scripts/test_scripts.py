@@ -41,6 +41,29 @@ def test_bench_kernels_copies_exceed_the_l2_and_targets_read_the_rows():
   assert rule([xla(1, "4096x14336", 0.9)] + rows[1:])["pallas_max_rows"] == 0
 
 
+def test_cuda_compile_check_cases_lower_for_cuda_to_their_kernels():
+  """The deviceless compile check's cases (run with the CUDA plugin, CUDA_COMPILE=1
+  scripts/device_jax_lowering.sh) stay in step with the kernels' signatures: one case of
+  each kind lowers for CUDA here, from shapes alone, to the Pallas kernel it names."""
+  import jax
+  cc = load("cuda_compile_check")
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype))
+  cases = [*cc.qmm_cases(quick=True), *cc.attention_cases(quick=True)]
+  labels = {label for label, _ in cases}
+  assert len(labels) == len(cases) == 64  # every case named once
+  want = {"qmm q4_1 gemv M=1 4096x14336 x=float8_e4m3fn": ["quantized_gemv_q4_g32"],
+          "qmm q4_0 dot M=64 576x192 x=bfloat16": ["quantized_matmul_q4_g32"],
+          "decode smollm2-135m B=64 ctx=4096 kv=float8_e4m3fn window=512":
+              ["paged_decode_attention"],
+          "prefill smollm2-135m B=1 T=512 start=2048 kv=bfloat16": ["paged_prefill_attention"]}
+  for label, case in cases:
+    if label in want:
+      fn, args = cc.program(case, spec)
+      lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+      assert cc.triton_kernels(lowered) == want.pop(label), label
+  assert not want
+
+
 def test_bench_kernels_quick_run_writes_rows(tmp_path):
   bk = load("bench_kernels")
   out = tmp_path / "bench.json"
