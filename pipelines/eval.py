@@ -302,7 +302,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   import apache_beam as beam
 
   from pipelines.beam import build_pipeline
-  from pipelines.beam.pipeline import sized_for, stored_record, write_text
+  from pipelines.beam.pipeline import reconcile_with_store, sized_for, stored_record, write_text
   from pipelines.beam.store import IS_A_DIRECTORY, OutputError, is_local
   from pipelines.beam.worker import mark_launcher
   from pipelines.summary import summarize
@@ -359,7 +359,12 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
       remove_shared_model_files(model_tag)
   wall_s = time.perf_counter() - t0
 
-  records = _read_jsonl(f"{out}/results.jsonl")
+  records, restored, repeated = reconcile_with_store(
+      _read_jsonl(f"{out}/results.jsonl"), scan.items, store, f"{out}/results.jsonl")
+  if restored or repeated:
+    print(f"warning: results.jsonl: the job's output missed {restored} stored "
+          f"record{'s' * (restored != 1)} and listed {repeated} twice (a worker lost and its "
+          f"work recomputed?); rewritten from the store", file=console)
   dead = _read_jsonl(f"{out}/dead_letters.jsonl")
   run_info = {"started_ms": started_ms, "wall_s": round(wall_s, 2),
               "resumed": resumed_before, "computed": (len(records) - resumed_before)
@@ -511,9 +516,13 @@ def worker_lost_error(e: BaseException):
   (it was Beam's traceback of ~80 lines on the console)."""
   for link in _chain(e):
     found = _WORKER_LOST.search(str(link))
-    if found:
+    # A worker whose shared-model proxy lost the process serving the model (Dask with
+    # runner.share_model: the worker that served it was killed) reads EOF from the proxy.
+    why = (found.group(0) if found else "the process serving the shared model"
+           if isinstance(link, (EOFError, ConnectionResetError, BrokenPipeError)) else None)
+    if why:
       return WorkerLostError(
-          f"a worker process ended during the run ({found.group(0)}: killed, or out of "
+          f"a worker process ended during the run ({why}: killed, or out of "
           f"memory?); the finished samples are stored: rerun the same command to resume")
   return None
 

@@ -295,6 +295,35 @@ class DaskRunnerResult(PipelineResult):
     raise NotImplementedError(f"{RUNNER} does not collect Beam metrics")
 
 
+CONNECT_DEADLINE_S = 60
+
+
+def _connect(ddist, beams: dict, remote: bool):
+  """`Client(**beams)`; for a remote scheduler within CONNECT_DEADLINE_S (or the given
+  timeout + 30 s): a peer that accepts the connection and never answers the handshake
+  (a web server on that port) held the launcher forever, past the client's own timeout."""
+  if not remote:
+    return ddist.Client(**beams)
+  timeout = beams.get("timeout")
+  deadline = timeout + 30 if isinstance(timeout, int) else CONNECT_DEADLINE_S
+  result: dict = {}
+
+  def connect():
+    try:
+      result["client"] = ddist.Client(**beams)
+    except BaseException as e:  # handed to the caller
+      result["error"] = e
+
+  thread = threading.Thread(target=connect, name="dask-connect", daemon=True)
+  thread.start()
+  thread.join(deadline)
+  if thread.is_alive():
+    raise TimeoutError(f"no answer from a dask scheduler within {deadline} s")
+  if "error" in result:
+    raise result["error"]
+  return result["client"]
+
+
 class DaskRunner(_BeamDaskRunner):
   """Executes a pipeline on a dask.distributed cluster (a LocalCluster without an address)."""
 
@@ -312,12 +341,13 @@ class DaskRunner(_BeamDaskRunner):
                                    processes=True, dashboard_address=None)
       beams["address"] = cluster
     try:
-      client = ddist.Client(**beams)
-    except OSError as e:  # nothing listening, a wrong host, a timeout: one line naming it
+      client = _connect(ddist, beams, cluster is None)
+    except Exception as e:  # nothing listening, a wrong host, not a scheduler: one line
       if cluster is not None:
         cluster.close()
       where = beams.get("address") or beams.get("scheduler_file")
-      raise ValueError(f"dask scheduler {where} cannot be reached: {e}") from e
+      raise ValueError(f"dask scheduler {where} cannot be reached: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     try:
       if cluster is None:  # a cluster being started may not have its workers yet
         wait_s = beams.get("timeout") if isinstance(beams.get("timeout"), int) else 60
@@ -328,7 +358,14 @@ class DaskRunner(_BeamDaskRunner):
                            f"has no workers (waited {wait_s} s)") from e
       plugins = options.view_as(SetupOptions).beam_plugins or []
       if plugins:
-        client.register_plugin(_ImportModules(plugins))
+        try:
+          client.register_plugin(_ImportModules(plugins))
+        except Exception as e:  # a worker without the package: one line, before any work
+          where = "the local cluster" if cluster is not None else beams.get("address") or \
+              beams.get("scheduler_file")
+          raise ValueError(f"dask workers of {where} cannot import the job's modules "
+                           f"({type(e).__name__}: {e}): install o1jax and the config's "
+                           f"modules on every worker") from None
       # Default: the fewest partitions dask's scheduler treats as root tasks (more than
       # twice its threads) and so spreads over the workers as they free up; with fewer,
       # every partition follows its input to the worker that read the dataset.

@@ -582,6 +582,31 @@ def _write_jsonl(records: list[dict], path: str, sort_key) -> int:
   return len(lines)
 
 
+def reconcile_with_store(records: list[dict], items: Sequence[WorkItem], store: ResultStore,
+                         path: str) -> tuple[list[dict], int, int]:
+  """results.jsonl checked against the store, which holds every finished sample: a
+  record the job's collection missed is read back from the store, a key listed twice is
+  kept once, and the file is rewritten where either happened. Returns (records, restored,
+  repeated). Why: a runner that recomputes lost work (Dask, a worker killed mid-job) reruns
+  `SkipFinished` on a store that has changed since, and the samples the lost worker had
+  stored reached neither side of the split (8 of 40 left out, exit 0)."""
+  unique: dict[str, dict] = {}
+  for record in records:
+    unique.setdefault(record.get("key"), record)
+  repeated = len(records) - len(unique)
+  restored = 0
+  for item in items:
+    if item.key not in unique:
+      record, _ = stored_record(store, item)
+      if record is not None:
+        unique[item.key] = record
+        restored += 1
+  if restored or repeated:
+    records = list(unique.values())
+    _write_jsonl(records, path, _record_order)
+  return records, restored, repeated
+
+
 def write_dead_letters(dead: list[dict], path: str) -> int:
   """dead_letters.jsonl: one line per dead letter, by stage, source, line, example."""
   return _write_jsonl(dead, path, _dead_order)

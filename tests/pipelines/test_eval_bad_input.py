@@ -516,6 +516,15 @@ def test_a_worker_process_that_dies_is_one_line():
       "a worker process ended during the run (Channel closed prematurely: killed, or out of "
       "memory?); the finished samples are stored: rerun the same command to resume")
   assert worker_lost_error(RuntimeError("something else")) is None
+  # Dask with runner.share_model: the worker serving the model was killed; another's
+  # RunInference.finish_bundle read EOF from its proxy (a traceback of ~80 lines before).
+  try:
+    raise EOFError()
+  except EOFError as e:
+    error = worker_lost_error(e)
+  assert str(error) == (
+      "a worker process ended during the run (the process serving the shared model: killed, "
+      "or out of memory?); the finished samples are stored: rerun the same command to resume")
 
 
 @pytest.mark.parametrize("runner, text", [

@@ -63,6 +63,41 @@ def test_bad_runner_settings_are_one_line_errors(tmp_path):
   assert "\n" not in str(e.value)
 
 
+def test_a_peer_that_never_answers_the_handshake_is_one_line(tmp_path, monkeypatch):
+  # Something listens at the address but is no scheduler (a web server on that port): the
+  # launcher waited forever, past the client's timeout.
+  import socket
+  from pipelines.beam import dask_runner
+  monkeypatch.setattr(dask_runner, "CONNECT_DEADLINE_S", 3)
+  with socket.socket() as listener:  # accepts connections (the backlog), answers nothing
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    cfg = gsm8k_config.get_config("smoke=True")
+    cfg.model.predictor = "fake"
+    cfg.dataset.n = 2
+    cfg.runner.update(name="dask", address=address)
+    with pytest.raises(ValueError) as e:
+      run(cfg, str(tmp_path), progress=False, report=False)
+  assert str(e.value) == (f"dask scheduler {address} cannot be reached: no answer from a "
+                          f"dask scheduler within 3 s")
+
+
+def test_workers_that_cannot_import_the_job_are_one_line(tmp_path):
+  # A worker without the package (or a config's module) failed with ~80 lines of traceback.
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.model.predictor = "fake"
+  cfg.dataset.n = 2
+  cfg.runner.update(name="dask", local_workers=1)
+  with pytest.raises(ValueError) as e:
+    run(cfg, str(tmp_path), ["--beam_plugins=no_such_module_o1jax"], progress=False,
+        report=False)
+  assert str(e.value) == (
+      "dask workers of the local cluster cannot import the job's modules "
+      "(ModuleNotFoundError: No module named 'no_such_module_o1jax'): install o1jax and the "
+      "config's modules on every worker")
+
+
 class _SplitThrees(beam.DoFn):
   def process(self, x):
     yield beam.pvalue.TaggedOutput("three", x) if x % 3 == 0 else x

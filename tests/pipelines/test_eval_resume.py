@@ -313,3 +313,34 @@ def test_a_record_with_non_finite_floats_is_stored_as_strict_json(tmp_path):
   record, problem = store.read(key)
   assert problem is None
   assert record["metrics"] == {"budget": [{"p95_request_ms": None}], "x": [None, None, 1.5]}
+
+
+def test_records_the_job_missed_or_repeated_are_taken_from_the_store(finished, tmp_path):
+  # A runner that recomputes a lost worker's partitions (Dask) reran `SkipFinished` on a
+  # store that had changed: the lost worker's stored samples reached neither side of the
+  # split and results.jsonl lacked them (8 of 40, exit 0); the mirror case lists one twice.
+  import pipelines.eval as eval_mod
+  real = eval_mod._read_jsonl
+
+  def lossy(path):  # the job's results: one missing, one twice
+    records = real(path)
+    return records[1:] + records[-1:] if path.endswith("results.jsonl") else records
+
+  out = tmp_path / "run"
+  with mock.patch.object(eval_mod, "_read_jsonl", lossy):
+    summary, console = _run(_config(finished[0]), out)
+  assert ("warning: results.jsonl: the job's output missed 1 stored record and listed 1 "
+          "twice (a worker lost and its work recomputed?); rewritten from the store") in console
+  assert _same(out, finished[1]) and summary["samples"] == 6
+  assert summary["run"]["computed"] == 6
+
+
+def test_reconciling_complete_results_reads_no_store_record(finished, tmp_path):
+  from pipelines.beam.pipeline import plan_items, build_plan, reconcile_with_store
+  from pipelines.beam import ResultStore
+  records = _records(finished[1])
+  items, _ = plan_items(build_plan(_config(finished[0]), str(tmp_path / "x")))
+  store = ResultStore(str(finished[1] / "store"))
+  with mock.patch.object(store, "read", side_effect=AssertionError("read")):
+    got, restored, repeated = reconcile_with_store(records, items, store, str(tmp_path / "r.jsonl"))
+  assert (got, restored, repeated) == (records, 0, 0) and not (tmp_path / "r.jsonl").exists()
