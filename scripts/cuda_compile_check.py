@@ -65,6 +65,8 @@ def qmm_cases(quick: bool):
   formats = WEIGHT_FORMATS[:2] if quick else WEIGHT_FORMATS
   for name, bits, group, asym, sdt in formats:
     for k, n in shapes:
+      if k % group:  # no such weight (a K-quant's K is a multiple of its 256-value blocks)
+        continue
       for m in ((1, 16, 64) if quick else ROWS):
         # Both kernels where both take M rows: which one `auto` runs is the GPU check's
         # measurement (qmm.GEMV_MAX_ROWS).
