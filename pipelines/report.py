@@ -23,7 +23,8 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from pipelines.summary import LATENCY_BUCKETS_MS, bucket_index, bucket_label, per_token_latencies
+from pipelines.summary import (LATENCY_BUCKETS_MS, bucket_index, bucket_label, is_time,
+                               per_token_latencies, timed_records)
 
 HEATMAP_TIME_BINS = 20
 
@@ -101,7 +102,7 @@ def _read(path: pathlib.Path) -> str:
 
 def _per_token_ms(r: dict) -> float:
   """Mean ms per generated token of one sample: the engine's real per-token times when present."""
-  times = [v for v in (r["timing"].get("token_ms") or []) if v is not None]
+  times = [v for v in (r["timing"].get("token_ms") or []) if is_time(v)]
   if times:
     return sum(times) / len(times)
   return r["timing"]["latency_ms"] / max(int(r.get("tokens", {}).get("completion", 0)), 1)
@@ -110,7 +111,7 @@ def _per_token_ms(r: dict) -> float:
 def plot_latency(records: Sequence[dict], path: pathlib.Path) -> None:
   plt = _plt()
   labels = [bucket_label(i) for i in range(len(LATENCY_BUCKETS_MS))]
-  timed = [r for r in records if r.get("timing")]
+  timed = timed_records(records)
   per_token, source = per_token_latencies(timed)
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
   for ax, values, title, unit in (
@@ -135,7 +136,7 @@ def plot_heatmap(records: Sequence[dict], path: pathlib.Path) -> None:
   """Samples per (time bin since the first batch started, per-token latency bucket)."""
   plt = _plt()
   import numpy as np
-  timed = [r for r in records if r.get("timing")]
+  timed = timed_records(records)
   grid = np.zeros((len(LATENCY_BUCKETS_MS), HEATMAP_TIME_BINS), int)
   t0 = min((r["timing"]["start_ms"] for r in timed), default=0.0)
   t1 = max((r["timing"]["end_ms"] for r in timed), default=1.0)

@@ -66,8 +66,21 @@ def histogram(values_ms: Iterable[float]) -> dict[str, int]:
 
 
 def _finite(values: Iterable) -> list[float]:
-  """The values as floats, NaN and inf left out."""
-  return [v for v in map(float, values) if math.isfinite(v)]
+  """The values as floats, NaN, inf and None left out (the store writes a time that was
+  not finite as null)."""
+  return [v for v in map(float, (v for v in values if v is not None)) if math.isfinite(v)]
+
+
+def is_time(value) -> bool:
+  """A measured time: a finite number (not None, NaN or inf)."""
+  return value is not None and math.isfinite(float(value))
+
+
+def timed_records(records: Iterable[dict]) -> list[dict]:
+  """The records whose start, end and latency are measured times (plots place each by
+  them; a hand-merged NaN or the store's null is no measurement)."""
+  return [r for r in records if r.get("timing") and all(
+      is_time(r["timing"].get(k)) for k in ("start_ms", "end_ms", "latency_ms"))]
 
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
@@ -232,9 +245,9 @@ def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
   timed = [r for r in records
            if r.get("timing") and int((r.get("tokens") or {}).get("completion", 0)) > 0]
   if timed and all(r["timing"].get("token_ms") for r in timed):
-    return [float(v) for r in timed for v in r["timing"]["token_ms"] if v is not None], "tokens"
+    return [float(v) for r in timed for v in r["timing"]["token_ms"] if is_time(v)], "tokens"
   return [float(r["timing"]["latency_ms"]) / int(r["tokens"]["completion"])
-          for r in timed], "request_latency/completion"
+          for r in timed if is_time(r["timing"].get("latency_ms"))], "request_latency/completion"
 
 
 # The reference system's stability thresholds: per-token latency CV and first-token P95.
@@ -283,8 +296,8 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
                  if r.get("timing") and r["timing"].get("ttft_ms") is not None)
   run = dict(run or {})
   since = run.get("started_ms")
-  fresh = [r for r in records if r.get("timing") and (since is None or r["timing"]["start_ms"] >= since)
-           and math.isfinite(r["timing"]["start_ms"]) and math.isfinite(r["timing"]["end_ms"])]
+  fresh = [r for r in records if r.get("timing") and is_time(r["timing"]["start_ms"])
+           and is_time(r["timing"]["end_ms"]) and (since is None or r["timing"]["start_ms"] >= since)]
   span_s = ((max(r["timing"]["end_ms"] for r in fresh) - min(r["timing"]["start_ms"] for r in fresh)) / 1e3
             if fresh else 0.0)
   fresh_tokens = sum(int((r.get("tokens") or {}).get("completion", 0)) for r in fresh)

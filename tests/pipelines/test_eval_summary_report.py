@@ -305,6 +305,38 @@ def test_a_non_finite_time_is_no_measurement():
     assert s["latency_stability"]["pass"]["ttft_p95_ms < 320"] is None  # none measured
 
 
+def test_a_time_the_store_wrote_as_null_is_no_measurement(tmp_path):
+  """The store writes a non-finite float as null (strict JSON): such a record reads back
+  with None times, which summarize leaves out as it leaves out NaN (it raised TypeError)."""
+  from pipelines.beam import ResultStore
+  store = ResultStore(str(tmp_path))
+  recs = [_rec(0, 0, "5", "5", "5", float("inf"), 2, start_ms=float("nan")),
+          _rec(1, 0, "4", "4", "4", 10.0, 2), _rec(2, 0, "3", "3", "3", float("nan"), 0)]
+  recs[0]["timing"]["ttft_ms"] = float("-inf")
+  back = []
+  for i, r in enumerate(recs):
+    key = f"{i:064d}"
+    store.put(key, {**r, "key": key})
+    back.append({k: v for k, v in store.get(key).items() if k != "record_sha256"})
+  assert back[0]["timing"] == {"start_ms": None, "end_ms": None, "latency_ms": None,
+                               "ttft_ms": None}
+  for run in (None, {"started_ms": 0.0}):
+    s = summarize(back, task="gsm8k", run=run)
+    json.dumps(s, allow_nan=False)
+    assert s["latency_ms"]["max"] == s["latency_ms"]["p50"] == 10.0
+    assert s["latency_ms_per_token"]["count"] == 1 and s["throughput"]["samples_computed"] == 1
+  # The run report's plots place each record by its times: those without are left out (a
+  # None or NaN time raised there).
+  from pipelines import report
+  recs[1]["timing"]["token_ms"] = [4.0, float("nan")]
+  for records in (back, recs):
+    assert [r["example_id"] for r in report.timed_records(records)] == ["e1"]
+    report.plot_latency(records, tmp_path / "latency.png")
+    report.plot_heatmap(records, tmp_path / "heatmap.png")
+    assert (tmp_path / "latency.png").stat().st_size and (tmp_path / "heatmap.png").stat().st_size
+    assert report._per_token_ms(recs[1]) == 4.0
+
+
 def test_empty_and_all_unscored_runs_give_no_nan():
   for task in ("gsm8k", "humaneval", "custom", "suite"):
     for vote in (False, True):
