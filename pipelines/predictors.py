@@ -618,7 +618,8 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
     # writes were grouped); FP8 pools of earlier versions had one per block.
     fp["kv_scales"] = "per_token"
   tp = int(dict(spec.engine).get("tensor_parallel", 1) or 1)
-  if tp > 1 and spec.name in ("engine", "controller"):  # all-reduced sums: logits move ~1e-6 (near-ties fork)
+  # All-reduced sums: logits move ~1e-6 (near-ties fork; FP8 pools' codes can round apart).
+  if tp > 1 and spec.name in ("engine", "controller"):
     fp["tensor_parallel"] = tp
   budget = dict(spec.budget)
   if budget.get("mode", "fixed") != "fixed":  # a live budget: outputs depend on timing

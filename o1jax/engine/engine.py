@@ -420,7 +420,9 @@ class Engine:
     loads `speculative.draft_source`); it must share the target's vocabulary.
     mesh: a `jax.sharding.Mesh` with a "model" axis: the weights and the KV pools are
     split over it by heads (tensor parallelism, o1jax/sharding/tensor_parallel.py);
-    outputs are the one-device engine's.
+    outputs are the one-device engine's up to the all-reduced sums' order (logits ~1e-6
+    apart: a near-tie can fork; an FP8 pool's code can round the other way and move
+    later logits ~1e-3).
     thinking: a reasoning model's thinking span (o1jax/model/thinking.py): "auto" (the
     markers its chat template names, if any), "on", "off", "<open> <close>", or a
     ThinkingSpan. With a span a sample's text is its answer after the span, its thinking
@@ -451,6 +453,11 @@ class Engine:
                        f"attention kernels")
     if mesh is None and config.tensor_parallel > 1:
       mesh = tensor_parallel.group_mesh(config.tensor_parallel)
+    elif mesh is not None and config.tensor_parallel > 1 and (
+        tensor_parallel.tensor_parallel_size(mesh) != config.tensor_parallel):
+      raise tensor_parallel.ShardingError(
+          f"tensor_parallel={config.tensor_parallel} but the given mesh's model axis has "
+          f"{tensor_parallel.tensor_parallel_size(mesh)} devices (give one of the two)")
     self.mesh = mesh = None if mesh is None else tensor_parallel.auto_mesh(mesh)
     if mesh is not None:
       model = tensor_parallel.shard_model(model, mesh)
@@ -556,13 +563,15 @@ class Engine:
     decode step), between runs: the engine must be idle. Compiled programs are kept."""
     if self.has_work():
       raise ValueError("set_speculative needs an idle engine: requests are still running")
-    self.speculative = speculative
-    self._exit_layer = (speculative.resolved_exit_layer(self.model_config.n_layers)
-                        if speculative is not None and speculative.drafter == "early_exit" else 0)
+    # Everything that can refuse runs before the engine changes: a refused setting leaves
+    # the engine as it was (it kept the new drafter without its draft model, and the next
+    # run failed with an AttributeError).
+    exit_layer = (speculative.resolved_exit_layer(self.model_config.n_layers)
+                  if speculative is not None and speculative.drafter == "early_exit" else 0)
     draft = self._resolve_draft_model(self.model, speculative, draft_model)
     if draft is not None and draft is not self.draft_model:
       self._init_draft_model(draft)  # the same draft model keeps its pool and compiled calls
-    self.draft_model = draft
+    self.speculative, self._exit_layer, self.draft_model = speculative, exit_layer, draft
     # One draft step's cost relative to a plain step, until the planner measures calls:
     # the early exit runs its share of the layers; a draft model reads its weight bytes.
     if draft is not None:
@@ -603,13 +612,17 @@ class Engine:
     accepted (verification is exact). Its memory is not part of kv_cache_bytes.
     A draft model with a shorter context drafts only below it (`_speculate_once`)."""
     dc = draft.config
-    self.draft_cache = self._new_pool(dc)
-    if self.mesh is not None:
-      draft = tensor_parallel.shard_model(draft, self.mesh)
+    if self.mesh is not None:  # first: a draft model that does not split is named here
+      try:
+        draft = tensor_parallel.shard_model(draft, self.mesh)
+      except tensor_parallel.ShardingError as e:
+        raise tensor_parallel.ShardingError(f"speculative draft model: {e}") from None
+    pool = self._new_pool(dc)
     log.info("engine: draft model %s, %d layers; its KV pool %.1f MiB", dc.name, dc.n_layers,
-             self.draft_cache.bytes_per_block() * self.num_blocks / 2**20)
+             pool.bytes_per_block() * self.num_blocks / 2**20)
     graphdef, state = nnx.split(draft)
-    self._draft_leaves, state_def = jax.tree.flatten(state)
+    leaves, state_def = jax.tree.flatten(state)
+    self.draft_cache, self._draft_leaves = pool, leaves
     self._draft_prefill_jit = self._jit(
         "draft_prefill", self._bound(steps.prefill_step, graphdef, state_def), donate_argnums=(1,))
     # The drafting call over the draft model (early_exit's runs the target's first layers).

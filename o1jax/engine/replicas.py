@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 from o1jax.engine.engine import Engine, EngineConfig, Request, RequestResult
-from o1jax.sharding import topology
+from o1jax.sharding import tensor_parallel, topology
 
 
 def replica_meshes(replicas: int, tp: int = 1, devices=None, topo="auto") -> list[Mesh]:
@@ -36,9 +36,7 @@ def replica_meshes(replicas: int, tp: int = 1, devices=None, topo="auto") -> lis
   # Groups placed over every device, then the first `replicas` taken: cutting the device
   # list first could leave out a group's NVLink partners (3 x TP=2 on a box of interleaved
   # islands paired GPUs 0 and 1 over SYS).
-  usable = devices[:len(devices) // tp * tp]
-  full = topology.make_mesh(model=tp, devices=usable, topology=topo)
-  return [Mesh(full.devices[i:i + 1], full.axis_names) for i in range(replicas)]
+  return tensor_parallel.group_meshes(tp, devices, topo)[:replicas]
 
 
 class EngineReplicas:

@@ -50,17 +50,24 @@ def auto_mesh(mesh: Mesh) -> Mesh:
   return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
-def group_mesh(tp: int, devices=None) -> Mesh:
-  """A (data=1, model=tp) mesh: the first tensor-parallel group that `make_mesh` places
-  on the best links among `devices` (default: all)."""
+def group_meshes(tp: int, devices=None, topology="auto") -> list[Mesh]:
+  """(data=1, model=tp) meshes, one per tensor-parallel group that `make_mesh` places on
+  the best links among `devices` (default: all), best first. Groups are placed over the
+  largest multiple of tp devices (tp=3 on 8: two groups of 3); cutting the device list
+  to the groups wanted first could leave out a group's NVLink partners."""
   from o1jax.sharding.topology import TopologyError, make_mesh
 
   devices = list(jax.devices() if devices is None else devices)
   if tp > len(devices):
     raise TopologyError(f"tensor_parallel={tp} needs {tp} devices; this process has "
                         f"{len(devices)}")
-  full = make_mesh(model=tp, devices=devices)
-  return Mesh(full.devices[:1], full.axis_names)
+  full = make_mesh(model=tp, devices=devices[:len(devices) // tp * tp], topology=topology)
+  return [Mesh(full.devices[i:i + 1], full.axis_names) for i in range(full.devices.shape[0])]
+
+
+def group_mesh(tp: int, devices=None) -> Mesh:
+  """The first of `group_meshes`: where one model split over tp devices runs."""
+  return group_meshes(tp, devices)[0]
 
 
 def tensor_parallel_size(mesh: Mesh | None) -> int:
@@ -104,6 +111,11 @@ def param_spec(path, leaf) -> P:
     raise ShardingError(f"{'.'.join(names)}: fused matrices (matmul_dtype='int8') cannot be "
                         f"split by heads; use float32 or bfloat16 matmuls with a mesh")
   ndim = getattr(leaf, "ndim", 0)
+  if any(n in COLUMN or n in ROW for n in names) and ndim != 2:
+    # int8 matmuls' VNNI tiles (unfused where q/k/v or gate/up differ in type) were left
+    # whole on every device: the model replicated, gathered each step.
+    raise ShardingError(f"{'.'.join(names)}: int8 matmul tiles (matmul_dtype='int8') cannot "
+                        f"be split by heads; use float32 or bfloat16 matmuls with a mesh")
   if any(n in COLUMN for n in names) and ndim == 2:
     return P(None, MODEL_AXIS)
   if any(n in ROW for n in names) and ndim == 2:

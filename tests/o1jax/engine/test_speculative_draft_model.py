@@ -96,6 +96,21 @@ def test_draft_model_must_share_the_vocabulary_and_be_given(tiny, tmp_path):
     SpeculativeConfig(drafter="early_exit", draft_source=str(tmp_path))
 
 
+def test_a_refused_set_speculative_leaves_the_engine_as_it_was(tiny, plain, tmp_path,
+                                                               make_prompts):
+  # The engine took the new drafter before its draft model was checked: after the refusal
+  # every run failed (AttributeError: no '_draft_context').
+  other = _load(_write_draft(tmp_path, vocab_size=tiny.config.vocab_size + 8))
+  engine = Engine(tiny.model, tiny.tokenizer, CONFIG)
+  requests = [Request(p, GREEDY, request_id=i) for i, p in enumerate(make_prompts(2, seed=53))]
+  with pytest.raises(ValueError, match="vocab_size"):
+    engine.set_speculative(SPEC, other)
+  with pytest.raises(ValueError):
+    engine.set_speculative(SpeculativeConfig(drafter="early_exit", exit_layer=99))
+  assert engine.speculative is None and engine.draft_model is None
+  _same(plain.generate(requests), engine.generate(requests))
+
+
 def test_draft_source_is_loaded_by_path(tiny, plain, tmp_path, make_prompts):
   source = SpeculativeConfig(drafter="draft_model", adaptive=False, max_drafts=3,
                              draft_source=str(_write_draft(tmp_path)))

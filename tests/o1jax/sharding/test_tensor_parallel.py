@@ -88,6 +88,18 @@ def test_uneven_split_is_one_line(run):
                                   "multiple of it")
 
 
+def test_settings_that_cannot_split_are_named_before_any_program(run):
+  r = run["errors"]
+  assert r["draft"] == ("speculative draft model: tensor parallelism 2: the model's "
+                        "n_kv_heads=1 is not a multiple of it")
+  assert r["draft_left"] == [None, None]  # (the engine kept a drafter without its model)
+  assert r["config_vs_mesh"] == ("tensor_parallel=4 but the given mesh's model axis has 2 "
+                                 "devices (give one of the two)")
+  assert r["int8_unfused"].endswith(": int8 matmul tiles (matmul_dtype='int8') cannot be "
+                                    "split by heads; use float32 or bfloat16 matmuls with a mesh")
+  assert r["group_of_3"] == 3  # (refused: "model=3 does not divide the 8 devices")
+
+
 def test_config_checks_the_group_size():
   with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1, got 0"):
     EngineConfig(tensor_parallel=0)

@@ -176,7 +176,45 @@ def main():
     out["tp4_kv2_error"] = None
   except ValueError as e:
     out["tp4_kv2_error"] = str(e)
+  out["errors"] = setting_errors(model, tok)
   json.dump(out, sys.stdout)
+
+
+def setting_errors(model, tok) -> dict:
+  """Settings checked before any program is built: what each says (None: accepted)."""
+  from o1jax.engine.speculative import SpeculativeConfig
+  from o1jax.sharding import group_mesh
+
+  def said(make):
+    try:
+      make()
+      return None
+    except ValueError as e:
+      return str(e)
+
+  mqa_draft, _ = tiny(1)
+  # int8 matmuls where q/k/v and gate/up differ in type (no fused matrices): their VNNI
+  # tiles were left whole on every device.
+  from o1jax.testing import write_gguf_checkpoint
+  path = tempfile.mkdtemp() + "/mixed.gguf"
+  write_gguf_checkpoint(path, tiny_config(max_context=256), seed=3, matrix_type="Q4_0",
+                        embed_type="F32", tensor_types={"attn_v.weight": "Q8_0",
+                                                        "ffn_up.weight": "Q8_0"})
+  ck = load_checkpoint(path)
+  int8 = Llama(ck.config, dict(ck.params), matmul_dtype="int8")
+  engine = Engine(model, tok, EngineConfig(num_blocks=32), mesh=mesh_of(2))
+  return dict(
+      # A draft model that does not split: named, and the engine is left as it was.
+      draft=said(lambda: engine.set_speculative(SpeculativeConfig(drafter="draft_model"),
+                                                mqa_draft)),
+      draft_left=[engine.speculative, engine.draft_model],
+      config_vs_mesh=said(lambda: Engine(model, tok, EngineConfig(num_blocks=32,
+                                                                  tensor_parallel=4),
+                                         mesh=mesh_of(2))),
+      int8_unfused=said(lambda: tensor_parallel.shard_model(
+          int8, tensor_parallel.auto_mesh(mesh_of(2)))),
+      # One group of 3 on 8 devices (two replicas of 3 ran; one was refused).
+      group_of_3=len(group_mesh(3).devices.flat))
 
 
 if __name__ == "__main__":
