@@ -511,15 +511,26 @@ class WorkerLostError(RuntimeError):
 _WORKER_LOST = re.compile(r"Channel closed prematurely|SDK harness .*(?:exited|failed|died)")
 
 
+def _raised_in_multiprocessing(e: BaseException) -> bool:
+  """Whether `e` was raised inside the standard library's multiprocessing (its innermost
+  frame's module: a manager proxy's connection)."""
+  tb, last = e.__traceback__, None
+  while tb is not None:
+    last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+  return last is not None and f"multiprocessing{os.sep}" in last
+
+
 def worker_lost_error(e: BaseException):
   """A `WorkerLostError` when the job failed because a worker process went away, else None
   (it was Beam's traceback of ~80 lines on the console)."""
   for link in _chain(e):
     found = _WORKER_LOST.search(str(link))
     # A worker whose shared-model proxy lost the process serving the model (Dask with
-    # runner.share_model: the worker that served it was killed) reads EOF from the proxy.
+    # runner.share_model: the worker that served it was killed) reads EOF from the proxy's
+    # connection; an EOF from anywhere else (a cut-short dataset or pickle) is no lost worker.
     why = (found.group(0) if found else "the process serving the shared model"
-           if isinstance(link, (EOFError, ConnectionResetError, BrokenPipeError)) else None)
+           if isinstance(link, (EOFError, ConnectionResetError, BrokenPipeError))
+           and _raised_in_multiprocessing(link) else None)
     if why:
       return WorkerLostError(
           f"a worker process ended during the run ({why}: killed, or out of "

@@ -35,11 +35,12 @@ sys.path.insert(0, str(HERE))  # (sibling modules)
 from bench_kernels import LLAMA8B_ATTN, LLAMA8B_QMM, SMOL_ATTN, SMOL_QMM  # noqa: E402
 from script_args import output_file  # noqa: E402
 
-# (name, bits, group, asymmetric (a minimum per group), scale dtype): the GGUF formats as
-# the loader hands them to the kernels (legacy formats keep f16 scales; K-quants f32).
-WEIGHT_FORMATS = [("q4_0", 4, 32, False, jnp.float16), ("q4_1", 4, 32, True, jnp.float16),
-                  ("q8_0", 8, 32, False, jnp.float16), ("q4_k", 4, 32, True, jnp.float32),
-                  ("q6_k", 8, 16, False, jnp.float32), ("q8_k", 8, 256, False, jnp.float32)]
+# (name, bits, group, asymmetric (a minimum per group), scale dtype, K's block): the GGUF
+# formats as the loader hands them to the kernels (legacy formats keep f16 scales;
+# K-quants f32, in super-blocks of 256 rows).
+WEIGHT_FORMATS = [("q4_0", 4, 32, False, jnp.float16, 32), ("q4_1", 4, 32, True, jnp.float16, 32),
+                  ("q8_0", 8, 32, False, jnp.float16, 32), ("q4_k", 4, 32, True, jnp.float32, 256),
+                  ("q6_k", 8, 16, False, jnp.float32, 256), ("q8_k", 8, 256, False, jnp.float32, 256)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 TRITON_CALL = re.compile(r'@__gpu\$xla\.gpu\.triton\(.*?\bname = "([^"]*)"')
 BATCHES = (1, 8, 64, 256)
@@ -63,9 +64,9 @@ def target_device(path: str):
 def qmm_cases(quick: bool):
   shapes = SMOL_QMM[:2] + LLAMA8B_QMM[1:2] if quick else LLAMA8B_QMM + SMOL_QMM
   formats = WEIGHT_FORMATS[:2] if quick else WEIGHT_FORMATS
-  for name, bits, group, asym, sdt in formats:
+  for name, bits, group, asym, sdt, block in formats:
     for k, n in shapes:
-      if k % group:  # no such weight (a K-quant's K is a multiple of its 256-value blocks)
+      if k % block:  # no such weight (SmolLM2's K = 576 has no K-quant)
         continue
       for m in ((1, 16, 64) if quick else ROWS):
         # Both kernels where both take M rows: which one `auto` runs is the GPU check's

@@ -24,9 +24,11 @@ if [ "$COMPILE" = 1 ]; then
   PLUGINS=("jax-cuda12-plugin==$JAX" "jax-cuda12-pjrt==$JAX")
   export JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 O1JAX_CUDA_TARGET="$PWD/scripts/gpu_targets/h200.txtpb"
 fi
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import jax, sys; sys.exit(jax.__version__ != '$JAX')" 2>/dev/null; then
+CHECK="import jax, sys; sys.exit(jax.__version__ != '$JAX')"
+[ "$COMPILE" = 1 ] && CHECK="import jax, jax_cuda12_plugin, sys; sys.exit(jax.__version__ != '$JAX')"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "$CHECK" 2>/dev/null; then
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q "jax==$JAX" "jaxlib==$JAX" "flax==$FLAX" "${PLUGINS[@]}" \
+  "$VENV/bin/pip" install -q "jax==$JAX" "jaxlib==$JAX" "flax==$FLAX" ${PLUGINS[@]+"${PLUGINS[@]}"} \
     orbax-checkpoint pytest pytest-xdist hypothesis gguf tokenizers safetensors ml-collections \
     absl-py jinja2 "numpy<2.5" scipy
 fi
@@ -34,7 +36,7 @@ fi
 EXTRA=()
 [ "$COMPILE" = 1 ] && EXTRA=(-p cuda_aot_compile)
 PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p pretend_gpu_kind \
-  "${EXTRA[@]}" tests/o1jax/engine/test_cuda_lowering.py tests/o1jax/controller/test_cuda_lowering.py \
+  ${EXTRA[@]+"${EXTRA[@]}"} tests/o1jax/engine/test_cuda_lowering.py tests/o1jax/controller/test_cuda_lowering.py \
   tests/pallas_kernels tests/o1jax/model/test_sampling.py "${@:4}"
 if [ "$COMPILE" = 1 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" scripts/cuda_compile_check.py

@@ -307,17 +307,24 @@ def _connect(ddist, beams: dict, remote: bool):
   timeout = beams.get("timeout")
   deadline = timeout + 30 if isinstance(timeout, int) else CONNECT_DEADLINE_S
   result: dict = {}
+  abandoned = threading.Event()
 
   def connect():
     try:
-      result["client"] = ddist.Client(**beams)
+      client = ddist.Client(**beams)
     except BaseException as e:  # handed to the caller
       result["error"] = e
+      return
+    if abandoned.is_set():  # answered past the deadline: not left as the default client
+      client.close()
+    else:
+      result["client"] = client
 
   thread = threading.Thread(target=connect, name="dask-connect", daemon=True)
   thread.start()
   thread.join(deadline)
   if thread.is_alive():
+    abandoned.set()
     raise TimeoutError(f"no answer from a dask scheduler within {deadline} s")
   if "error" in result:
     raise result["error"]
@@ -360,12 +367,12 @@ class DaskRunner(_BeamDaskRunner):
       if plugins:
         try:
           client.register_plugin(_ImportModules(plugins))
-        except Exception as e:  # a worker without the package: one line, before any work
+        except ImportError as e:  # a worker without the package: one line, before any work
           where = "the local cluster" if cluster is not None else beams.get("address") or \
               beams.get("scheduler_file")
           raise ValueError(f"dask workers of {where} cannot import the job's modules "
                            f"({type(e).__name__}: {e}): install o1jax and the config's "
-                           f"modules on every worker") from None
+                           f"modules on every worker") from e
       # Default: the fewest partitions dask's scheduler treats as root tasks (more than
       # twice its threads) and so spreads over the workers as they free up; with fewer,
       # every partition follows its input to the worker that read the dataset.

@@ -43,7 +43,7 @@ from apache_beam.ml.inference.base import RunInference
 from configs import common
 from pipelines.beam.handler import PredictorModelHandler
 from pipelines.beam.options import batches_sharing_a_model
-from pipelines.beam.store import ResultStore, utf8, write_whole
+from pipelines.beam.store import ResultStore, strict_json, utf8, write_whole
 from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
@@ -577,7 +577,10 @@ def write_text(path: str, text: str) -> None:
 
 
 def _write_jsonl(records: list[dict], path: str, sort_key) -> int:
-  lines = [json.dumps(r, ensure_ascii=False) for r in sorted(records, key=sort_key)]
+  # Strict JSON as the store writes it (a record computed now and the same record resumed
+  # from the store give the same line: NaN / inf are null in both).
+  lines = [json.dumps(strict_json(r), ensure_ascii=False, allow_nan=False)
+           for r in sorted(records, key=sort_key)]
   write_text(path, "".join(line + "\n" for line in lines))
   return len(lines)
 

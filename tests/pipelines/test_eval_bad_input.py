@@ -517,14 +517,24 @@ def test_a_worker_process_that_dies_is_one_line():
       "memory?); the finished samples are stored: rerun the same command to resume")
   assert worker_lost_error(RuntimeError("something else")) is None
   # Dask with runner.share_model: the worker serving the model was killed; another's
-  # RunInference.finish_bundle read EOF from its proxy (a traceback of ~80 lines before).
+  # RunInference.finish_bundle read EOF from its proxy's connection (a traceback of ~80
+  # lines before).
+  import gzip
+  import multiprocessing
+  reader, writer = multiprocessing.Pipe(duplex=False)
+  writer.close()
   try:
-    raise EOFError()
+    reader.recv()
   except EOFError as e:
     error = worker_lost_error(e)
   assert str(error) == (
       "a worker process ended during the run (the process serving the shared model: killed, "
       "or out of memory?); the finished samples are stored: rerun the same command to resume")
+  # An EOF from anywhere else is the run's own error (a dataset cut short after the scan).
+  try:
+    gzip.decompress(gzip.compress(b"x" * 100)[:-8])
+  except EOFError as e:
+    assert worker_lost_error(e) is None
 
 
 @pytest.mark.parametrize("runner, text", [

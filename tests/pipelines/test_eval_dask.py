@@ -83,6 +83,28 @@ def test_a_peer_that_never_answers_the_handshake_is_one_line(tmp_path, monkeypat
                           f"dask scheduler within 3 s")
 
 
+def test_a_scheduler_that_answers_past_the_deadline_is_not_kept(monkeypatch):
+  # The connecting thread finished after the launcher had given up: its client stayed
+  # the process's default (a live connection in a notebook or test session).
+  import threading
+  import time
+  from pipelines.beam import dask_runner
+  monkeypatch.setattr(dask_runner, "CONNECT_DEADLINE_S", 0.2)
+  closed = threading.Event()
+
+  class SlowClient:
+    def __init__(self, **kwargs):
+      time.sleep(0.6)
+
+    def close(self):
+      closed.set()
+
+  fake = type("ddist", (), {"Client": SlowClient})
+  with pytest.raises(TimeoutError, match="no answer from a dask scheduler within 0.2 s"):
+    dask_runner._connect(fake, {"address": "tcp://h:1"}, remote=True)
+  assert closed.wait(5)
+
+
 def test_workers_that_cannot_import_the_job_are_one_line(tmp_path):
   # A worker without the package (or a config's module) failed with ~80 lines of traceback.
   cfg = gsm8k_config.get_config("smoke=True")

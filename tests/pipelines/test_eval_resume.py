@@ -344,3 +344,15 @@ def test_reconciling_complete_results_reads_no_store_record(finished, tmp_path):
   with mock.patch.object(store, "read", side_effect=AssertionError("read")):
     got, restored, repeated = reconcile_with_store(records, items, store, str(tmp_path / "r.jsonl"))
   assert (got, restored, repeated) == (records, 0, 0) and not (tmp_path / "r.jsonl").exists()
+
+
+def test_results_lines_are_strict_json_as_the_store_writes_them(tmp_path):
+  # A record computed in this run went to results.jsonl as Python wrote it (NaN,
+  # Infinity) while the same record resumed from the store read null: two files.
+  from pipelines.beam.pipeline import _record_order, _write_jsonl
+  record = {"key": "k", "example_index": 0, "sample_index": 0,
+            "metrics": {"ttft_ms": float("nan"), "token_ms": [1.0, float("inf")]}}
+  path = tmp_path / "results.jsonl"
+  assert _write_jsonl([record], str(path), _record_order) == 1
+  line = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"constant {c}"))
+  assert line["metrics"] == {"ttft_ms": None, "token_ms": [1.0, None]}
