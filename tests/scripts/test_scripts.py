@@ -64,6 +64,29 @@ def test_cuda_compile_check_cases_lower_for_cuda_to_their_kernels():
   assert not want
 
 
+def test_cuda_program_report_counts_kernels_and_fusions_by_kind():
+  """The kernels-per-step report (run with the CUDA plugin) reads an optimized HLO module:
+  Triton kernels by their custom-call target, XLA fusions by the computation they call."""
+  import types
+  report = load("cuda_program_report")
+  hlo = "\n".join([
+      '  %a = f32[16,576]{1,0} fusion(%x), kind=kLoop, calls=%fused_pad.149, metadata={}',
+      '  %b = f32[16,576]{1,0} fusion(%x, %y), kind=kInput, calls=%fused_reduce.3',
+      '  %c = f32[1,576]{1,0} fusion(%x), kind=kLoop, calls=%fused_pad',
+      '  %d = (f32[1,576]) custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", name="q"',
+      '  %e = (s32[]) while(%t), condition=%cond, body=%body',
+      '  %f = f32[4]{0} copy(%g)'])
+  stats = types.SimpleNamespace(argument_size_in_bytes=2 * 2**20, alias_size_in_bytes=2**20,
+                                temp_size_in_bytes=0)
+  executable = types.SimpleNamespace(
+      hlo_modules=lambda: [types.SimpleNamespace(to_string=lambda: hlo)],
+      get_compiled_memory_stats=lambda: stats)
+  row = report.program_row("decode", executable, 1.234)
+  assert row == dict(program="decode", compile_s=1.2, triton_kernels=1, xla_fusions=3,
+                     fusions_by_kind={"pad": 2, "reduce": 1}, while_loops=1, copies=1,
+                     argument_mib=2.0, aliased_mib=1.0, temp_mib=0.0)
+
+
 def test_bench_kernels_quick_run_writes_rows(tmp_path):
   bk = load("bench_kernels")
   out = tmp_path / "bench.json"
