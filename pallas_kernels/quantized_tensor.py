@@ -22,6 +22,8 @@ Storage (``bits`` and ``group_size`` are static pytree fields):
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,32 @@ class QuantizedTensor:
 
 
 # --- pack / unpack -------------------------------------------------------------
+
+
+def _format(w: QuantizedTensor) -> tuple:
+  """What two matrices must share to be one: codes, groups, scale/minimum dtypes, K."""
+  dtype = lambda a: None if a is None else str(a.dtype)
+  return (w.bits, w.group_size, dtype(w.packed), dtype(w.scale), dtype(w.minimum),
+          w.packed.shape[0])
+
+
+def concat_columns(weights: list[QuantizedTensor]) -> QuantizedTensor | None:
+  """[W1 | W2 | ...] along N: the same codes, scales and minima, so each column of the
+  result is its part's column (codes are packed along K: columns are independent). None
+  where the parts differ in format or K (e.g. a Q8_0 wv among Q4_0 weights)."""
+  if len({_format(w) for w in weights}) != 1:
+    return None
+  cat = lambda field: (None if getattr(weights[0], field) is None else
+                       jnp.concatenate([getattr(w, field) for w in weights], axis=-1))
+  return dataclasses.replace(weights[0], packed=cat("packed"), scale=cat("scale"),
+                             minimum=cat("minimum"))
+
+
+def column_block(w: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+  """Columns [start, stop) of a quantized matrix (the inverse of `concat_columns`)."""
+  cut = lambda a: None if a is None else a[..., start:stop]
+  return dataclasses.replace(w, packed=cut(w.packed), scale=cut(w.scale),
+                             minimum=cut(w.minimum))
 
 
 def pack_int4(q):

@@ -23,6 +23,7 @@ from pallas_kernels import ops as kernel_ops
 from pallas_kernels.f32_matmul import TiledF32Weight, pack as pack_f32
 from pallas_kernels.fp8_activations import Fp8ActivationWeight
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
+from pallas_kernels.quantized_tensor import concat_columns as concat_quantized_columns
 from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
 
 WEIGHT_MODES = ("auto", "quantized", "dense")
@@ -50,6 +51,27 @@ def _pack_int8_matrices(params: Params) -> Params:
         del packed[n]
     out["layers"].append(packed)
   out["lm_head"] = pack("lm_head", params["lm_head"] if "lm_head" in params else params["embed"])
+  return out
+
+
+def _fuse_quantized_matrices(params: Params) -> Params:
+  """q/k/v and gate/up as one quantized matrix each (FUSED_PARTS) where their formats
+  agree: one kernel launch for three (two), and wider products that fill more of a GPU
+  at decode's one row (SmolLM2's k and v have 192 columns each). The same columns:
+  each output column is its part's (its own K loop). Tensor parallelism splits them
+  apart again (`o1jax.sharding.shard_model`)."""
+  out = dict(params, layers=[])
+  for layer in params["layers"]:
+    layer = dict(layer)
+    for fused, parts in FUSED_PARTS.items():
+      weights = [layer.get(name) for name in parts]
+      if all(isinstance(w, QuantizedTensor) for w in weights):
+        cat = concat_quantized_columns(weights)
+        if cat is not None:  # (mixed formats stay apart)
+          layer[fused] = cat
+          for name in parts:
+            del layer[name]
+    out["layers"].append(layer)
   return out
 
 
@@ -183,7 +205,8 @@ def _attention_output_and_mlp(w: dict, x, attn, *, config: ModelConfig, backend:
 
 
 class DecoderLayer(nnx.Module):
-  # Its weights: q/k/v and gate/up apart, or fused (int8 matmuls: FUSED_PARTS); biases
+  # Its weights: q/k/v and gate/up apart, or fused (int8 and quantized matmuls:
+  # FUSED_PARTS); biases
   # (Qwen2), q/k norms (Qwen3) and post norms (Gemma 3) where the config has them.
   WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wqkv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
              "post_attn_norm", "post_ffn_norm", "ffn_norm", "w_gate", "w_up", "w_gate_up",
@@ -280,6 +303,8 @@ class Llama(nnx.Module):
     params = jax.tree.map(
         lambda w: _dense_matrix(w, dtype=matrix_dtype, tiled=tiled) if converts(w) else w,
         params, is_leaf=lambda x: isinstance(x, (QuantizedTensor, VnniWeight)))
+    if weight_mode == "quantized" and matmul_dtype != "int8":
+      params = _fuse_quantized_matrices(params)
     if matmul_dtype == "float8":
       fp8_input = lambda w: (Fp8ActivationWeight(w) if isinstance(
           w, (QuantizedTensor, TiledF32Weight)) or is_matrix(w) else w)

@@ -125,6 +125,33 @@ def param_spec(path, leaf) -> P:
   return P()
 
 
+def _split_fused_quantized(model):
+  """`model` with its fused quantized q/k/v and gate/up matrices (the Llama's, one kernel
+  call each on one device) split back into their parts: a column split of [q | k | v]
+  would give a device another head's columns."""
+  from flax import nnx
+
+  from o1jax.model.llama import Weight
+  from pallas_kernels.quantized_tensor import QuantizedTensor, column_block
+
+  c = model.config
+  q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  for layer in model.layers:
+    for fused, parts in FUSED_PARTS.items():
+      weight = getattr(layer, fused, None)
+      value = None if weight is None else weight.get_value()
+      if not isinstance(value, QuantizedTensor):
+        continue  # (int8 matmuls' fused tiles are refused by `param_spec`)
+      widths = (q, kv, kv) if fused == "wqkv" else (c.ffn_dim, c.ffn_dim)
+      start = 0
+      for name, width in zip(parts, widths):
+        # (nnx.data: the attribute was None, a static one, in this layer)
+        setattr(layer, name, nnx.data(Weight(column_block(value, start, start + width))))
+        start += width
+      setattr(layer, fused, None)
+  return model
+
+
 def shard_model(model, mesh: Mesh):
   """The model with every weight placed on the mesh as `param_spec` says (a new module;
   the argument is left as it was)."""
@@ -137,6 +164,8 @@ def shard_model(model, mesh: Mesh):
       nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedTensor))
       if isinstance(x, QuantizedTensor)}
   check_tensor_parallel(model.config, mesh, max(groups) if groups else None)
+  graphdef, state = nnx.split(model)
+  model = _split_fused_quantized(nnx.merge(graphdef, state))  # (a copy: the argument stays)
   graphdef, state = nnx.split(model)
   # The native f32 kernel's tiles go back to [K, N] arrays: XLA partitions those.
   tiled = lambda x: isinstance(x, TiledF32Weight)

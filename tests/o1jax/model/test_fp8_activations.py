@@ -44,7 +44,8 @@ def test_layer_matrices_take_fp8_rows_and_the_head_does_not(tiny_path):
   ck = load_checkpoint(tiny_path)
   model = Llama(ck.config, ck.params, matmul_dtype="float8", weight_mode="quantized")
   layer = model.layers[0]
-  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+  # (quantized q/k/v and gate/up are one matrix each: FUSED_PARTS)
+  for name in ("wqkv", "wo", "w_gate_up", "w_down"):
     w = getattr(layer, name).get_value()
     assert isinstance(w, Fp8ActivationWeight) and isinstance(w.matrix, QuantizedTensor), name
   assert not isinstance(model.head_weight, Fp8ActivationWeight)

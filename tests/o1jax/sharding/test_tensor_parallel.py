@@ -88,6 +88,12 @@ def test_uneven_split_is_one_line(run):
                                   "multiple of it")
 
 
+def test_fused_quantized_matrices_split_back_into_heads_on_a_mesh(run):
+  r = run["quantized"]
+  assert r["fused_on_one_device"] == [True, True] and r["split_on_the_mesh"] == [True, True]
+  assert r["wk_spec"] == "P(None, 'model')" and r["max_logit_diff"] < 1e-4
+
+
 def test_settings_that_cannot_split_are_named_before_any_program(run):
   r = run["errors"]
   assert r["draft"] == ("speculative draft model: tensor parallelism 2: the model's "

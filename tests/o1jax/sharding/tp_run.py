@@ -177,7 +177,31 @@ def main():
   except ValueError as e:
     out["tp4_kv2_error"] = str(e)
   out["errors"] = setting_errors(model, tok)
+  out["quantized"] = quantized_case(prompts)
   json.dump(out, sys.stdout)
+
+
+def quantized_case(prompts) -> dict:
+  """A quantized-weights model (its q/k/v and gate/up fused into one matrix each on one
+  device) on a TP=2 mesh: split back into heads, the one-device forward's logits."""
+  from o1jax.testing import write_gguf_checkpoint
+  path = tempfile.mkdtemp() + "/q8.gguf"
+  write_gguf_checkpoint(path, tiny_config(max_context=256), seed=3, matrix_type="Q8_0",
+                        embed_type="F32")
+  ck = load_checkpoint(path)
+  model = Llama(ck.config, dict(ck.params), weight_mode="quantized")
+  mesh = tensor_parallel.auto_mesh(mesh_of(2))
+  sharded = tensor_parallel.shard_model(model, mesh)
+  ids = jnp.asarray([prompts[0][:16]], jnp.int32)
+  starts = jnp.zeros((1,), jnp.int32)
+  ref, _ = model(ids, starts, KVCache.zeros(model.config, 1, 16))
+  with jax.set_mesh(mesh):
+    par, _ = sharded(ids, starts, KVCache.zeros(model.config, 1, 16))
+  layer, split = model.layers[0], sharded.layers[0]
+  return dict(fused_on_one_device=[layer.wqkv is not None, layer.w_gate_up is not None],
+              split_on_the_mesh=[split.wqkv is None, split.w_gate_up is None],
+              wk_spec=str(split.wk.get_value().packed.sharding.spec),
+              max_logit_diff=float(np.max(np.abs(np.asarray(ref) - np.asarray(par)))))
 
 
 def setting_errors(model, tok) -> dict:
