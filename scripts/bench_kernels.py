@@ -99,6 +99,18 @@ def report(rows, name, t, t_dense, nbytes, flops, peaks, extra=""):
     line += f"  {100 * row['hbm_frac']:5.1f}% HBM  {100 * row['flop_frac']:5.1f}% bf16"
   print(line + extra, flush=True)
   rows.append(row)
+  if CHECKPOINT is not None:  # each row written as it is measured (a cut stage keeps it)
+    CHECKPOINT(rows)
+
+
+CHECKPOINT = None  # main(): writes the rows so far to --out
+
+
+def failed_case(rows, name: str, e: Exception) -> None:
+  """An error row for one shape; the sweep goes on (one exception ended the rest of its
+  kernel's shapes)."""
+  print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+  rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
 
 
 def random_q4(key, k, n, group=32):
@@ -113,26 +125,36 @@ def bench_qmm(rows, peaks, backend, quick, iters, calls):
   shapes = SMOL_QMM[:3] if quick else LLAMA8B_QMM + SMOL_QMM
   ms = (1, 8) if quick else (1, 8, 16, 64, 256)
   for k, n in shapes:
-    keys = jax.random.split(jax.random.PRNGKey(k * 7 + n), 2 * calls + 1)
-    w0 = random_q4(keys[0], k, n)
-    ws = [w0] + [random_q4(keys[i], k, n) for i in range(1, copies_for(w0.nbytes, calls))]
-    wds = [jax.random.normal(keys[calls + i], (k, n), jnp.bfloat16)
-           for i in range(copies_for(2 * k * n, calls))]
-    for m in ms:
-      xs = [jax.random.normal(kx, (m, k), jnp.bfloat16)
-            for kx in jax.random.split(keys[-1] + m, calls)]
-      quantized = [(x, ws[i % len(ws)]) for i, x in enumerate(xs)]
-      t = bench(lambda x, w: ops.quantized_matmul(x, w, backend=backend), quantized, iters=iters)
-      td = bench(jnp.dot, [(x, wds[i % len(wds)]) for i, x in enumerate(xs)], iters=iters)
-      # What dispatch could take instead on the same weights: XLA's dequantize + dot
-      # (it fuses the dequantization into the product).
-      tx = t if backend == "reference" else bench(
-          lambda x, w: ops.quantized_matmul(x, w, backend="reference"), quantized, iters=iters)
-      flops, nbytes = flops_and_bytes(m, k, n, w0)
-      report(rows, f"qmm q4_0 g32 M={m} {k}x{n}", t, td, nbytes, flops, peaks,
-             extra=f"  xla dequant {tx * 1e3:9.3f} ms  x{tx / t:5.2f}")
-      rows[-1].update(xla_dequant_ms=tx * 1e3, speedup_vs_xla_dequant=tx / t)
-    del ws, wds
+    try:
+      _bench_qmm_shape(rows, peaks, backend, iters, calls, ms, k, n)
+    except Exception as e:  # noqa: BLE001
+      failed_case(rows, f"qmm q4_0 g32 {k}x{n}", e)
+
+
+def _bench_qmm_shape(rows, peaks, backend, iters, calls, ms, k, n):
+  """The rows of one weight shape (`bench_qmm`)."""
+  keys = jax.random.split(jax.random.PRNGKey(k * 7 + n), 2 * calls + 1)
+  w0 = random_q4(keys[0], k, n)
+  ws = [w0] + [random_q4(keys[i], k, n) for i in range(1, copies_for(w0.nbytes, calls))]
+  wds = [jax.random.normal(keys[calls + i], (k, n), jnp.bfloat16)
+         for i in range(copies_for(2 * k * n, calls))]
+  for m in ms:
+    xs = [jax.random.normal(kx, (m, k), jnp.bfloat16)
+          for kx in jax.random.split(keys[-1] + m, calls)]
+    quantized = [(x, ws[i % len(ws)]) for i, x in enumerate(xs)]
+    t = bench(lambda x, w: ops.quantized_matmul(x, w, backend=backend), quantized, iters=iters)
+    td = bench(jnp.dot, [(x, wds[i % len(wds)]) for i, x in enumerate(xs)], iters=iters)
+    # What dispatch could take instead on the same weights: XLA's dequantize + dot
+    # (it fuses the dequantization into the product).
+    tx = t if backend == "reference" else bench(
+        lambda x, w: ops.quantized_matmul(x, w, backend="reference"), quantized, iters=iters)
+    flops, nbytes = flops_and_bytes(m, k, n, w0)
+    report(rows, f"qmm q4_0 g32 M={m} {k}x{n}", t, td, nbytes, flops, peaks,
+           extra=f"  xla dequant {tx * 1e3:9.3f} ms  x{tx / t:5.2f}")
+    rows[-1].update(xla_dequant_ms=tx * 1e3, speedup_vs_xla_dequant=tx / t)
+    if CHECKPOINT is not None:
+      CHECKPOINT(rows)
+  del ws, wds
 
 
 def make_cache(key, batch, ctx, kvh, d, bs=16, dtype=jnp.bfloat16):
@@ -162,35 +184,38 @@ def bench_decode(rows, peaks, backend, quick, iters, calls):
     cases = [(LLAMA8B_ATTN, b, c) for b in (1, 8, 64) for c in (1024, 4096)]
     cases += [(SMOL_ATTN, 8, 2048)]
   for (name, h, kvh, d), batch, ctx in cases:
-    keys = jax.random.split(jax.random.PRNGKey(batch * 31 + ctx), 3 * calls)
-    nbytes, flops = decode_bytes_and_flops(batch, h, kvh, d, ctx)
-    c = copies_for(nbytes, calls)
-    caches = [make_cache(keys[i], batch, ctx, kvh, d) for i in range(c)]
-    dense = [jax.random.normal(keys[calls + i], (batch, ctx, kvh, d), jnp.bfloat16)
-             for i in range(c)]
-    qs = [jax.random.normal(keys[2 * calls + i], (batch, h, d), jnp.bfloat16)
-          for i in range(calls)]
-    lengths = jnp.full((batch,), ctx, jnp.int32)
-    t = bench(lambda *a: ops.paged_decode_attention(*a, backend=backend),
-              [(q, *caches[i % c], lengths) for i, q in enumerate(qs)], iters=iters)
-    td = bench(dense_decode, [(q, dense[i % c], dense[i % c]) for i, q in enumerate(qs)],
-               iters=iters)
-    report(rows, f"decode {name} B={batch} ctx={ctx}", t, td, nbytes, flops, peaks)
-    if not quick and ctx == 4096 and batch > 1:
-      # FP8 pools (a scale per token and KV head, as the engine's): half the KV bytes
-      # plus 4 per token and head; the "dense" column here is the bf16 pool's paged
-      # time, so x is FP8's speed-up over bf16 KV.
-      f8 = lambda p: p.astype(jnp.float8_e4m3fn)
-      caches8 = [(f8(kp), f8(vp), bt, jnp.ones(kp.shape[:3], jnp.float32))
-                 for kp, vp, bt in caches]
-      t8 = bench(lambda q, kp, vp, bt, sc, lengths: ops.paged_decode_attention(
-          q, kp, vp, bt, lengths, k_scale=sc, v_scale=sc, backend=backend),
-          [(q, *caches8[i % c], lengths) for i, q in enumerate(qs)], iters=iters)
-      nbytes8, _ = decode_bytes_and_flops(batch, h, kvh, d, ctx, kv_itemsize=1)
-      nbytes8 += 2 * batch * ctx * kvh * 4  # the scales
-      report(rows, f"decode fp8 KV {name} B={batch} ctx={ctx}", t8, t, nbytes8, flops, peaks)
-      del caches8
-    del caches, dense
+    try:
+      keys = jax.random.split(jax.random.PRNGKey(batch * 31 + ctx), 3 * calls)
+      nbytes, flops = decode_bytes_and_flops(batch, h, kvh, d, ctx)
+      c = copies_for(nbytes, calls)
+      caches = [make_cache(keys[i], batch, ctx, kvh, d) for i in range(c)]
+      dense = [jax.random.normal(keys[calls + i], (batch, ctx, kvh, d), jnp.bfloat16)
+               for i in range(c)]
+      qs = [jax.random.normal(keys[2 * calls + i], (batch, h, d), jnp.bfloat16)
+            for i in range(calls)]
+      lengths = jnp.full((batch,), ctx, jnp.int32)
+      t = bench(lambda *a: ops.paged_decode_attention(*a, backend=backend),
+                [(q, *caches[i % c], lengths) for i, q in enumerate(qs)], iters=iters)
+      td = bench(dense_decode, [(q, dense[i % c], dense[i % c]) for i, q in enumerate(qs)],
+                 iters=iters)
+      report(rows, f"decode {name} B={batch} ctx={ctx}", t, td, nbytes, flops, peaks)
+      if not quick and ctx == 4096 and batch > 1:
+        # FP8 pools (a scale per token and KV head, as the engine's): half the KV bytes
+        # plus 4 per token and head; the "dense" column here is the bf16 pool's paged
+        # time, so x is FP8's speed-up over bf16 KV.
+        f8 = lambda p: p.astype(jnp.float8_e4m3fn)
+        caches8 = [(f8(kp), f8(vp), bt, jnp.ones(kp.shape[:3], jnp.float32))
+                   for kp, vp, bt in caches]
+        t8 = bench(lambda q, kp, vp, bt, sc, lengths: ops.paged_decode_attention(
+            q, kp, vp, bt, lengths, k_scale=sc, v_scale=sc, backend=backend),
+            [(q, *caches8[i % c], lengths) for i, q in enumerate(qs)], iters=iters)
+        nbytes8, _ = decode_bytes_and_flops(batch, h, kvh, d, ctx, kv_itemsize=1)
+        nbytes8 += 2 * batch * ctx * kvh * 4  # the scales
+        report(rows, f"decode fp8 KV {name} B={batch} ctx={ctx}", t8, t, nbytes8, flops, peaks)
+        del caches8
+      del caches, dense
+    except Exception as e:  # noqa: BLE001  (the next case runs)
+      failed_case(rows, f"decode {name} B={batch} ctx={ctx}", e)
 
 
 def dense_prefill(q, k, v, start):
@@ -212,23 +237,26 @@ def bench_prefill(rows, peaks, backend, quick, iters, calls):
     cases = [(LLAMA8B_ATTN, 1, 2048, 0), (LLAMA8B_ATTN, 1, 512, 2048), (LLAMA8B_ATTN, 4, 512, 0),
              (SMOL_ATTN, 4, 256, 256)]
   for (name, h, kvh, d), batch, chunk, start in cases:
-    ctx = start + chunk
-    keys = jax.random.split(jax.random.PRNGKey(batch * 31 + ctx + start), 3 * calls)
-    nbytes, flops = prefill_bytes_and_flops(batch, chunk, h, kvh, d, start)
-    c = copies_for(nbytes, calls)
-    caches = [make_cache(keys[i], batch, ctx, kvh, d) for i in range(c)]
-    dense = [jax.random.normal(keys[calls + i], (batch, ctx, kvh, d), jnp.bfloat16)
-             for i in range(c)]
-    qs = [jax.random.normal(keys[2 * calls + i], (batch, chunk, h, d), jnp.bfloat16)
-          for i in range(calls)]
-    starts = jnp.full((batch,), start, jnp.int32)
-    clens = jnp.full((batch,), chunk, jnp.int32)
-    t = bench(lambda *a: ops.paged_prefill_attention(*a, backend=backend),
-              [(q, *caches[i % c], starts, clens) for i, q in enumerate(qs)], iters=iters)
-    td = bench(lambda q, k, v: dense_prefill(q, k, v, start),
-               [(q, dense[i % c], dense[i % c]) for i, q in enumerate(qs)], iters=iters)
-    report(rows, f"prefill {name} B={batch} T={chunk} start={start}", t, td, nbytes, flops, peaks)
-    del caches, dense
+    try:
+      ctx = start + chunk
+      keys = jax.random.split(jax.random.PRNGKey(batch * 31 + ctx + start), 3 * calls)
+      nbytes, flops = prefill_bytes_and_flops(batch, chunk, h, kvh, d, start)
+      c = copies_for(nbytes, calls)
+      caches = [make_cache(keys[i], batch, ctx, kvh, d) for i in range(c)]
+      dense = [jax.random.normal(keys[calls + i], (batch, ctx, kvh, d), jnp.bfloat16)
+               for i in range(c)]
+      qs = [jax.random.normal(keys[2 * calls + i], (batch, chunk, h, d), jnp.bfloat16)
+            for i in range(calls)]
+      starts = jnp.full((batch,), start, jnp.int32)
+      clens = jnp.full((batch,), chunk, jnp.int32)
+      t = bench(lambda *a: ops.paged_prefill_attention(*a, backend=backend),
+                [(q, *caches[i % c], starts, clens) for i, q in enumerate(qs)], iters=iters)
+      td = bench(lambda q, k, v: dense_prefill(q, k, v, start),
+                 [(q, dense[i % c], dense[i % c]) for i, q in enumerate(qs)], iters=iters)
+      report(rows, f"prefill {name} B={batch} T={chunk} start={start}", t, td, nbytes, flops, peaks)
+      del caches, dense
+    except Exception as e:  # noqa: BLE001  (the next case runs)
+      failed_case(rows, f"prefill {name} B={batch} T={chunk} start={start}", e)
 
 
 def check_targets(rows) -> list[dict]:
@@ -286,6 +314,14 @@ def main(argv=None):
   print(f"jax {jax.__version__} on {kind} ({jax.default_backend()}); op backend={backend}; "
         f"peaks={peaks}", flush=True)
   rows = []
+  global CHECKPOINT
+
+  def write(rows, targets=None):  # (the targets are read once, at the end)
+    with open(args.out, "w") as f:
+      json.dump(dict(jax=jax.__version__, device=kind, backend=backend, calls=calls, rows=rows,
+                     targets=targets), f, indent=1)
+
+  CHECKPOINT = write if args.out else None
   only = set(args.only.split(","))
   for name, fn in (("qmm", bench_qmm), ("decode", bench_decode), ("prefill", bench_prefill)):
     if name in only:
@@ -296,9 +332,7 @@ def main(argv=None):
         rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
   targets = check_targets(rows)
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(jax=jax.__version__, device=kind, backend=backend, calls=calls, rows=rows,
-                     targets=targets), f, indent=1)
+    write(rows, targets)
   return 1 if any("error" in r for r in rows) else 0
 
 

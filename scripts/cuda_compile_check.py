@@ -42,6 +42,9 @@ WEIGHT_FORMATS = [("q4_0", 4, 32, False, jnp.float16, 32), ("q4_1", 4, 32, True,
                   ("q8_0", 8, 32, False, jnp.float16, 32), ("q4_k", 4, 32, True, jnp.float32, 256),
                   ("q6_k", 8, 16, False, jnp.float32, 256), ("q8_k", 8, 256, False, jnp.float32, 256)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+# The model's fused quantized q/k/v and gate/up (o1jax/model/llama.py): SmolLM2's and
+# Llama-3-8B's.
+FUSED_QMM = [(576, 960), (576, 3072), (4096, 6144), (4096, 28672)]
 TRITON_CALL = re.compile(r'@__gpu\$xla\.gpu\.triton\(.*?\bname = "([^"]*)"')
 BATCHES = (1, 8, 64, 256)
 
@@ -62,7 +65,7 @@ def target_device(path: str):
 
 
 def qmm_cases(quick: bool):
-  shapes = SMOL_QMM[:2] + LLAMA8B_QMM[1:2] if quick else LLAMA8B_QMM + SMOL_QMM
+  shapes = SMOL_QMM[:2] + LLAMA8B_QMM[1:2] if quick else LLAMA8B_QMM + SMOL_QMM + FUSED_QMM
   formats = WEIGHT_FORMATS[:2] if quick else WEIGHT_FORMATS
   for name, bits, group, asym, sdt, block in formats:
     for k, n in shapes:

@@ -50,7 +50,7 @@ for name in ${STAGES//,/ }; do
 done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Leave room for the dense bf16 comparators of the benchmark.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -108,7 +108,8 @@ run_stage() {  # run_stage NAME
   fp8) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \
     --out '$OUT/fp8_engine.json' && python scripts/gpu_engine_check.py throughput \
-    --matmul-dtype float8 --backends pallas --concurrency 1,64 --out '$OUT/fp8_throughput.json'" ;;
+    --matmul-dtype float8 --backends pallas --layers 8 --new-tokens 64 --concurrency 1,64 \
+    --out '$OUT/fp8_throughput.json'" ;;
   # Six engines (two backends x three concurrencies), compiled at once on threads (one
   # engine's warm-up took 32-111 s alone), then timed one at a time: 300 s.
   throughput) stage throughput 300 python scripts/gpu_engine_check.py throughput \
@@ -116,8 +117,9 @@ run_stage() {  # run_stage NAME
   hoststeps) stage hoststeps 90 python scripts/gpu_engine_check.py throughput --concurrency 1,64 \
     --backends reference --decode-steps 1 --out "$OUT/hoststeps.json" ;;
   hf) stage hf 90 python scripts/gpu_engine_check.py hf --concurrency 1,64,256 --out "$OUT/hf.json" ;;
+  # 8 layers: each variant compiles its own programs (2026-12-04's 30 layers gave two rows).
   ablate) stage ablate 120 python scripts/gpu_engine_check.py ablate --concurrency 64 \
-    --out "$OUT/ablate.json" ;;
+    --layers 8 --new-tokens 64 --out "$OUT/ablate.json" ;;
   loops) stage loops 240 bash -c "for variant in while fixed while_cmdbuf; do flags=''; \
     [ \$variant = while_cmdbuf ] && flags='--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL'; \
     trips=1; [ \${variant%%_*} = while ] && trips=0; \
@@ -128,14 +130,19 @@ run_stage() {  # run_stage NAME
   # compile time (2026-12-04: 36 s to compile and warm up, 6.8 s traced).
   profile) stage profile 90 python scripts/gpu_engine_check.py profile --layers 8 \
     --new-tokens 64 --concurrency 64 --backends pallas --out "$OUT/profile.json" ;;
+  # 8 layers: the controller's and the engine's programs (2026-12-04's 30 layers: no row).
   controller) stage controller 150 python scripts/gpu_engine_check.py controller --concurrency 64 \
-    --top-p 0.95 --new-tokens 128 --backends pallas --out "$OUT/controller.json" ;;
-  llama8b) stage llama8b 240 bash -c "python scripts/gpu_engine_check.py throughput --shape \
-    llama3-8b --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b.json' && python \
-    scripts/gpu_engine_check.py hf --shape llama3-8b --concurrency 1,64 --new-tokens 64 \
-    --out '$OUT/llama8b_hf.json'" ;;
+    --top-p 0.95 --layers 8 --new-tokens 128 --backends pallas --out "$OUT/controller.json" ;;
+  # The peer first (a minute): the engines' compiles may use up the rest.
+  llama8b) stage llama8b 240 bash -c "python scripts/gpu_engine_check.py hf --shape llama3-8b \
+    --concurrency 1,64 --new-tokens 64 --out '$OUT/llama8b_hf.json'; python \
+    scripts/gpu_engine_check.py throughput --shape llama3-8b --concurrency 1,64 \
+    --new-tokens 64 --out '$OUT/llama8b.json'" ;;
+  # 8 layers, drafts of 1 and 3: every drafter at each K compiles its own programs (47 of
+  # them at 2 layers and two concurrencies); 30 layers would not reach 64 sequences.
   speculative) stage speculative 240 python scripts/gpu_engine_check.py speculative \
-    --concurrency 1,64 --new-tokens 128 --backends pallas --out "$OUT/speculative.json" ;;
+    --concurrency 1,64 --layers 8 --new-tokens 64 --max-drafts 3 --backends pallas \
+    --out "$OUT/speculative.json" ;;
   *) return 1 ;;
   esac
 }

@@ -193,13 +193,6 @@ def correctness(args) -> dict:
   variants = {"reference": ("reference", None), "pallas": ("pallas", None),
               "pallas, TP=1 mesh": ("pallas", group_mesh(1))}
   runs = {}
-  for label, (backend, mesh) in variants.items():
-    engine = make_engine(config, params, backend, max_slots=len(ps), interpret=args.interpret,
-                         matmul_dtype=args.matmul_dtype, mesh=mesh)
-    t0 = time.perf_counter()
-    runs[label] = engine.generate([Request(p, gp) for p in ps])
-    print(f"{label}: {time.perf_counter() - t0:.1f} s, {sum(engine.trace_counts.values())} "
-          f"programs compiled", flush=True)
 
   def compare(got_runs):
     same, total, worst = 0, 0, 0.0
@@ -215,11 +208,22 @@ def correctness(args) -> dict:
 
   out = {"layers": args.layers, "sequences": len(ps), "new_tokens": args.new_tokens,
          "matmul_dtype": args.matmul_dtype}
-  for label in ("pallas", "pallas, TP=1 mesh"):
+  # Each variant compared and written as it finishes: a stage cut by its time limit (or a
+  # crash in the next variant) keeps what was measured.
+  for label, (backend, mesh) in variants.items():
+    engine = make_engine(config, params, backend, max_slots=len(ps), interpret=args.interpret,
+                         matmul_dtype=args.matmul_dtype, mesh=mesh)
+    t0 = time.perf_counter()
+    runs[label] = engine.generate([Request(p, gp) for p in ps])
+    print(f"{label}: {time.perf_counter() - t0:.1f} s, {sum(engine.trace_counts.values())} "
+          f"programs compiled", flush=True)
+    if label == "reference":
+      continue
     share, worst, first = compare(runs[label])
     key = "" if label == "pallas" else "mesh_"
     out.update({f"{key}identical_token_share": share, f"{key}max_abs_logprob_diff": worst,
                 f"{key}first_tokens_equal": first})
+    _dump(args, out)
     print(f"{label} vs reference: {100 * share:.1f}% identical tokens (common prefix), first "
           f"token equal in {first}/{len(ps)}, max |log p diff| {worst:.2e}", flush=True)
   return out
@@ -369,6 +373,15 @@ def throughput(args) -> dict:
   return out
 
 
+def fresh_programs() -> None:
+  """Forget every compiled program of the process (the engines' shared ones and JAX's)."""
+  import jax
+
+  from o1jax.engine import engine as engine_module
+  engine_module._PROGRAMS.clear()
+  jax.clear_caches()
+
+
 def ablate(args) -> dict:
   """The Pallas path with one op at a time on the XLA reference."""
   from o1jax.engine import GenerationParams, Request
@@ -387,11 +400,15 @@ def ablate(args) -> dict:
         setattr(ops, name, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "backend": "reference"}))
       else:
         setattr(ops, name, fn)
+    # Engines of an equal model share their compiled programs (o1jax.engine.engine): the
+    # swap above is read only when a program is traced, so each variant traces anew.
+    fresh_programs()
     engine = make_engine(config, params, "pallas", max_slots=c,
                          num_blocks=max(256, c * (args.new_tokens // 16 + 4)))
     _, wall, generated, _, _ = _timed_generate(engine, [Request(p, gp) for p in ps])
     row = {"on_reference": on_reference or "none", "gen_tok_s": generated / wall,
-           "ms_per_step": 1e3 * wall / args.new_tokens}
+           "ms_per_step": 1e3 * wall / args.new_tokens,
+           "programs": sum(engine.trace_counts.values())}  # (0: another variant's programs)
     out["rows"].append(row)
     _dump(args, out)
     print(f"pallas, {row['on_reference']:24s} on XLA: {row['gen_tok_s']:9.1f} gen tok/s, "

@@ -87,6 +87,21 @@ def test_cuda_program_report_counts_kernels_and_fusions_by_kind():
                      argument_mib=2.0, aliased_mib=1.0, temp_mib=0.0)
 
 
+def test_gpu_engine_check_ablation_variants_trace_their_own_programs():
+  # Engines of an equal model share compiled programs: the ablation's op swaps were never
+  # traced, and its four rows timed one program (2026-12-06 review).
+  from o1jax.engine import GenerationParams, Request
+  from o1jax.engine import engine as engine_module
+  check = load("gpu_engine_check")
+  config, params = check.random_model_params(1, max_context=128)
+  for _ in range(2):
+    check.fresh_programs()
+    assert not engine_module._PROGRAMS
+    engine = check.make_engine(config, params, "reference", max_slots=2, num_blocks=64)
+    engine.generate([Request([5, 6, 7], GenerationParams(max_new_tokens=2, ignore_eos=True))])
+    assert sum(engine.trace_counts.values()) >= 2  # (prefill and decode, traced again)
+
+
 def test_bench_kernels_quick_run_writes_rows(tmp_path):
   bk = load("bench_kernels")
   out = tmp_path / "bench.json"
