@@ -239,7 +239,8 @@ class Llama(nnx.Module):
                interpret: bool = False, dtype=jnp.float32, weight_mode: str = "auto",
                matmul_dtype: str = "float32"):
     """weight_mode: "quantized" keeps QuantizedTensors (the Pallas kernels fuse the
-    dequantization); "dense" dequantizes once to f32 here (same values, bit for
+    dequantization; q/k/v and gate/up become one matrix each where their formats agree,
+    FUSED_PARTS); "dense" dequantizes once to f32 here (same values, bit for
     bit); "auto" asks `pallas_kernels.ops.dense_weights_preferred` (dense where the
     XLA reference computes and the f32 weights fit its limit), else "quantized".
 
