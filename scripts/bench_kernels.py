@@ -111,6 +111,8 @@ def failed_case(rows, name: str, e: Exception) -> None:
   kernel's shapes)."""
   print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
   rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
+  if CHECKPOINT is not None:
+    CHECKPOINT(rows)
 
 
 def random_q4(key, k, n, group=32):

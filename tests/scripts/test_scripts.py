@@ -111,6 +111,32 @@ def test_bench_kernels_quick_run_writes_rows(tmp_path):
   assert rows[0]["ms"] > 0 and rows[0]["dense_ms"] > 0
 
 
+def test_bench_kernels_writes_each_row_and_goes_on_past_a_failing_shape(tmp_path, monkeypatch):
+  # One exception ended the rest of a kernel's shapes, and the JSON was written only at
+  # the end: a stage cut by its time limit kept nothing.
+  bk = load("bench_kernels")
+  real = bk.random_q4
+
+  def random_q4(key, k, n, group=32):
+    if (k, n) == (576, 192):
+      raise RuntimeError("out of resources")
+    return real(key, k, n, group)
+
+  monkeypatch.setattr(bk, "random_q4", random_q4)
+  out = tmp_path / "bench.json"
+  written = []
+  real_dump = bk.json.dump
+  monkeypatch.setattr(bk.json, "dump", lambda obj, f, **kw: (written.append(len(obj["rows"])),
+                                                              real_dump(obj, f, **kw)))
+  assert bk.main(["--quick", "--only", "qmm", "--iters", "1", "--out", str(out)]) == 1
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["name"] for r in rows] == [
+      "qmm q4_0 g32 M=1 576x576", "qmm q4_0 g32 M=8 576x576", "qmm q4_0 g32 576x192",
+      "qmm q4_0 g32 M=1 576x1536", "qmm q4_0 g32 M=8 576x1536"]
+  assert rows[2]["error"] == "RuntimeError: out of resources"
+  assert written[:2] == [1, 1] and written[-1] == 5  # each row as measured, then the end
+
+
 @pytest.mark.slow
 def test_gpu_engine_check_correctness_in_interpret_mode(tmp_path):
   """The Pallas kernels in interpret mode against the reference, through the engine."""
