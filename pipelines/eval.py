@@ -46,6 +46,14 @@ import traceback
 import uuid
 from typing import IO, Optional, Sequence
 
+if __name__ == "__main__":  # before the imports below (~1.5 s): a Ctrl-C there is one line
+  def _stopped_while_starting(signum, frame):
+    print(f"stopped by {signal.Signals(signum).name} while starting: nothing was computed",
+          file=sys.stderr)
+    os._exit(128 + signum)
+
+  signal.signal(signal.SIGINT, _stopped_while_starting)
+
 from absl import app, flags
 from ml_collections import config_flags
 

@@ -93,3 +93,15 @@ def _cmdline(pid: int) -> str:
     return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
   except OSError:
     return ""
+
+
+def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path):
+  # The launcher's imports take ~1.5 s; a Ctrl-C there printed a KeyboardInterrupt
+  # traceback (the one-line handler came with `main`).
+  proc = subprocess.Popen([sys.executable, "-m", "pipelines.eval", f"--output_dir={tmp_path}"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  time.sleep(0.5)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+  assert err.strip().splitlines()[-1].startswith("stopped by SIGINT")
