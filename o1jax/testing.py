@@ -34,6 +34,50 @@ def as_if_on_gpu():
     jax.default_backend = real
 
 
+def cuda_lowering_engine():
+  """An `Engine` subclass that shows, on a CPU, what a GPU runs: each new program of the
+  engine (name, argument shapes and dtypes) is also traced with `cuda_graphdef` (the
+  same model with compiled Pallas kernels) and lowered for CUDA as a GPU dispatches
+  (`as_if_on_gpu`), handed to `on_lowered(name, lowered)`; then the call runs (the
+  engine's own model, e.g. its interpret-mode twin, dispatching as on a GPU too). Set
+  `cuda_graphdef` and `on_lowered` on the engine before it runs."""
+  import jax
+
+  from o1jax.engine import Engine
+
+  class CudaLoweringEngine(Engine):
+    cuda_graphdef = None
+
+    def on_lowered(self, name: str, lowered) -> None:
+      pass
+
+    def _jit(self, name, fn, **jit_kwargs):
+      run = super()._jit(name, fn, **jit_kwargs)
+      step_fn = getattr(fn, "__wrapped__", None)  # the step of `_bound` (functools.wraps)
+      seen = set()
+
+      def call(*args):
+        key = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[1:])
+                    if hasattr(x, "shape"))
+        if key not in seen:
+          seen.add(key)
+          if step_fn is not None and name in ("decode", "prefill", "verify", "draft"):
+            def on_cuda(leaves, *rest):
+              return step_fn(self.cuda_graphdef, jax.tree.unflatten(self._state_def, leaves),
+                             *rest)
+          else:
+            on_cuda = fn
+          with as_if_on_gpu():
+            self.on_lowered(name, jax.jit(on_cuda, **jit_kwargs).trace(*args).lower(
+                lowering_platforms=("cuda",)))
+        with as_if_on_gpu():
+          return run(*args)
+
+      return call
+
+  return CudaLoweringEngine
+
+
 def tiny_config(**overrides) -> ModelConfig:
   base = dict(vocab_size=len(SPECIAL_TOKENS) + 256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
               head_dim=16, ffn_dim=128, rope_theta=10000.0, rms_eps=1e-5, max_context=128,

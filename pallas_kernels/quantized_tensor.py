@@ -88,20 +88,14 @@ def _format(w: QuantizedTensor) -> tuple:
 def concat_columns(weights: list[QuantizedTensor]) -> QuantizedTensor | None:
   """[W1 | W2 | ...] along N: the same codes, scales and minima, so each column of the
   result is its part's column (codes are packed along K: columns are independent). None
-  where the parts differ in format or K (e.g. a Q8_0 wv among Q4_0 weights)."""
+  where the parts differ in format or K (e.g. a Q8_0 wv among Q4_0 weights). (The
+  inverse: `o1jax.checkpoint.params.split_columns`.)"""
   if len({_format(w) for w in weights}) != 1:
     return None
   cat = lambda field: (None if getattr(weights[0], field) is None else
                        jnp.concatenate([getattr(w, field) for w in weights], axis=-1))
   return dataclasses.replace(weights[0], packed=cat("packed"), scale=cat("scale"),
                              minimum=cat("minimum"))
-
-
-def column_block(w: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
-  """Columns [start, stop) of a quantized matrix (the inverse of `concat_columns`)."""
-  cut = lambda a: None if a is None else a[..., start:stop]
-  return dataclasses.replace(w, packed=cut(w.packed), scale=cut(w.scale),
-                             minimum=cut(w.minimum))
 
 
 def pack_int4(q):

@@ -65,15 +65,15 @@ def histogram(values_ms: Iterable[float]) -> dict[str, int]:
   return {bucket_label(i): c for i, c in enumerate(counts)}
 
 
-def _finite(values: Iterable) -> list[float]:
-  """The values as floats, NaN, inf and None left out (the store writes a time that was
-  not finite as null)."""
-  return [v for v in map(float, (v for v in values if v is not None)) if math.isfinite(v)]
-
-
 def is_time(value) -> bool:
-  """A measured time: a finite number (not None, NaN or inf)."""
+  """A measured time: a finite number (not None, NaN or inf; the store writes a time
+  that was not finite as null)."""
   return value is not None and math.isfinite(float(value))
+
+
+def _times(values: Iterable) -> list[float]:
+  """The measured times among `values`, as floats."""
+  return [float(v) for v in values if is_time(v)]
 
 
 def timed_records(records: Iterable[dict]) -> list[dict]:
@@ -289,11 +289,9 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
   completion = [int((r.get("tokens") or {}).get("completion", 0)) for r in records]
   # A time that is not finite (a hand-merged record) is no measurement: left out, as a
   # missing one (inside, NaN made max() depend on the records' order).
-  latency = _finite(r["timing"]["latency_ms"] for r in records if r.get("timing"))
-  per_token, per_token_source = per_token_latencies(records)
-  per_token = _finite(per_token)
-  ttft = _finite(r["timing"]["ttft_ms"] for r in records
-                 if r.get("timing") and r["timing"].get("ttft_ms") is not None)
+  latency = _times(r["timing"]["latency_ms"] for r in records if r.get("timing"))
+  per_token, per_token_source = per_token_latencies(records)  # (measured times only)
+  ttft = _times(r["timing"].get("ttft_ms") for r in records if r.get("timing"))
   run = dict(run or {})
   since = run.get("started_ms")
   fresh = [r for r in records if r.get("timing") and is_time(r["timing"]["start_ms"])

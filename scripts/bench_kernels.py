@@ -88,9 +88,9 @@ def bench(fn, calls: list[tuple], iters: int = 10, warmup: int = 2) -> float:
   return max(t - overhead, 1e-9) / len(calls)
 
 
-def report(rows, name, t, t_dense, nbytes, flops, peaks, extra=""):
+def report(rows, name, t, t_dense, nbytes, flops, peaks, extra="", **fields):
   row = dict(name=name, ms=t * 1e3, dense_ms=t_dense * 1e3, speedup_vs_dense=t_dense / t,
-             gbytes_per_s=nbytes / t / 1e9, tflops=flops / t / 1e12)
+             gbytes_per_s=nbytes / t / 1e9, tflops=flops / t / 1e12, **fields)
   line = (f"{name:<44s} {t * 1e3:9.3f} ms  dense {t_dense * 1e3:9.3f} ms  x{t_dense / t:5.2f}  "
           f"{nbytes / t / 1e9:8.1f} GB/s  {flops / t / 1e12:7.2f} TFLOP/s")
   if peaks:
@@ -152,10 +152,8 @@ def _bench_qmm_shape(rows, peaks, backend, iters, calls, ms, k, n):
         lambda x, w: ops.quantized_matmul(x, w, backend="reference"), quantized, iters=iters)
     flops, nbytes = flops_and_bytes(m, k, n, w0)
     report(rows, f"qmm q4_0 g32 M={m} {k}x{n}", t, td, nbytes, flops, peaks,
-           extra=f"  xla dequant {tx * 1e3:9.3f} ms  x{tx / t:5.2f}")
-    rows[-1].update(xla_dequant_ms=tx * 1e3, speedup_vs_xla_dequant=tx / t)
-    if CHECKPOINT is not None:
-      CHECKPOINT(rows)
+           extra=f"  xla dequant {tx * 1e3:9.3f} ms  x{tx / t:5.2f}",
+           xla_dequant_ms=tx * 1e3, speedup_vs_xla_dequant=tx / t)
   del ws, wds
 
 

@@ -10,7 +10,7 @@ Needs the CUDA plugin of jax's version (CUDA_COMPILE=1 scripts/device_jax_loweri
 .venv-devicejax-cuda) and scripts/gpu_targets/h200.txtpb. The model is the GPU check's
 SmolLM2-shaped one (random Q4_1 weights, scripts/gpu_engine_check.py); the engine runs
 each program on this CPU with XLA's kernels and compiles its twin with the Pallas kernels
-for the H200, as tests/o1jax/engine/test_cuda_lowering.py does."""
+for the H200 (`o1jax.testing.cuda_lowering_engine`, as the CUDA-lowering tests)."""
 
 from __future__ import annotations
 
@@ -46,46 +46,26 @@ def program_row(name: str, executable, seconds: float) -> dict:
 def report(layers: int, slots: int, kv_dtype: str) -> list[dict]:
   import time
 
-  import jax
   import numpy as np
   from flax import nnx
 
   import cuda_aot_compile
   from gpu_engine_check import byte_tokenizer, random_model_params
-  from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+  from o1jax.engine import EngineConfig, GenerationParams, Request
   from o1jax.model import Llama
-  from o1jax.testing import as_if_on_gpu
+  from o1jax.testing import as_if_on_gpu, cuda_lowering_engine
 
   rows: list[dict] = []
 
-  class CompilingEngine(Engine):
-    """Compiles each new decode / prefill program's Pallas twin for the target GPU."""
+  class CompilingEngine(cuda_lowering_engine()):
+    """Compiles each decode / prefill program it lowered for the target GPU."""
 
-    def _jit(self, name, fn, **jit_kwargs):
-      run = super()._jit(name, fn, **jit_kwargs)
-      step_fn = getattr(fn, "__wrapped__", None)
-      seen = set()
-
-      def call(*args):
-        key = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[1:])
-                    if hasattr(x, "shape"))
-        if key not in seen and name in ("decode", "prefill") and step_fn is not None:
-          seen.add(key)
-
-          def on_cuda(leaves, *rest):
-            return step_fn(cuda_graphdef, jax.tree.unflatten(self._state_def, leaves), *rest)
-
-          with as_if_on_gpu():
-            start = time.perf_counter()
-            lowered = jax.jit(on_cuda, **jit_kwargs).trace(*args).lower(
-                lowering_platforms=("cuda",))
-            executable = cuda_aot_compile.compile_for_target(lowered, name)
-            rows.append(dict(program_row(name, executable, time.perf_counter() - start),
-                             slots=slots))
-        with as_if_on_gpu():
-          return run(*args)
-
-      return call
+    def on_lowered(self, name, lowered):
+      if name in ("decode", "prefill"):
+        start = time.perf_counter()
+        executable = cuda_aot_compile.compile_for_target(lowered, name)
+        rows.append(dict(program_row(name, executable, time.perf_counter() - start),
+                         slots=slots))
 
   config, params = random_model_params(layers)
   with as_if_on_gpu():
@@ -95,6 +75,7 @@ def report(layers: int, slots: int, kv_dtype: str) -> list[dict]:
   engine = CompilingEngine(model, byte_tokenizer(), EngineConfig(
       max_slots=slots, num_blocks=2048, prefill_chunk=256, kv_dtype=kv_dtype,
       max_prefill_seqs=8, prefix_caching=False, decode_steps=8, reuse_compiled_shapes=False))
+  engine.cuda_graphdef = cuda_graphdef
   rng = np.random.default_rng(2)
   prompts = [rng.integers(3, 259, int(rng.integers(30, 40))).tolist() for _ in range(slots)]
   engine.generate([Request(p, GenerationParams(max_new_tokens=9, ignore_eos=True))

@@ -105,8 +105,9 @@ FUSED_PARTS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 def take_columns(w, index):
   """Columns `index` (a slice or an index array) of a [K, N] weight, dense or quantized
-  (codes packed along K, so columns are independent)."""
-  take = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a)[..., index])
+  (codes packed along K, so columns are independent); a device array stays on its device."""
+  take = lambda a: (None if a is None else a[..., index] if isinstance(a, jax.Array)
+                    else np.ascontiguousarray(np.asarray(a)[..., index]))
   if isinstance(w, QuantizedTensor):
     return QuantizedTensor(packed=take(w.packed), scale=take(w.scale), minimum=take(w.minimum),
                            bits=w.bits, group_size=w.group_size)

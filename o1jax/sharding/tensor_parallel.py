@@ -127,28 +127,28 @@ def param_spec(path, leaf) -> P:
 
 def _split_fused_quantized(model):
   """`model` with its fused quantized q/k/v and gate/up matrices (the Llama's, one kernel
-  call each on one device) split back into their parts: a column split of [q | k | v]
-  would give a device another head's columns."""
+  call each on one device) split back into their parts (`split_fused`, as the loaders
+  split a checkpoint's): a column split of [q | k | v] would give a device another head's
+  columns."""
   from flax import nnx
 
+  from o1jax.checkpoint.params import split_fused
   from o1jax.model.llama import Weight
-  from pallas_kernels.quantized_tensor import QuantizedTensor, column_block
+  from pallas_kernels.quantized_tensor import QuantizedTensor
 
   c = model.config
-  q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
   for layer in model.layers:
-    for fused, parts in FUSED_PARTS.items():
-      weight = getattr(layer, fused, None)
-      value = None if weight is None else weight.get_value()
-      if not isinstance(value, QuantizedTensor):
-        continue  # (int8 matmuls' fused tiles are refused by `param_spec`)
-      widths = (q, kv, kv) if fused == "wqkv" else (c.ffn_dim, c.ffn_dim)
-      start = 0
-      for name, width in zip(parts, widths):
-        # (nnx.data: the attribute was None, a static one, in this layer)
-        setattr(layer, name, nnx.data(Weight(column_block(value, start, start + width))))
-        start += width
-      setattr(layer, fused, None)
+    values = {name: getattr(layer, name, None) for name in FUSED_PARTS}
+    # (int8 matmuls' fused tiles are refused by `param_spec`)
+    fused = {name: w.get_value() for name, w in values.items()
+             if w is not None and isinstance(w.get_value(), QuantizedTensor)}
+    if not fused:
+      continue
+    for name in fused:
+      setattr(layer, name, None)
+    parts = split_fused(fused, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.ffn_dim)
+    for name, value in parts.items():  # (nnx.data: the attribute was None, a static one)
+      setattr(layer, name, nnx.data(Weight(value)))
   return model
 
 

@@ -9,49 +9,26 @@ shapes and dtypes) is also traced with the compiled-kernel model and lowered for
 dispatch (`backend="auto"`: the kernels, and XLA where a kernel cannot tile a weight; the
 sampler's GPU branch) takes the branch a GPU takes."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from o1jax.checkpoint import load_checkpoint
-from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
+from o1jax.engine import EngineConfig, GenerationParams, Request, SpeculativeConfig
 from o1jax.model import Llama
-from o1jax.testing import as_if_on_gpu, tiny_config, tiny_gemma3_config, write_gguf_checkpoint
+from o1jax.testing import (as_if_on_gpu, cuda_lowering_engine, tiny_config,
+                           tiny_gemma3_config, write_gguf_checkpoint)
 
 
-class LoweringEngine(Engine):
-  """An engine that lowers each new program of the model's steps for CUDA with
-  `cuda_graphdef` (the same model with compiled kernels) before running it."""
-
-  cuda_graphdef = None
+class LoweringEngine(cuda_lowering_engine()):
+  """Records the name of each program it lowered for CUDA."""
 
   def __init__(self, *args, **kwargs):
     self.lowered: list[str] = []
     super().__init__(*args, **kwargs)
 
-  def _jit(self, name, fn, **jit_kwargs):
-    run = super()._jit(name, fn, **jit_kwargs)
-    step_fn = getattr(fn, "__wrapped__", None)  # the step of `_bound` (functools.wraps)
-    seen = set()
-
-    def call(*args):
-      key = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[1:])
-                  if hasattr(x, "shape"))
-      if key not in seen:
-        seen.add(key)
-        if step_fn is not None and name in ("decode", "prefill", "verify", "draft"):
-          def on_cuda(leaves, *rest):
-            return step_fn(self.cuda_graphdef, jax.tree.unflatten(self._state_def, leaves), *rest)
-        else:
-          on_cuda = fn
-        with as_if_on_gpu():
-          jax.jit(on_cuda, **jit_kwargs).trace(*args).lower(lowering_platforms=("cuda",))
-        self.lowered.append(name)
-      with as_if_on_gpu():  # the interpret-mode twin dispatches as on a GPU too
-        return run(*args)
-
-    return call
+  def on_lowered(self, name, lowered):
+    self.lowered.append(name)
 
 
 def _copy_prompts(n: int, seed: int) -> list[list[int]]:
