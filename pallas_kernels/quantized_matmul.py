@@ -258,15 +258,21 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
 # has no tensor-core work worth the name and its loads are plain coalesced rows,
 # which Triton pipelines (num_stages) across loop iterations.
 #
-# Why a second kernel: at M <= 8 the dot kernel pads M to a 16-row tensor-core
-# tile and does two tiny dots and a scale per 32-row group; on an H200 it streamed
-# the 4-bit weights at 0.6-0.7 TB/s (HBM: 4.8). Here nothing is a dot: each loaded
-# [group, block_n] tile of codes is dequantized in registers (one FMA per weight)
-# and multiplied into a per-row [group, block_n] f32 accumulator (one FMA); the
-# accumulator is summed over its rows once, after the loop, so the loop body has
-# no cross-thread reduction. `groups_per_iter` groups are loaded per iteration
-# (more bytes in flight), and K is split over programs so that all SMs stream at
-# M = 1. Activations are f32 in the kernel (FP8 and bf16 widen exactly).
+# Why a second kernel: at M <= 8 the dot kernel pads M to a 16-row tensor-core tile and
+# does two tiny dots and a scale per 32-row group; on an H200 it streamed the 4-bit
+# weights at 0.6-0.7 TB/s (HBM: 4.8). Here nothing is a dot: each [8, block_n] tile of
+# codes is dequantized in registers, multiplied by the rows' activations and summed over
+# its 8 rows, then scaled by its group's scale into a [1, block_n] accumulator per row.
+#
+# The layout is what makes it stream. One warp per program, each thread 16 adjacent
+# columns (one 16-byte load per tile row): a tile's rows are all in one thread, so its sum
+# over rows needs no other thread, and the big tiles never change layout. (The kernel's
+# first form kept [32, block_n] f32 accumulators over 4 warps with x as a [K, rows]
+# column; Triton lays a column out with threads along its rows, so every tile went
+# through shared memory into that layout: 4 conversions of 16 KB and 8 barriers per loop
+# iteration, no async copy; counted by compiling for an H200 without one,
+# docs/measurements/2026-12-06_gemv_structure.md.) K is split over programs so that all
+# SMs stream at M = 1. Activations are f32 in the kernel (FP8 and bf16 widen exactly).
 
 # Largest M that `backend="auto"` sends to the Pallas kernels; above it XLA's dequantize +
 # dot (it fuses the dequantization into the product) runs. None: every M. To be set from
@@ -278,38 +284,43 @@ PALLAS_MAX_ROWS = None
 # To be set by hand from what `scripts/tune_qmm.py --kernels dot,gemv` prints on a GPU
 # (not measured yet).
 GEMV_MAX_ROWS = 0
-# The most rows the kernel takes (one accumulator per row lives in registers).
-GEMV_ROW_LIMIT = 8
-# Rows of a group taken at once (the accumulators' height): a group of 256 (Q8_K) at 8
-# rows would otherwise hold 256 accumulator registers per thread at the narrowest tile.
-GEMV_SUBTILE = 32
-# Accumulator values per program (rows x sub-tile x block_n): 64 f32 registers per thread
-# at 4 warps.
-GEMV_ACC_VALUES = 8192
+# The most rows the kernel takes (each row's accumulator and activations live in registers;
+# at 8 rows Triton's code for an H200 took minutes to compile).
+GEMV_ROW_LIMIT = 4
+# Rows of a tile (a thread holds them all: 8 x 16 bytes of codes).
+GEMV_SUBTILE = 8
+# Columns per program: 16 per thread of its one warp.
+GEMV_BLOCK_N = 512
+GEMV_WARPS = 1
 
 
 def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: int,
                   iters_per_split: int, asymmetric: bool, sub: int):
   if asymmetric:
-    xt_ref, p_ref, s_ref, m_ref, o_ref = refs
+    x_ref, p_ref, s_ref, m_ref, o_ref = refs
   else:
-    xt_ref, p_ref, s_ref, o_ref = refs
+    x_ref, p_ref, s_ref, o_ref = refs
     m_ref = None
-  # xt_ref,  # [K, rows] f32: x transposed, so a row's group is a [group, 1] column
+  # x_ref,   # [rows, K] f32
   # p_ref,   # [K//2, block_n] uint8 (4-bit) or [K, block_n] int8 (8-bit)
   # s_ref, m_ref,  # [K//group, block_n]
   # o_ref,   # [rows, block_n] f32 partial sum of this K split
-  # A group is taken in sub-tiles of `sub` rows under its scale, so the accumulators are
-  # [sub, block_n] whatever the group size (K-quants have groups of 256).
   rows, block_n = o_ref.shape
   first = pl.program_id(1) * iters_per_split * groups_per_iter
   high_group_offset = half_k // group
 
-  def dequantize_group(codes, gi):
-    w = codes.astype(jnp.float32) * s_ref[pl.ds(gi, 1), :].astype(jnp.float32)
-    if m_ref is not None:
-      w = w + m_ref[pl.ds(gi, 1), :].astype(jnp.float32)
-    return w
+  def tile_terms(codes, gi, x_row0, acc):
+    """acc[r] += scale * sum over the tile's rows of codes x x[r] (+ min * sum of x[r])."""
+    codes = codes.astype(jnp.float32)
+    scale = s_ref[pl.ds(gi, 1), :].astype(jnp.float32)
+    out = []
+    for r, a in enumerate(acc):
+      xr = x_ref[pl.ds(r, 1), pl.ds(x_row0, sub)]  # [1, sub]: contiguous, as the codes' rows
+      term = jnp.sum(codes * xr.reshape(sub, 1), axis=0, keepdims=True) * scale
+      if m_ref is not None:
+        term = term + jnp.sum(xr) * m_ref[pl.ds(gi, 1), :].astype(jnp.float32)
+      out.append(a + term)
+    return tuple(out)
 
   def body(it, acc):
     for c in range(groups_per_iter):
@@ -323,46 +334,35 @@ def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: in
           if not asymmetric:
             lo = lo - 8
             hi = hi - 8
-          parts = ((dequantize_group(lo, gi), r0),
-                   (dequantize_group(hi, gi + high_group_offset), half_k + r0))
+          acc = tile_terms(lo, gi, r0, acc)
+          acc = tile_terms(hi, gi + high_group_offset, half_k + r0, acc)
         else:
-          parts = ((dequantize_group(p_ref[pl.ds(r0, sub), :].astype(jnp.int32), gi), r0),)
-        for w, x_row0 in parts:
-          acc = tuple(a + w * xt_ref[pl.ds(x_row0, sub), pl.ds(r, 1)]
-                      for r, a in enumerate(acc))
+          acc = tile_terms(p_ref[pl.ds(r0, sub), :], gi, r0, acc)
     return acc
 
-  acc = tuple(jnp.zeros((sub, block_n), jnp.float32) for _ in range(rows))
+  acc = tuple(jnp.zeros((1, block_n), jnp.float32) for _ in range(rows))
   acc = jax.lax.fori_loop(0, iters_per_split, body, acc)
   for r, a in enumerate(acc):
-    o_ref[pl.ds(r, 1), :] = jnp.sum(a, axis=0, keepdims=True)
+    o_ref[pl.ds(r, 1), :] = a
 
 
 def choose_gemv_config(m: int, k: int, n: int, w: QuantizedTensor, *,
-                       target_programs: int = 264) -> tuple[int, int, int]:
+                       target_programs: int = 1056) -> tuple[int, int, int]:
   """Default (block_n, groups_per_iter, k_splits) of the small-M kernel.
 
-  Registers bound the tile: the rows' accumulators ([sub-tile, block_n] f32 each)
-  stay at <= GEMV_ACC_VALUES per program (8 rows x 32 x 32 at the most); each
-  iteration loads ~8 KB of packed weights; K is split until ~2 programs per SM
-  (H100/H200) stream at once."""
-  rows = pl.next_power_of_2(m)
+  block_n: GEMV_BLOCK_N columns (16 per thread of one warp), or the largest power of two
+  dividing N below it; one group per iteration (a 32-row group at 512 columns is 16 KB of
+  codes); K is split until ~8 one-warp programs per SM (H100/H200) stream at once."""
   g = w.group_size
-  sub = min(g, GEMV_SUBTILE)
-  block_n = _largest_pow2_divisor(n, max(16, min(128, GEMV_ACC_VALUES // (rows * sub))))
+  block_n = _largest_pow2_divisor(n, GEMV_BLOCK_N)
   loop_groups = (k // 2 if w.bits == 4 else k) // g
-  groups_per_iter = 1
-  while (groups_per_iter * 2 * g * block_n <= 8192
-         and loop_groups % (groups_per_iter * 2) == 0):
-    groups_per_iter *= 2
-  iters = loop_groups // groups_per_iter
-  return block_n, groups_per_iter, _split_k(n // block_n, iters, target_programs, most=32)
+  return block_n, 1, _split_k(n // block_n, loop_groups, target_programs, most=32)
 
 
 def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array | None = None,
                           *, out_dtype=None, block_n: int | None = None,
                           groups_per_iter: int | None = None, k_splits: int | None = None,
-                          num_warps: int = 4, num_stages: int = 3,
+                          num_warps: int = GEMV_WARPS, num_stages: int = 3,
                           interpret: bool = False) -> jax.Array:
   """x: [M, K] -> [M, N] for M <= GEMV_ROW_LIMIT. Inputs assumed validated."""
   m, k = x.shape
@@ -378,16 +378,13 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
   loop_groups = (k // 2 if w.bits == 4 else k) // g
   if groups_per_iter:
     gpi = groups_per_iter
-  else:  # the default, halved until it fits a given k_splits
-    while gpi > 1 and loop_groups % (gpi * ks):
-      gpi //= 2
   if loop_groups % (gpi * ks):
     raise ValueError(f"quantized_gemv: groups_per_iter={gpi} x k_splits={ks} must divide "
                      f"{loop_groups} groups")
   if n % bn:
     raise ValueError(f"quantized_gemv: block_n={bn} must divide N={n}")
   rows = pl.next_power_of_2(m)
-  xt = jnp.pad(x.astype(jnp.float32), ((0, rows - m), (0, 0))).T
+  xp = jnp.pad(x.astype(jnp.float32), ((0, rows - m), (0, 0)))
   asymmetric = w.minimum is not None
   kernel = functools.partial(
       _qgemv_kernel, bits=w.bits, group=g, half_k=k // 2, groups_per_iter=gpi,
@@ -395,11 +392,11 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
       sub=min(g, GEMV_SUBTILE))
   prow = w.packed.shape[0]
   in_specs = [
-      pl.BlockSpec((k, rows), lambda j, s: (0, 0)),
+      pl.BlockSpec((rows, k), lambda j, s: (0, 0)),
       pl.BlockSpec((prow, bn), lambda j, s: (0, j)),
       pl.BlockSpec((k // g, bn), lambda j, s: (0, j)),
   ]
-  args = [xt, w.packed, w.scale]
+  args = [xp, w.packed, w.scale]
   if asymmetric:
     in_specs.append(pl.BlockSpec((k // g, bn), lambda j, s: (0, j)))
     args.append(w.minimum)

@@ -103,7 +103,7 @@ run_stage() {  # run_stage NAME
   bench) stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json" ;;
   qmm) stage qmm 240 bash -c "for shape in 4096x14336 14336x4096; do python scripts/tune_qmm.py \
     --shape \$shape --ms 1,2,4,8,16 --kernels dot,gemv --block-n 128 --k-splits 8 --warps 4,8 \
-    --stages 3 --gemv-block-n 64,128 --groups-per-iter 1,4 --gemv-k-splits 8,32 \
+    --stages 3 --gemv-block-n 256,512 --groups-per-iter 1,2 --gemv-k-splits 16,32 --gemv-warps 1,2 \
     --out '$OUT/qmm_'\$shape.json || exit 1; done" ;;
   fp8) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     stage fp8 200 bash -c "python scripts/gpu_engine_check.py correctness --matmul-dtype float8 \

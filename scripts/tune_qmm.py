@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_kernels import bench, copies_for, random_q4  # noqa: E402
-from pallas_kernels.quantized_matmul import (GEMV_ROW_LIMIT, choose_config,  # noqa: E402
+from pallas_kernels.quantized_matmul import (GEMV_ROW_LIMIT, GEMV_WARPS, choose_config,  # noqa: E402
                                               choose_gemv_config, quantized_gemv_pallas,
                                               quantized_matmul_pallas,
                                               quantized_matmul_reference)
@@ -53,12 +53,12 @@ def tilings(kernel, m, k, n, w, a):
                dict(block_n=bn, k_splits=ks, num_warps=warps, num_stages=stages), False)
   else:
     bn0, gpi0, ks0 = choose_gemv_config(m, k, n, w)
-    yield (f"bn={bn0:4d} gpi={gpi0:2d} ks={ks0:2d} w=4 s=3 (default)",
+    yield (f"bn={bn0:4d} gpi={gpi0:2d} ks={ks0:2d} w={GEMV_WARPS} s=3 (default)",
            dict(block_n=bn0, groups_per_iter=gpi0, k_splits=ks0), True)
     for bn, gpi, ks, warps, stages in itertools.product(
-        ints(a.gemv_block_n), ints(a.groups_per_iter), ints(a.gemv_k_splits), ints(a.warps),
-        ints(a.stages)):
-      if (bn, gpi, ks, warps, stages) != (bn0, gpi0, ks0, 4, 3):
+        ints(a.gemv_block_n), ints(a.groups_per_iter), ints(a.gemv_k_splits),
+        ints(a.gemv_warps), ints(a.stages)):
+      if (bn, gpi, ks, warps, stages) != (bn0, gpi0, ks0, GEMV_WARPS, 3):
         yield (f"bn={bn:4d} gpi={gpi:2d} ks={ks:2d} w={warps} s={stages}",
                dict(block_n=bn, groups_per_iter=gpi, k_splits=ks, num_warps=warps,
                     num_stages=stages), False)
@@ -74,9 +74,10 @@ def main(argv=None) -> int:
   p.add_argument("--warps", default="4,8")
   p.add_argument("--stages", default="3,4")
   p.add_argument("--kernels", default="dot", help="dot,gemv")
-  p.add_argument("--gemv-block-n", default="64,128")
-  p.add_argument("--groups-per-iter", default="1,4")
-  p.add_argument("--gemv-k-splits", default="8,32")
+  p.add_argument("--gemv-block-n", default="256,512")
+  p.add_argument("--groups-per-iter", default="1,2")
+  p.add_argument("--gemv-k-splits", default="16,32")
+  p.add_argument("--gemv-warps", default="1,2")
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--out", type=output_file)

@@ -86,7 +86,7 @@ def test_products_match_numpy(matrix):
 def test_pallas_kernels_take_the_fp8_rows(kernel, monkeypatch):
   # The quantized kernels (interpret mode) against the same numpy product: the FP8 rows
   # reach them with their scales. Their dots round to bf16 outputs: rel 1e-2.
-  monkeypatch.setattr(ops.qmm, "GEMV_MAX_ROWS", 8 if kernel == "gemv" else 0)
+  monkeypatch.setattr(ops.qmm, "GEMV_MAX_ROWS", ops.qmm.GEMV_ROW_LIMIT if kernel == "gemv" else 0)
   rng = np.random.default_rng(3)
   x = rng.normal(size=(3, 128)).astype(np.float32)
   inner = as_jax(quantize(rng.normal(size=(128, 32)), bits=4, group_size=32, symmetric=False))

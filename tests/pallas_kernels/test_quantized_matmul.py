@@ -115,6 +115,8 @@ KQUANT_LAYOUTS = [
     (4, 16, True, 1, 512, 16),  # Q2_K
     (8, 256, False, 4, 512, 16),  # Q8_K
 ]
+# The small-M kernel's rows (M <= GEMV_ROW_LIMIT = 4).
+GEMV_KQUANT_LAYOUTS = [(b, g, h, min(m, 4), k, n) for b, g, h, m, k, n in KQUANT_LAYOUTS]
 
 
 def _kquant_case(rng, bits, group, has_min, m, k, n):
@@ -185,9 +187,10 @@ GEMV_SWEEP = [
     (0, 3, 192, 48, jnp.float32),  # M not a power of two, N not a tile multiple of 128
     (1, 2, 256, 32, jnp.float16),
     (2, 1, 128, 80, jnp.bfloat16),
-    (2, 8, 256, 32, jnp.float32),
-    (3, 5, 64, 16, jnp.bfloat16),
+    (2, 4, 256, 32, jnp.float32),
+    (3, 3, 64, 16, jnp.bfloat16),
     (0, 4, 128, 32, jnp.float8_e4m3fn),
+    (1, 4, 1024, 1024, jnp.bfloat16),  # the default tiling: 512 columns, K split
     (3, 1, 64, 32, jnp.float8_e4m3fn),
 ]
 
@@ -211,7 +214,7 @@ class TestQuantizedGemvKernel:
     got, want = self._both(x, w, xs)
     assert rel_err(got, want) <= tol_for(want.dtype)
 
-  @pytest.mark.parametrize("bits,group,has_min,m,k,n", KQUANT_LAYOUTS)
+  @pytest.mark.parametrize("bits,group,has_min,m,k,n", GEMV_KQUANT_LAYOUTS)
   def test_kquant_layouts_match_reference(self, bits, group, has_min, m, k, n):
     x, w = _kquant_case(np.random.default_rng(k + n + group), bits, group, has_min, m, k, n)
     got, want = self._both(x, w)
@@ -219,9 +222,9 @@ class TestQuantizedGemvKernel:
 
   @pytest.mark.parametrize("k_splits,block_n", [(1, 16), (2, 32), (4, 16)])
   def test_tilings_and_batch_dims(self, k_splits, block_n):
-    x, w, _ = _case(np.random.default_rng(2), 4, 32, False, 6, 512, 32, jnp.float32)
-    got, want = self._both(x.reshape(2, 3, 512), w, k_splits=k_splits, block_n=block_n)
-    assert got.shape == (2, 3, 32)
+    x, w, _ = _case(np.random.default_rng(2), 4, 32, False, 4, 512, 32, jnp.float32)
+    got, want = self._both(x.reshape(2, 2, 512), w, k_splits=k_splits, block_n=block_n)
+    assert got.shape == (2, 2, 32)
     assert rel_err(got, want) <= tol_for(jnp.float32)
 
   def test_in_kernel_unpack_bit_exact(self):
@@ -234,7 +237,7 @@ class TestQuantizedGemvKernel:
     w = QuantizedTensor(packed=jnp.asarray(pack_int4(q)), scale=jnp.ones((2, n), jnp.float16),
                         minimum=None, bits=4, group_size=32)
     eye = jnp.eye(k, dtype=jnp.bfloat16)
-    for rows in (slice(0, 8), slice(28, 36), slice(56, 64)):
+    for rows in (slice(0, 4), slice(28, 32), slice(32, 36), slice(60, 64)):
       y = ops.quantized_matmul(eye[rows], w, backend="pallas", kernel="gemv",
                                interpret=self.INTERPRET)
       np.testing.assert_array_equal(np.asarray(y, np.float32), q[rows].astype(np.float32) - 8)
@@ -245,7 +248,7 @@ class TestQuantizedGemvKernelInterpret(TestQuantizedGemvKernel):
 
 
 @pytest.mark.parametrize("fmt", range(len(FORMATS)))
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 4])
 def test_gemv_lowers_for_cuda(fmt, m):
   bits, group, symmetric = FORMATS[fmt]
   for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
@@ -255,7 +258,7 @@ def test_gemv_lowers_for_cuda(fmt, m):
     assert "__gpu$xla.gpu.triton" in text and "quantized_gemv" in text
 
 
-@pytest.mark.parametrize("bits,group,has_min,m,k,n", KQUANT_LAYOUTS)
+@pytest.mark.parametrize("bits,group,has_min,m,k,n", GEMV_KQUANT_LAYOUTS)
 def test_gemv_kquant_layouts_lower_for_cuda(bits, group, has_min, m, k, n):
   x, w = _kquant_case(np.random.default_rng(0), bits, group, has_min, m, k, n)
   text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x.astype(jnp.bfloat16), w,
@@ -264,18 +267,22 @@ def test_gemv_kquant_layouts_lower_for_cuda(bits, group, has_min, m, k, n):
 
 
 @pytest.mark.parametrize("group", [16, 32, 128, 256])
-def test_gemv_accumulators_stay_within_the_register_budget(group):
-  # rows x sub-tile x block_n accumulator values per program, whatever the group size
-  # (a Q8_K group of 256 at 8 rows was 32768 values: 256 registers per thread).
-  from pallas_kernels.quantized_matmul import (GEMV_ACC_VALUES, GEMV_SUBTILE,
-                                               choose_gemv_config)
+def test_gemv_registers_per_thread_whatever_the_group(group):
+  # What one thread of a program holds: its rows' accumulators (16 columns each) and a
+  # tile of codes (8 rows x 16 bytes), whatever the group size (a Q8_K group of 256 at 8
+  # rows was once 256 accumulator registers a thread).
+  from pallas_kernels.quantized_matmul import (GEMV_BLOCK_N, GEMV_ROW_LIMIT, GEMV_SUBTILE,
+                                               GEMV_WARPS, choose_gemv_config)
   w = QuantizedTensor(packed=jnp.zeros((4096, 14336), jnp.int8),
                       scale=jnp.zeros((4096 // group, 14336), jnp.float32), minimum=None,
                       bits=8, group_size=group)
-  for m in range(1, 9):
-    block_n, _, _ = choose_gemv_config(m, 4096, 14336, w)
+  threads = 32 * GEMV_WARPS
+  for m in range(1, GEMV_ROW_LIMIT + 1):
+    block_n, _, k_splits = choose_gemv_config(m, 4096, 14336, w)
     rows = 1 << (m - 1).bit_length()
-    assert rows * min(group, GEMV_SUBTILE) * block_n <= GEMV_ACC_VALUES and block_n >= 16
+    assert block_n == GEMV_BLOCK_N and k_splits >= 1
+    assert rows * block_n // threads <= 64  # accumulators
+    assert min(group, GEMV_SUBTILE) * block_n // threads <= 128  # bytes of codes a tile
 
 
 def test_auto_dispatch_by_rows(monkeypatch):
@@ -394,8 +401,8 @@ class TestValidation:
 
   def test_gemv_rows_and_kernel_name(self):
     w = as_jax(quantize(np.ones((64, 16), np.float32)))
-    with pytest.raises(ValueError, match=r"kernel='gemv' takes M <= 8 rows.*M=9"):
-      ops.quantized_matmul(jnp.ones((9, 64)), w, backend="pallas", kernel="gemv",
+    with pytest.raises(ValueError, match=r"kernel='gemv' takes M <= 4 rows.*M=5"):
+      ops.quantized_matmul(jnp.ones((5, 64)), w, backend="pallas", kernel="gemv",
                            interpret=True)
     with pytest.raises(ValueError, match=r"kernel='gemm'"):
       ops.quantized_matmul(jnp.ones((1, 64)), w, kernel="gemm")

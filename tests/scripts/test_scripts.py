@@ -41,6 +41,28 @@ def test_bench_kernels_copies_exceed_the_l2_and_targets_read_the_rows():
   assert rule([xla(1, "4096x14336", 0.9)] + rows[1:])["pallas_max_rows"] == 0
 
 
+def test_triton_structure_counts_the_pass_before_pipelining_and_the_final_code():
+  """scripts/triton_structure.py's counts (its compiles need the CUDA plugin; the parsing
+  is checked here on a dump of the same form): conversions from the IR before
+  TritonGPUPipeline only (big: >= 1024 values), barriers / loads / async copies from the
+  last pass's code."""
+  ts = load("triton_structure")
+  mark = ts.DUMP_MARK
+  convert = ('%9 = "ttg.convert_layout"(%8) : (tensor<{}xf32, #blocked>) -> '
+             'tensor<{}xf32, #blocked1>\n')
+  dump = (f"{mark}TritonGPUCoalesce\n" + convert.format("32x128", "32x128") * 5 +
+          f"{mark}TritonGPUPipeline\n" + convert.format("32x128", "32x128") * 2 +
+          convert.format("512", "512") + convert.format("1x1024", "1x1024") +
+          f"{mark}ConvertTritonGPUToLLVM\n" + '"nvvm.barrier"() cp.async\n' +
+          f"{mark}StripDebugInfo\n" + '"nvvm.barrier"() "nvvm.barrier"() ld.global.v4.b32 '
+          "ld.global.v4.b32 ld.global.b16 cp.async.bulk\n")
+  assert ts.structure(dump) == dict(conversions=4, big_conversions=3, barriers=2,
+                                    global_loads={"ld.global.b16": 1, "ld.global.v4.b32": 2},
+                                    async_copies=1)
+  with pytest.raises(RuntimeError, match="no TritonGPUPipeline"):
+    ts.structure(f"{mark}StripDebugInfo\n")
+
+
 def test_cuda_compile_check_cases_lower_for_cuda_to_their_kernels():
   """The deviceless compile check's cases (run with the CUDA plugin, CUDA_COMPILE=1
   scripts/device_jax_lowering.sh) stay in step with the kernels' signatures: one case of
@@ -208,15 +230,15 @@ def test_tune_qmm_checks_each_tiling_against_the_reference(tmp_path):
   out = tmp_path / "tune.json"
   assert tune.main(["--shape", "256x256", "--ms", "1,16", "--block-n", "128", "--k-splits", "1,2",
                     "--warps", "4", "--stages", "3", "--kernels", "dot,gemv", "--gemv-block-n", "64",
-                    "--groups-per-iter", "2", "--gemv-k-splits", "2", "--iters", "1",
+                    "--groups-per-iter", "2", "--gemv-k-splits", "2", "--gemv-warps", "1", "--iters", "1",
                     "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   rows = result["rows"]
   # The default tiling of each kernel first (dispatch runs it), then the grid; gemv only
-  # up to 8 rows.
+  # up to 4 rows.
   assert [(r["m"], r["kernel"], r["k_splits"], r["default"]) for r in rows] == [
       (1, "dot", 4, True), (1, "dot", 1, False), (1, "dot", 2, False),
-      (1, "gemv", 2, True), (1, "gemv", 2, False),
+      (1, "gemv", 4, True), (1, "gemv", 2, False),
       (16, "dot", 4, True), (16, "dot", 1, False), (16, "dot", 2, False)]
   assert all(r["rel_err"] < 2e-2 and r["us"] > 0 for r in rows)
   assert isinstance(result["gemv_max_rows"], int)

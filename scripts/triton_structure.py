@@ -1,0 +1,101 @@
+"""What Triton makes of a Pallas kernel for an H200, counted without one: layout conversions,
+barriers, global loads by width and async copies in the code it generates.
+
+A conversion between two register layouts of a big tile goes through shared memory with
+barriers; inside a loop that streams weights it stalls the stream. Counting them needs no
+GPU: XLA compiles each case for the GPU described by scripts/gpu_targets/ (as
+scripts/cuda_compile_check.py, whose cases this takes) and dumps Triton's passes.
+
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=.:scripts python scripts/triton_structure.py \
+      [--match 'gemv M=1 4096x14336 x=bfloat16'] [--out structure.json]
+
+Needs the CUDA plugin of jax's version (CUDA_COMPILE=1 scripts/device_jax_lowering.sh).
+Per kernel: `conversions` (ttg.convert_layout ops before software pipelining; `big`: of
+tiles of 1024 values or more), `barriers` and `global_loads` (by PTX form) in the final
+code, `async_copies` (cp.async / TMA: loads the pipeliner overlaps with compute)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # (sibling modules)
+from script_args import output_file  # noqa: E402
+
+DUMP_MARK = "// -----// IR Dump Before "
+CONVERT = re.compile(r'"ttg\.convert_layout"\(%\w+\) : \(tensor<([0-9x]+)x[a-z0-9]+,')
+
+
+def structure(dump_text: str) -> dict:
+  """Counts of one kernel's Triton dump (every pass's IR, the last one final)."""
+  pipeline = dump_text.find(DUMP_MARK + "TritonGPUPipeline")
+  if pipeline < 0:
+    raise RuntimeError("no TritonGPUPipeline pass in the dump")
+  end = dump_text.find(DUMP_MARK, pipeline + 1)
+  ttgir = dump_text[pipeline:end if end > 0 else len(dump_text)]
+  final = dump_text[dump_text.rfind(DUMP_MARK):]
+  sizes = [math.prod(int(d) for d in shape.split("x")) for shape in CONVERT.findall(ttgir)]
+  loads = collections.Counter(re.findall(r"ld\.global[a-z0-9.]*", final))
+  return dict(conversions=len(sizes), big_conversions=sum(s >= 1024 for s in sizes),
+              barriers=final.count("nvvm.barrier") + final.count("bar.sync"),
+              global_loads=dict(sorted(loads.items())),
+              async_copies=final.count("cp.async"))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--target", default=str(HERE / "gpu_targets" / "h200.txtpb"))
+  p.add_argument("--match", default="gemv M=1 4096x14336 x=bfloat16",
+                 help="cases of cuda_compile_check.py whose label contains this")
+  p.add_argument("--out", default="", type=output_file)
+  args = p.parse_args(argv)
+  dump = tempfile.mkdtemp(prefix="triton_structure_")
+  # Before jax starts: XLA reads its flags once.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_dump_to={dump} --xla_dump_emitter_re=triton.*")
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import SingleDeviceSharding
+
+  import cuda_compile_check as ccc
+  import pretend_gpu_kind  # noqa: F401  (Pallas asks the default device for the GPU's kind)
+  device = ccc.target_device(args.target)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
+                                                   sharding=SingleDeviceSharding(device))
+  rows = []
+  cases = [(label, case) for label, case in [*ccc.qmm_cases(False), *ccc.attention_cases(False)]
+           if args.match in label]
+  if not cases:
+    raise SystemExit(f"triton_structure: no case matches {args.match!r}")
+  for i, (label, case) in enumerate(cases):
+    before = set(pathlib.Path(dump).glob("*triton-to-llvm.txt"))
+    start = time.perf_counter()
+    fn, fn_args = ccc.program(case, spec)
+    jax.jit(fn).trace(*fn_args).lower().compile()
+    seconds = round(time.perf_counter() - start, 1)
+    for path in sorted(set(pathlib.Path(dump).glob("*triton-to-llvm.txt")) - before):
+      kernel = path.name.split(".")[1]
+      row = dict(case=label, kernel=kernel, compile_s=seconds, **structure(path.read_text()))
+      path.unlink()  # (a dump is ~10-700 MB of text)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+    if i + 1 < len(cases):
+      jax.clear_caches()  # the next case's kernel dumps anew
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps(dict(target=pathlib.Path(args.target).name,
+                                                      jax=jax.__version__, rows=rows),
+                                                 indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
