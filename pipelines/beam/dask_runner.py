@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import threading
 import uuid
 from typing import Any
@@ -325,6 +326,11 @@ def _connect(ddist, beams: dict, remote: bool):
   thread.join(deadline)
   if thread.is_alive():
     abandoned.set()
+    path = beams.get("scheduler_file")
+    if path and not beams.get("address") and not os.path.exists(path):
+      # dask waits for the file to appear (a scheduler writes it when it starts)
+      raise TimeoutError(f"the scheduler file does not exist (waited {deadline} s for a "
+                         f"scheduler to write it)")
     raise TimeoutError(f"no answer from a dask scheduler within {deadline} s")
   if "error" in result:
     raise result["error"]

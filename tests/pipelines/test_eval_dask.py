@@ -105,6 +105,30 @@ def test_a_scheduler_that_answers_past_the_deadline_is_not_kept(monkeypatch):
   assert closed.wait(5)
 
 
+def test_a_scheduler_file_that_never_appears_is_named(tmp_path, monkeypatch):
+  # dask's Client waits for --dask_scheduler_file to appear (a scheduler being started
+  # writes it); one that never appears was reported as a scheduler that did not answer.
+  import time
+  from pipelines.beam import dask_runner
+  monkeypatch.setattr(dask_runner, "CONNECT_DEADLINE_S", 0.2)
+
+  class WaitingClient:
+    def __init__(self, **kwargs):
+      time.sleep(0.6)
+
+    def close(self):
+      pass
+
+  fake = type("ddist", (), {"Client": WaitingClient})
+  missing = str(tmp_path / "scheduler.json")
+  with pytest.raises(TimeoutError, match=r"^the scheduler file does not exist \(waited 0.2 s "
+                                         r"for a scheduler to write it\)$"):
+    dask_runner._connect(fake, {"scheduler_file": missing}, remote=True)
+  (tmp_path / "scheduler.json").write_text("{}")  # there, but nobody answers
+  with pytest.raises(TimeoutError, match="^no answer from a dask scheduler within 0.2 s$"):
+    dask_runner._connect(fake, {"scheduler_file": missing}, remote=True)
+
+
 def test_workers_that_cannot_import_the_job_are_one_line(tmp_path):
   # A worker without the package (or a config's module) failed with ~80 lines of traceback.
   cfg = gsm8k_config.get_config("smoke=True")
