@@ -284,9 +284,13 @@ def test_bench_budget_runs_every_variant_on_the_same_arrivals(tiny_gguf, tmp_pat
   assert [(r["mode"], r["policy"]) for r in runs] == [
       ("fixed", "fifo"), ("fixed", "shortest_budget"), ("adaptive", "fifo"),
       ("adaptive", "shortest_budget")]
-  for r in runs:
+  saved = json.loads((tmp_path / "b.json").read_text())["runs"]
+  for r, kept in zip(runs, saved, strict=True):
     lat = r["latency_s"]
     assert 0 < lat["p5"] <= lat["p50"] <= lat["p95"] <= lat["p99"]
+    # Each request's latency is kept: the percentiles can be recomputed from the JSON.
+    assert len(kept["request_latency_s"]) == 4
+    assert np.percentile(kept["request_latency_s"], 95) == pytest.approx(lat["p95"], abs=1e-5)
     assert r["variation"] == pytest.approx((lat["p95"] - lat["p5"]) / 2 / lat["p50"])
     assert len(r["correct"]) == 4 and r["delta_accuracy"][1] >= 0
   fixed, adaptive = runs[0], runs[2]
