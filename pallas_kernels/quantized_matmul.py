@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -199,6 +200,18 @@ def _split_k(programs: int, loop_iters: int, target_programs: int, most: int) ->
   return k_splits
 
 
+def _tiling(kernel: str, name: str, value, default: int, *, block: bool = False) -> int:
+  """A tiling override (None: `default`): an int >= 1; a block size also a power of two of
+  at least 16 (Triton's tiles), named in one line where it is not."""
+  if value is None:
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 or (
+      block and (value < 16 or value & (value - 1))):
+    want = "a power of two >= 16" if block else "an int >= 1"
+    raise ValueError(f"{kernel}: {name}={value!r} must be {want}")
+  return int(value)
+
+
 def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array | None = None,
                             *, out_dtype=None, block_m: int | None = None,
                             block_n: int | None = None, k_splits: int | None = None,
@@ -212,9 +225,9 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
   if out_dtype is None:
     out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
   bm, bn, ks = choose_config(m, k, n, w)
-  bm = block_m or bm
-  bn = block_n or bn
-  ks = k_splits or ks
+  bm = _tiling("quantized_matmul", "block_m", block_m, bm, block=True)
+  bn = _tiling("quantized_matmul", "block_n", block_n, bn, block=True)
+  ks = _tiling("quantized_matmul", "k_splits", k_splits, ks)
   g = w.group_size
   loop_groups = (k // 2 if w.bits == 4 else k) // g
   if loop_groups % ks:
@@ -269,7 +282,7 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
 # over rows needs no other thread, and the big tiles never change layout. (The kernel's
 # first form kept [32, block_n] f32 accumulators over 4 warps with x as a [K, rows]
 # column; Triton lays a column out with threads along its rows, so every tile went
-# through shared memory into that layout: 4 conversions of 16 KB and 8 barriers per loop
+# through shared memory into that layout: at M = 1, 4 conversions of 16 KB and 8 barriers a loop
 # iteration, no async copy; counted by compiling for an H200 without one,
 # docs/measurements/2026-12-06_gemv_structure.md.) K is split over programs so that all
 # SMs stream at M = 1. Activations are f32 in the kernel (FP8 and bf16 widen exactly).
@@ -372,12 +385,11 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
   if out_dtype is None:
     out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
   bn, gpi, ks = choose_gemv_config(m, k, n, w)
-  bn = block_n or bn
-  ks = k_splits or ks
+  bn = _tiling("quantized_gemv", "block_n", block_n, bn, block=True)
+  ks = _tiling("quantized_gemv", "k_splits", k_splits, ks)
+  gpi = _tiling("quantized_gemv", "groups_per_iter", groups_per_iter, gpi)
   g = w.group_size
   loop_groups = (k // 2 if w.bits == 4 else k) // g
-  if groups_per_iter:
-    gpi = groups_per_iter
   if loop_groups % (gpi * ks):
     raise ValueError(f"quantized_gemv: groups_per_iter={gpi} x k_splits={ks} must divide "
                      f"{loop_groups} groups")

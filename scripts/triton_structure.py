@@ -32,7 +32,11 @@ sys.path.insert(0, str(HERE))  # (sibling modules)
 from script_args import output_file  # noqa: E402
 
 DUMP_MARK = "// -----// IR Dump Before "
-CONVERT = re.compile(r'"ttg\.convert_layout"\(%\w+\) : \(tensor<([0-9x]+)x[a-z0-9]+,')
+# A conversion's source tensor shape ("%50#0" operands, any element type).
+CONVERT = re.compile(r'"ttg\.convert_layout"\([^)]*\) : \(tensor<((?:\d+x)+)')
+# Copies that load global memory into shared memory without the registers (the pipeliner's
+# async copies, TMA), not their commit / wait instructions.
+ASYNC_COPY = re.compile(r"cp\.async\.(?:ca|cg)\.shared\.global|cp\.async\.bulk\.tensor")
 
 
 def structure(dump_text: str) -> dict:
@@ -43,12 +47,13 @@ def structure(dump_text: str) -> dict:
   end = dump_text.find(DUMP_MARK, pipeline + 1)
   ttgir = dump_text[pipeline:end if end > 0 else len(dump_text)]
   final = dump_text[dump_text.rfind(DUMP_MARK):]
-  sizes = [math.prod(int(d) for d in shape.split("x")) for shape in CONVERT.findall(ttgir)]
+  sizes = [math.prod(int(d) for d in shape.rstrip("x").split("x"))
+           for shape in CONVERT.findall(ttgir)]
   loads = collections.Counter(re.findall(r"ld\.global[a-z0-9.]*", final))
   return dict(conversions=len(sizes), big_conversions=sum(s >= 1024 for s in sizes),
               barriers=final.count("nvvm.barrier") + final.count("bar.sync"),
               global_loads=dict(sorted(loads.items())),
-              async_copies=final.count("cp.async"))
+              async_copies=len(ASYNC_COPY.findall(final)))
 
 
 def main(argv=None) -> int:
@@ -58,10 +63,16 @@ def main(argv=None) -> int:
                  help="cases of cuda_compile_check.py whose label contains this")
   p.add_argument("--out", default="", type=output_file)
   args = p.parse_args(argv)
-  dump = tempfile.mkdtemp(prefix="triton_structure_")
-  # Before jax starts: XLA reads its flags once.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_dump_to={dump} --xla_dump_emitter_re=triton.*")
+  if not pathlib.Path(args.target).is_file():
+    raise SystemExit(f"triton_structure: --target {args.target} is not a file")
+  with tempfile.TemporaryDirectory(prefix="triton_structure_") as dump:  # (10-700 MB a case)
+    # Before jax starts: XLA reads its flags once.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump} --xla_dump_emitter_re=triton.*")
+    return _run(args, pathlib.Path(dump))
+
+
+def _run(args, dump: pathlib.Path) -> int:
   import jax
   import jax.numpy as jnp
   from jax.sharding import SingleDeviceSharding
@@ -71,30 +82,36 @@ def main(argv=None) -> int:
   device = ccc.target_device(args.target)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
                                                    sharding=SingleDeviceSharding(device))
-  rows = []
   cases = [(label, case) for label, case in [*ccc.qmm_cases(False), *ccc.attention_cases(False)]
            if args.match in label]
   if not cases:
     raise SystemExit(f"triton_structure: no case matches {args.match!r}")
-  for i, (label, case) in enumerate(cases):
-    before = set(pathlib.Path(dump).glob("*triton-to-llvm.txt"))
+  rows = []
+  for label, case in cases:
+    for old in dump.iterdir():  # the previous case's leftovers
+      old.unlink()
     start = time.perf_counter()
-    fn, fn_args = ccc.program(case, spec)
-    jax.jit(fn).trace(*fn_args).lower().compile()
-    seconds = round(time.perf_counter() - start, 1)
-    for path in sorted(set(pathlib.Path(dump).glob("*triton-to-llvm.txt")) - before):
-      kernel = path.name.split(".")[1]
-      row = dict(case=label, kernel=kernel, compile_s=seconds, **structure(path.read_text()))
-      path.unlink()  # (a dump is ~10-700 MB of text)
+    try:
+      fn, fn_args = ccc.program(case, spec)
+      jax.jit(fn).trace(*fn_args).lower().compile()
+      # One dump per kernel of the program (`case_compile_s`: the whole program's compile).
+      found = [dict(case=label, kernel=path.name.split(".")[1],
+                    case_compile_s=round(time.perf_counter() - start, 1),
+                    **structure(path.read_text()))
+               for path in sorted(dump.glob("*triton-to-llvm.txt"))]
+      if not found:
+        raise RuntimeError("no Triton kernel was compiled")
+    except Exception as e:  # the compiler's error is the finding; the other cases go on
+      found = [dict(case=label, error=f"{type(e).__name__}: {str(e)[:300]}")]
+    jax.clear_caches()  # the next case's kernels compile (and dump) anew
+    for row in found:
       rows.append(row)
       print(json.dumps(row), flush=True)
-    if i + 1 < len(cases):
-      jax.clear_caches()  # the next case's kernel dumps anew
-  if args.out:
-    pathlib.Path(args.out).write_text(json.dumps(dict(target=pathlib.Path(args.target).name,
-                                                      jax=jax.__version__, rows=rows),
-                                                 indent=1) + "\n")
-  return 0
+    if args.out:  # written as measured
+      pathlib.Path(args.out).write_text(json.dumps(dict(
+          target=pathlib.Path(args.target).name, jax=jax.__version__, rows=rows), indent=1)
+          + "\n")
+  return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

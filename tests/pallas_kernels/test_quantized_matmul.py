@@ -221,17 +221,36 @@ class TestQuantizedGemvKernel:
     assert rel_err(got, want) <= tol_for(jnp.float32)
 
   @pytest.mark.parametrize("k_splits,block_n", [(1, 16), (2, 32), (4, 16)])
-  def test_tilings_and_batch_dims(self, k_splits, block_n):
-    x, w, _ = _case(np.random.default_rng(2), 4, 32, False, 4, 512, 32, jnp.float32)
-    got, want = self._both(x.reshape(2, 2, 512), w, k_splits=k_splits, block_n=block_n)
-    assert got.shape == (2, 2, 32)
+  @pytest.mark.parametrize("lead", [(2, 2), (3, 1)])  # (3, 1): rows padded to 4
+  def test_tilings_and_batch_dims(self, k_splits, block_n, lead):
+    rows = int(np.prod(lead))
+    x, w, _ = _case(np.random.default_rng(2), 4, 32, False, rows, 512, 32, jnp.float32)
+    got, want = self._both(x.reshape(*lead, 512), w, k_splits=k_splits, block_n=block_n)
+    assert got.shape == (*lead, 32)
+    assert rel_err(got, want) <= tol_for(jnp.float32)
+
+  @pytest.mark.parametrize("fmt", range(len(FORMATS)))
+  @pytest.mark.parametrize("groups_per_iter,k_splits", [(2, 1), (4, 2), (8, 1)])
+  def test_several_groups_per_iteration(self, fmt, groups_per_iter, k_splits):
+    # Each iteration's groups are its own (a kernel reading the first group of every
+    # iteration twice passed every default-tiling test: the default takes one).
+    from pallas_kernels.quantized_matmul import quantized_gemv_pallas
+    bits, group, symmetric = FORMATS[fmt]
+    x, w, _ = _case(np.random.default_rng(fmt + 7), bits, group, symmetric, 3, 2048, 32,
+                    jnp.float32)  # 8 or more loop groups in every format
+    got = quantized_gemv_pallas(x, w, groups_per_iter=groups_per_iter, k_splits=k_splits,
+                                interpret=self.INTERPRET)
+    want = ops.quantized_matmul(x, w, backend="reference")
     assert rel_err(got, want) <= tol_for(jnp.float32)
 
   def test_in_kernel_unpack_bit_exact(self):
     # Rows of the identity pick out weight rows (scale 1): y = q - 8 exactly, every
     # nibble value in both halves.
+    # Every row differs from its neighbours (a row taken for another shows) and holds
+    # all 16 values.
     k, n = 64, 16
-    q = (np.arange(k * n).reshape(k, n) * 5 % 16).astype(np.uint8)
+    r, c = np.indices((k, n))
+    q = ((3 * r + 5 * c) % 16).astype(np.uint8)
     q[0, :4] = [0, 7, 8, 15]
     q[k // 2, :4] = [15, 8, 7, 0]
     w = QuantizedTensor(packed=jnp.asarray(pack_int4(q)), scale=jnp.ones((2, n), jnp.float16),
@@ -266,23 +285,40 @@ def test_gemv_kquant_layouts_lower_for_cuda(bits, group, has_min, m, k, n):
   assert "__gpu$xla.gpu.triton" in text and "quantized_gemv" in text
 
 
-@pytest.mark.parametrize("group", [16, 32, 128, 256])
-def test_gemv_registers_per_thread_whatever_the_group(group):
-  # What one thread of a program holds: its rows' accumulators (16 columns each) and a
-  # tile of codes (8 rows x 16 bytes), whatever the group size (a Q8_K group of 256 at 8
-  # rows was once 256 accumulator registers a thread).
-  from pallas_kernels.quantized_matmul import (GEMV_BLOCK_N, GEMV_ROW_LIMIT, GEMV_SUBTILE,
-                                               GEMV_WARPS, choose_gemv_config)
-  w = QuantizedTensor(packed=jnp.zeros((4096, 14336), jnp.int8),
-                      scale=jnp.zeros((4096 // group, 14336), jnp.float32), minimum=None,
-                      bits=8, group_size=group)
-  threads = 32 * GEMV_WARPS
-  for m in range(1, GEMV_ROW_LIMIT + 1):
-    block_n, _, k_splits = choose_gemv_config(m, 4096, 14336, w)
-    rows = 1 << (m - 1).bit_length()
-    assert block_n == GEMV_BLOCK_N and k_splits >= 1
-    assert rows * block_n // threads <= 64  # accumulators
-    assert min(group, GEMV_SUBTILE) * block_n // threads <= 128  # bytes of codes a tile
+def test_gemv_default_tiling_lowers_for_cuda():
+  # 512 columns a program (16 a thread of one warp), K split: the tiling the GPU runs.
+  from pallas_kernels.quantized_matmul import GEMV_BLOCK_N, choose_gemv_config
+  x, w, _ = _case(np.random.default_rng(5), 4, 32, True, 2, 1024, 1024, jnp.bfloat16)
+  assert choose_gemv_config(2, 1024, 1024, w)[0] == GEMV_BLOCK_N == 512
+  text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x, w, backend="pallas",
+                                                           kernel="gemv"), x, w)
+  assert "quantized_gemv" in text
+
+
+@pytest.mark.parametrize("kernel", ["dot", "gemv"])
+@pytest.mark.parametrize("name,value,want", [
+    ("block_n", 0, "a power of two >= 16"), ("block_n", -16, "a power of two >= 16"),
+    ("block_n", 48, "a power of two >= 16"), ("block_n", 8, "a power of two >= 16"),
+    ("block_n", 16.0, "a power of two >= 16"), ("k_splits", 0, "an int >= 1"),
+    ("k_splits", -1, "an int >= 1"), ("k_splits", True, "an int >= 1")])
+def test_bad_tilings_are_named_in_one_line(kernel, name, value, want):
+  # They fell back to the default (0), failed inside JAX or MLIR (negative), or lowered
+  # in interpret mode and failed only when compiled for a GPU (48).
+  x, w, _ = _case(np.random.default_rng(6), 4, 32, False, 3, 512, 48, jnp.float32)
+  label = "quantized_gemv" if kernel == "gemv" else "quantized_matmul"
+  with pytest.raises(ValueError, match=rf"^{label}: {name}={value!r} must be {want}$"):
+    ops.quantized_matmul(x, w, backend="pallas", kernel=kernel, interpret=True,
+                         **{name: value})
+
+
+def test_bad_groups_per_iteration_is_named():
+  # -1 returned zeros without an error.
+  from pallas_kernels.quantized_matmul import quantized_gemv_pallas
+  x, w, _ = _case(np.random.default_rng(6), 4, 32, False, 3, 512, 48, jnp.float32)
+  for value in (0, -1):
+    with pytest.raises(ValueError, match=rf"^quantized_gemv: groups_per_iter={value} must be "
+                                         r"an int >= 1$"):
+      quantized_gemv_pallas(x, w, groups_per_iter=value, interpret=True)
 
 
 def test_auto_dispatch_by_rows(monkeypatch):

@@ -50,15 +50,18 @@ def test_triton_structure_counts_the_pass_before_pipelining_and_the_final_code()
   mark = ts.DUMP_MARK
   convert = ('%9 = "ttg.convert_layout"(%8) : (tensor<{}xf32, #blocked>) -> '
              'tensor<{}xf32, #blocked1>\n')
+  loop_result = ('%7 = "ttg.convert_layout"(%50#0) : (tensor<1x2048xf8E4M3FN, #blocked>) -> '
+                 'tensor<1x2048xf8E4M3FN, #blocked1>\n')
   dump = (f"{mark}TritonGPUCoalesce\n" + convert.format("32x128", "32x128") * 5 +
           f"{mark}TritonGPUPipeline\n" + convert.format("32x128", "32x128") * 2 +
-          convert.format("512", "512") + convert.format("1x1024", "1x1024") +
-          f"{mark}ConvertTritonGPUToLLVM\n" + '"nvvm.barrier"() cp.async\n' +
+          convert.format("512", "512") + convert.format("1x1024", "1x1024") + loop_result +
+          f"{mark}ConvertTritonGPUToLLVM\n" + '"nvvm.barrier"() cp.async.ca.shared.global\n' +
           f"{mark}StripDebugInfo\n" + '"nvvm.barrier"() "nvvm.barrier"() ld.global.v4.b32 '
-          "ld.global.v4.b32 ld.global.b16 cp.async.bulk\n")
-  assert ts.structure(dump) == dict(conversions=4, big_conversions=3, barriers=2,
+          "ld.global.v4.b32 ld.global.b16 cp.async.cg.shared.global cp.async.commit_group "
+          "cp.async.wait_group cp.async.bulk.tensor.2d\n")
+  assert ts.structure(dump) == dict(conversions=5, big_conversions=4, barriers=2,
                                     global_loads={"ld.global.b16": 1, "ld.global.v4.b32": 2},
-                                    async_copies=1)
+                                    async_copies=2)
   with pytest.raises(RuntimeError, match="no TritonGPUPipeline"):
     ts.structure(f"{mark}StripDebugInfo\n")
 
