@@ -268,8 +268,10 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
 #
 # Backend: Pallas Triton, like the dot kernel above. Mosaic GPU's strengths (wgmma
 # tensor-core tiles, TMA bulk copies) serve large tiles; a matrix-vector product
-# has no tensor-core work worth the name and its loads are plain coalesced rows,
-# which Triton pipelines (num_stages) across loop iterations.
+# has no tensor-core work worth the name and its loads are plain coalesced rows. (The
+# Triton of JAX 0.11 pipelines none of them: no async copy in its code for an H200,
+# where the dot kernel's operands get 18; the loads in flight come from many small
+# programs per SM instead.)
 #
 # Why a second kernel: at M <= 8 the dot kernel pads M to a 16-row tensor-core tile and
 # does two tiny dots and a scale per 32-row group; on an H200 it streamed the 4-bit

@@ -1,6 +1,6 @@
 """Sweep the quantized matmul kernels' tiling on a GPU for the small-M (decode) shapes.
 
-For each M, kernel ("dot": tensor-core tiles; "gemv": the small-M kernel, M <= 8)
+For each M, kernel ("dot": tensor-core tiles; "gemv": the small-M kernel, M <= 4)
 and tiling (block_n, k_splits, num_warps, num_stages; groups per iteration for
 gemv): time per call (timed like scripts/bench_kernels.py: 16 calls in one
 program, dispatch subtracted, weights cycled through copies larger than the L2),
@@ -8,7 +8,8 @@ speed-up over bf16 `jnp.dot`, and the largest error against the XLA reference,
 so a faster tiling is also checked to be right. Prints the best per M and
 kernel, the dispatch threshold the rows support (`GEMV_MAX_ROWS` in
 pallas_kernels/quantized_matmul.py: the largest M up to which gemv's default
-tiling beats dot's at every measured M; dispatch runs the defaults) and writes all rows as JSON.
+tiling beats dot's at every measured M; dispatch runs the defaults) and writes all rows as JSON
+(after each row: a run cut short keeps what it measured).
 
   python scripts/tune_qmm.py [--shape 4096x14336] [--ms 1,16] [--kernels dot,gemv]
                              [--group 32] [--out tune.json]
@@ -64,6 +65,14 @@ def tilings(kernel, m, k, n, w, a):
                     num_stages=stages), False)
 
 
+def write(path, k, n, group, gemv_max_rows, rows) -> None:
+  """The JSON of the rows so far (gemv_max_rows: None until the sweep is done)."""
+  pathlib.Path(path).write_text(json.dumps(dict(shape=[k, n], group=group,
+                                                device=str(jax.devices()[0]),
+                                                gemv_max_rows=gemv_max_rows, rows=rows),
+                                           indent=1))
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="4096x14336")
@@ -75,7 +84,7 @@ def main(argv=None) -> int:
   p.add_argument("--stages", default="3,4")
   p.add_argument("--kernels", default="dot", help="dot,gemv")
   p.add_argument("--gemv-block-n", default="256,512")
-  p.add_argument("--groups-per-iter", default="1,2")
+  p.add_argument("--groups-per-iter", default="1")
   p.add_argument("--gemv-k-splits", default="16,32")
   p.add_argument("--gemv-warps", default="1,2")
   p.add_argument("--calls", type=int, default=16)
@@ -113,6 +122,8 @@ def main(argv=None) -> int:
         row = dict(m=m, kernel=kernel, **{key: v for key, v in kw.items()}, us=t * 1e6,
                    dense_us=t_dense * 1e6, speedup=t_dense / t, rel_err=err, default=is_default)
         rows.append(row)
+        if a.out:
+          write(a.out, k, n, a.group, None, rows)
         print(f"M={m} {kernel:4s} {label}: {t * 1e6:8.1f} us (dense {t_dense * 1e6:.1f}) "
               f"x{t_dense / t:5.2f} err {err:.1e}{'  <- default' if is_default else ''}",
               flush=True)
@@ -135,10 +146,7 @@ def main(argv=None) -> int:
   if "gemv" in a.kernels and "dot" in a.kernels:
     print(f"GEMV_MAX_ROWS supported by these rows: {gemv_max_rows}")
   if a.out:
-    pathlib.Path(a.out).write_text(json.dumps(dict(shape=[k, n], group=a.group,
-                                                   device=str(jax.devices()[0]),
-                                                   gemv_max_rows=gemv_max_rows, rows=rows),
-                                              indent=1))
+    write(a.out, k, n, a.group, gemv_max_rows, rows)
   return 0
 
 

@@ -254,6 +254,29 @@ def test_bench_sampling_prints_both_samplers_for_every_setting(capsys):
   assert len(rows) == 7 and all(l.rstrip().endswith("x |") for l in rows)
 
 
+def test_tune_qmm_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
+  # The GPU check's stage limit can cut the sweep: the JSON holds every row measured so far
+  # (it was written only at the end).
+  tune = load("tune_qmm")
+  out = tmp_path / "tune.json"
+  calls = []
+  real_bench = tune.bench
+
+  def bench(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 4:  # the dense comparator, two tilings, then the cut
+      raise KeyboardInterrupt
+    return real_bench(*args, **kwargs)
+
+  monkeypatch.setattr(tune, "bench", bench)
+  with pytest.raises(KeyboardInterrupt):
+    tune.main(["--shape", "256x256", "--ms", "1", "--block-n", "128", "--k-splits", "1,2",
+               "--warps", "4", "--stages", "3", "--kernels", "dot", "--iters", "1",
+               "--out", str(out)])
+  kept = json.loads(out.read_text())
+  assert len(kept["rows"]) == 2 and kept["gemv_max_rows"] is None
+
+
 def test_bench_policies_paired_interval():
   bp = load("bench_policies")
   same = np.array([1, 0, 1, 0], bool)
