@@ -34,10 +34,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_kernels import bench, copies_for, random_q4  # noqa: E402
-from pallas_kernels.quantized_matmul import (GEMV_ROW_LIMIT, GEMV_WARPS, choose_config,  # noqa: E402
-                                              choose_gemv_config, quantized_gemv_pallas,
-                                              quantized_matmul_pallas,
-                                              quantized_matmul_reference)
+from pallas_kernels.quantized_matmul import (  # noqa: E402
+    GEMV_ROW_LIMIT, GEMV_WARPS, choose_config, choose_gemv_config, quantized_gemv_pallas,
+    quantized_matmul_pallas, quantized_matmul_reference)
 from script_args import output_file  # noqa: E402
 
 

@@ -233,7 +233,8 @@ def test_tune_qmm_checks_each_tiling_against_the_reference(tmp_path):
   out = tmp_path / "tune.json"
   assert tune.main(["--shape", "256x256", "--ms", "1,16", "--block-n", "128", "--k-splits", "1,2",
                     "--warps", "4", "--stages", "3", "--kernels", "dot,gemv", "--gemv-block-n", "64",
-                    "--groups-per-iter", "2", "--gemv-k-splits", "2", "--gemv-warps", "1", "--iters", "1",
+                    "--groups-per-iter", "2", "--gemv-k-splits", "2", "--gemv-warps", "1",
+                    "--iters", "1",
                     "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   rows = result["rows"]
