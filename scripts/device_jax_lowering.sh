@@ -40,4 +40,10 @@ PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" -m pytest -q -p no:cacheprovid
   tests/pallas_kernels tests/o1jax/model/test_sampling.py "${@:4}"
 if [ "$COMPILE" = 1 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" scripts/cuda_compile_check.py
+  # The small-M kernel's layout keeps its tiles in place (docs/measurements/
+  # 2026-12-06_gemv_structure.md): a Triton or kernel change that converts them again fails.
+  for m in 1 4; do
+    PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" scripts/triton_structure.py \
+      --match "gemv M=$m 4096x14336 x=bfloat16" --max-big-conversions 0
+  done
 fi

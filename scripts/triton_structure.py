@@ -7,7 +7,7 @@ GPU: XLA compiles each case for the GPU described by scripts/gpu_targets/ (as
 scripts/cuda_compile_check.py, whose cases this takes) and dumps Triton's passes.
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=.:scripts python scripts/triton_structure.py \
-      [--match 'gemv M=1 4096x14336 x=bfloat16'] [--out structure.json]
+      [--match 'gemv M=1 4096x14336 x=bfloat16'] [--out structure.json] [--max-big-conversions 0]
 
 Needs the CUDA plugin of jax's version (CUDA_COMPILE=1 scripts/device_jax_lowering.sh).
 Per kernel: `conversions` (ttg.convert_layout ops before software pipelining; `big`: of
@@ -62,6 +62,9 @@ def main(argv=None) -> int:
   p.add_argument("--match", default="gemv M=1 4096x14336 x=bfloat16",
                  help="cases of cuda_compile_check.py whose label contains this")
   p.add_argument("--out", default="", type=output_file)
+  p.add_argument("--max-big-conversions", type=int, default=None,
+                 help="exit 1 when a kernel converts more tiles of >= 1024 values than this "
+                      "(a guard: the small-M kernel's layout has none)")
   args = p.parse_args(argv)
   if not pathlib.Path(args.target).is_file():
     raise SystemExit(f"triton_structure: --target {args.target} is not a file")
@@ -111,7 +114,18 @@ def _run(args, dump: pathlib.Path) -> int:
       pathlib.Path(args.out).write_text(json.dumps(dict(
           target=pathlib.Path(args.target).name, jax=jax.__version__, rows=rows), indent=1)
           + "\n")
-  return 1 if any("error" in r for r in rows) else 0
+  over = over_limit(rows, args.max_big_conversions)
+  for row in over:
+    print(f"triton_structure: {row['case']} ({row['kernel']}): {row['big_conversions']} big "
+          f"layout conversions, more than {args.max_big_conversions}", flush=True)
+  return 1 if over or any("error" in r for r in rows) else 0
+
+
+def over_limit(rows: list[dict], most: int | None) -> list[dict]:
+  """The kernels' rows with more big conversions than `most` (none when it is None)."""
+  if most is None:
+    return []
+  return [r for r in rows if r.get("big_conversions", 0) > most]
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ def test_triton_structure_counts_the_pass_before_pipelining_and_the_final_code()
                                     async_copies=2)
   with pytest.raises(RuntimeError, match="no TritonGPUPipeline"):
     ts.structure(f"{mark}StripDebugInfo\n")
+  # The guard of scripts/device_jax_lowering.sh: rows past the limit (an error row has none).
+  rows = [dict(case="a", big_conversions=0), dict(case="b", big_conversions=4),
+          dict(case="c", error="RuntimeError: ...")]
+  assert [r["case"] for r in ts.over_limit(rows, 0)] == ["b"]
+  assert ts.over_limit(rows, 4) == [] and ts.over_limit(rows, None) == []
 
 
 def test_cuda_compile_check_cases_lower_for_cuda_to_their_kernels():
