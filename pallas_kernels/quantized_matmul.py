@@ -361,7 +361,7 @@ def _qgemv_kernel(*refs, bits: int, group: int, half_k: int, groups_per_iter: in
     o_ref[pl.ds(r, 1), :] = a
 
 
-def choose_gemv_config(m: int, k: int, n: int, w: QuantizedTensor, *,
+def choose_gemv_config(k: int, n: int, w: QuantizedTensor, *,
                        target_programs: int = 1056) -> tuple[int, int, int]:
   """Default (block_n, groups_per_iter, k_splits) of the small-M kernel.
 
@@ -386,7 +386,7 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
     raise ValueError(f"quantized_gemv: M={m} rows > {GEMV_ROW_LIMIT}; use the dot kernel")
   if out_dtype is None:
     out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
-  bn, gpi, ks = choose_gemv_config(m, k, n, w)
+  bn, gpi, ks = choose_gemv_config(k, n, w)
   bn = _tiling("quantized_gemv", "block_n", block_n, bn, block=True)
   ks = _tiling("quantized_gemv", "k_splits", k_splits, ks)
   gpi = _tiling("quantized_gemv", "groups_per_iter", groups_per_iter, gpi)

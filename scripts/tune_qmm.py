@@ -52,7 +52,7 @@ def tilings(kernel, m, k, n, w, a):
         yield (f"bn={bn:4d} ks={ks:2d} w={warps} s={stages}",
                dict(block_n=bn, k_splits=ks, num_warps=warps, num_stages=stages), False)
   else:
-    bn0, gpi0, ks0 = choose_gemv_config(m, k, n, w)
+    bn0, gpi0, ks0 = choose_gemv_config(k, n, w)
     yield (f"bn={bn0:4d} gpi={gpi0:2d} ks={ks0:2d} w={GEMV_WARPS} s=3 (default)",
            dict(block_n=bn0, groups_per_iter=gpi0, k_splits=ks0), True)
     for bn, gpi, ks, warps, stages in itertools.product(

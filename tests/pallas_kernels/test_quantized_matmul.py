@@ -289,7 +289,7 @@ def test_gemv_default_tiling_lowers_for_cuda():
   # 512 columns a program (16 a thread of one warp), K split: the tiling the GPU runs.
   from pallas_kernels.quantized_matmul import GEMV_BLOCK_N, choose_gemv_config
   x, w, _ = _case(np.random.default_rng(5), 4, 32, True, 2, 1024, 1024, jnp.bfloat16)
-  assert choose_gemv_config(2, 1024, 1024, w)[0] == GEMV_BLOCK_N == 512
+  assert choose_gemv_config(1024, 1024, w)[0] == GEMV_BLOCK_N == 512
   text = lowers_for_cuda(lambda x, w: ops.quantized_matmul(x, w, backend="pallas",
                                                            kernel="gemv"), x, w)
   assert "quantized_gemv" in text
