@@ -67,7 +67,8 @@ def cuda_lowering_engine():
                              *rest)
           else:
             on_cuda = fn
-          with as_if_on_gpu():
+          on_mesh = contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+          with as_if_on_gpu(), on_mesh:  # (as the engine traces: on its mesh)
             self.on_lowered(name, jax.jit(on_cuda, **jit_kwargs).trace(*args).lower(
                 lowering_platforms=("cuda",)))
         with as_if_on_gpu():

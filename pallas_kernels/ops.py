@@ -9,6 +9,7 @@ whatever the backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -67,17 +68,30 @@ def _on_cpu() -> bool:
 MODEL_AXIS = "model"
 
 
+def _model_axis_size() -> int:
+  """Devices on the current mesh's `model` axis (1: no mesh, or no such axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty or MODEL_AXIS not in mesh.axis_names else mesh.shape[MODEL_AXIS]
+
+
 def _per_model_shard(fn, in_specs, out_specs):
   """fn, or fn run per shard of the current mesh's `model` axis: XLA cannot partition
-  a native custom call, and would gather every operand to each device around it."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or MODEL_AXIS not in mesh.axis_names or mesh.shape[MODEL_AXIS] == 1:
+  a native custom call or a Pallas call, and would gather every operand to each device
+  around it."""
+  if _model_axis_size() == 1:
     return fn
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)
 
 
 _HEADS = P(None, MODEL_AXIS, None)  # q [B, H, D], rows [R, KVH, D]: split by heads
+_CHUNK_HEADS = P(None, None, MODEL_AXIS, None)  # a prefill chunk's q [B, T, H, D]
 _POOL = P(None, None, MODEL_AXIS, None)  # pools [NB, BS, KVH, D]: split by KV heads
+
+
+def _scale_spec(scale):
+  """FP8 pools' per-token scales [NB, BS, KVH] split with their heads; None: no scales."""
+  return None if scale is None else P(None, None, MODEL_AXIS)
 
 
 def _dtype_name(dtype) -> str:
@@ -283,7 +297,13 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
                      f"{lead + (1,)} for x.shape={x.shape}")
   requested, backend = backend, resolve_backend(backend)
   if backend == "pallas":
-    why = qmm.pallas_support_error(k, n, w)
+    # Split over the mesh, the kernel runs on each device's part (`_per_device_part`).
+    on_mesh = w.split is not None and w.split[1] == _model_axis_size() > 1
+    rows = on_mesh and w.split[0] == "rows"
+    why = (qmm.pallas_support_error(k // w.split[1] if rows else k,
+                                    n if rows else n // w.split[1], dataclasses.replace(
+                                        w, split=None))
+           if on_mesh else qmm.pallas_support_error(k, n, w))
     if why is not None and requested == "pallas":
       raise ValueError(f"quantized_matmul (pallas): W.shape={w.shape}: {why}")
     if why is not None:  # auto: shapes the kernel cannot tile stay on XLA
@@ -305,12 +325,44 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
     if m > qmm.GEMV_ROW_LIMIT or block_m is not None:
       raise ValueError(f"quantized_matmul: kernel='gemv' takes M <= {qmm.GEMV_ROW_LIMIT} rows "
                        f"and no block_m (got M={m}, block_m={block_m})")
-    y = qmm.quantized_gemv_pallas(x2, w, xs2, out_dtype=out_dtype, block_n=block_n,
-                                  k_splits=k_splits, interpret=interpret)
+    run = functools.partial(qmm.quantized_gemv_pallas, block_n=block_n, k_splits=k_splits,
+                            interpret=interpret)
   else:
-    y = qmm.quantized_matmul_pallas(x2, w, xs2, out_dtype=out_dtype, block_m=block_m,
-                                    block_n=block_n, k_splits=k_splits, interpret=interpret)
-  return y.reshape(*lead, n)
+    run = functools.partial(qmm.quantized_matmul_pallas, block_m=block_m, block_n=block_n,
+                            k_splits=k_splits, interpret=interpret)
+  out_dtype = out_dtype or (jnp.bfloat16 if x.dtype in qmm.FP8_DTYPES else x.dtype)
+  return _per_device_part(run, x2, w, xs2, out_dtype).reshape(*lead, n)
+
+
+def _per_device_part(run, x: jax.Array, w: QuantizedTensor, x_scale, out_dtype) -> jax.Array:
+  """run(x, w, x_scale, out_dtype=...) [M, K] -> [M, N], on each device's part of a matrix
+  that the mesh splits (`w.split`, o1jax.sharding.shard_model): XLA cannot partition a
+  Pallas call, and gathered its operands (the whole matrix) to every device around it.
+  Columns: each device its columns of the product. Rows: each device the product of its
+  rows with its part of x, summed over the model axis in f32 (the one all-reduce a
+  row-parallel product takes)."""
+  parts = _model_axis_size()
+  if w.split is None or parts == 1:
+    return run(x, w, x_scale, out_dtype=out_dtype)
+  kind, n = w.split
+  if n != parts:
+    raise ValueError(f"quantized_matmul: W split={w.split} but the mesh's {MODEL_AXIS!r} axis "
+                     f"has {parts} devices")
+  w_spec = P(MODEL_AXIS, None) if kind == "rows" else P(None, MODEL_AXIS)
+  specs = (P(None, MODEL_AXIS) if kind == "rows" else P(),
+           jax.tree.map(lambda _: w_spec, w), None if x_scale is None else P())
+
+  def part(x, w, x_scale):
+    w = dataclasses.replace(w, split=None)  # a device's part: a whole matrix of its own
+    if kind == "columns":
+      return run(x, w, x_scale, out_dtype=out_dtype)
+    y = run(x, w, x_scale, out_dtype=jnp.float32)
+    return jax.lax.psum(y, MODEL_AXIS).astype(out_dtype)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.shard_map(part, mesh=mesh, in_specs=specs,
+                       out_specs=P() if kind == "rows" else P(None, MODEL_AXIS),
+                       check_vma=False)(x, w, x_scale)
 
 
 # --- paged attention ------------------------------------------------------------------
@@ -424,10 +476,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if backend == "reference":
     return pa.paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, ks, vs,
                                                sliding_window=sliding_window, sm_scale=sm_scale)
-  return pa.paged_decode_attention_pallas(q, k_pages, v_pages, block_tables, lengths, ks, vs,
-                                          sliding_window=sliding_window, sm_scale=sm_scale,
-                                          block_kv=block_kv, num_splits=num_splits,
-                                          interpret=interpret)
+  attend = _per_model_shard(functools.partial(
+      pa.paged_decode_attention_pallas, sliding_window=sliding_window, sm_scale=sm_scale,
+      block_kv=block_kv, num_splits=num_splits, interpret=interpret),
+      (_HEADS, _POOL, _POOL, P(), P(), _scale_spec(ks), _scale_spec(vs)), _HEADS)
+  return attend(q, k_pages, v_pages, block_tables, lengths, ks, vs)
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -460,10 +513,12 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
             else fa.paged_prefill_attention_reference)
     return impl(q, k_pages, v_pages, block_tables, starts, chunk_lens, ks, vs,
                 sliding_window=sliding_window, sm_scale=sm_scale)
-  return fa.paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, starts, chunk_lens,
-                                           ks, vs, sliding_window=sliding_window,
-                                           sm_scale=sm_scale, block_q=block_q, block_kv=block_kv,
-                                           interpret=interpret)
+  attend = _per_model_shard(functools.partial(
+      fa.paged_prefill_attention_pallas, sliding_window=sliding_window, sm_scale=sm_scale,
+      block_q=block_q, block_kv=block_kv, interpret=interpret),
+      (_CHUNK_HEADS, _POOL, _POOL, P(), P(), P(), _scale_spec(ks), _scale_spec(vs)),
+      _CHUNK_HEADS)
+  return attend(q, k_pages, v_pages, block_tables, starts, chunk_lens, ks, vs)
 
 
 # --- KV pool writes ------------------------------------------------------------------

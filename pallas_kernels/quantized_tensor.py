@@ -18,6 +18,11 @@ Storage (``bits`` and ``group_size`` are static pytree fields):
   minimum`` (codes of 5-/6-bit formats with a per-group minimum, e.g. GGUF Q5_K).
 
 ``scale`` and ``minimum`` are ``[K // group_size, N]`` in float16/bfloat16/float32.
+
+On a mesh (``split``, set by ``o1jax.sharding.shard_model``): a column split is a split
+of N; a 4-bit row split over n devices packs each block of K / n rows with its own split
+halves (``packed`` block d holds rows d*K/n + i and d*K/n + K/(2n) + i), so each device
+holds whole codes of exactly its rows, and a device's part is a matrix of this layout.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ class QuantizedTensor:
   minimum: jax.Array | None  # [K // group_size, N] or None (symmetric)
   bits: int = flax.struct.field(pytree_node=False, default=4)
   group_size: int = flax.struct.field(pytree_node=False, default=32)
+  # How a mesh's model axis splits the matrix: None (whole on every device),
+  # ("columns", n) or ("rows", n). See the module docstring for a 4-bit row split.
+  split: tuple[str, int] | None = flax.struct.field(pytree_node=False, default=None)
+
+  @property
+  def row_blocks(self) -> int:
+    """Blocks of K packed apart (a row split's devices; 1: the whole matrix)."""
+    return self.split[1] if self.split is not None and self.split[0] == "rows" else 1
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -72,7 +85,26 @@ class QuantizedTensor:
       raise ValueError(f"{name}: scale shape {self.scale.shape} != {(k // self.group_size, n)}")
     if self.minimum is not None and self.minimum.shape != self.scale.shape:
       raise ValueError(f"{name}: minimum shape {self.minimum.shape} != scale {self.scale.shape}")
+    if self.split is not None:
+      kind, parts = self.split
+      size = k if kind == "rows" else n
+      if kind not in ("rows", "columns") or not isinstance(parts, int) or parts < 1 or size % parts:
+        raise ValueError(f"{name}: split={self.split!r} must be ('rows' | 'columns', n) with n "
+                         f"dividing {(k, n)}")
+      if kind == "rows" and (k // parts) % self.group_size:
+        raise ValueError(f"{name}: split={self.split!r}: K / {parts} = {k // parts} rows is not "
+                         f"a multiple of group_size={self.group_size}")
     return self
+
+
+def with_split(w: QuantizedTensor, kind: str, parts: int) -> QuantizedTensor:
+  """`w` marked as split over `parts` devices by "rows" or "columns" (its 4-bit codes
+  repacked per block of rows for a row split; the values are unchanged)."""
+  marked = dataclasses.replace(w, split=(kind, parts)).validate(f"QuantizedTensor split by {kind}")
+  if w.bits == 4 and marked.row_blocks != w.row_blocks:
+    return dataclasses.replace(marked, packed=pack_int4(unpack_int4(w.packed, w.row_blocks),
+                                                        blocks=marked.row_blocks))
+  return marked
 
 
 # --- pack / unpack -------------------------------------------------------------
@@ -82,7 +114,7 @@ def _format(w: QuantizedTensor) -> tuple:
   """What two matrices must share to be one: codes, groups, scale/minimum dtypes, K."""
   dtype = lambda a: None if a is None else str(a.dtype)
   return (w.bits, w.group_size, dtype(w.packed), dtype(w.scale), dtype(w.minimum),
-          w.packed.shape[0])
+          w.packed.shape[0], w.split)
 
 
 def concat_columns(weights: list[QuantizedTensor]) -> QuantizedTensor | None:
@@ -98,20 +130,24 @@ def concat_columns(weights: list[QuantizedTensor]) -> QuantizedTensor | None:
                              minimum=cat("minimum"))
 
 
-def pack_int4(q):
-  """[K, N] integer values in 0..15 -> uint8 [K//2, N], split-halves layout."""
+def pack_int4(q, blocks: int = 1):
+  """[K, N] integer values in 0..15 -> uint8 [K//2, N], split-halves layout (of each
+  of `blocks` consecutive blocks of K / blocks rows: a row split's)."""
   xp = jnp if isinstance(q, jax.Array) else np
   k = q.shape[0]
-  if k % 2:
-    raise ValueError(f"pack_int4: K={k} must be even")
-  q = q.astype(xp.uint8)
-  return (q[: k // 2] | (q[k // 2 :] << 4)).astype(xp.uint8)
+  if k % (2 * blocks):
+    raise ValueError(f"pack_int4: K={k} must be a multiple of 2 x {blocks} blocks")
+  q = q.astype(xp.uint8).reshape(blocks, k // blocks, *q.shape[1:])
+  half = k // blocks // 2
+  return (q[:, :half] | (q[:, half:] << 4)).astype(xp.uint8).reshape(k // 2, *q.shape[2:])
 
 
-def unpack_int4(packed):
+def unpack_int4(packed, blocks: int = 1):
   """uint8 [K//2, N] -> uint8 [K, N] values in 0..15 (inverse of pack_int4)."""
   xp = jnp if isinstance(packed, jax.Array) else np
-  return xp.concatenate([packed & 0xF, packed >> 4], axis=0)
+  p = packed.reshape(blocks, packed.shape[0] // blocks, *packed.shape[1:])
+  return xp.concatenate([p & 0xF, p >> 4], axis=1).reshape(2 * packed.shape[0],
+                                                            *packed.shape[1:])
 
 
 # --- reference dequantization ----------------------------------------------------
@@ -122,7 +158,7 @@ def dequantize(qt: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
   k, n = qt.shape
   g = qt.group_size
   if qt.bits == 4:
-    q = unpack_int4(qt.packed).astype(jnp.float32)
+    q = unpack_int4(qt.packed, qt.row_blocks).astype(jnp.float32)
   else:
     q = qt.packed.astype(jnp.float32)
   q = q.reshape(k // g, g, n)
@@ -147,6 +183,7 @@ def dequantize_columns(qt: QuantizedTensor, columns: jax.Array, dtype=jnp.float3
       minimum=None if qt.minimum is None else jnp.take(qt.minimum, columns, axis=1),
       bits=qt.bits,
       group_size=qt.group_size,
+      split=None if qt.row_blocks == 1 else qt.split,  # (rows: the codes' packing)
   )
   return dequantize(sub, dtype).T
 

@@ -114,7 +114,8 @@ def pack(w, name: str = "weight") -> VnniWeight:
              if has_min else np.zeros_like(scale))
   lut = None
   if w.bits == 4:
-    nibbles, zero = np.asarray(unpack_int4(np.asarray(w.packed)), np.uint8), 0 if has_min else 8
+    nibbles = np.asarray(unpack_int4(np.asarray(w.packed), w.row_blocks), np.uint8)
+    zero = 0 if has_min else 8
   else:
     stored = (np.asarray(w.packed, np.int16) + 128).astype(np.uint8)  # [K, N]
     zero = 128

@@ -4,7 +4,8 @@
 # Python >= 3.12) shows up before device time is spent on it.
 #   scripts/device_jax_lowering.sh [PYTHON>=3.12] [JAX_VERSION] [FLAX_VERSION] [PYTEST ARGS...]
 # Makes .venv-devicejax once (jax, jaxlib, flax, orbax and the test dependencies; no Beam:
-# the tests run are the model's, the engine's, the controller's and the kernels').
+# the tests run are the model's, the engine's, the controller's, the kernels' and tensor
+# parallelism's on 8 forced CPU devices).
 #
 # CUDA_COMPILE=1 also compiles, for an H200 without one (XLA's deviceless compilation:
 # scripts/cuda_aot_compile.py, scripts/gpu_targets/h200.txtpb): every program the tests
@@ -37,7 +38,8 @@ EXTRA=()
 [ "$COMPILE" = 1 ] && EXTRA=(-p cuda_aot_compile)
 PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p pretend_gpu_kind \
   ${EXTRA[@]+"${EXTRA[@]}"} tests/o1jax/engine/test_cuda_lowering.py tests/o1jax/controller/test_cuda_lowering.py \
-  tests/pallas_kernels tests/o1jax/model/test_sampling.py "${@:4}"
+  tests/pallas_kernels tests/o1jax/model/test_sampling.py \
+  tests/o1jax/sharding/test_tensor_parallel.py "${@:4}"
 if [ "$COMPILE" = 1 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" "$VENV/bin/python" scripts/cuda_compile_check.py
   # The small-M kernel's layout keeps its tiles in place (docs/measurements/

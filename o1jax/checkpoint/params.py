@@ -28,6 +28,9 @@ def flatten(params: Params) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 
   def put(name, value):
     if isinstance(value, QuantizedTensor):
+      if value.split is not None:  # (its codes may be packed per device)
+        raise ValueError(f"{name}: a matrix split over a mesh ({value.split}) cannot be "
+                         f"stored; store the model's parameters before sharding it")
       spec["quantized"][name] = {"bits": value.bits, "group_size": value.group_size,
                                  "has_minimum": value.minimum is not None}
       arrays[name + ".packed"] = np.asarray(value.packed)

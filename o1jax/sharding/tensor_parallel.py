@@ -18,7 +18,9 @@ engine sets while it traces).
 
 Quantized weights split the same way: a QuantizedTensor's packed values, scales and
 minima are all [rows, N], so a column split is a split of N and a row split one of
-whole groups (K / tp must be a multiple of the group size).
+whole groups (K / tp must be a multiple of the group size); each matrix records its
+split (`QuantizedTensor.split`), a row split's 4-bit codes are packed per device, and
+the Pallas kernels (GPU) run on each device's part under `shard_map`.
 """
 
 from __future__ import annotations
@@ -125,6 +127,15 @@ def param_spec(path, leaf) -> P:
   return P()
 
 
+def _mark_split(w, names: list[str], tp: int, with_split):
+  """A quantized matrix with the split `param_spec` gives it (replicated ones unchanged)."""
+  if any(n in COLUMN for n in names):
+    return with_split(w, "columns", tp)
+  if any(n in ROW for n in names):
+    return with_split(w, "rows", tp)
+  return w
+
+
 def _split_fused_quantized(model):
   """`model` with its fused quantized q/k/v and gate/up matrices (the Llama's, one kernel
   call each on one device) split back into their parts (`split_fused`, as the loaders
@@ -158,18 +169,25 @@ def shard_model(model, mesh: Mesh):
   from flax import nnx
 
   from pallas_kernels.f32_matmul import TiledF32Weight, unpack as unpack_f32
-  from pallas_kernels.quantized_tensor import QuantizedTensor
+  from pallas_kernels.quantized_tensor import QuantizedTensor, with_split
 
-  groups = {x.group_size for x in jax.tree.leaves(
-      nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedTensor))
-      if isinstance(x, QuantizedTensor)}
-  check_tensor_parallel(model.config, mesh, max(groups) if groups else None)
+  quantized = lambda x: isinstance(x, QuantizedTensor)
+  groups = {x.group_size for x in jax.tree.leaves(nnx.state(model), is_leaf=quantized)
+            if quantized(x)}
+  tp = check_tensor_parallel(model.config, mesh, max(groups) if groups else None)
   graphdef, state = nnx.split(model)
   model = _split_fused_quantized(nnx.merge(graphdef, state))  # (a copy: the argument stays)
   graphdef, state = nnx.split(model)
   # The native f32 kernel's tiles go back to [K, N] arrays: XLA partitions those.
   tiled = lambda x: isinstance(x, TiledF32Weight)
   state = jax.tree.map(lambda x: unpack_f32(x) if tiled(x) else x, state, is_leaf=tiled)
+  # Quantized matrices say how they split: the Pallas kernels run on each device's part
+  # (pallas_kernels.ops), and a row split's 4-bit codes are packed per device, so a
+  # device's rows are its own codes (packed over the whole K, XLA moved codes between
+  # devices on every product: 6 all-to-alls a layer at TP=2).
+  state = jax.tree_util.tree_map_with_path(
+      lambda path, x: _mark_split(x, _names(path), tp, with_split) if quantized(x) else x,
+      state, is_leaf=quantized)
   graphdef, state = nnx.split(nnx.merge(graphdef, state))
   shardings = jax.tree_util.tree_map_with_path(
       lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), state)

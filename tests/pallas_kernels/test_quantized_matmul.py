@@ -1,5 +1,7 @@
 """Quantized matmul: reference by hand, pack/unpack, kernel vs reference, CUDA lowering."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ from tests.pallas_kernels.kernel_testing import lowers_for_cuda, rel_err, tol_fo
 from o1jax.testing import as_if_on_gpu
 from pallas_kernels import ops
 from pallas_kernels.quantized_matmul import quantized_matmul_reference
-from pallas_kernels.quantized_tensor import QuantizedTensor, as_jax, pack_int4, quantize, unpack_int4
+from pallas_kernels.quantized_tensor import (QuantizedTensor, as_jax, dequantize, pack_int4,
+                                             quantize, unpack_int4, with_split)
 
 # q codes [K=4, N=2] for the hand-computed 4-bit cases (groups of 2 rows).
 Q4 = np.array([[8, 15], [0, 7], [9, 8], [10, 12]], np.uint8)
@@ -71,6 +74,66 @@ class TestPackUnpack:
     np.testing.assert_array_equal(unpack_int4(packed), q)
     np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed))), q)
     np.testing.assert_array_equal(np.asarray(pack_int4(jnp.asarray(q))), packed)
+
+
+class TestSplitOverAMesh:
+  """`with_split`: a matrix marked as split over a mesh's devices (o1jax.sharding)."""
+
+  @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+  @pytest.mark.parametrize("kind", ["rows", "columns"])
+  def test_same_values_and_each_devices_rows_are_its_codes(self, bits, symmetric, kind):
+    rng = np.random.default_rng(5)
+    w = as_jax(quantize(rng.normal(size=(256, 48)).astype(np.float32), bits=bits,
+                        group_size=32, symmetric=symmetric))
+    split = with_split(w, kind, 4)
+    assert split.split == (kind, 4) and split.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(dequantize(split)), np.asarray(dequantize(w)))
+    if kind == "rows" and bits == 4:
+      # Device d's packed rows [32 d, 32 d + 32) are a split-halves matrix of its own
+      # 64 rows: with no split, they dequantize to rows [64 d, 64 d + 64) of W.
+      for d in range(4):
+        part = QuantizedTensor(packed=split.packed[32 * d:32 * d + 32],
+                               scale=split.scale[2 * d:2 * d + 2],
+                               minimum=None if w.minimum is None else
+                               split.minimum[2 * d:2 * d + 2], bits=4, group_size=32)
+        np.testing.assert_array_equal(np.asarray(dequantize(part)),
+                                      np.asarray(dequantize(w))[64 * d:64 * d + 64])
+    else:  # the codes' layout is the whole matrix's
+      np.testing.assert_array_equal(np.asarray(split.packed), np.asarray(w.packed))
+    # Marked again (another mesh): from the codes as they are packed now.
+    again = with_split(with_split(split, "rows", 2), "columns", 2)
+    np.testing.assert_array_equal(np.asarray(again.packed), np.asarray(w.packed))
+    np.testing.assert_array_equal(np.asarray(unpack_int4(pack_int4(np.arange(32).reshape(
+        16, 2) % 16, blocks=4), blocks=4)), np.arange(32).reshape(16, 2) % 16)
+
+  @pytest.mark.parametrize("kind,parts,want", [
+      ("rows", 3, "must be ('rows' | 'columns', n) with n dividing (256, 48)"),
+      ("rows", 16, "K / 16 = 16 rows is not a multiple of group_size=32"),
+      ("diagonal", 2, "must be ('rows' | 'columns', n)"),
+      ("columns", 5, "with n dividing (256, 48)")])
+  def test_a_split_that_does_not_divide_is_named(self, kind, parts, want):
+    w = as_jax(quantize(np.ones((256, 48), np.float32), bits=4, group_size=32))
+    with pytest.raises(ValueError, match=re.escape(want)):
+      with_split(w, kind, parts)
+
+  def test_the_kernels_take_a_row_split_only_per_device(self):
+    # Off the mesh, a 4-bit row split's per-device packing is not the kernels' layout:
+    # "pallas" says so in one line, "auto" takes XLA's product (the same values).
+    rng = np.random.default_rng(6)
+    w = with_split(as_jax(quantize(rng.normal(size=(128, 32)).astype(np.float32))), "rows", 2)
+    x = jnp.asarray(rng.normal(size=(2, 128)), jnp.float32)
+    with as_if_on_gpu():
+      with pytest.raises(ValueError, match=re.escape("codes are packed per device")):
+        ops.quantized_matmul(x, w, backend="pallas", interpret=True)
+      y = ops.quantized_matmul(x, w, backend="auto", interpret=True)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ dequantize(w)), rtol=1e-5,
+                               atol=1e-5)
+
+  def test_a_split_matrix_is_not_stored(self):
+    from o1jax.checkpoint.params import flatten
+    w = with_split(as_jax(quantize(np.ones((64, 32), np.float32))), "rows", 2)
+    with pytest.raises(ValueError, match=r"layers.0.wo: a matrix split over a mesh"):
+      flatten({"embed": np.ones((4, 4)), "final_norm": np.ones(4), "layers": [{"wo": w}]})
 
 
 def _case(rng, bits, group, symmetric, m, k, n, dtype):

@@ -1,6 +1,7 @@
 """Tensor parallelism on 8 forced CPU devices (in a process of its own, tp_run.py): the
 sharded engine gives the one-device engine's tokens, greedy and sampled, with f32 and
-bf16 KV pools; the compiled decode step all-reduces twice per layer and gathers nothing;
+bf16 KV pools; the compiled decode step all-reduces twice per layer and gathers nothing,
+also with 4-bit matrices and with the Pallas kernels (interpreted) on each device's part;
 the controller's loop on a mesh gives the one-device traces (paged and contiguous caches,
 shared prompt blocks, backtracking); a model that does not split evenly is refused in one
 line."""
@@ -92,6 +93,27 @@ def test_fused_quantized_matrices_split_back_into_heads_on_a_mesh(run):
   r = run["quantized"]
   assert r["fused_on_one_device"] == [True, True] and r["split_on_the_mesh"] == [True, True]
   assert r["wk_spec"] == "P(None, 'model')" and r["max_logit_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("case", ["Q4_1_reference_bfloat16", "Q4_0_pallas_float32",
+                                  "Q4_1_pallas_float8_e4m3fn"])
+def test_4bit_matrices_and_the_kernels_run_on_each_devices_part(run, case):
+  # Before: XLA moved codes between devices (6 all-to-alls a layer: a row split of codes
+  # packed over the whole K) and gathered every operand of a Pallas call to each device
+  # (9-13 all-gathers a layer: the matrices and the KV pools; 1 all-reduce).
+  r = run["kernels"][case]
+  assert r["same_tokens"]
+  assert r["collectives"] == {"all-reduce": 2 * r["layers"], "all-gather": 0, "all-to-all": 0,
+                              "collective-permute": 0}
+  assert r["wo_split"] == ["rows", 2] and r["wo_spec"] == "P('model', None)"
+
+
+@pytest.mark.parametrize("program", ["decode", "prefill"])
+def test_the_kernels_lower_for_cuda_on_each_devices_part(run, program):
+  # As a GPU runs them (compiled Pallas kernels), every Triton call in its own per-device
+  # region; before, none was in one (XLA gathered their operands).
+  r = run["kernels"]["cuda_lowering"][program]
+  assert r["triton"] > 0 and r["per_device"] == r["triton"]
 
 
 def test_settings_that_cannot_split_are_named_before_any_program(run):

@@ -34,13 +34,13 @@ def mesh_of(tp: int, data: int = 1):
   return jax.make_mesh((data, tp), ("data", "model"), devices=jax.devices()[:data * tp])
 
 
-def generate(model, tokenizer, mesh, kv_dtype: str, prompts):
+def generate(model, tokenizer, mesh, kv_dtype: str, prompts, max_new_tokens: int = 20):
   """Greedy and sampled tokens of every prompt; on a mesh, also the compiled decode
   program's collective ops."""
   engine = Engine(model, tokenizer, EngineConfig(max_slots=8, num_blocks=96, prefill_chunk=32,
                                                   kv_dtype=kv_dtype), mesh=mesh)
   collectives = DecodeCollectives(engine) if mesh is not None else None
-  requests = [Request(p, GenerationParams(max_new_tokens=20, temperature=t), i)
+  requests = [Request(p, GenerationParams(max_new_tokens=max_new_tokens, temperature=t), i)
               for i, p in enumerate(prompts) for t in (0.0, 0.8)]
   tokens = [r.samples[0].token_ids for r in engine.generate(requests)]
   return tokens, engine, collectives.counts() if collectives else None
@@ -178,7 +178,69 @@ def main():
     out["tp4_kv2_error"] = str(e)
   out["errors"] = setting_errors(model, tok)
   out["quantized"] = quantized_case(prompts)
+  out["kernels"] = kernel_cases(prompts)
   json.dump(out, sys.stdout)
+
+
+def kernel_cases(prompts) -> dict:
+  """4-bit weights on a TP=2 mesh against one device: XLA's product of the dequantized
+  codes (reference backend), and the Pallas kernels (interpreted on this CPU, as a GPU
+  runs them compiled: the quantized matmul, paged decode and prefill attention, FP8
+  pools' scales), each on its device's part. Greedy and sampled tokens, and the compiled
+  decode step's collectives. (A model wide enough that a device's part of each matrix
+  is one the kernel tiles: K / 2 / 2 a multiple of the group of 32.)"""
+  from o1jax.testing import write_gguf_checkpoint
+  out = {}
+  for matrix_type, backend, kv_dtype in (("Q4_1", "reference", "bfloat16"),
+                                         ("Q4_0", "pallas", "float32"),
+                                         ("Q4_1", "pallas", "float8_e4m3fn")):
+    path = tempfile.mkdtemp() + "/q4.gguf"
+    write_gguf_checkpoint(path, tiny_config(max_context=256, d_model=128, head_dim=32,
+                                            ffn_dim=256), seed=3, matrix_type=matrix_type,
+                          embed_type="F32")
+    ck = load_checkpoint(path)
+    model = Llama(ck.config, dict(ck.params), weight_mode="quantized", backend=backend,
+                  interpret=backend == "pallas")
+    want, _, _ = generate(model, ck.tokenizer, None, kv_dtype, prompts, max_new_tokens=12)
+    got, engine, ops = generate(model, ck.tokenizer, mesh_of(2), kv_dtype, prompts,
+                                max_new_tokens=12)
+    wo = engine.model.layers[0].wo.get_value()
+    out[f"{matrix_type}_{backend}_{kv_dtype}"] = dict(
+        same_tokens=got == want, collectives=ops, layers=model.config.n_layers,
+        wo_split=list(wo.split), wo_spec=str(wo.packed.sharding.spec))
+  out["cuda_lowering"] = cuda_lowering_case(ck, prompts)
+  return out
+
+
+def cuda_lowering_case(ck, prompts) -> dict:
+  """The TP=2 engine's programs lowered for CUDA as a GPU runs them (compiled Pallas
+  kernels): the Triton calls in the lowered module, and the per-device regions
+  (`shard_map`'s manual computations) they sit in, one each."""
+  from flax import nnx
+
+  from o1jax.testing import as_if_on_gpu, cuda_lowering_engine
+
+  texts = {}
+
+  class Lowering(cuda_lowering_engine()):
+    def on_lowered(self, name, lowered):
+      texts.setdefault(name, lowered.as_text())
+
+  mesh = mesh_of(2)
+  with as_if_on_gpu():
+    compiled_kernels = Llama(ck.config, dict(ck.params), backend="pallas",
+                             weight_mode="quantized")
+    graphdef, _ = nnx.split(tensor_parallel.shard_model(compiled_kernels,
+                                                        tensor_parallel.auto_mesh(mesh)))
+  model = Llama(ck.config, dict(ck.params), backend="pallas", interpret=True,
+                weight_mode="quantized")
+  engine = Lowering(model, ck.tokenizer, EngineConfig(max_slots=4, num_blocks=64,
+                                                      prefill_chunk=32), mesh=mesh)
+  engine.cuda_graphdef = graphdef
+  engine.generate([Request(prompts[1], GenerationParams(max_new_tokens=3))])
+  return {name: dict(triton=text.count("__gpu$xla.gpu.triton"),
+                     per_device=text.count("sdy.manual_computation"))
+          for name, text in texts.items() if name in ("decode", "prefill")}
 
 
 def quantized_case(prompts) -> dict:
