@@ -20,31 +20,41 @@ _COMPILED: list[tuple[str, float]] = []
 _TARGET = {}
 
 
-def target_device():
-  """The compile-only device of O1JAX_CUDA_TARGET's GPU (made once)."""
-  if "device" not in _TARGET:
+def target_devices(count: int = 1) -> list:
+  """`count` compile-only devices of O1JAX_CUDA_TARGET's GPU, one host's (made once)."""
+  if count not in _TARGET:
     from jax.experimental import topologies
     path = os.environ["O1JAX_CUDA_TARGET"]
     with open(path) as f:
       config = f.read()
     topology = topologies.get_topology_desc(platform="cuda", topology_name="",
-                                            target_config=config, topology="1x1x1")
-    _TARGET["device"] = topology.devices[0]
-  return _TARGET["device"]
+                                            target_config=config, topology=f"1x1x{count}")
+    _TARGET[count] = list(topology.devices[:count])
+  return _TARGET[count]
 
 
-def compile_for_target(lowered, name: str = ""):
-  """XLA's GPU compile of a Lowered (lowered for "cuda") for the target GPU; raises what
-  the compiler raises."""
+def target_device():
+  """The compile-only device of O1JAX_CUDA_TARGET's GPU."""
+  return target_devices(1)[0]
+
+
+def compile_for_target(lowered, name: str = "", devices: int = 1):
+  """XLA's GPU compile of a Lowered (lowered for "cuda") for the target GPU, or for
+  `devices` of them (a program over a mesh of that many: XLA's SPMD partitioner places its
+  collectives as on such a machine); raises what the compiler raises."""
+  import jax
   from jax._src import compiler
   from jax._src.lib import xla_client as xc
-  device = target_device()
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
-                                         device_assignment=np.array([[device]]))
+  targets = target_devices(devices)
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=devices,
+                                         device_assignment=np.array(targets).reshape(1, -1))
+  if devices > 1:
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.use_shardy_partitioner = jax.config.jax_use_shardy_partitioner
   start = time.perf_counter()
-  executable = device.client.compile(lowered.compiler_ir("stablehlo"),
-                                     executable_devices=xc.DeviceList((device,)),
-                                     compile_options=options)
+  executable = targets[0].client.compile(lowered.compiler_ir("stablehlo"),
+                                         executable_devices=xc.DeviceList(tuple(targets)),
+                                         compile_options=options)
   _COMPILED.append((name, time.perf_counter() - start))
   return executable
 

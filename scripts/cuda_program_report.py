@@ -4,7 +4,11 @@ concurrency 1 a decode step is bound by kernel launches (issue 14: a step reads 
 of weights), so the kernels per step are a CPU-side measure of that overhead.
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=.:scripts python scripts/cuda_program_report.py \
-      [--layers 30] [--slots 1,64] [--kv-dtype float32] [--out report.json]
+      [--layers 30] [--slots 1,64] [--kv-dtype float32] [--tensor-parallel 3] [--out report.json]
+
+--tensor-parallel N: the engine on a mesh of N devices (N forced CPU devices here), its
+programs compiled for N H200s; each row also counts the collectives (SmolLM2's 3 KV heads
+split 3 ways, not 2).
 
 Needs the CUDA plugin of jax's version (CUDA_COMPILE=1 scripts/device_jax_lowering.sh makes
 .venv-devicejax-cuda) and scripts/gpu_targets/h200.txtpb. The model is the GPU check's
@@ -27,6 +31,7 @@ sys.path.insert(0, str(HERE))  # (sibling modules)
 from script_args import output_file  # noqa: E402
 
 FUSION = re.compile(r" fusion\(.*?calls=%fused_([a-z_]+)")
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
 
 
@@ -40,12 +45,16 @@ def program_row(name: str, executable, seconds: float) -> dict:
               xla_fusions=sum(fusions.values()), fusions_by_kind=dict(fusions.most_common()),
               while_loops=hlo.count(" while("), copies=hlo.count(" copy("),
               argument_mib=mib(stats.argument_size_in_bytes),
-              aliased_mib=mib(stats.alias_size_in_bytes), temp_mib=mib(stats.temp_size_in_bytes))
+              aliased_mib=mib(stats.alias_size_in_bytes), temp_mib=mib(stats.temp_size_in_bytes),
+              # (an async one: its -start; a computation called per layer counts once)
+              collectives={op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(")
+                           for op in COLLECTIVES})
 
 
-def report(layers: int, slots: int, kv_dtype: str) -> list[dict]:
+def report(layers: int, slots: int, kv_dtype: str, tensor_parallel: int = 1) -> list[dict]:
   import time
 
+  import jax
   import numpy as np
   from flax import nnx
 
@@ -63,18 +72,26 @@ def report(layers: int, slots: int, kv_dtype: str) -> list[dict]:
     def on_lowered(self, name, lowered):
       if name in ("decode", "prefill"):
         start = time.perf_counter()
-        executable = cuda_aot_compile.compile_for_target(lowered, name)
+        executable = cuda_aot_compile.compile_for_target(lowered, name, tensor_parallel)
         rows.append(dict(program_row(name, executable, time.perf_counter() - start),
-                         slots=slots))
+                         slots=slots, tensor_parallel=tensor_parallel))
 
   config, params = random_model_params(layers)
+  mesh = None
   with as_if_on_gpu():
-    cuda_graphdef, _ = nnx.split(Llama(config, params, backend="pallas", interpret=False,
-                                       weight_mode="quantized"))
+    cuda_model = Llama(config, params, backend="pallas", interpret=False,
+                       weight_mode="quantized")
+    if tensor_parallel > 1:  # (the engine splits its model so; the twin the same way)
+      from o1jax.sharding import tensor_parallel as tp
+      mesh = jax.make_mesh((1, tensor_parallel), ("data", "model"),
+                           devices=jax.devices()[:tensor_parallel])
+      cuda_model = tp.shard_model(cuda_model, tp.auto_mesh(mesh))
+    cuda_graphdef, _ = nnx.split(cuda_model)
   model = Llama(config, params, backend="reference", weight_mode="quantized")
   engine = CompilingEngine(model, byte_tokenizer(), EngineConfig(
       max_slots=slots, num_blocks=2048, prefill_chunk=256, kv_dtype=kv_dtype,
-      max_prefill_seqs=8, prefix_caching=False, decode_steps=8, reuse_compiled_shapes=False))
+      max_prefill_seqs=8, prefix_caching=False, decode_steps=8, reuse_compiled_shapes=False),
+      mesh=mesh)
   engine.cuda_graphdef = cuda_graphdef
   rng = np.random.default_rng(2)
   prompts = [rng.integers(3, 259, int(rng.integers(30, 40))).tolist() for _ in range(slots)]
@@ -88,21 +105,31 @@ def main(argv=None) -> int:
   p.add_argument("--layers", type=int, default=30)
   p.add_argument("--slots", default="1,64", help="comma-separated engine slot counts")
   p.add_argument("--kv-dtype", default="float32")
+  p.add_argument("--tensor-parallel", type=int, default=1,
+                  help="devices the engine's mesh splits the model over (1: one device)")
   p.add_argument("--out", default="", type=output_file)
   args = p.parse_args(argv)
+  if args.tensor_parallel < 1:
+    p.error(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+  if args.tensor_parallel > 1:  # (before JAX starts: CPU devices to place the mesh on)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={args.tensor_parallel}").strip()
   os.environ.setdefault("O1JAX_CUDA_TARGET", str(HERE / "gpu_targets" / "h200.txtpb"))
   import pretend_gpu_kind  # noqa: F401  (Pallas asks the default device for the GPU's kind)
   rows = []
   for slots in (int(s) for s in args.slots.split(",")):
-    for row in report(args.layers, slots, args.kv_dtype):
+    for row in report(args.layers, slots, args.kv_dtype, args.tensor_parallel):
       rows.append(row)
+      collectives = {op: n for op, n in row["collectives"].items() if n}
       print(f"{row['program']:8s} slots={slots:4d} triton={row['triton_kernels']:4d} "
             f"fusions={row['xla_fusions']:4d} (pad {row['fusions_by_kind'].get('pad', 0)}) "
             f"while={row['while_loops']} temp={row['temp_mib']} MiB "
-            f"aliased={row['aliased_mib']} MiB compile={row['compile_s']} s", flush=True)
+            f"aliased={row['aliased_mib']} MiB compile={row['compile_s']} s"
+            + (f" collectives={collectives}" if args.tensor_parallel > 1 else ""), flush=True)
   if args.out:
-    pathlib.Path(args.out).write_text(json.dumps(dict(layers=args.layers, kv_dtype=args.kv_dtype,
-                                                      rows=rows), indent=1) + "\n")
+    pathlib.Path(args.out).write_text(json.dumps(dict(
+        layers=args.layers, kv_dtype=args.kv_dtype, tensor_parallel=args.tensor_parallel,
+        rows=rows), indent=1) + "\n")
   return 0
 
 
