@@ -15,6 +15,7 @@ from configs.policies import policy_params
 from o1jax.controller import policy_names
 
 TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")  # ("": the default, unset)
 
 
 def parse_arg(arg: str, known: Mapping[str, str]) -> dict[str, str]:
@@ -42,8 +43,14 @@ def parse_arg(arg: str, known: Mapping[str, str]) -> dict[str, str]:
   return values
 
 
-def is_true(value: str) -> bool:
-  return str(value).lower() in TRUE
+def is_true(value: str, name: str) -> bool:
+  """A true/false variant's value; any other spelling is an error naming the variant (a
+  typo such as smoke=Ture ran the other job)."""
+  spelled = str(value).strip().lower()
+  if spelled not in TRUE + FALSE:
+    raise ValueError(f"config variant {name}={value!r}: expected true or false "
+                     f"(one of {', '.join(TRUE + FALSE[:-1])})")
+  return spelled in TRUE
 
 
 def section(**fields: Any) -> ml_collections.ConfigDict:

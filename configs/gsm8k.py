@@ -25,7 +25,7 @@ SYNTHETIC_DEFAULTS = {"seed": 0, "levels": (1,)}
 
 def get_config(arg: str = ""):
   variant = common.parse_arg(arg, common.VARIANTS)
-  smoke = common.is_true(variant["smoke"])
+  smoke = common.is_true(variant["smoke"], "smoke")
 
   config = common.section()
   config.task = "gsm8k"  # registry in pipelines/task_specs.py
@@ -46,5 +46,5 @@ def get_config(arg: str = ""):
   config.speculative = common.speculative_section()
   config.controller = common.controller_section()
   config.runner = common.runner_section(batch_size=8)
-  common.fast_numerics(config, common.is_true(variant["fast"]))
+  common.fast_numerics(config, common.is_true(variant["fast"], "fast"))
   return common.finish(config)

@@ -14,7 +14,7 @@ from configs import common
 
 def get_config(arg: str = ""):
   variant = common.parse_arg(arg, common.VARIANTS)
-  smoke = common.is_true(variant["smoke"])
+  smoke = common.is_true(variant["smoke"], "smoke")
 
   config = common.section()
   config.task = "humaneval"
@@ -34,5 +34,5 @@ def get_config(arg: str = ""):
   config.budget = common.budget_section()
   config.speculative = common.speculative_section()
   config.runner = common.runner_section(batch_size=4 if smoke else 8)
-  common.fast_numerics(config, common.is_true(variant["fast"]))
+  common.fast_numerics(config, common.is_true(variant["fast"], "fast"))
   return common.finish(config)

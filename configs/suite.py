@@ -24,7 +24,7 @@ SMOKE_MAX_NEW_TOKENS = {"code": 64, "math": 32, "qa": 12, "instructions": 48, "s
 
 def get_config(arg: str = ""):
   variant = common.parse_arg(arg, VARIANTS)
-  smoke = common.is_true(variant["smoke"])
+  smoke = common.is_true(variant["smoke"], "smoke")
   category = check_category(variant["category"])
   budgets = SMOKE_MAX_NEW_TOKENS if smoke else MAX_NEW_TOKENS
   assert set(budgets) == set(CATEGORIES)
@@ -57,5 +57,5 @@ def get_config(arg: str = ""):
   # into two bundles that the shared engine would run one after the other): one decode pass.
   config.runner = (common.runner_section(batch_size=16, workers=1) if smoke
                    else common.runner_section(batch_size=8))
-  common.fast_numerics(config, common.is_true(variant["fast"]))
+  common.fast_numerics(config, common.is_true(variant["fast"], "fast"))
   return common.finish(config)

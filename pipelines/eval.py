@@ -162,6 +162,25 @@ def validate_argv(argv: Sequence[str]) -> None:
   check_override_values(argv)
 
 
+def check_unused_overrides(config, argv: Sequence[str]) -> None:
+  """A `--config.sampling.max_new_tokens=` for a reasoning-controller policy: its traces
+  are bounded by its own token limits, so the value was ignored (and, part of the content
+  key, every sample was computed again for nothing). A ValueError naming what to set."""
+  flags_part = argv[:list(argv).index("--")] if "--" in argv else argv
+  if not any(re.match(r"--config\.sampling\.max_new_tokens(=|$)", a) for a in flags_part):
+    return
+  from o1jax.controller.registry import policy_class
+  try:
+    policy = policy_class(config.policy.name)
+  except (ValueError, AttributeError):  # named by build_plan, with the valid ones
+    return
+  if policy.controller:
+    raise ValueError(
+        f"sampling.max_new_tokens={config.sampling.max_new_tokens!r} is not used: policy "
+        f"{config.policy.name} bounds each trace by its own max_thinking_tokens and "
+        f"max_answer_tokens; set policy.max_thinking_tokens instead")
+
+
 def check_override_values(argv: Sequence[str]) -> None:
   """Parses the `--config*` flags as ml_collections will, on flags of their own: a value of
   the wrong type (`--config.sampling.top_k=abc`) or an override before `--config=` is a
@@ -696,7 +715,13 @@ def _exit_on_signals(on_signal) -> None:
 
 
 def main(argv):
-  beam_flags = argv[1:]  # everything after `--`
+  after = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+  stray = argv[1:len(argv) - len(after)]  # absl's leftovers: positional ones, then after `--`
+  if stray:  # (it went to Beam's options, and the default job ran)
+    print(f"error: unexpected argument {stray[0]!r}: options are --name=value (a config "
+          f"file: --config={stray[0]}); Beam's options go after --", file=sys.stderr)
+    return 2
+  beam_flags = after
   verbose = _FLAGS["verbose"].value
   output_dir = _FLAGS["output_dir"].value
   if not flags.FLAGS["verbosity"].present:
@@ -721,6 +746,7 @@ def main(argv):
 
   _exit_on_signals(stop)
   try:
+    check_unused_overrides(_FLAGS["config"].value, sys.argv)
     summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
   except WorkerLostError as e:  # not bad input: the run stopped, its log is kept
     kept = log.close(move_to=local_log) if log else None

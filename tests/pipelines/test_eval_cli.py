@@ -216,3 +216,42 @@ def test_the_workers_project_warnings_reach_the_console(tmp_path):
       "matmul_dtype=int8 runs the XLA reference here"]
   assert worker_warnings(str(log), limit=1)[1] == f"1 more warnings in {log}"
   assert worker_warnings(None) == [] and worker_warnings(str(tmp_path / "missing.log")) == []
+
+
+@pytest.mark.parametrize("stray", ["configs/humaneval.py", "foo"])
+def test_a_stray_argument_is_one_usage_error(tmp_path, stray):
+  # Before: it went to Beam's options and the default job ran (exit 0), e.g. a config file
+  # given without --config=.
+  proc = _cli(stray, f"--output_dir={tmp_path}/out", "--", "--direct_num_workers=1")
+  _assert_one_error_line(proc, f"unexpected argument {stray!r}: options are --name=value (a "
+                               f"config file: --config={stray}); Beam's options go after --")
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("smoke=Ture", "config variant smoke='Ture': expected true or false (one of 1, true, yes, "
+                   "on, 0, false, no, off)"),
+    ("fast=2", "config variant fast='2': expected true or false (one of 1, true, yes, on, 0, "
+               "false, no, off)")])
+def test_a_true_false_variant_spelled_otherwise_is_one_usage_error(tmp_path, variant, message):
+  # Before: any other spelling meant False, and the other job ran.
+  from absl import app
+  from pipelines.eval import validate_argv
+  for config in ("gsm8k", "humaneval", "custom", "suite"):
+    with pytest.raises(app.UsageError) as e:
+      validate_argv(["eval", f"--config=configs/{config}.py:{variant}", "--output_dir=x"])
+    assert str(e.value) == message
+  validate_argv(["eval", "--config=configs/gsm8k.py:smoke=YES,fast=off", "--output_dir=x"])
+
+
+def test_max_new_tokens_a_controller_policy_does_not_use_is_refused(tmp_path):
+  # Before: ignored without a word (the traces had their usual length), and every sample
+  # was computed again (the section is part of the content key).
+  proc = _cli("--config=configs/gsm8k.py:policy=self_consistency,smoke=True",
+              "--config.sampling.max_new_tokens=4", f"--output_dir={tmp_path}/out")
+  _assert_one_error_line(proc, "sampling.max_new_tokens=4 is not used: policy self_consistency "
+                               "bounds each trace by its own max_thinking_tokens and "
+                               "max_answer_tokens; set policy.max_thinking_tokens instead")
+  from pipelines.eval import check_unused_overrides, load_config_file
+  plain = load_config_file("configs/gsm8k.py", "smoke=True")  # (greedy: per sample, used)
+  check_unused_overrides(plain, ["eval", "--config.sampling.max_new_tokens=4"])
