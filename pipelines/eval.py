@@ -332,6 +332,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   from pipelines.beam.pipeline import reconcile_with_store, sized_for, stored_record, write_text
   from pipelines.beam.store import IS_A_DIRECTORY, OutputError, is_local
   from pipelines.beam.worker import mark_launcher
+  from pipelines.datasets.records import examples_sha256
   from pipelines.summary import summarize
 
   output_dir = out
@@ -401,6 +402,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   summary = summarize(records, dead, task=plan.task.name, vote=plan.policy.vote, run=run_info,
                       config=config.to_dict())
   summary["model"] = plan.model_fp
+  summary["data_sha256"] = examples_sha256(scan.examples)  # (what runs compare within)
   if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
     summary["data"] = plan.task.data_info()
   write_text(f"{out}/summary.json", json.dumps(summary, indent=2, default=list) + "\n")

@@ -217,11 +217,15 @@ def accuracy_interval(summary: dict) -> Optional[list[float]]:
 
 
 def comparison_group(summary: dict) -> tuple:
-  """What a run's accuracy is comparable within: its task and its data (the config's
-  `dataset` section, a file named by its base name: `data.jsonl`, `./data.jsonl` and
-  `gs://b/data.jsonl` are one dataset; a run written without its config: the task
-  alone). Accuracies on other data do not compare: an easier dataset's run took a harder
+  """What a run's accuracy is comparable within: its task and its data, by what its
+  examples ask and expect (`data_sha256`: one dataset wherever its file lies, and two
+  datasets whose files have one name apart). A summary written before that hash: the
+  config's `dataset` section, a file named by its base name (`data.jsonl`,
+  `./data.jsonl` and `gs://b/data.jsonl` are one dataset); without its config: the task
+  alone. Accuracies on other data do not compare: an easier dataset's run took a harder
   one's off the frontier."""
+  if summary.get("data_sha256"):
+    return summary.get("task"), summary["data_sha256"]
   data = (summary.get("config") or {}).get("dataset")
   if data is None:
     return summary.get("task"), None
@@ -437,7 +441,14 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
     data_sets.setdefault(task, {}).setdefault(data, len(data_sets.get(task, {})) + 1)
   task_label = lambda s, g: (f"{g[0]} [data {data_sets[g[0]][g[1]]}]" if len(data_sets[g[0]]) > 1
                              else s["task"])
-  legend = [f"- {task} [data {k}]: " + (f"`{data}`" if data else "no config in its summary")
+  described = {}  # a group's data as its first run's config names it (and its hash)
+  for (_, s), g in zip(runs, groups):
+    if g not in described:
+      section = comparison_group(dict(s, data_sha256=None))[1]
+      described[g] = ((f"`{section}`" if section else "no config in its summary")
+                      + (f", examples sha256 {s['data_sha256'][:12]}"
+                         if s.get("data_sha256") else ""))
+  legend = [f"- {task} [data {k}]: {described[(task, data)]}"
             for task, ds in data_sets.items() if len(ds) > 1 for data, k in ds.items()]
   interval = lambda s: (f"{num(ci[0], 3)} .. {num(ci[1], 3)}"
                         if (ci := accuracy_interval(s)) else "")

@@ -318,6 +318,12 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
                        f"iconv -f UTF-16 -t UTF-8)")
   text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
   lines = io.StringIO(text, newline="").readlines()  # as the reader counts them
+
+  def as_written(first: int, last: int) -> str:
+    """Lines first..last as the file has them, for a dead letter (cells joined again lose
+    their quoting); bytes that are not UTF-8 as \\x escapes."""
+    text = "".join(lines[first - 1:last]).rstrip("\r\n")
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
   reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
   try:
     header = next(reader, None)
@@ -340,9 +346,8 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
     except StopIteration:
       return
     except csv.Error as e:  # the reader goes on at the next line
-      raw = "".join(lines[start - 1:reader.line_num]).rstrip("\r\n")
       yield DeadLetter(path, start, f"not CSV: {e} (a quote that is not closed or doubled)",
-                       raw.encode("utf-8", "backslashreplace").decode("utf-8"))
+                       as_written(start, reader.line_num))
       start = reader.line_num + 1
       continue
     number, start = start, reader.line_num + 1
@@ -351,12 +356,12 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
     raw = delimiter.join(cells).encode("utf-8", "backslashreplace").decode("utf-8")
     if len(cells) != len(header):
       yield DeadLetter(path, number, f"{len(cells)} cells where the header has "
-                       f"{len(header)}", raw)
+                       f"{len(header)}", as_written(number, reader.line_num))
       continue
     obj = dict(zip(header, cells))
     problem = _not_text(obj)
     if problem:
-      yield DeadLetter(path, number, problem, raw)
+      yield DeadLetter(path, number, problem, as_written(number, reader.line_num))
       continue
     yield JsonLine(path, number, raw, obj, header_lines=1)
 

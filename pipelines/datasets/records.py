@@ -102,6 +102,18 @@ def text_bytes(text: str) -> bytes:
   return text.encode("utf-8", "surrogatepass")
 
 
+def examples_sha256(examples) -> str:
+  """What the examples ask and expect (question and reference, in order), hashed: one
+  dataset wherever its file lies and whatever it is named (a Hub dataset's files are all
+  `test-00000-of-00001.parquet`)."""
+  h = hashlib.sha256()
+  for ex in examples:
+    for text in (ex.question, ex.reference):
+      data = text_bytes(str(text))
+      h.update(len(data).to_bytes(8, "little") + data)  # (lengths: no two splits alike)
+  return h.hexdigest()
+
+
 def lone_surrogate(value: Any, field: str = "") -> Optional[tuple[str, str]]:
   """(field path, character) of the first lone surrogate in a decoded JSON value, else None.
 

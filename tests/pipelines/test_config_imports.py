@@ -12,15 +12,9 @@ import pytest
 from configs import custom as custom_config
 from pipelines.beam import build_plan
 from pipelines.config_imports import ConfigImportError, imports_in_argv, module_names
+from tests.o1jax.controller.conftest import docs_example_policy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def docs_example_policy() -> str:
-  """The policy module of docs/controller.md's worked example, as the docs print it."""
-  text = (REPO / "docs" / "controller.md").read_text()
-  start = text.index("```python\n", text.index("## Adding a policy")) + len("```python\n")
-  return text[start:text.index("\n```", start) + 1]
 
 
 # Each process that imports the researcher's module appends its pid to $MYLAB_IMPORTS.

@@ -460,6 +460,38 @@ def test_comparison_keeps_one_frontier_per_dataset(tmp_path):
   assert '- custom [data 2]: `{"name": "custom", "path": "hard.jsonl"}`' in md
 
 
+def test_comparison_tells_datasets_apart_by_their_examples(tmp_path):
+  """Two Hub datasets' files share one name (test-00000-of-00001.parquet): by the base name
+  they were one dataset, and the harder one's run left the frontier. Their examples' hash
+  (`data_sha256`) tells them apart, and keeps one file under two names together."""
+  from pipelines.datasets.records import Example, examples_sha256
+  a = examples_sha256([Example("a/0", "custom", "1 + 1?", "2")])
+  b = examples_sha256([Example("b/0", "custom", "12 * 13?", "156")])
+  assert a == examples_sha256([Example("elsewhere/7", "custom", "1 + 1?", "2")])  # ids aside
+  assert examples_sha256([Example("x", "c", "ab", "c")]) != examples_sha256(
+      [Example("x", "c", "a", "bc")])
+  name = "hf/test-00000-of-00001.parquet"
+
+  def summary(path, acc, tokens, data):
+    return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
+            "samples_per_example": 1, "accuracy": {"exact": acc},
+            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
+            "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
+            "config": {"dataset": {"name": "custom", "path": path}}, "data_sha256": data}
+  runs = {"easy": summary(name, 0.9, 10, a), "hard": summary(name, 0.3, 50, b),
+          "hard_copy": summary("copy/" + name, 0.2, 80, b)}
+  for run, s in runs.items():
+    (tmp_path / run).mkdir()
+    (tmp_path / run / "summary.json").write_text(json.dumps(s))
+  md = report.write_comparison([tmp_path / r for r in runs], tmp_path).read_text()
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+          if line.startswith("| greedy")}
+  assert rows["greedy (hard)"].endswith("| tokens/seconds |") and "[data 2]" in rows["greedy (hard)"]
+  assert rows["greedy (hard_copy)"].endswith("|  |")  # dominated on its own data
+  assert (f'- custom [data 2]: `{{"name": "custom", "path": "test-00000-of-00001.parquet"}}`, '
+          f'examples sha256 {b[:12]}') in md
+
+
 def test_accuracy_has_a_wilson_interval_where_examples_are_independent(tmp_path):
   """One result per example (greedy, or a vote): the 95% Wilson interval, checked against
   the formula by hand; several samples scored one by one get none (they are not

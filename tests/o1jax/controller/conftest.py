@@ -65,3 +65,11 @@ def tiny_llama(tmp_path_factory):
   params = dict(ck.params)
   params["embed"] = np.asarray(params["embed"]) * 0.05  # soft logits: sampling really samples
   return ContiguousLlama(Llama(ck.config, params)), ck.tokenizer
+
+
+def docs_example_policy() -> str:
+  """The policy module of docs/controller.md's worked example, as the docs print it."""
+  import pathlib
+  text = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "controller.md").read_text()
+  start = text.index("```python\n", text.index("## Adding a policy")) + len("```python\n")
+  return text[start:text.index("\n```", start) + 1]

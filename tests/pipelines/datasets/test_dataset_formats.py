@@ -126,6 +126,16 @@ def test_csv_rows_with_quoted_commas_newlines_and_wrong_cell_counts(tmp_path):
   assert [e.question for e in got if isinstance(e, Example)] == ["What is, 2+2?", "two\nlines", "7+1"]
   assert (got[2].line_number, got[2].reason) == (5, "1 cells where the header has 2")
   assert (got[3].line_number, got[3].reason) == (7, "invalid UTF-8 (byte 0xe9) in field 'prompt'")
+  assert (got[2].raw, got[3].raw) == ("only one cell", '"caf\\xe9",6')
+
+
+def test_a_csv_dead_letter_keeps_its_lines_as_written(tmp_path):
+  # Before: the cells joined again, their quotes lost ("bad,row,1,extra": 4 cells to read).
+  path = tmp_path / "d.csv"
+  path.write_text('prompt,target\n"bad,row",1,extra\n"two\nlines",2,3\n')
+  got = list(read_custom_jsonl(str(path), {"question": "prompt", "answer": "target"}))
+  assert [(d.line_number, d.raw) for d in got] == [(2, '"bad,row",1,extra'),
+                                                   (3, '"two\nlines",2,3')]
 
 
 def test_tsv_and_compressed_csv(tmp_path):
