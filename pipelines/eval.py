@@ -402,7 +402,8 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   summary = summarize(records, dead, task=plan.task.name, vote=plan.policy.vote, run=run_info,
                       config=config.to_dict())
   summary["model"] = plan.model_fp
-  summary["data_sha256"] = examples_sha256(scan.examples)  # (what runs compare within)
+  # (what runs compare within: pipelines.report.comparison_group)
+  summary["data_sha256"] = examples_sha256(i.example for i in scan.items if i.sample_index == 0)
   if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
     summary["data"] = plan.task.data_info()
   write_text(f"{out}/summary.json", json.dumps(summary, indent=2, default=list) + "\n")

@@ -598,8 +598,12 @@ def reconcile_with_store(records: list[dict], items: Sequence[WorkItem], store: 
     unique.setdefault(record.get("key"), record)
   repeated = len(records) - len(unique)
   restored = 0
-  for item in items:
-    if item.key not in unique:
+  missing = [item for item in items if item.key not in unique]
+  # Only what the store holds is read (one listing): the items without a record are
+  # mostly dead letters, and a remote store took a request or two for each.
+  stored = store.keys() if missing else set()
+  for item in missing:
+    if item.key in stored:
       record, _ = stored_record(store, item)
       if record is not None:
         unique[item.key] = record

@@ -210,7 +210,17 @@ class ResultStore:
       return 0
 
   def keys(self) -> set[str]:
-    """Keys of finished records (local stores only)."""
+    """Keys of the stored records (files by name; `read` checks one): a local directory's
+    entries, or a remote store's one listing (Beam's FileSystems.match: a call, not a
+    request per key)."""
+    if not self.local:
+      from apache_beam.io.filesystems import FileSystems
+      try:
+        matched = FileSystems.match([f"{self.root}/*{_SUFFIX}"])[0].metadata_list
+      except Exception:  # (BeamIOError: nothing there yet, on some file systems)
+        return set()
+      names = (m.path.rstrip("/").rsplit("/", 1)[-1] for m in matched)
+      return {n[:-len(_SUFFIX)] for n in names if n.endswith(_SUFFIX)}
     try:
       return {e.name[:-len(_SUFFIX)] for e in os.scandir(_local(self.root)) if e.name.endswith(_SUFFIX)}
     except FileNotFoundError:

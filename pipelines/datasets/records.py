@@ -103,12 +103,13 @@ def text_bytes(text: str) -> bytes:
 
 
 def examples_sha256(examples) -> str:
-  """What the examples ask and expect (question and reference, in order), hashed: one
-  dataset wherever its file lies and whatever it is named (a Hub dataset's files are all
-  `test-00000-of-00001.parquet`)."""
+  """What the examples ask and expect (question and reference, in order; `Example`s or
+  their dicts), hashed: one dataset wherever its file lies and whatever it is named (a Hub
+  dataset's files are all `test-00000-of-00001.parquet`)."""
   h = hashlib.sha256()
   for ex in examples:
-    for text in (ex.question, ex.reference):
+    ex = ex.to_dict() if isinstance(ex, Example) else ex
+    for text in (ex["question"], ex["reference"]):
       data = text_bytes(str(text))
       h.update(len(data).to_bytes(8, "little") + data)  # (lengths: no two splits alike)
   return h.hexdigest()

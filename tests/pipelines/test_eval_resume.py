@@ -346,6 +346,45 @@ def test_reconciling_complete_results_reads_no_store_record(finished, tmp_path):
   assert (got, restored, repeated) == (records, 0, 0) and not (tmp_path / "r.jsonl").exists()
 
 
+def test_reconciling_reads_only_records_the_store_lists(finished, tmp_path):
+  # The items without a record are mostly dead letters: each took a store read (on a
+  # remote store, an exists and an open request per item). Now one listing, and a read
+  # for what it lists only.
+  from pipelines.beam.pipeline import plan_items, build_plan, reconcile_with_store
+  from pipelines.beam import ResultStore
+  records = _records(finished[1])
+  items, _ = plan_items(build_plan(_config(finished[0]), str(tmp_path / "x")))
+  store = ResultStore(str(finished[1] / "store"))
+  lost = records[0]["key"]
+  unstored = [i for i in items if i.key != lost][:2]  # as if never stored (dead letters)
+  listed = store.keys() - {i.key for i in unstored}
+  read = []
+  real = store.read
+  with mock.patch.object(store, "keys", return_value=listed), \
+       mock.patch.object(store, "read", side_effect=lambda k: read.append(k) or real(k)):
+    got, restored, repeated = reconcile_with_store(
+        [r for r in records if r["key"] not in {lost} | {i.key for i in unstored}], items,
+        store, str(tmp_path / "r.jsonl"))
+  assert read == [lost] and restored == 1 and repeated == 0
+  assert sorted(r["key"] for r in got) == sorted(r["key"] for r in records
+                                                 if r["key"] not in {i.key for i in unstored})
+
+
+def test_a_remote_stores_keys_are_one_listing(monkeypatch):
+  from apache_beam.io.filesystem import FileMetadata, MatchResult
+  from apache_beam.io.filesystems import FileSystems
+  from pipelines.beam import ResultStore
+  asked = []
+
+  def match(patterns):
+    asked.extend(patterns)
+    return [MatchResult(patterns[0], [FileMetadata(f"gs://b/run/store/{k}.json", 10)
+                                      for k in ("ab" * 8, "cd" * 8)])]
+  monkeypatch.setattr(FileSystems, "match", match)
+  assert ResultStore("gs://b/run/store/").keys() == {"ab" * 8, "cd" * 8}
+  assert asked == ["gs://b/run/store/*.json"]
+
+
 def test_results_lines_are_strict_json_as_the_store_writes_them(tmp_path):
   # A record computed in this run went to results.jsonl as Python wrote it (NaN,
   # Infinity) while the same record resumed from the store read null: two files.
