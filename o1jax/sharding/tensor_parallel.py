@@ -145,21 +145,27 @@ def _split_fused_quantized(model):
 
   from o1jax.checkpoint.params import split_fused
   from o1jax.model.llama import Weight
+  from pallas_kernels.fp8_activations import Fp8ActivationWeight
   from pallas_kernels.quantized_tensor import QuantizedTensor
 
   c = model.config
+  # FP8 inputs (matmul_dtype="float8") wrap the fused matrix: split inside, wrap each part
+  # (they were refused as int8 tiles).
+  inner = lambda w: w.matrix if isinstance(w, Fp8ActivationWeight) else w
   for layer in model.layers:
     values = {name: getattr(layer, name, None) for name in FUSED_PARTS}
     # (int8 matmuls' fused tiles are refused by `param_spec`)
     fused = {name: w.get_value() for name, w in values.items()
-             if w is not None and isinstance(w.get_value(), QuantizedTensor)}
+             if w is not None and isinstance(inner(w.get_value()), QuantizedTensor)}
     if not fused:
       continue
     for name in fused:
       setattr(layer, name, None)
-    parts = split_fused(fused, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.ffn_dim)
+    parts = split_fused({name: inner(w) for name, w in fused.items()}, c.n_heads * c.head_dim,
+                        c.n_kv_heads * c.head_dim, c.ffn_dim)
+    fp8 = any(isinstance(w, Fp8ActivationWeight) for w in fused.values())
     for name, value in parts.items():  # (nnx.data: the attribute was None, a static one)
-      setattr(layer, name, nnx.data(Weight(value)))
+      setattr(layer, name, nnx.data(Weight(Fp8ActivationWeight(value) if fp8 else value)))
   return model
 
 

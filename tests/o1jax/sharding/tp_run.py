@@ -191,21 +191,24 @@ def kernel_cases(prompts) -> dict:
   is one the kernel tiles: K / 2 / 2 a multiple of the group of 32.)"""
   from o1jax.testing import write_gguf_checkpoint
   out = {}
-  for matrix_type, backend, kv_dtype in (("Q4_1", "reference", "bfloat16"),
-                                         ("Q4_0", "pallas", "float32"),
-                                         ("Q4_1", "pallas", "float8_e4m3fn")):
+  for matrix_type, backend, kv_dtype, matmul in (
+      ("Q4_1", "reference", "bfloat16", "float32"), ("Q4_0", "pallas", "float32", "float8"),
+      ("Q4_1", "pallas", "float8_e4m3fn", "float32")):
     path = tempfile.mkdtemp() + "/q4.gguf"
     write_gguf_checkpoint(path, tiny_config(max_context=256, d_model=128, head_dim=32,
                                             ffn_dim=256), seed=3, matrix_type=matrix_type,
                           embed_type="F32")
     ck = load_checkpoint(path)
+    # (matmul_dtype float8: the FP8 input path of the kernel, a row's scale over the
+    # whole row where the row is split)
     model = Llama(ck.config, dict(ck.params), weight_mode="quantized", backend=backend,
-                  interpret=backend == "pallas")
+                  interpret=backend == "pallas", matmul_dtype=matmul)
     want, _, _ = generate(model, ck.tokenizer, None, kv_dtype, prompts, max_new_tokens=12)
     got, engine, ops = generate(model, ck.tokenizer, mesh_of(2), kv_dtype, prompts,
                                 max_new_tokens=12)
     wo = engine.model.layers[0].wo.get_value()
-    out[f"{matrix_type}_{backend}_{kv_dtype}"] = dict(
+    wo = getattr(wo, "matrix", wo)  # (an FP8 input's wrapped matrix)
+    out[f"{matrix_type}_{backend}_{kv_dtype}_{matmul}"] = dict(
         same_tokens=got == want, collectives=ops, layers=model.config.n_layers,
         wo_split=list(wo.split), wo_spec=str(wo.packed.sharding.spec))
   out["cuda_lowering"] = cuda_lowering_case(ck, prompts)
