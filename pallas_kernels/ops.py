@@ -297,13 +297,18 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
                      f"{lead + (1,)} for x.shape={x.shape}")
   requested, backend = backend, resolve_backend(backend)
   if backend == "pallas":
-    # Split over the mesh, the kernel runs on each device's part (`_per_device_part`).
-    on_mesh = w.split is not None and w.split[1] == _model_axis_size() > 1
-    rows = on_mesh and w.split[0] == "rows"
-    why = (qmm.pallas_support_error(k // w.split[1] if rows else k,
-                                    n if rows else n // w.split[1], dataclasses.replace(
-                                        w, split=None))
-           if on_mesh else qmm.pallas_support_error(k, n, w))
+    # Split over the mesh, the kernel runs on each device's part (`_per_device_part`); a
+    # split for another mesh (or none) is XLA's to partition.
+    parts = w.split[1] if w.split is not None else 1
+    if parts > 1 and parts != _model_axis_size():
+      why = (f"split={w.split} but the mesh's {MODEL_AXIS!r} axis has {_model_axis_size()} "
+             f"device(s)")
+    elif parts > 1:
+      rows = w.split[0] == "rows"
+      why = qmm.pallas_support_error(k // parts if rows else k, n if rows else n // parts,
+                                     dataclasses.replace(w, split=None))
+    else:
+      why = qmm.pallas_support_error(k, n, w)
     if why is not None and requested == "pallas":
       raise ValueError(f"quantized_matmul (pallas): W.shape={w.shape}: {why}")
     if why is not None:  # auto: shapes the kernel cannot tile stay on XLA
@@ -341,13 +346,9 @@ def _per_device_part(run, x: jax.Array, w: QuantizedTensor, x_scale, out_dtype) 
   Columns: each device its columns of the product. Rows: each device the product of its
   rows with its part of x, summed over the model axis in f32 (the one all-reduce a
   row-parallel product takes)."""
-  parts = _model_axis_size()
-  if w.split is None or parts == 1:
-    return run(x, w, x_scale, out_dtype=out_dtype)
-  kind, n = w.split
-  if n != parts:
-    raise ValueError(f"quantized_matmul: W split={w.split} but the mesh's {MODEL_AXIS!r} axis "
-                     f"has {parts} devices")
+  if w.split is None or w.split[1] == 1:  # (a split for another mesh: refused above)
+    return run(x, dataclasses.replace(w, split=None), x_scale, out_dtype=out_dtype)
+  kind, _ = w.split
   w_spec = P(MODEL_AXIS, None) if kind == "rows" else P(None, MODEL_AXIS)
   specs = (P(None, MODEL_AXIS) if kind == "rows" else P(),
            jax.tree.map(lambda _: w_spec, w), None if x_scale is None else P())

@@ -168,8 +168,8 @@ def pallas_support_error(k: int, n: int, w: QuantizedTensor) -> str | None:
   """Why the kernel cannot take this weight (None if it can)."""
   g = w.group_size
   if w.bits == 4 and w.row_blocks > 1:
-    return (f"split={w.split}: its codes are packed per device (each device's part is a "
-            f"matrix the kernel takes: run on the mesh)")
+    return (f"split={w.split}: its codes are packed per device (the kernel takes each "
+            f"device's part, on a mesh of {w.row_blocks} devices)")
   if g < 16 or g & (g - 1):
     return f"group_size={g} must be a power of two >= 16"
   if w.bits == 4 and (k // 2) % g:

@@ -88,7 +88,8 @@ class QuantizedTensor:
     if self.split is not None:
       kind, parts = self.split
       size = k if kind == "rows" else n
-      if kind not in ("rows", "columns") or not isinstance(parts, int) or parts < 1 or size % parts:
+      if (kind not in ("rows", "columns") or isinstance(parts, bool)
+          or not isinstance(parts, int) or parts < 1 or size % parts):
         raise ValueError(f"{name}: split={self.split!r} must be ('rows' | 'columns', n) with n "
                          f"dividing {(k, n)}")
       if kind == "rows" and (k // parts) % self.group_size:

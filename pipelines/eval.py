@@ -402,7 +402,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   summary = summarize(records, dead, task=plan.task.name, vote=plan.policy.vote, run=run_info,
                       config=config.to_dict())
   summary["model"] = plan.model_fp
-  # (what runs compare within: pipelines.report.comparison_group)
+  # (what runs compare within: pipelines.report.comparison_groups)
   summary["data_sha256"] = examples_sha256(i.example for i in scan.items if i.sample_index == 0)
   if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
     summary["data"] = plan.task.data_info()

@@ -216,22 +216,37 @@ def accuracy_interval(summary: dict) -> Optional[list[float]]:
   return None if k is None else (summary.get("accuracy_ci95") or {}).get(k)
 
 
-def comparison_group(summary: dict) -> tuple:
-  """What a run's accuracy is comparable within: its task and its data, by what its
-  examples ask and expect (`data_sha256`: one dataset wherever its file lies, and two
-  datasets whose files have one name apart). A summary written before that hash: the
-  config's `dataset` section, a file named by its base name (`data.jsonl`,
-  `./data.jsonl` and `gs://b/data.jsonl` are one dataset); without its config: the task
-  alone. Accuracies on other data do not compare: an easier dataset's run took a harder
-  one's off the frontier."""
-  if summary.get("data_sha256"):
-    return summary.get("task"), summary["data_sha256"]
+def dataset_section(summary: dict) -> tuple:
+  """(task, the config's `dataset` section as JSON, a file named by its base name:
+  `data.jsonl`, `./data.jsonl` and `gs://b/data.jsonl` are one dataset); without its
+  config: (task, None)."""
   data = (summary.get("config") or {}).get("dataset")
   if data is None:
     return summary.get("task"), None
   data = {k: os.path.basename(str(v).rstrip("/")) if k.endswith("path") and v else v
           for k, v in dict(data).items()}
   return summary.get("task"), json.dumps(data, sort_keys=True, default=str)
+
+
+def comparison_groups(summaries: Sequence[dict]) -> list[tuple]:
+  """What each run's accuracy is comparable within: its task and its data, by what its
+  examples ask and expect (summary.json's `data_sha256`: one file under two paths is one
+  dataset, and two datasets whose files share a name, as a Hub dataset's
+  `test-00000-of-00001.parquet` do, are two). A summary written before that hash joins
+  the one hash seen with its `dataset_section`, else that section is its group.
+  Accuracies on other data do not compare: an easier dataset's run took a harder one's
+  off the frontier."""
+  sections = [dataset_section(s) for s in summaries]
+  hashes_of = {}
+  for section, s in zip(sections, summaries):
+    if s.get("data_sha256"):
+      hashes_of.setdefault(section, set()).add(s["data_sha256"])
+  groups = []
+  for section, s in zip(sections, summaries):
+    known = s.get("data_sha256") or (
+        next(iter(hashes_of[section])) if len(hashes_of.get(section, ())) == 1 else None)
+    groups.append((s.get("task"), known) if known else section)
+  return groups
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -244,7 +259,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 def front_members(costs: Sequence[Optional[float]], accuracies: Sequence[Optional[float]],
                   groups: Optional[Sequence] = None) -> set[int]:
   """Indices of the runs on the Pareto frontier of their group (their task and data,
-  `comparison_group`: accuracies of two tasks do not compare, and one task's runs
+  `comparison_groups`: accuracies of two tasks do not compare, and one task's runs
   dominated the other's) among those with both values."""
   groups = list(groups) if groups is not None else [None] * len(costs)
   members = set()
@@ -280,7 +295,7 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
   costs = ((lambda s: s["tokens"].get("completion_per_example", 0), "completion tokens per example"),
            (seconds_per_example, "wall seconds per example"))
   accuracies = [accuracy_value(s) for _, s in runs]
-  tasks = [comparison_group(s) for _, s in runs]  # (task, data)
+  tasks = comparison_groups([s for _, s in runs])  # (task, data)
   for ax, (cost, label) in zip(axes, costs):
     xs = [cost(s) for _, s in runs]
     front = front_members(xs, accuracies, tasks)
@@ -432,7 +447,7 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
   seconds = [seconds_per_example(s) for _, s in runs]
   tokens = [s["tokens"].get("completion_per_example", 0) for _, s in runs]
-  groups = [comparison_group(s) for _, s in runs]
+  groups = comparison_groups([s for _, s in runs])
   on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], groups)
               for cost in (tokens, seconds)]
   # Runs of one task on different data are on frontiers of their own: number the data.
@@ -442,12 +457,12 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   task_label = lambda s, g: (f"{g[0]} [data {data_sets[g[0]][g[1]]}]" if len(data_sets[g[0]]) > 1
                              else s["task"])
   described = {}  # a group's data as its first run's config names it (and its hash)
+  hashed = {s["data_sha256"] for _, s in runs if s.get("data_sha256")}
   for (_, s), g in zip(runs, groups):
     if g not in described:
-      section = comparison_group(dict(s, data_sha256=None))[1]
+      section = dataset_section(s)[1]
       described[g] = ((f"`{section}`" if section else "no config in its summary")
-                      + (f", examples sha256 {s['data_sha256'][:12]}"
-                         if s.get("data_sha256") else ""))
+                      + (f", examples sha256 {g[1][:12]}" if g[1] in hashed else ""))
   legend = [f"- {task} [data {k}]: {described[(task, data)]}"
             for task, ds in data_sets.items() if len(ds) > 1 for data, k in ds.items()]
   interval = lambda s: (f"{num(ci[0], 3)} .. {num(ci[1], 3)}"

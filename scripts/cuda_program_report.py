@@ -117,8 +117,13 @@ def main(argv=None) -> int:
   os.environ.setdefault("O1JAX_CUDA_TARGET", str(HERE / "gpu_targets" / "h200.txtpb"))
   import pretend_gpu_kind  # noqa: F401  (Pallas asks the default device for the GPU's kind)
   rows = []
+  from o1jax.sharding import ShardingError
   for slots in (int(s) for s in args.slots.split(",")):
-    for row in report(args.layers, slots, args.kv_dtype, args.tensor_parallel):
+    try:
+      program_rows = report(args.layers, slots, args.kv_dtype, args.tensor_parallel)
+    except ShardingError as e:  # (SmolLM2's 9 heads and 3 KV heads: 3 ways, not 2)
+      p.error(f"--tensor-parallel {args.tensor_parallel}: {e}")
+    for row in program_rows:
       rows.append(row)
       collectives = {op: n for op, n in row["collectives"].items() if n}
       print(f"{row['program']:8s} slots={slots:4d} triton={row['triton_kernels']:4d} "

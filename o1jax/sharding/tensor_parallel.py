@@ -136,6 +136,27 @@ def _mark_split(w, names: list[str], tp: int, with_split):
   return w
 
 
+def _check_kernel_part(w, names: list[str]) -> None:
+  """backend="pallas": each device's part of a split matrix must be one the kernels tile
+  (a ShardingError naming it now, not the kernel's error at the first forward)."""
+  import dataclasses
+
+  from pallas_kernels.quantized_matmul import pallas_support_error
+
+  if w.split is None or w.split[1] == 1:
+    return
+  kind, parts = w.split
+  k, n = w.shape
+  part = (k // parts, n) if kind == "rows" else (k, n // parts)
+  why = pallas_support_error(*part, dataclasses.replace(w, split=None))
+  if why:
+    where = '.'.join(name for name in names if name not in ('value', 'matrix'))
+    raise ShardingError(f"{where}: "
+                        f"tensor parallelism {parts}: a device's part {part} does not suit the "
+                        f"Pallas kernel ({why}); use backend 'auto' (XLA's product there) or "
+                        f"fewer devices")
+
+
 def _split_fused_quantized(model):
   """`model` with its fused quantized q/k/v and gate/up matrices (the Llama's, one kernel
   call each on one device) split back into their parts (`split_fused`, as the loaders
@@ -194,6 +215,10 @@ def shard_model(model, mesh: Mesh):
   state = jax.tree_util.tree_map_with_path(
       lambda path, x: _mark_split(x, _names(path), tp, with_split) if quantized(x) else x,
       state, is_leaf=quantized)
+  if getattr(model, "backend", "auto") == "pallas":  # (auto: XLA's product where it cannot)
+    jax.tree_util.tree_map_with_path(
+        lambda path, x: _check_kernel_part(x, _names(path)) if quantized(x) else x,
+        state, is_leaf=quantized)
   graphdef, state = nnx.split(nnx.merge(graphdef, state))
   shardings = jax.tree_util.tree_map_with_path(
       lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), state)

@@ -600,10 +600,11 @@ def reconcile_with_store(records: list[dict], items: Sequence[WorkItem], store: 
   restored = 0
   missing = [item for item in items if item.key not in unique]
   # Only what the store holds is read (one listing): the items without a record are
-  # mostly dead letters, and a remote store took a request or two for each.
+  # mostly dead letters, and a remote store took a request or two for each. (None: a
+  # store that cannot be listed; every missing item is read.)
   stored = store.keys() if missing else set()
   for item in missing:
-    if item.key in stored:
+    if stored is None or item.key in stored:
       record, _ = stored_record(store, item)
       if record is not None:
         unique[item.key] = record

@@ -209,16 +209,19 @@ class ResultStore:
     except FileNotFoundError:
       return 0
 
-  def keys(self) -> set[str]:
+  def keys(self) -> Optional[set[str]]:
     """Keys of the stored records (files by name; `read` checks one): a local directory's
     entries, or a remote store's one listing (Beam's FileSystems.match: a call, not a
-    request per key)."""
+    request per key); None where a remote store cannot be listed (the listing failed, or
+    its path holds a glob character the pattern would misread): ask `read` per key."""
     if not self.local:
       from apache_beam.io.filesystems import FileSystems
+      if re.search(r"[*?\[\]{}]", self.root):
+        return None
       try:
         matched = FileSystems.match([f"{self.root}/*{_SUFFIX}"])[0].metadata_list
-      except Exception:  # (BeamIOError: nothing there yet, on some file systems)
-        return set()
+      except Exception:  # (BeamIOError: no access, no such file system, ...)
+        return None
       names = (m.path.rstrip("/").rsplit("/", 1)[-1] for m in matched)
       return {n[:-len(_SUFFIX)] for n in names if n.endswith(_SUFFIX)}
     try:

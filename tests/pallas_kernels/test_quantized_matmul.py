@@ -110,24 +110,36 @@ class TestSplitOverAMesh:
       ("rows", 3, "must be ('rows' | 'columns', n) with n dividing (256, 48)"),
       ("rows", 16, "K / 16 = 16 rows is not a multiple of group_size=32"),
       ("diagonal", 2, "must be ('rows' | 'columns', n)"),
-      ("columns", 5, "with n dividing (256, 48)")])
+      ("columns", 5, "with n dividing (256, 48)"),
+      ("rows", True, "must be ('rows' | 'columns', n)")])
   def test_a_split_that_does_not_divide_is_named(self, kind, parts, want):
     w = as_jax(quantize(np.ones((256, 48), np.float32), bits=4, group_size=32))
     with pytest.raises(ValueError, match=re.escape(want)):
       with_split(w, kind, parts)
 
-  def test_the_kernels_take_a_row_split_only_per_device(self):
-    # Off the mesh, a 4-bit row split's per-device packing is not the kernels' layout:
-    # "pallas" says so in one line, "auto" takes XLA's product (the same values).
+  @pytest.mark.parametrize("bits,kind", [(4, "rows"), (8, "rows"), (4, "columns")])
+  def test_the_kernels_take_a_split_matrix_only_on_its_mesh(self, bits, kind):
+    # Off its mesh (here: none), a split is XLA's to partition (a 4-bit row split's
+    # per-device packing is not even the kernels' layout): "pallas" says so in one line,
+    # "auto" takes XLA's product (the same values). Before, a column split or an 8-bit
+    # row split raised under "auto" too, and the 4-bit message said "run on the mesh".
     rng = np.random.default_rng(6)
-    w = with_split(as_jax(quantize(rng.normal(size=(128, 32)).astype(np.float32))), "rows", 2)
+    w = with_split(as_jax(quantize(rng.normal(size=(128, 32)).astype(np.float32), bits=bits)),
+                   kind, 2)
     x = jnp.asarray(rng.normal(size=(2, 128)), jnp.float32)
     with as_if_on_gpu():
-      with pytest.raises(ValueError, match=re.escape("codes are packed per device")):
+      with pytest.raises(ValueError, match=re.escape(
+          f"W.shape=(128, 32): split=('{kind}', 2) but the mesh's 'model' axis has 1 "
+          f"device(s)")):
         ops.quantized_matmul(x, w, backend="pallas", interpret=True)
       y = ops.quantized_matmul(x, w, backend="auto", interpret=True)
     np.testing.assert_allclose(np.asarray(y), np.asarray(x @ dequantize(w)), rtol=1e-5,
                                atol=1e-5)
+    # Taking columns keeps a row split's packing (its codes are read per device).
+    from o1jax.checkpoint.params import take_columns
+    part = take_columns(w, slice(0, 16))
+    np.testing.assert_array_equal(np.asarray(dequantize(part)),
+                                  np.asarray(dequantize(w))[:, :16])
 
   def test_a_split_matrix_is_not_stored(self):
     from o1jax.checkpoint.params import flatten

@@ -368,6 +368,12 @@ def test_reconciling_reads_only_records_the_store_lists(finished, tmp_path):
   assert read == [lost] and restored == 1 and repeated == 0
   assert sorted(r["key"] for r in got) == sorted(r["key"] for r in records
                                                  if r["key"] not in {i.key for i in unstored})
+  read.clear()  # a store that cannot be listed: every missing item read, as before
+  with mock.patch.object(store, "keys", return_value=None), \
+       mock.patch.object(store, "read", side_effect=lambda k: read.append(k) or real(k)):
+    again, restored, _ = reconcile_with_store(
+        [r for r in records if r["key"] != lost], items, store, str(tmp_path / "r2.jsonl"))
+  assert read == [lost] and restored == 1 and len(again) == len(records)
 
 
 def test_a_remote_stores_keys_are_one_listing(monkeypatch):
@@ -383,6 +389,14 @@ def test_a_remote_stores_keys_are_one_listing(monkeypatch):
   monkeypatch.setattr(FileSystems, "match", match)
   assert ResultStore("gs://b/run/store/").keys() == {"ab" * 8, "cd" * 8}
   assert asked == ["gs://b/run/store/*.json"]
+  # A store that cannot be listed (no access; a path the pattern would misread): unknown,
+  # so `reconcile_with_store` reads each missing record (an empty set lost them silently).
+  assert ResultStore("gs://b/run[1]/store").keys() is None and len(asked) == 1
+
+  def refuse(patterns):
+    raise OSError("403 Forbidden")
+  monkeypatch.setattr(FileSystems, "match", refuse)
+  assert ResultStore("s3://b/run/store").keys() is None
 
 
 def test_results_lines_are_strict_json_as_the_store_writes_them(tmp_path):

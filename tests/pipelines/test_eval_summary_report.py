@@ -492,6 +492,30 @@ def test_comparison_tells_datasets_apart_by_their_examples(tmp_path):
           f'examples sha256 {b[:12]}') in md
 
 
+def test_a_summary_without_the_data_hash_joins_the_runs_of_its_section(tmp_path):
+  # A run written before `data_sha256` compares with the newer runs that name the same
+  # dataset the same way (one hash among them); before, it stood on a frontier of its own
+  # although a newer run on that data beat it on both axes.
+  def summary(acc, tokens, data=None):
+    return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
+            "samples_per_example": 1, "accuracy": {"exact": acc},
+            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
+            "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
+            "config": {"dataset": {"name": "custom", "path": "data.jsonl"}},
+            **({"data_sha256": data} if data else {})}
+  runs = {"old": summary(0.9, 10), "new": summary(0.95, 5, "ab" * 32),
+          "new_slow": summary(0.5, 20, "ab" * 32)}
+  for run, s in runs.items():
+    (tmp_path / run).mkdir()
+    (tmp_path / run / "summary.json").write_text(json.dumps(s))
+  md = report.write_comparison([tmp_path / r for r in runs], tmp_path).read_text()
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+          if line.startswith("| greedy")}
+  assert rows["greedy (old)"].endswith("|  |") and "[data" not in md  # dominated; one dataset
+  assert report.comparison_groups([runs["old"], summary(0.5, 5, "cd" * 32), runs["new"]])[0] == (
+      "custom", '{"name": "custom", "path": "data.jsonl"}')  # two hashes: its section alone
+
+
 def test_accuracy_has_a_wilson_interval_where_examples_are_independent(tmp_path):
   """One result per example (greedy, or a vote): the 95% Wilson interval, checked against
   the formula by hand; several samples scored one by one get none (they are not

@@ -105,7 +105,10 @@ def test_cuda_program_report_counts_kernels_and_fusions_by_kind():
       '  %c = f32[1,576]{1,0} fusion(%x), kind=kLoop, calls=%fused_pad',
       '  %d = (f32[1,576]) custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", name="q"',
       '  %e = (s32[]) while(%t), condition=%cond, body=%body',
-      '  %f = f32[4]{0} copy(%g)'])
+      '  %f = f32[4]{0} copy(%g)',
+      '  %h = f32[4]{0} all-reduce(%f), replica_groups={{0,1}}, to_apply=%sum',
+      '  %i = f32[4]{0} all-reduce-start(%h), replica_groups={{0,1}}, to_apply=%sum',
+      '  %j = f32[8]{0} all-gather-done(%k)'])
   stats = types.SimpleNamespace(argument_size_in_bytes=2 * 2**20, alias_size_in_bytes=2**20,
                                 temp_size_in_bytes=0)
   executable = types.SimpleNamespace(
@@ -114,7 +117,10 @@ def test_cuda_program_report_counts_kernels_and_fusions_by_kind():
   row = report.program_row("decode", executable, 1.234)
   assert row == dict(program="decode", compile_s=1.2, triton_kernels=1, xla_fusions=3,
                      fusions_by_kind={"pad": 2, "reduce": 1}, while_loops=1, copies=1,
-                     argument_mib=2.0, aliased_mib=1.0, temp_mib=0.0)
+                     argument_mib=2.0, aliased_mib=1.0, temp_mib=0.0,
+                     # (an async collective once, by its -start)
+                     collectives={"all-reduce": 2, "all-gather": 0, "all-to-all": 0,
+                                  "collective-permute": 0, "reduce-scatter": 0})
 
 
 def test_gpu_engine_check_ablation_variants_trace_their_own_programs():

@@ -133,6 +133,11 @@ def test_settings_that_cannot_split_are_named_before_any_program(run):
   assert r["int8_unfused"].endswith(": int8 matmul tiles (matmul_dtype='int8') cannot be "
                                     "split by heads; use float32 or bfloat16 matmuls with a mesh")
   assert r["group_of_3"] == 3  # (refused: "model=3 does not divide the 8 devices")
+  assert r["kernel_part"] == (
+      "layers.0.wo: tensor parallelism 2: a device's part (32, 64) does not suit the Pallas "
+      "kernel (4-bit K=32: K//2=16 must be a multiple of group_size=32 (a group may not "
+      "straddle the two nibble halves)); use backend 'auto' (XLA's product there) or fewer "
+      "devices")
 
 
 def test_config_checks_the_group_size():
