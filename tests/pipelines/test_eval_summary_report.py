@@ -431,15 +431,31 @@ def test_per_token_latency_ignores_samples_without_a_token():
   assert s["latency_ms_per_token"]["count"] == 3 and s["latency_ms_per_token"]["max"] == 25.0
 
 
+def _compare(tmp_path, runs: dict) -> tuple[str, dict]:
+  """comparison.md over `runs` (name -> summary) written as run directories, and its
+  table rows by their first cell."""
+  for run, s in runs.items():
+    (tmp_path / run).mkdir()
+    (tmp_path / run / "summary.json").write_text(json.dumps(s))
+  md = report.write_comparison([tmp_path / r for r in runs], tmp_path).read_text()
+  return md, {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+              if line.startswith("| greedy")}
+
+
+def _custom_summary(path, acc, tokens, data=None):
+  """A custom run's summary on the dataset file `path` (and its examples' hash, `data`)."""
+  return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
+          "samples_per_example": 1, "accuracy": {"exact": acc},
+          "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
+          "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
+          "config": {"dataset": {"name": "custom", "path": path}},
+          **({"data_sha256": data} if data else {})}
+
+
 def test_comparison_keeps_one_frontier_per_dataset(tmp_path):
   """Two custom runs on different data: the hard dataset's run is not dominated by the
   easy one's (accuracies of two datasets do not compare); a run named twice is listed once."""
-  def summary(path, acc, tokens):
-    return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
-            "samples_per_example": 1, "accuracy": {"exact": acc},
-            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
-            "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
-            "config": {"dataset": {"name": "custom", "path": path}}}
+  summary = _custom_summary
   runs = {"easy": summary("easy.jsonl", 0.9, 10), "hard": summary("hard.jsonl", 0.3, 50),
           "hard_long": summary("./hard.jsonl", 0.2, 80),  # one file, however it is named
           "hard_gcs": summary("gs://b/data/hard.jsonl", 0.3, 60)}
@@ -471,21 +487,10 @@ def test_comparison_tells_datasets_apart_by_their_examples(tmp_path):
   assert examples_sha256([Example("x", "c", "ab", "c")]) != examples_sha256(
       [Example("x", "c", "a", "bc")])
   name = "hf/test-00000-of-00001.parquet"
-
-  def summary(path, acc, tokens, data):
-    return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
-            "samples_per_example": 1, "accuracy": {"exact": acc},
-            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
-            "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
-            "config": {"dataset": {"name": "custom", "path": path}}, "data_sha256": data}
+  summary = _custom_summary
   runs = {"easy": summary(name, 0.9, 10, a), "hard": summary(name, 0.3, 50, b),
           "hard_copy": summary("copy/" + name, 0.2, 80, b)}
-  for run, s in runs.items():
-    (tmp_path / run).mkdir()
-    (tmp_path / run / "summary.json").write_text(json.dumps(s))
-  md = report.write_comparison([tmp_path / r for r in runs], tmp_path).read_text()
-  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
-          if line.startswith("| greedy")}
+  md, rows = _compare(tmp_path, runs)
   assert rows["greedy (hard)"].endswith("| tokens/seconds |") and "[data 2]" in rows["greedy (hard)"]
   assert rows["greedy (hard_copy)"].endswith("|  |")  # dominated on its own data
   assert (f'- custom [data 2]: `{{"name": "custom", "path": "test-00000-of-00001.parquet"}}`, '
@@ -496,21 +501,10 @@ def test_a_summary_without_the_data_hash_joins_the_runs_of_its_section(tmp_path)
   # A run written before `data_sha256` compares with the newer runs that name the same
   # dataset the same way (one hash among them); before, it stood on a frontier of its own
   # although a newer run on that data beat it on both axes.
-  def summary(acc, tokens, data=None):
-    return {"task": "custom", "policy": "greedy", "examples": 4, "samples": 4,
-            "samples_per_example": 1, "accuracy": {"exact": acc},
-            "tokens": {"completion_per_example": tokens}, "latency_ms": {"p50": 1.0},
-            "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
-            "config": {"dataset": {"name": "custom", "path": "data.jsonl"}},
-            **({"data_sha256": data} if data else {})}
+  summary = lambda acc, tokens, data=None: _custom_summary("data.jsonl", acc, tokens, data)
   runs = {"old": summary(0.9, 10), "new": summary(0.95, 5, "ab" * 32),
           "new_slow": summary(0.5, 20, "ab" * 32)}
-  for run, s in runs.items():
-    (tmp_path / run).mkdir()
-    (tmp_path / run / "summary.json").write_text(json.dumps(s))
-  md = report.write_comparison([tmp_path / r for r in runs], tmp_path).read_text()
-  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
-          if line.startswith("| greedy")}
+  md, rows = _compare(tmp_path, runs)
   assert rows["greedy (old)"].endswith("|  |") and "[data" not in md  # dominated; one dataset
   assert report.comparison_groups([runs["old"], summary(0.5, 5, "cd" * 32), runs["new"]])[0] == (
       "custom", '{"name": "custom", "path": "data.jsonl"}')  # two hashes: its section alone
