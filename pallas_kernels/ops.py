@@ -360,10 +360,8 @@ def _per_device_part(run, x: jax.Array, w: QuantizedTensor, x_scale, out_dtype) 
     y = run(x, w, x_scale, out_dtype=jnp.float32)
     return jax.lax.psum(y, MODEL_AXIS).astype(out_dtype)
 
-  mesh = jax.sharding.get_abstract_mesh()
-  return jax.shard_map(part, mesh=mesh, in_specs=specs,
-                       out_specs=P() if kind == "rows" else P(None, MODEL_AXIS),
-                       check_vma=False)(x, w, x_scale)
+  return _per_model_shard(part, specs, P() if kind == "rows" else P(None, MODEL_AXIS))(
+      x, w, x_scale)
 
 
 # --- paged attention ------------------------------------------------------------------
