@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 
 
 class Status(str, enum.Enum):
@@ -103,6 +104,15 @@ class SandboxConfig:
         raise ValueError(f'SandboxConfig.{name}={value!r} must be an int >= {low}')
       if value > RLIMIT_MAX:  # setrlimit takes a C long
         raise ValueError(f'SandboxConfig.{name}={value!r} must be <= {RLIMIT_MAX}')
+    # (a string was taken as a sequence of one-character names: hidden_paths='/usr/lib'
+    # hid '/', 'u', 's', ... and the directory itself not at all)
+    for name in ('hidden_paths', 'native_modules'):
+      value = getattr(self, name)
+      if isinstance(value, (str, bytes)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f'SandboxConfig.{name}={value!r} must be a tuple of strings')
+    if self.python is not None and not (os.path.isfile(self.python)
+                                        and os.access(self.python, os.X_OK)):
+      raise ValueError(f'SandboxConfig.python={self.python!r} is not an executable file')
 
   def timeout_for(self, reference_time_s: float | None = None) -> float:
     if (reference_time_s is not None and self.timeout_floor_s is not None

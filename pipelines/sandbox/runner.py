@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import fcntl
 import logging
 import os
@@ -17,7 +18,8 @@ import threading
 import time
 from typing import Iterable, Sequence
 
-from pipelines.sandbox.config import ExecutionResult, HumanEvalProgram, SandboxConfig, Status
+from pipelines.sandbox.config import (NATIVE_MODULES, ExecutionResult, HumanEvalProgram,
+                                     SandboxConfig, Status)
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +206,15 @@ def _try_lock(path: str) -> int:
   return fd
 
 
+def _starts(config: SandboxConfig) -> bool:
+  """Whether a sandbox of `config` starts (its probe passes) on this machine."""
+  try:
+    Sandbox(config)
+  except SandboxUnavailableError:
+    return False
+  return True
+
+
 class Sandbox:
   """Runs untrusted Python programs, one isolated process tree each.
 
@@ -238,21 +249,42 @@ class Sandbox:
           hidden.append(variant)
     return hidden
 
+  def _first_run_error(self, isolate: bool) -> str | None:
+    """Why a trivial program does not run (None: it does), a harness failure tried again
+    as `run` does (a loaded machine: the worker late to start)."""
+    for _ in range(self.config.sandbox_error_retries + 1):
+      result, _ = self._execute('print("ok")', self.config.timeout_s + 10, isolate=isolate)
+      if result.passed:
+        return None
+      if result.status is not Status.SANDBOX_ERROR:
+        break
+    return f'{result.status.value}: {result.detail} {result.stderr_tail[-500:]}'
+
   def _probe(self) -> bool:
-    """One trivial sandboxed run; isolation that cannot be built is refused, not skipped."""
+    """One trivial sandboxed run; isolation that cannot be built is refused, not skipped.
+    Known per process for this interpreter and config (every setting can stop the
+    worker: a first Sandbox's answer was taken for every later one, whatever its config)."""
     unshare = shutil.which('unshare', path=_HOST_ENV['PATH'])
-    key = (self._python, self._userns, unshare)
+    key = (self._python, self._userns, unshare, self._native_paths, tuple(self._hidden),
+           repr(self.config))
     with _probe_lock:
       if key not in _probe_cache:
-        error = 'unshare (util-linux) not found' if unshare is None else None
-        if error is None:
-          result, _ = self._execute('print("ok")', self.config.timeout_s + 10, isolate=True)
-          if not result.passed:
-            error = f'{result.status.value}: {result.detail} {result.stderr_tail[-500:]}'
-        _probe_cache[key] = error
+        _probe_cache[key] = ('unshare (util-linux) not found' if unshare is None
+                             else self._first_run_error(isolate=True))
       error = _probe_cache[key]
     if error is None:
       return True
+    default = SandboxConfig(python=self.config.python)
+    if unshare is not None and self.config != default and _starts(default):
+      # Not the namespaces: the default config's sandbox starts, this one's does not.
+      differ = [f'{f.name}={getattr(self.config, f.name)!r}' if f.name != 'native_modules'
+                else f'native_modules ({len(self.config.native_modules)} names, the default '
+                     f'{len(NATIVE_MODULES)}: the worker needs most of them)'
+                for f in dataclasses.fields(SandboxConfig)
+                if getattr(self.config, f.name) != getattr(default, f.name)]
+      raise SandboxUnavailableError(
+        f'the sandbox does not start with this SandboxConfig and does with the default one; '
+        f'it sets {", ".join(differ)}: {error}')
     if not self.config.unsafe_no_isolation:
       raise SandboxUnavailableError(
         'cannot create the sandbox namespaces (network, PID, mount'

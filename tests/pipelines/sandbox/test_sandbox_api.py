@@ -295,6 +295,41 @@ def test_limits_that_cannot_run_a_program_are_refused_when_the_config_is_built(f
     SandboxConfig(**{field: value})
 
 
+@pytest.mark.parametrize('field, value, message', [
+    ('hidden_paths', '/usr/lib', "must be a tuple of strings"),
+    ('native_modules', 'posix', "must be a tuple of strings"),
+    ('hidden_paths', ('/a', 3), "must be a tuple of strings"),
+    ('python', '/nonexistent/python', "is not an executable file")])
+def test_settings_of_the_wrong_kind_are_refused_when_the_config_is_built(field, value, message):
+  # Before: a string of hidden paths was taken one character a path (the directory itself
+  # not hidden, the run passed); a missing interpreter was a bare FileNotFoundError.
+  with pytest.raises(ValueError, match=rf'^SandboxConfig\.{field}=.* {message}$'):
+    SandboxConfig(**{field: value})
+
+
+@pytest.mark.parametrize('bad_first', [True, False])
+def test_a_config_whose_sandbox_cannot_start_is_named_and_spoils_no_other(monkeypatch,
+                                                                          bad_first):
+  # The startup probe was known per interpreter only: a first Sandbox with a config that
+  # cannot start made every later one in the process (a default one too) refuse, blaming
+  # the namespaces; with a default one first, the bad one passed the probe and then every
+  # run ended in sandbox_error.
+  from pipelines.sandbox.config import NATIVE_MODULES
+  monkeypatch.setattr(runner, '_probe_cache', {})
+  bad = SandboxConfig(native_modules=NATIVE_MODULES[:10])
+
+  def refused():
+    with pytest.raises(SandboxUnavailableError, match=(
+        r'^the sandbox does not start with this SandboxConfig and does with the default one; '
+        r'it sets native_modules \(10 names, the default \d+: the worker needs most of '
+        r'them\): sandbox_error: ')):
+      Sandbox(bad)
+  if bad_first:
+    refused()
+  assert Sandbox().run('print(2 + 2)').status is Status.PASSED
+  refused()
+
+
 def test_a_factor_times_a_slow_reference_stays_within_a_day():
   config = SandboxConfig(timeout_floor_s=1.0, timeout_factor=1e300)
   assert config.timeout_for(2.0) == 86_400.0
