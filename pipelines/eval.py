@@ -601,6 +601,16 @@ def _check_model(plan, direct: bool) -> None:
         if i == 0:
           raise
         raise type(e)(f"speculative.draft_source: {e}") from e
+  tp = int(dict(getattr(plan.predictor, "engine", None) or {}).get("tensor_parallel", 1) or 1)
+  if tp > 1:  # (else each worker found it at load, the job started)
+    from o1jax.sharding.tensor_parallel import check_heads_split
+    for source, config in configs.items():
+      try:
+        check_heads_split(config, tp)
+      except ValueError as e:
+        raise type(e)(f"engine.tensor_parallel={tp}: "
+                      + (f"speculative.draft_source: {e}" if source != sources[0] else str(e))
+                      ) from e
   if len(sources) == 2 and set(sources) <= configs.keys():
     from o1jax.engine.speculative import check_draft_vocabulary
     model, draft = sources

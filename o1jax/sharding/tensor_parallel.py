@@ -76,17 +76,23 @@ def tensor_parallel_size(mesh: Mesh | None) -> int:
   return 1 if mesh is None or MODEL_AXIS not in mesh.axis_names else int(mesh.shape[MODEL_AXIS])
 
 
+def check_heads_split(config, tp: int) -> None:
+  """The model's heads, KV heads and FFN units split evenly over `tp` devices (a one-line
+  ShardingError naming what does not); a launcher checks this from a checkpoint's header."""
+  for name, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
+                      ("ffn_dim", config.ffn_dim)):
+    if value % tp:
+      raise ShardingError(f"tensor parallelism {tp}: {config.name or 'the model'}'s "
+                          f"{name}={value} is not a multiple of it")
+
+
 def check_tensor_parallel(config, mesh: Mesh, group_size: int | None = None) -> int:
   """The model axis' size, after checking the model splits evenly over it (one-line
   ShardingError naming what does not)."""
   if MODEL_AXIS not in mesh.axis_names:
     raise ShardingError(f"mesh axes {tuple(mesh.axis_names)} have no {MODEL_AXIS!r} axis")
   tp = tensor_parallel_size(mesh)
-  for name, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
-                      ("ffn_dim", config.ffn_dim)):
-    if value % tp:
-      raise ShardingError(f"tensor parallelism {tp}: {config.name or 'the model'}'s "
-                          f"{name}={value} is not a multiple of it")
+  check_heads_split(config, tp)
   if group_size:
     for name, k in (("n_heads * head_dim", config.n_heads * config.head_dim),
                     ("ffn_dim", config.ffn_dim)):

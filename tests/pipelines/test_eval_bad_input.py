@@ -178,6 +178,20 @@ def test_bad_checkpoint_is_found_by_the_launcher(tmp_path):
 
 
 
+def test_a_tensor_parallel_size_the_heads_do_not_split_into_is_found_by_the_launcher(tmp_path):
+  # Before: every worker found it when it loaded the model, the job started (~10 s in).
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  model = tmp_path / "tiny.gguf"
+  write_gguf_checkpoint(model, tiny_config(n_heads=4, n_kv_heads=2))
+  cfg = _config(data, predictor="engine", source=str(model))
+  cfg.engine.tensor_parallel = 4
+  with pytest.raises(ValueError, match=r"^engine\.tensor_parallel=4: tensor parallelism 4: "
+                                       r"tiny's n_kv_heads=2 is not a multiple of it$"):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
 def test_speculative_draft_model_checkpoint_is_checked_by_the_launcher(tmp_path):
   """Drafter draft_model loads a second checkpoint in every worker: without one, with a
   corrupt one or with another vocabulary, the launcher says so in one line before any
