@@ -283,6 +283,10 @@ def _by_process(devices: Sequence[Any]) -> list[list[Any]]:
 
 
 def _check_shape(n: int, model: int, data: Optional[int]) -> int:
+  for name, value in (("model", model), ("data", data)):
+    if (value is not None or name == "model") and (
+        isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+      raise TopologyError(f"{name}={value!r}: expected an int (devices)")
   if model < 1:
     raise TopologyError(f"model={model}: the model axis needs at least 1 device")
   if model > n:

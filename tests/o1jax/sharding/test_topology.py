@@ -158,6 +158,8 @@ def test_best_groups_maximizes_the_weakest_link_first():
     (3, r"model=3 does not divide the 8 devices \(model can be one of \[1, 2, 4, 8\]\)"),
     (0, "model=0: the model axis needs at least 1 device"),
     (16, r"^model=16 needs 16 devices; there are 8$"),
+    ("4", r"^model='4': expected an int \(devices\)$"),  # (was a TypeError)
+    (2.0, r"^model=2\.0: expected an int \(devices\)$"),
 ])
 def test_impossible_shapes_are_one_line_errors(model, message):
   with pytest.raises(TopologyError, match=message):
