@@ -300,15 +300,9 @@ def quantized_matmul(x: jax.Array, w: QuantizedTensor, *, backend: str = "auto",
     # Split over the mesh, the kernel runs on each device's part (`_per_device_part`); a
     # split for another mesh (or none) is XLA's to partition.
     parts = w.split[1] if w.split is not None else 1
-    if parts > 1 and parts != _model_axis_size():
-      why = (f"split={w.split} but the mesh's {MODEL_AXIS!r} axis has {_model_axis_size()} "
-             f"device(s)")
-    elif parts > 1:
-      rows = w.split[0] == "rows"
-      why = qmm.pallas_support_error(k // parts if rows else k, n if rows else n // parts,
-                                     dataclasses.replace(w, split=None))
-    else:
-      why = qmm.pallas_support_error(k, n, w)
+    why = (f"split={w.split} but the mesh's {MODEL_AXIS!r} axis has {_model_axis_size()} "
+           f"device(s)" if parts > 1 and parts != _model_axis_size()
+           else qmm.device_part_error(w))
     if why is not None and requested == "pallas":
       raise ValueError(f"quantized_matmul (pallas): W.shape={w.shape}: {why}")
     if why is not None:  # auto: shapes the kernel cannot tile stay on XLA

@@ -19,6 +19,7 @@ of K when split-K is on):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -178,6 +179,14 @@ def pallas_support_error(k: int, n: int, w: QuantizedTensor) -> str | None:
   if _largest_pow2_divisor(n, 128) is None:
     return f"N={n} must be a multiple of 16"
   return None
+
+
+def device_part_error(w: QuantizedTensor) -> str | None:
+  """Why the kernel cannot take each device's part of a matrix a mesh splits (`w.split`;
+  the whole matrix where none does), or None."""
+  if w.split is None or w.split[1] == 1:
+    return pallas_support_error(*w.shape, w)
+  return pallas_support_error(*w.part_shape, dataclasses.replace(w, split=None))
 
 
 def choose_config(m: int, k: int, n: int, w: QuantizedTensor, *, target_programs: int = 264):
@@ -439,6 +448,6 @@ def flops_and_bytes(m: int, k: int, n: int, w: QuantizedTensor, x_itemsize: int 
 __all__ = [
     "ACT_DTYPES", "FP8_DTYPES", "GEMV_MAX_ROWS", "GEMV_ROW_LIMIT", "PALLAS_MAX_ROWS",
     "choose_config",
-    "choose_gemv_config", "flops_and_bytes", "pallas_support_error", "quantized_gemv_pallas",
+    "choose_gemv_config", "device_part_error", "flops_and_bytes", "pallas_support_error", "quantized_gemv_pallas",
     "quantized_matmul_pallas", "quantized_matmul_reference",
 ]

@@ -54,6 +54,15 @@ class QuantizedTensor:
     return self.split[1] if self.split is not None and self.split[0] == "rows" else 1
 
   @property
+  def part_shape(self) -> tuple[int, int]:
+    """The logical shape of one device's part (the whole shape where no mesh splits it)."""
+    k, n = self.shape
+    if self.split is None:
+      return k, n
+    kind, parts = self.split
+    return (k // parts, n) if kind == "rows" else (k, n // parts)
+
+  @property
   def shape(self) -> tuple[int, int]:
     rows, cols = self.packed.shape[-2:]
     return (rows * 2 if self.bits == 4 else rows, cols)
@@ -178,15 +187,17 @@ def dequantize_columns(qt: QuantizedTensor, columns: jax.Array, dtype=jnp.float3
 
   Used for embedding lookup from a tied, quantized embedding table stored as
   W[K=d_model, N=vocab]."""
-  sub = QuantizedTensor(
-      packed=jnp.take(qt.packed, columns, axis=1),
-      scale=jnp.take(qt.scale, columns, axis=1),
-      minimum=None if qt.minimum is None else jnp.take(qt.minimum, columns, axis=1),
-      bits=qt.bits,
-      group_size=qt.group_size,
-      split=None if qt.row_blocks == 1 else qt.split,  # (rows: the codes' packing)
-  )
-  return dequantize(sub, dtype).T
+  return dequantize(map_columns(qt, lambda a: jnp.take(a, columns, axis=1)), dtype).T
+
+
+def map_columns(qt: QuantizedTensor, take) -> QuantizedTensor:
+  """`qt` with `take` applied to its codes, scales and minima along N (codes are packed
+  along K: columns are independent). A row split's per-device packing is kept; a column
+  split is not (a subset of the columns is no longer the split's)."""
+  return QuantizedTensor(packed=take(qt.packed), scale=take(qt.scale),
+                         minimum=None if qt.minimum is None else take(qt.minimum),
+                         bits=qt.bits, group_size=qt.group_size,
+                         split=qt.split if qt.row_blocks > 1 else None)
 
 
 # --- quantizers (tests, AWQ/GPTQ-style conversion of dense checkpoints) -----------

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quantized_tensor import QuantizedTensor
+from pallas_kernels.quantized_tensor import QuantizedTensor, map_columns
 
 Params = dict[str, Any]
 
@@ -111,11 +111,8 @@ def take_columns(w, index):
   (codes packed along K, so columns are independent); a device array stays on its device."""
   take = lambda a: (None if a is None else a[..., index] if isinstance(a, jax.Array)
                     else np.ascontiguousarray(np.asarray(a)[..., index]))
-  if isinstance(w, QuantizedTensor):  # (a row split's per-device packing kept; columns:
-    # a subset of them is no longer the split's)
-    return QuantizedTensor(packed=take(w.packed), scale=take(w.scale), minimum=take(w.minimum),
-                           bits=w.bits, group_size=w.group_size,
-                           split=w.split if w.row_blocks > 1 else None)
+  if isinstance(w, QuantizedTensor):
+    return map_columns(w, take)
   return take(w)
 
 

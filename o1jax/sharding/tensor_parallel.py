@@ -145,22 +145,15 @@ def _mark_split(w, names: list[str], tp: int, with_split):
 def _check_kernel_part(w, names: list[str]) -> None:
   """backend="pallas": each device's part of a split matrix must be one the kernels tile
   (a ShardingError naming it now, not the kernel's error at the first forward)."""
-  import dataclasses
+  from pallas_kernels.quantized_matmul import device_part_error
 
-  from pallas_kernels.quantized_matmul import pallas_support_error
-
-  if w.split is None or w.split[1] == 1:
-    return
-  kind, parts = w.split
-  k, n = w.shape
-  part = (k // parts, n) if kind == "rows" else (k, n // parts)
-  why = pallas_support_error(*part, dataclasses.replace(w, split=None))
+  why = device_part_error(w) if w.split is not None and w.split[1] > 1 else None
   if why:
     where = '.'.join(name for name in names if name not in ('value', 'matrix'))
-    raise ShardingError(f"{where}: "
-                        f"tensor parallelism {parts}: a device's part {part} does not suit the "
-                        f"Pallas kernel ({why}); use backend 'auto' (XLA's product there) or "
-                        f"fewer devices")
+    raise ShardingError(f"{where}: tensor parallelism {w.split[1]}: a device's part "
+                        f"{w.part_shape} does not "
+                        f"suit the Pallas kernel ({why}); use backend 'auto' (XLA's product "
+                        f"there) or fewer devices")
 
 
 def _split_fused_quantized(model):

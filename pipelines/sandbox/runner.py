@@ -249,11 +249,11 @@ class Sandbox:
           hidden.append(variant)
     return hidden
 
-  def _first_run_error(self, isolate: bool) -> str | None:
-    """Why a trivial program does not run (None: it does), a harness failure tried again
-    as `run` does (a loaded machine: the worker late to start)."""
+  def _first_run_error(self) -> str | None:
+    """Why a trivial isolated program does not run (None: it does), a harness failure
+    tried again as `run` does (a loaded machine: the worker late to start)."""
     for _ in range(self.config.sandbox_error_retries + 1):
-      result, _ = self._execute('print("ok")', self.config.timeout_s + 10, isolate=isolate)
+      result, _ = self._execute('print("ok")', self.config.timeout_s + 10, isolate=True)
       if result.passed:
         return None
       if result.status is not Status.SANDBOX_ERROR:
@@ -265,12 +265,11 @@ class Sandbox:
     Known per process for this interpreter and config (every setting can stop the
     worker: a first Sandbox's answer was taken for every later one, whatever its config)."""
     unshare = shutil.which('unshare', path=_HOST_ENV['PATH'])
-    key = (self._python, self._userns, unshare, self._native_paths, tuple(self._hidden),
-           repr(self.config))
+    key = (self._python, self._userns, unshare, tuple(self._hidden), repr(self.config))
     with _probe_lock:
       if key not in _probe_cache:
         _probe_cache[key] = ('unshare (util-linux) not found' if unshare is None
-                             else self._first_run_error(isolate=True))
+                             else self._first_run_error())
       error = _probe_cache[key]
     if error is None:
       return True
