@@ -32,15 +32,10 @@ from pallas_kernels.quantized_tensor import QuantizedTensor
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # (sibling modules)
-from bench_kernels import LLAMA8B_ATTN, LLAMA8B_QMM, SMOL_ATTN, SMOL_QMM  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    LLAMA8B_ATTN, LLAMA8B_QMM, SMOL_ATTN, SMOL_QMM, WEIGHT_FORMATS)
 from script_args import output_file  # noqa: E402
 
-# (name, bits, group, asymmetric (a minimum per group), scale dtype, K's block): the GGUF
-# formats as the loader hands them to the kernels (legacy formats keep f16 scales;
-# K-quants f32, in super-blocks of 256 rows).
-WEIGHT_FORMATS = [("q4_0", 4, 32, False, jnp.float16, 32), ("q4_1", 4, 32, True, jnp.float16, 32),
-                  ("q8_0", 8, 32, False, jnp.float16, 32), ("q4_k", 4, 32, True, jnp.float32, 256),
-                  ("q6_k", 8, 16, False, jnp.float32, 256), ("q8_k", 8, 256, False, jnp.float32, 256)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # The model's fused quantized q/k/v and gate/up (o1jax/model/llama.py): SmolLM2's and
 # Llama-3-8B's.

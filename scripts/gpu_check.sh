@@ -9,10 +9,11 @@
 #   engine      the engine through the Pallas kernels vs the XLA reference
 #               (scripts/gpu_engine_check.py correctness)
 #   bench       scripts/bench_kernels.py
-#   qmm         the 4-bit matmul's two kernels (dot, gemv) and their tilings at
+#   qmm         the quantized matmul's two kernels (dot, gemv): their default tilings for
+#               Q4_1 (the embedded model's) and Q8_0 on 4096x14336, then every tiling at
 #               M = 1, 2, 4, 16 on 4096x14336 and 1, 4 on 14336x4096, Q4_0 groups of 32
-#               (scripts/tune_qmm.py; prints the GEMV_MAX_ROWS to set by hand in
-#               pallas_kernels/quantized_matmul.py; issue 15)
+#               (scripts/tune_qmm.py; each run prints the GEMV_MAX_ROWS its rows support:
+#               set the smallest by hand in pallas_kernels/quantized_matmul.py; issue 15)
 #   fp8         FP8 activations (matmul_dtype float8) through the Pallas kernels vs the
 #               reference, and their decode throughput at concurrency 1/64 (issue 15)
 #   throughput  engine decode throughput, Pallas vs reference backend, 8 decode
@@ -101,9 +102,12 @@ run_stage() {  # run_stage NAME
   engine) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     stage engine 150 python scripts/gpu_engine_check.py correctness --out "$OUT/engine.json" ;;
   bench) stage bench 240 python scripts/bench_kernels.py --iters 10 --out "$OUT/bench.json" ;;
-  # ~2 compiles of 3-8 s a tiling (deviceless compiles of these kernels, 2026-12-06): 39
-  # tilings on the first shape, 24 on the second; each JSON is written row by row.
-  qmm) stage qmm 390 bash -c "for ms in '4096x14336 1,2,4,16' '14336x4096 1,4'; do set -- \$ms; \
+  # The default tilings of Q4_1 and Q8_0 first (16 programs each: the threshold), then the
+  # Q4_0 sweep (~2 compiles of 3-8 s a tiling in deviceless compiles, 2026-12-06: 39
+  # tilings on the first shape, 24 on the second; each JSON is written row by row).
+  qmm) stage qmm 390 bash -c "for f in q4_1 q8_0; do python scripts/tune_qmm.py --shape 4096x14336 \
+    --ms 1,2,4,16 --format \$f --kernels dot,gemv --defaults-only --out '$OUT/qmm_'\$f.json \
+    || exit 1; done; for ms in '4096x14336 1,2,4,16' '14336x4096 1,4'; do set -- \$ms; \
     python scripts/tune_qmm.py --shape \$1 --ms \$2 --kernels dot,gemv --block-n 128 \
     --k-splits 8 --warps 4,8 --stages 3 --gemv-block-n 256,512 --groups-per-iter 1 \
     --gemv-k-splits 16,32 --gemv-warps 1,2 --out '$OUT/qmm_'\$1.json || exit 1; done" ;;

@@ -12,7 +12,8 @@ tiling beats dot's at every measured M; dispatch runs the defaults) and writes a
 (after each row: a run cut short keeps what it measured).
 
   python scripts/tune_qmm.py [--shape 4096x14336] [--ms 1,16] [--kernels dot,gemv]
-                             [--group 32] [--out tune.json]
+                             [--format q4_0] [--group 32] [--defaults-only]
+                             [--out tune.json]
 
 On a CPU it runs the kernel in interpret mode at a tiny size (a smoke test of
 the script only; timings mean nothing there).
@@ -33,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from bench_kernels import bench, copies_for, random_q4  # noqa: E402
+from bench_kernels import FORMAT_NAMES, bench, copies_for, random_weight  # noqa: E402
 from pallas_kernels.quantized_matmul import (  # noqa: E402
     GEMV_ROW_LIMIT, GEMV_WARPS, choose_config, choose_gemv_config, quantized_gemv_pallas,
     quantized_matmul_pallas, quantized_matmul_reference)
@@ -46,6 +47,8 @@ def tilings(kernel, m, k, n, w, a):
   if kernel == "dot":
     _, bn0, ks0 = choose_config(m, k, n, w)
     yield (f"bn={bn0:4d} ks={ks0:2d} w=4 s=3 (default)", dict(block_n=bn0, k_splits=ks0), True)
+    if a.defaults_only:
+      return
     for bn, ks, warps, stages in itertools.product(ints(a.block_n), ints(a.k_splits),
                                                    ints(a.warps), ints(a.stages)):
       if (bn, ks, warps, stages) != (bn0, ks0, 4, 3):
@@ -55,6 +58,8 @@ def tilings(kernel, m, k, n, w, a):
     bn0, gpi0, ks0 = choose_gemv_config(k, n, w)
     yield (f"bn={bn0:4d} gpi={gpi0:2d} ks={ks0:2d} w={GEMV_WARPS} s=3 (default)",
            dict(block_n=bn0, groups_per_iter=gpi0, k_splits=ks0), True)
+    if a.defaults_only:
+      return
     for bn, gpi, ks, warps, stages in itertools.product(
         ints(a.gemv_block_n), ints(a.groups_per_iter), ints(a.gemv_k_splits),
         ints(a.gemv_warps), ints(a.stages)):
@@ -64,9 +69,9 @@ def tilings(kernel, m, k, n, w, a):
                     num_stages=stages), False)
 
 
-def write(path, k, n, group, gemv_max_rows, rows) -> None:
+def write(path, k, n, fmt, group, gemv_max_rows, rows) -> None:
   """The JSON of the rows so far (gemv_max_rows: None until the sweep is done)."""
-  pathlib.Path(path).write_text(json.dumps(dict(shape=[k, n], group=group,
+  pathlib.Path(path).write_text(json.dumps(dict(shape=[k, n], format=fmt, group=group,
                                                 device=str(jax.devices()[0]),
                                                 gemv_max_rows=gemv_max_rows, rows=rows),
                                            indent=1))
@@ -76,7 +81,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="4096x14336")
   p.add_argument("--ms", default="1,16")
-  p.add_argument("--group", type=int, default=32, help="Q4_0 group size (e.g. 128: GPTQ/AWQ)")
+  p.add_argument("--format", default="q4_0", choices=FORMAT_NAMES, help="weight format")
+  p.add_argument("--group", type=int, default=None,
+                 help="group size (default: the format's; e.g. 128: GPTQ/AWQ)")
   p.add_argument("--block-n", default="128,256")
   p.add_argument("--k-splits", default="4,8,16")
   p.add_argument("--warps", default="4,8")
@@ -86,6 +93,8 @@ def main(argv=None) -> int:
   p.add_argument("--groups-per-iter", default="1")
   p.add_argument("--gemv-k-splits", default="16,32")
   p.add_argument("--gemv-warps", default="1,2")
+  p.add_argument("--defaults-only", action="store_true",
+                 help="each kernel's default tiling only (what dispatch runs: the threshold)")
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--out", type=output_file)
@@ -94,8 +103,8 @@ def main(argv=None) -> int:
   k, n = (int(x) for x in a.shape.split("x"))
   calls = a.calls if on_gpu else 1
   keys = jax.random.split(jax.random.PRNGKey(0), 2 * calls + 2)
-  w0 = random_q4(keys[0], k, n, a.group)
-  ws = [w0] + [random_q4(keys[i], k, n, a.group)
+  w0 = random_weight(keys[0], k, n, a.format, a.group)
+  ws = [w0] + [random_weight(keys[i], k, n, a.format, a.group)
                for i in range(1, copies_for(w0.nbytes, calls))]
   wds = [jax.random.normal(keys[calls + i], (k, n), jnp.bfloat16)
          for i in range(copies_for(2 * k * n, calls))]
@@ -122,7 +131,7 @@ def main(argv=None) -> int:
                    dense_us=t_dense * 1e6, speedup=t_dense / t, rel_err=err, default=is_default)
         rows.append(row)
         if a.out:
-          write(a.out, k, n, a.group, None, rows)
+          write(a.out, k, n, a.format, w0.group_size, None, rows)
         print(f"M={m} {kernel:4s} {label}: {t * 1e6:8.1f} us (dense {t_dense * 1e6:.1f}) "
               f"x{t_dense / t:5.2f} err {err:.1e}{'  <- default' if is_default else ''}",
               flush=True)
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
   if "gemv" in a.kernels and "dot" in a.kernels:
     print(f"GEMV_MAX_ROWS supported by these rows: {gemv_max_rows}")
   if a.out:
-    write(a.out, k, n, a.group, gemv_max_rows, rows)
+    write(a.out, k, n, a.format, w0.group_size, gemv_max_rows, rows)
   return 0
 
 

@@ -23,13 +23,21 @@ def test_bench_kernels_copies_exceed_the_l2_and_targets_read_the_rows():
   assert bk.copies_for(30 * 2 ** 20, 16) == 6  # 6 x 30 MiB >= 3 x 60 MiB
   assert bk.copies_for(2 ** 30, 16) == 1
   assert bk.copies_for(1000, 16) == 16  # never more copies than calls
-  rows = [dict(name="qmm q4_0 g32 M=1 4096x14336", speedup_vs_dense=3.1),
+  rows = [dict(name="qmm q4_0 g32 M=1 4096x14336", speedup_vs_dense=3.1, hbm_frac=0.72),
           dict(name="qmm q4_0 g32 M=8 4096x14336", speedup_vs_dense=2.9),
+          dict(name="qmm q4_1 g32 M=64 14336x4096", speedup_vs_dense=1.05),
+          dict(name="qmm q4_1 g32 M=1 4096x14336", speedup_vs_dense=2.5, hbm_frac=0.6),
+          dict(name="qmm q8_0 g32 M=1 4096x14336", speedup_vs_dense=1.9),  # (not 4-bit)
           dict(name="decode llama3-8b B=64 ctx=4096", hbm_frac=0.71),
           dict(name="prefill", error="boom")]
-  got = {t["target"].split(" >=")[0]: t["met"] for t in bk.check_targets(rows)}
-  assert got == {"qmm M=1 4096x14336": True, "qmm M=8 4096x14336": False,
-                 "paged decode B=64 ctx=4096": True}
+  got = {t["target"]: t["met"] for t in bk.check_targets(rows)}
+  assert got == {"qmm q4_0 M=1 4096x14336 >= 3x bf16 jnp.dot": True,
+                 "qmm q4_0 M=8 4096x14336 >= 3x bf16 jnp.dot": False,
+                 "qmm q4_0 M=1 4096x14336 >= 70% of HBM peak": True,
+                 "qmm q4_1 M=1 4096x14336 >= 3x bf16 jnp.dot": False,
+                 "qmm q4_1 M=64 14336x4096 >= 1x bf16 jnp.dot": True,
+                 "qmm q4_1 M=1 4096x14336 >= 70% of HBM peak": False,
+                 "paged decode B=64 ctx=4096 >= 70% of HBM peak": True}
   # Dispatch: the kernel until its first loss to XLA's dequantize + dot on any shape.
   xla = lambda m, shape, ratio: dict(name=f"qmm q4_0 g32 M={m} {shape}", speedup_vs_dense=1.0,
                                      speedup_vs_xla_dequant=ratio)
@@ -151,26 +159,56 @@ def test_bench_kernels_writes_each_row_and_goes_on_past_a_failing_shape(tmp_path
   # One exception ended the rest of a kernel's shapes, and the JSON was written only at
   # the end: a stage cut by its time limit kept nothing.
   bk = load("bench_kernels")
-  real = bk.random_q4
+  real = bk.random_weight
 
-  def random_q4(key, k, n, group=32):
+  def random_weight(key, k, n, fmt, group=None):
     if (k, n) == (576, 192):
       raise RuntimeError("out of resources")
-    return real(key, k, n, group)
+    return real(key, k, n, fmt, group)
 
-  monkeypatch.setattr(bk, "random_q4", random_q4)
+  monkeypatch.setattr(bk, "random_weight", random_weight)
   out = tmp_path / "bench.json"
   written = []
   real_dump = bk.json.dump
   monkeypatch.setattr(bk.json, "dump", lambda obj, f, **kw: (written.append(len(obj["rows"])),
                                                               real_dump(obj, f, **kw)))
-  assert bk.main(["--quick", "--only", "qmm", "--iters", "1", "--out", str(out)]) == 1
+  assert bk.main(["--quick", "--only", "qmm", "--iters", "1", "--formats", "q4_0",
+                  "--out", str(out)]) == 1
   rows = json.loads(out.read_text())["rows"]
   assert [r["name"] for r in rows] == [
-      "qmm q4_0 g32 M=1 576x576", "qmm q4_0 g32 M=8 576x576", "qmm q4_0 g32 576x192",
+      "qmm q4_0 g32 M=1 576x576", "qmm q4_0 g32 M=8 576x576", "qmm q4_0 576x192",
       "qmm q4_0 g32 M=1 576x1536", "qmm q4_0 g32 M=8 576x1536"]
   assert rows[2]["error"] == "RuntimeError: out of resources"
   assert written == [1, 2, 3, 4, 5, 5]  # each row (the error too) as measured, then the end
+
+
+def test_bench_kernels_weight_formats(tmp_path, capsys):
+  """The first format on every shape, the others on one (the Llama-3-8B FFN shapes on a
+  full run); each format's weight holds that format's storage; an unknown one is refused."""
+  bk = load("bench_kernels")
+  out = tmp_path / "bench.json"
+  assert bk.main(["--quick", "--only", "qmm", "--iters", "1", "--formats", "q4_1,q8_0",
+                  "--out", str(out)]) == 0
+  names = [r["name"] for r in json.loads(out.read_text())["rows"]]
+  assert names == ["qmm q4_1 g32 M=1 576x576", "qmm q4_1 g32 M=8 576x576",
+                   "qmm q4_1 g32 M=1 576x192", "qmm q4_1 g32 M=8 576x192",
+                   "qmm q4_1 g32 M=1 576x1536", "qmm q4_1 g32 M=8 576x1536",
+                   "qmm q8_0 g32 M=1 576x576", "qmm q8_0 g32 M=8 576x576"]
+  import jax
+
+  key = jax.random.PRNGKey(0)
+  q41, q80, q6k = (bk.random_weight(key, 256, 64, f) for f in ("q4_1", "q8_0", "q6_k"))
+  assert (q41.bits, q41.packed.shape, q41.minimum.shape) == (4, (128, 64), (8, 64))
+  # Q4_1's minimum is -8 x scale: the values of Q4_0 codes, (q - 8) x scale.
+  np.testing.assert_array_equal(np.asarray(q41.minimum, np.float32),
+                                np.asarray(-8 * q41.scale.astype(np.float32), np.float32))
+  assert (q80.bits, q80.packed.dtype, q80.minimum) == (8, np.int8, None)
+  assert (q6k.group_size, q6k.scale.dtype) == (16, np.float32)
+  with pytest.raises(ValueError, match="K=96 is not a multiple of q6_k's block 256"):
+    bk.random_weight(key, 96, 64, "q6_k")
+  with pytest.raises(SystemExit):
+    bk.main(["--quick", "--formats", "q4_0,q5_9"])
+  assert "unknown format 'q5_9'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -257,6 +295,14 @@ def test_tune_qmm_checks_each_tiling_against_the_reference(tmp_path):
       (16, "dot", 4, True), (16, "dot", 1, False), (16, "dot", 2, False)]
   assert all(r["rel_err"] < 2e-2 and r["us"] > 0 for r in rows)
   assert isinstance(result["gemv_max_rows"], int)
+  # Another format, the default tilings only (what dispatch runs: the threshold's rows).
+  assert tune.main(["--shape", "256x256", "--ms", "1,16", "--format", "q4_1", "--kernels",
+                    "dot,gemv", "--defaults-only", "--iters", "1", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert (result["format"], result["group"]) == ("q4_1", 32)
+  assert [(r["m"], r["kernel"], r["default"]) for r in result["rows"]] == [
+      (1, "dot", True), (1, "gemv", True), (16, "dot", True)]
+  assert all(r["rel_err"] < 2e-2 for r in result["rows"])
 
 
 def test_bench_sampling_prints_both_samplers_for_every_setting(capsys):
