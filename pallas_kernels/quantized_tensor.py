@@ -83,6 +83,9 @@ class QuantizedTensor:
     """Checks field shapes/dtypes; raises ValueError naming `name`."""
     if self.bits not in SUPPORTED_BITS:
       raise ValueError(f"{name}: bits={self.bits} not in {SUPPORTED_BITS}")
+    if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
+        or self.group_size < 1:
+      raise ValueError(f"{name}: group_size={self.group_size!r} must be an integer >= 1")
     want = np.uint8 if self.bits == 4 else np.int8
     if self.packed.dtype != want:
       raise ValueError(f"{name}: {self.bits}-bit packed must be {np.dtype(want).name}, "

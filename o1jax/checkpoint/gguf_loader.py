@@ -186,6 +186,7 @@ def check_gguf(path: str | os.PathLike) -> ModelConfig:
     except Exception as e:  # struct.error past the end, or our own ValueErrors
       raise _corrupt(path, e) from e
   tensors = _check_table(path, table, data_start, size, values.get("general.alignment", 32))
+  _check_byte_order(path, header.order, tensors)
   meta = _Metadata(path, values, header.arrays)
   dims = {t.name: t.dims for t in tensors}
   config = _config_from_metadata(meta, path, dims)
@@ -306,16 +307,19 @@ class _FastReader:
       values, table, data_start = header.walk(keep_all=True)
     except Exception as e:  # struct.error past the end, or our own ValueErrors
       raise _corrupt(path, e) from e
-    if header.order != "<":
-      raise _BigEndian(path)
     self.meta = _Metadata(path, values, header.arrays)
     self.tensors = []
-    for t in _check_table(path, table, data_start, len(self._map), values.get("general.alignment", 32)):
+    table = _check_table(path, table, data_start, len(self._map), values.get("general.alignment", 32))
+    _check_byte_order(path, header.order, table)
+    for t in table:
       block, type_bytes = gguf.GGML_QUANT_SIZES[t.qtype]
       raw = self._map[t.start:t.start + t.n_bytes]
       np_dims = tuple(reversed(t.dims))
       if t.qtype.name in _DENSE_DTYPES:
-        data = raw.view(_DENSE_DTYPES[t.qtype.name]).reshape(np_dims)
+        dtype = np.dtype(_DENSE_DTYPES[t.qtype.name]).newbyteorder(header.order)
+        data = raw.view(dtype).reshape(np_dims)
+        if header.order != "<":  # (a copy in this machine's order: the model's arrays)
+          data = data.astype(dtype.newbyteorder("="))
       else:  # rows of raw blocks, as gguf-py gives them
         data = raw.reshape(*np_dims[:-1], np_dims[-1] // block * type_bytes)
       self.tensors.append(types.SimpleNamespace(
@@ -326,17 +330,24 @@ class _FastReader:
 _DENSE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-class _BigEndian(Exception):
-  """A GGUF written on a big-endian machine: `_FastReader` leaves it to gguf-py's reader."""
+def _check_byte_order(path, order: str, table) -> None:
+  """A GGUF written on a big-endian machine ("order" ">") is read when its tensors are dense
+  (F32/F16/BF16, swapped at load); quantized blocks hold their scales in the writer's order,
+  which the block decoders do not read (llama.cpp refuses such files on little-endian
+  machines too)."""
+  if order == "<":
+    return
+  quantized = next((t for t in table if t.qtype.name not in _DENSE_DTYPES), None)
+  if quantized is not None:
+    raise CheckpointError(f"{path}: a big-endian GGUF with quantized tensors ({quantized.name!r} "
+                          f"is {quantized.qtype.name}) is not supported: convert it to "
+                          f"little-endian (gguf-py's gguf_convert_endian)")
 
 
 def _open_fast_reader(path: pathlib.Path):
-  """`_FastReader`, or gguf-py's reader for what it does not read (a big-endian file)."""
   _check_file(path)
   try:
     return _FastReader(path)
-  except _BigEndian:
-    return _open_reader(path)
   except CheckpointError:
     raise
   except ValueError as e:
@@ -398,6 +409,8 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
   g = lambda key: f"{arch}.{key}"
   n_heads, d_model = size["attention.head_count"], size["embedding_length"]
   tokens = meta.arrays.get("tokenizer.ggml.tokens")
+  if tokens is not None and not tokens[1]:  # (before the token ids are checked against it)
+    raise CheckpointError(f"{path}: GGUF metadata key 'tokenizer.ggml.tokens' is missing or empty")
   vocab = size["vocab_size"] or (tokens[1] if tokens else 0)
   head_dim = size["attention.key_length"]
   head_from = g("attention.key_length")  # where the head size came from (for messages)
@@ -410,15 +423,21 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     head_dim = d_model // n_heads
   n_layers = size["block_count"]
   rope_scaling = None
+  # As llama.cpp: the factor (or its old key, rope.scale_linear) divides the positions
+  # whatever the type says, "linear" when none is given; other types are refused.
   scaling_type = meta.string(g("rope.scaling.type"))
-  if scaling_type == "linear":
-    rope_scaling = {"rope_type": "linear", "factor": meta.number(g("rope.scaling.factor"), 1.0)}
-  elif scaling_type not in (None, "none"):
+  factor_key = g("rope.scaling.factor")
+  factor_key = factor_key if factor_key in meta else g("rope.scale_linear")
+  factor = meta.number(factor_key)
+  if scaling_type in (None, "none", "linear"):
+    if factor is not None and factor != 1.0:
+      rope_scaling = {"rope_type": "linear", "factor": factor}
+  else:
     raise CheckpointError(f"{path}: rope scaling type {scaling_type!r} is not supported "
                           f"(supported: linear, and Llama 3's rope_freqs tensor)")
   if "rope_freqs.weight" in dims:  # Llama 3: theta_i / factor_i, written by the converter
     if rope_scaling is not None:
-      raise CheckpointError(f"{path}: both rope_freqs and rope scaling {scaling_type!r}")
+      raise CheckpointError(f"{path}: both a rope_freqs tensor and {factor_key}={factor:g}")
     factors = _rope_factors(path, dims, tensors, "rope_freqs.weight", head_dim // 2)
     rope_scaling = {"rope_type": "freq_factors", "factors": factors}
   n_tokens = tokens[1] if tokens else vocab
@@ -432,6 +451,9 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
       if meta.get(g(key)) is not None:
         raise CheckpointError(f"{path}: {arch}.{key} is set; logit soft-capping is not supported")
     window = meta.int(g("attention.sliding_window"))
+    if window is None:  # (llama.cpp refuses it too: every Gemma 3 has local layers)
+      raise CheckpointError(f"{path}: GGUF metadata key {g('attention.sliding_window')!r} is "
+                            f"missing")
     key = g("attention.sliding_window_pattern")
     if key in meta.arrays:  # one bool per layer (True: local)
       if meta.array(key, (_BOOL,), "bools") != n_layers:
@@ -580,6 +602,12 @@ _OTHER_TENSORS = {
 }
 
 
+# Tensors read into the config (RoPE's frequency factors) or, like llama.cpp, not at all (an
+# old converter's per-layer rotary table).
+_CONFIG_TENSORS = (r"rope_freqs\.weight|rope_factors_(long|short)\.weight"
+                   r"|blk\.\d+\.attn_rot_embd(\.weight)?")
+
+
 # Phi-3 stores q, k and v as one matrix and gate and up as one (gate first): read as such,
 # then split into the names above (params.split_fused).
 _FUSED_LAYER_TENSORS = {
@@ -625,7 +653,8 @@ def _check_tensors(path, config: ModelConfig, dims: dict, type_names: dict) -> N
       path, _expected_tensors(config), dims, config.n_layers, r"blk\.(\d+)\.",
       layers_key=f"{config.architecture}.block_count",
       unread_tail=": blk.0 has no such tensor, so the model would ignore it",
-      shown=lambda shape: shape[::-1], check_unread=True, check=dense_vector)
+      shown=lambda shape: shape[::-1], check_unread=True, check=dense_vector,
+      ignored=_CONFIG_TENSORS, model=f"a {config.architecture!r} model")
 
 
 def _check_tokenizer_metadata(meta: _Metadata, config: ModelConfig) -> None:

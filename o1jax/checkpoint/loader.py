@@ -41,6 +41,8 @@ def detect_format(path: pathlib.Path) -> str:
       return "safetensors"
     raise CheckpointError(f"{path}: directory holds neither {orbax_io.MANIFEST} (orbax) "
                           f"nor config.json (HF safetensors)")
+  if path.exists():  # a device, a pipe, a socket
+    raise CheckpointError(f"{path}: not a regular file or a directory")
   raise CheckpointError(f"{path}: no such file or directory")
 
 

@@ -105,6 +105,8 @@ class ModelConfig:
         or self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
       raise ValueError(f"rotary_dim={self.rotary_dim!r} must be an even number in 2.."
                        f"{self.head_dim} (head_dim)")
+    if self.rotary_dim is None and self.head_dim % 2:  # RoPE turns pairs of dimensions
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of dims)")
     if self.rope_scaling is not None:  # lists (from JSON) become tuples: configs hash
       scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in self.rope_scaling.items()}
       kind = scaling.get("rope_type", scaling.get("type"))

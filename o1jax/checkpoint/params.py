@@ -61,7 +61,7 @@ def unflatten(arrays: dict[str, Any], spec: dict[str, Any]) -> Params:
       consumed.update(parts)
       return QuantizedTensor(packed=arrays[parts[0]], scale=arrays[parts[1]],
                              minimum=arrays[parts[2]] if q["has_minimum"] else None,
-                             bits=int(q["bits"]), group_size=int(q["group_size"]))
+                             bits=int(q["bits"]), group_size=int(q["group_size"])).validate(name)
     consumed.add(name)
     return arrays[name]
 
@@ -73,6 +73,14 @@ def unflatten(arrays: dict[str, Any], spec: dict[str, Any]) -> Params:
       params["layers"][int(i)][wname] = get(name)
     else:
       params[name] = get(name)
+  # An array the spec gives no place (a minimum its spec says the matrix has not) or a
+  # layer without arrays: the spec and the arrays are of different models.
+  unused = sorted(set(arrays) - consumed)
+  if unused:
+    raise ValueError(f"array {unused[0]!r} is not part of any weight the spec describes")
+  empty = next((i for i, layer in enumerate(params["layers"]) if not layer), None)
+  if empty is not None:
+    raise ValueError(f"layer {empty} of the spec's n_layers={spec['n_layers']} has no arrays")
   return params
 
 

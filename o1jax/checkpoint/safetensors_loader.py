@@ -46,12 +46,23 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+# transformers' defaults where a model's config class differs from LlamaConfig's (a key
+# config.json leaves out takes its class's default there).
+_CLASS_DEFAULTS = {"gemma3_text": {"rope_theta": 1e6, "sliding_window": 4096},
+                   "mistral": {"sliding_window": 4096}, "phi3": {"rms_norm_eps": 1e-5}}
+
+
+def _default(hf: dict, key: str, value):
+  return _CLASS_DEFAULTS.get(hf.get("model_type"), {}).get(key, value)
+
+
 def _rope(hf: dict, path) -> tuple[float, dict | None]:
   """(theta, scaling) from config.json: `rope_theta` + `rope_scaling` (transformers 4), or
   one `rope_parameters` dict holding both (transformers 5)."""
   params = _object(hf, "rope_parameters", path)
   params = _object(params, "full_attention", path, params)  # Gemma 3 (transformers 5): per layer type
-  theta = _number(hf, "rope_theta", path, float, _number(params, "rope_theta", path, float, 10000.0))
+  theta = _number(hf, "rope_theta", path, float,
+                  _number(params, "rope_theta", path, float, _default(hf, "rope_theta", 10000.0)))
   scaling = _object(hf, "rope_scaling", path) or {k: v for k, v in params.items() if k != "rope_theta"}
   if scaling.get("rope_type", scaling.get("type", "default")) == "default":
     return theta, None
@@ -85,8 +96,23 @@ def _gemma3(hf: dict, path) -> dict:
                   _number(hf, "rope_local_base_freq", path, float, 10000.0))
   return dict(scale_embeddings=True, post_norms=True, activation=_GEMMA3_ACTIVATIONS[act],
               query_pre_attn_scalar=_number(hf, "query_pre_attn_scalar", path, float, 0) or 256.0,
-              sliding_window=_number(hf, "sliding_window", path, default=None),
-              sliding_window_pattern=pattern, rope_local_theta=local)
+              sliding_window=_sliding_window(hf, path), sliding_window_pattern=pattern,
+              rope_local_theta=local)
+
+
+def _sliding_window(hf: dict, path) -> int | None:
+  """config.json's sliding_window (absent: the class's default; null or 0: none), for the
+  models whose attention applies it (transformers: Mistral and Phi-3 on every layer, Gemma
+  3 on its local ones). Qwen 2/3 apply theirs only with use_sliding_window, from
+  max_window_layers on: refused."""
+  if hf.get("model_type") in ("qwen2", "qwen3"):
+    if _flag(hf, "use_sliding_window", path, False):
+      raise CheckpointError(f"{path}: use_sliding_window=true is not supported (a window from "
+                            f"layer max_window_layers on)")
+    return None
+  if "sliding_window" not in hf:
+    return _default(hf, "sliding_window", None)
+  return _number(hf, "sliding_window", path, int, None) or None
 
 
 _REQUIRED = object()
@@ -153,7 +179,7 @@ def _phi3(hf: dict, path, head_dim: int, scaling: dict | None) -> dict:
     raise CheckpointError(f"{path}: partial_rotary_factor={rotary} must be in (0, 1]")
   if rotary != 1.0:
     out["rotary_dim"] = int(head_dim * rotary)  # as transformers; ModelConfig names an odd one
-  window = _number(hf, "sliding_window", path, int, 0)
+  window = _sliding_window(hf, path)
   if window:
     out.update(sliding_window=window, sliding_window_pattern=0)
   longest = _number(hf, "max_position_embeddings", path, int, 2048)
@@ -204,8 +230,16 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
     rope_theta, rope_scaling = _rope(hf, path)
     head_dim = num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0)
+    if model_type != "gemma3_text":  # (Gemma 3's is checked with its other switches)
+      act = hf.get("hidden_act", "silu")
+      if act != "silu":
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported for model_type "
+                              f"{model_type!r} (supported: 'silu')")
     switches = (_gemma3(hf, path) if model_type == "gemma3_text" else
                 _phi3(hf, path, head_dim, rope_scaling) if model_type == "phi3" else {})
+    window = _sliding_window(hf, path) if model_type in ("mistral", "qwen2", "qwen3") else None
+    if window:  # every layer, as Phi-3's
+      switches.update(sliding_window=window, sliding_window_pattern=0)
     rope_scaling = switches.pop("rope_scaling", rope_scaling)
     nope = _nope_layers(hf, path, num("num_hidden_layers")) if model_type == "smollm3" else ()
     return ModelConfig(**switches, nope_layers=nope,
@@ -213,7 +247,7 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
         n_heads=n_heads, n_kv_heads=num("num_key_value_heads", default=0) or n_heads,
         head_dim=head_dim,
         ffn_dim=num("intermediate_size"), rope_theta=rope_theta,
-        rope_scaling=rope_scaling, rms_eps=num("rms_norm_eps", float, 1e-6),
+        rope_scaling=rope_scaling, rms_eps=num("rms_norm_eps", float, _default(hf, "rms_norm_eps", 1e-6)),
         max_context=num("max_position_embeddings", default=2048),
         tie_embeddings=_flag(hf, "tie_word_embeddings", path, model_type == "gemma3_text"),
         attention_bias=_flag(hf, "attention_bias", path, model_type == "qwen2"),
@@ -318,7 +352,10 @@ def _check_tensors(directory, config: ModelConfig, headers: dict) -> None:
       {name: shape for name, (_, shape) in headers.items()}, config.n_layers,
       r"model\.layers\.(\d+)\.", layers_key="config.json's num_hidden_layers",
       unread_tail=f" by the model config.json describes (attention_bias={config.attention_bias}, "
-                  f"model_type {config.architecture!r})")
+                  f"model_type {config.architecture!r})",
+      # (transformers < 4.31 saved each layer's rotary table; it is computed from the config)
+      ignored=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+      model=f"a {config.architecture!r} model")
 
 
 def check_safetensors(directory: str | os.PathLike) -> ModelConfig:

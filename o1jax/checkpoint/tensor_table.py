@@ -10,17 +10,21 @@ from o1jax.checkpoint.errors import CheckpointError
 
 def check_tensors(where, expected, shapes: dict, n_layers: int, layer_pattern: str, *,
                   layers_key: str, unread_tail: str, shown=lambda shape: shape,
-                  check_unread: bool = False, check=None) -> None:
+                  check_unread: bool = False, check=None, ignored: str | None = None,
+                  model: str = "the model") -> None:
   """Every tensor the model reads is present with the shape the config gives it, and no
-  layer tensor is left unread (a layer count or a bias switch that disagrees with the file
-  would otherwise load a different model without a word).
+  tensor of the file is left unread: a layer count or a bias switch that disagrees with the
+  file, or a tensor the model has no place for (an output projection's bias in a Llama
+  file), would otherwise load a different model without a word.
 
   expected: (name, shape, read) of every tensor a file of the config may hold, in read
   order; shapes: {name: shape} of the file's tensors; layer_pattern: a regex whose group 1 is
   a layer tensor's layer index; layers_key: the config key the layer count comes from;
   unread_tail: what follows "is not read" (why); shown: a shape as messages print it;
   check_unread: also check the shape of a tensor present but not read; check(name, shape):
-  the loader's own check of each tensor whose shape matched."""
+  the loader's own check of each tensor whose shape matched; ignored: a regex of the names
+  of tensors the model knowingly does without (read elsewhere, e.g. into the config, or
+  derived: HF's saved rotary inv_freq); model: what a message calls the model."""
   for name, want, read in expected:
     if name not in shapes:
       if read:
@@ -41,3 +45,8 @@ def check_tensors(where, expected, shapes: dict, n_layers: int, layer_pattern: s
                             f"({layers_key})")
     if m and name in unread:
       raise CheckpointError(f"{where}: tensor {name!r} is not read{unread_tail}")
+  known = {name for name, _, _ in expected}
+  for name in shapes:
+    if name not in known and not (ignored and re.fullmatch(ignored, name)):
+      raise CheckpointError(f"{where}: tensor {name!r} is not one {model} reads, so loading "
+                            f"would drop it (an unsupported feature of this checkpoint)")

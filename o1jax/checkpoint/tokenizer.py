@@ -351,6 +351,11 @@ class Tokenizer:
                               f"tokens separated by a space")
       types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
       vocab = {t: i for i, t in enumerate(tokens)}
+      for i, (a, b) in enumerate(merges):  # (else the library's bare Exception, no file named)
+        unknown = next((t for t in (a, b, a + b) if t not in vocab), None)
+        if unknown is not None:
+          raise CheckpointError(f"{path}: tokenizer.ggml.merges[{i}] {a + ' ' + b!r} needs the "
+                                f"token {unknown!r}, which tokenizer.ggml.tokens does not hold")
       backend = tokenizers.Tokenizer(models.BPE(
           vocab=vocab, merges=merges, fuse_unk=False,
           ignore_merges=meta.get("tokenizer.ggml.pre") in _IGNORE_MERGES_PRE))

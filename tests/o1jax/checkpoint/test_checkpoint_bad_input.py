@@ -807,3 +807,200 @@ def test_template_errors_name_their_file_and_filters_fail_in_one_line(tmp_path):
                           ("{{ [1] | tojson(indent=2000000000) }}", "ValueError: tojson indent")):
     with pytest.raises(ValueError, match=rf"^chat template failed to render these messages: {error}"):
       _tokenizer_with_template(template).apply_chat_template(chat)
+
+
+def test_a_tensor_the_model_has_no_place_for_is_named(tmp_path):
+  """A bias on the output projection or the FFN (llama.cpp and transformers read them where
+  present) loaded as a model without it; tensors read into the config or derived stay."""
+  config = testing.tiny_config()
+  bias = np.full(config.d_model, 0.5, np.float32)
+  for name, extra in (("attn_output", {"blk.0.attn_output.bias": bias}),
+                      ("ffn_down", {"blk.1.ffn_down.bias": bias}),
+                      ("top_level", {"output.bias": np.zeros(config.vocab_size, np.float32)})):
+    p = tmp_path / f"{name}.gguf"
+    testing.write_gguf_checkpoint(p, config, extra_tensors=extra)
+    tensor = next(iter(extra))
+    for read in (check_checkpoint, load_checkpoint):
+      with pytest.raises(CheckpointError, match=rf"^{p}: tensor '{tensor}' is not one a 'llama' "
+                                                r"model reads, so loading would drop it"):
+        read(p)
+  kept = tmp_path / "rot.gguf"  # an old converter's rotary table: llama.cpp skips it too
+  testing.write_gguf_checkpoint(kept, config, extra_tensors={
+      "blk.0.attn_rot_embd": np.ones(config.head_dim // 2, np.float32)})
+  assert load_checkpoint(kept).config == check_checkpoint(kept)
+  for name, shape in (("model.layers.0.self_attn.o_proj.bias", (config.d_model,)),
+                      ("model.layers.1.mlp.down_proj.bias", (config.d_model,))):
+    hf = tmp_path / name
+    testing.write_hf_checkpoint(hf, config)
+    _with_tensors([(name, shape)])(hf)
+    for read in (check_checkpoint, load_checkpoint):
+      with pytest.raises(CheckpointError, match=rf"^{hf}: tensor '{name}' is not one a 'llama' model "
+                                                r"reads"):
+        read(hf)
+  hf = tmp_path / "inv_freq"  # transformers < 4.31 saved it; computed from the config
+  testing.write_hf_checkpoint(hf, config)
+  _with_tensors([("model.layers.0.self_attn.rotary_emb.inv_freq", (config.head_dim // 2,))])(hf)
+  assert load_checkpoint(hf).config == check_checkpoint(hf)
+
+
+def _gguf_with(tiny_gguf, tmp_path, name, *edits):
+  g = _Gguf(tiny_gguf.read_bytes())
+  for edit in edits:
+    edit(g)
+  p = tmp_path / f"{name}.gguf"
+  p.write_bytes(g.bytes())
+  return p
+
+
+def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(tiny_gguf, tmp_path):
+  """A factor without a type is linear, the old key rope.scale_linear too (the model ran
+  unscaled); a factor of 1 is no scaling; other types are refused."""
+  cases = {"no_type": ([_add("llama.rope.scaling.factor", _F32, 4.0)], 4.0),
+           "old_key": ([_add("llama.rope.scale_linear", _F32, 2.0)], 2.0),
+           "typed": ([_add("llama.rope.scaling.type", _STR, "linear"),
+                      _add("llama.rope.scaling.factor", _F32, 8.0)], 8.0),
+           "none_type": ([_add("llama.rope.scaling.type", _STR, "none"),
+                          _add("llama.rope.scaling.factor", _F32, 4.0)], 4.0),
+           "factor_one": ([_add("llama.rope.scaling.factor", _F32, 1.0)], None)}
+  for name, (edits, factor) in cases.items():
+    p = _gguf_with(tiny_gguf, tmp_path, name, *edits)
+    want = None if factor is None else {"rope_type": "linear", "factor": factor}
+    assert check_checkpoint(p).rope_scaling == want, name
+    assert load_checkpoint(p).config.rope_scaling == want, name
+  p = _gguf_with(tiny_gguf, tmp_path, "yarn", _add("llama.rope.scaling.type", _STR, "yarn"),
+                 _add("llama.rope.scaling.factor", _F32, 4.0))
+  with pytest.raises(CheckpointError, match=r"rope scaling type 'yarn' is not supported"):
+    check_checkpoint(p)
+
+
+def test_gemma3_gguf_without_its_sliding_window_is_refused(tmp_path):
+  # Before: every layer global (llama.cpp refuses the file: the key has no default).
+  p = tmp_path / "g.gguf"
+  testing.write_gguf_checkpoint(p, testing.tiny_gemma3_config())
+  g = _Gguf(p.read_bytes())
+  g.kvs = [kv for kv in g.kvs if kv[0] != "gemma3.attention.sliding_window"]
+  p.write_bytes(g.bytes())
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{p}: GGUF metadata key "
+                                              r"'gemma3.attention.sliding_window' is missing$"):
+      read(p)
+
+
+def test_an_odd_head_size_and_an_unknown_merge_token_are_named(tiny_gguf, tmp_path):
+  import dataclasses
+  from o1jax.checkpoint.model_config import ModelConfig
+  with pytest.raises(ValueError, match=r"head_dim=15 must be even \(RoPE rotates pairs"):
+    ModelConfig(**{**dataclasses.asdict(testing.tiny_config()), "head_dim": 15})
+  p = _gguf_with(tiny_gguf, tmp_path, "merge", _add("tokenizer.ggml.merges", _ARR, (_STR, ["zz qq"])))
+  check_checkpoint(p)  # (the header check does not read arrays' contents)
+  with pytest.raises(CheckpointError, match=rf"^{p}: tokenizer.ggml.merges\[0\] 'zz qq' needs the "
+                                            r"token 'zz', which tokenizer.ggml.tokens does not hold$"):
+    load_checkpoint(p)
+  p = _gguf_with(tiny_gguf, tmp_path, "no_tokens", _tokens(0))
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=r"'tokenizer.ggml.tokens' is missing or empty$"):
+      read(p)
+  with pytest.raises(CheckpointError, match=r"^/dev/null: not a regular file or a directory$"):
+    check_checkpoint("/dev/null")
+
+
+def test_a_big_endian_gguf_loads_when_dense_and_is_refused_when_quantized(tmp_path, monkeypatch):
+  """gguf-py writes big-endian files for big-endian machines: the dense tensors' values came
+  back byte-swapped (every one counted as NaN); quantized blocks keep their scales in the
+  writer's order, which llama.cpp does not read on this machine either."""
+  import gguf
+  config = testing.tiny_config()
+  little = tmp_path / "le.gguf"
+  testing.write_gguf_checkpoint(little, config, matrix_type="F16", embed_type="F32")
+  real_init = gguf.GGUFWriter.__init__
+
+  def big_endian(self, *args, **kwargs):
+    real_init(self, *args, **{**kwargs, "endianess": gguf.GGUFEndian.BIG})
+
+  monkeypatch.setattr(gguf.GGUFWriter, "__init__", big_endian)
+  big, quantized = tmp_path / "be.gguf", tmp_path / "be_q.gguf"
+  testing.write_gguf_checkpoint(big, config, matrix_type="F16", embed_type="F32")
+  testing.write_gguf_checkpoint(quantized, config, matrix_type="Q8_0", embed_type="F32")
+  monkeypatch.undo()
+  assert check_checkpoint(big) == check_checkpoint(little)
+  a, b = load_checkpoint(little).params, load_checkpoint(big).params
+  np.testing.assert_array_equal(b["embed"], a["embed"])
+  for name in ("wq", "w_down", "attn_norm"):
+    assert b["layers"][1][name].dtype.isnative
+    np.testing.assert_array_equal(b["layers"][1][name], a["layers"][1][name])
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{quantized}: a big-endian GGUF with quantized "
+                                              r"tensors \('blk.0.attn_q.weight' is Q8_0\) is not "
+                                              r"supported"):
+      read(quantized)
+
+
+def test_hf_configs_are_read_with_transformers_defaults_and_refusals(tmp_path):
+  """Keys a config.json leaves out take their class's default (Gemma 3's rope_theta 1e6 and
+  window 4096, Phi-3's eps 1e-5, Mistral's window 4096); Mistral's window is applied; an
+  activation other than SiLU, and Qwen's use_sliding_window, are refused."""
+  cases = [
+      ("gemma3", testing.tiny_gemma3_config(), ("rope_theta", "sliding_window"),
+       {}, dict(rope_theta=1e6, sliding_window=4096)),
+      ("phi3", testing.tiny_config(architecture="phi3"), ("rms_norm_eps",), {},
+       dict(rms_eps=1e-5)),
+      ("mistral_default", testing.tiny_config(architecture="mistral"), ("sliding_window",), {},
+       dict(sliding_window=4096, sliding_window_pattern=0)),
+      ("mistral_4", testing.tiny_config(architecture="mistral"), (), {"sliding_window": 4},
+       dict(sliding_window=4, sliding_window_pattern=0)),
+      ("mistral_null", testing.tiny_config(architecture="mistral"), (), {"sliding_window": None},
+       dict(sliding_window=None)),
+      ("qwen2_off", testing.tiny_config(architecture="qwen2", attention_bias=True), (),
+       {"sliding_window": 4, "use_sliding_window": False}, dict(sliding_window=None))]
+  for name, config, dropped, changes, want in cases:
+    hf = tmp_path / name
+    testing.write_hf_checkpoint(hf, config)
+    value = json.loads((hf / "config.json").read_text())
+    for key in dropped:
+      value.pop(key, None)
+    value.update(changes)
+    (hf / "config.json").write_text(json.dumps(value))
+    got = check_checkpoint(hf)
+    assert {k: getattr(got, k) for k in want} == want, name
+  for name, config, changes, message in (
+      ("gelu", testing.tiny_config(), {"hidden_act": "gelu"},
+       r"hidden_act 'gelu' is not supported for model_type 'llama' \(supported: 'silu'\)"),
+      ("qwen_window", testing.tiny_config(architecture="qwen2", attention_bias=True),
+       {"use_sliding_window": True, "sliding_window": 4},
+       r"use_sliding_window=true is not supported")):
+    hf = tmp_path / name
+    testing.write_hf_checkpoint(hf, config)
+    _edit_json("config.json", **changes)(hf)
+    for read in (check_checkpoint, load_checkpoint):
+      with pytest.raises(CheckpointError, match=rf"^{hf}/config.json: {message}"):
+        read(hf)
+
+
+_ORBAX_SPEC_MUTANTS = {
+    # Before: a Q4_1 matrix loaded without its minimums (logits 8 apart), a bare numpy error
+    # or ZeroDivisionError at the first forward, a KeyError building the model.
+    "minimum_dropped": (lambda spec: spec["quantized"]["layers.0.wq"].update(has_minimum=False),
+                        r"array 'layers.0.wq.minimum' is not part of any weight the spec describes"),
+    "group_16": (lambda spec: spec["quantized"]["layers.0.wq"].update(group_size=16),
+                 r"layers.0.wq: scale shape \(2, 64\) != \(4, 64\)"),
+    "group_0": (lambda spec: spec["quantized"]["layers.0.wq"].update(group_size=0),
+                r"layers.0.wq: group_size=0 must be an integer >= 1"),
+    "more_layers": (lambda spec: spec.update(n_layers=5),
+                    r"layer 2 of the spec's n_layers=5 has no arrays"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(_ORBAX_SPEC_MUTANTS))
+def test_orbax_param_spec_that_disagrees_with_its_arrays_is_named(tmp_path, mutant):
+  from o1jax.checkpoint.orbax_io import save_orbax
+  edit, message = _ORBAX_SPEC_MUTANTS[mutant]
+  gguf_path, d = tmp_path / "q.gguf", tmp_path / "orbax"
+  testing.write_gguf_checkpoint(gguf_path, testing.tiny_config(), matrix_type="Q4_1")
+  ck = load_checkpoint(gguf_path)
+  save_orbax(d, ck.config, ck.params, ck.tokenizer)
+  manifest = json.loads((d / MANIFEST).read_text())
+  edit(manifest["param_spec"])
+  (d / MANIFEST).write_text(json.dumps(manifest))
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"param_spec does not match the arrays .*{message}"):
+      read(d)
