@@ -29,6 +29,7 @@ import hashlib
 import json
 import itertools
 import math
+import re
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -566,9 +567,10 @@ class FakePredictor:
       value = float(ref)
     except ValueError:
       return ref if h % 4 else "    return None\n"
-    if h % 4 == 0:
-      value += 1
-    return f"The answer is {int(value) if value.is_integer() else value}."
+    if h % 4:  # right: the reference as written ("3.50"; a float rounds big integers)
+      return f"The answer is {ref}."
+    wrong = int(ref) + 1 if re.fullmatch(r"-?[0-9]+", ref) else value + 1
+    return f"The answer is {wrong}."
 
   def predict(self, items: Sequence[WorkItem]) -> list[dict]:
     if self.delay_s:

@@ -39,8 +39,10 @@ def example_from_gsm8k_record(
   answer = require_str(obj, "answer")
   solution, final = split_gsm8k_answer(answer)
   rec_id = obj.get("id")
-  if rec_id is not None and not isinstance(rec_id, (str, int)):
+  if rec_id is not None and (isinstance(rec_id, bool) or not isinstance(rec_id, (str, int))):
     raise RecordError(f"field 'id' must be a string, got {type(rec_id).__name__}")
+  if isinstance(rec_id, str) and not rec_id.strip():
+    raise RecordError("field 'id' is empty")
   metadata = {k: v for k, v in obj.items() if k not in ("question", "answer", "id")}
   metadata["solution"] = solution
   metadata["answer"] = answer

@@ -281,8 +281,8 @@ def _plain(value: Any) -> Any:
     return {str(k): _plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
     return [_plain(v) for v in value]
-  if isinstance(value, bytes):
-    return value.decode("utf-8", errors="replace")
+  if isinstance(value, bytes):  # (not UTF-8: surrogates, which make the record a dead letter)
+    return value.decode("utf-8", errors="surrogateescape")
   if isinstance(value, (datetime.date, datetime.time, datetime.timedelta)):
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
   if isinstance(value, decimal.Decimal):

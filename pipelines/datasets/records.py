@@ -154,7 +154,9 @@ def content_id(dataset: str, *parts: str, length: int = 16) -> str:
 # prediction and reference before an exact string comparison.
 _IGNORE_PATTERNS = (re.compile(","), re.compile(r"\$"),
                     re.compile(r"(?s).*#### "), re.compile(r"\.$"))
-_NUMBER_RE = re.compile(r"-?(\d+(\.\d*)?|\.\d+)")
+# ASCII digits only: answers are read from the model's text as such (lm-evaluation-harness'
+# patterns too), so a reference in other digits ("５", "٣") could never be matched.
+_NUMBER_RE = re.compile(r"-?([0-9]+(\.[0-9]*)?|\.[0-9]+)")
 
 
 def normalize_answer(text: str) -> str:

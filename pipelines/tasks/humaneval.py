@@ -64,18 +64,32 @@ def code_prompt(example: Example, style: str = "chat"):
   return [{"role": "user", "content": content}], (CLOSING_FENCE,)
 
 
-# An opening fence with any info string (```python, ```bash, ```text), its block, and the
-# closing fence (or the end of an unfinished reply). Blocks are read in order, so the closing
-# fence of a block is never taken for the opening of the next.
-_FENCE = re.compile(r"```[ \t]*([^\s`]*)[^\n]*\n(.*?)(?:\n[ \t]*```|$)", re.S)
+# An opening fence with any info string (```python, ```bash, ```text) and the indentation
+# before it on its line (a fence inside a list item), its block, and the closing fence: on
+# its own line, at the end of the block's last line (`return x```), or the end of an
+# unfinished reply. Blocks are read in order, so the closing fence of a block is never
+# taken for the opening of the next.
+_FENCE = re.compile(r"(^[ \t]*)?```[ \t]*([^\s`]*)[^\n]*\n(.*?)"
+                    r"(?:\n[ \t]*```|```[ \t]*(?=\n|\Z)|\Z)", re.S | re.M)
 _PYTHON_TAGS = ("python", "python3", "py", "py3")
+
+
+def _dedent(code: str, indent: str) -> str:
+  """A fenced block's lines without the indentation its opening fence had (Markdown's rule:
+  that much leading whitespace is the list item's, not the code's)."""
+  if not indent:
+    return code
+  return "\n".join(line[min(len(indent), len(line) - len(line.lstrip(" \t"))):]
+                   for line in code.split("\n"))
 
 
 def extract_code(reply: str) -> str:
   """The code of a chat reply: its first block fenced as Python, else its first untagged
   block (else its first block), or what follows an unclosed opening fence; a reply without
-  a fence, whole. (A ```bash or ```text block before the code was taken for it.)"""
-  blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(reply.replace("\r\n", "\n"))]
+  a fence, whole. (A ```bash or ```text block before the code was taken for it; a fence
+  indented in a list item kept its indentation on every line, an IndentationError.)"""
+  blocks = [(m.group(2).lower(), _dedent(m.group(3), m.group(1) or ""))
+            for m in _FENCE.finditer(reply.replace("\r\n", "\n"))]
   for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
     for tag, code in blocks:
       if wanted(tag):

@@ -13,7 +13,7 @@ from configs import custom as custom_config
 from configs import gsm8k as gsm8k_config
 from pipelines.beam import PredictorModelHandler, build_pipeline, build_plan, plan_items
 from pipelines.beam.testing import FakeClock, FlakyLoader
-from pipelines.predictors import FakePredictor, PredictorSpec
+from pipelines.predictors import FakePredictor, PredictorSpec, WorkItem
 
 
 def fake_config(n=6, policy="greedy"):
@@ -41,6 +41,23 @@ def test_records_are_the_fake_answers_and_results_file_is_sorted(tmp_path):
   assert [r["example_index"] for r in lines] == list(range(6))
   assert all(r["timing"]["latency_ms"] == 25.0 for r in lines)  # one FakeClock step per batch
   assert len(list((tmp_path / "store").glob("*.json"))) == 6
+
+
+def test_fake_answers_are_the_reference_as_written_or_one_more():
+  """A float of the reference rounded big integers (12345678901234567891 -> ...7168) and
+  rewrote "3.50" as 3.5: the "right" fake answer was scored wrong."""
+  import hashlib
+  from pipelines.tasks.gsm8k import score_gsm8k
+  seen = set()
+  for ref in ("12345678901234567891", "3.50", "-7", "0.125"):
+    for k in range(12):
+      item = WorkItem(key=f"k{k}", example={"reference": ref}, example_index=0, sample_index=k,
+                      prompt="", stop=(), sampling=None, request_id=0)
+      text = FakePredictor.text_for(item)
+      right = bool(int(hashlib.sha256(item.key.encode()).hexdigest()[:8], 16) % 4)
+      seen.add(right)
+      assert score_gsm8k(text, ref).flexible_correct == right, (ref, text)
+  assert seen == {True, False}
 
 
 def test_samples_are_keyed_by_example_and_index(tmp_path):

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.datasets import DatasetError, DeadLetter, Duplicate, Example
+from pipelines.datasets.jsonl import iter_records
 from pipelines.datasets.custom_jsonl import read_custom_jsonl
 from pipelines.datasets.gsm8k import read_gsm8k_jsonl
 from pipelines.datasets.humaneval import humaneval_examples, load_humaneval
@@ -106,6 +107,17 @@ def test_parquet_cells_become_json_values(tmp_path):
   assert ex.metadata["blob"] == "bytes" and ex.metadata["when"] == "2024-01-02"
   assert ex.metadata["tags"] == ["a", "b"] and ex.metadata["meta"] == {"level": 2}
   json.dumps(ex.to_dict())  # crosses process boundaries as JSON
+
+
+def test_a_parquet_cell_that_is_not_utf8_is_a_dead_letter(tmp_path):
+  # Before: decoded with replacement characters ('��') and run as a question.
+  path = tmp_path / "d.parquet"
+  pq.write_table(pa.table({"question": [b"\xff\xfe", b"q?"], "answer": ["#### 3", "#### 4"]}),
+                 path)
+  out = list(iter_records(str(path)))
+  assert isinstance(out[0], DeadLetter) and out[0].line_number == 1
+  assert out[0].reason == "invalid UTF-8 (byte 0xff) in field 'question'"
+  assert not isinstance(out[1], DeadLetter) and out[1].obj["question"] == "q?"
 
 
 def test_a_damaged_parquet_file_is_one_dataset_error(tmp_path):

@@ -22,6 +22,9 @@ def test_normalize_answer(raw, want):
 def test_is_number():
   assert is_number("12") and is_number("-3.5") and is_number(".5")
   assert not is_number("") and not is_number("1.2.3") and not is_number("five")
+  # Digits of other scripts: answers are read from the model's text as ASCII digits, so
+  # such a reference could never be matched (it was accepted and scored wrong every time).
+  assert not is_number("５") and not is_number("1٢") and not is_number("٣.٥")
 
 
 def test_split_gsm8k_answer():

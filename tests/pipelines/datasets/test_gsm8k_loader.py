@@ -85,6 +85,16 @@ def test_gzip_and_bad_utf8(tmp_path):
   assert out[1].line_number == 2 and "UTF-8" in out[1].reason
 
 
+def test_an_id_that_is_a_bool_or_empty_is_a_dead_letter(tmp_path):
+  # Before: {"id": true} became the example id "True", {"id": ""} an empty id.
+  path = tmp_path / "ids.jsonl"
+  path.write_text("".join(json.dumps({"id": v, **GOOD_1}) + "\n" for v in (True, "", " ", 7)))
+  out = list(gsm8k.read_gsm8k_jsonl(str(path)))
+  assert [getattr(r, "reason", None) for r in out] == [
+      "field 'id' must be a string, got bool", "field 'id' is empty", "field 'id' is empty", None]
+  assert out[3].id == "7"
+
+
 def test_record_id_field_is_kept_and_extra_fields_go_to_metadata(tmp_path):
   path = tmp_path / "x.jsonl"
   path.write_text(json.dumps({"id": "abc/1", "level": 3, **GOOD_1}) + "\n")

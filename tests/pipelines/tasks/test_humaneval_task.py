@@ -121,6 +121,14 @@ def test_real_problems_through_the_scoring_path(style):
     ("```python\ndef f(x):\n    return x", "def f(x):\n    return x"),  # unfinished reply
     ("def f(x):\n    return x\n", "def f(x):\n    return x\n"),  # no fence: whole
     ("a\n```python\nx = 1\n```\n```python\ny = 2\n```", "x = 1"),  # the first block
+    # Before: a fence indented in a list item kept its indent (IndentationError); a closing
+    # fence on the last code line stayed in the code (SyntaxError).
+    ("1. Solution:\n   ```python\n   def f(x):\n       return x\n   ```\n",
+     "def f(x):\n    return x"),
+    ("```python\ndef f(x):\n    return x```\nDone.", "def f(x):\n    return x"),
+    ("- code:\n  ```python\n  def f(x):\n      return x```", "def f(x):\n    return x"),
+    ("```python\nprint('```')\n```", "print('```')"),  # a fence inside a string stays
+    ("Sure! ```python\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
 ])
 def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
   assert task.extract_code(reply) == want
