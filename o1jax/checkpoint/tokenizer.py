@@ -26,8 +26,11 @@ from o1jax.checkpoint.errors import CheckpointError, read_json_object
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
-# llama.cpp token types (gguf TokenType): 3 = CONTROL, 4 = USER_DEFINED.
-_SPECIAL_TOKEN_TYPES = (3, 4)
+# llama.cpp token types (gguf TokenType): 3 = CONTROL (special: skipped when decoding
+# without specials), 4 = USER_DEFINED (a model's added tokens, e.g. Qwen's <think> and
+# <tool_call>: matched whole in raw text, decoded as text, as llama.cpp prints them and
+# transformers keeps its added tokens that are not special).
+_CONTROL, _USER_DEFINED = 3, 4
 
 # Pre-tokenizers by llama.cpp's `tokenizer.ggml.pre` name. "smollm" (like the
 # StarCoder family) splits every digit on its own, then applies GPT-2's regex.
@@ -361,9 +364,7 @@ class Tokenizer:
           ignore_merges=meta.get("tokenizer.ggml.pre") in _IGNORE_MERGES_PRE))
       backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre"), path)
       backend.decoder = decoders.ByteLevel()
-      special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                 for i, kind in enumerate(types) if int(kind) in _SPECIAL_TOKEN_TYPES]
-      backend.add_special_tokens(special)
+      _add_tokens(backend, tokens, types)
     else:
       raise CheckpointError(f"{path}: tokenizer model {model!r} is not supported "
                             f"(supported: gpt2 BPE, llama SentencePiece)")
@@ -425,11 +426,17 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
   backend.normalizer = normalizers.Sequence(steps)
   backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                        decoders.Fuse()])
-  backend.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                              for i, kind in enumerate(types) if int(kind) == 3])
-  backend.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)
-                      for i, kind in enumerate(types) if int(kind) == 4])
+  _add_tokens(backend, tokens, types)
   return backend
+
+
+def _add_tokens(backend, tokens, types) -> None:
+  """A GGUF vocabulary's control tokens as special tokens, its user-defined ones as added
+  tokens that decode as text (both matched whole in raw text)."""
+  backend.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                              for i, kind in enumerate(types) if int(kind) == _CONTROL])
+  backend.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+                      for i, kind in enumerate(types) if int(kind) == _USER_DEFINED])
 
 
 class _TemplateRefusal(ValueError):

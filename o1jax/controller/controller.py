@@ -58,7 +58,7 @@ from o1jax.engine.engine import check_fits_device
 from o1jax.engine.speculative import SpeculativeConfig
 from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama
-from o1jax.model.sampling import (F32_MAX, INT32_MAX, MIN_TEMPERATURE, Sampling, check_int,
+from o1jax.model.sampling import (INT32_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling, check_int,
                                   check_key_id, is_real, sequence_key)
 from o1jax.model.shapes import pow2_bucket
 
@@ -132,9 +132,9 @@ class LoopSettings(Sampling):
       # A retry draws at temperature + bump x (backtracks of the step): that, too, must be
       # a temperature the device can use (see Sampling's range).
       hottest = self.temperature + self.temp_bump * retries
-      if self.temperature + self.temp_bump < MIN_TEMPERATURE or hottest > F32_MAX:
+      if self.temperature + self.temp_bump < MIN_TEMPERATURE or hottest > MAX_TEMPERATURE:
         raise ValueError(f"temp_bump={self.temp_bump} gives retry temperatures outside "
-                         f"[{MIN_TEMPERATURE:g}, {F32_MAX:.4g}] (temperature "
+                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (temperature "
                          f"{self.temperature}, up to {retries} backtracks a step)")
     for name in ("step_delimiter", "answer_prefix", "wait_text"):
       if not isinstance(getattr(self, name), str):

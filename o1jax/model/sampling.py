@@ -20,7 +20,9 @@ SEED_RANGE = (-2**63, 2**63)
 KEY_ID_RANGE = (0, 2**32)
 INT32_MAX = 2**31 - 1
 MIN_TEMPERATURE = 1e-6  # the smallest temperature the draw divides by
-F32_MAX = float(np.finfo(np.float32).max)
+# The largest: XLA divides by t as a multiply by 1/t, and past ~8.5e37 1/t is below
+# float32's normal range, flushed to 0 (every logit 0: uniform draws, NaN for -inf ones).
+MAX_TEMPERATURE = 1e30
 
 
 def is_int(value) -> bool:
@@ -79,12 +81,12 @@ class Sampling:
       raise ValueError(f"temperature must be finite, got {self.temperature}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.temperature and not MIN_TEMPERATURE <= self.temperature <= F32_MAX:
+    if self.temperature and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
       # The device divides by max(t, MIN_TEMPERATURE) in float32: a smaller t was raised
-      # to it (1e-300 even read as 0 by the host, greedy on the device) and a larger one
-      # is inf there.
+      # to it (1e-300 even read as 0 by the host, greedy on the device); a larger one
+      # than MAX_TEMPERATURE ignored the logits and every filter.
       raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
-                       f"{F32_MAX:.4g}], got {self.temperature}")
+                       f"{MAX_TEMPERATURE:g}], got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0.0 <= self.min_p < 1.0:

@@ -86,3 +86,19 @@ def tiny_tokenizer(tmp_path):
   from o1jax.testing import tiny_config, write_hf_checkpoint
   write_hf_checkpoint(tmp_path, tiny_config(), seed=0)
   return load_checkpoint(tmp_path).tokenizer
+
+
+def test_a_gguf_added_token_decodes_as_text_and_a_control_token_does_not(tmp_path):
+  """llama.cpp prints USER_DEFINED tokens (Qwen's <tool_call>, <think>) and transformers
+  keeps its non-special added tokens when skipping specials; they were dropped from the
+  engine's text (skip_special) like control tokens."""
+  from o1jax import testing
+  from o1jax.checkpoint import load_checkpoint
+  config = testing.tiny_config(vocab_size=len(testing.SPECIAL_TOKENS) + 257)
+  path = tmp_path / "added.gguf"
+  testing.write_gguf_checkpoint(path, config, added_tokens=("<tool_call>",))
+  tok = load_checkpoint(path).tokenizer
+  ids = tok.encode("a<tool_call>b<|im_end|>")
+  assert len(ids) == 4  # both matched whole in the text
+  assert tok.decode(ids, skip_special=True) == "a<tool_call>b"
+  assert tok.decode(ids) == "a<tool_call>b<|im_end|>"

@@ -52,6 +52,20 @@ def test_low_temperature_concentrates_on_argmax():
   assert _draw(2000, temperature=0.05)[0] > 0.99
 
 
+def test_the_hottest_temperature_still_reads_the_logits_and_the_filters():
+  """At the largest temperature the check lets through, logits of 3e38 and 1e38 still
+  differ on the device (at 1e38, 1/t flushed to 0: uniform draws, filters off)."""
+  from o1jax.model.sampling import MAX_TEMPERATURE
+  huge = jnp.asarray([[3e38, 1e38, -jnp.inf, 0.0]], jnp.float32)
+  scaled = np.asarray(huge[0, :2]) / MAX_TEMPERATURE  # 3e8, 1e8: all mass on token 0
+  assert scaled[0] - scaled[1] > 100
+  for filters in (dict(), dict(top_k=1), dict(top_p=0.5), dict(min_p=0.5)):
+    np.testing.assert_array_equal(_draw(200, MAX_TEMPERATURE, logits=huge, **filters),
+                                  [1.0, 0.0, 0.0, 0.0])
+  with pytest.raises(ValueError, match="temperature must be 0"):
+    SamplingParams(temperature=MAX_TEMPERATURE * 10)
+
+
 def test_sequence_key_depends_on_request_and_sample_only():
   a = sequence_key(1, 5, 0)
   assert np.array_equal(np.asarray(a), np.asarray(sequence_key(1, 5, 0)))
@@ -187,9 +201,11 @@ def test_a_rows_token_does_not_depend_on_the_other_rows():
     (dict(temperature=True), r"^temperature must be a number, got True$"),
     # Below the draw's floor (1e-300 was greedy on the device, sampled for the host) and
     # past float32's range (inf on the device).
-    (dict(temperature=1e-300), r"^temperature must be 0 \(greedy\) or in \[1e-06, 3\.403e\+38\], got 1e-300$"),
+    (dict(temperature=1e-300), r"^temperature must be 0 \(greedy\) or in \[1e-06, 1e\+30\], got 1e-300$"),
     (dict(temperature=5e-7), r"^temperature must be 0 \(greedy\) or in \[1e-06, "),
     (dict(temperature=1e39), r"^temperature must be 0 \(greedy\) or in .*, got 1e\+39$"),
+    # Past ~8.5e37, 1/t flushed to 0 on the device: every logit 0, filters off (NaN).
+    (dict(temperature=1e38), r"^temperature must be 0 \(greedy\) or in .*, got 1e\+38$"),
     (dict(top_p=None), r"^top_p must be a number, got None$"),
     (dict(min_p="0.1"), r"^min_p must be a number, got '0.1'$"),
     (dict(top_k=5.0), r"^top_k must be an int in \[0, 2147483647\], got 5.0$"),
