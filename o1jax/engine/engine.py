@@ -246,8 +246,11 @@ class GenerationParams(SamplingParams):
   stop_token_ids: tuple[int, ...] = ()  # extra stop ids (not included)
   ignore_eos: bool = False
   n: int = 1  # samples of the prompt (prefilled once, blocks shared)
-  logprobs: bool = False  # per-token log p of the sampled tokens
-  top_logprobs: int = 0  # and this many most likely alternatives per token
+  # Per-token log p of the sampled tokens under the model's distribution (log-softmax of
+  # the logits before temperature and filters, as vLLM's default), and this many most
+  # likely alternatives per token.
+  logprobs: bool = False
+  top_logprobs: int = 0
 
   def __post_init__(self):
     super().__post_init__()
