@@ -1030,6 +1030,8 @@ class Controller:
                        prior_votes=[[]] * slots, priors_per_group=max(1, priors_per_slot))
     return ReasoningState(
         tokens=jnp.zeros((b, length), jnp.int32), length=ones(), prompt_len=ones(),
+        **{f: jnp.zeros((b, length), jnp.float32)
+           for f in ("conf_pos", "lp_run", "conf_run", "low_run")},
         phase=jnp.full((b,), S.DONE, jnp.int32), step_start=ones(),
         keys=jnp.zeros((b, 2), jnp.uint32), iteration=jnp.int32(0), stop_at=jnp.int32(NEVER),
         spec_calls=jnp.int32(0),

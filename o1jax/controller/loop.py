@@ -98,6 +98,32 @@ def _set_row(buf: jax.Array, index: jax.Array, value: jax.Array, mask: jax.Array
   return buf.at[rows, idx].set(value.astype(buf.dtype), mode="drop")
 
 
+def _rolled_back(rollback, length, prompt_len, conf_pos, lp_run, conf_run, low_run, current):
+  """(lp_total, conf_sum, lowest_conf, conf_count, conf_ring, group_conf) of the rows after
+  their last `rollback` tokens are removed (rows with none keep `current`): the running
+  values the last kept token left (by position, so exactly as they were), the count less
+  the removed tokens, the window rebuilt from the kept tokens' confidences."""
+  # (Gathers of B and B x W values, no branch: a GPU runs a `cond` by waiting for its
+  # predicate on the host.)
+  b, l = conf_pos.shape
+  w = current[4].shape[1]
+  rows = jnp.arange(b)
+  last = jnp.clip(length - 1, 0, l - 1)
+  kept_any = length > prompt_len
+  at = lambda run, start: jnp.where(kept_any, run[rows, last], start)
+  count = current[3] - rollback
+  # The window's slot i holds the c-th confidence, the latest c < count with c % w == i.
+  c = count[:, None] - 1 - jnp.mod(count[:, None] - 1 - jnp.arange(w)[None, :], w)
+  pos = jnp.clip(length[:, None] - (count[:, None] - c), 0, l - 1)
+  ring = jnp.where(c >= 0, conf_pos[rows[:, None], pos], 0.0)
+  n_win = jnp.minimum(count, w)
+  group = jnp.where(n_win > 0, jnp.sum(ring, axis=1) / jnp.maximum(n_win, 1), jnp.inf)
+  new = (at(lp_run, 0.0), at(conf_run, 0.0), at(low_run, jnp.inf), count, ring, group)
+  rolled = rollback > 0
+  return tuple(jnp.where(rolled.reshape((b,) + (1,) * (x.ndim - 1)), y, x)
+               for x, y in zip(current, new))
+
+
 @dataclasses.dataclass(frozen=True)
 class ReasoningLoop:
   """Static configuration of the compiled loop (hashable; jitted with static self).
@@ -386,7 +412,6 @@ class ReasoningLoop:
     forcing = active & (s.force_pos < s.force_len)  # a row outside `live` keeps its queue
     tok = jnp.where(forcing, s.force_buf[rows, jnp.clip(s.force_pos, 0, f - 1)], drawn)
     force_buf, force_pos, force_len = s.force_buf, s.force_pos + forcing, s.force_len
-    is_eos = k.eos_mask[tok] & ~forcing
 
     def start_forcing(mask, ids, n, tok, buf, pos, ln, first_now, skip=0):
       """Opens a force queue of ids[skip:n] (skip: [B] or a scalar); first_now emits
@@ -402,6 +427,14 @@ class ReasoningLoop:
       last = tokens[rows, jnp.maximum(length - 1, 0)]
       return jnp.where(k.ends_in_space[last], k.answer_separator_len, 0)
 
+    # A thinking budget spent before this token (max_thinking_tokens 0, or a request's room
+    # cut to 0): the answer is forced now, not after one more thinking token (step 6).
+    spent = think & ~forcing & (s.think_tokens >= k.max_think)
+    tok, force_buf, force_pos, force_len = start_forcing(
+        spent, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, True,
+        answer_skip(s.tokens, s.length))
+    is_eos = k.eos_mask[tok] & ~forcing & ~spent
+
     # 3. end of sequence while thinking: "Wait" below the minimum (if the whole "Wait"
     # still fits the thinking budget), else end / answer.
     wait_fits = s.think_tokens + k.wait_len <= k.max_think
@@ -414,13 +447,14 @@ class ReasoningLoop:
         eos_to_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, True,
         answer_skip(s.tokens, s.length))
     finish_eos = (eos_think & ~k.answer_on_eos) | (answer & is_eos)
+    to_answer = eos_to_answer | spent  # the answer prefix's first token is this one
 
     # 4. append and count.
     append = active & ~finish_eos
     tokens = _set_row(s.tokens, s.length, tok, append)
     length = s.length + append
-    in_think = append & think & ~eos_to_answer
-    in_answer = append & (answer | eos_to_answer)
+    in_think = append & think & ~to_answer
+    in_answer = append & (answer | to_answer)
     tok_lp = logp[rows, tok]
     step_len = s.step_len + in_think
     step_lp = s.step_lp + jnp.where(in_think, tok_lp, 0.0)
@@ -428,12 +462,12 @@ class ReasoningLoop:
     answer_tokens = s.answer_tokens + in_answer
     # Forced tokens in the answer phase are always the answer prefix ("Wait" is only
     # forced while thinking); eos_to_answer emits its first prefix token right now.
-    prefix_now = in_answer & (forcing | eos_to_answer)
+    prefix_now = in_answer & (forcing | to_answer)
     prefix_tokens = s.prefix_tokens + prefix_now
     generated = s.generated + append
     lp_total = s.lp_total + jnp.where(append, tok_lp, 0.0)
-    answer_start = jnp.where(eos_to_answer, s.length, s.answer_start)
-    phase = jnp.where(eos_to_answer, S.ANSWER, s.phase)
+    answer_start = jnp.where(to_answer, s.length, s.answer_start)
+    phase = jnp.where(to_answer, S.ANSWER, s.phase)
     # DeepConf token confidence: -mean of the top-k log-probs.
     conf = -jnp.mean(jax.lax.top_k(logp, self.top_k)[0], axis=-1)
     w = s.conf_ring.shape[1]
@@ -444,6 +478,12 @@ class ReasoningLoop:
     group_conf = jnp.where(n_win > 0, jnp.sum(conf_ring, axis=1) / jnp.maximum(n_win, 1), jnp.inf)
     full = append & (conf_count >= w)
     lowest_conf = jnp.where(full, jnp.minimum(s.lowest_conf, group_conf), s.lowest_conf)
+    # Each appended token's confidence and the running values after it, by position: a
+    # rollback restores them as they were before its first removed token (`_rolled_back`).
+    conf_pos = _set_row(s.conf_pos, s.length, conf, append)
+    lp_run = _set_row(s.lp_run, s.length, lp_total, append)
+    conf_run = _set_row(s.conf_run, s.length, conf_sum, append)
+    low_run = _set_row(s.low_run, s.length, lowest_conf, append)
 
     # 5. step boundary (never inside a forced run such as "Wait").
     pending = force_pos < force_len
@@ -501,14 +541,21 @@ class ReasoningLoop:
     length = length - rollback
     think_tokens = think_tokens - rollback
     discarded = s.discarded + rollback
-    lp_total = lp_total - jnp.where(backtrack, step_lp, 0.0)
+    # The removed tokens leave the log p and the confidences too (they stayed in the
+    # trace's mean log p and confidences, and a retried step was scored with the rejected
+    # attempt's window).
+    lp_kept = lp_total
+    lp_total, conf_sum, lowest_conf, conf_count, conf_ring, group_conf = _rolled_back(
+        rollback, length, s.prompt_len, conf_pos, lp_run, conf_run, low_run,
+        (lp_total, conf_sum, lowest_conf, conf_count, conf_ring, group_conf))
     if truncate:
       cache = self.model.truncate(cache, length)
     step_bt = jnp.where(backtrack, s.step_bt + 1, jnp.where(accept, 0, s.step_bt))
     backtracks = s.backtracks + backtrack
     step_len = jnp.where(backtrack | accept, 0, step_len - jnp.where(prefix_early, prefix_n, 0))
     step_len = jnp.maximum(step_len, 0)
-    step_lp = jnp.where(backtrack | accept, 0.0, step_lp)
+    step_lp = jnp.where(backtrack | accept, 0.0, step_lp - jnp.where(prefix_early,
+                                                                     lp_kept - lp_total, 0.0))
     step_index = s.step_index + accept
     step_end = length  # after a rollback: the new end
     rec_start_val = s.step_start
@@ -538,7 +585,8 @@ class ReasoningLoop:
                             self._read_key(k, s, tok, body, again)))
 
     # 6. budgets.
-    still_thinking = active & (phase == S.THINK) & ~pending & ~prefix_early
+    thinking_now = active & (phase == S.THINK)  # (a window ending here is a thinking one)
+    still_thinking = thinking_now & ~pending & ~prefix_early
     over_think = still_thinking & (think_tokens >= k.max_think) & ~exit_early & ~out_of_steps
     force_answer = exit_early | out_of_steps | over_think
     _, force_buf, force_pos, force_len = start_forcing(
@@ -546,7 +594,7 @@ class ReasoningLoop:
         answer_skip(tokens, length))
     answer_start = jnp.where(force_answer, length, answer_start)
     phase = jnp.where(force_answer, S.ANSWER, phase)
-    low_conf = (active & (phase == S.THINK)  # only thinking is cut short
+    low_conf = (thinking_now  # only thinking is cut short (its last window too)
                 & (conf_count >= w)  # a full window was seen
                 & (group_conf < k.conf_stop))  # below this trace's threshold
     # The answer budget counts only what follows the prefix, so a long prefix (13 byte
@@ -598,6 +646,7 @@ class ReasoningLoop:
         probe_tokens=probe_tokens,
         discarded=discarded, waits=waits, generated=generated, lp_total=lp_total, answer_start=answer_start,
         conf_ring=conf_ring, conf_count=conf_count, conf_sum=conf_sum, lowest_conf=lowest_conf,
+        conf_pos=conf_pos, lp_run=lp_run, conf_run=conf_run, low_run=low_run,
         exit_reason=exit_reason, early_exit=s.early_exit | exit_early, force_buf=force_buf,
         force_pos=force_pos, force_len=force_len,
         rec_start=_set_row(s.rec_start, s.n_rec, rec_start_val, record),

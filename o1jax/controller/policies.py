@@ -43,6 +43,10 @@ class Policy(BasePolicy):
 
   controller: ClassVar[bool] = True
   own_sampling: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k")
+  # Raised when a change of the rules (the loop's, a vote's) changes what a policy's sample
+  # computes: a stored sample's content key holds it from 2 on (1: not in the key, so the
+  # stores of policies never changed stay valid).
+  RULES: ClassVar[int] = 1
   temperature: float = 0.0
   top_p: float = 1.0
   top_k: int = 0
@@ -96,6 +100,10 @@ class Policy(BasePolicy):
   def to_dict(self) -> dict[str, Any]:
     # Params in name order: how results.jsonl records have always spelled a reasoning policy.
     return {"name": self.name, **dict(sorted(dataclasses.asdict(self).items()))}
+
+  def sample_identity(self) -> dict[str, Any]:
+    out = super().sample_identity()
+    return {**out, "rules": self.RULES} if self.RULES > 1 else out
 
 
 def _check_count(policy, name: str, low: int = 1) -> None:
@@ -176,9 +184,13 @@ class SelfConsistency(Policy):
 class BestOfN(Policy):
   """n sampled traces; the one with the best `score` (a registered host scorer:
   mean_logprob, mean_confidence, lowest_group_confidence, tail_confidence, or
-  one the pipeline registered with `register_scorer`)."""
+  one the pipeline registered with `register_scorer`) among the traces that give an
+  answer (all of them if none does: a trace without one abstains, as in a vote)."""
 
   name: ClassVar[str] = "best_of_n"
+  # 2 (2026-12-06): traces without an answer abstain (the best-scored one was taken, and
+  # the request had no answer while other traces had one).
+  RULES: ClassVar[int] = 2
   n: int = 4
   temperature: float = 0.7
   top_p: float = 0.95
@@ -206,7 +218,8 @@ class BestOfN(Policy):
       traces = batch.traces[i]
       for t in traces:
         t.score = float(scorer(req, t))
-      chosen = best_index([t.score for t in traces])
+      answered = [j for j, t in enumerate(traces) if t.answer is not None] or list(range(len(traces)))
+      chosen = answered[best_index([traces[j].score for j in answered])]
       out.append(ctl.result(req, self.name, traces, chosen, traces[chosen].answer,
                             batch.wall_time_s[i], batch.invocations[i]))
     return out
@@ -245,11 +258,10 @@ class DeepConf(Policy):
   (default) is the paper's per-request threshold."""
 
   name: ClassVar[str] = "deepconf"
-  # Raised when the vote or threshold rules change what a sample computes: a stored
-  # sample's content key holds it (other policies' stores stay). 2 (2026-12-06): the
-  # loop votes as the host does (no-token and error traces abstain, warm-up priors are
-  # the host's answers); thresholds over the traces that kept a token.
-  RULES: ClassVar[int] = 2
+  # 2 (2026-12-06): the loop votes as the host does (no-token and error traces abstain,
+  # warm-up priors are the host's answers); thresholds over the traces that kept a token.
+  # 3 (2026-12-06): the window ending at the last thinking token can stop a trace.
+  RULES: ClassVar[int] = 3
   n: int = 8
   warmup: int = 2
   keep_percent: float = 10.0
@@ -283,9 +295,6 @@ class DeepConf(Policy):
   @property
   def cross_row_stops(self) -> bool:
     return self.consensus <= 1.0 or self.stop_when_decided
-
-  def sample_identity(self) -> dict[str, Any]:
-    return {**super().sample_identity(), "rules": self.RULES}
 
   def loop_settings(self) -> LoopSettings:
     return self.settings(conf_window=self.window)
@@ -433,6 +442,9 @@ class ThinkVerifyBacktrack(Policy):
   from the measured load and latency), unless the controller has its own."""
 
   name: ClassVar[str] = "think_verify_backtrack"
+  # 2 (2026-12-06): a rolled-back step's tokens leave the confidences (a retry was scored
+  # with the rejected attempt's window) and the mean log p.
+  RULES: ClassVar[int] = 2
   verifier: str = "self_verify"
   backtrack_threshold: float = 0.5
   max_step_backtracks: int = 2
@@ -484,6 +496,8 @@ class BudgetForcing(Policy):
   `wait_text`; at `max_thinking_tokens` the answer prefix is forced."""
 
   name: ClassVar[str] = "budget_forcing"
+  # 2 (2026-12-06): an answer prefix rolled back for "Wait" leaves the mean log p.
+  RULES: ClassVar[int] = 2
   min_thinking_tokens: int = 64
   max_thinking_tokens: int = 256
   wait_text: str = " Wait"

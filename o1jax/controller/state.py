@@ -140,6 +140,12 @@ class ReasoningState:
   conf_count: jax.Array  # [B] i32 token confidences seen
   conf_sum: jax.Array  # [B] f32 their sum (mean trace confidence)
   lowest_conf: jax.Array  # [B] f32 lowest full-window group confidence (+inf = none yet)
+  # By position of each generated token (as `tokens`): its confidence, and lp_total,
+  # conf_sum and lowest_conf after it (a rollback restores them; `loop._rolled_back`).
+  conf_pos: jax.Array  # [B, L] f32
+  lp_run: jax.Array  # [B, L] f32
+  conf_run: jax.Array  # [B, L] f32
+  low_run: jax.Array  # [B, L] f32
   exit_reason: jax.Array  # [B] i32
   key_state: jax.Array  # [B] i32 answer-key automaton state (KEY_*)
   key: jax.Array  # [B, A] i32 answer key codes (0-9 digits, 10 ".", 12 "-"; a zero integer part left out: answers.key_text)

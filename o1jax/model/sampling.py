@@ -13,7 +13,6 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # Seeds `seed_key` takes (64 bits), and request ids fold_in takes (32 bits).
 SEED_RANGE = (-2**63, 2**63)

@@ -471,8 +471,20 @@ def test_deepconf_vote_with_an_infinite_warmup_confidence():
   assert (chosen, answer) == (1, "8")
 
 
-def test_deepconf_content_keys_carry_its_rules_version():
-  # Its vote and threshold rules changed what a sample computes (2026-12-06): stores of
-  # the earlier rules are computed again, other policies' are kept.
-  assert get_policy("deepconf").sample_identity()["rules"] == 2
-  assert "rules" not in get_policy("self_consistency").sample_identity()
+def test_content_keys_carry_the_rules_version_of_policies_whose_rules_changed():
+  # Their rules changed what a sample computes (2026-12-06): stores of the earlier rules
+  # are computed again, other policies' are kept.
+  assert {name: get_policy(name).sample_identity().get("rules") for name in POLICY_NAMES} == {
+      "greedy_cot": None, "self_consistency": None, "best_of_n": 2, "deepconf": 3,
+      "think_verify_backtrack": 2, "budget_forcing": 2}
+
+
+@pytest.mark.parametrize("answers, scores, chosen", [
+    (["7", None, "3"], [-2.0, -0.5, -1.0], 2),  # the best-scored trace has no answer: abstains
+    ([None, None], [-2.0, -1.0], 1),  # none answers: the best of all
+    ([None, "7"], [NAN, -5.0], 1),
+])
+def test_best_of_n_chooses_among_the_traces_that_answer(answers, scores, chosen):
+  traces = [_trace(i, a, logprob=s) for i, (a, s) in enumerate(zip(answers, scores))]
+  got = get_policy("best_of_n", n=len(scores)).run(_FakeCtl(traces), [ReasoningRequest("Q")])
+  assert got[0][:2] == (chosen, answers[chosen])
