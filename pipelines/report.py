@@ -24,7 +24,7 @@ import traceback
 from typing import Optional, Sequence
 
 from pipelines.summary import (LATENCY_BUCKETS_MS, bucket_index, bucket_label, is_time,
-                               per_token_latencies, timed_records)
+                               per_token_latencies, suite_missing_categories, timed_records)
 
 HEATMAP_TIME_BINS = 20
 
@@ -43,7 +43,9 @@ def unscored_line(summary: dict) -> str:
   samples, examples = int(lost.get("samples") or 0), int(lost.get("examples") or 0)
   unknown = int(lost.get("unidentified") or 0)
   errors = int(summary.get("sandbox_errors") or 0)
-  missing = summary.get("missing_categories") or []
+  missing = summary.get("missing_categories") or (
+      suite_missing_categories(summary.get("accuracy") or {}, summary.get("config"))
+      if summary.get("task") == "suite" and summary.get("config") else [])
   if not (samples or examples or unknown or errors or missing):
     return ""
   parts = ([f"{samples} samples went to dead letters (dead_letters.jsonl)"] if samples else []) + (
@@ -204,7 +206,9 @@ def accuracy_value(summary: dict) -> Optional[float]:
   acc = summary.get("accuracy") or {}
   if summary.get("task") == "suite":
     values = list(acc.values())
-    return round(sum(values) / len(values), 4) if values and None not in values else None
+    if not values or None in values or suite_missing_categories(acc, summary.get("config")):
+      return None
+    return round(sum(values) / len(values), 4)
   k = _headline_metric(summary)
   return None if k is None else acc[k]
 

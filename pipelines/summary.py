@@ -278,6 +278,16 @@ def _reasoning(records: Sequence[dict]) -> Optional[dict[str, Any]]:
   return out
 
 
+def suite_missing_categories(accuracy: dict, config: Optional[dict]) -> list[str]:
+  """The suite categories a run asked for (its config's dataset.category) that have no
+  accuracy (every item a dead letter): the suite's headline, the mean over its
+  categories, is then None rather than the mean over the others. Summaries written
+  before 2026-12-06 left such a category out of `accuracy` (the report asks here too)."""
+  from pipelines.suite.items import CATEGORIES  # pylint: disable=g-import-not-at-top
+  asked = ((config or {}).get("dataset") or {}).get("category", "all")
+  return [c for c in (CATEGORIES if asked == "all" else [asked]) if accuracy.get(c) is None]
+
+
 def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, task: str,
               vote: bool = False, run: Optional[dict] = None, config: Optional[dict] = None) -> dict:
   """summary.json's content (see the module docstring for what each part means)."""
@@ -329,13 +339,7 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "run": run,
   }
   if task == "suite" and config is not None:
-    # A category the run asked for but has no record of (every item a dead letter) has no
-    # accuracy: the suite's headline, the mean over its categories, is then None rather
-    # than the mean over the others.
-    from pipelines.suite.items import CATEGORIES
-    asked = (config.get("dataset") or {}).get("category", "all")
-    missing = [c for c in (CATEGORIES if asked == "all" else [asked])
-               if c not in summary["accuracy"]]
+    missing = suite_missing_categories(summary["accuracy"], config)
     if missing:
       summary["accuracy"].update(dict.fromkeys(missing))
       summary["missing_categories"] = missing

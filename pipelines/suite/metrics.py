@@ -15,8 +15,9 @@ import collections
 from typing import Any, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
-from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, majority,
-                               pass_counts, per_token_latencies, percentile, scored_samples)
+from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, is_time,
+                               majority, pass_counts, per_token_latencies, percentile,
+                               scored_samples)
 from pipelines.tasks import mean_pass_at_k
 from pipelines.tasks.gsm8k import answer_key
 
@@ -66,8 +67,8 @@ def category_accuracy(category: str, records: Sequence[dict], vote: bool = False
 def latency_profile(records: Sequence[dict]) -> dict[str, Any]:
   """TTFT P50/P95, per-token P50/P90/P95 + CV + histogram, for one category's records."""
   per_token, source = per_token_latencies(records)
-  ttft = [float(r["timing"]["ttft_ms"]) for r in records
-          if r.get("timing") and r["timing"].get("ttft_ms") is not None]
+  ttft = [float(r["timing"]["ttft_ms"]) for r in records  # (measured times only)
+          if r.get("timing") and is_time(r["timing"].get("ttft_ms"))]
   mean = sum(per_token) / len(per_token) if per_token else None
   return {"ttft_ms": {"p50": _r(percentile(ttft, 50), 3), "p95": _r(percentile(ttft, 95), 3),
                       "count": len(ttft)},

@@ -395,6 +395,19 @@ def test_a_suite_run_missing_a_category_it_asked_for_has_no_headline():
   math = summarize([r for r in records if r["score"]["category"] == "math"], task="suite",
                    config={"dataset": {"category": "math"}})
   assert "missing_categories" not in math and report.accuracy_value(math) == 0.5
+  # A summary written before 2026-12-06 left the category out of `accuracy`: the report
+  # averaged the other four (0.5) and ranked it beside complete runs.
+  old = {k: v for k, v in s.items() if k != "missing_categories"}
+  old["accuracy"] = {k: v for k, v in s["accuracy"].items() if v is not None}
+  assert report.accuracy_value(old) is None
+  assert "no record of the suite categories summarization" in report.unscored_line(old)
+  # A record's time that is not finite (a hand-merged record) is no measurement in a
+  # category's latency profile either (it was NaN there, and summary.json not strict JSON).
+  timed = [dict(r, timing={**r["timing"], "ttft_ms": t})
+           for r, t in zip([r for r in records if r["score"]["category"] == "qa"],
+                           (100.0, float("nan")))]
+  qa = summarize(timed, task="suite")["categories"]["qa"]["ttft_ms"]
+  assert qa == {"p50": 100.0, "p95": 100.0, "count": 1}
 
 
 def test_pass_at_k_says_when_an_example_caps_k():
