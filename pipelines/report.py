@@ -296,7 +296,7 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
   tokens: its runs stand apart in the second panel only."""
   plt = _plt()
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  costs = ((lambda s: s["tokens"].get("completion_per_example", 0), "completion tokens per example"),
+  costs = ((lambda s: s["tokens"].get("completion_per_example") or 0, "completion tokens per example"),
            (seconds_per_example, "wall seconds per example"))
   accuracies = [accuracy_value(s) for _, s in runs]
   tasks = comparison_groups([s for _, s in runs])  # (task, data)
@@ -450,7 +450,7 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   runs = [(d.name, load_run(d)[0]) for d in dirs]
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
   seconds = [seconds_per_example(s) for _, s in runs]
-  tokens = [s["tokens"].get("completion_per_example", 0) for _, s in runs]
+  tokens = [s["tokens"].get("completion_per_example") or 0 for _, s in runs]
   groups = comparison_groups([s for _, s in runs])
   on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], groups)
               for cost in (tokens, seconds)]

@@ -320,8 +320,11 @@ def summarize(records: Sequence[dict], dead_letters: Sequence[dict] = (), *, tas
       "unscored": unscored(records, dead_letters),
       **_accuracy(groups, task, vote),
       "tokens": {**dict(sorted(tokens.items())),
-                 "completion_per_sample": _round(sum(completion) / max(len(records), 1), 2),
-                 "completion_per_example": _round(sum(completion) / max(len(groups), 1), 2)},
+                 # (None without a record: no measurement, not 0 tokens)
+                 "completion_per_sample": (_round(sum(completion) / len(records), 2)
+                                           if records else None),
+                 "completion_per_example": (_round(sum(completion) / len(groups), 2)
+                                            if groups else None)},
       "latency_ms": {**_stats(latency), "histogram": histogram(latency)},
       "latency_ms_per_token": {**_stats(per_token), "histogram": histogram(per_token),
                                "source": per_token_source, "count": len(per_token)},

@@ -351,6 +351,9 @@ def test_empty_and_all_unscored_runs_give_no_nan():
   s = summarize(only_errors, task="humaneval")
   json.dumps(s, allow_nan=False)
   assert s["pass_at_k"] == {} and s["accuracy"] == {"pass@1": None} and s["sample_accuracy"] is None
+  # No record: no tokens per example or sample (it read 0.0 in the comparison table).
+  empty = summarize([], task="gsm8k")["tokens"]
+  assert (empty["completion_per_example"], empty["completion_per_sample"]) == (None, None)
 
 
 # Checked against an independent reference of the harness rules (strings, not numbers:
