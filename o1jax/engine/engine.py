@@ -335,6 +335,10 @@ class RequestResult:
   def logprobs(self) -> list[float] | None:
     return self.samples[0].logprobs
 
+  @property
+  def top_logprobs(self):
+    return self.samples[0].top_logprobs
+
 
 @dataclasses.dataclass
 class StreamEvent:
@@ -776,9 +780,12 @@ class Engine:
     return group
 
   def add_request(self, request: Request | dict | str, index: int | None = None) -> _Group:
-    """Validates and queues one request; returns its handle."""
+    """Validates and queues one request; returns its handle. Without a request_id it is
+    numbered in arrival order on this engine (its sampling keys: unique among the requests
+    added, but dependent on that order; give a request_id for a stream of its own). (The
+    count of requests in flight was its number: two requests could share one stream.)"""
     with self._lock:
-      group = self._make_group(request, len(self._groups) if index is None else index)
+      group = self._make_group(request, self._arrivals if index is None else index)
       self._queue(group)
       return group
 
@@ -1652,6 +1659,9 @@ class Engine:
       return self._result(group)
 
   def _result(self, group: _Group) -> RequestResult:
+    if group not in self._groups:
+      raise ValueError(f"request {group.request_id!r} was cancelled or its result was already "
+                       f"collected")
     if group.unfinished:
       raise ValueError(f"request {group.request_id!r} has {group.unfinished} unfinished samples")
     self._groups.remove(group)

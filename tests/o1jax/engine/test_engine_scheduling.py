@@ -684,3 +684,28 @@ def test_a_prefill_chunk_padded_past_its_rows_blocks_fits_its_table(tiny, engine
   want = [r.token_ids for r in engine32.generate([Request(p, params) for p in prompts])]
   assert [engine.generate([Request(p, params)])[0].token_ids for p in prompts] == want
   assert engine.allocator.num_used == 0
+
+
+def test_requests_added_without_an_id_get_streams_of_their_own(engine32):
+  """add_request numbered a request by the requests in flight: A and B queued (0, 1), A
+  collected, then C got 1, B's number, and the two sampled identical tokens. Also: the
+  result of a cancelled or already collected request is one line (was list.remove's)."""
+  prompt = [40, 41, 42, 43, 44]
+  sampled = GenerationParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+  a = engine32.add_request(Request([7, 8, 9], GenerationParams(max_new_tokens=1)))
+  b = engine32.add_request(Request(prompt, sampled))
+  while a.unfinished:
+    engine32.step()
+  engine32.result(a)
+  c = engine32.add_request(Request(prompt, sampled))
+  engine32.run_until_idle()
+  assert b.key_id != c.key_id
+  rb, rc = engine32.result(b), engine32.result(c)
+  assert rb.token_ids != rc.token_ids and rb.top_logprobs is None
+  with pytest.raises(ValueError, match=r"^request .* was cancelled or its result was already "
+                                       r"collected$"):
+    engine32.result(c)
+  d = engine32.add_request(Request(prompt, sampled))
+  engine32.cancel(d)
+  with pytest.raises(ValueError, match=r"was cancelled or its result was already collected"):
+    engine32.result(d)
