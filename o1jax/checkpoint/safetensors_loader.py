@@ -48,8 +48,11 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 
 # transformers' defaults where a model's config class differs from LlamaConfig's (a key
 # config.json leaves out takes its class's default there).
-_CLASS_DEFAULTS = {"gemma3_text": {"rope_theta": 1e6, "sliding_window": 4096},
-                   "mistral": {"sliding_window": 4096}, "phi3": {"rms_norm_eps": 1e-5}}
+_CLASS_DEFAULTS = {
+    "gemma3_text": {"rope_theta": 1e6, "sliding_window": 4096, "head_dim": 256,
+                    "tie_word_embeddings": True},
+    "qwen3": {"head_dim": 128}, "smollm3": {"rope_theta": 2e6, "tie_word_embeddings": True},
+    "mistral": {"sliding_window": 4096}, "phi3": {"rms_norm_eps": 1e-5}}
 
 
 def _default(hf: dict, key: str, value):
@@ -229,7 +232,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
     eos_ids = _token_ids(hf, "eos_token_id", path, vocab, many=True)
     bos = _token_ids(hf, "bos_token_id", path, vocab, many=False)
     rope_theta, rope_scaling = _rope(hf, path)
-    head_dim = num("head_dim", default=0) or (d_model // n_heads if n_heads > 0 else 0)
+    head_dim = num("head_dim", default=0) or _default(
+        hf, "head_dim", d_model // n_heads if n_heads > 0 else 0)
     if model_type != "gemma3_text":  # (Gemma 3's is checked with its other switches)
       act = hf.get("hidden_act", "silu")
       if act != "silu":
@@ -249,7 +253,8 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
         ffn_dim=num("intermediate_size"), rope_theta=rope_theta,
         rope_scaling=rope_scaling, rms_eps=num("rms_norm_eps", float, _default(hf, "rms_norm_eps", 1e-6)),
         max_context=num("max_position_embeddings", default=2048),
-        tie_embeddings=_flag(hf, "tie_word_embeddings", path, model_type == "gemma3_text"),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", path,
+                             _default(hf, "tie_word_embeddings", False)),
         attention_bias=_flag(hf, "attention_bias", path, model_type == "qwen2"),
         qk_norm=model_type in ("qwen3", "gemma3_text"),
         bos_id=bos[0] if bos else None, eos_ids=eos_ids, architecture=model_type,

@@ -24,7 +24,7 @@ from pallas_kernels.f32_matmul import TiledF32Weight, pack as pack_f32
 from pallas_kernels.fp8_activations import Fp8ActivationWeight
 from pallas_kernels.quantized_tensor import QuantizedTensor, dequantize
 from pallas_kernels.quantized_tensor import concat_columns as concat_quantized_columns
-from pallas_kernels.vnni_matmul import VnniWeight, concat_columns, pack as pack_vnni
+from pallas_kernels.vnni_matmul import BLOCK as VNNI_BLOCK, VnniWeight, concat_columns, pack as pack_vnni
 
 WEIGHT_MODES = ("auto", "quantized", "dense")
 
@@ -37,7 +37,11 @@ def _pack_int8_matrices(params: Params) -> Params:
   q/k/v and gate/up projections are fused into one matrix each where their
   formats agree (same numbers, fewer kernel calls)."""
   is_matrix = lambda w: isinstance(w, QuantizedTensor) or getattr(w, "ndim", 0) == 2
-  pack = lambda name, w: jax.tree.map(device_array, pack_vnni(w, name)) if is_matrix(w) else w
+  # A dense matrix whose K is not whole blocks of the kernel's (e.g. 4 heads of 18) keeps
+  # its dense product (`ops.matmul` dispatches on the weight), the others take the kernel.
+  packs = lambda w: isinstance(w, QuantizedTensor) or w.shape[0] % VNNI_BLOCK == 0
+  pack = lambda name, w: (jax.tree.map(device_array, pack_vnni(w, name))
+                          if is_matrix(w) and packs(w) else w)
   out = dict(params)
   out["layers"] = []
   for i, layer in enumerate(params["layers"]):

@@ -937,11 +937,14 @@ def test_a_big_endian_gguf_loads_when_dense_and_is_refused_when_quantized(tmp_pa
 
 def test_hf_configs_are_read_with_transformers_defaults_and_refusals(tmp_path):
   """Keys a config.json leaves out take their class's default (Gemma 3's rope_theta 1e6 and
-  window 4096, Phi-3's eps 1e-5, Mistral's window 4096); Mistral's window is applied; an
+  window 4096, Phi-3's eps 1e-5, Mistral's window 4096, Qwen3's head_dim 128, SmolLM3's
+  rope_theta 2e6 and tied head); Mistral's window is applied; an
   activation other than SiLU, and Qwen's use_sliding_window, are refused."""
   cases = [
       ("gemma3", testing.tiny_gemma3_config(), ("rope_theta", "sliding_window"),
        {}, dict(rope_theta=1e6, sliding_window=4096)),
+      ("smollm3", testing.tiny_config(architecture="smollm3"),
+       ("rope_theta", "tie_word_embeddings"), {}, dict(rope_theta=2e6, tie_embeddings=True)),
       ("phi3", testing.tiny_config(architecture="phi3"), ("rms_norm_eps",), {},
        dict(rms_eps=1e-5)),
       ("mistral_default", testing.tiny_config(architecture="mistral"), ("sliding_window",), {},
@@ -974,6 +977,16 @@ def test_hf_configs_are_read_with_transformers_defaults_and_refusals(tmp_path):
     for read in (check_checkpoint, load_checkpoint):
       with pytest.raises(CheckpointError, match=rf"^{hf}/config.json: {message}"):
         read(hf)
+  # A head size left out is the class's (Qwen3: 128), not d_model / heads: here the
+  # tensors (16 a head) then disagree with it, as transformers would find too.
+  hf = tmp_path / "qwen3_head"
+  testing.write_hf_checkpoint(hf, testing.tiny_config(architecture="qwen3", qk_norm=True))
+  value = json.loads((hf / "config.json").read_text())
+  value.pop("head_dim", None)
+  (hf / "config.json").write_text(json.dumps(value))
+  with pytest.raises(CheckpointError, match=r"q_proj.weight' has shape \(64, 64\), expected "
+                                            r"\(512, 64\)"):
+    check_checkpoint(hf)
 
 
 _ORBAX_SPEC_MUTANTS = {

@@ -77,3 +77,20 @@ def test_int8_quantizes_dense_checkpoints_to_q8_0(tmp_path):
   got = _logits(model, ck.config, _tokens(4))
   # Q8_0 weights (2^-8 of each block's largest weight) dominate the error here.
   assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
+
+
+def test_int8_keeps_a_matrix_whose_k_is_not_whole_blocks_dense(tmp_path):
+  """4 heads of 18: the output projection's K is 72, not whole 32-row blocks (the model
+  was refused in int8 mode, which `fast=True` picks on this machine): that matrix keeps
+  its dense product, the others take the kernel."""
+  config = tiny_config(d_model=64, n_heads=4, n_kv_heads=1, head_dim=18, ffn_dim=128,
+                       max_context=64)
+  write_hf_checkpoint(tmp_path, config, seed=7)
+  ck = load_checkpoint(tmp_path)
+  model = Llama(ck.config, ck.params, matmul_dtype="int8")
+  layer = model.layers[0]
+  assert not isinstance(layer.wo.get_value(), VnniWeight)
+  assert isinstance(layer.w_down.get_value(), VnniWeight)
+  want = _logits(Llama(ck.config, ck.params), ck.config, _tokens(4))
+  got = _logits(model, ck.config, _tokens(4))
+  assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
