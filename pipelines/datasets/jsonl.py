@@ -250,6 +250,26 @@ def _record(path: str, number: int, obj: Any) -> Union[JsonLine, DeadLetter]:
   return JsonLine(path, number, json.dumps(obj, ensure_ascii=False, default=str), obj)
 
 
+def _first_line_closes(text: str) -> bool:
+  """Whether the first line holds one whole bracketed value and more lines follow (a JSON
+  Lines file whose first line is nested too deeply for the decoder), read without
+  recursion: its brackets outside strings close by its end."""
+  first, _, rest = text.lstrip().partition("\n")
+  depth, in_string, escaped = 0, False, False
+  for ch in first:
+    if in_string:
+      escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+    elif ch == '"':
+      in_string = True
+    elif ch in "[{":
+      depth += 1
+    elif ch in "]}":
+      depth -= 1
+      if depth == 0:
+        return bool(rest.strip())
+  return False
+
+
 def _json_array_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   """The elements of a file holding one JSON array. A file that starts with a JSON value
   followed by more (JSON Lines whose first line is an array) is read as JSON Lines."""
@@ -262,13 +282,20 @@ def _json_array_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   except json.JSONDecodeError as e:
     try:
       json.JSONDecoder().raw_decode(text.lstrip())
-    except (json.JSONDecodeError, RecursionError, ValueError):
+    except RecursionError:
+      if not _first_line_closes(text):
+        raise DatasetError(f"dataset file {path} is a JSON array that does not parse: nested "
+                           f"too deeply") from None
+    except (json.JSONDecodeError, ValueError):
       raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e.msg} "
                          f"(line {e.lineno} column {e.colno})") from None
     yield from iter_json_lines(path)  # a first value and more: JSON Lines
     return
   except (RecursionError, ValueError) as e:
-    raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e}") from None
+    if not (isinstance(e, RecursionError) and _first_line_closes(text)):
+      raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e}") from None
+    yield from iter_json_lines(path)  # a first line too deep to decode, then more lines
+    return
   if not isinstance(items, list):  # "[" then a parse to something else cannot happen
     raise DatasetError(f"dataset file {path} holds a JSON {type(items).__name__}, not an array")
   for number, obj in enumerate(items, start=1):

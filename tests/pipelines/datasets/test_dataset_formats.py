@@ -94,6 +94,16 @@ def test_jsonl_whose_first_line_is_an_array_stays_jsonl(tmp_path):
   got = list(read_gsm8k_jsonl(str(path)))
   assert isinstance(got[0], DeadLetter) and got[0].reason == "expected a JSON object, got list"
   assert isinstance(got[1], Example) and got[1].id == "gsm8k/test/1"
+  # A first line nested too deeply to decode ended the run ("a JSON array that does not
+  # parse"): a dead letter, and the next line runs; a deep array file stays one error.
+  deep = "[" * 100000 + "]" * 100000
+  path.write_text(deep + "\n" + json.dumps(GSM[0]) + "\n")
+  got = list(read_gsm8k_jsonl(str(path)))
+  assert got[0].reason == "invalid JSON: nested too deeply" and isinstance(got[1], Example)
+  array = tmp_path / "deep.json"
+  array.write_text("[\n" + deep + "\n]\n")
+  with pytest.raises(DatasetError, match=r"is a JSON array that does not parse"):
+    list(read_gsm8k_jsonl(str(array)))
 
 
 def test_parquet_cells_become_json_values(tmp_path):
