@@ -102,6 +102,8 @@ def main(argv=None) -> int:
                        "in the prompt, or drop --raw")
     if args.raw:
       prompt = args.prompt
+    elif tokenizer.chat_unavailable() is not None:  # (a base model: the flag that helps)
+      raise ValueError(f"{tokenizer.chat_unavailable()}: send the prompt as text with --raw")
     else:
       messages = ([{"role": "system", "content": args.system}] if args.system else [])
       prompt = messages + [{"role": "user", "content": args.prompt}]

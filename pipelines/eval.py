@@ -284,6 +284,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     _check_model(plan, direct)
     scan = _scan(plan, out, console)
     check_engine_pool(plan, scan.items)
+    _check_chat(plan, scan.items, direct)
     return _run_locked(config, plan, options, scan, store, out, beam_flags, local=local,
                        direct=direct, clock=clock, loader=loader, progress=progress,
                        report=report, console=console)
@@ -618,6 +619,25 @@ def _check_model(plan, direct: bool) -> None:
       check_draft_vocabulary(configs[model], configs[draft])
     except ValueError as e:
       raise ValueError(f"speculative.draft_source={draft}: {e}") from e
+
+
+def _check_chat(plan, items, direct: bool) -> None:
+  """Chat prompts for a checkpoint that cannot render them (a base model such as Gemma 3
+  270M: no template, no ChatML tokens): every sample failed in the workers and the run
+  ended with none scored. Named here, with the settings that give text prompts."""
+  from pipelines.predictors import model_sources
+  sources = model_sources(plan.predictor)
+  if not sources or not (direct or os.path.exists(sources[0])):
+    return
+  if not any(isinstance(item.prompt, list) for item in items):
+    return
+  from o1jax.checkpoint import load_tokenizer
+  why = load_tokenizer(sources[0]).chat_unavailable()
+  if why is not None:
+    raise ValueError(f"model.source={sources[0]}: {why}, and this job's prompts are chat "
+                     f"messages: give a text prompt style (prompt.style=fewshot for gsm8k, "
+                     f"completion for humaneval and custom, prompt.code_style=completion for "
+                     f"the suite's code; its other categories need a chat model)")
 
 
 def _no_examples(plan, scan, out: str) -> ValueError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 
@@ -23,23 +24,28 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   if fmt not in ("orbax", "safetensors"):
     raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
   existed = os.path.exists(dst)
-  new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
-  t0 = time.perf_counter()
+  out = new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
   try:
+    t0 = time.perf_counter()
     ck = load_checkpoint(src)
-  except Exception:
-    if not existed:
-      os.rmdir(dst)
+    src_s = time.perf_counter() - t0
+    if fmt == "orbax":
+      save_orbax(dst, ck.config, ck.params, ck.tokenizer)
+    else:  # safetensors (the format was checked first)
+      save_safetensors(dst, ck.config, ck.params)
+      ck.tokenizer.save(dst)
+    t0 = time.perf_counter()
+    load_checkpoint(dst)  # what was written loads (else it is removed: no broken copy stays)
+    dst_s = time.perf_counter() - t0
+  except BaseException:
+    # The destination as it was (absent, or empty): a refused save left an empty directory
+    # and a copy that did not load stayed, refused by every later load and rerun.
+    if existed:
+      for child in out.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    else:
+      shutil.rmtree(out, ignore_errors=True)
     raise
-  src_s = time.perf_counter() - t0
-  if fmt == "orbax":
-    save_orbax(dst, ck.config, ck.params, ck.tokenizer)
-  else:  # safetensors (the format was checked first)
-    save_safetensors(dst, ck.config, ck.params)
-    ck.tokenizer.save(dst)
-  t0 = time.perf_counter()
-  load_checkpoint(dst)
-  dst_s = time.perf_counter() - t0
   return {"source_format": ck.format, "source_load_s": src_s, "converted_load_s": dst_s}
 
 

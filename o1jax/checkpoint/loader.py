@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from o1jax.checkpoint import gguf_loader, orbax_io, safetensors_loader
-from o1jax.checkpoint.embedded import resolve_source
+from o1jax.checkpoint.embedded import NAMED_MODELS, resolve_source
 from o1jax.checkpoint.errors import CheckpointError
 from o1jax.checkpoint.model_config import ModelConfig
 from o1jax.checkpoint.params import Params
@@ -43,7 +43,9 @@ def detect_format(path: pathlib.Path) -> str:
                           f"nor config.json (HF safetensors)")
   if path.exists():  # a device, a pipe, a socket
     raise CheckpointError(f"{path}: not a regular file or a directory")
-  raise CheckpointError(f"{path}: no such file or directory")
+  named = ("" if len(path.parts) > 1 or path.suffix else
+           f" (and not a named model: {', '.join(NAMED_MODELS)})")  # (a name mistyped)
+  raise CheckpointError(f"{path}: no such file or directory{named}")
 
 
 def check_checkpoint(source: str | os.PathLike = EMBEDDED) -> ModelConfig:
@@ -121,6 +123,15 @@ def _check_finite(path, params: Params) -> None:
         raise CheckpointError(f"{path}: tensor {name!r} has {bad} non-finite {field} (NaN or "
                               f"inf) of {np.size(array)}: the file is corrupt, or the model's "
                               f"training diverged")
+
+
+def load_tokenizer(source: str | os.PathLike = EMBEDDED) -> Tokenizer:
+  """The tokenizer of a checkpoint (as `load_checkpoint` builds it), without its weights."""
+  path = resolve_source(source)
+  fmt = detect_format(path)
+  if fmt == "gguf":
+    return Tokenizer.from_gguf_metadata(gguf_loader.read_tokenizer_metadata(path), path)
+  return Tokenizer.load(path / "tokenizer" if fmt == "orbax" else path)
 
 
 def load_checkpoint(source: str | os.PathLike = EMBEDDED) -> LoadedCheckpoint:

@@ -333,7 +333,7 @@ def expected_tensors(config: ModelConfig, stored: bool = True
   shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,),
             "bv": (kv,), "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f), "q_norm": (hd,),
             "k_norm": (hd,), "wqkv": (q + 2 * kv, d), "w_gate_up": (2 * f, d)}
-  gemma = config.architecture == "gemma3_text"
+  gemma = config.architecture in ("gemma3_text", "gemma3")  # (a GGUF's config says gemma3)
   names = _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
   if stored and config.architecture == "phi3":
     parts = {name for fused in FUSED_PARTS.values() for name in fused}
@@ -424,7 +424,11 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
   """Writes config.json + model.safetensors (quantized weights dequantized)."""
   from safetensors.numpy import save_file
 
-  if config.post_norms or config.sliding_window is not None or config.architecture == "phi3":
+  # (Mistral's window on every layer has its key; a window elsewhere, Gemma's or Phi-3's
+  # layouts do not)
+  mistral_window = config.architecture == "mistral" and config.sliding_window_pattern == 0
+  if config.post_norms or config.architecture == "phi3" or (
+      config.sliding_window is not None and not mistral_window):
     raise CheckpointError(f"saving a {config.architecture!r} model as safetensors is not "
                           f"supported (Llama-family layouts only)")
   directory = new_checkpoint_dir(directory)
@@ -446,6 +450,8 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
       "rope_scaling": config.rope_scaling, "rms_norm_eps": config.rms_eps,
       "max_position_embeddings": config.max_context, "tie_word_embeddings": config.tie_embeddings,
       "attention_bias": config.attention_bias, "bos_token_id": config.bos_id,
+      # (Mistral's class default is a window of 4096: no window is written as null)
+      **({"sliding_window": config.sliding_window} if config.architecture == "mistral" else {}),
       **({"no_rope_layers": [int(i not in config.nope_layers) for i in range(config.n_layers)]}
          if config.nope_layers else {}),
       "eos_token_id": list(config.eos_ids), "torch_dtype": np.dtype(dtype).name,

@@ -221,6 +221,15 @@ class Tokenizer:
   def token_to_id(self, token: str) -> int | None:
     return self.backend.token_to_id(token)
 
+  def chat_unavailable(self) -> str | None:
+    """Why chat messages cannot be rendered, or None: a checkpoint without a chat template
+    whose vocabulary lacks the ChatML fallback's tokens (a base model such as Gemma 3 270M:
+    ChatML would be plain text to it)."""
+    if not self.has_chat_template and self.token_to_id("<|im_start|>") is None:
+      return ("this checkpoint has no chat template, and the ChatML fallback's <|im_start|> "
+              "is not in its vocabulary")
+    return None
+
   def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
     """Renders chat messages ([{"role", "content"}]) with the checkpoint's template.
 
@@ -238,10 +247,9 @@ class Tokenizer:
         messages[i] = {**m, "content": _text_of_parts(m["content"], i)}
       elif not isinstance(m["content"], str):
         raise ValueError(f"chat message {i}'s content must be a str, got {m['content']!r}")
-    if not self.has_chat_template and self.token_to_id("<|im_start|>") is None:
-      # e.g. a base (pretrained) model such as Gemma 3 270M: ChatML would be plain text to it
-      raise ValueError("this checkpoint has no chat template, and the ChatML fallback's "
-                       "<|im_start|> is not in its vocabulary: give the prompt as plain text")
+    why = self.chat_unavailable()
+    if why is not None:
+      raise ValueError(f"{why}: give the prompt as plain text")
     bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
     eos = self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
     try:

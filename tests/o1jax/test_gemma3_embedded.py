@@ -72,3 +72,19 @@ def test_generate_cli_continues_a_prompt():
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr
   assert len(out.stdout.split()) >= 5 and "tok/s" in out.stderr
+
+
+def test_a_chat_prompt_for_the_base_model_names_what_helps(tmp_path):
+  """The CLI without --raw, and the pipeline with a chat prompt style, each one line naming
+  the setting (the CLI said "give the prompt as plain text"; the pipeline sent every sample
+  to dead letters, then ended with none scored)."""
+  from o1jax.checkpoint import load_tokenizer
+  assert "no chat template" in load_tokenizer("gemma3-270m").chat_unavailable()
+  cli = subprocess.run([sys.executable, "-m", "o1jax.generate", "--model", "gemma3-270m",
+                        "--prompt", PROMPT], capture_output=True, text=True, timeout=600)
+  assert cli.returncode == 2 and cli.stderr.strip().splitlines()[-1].endswith(
+      "send the prompt as text with --raw")
+  job = subprocess.run([sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True",
+                        "--config.model.source=gemma3-270m", f"--output_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=600)
+  assert job.returncode == 2 and "give a text prompt style (prompt.style=fewshot" in job.stderr

@@ -605,3 +605,30 @@ def test_runner_values_are_named_before_any_work(tmp_path, key, value, beam_flag
   with pytest.raises(ValueError, match=message):
     run(cfg, str(tmp_path / "out"), beam_flags, clock=FakeClock(), progress=False, report=False)
   assert _nothing_written(tmp_path / "out")
+
+
+def test_chat_prompts_for_a_model_without_chat_are_found_by_the_launcher(tmp_path, monkeypatch):
+  """A base model (Gemma 3 270M: no chat template, no ChatML tokens) with a chat prompt
+  style: every sample went to dead letters in the workers ("give the prompt as plain
+  text"), the run ended with none scored. Now one line naming the settings to change."""
+  import tokenizers
+  from tokenizers import models
+  import o1jax.checkpoint
+  from o1jax.checkpoint import Tokenizer
+  from o1jax.testing import tiny_config, write_gguf_checkpoint
+  base = Tokenizer(tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[])),
+                   bos_id=None, eos_ids=[1], add_bos=False, chat_template=None)
+  assert "no chat template" in base.chat_unavailable()
+  with pytest.raises(ValueError, match=r"no chat template.*: give the prompt as plain text$"):
+    base.encode_chat([{"role": "user", "content": "a"}])
+  model = tmp_path / "tiny.gguf"
+  write_gguf_checkpoint(model, tiny_config())
+  assert o1jax.checkpoint.load_tokenizer(model).chat_unavailable() is None  # (ChatML tokens)
+  monkeypatch.setattr(o1jax.checkpoint, "load_tokenizer", lambda source: base)
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data, predictor="engine", source=str(model))
+  assert cfg.prompt.style == "chat"
+  with pytest.raises(ValueError, match=rf"^model\.source={model}: this checkpoint has no chat "
+                                       r"template.*give a text prompt style \(prompt.style="):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")

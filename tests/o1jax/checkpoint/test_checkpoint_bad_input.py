@@ -902,6 +902,10 @@ def test_an_odd_head_size_and_an_unknown_merge_token_are_named(tiny_gguf, tmp_pa
       read(p)
   with pytest.raises(CheckpointError, match=r"^/dev/null: not a regular file or a directory$"):
     check_checkpoint("/dev/null")
+  # A mistyped model name: the names it could have meant.
+  with pytest.raises(CheckpointError, match=r"^gemma-270m: no such file or directory \(and not "
+                                            r"a named model: embedded, gemma3-270m\)$"):
+    check_checkpoint("gemma-270m")
 
 
 def test_a_big_endian_gguf_loads_when_dense_and_is_refused_when_quantized(tmp_path, monkeypatch):

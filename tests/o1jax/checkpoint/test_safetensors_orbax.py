@@ -1,6 +1,7 @@
 """HF safetensors import, orbax conversion, and identical logits across formats."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -64,6 +65,31 @@ def test_tiny_gguf_safetensors_orbax_give_identical_logits(tmp_path):
   assert orbax_ck.tokenizer.encode(text) == ck.tokenizer.encode(text)
 
 
+def test_a_gemma3_gguf_and_a_windowed_mistral_convert_and_load_back(tmp_path):
+  """A Gemma 3 GGUF's config says "gemma3" (HF: gemma3_text): its orbax copy was checked
+  against Llama's tensor names and refused its post-norms. A Mistral's window on every
+  layer is written to config.json (absent, transformers' default window of 4096 applies)."""
+  gguf_path = tmp_path / "gemma.gguf"
+  testing.write_gguf_checkpoint(gguf_path, testing.tiny_gemma3_config(), seed=2)
+  ck = load_checkpoint(gguf_path)
+  save_orbax(tmp_path / "orbax", ck.config, ck.params, ck.tokenizer)
+  orbax_ck = load_checkpoint(tmp_path / "orbax")
+  assert orbax_ck.config == ck.config
+  np.testing.assert_array_equal(_logits(orbax_ck), _logits(ck))
+  for window in (4, None):
+    hf = tmp_path / f"mistral{window}"
+    testing.write_hf_checkpoint(hf, testing.tiny_config(architecture="mistral"))
+    value = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**value, "sliding_window": window}))
+    mistral = load_checkpoint(hf)
+    save_safetensors(tmp_path / f"copy{window}", mistral.config, mistral.params)
+    mistral.tokenizer.save(tmp_path / f"copy{window}")
+    copy = load_checkpoint(tmp_path / f"copy{window}")
+    assert (copy.config.sliding_window, copy.config.sliding_window_pattern) == (
+        (window, 0) if window else (None, 1))
+    np.testing.assert_array_equal(_logits(copy), _logits(mistral))
+
+
 @pytest.mark.slow
 def test_embedded_model_identical_logits_across_formats(tmp_path, embedded_checkpoint):
   """GGUF -> orbax via the convert script, GGUF -> safetensors; same logits bit for bit."""
@@ -77,6 +103,26 @@ def test_embedded_model_identical_logits_across_formats(tmp_path, embedded_check
   ref = _logits(ck, ids)
   np.testing.assert_array_equal(_logits(load_checkpoint(tmp_path / "orbax"), ids), ref)
   np.testing.assert_array_equal(_logits(load_checkpoint(tmp_path / "hf"), ids), ref)
+
+
+def test_a_conversion_that_fails_leaves_the_destination_as_it_was(tmp_path):
+  """A refused save (Gemma 3 as safetensors) left an empty directory, and a copy that did
+  not load stayed: every later load and rerun refused it."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "convert_checkpoint", pathlib.Path(__file__).resolve().parents[3] / "scripts" / "convert_checkpoint.py")
+  convert = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(convert)
+  gemma = tmp_path / "gemma.gguf"
+  testing.write_gguf_checkpoint(gemma, testing.tiny_gemma3_config(), seed=2)
+  with pytest.raises(CheckpointError, match="saving a 'gemma3' model as safetensors is not supported"):
+    convert.convert(str(gemma), str(tmp_path / "new"), "safetensors")
+  assert not (tmp_path / "new").exists()
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(CheckpointError):
+    convert.convert(str(gemma), str(tmp_path / "empty"), "safetensors")
+  assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
+  assert convert.convert(str(gemma), str(tmp_path / "new"))["source_format"] == "gguf"
 
 
 def test_hf_errors_name_the_file(tmp_path):
