@@ -279,6 +279,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   check_writable(out)
   lock = lock_output_dir(out) if is_local(out) else None  # one run at a time in a directory
   try:
+    _check_same_task(out, str(config.task))
     store = ResultStore(plan.store_dir)
     store.check_writable()
     _check_model(plan, direct)
@@ -423,6 +424,22 @@ LOCK_NAME = ".o1jax-eval.lock"
 # What a finished run writes next to the store: all made from the store's records.
 RESULT_FILES = ("results.jsonl", "dead_letters.jsonl", "summary.json", "report.md",
                 "latency_histogram.png", "latency_heatmap.png", "reasoning.png")
+
+
+def _check_same_task(out: str, task: str) -> None:
+  """An output directory holding another task's run (every config defaults to
+  runs/default: a suite run replaced the default GSM8K run's results.jsonl, summary.json
+  and report.md) is refused; the same task's resumes there (its store serves it)."""
+  from pipelines.beam.store import OutputError, is_local
+  if not is_local(out):
+    return
+  try:
+    held = json.loads(pathlib.Path(out, "summary.json").read_text()).get("task")
+  except (OSError, ValueError, AttributeError):  # none yet, or not ours to read
+    return
+  if isinstance(held, str) and held != task:
+    raise OutputError(f"{out} holds a {held} run (summary.json): give this {task} run its own "
+                      f"--output_dir")
 
 
 def lock_output_dir(out: str) -> int:

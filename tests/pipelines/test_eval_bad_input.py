@@ -632,3 +632,18 @@ def test_chat_prompts_for_a_model_without_chat_are_found_by_the_launcher(tmp_pat
                                        r"template.*give a text prompt style \(prompt.style="):
     _run(cfg, tmp_path / "out")
   assert _nothing_written(tmp_path / "out")
+
+
+def test_an_output_dir_holding_another_tasks_run_is_refused(tmp_path):
+  """Every config defaults to runs/default: a suite or HumanEval run there replaced the
+  default GSM8K run's results.jsonl, summary.json and report.md. The same task resumes."""
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  out = tmp_path / "out"
+  _run(_config(data), out)
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["task"] == "custom"
+  _run(_config(data), out)  # the same task: a resume
+  (out / "summary.json").write_text(json.dumps({**summary, "task": "gsm8k"}))
+  with pytest.raises(OutputError, match=rf"^{out} holds a gsm8k run \(summary.json\): give this "
+                                        r"custom run its own --output_dir$"):
+    _run(_config(data), out)
