@@ -279,7 +279,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   check_writable(out)
   lock = lock_output_dir(out) if is_local(out) else None  # one run at a time in a directory
   try:
-    _check_same_task(out, str(config.task))
+    _check_same_task(out, plan.task.name)
     store = ResultStore(plan.store_dir)
     store.check_writable()
     _check_model(plan, direct)

@@ -278,6 +278,11 @@ def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
         raise CheckpointError(f"{index}: weight_map[{name!r}]={f!r} is not the name of a file "
                               f"beside it")
     files = sorted({directory / f for f in weight_map.values()})
+  elif (directory / "model.safetensors").is_file():
+    # As transformers: without an index, the weights are model.safetensors (a directory may
+    # also hold another layout's copy, e.g. Mistral's consolidated.safetensors, or an
+    # adapter's file)
+    files = [directory / "model.safetensors"]
   else:
     files = sorted(directory.glob("*.safetensors"))
   if not files:
@@ -359,7 +364,7 @@ def _check_tensors(directory, config: ModelConfig, headers: dict) -> None:
       unread_tail=f" by the model config.json describes (attention_bias={config.attention_bias}, "
                   f"model_type {config.architecture!r})",
       # (transformers < 4.31 saved each layer's rotary table; it is computed from the config)
-      ignored=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+      ignored=r"model\.(layers\.\d+\.self_attn\.)?rotary_emb(_local)?\.inv_freq",
       model=f"a {config.architecture!r} model")
 
 

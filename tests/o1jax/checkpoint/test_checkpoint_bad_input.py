@@ -450,8 +450,11 @@ def _with_tensors(extra=(), shard2=False):
     tensors = load_file(str(d / "model.safetensors"))
     tensors.update({name: np.zeros(shape, np.float32) for name, shape in extra})
     save_file(tensors, str(d / "model.safetensors"))
-    if shard2:
+    if shard2:  # (an index lists both: without one, model.safetensors alone is read)
       shutil.copy(d / "model.safetensors", d / "model2.safetensors")
+      (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+          name: ("model.safetensors" if i % 2 else "model2.safetensors")
+          for i, name in enumerate(sorted(tensors))}}))
   return edit
 
 
@@ -839,7 +842,14 @@ def test_a_tensor_the_model_has_no_place_for_is_named(tmp_path):
         read(hf)
   hf = tmp_path / "inv_freq"  # transformers < 4.31 saved it; computed from the config
   testing.write_hf_checkpoint(hf, config)
-  _with_tensors([("model.layers.0.self_attn.rotary_emb.inv_freq", (config.head_dim // 2,))])(hf)
+  _with_tensors([("model.layers.0.self_attn.rotary_emb.inv_freq", (config.head_dim // 2,)),
+                 ("model.rotary_emb.inv_freq", (config.head_dim // 2,))])(hf)
+  assert load_checkpoint(hf).config == check_checkpoint(hf)
+  # Without an index the weights are model.safetensors, as transformers reads them: another
+  # layout's copy beside it (Mistral's consolidated.safetensors) is not read.
+  from safetensors.numpy import save_file
+  save_file({"layers.0.attention.wq.weight": np.zeros((4, 4), np.float32)},
+            str(hf / "consolidated.safetensors"))
   assert load_checkpoint(hf).config == check_checkpoint(hf)
 
 
