@@ -1012,7 +1012,9 @@ class Controller:
     if mesh is not None:
       cache_bytes //= dict(mesh.shape).get(tensor_parallel.MODEL_AXIS, 1)
     check_fits_device(
-        cache_bytes + 4 * rows * (length + settings.conf_window),
+        # the tokens (i32) and the four f32 position arrays (conf_pos, lp_run, conf_run,
+        # low_run) per position, the window per row
+        cache_bytes + 4 * rows * (5 * length + settings.conf_window),
         f"the reasoning loop ({rows} rows for n={n}, {length} positions each, conf_window "
         f"{settings.conf_window})",
         "n, max_rows, the token budgets (max_thinking_tokens, max_answer_tokens, "
