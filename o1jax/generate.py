@@ -100,10 +100,11 @@ def main(argv=None) -> int:
     if args.raw and args.system is not None:  # (it was dropped without a word)
       raise ValueError("--system goes into the chat template, which --raw leaves out: put it "
                        "in the prompt, or drop --raw")
+    no_chat = None if args.raw else tokenizer.chat_unavailable()
+    if no_chat is not None:  # (a base model: the flag that helps)
+      raise ValueError(f"{no_chat}: send the prompt as text with --raw")
     if args.raw:
       prompt = args.prompt
-    elif tokenizer.chat_unavailable() is not None:  # (a base model: the flag that helps)
-      raise ValueError(f"{tokenizer.chat_unavailable()}: send the prompt as text with --raw")
     else:
       messages = ([{"role": "system", "content": args.system}] if args.system else [])
       prompt = messages + [{"role": "user", "content": args.prompt}]

@@ -43,9 +43,7 @@ def unscored_line(summary: dict) -> str:
   samples, examples = int(lost.get("samples") or 0), int(lost.get("examples") or 0)
   unknown = int(lost.get("unidentified") or 0)
   errors = int(summary.get("sandbox_errors") or 0)
-  missing = summary.get("missing_categories") or (
-      suite_missing_categories(summary.get("accuracy") or {}, summary.get("config"))
-      if summary.get("task") == "suite" and summary.get("config") else [])
+  missing = _missing_categories(summary)
   if not (samples or examples or unknown or errors or missing):
     return ""
   parts = ([f"{samples} samples went to dead letters (dead_letters.jsonl)"] if samples else []) + (
@@ -200,13 +198,23 @@ def _headline_metric(summary: dict) -> Optional[str]:
   return None
 
 
+def _missing_categories(summary: dict) -> list[str]:
+  """The suite categories a run asked for and has no accuracy of: as its summary says, or
+  (a summary written before 2026-12-06) read from its accuracy and config."""
+  if summary.get("task") != "suite":
+    return []
+  if summary.get("missing_categories") or not summary.get("config"):  # (no config: not known)
+    return summary.get("missing_categories") or []
+  return suite_missing_categories(summary.get("accuracy") or {}, summary["config"])
+
+
 def accuracy_value(summary: dict) -> Optional[float]:
   """Headline accuracy (`HEADLINE_METRICS`); the suite's is the mean of its categories'
   headlines (None while one has none)."""
   acc = summary.get("accuracy") or {}
   if summary.get("task") == "suite":
     values = list(acc.values())
-    if not values or None in values or suite_missing_categories(acc, summary.get("config")):
+    if not values or None in values or _missing_categories(summary):
       return None
     return round(sum(values) / len(values), 4)
   k = _headline_metric(summary)

@@ -251,9 +251,9 @@ def _record(path: str, number: int, obj: Any) -> Union[JsonLine, DeadLetter]:
 
 
 def _first_line_closes(text: str) -> bool:
-  """Whether the first line holds one whole bracketed value and more lines follow (a JSON
-  Lines file whose first line is nested too deeply for the decoder), read without
-  recursion: its brackets outside strings close by its end."""
+  """Whether the first line holds one whole bracketed value and more lines follow: JSON
+  Lines whose first line is an array (one nested too deeply for the decoder too), read
+  without recursion: its brackets outside strings close on it."""
   first, _, rest = text.lstrip().partition("\n")
   depth, in_string, escaped = 0, False, False
   for ch in first:
@@ -279,23 +279,13 @@ def _json_array_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
   text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
   try:
     items = json.loads(text)
-  except json.JSONDecodeError as e:
-    try:
-      json.JSONDecoder().raw_decode(text.lstrip())
-    except RecursionError:
-      if not _first_line_closes(text):
-        raise DatasetError(f"dataset file {path} is a JSON array that does not parse: nested "
-                           f"too deeply") from None
-    except (json.JSONDecodeError, ValueError):
-      raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e.msg} "
-                         f"(line {e.lineno} column {e.colno})") from None
-    yield from iter_json_lines(path)  # a first value and more: JSON Lines
-    return
-  except (RecursionError, ValueError) as e:
-    if not (isinstance(e, RecursionError) and _first_line_closes(text)):
-      raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {e}") from None
-    yield from iter_json_lines(path)  # a first line too deep to decode, then more lines
-    return
+  except (json.JSONDecodeError, RecursionError, ValueError) as e:
+    if _first_line_closes(text):  # a first value, then more lines (or one nested too deeply)
+      yield from iter_json_lines(path)
+      return
+    why = (f"{e.msg} (line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError)
+           else str(e))
+    raise DatasetError(f"dataset file {path} is a JSON array that does not parse: {why}") from None
   if not isinstance(items, list):  # "[" then a parse to something else cannot happen
     raise DatasetError(f"dataset file {path} holds a JSON {type(items).__name__}, not an array")
   for number, obj in enumerate(items, start=1):
