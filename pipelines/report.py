@@ -375,8 +375,12 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   out += ["", "## Accuracy", ""]
   ci = summary.get("accuracy_ci95") or {}
   interval = lambda k: f"{num(ci[k][0], 4)} .. {num(ci[k][1], 4)}" if ci.get(k) else ""
+  # (a suite's samples are "correct" by their category's own rule, e.g. every key fact of a
+  # summary found: their mean is not the categories' headline)
+  per_sample = ("per-sample `correct` (mean over categories' samples)" if summary["task"] == "suite"
+                else "per-sample (mean)")
   out.append(table([[k, num(v, 4), interval(k)] for k, v in (summary.get("accuracy") or {}).items()]
-                   + [["per-sample (mean)", num(summary.get("sample_accuracy"), 4), ""]],
+                   + [[per_sample, num(summary.get("sample_accuracy"), 4), ""]],
                    ["metric", "value", "95% interval (Wilson, over examples)"]))
   if summary.get("pass_at_k"):
     out += ["", "### pass@k", "", table([[f"pass@{k}", num(v, 4)] for k, v in summary["pass_at_k"].items()],

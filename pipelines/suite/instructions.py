@@ -82,19 +82,25 @@ def _words(text: str) -> int:
 # sentence ("Dr. Smith left." is one sentence).
 _ABBREVIATIONS = ("mr", "mrs", "ms", "dr", "st", "prof", "jr", "sr", "vs", "etc", "inc", "ltd",
                   "e.g", "i.e", "fig")
-_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$|[\"')\]]|[A-Z])")
+# (markdown emphasis may close after the mark: "**Go at low tide.** Bring boots.")
+_SENTENCE_END = re.compile(r"[.!?\u2026]+(?=[*_]*(?:\s|$|[\"')\]]|[A-Z]))")
 
 
 def _sentences(text: str) -> int:
   """Sentences: text ending at . ! ? before a space, the end, a closing quote or bracket,
-  or a capital ("Hello.World." is two), except after an abbreviation or an initial, and
-  not inside a number ("3.14")."""
+  or a capital ("Hello.World." is two), markdown emphasis closed between ("*One.* Two."
+  is two), except after an abbreviation or an initial, at an ellipsis the sentence goes
+  on after in lower case ("Hi... there." is one, as Punkt reads it), and not inside a
+  number ("3.14")."""
   count, start = 0, 0
   for end in _SENTENCE_END.finditer(text):
     before = re.search(r"([\w.]+)$", text[start:end.start()])
     word = before.group(1).lower() if before else ""
     if end.group() == "." and (word in _ABBREVIATIONS or re.fullmatch(r"[A-Z]", before.group(1)
                                                                          if before else "")):
+      continue
+    if (len(end.group()) > 1 and set(end.group()) <= {".", "\u2026"} or end.group() == "\u2026") \
+        and re.match(r"[*_]*\s+[a-z]", text[end.end():]):
       continue
     if re.search(r"\w", text[start:end.start()]):
       count += 1
@@ -302,9 +308,11 @@ def _make(kind: str, rng: random.Random, used_words: set) -> Instruction:
   return REGISTRY[kind]()
 
 
-def generate_item(seed: int, index: int) -> Example:
-  """Item `index` has 1 + index % 3 instructions of distinct, compatible kinds."""
-  rng = random.Random(f"suite/instructions:{seed}:{index}")
+def generate_item(seed: int, index: int, attempt: int = 0) -> Example:
+  """Item `index` has 1 + index % 3 instructions of distinct, compatible kinds; `attempt`
+  draws it again (`generate`: prompts are distinct)."""
+  rng = random.Random(f"suite/instructions:{seed}:{index}"
+                      + (f":{attempt}" if attempt else ""))
   count = 1 + index % 3
   kinds: list[str] = []
   while len(kinds) < count:
@@ -321,7 +329,17 @@ def generate_item(seed: int, index: int) -> Example:
 
 
 def generate(n: int, seed: int) -> list[Example]:
-  return [generate_item(seed, i) for i in range(n)]
+  """n items with distinct prompts: an item whose prompt an earlier one has is drawn again
+  (item i depends on items < i only: the first n do not change with n)."""
+  items, seen = [], set()
+  for i in range(n):
+    item, attempt = generate_item(seed, i), 0
+    while item.question in seen:
+      attempt += 1
+      item = generate_item(seed, i, attempt)
+    seen.add(item.question)
+    items.append(item)
+  return items
 
 
 def prompt(example: Example):

@@ -2,7 +2,9 @@
 
   categories = category_summaries(records, vote=False)
 
-For each category: its accuracy metrics (the headline first, see each category module),
+For each category: its accuracy metrics (the headline first, see each category module;
+math's by a majority vote of each item's samples when the policy votes, `majority_vote`;
+code's pass@k capped where an item kept fewer scored samples, `pass_at_k_capped`),
 samples, completion tokens, time to first token P50/P95, per-token latency P50/P90/P95 with
 its coefficient of variation (population std / mean) and the fixed-bucket histogram
 (0/10/50/100/200/500/1000 ms). Per-token latency is the engine's measured per-token time
@@ -16,8 +18,8 @@ from typing import Any, Optional, Sequence
 
 from pipelines.datasets.records import normalize_answer
 from pipelines.summary import (coefficient_of_variation, group_by_example, histogram, is_time,
-                               majority, pass_counts, per_token_latencies, percentile,
-                               scored_samples)
+                               majority, pass_at_k_cap, pass_counts, per_token_latencies,
+                               percentile, scored_samples)
 from pipelines.tasks import mean_pass_at_k
 from pipelines.tasks.gsm8k import answer_key
 
@@ -97,6 +99,10 @@ def category_summaries(records: Sequence[dict], vote: bool = False) -> dict[str,
                    "completion_per_sample": _r(sum(completion) / len(recs), 2),
                    "prompt_per_sample": _r(sum(prompt) / len(recs), 1)},
         **latency_profile(recs)}
+    if category == "code" and (cap := pass_at_k_cap(pass_counts(group_by_example(recs)))):
+      out[category]["pass_at_k_capped"] = cap
+    if category == "math" and vote:  # (the other categories: means over samples)
+      out[category]["majority_vote"] = True
     errors = len(recs) - len(scored_samples(recs))
     if errors:  # programs the sandbox could not judge (left out of the category's metrics)
       out[category]["sandbox_errors"] = errors

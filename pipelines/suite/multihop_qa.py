@@ -111,11 +111,16 @@ def generate_item(seed: int, index: int) -> Example:
   hops = HOPS[index % len(HOPS)]
   world = build_world(rng)
   path = _path(rng, hops)
-  start = rng.choice(world["entities"]["person"])
-  entity, phrase = start, start
-  for r in path:
-    entity = world["relations"][r][entity]
-    phrase = RELATIONS[r][3].format(x=phrase)
+  people = list(world["entities"]["person"])
+  while True:  # a path back to the person the question names answers itself: redrawn
+    start = rng.choice(people)
+    entity, phrase = start, start
+    for r in path:
+      entity = world["relations"][r][entity]
+      phrase = RELATIONS[r][3].format(x=phrase)
+    if entity != start or len(people) == 1:
+      break
+    people.remove(start)
   facts = [RELATIONS[r][2].format(a=a, b=b) for r, m in world["relations"].items() for a, b in m.items()]
   rng.shuffle(facts)
   question = f"Name {phrase}."
@@ -170,13 +175,19 @@ def question_phrase(example: Example) -> Optional[str]:
   return match.group(1) if match else None
 
 
+# A line that only announces the answer ("Answer:", "**Answer:**", "The answer is:"): the
+# answer is on the next line.
+_HEADER = re.compile(r"\W*(?:(?:the\s+)?(?:final\s+)?answer(?:\s+is)?)?[\W_]*", re.IGNORECASE)
+
+
 def extract_answer(text: str, phrase: Optional[str] = None) -> Optional[str]:
-  """First non-empty line, without a leading 'Answer:'; None for an empty response. When
-  the line says "The (final) answer is X" or restates `phrase` followed by "is"/"was", what
-  follows up to the sentence's end."""
+  """First non-empty line, without a leading 'Answer:'; None for an empty response. A
+  line that only announces the answer ("**Answer:**", "The answer is:") or has no word
+  passes the turn to the next one. When the line says "The (final) answer is X" or
+  restates `phrase` followed by "is"/"was", what follows up to the sentence's end."""
   for line in text.splitlines():
     line = line.strip()
-    if line:
+    if line and not _HEADER.fullmatch(line):
       line = re.sub(r"^[*\s]*answer[*\s]*:[*\s]*", "", line, flags=re.IGNORECASE).strip()
       stated = re.match(r"^\W*(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(.+?)(?:\.(?:\s|$)|$)",
                         line, flags=re.IGNORECASE)

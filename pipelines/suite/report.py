@@ -24,7 +24,8 @@ def category_table(categories: dict) -> str:
   for name, c in categories.items():
     others = ", ".join(f"{k} {f(v, 3)}" for k, v in c["metrics"].items() if k != c["headline"])
     t, p = c["ttft_ms"], c["per_token_ms"]
-    rows.append([name, f"{c['headline']} {f(c['accuracy'], 3)}", others or "-", c["samples"],
+    vote = " (majority vote)" if c.get("majority_vote") else ""
+    rows.append([name, f"{c['headline']}{vote} {f(c['accuracy'], 3)}", others or "-", c["samples"],
                  f(c["tokens"]["completion_per_sample"]), f(t["p50"]), f(t["p95"]), f(p["p50"]),
                  f(p["p90"]), f(p["p95"]), f(p["cv"], 3)])
   return markdown_table(rows, ["category", "accuracy", "other metrics", "samples",
@@ -70,11 +71,14 @@ def report_section(summary: dict, run_dir: pathlib.Path) -> list[str]:
     return []
   plot_category_heatmap(categories, pathlib.Path(run_dir) / HEATMAP_FILE)
   data = summary.get("data") or {}
+  notes = [f"{name}: pass@k stops at k = {cap['k_max']}: {cap['examples_with_fewer']} items kept "
+           f"fewer than {cap['samples_most']} scored samples (dead letters, sandbox errors)."
+           for name, c in categories.items() if (cap := c.get("pass_at_k_capped"))]
   return ["", "## Suite: per category", "",
           f"Items: suite v{data.get('suite_version')}, seed {data.get('seed')}, "
           f"`{data.get('cache_file')}` (content sha256 `{data.get('content_sha256')}`); this run's "
           f"items sha256 `{data.get('items_sha256')}`.", "",
-          category_table(categories), "",
+          category_table(categories), "", *([*notes, ""] if notes else []),
           "Per-token latency histogram (counts of tokens; samples where the predictor measures no "
           "per-token times):", "", histogram_table(categories), "",
           f"![per-category latency heatmap]({HEATMAP_FILE})"]

@@ -9,13 +9,15 @@ tests count them with that tokenizer). The reference summary is one sentence per
 
 Scoring: ROUGE-L F1 against the reference (Google's `rouge-score` package,
 `RougeScorer(["rougeL"], use_stemmer=True)`: its own tokenizer and the Porter stemmer,
-no downloaded data) and key-fact recall: the share of facts whose key value (a name or
-number; numbers also match without thousands separators) appears in the summary,
-case-insensitively (a number not inside a longer one). Headline: key-fact recall.
+no downloaded data) and key-fact recall: the share of facts whose key value appears in
+the summary: a number by its value, written with or without thousands separators (commas
+or spaces) and "million" or not (5.0 million = 5 million = 5,000,000; not inside a longer
+number), a name case-insensitively, spaces and hyphens alike. Headline: key-fact recall.
 """
 
 from __future__ import annotations
 
+import decimal
 import functools
 import random
 import re
@@ -130,18 +132,30 @@ def rouge_l(prediction: str, reference: str) -> float:
   return _scorer().score(reference, prediction)["rougeL"].fmeasure
 
 
-def _appears(value: str, low: str) -> bool:
-  # A number only as a whole: "4.2 million" is not in "14.2 million", nor 48,213 in
-  # 148,213 or 48,213.5 (a plural such as "copper wires" still counts).
-  before = r"(?<!\d)(?<!\d[.,])" if value[:1].isdigit() else ""
-  after = r"(?!\d)(?![.,]\d)" if value[-1:].isdigit() else ""
-  return re.search(before + re.escape(value.lower()) + after, low) is not None
+# A number as a whole (not inside a longer one: 4.2 million is not 14.2 million, nor 48,213
+# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and a following "million".
+_NUMBER = re.compile(r"(?<![\d.,])(\d{1,3}(?:[,\s\u00a0\u202f]\d{3})+(?![\d])|\d+)(\.\d+)?"
+                     r"(?!\d)(?![.,]\d)(\s*(?:million|mln|mn|m)\b)?", re.IGNORECASE)
+_SEPARATORS = re.compile(r"[\s\u00a0\u202f\-\u2010\u2011\u2013]+")
+
+
+def _values(text: str) -> set[decimal.Decimal]:
+  """The values of the numbers written in `text` ("5 million", "5.0 million" and
+  "5,000,000" are one value)."""
+  out = set()
+  for whole, fraction, million in _NUMBER.findall(text):
+    value = decimal.Decimal(re.sub(r"\D", "", whole) + (fraction or ""))
+    out.add(value * 1_000_000 if million else value)
+  return out
 
 
 def _fact_found(value: str, text: str) -> bool:
-  low = text.lower()
-  plain = value.replace(",", "")  # 48,213 also matches 48213
-  return _appears(value, low) or (plain != value and _appears(plain, low))
+  """A number by its value; a name or phrase case-insensitively, as a whole (a plural such
+  as "copper wires" still counts), spaces and hyphens alike."""
+  if _NUMBER.fullmatch(value.strip()):
+    return bool(_values(value) & _values(text))
+  words = _SEPARATORS.sub(" ", value.lower()).strip()
+  return words in _SEPARATORS.sub(" ", text.lower())
 
 
 def key_fact_recall(prediction: str, facts: list[dict]) -> float:

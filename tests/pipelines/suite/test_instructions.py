@@ -82,3 +82,20 @@ def test_generated_prompts_have_one_to_three_compatible_instructions():
 ])
 def test_sentences_are_counted_as_ifeval_splits_them(text, sentences):
   assert ins._sentences(text) == sentences
+
+
+@pytest.mark.parametrize("text, sentences", [
+    # Before: 3 and 1 (a mark before closing emphasis never ended a sentence), 3 (an
+    # ellipsis before a lowercase word ended one; Punkt reads on).
+    ("**Tide pools are small.** They hold crabs. They are fun. **Go at low tide.** Bring boots.", 5),
+    ("*One.* Two.", 2), ("_One!_ Two.", 2), ("Hi... there. Bye.", 2), ("Wait... Then go.", 2),
+    ("Fine\u2026 ok.", 1),
+])
+def test_sentences_end_before_closing_emphasis_and_not_at_a_continued_ellipsis(text, sentences):
+  assert ins._sentences(text) == sentences
+
+
+def test_generated_prompts_are_distinct_and_the_first_n_do_not_depend_on_n():
+  items = ins.generate(200, 0)
+  assert len({ex.question for ex in items}) == 200  # before: items 72 and 126 were one prompt
+  assert [ex.question for ex in ins.generate(80, 0)] == [ex.question for ex in items[:80]]

@@ -77,6 +77,6 @@ def test_a_cache_directory_that_is_a_file_is_one_error_naming_it(tmp_path, under
 def test_a_cache_directory_under_home_is_read_as_a_shell_would(monkeypatch, tmp_path):
   # Before: a quoted '~/cache' made a directory named "~" in the working directory.
   monkeypatch.setenv("HOME", str(tmp_path))
-  assert items.cache_path("~/suite", 3) == tmp_path / "suite" / "suite-v1-seed3.jsonl"
+  assert items.cache_path("~/suite", 3) == tmp_path / "suite" / f"suite-v{items.SUITE_VERSION}-seed3.jsonl"
   monkeypatch.setenv("O1JAX_SUITE_CACHE", "~/env")
-  assert items.cache_path("", 0) == tmp_path / "env" / "suite-v1-seed0.jsonl"
+  assert items.cache_path("", 0) == tmp_path / "env" / f"suite-v{items.SUITE_VERSION}-seed0.jsonl"

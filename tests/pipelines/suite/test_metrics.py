@@ -55,3 +55,15 @@ def test_latency_profile_percentiles_and_coefficient_of_variation():
   assert p["histogram"]["10-50"] == 4 and qa["ttft_ms"] == {"p50": 20.0, "p95": 29.0, "count": 2}
   table = category_table({"qa": qa})
   assert "| qa | exact_match 0.500 | f1 0.750 | 2 |" in table
+
+
+def test_the_suite_says_where_code_pass_at_k_is_capped_and_that_math_voted():
+  # Item 0 kept 2 scored samples, item 1 one (a sandbox error): pass@k stops at k = 1.
+  code = [record("code", 0, 0, True), record("code", 0, 1, False), record("code", 1, 0, False),
+          record("code", 1, 1, False, sandbox_error=True)]
+  math = [record("math", 0, i, strict_answer=a, flexible_answer=a) for i, a in enumerate(("7", "7", "8"))]
+  cats = category_summaries(code + math, vote=True)
+  assert cats["code"]["pass_at_k_capped"] == {"k_max": 1, "samples_most": 2, "examples_with_fewer": 1}
+  assert cats["math"]["majority_vote"] and "majority_vote" not in category_summaries(math)["math"]
+  table = category_table(cats)
+  assert "| math | strict (majority vote) 1.000 |" in table

@@ -77,3 +77,20 @@ def test_normalisation_equals_the_squad_script_on_tricky_text():
   for t in texts:
     assert qa.normalize(t) == _squad_v11_normalize(t), t
   assert not qa.exact_match("", "Ulga Guild") and qa.token_f1("", "Ulga Guild") == 0.0
+
+
+def test_a_line_that_only_announces_the_answer_passes_to_the_next():
+  # Before: "" (the header line, stripped of "Answer:") or the header compared whole: EM 0.
+  for text in ("Answer:\nSabga Group", "**Answer:**\n\nSabga Group", "The answer is:\nSabga Group",
+               "Final answer:\n**Sabga Group**", "---\nSabga Group"):
+    assert qa.exact_match(qa.extract_answer(text), "Sabga Group"), text
+  assert qa.extract_answer("Answer:") is None
+
+
+def test_no_question_names_its_own_answer():
+  # Before: 8 of 200 paths led back to the person the question starts from (echoing the
+  # question's name scored exact match).
+  items = qa.generate(200, 0)
+  assert not [ex.id for ex in items if ex.reference == ex.metadata["start"]]
+  assert not [ex.id for ex in items if qa.normalize(ex.reference) in qa.normalize(
+      ex.question.split("Question: ", 1)[1])]

@@ -59,3 +59,20 @@ def test_a_key_number_inside_a_longer_number_is_not_found():
   plain = f"About {pop.replace(',', '')} people, a budget of ${budget}, a bridge from {year}."
   assert summ.score(ex, plain)["facts_found"] == ["population", "bridge", "budget"]
   assert summ.score(ex, f"It exports {facts['export']}s.")["facts_found"] == ["export"]  # a plural counts
+
+
+@pytest.mark.parametrize("value, text, found", [
+    # Before: the first four were missed (a match by the written string).
+    ("5.0 million", "a budget of 5 million crowns", True),
+    ("2.9 million", "a budget of 2,900,000 crowns", True),
+    ("58,117", "it has 58 117 residents", True),
+    ("Greta Vos", "Mayor Greta\u00a0Vos opened", True),
+    ("smoked trout", "its smoked-trout exports", True),
+    ("48,213", "48213 residents", True),
+    ("5.0 million", "5.01 million", False),
+    ("4.2 million", "14.2 million", False),
+    ("48,213", "148,213 or 48,213.5", False),
+    ("2035", "in 20351", False),
+])
+def test_a_key_number_is_found_by_its_value_and_a_name_across_spaces_and_hyphens(value, text, found):
+  assert summ.key_fact_recall(text, [{"name": "x", "value": value}]) == float(found)

@@ -57,6 +57,8 @@ def test_smoke_run_scores_every_category_and_reports_the_table(suite_cache_dir, 
   assert summary["latency_stability"]["per_token_cv"] is not None
   report = (out / "report.md").read_text()
   assert "## Suite: per category" in report and summary["data"]["items_sha256"] in report
+  # (the mean of the samples' `correct` is not a headline: a summary is correct with all 5 facts)
+  assert "| per-sample `correct` (mean over categories' samples) |" in report
   assert (out / "suite_latency_heatmap.png").stat().st_size > 0
 
 
