@@ -41,7 +41,8 @@ def import_modules(imports: Iterable[str] | str) -> tuple[str, ...]:
   for name in names:
     try:
       importlib.import_module(name)
-    except Exception as e:  # ModuleNotFoundError, or whatever the module itself raises
+    except (Exception, SystemExit) as e:  # ModuleNotFoundError, or whatever the module raises
+      # (SystemExit too: a module that calls sys.exit() ended the launcher without a word)
       raise ConfigImportError(f"cannot import module {name!r} named in config.imports: "
                               f"{type(e).__name__}: {e}") from e
   return names

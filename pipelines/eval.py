@@ -238,7 +238,9 @@ def _read_jsonl(path: str) -> list[dict]:
   from pipelines.datasets.jsonl import open_binary
   out = []
   with open_binary(path) as f:
-    for line in f.read().decode("utf-8").splitlines():
+    # JSON Lines ends records at "\n" only: str.splitlines() also splits at U+2028, U+2029
+    # and U+0085, which the records hold raw (ensure_ascii=False) in a model's text.
+    for line in f.read().decode("utf-8").split("\n"):
       if line.strip():
         out.append(json.loads(line))
   return out

@@ -84,7 +84,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
   records = []
   path = run_dir / "results.jsonl"
   if path.exists():
-    for i, line in enumerate(_read(path).splitlines(), start=1):
+    for i, line in enumerate(_read(path).split("\n"), start=1):  # ("\n" only: U+2028 is text)
       if line.strip():
         record = _json(path, line, i)
         if not isinstance(record, dict):
@@ -438,7 +438,8 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
     out.append(left_out + ".")
   dl_path = run_dir / "dead_letters.jsonl"
   if dead["total"] and dl_path.exists():
-    for i, line in enumerate(dl_path.read_text(encoding="utf-8", errors="replace").splitlines()[:10], 1):
+    lines = dl_path.read_text(encoding="utf-8", errors="replace").split("\n")
+    for i, line in [(i, line) for i, line in enumerate(lines, 1) if line.strip()][:10]:
       d = _json(dl_path, line, i)
       where = f"{d.get('source')}:{d.get('line_number')}" if d.get("source") else f"{d.get('example_id')}#{d.get('sample_index')}"
       out.append(f"- `{where}` ({d['stage']}): {d['reason'][:160]}")

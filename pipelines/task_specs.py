@@ -20,6 +20,7 @@ import dataclasses
 import string
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
+from o1jax.registry import Registry
 from pipelines.datasets import (DeadLetter, Example, read_custom_jsonl, read_gsm8k_jsonl,
                                 synthetic_examples)
 from pipelines.datasets.custom_jsonl import ANSWER_FORMATS
@@ -310,7 +311,8 @@ def _first_n(records, n: int):
     yield rec
 
 
-TASKS = {"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask, "suite": SuiteTask}
+TASKS = Registry("task")  # (a module of `imports` adds its own: TASKS[name] = cls)
+TASKS.update({"gsm8k": GSMTask, "humaneval": HumanEvalTask, "custom": CustomTask, "suite": SuiteTask})
 
 
 def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:

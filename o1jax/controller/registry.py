@@ -23,6 +23,8 @@ import abc
 import dataclasses
 from typing import Any, ClassVar, Mapping, Optional
 
+from o1jax.registry import Registry
+
 
 class BasePolicy(abc.ABC):
   """What the pipeline asks every policy: how many work items an example gets, each
@@ -57,11 +59,12 @@ class BasePolicy(abc.ABC):
     return self.to_dict()
 
 
-POLICIES: dict[str, type[BasePolicy]] = {}
+POLICIES: dict[str, type[BasePolicy]] = Registry("policy")
 
 
 def register(cls: type[BasePolicy]) -> type[BasePolicy]:
-  """Class decorator: adds a policy under its `name` (a later one replaces an earlier one)."""
+  """Class decorator: adds a policy under its `name` (a name taken by another class is
+  refused: `o1jax.registry`)."""
   POLICIES[cls.name] = cls
   return cls
 

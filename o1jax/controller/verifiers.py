@@ -27,6 +27,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from o1jax.registry import Registry
+
 
 @flax.struct.dataclass
 class StepStats:
@@ -98,7 +100,7 @@ class SelfVerify(Verifier):
     return stats.p_yes
 
 
-VERIFIERS: dict[str, type[Verifier]] = {}
+VERIFIERS: dict[str, type[Verifier]] = Registry("verifier")
 
 
 def register_verifier(cls: type[Verifier]) -> type[Verifier]:
@@ -123,7 +125,7 @@ def get_verifier(name: str | Verifier, **params) -> Verifier:
 
 # (request, trace) -> float; larger is better. `trace` is a results.Trace.
 ExternalScorer = Callable[[Any, Any], float]
-SCORERS: dict[str, ExternalScorer] = {}
+SCORERS: dict[str, ExternalScorer] = Registry("scorer")
 
 
 def register_scorer(name: str, fn: ExternalScorer) -> ExternalScorer:

@@ -82,3 +82,41 @@ def test_a_module_that_cannot_be_imported_is_one_error_line(lab, tmp_path, where
     cfg.imports = ("json", "no_such_module_anywhere")
     with pytest.raises(ConfigImportError, match="'no_such_module_anywhere' named in config.imports"):
       build_plan(cfg, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("body, message", [
+    # Before: each replaced the built-in silently, and a rerun in the same output directory
+    # read the built-in's stored verdicts as the new one's (the modules are not hashed).
+    ("from pipelines.task_specs import TASKS, GSMTask\n"
+     "class Strict(GSMTask):\n  pass\nTASKS['gsm8k'] = Strict\n",
+     r"task name 'gsm8k' is taken by pipelines\.task_specs\.GSMTask: register rt_\w+\.Strict "),
+    ("from o1jax.controller.verifiers import register_scorer\n"
+     "register_scorer('mean_logprob', lambda request, trace: 0.0)\n",
+     r"scorer name 'mean_logprob' is taken by o1jax\.controller\.verifiers\._trace_attr"),
+    ("from o1jax.controller import register, SampleN\n"
+     "@register\nclass Mine(SampleN):\n  name = 'sample_n'\n",
+     r"policy name 'sample_n' is taken by o1jax\.controller\.sampling_policies\.SampleN"),
+    # Before: the launcher ended with exit status 3 and no word.
+    ("import sys\nsys.exit(3)\n", r"named in config\.imports: SystemExit: 3$"),
+])
+def test_a_module_that_replaces_a_registered_name_or_exits_is_refused(tmp_path, monkeypatch,
+                                                                       body, message):
+  from pipelines.config_imports import import_modules
+  name = f"rt_{abs(hash(body)) % 10**8}"
+  (tmp_path / f"{name}.py").write_text(body)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ConfigImportError, match=message):
+    import_modules(name)
+
+
+def test_the_same_implementation_may_register_its_name_again():
+  from o1jax.registry import Registry
+  names = Registry("thing")
+  class A:
+    pass
+  names["a"] = A
+  names["a"] = A  # a module imported twice
+  names.update({"b": A})
+  with pytest.raises(ValueError, match=r"^thing name 'a' is taken by "):
+    names["a"] = int
+  assert dict(names) == {"a": A, "b": A}

@@ -409,3 +409,22 @@ def test_results_lines_are_strict_json_as_the_store_writes_them(tmp_path):
   assert _write_jsonl([record], str(path), _record_order) == 1
   line = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"constant {c}"))
   assert line["metrics"] == {"ttft_ms": None, "token_ms": [1.0, None]}
+
+
+def test_line_separators_inside_records_are_text_not_ends_of_lines(tmp_path):
+  # U+2028 / U+2029 / U+0085 in an answer (and so in the fake model's output) stay raw in
+  # results.jsonl; the run read its records back with str.splitlines(), which ends a line
+  # there: "Unterminated string" at the very end of every run of this dataset, and
+  # pipelines.report called the file not valid JSON.
+  data = tmp_path / "q.jsonl"
+  data.write_text("".join(json.dumps({"question": f"Name {i}.", "answer": f"red{sep}blue"}) + "\n"
+                          for i, sep in enumerate(("\u2028", "\u2029", "\x85"))), encoding="utf-8")
+  cfg = _config(data, policy="greedy", answer_format="text")
+  out = tmp_path / "run"
+  console = io.StringIO()
+  summary = run(cfg, str(out), clock=FakeClock(), progress=False, report=True, console=console)
+  assert summary["samples"] == 3 and summary["dead_letters"]["total"] == 0
+  text = (out / "results.jsonl").read_text(encoding="utf-8")
+  assert "\u2028" in text and len([l for l in text.split("\n") if l]) == 3
+  from pipelines import report
+  assert len(report.load_run(out)[1]) == 3 and (out / "report.md").exists()
