@@ -610,9 +610,13 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   weights were resumed as the new model's (a directory was named by file sizes only)."""
   import os
   fp = {"predictor": spec.name, "source": spec.source, "backend": spec.backend}
-  if spec.matmul_dtype != "float32":  # other numerics, other results (f32 keeps old hashes)
-    fp["matmul_dtype"] = spec.matmul_dtype
+  # Only what the predictor reads (the summary reports this too): the fake model reads no
+  # numerics, the generator keeps an f32 KV cache whatever the engine section says.
+  if spec.matmul_dtype != "float32" and spec.name != "fake":
+    fp["matmul_dtype"] = spec.matmul_dtype  # other numerics, other results (f32: old hashes)
   kv_dtype = dict(spec.engine).get("kv_dtype", "float32")
+  if spec.name not in ("engine", "controller"):
+    kv_dtype = "float32"
   if kv_dtype != "float32":  # likewise for a narrower KV cache
     fp["kv_dtype"] = kv_dtype
   if kv_dtype.startswith("float8"):

@@ -275,9 +275,13 @@ def prompt_sha256(prompt) -> str:
   return hashlib.sha256(_canonical(prompt)).hexdigest()
 
 
-def scoring_identity(task) -> dict:
-  """What, beside the output, decides the task's verdicts (`scoring_identity()`; a task
-  registered without one: its sandbox limits, as before that method)."""
+def scoring_identity(task, example: Example) -> dict:
+  """What, beside the output, decides the task's verdicts of `example`
+  (`scoring_identity()`, or `scoring_identity(example)` for a task whose
+  `scoring_by_example` is set: the suite's categories; a task registered without one: its
+  sandbox limits, as before that method)."""
+  if getattr(task, "scoring_by_example", False):
+    return task.scoring_identity(example)
   if hasattr(task, "scoring_identity"):
     return task.scoring_identity()
   limits = getattr(task, "sandbox_cfg", {}) or {}
@@ -290,7 +294,7 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
   # A task may set a per-example token budget (the suite: per category).
   base = plan.task.sampling_for(example, plan.sampling) if hasattr(plan.task, "sampling_for") else plan.sampling
   items = []
-  scoring = scoring_identity(plan.task)
+  scoring = scoring_identity(plan.task, example)
   for i in range(plan.policy.num_samples):
     sampling = plan.policy.sampling(base, i)
     # What can change the sample: a controller policy's settings all can (its loop draws

@@ -23,8 +23,11 @@ from pipelines.suite.items import CATEGORY_MODULES, CATEGORIES
 # The categories' scoring rules, by version (with the sandbox's: task_specs.SANDBOX_RULES):
 # 2 reads code from the reply's Python block whatever fences come first, IFEval's case,
 # end-phrase and sentence rules, and QA's "The answer is X" (2026-12-06); 3 strips JSON
-# fences as IFEval does (every prefix in turn). A new version recomputes.
-SUITE_RULES = 3
+# fences as IFEval does (every prefix in turn). A new version recomputes. Per category
+# since 4 (2026-12-07): QA reads the answer after a line that only announces it;
+# instruction sentences end before closing emphasis and go on at a lowercase ellipsis;
+# key facts match numbers by value.
+SUITE_RULES = {"code": 3, "math": 3, "qa": 4, "instructions": 4, "summarization": 4}
 
 
 class ScoringError(Exception):
@@ -125,9 +128,16 @@ class SuiteTask:
     from pipelines.task_specs import sandbox_from_config
     return sandbox_from_config(self.sandbox_cfg)
 
-  def scoring_identity(self) -> dict:
+  # The scoring identity depends on the item's category (the pipeline passes the example).
+  scoring_by_example = True
+
+  def scoring_identity(self, example: Example) -> dict:
+    """The category's rules; the sandbox's limits only where the sandbox judges (code):
+    a timeout cannot change a QA verdict (a change of it recomputed all 800 others)."""
     from pipelines.task_specs import sandbox_identity
-    return {**sandbox_identity(self.sandbox_cfg), "suite_rules": SUITE_RULES}
+    category = example.metadata["category"]
+    sandbox = sandbox_identity(self.sandbox_cfg) if category == "code" else {}
+    return {**sandbox, "suite_rules": SUITE_RULES[category]}
 
   def score_batch(self, items: Sequence[tuple[Example, str, tuple[str, ...]]], sandbox=None) -> list:
     """One score dict (or ScoringError) per item; code items run in the sandbox as one pool."""

@@ -511,3 +511,18 @@ def test_new_bytes_under_a_restored_mtime_are_hashed_again(tmp_path, monkeypatch
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
   assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and os.stat(path).st_size == stat.st_size
   assert predictors.content_digest(str(path)) != before
+
+
+def test_the_fingerprint_holds_only_the_numerics_the_predictor_reads():
+  # Before: the generator's keys and summary took engine.kv_dtype=bfloat16 (its cache stays
+  # f32: the same outputs computed again, and a summary saying bf16), the fake model's
+  # matmul_dtype and kv_dtype likewise.
+  cfg = gsm8k_config.get_config("smoke=True")
+  cfg.engine.kv_dtype = "bfloat16"
+  cfg.model.matmul_dtype = "bfloat16"
+  spec = lambda name: PredictorSpec.from_config(cfg.model, name=name, batch_size=4, engine=cfg.engine)
+  assert model_fingerprint(spec("generator"))["matmul_dtype"] == "bfloat16"
+  assert "kv_dtype" not in model_fingerprint(spec("generator"))
+  assert {"kv_dtype", "matmul_dtype"}.isdisjoint(model_fingerprint(spec("fake")))
+  for name in ("engine", "controller"):
+    assert model_fingerprint(spec(name))["kv_dtype"] == "bfloat16"

@@ -6,6 +6,7 @@ import pytest
 
 from configs import custom as custom_config
 from configs import humaneval as humaneval_config
+from pipelines.datasets import Example
 from pipelines.task_specs import build_task
 
 
@@ -68,6 +69,23 @@ def test_scoring_identity_holds_what_can_change_a_verdict():
       "answer_format": "gsm8k"}
   assert task(custom_config, dataset={"answer_format": "text"}).scoring_identity() == {
       "answer_format": "text"}
+
+
+def test_the_suite_hashes_the_sandbox_limits_into_code_items_only():
+  # Before: every item's key held the sandbox's limits, so a new timeout recomputed the
+  # 800 items of the four categories the sandbox never judges.
+  from configs import suite as suite_config
+  from pipelines.suite.task import SUITE_RULES
+  def identity(category, **sandbox):
+    config = suite_config.get_config("smoke=True")
+    config.sandbox.update(sandbox)
+    example = Example(id=f"suite/{category}/0", dataset="suite", question="q", reference="r",
+                      metadata={"category": category})
+    return build_task(config).scoring_identity(example)
+  assert identity("code") != identity("code", timeout_s=99.0)
+  for category in ("math", "qa", "instructions", "summarization"):
+    assert identity(category) == identity(category, timeout_s=99.0) == {
+        "suite_rules": SUITE_RULES[category]}
 
 
 def test_number_verdicts_by_value_change_the_content_key():
@@ -182,8 +200,10 @@ def test_a_registered_task_without_scoring_identity_keeps_its_sandbox_limits():
   from pipelines.beam.pipeline import scoring_identity
   from pipelines.task_specs import SANDBOX_RULES
   task = type("OwnTask", (), {"sandbox_cfg": {"timeout_s": 3.0, "memory_mb": 512, "workers": 4}})()
-  assert scoring_identity(task) == {"timeout_s": 3.0, "memory_mb": 512, "rules": SANDBOX_RULES}
-  assert scoring_identity(type("Bare", (), {})()) == {}
+  example = Example(id="x", dataset="d", question="q", reference="r")
+  assert scoring_identity(task, example) == {"timeout_s": 3.0, "memory_mb": 512,
+                                             "rules": SANDBOX_RULES}
+  assert scoring_identity(type("Bare", (), {})(), example) == {}
 
 
 def test_a_stop_given_as_one_string_is_one_stop_string():
