@@ -410,7 +410,11 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   summary["data_sha256"] = examples_sha256(i.example for i in scan.items if i.sample_index == 0)
   if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
     summary["data"] = plan.task.data_info()
-  write_text(f"{out}/summary.json", json.dumps(summary, indent=2, default=list) + "\n")
+  # Strict JSON (Python writes Infinity, which jq and JavaScript refuse): a config's inf
+  # is the string "inf" (clear_previous_results compares configs so written).
+  from pipelines.beam.store import named_nonfinite
+  written = named_nonfinite(json.loads(json.dumps(summary, default=list)))
+  write_text(f"{out}/summary.json", json.dumps(written, indent=2, allow_nan=False) + "\n")
   if report and is_local(output_dir):
     from pipelines.beam.store import WriteError, os_reason
     from pipelines.report import write_run_report
@@ -509,7 +513,8 @@ def clear_previous_results(config, out: str, console) -> None:
   except (OSError, ValueError, AttributeError):
     old = None
   if isinstance(old, dict):
-    new = json.loads(json.dumps(config.to_dict(), default=list))
+    from pipelines.beam.store import named_nonfinite
+    new = named_nonfinite(json.loads(json.dumps(config.to_dict(), default=list)))
     diff = [k for k in _config_differences(old, new) if not k.startswith("runner.")]
     if diff:
       shown = ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")

@@ -135,6 +135,18 @@ def strict_json(value):
   return value
 
 
+def named_nonfinite(value):
+  """`value` with NaN and +-inf floats as the strings "nan", "inf", "-inf": what a config
+  holds (budget.window_s=inf) is said, not dropped, in a file that stays strict JSON."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else repr(value)
+  if isinstance(value, dict):
+    return {k: named_nonfinite(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [named_nonfinite(v) for v in value]
+  return value
+
+
 def record_digest(record: dict) -> str:
   """sha256 of the record's canonical JSON (sorted keys, ASCII escapes: any text hashes)."""
   return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=True).encode()).hexdigest()

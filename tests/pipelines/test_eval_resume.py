@@ -428,3 +428,18 @@ def test_line_separators_inside_records_are_text_not_ends_of_lines(tmp_path):
   assert "\u2028" in text and len([l for l in text.split("\n") if l]) == 3
   from pipelines import report
   assert len(report.load_run(out)[1]) == 3 and (out / "report.md").exists()
+
+
+def test_the_summary_is_strict_json_with_a_configs_inf_named(tmp_path):
+  # Before: `"window_s": Infinity` (Python's json), which jq and JavaScript refuse; a rerun
+  # with the same config compares equal (no "another config" warning).
+  data = tmp_path / "q.jsonl"
+  data.write_text(ADDED + "\n")
+  cfg = _config(data, policy="greedy")
+  cfg.budget.window_s = float("inf")
+  out = tmp_path / "run"
+  _run(cfg, out)
+  text = (out / "summary.json").read_text()
+  json.loads(text, parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
+  assert '"window_s": "inf"' in text
+  assert "another config" not in _run(cfg, out)[1]
