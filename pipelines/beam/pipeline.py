@@ -128,7 +128,8 @@ def check_engine_section(spec: PredictorSpec) -> None:
 def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem]) -> None:
   """A fixed engine pool (engine.num_blocks) too small for any of the job's requests,
   named once the work items are known (every sample was a dead letter): even a 1-token
-  prompt with the smallest max_new_tokens of the items does not fit."""
+  prompt with the smallest max_new_tokens of the items does not fit, or (the checkpoint on
+  this machine) none of the job's prompts, tokenized, with its max_new_tokens."""
   if plan.predictor.name != "engine" or not items:
     return
   from pipelines.predictors import engine_config
@@ -137,12 +138,39 @@ def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem]) -> None:
     return
   new = min(int(i.sampling.max_new_tokens) for i in items)
   need = -(-(1 + new) // config.block_size)
+  holds = (f"engine.num_blocks={config.num_blocks} holds "
+           f"{config.num_blocks * config.block_size} tokens: no request fits")
+  advice = "raise it, or 0 sizes the pool for the job's prompts"
   if need > config.num_blocks:
-    raise ValueError(f"engine.num_blocks={config.num_blocks} holds "
-                     f"{config.num_blocks * config.block_size} tokens: no request fits (even a "
-                     f"1-token prompt with the job's smallest max_new_tokens, {new}, needs "
-                     f"{need} blocks of {config.block_size}); raise it, or 0 sizes the pool "
-                     f"for the job's prompts")
+    raise ValueError(f"{holds} (even a 1-token prompt with the job's smallest max_new_tokens, "
+                     f"{new}, needs {need} blocks of {config.block_size}); {advice}")
+  # The job's own prompts, tokenized as the engine will (a checkpoint on this machine):
+  # if none fits, every sample was a dead letter after the model loaded.
+  from pipelines.predictors import model_sources
+  try:
+    from o1jax.checkpoint import check_checkpoint, load_tokenizer
+    from o1jax.model.generation import encode_prompt
+    model_config = check_checkpoint(model_sources(plan.predictor)[0])
+    tokenizer = load_tokenizer(model_sources(plan.predictor)[0])
+  except Exception:  # not on this machine (its workers load it): they name it
+    return
+  tokens = {}
+  best = None  # (blocks, prompt tokens, max_new_tokens) of the request that needs fewest
+  for item in items:
+    text = json.dumps(item.prompt, sort_keys=True)
+    if text not in tokens:
+      try:
+        tokens[text] = len(encode_prompt(tokenizer, item.prompt, model_config.vocab_size))
+      except ValueError:  # a prompt the engine refuses is that sample's dead letter
+        continue
+    worst = min(tokens[text] + int(item.sampling.max_new_tokens), model_config.max_context)
+    blocks = -(-worst // config.block_size)
+    if best is None or blocks < best[0]:
+      best = (blocks, tokens[text], int(item.sampling.max_new_tokens))
+  if best is not None and best[0] > config.num_blocks:
+    raise ValueError(f"{holds} (the shortest need is a {best[1]}-token prompt with "
+                     f"max_new_tokens {best[2]}: {best[0]} blocks of {config.block_size}); "
+                     f"{advice}")
 
 
 # What every run reads of a config, by section (a config file of one's own may leave parts

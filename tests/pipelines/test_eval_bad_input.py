@@ -487,6 +487,21 @@ def test_settings_no_request_can_run_under_stop_the_run_in_one_line(tmp_path, se
   assert _nothing_written(tmp_path / "out")
 
 
+def test_a_pool_that_holds_no_prompt_of_the_job_stops_the_run_in_one_line(tmp_path):
+  # 2 blocks of 16 hold a 1-token prompt and 8 new tokens, not the job's chat prompts (the
+  # template alone is ~30 tokens). Before: every sample a dead letter after the model
+  # loaded, exit 1 "no sample was scored".
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data, predictor="engine", source="embedded")
+  cfg.engine.num_blocks = 2
+  cfg.sampling.max_new_tokens = 8
+  with pytest.raises(ValueError, match=r"^engine\.num_blocks=2 holds 32 tokens: no request "
+                                       r"fits \(the shortest need is a \d+-token prompt with "
+                                       r"max_new_tokens 8: \d+ blocks of 16\); raise it"):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
 def test_weights_only_the_load_finds_bad_stop_the_run_in_one_line(tmp_path):
   """NaN weights pass the header check (they need the values): the workers' load finds
   them, and the run stops with its one line, nothing stored."""
