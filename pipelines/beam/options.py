@@ -64,12 +64,37 @@ def batches_sharing_a_model(runner_cfg) -> int:
   return 1
 
 
+# Beam flags whose value the config's runner section holds, by runner.
+_CONFIG_HELD = {
+    "DirectRunner": {"--direct_num_workers": "direct_num_workers",
+                     "--direct_running_mode": "direct_running_mode"},
+    "dask": {"--dask_client_address": "address", "--dask_local_workers": "local_workers",
+             "--dask_partitions": "partitions"},
+}
+
+
+def _check_config_held(runner: str, runner_cfg, extra: Sequence[str]) -> None:
+  """A Beam flag after `--` that sets another value than the config's key for it is refused:
+  the flag won, while the summary reported the config's value and the engine sized its slots
+  by it (--direct_num_workers=1 ran one worker with a config of 2)."""
+  for arg in extra:
+    flag, eq, value = arg.partition("=")
+    key = _CONFIG_HELD.get(runner, {}).get(flag)
+    if key is None:
+      continue
+    held = runner_cfg.get(key, "")
+    if not eq or str(held) != value:
+      raise ValueError(f"Beam flag {arg} after -- sets what runner.{key}={held!r} holds: give "
+                       f"--config.runner.{key}={value or '...'} instead")
+
+
 def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:
   extra = list(extra)
   runner = runner_name(runner_cfg.name)
   for arg in extra:
     if arg.startswith("--runner="):
       runner = runner_name(arg.split("=", 1)[1], "--runner")
+  _check_config_held(runner, runner_cfg, extra)
   if runner == "dask":
     return _dask_args(runner_cfg, extra, plugins)
   address = str(runner_cfg.get("address", "") or "").strip()
@@ -104,7 +129,8 @@ def check_dask_beam_version(version: str | None = None) -> None:
 
 
 def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list[str]:
-  """The config's address (or LocalCluster size) and partitions; flags after `--` win."""
+  """The config's address (or LocalCluster size) and partitions (a flag after `--` for one
+  of them must agree: `_check_config_held`)."""
   check_dask_beam_version()
   given = {a.split("=", 1)[0] for a in extra}
   address = str(runner_cfg.get("address", "") or "").strip()

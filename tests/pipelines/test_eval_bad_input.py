@@ -607,8 +607,12 @@ def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
      r"^Beam flags: argument --direct_running_mode: invalid choice: 'bogus' \(choose from "
      r"'in_memory', 'multi_threading', 'multi_processing'\)$"),
     ("direct_num_workers", -1, (), r"^runner\.direct_num_workers=-1: expected an int >= 0"),
-    (None, None, ("--direct_num_workers=abc",),
-     r"^Beam flags: argument --direct_num_workers: invalid int value: 'abc'$"),
+    (None, None, ("--num_workers=abc",),
+     r"^Beam flags: argument --num_workers: invalid int value: 'abc'$"),
+    # Before: the flag won (three workers) and the summary said the config's 1.
+    (None, None, ("--direct_num_workers=3",),
+     r"^Beam flag --direct_num_workers=3 after -- sets what runner\.direct_num_workers=1 "
+     r"holds: give --config\.runner\.direct_num_workers=3 instead$"),
 ])
 def test_runner_values_are_named_before_any_work(tmp_path, key, value, beam_flags, message):
   # Before: batch_size=0 was blamed on engine.max_slots (or "batch_size must be >= 1"); a bad

@@ -37,9 +37,15 @@ def test_runner_flags_from_the_config():
   assert "--dask_client_address=tcp://scheduler:8786" in args and "--dask_partitions=16" in args
   assert not any(a.startswith("--dask_local_workers") for a in args)
   assert not runs_here(pipeline_options(cfg))
-  # Flags after `--` win over the config.
-  assert "--dask_client_address=tcp://other:8786" in beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
-  assert "--dask_client_address=tcp://scheduler:8786" not in beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
+  # A flag after `--` for a key the config holds must agree with it (before: the flag won,
+  # the summary reported the config's value).
+  assert "--dask_client_address=tcp://scheduler:8786" in beam_args(
+      cfg, ["--dask_client_address=tcp://scheduler:8786"])
+  with pytest.raises(ValueError, match=r"^Beam flag --dask_client_address=tcp://other:8786 after "
+                                       r"-- sets what runner\.address='tcp://scheduler:8786' "
+                                       r"holds: give --config\.runner\.address=tcp://other:8786 "
+                                       r"instead$"):
+    beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
 
 
 def test_bad_runner_settings_are_one_line_errors(tmp_path):
