@@ -269,6 +269,11 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   if not str(output_dir).strip():
     from pipelines.beam.store import OutputError
     raise OutputError("--output_dir is empty: name the directory for the results")
+  if str(output_dir) != str(output_dir).strip():
+    from pipelines.beam.store import OutputError
+    # (a shell quote that took a space along: a directory whose name ends in it)
+    raise OutputError(f"--output_dir={str(output_dir)!r} starts or ends with white space: "
+                      f"name the directory without it")
   # A file:// URL is the local path (Beam's file systems know no "file" scheme: the run
   # computed every sample, then could not read its own results back).
   output_dir = str(output_dir).removeprefix("file://")

@@ -121,6 +121,9 @@ class PredictorSpec:
                               ("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)):
       if value not in valid:
         raise ValueError(f"model.{key}={value!r}: valid values are {list(valid)}")
+    if not (math.isfinite(self.fake_delay_s) and self.fake_delay_s >= 0):
+      # (else every sample a dead letter: "sleep length must be non-negative")
+      raise ValueError(f"model.fake_delay_s={self.fake_delay_s!r}: expected seconds >= 0")
 
   @classmethod
   def from_config(cls, model_cfg, *, name: str | None = None, batch_size: int = 8,

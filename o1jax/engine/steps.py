@@ -340,9 +340,12 @@ def verify_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, b
      draft distribution). K/V written past the accepted ones is garbage the host
      rolls back by position: later writes overwrite it and nothing attends to it.
   Numerically a position sees what a decode step sees except that the matmuls run
-  over B * (K + 1) rows instead of B: the int8 and bf16 CPU matmuls give every row the
-  same bits whatever the row count (measured), XLA's f32 dot differs by ~1e-5 between
-  one row and several, which can flip a near-tie the way batch composition already can.
+  over B * (K + 1) rows instead of B: the native f32 and int8 CPU kernels give every row
+  the same bits whatever the row count (measured); XLA's bf16 dot does at the embedded
+  model's shapes (1-160 rows) but picks another kernel at some shapes and row counts (a
+  576 x 64 matrix at 65 rows; the tiny test model's 64-wide layers from ~51 rows), where
+  a row's log p moves up to ~2e-3 and a near-tie may fork (pipelines hash the
+  speculative section with bf16 matmuls).
   Returns (VerifyOutput, cache with placeholder tables)."""
   model = nnx.merge(graphdef, state)
   b, k = drafts.shape

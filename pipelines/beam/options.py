@@ -95,6 +95,11 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
     if arg.startswith("--runner="):
       runner = runner_name(arg.split("=", 1)[1], "--runner")
   _check_config_held(runner, runner_cfg, extra)
+  for key in ("local_workers", "partitions"):  # (for every runner: a typo stays one)
+    value = runner_cfg.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < (key == "local_workers"):
+      raise ValueError(f"runner.{key}={value!r}: expected an integer >= "
+                       f"{1 if key == 'local_workers' else 0}")
   if runner == "dask":
     return _dask_args(runner_cfg, extra, plugins)
   address = str(runner_cfg.get("address", "") or "").strip()
@@ -134,11 +139,6 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
   check_dask_beam_version()
   given = {a.split("=", 1)[0] for a in extra}
   address = str(runner_cfg.get("address", "") or "").strip()
-  for key in ("local_workers", "partitions"):
-    value = runner_cfg.get(key, 0)
-    if not isinstance(value, int) or value < (1 if key == "local_workers" else 0):
-      raise ValueError(f"runner.{key}={value!r}: expected an integer >= "
-                       f"{1 if key == 'local_workers' else 0}")
   if address:  # (distributed's own message names no key: "missing port number in address")
     from distributed.comm import parse_address  # pylint: disable=g-import-not-at-top
     from distributed.comm.addressing import parse_host_port  # pylint: disable=g-import-not-at-top

@@ -79,9 +79,15 @@ class EvalPlan:
   def speculation_changes_outputs(self) -> bool:
     """Speculation is in the content hash only where it can change outputs: in the
     controller's loop under a policy whose traces stop each other (they advance at
-    different rates inside a verify call). Elsewhere rows get plain decoding's tokens."""
-    return (self.predictor.name == "controller" and self.policy.cross_row_stops
-            and self.predictor.speculative_config() is not None)
+    different rates inside a verify call), and with bf16 matmuls, whose CPU dot sums a row
+    otherwise at some row counts (a verify call runs B x (K + 1) rows: log p moved up to
+    2e-3 on the tiny test model, so a near-tie may fork). Elsewhere rows get plain
+    decoding's tokens and bits."""
+    if self.predictor.speculative_config() is None:
+      return False
+    return ((self.predictor.name == "controller" and self.policy.cross_row_stops)
+            or (self.predictor.name in ("engine", "controller")
+                and self.predictor.matmul_dtype == "bfloat16"))
 
 
 def resolve_predictor(name: str, policy: BasePolicy) -> str:
@@ -112,6 +118,10 @@ def check_admission(policy: str, controller: bool) -> None:
   if policy not in valid:
     who = "a controller policy's admission" if controller else "the engine scheduler"
     raise ValueError(f"engine.policy={policy!r}: {who} takes {list(valid)}")
+
+
+# The predictors that are neither the engine nor the controller, as messages name them.
+_PLAIN = {"generator": "the generator", "fake": "the fake model"}
 
 
 def check_engine_section(spec: PredictorSpec) -> None:
@@ -212,6 +222,9 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   imports = import_modules(config.get("imports", ()))  # they may register what follows
   policy = build_policy(config.policy.to_dict())
   s = config.sampling
+  for key in ("max_new_tokens", "temperature", "top_p", "top_k", "seed"):
+    if isinstance(s[key], bool):  # (int(True) is 1: top_k=True ran as top_k=1)
+      raise ValueError(f"sampling.{key}={s[key]!r}: expected a number, not a bool")
   try:
     sampling = SamplingSpec(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                             top_p=float(s.top_p), top_k=int(s.top_k), seed=int(s.seed))
@@ -252,14 +265,14 @@ def build_plan(config, output_dir: str) -> EvalPlan:
     budget_cfg = BudgetConfig.from_dict(budget.to_dict() if hasattr(budget, "to_dict") else budget)
     if budget_cfg.mode != "fixed" and name not in ("engine", "controller"):
       raise ValueError(f"budget.mode={budget_cfg.mode!r} needs model.predictor=engine or a "
-                       f"controller policy; this run uses {name!r} (the generator has no "
+                       f"controller policy; this run uses {name!r} ({_PLAIN[name]} has no "
                        f"budget to adapt)")
   speculative = config.get("speculative")
   speculative = speculative.to_dict() if hasattr(speculative, "to_dict") else speculative
   spec_cfg = speculative_config(speculative or {})
   if spec_cfg is not None and name not in ("engine", "controller"):
     raise ValueError(f"speculative.enabled=True needs model.predictor=engine or a controller "
-                     f"policy; this run uses {name!r} (the generator does not speculate)")
+                     f"policy; this run uses {name!r} ({_PLAIN[name]} does not speculate)")
   if spec_cfg is not None and spec_cfg.drafter == "draft_model" and not spec_cfg.draft_source:
     raise ValueError("speculative.drafter='draft_model' needs speculative.draft_source: the "
                      "draft checkpoint (it must share the model's tokenizer)")
@@ -278,13 +291,14 @@ def build_plan(config, output_dir: str) -> EvalPlan:
   if int(engine.get("tensor_parallel", 1) or 1) > 1 and name not in ("engine", "controller"):
     raise ValueError(f"engine.tensor_parallel={engine.get('tensor_parallel')} needs "
                      f"model.predictor=engine or a controller policy; this run uses {name!r} "
-                     f"(the generator runs on one device)")
+                     f"({_PLAIN[name]} runs on one device)")
   spec = PredictorSpec.from_config(
       config.model, name=name, batch_size=int(config.runner.batch_size),
       batches_in_flight=batches_sharing_a_model(config.runner), engine=config.get("engine"), policy=policy.to_dict() if policy.controller else None,
       controller=controller, budget=budget, speculative=speculative, imports=imports)
-  if name == "engine":  # found here, not when every worker builds its engine
-    check_engine_section(spec)
+  # Found here, not when every worker builds its engine; for every predictor (a typo in a
+  # section the run does not use stays one when a later run uses it).
+  check_engine_section(spec)
   task = build_task(config)
   if hasattr(task, "check_policy"):  # a task may reject policies that cannot score it
     task.check_policy(policy)

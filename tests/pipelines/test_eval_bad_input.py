@@ -1,6 +1,7 @@
 """Bad input to the launcher (`pipelines.eval.run`): every case stops before any work with
 an error naming the file or directory, or goes on with a dead letter / a warning."""
 
+import contextlib
 import io
 import json
 import pathlib
@@ -666,3 +667,36 @@ def test_an_output_dir_holding_another_tasks_run_is_refused(tmp_path):
   with pytest.raises(OutputError, match=rf"^{out} holds a gsm8k run \(summary.json\): give this "
                                         r"custom run its own --output_dir$"):
     _run(_config(data), out)
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    # Before: every sample a dead letter ("sleep length must be non-negative"), exit 1.
+    ("model", "fake_delay_s", -1.0, r"^model\.fake_delay_s=-1\.0: expected seconds >= 0$"),
+    ("model", "fake_delay_s", float("nan"), r"^model\.fake_delay_s=nan: expected seconds >= 0$"),
+    # Before: accepted with the DirectRunner (the dask runner refused it).
+    ("runner", "partitions", -5, r"^runner\.partitions=-5: expected an integer >= 0$"),
+    # Before: the engine section was checked only when the engine ran.
+    ("engine", "block_size", 0, r"^engine\.block_size must be"),
+    ("engine", "kv_dtype", "bfloat", r"kv_dtype"),
+    # Before: int(True) and float(True): top_k=True ran as top_k=1.
+    ("sampling", "top_k", True, r"^sampling\.top_k=True: expected a number, not a bool$"),
+    # Before: "(the generator does not speculate)" for the fake model.
+    ("speculative", "enabled", True, r"this run uses 'fake' \(the fake model does not speculate\)$"),
+])
+def test_settings_a_fake_run_does_not_read_are_checked_before_any_work(tmp_path, section, key,
+                                                                       value, message):
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  cfg = _config(data)
+  with cfg.unlocked() if hasattr(cfg, "unlocked") else contextlib.nullcontext():
+    cfg[section][key] = value
+  with pytest.raises(ValueError, match=message):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
+
+
+def test_an_output_dir_with_white_space_at_an_end_is_refused(tmp_path):
+  from pipelines.beam.store import OutputError
+  data = _write(tmp_path / "ok.jsonl", _good_lines())
+  with pytest.raises(OutputError, match=r"starts or ends with white space"):
+    _run(_config(data), f"{tmp_path}/out ")
+  assert not list(tmp_path.glob("out*"))

@@ -317,3 +317,20 @@ def test_a_reasoning_loop_larger_than_the_device_stops_the_run_at_load(tiny, tmp
     run(cfg, str(tmp_path / "out"), progress=False, report=False)
   assert not (tmp_path / "out" / "results.jsonl").exists()
   assert not list((tmp_path / "out").glob("store/*.json"))
+
+
+@pytest.mark.parametrize("matmul_dtype, hashed", [("float32", False), ("int8", False),
+                                                  ("bfloat16", True)])
+def test_speculation_is_hashed_with_bf16_matmuls(tiny, tmp_path, matmul_dtype, hashed):
+  # XLA's CPU bf16 dot sums a row otherwise at some row counts (a verify call runs
+  # B x (K + 1) rows): the tiny model's log p moved 2e-3, so outputs may change. Before:
+  # never hashed for the engine.
+  from pipelines.beam.pipeline import plan_items
+  keys = {}
+  for on in (False, True):
+    cfg = _config(tiny)
+    cfg.model.matmul_dtype = matmul_dtype
+    cfg.speculative.update(enabled=on, max_drafts=3)
+    plan = build_plan(cfg, str(tmp_path / f"{on}"))
+    keys[on] = [item.key for item in plan_items(plan)[0]]
+  assert (keys[False] != keys[True]) == hashed
