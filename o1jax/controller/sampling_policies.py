@@ -61,6 +61,10 @@ class Greedy(BasePolicy):
     return 1
 
 
+# Samples per example sample_n takes (pass@k studies use up to ~1,000).
+MAX_SAMPLES = 100_000
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class SampleN(BasePolicy):
@@ -74,7 +78,9 @@ class SampleN(BasePolicy):
   top_k: int = 0
 
   def __post_init__(self):
-    check_int(self.n, f"policy {self.name}: n", 1)  # (work items per example: a count)
+    # Work items per example: a count, at most MAX_SAMPLES (a million took the launcher
+    # minutes of silence to plan, before any sample ran).
+    check_int(self.n, f"policy {self.name}: n", 1, MAX_SAMPLES)
     try:  # the sampling it gives every sample, checked once here
       Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
     except ValueError as e:

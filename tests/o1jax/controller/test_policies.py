@@ -295,6 +295,9 @@ NAN = float("nan")
     ({"name": "self_consistency", "n": 2.5}, r"^self_consistency: n must be an int >= 1"),
     ({"name": "self_consistency", "n": True}, r"^self_consistency: n must be an int >= 1"),
     ({"name": "best_of_n", "n": 0}, r"^best_of_n: n must be an int >= 1, got 0$"),
+    # (a million: the launcher planned work items for minutes without a word)
+    ({"name": "sample_n", "n": 10**6},
+     r"^policy sample_n: n must be an int in \[1, 100000\], got 1000000$"),
     # n identical greedy traces (sample_n refused the same; these ran them).
     ({"name": "self_consistency", "temperature": 0.0},
      r"^self_consistency: n=8 traces need temperature > 0, got 0\.0$"),
@@ -336,7 +339,7 @@ NAN = float("nan")
      r"^budget_forcing: min_thinking_tokens must be an int >= 0, got -1$"),
     ({"name": "budget_forcing", "wait_text": ""},
      r"^budget_forcing: min_thinking_tokens > 0 needs a non-empty wait_text$"),
-    ({"name": "sample_n", "n": 2.5}, r"^policy sample_n: n must be an int >= 1, got 2.5$"),
+    ({"name": "sample_n", "n": 2.5}, r"^policy sample_n: n must be an int in \[1, 100000\], got 2.5$"),
     ({"name": "sample_n", "temperature": NAN}, r"^policy sample_n: temperature must be finite"),
     ({}, r"^a policy is a name or \{'name': \.\.\., \*\*params\}, got \{\}"),
 ])
