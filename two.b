@@ -1,1 +1,0 @@
-/dev/fd/3: line 34: ./ev.sh: No such file or directory
