@@ -446,16 +446,21 @@ class ReadDataset(beam.DoFn):
 
 
 def stored_record(store: ResultStore, item: WorkItem) -> tuple[dict | None, str | None]:
-  """The store's record of `item`: (record, None); (None, None) when not stored; (None,
-  why) when the file is not a record of this item (`why` completes "store record PATH
-  ..."). The key does not hold the example's position in the file (a rerun after lines
-  were added or removed reuses the samples), so the record gets the item's index."""
+  """The store's record of `item`: (record, None); (None, None) when not stored or stored
+  without a verdict (a sandbox error); (None, why) when the file is not a record of this
+  item (`why` completes "store record PATH ..."). The key does not hold the example's
+  position in the file (a rerun after lines were added or removed reuses the samples), so
+  the record gets the item's index."""
   record, problem = store.read(item.key)
   if record is None:
     return None, problem
   problem = record_problem(record, item)
   if problem:
     return None, problem
+  if isinstance(record["score"], dict) and record["score"].get("sandbox_error"):
+    # No verdict (the sandbox failed: a setup that missed its deadline under load): a
+    # rerun computes it again rather than resume the failure for good.
+    return None, None
   if record["example_index"] != item.example_index:
     record = {**record, "example_index": item.example_index}
   return record, None
@@ -463,6 +468,15 @@ def stored_record(store: ResultStore, item: WorkItem) -> tuple[dict | None, str 
 
 def _json_value(value):
   return json.loads(json.dumps(value, default=list))
+
+
+def _stored_sampling_identity(stored):
+  """`SamplingSpec.sample_identity` of a record's sampling, or the value as stored where it
+  is no sampling (then it differs from every item's)."""
+  try:
+    return _json_value(SamplingSpec(**stored).sample_identity())
+  except (TypeError, ValueError):
+    return stored
 
 
 def record_problem(record: dict, item: WorkItem) -> str | None:
@@ -476,13 +490,21 @@ def record_problem(record: dict, item: WorkItem) -> str | None:
   if not isinstance(record["output"], str) or not isinstance(record["correct"], bool):
     return "is not a result record (output or correct of the wrong type)"
   trace = record["trace"] if isinstance(record["trace"], dict) else {}
+  # The sampling as far as it decides the sample (a greedy one's seed and filters do not:
+  # the key leaves them out, and a record computed under another seed is this one's).
   expected = {"example_id": item.example["id"], "sample_index": item.sample_index,
               "dataset": item.example["dataset"], "prompt_sha256": prompt_sha256(item.prompt),
-              "sampling": _json_value(item.sampling.to_dict()), "request_id": item.request_id}
+              "sampling": _json_value(item.sampling.sample_identity()),
+              "request_id": item.request_id}
   found = {**{k: record[k] for k in ("example_id", "sample_index", "dataset", "prompt_sha256")},
-           "sampling": trace.get("sampling"), "request_id": trace.get("request_id")}
+           "sampling": _stored_sampling_identity(trace.get("sampling")),
+           "request_id": trace.get("request_id")}
   for name, value in expected.items():
     if found[name] != value:
+      if isinstance(found[name], dict) and isinstance(value, dict):  # the keys that differ
+        keys = sorted(k for k in {*found[name], *value} if found[name].get(k) != value.get(k))
+        return (f"is the record of another sample ({name} " + ", ".join(
+            f"{k} {found[name].get(k)!r:.40}, expected {value.get(k)!r:.40}" for k in keys) + ")")
       return f"is the record of another sample ({name} {found[name]!r:.40}, expected {value!r:.40})"
   return None
 

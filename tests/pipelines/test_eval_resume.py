@@ -443,3 +443,39 @@ def test_the_summary_is_strict_json_with_a_configs_inf_named(tmp_path):
   json.loads(text, parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
   assert '"window_s": "inf"' in text
   assert "another config" not in _run(cfg, out)[1]
+
+
+def test_a_greedy_runs_seed_or_filters_changed_resume_every_sample_as_it_is(tmp_path):
+  # The key leaves a greedy sample's seed and top_p / top_k out; the store's check of a
+  # record compared them all: every sample "the record of another sample", recomputed.
+  data = tmp_path / "q.jsonl"
+  data.write_text(ADDED + "\n" + json.dumps({"question": "What is 2 + 5?", "answer": "7"}) + "\n")
+  out = tmp_path / "run"
+  _run(_config(data, policy="greedy"), out)
+  cfg = _config(data, policy="greedy")
+  cfg.sampling.update(seed=7, top_p=0.5, top_k=3)
+  summary, console = _run(cfg, out)
+  assert summary["run"]["resumed"] == 2 and summary["run"]["computed"] == 0, console
+  assert "another sample" not in console
+
+
+def test_a_sample_the_sandbox_could_not_judge_is_scored_again_on_a_rerun(tmp_path, monkeypatch):
+  # A sandbox error is no verdict (a setup that missed its deadline under load). Before:
+  # stored and resumed, so rerunning the command never judged it.
+  from configs import humaneval as humaneval_config
+  from pipelines.sandbox import ExecutionResult, Sandbox, Status
+  cfg = humaneval_config.get_config("smoke=True")
+  cfg.model.predictor = "fake"
+  cfg.dataset.n = 2
+  cfg.runner.update(direct_num_workers=1, direct_running_mode="in_memory", batch_size=2)
+  out = tmp_path / "run"
+  real = Sandbox.run_many
+  monkeypatch.setattr(Sandbox, "run_many", lambda self, programs: [
+      ExecutionResult(Status.SANDBOX_ERROR, "sandbox setup did not finish before the deadline")
+      for _ in programs])
+  first, _ = _run(cfg, out)
+  assert first["sandbox_errors"] == 2
+  monkeypatch.setattr(Sandbox, "run_many", real)  # the machine is idle again
+  again, _ = _run(cfg, out)
+  assert again["run"]["resumed"] == 0 and again["run"]["computed"] == 2
+  assert again["sandbox_errors"] == 0
