@@ -290,7 +290,9 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     store = ResultStore(plan.store_dir)
     store.check_writable()
     _check_model(plan, direct)
+    data_state = _dataset_state(plan)  # (before the launcher's read of the files)
     scan = _scan(plan, out, console)
+    scan.data_state = data_state
     check_engine_pool(plan, scan.items)
     _check_chat(plan, scan.items, direct)
     return _run_locked(config, plan, options, scan, store, out, beam_flags, local=local,
@@ -315,6 +317,26 @@ def remove_shared_model_files(model_tag: str) -> None:
       path.unlink()
     except OSError:  # another process removed it, or it is not ours to remove
       pass
+
+
+def _dataset_state(plan) -> list[tuple]:
+  """(path, size, mtime) of each local dataset file the task reads (none for generated
+  data or remote files): the launcher reads the dataset, and the job's workers read it
+  again, so a file changed between the two reads mixed two datasets in one run."""
+  path = (getattr(plan.task, "dataset", None) or {}).get("path")
+  if not path or getattr(plan.task, "source", None) != path:
+    return []
+  from pipelines.datasets.jsonl import dataset_files
+  state = []
+  try:
+    for name in dataset_files(path):
+      local = name.removeprefix("file://")
+      if os.path.isfile(local):
+        st = os.stat(local)
+        state.append((local, st.st_size, st.st_mtime_ns))
+  except Exception:  # noqa: BLE001 - (the scan names an unreadable dataset itself)
+    return []
+  return state
 
 
 def _scan(plan, out: str, console):
@@ -395,6 +417,13 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     if direct:
       remove_shared_model_files(model_tag)
   wall_s = time.perf_counter() - t0
+  now = _dataset_state(plan)
+  if now != scan.data_state:
+    from pipelines.datasets import DatasetError
+    changed = [a[0] for a in now if a not in scan.data_state] or [plan.task.source]
+    raise DatasetError(f"dataset file {changed[0]} changed while the job ran (the launcher and "
+                       f"the workers read different versions of it): rerun; every sample "
+                       f"computed is in the store")
 
   records, restored, repeated = reconcile_with_store(
       _read_jsonl(f"{out}/results.jsonl"), scan.items, store, f"{out}/results.jsonl")

@@ -479,3 +479,27 @@ def test_a_sample_the_sandbox_could_not_judge_is_scored_again_on_a_rerun(tmp_pat
   again, _ = _run(cfg, out)
   assert again["run"]["resumed"] == 0 and again["run"]["computed"] == 2
   assert again["sandbox_errors"] == 0
+
+
+def test_a_dataset_file_changed_while_the_job_runs_stops_the_run_in_one_line(tmp_path):
+  # The launcher reads the dataset, the job's workers read it again: an edit in between
+  # gave a record of a removed example under another's index, and a summary of neither
+  # file. (A loader that edits the file stands for an editor saving it mid-run.)
+  from pipelines.datasets import DatasetError
+  from pipelines.predictors import FakePredictor
+  data = tmp_path / "q.jsonl"
+  data.write_text(ADDED + "\n")
+
+  def editing_loader(spec):
+    with open(data, "a") as f:
+      f.write(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    return FakePredictor(0.0)
+  cfg = _config(data, policy="greedy")
+  out = tmp_path / "run"
+  with pytest.raises(DatasetError, match=rf"^dataset file {re.escape(str(data))} changed while "
+                                         r"the job ran .*: rerun; every sample computed is in "
+                                         r"the store$"):
+    run(cfg, str(out), clock=FakeClock(), progress=False, report=False, console=io.StringIO(),
+        loader=editing_loader)
+  summary, _ = _run(cfg, out)  # the rerun reads one version
+  assert summary["examples"] == 2 and summary["dead_letters"]["total"] == 0
