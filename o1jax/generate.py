@@ -11,8 +11,19 @@ import argparse
 import dataclasses
 import math
 import os
+import signal
 import sys
+import threading
 import time
+
+if __name__ == "__main__":  # before the imports below (~2 s): a Ctrl-C there is one line
+  def _stopped_while_starting(signum, frame):
+    # (a KeyboardInterrupt raised there could land in one of JAX's gc callbacks, where
+    # Python ignores it: the whole answer was generated, exit 0)
+    print("\nstopped by Ctrl-C", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+  signal.signal(signal.SIGINT, _stopped_while_starting)
 
 from o1jax.checkpoint import EMBEDDED, CheckpointError, load_checkpoint
 from o1jax.compilation_cache import enable_compilation_cache
@@ -128,8 +139,18 @@ def main(argv=None) -> int:
     times = []  # when each token reached us: the engine returns a call's tokens together
     t_start = time.perf_counter()
     stopped = None
+    interrupted = []
+
+    def interrupt(signum, frame):  # (a flag too: the exception may be lost in a gc callback)
+      interrupted.append(signum)
+      raise KeyboardInterrupt
+
+    restore = (signal.signal(signal.SIGINT, interrupt)
+               if threading.current_thread() is threading.main_thread() else None)
     try:
       for event in engine.stream(request):
+        if interrupted:
+          raise KeyboardInterrupt
         if event.token_id is None:  # the sample's closing event
           continue
         times.append(time.perf_counter())
@@ -138,6 +159,9 @@ def main(argv=None) -> int:
           sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C: the answer so far stays, with its numbers
       stopped = "stopped by Ctrl-C"
+    finally:
+      if restore is not None:
+        signal.signal(signal.SIGINT, restore)
     t_end = time.perf_counter()
   except (CheckpointError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -44,7 +44,6 @@ import math
 import os
 import threading
 import time
-import zlib
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -70,7 +69,7 @@ from o1jax.model import thinking as thinking_lib
 from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama, check_llama
 from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, is_int,
-                                  sequence_key)
+                                  sequence_key, string_key_id)
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
@@ -358,7 +357,8 @@ class _Group:
   def __init__(self, index, request_id, key_id, prompt_ids, params, metrics):
     self.index = index  # position in submission order
     self.request_id = request_id
-    self.key_id = key_id  # int used to derive sampling keys
+    self.key_id = key_id  # int (or a str id's words) the sampling keys derive from
+    self.owner = None  # the engine that queued it (`Engine._own`)
     self.prompt_ids = prompt_ids
     self.params: GenerationParams = params
     self.metrics: RequestMetrics = metrics
@@ -526,6 +526,7 @@ class Engine:
     # Queues, pools and programs are one thread's at a time: threads that share the engine
     # take turns per step (their requests still decode in the same batches).
     self._lock = threading.RLock()
+    self._handle_owner = object()  # marks the handles this engine gives out (`_own`)
     self._warned_nonfinite = False
     self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
                                   config.min_table_blocks)
@@ -767,11 +768,16 @@ class Engine:
     if need > self.num_blocks:
       raise ValueError(f"the request may need {need} KV blocks but the pool has "
                        f"{self.num_blocks}: raise num_blocks/kv_cache_bytes")
+    if request.request_id is None and not (is_int(index)
+                                           and KEY_ID_RANGE[0] <= index < KEY_ID_RANGE[1]):
+      # (an index of -5 failed the next step for every request, its blocks lost)
+      raise ValueError(f"index={index!r} (a request without a request_id is numbered by it) "
+                       f"must be an int in [0, 2**32)")
     rid = index if request.request_id is None else request.request_id
-    # (surrogatepass: an id holding a lone surrogate still names one stream)
-    key_id = int(rid) if is_int(rid) else zlib.crc32(str(rid).encode("utf-8", "surrogatepass"))
+    key_id = int(rid) if is_int(rid) else string_key_id(rid)
     metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
     group = _Group(index, rid, key_id, ids, params, metrics)
+    group.owner = self._handle_owner
     # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
     group.stop_ids = sorted(stop) or [-1]
@@ -860,12 +866,21 @@ class Engine:
     finally:  # also when the caller stops reading early: its slots and blocks come back
       self.cancel(group)
 
+  def _own(self, group) -> None:
+    """ValueError unless `group` is a handle this engine's `add_request` returned (another
+    engine's handle was marked finished here while its own engine still decoded it)."""
+    if not isinstance(group, _Group):
+      raise ValueError(f"expected a request handle from add_request, got {type(group).__name__}")
+    if group.owner is not self._handle_owner:
+      raise ValueError(f"request {group.request_id!r} was queued on another Engine")
+
   def cancel(self, group: _Group) -> None:
     """Forgets a request queued with `add_request`: its unfinished samples leave the
     queues (finish reason "cancelled") and their blocks are freed. For a caller that
     will not collect it (it failed, or stopped reading a stream); a no-op when the
     request was already collected."""
     with self._lock:
+      self._own(group)
       self._cancel(group)
 
   def _cancel(self, group: _Group) -> None:
@@ -1656,6 +1671,7 @@ class Engine:
   def result(self, group: _Group) -> RequestResult:
     """The result of a finished request queued with `add_request` (the engine forgets it)."""
     with self._lock:
+      self._own(group)
       return self._result(group)
 
   def _result(self, group: _Group) -> RequestResult:

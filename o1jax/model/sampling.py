@@ -8,6 +8,7 @@ sequence samples the same tokens whatever batch or slot it runs in.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
 
@@ -115,9 +116,25 @@ def seed_key(seed: int) -> jax.Array:
   return jnp.asarray([seed >> 32, seed & 0xFFFFFFFF], jnp.uint32)
 
 
-def sequence_key(seed: int, request_id: int, sample_index: int) -> jax.Array:
-  """Base key of one sample of one request (uint32 key data [2])."""
-  key = jax.random.fold_in(seed_key(seed), request_id)
+# A str request id's key words start with this one (an int id folds in one word alone).
+_STRING_ID_TAG = 0x53545249
+
+
+def string_key_id(request_id: str) -> tuple[int, int, int]:
+  """The key words of a str request id: a tag and 64 bits of its sha256 (surrogatepass:
+  an id holding a lone surrogate still names one stream). A 32-bit CRC gave two ids one
+  stream at a few hundred thousand ids ("plumless" and "buckeroo" at once)."""
+  digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()
+  return (_STRING_ID_TAG, int.from_bytes(digest[:4], "little"),
+          int.from_bytes(digest[4:8], "little"))
+
+
+def sequence_key(seed: int, request_id, sample_index: int) -> jax.Array:
+  """Base key of one sample of one request (uint32 key data [2]). request_id: an int in
+  [0, 2**32), or the words of a str id (`string_key_id`)."""
+  key = seed_key(seed)
+  for word in (request_id if isinstance(request_id, tuple) else (request_id,)):
+    key = jax.random.fold_in(key, word)
   return jax.random.fold_in(key, sample_index)
 
 

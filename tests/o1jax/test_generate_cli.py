@@ -4,6 +4,9 @@ import re
 import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 COMMAND = [sys.executable, "-m", "o1jax.generate", "--raw", "--prompt", "1, 2, 3, 4, 5,"]
 
@@ -42,6 +45,21 @@ def test_ctrl_c_keeps_the_answer_so_far_and_its_numbers():
   assert re.match(r"^\[14 prompt tokens, \d+ generated; load .*tok/s.*\]$",
                   err.strip().splitlines()[-2])
   assert err.strip().splitlines()[-1] == "[stopped by Ctrl-C]"
+
+
+@pytest.mark.parametrize("after_s", [0.3, 0.7, 1.2, 2.5])
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(after_s):
+  # Before: at 0.5-0.8 s the KeyboardInterrupt landed in one of JAX's gc callbacks, where
+  # Python ignores it ("Exception ignored in ..."): the whole answer came, exit 0; during
+  # the imports a full traceback, exit -2.
+  proc = subprocess.Popen(COMMAND + ["--max_new_tokens", "4000"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  time.sleep(after_s)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, err
+  assert "Traceback" not in err and "Exception ignored" not in err
+  assert err.strip().splitlines()[-1] in ("stopped by Ctrl-C", "[stopped by Ctrl-C]")
 
 
 def test_more_new_tokens_than_the_context_holds_is_said():

@@ -308,6 +308,36 @@ def test_a_numpy_int_request_id_is_the_same_id(engine32):
     tokens(np.int64(2**40))
 
 
+def test_str_request_ids_key_streams_of_their_own(engine32):
+  # A 32-bit CRC of the id keyed the stream: "plumless" and "buckeroo" (one CRC) drew the
+  # same samples, and so did "" and the int id 0, "hello" and the int crc32("hello").
+  params = GenerationParams(max_new_tokens=12, temperature=1.0, seed=4, ignore_eos=True)
+  tokens = lambda rid: tuple(engine32.generate([Request([3, 4, 5], params, request_id=rid)])[0]
+                             .token_ids)
+  drawn = [tokens(rid) for rid in ("plumless", "buckeroo", "", 0, "hello", 907060870)]
+  assert len(set(drawn)) == len(drawn)
+  assert tokens("plumless") == drawn[0]  # (a str id still names one stream)
+
+
+def test_add_request_index_and_handles_of_another_engine_are_refused(tiny, engine32):
+  # An index of -5 (the id of a request without one) failed the next step for every
+  # request and lost its KV blocks; another engine's handle given to cancel() was marked
+  # finished here while its own engine still decoded it.
+  request = Request([3, 4, 5], GenerationParams(max_new_tokens=2, ignore_eos=True))
+  for index in (-5, 2**32, 1.5, "x"):
+    with pytest.raises(ValueError, match=r"^index=.* must be an int in \[0, 2\*\*32\)$"):
+      engine32.add_request(request, index=index)
+  other = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=2, num_blocks=32))
+  handle = other.add_request(request)
+  for call in (engine32.cancel, engine32.result):
+    with pytest.raises(ValueError, match=r"^request 0 was queued on another Engine$"):
+      call(handle)
+  other.run_until_idle()
+  assert len(other.result(handle).samples[0].token_ids) == 2
+  assert engine32.allocator.num_used == 0
+  assert engine32.generate([request])[0].token_ids  # still serving
+
+
 def test_an_error_inside_generate_cancels_its_requests(engine32, monkeypatch):
   good = Request([9, 8, 7], GenerationParams(max_new_tokens=3, ignore_eos=True))
   before = engine32.generate([good])[0].token_ids
