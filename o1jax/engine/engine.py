@@ -238,7 +238,7 @@ class GenerationParams(SamplingParams):
   stopping for one request (all n samples)."""
 
   max_new_tokens: int = 256
-  # Stop strings, matched in the text (special tokens skipped) or in a special token's
+  # Stop strings, matched in the text (special tokens skipped) or as a special token's whole
   # spelling: the sample ends with the token that completes one (kept in token_ids); the
   # text ends before the first one's first occurrence (thinking.hits_stop).
   stop: tuple[str, ...] = ()

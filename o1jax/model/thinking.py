@@ -195,8 +195,10 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
   answer, as `answer_text` reads it (special tokens skipped, the newlines that lead the
   answer dropped; nothing while thinking), so the text is cut where the sample stopped.
   Also when the last token is a special token whose spelling (`decode`: special tokens
-  kept) contains a stop string: stop="<|im_end|>" ends a sample at that token where it is
-  not an eos id (the token adds nothing to the text).
+  kept) is a stop string: stop="<|im_end|>" ends a sample at that token where it is not
+  an eos id (the token adds nothing to the text); a stop string that is only part of a
+  spelling ("i", "m") is text, which a special token does not add to (it ended every
+  sample at the first special token).
 
   Decodes a window of the last tokens, grown until the text after its uncertain front
   holds any stop string the last token can complete (of any length: a stop string
@@ -209,8 +211,7 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
   n = len(generated)
   last = decode_visible(list(generated[-1:]))
   if decode is not None and not last and n > start:
-    spelled = decode(list(generated[-1:]))
-    if any(s in spelled for s in stop):
+    if decode(list(generated[-1:])) in stop:
       return True
   # The characters the last token can have changed: its own, and one it completed.
   need = max(map(len, stop)) + len(last) + 1

@@ -35,7 +35,7 @@ def reference_cut(tok, ref, stop=(), stop_ids=(), ignore_eos=True, max_new=N):
     out.append(t)
     text = visible(tok, out)
     hits = [text.find(s) for s in stop if s in text]
-    if hits or (t == EOS and any(s in tok.decode([t]) for s in stop)):  # a special's spelling
+    if hits or (t == EOS and tok.decode([t]) in stop):  # a special token's spelling
       return out, text[:min(hits, default=len(text))], "stop", len(out)
   return out, visible(tok, out), "length", len(out)
 
@@ -178,6 +178,8 @@ def _first_hit(tok, ids, stop, reader=None):
     ("ab<|im_end|>cd", ("bc",), 4),  # the special token is not in the text (was: never)
     ("ab<|im_end|>cd", ("<|im_end|>",), 3),  # a special token's spelling matches it
     ("ab<|im_end|>cd", ("b<|im_end|>",), None),  # but not text around it
+    ("ab<|im_end|>cd", ("i",), None),  # nor a part of it (was: 3, at the special token)
+    ("ab<|im_end|>cd", ("im_end",), None),
     ("xa\u00e9!", ("a\u00e9",), 4),  # through a character split over two tokens
     ("xa\u00e9!", ("a\ufffd",), 3),  # its first byte alone reads as U+FFFD
     ("a\n\nb", ("\nb",), 4),
