@@ -105,12 +105,16 @@ def main(argv=None) -> int:
     params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               seed=args.seed)  # (checked before the model loads)
-    t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.backend, matmul_dtype=args.matmul_dtype)
-    load_s = time.perf_counter() - t0
     if args.raw and args.system is not None:  # (it was dropped without a word)
       raise ValueError("--system goes into the chat template, which --raw leaves out: put it "
                        "in the prompt, or drop --raw")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+      # (bytes that are not UTF-8 reach Python as lone surrogates: read as U+FFFD)
+      if text is not None and any("\ud800" <= c <= "\udfff" for c in text):
+        raise ValueError(f"{flag} is not valid UTF-8 text")
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, args.backend, matmul_dtype=args.matmul_dtype)
+    load_s = time.perf_counter() - t0
     no_chat = None if args.raw else tokenizer.chat_unavailable()
     if no_chat is not None:  # (a base model: the flag that helps)
       raise ValueError(f"{no_chat}: send the prompt as text with --raw")

@@ -104,3 +104,11 @@ def test_a_system_message_with_raw_is_refused():
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
       "error: --system goes into the chat template, which --raw leaves out: put it in the "
       "prompt, or drop --raw")
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads():
+  # Before: the byte read as U+FFFD and the model answered that prompt (exit 0).
+  out = subprocess.run([sys.executable, "-m", "o1jax.generate", "--prompt", b"ab\xffcd"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == ["error: --prompt is not valid UTF-8 text"]
