@@ -754,55 +754,23 @@ class _LogFile:
     if self.path is None:
       fd, self.path = tempfile.mkstemp(prefix="o1jax-eval-", suffix=".log")
       os.close(fd)
+    with open(self.path, "ab") as log:  # O_APPEND: the processes' lines never overwrite each other
+      os.dup2(log.fileno(), 2)
     self.console = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8",
                         errors="backslashreplace")
-    # fd 2 is a pipe that a thread copies into the log: writing the log file itself, a
-    # full disk failed Beam's worker-handling thread on its next log line and the job hung
-    # (it then never reached the store's "No space left on device" error).
-    self._log_fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-    read, write = os.pipe()
-    os.dup2(write, 2)
-    os.close(write)
-    self._copier = threading.Thread(target=self._copy, args=(read,), daemon=True,
-                                    name="o1jax-eval-log")
-    self._copier.start()
     self._lock, self._closed = threading.Lock(), False
 
-  def _copy(self, read: int) -> None:
-    """Copies the pipe into the log until every writer closed it; a log that cannot be
-    written (a full disk) is said once on the console and its later lines dropped."""
-    failed = False
-    while data := os.read(read, 1 << 16):
-      while data and not failed:
-        try:
-          data = data[os.write(self._log_fd, data):]
-        except OSError as e:
-          failed = True
-          try:
-            from pipelines.beam.store import os_reason
-            print(f"warning: cannot write the log {self.path}: {os_reason(e)}; its later "
-                  f"lines are dropped", file=self.console, flush=True)
-          except (OSError, ValueError):  # (the console closed at the end of the run)
-            pass
-    os.close(read)
-    os.close(self._log_fd)
-
-  def close(self, keep: bool = True, move_to: Optional[str] = None,
-            wait_s: float = 0.5) -> Optional[str]:
+  def close(self, keep: bool = True, move_to: Optional[str] = None) -> Optional[str]:
     """Restores stderr; keeps the log (moved to `move_to` if it can be) or deletes it.
-    Returns where the log is. Once only (a signal may end the run while it closes).
-    wait_s: how long the last lines may take to reach the log (worker processes that
-    have not exited yet hold the pipe)."""
+    Returns where the log is. Once only (a signal may end the run while it closes)."""
     with self._lock:
       if self._closed:
         return self.path
       self._closed = True
     sys.stderr.flush()
     self.console.flush()
-    os.dup2(self._saved, 2)  # (the pipe's last writer here: the copier ends once the
-    os.close(self._saved)    # worker processes, which hold it too, have exited)
-    if wait_s:
-      self._copier.join(timeout=wait_s)
+    os.dup2(self._saved, 2)
+    os.close(self._saved)
     self.console.close()
     if not keep:
       os.remove(self.path)
@@ -861,7 +829,7 @@ def main(argv):
     # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
     for tag in list(_RUNNING_MODEL_TAGS):
       remove_shared_model_files(tag)
-    kept = log.close(move_to=local_log, wait_s=0.0) if log else None  # (no wait: at once)
+    kept = log.close(move_to=local_log) if log else None
     print(f"stopped by {signal.Signals(signum).name}: finished samples are kept in the store; rerun "
           f"the same command to resume" + (f" (log: {kept})" if kept else ""), file=sys.stderr)
     sys.stderr.flush()
