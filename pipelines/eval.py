@@ -32,6 +32,7 @@ prints tracebacks).
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import pathlib
@@ -320,9 +321,10 @@ def remove_shared_model_files(model_tag: str) -> None:
 
 
 def _dataset_state(plan) -> list[tuple]:
-  """(path, size, mtime) of each local dataset file the task reads (none for generated
-  data or remote files): the launcher reads the dataset, and the job's workers read it
-  again, so a file changed between the two reads mixed two datasets in one run."""
+  """(path, sha256) of each local dataset file the task reads (none for generated data or
+  remote files): the launcher reads the dataset, and the job's workers read it again, so a
+  file changed between the two reads mixed two datasets in one run. By content: a file
+  only touched (rsync -a, a checkout, a sync client) is the same dataset."""
   path = (getattr(plan.task, "dataset", None) or {}).get("path")
   if not path or getattr(plan.task, "source", None) != path:
     return []
@@ -332,8 +334,11 @@ def _dataset_state(plan) -> list[tuple]:
     for name in dataset_files(path):
       local = name.removeprefix("file://")
       if os.path.isfile(local):
-        st = os.stat(local)
-        state.append((local, st.st_size, st.st_mtime_ns))
+        digest = hashlib.sha256()
+        with open(local, "rb") as f:
+          while block := f.read(1 << 20):
+            digest.update(block)
+        state.append((local, digest.hexdigest()))
   except Exception:  # noqa: BLE001 - (the scan names an unreadable dataset itself)
     return []
   return state
@@ -549,6 +554,7 @@ def clear_previous_results(config, out: str, console) -> None:
   if isinstance(old, dict):
     from pipelines.beam.store import named_nonfinite
     new = named_nonfinite(json.loads(json.dumps(config.to_dict(), default=list)))
+    old = named_nonfinite(old)  # (a summary written before 2026-12-07 holds Infinity)
     diff = [k for k in _config_differences(old, new) if not k.startswith("runner.")]
     if diff:
       shown = ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")

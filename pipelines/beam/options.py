@@ -77,15 +77,21 @@ def _check_config_held(runner: str, runner_cfg, extra: Sequence[str]) -> None:
   """A Beam flag after `--` that sets another value than the config's key for it is refused:
   the flag won, while the summary reported the config's value and the engine sized its slots
   by it (--direct_num_workers=1 ran one worker with a config of 2)."""
-  for arg in extra:
+  extra = list(extra)
+  for i, arg in enumerate(extra):
     flag, eq, value = arg.partition("=")
     key = _CONFIG_HELD.get(runner, {}).get(flag)
     if key is None:
       continue
+    if not eq:  # (argparse's other form: the value is the next argument)
+      value = extra[i + 1] if i + 1 < len(extra) else ""
     held = runner_cfg.get(key, "")
-    if not eq or str(held) != value:
-      raise ValueError(f"Beam flag {arg} after -- sets what runner.{key}={held!r} holds: give "
-                       f"--config.runner.{key}={value or '...'} instead")
+    same = str(held) == value
+    if isinstance(held, int) and not isinstance(held, bool):  # (01 is 1)
+      same = same or (value.strip().lstrip("+").isdigit() and int(value) == held)
+    if not same:
+      raise ValueError(f"Beam flag {flag}={value} after -- sets what runner.{key}={held!r} "
+                       f"holds: give --config.runner.{key}={value or '...'} instead")
 
 
 def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:

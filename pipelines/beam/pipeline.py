@@ -376,7 +376,7 @@ class DatasetScan:
   dead: list  # input DeadLetters
   examples: int = 0
   duplicates: dict = dataclasses.field(default_factory=dict)  # source -> lines skipped
-  # (path, size, mtime) of the local dataset files as the launcher read them
+  # (path, sha256) of the local dataset files as the launcher read them
   data_state: list = dataclasses.field(default_factory=list)
 
 

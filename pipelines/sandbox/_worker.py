@@ -762,16 +762,17 @@ def _plain_copy(value, subclasses=False):
 
 
 def _own_arguments(args, kwargs):
-  """Copies of the test's arguments, when they are plain data (else the originals).
+  """(copies of the test's arguments, when they are plain data, else the originals; whether
+  they were: with others the test's own code may run inside the call, a generator's).
 
   The program must not change the test's objects: a test that computes its expected
   value after the call (`candidate(xs) == sum(xs)`) would compare against the program's
   edit, and an object with a finalizer put into a list the test drops runs the
   program's code at a point of the test it can count on (see _quiet)."""
   try:
-    return _plain_copy(args), _plain_copy(kwargs)
+    return _plain_copy(args), _plain_copy(kwargs), True
   except _Refused:
-    return args, kwargs
+    return args, kwargs, False
 
 
 def _quiet():
@@ -881,7 +882,7 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
   verify(call_ended=True)  # patches made by the module's code
 
   def checked_call(args, kwargs):
-    args, kwargs = _own_arguments(args, kwargs)
+    args, kwargs, plain = _own_arguments(args, kwargs)
     rebase()
     _gc_enable()
     try:
@@ -900,7 +901,9 @@ def _run_humaneval(prompt, completion, test, entry_point, strict, snapshot, miss
         del result
         _quiet()
       result = copy
-    verify(call_ended=True)
+    # The instances' attribute values: a call on plain data runs the program's code only;
+    # one handed the test's objects (a generator) may run the test's, which may set them.
+    verify(call_ended=plain)
     return result
 
   def candidate(*args, **kwargs):

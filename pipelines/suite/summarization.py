@@ -133,9 +133,10 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 # A number as a whole (not inside a longer one: 4.2 million is not 14.2 million, nor 48,213
-# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and a following "million".
+# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and a following "million"
+# ("4.2-million", "millions"; not a bare "m": metres).
 _NUMBER = re.compile(r"(?<![\d.,])(\d{1,3}(?:[,\s\u00a0\u202f]\d{3})+(?![\d])|\d+)(\.\d+)?"
-                     r"(?!\d)(?![.,]\d)(\s*(?:million|mln|mn|m)\b)?", re.IGNORECASE)
+                     r"(?!\d)(?![.,]\d)([\s-]*(?:millions?|mln)\b)?", re.IGNORECASE)
 _SEPARATORS = re.compile(r"[\s\u00a0\u202f\-\u2010\u2011\u2013]+")
 
 

@@ -109,6 +109,36 @@ def test_a_module_that_replaces_a_registered_name_or_exits_is_refused(tmp_path, 
     import_modules(name)
 
 
+def test_a_name_is_held_by_what_the_implementation_is_not_by_its_name(tmp_path):
+  # Before: two lambdas of one factory, two partials, or `|=` replaced a name; and a script
+  # run as __main__ that its config also imports was refused (one file, two module names).
+  import functools
+  import importlib.util
+  from o1jax.controller.verifiers import _trace_attr
+  from o1jax.registry import Registry
+  names = Registry("scorer")
+  names["a"] = _trace_attr("mean_logprob")
+  names["a"] = _trace_attr("mean_logprob")  # the same, made again
+  with pytest.raises(ValueError, match=r"^scorer name 'a' is taken"):
+    names["a"] = _trace_attr("tail_confidence")
+  names["p"] = functools.partial(max, 1)
+  with pytest.raises(ValueError, match=r"^scorer name 'p' is taken"):
+    names["p"] = functools.partial(min, 1)
+  with pytest.raises(ValueError, match=r"^scorer name 'p' is taken"):
+    names |= {"p": functools.partial(max, 2)}
+  (tmp_path / "mytask.py").write_text("class MyTask:\n  pass\n")
+  loaded = []
+  for module_name in ("__main_like__", "mytask_again"):
+    spec = importlib.util.spec_from_file_location(module_name, tmp_path / "mytask.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    loaded.append(module.MyTask)
+  tasks = Registry("task")
+  for cls in loaded:  # one file, loaded under two names
+    tasks["mytask"] = cls
+
+
 def test_the_same_implementation_may_register_its_name_again():
   from o1jax.registry import Registry
   names = Registry("thing")

@@ -46,6 +46,13 @@ def test_runner_flags_from_the_config():
                                        r"holds: give --config\.runner\.address=tcp://other:8786 "
                                        r"instead$"):
     beam_args(cfg, ["--dask_client_address=tcp://other:8786"])
+  # argparse's other form and a number written otherwise, agreeing with the config, run
+  direct = gsm8k_config.get_config("smoke=True").runner
+  for extra in (["--direct_num_workers", "2"], ["--direct_num_workers=02"],
+                ["--direct_running_mode", direct.direct_running_mode]):
+    assert beam_args(direct, extra)[-len(extra):] == extra
+  with pytest.raises(ValueError, match=r"^Beam flag --direct_num_workers=3 after -- sets"):
+    beam_args(direct, ["--direct_num_workers", "3"])
 
 
 def test_bad_runner_settings_are_one_line_errors(tmp_path):

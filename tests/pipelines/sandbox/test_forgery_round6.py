@@ -144,3 +144,21 @@ def test_a_right_answer_may_print_a_lone_surrogate(sandbox):
   result = sandbox.run(humaneval_program(problem, completion))
   assert result.status is Status.PASSED, result.detail
   assert '\\ud800' in result.stdout
+
+
+def test_a_test_whose_generator_sets_module_state_inside_the_call_passes(sandbox):
+  # The test hands the candidate a generator: its own code runs inside the call and sets an
+  # attribute of a module-level instance (the seal refused a right answer).
+  test = textwrap.dedent('''\
+      import calendar
+
+      def check(candidate):
+          def days():
+              for d in (0, 6):
+                  calendar.setfirstweekday(d)
+                  yield calendar.firstweekday()
+          assert candidate(days()) == 6
+      ''')
+  prompt = 'def total(xs):\n    """Sum of an iterable of numbers."""\n'
+  result = sandbox.run(HumanEvalProgram(prompt, '    return sum(xs)\n', test, 'total'))
+  assert result.status is Status.PASSED, result.detail

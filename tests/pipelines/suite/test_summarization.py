@@ -70,6 +70,9 @@ def test_a_key_number_inside_a_longer_number_is_not_found():
     ("smoked trout", "its smoked-trout exports", True),
     ("48,213", "48213 residents", True),
     ("5.0 million", "5.01 million", False),
+    ("4.2 million", "a 4.2-million budget, 4.2 millions", True),
+    ("2035", "a bridge 2035 m long", True),  # (metres: not 2,035,000,000)
+    ("48,213", "48,213m of road", True),
     ("4.2 million", "14.2 million", False),
     ("48,213", "148,213 or 48,213.5", False),
     ("2035", "in 20351", False),
