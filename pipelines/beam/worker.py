@@ -25,16 +25,35 @@ LAUNCHER_PID_ENV = "O1JAX_EVAL_LAUNCHER_PID"
 
 
 def mark_launcher() -> None:
-  """This process launches the job: worker processes started from now on watch it."""
-  os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+  """This process launches the job: worker processes started from now on watch it. The
+  value is "pid:start time" (the start time tells the launcher from a later process of the
+  same pid); "pid" alone where /proc is not there."""
+  pid = os.getpid()
+  started = _start_time(pid)
+  os.environ[LAUNCHER_PID_ENV] = f"{pid}:{started}" if started is not None else str(pid)
+
+
+def _stat_fields(pid: int) -> Optional[list[bytes]]:
+  """/proc/PID/stat's fields after the command name (field 3 on), or None."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return f.read().rsplit(b")", 1)[1].split()
+  except (OSError, IndexError):
+    return None
 
 
 def _parent(pid: int) -> Optional[int]:
+  fields = _stat_fields(pid)
   try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      return int(f.read().rsplit(b")", 1)[1].split()[1])
-  except (OSError, ValueError, IndexError):
+    return int(fields[1]) if fields else None
+  except (ValueError, IndexError):
     return None
+
+
+def _start_time(pid: int) -> Optional[str]:
+  """The process's start time in clock ticks since boot (stat field 22), or None."""
+  fields = _stat_fields(pid)
+  return fields[19].decode() if fields and len(fields) > 19 else None
 
 
 def _started_by(pid: int) -> bool:
@@ -64,13 +83,22 @@ def _wait_for_exit(pid: int) -> None:
 def watch_launcher() -> bool:
   """In a worker process started by a marked launcher: kill this process when the launcher
   exits. Returns whether a watch started (not in the launcher itself, not elsewhere)."""
+  value = os.environ.get(LAUNCHER_PID_ENV, "")
+  pid_text, _, started = value.partition(":")
   try:
-    pid = int(os.environ.get(LAUNCHER_PID_ENV, ""))
+    pid = int(pid_text)
   except ValueError:
     return False
-  # In-process runners run here in the launcher; a process the launcher did not start
-  # (a pid since reused) is left alone.
-  if pid == os.getpid() or not _started_by(pid):
+  if pid == os.getpid():  # in-process runners run here in the launcher
+    return False
+  if started and os.path.isdir("/proc"):
+    # The launcher by its start time, wherever this process sits in the tree (Beam's `sh -c`
+    # is re-parented when the launcher dies first; the parent check then let a worker of a
+    # launcher killed during start-up compute on for a minute): gone, or a later process
+    # under its pid, means this worker has nobody to work for.
+    if _start_time(pid) != started:
+      os.kill(os.getpid(), signal.SIGKILL)
+  elif not _started_by(pid):  # (no start time: a process the launcher did not start is left)
     return False
 
   def watch():

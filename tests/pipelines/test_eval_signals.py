@@ -105,3 +105,39 @@ def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path):
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
   assert err.strip().splitlines()[-1].startswith("stopped by SIGINT")
+
+
+def _worker_with_launcher(value, seconds=20):
+  """A process that imports the worker plugin (as a Beam worker does) under this launcher
+  mark, then sleeps."""
+  return subprocess.Popen([sys.executable, "-c", "import pipelines.beam.worker, time; "
+                           f"time.sleep({seconds})"], cwd=REPO,
+                          env={**os.environ, "O1JAX_EVAL_LAUNCHER_PID": value},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _start_time(pid):
+  with open(f"/proc/{pid}/stat", "rb") as f:
+    return f.read().rsplit(b")", 1)[1].split()[19].decode()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_worker_whose_launcher_is_gone_or_not_its_parent_follows_it():
+  # Before: the watch needed the launcher as the worker's parent or grandparent; a launcher
+  # killed during start-up left its workers (their `sh -c` re-parented) computing ~1 min.
+  launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    mark = f"{launcher.pid}:{_start_time(launcher.pid)}"
+    follower = _worker_with_launcher(mark)  # the launcher is alive, and not its parent
+    time.sleep(3)
+    assert follower.poll() is None
+    launcher.kill()
+    assert follower.wait(timeout=5) == -signal.SIGKILL
+  finally:
+    launcher.kill()
+    launcher.wait()
+  # gone: the same mark now names no process; reused: the pid alive with another start time
+  gone = _worker_with_launcher(mark)
+  assert gone.wait(timeout=30) == -signal.SIGKILL
+  reused = _worker_with_launcher(f"{os.getpid()}:1", seconds=1)
+  assert reused.wait(timeout=30) == -signal.SIGKILL
