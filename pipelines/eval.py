@@ -31,8 +31,8 @@ prints tracebacks).
 
 from __future__ import annotations
 
+import functools
 import glob
-import hashlib
 import json
 import os
 import pathlib
@@ -290,12 +290,12 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     _check_same_task(out, plan.task.name)
     store = ResultStore(plan.store_dir)
     store.check_writable()
-    _check_model(plan, direct)
+    model = _check_model(plan, direct)  # (config, tokenizer loader) where it is here
     data_state = _dataset_state(plan)  # (before the launcher's read of the files)
     scan = _scan(plan, out, console)
     scan.data_state = data_state
-    check_engine_pool(plan, scan.items)
-    _check_chat(plan, scan.items, direct)
+    check_engine_pool(plan, scan.items, model)
+    _check_chat(plan, scan.items, model)
     return _run_locked(config, plan, options, scan, store, out, beam_flags, local=local,
                        direct=direct, clock=clock, loader=loader, progress=progress,
                        report=report, console=console)
@@ -323,25 +323,20 @@ def remove_shared_model_files(model_tag: str) -> None:
 def _dataset_state(plan) -> list[tuple]:
   """(path, sha256) of each local dataset file the task reads (none for generated data or
   remote files): the launcher reads the dataset, and the job's workers read it again, so a
-  file changed between the two reads mixed two datasets in one run. By content: a file
-  only touched (rsync -a, a checkout, a sync client) is the same dataset."""
+  file changed between the two reads mixed two datasets in one run. By content (a file
+  only touched, by rsync -a, a checkout or a sync client, is the same dataset), through
+  the digests the model fingerprint keeps (`predictors.content_digest`)."""
   path = (getattr(plan.task, "dataset", None) or {}).get("path")
   if not path or getattr(plan.task, "source", None) != path:
     return []
   from pipelines.datasets.jsonl import dataset_files
-  state = []
+  from pipelines.predictors import content_digest
   try:
-    for name in dataset_files(path):
-      local = name.removeprefix("file://")
-      if os.path.isfile(local):
-        digest = hashlib.sha256()
-        with open(local, "rb") as f:
-          while block := f.read(1 << 20):
-            digest.update(block)
-        state.append((local, digest.hexdigest()))
+    return [(local, content_digest(local)) for local in
+            (name.removeprefix("file://") for name in dataset_files(path))
+            if os.path.isfile(local)]
   except Exception:  # noqa: BLE001 - (the scan names an unreadable dataset itself)
     return []
-  return state
 
 
 def _scan(plan, out: str, console):
@@ -451,8 +446,8 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     summary["data"] = plan.task.data_info()
   # Strict JSON (Python writes Infinity, which jq and JavaScript refuse): a config's inf
   # is the string "inf" (clear_previous_results compares configs so written).
-  from pipelines.beam.store import named_nonfinite
-  written = named_nonfinite(json.loads(json.dumps(summary, default=list)))
+  from pipelines.beam.store import strict_json
+  written = strict_json(json.loads(json.dumps(summary, default=list)), named=True)
   write_text(f"{out}/summary.json", json.dumps(written, indent=2, allow_nan=False) + "\n")
   if report and is_local(output_dir):
     from pipelines.beam.store import WriteError, os_reason
@@ -552,9 +547,9 @@ def clear_previous_results(config, out: str, console) -> None:
   except (OSError, ValueError, AttributeError):
     old = None
   if isinstance(old, dict):
-    from pipelines.beam.store import named_nonfinite
-    new = named_nonfinite(json.loads(json.dumps(config.to_dict(), default=list)))
-    old = named_nonfinite(old)  # (a summary written before 2026-12-07 holds Infinity)
+    from pipelines.beam.store import strict_json
+    new = strict_json(json.loads(json.dumps(config.to_dict(), default=list)), named=True)
+    old = strict_json(old, named=True)  # (a summary written before 2026-12-07 holds Infinity)
     diff = [k for k in _config_differences(old, new) if not k.startswith("runner.")]
     if diff:
       shown = ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
@@ -647,10 +642,11 @@ def runner_start_error(e: BaseException, options):
   return None
 
 
-def _check_model(plan, direct: bool) -> None:
+def _check_model(plan, direct: bool):
   """The checkpoints' headers (the model's, a draft model's, which must share its
   vocabulary), checked here rather than failing in every worker. Other runners load them
-  on their own machines (a container image): a local copy, if any, is checked."""
+  on their own machines (a container image): a local copy, if any, is checked. Returns
+  the model's (config, tokenizer loader, cached) where it was checked here, else None."""
   from o1jax.checkpoint import check_checkpoint
   from pipelines.predictors import model_sources
   sources = model_sources(plan.predictor)
@@ -683,23 +679,23 @@ def _check_model(plan, direct: bool) -> None:
       check_draft_vocabulary(configs[model], configs[draft])
     except ValueError as e:
       raise ValueError(f"speculative.draft_source={draft}: {e}") from e
+  if not sources or sources[0] not in configs:
+    return None
+  from o1jax.checkpoint import load_tokenizer
+  return configs[sources[0]], functools.cache(lambda: load_tokenizer(sources[0]))
 
 
-def _check_chat(plan, items, direct: bool) -> None:
+def _check_chat(plan, items, model) -> None:
   """Chat prompts for a checkpoint that cannot render them (a base model such as Gemma 3
   270M: no template, no ChatML tokens): every sample failed in the workers and the run
-  ended with none scored. Named here, with the settings that give text prompts."""
-  from pipelines.predictors import model_sources
-  sources = model_sources(plan.predictor)
-  if not sources or not (direct or os.path.exists(sources[0])):
+  ended with none scored. Named here, with the settings that give text prompts.
+  model: `_check_model`'s (config, tokenizer loader), or None (not on this machine)."""
+  if model is None or not any(isinstance(item.prompt, list) for item in items):
     return
-  if not any(isinstance(item.prompt, list) for item in items):
-    return
-  from o1jax.checkpoint import load_tokenizer
-  why = load_tokenizer(sources[0]).chat_unavailable()
+  why = model[1]().chat_unavailable()
   if why is not None:
-    raise ValueError(f"model.source={sources[0]}: {why}, and this job's prompts are chat "
-                     f"messages: give a text prompt style (prompt.style=fewshot for gsm8k, "
+    raise ValueError(f"model.source={plan.predictor.source}: {why}, and this job's prompts "
+                     f"are chat messages: give a text prompt style (prompt.style=fewshot for gsm8k, "
                      f"completion for humaneval and custom, prompt.code_style=completion for "
                      f"the suite's code; its other categories need a chat model)")
 

@@ -68,8 +68,8 @@ from o1jax.engine.speculative import (Acceptance, SpeculationPlanner, Speculativ
 from o1jax.model import thinking as thinking_lib
 from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama, check_llama
-from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, is_int,
-                                  sequence_key, string_key_id)
+from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, check_key_id,
+                                  is_int, sequence_key, string_key_id)
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
@@ -354,11 +354,11 @@ class StreamEvent:
 class _Group:
   """One request: its samples, metrics and stream buffer."""
 
-  def __init__(self, index, request_id, key_id, prompt_ids, params, metrics):
+  def __init__(self, owner, index, request_id, key_id, prompt_ids, params, metrics):
+    self.owner = owner  # the engine that queued it (`Engine._own`)
     self.index = index  # position in submission order
     self.request_id = request_id
     self.key_id = key_id  # int (or a str id's words) the sampling keys derive from
-    self.owner = None  # the engine that queued it (`Engine._own`)
     self.prompt_ids = prompt_ids
     self.params: GenerationParams = params
     self.metrics: RequestMetrics = metrics
@@ -526,7 +526,6 @@ class Engine:
     # Queues, pools and programs are one thread's at a time: threads that share the engine
     # take turns per step (their requests still decode in the same batches).
     self._lock = threading.RLock()
-    self._handle_owner = object()  # marks the handles this engine gives out (`_own`)
     self._warned_nonfinite = False
     self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
                                   config.min_table_blocks)
@@ -768,16 +767,12 @@ class Engine:
     if need > self.num_blocks:
       raise ValueError(f"the request may need {need} KV blocks but the pool has "
                        f"{self.num_blocks}: raise num_blocks/kv_cache_bytes")
-    if request.request_id is None and not (is_int(index)
-                                           and KEY_ID_RANGE[0] <= index < KEY_ID_RANGE[1]):
-      # (an index of -5 failed the next step for every request, its blocks lost)
-      raise ValueError(f"index={index!r} (a request without a request_id is numbered by it) "
-                       f"must be an int in [0, 2**32)")
+    if request.request_id is None:  # (an index of -5 failed every request's next step)
+      check_key_id(index, "index (a request without a request_id is numbered by it)")
     rid = index if request.request_id is None else request.request_id
     key_id = int(rid) if is_int(rid) else string_key_id(rid)
     metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
-    group = _Group(index, rid, key_id, ids, params, metrics)
-    group.owner = self._handle_owner
+    group = _Group(self, index, rid, key_id, ids, params, metrics)
     # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
     group.stop_ids = sorted(stop) or [-1]
@@ -871,7 +866,7 @@ class Engine:
     engine's handle was marked finished here while its own engine still decoded it)."""
     if not isinstance(group, _Group):
       raise ValueError(f"expected a request handle from add_request, got {type(group).__name__}")
-    if group.owner is not self._handle_owner:
+    if group.owner is not self:
       raise ValueError(f"request {group.request_id!r} was queued on another Engine")
 
   def cancel(self, group: _Group) -> None:

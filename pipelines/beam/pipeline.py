@@ -135,11 +135,12 @@ def check_engine_section(spec: PredictorSpec) -> None:
     raise ValueError(f"engine.{message}" if re.match(r"^\w+(=| must be)", message) else message) from e
 
 
-def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem]) -> None:
+def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem], model=None) -> None:
   """A fixed engine pool (engine.num_blocks) too small for any of the job's requests,
   named once the work items are known (every sample was a dead letter): even a 1-token
-  prompt with the smallest max_new_tokens of the items does not fit, or (the checkpoint on
-  this machine) none of the job's prompts, tokenized, with its max_new_tokens."""
+  prompt with the smallest max_new_tokens of the items does not fit, or none of the job's
+  prompts, tokenized, with its max_new_tokens. model: (config, tokenizer loader) of the
+  checkpoint where the launcher has it (else the prompts are not tokenized here)."""
   if plan.predictor.name != "engine" or not items:
     return
   from pipelines.predictors import engine_config
@@ -154,16 +155,12 @@ def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem]) -> None:
   if need > config.num_blocks:
     raise ValueError(f"{holds} (even a 1-token prompt with the job's smallest max_new_tokens, "
                      f"{new}, needs {need} blocks of {config.block_size}); {advice}")
-  # The job's own prompts, tokenized as the engine will (a checkpoint on this machine):
-  # if none fits, every sample was a dead letter after the model loaded.
-  from pipelines.predictors import model_sources
-  try:
-    from o1jax.checkpoint import check_checkpoint, load_tokenizer
-    from o1jax.model.generation import encode_prompt
-    model_config = check_checkpoint(model_sources(plan.predictor)[0])
-    tokenizer = load_tokenizer(model_sources(plan.predictor)[0])
-  except Exception:  # not on this machine (its workers load it): they name it
+  # The job's own prompts, tokenized as the engine will: if none fits, every sample was a
+  # dead letter after the model loaded.
+  if model is None:
     return
+  from o1jax.model.generation import encode_prompt
+  model_config, tokenizer = model[0], model[1]()
   tokens = {}
   best = None  # (blocks, prompt tokens, max_new_tokens) of the request that needs fewest
   for item in items:

@@ -122,28 +122,17 @@ IS_A_DIRECTORY = "is a directory"
 CHECKSUM_FIELD = "record_sha256"
 
 
-def strict_json(value):
+def strict_json(value, named: bool = False):
   """`value` with NaN and +-inf floats as None: records are strict JSON (Python writes
   NaN / Infinity, which jq, JavaScript and most JSON readers refuse); a value that is
-  not finite is no measurement."""
+  not finite is no measurement. named: as the strings "nan", "inf", "-inf" instead, for
+  what a config holds (budget.window_s=inf is said, not dropped)."""
   if isinstance(value, float):
-    return value if math.isfinite(value) else None
+    return value if math.isfinite(value) else (repr(value) if named else None)
   if isinstance(value, dict):
-    return {k: strict_json(v) for k, v in value.items()}
+    return {k: strict_json(v, named) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
-    return [strict_json(v) for v in value]
-  return value
-
-
-def named_nonfinite(value):
-  """`value` with NaN and +-inf floats as the strings "nan", "inf", "-inf": what a config
-  holds (budget.window_s=inf) is said, not dropped, in a file that stays strict JSON."""
-  if isinstance(value, float):
-    return value if math.isfinite(value) else repr(value)
-  if isinstance(value, dict):
-    return {k: named_nonfinite(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [named_nonfinite(v) for v in value]
+    return [strict_json(v, named) for v in value]
   return value
 
 

@@ -99,8 +99,8 @@ def _sentences(text: str) -> int:
     if end.group() == "." and (word in _ABBREVIATIONS or re.fullmatch(r"[A-Z]", before.group(1)
                                                                          if before else "")):
       continue
-    if (len(end.group()) > 1 and set(end.group()) <= {".", "\u2026"} or end.group() == "\u2026") \
-        and re.match(r"[*_]*\s+[a-z]", text[end.end():]):
+    ellipsis = set(end.group()) <= {".", "\u2026"} and end.group() != "."
+    if ellipsis and re.match(r"[*_]*\s+[a-z]", text[end.end():]):
       continue
     if re.search(r"\w", text[start:end.start()]):
       count += 1

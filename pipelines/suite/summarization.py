@@ -159,14 +159,19 @@ def _fact_found(value: str, text: str) -> bool:
   return words in _SEPARATORS.sub(" ", text.lower())
 
 
+def facts_found(prediction: str, facts: list[dict]) -> list[str]:
+  """The names of the facts whose value the prediction holds."""
+  return [f["name"] for f in facts if _fact_found(f["value"], prediction)]
+
+
 def key_fact_recall(prediction: str, facts: list[dict]) -> float:
-  return sum(_fact_found(f["value"], prediction) for f in facts) / len(facts) if facts else 0.0
+  return len(facts_found(prediction, facts)) / len(facts) if facts else 0.0
 
 
 def score(example: Example, text: str, stop: tuple[str, ...] = ()) -> dict:
   facts = example.metadata["key_facts"]
-  found = [f["name"] for f in facts if _fact_found(f["value"], text)]
-  recall = key_fact_recall(text, facts)
+  found = facts_found(text, facts)
+  recall = len(found) / len(facts) if facts else 0.0
   rouge = rouge_l(text, example.reference)
   return {"answer": None, "correct": recall == 1.0, "facts_found": found,
           "rouge_l": round(rouge, 4), "key_fact_recall": round(recall, 4),

@@ -325,7 +325,8 @@ def test_add_request_index_and_handles_of_another_engine_are_refused(tiny, engin
   # finished here while its own engine still decoded it.
   request = Request([3, 4, 5], GenerationParams(max_new_tokens=2, ignore_eos=True))
   for index in (-5, 2**32, 1.5, "x"):
-    with pytest.raises(ValueError, match=r"^index=.* must be an int in \[0, 2\*\*32\)$"):
+    with pytest.raises(ValueError, match=r"^index \(a request without a request_id is numbered "
+                                         r"by it\) must be an int in \[0, 2\*\*32\), got "):
       engine32.add_request(request, index=index)
   other = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_slots=2, num_blocks=32))
   handle = other.add_request(request)
