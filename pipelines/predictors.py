@@ -52,7 +52,7 @@ class WorkItem:
     prompt: completion text, or chat messages [{"role", "content"}].
     stop: stop sequences.
     sampling: decoding settings of this sample.
-    request_id: 31-bit int from (example id, sample index): the sampler's random stream,
+    request_id: 64-bit int from (example id, sample index): the sampler's random stream,
       so a sample draws the same tokens in any batch, slot or worker.
   """
   key: str
@@ -65,9 +65,14 @@ class WorkItem:
   request_id: int
 
 
+# Which `request_id_for` drew a sampled record (its content key holds it): 31-bit ids
+# before, where the samples of one example at n = 100,000 shared ~2 random streams.
+REQUEST_STREAM = 2
+
+
 def request_id_for(example_id: str, sample_index: int) -> int:
   digest = hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
-  return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+  return int.from_bytes(digest[:8], "big")
 
 
 class Predictor(Protocol):

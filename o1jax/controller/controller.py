@@ -59,7 +59,7 @@ from o1jax.engine.speculative import SpeculativeConfig
 from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama
 from o1jax.model.sampling import (INT32_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling, check_int,
-                                  check_key_id, is_real, sequence_key)
+                                  check_sample_index, is_real, sequence_key)
 from o1jax.model.shapes import pow2_bucket
 
 log = logging.getLogger(__name__)
@@ -469,7 +469,7 @@ class Controller:
     check_int(n, "n", 1)
     check_int(sample_offset, "sample_offset")
     check_int(unstopped_samples, "unstopped_samples")
-    check_key_id(sample_offset + n - 1, "the last sample index (sample_offset + n - 1)")
+    check_sample_index(sample_offset + n - 1, "the last sample index (sample_offset + n - 1)")
     generated = self.max_generated(settings)
     if generated > INT32_MAX:  # (each fits; their sum is the loop's int32 token limit)
       raise ValueError(f"a trace may generate {generated} tokens (max_thinking_tokens + "

@@ -69,7 +69,7 @@ from o1jax.model import thinking as thinking_lib
 from o1jax.model.generation import encode_prompt
 from o1jax.model.llama import Llama, check_llama
 from o1jax.model.sampling import (KEY_ID_RANGE, SamplingParams, check_int, check_key_id,
-                                  is_int, sequence_key, string_key_id)
+                                  is_int, key_id_words, sequence_key)
 from o1jax.model.shapes import pow2_bucket, three_quarter_bucket
 from o1jax.model.thinking import SpanReader, ThinkingSpan
 from o1jax.sharding import tensor_parallel
@@ -761,7 +761,7 @@ class Engine:
       raise ValueError(f"request_id must be an int, a str or None, got {rid!r}")
     if is_int(rid) and not KEY_ID_RANGE[0] <= rid < KEY_ID_RANGE[1]:
       # An int id (numpy's too) is folded into the sampling keys as it is (a str is hashed).
-      raise ValueError(f"request_id={rid} must be in [0, 2**32) (or a str)")
+      raise ValueError(f"request_id={rid} must be in [0, 2**64) (or a str)")
     worst = min(len(ids) + params.max_new_tokens, self.max_context)
     need = math.ceil(worst / self.config.block_size)
     if need > self.num_blocks:
@@ -770,7 +770,7 @@ class Engine:
     if request.request_id is None:  # (an index of -5 failed every request's next step)
       check_key_id(index, "index (a request without a request_id is numbered by it)")
     rid = index if request.request_id is None else request.request_id
-    key_id = int(rid) if is_int(rid) else string_key_id(rid)
+    key_id = key_id_words(rid)
     metrics = RequestMetrics(arrival=self.clock(), prompt_tokens=len(ids))
     group = _Group(self, index, rid, key_id, ids, params, metrics)
     # eos (unless ignored) and the stop ids; [-1] (matches nothing) when there are none.

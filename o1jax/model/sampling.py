@@ -15,9 +15,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-# Seeds `seed_key` takes (64 bits), and request ids fold_in takes (32 bits).
+# Seeds `seed_key` takes (64 bits), and int request ids `key_id_words` takes (64 bits).
 SEED_RANGE = (-2**63, 2**63)
-KEY_ID_RANGE = (0, 2**32)
+KEY_ID_RANGE = (0, 2**64)
+SAMPLE_INDEX_LIMIT = 2**32  # a sample index folds in as one word
 INT32_MAX = 2**31 - 1
 MIN_TEMPERATURE = 1e-6  # the smallest temperature the draw divides by
 # The largest: XLA divides by t as a multiply by 1/t, and past ~8.5e37 1/t is below
@@ -52,10 +53,16 @@ def check_seed(seed, what: str = "seed") -> None:
 
 
 def check_key_id(request_id, what: str = "request_id") -> None:
-  """ValueError unless `request_id` is an int `sequence_key` folds in (32 bits)."""
+  """ValueError unless `request_id` is an int `sequence_key` folds in (64 bits)."""
   low, high = KEY_ID_RANGE
   if not is_int(request_id) or not low <= request_id < high:
-    raise ValueError(f"{what} must be an int in [0, 2**32), got {request_id!r}")
+    raise ValueError(f"{what} must be an int in [0, 2**64), got {request_id!r}")
+
+
+def check_sample_index(index, what: str = "sample index") -> None:
+  """ValueError unless `index` is an int `sequence_key` folds in as a sample index."""
+  if not is_int(index) or not 0 <= index < SAMPLE_INDEX_LIMIT:
+    raise ValueError(f"{what} must be an int in [0, 2**32), got {index!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,24 +123,35 @@ def seed_key(seed: int) -> jax.Array:
   return jnp.asarray([seed >> 32, seed & 0xFFFFFFFF], jnp.uint32)
 
 
-# A str request id's key words start with this one (an int id folds in one word alone).
+# The first key word of a str request id and of an int id of 2**32 or more (an int id
+# below 2**32 folds in one word alone, the keys such ids have always had).
 _STRING_ID_TAG = 0x53545249
+_WIDE_ID_TAG = 0x57494445
 
 
-def string_key_id(request_id: str) -> tuple[int, int, int]:
-  """The key words of a str request id: a tag and 64 bits of its sha256 (surrogatepass:
-  an id holding a lone surrogate still names one stream). A 32-bit CRC gave two ids one
-  stream at a few hundred thousand ids ("plumless" and "buckeroo" at once)."""
-  digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()
-  return (_STRING_ID_TAG, int.from_bytes(digest[:4], "little"),
-          int.from_bytes(digest[4:8], "little"))
+def key_id_words(request_id) -> tuple[int, ...]:
+  """The 32-bit words a request id folds into its sampling keys (`sequence_key`): an int
+  below 2**32 itself; a wider int (up to 2**64) a tag and its two halves; a str a tag and
+  64 bits of its sha256 (surrogatepass: an id holding a lone surrogate still names one
+  stream). A 32-bit id gave two ids one stream at a few hundred thousand ids (a CRC:
+  "plumless" and "buckeroo"; the pipelines' 31-bit hashes: the samples of one example at
+  n = 100,000 shared ~2 streams)."""
+  if isinstance(request_id, str):
+    digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()
+    return (_STRING_ID_TAG, int.from_bytes(digest[:4], "little"),
+            int.from_bytes(digest[4:8], "little"))
+  check_key_id(request_id)
+  request_id = int(request_id)
+  if request_id < 2**32:
+    return (request_id,)
+  return (_WIDE_ID_TAG, request_id >> 32, request_id & 0xFFFFFFFF)
 
 
 def sequence_key(seed: int, request_id, sample_index: int) -> jax.Array:
   """Base key of one sample of one request (uint32 key data [2]). request_id: an int in
-  [0, 2**32), or the words of a str id (`string_key_id`)."""
+  [0, 2**64), a str, or its words (`key_id_words`)."""
   key = seed_key(seed)
-  for word in (request_id if isinstance(request_id, tuple) else (request_id,)):
+  for word in (request_id if isinstance(request_id, tuple) else key_id_words(request_id)):
     key = jax.random.fold_in(key, word)
   return jax.random.fold_in(key, sample_index)
 

@@ -48,8 +48,8 @@ from pipelines.config_imports import import_modules
 from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
 from o1jax.controller import BasePolicy, SamplingSpec, build_policy, policy_names
-from pipelines.predictors import (ERROR_KEY, PredictorSpec, WorkItem, model_fingerprint,
-                                  request_id_for, speculative_config)
+from pipelines.predictors import (ERROR_KEY, REQUEST_STREAM, PredictorSpec, WorkItem,
+                                  model_fingerprint, request_id_for, speculative_config)
 from pipelines.task_specs import build_task, sandbox_identity
 
 # Bump when the record layout or what a sample computes changes, so old stores are not
@@ -338,12 +338,13 @@ def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[Wor
     sampling = plan.policy.sampling(base, i)
     # What can change the sample: a controller policy's settings all can (its loop draws
     # with the seed even at temperature 0, after a backtrack), plain decoding's not all.
+    identity = sampling.to_dict() if plan.policy.controller else sampling.sample_identity()
     content = {
         "v": STORE_VERSION, "model": plan.model_fp, "task": plan.task.name, "prompt": prompt,
-        "stop": list(stop),
-        "sampling": sampling.to_dict() if plan.policy.controller else sampling.sample_identity(),
-        "policy": plan.policy.sample_identity(),
+        "stop": list(stop), "sampling": identity, "policy": plan.policy.sample_identity(),
         "scoring": scoring, "example": example.to_dict(), "sample_index": i}
+    if "seed" in identity:  # it draws from its request's stream (a greedy sample does not)
+      content["request_stream"] = REQUEST_STREAM
     if plan.speculation_changes_outputs:
       content["speculative"] = dict(plan.predictor.speculative)
     key = hashlib.sha256(_canonical(content)).hexdigest()

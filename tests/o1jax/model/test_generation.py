@@ -173,7 +173,7 @@ def test_bad_call_arguments_are_refused_before_the_prefill(tiny):
       (dict(params=[SamplingParams()] * 2), r"^params must have one entry per prompt \(1\)"),
       (dict(params=None), r"^params must have one entry per prompt \(1\), got None$"),
       (dict(request_ids=[0, 1]), r"^request_ids must have one entry per prompt \(1\)"),
-      (dict(request_ids=[-1]), r"^request_ids entry must be an int in \[0, 2\*\*32\), got -1$"),
+      (dict(request_ids=[-1]), r"^request_ids entry must be an int in \[0, 2\*\*64\), got -1$"),
   ]:
     with pytest.raises(ValueError, match=match):
       gen.generate([p], **{"max_new_tokens": 2, **kw})

@@ -219,6 +219,25 @@ def test_bad_sampling_params_name_the_field(fields, match):
     SamplingParams(**fields)
 
 
+def test_request_ids_use_64_bits_and_ids_below_2_32_keep_their_keys():
+  """Int request ids were 32 bits (the pipelines hashed (example, sample) to 31): the
+  samples of one example at n = 100,000 shared ~2 random streams. An id below 2**32 still
+  folds in alone; a wider one folds a tag and both halves, apart from its low word, its
+  halves as ids, and a str id."""
+  from o1jax.model.sampling import key_id_words
+  words = lambda rid: np.asarray(sequence_key(3, rid, 0))
+  for rid in (0, 7, 2**32 - 1):
+    old = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(3), rid), 0)
+    assert np.array_equal(words(rid), np.asarray(old))
+  wide = [2**32, 2**32 + 7, 7 * 2**32, 2**64 - 1, np.uint64(2**40 + 3)]
+  keys = [words(r) for r in wide] + [words(r) for r in (0, 7, 1, 2**32 - 1, 3)] + [words("7")]
+  assert len({k.tobytes() for k in keys}) == len(keys)
+  assert key_id_words(2**40 + 3) == (key_id_words(2**40 + 3)[0], 2**8, 3)
+  for bad in (2**64, -1, 1.0, True):
+    with pytest.raises(ValueError, match=r"^request_id must be an int in \[0, 2\*\*64\), got "):
+      sequence_key(0, bad, 0)
+
+
 def test_every_seed_the_check_lets_through_makes_a_key():
   for seed in (-2**63, -1, 0, 2**32, 2**63 - 1, np.int64(7), np.uint32(7)):
     SamplingParams(seed=seed)
