@@ -477,7 +477,11 @@ class Engine:
     self.budget = budget
     self.model_config = mc = model.config
     self.clock = clock
-    self.max_context = min(config.max_context or mc.max_context, mc.max_context)
+    if config.max_context is not None and config.max_context > mc.max_context:
+      # (it was cut to the model's silently: the caller planned for a context it lacks)
+      raise ValueError(f"max_context={config.max_context} exceeds the model's context of "
+                       f"{mc.max_context} tokens")
+    self.max_context = config.max_context or mc.max_context
     # Shape settings past what a context can use: a program that never finishes compiling
     # (decode_steps=1e9), a host loop of 1e8 turns, a table of 30 GB (each found at the first
     # generate, as a hang or an out-of-memory error).

@@ -241,6 +241,11 @@ def test_engine_config_edge_values(tiny):
     with pytest.raises(ValueError, match=rf"^{field}={value} must be " + message):
       Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, **{field: value}))
   Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, decode_steps=256))
+  # A context past the model's was cut to it silently.
+  with pytest.raises(ValueError, match=r"^max_context=257 exceeds the model's context of 256 "
+                                       r"tokens$"):
+    Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, max_context=257))
+  assert Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, max_context=256)).max_context == 256
   pallas = Llama(tiny.config, tiny.params, backend="pallas")
   with pytest.raises(ValueError, match=r"^block_size=12 must be a power of two in \[8, 128\]"):
     Engine(pallas, tiny.tokenizer, EngineConfig(block_size=12, num_blocks=8))
