@@ -1,4 +1,5 @@
-"""Worker processes end with their launcher: imported by every DirectRunner worker at start-up.
+"""Worker processes end with their launcher, and outlive a log that cannot be written:
+imported by every DirectRunner worker at start-up.
 
   launcher: mark_launcher()   # before pipeline.run(); its pid goes into the workers' environment
   workers:  --beam_plugins=pipelines.beam.worker (options.py adds it) imports this module first
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -109,4 +111,43 @@ def watch_launcher() -> bool:
   return True
 
 
-watch_launcher()
+class LossyStderr:
+  """sys.stderr whose writes a full disk cannot fail: fd 2 is the run's log file
+  (OUTPUT_DIR/eval.log), and Beam's worker harness prints a failed bundle's traceback to
+  sys.stderr before it answers the runner. On a full disk that print raised, the answer
+  (the store's "No space left on device" line) never left, and the DirectRunner waited for
+  it forever. A write the file refuses is dropped here (the error itself still reaches the
+  launcher through the runner); everything the disk can hold is written as before, to the
+  same fd."""
+
+  def __init__(self, stream):
+    self._stream = stream
+
+  def write(self, text):
+    try:
+      return self._stream.write(text)
+    except OSError:
+      return len(text)
+
+  def writelines(self, lines):
+    for line in lines:
+      self.write(line)
+
+  def flush(self):
+    try:
+      self._stream.flush()
+    except OSError:
+      pass
+
+  def __getattr__(self, name):  # fileno, encoding, isatty, buffer ... of the real stream
+    return getattr(self._stream, name)
+
+
+def tolerate_a_full_log() -> None:
+  """Put `LossyStderr` over this process's sys.stderr (once)."""
+  if sys.stderr is not None and not isinstance(sys.stderr, LossyStderr):
+    sys.stderr = LossyStderr(sys.stderr)
+
+
+if watch_launcher():  # (a worker process of a local run)
+  tolerate_a_full_log()

@@ -2,6 +2,7 @@
 input, and a clean default output (progress bar, summary, errors) with the rest under --verbose."""
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -120,6 +121,24 @@ def test_default_output_is_clean_and_verbose_shows_the_rest(tmp_path):
   assert verbose.returncode == 0, verbose.stderr[-3000:]
   assert LOG_LINE.search(verbose.stderr)
   assert json.loads(verbose.stdout) == json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_the_log_and_the_store_ends_the_run_in_one_line(tmp_path):
+  """The disk that filled up held the store and eval.log: Beam's worker harness printed the
+  failed bundle's traceback to fd 2 (the log) before it answered the runner, the print
+  raised, and the run waited for the answer until killed. Now: one line, exit 2."""
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "eval.log.partial").symlink_to("/dev/full")  # every write: ENOSPC
+  args = [*FAKE, f"--config.dataset.path={_data(tmp_path, n=4)}",
+          "--config.runner.direct_num_workers=2",
+          "--config.runner.direct_running_mode=multi_processing", "--config.runner.batch_size=2",
+          "--config.imports=tests.pipelines.full_store_disk", f"--output_dir={out}"]
+  proc = _cli(*args, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert re.fullmatch(rf"error: cannot write store record {out}/store/[0-9a-f]{{64}}\.json: No "
+                      rf"space left on device", proc.stderr.splitlines()[-1]), proc.stderr[-3000:]
 
 
 def test_a_run_that_scores_nothing_exits_1(tmp_path):
