@@ -127,6 +127,42 @@ def test_chat_templates_that_cannot_run_are_named():
     refuses.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_path):
+  """Jinja evaluated constant expressions while compiling: a 17-byte `{{ 'x' * 10**9 }}` in a
+  GGUF's metadata took 3 GB (10**10: the process killed) when the checkpoint was only
+  checked; `'x'|center(...)` and `'%0...d' % 1` the same. Now they compile at once, and
+  rendering them is one line; templates' ordinary arithmetic and filters are unchanged."""
+  import resource
+  import time
+  bombs = ["{{ 'x' * 10**10 }}", "{{ 'x' | center(3000000000) }}", "{{ '%03000000000d' % 1 }}",
+           "{{ '%3000000000s' | format(1) }}", "{{ ['x'] * 10**10 }}", "{{ 'x' | indent(10**10) }}",
+           "{{ '%*d' % (10**10, 1) }}", "{{ 7 ** (10**9) }}",
+           "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+           "{% endfor %}{{ ns.s }}"]
+  gguf = tmp_path / "t.gguf"
+  testing.write_gguf_checkpoint(gguf, testing.tiny_config(), chat_template=bombs[0])
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  start = time.perf_counter()
+  check_checkpoint(gguf)
+  for bomb in bombs:
+    tok = _tokenizer_with_template(bomb)
+    with pytest.raises(ValueError, match=r"^chat template failed to render these messages: "
+                                         r"SecurityError: (a|an|the|center|indent)[^\n]* "
+                                         r"(characters|bits)$"):
+      tok.apply_chat_template([{"role": "user", "content": "hi"}])
+  assert time.perf_counter() - start < 20
+  assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 500_000  # KiB
+  ordinary = _tokenizer_with_template(
+      "{{ 'a' | center(5) }}|{{ 'x' | indent(2, true) }}|{{ '%05d' % 42 }}|{{ 2 ** 10 }}|"
+      "{{ [1] * 3 }}|{{ 'ab' + 'cd' }}|{{ '%s-%s' | format(1, 2) }}|{{ 1700000000 | string }}|"
+      "{{ messages | map(attribute='role') | join(',') }}|{{ messages | map('upper') | list }}|"
+      "{{ messages[0].content | trim | upper }}|{{ [3, 1, 2] | sort | list }}|"
+      "{{ messages | selectattr('role', 'equalto', 'user') | list | length }}")
+  assert ordinary.apply_chat_template([{"role": "user", "content": " hi "}]) == (
+      "  a  |  x|00042|1024|[1, 1, 1]|abcd|1-2|1700000000|user|"
+      "[\"{'ROLE': 'USER', 'CONTENT': ' HI '}\"]|HI|[1, 2, 3]|1")
+
+
 def test_content_given_as_parts_is_its_text_and_other_parts_are_named():
   """The OpenAI style content [{"type": "text", "text": ...}] is its text parts joined (it
   was jinja's TypeError "can only concatenate str (not "list") to str")."""
