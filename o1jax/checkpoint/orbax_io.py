@@ -223,6 +223,25 @@ def _check_shapes(directory: pathlib.Path, config: ModelConfig, params: Params) 
                                                                                      stored=False)]
   tensor_table.check_tensors(
       directory, expected, shapes, config.n_layers, r"layers\.(\d+)\.",
-      layers_key=f"{MANIFEST}'s n_layers",
+      layers_key=f"{MANIFEST}'s n_layers", refuse_unread=True,
       unread_tail=f" by the model {MANIFEST} describes (attention_bias={config.attention_bias}, "
-                  f"qk_norm={config.qk_norm})")
+                  f"qk_norm={config.qk_norm}, tie_embeddings={config.tie_embeddings})")
+  _check_dtypes(directory, params)
+
+
+def _check_dtypes(directory: pathlib.Path, params: Params) -> None:
+  """Dense weights, scales and minimums are floats (a complex or an int array loaded, its
+  imaginary part or nothing dropped; the codes' dtypes `QuantizedTensor.validate` checks)."""
+  import jax.numpy as jnp
+  from pallas_kernels.quantized_tensor import QuantizedTensor
+
+  named = [(k, v) for k, v in params.items() if k != "layers"]
+  named += [(f"layers.{i}.{k}", v) for i, layer in enumerate(params["layers"])
+            for k, v in layer.items()]
+  for name, w in named:
+    parts = ([(name + ".scale", w.scale), (name + ".minimum", w.minimum)]
+             if isinstance(w, QuantizedTensor) else [(name, w)])
+    for part, array in parts:
+      if array is not None and not jnp.issubdtype(array.dtype, jnp.floating):
+        raise CheckpointError(f"{directory / 'params'}: array {part!r} is {array.dtype}, "
+                              f"expected a float dtype")

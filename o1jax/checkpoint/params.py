@@ -66,10 +66,18 @@ def unflatten(arrays: dict[str, Any], spec: dict[str, Any]) -> Params:
     return arrays[name]
 
   names = {k.rsplit(".", 1)[0] if k.rsplit(".", 1)[0] in quantized else k for k in arrays}
-  params: Params = {"layers": [dict() for _ in range(spec["n_layers"])]}
+  n_layers = spec["n_layers"]
+  # (a layer holds at least one array: a count past them built 10**12 dicts first)
+  if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 0 <= n_layers <= len(arrays):
+    raise ValueError(f"n_layers={n_layers!r} must be an int in [0, {len(arrays)}] (the arrays)")
+  params: Params = {"layers": [dict() for _ in range(n_layers)]}
   for name in sorted(names):
     if name.startswith("layers."):
       _, i, wname = name.split(".", 2)
+      # The index as `flatten` writes it: int() also read "01", "+1", " 1" and other
+      # scripts' digits, and the last of two spellings of one weight replaced the other.
+      if not (i.isascii() and i.isdigit() and str(int(i)) == i and int(i) < n_layers):
+        raise ValueError(f"array {name!r}: {i!r} is not a layer index in [0, {n_layers})")
       params["layers"][int(i)][wname] = get(name)
     else:
       params[name] = get(name)

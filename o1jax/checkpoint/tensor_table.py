@@ -10,8 +10,8 @@ from o1jax.checkpoint.errors import CheckpointError
 
 def check_tensors(where, expected, shapes: dict, n_layers: int, layer_pattern: str, *,
                   layers_key: str, unread_tail: str, shown=lambda shape: shape,
-                  check_unread: bool = False, check=None, ignored: str | None = None,
-                  model: str = "the model") -> None:
+                  check_unread: bool = False, refuse_unread: bool = False, check=None,
+                  ignored: str | None = None, model: str = "the model") -> None:
   """Every tensor the model reads is present with the shape the config gives it, and no
   tensor of the file is left unread: a layer count or a bias switch that disagrees with the
   file, or a tensor the model has no place for (an output projection's bias in a Llama
@@ -21,7 +21,9 @@ def check_tensors(where, expected, shapes: dict, n_layers: int, layer_pattern: s
   order; shapes: {name: shape} of the file's tensors; layer_pattern: a regex whose group 1 is
   a layer tensor's layer index; layers_key: the config key the layer count comes from;
   unread_tail: what follows "is not read" (why); shown: a shape as messages print it;
-  check_unread: also check the shape of a tensor present but not read; check(name, shape):
+  check_unread: also check the shape of a tensor present but not read; refuse_unread: refuse
+  it, outside the layers too (a store of the model's own tree, whose model reads what is
+  there: a tied model's lm_head); check(name, shape):
   the loader's own check of each tensor whose shape matched; ignored: a regex of the names
   of tensors the model knowingly does without (read elsewhere, e.g. into the config, or
   derived: HF's saved rotary inv_freq); model: what a message calls the model."""
@@ -43,7 +45,7 @@ def check_tensors(where, expected, shapes: dict, n_layers: int, layer_pattern: s
     if m and int(m.group(1)) >= n_layers:
       raise CheckpointError(f"{where}: tensor {name!r} is past the model's {n_layers} layers "
                             f"({layers_key})")
-    if m and name in unread:
+    if (m or refuse_unread) and name in unread:
       raise CheckpointError(f"{where}: tensor {name!r} is not read{unread_tail}")
   known = {name for name, _, _ in expected}
   for name in shapes:

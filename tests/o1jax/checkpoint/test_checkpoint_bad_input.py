@@ -638,6 +638,79 @@ def test_orbax_manifest_config_that_disagrees_with_its_arrays_is_named(tiny_orba
   assert check_checkpoint(tiny_orbax) == load_checkpoint(tiny_orbax).config  # unedited: passes
 
 
+def _orbax_with_arrays(tiny_orbax, d, edit):
+  """An orbax checkpoint of the tiny model's arrays after `edit(arrays)`, with a manifest
+  whose checksums match them (as a converter of another make would write it)."""
+  import orbax.checkpoint as ocp
+  from o1jax.checkpoint import orbax_io, params as params_lib
+  loaded = load_checkpoint(tiny_orbax)
+  arrays, spec = params_lib.flatten(loaded.params)
+  edit(arrays)
+  d.mkdir()
+  with ocp.PyTreeCheckpointer() as ckpt:
+    ckpt.save(d / "params", {k.replace(".", "/"): v for k, v in arrays.items()})
+  manifest = json.loads((tiny_orbax / MANIFEST).read_text())
+  manifest.update(param_spec=spec, checksums={k: orbax_io._checksum(v) for k, v in arrays.items()})
+  (d / MANIFEST).write_text(json.dumps(manifest))
+  import shutil
+  shutil.copytree(tiny_orbax / "tokenizer", d / "tokenizer")
+  return d
+
+
+def _edit(**changes):
+  def edit(arrays):
+    for name, change in changes.items():
+      arrays[name.replace("__", ".")] = change(arrays)
+  return edit
+
+
+_ORBAX_ARRAY_MUTANTS = {
+    # Before: each loaded and computed another model without a word (a red-team's finds).
+    "lm_head_of_a_tied_model": (  # the model reads params["lm_head"] where there is one
+        _edit(lm_head=lambda a: np.zeros((64, 100), np.float32)),
+        r"tensor 'lm_head' is not read by the model o1jax_model.json describes \(attention_bias="
+        r"False, qk_norm=False, tie_embeddings=True\)"),
+    "a_layer_spelled_twice": (  # int("\uff11") == 1: the zeros replaced layer 1's wq
+        _edit(**{"layers.\uff11.wq": lambda a: np.zeros_like(a["layers.1.wq"])}),
+        r"param_spec does not match the arrays in .* \(ValueError: array 'layers.\uff11.wq': "
+        r"'\uff11' is not a layer index in \[0, 2\)\)"),
+    "a_zero_padded_layer": (
+        _edit(**{"layers.01.wq": lambda a: a.pop("layers.1.wq")}),
+        r"param_spec does not match the arrays in .* \(ValueError: array 'layers.01.wq': '01' is "
+        r"not a layer index in \[0, 2\)\)"),
+    "a_complex_embedding": (  # its imaginary part was dropped
+        _edit(embed=lambda a: a["embed"].astype(np.complex64)),
+        r"array 'embed' is complex64, expected a float dtype"),
+    "an_int_norm": (_edit(final_norm=lambda a: a["final_norm"].astype(np.int32)),
+                    r"array 'final_norm' is int32, expected a float dtype"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(_ORBAX_ARRAY_MUTANTS))
+def test_orbax_arrays_the_model_would_misread_are_named(tiny_orbax, tmp_path, mutant):
+  edit, message = _ORBAX_ARRAY_MUTANTS[mutant]
+  d = _orbax_with_arrays(tiny_orbax, tmp_path / "orbax", edit)
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=message):
+      read(d)
+  control = _orbax_with_arrays(tiny_orbax, tmp_path / "control", lambda arrays: None)
+  assert load_checkpoint(control).format == "orbax"
+
+
+def test_orbax_layer_count_is_bounded_before_any_allocation(tiny_orbax, tmp_path):
+  import shutil
+  d = tmp_path / "orbax"
+  shutil.copytree(tiny_orbax, d)
+  manifest = json.loads((d / MANIFEST).read_text())
+  manifest["param_spec"]["n_layers"] = 10**12  # was: 10**12 dicts, then MemoryError
+  (d / MANIFEST).write_text(json.dumps(manifest))
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=r"param_spec does not match the arrays in .* "
+                                              r"\(ValueError: n_layers=1000000000000 must be an "
+                                              r"int in \[0, 20\] \(the arrays\)\)$"):
+      read(d)
+
+
 def test_orbax_manifest_config_that_is_not_an_object_is_named(tiny_orbax, tmp_path):
   import shutil
   d = tmp_path / "orbax"
