@@ -421,6 +421,17 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
                             f"{g('attention.head_count')} {n_heads}, and {g('attention.key_length')} "
                             f"is not set")
     head_dim = d_model // n_heads
+  # What this model's attention and FFN cannot be (each loaded as the plain model before):
+  # value heads of another size than the keys', a mixture of experts.
+  value_length = meta.int(g("attention.value_length"))
+  if value_length is not None and value_length != head_dim:
+    raise CheckpointError(f"{path}: {g('attention.value_length')} {value_length} differs from the "
+                          f"key heads' {head_dim} ({head_from}); value heads of their own size "
+                          f"are not supported")
+  experts = meta.int(g("expert_count"), lo=0)
+  if experts:
+    raise CheckpointError(f"{path}: {g('expert_count')} is {experts}: mixture-of-experts models "
+                          f"are not supported")
   n_layers = size["block_count"]
   rope_scaling = None
   # As llama.cpp: the factor (or its old key, rope.scale_linear) divides the positions

@@ -106,9 +106,9 @@ def _gemma3(hf: dict, path) -> dict:
 def _sliding_window(hf: dict, path) -> int | None:
   """config.json's sliding_window (absent: the class's default; null or 0: none), for the
   models whose attention applies it (transformers: Mistral and Phi-3 on every layer, Gemma
-  3 on its local ones). Qwen 2/3 apply theirs only with use_sliding_window, from
-  max_window_layers on: refused."""
-  if hf.get("model_type") in ("qwen2", "qwen3"):
+  3 on its local ones). Qwen 2/3 and SmolLM3 apply theirs only with use_sliding_window,
+  from max_window_layers on: refused."""
+  if hf.get("model_type") in ("qwen2", "qwen3", "smollm3"):
     if _flag(hf, "use_sliding_window", path, False):
       raise CheckpointError(f"{path}: use_sliding_window=true is not supported (a window from "
                             f"layer max_window_layers on)")
@@ -241,7 +241,14 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
                               f"{model_type!r} (supported: 'silu')")
     switches = (_gemma3(hf, path) if model_type == "gemma3_text" else
                 _phi3(hf, path, head_dim, rope_scaling) if model_type == "phi3" else {})
-    window = _sliding_window(hf, path) if model_type in ("mistral", "qwen2", "qwen3") else None
+    window = (_sliding_window(hf, path) if model_type in ("mistral", "qwen2", "qwen3", "smollm3")
+              else None)
+    if model_type != "phi3":  # (transformers' rotary embedding reads it; only Phi-3 applies it)
+      rotary = _number(hf, "partial_rotary_factor", path, float, _number(
+          _object(hf, "rope_parameters", path), "partial_rotary_factor", path, float, 1.0))
+      if rotary != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor={rotary:g} is not supported for "
+                              f"model_type {model_type!r} (its attention rotates whole heads)")
     if window:  # every layer, as Phi-3's
       switches.update(sliding_window=window, sliding_window_pattern=0)
     rope_scaling = switches.pop("rope_scaling", rope_scaling)

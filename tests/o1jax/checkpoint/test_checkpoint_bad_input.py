@@ -443,7 +443,22 @@ _GGUF_MUTANTS = {
                         rf"tensors '{_Q}' and '{_K}' overlap in the file"),
     "duplicate_tensor": (_tensor("blk.1.attn_q.weight", 0, _Q),
                          rf"tensor '{_Q}' appears twice in the tensor table"),
+    # Before: each loaded as the plain model (a red-team's finds).
+    "value_heads_of_their_own": (_add("llama.attention.value_length", _U32, 8),
+                                 r"llama.attention.value_length 8 differs from the key heads' 16 "
+                                 r"\(.*\); value heads of their own size are not supported"),
+    "experts": (_add("llama.expert_count", _U32, 8),
+                r"llama.expert_count is 8: mixture-of-experts models are not supported"),
 }
+
+
+def test_gguf_keys_that_say_the_plain_model_load(tiny_gguf, tmp_path):
+  g = _Gguf(tiny_gguf.read_bytes())
+  _add("llama.expert_count", _U32, 0)(g)  # (dense models' converters write 0)
+  _add("llama.attention.value_length", _U32, 16)(g)
+  p = tmp_path / "plain.gguf"
+  p.write_bytes(g.bytes())
+  assert load_checkpoint(p).config == load_checkpoint(tiny_gguf).config
 
 
 @pytest.mark.parametrize("mutant", list(_GGUF_MUTANTS))
@@ -1077,7 +1092,12 @@ def test_hf_configs_are_read_with_transformers_defaults_and_refusals(tmp_path):
       ("mistral_null", testing.tiny_config(architecture="mistral"), (), {"sliding_window": None},
        dict(sliding_window=None)),
       ("qwen2_off", testing.tiny_config(architecture="qwen2", attention_bias=True), (),
-       {"sliding_window": 4, "use_sliding_window": False}, dict(sliding_window=None))]
+       {"sliding_window": 4, "use_sliding_window": False}, dict(sliding_window=None)),
+      # (SmolLM3's window was never read: right while use_sliding_window is off)
+      ("smollm3_off", testing.tiny_config(architecture="smollm3"), (),
+       {"sliding_window": 4, "use_sliding_window": False}, dict(sliding_window=None)),
+      ("partial_rotary_one", testing.tiny_config(), (), {"partial_rotary_factor": 1.0},
+       dict(rotary_dim=None))]
   for name, config, dropped, changes, want in cases:
     hf = tmp_path / name
     testing.write_hf_checkpoint(hf, config)
@@ -1093,7 +1113,19 @@ def test_hf_configs_are_read_with_transformers_defaults_and_refusals(tmp_path):
        r"hidden_act 'gelu' is not supported for model_type 'llama' \(supported: 'silu'\)"),
       ("qwen_window", testing.tiny_config(architecture="qwen2", attention_bias=True),
        {"use_sliding_window": True, "sliding_window": 4},
-       r"use_sliding_window=true is not supported")):
+       r"use_sliding_window=true is not supported"),
+      # Each loaded as the plain model (full heads rotated, no window), where transformers
+      # fails (a rotary table of half the head) or applies the window.
+      ("smollm3_window", testing.tiny_config(architecture="smollm3"),
+       {"use_sliding_window": True, "sliding_window": 4},
+       r"use_sliding_window=true is not supported"),
+      ("partial_rotary", testing.tiny_config(), {"partial_rotary_factor": 0.5},
+       r"partial_rotary_factor=0.5 is not supported for model_type 'llama' \(its attention "
+       r"rotates whole heads\)$"),
+      ("partial_rotary_v5", testing.tiny_config(architecture="qwen3", qk_norm=True),
+       {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                            "partial_rotary_factor": 0.25}},
+       r"partial_rotary_factor=0.25 is not supported for model_type 'qwen3'")):
     hf = tmp_path / name
     testing.write_hf_checkpoint(hf, config)
     _edit_json("config.json", **changes)(hf)
