@@ -123,16 +123,19 @@ class _Header:
         return np.frombuffer(self.buf, dtype, count, off).tolist(), end
       if count > self.size:
         raise ValueError(f"an array claims {count} items")
-      out = []
+      out = [] if keep else None
       for _ in range(count):
         v, off = self.value(item, off, keep)
-        out.append(v)
-      return (out if keep else None), off
+        if keep:
+          out.append(v)
+      return out, off
     raise ValueError(f"unknown metadata value type {vtype}")
 
-  def walk(self, keep_all: bool = False):
-    """(metadata: every key's value, arrays as None unless keep_all (`self.arrays` has their
-    item type and length), [(tensor name, type id, offset, dims)], offset of the tensor data)."""
+  def walk(self, keep_tokenizer: bool = False):
+    """(metadata: every key's value, arrays as None (`self.arrays` has their item type and
+    length) except small ones and, with keep_tokenizer, the tokenizer's, [(tensor name, type
+    id, offset, dims)], offset of the tensor data). (Every array read as a list took ~10x
+    its bytes: 2 GB for an unused 200 MB one.)"""
     (version,) = self.unpack("I", 4)
     if version & 0xFFFF == 0:  # written on a big-endian machine
       self.order = ">"
@@ -149,9 +152,12 @@ class _Header:
       if key in meta:  # which one a reader takes is arbitrary: refuse, as llama.cpp does
         raise ValueError(f"metadata key {key!r} appears twice")
       (vtype,) = self.unpack("I", off)
+      keep = False
       if vtype == _ARRAY:
         self.arrays[key] = self.unpack("IQ", off + 4)
-      meta[key], off = self.value(vtype, off + 4, keep_all)
+        keep = (self.arrays[key][1] <= SMALL_METADATA_ARRAY
+                or (keep_tokenizer and key.startswith("tokenizer.")))
+      meta[key], off = self.value(vtype, off + 4, keep)
     tensors = []
     for _ in range(n_tensors):
       name, off = self.string(off)
@@ -304,7 +310,7 @@ class _FastReader:
     self._map = np.memmap(path, np.uint8, mode="r")
     header = _Header(memoryview(self._map))  # slices of a memmap are slow objects
     try:
-      values, table, data_start = header.walk(keep_all=True)
+      values, table, data_start = header.walk(keep_tokenizer=True)
     except Exception as e:  # struct.error past the end, or our own ValueErrors
       raise _corrupt(path, e) from e
     self.meta = _Metadata(path, values, header.arrays)
@@ -328,6 +334,9 @@ class _FastReader:
 
 
 _DENSE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+# Metadata arrays up to this many items are read by the header check and the load (a
+# layer's flags); longer ones only where the tokenizer's (`_Header.walk`).
+SMALL_METADATA_ARRAY = 4096
 
 
 def _check_byte_order(path, order: str, table) -> None:
@@ -469,13 +478,13 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     if key in meta.arrays:  # one bool per layer (True: local)
       if meta.array(key, (_BOOL,), "bools") != n_layers:
         raise CheckpointError(f"{path}: {key} has {meta.arrays[key][1]} entries for {n_layers} layers")
-      pattern = GEMMA3_SLIDING_WINDOW_PATTERN  # the header check does not read arrays
-      if meta.get(key) is not None:
-        flags = [bool(x) for x in meta.get(key)]
-        pattern = next((i + 1 for i, local in enumerate(flags) if not local), n_layers + 1)
-        if flags != [(i + 1) % pattern != 0 for i in range(n_layers)]:
-          raise CheckpointError(f"{path}: {arch}.attention.sliding_window_pattern {flags} is not "
-                                f"every {pattern}th layer global (the only interleave supported)")
+      flags = [bool(x) for x in meta.get(key) or ()]  # (a list of 4,096+ flags is not read)
+      pattern = GEMMA3_SLIDING_WINDOW_PATTERN if not flags else next(
+          (i + 1 for i, local in enumerate(flags) if not local), n_layers + 1)
+      if flags and flags != [(i + 1) % pattern != 0 for i in range(n_layers)]:
+        raise CheckpointError(f"{path}: {arch}.attention.sliding_window_pattern {flags} is not "
+                              f"one global layer in every {pattern} (the only interleave "
+                              f"supported)")
     else:
       pattern = meta.int(key, GEMMA3_SLIDING_WINDOW_PATTERN)
     switches = dict(

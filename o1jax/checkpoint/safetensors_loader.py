@@ -92,8 +92,8 @@ def _gemma3(hf: dict, path) -> dict:
     want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(n_layers)]
     if list(types) != want:
-      raise CheckpointError(f"{path}: layer_types {types} is not every {pattern}th layer global "
-                            f"(the only interleave supported)")
+      raise CheckpointError(f"{path}: layer_types {types} is not one global layer in every "
+                            f"{pattern} (the only interleave supported)")
   local = _object(_object(hf, "rope_parameters", path), "sliding_attention", path)
   local = _number(local, "rope_theta", path, float,
                   _number(hf, "rope_local_base_freq", path, float, 10000.0))

@@ -1020,6 +1020,44 @@ def test_gemma3_gguf_without_its_sliding_window_is_refused(tmp_path):
       read(p)
 
 
+def test_a_gemma3_ggufs_layer_flags_are_read_by_the_check_too(tmp_path):
+  """The per-layer bool flags of sliding_window_pattern: the header check skipped every
+  metadata array, so an irregular pattern passed it and failed only at load."""
+  p = tmp_path / "g.gguf"
+  testing.write_gguf_checkpoint(p, testing.tiny_gemma3_config())
+  g = _Gguf(p.read_bytes())
+  key = "gemma3.attention.sliding_window_pattern"
+  g.kvs = [kv for kv in g.kvs if kv[0] != key]
+  _add(key, _ARR, (7, [True, False] * 3))(g)  # (7: bool) every 2nd layer global
+  p.write_bytes(g.bytes())
+  assert check_checkpoint(p).sliding_window_pattern == 2 == load_checkpoint(p).config.sliding_window_pattern
+  g.kv(key)[2] = (7, [False, True, True, False, True, True])  # layers 0 and 3 global
+  p.write_bytes(g.bytes())
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{p}: {key} \[False, True, True, False, True, "
+                                              r"True\] is not one global layer in every 1 \(the "
+                                              r"only interleave supported\)$"):
+      read(p)
+
+
+def test_metadata_arrays_the_model_does_not_read_are_not_kept(tiny_gguf, tmp_path):
+  """Every metadata array was read into a Python list at load (~10x its bytes: 2 GB of
+  memory for an unused 200 MB array); now only the tokenizer's and small ones."""
+  import tracemalloc
+  g = _Gguf(tiny_gguf.read_bytes())
+  _add("x.blob", _ARR, (_U32, list(range(2_000_000))))(g)
+  p = tmp_path / "blob.gguf"
+  p.write_bytes(g.bytes())
+  tracemalloc.start()
+  try:
+    loaded = load_checkpoint(p)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert peak < 40e6, peak  # the list alone: 2e6 ints, ~72 MB
+  assert loaded.config == load_checkpoint(tiny_gguf).config
+
+
 def test_an_odd_head_size_and_an_unknown_merge_token_are_named(tiny_gguf, tmp_path):
   import dataclasses
   from o1jax.checkpoint.model_config import ModelConfig

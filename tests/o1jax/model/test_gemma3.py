@@ -141,5 +141,5 @@ def test_unsupported_gemma_variants_are_named(tmp_path):
   assert ck.config.sliding_window_pattern == 2
   types[0] = "full_attention"
   cfg.write_text(text[:-1] + ', "layer_types": ' + str(types).replace("'", '"') + "}")
-  with pytest.raises(CheckpointError, match="is not every 1th layer global"):
+  with pytest.raises(CheckpointError, match="is not one global layer in every 1 "):
     load_checkpoint(tmp_path)
