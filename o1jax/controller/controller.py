@@ -379,7 +379,7 @@ class Controller:
     eos |= set(getattr(getattr(model, "config", None), "eos_ids", ()) or ())
     self.eos_ids = tuple(sorted(eos))
     self._masks: dict[str, np.ndarray] = {}
-    self._spaced: np.ndarray | None = None
+    self._spaced: tuple[np.ndarray, np.ndarray] | None = None
     self._texts: dict[bool, list[str]] = {}
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
     if self.thinking is not None:  # checked once, here, rather than at the first request
@@ -669,14 +669,17 @@ class Controller:
       self._masks[delim] = mask
     return self._masks[delim]
 
-  def _ends_in_space(self) -> np.ndarray:
-    """[V] tokens whose text ends in whitespace: a forced answer prefix after them needs
-    no separator (after a special token, whose text is empty, it gets one)."""
+  def _space_masks(self) -> tuple[np.ndarray, np.ndarray]:
+    """[V] tokens whose text ends in whitespace (a forced answer prefix after them needs
+    no separator; after a special token, whose text is empty, it gets one), and [V] tokens
+    whose text is whitespace only (the answer's confidence reads past one)."""
     if self._spaced is None:
       v = self.model.vocab_size
       texts = self._token_texts(skip_special=True)[:v]
-      self._spaced = np.zeros(v, bool)
-      self._spaced[:len(texts)] = [t[-1:].isspace() for t in texts]
+      ends, blank = np.zeros(v, bool), np.zeros(v, bool)
+      ends[:len(texts)] = [t[-1:].isspace() for t in texts]
+      blank[:len(texts)] = [t.isspace() for t in texts]
+      self._spaced = ends, blank
     return self._spaced
 
   def key_tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -741,7 +744,8 @@ class Controller:
         restart_seqs=jnp.asarray(restart_seqs), restart_lens=jnp.asarray(restart_lens),
         answer_ids=jnp.asarray(self._pad(answer, force_capacity, "answer_prefix")),
         answer_len=jnp.int32(len(answer)), answer_separator_len=jnp.int32(separator_len),
-        ends_in_space=jnp.asarray(self._ends_in_space()),
+        ends_in_space=jnp.asarray(self._space_masks()[0]),
+        blank=jnp.asarray(self._space_masks()[1]),
         after_close_ids=jnp.asarray(self._pad(after_close, force_capacity,
                                               "answer_prefix after the thinking span")),
         after_close_len=jnp.int32(len(after_close)),
@@ -888,14 +892,19 @@ class Controller:
     up to max_generated past the prompt, plus a probe past that end; `prompts`
     requests are in flight at once."""
     return CachePlan(rows=rows, prompt_tokens=longest_prompt,
-                     new_tokens=self.max_generated(settings) + self.capacities(settings)[1]
+                     new_tokens=self.max_generated(settings) + self._probe_reach(settings)
                      + self.draft_k, prompts=prompts)
 
   def cache_length(self, settings: LoopSettings, longest_prompt: int) -> int:
     """Positions per row: the longest prompt, what a row keeps, and a probe (or a
     verify call's drafts) past it."""
-    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self.capacities(settings)[1]
+    return pow2_bucket(longest_prompt + self._kept_tokens(settings) + self._probe_reach(settings)
                        + self.draft_k + 8, 64)
+
+  def _probe_reach(self, settings: LoopSettings) -> int:
+    """Positions a probe writes past a row's end: its tokens, and one more where the
+    answer's confidence reads past a whitespace token."""
+    return self.capacities(settings)[1] + 1
 
   @property
   def draft_k(self) -> int:

@@ -517,13 +517,24 @@ class ReasoningLoop:
       probed |= jnp.any(wants)
       skip = answer_skip(tokens, length)  # the probe reads what forcing would write
       def confidence(c):
+        """The probability of the answer's first token (of the greedy answer): past the
+        prefix, and past a whitespace token there (SmolLM2 writes " " before a number's
+        digits: its ~0.95 was the "confidence" of every half-done step)."""
         probs, c = self._probe(params, c, tokens, length, k.answer_probe_ids, k.answer_probe_len,
                                skip)
-        return jnp.max(probs, axis=-1), c
-      answer_conf, cache = jax.lax.cond(jnp.any(wants), confidence, lambda c: (answer_conf, c),
-                                        cache)
+        first, p_first = jnp.argmax(probs, axis=-1), jnp.max(probs, axis=-1)
+        blank = wants & k.blank[first]
+
+        def past_blank(c):
+          after = length + k.answer_probe_len - skip  # the position after the probe's last
+          logits, c = self.model.forward(params, c, first[:, None], after, jnp.zeros_like(after))
+          return p_first * jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), c
+        conf, c = jax.lax.cond(jnp.any(blank), past_blank, lambda c: (p_first, c), c)
+        return jnp.where(blank, conf, p_first), blank, c
+      answer_conf, blank, cache = jax.lax.cond(
+          jnp.any(wants), confidence, lambda c: (answer_conf, jnp.zeros((b,), bool), c), cache)
       answer_conf = jnp.where(wants, answer_conf, 0.0)
-      probe_tokens += jnp.where(wants, k.answer_probe_len - skip, 0)
+      probe_tokens += jnp.where(wants, k.answer_probe_len - skip + blank, 0)
     score = self.verifier.score(StepStats(lp_sum=step_lp, n_tokens=step_len, group_conf=group_conf,
                                           lowest_conf=lowest_conf, p_yes=p_yes))
     score = score.astype(jnp.float32)

@@ -83,6 +83,7 @@ class Knobs:
   answer_len: jax.Array  # [] i32
   answer_separator_len: jax.Array  # [] i32 leading separator of answer_ids ("\n\n"), skipped
   ends_in_space: jax.Array  # [V] bool ... after these tokens (their text ends in whitespace)
+  blank: jax.Array  # [V] bool tokens whose text is whitespace only
   after_close_ids: jax.Array  # [F] i32 forced after the model closed a thinking span itself
   after_close_len: jax.Array  # [] i32 (0 = nothing)
   wait_ids: jax.Array  # [F] i32 forced "Wait"

@@ -106,6 +106,23 @@ def test_early_exit_at_tau():
   assert not t_cap.early_exit and t_cap.steps[-1].action == "answer_steps"
 
 
+def test_early_exit_reads_the_answer_past_a_whitespace_token():
+  """SmolLM2 writes a lone " " before a number's digits: the answer confidence was that
+  space's ~0.95-0.99 after every step, so exit_tau 0.85 ended thinking at the first step
+  boundary. It is the probability of the answer's first token past the space (times the
+  space's): as in test_early_exit_at_tau, P(" 7" | " ") after k blank lines is
+  e^k / (e^k + 19), times P(" " | prefix) = e^10 / (e^10 + e^k + 18): k=4 -> 0.740, k=5 ->
+  0.880."""
+  edges = [(a, b, 8.0) for a, b, _ in CHAIN if a != "The answer is"] + [("The answer is", " ", 10.0)]
+  world = MockWorld(edges, triggers=[("\n\n", {" 7": 1.0})])
+  t, = one(world, LoopSettings(exit_tau=0.85, answer_probe=True))
+  assert [s.action for s in t.steps] == ["continue"] * 4 + ["early_exit"]
+  assert t.tokens.probe == 10  # the prefix and the space, once per boundary
+  assert t.answer == "7" and t.text.endswith("The answer is  7")
+  p_space = lambda k: math.exp(10) / (math.exp(10) + math.exp(k) + 18)
+  assert p_space(1) > 0.99 and p_space(5) * p_edge(5) == pytest.approx(0.880, abs=1e-3)
+
+
 def test_think_and_answer_budgets_to_the_token():
   edges = CHAIN[:-1] + [(" 7", " 3", 5), (" 3", " 7", 5)]
   t, = one(MockWorld(edges), LoopSettings(max_thinking_tokens=10, max_answer_tokens=3))
