@@ -353,6 +353,9 @@ def check_gsm_config(dataset: Mapping[str, Any]) -> None:
     raise ValueError(f"dataset.path={dataset['path']!r} is set but dataset.name=gsm_synthetic "
                      f"generates its problems: add --config.dataset.name=gsm8k_jsonl to read "
                      f"the file")
+  if name == "gsm_synthetic" and dataset.get("n") == 0:  # (0 = every example of a file)
+    raise ValueError(f"dataset.n=0 reads every example of a file; gsm_synthetic generates "
+                     f"problems: give their number (1 to {MAX_SYNTHETIC:,})")
   if name == "gsm_synthetic" and int(dataset.get("n") or 0) > MAX_SYNTHETIC:
     raise ValueError(f"dataset.n={dataset['n']}: the generated dataset holds at most "
                      f"{MAX_SYNTHETIC:,} problems")

@@ -771,6 +771,11 @@ class Controller:
     With a thinking span: close + "\n\n" + prefix, 0, and "\n\n" + prefix (nothing
     without a prefix)."""
     prefix = settings.answer_prefix
+    if self.thinking is None and not prefix.strip():
+      # (nothing would end thinking: the "answer" was more thinking, its number the last one
+      # written anywhere, e.g. "... and 6 of them get off at" answered 6)
+      raise ValueError(f"answer_prefix={prefix!r}: without a thinking span the answer is read "
+                       f"after the answer prefix; give one (e.g. 'The answer is')")
     if self.thinking is None:
       plain = self.tokenizer.encode(prefix)
       if not prefix[:1].isalnum():

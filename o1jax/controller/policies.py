@@ -116,6 +116,9 @@ def _check_sampled(policy) -> None:
   _check_count(policy, "n")
   if policy.n > 1 and not policy.temperature > 0:
     raise ValueError(f"n={policy.n} traces need temperature > 0, got {policy.temperature!r}")
+  if policy.n > 1 and policy.top_k == 1:  # (the argmax alone: greedy too)
+    raise ValueError(f"n={policy.n} traces need top_k != 1 (top_k=1 draws the most likely "
+                     f"token only)")
 
 
 def _check_flags(policy, *names: str) -> None:
@@ -280,8 +283,8 @@ class DeepConf(Policy):
     _check_count(self, "warmup")
     if not 1 <= self.warmup <= self.n:
       raise ValueError(f"need 1 <= warmup <= n, got warmup={self.warmup} n={self.n}")
-    if self.threshold is not None and not (is_real(self.threshold)
-                                           and math.isfinite(self.threshold)):
+    if self.threshold is not None and not (  # (the loop compares in float32: 1e39 was inf)
+        is_real(self.threshold) and abs(self.threshold) <= np.finfo(np.float32).max):
       raise ValueError(f"threshold must be a finite number or None, got {self.threshold!r}")
     if not is_real(self.keep_percent) or not 0 < self.keep_percent <= 100:
       raise ValueError(f"keep_percent must be in (0, 100], got {self.keep_percent!r}")
@@ -289,6 +292,9 @@ class DeepConf(Policy):
       raise ValueError(f"consensus must be > 0.5 (> 1 turns it off), got {self.consensus!r}")
     _check_count(self, "window")
     _check_count(self, "consensus_min_votes")
+    if self.consensus <= 1.0 and self.consensus_min_votes > self.n:
+      raise ValueError(f"consensus_min_votes={self.consensus_min_votes} > n={self.n}: the "
+                       f"consensus would never stop a trace (consensus > 1 turns it off)")
     _check_flags(self, "stop_when_decided", "filter_votes")
     self._online_settings(self.settings(conf_window=self.window, answer_vote=True), True)
 
@@ -434,12 +440,14 @@ class ThinkVerifyBacktrack(Policy):
   """The full loop: score every step with `verifier`; backtrack a step scoring
   below `backtrack_threshold` (resampled with a fresh key and temperature +
   temp_bump per retry), at most `max_step_backtracks` per step and
-  `max_backtracks` per trace; exit early once the answer confidence (max
-  next-token probability after the answer prefix) reaches `exit_tau`.
+  `max_backtracks` per trace; exit early once the answer confidence (the
+  probability of the greedy answer's first token after the answer prefix, read
+  past a whitespace-only token: P(" ") x P("3" | " ")) reaches `exit_tau`.
   Steps: `max_steps`, or allocate_budget(latency_slo_s, load) when
   max_steps = 0; `adaptive` runs a live budget with this SLO instead
   (o1jax/engine/budget.py: re-evaluated on a wall clock between loop calls
-  from the measured load and latency), unless the controller has its own."""
+  from the measured load and latency), unless the controller has its own; a
+  `max_steps` set with it caps the budget."""
 
   name: ClassVar[str] = "think_verify_backtrack"
   # 2 (2026-12-06): a rolled-back step's tokens leave the confidences (a retry was scored
@@ -483,6 +491,13 @@ class ThinkVerifyBacktrack(Policy):
     # adaptive: a live budget with this SLO for the call, unless the controller has one.
     budget = (BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=self.latency_slo_s))
               if self.adaptive and ctl.budget is None else None)
+    if self.adaptive and self.max_steps:
+      # A live budget replaces the policy's step limit; one set here caps it, as a
+      # request's own (it was ignored: max_steps=1 ran 3-6 steps, recorded as 1).
+      requests = [r if r.max_steps is not None and r.max_steps <= self.max_steps
+                  else dataclasses.replace(r, max_steps=self.max_steps) for r in requests]
+    elif self.adaptive or ctl.budget is not None:
+      steps = None  # the live budget's, logged per request ("budget")
     batch = ctl.generate(requests, st, 1, budget=budget)
     return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
                        batch.wall_time_s[i], batch.invocations[i], max_steps=steps)

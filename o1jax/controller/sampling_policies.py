@@ -88,6 +88,9 @@ class SampleN(BasePolicy):
     if self.temperature <= 0 and self.n > 1:
       # n greedy samples would be n copies of the same text.
       raise ValueError(f"policy {self.name}: n={self.n} samples need temperature > 0")
+    if self.top_k == 1 and self.n > 1:  # (the argmax alone: greedy too)
+      raise ValueError(f"policy {self.name}: n={self.n} samples need top_k != 1 (top_k=1 "
+                       f"draws the most likely token only)")
 
   @property
   def num_samples(self) -> int:

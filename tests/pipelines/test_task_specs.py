@@ -224,6 +224,9 @@ def test_a_stop_given_as_one_string_is_one_stop_string():
      r"^dataset\.path='gsm8k/test\.jsonl' is set but dataset\.name=gsm_synthetic generates its "
      r"problems: add --config\.dataset\.name=gsm8k_jsonl to read the file$"),
     ("n", 10**9, r"^dataset\.n=1000000000: the generated dataset holds at most 1,000,000 problems$"),
+    # (n=-3 was told "0 = every example", and 0 then failed with "has no examples")
+    ("n", 0, r"^dataset\.n=0 reads every example of a file; gsm_synthetic generates problems: "
+             r"give their number \(1 to 1,000,000\)$"),
     ("name", "gsm8k", r"^dataset\.name='gsm8k': expected gsm_synthetic or gsm8k_jsonl$"),
     ("levels", (5,), r"^dataset\.levels=\(5,\): the generator's levels are a non-empty list "
                      r"of \[1, 2, 3, 4\]$"),

@@ -255,6 +255,32 @@ def test_think_verify_backtrack_policy_and_budget_forcing_policy():
   assert res.info["max_steps"] == 32 and res.answer == "7"
 
 
+def test_an_adaptive_budget_keeps_the_policys_own_step_limit():
+  """With adaptive=True the live budget replaced the policy's step limit: max_steps=1 ran
+  3-6 steps a trace, its record saying 1. A limit set caps the budget (as a request's own);
+  without one the record names none (the budget's limits are logged per request)."""
+  edges = [("Q", " A", 5), (" A", "\n\n", 5), ("\n\n", " A", 5), ("The answer is", " 7", 5),
+           (" 7", "</s>", 5)]
+  ctl = MockWorld(edges).controller()
+  common = dict(verifier="mean_logprob", backtrack_threshold=0.0, exit_tau=2.0,
+                step_delimiter="\n\n", max_thinking_tokens=40, adaptive=True)
+  capped, = ctl.run(["Q"], get_policy("think_verify_backtrack", max_steps=1, **common))
+  assert capped.traces[0].n_steps == 1 and capped.info["max_steps"] == 1
+  assert capped.traces[0].steps[-1].action == "answer_steps"
+  live, = ctl.run(["Q"], get_policy("think_verify_backtrack", **common))
+  assert live.traces[0].n_steps > 1 and live.info["max_steps"] is None
+  assert live.info["budget"][0]["steps"] == live.info["budget"][-1]["steps"] > 1
+
+
+def test_an_empty_answer_prefix_needs_a_thinking_span():
+  """Without a thinking span nothing ended thinking: the "answer" was more thinking and its
+  number the last one anywhere ("... and 6 of them get off at" answered 6)."""
+  ctl = MockWorld([("Q", " A", 5), (" A", "</s>", 5)]).controller()
+  with pytest.raises(ValueError, match=r"^answer_prefix='': without a thinking span the answer "
+                                       r"is read after the answer prefix; give one "):
+    ctl.run(["Q"], get_policy("greedy_cot", answer_prefix=""))
+
+
 def test_unset_optional_params_are_typed_config_placeholders():
   """deepconf's threshold defaults to None, yet `--config.policy.threshold=3.1` must parse:
   the config holds a float placeholder, in the controller's and the pipeline's configs."""
@@ -314,6 +340,10 @@ NAN = float("nan")
     ({"name": "deepconf", "consensus_min_votes": 0},
      r"^deepconf: consensus_min_votes must be an int >= 1, got 0$"),
     ({"name": "deepconf", "threshold": "1"}, r"^deepconf: threshold must be a finite number"),
+    ({"name": "deepconf", "threshold": 1e39},  # (inf in the loop's float32)
+     r"^deepconf: threshold must be a finite number or None, got 1e\+39$"),
+    ({"name": "deepconf", "consensus": 0.6, "consensus_min_votes": 9},
+     r"^deepconf: consensus_min_votes=9 > n=8: the consensus would never stop a trace"),
     ({"name": "deepconf", "filter_votes": "x"}, r"^deepconf: filter_votes must be a bool"),
     ({"name": "think_verify_backtrack", "backtrack_threshold": NAN},
      r"^think_verify_backtrack: backtrack_threshold must be a number, got nan$"),
@@ -339,6 +369,12 @@ NAN = float("nan")
      r"^budget_forcing: min_thinking_tokens must be an int >= 0, got -1$"),
     ({"name": "budget_forcing", "wait_text": ""},
      r"^budget_forcing: min_thinking_tokens > 0 needs a non-empty wait_text$"),
+    # top_k=1 draws the argmax alone: n copies of one greedy trace, as at temperature 0.
+    ({"name": "self_consistency", "top_k": 1},
+     r"^self_consistency: n=8 traces need top_k != 1 \(top_k=1 draws the most likely token only\)$"),
+    ({"name": "deepconf", "top_k": 1}, r"^deepconf: n=8 traces need top_k != 1 "),
+    ({"name": "sample_n", "n": 3, "temperature": 0.7, "top_k": 1},
+     r"^policy sample_n: n=3 samples need top_k != 1 "),
     ({"name": "sample_n", "n": 2.5}, r"^policy sample_n: n must be an int in \[1, 100000\], got 2.5$"),
     ({"name": "sample_n", "temperature": NAN}, r"^policy sample_n: temperature must be finite"),
     ({}, r"^a policy is a name or \{'name': \.\.\., \*\*params\}, got \{\}"),
