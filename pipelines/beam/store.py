@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import stat
 import uuid
 from typing import Optional
 
@@ -114,6 +115,7 @@ def check_writable(directory: str) -> None:
 # `ResultStore.read`'s problem for a record path taken by a directory: the launcher
 # refuses the run (the sample could be computed but never stored).
 IS_A_DIRECTORY = "is a directory"
+NOT_A_FILE = "is not a regular file (a FIFO, a socket or a device)"
 
 
 # Each stored record carries the sha256 of its content: a record still valid JSON after an
@@ -162,7 +164,14 @@ class ResultStore:
     path = self.path(key)
     try:
       if self.local:
-        with open(_local(path), "rb") as f:
+        # (non-blocking: a FIFO in its place hung the launcher's scan; one to /dev/zero
+        # would read forever)
+        fd = os.open(_local(path), os.O_RDONLY | os.O_NONBLOCK)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+          os.close(fd)
+          return None, IS_A_DIRECTORY if stat.S_ISDIR(mode) else NOT_A_FILE
+        with open(fd, "rb") as f:
           data = f.read()
       else:
         from apache_beam.io.filesystems import FileSystems

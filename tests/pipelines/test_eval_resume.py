@@ -134,6 +134,26 @@ def test_unreadable_store_record_is_named_and_recomputed(finished, tmp_path):
   assert summary["run"]["computed"] == 1 and _same(out, finished[1])
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_store_record_that_is_no_regular_file_is_named_and_replaced(finished, tmp_path, kind):
+  """A FIFO in a record's place hung the launcher's scan (its open waited for a writer); a
+  link to /dev/zero would have read forever."""
+  out, names = _copy(finished, tmp_path / "run")
+  path = out / "store" / names[0]
+  path.unlink()
+  if kind == "fifo":
+    os.mkfifo(path)
+  elif os.path.exists("/dev/zero"):
+    path.symlink_to("/dev/zero")
+  else:
+    pytest.skip("no /dev/zero")
+  summary, console = _run(_config(finished[0]), out)
+  assert console == (f"warning: store record {path} is not a regular file (a FIFO, a socket or "
+                     f"a device); it is recomputed\n")
+  assert summary["run"]["computed"] == 1 and _same(out, finished[1])
+  assert path.is_file() and not path.is_symlink()
+
+
 def test_store_directory_replaced_by_a_file_is_one_line_before_any_work(finished, tmp_path):
   out, _ = _copy(finished, tmp_path / "run")
   shutil.rmtree(out / "store")
