@@ -370,6 +370,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   keys = {i.key for i in scan.items}
   resumed_before = None
   if local:  # what the job will resume: the valid records; damaged files are named now
+    store.remove_temporary_files()  # (left by workers killed mid-write; this run holds `out`)
     stored, damaged, resumed_before = store.keys(), [], 0
     for item in scan.items:
       if item.key in stored:

@@ -116,6 +116,7 @@ def check_writable(directory: str) -> None:
 # refuses the run (the sample could be computed but never stored).
 IS_A_DIRECTORY = "is a directory"
 NOT_A_FILE = "is not a regular file (a FIFO, a socket or a device)"
+_TEMPORARY = re.compile(r"[0-9a-f]{16,64}\.json\.\d+\.[0-9a-f]{8}\.tmp")
 
 
 # Each stored record carries the sha256 of its content: a record still valid JSON after an
@@ -211,6 +212,26 @@ class ResultStore:
     data = utf8(json.dumps({**plain, CHECKSUM_FIELD: record_digest(plain)},
                            ensure_ascii=False, sort_keys=False, allow_nan=False) + "\n")
     write_whole(self.path(key), data, "store record ")
+
+  def remove_temporary_files(self) -> int:
+    """Removes the temporary files of record writes that never finished (`write_whole`'s
+    KEY.json.PID.XXXXXXXX.tmp: a worker killed mid-write); call it only while this run
+    holds the output directory and no worker runs. Returns how many (local stores)."""
+    if not self.local:
+      return 0
+    removed = 0
+    try:
+      entries = list(os.scandir(_local(self.root)))
+    except FileNotFoundError:
+      return 0
+    for e in entries:
+      if _TEMPORARY.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+        try:
+          os.remove(e.path)
+          removed += 1
+        except OSError:
+          pass
+    return removed
 
   def count(self) -> int:
     """Finished records (local stores only; for the progress bar)."""

@@ -154,6 +154,18 @@ def test_a_store_record_that_is_no_regular_file_is_named_and_replaced(finished, 
   assert path.is_file() and not path.is_symlink()
 
 
+def test_temporary_files_of_killed_writes_are_removed_by_the_next_run(finished, tmp_path):
+  """A worker killed mid-write left KEY.json.PID.XXXXXXXX.tmp in the store for good."""
+  out, names = _copy(finished, tmp_path / "run")
+  stale = out / "store" / f"{names[0]}.4242.0badf00d.tmp"
+  stale.write_bytes(b'{"key": "half a rec')
+  other = out / "store" / "notes.tmp"  # not a name the store writes: left alone
+  other.write_text("mine\n")
+  summary, console = _run(_config(finished[0]), out)
+  assert console == "" and summary["run"]["resumed"] == 6
+  assert not stale.exists() and other.read_text() == "mine\n"
+
+
 def test_store_directory_replaced_by_a_file_is_one_line_before_any_work(finished, tmp_path):
   out, _ = _copy(finished, tmp_path / "run")
   shutil.rmtree(out / "store")
