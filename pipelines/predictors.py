@@ -75,6 +75,13 @@ def request_id_for(example_id: str, sample_index: int) -> int:
   return int.from_bytes(digest[:8], "big")
 
 
+def request_id_before_2026_12_07(example_id: str, sample_index: int) -> int:
+  """The 31-bit id records stored before REQUEST_STREAM 2 carry: a greedy sample does not
+  draw from its stream, so its key stayed and such a record is resumed (with the new id)."""
+  digest = hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
+  return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
 class Predictor(Protocol):
   """Turns a batch of work items into prediction dicts (same order, same length)."""
 

@@ -49,7 +49,8 @@ from pipelines.datasets import DeadLetter, Duplicate, Example
 from pipelines.datasets.records import text_bytes
 from o1jax.controller import BasePolicy, SamplingSpec, build_policy, policy_names
 from pipelines.predictors import (ERROR_KEY, REQUEST_STREAM, PredictorSpec, WorkItem,
-                                  model_fingerprint, request_id_for, speculative_config)
+                                  model_fingerprint, request_id_before_2026_12_07,
+                                  request_id_for, speculative_config)
 from pipelines.task_specs import build_task, sandbox_identity
 
 # Bump when the record layout or what a sample computes changes, so old stores are not
@@ -463,6 +464,8 @@ def stored_record(store: ResultStore, item: WorkItem) -> tuple[dict | None, str 
     return None, None
   if record["example_index"] != item.example_index:
     record = {**record, "example_index": item.example_index}
+  if record["trace"].get("request_id") != item.request_id:  # a greedy record's older id
+    record = {**record, "trace": {**record["trace"], "request_id": item.request_id}}
   return record, None
 
 
@@ -499,6 +502,9 @@ def record_problem(record: dict, item: WorkItem) -> str | None:
   found = {**{k: record[k] for k in ("example_id", "sample_index", "dataset", "prompt_sha256")},
            "sampling": _stored_sampling_identity(trace.get("sampling")),
            "request_id": trace.get("request_id")}
+  if "seed" not in expected["sampling"] and found["request_id"] == request_id_before_2026_12_07(
+      item.example["id"], item.sample_index):
+    found["request_id"] = item.request_id  # (it draws nothing from its stream: the id is a label)
   for name, value in expected.items():
     if found[name] != value:
       if isinstance(found[name], dict) and isinstance(value, dict):  # the keys that differ

@@ -166,6 +166,28 @@ def test_temporary_files_of_killed_writes_are_removed_by_the_next_run(finished, 
   assert not stale.exists() and other.read_text() == "mine\n"
 
 
+def test_greedy_records_stored_with_the_31_bit_request_ids_are_resumed(finished, tmp_path):
+  """The request ids became 64 bits (2026-12-07): a greedy sample draws nothing from its
+  stream, so its key stayed, but its stored record named the 31-bit id and every one was
+  called damaged and computed again. Sampled records have new keys (request_stream)."""
+  from pipelines.beam import ResultStore
+  from pipelines.predictors import request_id_before_2026_12_07
+  clean = tmp_path / "clean"
+  _run(_config(finished[0], policy="greedy"), clean)
+  out = tmp_path / "run"
+  shutil.copytree(clean, out)
+  store = ResultStore(str(out / "store"))
+  for path in (out / "store").glob("*.json"):
+    record, problem = store.read(path.stem)
+    assert problem is None
+    old = request_id_before_2026_12_07(record["example_id"], record["sample_index"])
+    assert record["trace"]["request_id"] != old
+    store.put(path.stem, {**record, "trace": {**record["trace"], "request_id": old}})
+  summary, console = _run(_config(finished[0], policy="greedy"), out)
+  assert console == "" and (summary["run"]["resumed"], summary["run"]["computed"]) == (3, 0)
+  assert _same(out, clean)  # the resumed records carry the new ids
+
+
 def test_store_directory_replaced_by_a_file_is_one_line_before_any_work(finished, tmp_path):
   out, _ = _copy(finished, tmp_path / "run")
   shutil.rmtree(out / "store")
