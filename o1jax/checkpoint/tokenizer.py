@@ -16,6 +16,7 @@ import pathlib
 import re
 from typing import Iterable, Sequence
 
+import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
@@ -136,7 +137,8 @@ def _strftime_now(fmt: str) -> str:
 # and the bits of an integer power.
 _MAX_TEMPLATE_VALUE = 1 << 24
 _MAX_POWER_BITS = 1 << 16
-_FORMAT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+_FORMAT_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d*)"
+                          r"(?:\.(?P<precision>\*|\d*))?[hlL]?(?P<conversion>.?)", re.S)
 
 
 def _too_big(what: str):
@@ -145,16 +147,32 @@ def _too_big(what: str):
 
 
 def _check_format(spec, args) -> None:
-  """`spec % args` (or spec|format(*args)) within bounds: no width or precision past the cap."""
+  """`spec % args` (or spec|format(*args)) within bounds: no width or precision past the
+  cap, given in the spec or, for a '*', by the argument at its place ("%%" takes none)."""
   if not isinstance(spec, str):
     return
-  values = args if isinstance(args, (tuple, list)) else (args,)
+  values = list(args) if isinstance(args, (tuple, list)) else [args]
+  place = 0  # the next positional argument
   for m in _FORMAT_SPEC.finditer(spec):
-    for field in m.groups():
-      if field == "*" and any(isinstance(v, int) and abs(v) > _MAX_TEMPLATE_VALUE for v in values):
-        _too_big("a '*' width")
-      if field and field.isdigit() and (len(field) > 9 or int(field) > _MAX_TEMPLATE_VALUE):
+    if m.group("conversion") == "%" and m.group(0) == "%%":
+      continue
+    for field in (m.group("width"), m.group("precision")):
+      if field == "*":
+        value = values[place] if place < len(values) else None
+        place += 1
+        if isinstance(value, int) and abs(value) > _MAX_TEMPLATE_VALUE:
+          _too_big(f"a '*' width of {value}")
+      elif field and (len(field) > 9 or int(field) > _MAX_TEMPLATE_VALUE):
         _too_big(f"the width {field}")
+    place += m.group("key") is None
+
+
+def _checked_concat(parts) -> str:
+  """The `~` operator's join (Jinja's str_join), bounded."""
+  texts = [str(part) for part in parts]
+  if sum(map(len, texts)) > _MAX_TEMPLATE_VALUE:
+    _too_big("a concatenation")
+  return "".join(texts)
 
 
 def _check_binop(operator: str, left, right) -> None:
@@ -190,6 +208,15 @@ def _render_time_filter(name: str, func):
         _too_big(f"{name}({width})")
     elif name == "format":
       _check_format(value, args)
+    elif name == "join" and isinstance(value, (list, tuple)) and not kwargs.get("attribute") and (
+        sum(len(str(v)) for v in value)
+        + len(str(args[0] if args else kwargs.get("d", ""))) * len(value) > _MAX_TEMPLATE_VALUE):
+      _too_big("a join")
+    elif name == "replace" and isinstance(value, str) and len(args) >= 2:
+      old, new = str(args[0]), str(args[1])
+      times = value.count(old) if old else len(value) + 1
+      if len(value) + times * (len(new) - len(old)) > _MAX_TEMPLATE_VALUE:
+        _too_big("a replace")
     lead = ((context,) if kind is _PassArg.context else
             (context.eval_ctx,) if kind is _PassArg.eval_context else
             (context.environment,) if kind is _PassArg.environment else ())
@@ -197,12 +224,48 @@ def _render_time_filter(name: str, func):
   return run
 
 
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+  """Jinja's code generator with `~` joined by `_checked_concat` (and never folded)."""
+
+  def visit_Concat(self, node, frame):
+    self.write("environment.checked_concat((")
+    for arg in node.nodes:
+      self.visit(arg, frame)
+      self.write(", ")
+    self.write("))")
+
+
+class _BoundedTemplate(jinja2.Template):
+  """A template whose rendered text stops at the cap (a loop's output grows piece by piece)."""
+
+  def render(self, *args, **kwargs) -> str:
+    context = self.new_context(dict(*args, **kwargs))
+    pieces, size = [], 0
+    try:
+      for piece in self.root_render_func(context):
+        size += len(piece)
+        if size > _MAX_TEMPLATE_VALUE:
+          _too_big("the rendered text")
+        pieces.append(piece)
+    except Exception:
+      self.environment.handle_exception()
+    return "".join(pieces)
+
+
 class _ChatTemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
   """Jinja evaluates constant expressions while it compiles: `{{ 'x' * 10**9 }}` (17 bytes
   of a checkpoint's metadata) took 3 GB when the checkpoint was checked, and
   `'x'|center(300000000)` 300 MB. Operators are intercepted (Jinja folds none of those)
-  and checked when they run; filters run at render only, their widths bounded."""
+  and checked when they run, `~` too; filters run at render only, what center, indent,
+  format, join and replace make bounded; the rendered text is bounded. (Time is not: a
+  loop nested in a loop of 100,000 turns each, writing nothing, runs for hours.)"""
   intercepted_binops = frozenset({"*", "**", "+", "%"})
+  code_generator_class = _BoundedCodeGenerator
+  template_class = _BoundedTemplate
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.checked_concat = _checked_concat
 
   def call_binop(self, context, operator, left, right):
     _check_binop(operator, left, right)

@@ -292,7 +292,7 @@ class DeepConf(Policy):
       raise ValueError(f"consensus must be > 0.5 (> 1 turns it off), got {self.consensus!r}")
     _check_count(self, "window")
     _check_count(self, "consensus_min_votes")
-    if self.consensus <= 1.0 and self.consensus_min_votes > self.n:
+    if self.consensus <= 1.0 and self.consensus_min_votes > self.n > 1:  # (n=1: nothing to stop)
       raise ValueError(f"consensus_min_votes={self.consensus_min_votes} > n={self.n}: the "
                        f"consensus would never stop a trace (consensus > 1 turns it off)")
     _check_flags(self, "stop_when_decided", "filter_votes")

@@ -138,7 +138,12 @@ def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_
            "{{ '%3000000000s' | format(1) }}", "{{ ['x'] * 10**10 }}", "{{ 'x' | indent(10**10) }}",
            "{{ '%*d' % (10**10, 1) }}", "{{ 7 ** (10**9) }}",
            "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
-           "{% endfor %}{{ ns.s }}"]
+           "{% endfor %}{{ ns.s }}",
+           "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+           "{% endfor %}{{ ns.s }}",
+           "{{ (('x' * 16777216) | replace('x', 'xy')) | length }}",
+           "{% set s = 'x' * 4096 %}{{ ([s] * 8192) | join | length }}",
+           "{% for i in range(100000) %}{% for j in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor %}"]
   gguf = tmp_path / "t.gguf"
   testing.write_gguf_checkpoint(gguf, testing.tiny_config(), chat_template=bombs[0])
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -157,10 +162,12 @@ def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_
       "{{ [1] * 3 }}|{{ 'ab' + 'cd' }}|{{ '%s-%s' | format(1, 2) }}|{{ 1700000000 | string }}|"
       "{{ messages | map(attribute='role') | join(',') }}|{{ messages | map('upper') | list }}|"
       "{{ messages[0].content | trim | upper }}|{{ [3, 1, 2] | sort | list }}|"
-      "{{ messages | selectattr('role', 'equalto', 'user') | list | length }}")
+      "{{ messages | selectattr('role', 'equalto', 'user') | list | length }}|"
+      "{{ '%*d' % (3, 123456789012) }}|{{ '%%%*d' % (4, 7) }}|{{ '<' ~ messages[0].role ~ '>' }}|"
+      "{{ 'a-b' | replace('-', '+') }}|{{ ['x', 'y'] | join('.') }}")
   assert ordinary.apply_chat_template([{"role": "user", "content": " hi "}]) == (
       "  a  |  x|00042|1024|[1, 1, 1]|abcd|1-2|1700000000|user|"
-      "[\"{'ROLE': 'USER', 'CONTENT': ' HI '}\"]|HI|[1, 2, 3]|1")
+      "[\"{'ROLE': 'USER', 'CONTENT': ' HI '}\"]|HI|[1, 2, 3]|1|123456789012|%   7|<user>|a+b|x.y")
 
 
 def test_content_given_as_parts_is_its_text_and_other_parts_are_named():
