@@ -925,6 +925,9 @@ def run_failure(summary: dict, output_dir: str) -> str | None:
 
 
 if __name__ == "__main__":
+  # This process launches: a launcher's pid inherited from one that started it (a run from
+  # a worker, a test) would make it watch that process as its workers do.
+  os.environ.pop("O1JAX_EVAL_LAUNCHER_PID", None)  # (pipelines.beam.worker.LAUNCHER_PID_ENV)
   try:
     validate_argv(sys.argv)
   except app.UsageError as e:

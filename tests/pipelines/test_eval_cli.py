@@ -18,9 +18,9 @@ LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)[:\s]|^[DIWEF]\d{4} 
                       r"DeprecationWarning", re.M)
 
 
-def _cli(*args, timeout=180):
+def _cli(*args, timeout=180, env=None):
   return subprocess.run([sys.executable, "-m", "pipelines.eval", *args], cwd=REPO, capture_output=True,
-                        text=True, timeout=timeout)
+                        text=True, timeout=timeout, env=env)
 
 
 def _data(tmp_path, n=3):
@@ -135,7 +135,12 @@ def test_a_full_disk_under_the_log_and_the_store_ends_the_run_in_one_line(tmp_pa
           "--config.runner.direct_num_workers=2",
           "--config.runner.direct_running_mode=multi_processing", "--config.runner.batch_size=2",
           "--config.imports=tests.pipelines.full_store_disk", f"--output_dir={out}"]
-  proc = _cli(*args, timeout=120)
+  # As a launcher started from a process that launched in-process runs (this test process
+  # after others): its pid came along in the environment, and the launcher took itself for
+  # one of its workers.
+  from pipelines.beam.worker import LAUNCHER_PID_ENV, mark_launcher
+  mark_launcher()
+  proc = _cli(*args, timeout=120, env={**os.environ, LAUNCHER_PID_ENV: os.environ[LAUNCHER_PID_ENV]})
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert re.fullmatch(rf"error: cannot write store record {out}/store/[0-9a-f]{{64}}\.json: No "
                       rf"space left on device", proc.stderr.splitlines()[-1]), proc.stderr[-3000:]
