@@ -208,10 +208,11 @@ def _render_time_filter(name: str, func):
         _too_big(f"{name}({width})")
     elif name == "format":
       _check_format(value, args)
-    elif name == "join" and isinstance(value, (list, tuple)) and not kwargs.get("attribute") and (
-        sum(len(str(v)) for v in value)
-        + len(str(args[0] if args else kwargs.get("d", ""))) * len(value) > _MAX_TEMPLATE_VALUE):
-      _too_big("a join")
+    elif name == "join" and not kwargs.get("attribute") and not isinstance(value, str):
+      value = list(value)  # (a generator too: join reads it whole anyway)
+      glue = len(str(args[0] if args else kwargs.get("d", "")))
+      if sum(len(str(v)) for v in value) + glue * len(value) > _MAX_TEMPLATE_VALUE:
+        _too_big("a join")
     elif name == "replace" and isinstance(value, str) and len(args) >= 2:
       old, new = str(args[0]), str(args[1])
       times = value.count(old) if old else len(value) + 1
