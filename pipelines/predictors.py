@@ -52,7 +52,7 @@ class WorkItem:
     prompt: completion text, or chat messages [{"role", "content"}].
     stop: stop sequences.
     sampling: decoding settings of this sample.
-    request_id: 64-bit int from (example id, sample index): the sampler's random stream,
+    request_id: 63-bit int from (example id, sample index): the sampler's random stream,
       so a sample draws the same tokens in any batch, slot or worker.
   """
   key: str
@@ -71,8 +71,10 @@ REQUEST_STREAM = 2
 
 
 def request_id_for(example_id: str, sample_index: int) -> int:
+  """63 bits of sha256(example id, sample index): an int64, as the records' JSON readers
+  (pandas, Arrow) read it."""
   digest = hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
-  return int.from_bytes(digest[:8], "big")
+  return int.from_bytes(digest[:8], "big") >> 1
 
 
 def request_id_before_2026_12_07(example_id: str, sample_index: int) -> int:

@@ -62,7 +62,7 @@ def test_fake_answers_are_the_reference_as_written_or_one_more():
 
 def test_the_samples_of_one_example_draw_from_distinct_streams():
   """Request ids were 31 bits of sha256: 200,000 samples of one example gave ~9 pairs one
-  random stream (so the same text); the id is 64 bits now. A sampled record's key says
+  random stream (so the same text); the id is 63 bits now. A sampled record's key says
   which ids drew it (records of the 31-bit ids are computed again), a greedy one's not."""
   from pipelines.predictors import request_id_for
   assert len({request_id_for("ex-1", i) for i in range(200_000)}) == 200_000
@@ -81,7 +81,7 @@ def test_a_sampled_records_key_holds_its_request_stream(tmp_path, monkeypatch):
     keyed = [c for c in contents if isinstance(c, dict) and "sample_index" in c]
     assert len(keyed) == len(items) > 0
     assert all(c.get("request_stream") == stream for c in keyed)
-    assert all(0 <= i.request_id < 2**64 for i in items)
+    assert all(0 <= i.request_id < 2**63 for i in items)  # (an int64 in the records)
 
 
 def test_samples_are_keyed_by_example_and_index(tmp_path):
