@@ -491,12 +491,13 @@ class ThinkVerifyBacktrack(Policy):
     # adaptive: a live budget with this SLO for the call, unless the controller has one.
     budget = (BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=self.latency_slo_s))
               if self.adaptive and ctl.budget is None else None)
-    if self.adaptive and self.max_steps:
+    live = self.adaptive or ctl.budget is not None
+    if live and self.max_steps:
       # A live budget replaces the policy's step limit; one set here caps it, as a
       # request's own (it was ignored: max_steps=1 ran 3-6 steps, recorded as 1).
       requests = [r if r.max_steps is not None and r.max_steps <= self.max_steps
                   else dataclasses.replace(r, max_steps=self.max_steps) for r in requests]
-    elif self.adaptive or ctl.budget is not None:
+    elif live:
       steps = None  # the live budget's, logged per request ("budget")
     batch = ctl.generate(requests, st, 1, budget=budget)
     return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
