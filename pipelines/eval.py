@@ -32,7 +32,6 @@ prints tracebacks).
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 import pathlib
@@ -304,20 +303,30 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
       os.close(lock)
 
 
-# The shared-model tags of the job running in this process: a stopping signal removes
-# their files too (the process ends with os._exit, past the `finally` that would).
+# The shared-model tags and the Dask jobs running in this process: a stopping signal
+# removes those files and releases those jobs too (the process ends with os._exit, past
+# the `finally` and the result's close that would).
 _RUNNING_MODEL_TAGS: set[str] = set()
+_RUNNING_DASK_JOBS: set = set()
+_STOPPING = threading.Event()  # set by a stopping signal, which ends the process itself
 
 
 def remove_shared_model_files(model_tag: str) -> None:
-  """Deletes the files Beam's cross-process model sharing left in the temp directory
-  (`<tag>….lock`, `<tag>….address`) once the job that used them is over."""
+  """`handler.remove_shared_model_files` for a job of this process (once it is over)."""
+  from pipelines.beam.handler import remove_shared_model_files as remove
   _RUNNING_MODEL_TAGS.discard(model_tag)
-  for path in pathlib.Path(tempfile.gettempdir()).glob(f"{glob.escape(model_tag)}*"):
-    try:
-      path.unlink()
-    except OSError:  # another process removed it, or it is not ours to remove
-      pass
+  remove(model_tag)
+
+
+def release_dask_jobs(timeout_s: float = 10.0) -> None:
+  """Cancels the Dask jobs this process runs, which tears their DoFns (and models) down in
+  the workers of a long-lived cluster (a stopped launcher left them there for good)."""
+  jobs = list(_RUNNING_DASK_JOBS)
+  _RUNNING_DASK_JOBS.clear()
+  if jobs:
+    thread = threading.Thread(target=lambda: [job.cancel() for job in jobs], daemon=True)
+    thread.start()
+    thread.join(timeout_s)  # (a scheduler that does not answer: the workers keep them)
 
 
 def _dataset_state(plan) -> list[tuple]:
@@ -401,14 +410,26 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   if direct:
     _RUNNING_MODEL_TAGS.add(model_tag)
   build_pipeline(pipeline, plan, clock=clock, loader=loader, model_tag=model_tag)
+  def run_job():
+    result = pipeline.run()
+    if hasattr(result, "model_tags"):  # a Dask job: its workers remove the files at its end
+      result.model_tags = (model_tag,)
+      _RUNNING_DASK_JOBS.add(result)
+    try:
+      result.wait_until_finish()
+    except BaseException:
+      if _STOPPING.is_set():  # the signal cancelled the job: its thread ends the process
+        threading.Event().wait()
+      raise
+    finally:
+      _RUNNING_DASK_JOBS.discard(result)
+
   try:
     if local and show:
       with Progress(store, keys, file=console):
-        result = pipeline.run()
-        result.wait_until_finish()
+        run_job()
     else:
-      result = pipeline.run()
-      result.wait_until_finish()
+      run_job()
   except Exception as e:  # a file that cannot be written, a model no worker loads: one line
     error = worker_error(e) or runner_start_error(e, options) or worker_lost_error(e)
     if error is None:
@@ -830,6 +851,8 @@ def main(argv):
 
   def stop(signum: int):
     # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
+    _STOPPING.set()
+    release_dask_jobs()
     for tag in list(_RUNNING_MODEL_TAGS):
       remove_shared_model_files(tag)
     kept = log.close(move_to=local_log) if log else None

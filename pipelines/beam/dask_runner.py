@@ -110,6 +110,9 @@ class _Instance:
 
 _POOLS: dict[tuple, list] = {}  # (job, transform label) -> idle set-up instances, per process
 _POOLS_LOCK = threading.Lock()
+# Jobs released in this process: a bundle of one still running then (a stopped job's) tears
+# its instance down at its end rather than pool it for good.
+_RELEASED_JOBS: set[str] = set()
 
 
 class _ParDoSpec:
@@ -148,7 +151,11 @@ class _ParDoSpec:
       instance.invoker.invoke_teardown()  # a failed instance is not reused
       raise
     with _POOLS_LOCK:
-      _POOLS.setdefault(self.key, []).append(instance)
+      released = self.key[0] in _RELEASED_JOBS
+      if not released:
+        _POOLS.setdefault(self.key, []).append(instance)
+    if released:
+      instance.invoker.invoke_teardown()
     return out
 
 
@@ -158,14 +165,19 @@ def pooled_instances() -> int:
     return sum(len(pool) for pool in _POOLS.values())
 
 
-def _release_job(job: str) -> int:
+def _release_job(job: str, model_tags: tuple = ()) -> int:
   """Runs in every worker at the job's end: tears down the job's DoFn instances (their
-  models go with them), so a long-lived cluster does not keep every job's model."""
+  models go with them), so a long-lived cluster does not keep every job's model, and
+  removes the job's shared-model files from the worker's temp directory."""
+  from pipelines.beam.handler import remove_shared_model_files
   with _POOLS_LOCK:
+    _RELEASED_JOBS.add(job)
     keys = [k for k in _POOLS if k[0] == job]
     instances = [i for k in keys for i in _POOLS.pop(k)]
   for instance in instances:
     instance.invoker.invoke_teardown()
+  for tag in model_tags:
+    remove_shared_model_files(tag)
   return len(instances)
 
 
@@ -256,6 +268,8 @@ class DaskRunnerResult(PipelineResult):
   def __init__(self, client, future, job: str, cluster=None):
     super().__init__(PipelineState.RUNNING)
     self.client, self.future, self.job, self.cluster = client, future, job, cluster
+    self.model_tags: tuple = ()  # the shared models' tags, removed in the workers at the end
+    self._closed = False
 
   def wait_until_finish(self, duration=None) -> str:
     """Waits for the job (at most `duration` ms: then RUNNING if it is not done)."""
@@ -277,9 +291,12 @@ class DaskRunnerResult(PipelineResult):
 
   def close(self) -> None:
     """Tears the job's DoFns down in the workers and disconnects; a LocalCluster this
-    runner started is shut down."""
+    runner started is shut down. Once (a stopping signal may close it from its thread)."""
+    if self._closed:
+      return
+    self._closed = True
     try:
-      self.client.run(_release_job, self.job)
+      self.client.run(_release_job, self.job, tuple(self.model_tags))
     except Exception:  # a worker gone with the job's failure: nothing of it to release
       pass
     self.client.close()

@@ -19,7 +19,10 @@ which `with_exception_handling()` routes to the dead-letter output.
 
 from __future__ import annotations
 
+import glob
 import os
+import pathlib
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -120,3 +123,14 @@ def _timing(batch_timing: dict, metrics: Optional[dict]) -> dict:
     if v is not None:
       out[k] = v
   return out
+
+
+def remove_shared_model_files(model_tag: str) -> None:
+  """Deletes the files Beam's cross-process model sharing leaves in this machine's temp
+  directory (`<tag>….lock`, `<tag>….address`) once the job that used them is over: the
+  launcher's for a run here, each Dask worker's when the job is released there."""
+  for path in pathlib.Path(tempfile.gettempdir()).glob(f"{glob.escape(model_tag)}*"):
+    try:
+      path.unlink()
+    except OSError:  # another process removed it, or it is not ours to remove
+      pass
