@@ -24,7 +24,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 WORKER_PLUGIN = "pipelines.beam.worker"  # imported by each worker process at start-up
 DASK_RUNNER = "pipelines.beam.dask_runner.DaskRunner"
-DASK_NAMES = ("dask", "DaskRunner", DASK_RUNNER)
+# (Beam's own Dask runner by its path means ours too: its translation drops a DoFn's
+# finish_bundle outputs and ends this job in a TypeError)
+DASK_NAMES = ("dask", "DaskRunner", DASK_RUNNER, "apache_beam.runners.dask.dask_runner.DaskRunner")
 RUNNERS = ("DirectRunner", "dask", "DataflowRunner", "FlinkRunner", "SparkRunner", "PrismRunner",
            "PortableRunner")
 

@@ -32,6 +32,11 @@ def test_runner_flags_from_the_config():
   cfg = gsm8k_config.get_config("smoke=True").runner
   cfg.name = "dask"
   assert beam_args(cfg)[:2] == [f"--runner={DASK_RUNNER}", "--dask_local_workers=2"]
+  # Beam's own Dask runner by its path is ours too (it lost finish_bundle's outputs and
+  # ended the job in an 80-line TypeError).
+  beams = gsm8k_config.get_config("smoke=True").runner
+  beams.name = "apache_beam.runners.dask.dask_runner.DaskRunner"
+  assert beam_args(beams)[:2] == [f"--runner={DASK_RUNNER}", "--dask_local_workers=2"]
   assert runs_here(pipeline_options(cfg))  # a LocalCluster: local paths and the launcher watch apply
   cfg.address = "tcp://scheduler:8786"
   cfg.partitions = 16
