@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import socket
 import threading
 import uuid
 from typing import Any
@@ -322,6 +323,7 @@ def _connect(ddist, beams: dict, remote: bool):
   (a web server on that port) held the launcher forever, past the client's own timeout."""
   if not remote:
     return ddist.Client(**beams)
+  _reachable(beams.get("address"))
   timeout = beams.get("timeout")
   deadline = timeout + 30 if isinstance(timeout, int) else CONNECT_DEADLINE_S
   result: dict = {}
@@ -352,6 +354,22 @@ def _connect(ddist, beams: dict, remote: bool):
   if "error" in result:
     raise result["error"]
   return result["client"]
+
+
+def _reachable(address) -> None:
+  """Raises OSError at once for a tcp:// scheduler address whose host does not resolve or
+  whose port refuses the connection (dask's client retried those for its whole 30 s
+  timeout); anything else is left to the client."""
+  if not isinstance(address, str) or not address.startswith("tcp://"):
+    return
+  from distributed.comm.addressing import parse_host_port
+  host, port = parse_host_port(address[len("tcp://"):])
+  try:
+    socket.create_connection((host, port), timeout=5).close()
+  except (socket.gaierror, ConnectionRefusedError) as e:
+    raise OSError(f"{host}:{port}: {e.strerror or e}") from e
+  except OSError:  # a timeout, no route: the client's own wait says it
+    pass
 
 
 class DaskRunner(_BeamDaskRunner):

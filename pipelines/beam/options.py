@@ -153,7 +153,9 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
     try:
       scheme, location = parse_address(address)
       if scheme in ("tcp", "tls"):
-        parse_host_port(location)
+        _, port = parse_host_port(location)
+        if not 0 < port < 65536:  # (dask retried such a port for 30 s)
+          raise ValueError(f"port {port} is not in 1-65535")
     except ValueError as e:
       raise ValueError(f"runner.address={address!r}: {e} (expected tcp://host:8786)") from None
   args = [f"--runner={DASK_RUNNER}"]

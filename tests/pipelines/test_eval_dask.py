@@ -81,6 +81,20 @@ def test_bad_runner_settings_are_one_line_errors(tmp_path):
   with pytest.raises(ValueError, match=r"^dask scheduler tcp://127.0.0.1:9 cannot be reached: ") as e:
     run(cfg, str(tmp_path), ["--dask_connection_timeout=2"], progress=False, report=False)
   assert "\n" not in str(e.value)
+  # A refused connection, a host that does not resolve, a port out of range: at once (each
+  # waited out dask's 30 s retries).
+  start = time.monotonic()
+  for address, message in (
+      ("tcp://127.0.0.1:9", r"^dask scheduler tcp://127.0.0.1:9 cannot be reached: 127.0.0.1:9: "
+                            r"Connection refused$"),
+      ("tcp://no-such-host.invalid:8786", r"^dask scheduler tcp://no-such-host.invalid:8786 "
+                                          r"cannot be reached: no-such-host.invalid:8786: "),
+      ("tcp://127.0.0.1:99999", r"^runner.address='tcp://127.0.0.1:99999': port 99999 is not in "
+                                r"1-65535 \(expected tcp://host:8786\)$")):
+    cfg.runner.address = address
+    with pytest.raises(ValueError, match=message):
+      run(cfg, str(tmp_path), progress=False, report=False)
+  assert time.monotonic() - start < 25
 
 
 def test_a_peer_that_never_answers_the_handshake_is_one_line(tmp_path, monkeypatch):
@@ -120,6 +134,7 @@ def test_a_scheduler_that_answers_past_the_deadline_is_not_kept(monkeypatch):
       closed.set()
 
   fake = type("ddist", (), {"Client": SlowClient})
+  monkeypatch.setattr(dask_runner, "_reachable", lambda address: None)  # (no host "h")
   with pytest.raises(TimeoutError, match="no answer from a dask scheduler within 0.2 s"):
     dask_runner._connect(fake, {"address": "tcp://h:1"}, remote=True)
   assert closed.wait(5)
