@@ -51,7 +51,8 @@ from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRec
 from o1jax.controller.state import Knobs, ReasoningState
 from o1jax.model.thinking import ThinkingSpan
 from o1jax.sharding import tensor_parallel
-from o1jax.controller.verifiers import MeanLogprob, SelfVerify, Verifier
+from o1jax.controller.verifiers import (MeanLogprob, SelfVerify, Verifier,
+                                       check_backtrack_threshold)
 from o1jax.engine import steps
 from o1jax.engine.budget import BudgetLoop
 from o1jax.engine.engine import check_fits_device
@@ -81,6 +82,11 @@ ADMISSIONS = ("fifo", "shortest_budget")  # Controller(admission=...)
 _LOOP_INTS = {"max_step_backtracks": 0, "max_backtracks": 0, "step_max_tokens": 1, "max_steps": 1,
               "min_thinking_tokens": 0, "max_thinking_tokens": 0, "max_answer_tokens": 1,
               "conf_window": 1, "consensus_min_votes": 1}
+
+
+# The log-probs a token confidence averages (DeepConf's top-k), unless a controller is
+# given another.
+CONFIDENCE_TOP_K = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +295,8 @@ class Controller:
       few-shot prompt) computes only what follows it (`plan_shared_prefixes`; the same
       tokens up to f32 rounding at a near-tie. False: every prompt computes all of its own)."""
 
-  def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32, top_k: int = 5,
+  def __init__(self, model: DecodeModel, tokenizer, *, max_rows: int = 32,
+               top_k: int = CONFIDENCE_TOP_K,
                max_records: int = 64, force_capacity: int = 20, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
                extract_answer: Callable[[str], Optional[str]] | None = None,
@@ -470,6 +477,7 @@ class Controller:
     check_int(sample_offset, "sample_offset")
     check_int(unstopped_samples, "unstopped_samples")
     check_sample_index(sample_offset + n - 1, "the last sample index (sample_offset + n - 1)")
+    check_backtrack_threshold(settings.verifier, settings.backtrack_threshold, self.top_k)
     generated = self.max_generated(settings)
     if generated > INT32_MAX:  # (each fits; their sum is the loop's int32 token limit)
       raise ValueError(f"a trace may generate {generated} tokens (max_thinking_tokens + "

@@ -27,10 +27,11 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from o1jax.controller.answers import best_index, weighted_vote
-from o1jax.controller.controller import Controller, LoopSettings
+from o1jax.controller.controller import CONFIDENCE_TOP_K, Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
-from o1jax.controller.verifiers import SCORERS, Verifier, get_verifier
+from o1jax.controller.verifiers import (SCORERS, Verifier, check_backtrack_threshold,
+                                       get_verifier)
 from o1jax.engine.budget import BudgetConfig, BudgetLoop, allocate_budget
 from o1jax.model.sampling import check_int, is_real
 
@@ -475,7 +476,9 @@ class ThinkVerifyBacktrack(Policy):
     _check_flags(self, "adaptive")
     if not isinstance(self.verifier, (str, Verifier)):
       raise ValueError(f"verifier must be a registered verifier's name, got {self.verifier!r}")
-    self.loop_settings()  # builds the verifier: an unknown name is refused now
+    settings = self.loop_settings()  # builds the verifier: an unknown name is refused now
+    # (with the default controller's k; a controller checks its own when it runs)
+    check_backtrack_threshold(settings.verifier, self.backtrack_threshold, CONFIDENCE_TOP_K)
 
   def loop_settings(self) -> LoopSettings:
     steps = self.max_steps or allocate_budget(self.latency_slo_s, self.load)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar
 
 import flax.struct
@@ -51,6 +52,22 @@ class Verifier(abc.ABC):
   def score(self, stats: StepStats) -> jax.Array:
     """[B] f32 score of each row's current step."""
 
+  def score_floor(self, top_k: int) -> float:
+    """A score no step goes below (`top_k`: the log-probs a token confidence averages), so
+    a backtrack threshold at or under it never backtracks. 0 where none is known."""
+    del top_k
+    return 0.0
+
+
+def check_backtrack_threshold(verifier: Verifier, threshold: float, top_k: int) -> None:
+  """ValueError for a positive threshold at or under the verifier's lowest score, which
+  never backtracks (0 or less means "no backtracking" and stays allowed)."""
+  floor = verifier.score_floor(top_k)
+  if 0 < threshold <= floor:
+    raise ValueError(f"backtrack_threshold={threshold:g} never backtracks with verifier "
+                     f"{verifier.name}: its scores are at least {floor:.4f} (ln {top_k}); set "
+                     f"a threshold above that, or 0 for none")
+
 
 @dataclasses.dataclass(frozen=True)
 class MeanLogprob(Verifier):
@@ -68,6 +85,10 @@ class GroupConfidence(Verifier):
 
   name: ClassVar[str] = "group_confidence"
 
+  def score_floor(self, top_k: int) -> float:
+    # The top-k probabilities sum to <= 1, so their mean log p is <= ln(1/k) (Jensen).
+    return math.log(top_k)
+
   def score(self, stats: StepStats) -> jax.Array:
     return stats.group_conf
 
@@ -77,6 +98,9 @@ class LowestGroupConfidence(Verifier):
   """The lowest full-window group confidence so far (group_conf until a window fills)."""
 
   name: ClassVar[str] = "lowest_group_confidence"
+
+  def score_floor(self, top_k: int) -> float:
+    return math.log(top_k)  # (a lowest of group confidences: the same floor)
 
   def score(self, stats: StepStats) -> jax.Array:
     return jnp.where(jnp.isfinite(stats.lowest_conf), stats.lowest_conf, stats.group_conf)

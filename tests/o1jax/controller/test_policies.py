@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from configs.policies import policy_config, policy_params
-from o1jax.controller import (POLICIES, ReasoningRequest, SamplingSpec, build_policy,
-                              extract_number, get_policy, majority_vote, policy_names,
-                              weighted_vote)
+from o1jax.controller import (POLICIES, LoopSettings, ReasoningRequest, SamplingSpec,
+                              build_policy, extract_number, get_policy, get_verifier,
+                              majority_vote, policy_names, weighted_vote)
 from tests.o1jax.controller.conftest import MockWorld
 
 POLICY_NAMES = ["greedy_cot", "self_consistency", "best_of_n", "deepconf",
@@ -270,6 +270,28 @@ def test_an_adaptive_budget_keeps_the_policys_own_step_limit():
   live, = ctl.run(["Q"], get_policy("think_verify_backtrack", **common))
   assert live.traces[0].n_steps > 1 and live.info["max_steps"] is None
   assert live.info["budget"][0]["steps"] == live.info["budget"][-1]["steps"] > 1
+
+
+def test_a_backtrack_threshold_under_a_verifiers_floor_is_refused():
+  """group_confidence scores are -mean of the top-5 log p, at least ln 5 = 1.609: the
+  default threshold 0.5 (made for [0, 1] verifiers) never backtracked, without a word."""
+  logp = np.log(np.random.default_rng(0).dirichlet(np.full(50, 0.05), size=2000))
+  assert (-np.sort(logp, axis=1)[:, -5:].mean(axis=1)).min() >= math.log(5)
+  ctl = MockWorld([("Q", " A", 5), (" A", "\n\n", 5), ("\n\n", " A", 5),
+                   ("The answer is", " 7", 5), (" 7", "</s>", 5)]).controller()
+  common = dict(exit_tau=2.0, step_delimiter="\n\n", max_thinking_tokens=12)
+  for verifier in ("group_confidence", "lowest_group_confidence"):
+    message = (rf"backtrack_threshold=0.5 never backtracks with verifier {verifier}: its scores "
+               rf"are at least 1.6094 \(ln 5\); set a threshold above that, or 0 for none$")
+    with pytest.raises(ValueError, match="^think_verify_backtrack: " + message):  # when built
+      get_policy("think_verify_backtrack", verifier=verifier, **common)
+    settings = LoopSettings(verifier=get_verifier(verifier), backtrack_threshold=0.5)
+    with pytest.raises(ValueError, match="^" + message):  # a policy of one's own: at run
+      ctl.generate([ReasoningRequest(prompt="Q")], settings, 1)
+    for threshold in (0.0, 2.0):  # none, and one on its scale
+      res, = ctl.run(["Q"], get_policy("think_verify_backtrack", verifier=verifier,
+                                       backtrack_threshold=threshold, **common))
+      assert res.answer == "7"
 
 
 def test_an_empty_answer_prefix_needs_a_thinking_span():
