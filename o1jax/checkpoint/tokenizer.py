@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import pathlib
 import re
@@ -25,6 +26,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from o1jax.checkpoint.errors import CheckpointError, read_json_object
 
+log = logging.getLogger(__name__)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # llama.cpp token types (gguf TokenType): 3 = CONTROL (special: skipped when decoding
@@ -507,6 +509,7 @@ class Tokenizer:
                               f"tokens separated by a space")
       types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
       vocab = {t: i for i, t in enumerate(tokens)}
+      _warn_missing_byte_symbols(vocab, path)
       for i, (a, b) in enumerate(merges):  # (else the library's bare Exception, no file named)
         unknown = next((t for t in (a, b, a + b) if t not in vocab), None)
         if unknown is not None:
@@ -530,6 +533,31 @@ class Tokenizer:
                  chat_template=meta.get("tokenizer.chat_template"))
     except ValueError as e:  # the chat template does not parse
       raise CheckpointError(f"{path}: {e}") from None
+
+
+def _byte_symbols() -> dict[str, int]:
+  """GPT-2's byte-level alphabet: the character that stands for each byte in a vocabulary
+  (printable Latin-1 bytes as themselves, the other 68 as U+0100 on)."""
+  kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+  others = [b for b in range(256) if b not in kept]
+  return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+# Bytes of ordinary text: tab, newlines, printable ASCII, and UTF-8 up to plane 3 (real
+# vocabularies leave out control bytes, 0xC0/0xC1, 0xF1 on: SmolLM2's lacks 21 such).
+_TEXT_BYTES = frozenset([0x09, 0x0A, 0x0D, *range(0x20, 0x7F), *range(0x80, 0xC0),
+                         *range(0xC2, 0xF1)])
+
+
+def _warn_missing_byte_symbols(vocab, path) -> None:
+  """A byte-level vocabulary without a token for a byte of ordinary text drops that byte
+  from every text it encodes, without a word (llama.cpp does the same): said at load."""
+  missing = sorted(b for c, b in _byte_symbols().items() if c not in vocab and b in _TEXT_BYTES)
+  if missing:
+    shown = ", ".join(f"0x{b:02x}" + (f" {chr(b)!r}" if 0x20 < b < 0x7F else "") for b in missing[:8])
+    log.warning("%s: tokenizer.ggml.tokens has no token for %d byte%s of ordinary text (%s%s): "
+                "text holding them is encoded without them", path, len(missing),
+                "s" * (len(missing) != 1), shown, ", ..." if len(missing) > 8 else "")
 
 
 def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]):

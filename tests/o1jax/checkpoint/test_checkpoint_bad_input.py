@@ -170,6 +170,31 @@ def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_
       "[\"{'ROLE': 'USER', 'CONTENT': ' HI '}\"]|HI|[1, 2, 3]|1|123456789012|%   7|<user>|a+b|x.y")
 
 
+def test_a_byte_level_vocabulary_missing_a_byte_says_so_at_load(caplog):
+  """A vocabulary without the token for "!" encoded 'a!b+c' as 'ab+c' without a word (as
+  llama.cpp does): it still loads, with one warning naming the bytes."""
+  import logging
+  from o1jax.checkpoint import load_tokenizer
+  from o1jax.checkpoint.tokenizer import Tokenizer
+  from o1jax.testing import byte_vocab, SPECIAL_TOKENS
+  tokens = byte_vocab()
+  tokens[tokens.index("!")] = "<|im_start|>"
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+          "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [],
+          "tokenizer.ggml.token_type": [3] * len(SPECIAL_TOKENS) + [1] * 256,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+  with caplog.at_level(logging.WARNING, logger="o1jax.checkpoint.tokenizer"):
+    tok = Tokenizer.from_gguf_metadata(meta, path="t.gguf")
+  assert [r.getMessage() for r in caplog.records] == [
+      "t.gguf: tokenizer.ggml.tokens has no token for 1 byte of ordinary text (0x21 '!'): "
+      "text holding them is encoded without them"]
+  assert tok.decode(tok.encode("a!b")) == "ab"  # (what it warns of)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="o1jax.checkpoint.tokenizer"):
+    load_tokenizer()  # the embedded model's (it lacks 21 bytes, none of ordinary text): no word
+  assert not caplog.records
+
+
 def test_content_given_as_parts_is_its_text_and_other_parts_are_named():
   """The OpenAI style content [{"type": "text", "text": ...}] is its text parts joined (it
   was jinja's TypeError "can only concatenate str (not "list") to str")."""
