@@ -211,10 +211,14 @@ def _render_time_filter(name: str, func):
     elif name == "format":
       _check_format(value, args)
     elif name == "join" and not kwargs.get("attribute") and not isinstance(value, str):
-      value = list(value)  # (a generator too: join reads it whole anyway)
       glue = len(str(args[0] if args else kwargs.get("d", "")))
-      if sum(len(str(v)) for v in value) + glue * len(value) > _MAX_TEMPLATE_VALUE:
-        _too_big("a join")
+      items, size = [], 0
+      for item in value:  # (a generator too, counted as it is read: join reads it whole)
+        size += len(str(item)) + glue
+        if size > _MAX_TEMPLATE_VALUE:
+          _too_big("a join")
+        items.append(item)
+      value = items
     elif name == "replace" and isinstance(value, str) and len(args) >= 2:
       old, new = str(args[0]), str(args[1])
       times = value.count(old) if old else len(value) + 1

@@ -143,6 +143,8 @@ def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_
            "{% endfor %}{{ ns.s }}",
            "{{ (('x' * 16777216) | replace('x', 'xy')) | length }}",
            "{% set s = 'x' * 4096 %}{{ ([s] * 8192) | join | length }}",
+           "{% set s = 'x' * 4096 %}{{ range(8192) | map('string') | map('replace', '', s) "
+           "| join | length }}",
            "{% for i in range(100000) %}{% for j in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor %}"]
   gguf = tmp_path / "t.gguf"
   testing.write_gguf_checkpoint(gguf, testing.tiny_config(), chat_template=bombs[0])

@@ -270,6 +270,13 @@ def test_an_adaptive_budget_keeps_the_policys_own_step_limit():
   live, = ctl.run(["Q"], get_policy("think_verify_backtrack", **common))
   assert live.traces[0].n_steps > 1 and live.info["max_steps"] is None
   assert live.info["budget"][0]["steps"] == live.info["budget"][-1]["steps"] > 1
+  # The controller's own live budget is capped the same way.
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  own = MockWorld(edges).controller(budget=BudgetLoop(BudgetConfig(mode="adaptive",
+                                                                   latency_slo_s=0.5)))
+  common["adaptive"] = False
+  capped, = own.run(["Q"], get_policy("think_verify_backtrack", max_steps=1, **common))
+  assert capped.traces[0].n_steps == 1 and capped.info["max_steps"] == 1
 
 
 def test_a_backtrack_threshold_under_a_verifiers_floor_is_refused():
