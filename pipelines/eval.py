@@ -318,13 +318,14 @@ def remove_shared_model_files(model_tag: str) -> None:
   remove(model_tag)
 
 
-def release_dask_jobs(timeout_s: float = 10.0) -> None:
-  """Cancels the Dask jobs this process runs, which tears their DoFns (and models) down in
-  the workers of a long-lived cluster (a stopped launcher left them there for good)."""
+def release_dask_jobs(timeout_s: float = 20.0) -> None:
+  """Releases the Dask jobs this process runs: their DoFns (and models) are torn down in
+  the workers of a long-lived cluster (a stopped launcher left them there for good), and
+  the process's exit then drops their tasks. One message per job, no cancel round trip."""
   jobs = list(_RUNNING_DASK_JOBS)
   _RUNNING_DASK_JOBS.clear()
   if jobs:
-    thread = threading.Thread(target=lambda: [job.cancel() for job in jobs], daemon=True)
+    thread = threading.Thread(target=lambda: [job.release() for job in jobs], daemon=True)
     thread.start()
     thread.join(timeout_s)  # (a scheduler that does not answer: the workers keep them)
 
@@ -418,7 +419,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     try:
       result.wait_until_finish()
     except BaseException:
-      if _STOPPING.is_set():  # the signal cancelled the job: its thread ends the process
+      if _STOPPING.is_set():  # a stopping signal: its thread ends the process
         threading.Event().wait()
       raise
     finally:

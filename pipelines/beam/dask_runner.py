@@ -304,6 +304,11 @@ class DaskRunnerResult(PipelineResult):
     if self.cluster is not None:
       self.cluster.close()
 
+  def release(self) -> None:
+    """Tears the job's DoFns down in the workers now, and makes a bundle of it still running
+    tear its own down as it ends (a launcher that stops: its exit drops the job's tasks)."""
+    self.client.run(_release_job, self.job, tuple(self.model_tags))
+
   def cancel(self) -> str:
     self.future.cancel()
     self._state = PipelineState.CANCELLED
