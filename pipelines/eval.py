@@ -308,7 +308,6 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
 # the `finally` and the result's close that would).
 _RUNNING_MODEL_TAGS: set[str] = set()
 _RUNNING_DASK_JOBS: set = set()
-_STOPPING = threading.Event()  # set by a stopping signal, which ends the process itself
 
 
 def remove_shared_model_files(model_tag: str) -> None:
@@ -418,10 +417,6 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
       _RUNNING_DASK_JOBS.add(result)
     try:
       result.wait_until_finish()
-    except BaseException:
-      if _STOPPING.is_set():  # a stopping signal: its thread ends the process
-        threading.Event().wait()
-      raise
     finally:
       _RUNNING_DASK_JOBS.discard(result)
 
@@ -852,7 +847,6 @@ def main(argv):
 
   def stop(signum: int):
     # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
-    _STOPPING.set()
     release_dask_jobs()
     for tag in list(_RUNNING_MODEL_TAGS):
       remove_shared_model_files(tag)

@@ -70,18 +70,20 @@ class WorkItem:
 REQUEST_STREAM = 2
 
 
+def _request_digest(example_id: str, sample_index: int) -> bytes:
+  return hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
+
+
 def request_id_for(example_id: str, sample_index: int) -> int:
   """63 bits of sha256(example id, sample index): an int64, as the records' JSON readers
   (pandas, Arrow) read it."""
-  digest = hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
-  return int.from_bytes(digest[:8], "big") >> 1
+  return int.from_bytes(_request_digest(example_id, sample_index)[:8], "big") >> 1
 
 
 def request_id_before_2026_12_07(example_id: str, sample_index: int) -> int:
   """The 31-bit id records stored before REQUEST_STREAM 2 carry: a greedy sample does not
   draw from its stream, so its key stayed and such a record is resumed (with the new id)."""
-  digest = hashlib.sha256(text_bytes(f"{example_id}\x00{sample_index}")).digest()
-  return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+  return int.from_bytes(_request_digest(example_id, sample_index)[:4], "big") & 0x7FFFFFFF
 
 
 class Predictor(Protocol):
