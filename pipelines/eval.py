@@ -277,6 +277,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   # A file:// URL is the local path (Beam's file systems know no "file" scheme: the run
   # computed every sample, then could not read its own results back).
   output_dir = str(output_dir).removeprefix("file://")
+  config = _with_flag_runner(config, beam_flags)
   plan = build_plan(config, output_dir)  # imports the config's modules first
   options = pipeline_options(config.runner, beam_flags, plan.imports)
   direct = runs_here(options)  # the DirectRunner, or a dask LocalCluster started here
@@ -315,6 +316,19 @@ def remove_shared_model_files(model_tag: str) -> None:
   from pipelines.beam.handler import remove_shared_model_files as remove
   _RUNNING_MODEL_TAGS.discard(model_tag)
   remove(model_tag)
+
+
+def _with_flag_runner(config, beam_flags: Sequence[str]):
+  """The config with runner.name set to a `--runner=` given after `--` (the runner the job
+  runs on): the summary's config named the config's runner (DirectRunner for a run on
+  dask). The caller's config is not changed."""
+  from pipelines.beam.options import runner_name
+  flags = [a.split("=", 1)[1] for a in beam_flags if a.startswith("--runner=")]
+  if not flags or runner_name(flags[-1], "--runner") == runner_name(config.runner.name):
+    return config
+  config = config.copy_and_resolve_references()
+  config.runner.name = flags[-1]
+  return config
 
 
 def release_dask_jobs(timeout_s: float = 20.0) -> None:
@@ -764,21 +778,43 @@ class _LogFile:
     sys.stderr.flush()
     self._saved = os.dup(2)
     self.path = None
+    log_fd = None
     if path and not lock_held_elsewhere(os.path.dirname(os.path.abspath(path))):
       try:  # (a run that holds the directory writes its log there: left alone)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path + PARTIAL_LOG_SUFFIX, "wb").close()  # this run's log only
-        self.path = path + PARTIAL_LOG_SUFFIX
+        log_fd = self._own_partial_log(path + PARTIAL_LOG_SUFFIX)
+        self.path = path + PARTIAL_LOG_SUFFIX if log_fd is not None else None
       except OSError:
         pass
     if self.path is None:
       fd, self.path = tempfile.mkstemp(prefix="o1jax-eval-", suffix=".log")
       os.close(fd)
-    with open(self.path, "ab") as log:  # O_APPEND: the processes' lines never overwrite each other
-      os.dup2(log.fileno(), 2)
+      log_fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+    # O_APPEND: the processes' lines never overwrite each other. fd 2 (and the worker
+    # processes that inherit it) keeps the partial log's lock until the log is closed.
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
     self.console = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8",
                         errors="backslashreplace")
     self._lock, self._closed = threading.Lock(), False
+
+  @staticmethod
+  def _own_partial_log(partial: str) -> Optional[int]:
+    """An O_APPEND fd on `partial`, emptied, with its flock held; None when another launcher
+    holds it (it started before this one took the directory's run lock: truncating and
+    later deleting its log lost that run's log)."""
+    import fcntl
+    fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      return None
+    try:
+      os.ftruncate(fd, 0)  # (a killed run's log: this run's replaces it)
+    except OSError:
+      pass  # (not a regular file: nothing to empty)
+    return fd
 
   def close(self, keep: bool = True, move_to: Optional[str] = None) -> Optional[str]:
     """Restores stderr; keeps the log (moved to `move_to` if it can be) or deletes it.

@@ -454,6 +454,12 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   return path
 
 
+def probe_per_example(summary: dict) -> float | None:
+  """Probe tokens per example (0 for a policy without probes; None without examples)."""
+  examples = summary.get("examples") or 0
+  return (int(summary["tokens"].get("probe", 0)) / examples) if examples else None
+
+
 def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os.PathLike) -> pathlib.Path:
   """comparison.md + accuracy_vs_cost.png over several runs."""
   table, num = markdown_table, fmt_number
@@ -486,16 +492,21 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
                         if (ci := accuracy_interval(s)) else "")
   rows = [[run_label(name, s), task_label(s, groups[i]), s["examples"], s["samples"],
            num(accuracy_value(s), 4), interval(s),
-           num(s["tokens"].get("completion_per_example")), num(seconds[i], 2),
+           num(s["tokens"].get("completion_per_example")), num(probe_per_example(s)),
+           num(seconds[i], 2),
            num(s["latency_ms"].get("p50")), num(s["throughput"].get("completion_tokens_per_s")),
            "/".join(k for k, f in zip(("tokens", "seconds"), on_front) if i in f)]
           for i, (name, s) in enumerate(runs)]
   text = "\n".join(["# Run comparison", "",
                     table(rows, ["run", "task", "examples", "samples", "accuracy", "95% interval",
-                                  "tokens/example", "s/example", "P50 ms", "tok/s", "Pareto"]), "",
+                                  "tokens/example", "probe tokens/example", "s/example",
+                                  "P50 ms", "tok/s", "Pareto"]), "",
                     "Pareto: the run is on its task's accuracy-vs-cost frontier by tokens "
                     "and/or by wall seconds per example (runs of a task on different data, "
-                    "named below, are on frontiers of their own).", "", *legend,
+                    "named below, are on frontiers of their own). Tokens are generated "
+                    "tokens; probe tokens (a verifier's or an answer probe's, run through "
+                    "the model but not generated) are not on that axis but are in the "
+                    "seconds.", "", *legend,
                     *([""] if legend else []),
                     "![accuracy vs cost](accuracy_vs_cost.png)", ""])
   path = output_dir / "comparison.md"

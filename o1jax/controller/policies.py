@@ -292,6 +292,10 @@ class DeepConf(Policy):
     if not is_real(self.consensus) or not self.consensus > 0.5:  # (NaN: never stopped)
       raise ValueError(f"consensus must be > 0.5 (> 1 turns it off), got {self.consensus!r}")
     _check_count(self, "window")
+    if self.window > self.max_thinking_tokens:  # (the loop stops thinking only)
+      raise ValueError(f"window={self.window} > max_thinking_tokens="
+                       f"{self.max_thinking_tokens}: no thinking window would ever be full, "
+                       f"so no trace could be stopped for low confidence")
     _check_count(self, "consensus_min_votes")
     if self.consensus <= 1.0 and self.consensus_min_votes > self.n > 1:  # (n=1: nothing to stop)
       raise ValueError(f"consensus_min_votes={self.consensus_min_votes} > n={self.n}: the "

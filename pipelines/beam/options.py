@@ -183,12 +183,32 @@ def pipeline_options(runner_cfg, extra: Sequence[str] = (),
   usage = io.StringIO()
   try:
     with contextlib.redirect_stderr(usage):
-      options.get_all_options(retain_unknown_options=True)
+      given = options.get_all_options(retain_unknown_options=True)
   except SystemExit:
     error = usage.getvalue().strip().splitlines()[-1:] or ["cannot be parsed"]
     raise ValueError(f"Beam flags: {error[0].partition(': error: ')[2] or error[0]}") from None
+  _check_known_flags(options, given)
   check_runner_options(options)
   return options
+
+
+def _check_known_flags(options: PipelineOptions, given: dict) -> None:
+  """A flag no Beam option defines is refused where the runner runs here: the DirectRunner
+  and the dask runner drop it with a warning among Beam's own (--direct_num_worker=4 or
+  --dask_local_worker=4 ran with the config's value). A portable or cloud runner passes
+  such flags on to its job service, which may define them."""
+  from apache_beam.options.pipeline_options import StandardOptions
+  runner = options.view_as(StandardOptions).runner
+  if runner in DASK_NAMES:
+    importlib.import_module("pipelines.beam.dask_runner")  # (defines its flags)
+  elif not is_direct(options):
+    return
+  unknown = sorted(set(given) - set(options.get_all_options()))
+  if unknown:
+    name = "dask runner" if runner in DASK_NAMES else "DirectRunner"
+    raise ValueError(f"Beam flags after --: {', '.join('--' + k for k in unknown)} "
+                     f"{'is' if len(unknown) == 1 else 'are'} no Beam option (the {name} "
+                     f"would ignore {'it' if len(unknown) == 1 else 'them'})")
 
 
 def check_runner_options(options: PipelineOptions) -> None:

@@ -614,6 +614,16 @@ def test_a_run_that_scores_nothing_has_no_accuracy(tmp_path):
     (None, None, ("--direct_num_workers=3",),
      r"^Beam flag --direct_num_workers=3 after -- sets what runner\.direct_num_workers=1 "
      r"holds: give --config\.runner\.direct_num_workers=3 instead$"),
+    # Before: Beam dropped a flag it does not define with a warning, and the run went on
+    # with the config's value (a typo) or without what the flag asked for.
+    (None, None, ("--direct_num_worker=3",),
+     r"^Beam flags after --: --direct_num_worker is no Beam option \(the DirectRunner would "
+     r"ignore it\)$"),
+    (None, None, ("--nosave_main_session", "--bogus=1"),
+     r"^Beam flags after --: --bogus, --nosave_main_session are no Beam option "),
+    ("name", "dask", ("--dask_local_worker=3",),
+     r"^Beam flags after --: --dask_local_worker is no Beam option \(the dask runner would "
+     r"ignore it\)$"),
 ])
 def test_runner_values_are_named_before_any_work(tmp_path, key, value, beam_flags, message):
   # Before: batch_size=0 was blamed on engine.max_slots (or "batch_size must be >= 1"); a bad

@@ -123,6 +123,30 @@ def test_default_output_is_clean_and_verbose_shows_the_rest(tmp_path):
   assert json.loads(verbose.stdout) == json.loads(proc.stdout)
 
 
+def test_a_second_launcher_leaves_the_first_ones_log_alone(tmp_path):
+  """Two launchers on one directory, the second started before the first took the run
+  lock: the second emptied the first's eval.log.partial and, refused by the lock, deleted
+  it (the first run's log was lost). Now the second logs elsewhere."""
+  script = f"""
+import os
+from pipelines.eval import _LogFile
+path = {str(tmp_path / "eval.log")!r}
+first = _LogFile(path)
+os.write(2, b"first run\\n")
+second = _LogFile(path)
+os.write(2, b"second run\\n")
+print(second.path != first.path)
+second.close(keep=False)  # refused by the run lock: deletes its own log only
+os.write(2, b"first again\\n")
+print(repr(open(first.close(move_to=path)).read()))
+"""
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.splitlines() == ["True", repr("first run\nfirst again\n")]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.log"]
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_under_the_log_and_the_store_ends_the_run_in_one_line(tmp_path):
   """The disk that filled up held the store and eval.log: Beam's worker harness printed the

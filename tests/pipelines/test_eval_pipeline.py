@@ -208,6 +208,21 @@ def test_an_unknown_runner_name_is_one_line_naming_the_key(name):
     runner_name("foo.bar.Runner")
 
 
+def test_the_summary_names_the_runner_a_flag_after_the_double_dash_picked(tmp_path):
+  """Before: `-- --runner=X` ran on X while the summary's config named the config's runner
+  (DirectRunner for a job run on dask). The caller's config stays as it was."""
+  from pipelines.eval import run
+  cfg = fake_config(n=2)
+  cfg.runner.name = "dask"
+  summary = run(cfg, str(tmp_path), ["--runner=direct"], clock=FakeClock(), progress=False,
+                report=False)
+  assert summary["config"]["runner"]["name"] == "direct"
+  assert "--runner=DirectRunner" in summary["run"]["beam_args"]
+  assert cfg.runner.name == "dask" and summary["samples"] == 2
+  on_disk = json.loads((tmp_path / "summary.json").read_text())
+  assert on_disk["config"]["runner"]["name"] == "direct"
+
+
 @pytest.mark.parametrize("args", [
     ["--runner=DataflowRunner", "--project=my-project-123", "--region=us-central1",
      "--temp_location=gs://my-bucket/tmp"],

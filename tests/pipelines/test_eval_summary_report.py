@@ -118,7 +118,9 @@ def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   runs = {"plain": summary("greedy_cot", 0.5, 40, 8.0),
           "spec": summary("greedy_cot", 0.5, 40, 4.0, spec=True),
           "sc": summary("self_consistency", 0.75, 300, 40.0),
-          "worse": summary("best_of_n", 0.25, 320, 50.0)}
+          "worse": summary("best_of_n", 0.25, 320, 50.0),
+          "tvb": summary("think_verify_backtrack", 0.25, 320, 60.0)}
+  runs["tvb"]["tokens"]["probe"] = 250  # its verifier's tokens: shown, not generated
   for name, s in runs.items():
     (tmp_path / name).mkdir()
     (tmp_path / name / "summary.json").write_text(json.dumps(s))
@@ -128,7 +130,9 @@ def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   assert rows["greedy_cot +spec prompt_lookup (spec)"].endswith("| tokens/seconds |")
   assert "| 1.00 |" in rows["greedy_cot +spec prompt_lookup (spec)"]  # 4 s / 4 examples
   assert rows["self_consistency (sc)"].endswith("| tokens/seconds |")
-  assert rows["best_of_n (worse)"].endswith("|  |")
+  assert rows["best_of_n (worse)"].endswith("| 320 | 0.0 | 12.50 | 1.0 | 1.0 |  |")
+  assert rows["think_verify_backtrack (tvb)"].endswith("| 320 | 62.5 | 15.00 | 1.0 | 1.0 |  |")
+  assert "probe tokens (a verifier's or an answer probe's" in md
   assert report.pareto_front([(1, 0.5), (1, 0.5), (2, 0.4)]) == [0, 1]  # ties both stay
   # One frontier per task: a HumanEval run is not dominated by a GSM8K run (was: the
   # cheaper, more accurate GSM8K run took every HumanEval run off the frontier).

@@ -374,6 +374,10 @@ NAN = float("nan")
     ({"name": "deepconf", "consensus": 0.6, "consensus_min_votes": 9},
      r"^deepconf: consensus_min_votes=9 > n=8: the consensus would never stop a trace"),
     ({"name": "deepconf", "filter_votes": "x"}, r"^deepconf: filter_votes must be a bool"),
+    # The loop stops thinking only: a window longer than it never filled (ran unstopped).
+    ({"name": "deepconf", "window": 65, "max_thinking_tokens": 64},
+     r"^deepconf: window=65 > max_thinking_tokens=64: no thinking window would ever be full"),
+    ({"name": "deepconf", "max_thinking_tokens": 0}, r"^deepconf: window=8 > max_thinking_"),
     ({"name": "think_verify_backtrack", "backtrack_threshold": NAN},
      r"^think_verify_backtrack: backtrack_threshold must be a number, got nan$"),
     ({"name": "think_verify_backtrack", "exit_tau": NAN},
