@@ -1,6 +1,7 @@
 """Host side of the sandbox: launches, watches, kills and classifies executions."""
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import fcntl
@@ -37,6 +38,53 @@ _KILL_GRACE_S = 5.0
 _FATAL_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGFPE}
 _probe_lock = threading.Lock()
 _probe_cache: dict[tuple, str | None] = {}
+
+
+_SCRATCH_PREFIX = 'o1jax-sandbox-'
+_SCRATCH_LOCK = '.lock'
+_scratch_guard = threading.Lock()
+_scratch: tuple[int, str, int] | None = None  # (pid, directory, its lock's fd)
+
+
+def _scratch_dir() -> str:
+  """This process's directory for its runs' roots: <tmp>/o1jax-sandbox-<pid>-<random>/, its
+  `.lock` flock'ed for the life of the process (a forked child has its own). A host killed
+  with SIGKILL cannot remove its roots (each run's `finally`): the next process to start a
+  sandbox removes every such directory whose lock nobody holds."""
+  global _scratch
+  with _scratch_guard:
+    if _scratch is not None and _scratch[0] == os.getpid() and os.path.isdir(_scratch[1]):
+      return _scratch[1]
+    _remove_abandoned_scratch()
+    path = tempfile.mkdtemp(prefix=f'{_SCRATCH_PREFIX}{os.getpid()}-')
+    taking = os.path.join(path, _SCRATCH_LOCK + '.new')
+    fd = os.open(taking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(taking, os.path.join(path, _SCRATCH_LOCK))  # (held before a sweep can see it)
+    atexit.register(shutil.rmtree, path, True)
+    _scratch = (os.getpid(), path, fd)
+    return path
+
+
+def _remove_abandoned_scratch() -> None:
+  """Removes the scratch directories (`_scratch_dir`) of processes that are gone."""
+  tmp = tempfile.gettempdir()
+  try:
+    names = [n for n in os.listdir(tmp) if n.startswith(_SCRATCH_PREFIX)]
+  except OSError:
+    return
+  for name in names:
+    try:
+      fd = os.open(os.path.join(tmp, name, _SCRATCH_LOCK), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+      continue  # no lock: not a scratch directory of this scheme (or one being made)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      continue  # its process lives
+    finally:
+      os.close(fd)
+    shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -363,7 +411,7 @@ class Sandbox:
     cpu = lease[0] if lease else -1
     root = watch = None
     try:
-      root = tempfile.mkdtemp(prefix='o1jax-sandbox-')  # (ENOSPC: a sandbox error, lease freed)
+      root = tempfile.mkdtemp(dir=_scratch_dir())  # (ENOSPC: a sandbox error, lease freed)
       payload = _encode_payload(sentinel, fields)
       watch = _Watch(self.config)
       watch.launch(self._command, isolate, root, timeout_s, cpu, payload)

@@ -224,7 +224,10 @@ def test_sandboxes_end_with_the_process_that_started_them(tmp_path, unsafe):
     pathlib.Path({str(started)!r}).write_text('x')
     time.sleep(60)
     ''')
-  proc = subprocess.Popen([sys.executable, '-c', host], cwd=REPO)
+  scratch = tmp_path / 'tmp'  # (the hosts' temporary directory)
+  scratch.mkdir()
+  env = {**os.environ, 'TMPDIR': str(scratch)}
+  proc = subprocess.Popen([sys.executable, '-c', host], cwd=REPO, env=env)
   try:
     deadline = time.monotonic() + 30
     while not started.exists() and time.monotonic() < deadline:
@@ -241,6 +244,19 @@ def test_sandboxes_end_with_the_process_that_started_them(tmp_path, unsafe):
     assert [p for p in descendants if _alive(p)] == []
   finally:
     proc.kill()
+  # Its runs' directories stayed (no `finally` runs after SIGKILL; 4 per run of this test
+  # piled up in /tmp): the next host to start a sandbox removes them, and its own at exit.
+  runs = lambda: [p.name for p in scratch.iterdir() if not p.name.startswith('o1jax-sandbox-cpus-')]
+  (left,) = runs()  # (the CPU leases' directory is shared by design)
+  assert left.startswith(f'o1jax-sandbox-{proc.pid}-')
+  next_host = ('from pipelines.sandbox import Sandbox, SandboxConfig\n'
+               'sandbox = Sandbox(SandboxConfig(timeout_s=30, workers=1))\n'
+               f'sandbox.isolated = sandbox.isolated and not {unsafe!r}\n'
+               'print(sandbox.run("print(1)").status.value)\n')
+  done = subprocess.run([sys.executable, '-c', next_host], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=60)
+  assert done.stdout.split() == ['passed'], done.stderr[-2000:]
+  assert runs() == []
 
 
 def _parent_chain_has(pid, ancestor):
