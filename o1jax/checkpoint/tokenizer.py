@@ -9,12 +9,14 @@ checkpoint's Jinja chat template.
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import json
 import logging
 import os
 import pathlib
 import re
+import time
 from typing import Iterable, Sequence
 
 import jinja2.compiler
@@ -143,6 +145,42 @@ _FORMAT_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d*)"
                           r"(?:\.(?P<precision>\*|\d*))?[hlL]?(?P<conversion>.?)", re.S)
 
 
+# Loop turns and calls one render may make: Qwen 3's template takes 5 a message (SmolLM2's
+# 1), so 1 Mi is 200,000 messages; two nested loops of 100,000 turns writing nothing (10**10
+# turns, hours) stop after 0.1 s, a macro calling itself twice per level after ~3 s.
+_MAX_TEMPLATE_TURNS = 1 << 20
+_turns_left: contextvars.ContextVar[list | None] = contextvars.ContextVar("_turns_left",
+                                                                        default=None)
+
+
+# A turn per this many characters or items an operation reads or makes (a loop of 1 Mi
+# turns each copying 16 Mi characters took hours): 1 Mi turns are ~4 G characters at most.
+_TURN_CHARS = 4096
+
+
+# What the turns do not see (`'y' in s` over 16 Mi characters is one turn) the clock does,
+# at every turn: no real template comes near it (they take milliseconds).
+_MAX_TEMPLATE_SECONDS = 10.0
+
+
+def _take_turn(size: int = 0) -> None:
+  left = _turns_left.get()
+  if left is not None:
+    left[0] -= 1 + size // _TURN_CHARS
+    if left[0] < 0:
+      raise jinja2.sandbox.SecurityError(f"more than {_MAX_TEMPLATE_TURNS:,} steps (loop "
+                                         f"turns, calls, operators, filters)")
+    if time.monotonic() > left[1]:
+      raise jinja2.sandbox.SecurityError(f"rendering took more than {_MAX_TEMPLATE_SECONDS:g} s")
+
+
+def _counted_turns(iterable):
+  """A `{% for %}`'s iterable, one turn taken per item."""
+  for item in iterable:
+    _take_turn()
+    yield item
+
+
 def _too_big(what: str):
   raise jinja2.sandbox.SecurityError(f"{what} would make more than {_MAX_TEMPLATE_VALUE:,} "
                                      f"characters")
@@ -169,9 +207,14 @@ def _check_format(spec, args) -> None:
     place += m.group("key") is None
 
 
+def _size(value) -> int:
+  return len(value) if isinstance(value, (str, list, tuple, dict)) else 0
+
+
 def _checked_concat(parts) -> str:
   """The `~` operator's join (Jinja's str_join), bounded."""
   texts = [str(part) for part in parts]
+  _take_turn(sum(map(len, texts)))
   if sum(map(len, texts)) > _MAX_TEMPLATE_VALUE:
     _too_big("a concatenation")
   return "".join(texts)
@@ -204,6 +247,7 @@ def _render_time_filter(name: str, func):
 
   @jinja2.pass_context
   def run(context, value, *args, **kwargs):
+    _take_turn(_size(value))
     if name in ("center", "indent"):
       width = args[0] if args else kwargs.get("width", 0)
       if isinstance(width, int) and width > _MAX_TEMPLATE_VALUE:
@@ -234,6 +278,14 @@ def _render_time_filter(name: str, func):
 class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
   """Jinja's code generator with `~` joined by `_checked_concat` (and never folded)."""
 
+  def visit_For(self, node, frame):
+    """The loop's iterable read through `environment.counted_turns` (a turn an item)."""
+    counted = jinja2.nodes.EnvironmentAttribute("counted_turns", lineno=node.iter.lineno)
+    if not (isinstance(node.iter, jinja2.nodes.Call) and node.iter.node == counted):
+      node.iter = jinja2.nodes.Call(counted, [node.iter], [], None, None,
+                                    lineno=node.iter.lineno)
+    super().visit_For(node, frame)
+
   def visit_Concat(self, node, frame):
     self.write("environment.checked_concat((")
     for arg in node.nodes:
@@ -248,6 +300,7 @@ class _BoundedTemplate(jinja2.Template):
   def render(self, *args, **kwargs) -> str:
     context = self.new_context(dict(*args, **kwargs))
     pieces, size = [], 0
+    turns = _turns_left.set([_MAX_TEMPLATE_TURNS, time.monotonic() + _MAX_TEMPLATE_SECONDS])
     try:
       for piece in self.root_render_func(context):
         size += len(piece)
@@ -256,6 +309,8 @@ class _BoundedTemplate(jinja2.Template):
         pieces.append(piece)
     except Exception:
       self.environment.handle_exception()
+    finally:
+      _turns_left.reset(turns)
     return "".join(pieces)
 
 
@@ -264,8 +319,10 @@ class _ChatTemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
   of a checkpoint's metadata) took 3 GB when the checkpoint was checked, and
   `'x'|center(300000000)` 300 MB. Operators are intercepted (Jinja folds none of those)
   and checked when they run, `~` too; filters run at render only, what center, indent,
-  format, join and replace make bounded; the rendered text is bounded. (Time is not: a
-  loop nested in a loop of 100,000 turns each, writing nothing, runs for hours.)"""
+  format, join and replace make bounded; the rendered text is bounded, and so is one
+  render's work: loop turns, calls, operators and filters, each a turn and one more per
+  4096 characters it reads (`_MAX_TEMPLATE_TURNS`: a loop nested in a loop of 100,000
+  turns each, writing nothing, ran for hours)."""
   intercepted_binops = frozenset({"*", "**", "+", "%"})
   code_generator_class = _BoundedCodeGenerator
   template_class = _BoundedTemplate
@@ -273,10 +330,18 @@ class _ChatTemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.checked_concat = _checked_concat
+    self.counted_turns = _counted_turns
+
+  def call(__self, __context, __obj, *args, **kwargs):  # pylint: disable=no-self-argument
+    # (a macro calling itself twice: 2**depth calls; a str method reads its str)
+    _take_turn(_size(getattr(__obj, "__self__", None)) + sum(map(_size, args)))
+    return super().call(__context, __obj, *args, **kwargs)
 
   def call_binop(self, context, operator, left, right):
     _check_binop(operator, left, right)
-    return super().call_binop(context, operator, left, right)
+    out = super().call_binop(context, operator, left, right)
+    _take_turn(_size(left) + _size(right) + _size(out))
+    return out
 
 
 def compile_chat_template(text: str) -> jinja2.Template:

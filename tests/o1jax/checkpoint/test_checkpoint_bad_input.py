@@ -154,8 +154,8 @@ def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_
   for bomb in bombs:
     tok = _tokenizer_with_template(bomb)
     with pytest.raises(ValueError, match=r"^chat template failed to render these messages: "
-                                         r"SecurityError: (a|an|the|center|indent)[^\n]* "
-                                         r"(characters|bits)$"):
+                                         r"SecurityError: ((a|an|the|center|indent)[^\n]* "
+                                         r"(characters|bits)|more than 1,048,576 steps .*)$"):
       tok.apply_chat_template([{"role": "user", "content": "hi"}])
   assert time.perf_counter() - start < 20
   assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 500_000  # KiB
@@ -170,6 +170,52 @@ def test_a_template_is_not_run_while_compiling_and_what_it_makes_is_bounded(tmp_
   assert ordinary.apply_chat_template([{"role": "user", "content": " hi "}]) == (
       "  a  |  x|00042|1024|[1, 1, 1]|abcd|1-2|1700000000|user|"
       "[\"{'ROLE': 'USER', 'CONTENT': ' HI '}\"]|HI|[1, 2, 3]|1|123456789012|%   7|<user>|a+b|x.y")
+
+
+def test_a_template_s_work_is_bounded_too(monkeypatch):
+  """Bounding what a template makes did not bound its time: two nested loops of 100,000
+  turns writing nothing, a macro calling itself twice per level, a loop that copies or
+  scans a 16 Mi-character text each turn ran for hours. Now a render has a budget of steps
+  (a turn, a call, an operator, a filter, and one more per 4096 characters each reads) and
+  a clock; real templates take ~6-10 steps a message."""
+  import time
+
+  from o1jax.checkpoint import tokenizer
+  message = [{"role": "user", "content": "hi"}]
+  steps = r"^chat template failed to render these messages: SecurityError: more than "
+  start = time.perf_counter()
+  nested = _tokenizer_with_template(
+      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+  with pytest.raises(ValueError, match=steps + r"1,048,576 steps \(loop turns, calls, "
+                                             r"operators, filters\)$"):
+    nested.apply_chat_template(message)
+  copies = _tokenizer_with_template(
+      "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% set t = s ~ 'y' %}"
+      "{% endfor %}")
+  with pytest.raises(ValueError, match=steps + "1,048,576 steps"):
+    copies.apply_chat_template(message)
+  assert time.perf_counter() - start < 5
+  monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_TURNS", 1 << 14)  # (Jinja's macros are slow)
+  recursion = _tokenizer_with_template(
+      "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+      "{{ f(60) }}")
+  with pytest.raises(ValueError, match=steps + "16,384 steps"):
+    recursion.apply_chat_template(message)
+  monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_SECONDS", 0.5)
+  scans = _tokenizer_with_template(  # (one step a turn: the clock stops it)
+      "{% set s = 'x' * 16000000 %}{% for i in range(10000) %}{% set t = 'y' in s %}"
+      "{% endfor %}")
+  with pytest.raises(ValueError, match=r"^chat template failed to render these messages: "
+                                       r"SecurityError: rendering took more than 0.5 s$"):
+    scans.apply_chat_template(message)
+  # Loop variables, filtered and recursive loops, `else` read as before.
+  loops = _tokenizer_with_template(
+      "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '!' if loop.last }}"
+      "{% else %}none{% endfor %}|{% for m in messages if m.role == 'user' %}{{ m.content }}"
+      "{% endfor %}|{% for m in messages recursive %}{{ m.content }}{% endfor %}|"
+      "{% for x in [] %}x{% else %}empty{% endfor %}")
+  assert loops.apply_chat_template([{"role": "user", "content": "a"},
+                                    {"role": "assistant", "content": "b"}]) == "1/22/2!|a|ab|empty"
 
 
 def test_a_byte_level_vocabulary_missing_a_byte_says_so_at_load(caplog):
