@@ -322,12 +322,12 @@ def _with_flag_runner(config, beam_flags: Sequence[str]):
   """The config with runner.name set to a `--runner=` given after `--` (the runner the job
   runs on): the summary's config named the config's runner (DirectRunner for a run on
   dask). The caller's config is not changed."""
-  from pipelines.beam.options import runner_name
-  flags = [a.split("=", 1)[1] for a in beam_flags if a.startswith("--runner=")]
-  if not flags or runner_name(flags[-1], "--runner") == runner_name(config.runner.name):
+  from pipelines.beam.options import runner_flag, runner_name
+  flag = runner_flag(beam_flags)
+  if flag is None or runner_name(flag, "--runner") == runner_name(config.runner.name):
     return config
   config = config.copy_and_resolve_references()
-  config.runner.name = flags[-1]
+  config.runner.name = flag
   return config
 
 

@@ -96,12 +96,36 @@ def _check_config_held(runner: str, runner_cfg, extra: Sequence[str]) -> None:
                        f"holds: give --config.runner.{key}={value or '...'} instead")
 
 
-def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:
-  extra = list(extra)
-  runner = runner_name(runner_cfg.name)
-  for arg in extra:
+def runner_flag(extra: Sequence[str]) -> str | None:
+  """The runner a `--runner=X` or `--runner X` after `--` names (the last one, as argparse
+  reads them), or None."""
+  extra, found = list(extra), None
+  for i, arg in enumerate(extra):
     if arg.startswith("--runner="):
-      runner = runner_name(arg.split("=", 1)[1], "--runner")
+      found = arg.split("=", 1)[1]
+    elif arg == "--runner":
+      found = extra[i + 1] if i + 1 < len(extra) else ""
+  return found
+
+
+def _without_runner_flags(extra: Sequence[str]) -> list[str]:
+  out, skip = [], False
+  for arg in extra:
+    if skip:
+      skip = False
+    elif arg == "--runner":
+      skip = True
+    elif not arg.startswith("--runner="):
+      out.append(arg)
+  return out
+
+
+def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> list[str]:
+  """Beam's flags for the config's runner section and the flags given after `--` (a
+  `--runner` among them, in either argparse form, picks the runner)."""
+  flag = runner_flag(extra)
+  extra = _without_runner_flags(extra)  # (ours names the runner, as Beam's class path)
+  runner = runner_name(runner_cfg.name) if flag is None else runner_name(flag, "--runner")
   _check_config_held(runner, runner_cfg, extra)
   for key in ("local_workers", "partitions"):  # (for every runner: a typo stays one)
     value = runner_cfg.get(key, 0)
@@ -122,7 +146,7 @@ def beam_args(runner_cfg, extra: Sequence[str] = (), plugins: Sequence[str] = ()
     if not any(a.startswith("--default_sdk_harness_log_level") for a in extra):
       args.append("--default_sdk_harness_log_level=WARNING")  # worker INFO lines bury the progress bar
   args += [f"--beam_plugins={name}" for name in plugins]
-  return args + [a for a in extra if not a.startswith("--runner=")]
+  return args + extra
 
 
 # The dask runner subclasses Beam's own and reuses its translation internals, which this
@@ -167,7 +191,7 @@ def _dask_args(runner_cfg, extra: Sequence[str], plugins: Sequence[str]) -> list
     args.append(f"--dask_partitions={int(runner_cfg.partitions)}")
   # Local workers exit with the launcher (the module does nothing on a remote cluster).
   args += [f"--beam_plugins={name}" for name in (WORKER_PLUGIN, *plugins)]
-  return args + [a for a in extra if not a.startswith("--runner=")]
+  return args + extra
 
 
 def pipeline_options(runner_cfg, extra: Sequence[str] = (),

@@ -221,6 +221,17 @@ def test_the_summary_names_the_runner_a_flag_after_the_double_dash_picked(tmp_pa
   assert cfg.runner.name == "dask" and summary["samples"] == 2
   on_disk = json.loads((tmp_path / "summary.json").read_text())
   assert on_disk["config"]["runner"]["name"] == "direct"
+  # argparse's other form picks the runner too (was: the checks and flags of the config's
+  # runner, DirectRunner's flags sent to Flink, "dask" given to Beam as a runner name).
+  from pipelines.beam.options import DASK_RUNNER, beam_args, runner_flag
+  direct = fake_config().runner
+  assert runner_flag(["--runner", "dask", "--x=1"]) == "dask"
+  assert beam_args(direct, ["--runner", "FlinkRunner", "--flink_master=localhost:8081"]) == [
+      "--runner=FlinkRunner", "--flink_master=localhost:8081"]
+  assert beam_args(direct, ["--runner", "dask"])[:2] == [f"--runner={DASK_RUNNER}",
+                                                         "--dask_local_workers=2"]
+  with pytest.raises(ValueError, match=r"^--runner='': expected one of"):
+    beam_args(direct, ["--runner"])
 
 
 @pytest.mark.parametrize("args", [
