@@ -487,11 +487,12 @@ class Engine:
     # generate, as a hang or an out-of-memory error).
     context_blocks = math.ceil(self.max_context / config.block_size)
     for name, value, most, what in (
-        ("decode_steps", config.decode_steps, self.max_context, "the context's tokens"),
+        ("decode_steps", config.decode_steps, self.max_context,
+         f"the context's tokens, max_context={self.max_context}"),
         ("min_chunk_bucket", config.min_chunk_bucket, max(config.prefill_chunk, 16),
-         "prefill_chunk"),
+         f"max(prefill_chunk={config.prefill_chunk}, 16)"),
         ("min_table_blocks", config.min_table_blocks, max(context_blocks, 8),
-         "the blocks of one context")):
+         f"max(the {context_blocks} blocks of one context, 8)")):
       if value > most:
         raise ValueError(f"{name}={value} must be <= {most} ({what})")
     self._graphdef, self._state = nnx.split(model)
@@ -737,6 +738,8 @@ class Engine:
       unknown = sorted(set(request) - {"prompt", "params", "request_id"})
       if unknown:
         raise ValueError(f"unknown request field(s) {unknown}; known: prompt, params, request_id")
+      if "prompt" not in request:  # (was Request's TypeError, naming no request)
+        raise ValueError("a request dict needs a 'prompt'")
       request = Request(**request)
     elif not isinstance(request, Request):
       raise ValueError(f"request must be a Request, a dict or a prompt str, got "

@@ -182,6 +182,7 @@ class Generator:
   def stream(self, prompt, max_new_tokens: int = 256, params: SamplingParams = SamplingParams(),
              request_id: int = 0, stop: Sequence[str] = ()) -> Iterator[int]:
     """Yields generated token ids one at a time (batch of one)."""
+    check_key_id(request_id, "request_id")  # (else named as generate's request_ids entry)
     yield from self._run([self.encode_prompt(prompt)], max_new_tokens, [params], [request_id],
                          stop, stream=True)
 

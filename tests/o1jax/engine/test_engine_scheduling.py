@@ -170,6 +170,10 @@ def test_bad_input_gives_clear_errors(engine32):
     engine32.generate([Request("hi", {"temprature": 0.5})])
   with pytest.raises(ValueError, match="unknown request field"):
     engine32.generate([{"prompt": "hi", "max_tokens": 3}])
+  # (was Request's TypeError, naming neither the request nor its id)
+  with pytest.raises(ValueError, match=r"^request 1 \(request_id='q7'\): a request dict needs a "
+                                       r"'prompt'$"):
+    engine32.generate([{"prompt": "a"}, {"request_id": "q7"}])
   with pytest.raises(ValueError, match="decode slots"):
     engine32.generate([Request("hi", GenerationParams(n=64))])
   with pytest.raises(ValueError, match="temperature"):
@@ -235,11 +239,18 @@ def test_engine_config_edge_values(tiny):
     Engine(tiny.model, tiny.tokenizer, EngineConfig(max_top_logprobs=1000, num_blocks=8))
   # Past what the context can use (before: a program that never finished compiling, a host
   # loop of ~1e8 turns, a 30 GB table, each at the first generate).
-  for field, value, message in [("decode_steps", 10**9, r"<= 256 \(the context's tokens\)$"),
-                                ("min_chunk_bucket", 10**9, r"<= 128 \(prefill_chunk\)$"),
-                                ("min_table_blocks", 10**9, r"<= 16 \(the blocks of one context\)$")]:
+  # The bound is named with the settings it comes from (was "<= 16 (prefill_chunk)" for a
+  # prefill_chunk of 4).
+  for field, value, message in [
+      ("decode_steps", 10**9, r"<= 256 \(the context's tokens, max_context=256\)$"),
+      ("min_chunk_bucket", 10**9, r"<= 128 \(max\(prefill_chunk=128, 16\)\)$"),
+      ("min_table_blocks", 10**9, r"<= 16 \(max\(the 16 blocks of one context, 8\)\)$")]:
     with pytest.raises(ValueError, match=rf"^{field}={value} must be " + message):
       Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, **{field: value}))
+  with pytest.raises(ValueError, match=r"^min_chunk_bucket=64 must be <= 16 \(max\(prefill_chunk=4, "
+                                       r"16\)\)$"):
+    Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, prefill_chunk=4,
+                                                    min_chunk_bucket=64))
   Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=8, decode_steps=256))
   # A context past the model's was cut to it silently.
   with pytest.raises(ValueError, match=r"^max_context=257 exceeds the model's context of 256 "

@@ -177,6 +177,8 @@ def test_bad_call_arguments_are_refused_before_the_prefill(tiny):
   ]:
     with pytest.raises(ValueError, match=match):
       gen.generate([p], **{"max_new_tokens": 2, **kw})
+  with pytest.raises(ValueError, match=r"^request_id must be an int in \[0, 2\*\*64\), got -1$"):
+    next(gen.stream(p, 2, request_id=-1))  # (was named as generate's request_ids entry)
   with pytest.raises(ValueError, match=r"^prompt token ids must be ints, got 1.5$"):
     gen.generate([[5, 1.5]], 2)  # was: read as 1
   with pytest.raises(ValueError, match=r"^prompts must be a list of prompts, got one str$"):
