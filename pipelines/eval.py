@@ -283,6 +283,9 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   direct = runs_here(options)  # the DirectRunner, or a dask LocalCluster started here
   local = is_local(output_dir) and direct
   out = output_dir.rstrip("/")
+  if is_local(out):
+    _check_dataset_is_not_a_result(plan, out)
+    _check_results_are_runs(out)
   # Found now, not after every sample was computed: results go here, each sample to the store.
   check_writable(out)
   lock = lock_output_dir(out) if is_local(out) else None  # one run at a time in a directory
@@ -496,6 +499,52 @@ LOCK_NAME = ".o1jax-eval.lock"
 # What a finished run writes next to the store: all made from the store's records.
 RESULT_FILES = ("results.jsonl", "dead_letters.jsonl", "summary.json", "report.md",
                 "latency_histogram.png", "latency_heatmap.png", "reasoning.png")
+
+
+def _output_names() -> tuple[str, ...]:
+  """What a run writes in its output directory (a store record stands for every one)."""
+  return (*RESULT_FILES, LOG_NAME, LOG_NAME + PARTIAL_LOG_SUFFIX, LOCK_NAME,
+          f"store/{'0' * 64}.json")
+
+
+def _check_dataset_is_not_a_result(plan, out: str) -> None:
+  """A dataset file (or pattern) in the output directory that is (or could match) a file
+  the run writes there is refused: the run deleted a results.jsonl given as its dataset
+  before reading it, and a pattern such as OUT/*.jsonl read the run's own dead letters."""
+  import fnmatch
+
+  from pipelines.datasets import DatasetError
+  from pipelines.datasets.jsonl import dataset_files
+  path = (getattr(plan.task, "dataset", None) or {}).get("path")
+  if not path or getattr(plan.task, "source", None) != path or re.match(
+      r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) and not path.startswith("file://"):
+    return
+  path = os.path.abspath(path.removeprefix("file://"))
+  real_out = os.path.realpath(out)
+  try:
+    files = [os.path.realpath(f) for f in dataset_files(path)]
+  except DatasetError:
+    files = []
+  for name in _output_names():
+    ours = os.path.join(real_out, name)
+    if ours in files or fnmatch.fnmatchcase(os.path.join(os.path.abspath(out), name), path):
+      raise DatasetError(f"dataset.path={path} {'matches' if ours not in files else 'is'} "
+                         f"this run's {name} in --output_dir {out}: the run writes (and "
+                         f"replaces) it; keep the dataset out of the output directory")
+
+
+def _check_results_are_runs(out: str) -> None:
+  """Result files in a directory no run has used (no run lock: every run makes one before
+  it writes) are the user's: refused rather than replaced (a run deleted a report.md of
+  notes, a summary.json, the dataset it was given)."""
+  from pipelines.beam.store import OutputError
+  if os.path.lexists(f"{out}/{LOCK_NAME}"):
+    return
+  found = [n for n in RESULT_FILES if os.path.lexists(f"{out}/{n}")]
+  if found:
+    raise OutputError(f"--output_dir {out} holds {', '.join(found)}, which no run wrote (it has "
+                      f"no {LOCK_NAME}): a run replaces these files; give it another "
+                      f"--output_dir")
 
 
 def _check_same_task(out: str, task: str) -> None:

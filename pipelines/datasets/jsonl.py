@@ -15,6 +15,7 @@ letters, duplicates and line-based ids work the same in each.
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import contextlib
 import csv
@@ -26,6 +27,7 @@ import glob
 import gzip
 import hashlib
 import json
+import lzma
 import os
 import pathlib
 import re
@@ -83,7 +85,14 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
     elif FileSystems is not None:
       if not FileSystems.exists(path):  # object stores raise assorted errors for a missing key
         raise FileNotFoundError(path)
-      f = FileSystems.open(path)
+      decompressor = _DECOMPRESSORS.get(_compression(path))
+      if decompressor is None:
+        f = FileSystems.open(path)
+      else:  # (Beam's readers stop quietly where a cut archive ends, gzip's too)
+        from apache_beam.io.filesystem import CompressionTypes  # pylint: disable=g-import-not-at-top
+        f = io.BufferedReader(_Decompressed(
+            FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED),
+            decompressor), 1 << 16)
     elif _SCHEME_RE.match(path) and not path.startswith("file://"):
       raise RuntimeError(f"reading {path!r} needs apache-beam with the scheme's extra")
     else:
@@ -96,6 +105,69 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
     yield f
   finally:
     f.close()
+
+
+def _zstd():
+  import zstandard  # pylint: disable=g-import-not-at-top  (Beam's dependency)
+  return zstandard.ZstdDecompressor(max_window_size=1 << 31).decompressobj()
+
+
+# Compression by extension (Beam's table), each a decompressor with `eof` and `unused_data`.
+_DECOMPRESSORS: dict[str, Callable[[], Any]] = {
+    ".gz": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS), ".bz2": lambda: bz2.BZ2Decompressor(),
+    ".deflate": zlib.decompressobj, ".zst": _zstd, ".zstd": _zstd,
+    ".xz": lambda: lzma.LZMADecompressor(), ".lzma": lambda: lzma.LZMADecompressor()}
+
+
+def _compression(path: str) -> str:
+  return next((ext for ext in _DECOMPRESSORS if path.lower().endswith(ext)), "")
+
+
+class _Decompressed(io.RawIOBase):
+  """The decompressed bytes of a raw stream, stream after stream (gzip members, bz2 and xz
+  streams, zstd frames may follow each other); `EOFError` where the file ends inside one
+  (Beam's reader stopped there without a word: a cut .bz2 or .xz dataset lost its tail),
+  OSError for data that is not of the format."""
+
+  def __init__(self, raw: IO[bytes], make: Callable[[], Any]):
+    super().__init__()
+    self._raw, self._make = raw, make
+    self._decompressor, self._fed = make(), False
+    self._pending, self._at = b"", 0  # decompressed, not yet read from `_at` on
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    while self._at == len(self._pending):
+      self._pending, self._at = b"", 0
+      if self._decompressor.eof:  # the next stream, if any, starts in what is left
+        rest = self._decompressor.unused_data
+        self._decompressor, self._fed = self._make(), False
+      else:
+        rest = b""
+      chunk = rest or self._raw.read(1 << 13)
+      if not chunk:
+        if self._fed:
+          raise EOFError("the compressed file ends inside a stream (a cut or partial copy?)")
+        return 0
+      try:
+        self._pending = self._decompressor.decompress(chunk)
+      except Exception as e:  # zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError
+        raise OSError(f"not {_compression_name(self._make)} data ({e})") from e
+      self._fed = not self._decompressor.eof
+    n = min(len(buffer), len(self._pending) - self._at)
+    buffer[:n] = memoryview(self._pending)[self._at:self._at + n]
+    self._at += n
+    return n
+
+  def close(self) -> None:
+    self._raw.close()
+    super().close()
+
+
+def _compression_name(make) -> str:
+  return next((ext.lstrip(".") for ext, m in _DECOMPRESSORS.items() if m is make), "compressed")
 
 
 def _read_lines(f: IO[bytes], path: str) -> Iterator[bytes]:

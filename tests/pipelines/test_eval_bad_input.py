@@ -679,6 +679,34 @@ def test_an_output_dir_holding_another_tasks_run_is_refused(tmp_path):
     _run(_config(data), out)
 
 
+def test_files_no_run_wrote_and_datasets_among_the_results_are_left_alone(tmp_path):
+  """A run deleted every results.jsonl, summary.json and report.md in its output directory
+  before the job, whoever wrote them: the user's notes, a results.jsonl given as the
+  dataset (the job then found no dataset); a pattern OUT/*.jsonl read the run's own dead
+  letters and ended in "dataset file ... changed". Each is refused before any work."""
+  from pipelines.datasets import DatasetError
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "report.md").write_text("my notes")
+  data = _write(mine / "results.jsonl", _good_lines())
+  with pytest.raises(DatasetError, match=rf"^dataset.path={data} is this run's results.jsonl "
+                                         rf"in --output_dir {mine}: the run writes"):
+    _run(_config(data), mine)
+  other = _write(tmp_path / "ok.jsonl", _good_lines())
+  with pytest.raises(OutputError, match=rf"^--output_dir {mine} holds results.jsonl, report.md, "
+                                        r"which no run wrote \(it has no \.o1jax-eval\.lock\): "):
+    _run(_config(other), mine)
+  assert (mine / "report.md").read_text() == "my notes" and data.read_text()
+  pattern = tmp_path / "both"
+  pattern.mkdir()
+  _write(pattern / "data.jsonl", _good_lines())
+  with pytest.raises(DatasetError, match=r"^dataset.path=.*/both/\*\.jsonl matches this run's "
+                                         r"results.jsonl in --output_dir "):
+    _run(_config(str(pattern / "*.jsonl")), pattern)
+  _run(_config(str(pattern / "data.jsonl")), pattern)  # a dataset file of its own name: runs
+  assert (pattern / "summary.json").exists()
+
+
 @pytest.mark.parametrize("section, key, value, message", [
     # Before: every sample a dead letter ("sleep length must be non-negative"), exit 1.
     ("model", "fake_delay_s", -1.0, r"^model\.fake_delay_s=-1\.0: expected seconds >= 0$"),

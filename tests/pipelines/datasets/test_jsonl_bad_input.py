@@ -87,6 +87,39 @@ def test_gzip_that_cannot_be_read_to_its_end_is_one_dataset_error(tmp_path):
     list(read_gsm8k_jsonl(str(cut)))
 
 
+@pytest.mark.parametrize("ext", [".bz2", ".xz", ".lzma", ".zst", ".deflate"])
+def test_every_compression_cut_short_or_of_another_format_is_one_dataset_error(tmp_path, ext):
+  """Only .gz was read to its end: a cut .bz2 or .xz dataset ran on the examples before the
+  cut (a dead letter for the half line, the rest missing without a word; a cut inside the
+  first block read as "dataset file is empty"). Streams one after another read whole."""
+  import bz2
+  import lzma
+  import zlib
+
+  import zstandard
+  compress = {".bz2": bz2.compress, ".xz": lzma.compress, ".deflate": zlib.compress,
+              ".lzma": lambda b: lzma.compress(b, format=lzma.FORMAT_ALONE),
+              ".zst": lambda b: zstandard.ZstdCompressor().compress(b)}[ext]
+  data = compress("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n"
+                          for i in range(2000)).encode())
+  whole, twice, cut, first_block, other = (tmp_path / f"{n}.jsonl{ext}" for n in
+                                           ("whole", "twice", "cut", "first", "other"))
+  whole.write_bytes(data)
+  twice.write_bytes(data + data)
+  cut.write_bytes(data[:len(data) * 2 // 3])
+  first_block.write_bytes(data[:len(data) // 50])
+  other.write_bytes(b'{"question": "q", "answer": "#### 1"}\n')
+  assert len(list(read_gsm8k_jsonl(str(whole)))) == 2000
+  assert len(list(read_gsm8k_jsonl(str(twice)))) == 4000  # (duplicates: skipped later)
+  for path in (cut, first_block):
+    with pytest.raises(DatasetError, match=rf"^cannot read dataset file {path}( after line \d+)?: "
+                                           r"the compressed file ends inside a stream"):
+      list(read_gsm8k_jsonl(str(path)))
+  with pytest.raises(DatasetError, match=rf"^cannot read dataset file {other}: not "
+                                         rf"{ext.lstrip('.')} data \("):
+    list(read_gsm8k_jsonl(str(other)))
+
+
 def test_json_nested_too_deeply_is_a_dead_letter(tmp_path):
   # Before: a RecursionError traceback from the json module ended the run.
   path = _lines(tmp_path / "deep.jsonl",
