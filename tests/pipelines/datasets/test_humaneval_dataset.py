@@ -50,13 +50,28 @@ def test_records_the_sandbox_could_never_pass_are_dead_letters(tmp_path):
            ({"prompt": 123}, "field 'prompt' must be a string, got int"),
            ({"test": ["def check(c): pass"]}, "field 'test' must be a string, got list"),
            ({"canonical_solution": 5}, "field 'canonical_solution' must be a string, got int"),
-           ({"task_id": 7, "test": "check = lambda c: None\n"}, None)]  # fine: a number id
+           ({"task_id": 7, "test": "check = lambda c: None\n"}, None),  # fine: a number id
+           # Before: bound to a value, a keyword as the entry point: each scored as the
+           # model's failure ("the test text defines no check()", "class is not defined").
+           ({"test": "check = 5\n"}, "field 'test' binds check to a constant (line 1), not "),
+           ({"test": "def check(c):\n  pass\ncheck = None\n"},
+            "field 'test' binds check to a constant (line 3), not a function"),
+           ({"entry_point": "class"}, "field 'entry_point' must be a Python name, got 'class'"),
+           ({"test": "def check():\n  pass\n"}, "field 'test': check() (line 1) takes no "),
+           ({"test": "async def check(c):\n  pass\n"}, "field 'test': check (line 1) is an "),
+           ({"test": "def check(c):\n  pass\ndel check\n"}, "field 'test' deletes check (line 3)"),
+           # Before: a dead letter, though the module defines check when it runs.
+           ({"test": "if True:\n  def check(c):\n    assert c() == 1\n"}, None),
+           ({"test": "try:\n  import numpy\nexcept ImportError:\n  pass\n"
+                     "def check(candidate, *rest):\n  pass\n"}, None),
+           ({"test": "def check(c):\n  pass\ncheck = wrap(check)\n"}, None)]
   path = tmp_path / "he.jsonl"
   path.write_text("".join(json.dumps({**good, "task_id": f"X/{i}", **change}) + "\n"
                           for i, (change, _) in enumerate(cases)))
   out = list(load_humaneval(str(path)))
   for record, (_, reason) in zip(out, cases):
     if reason is None:
-      assert isinstance(record, Example) and record.id == "7"
+      assert isinstance(record, Example), record
+  assert out[7].id == "7"
     else:
       assert isinstance(record, DeadLetter) and record.reason.startswith(reason), (record, reason)
