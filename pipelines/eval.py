@@ -120,12 +120,17 @@ def load_config_file(path: str, arg: str = ""):
   if not callable(getattr(module, "get_config", None)):
     raise app.UsageError(f"config file {path} has no get_config(arg) function")
   try:
-    return module.get_config(arg) if arg else module.get_config()
+    config = module.get_config(arg) if arg else module.get_config()
   except ValueError:  # a bad variant: the file's own message lists the valid ones
     raise
   except Exception as e:  # whatever get_config raises: the traceback stays behind --verbose
     raise app.UsageError(f"config file {path}: get_config({arg!r}) raised "
                          f"{type(e).__name__}: {e}") from e
+  import ml_collections
+  if not isinstance(config, ml_collections.ConfigDict):  # (None: absl's traceback, exit 1)
+    raise app.UsageError(f"config: get_config() must return an ml_collections.ConfigDict, got "
+                         f"{type(config).__name__}")
+  return config
 
 
 def check_overrides(config, argv: Sequence[str]) -> None:

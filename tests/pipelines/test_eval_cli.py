@@ -80,6 +80,16 @@ def test_a_get_config_that_raises_is_one_usage_error(tmp_path):
   assert str(e.value) == f"config file {cfg}: get_config('smoke=True') raised RuntimeError: boom"
 
 
+def test_a_get_config_that_returns_none_is_one_line(tmp_path):
+  # Before: absl's "Unexpected None value for flag config" traceback, exit 1, an eval.log.
+  cfg = tmp_path / "none.py"
+  cfg.write_text("def get_config(arg=''):\n  return None\n")
+  proc = _cli(f"--config={cfg}", f"--output_dir={tmp_path}/out")
+  _assert_one_error_line(proc, "config: get_config() must return an ml_collections.ConfigDict, "
+                               "got NoneType")
+  assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("case", ["missing_dataset", "empty_dataset", "unwritable_output", "bad_checkpoint"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
   data, out, extra = _data(tmp_path), tmp_path / "out", []
