@@ -852,6 +852,10 @@ class _LogFile:
                         errors="backslashreplace")
     self._lock, self._closed = threading.Lock(), False
 
+  def to_terminal(self, text: str) -> None:
+    """Writes to the terminal after `close(exiting=True)`."""
+    os.write(self._saved, text.encode("utf-8", "backslashreplace"))
+
   @staticmethod
   def _own_partial_log(partial: str) -> Optional[int]:
     """An O_APPEND fd on `partial`, emptied, with its flock held; None when another launcher
@@ -870,17 +874,21 @@ class _LogFile:
       pass  # (not a regular file: nothing to empty)
     return fd
 
-  def close(self, keep: bool = True, move_to: Optional[str] = None) -> Optional[str]:
+  def close(self, keep: bool = True, move_to: Optional[str] = None,
+            exiting: bool = False) -> Optional[str]:
     """Restores stderr; keeps the log (moved to `move_to` if it can be) or deletes it.
-    Returns where the log is. Once only (a signal may end the run while it closes)."""
+    Returns where the log is. Once only (a signal may end the run while it closes).
+    `exiting`: fd 2 stays the log's (the process ends at once: Beam's threads, still
+    logging a stopped job, wrote their tracebacks to the terminal); `to_terminal` writes."""
     with self._lock:
       if self._closed:
         return self.path
       self._closed = True
     sys.stderr.flush()
     self.console.flush()
-    os.dup2(self._saved, 2)
-    os.close(self._saved)
+    if not exiting:
+      os.dup2(self._saved, 2)
+      os.close(self._saved)
     self.console.close()
     if not keep:
       os.remove(self.path)
@@ -940,10 +948,14 @@ def main(argv):
     release_dask_jobs()
     for tag in list(_RUNNING_MODEL_TAGS):
       remove_shared_model_files(tag)
-    kept = log.close(move_to=local_log) if log else None
-    print(f"stopped by {signal.Signals(signum).name}: finished samples are kept in the store; rerun "
-          f"the same command to resume" + (f" (log: {kept})" if kept else ""), file=sys.stderr)
-    sys.stderr.flush()
+    kept = log.close(move_to=local_log, exiting=True) if log else None
+    message = (f"stopped by {signal.Signals(signum).name}: finished samples are kept in the "
+               f"store; rerun the same command to resume" + (f" (log: {kept})" if kept else ""))
+    if log:
+      log.to_terminal(message + "\n")
+    else:
+      print(message, file=sys.stderr)
+      sys.stderr.flush()
     os._exit(128 + signum)  # at once: Beam's threads would hold the process up
 
   _exit_on_signals(stop)

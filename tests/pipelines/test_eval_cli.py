@@ -157,6 +157,26 @@ print(repr(open(first.close(move_to=path)).read()))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.log"]
 
 
+def test_what_is_logged_after_a_stop_goes_to_the_log_not_the_terminal(tmp_path):
+  """A stopping launcher put fd 2 back on the terminal before it exited: Beam's threads,
+  still logging the stopped job, wrote KeyboardInterrupt tracebacks after the "stopped by"
+  line (1 stop in 5)."""
+  script = f"""
+import os
+from pipelines.eval import _LogFile
+path = {str(tmp_path / "eval.log")!r}
+log = _LogFile(path)
+os.write(2, b"during the run\\n")
+kept = log.close(move_to=path, exiting=True)
+log.to_terminal("stopped by SIGINT\\n")
+os.write(2, b"a late traceback\\n")
+"""
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 0 and proc.stderr == "stopped by SIGINT\n", proc.stderr
+  assert (tmp_path / "eval.log").read_text() == "during the run\na late traceback\n"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_under_the_log_and_the_store_ends_the_run_in_one_line(tmp_path):
   """The disk that filled up held the store and eval.log: Beam's worker harness printed the
