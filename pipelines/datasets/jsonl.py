@@ -531,7 +531,7 @@ def load_records(
         continue
       first_line[digest] = where
       try:
-        example = parse(item)
+        example = _with_step_limit(parse(item))
       except RecordError as e:
         yield DeadLetter(item.source, item.line_number, str(e), item.raw)
         continue
@@ -543,6 +543,25 @@ def load_records(
         continue
       yield example
     offset += last
+
+
+def _with_step_limit(example: Example) -> Example:
+  """An example's own step limit (`metadata.max_steps`, read by the reasoning controller)
+  checked where its line is known: found at inference it took the whole batch to dead
+  letters, named with no file or line. An integral float (a Parquet int column with nulls)
+  or a CSV cell of digits is that int; null is no limit."""
+  steps = (example.metadata or {}).get("max_steps")
+  if steps is None:
+    return example
+  value = steps
+  if isinstance(steps, float) and steps.is_integer():
+    value = int(steps)
+  elif isinstance(steps, str) and steps.strip().isdigit():
+    value = int(steps.strip())
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise RecordError(f"field 'max_steps' (the example's step limit) must be an int >= 1, got "
+                      f"{steps!r}")
+  return dataclasses.replace(example, metadata={**example.metadata, "max_steps": value})
 
 
 def require_str(obj: dict[str, Any], key: str, *, what: Optional[str] = None) -> str:

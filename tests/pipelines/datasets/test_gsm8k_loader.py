@@ -103,6 +103,22 @@ def test_record_id_field_is_kept_and_extra_fields_go_to_metadata(tmp_path):
   assert ex.metadata["level"] == 3
 
 
+def test_an_examples_step_limit_is_checked_where_its_line_is_known(tmp_path):
+  """metadata.max_steps was checked at inference: a bad one took its whole batch to dead
+  letters, named with no file or line. An integral float (a Parquet int column with
+  nulls) and a CSV cell of digits are ints; null is no limit."""
+  path = tmp_path / "steps.jsonl"
+  values = ["abc", 0, 2.0, "3", None, True, 2.5, 4]
+  path.write_text("".join(json.dumps({"id": f"e{i}", "max_steps": v, **GOOD_1}) + "\n"
+                          for i, v in enumerate(values)))
+  out = list(gsm8k.read_gsm8k_jsonl(str(path)))
+  bad = {d.line_number: d.reason for d in out if isinstance(d, DeadLetter)}
+  assert bad == {n: f"field 'max_steps' (the example's step limit) must be an int >= 1, got {v!r}"
+                 for n, v in ((1, "abc"), (2, 0), (6, True), (7, 2.5))}
+  steps = [e.metadata["max_steps"] for e in out if isinstance(e, Example)]
+  assert steps == [2, 3, None, 4] and type(steps[0]) is int
+
+
 class _FakeTfds(types.ModuleType):
   """Stands in for tensorflow_datasets: records bytes fields, like as_numpy."""
 
