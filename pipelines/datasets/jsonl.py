@@ -220,10 +220,13 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
 
   Bad UTF-8, invalid JSON, non-object values and strings that are not text (a
   "\\ud800" escape: a lone surrogate) become dead letters carrying the 1-based line
-  number; blank lines are skipped silently.
+  number; blank lines are skipped silently. Returns the number of lines (blank ones
+  at the end too: the next shard's lines are numbered after them, as in one file).
   """
+  lines = 0
   with open_binary(path) as f:
     for line_number, raw_bytes in enumerate(_read_lines(f, path), start=1):
+      lines = line_number
       if line_number == 1 and raw_bytes.startswith(codecs.BOM_UTF8):  # as some editors save
         raw_bytes = raw_bytes[len(codecs.BOM_UTF8):]
       if line_number == 1 and raw_bytes.startswith(_UTF16_BOMS):  # every line would be bad UTF-8
@@ -240,7 +243,9 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
       try:
         obj = json.loads(text)
       except json.JSONDecodeError as e:
-        yield DeadLetter(path, line_number, f"invalid JSON: {e.msg}", raw)
+        # (e.msg alone ended mid-phrase: "Unterminated string starting at")
+        yield DeadLetter(path, line_number,
+                         f"invalid JSON: {e.msg.removesuffix(' at')} at column {e.colno}", raw)
         continue
       except RecursionError:  # valid JSON nested deeper than the decoder's recursion limit
         yield DeadLetter(path, line_number, "invalid JSON: nested too deeply", raw)
@@ -258,6 +263,12 @@ def iter_json_lines(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:
         yield DeadLetter(path, line_number, f"invalid JSON: lone surrogate {bad[1]!r} in {where}", raw)
         continue
       yield JsonLine(path, line_number, raw, obj)
+  return lines
+
+
+def _counted(records: Iterator, box: list) -> Iterator:
+  """`records`, with what its generator returns put in `box` once it ends."""
+  box.append((yield from records))
 
 
 FORMATS = ("jsonl", "json", "parquet", "csv", "tsv")
@@ -515,8 +526,8 @@ def load_records(
   offset = 0  # records of the files before this one
   for source in files:
     header = 1 if dataset_format(source) in ("csv", "tsv") else 0  # its header row
-    last = 0
-    for item in iter_records(source):
+    last, lines = 0, []
+    for item in _counted(iter_records(source), lines):
       last = item.line_number - header
       if isinstance(item, DeadLetter):
         yield item
@@ -542,7 +553,7 @@ def load_records(
                          f"example id {example.id!r} is already used by {at}", item.raw)
         continue
       yield example
-    offset += last
+    offset += max(last, lines[0] or 0) if lines else last  # (a JSONL file: every line)
 
 
 def _with_step_limit(example: Example) -> Example:

@@ -72,7 +72,7 @@ def test_dataset_with_only_bad_lines_is_an_error_and_lists_them(tmp_path):
   with pytest.raises(DatasetError) as e:
     _run(_config(data), tmp_path / "out")
   assert str(e.value) == (f"no usable examples in dataset file {data}: all 3 lines are malformed "
-                          f"(line 1: invalid JSON: Expecting property name enclosed in double quotes); "
+                          f"(line 1: invalid JSON: Expecting property name enclosed in double quotes at column 2); "
                           f"each line's reason is in {tmp_path / 'out' / 'dead_letters.jsonl'}")
   dead = [json.loads(l) for l in (tmp_path / "out" / "dead_letters.jsonl").read_text().splitlines()]
   assert [(d["stage"], d["line_number"]) for d in dead] == [("input", 1), ("input", 2), ("input", 3)]

@@ -55,6 +55,11 @@ def test_missing_mapped_field_is_a_dead_letter(tmp_path):
   assert out[0].line_number == 1 and "'answer' (source field 'target')" in out[0].reason
   assert out[1].line_number == 2 and out[1].reason.startswith("invalid JSON")
   assert out[2].reference == "3"
+  # Where the line breaks (the reason ended mid-phrase: "Unterminated string starting at").
+  cut = _write(tmp_path, ['{"prompt": "x, "target": 3}', '{"prompt": "\x01", "target": 1}'])
+  reasons = [r.reason for r in read_custom_jsonl(cut, {"question": "prompt", "answer": "target"})]
+  assert reasons == ["invalid JSON: Expecting ',' delimiter at column 17",
+                     "invalid JSON: Invalid control character at column 13"]
 
 
 def test_bad_mapping_rejected():

@@ -221,6 +221,16 @@ def test_a_pattern_reads_the_shards_in_name_order_as_one_file(tmp_path):
   _write(shards / "part-a.jsonl", "jsonl", GSM[:2])
   _write(shards / "part-b.jsonl", "jsonl", GSM[2:])
   assert list(read_gsm8k_jsonl(str(shards / "part-?.jsonl"))) == got
+  # Blank lines at a shard's end are lines of the one file too (they were not counted:
+  # gsm8k/test/0, 1, 2 from the shards, 0, 1, 4 from the file).
+  blank = tmp_path / "blank"
+  blank.mkdir()
+  (blank / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM[:2]) + "\n \n")
+  (blank / "b.jsonl").write_text(json.dumps(GSM[2]) + "\n")
+  (tmp_path / "ab.jsonl").write_text((blank / "a.jsonl").read_text() + (blank / "b.jsonl").read_text())
+  assert [e.id for e in read_gsm8k_jsonl(str(blank / "*.jsonl"))] == [
+      e.id for e in read_gsm8k_jsonl(str(tmp_path / "ab.jsonl"))] == [
+      "gsm8k/test/0", "gsm8k/test/1", "gsm8k/test/4"]
   # CSV shards: no header takes a number (ids skipped one per shard).
   one_line = [dict(r, answer=r["answer"].replace("\n", " ")) for r in GSM]
   _write(shards / "rows-a.csv", "csv", one_line[:2])
