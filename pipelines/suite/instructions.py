@@ -92,20 +92,26 @@ def _sentences(text: str) -> int:
   is two), except after an abbreviation or an initial, at an ellipsis the sentence goes
   on after in lower case ("Hi... there." is one, as Punkt reads it), and not inside a
   number ("3.14")."""
+  # (positions, not slices: a text of 30,000 "Dr. " copied its tail per stop, 73 s)
   count, start = 0, 0
   for end in _SENTENCE_END.finditer(text):
-    before = re.search(r"([\w.]+)$", text[start:end.start()])
-    word = before.group(1).lower() if before else ""
-    if end.group() == "." and (word in _ABBREVIATIONS or re.fullmatch(r"[A-Z]", before.group(1)
+    before = _LAST_WORD.search(text, max(start, end.start() - 64), end.start())
+    word = before.group().lower() if before else ""
+    if end.group() == "." and (word in _ABBREVIATIONS or re.fullmatch(r"[A-Z]", before.group()
                                                                          if before else "")):
       continue
     ellipsis = set(end.group()) <= {".", "\u2026"} and end.group() != "."
-    if ellipsis and re.match(r"[*_]*\s+[a-z]", text[end.end():]):
+    if ellipsis and _GOES_ON.match(text, end.end()):
       continue
-    if re.search(r"\w", text[start:end.start()]):
+    if _WORD.search(text, start, end.start()):
       count += 1
     start = end.end()
-  return count + bool(re.search(r"\w", text[start:]))
+  return count + bool(_WORD.search(text, start))
+
+
+_LAST_WORD = re.compile(r"[\w.]+$")
+_GOES_ON = re.compile(r"[*_]*\s+[a-z]")
+_WORD = re.compile(r"\w")
 
 
 def _strip_json_fence(text: str) -> str:
@@ -187,8 +193,8 @@ class JsonFormat(Instruction):
   def check(self, response):
     try:
       json.loads(_strip_json_fence(response))
-    except ValueError:
-      return False
+    except (ValueError, RecursionError):  # (nested past Python's limit: was a dead letter,
+      return False                        # the item left out of accuracy; IFEval crashes)
     return True
 
 

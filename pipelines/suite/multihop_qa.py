@@ -180,15 +180,22 @@ def question_phrase(example: Example) -> Optional[str]:
 _HEADER = re.compile(r"\W*(?:(?:the\s+)?(?:final\s+)?answer(?:\s+is)?)?[\W_]*", re.IGNORECASE)
 
 
+_LABEL = re.compile(r"^[*_\s]*(?:the\s+)?(?:final\s+)?answer[*_\s]*(?::|\s[-\u2013\u2014](?=\s))"
+                    r"[*_\s]*", re.IGNORECASE)
+
+
 def extract_answer(text: str, phrase: Optional[str] = None) -> Optional[str]:
-  """First non-empty line, without a leading 'Answer:'; None for an empty response. A
+  """First non-empty line, without a leading label ('Answer:', 'Final Answer:', 'The
+  answer:', 'Answer -', in bold too); None for an empty response. A
   line that only announces the answer ("**Answer:**", "The answer is:") or has no word
   passes the turn to the next one. When the line says "The (final) answer is X" or
   restates `phrase` followed by "is"/"was", what follows up to the sentence's end."""
   for line in text.splitlines():
     line = line.strip()
     if line and not _HEADER.fullmatch(line):
-      line = re.sub(r"^[*\s]*answer[*\s]*:[*\s]*", "", line, flags=re.IGNORECASE).strip()
+      # A leading label: "Answer:", "Final Answer:", "**Final Answer:**", "The answer:",
+      # "Answer - " (only "Answer:" was taken off: "Final Answer: X" scored EM 0).
+      line = _LABEL.sub("", line).strip()
       stated = re.match(r"^\W*(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(.+?)(?:\.(?:\s|$)|$)",
                         line, flags=re.IGNORECASE)
       if stated:  # "The answer is Sabga Group." (was compared whole: EM 0)

@@ -136,7 +136,11 @@ def rouge_l(prediction: str, reference: str) -> float:
 # 148,213 or 48,213.5), its thousands grouped by commas or spaces, and a following "million"
 # ("4.2-million", "millions"; not a bare "m": metres).
 _NUMBER = re.compile(r"(?<![\d.,])(\d{1,3}(?:[,\s\u00a0\u202f]\d{3})+(?![\d])|\d+)(\.\d+)?"
-                     r"(?!\d)(?![.,]\d)([\s-]*(?:millions?|mln)\b)?", re.IGNORECASE)
+                     r"(?!\d)(?![.,]\d)([\s\-\u2010\u2011\u2013\u2014]*(?:millions?|mln)\b)?",
+                     re.IGNORECASE)
+# A minus sign: "-" or "\u2212" right before the number, not after a word or number (in
+# "1990-2000" the "-" is a range's).
+_MINUS = re.compile(r"(?:^|[^\w.,])[-\u2212]$")
 _SEPARATORS = re.compile(r"[\s\u00a0\u202f\-\u2010\u2011\u2013]+")
 
 
@@ -144,19 +148,24 @@ def _values(text: str) -> set[decimal.Decimal]:
   """The values of the numbers written in `text` ("5 million", "5.0 million" and
   "5,000,000" are one value)."""
   out = set()
-  for whole, fraction, million in _NUMBER.findall(text):
+  for m in _NUMBER.finditer(text):
+    whole, fraction, million = m.groups()
     value = decimal.Decimal(re.sub(r"\D", "", whole) + (fraction or ""))
-    out.add(value * 1_000_000 if million else value)
+    value = value * 1_000_000 if million else value
+    # (-53325 is not a population of 53,325)
+    out.add(-value if _MINUS.search(text[max(0, m.start() - 2):m.start()]) else value)
   return out
 
 
 def _fact_found(value: str, text: str) -> bool:
   """A number by its value; a name or phrase case-insensitively, as a whole (a plural such
-  as "copper wires" still counts), spaces and hyphens alike."""
+  as "copper wires" still counts; inside a longer word it does not: "xHector Navarroson"),
+  spaces and hyphens alike."""
   if _NUMBER.fullmatch(value.strip()):
     return bool(_values(value) & _values(text))
   words = _SEPARATORS.sub(" ", value.lower()).strip()
-  return words in _SEPARATORS.sub(" ", text.lower())
+  return re.search(rf"(?<!\w){re.escape(words)}(?:e?s)?(?!\w)",
+                   _SEPARATORS.sub(" ", text.lower())) is not None
 
 
 def facts_found(prediction: str, facts: list[dict]) -> list[str]:

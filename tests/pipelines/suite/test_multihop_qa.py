@@ -18,6 +18,11 @@ def test_answer_extraction_takes_the_first_line_without_answer_prefix():
   assert qa.extract_answer("") is None
   assert qa.extract_answer("The answer is Sabga Group.\nIt was founded ...") == "Sabga Group"
   assert qa.extract_answer("The final answer is: Orren Vale. It is a city.") == "Orren Vale"
+  # Other labels (only "Answer:" was taken off: EM 0 for the right name).
+  for text in ("Final Answer: Ostal", "**Final Answer:** Ostal", "The answer: Ostal",
+               "Answer - Ostal", "answer \u2014 Ostal", "**Final Answer:**\nOstal"):
+    assert qa.extract_answer(text) == "Ostal", text
+  assert qa.extract_answer("Answer-based Ostal") == "Answer-based Ostal"  # (no label)
 
 
 def test_gold_answer_is_the_end_of_the_path_through_the_stated_facts():

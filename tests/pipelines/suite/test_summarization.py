@@ -76,6 +76,14 @@ def test_a_key_number_inside_a_longer_number_is_not_found():
     ("4.2 million", "14.2 million", False),
     ("48,213", "148,213 or 48,213.5", False),
     ("2035", "in 20351", False),
+    # Before: found inside longer words, a negative number for a positive one, an en dash
+    # before "million" not read.
+    ("Hector Navarro", "xHector Navarroson", False),
+    ("oak furniture", "unoak furnitureness", False),
+    ("Hector Navarro", "Mayor Hector Navarro's term", True),
+    ("53,325", "a change of -53325", False),
+    ("53,325", "from 1990-53,325", True),  # (a range's dash)
+    ("2.6 million", "a 2.6\u2013million budget", True),
 ])
 def test_a_key_number_is_found_by_its_value_and_a_name_across_spaces_and_hyphens(value, text, found):
   assert summ.key_fact_recall(text, [{"name": "x", "value": value}]) == float(found)
