@@ -567,3 +567,15 @@ def test_bench_shared_prefix_runs_both_controllers_alternating(tmp_path):
   assert out["traces"] == 6 and 0 <= out["identical_traces"] <= 6
   assert min(out["prompt_tokens"]) > 2000  # the 8-shot prefix in byte tokens
   assert json.loads((tmp_path / "p.json").read_text())["runs"] == json.loads(json.dumps(out["runs"]))
+
+
+def test_suite_floors_scores_replies_that_read_no_prompt():
+  """A fixed "ok" follows instructions that only forbid things; a copied document finds
+  every key fact; an empty reply follows nothing (scripts/suite_floors.py's rows)."""
+  rows = load("suite_floors").floors(seed=0, n=20)
+  by = {(r["category"], r["reply"]): r for r in rows}
+  assert by[("instructions", "''")]["prompt_strict"] == 0.0
+  assert by[("instructions", "'ok'")]["prompt_strict"] > 0.0
+  copied = by[("summarization", "the document, copied")]
+  assert copied["key_fact_recall"] == 1.0 and copied["rouge_l"] < 0.1
+  assert by[("qa", "the question, copied")]["exact_match"] == 0.0
