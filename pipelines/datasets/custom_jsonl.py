@@ -45,6 +45,10 @@ class FieldMapping:
       raise ValueError(f"unknown target fields {sorted(unknown)}; allowed {_TARGETS}")
     if answer_format not in ANSWER_FORMATS:
       raise ValueError(f"unknown answer_format {answer_format!r}")
+    for target, source in mapping.items():  # ("": every line "malformed", named so)
+      if source is not None and (not isinstance(source, str) or not source.strip()):
+        raise ValueError(f"dataset.{target}_field={source!r}: name the records' field that "
+                         f"holds the {target}")
     return cls(question=mapping.get("question", "question"),
                answer=mapping.get("answer", "answer"),
                id=mapping.get("id"), answer_format=answer_format)

@@ -48,6 +48,15 @@ def test_number_and_gsm8k_formats_and_id_field(tmp_path):
   assert ex.question == "Q?" and ex.reference == "4" and ex.metadata["solution"] == "2+2=4"
 
 
+def test_an_empty_source_field_name_is_the_configs_fault(tmp_path):
+  # Before: every line a dead letter "missing field 'question' (source field '')".
+  path = _write(tmp_path, [{"q": "x", "a": "1"}])
+  for mapping, message in (({"question": "", "answer": "a"}, r"^dataset.question_field=''"),
+                           ({"question": "q", "answer": " "}, r"^dataset.answer_field=' '")):
+    with pytest.raises(ValueError, match=message + ": name the records' field that holds"):
+      list(read_custom_jsonl(path, mapping))
+
+
 def test_missing_mapped_field_is_a_dead_letter(tmp_path):
   path = _write(tmp_path, [{"prompt": "x"}, "not json", {"prompt": "y", "target": 3}])
   out = list(read_custom_jsonl(path, {"question": "prompt", "answer": "target"}))
