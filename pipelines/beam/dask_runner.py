@@ -269,8 +269,57 @@ class DaskRunnerResult(PipelineResult):
   def __init__(self, client, future, job: str, cluster=None):
     super().__init__(PipelineState.RUNNING)
     self.client, self.future, self.job, self.cluster = client, future, job, cluster
-    self.model_tags: tuple = ()  # the shared models' tags, removed in the workers at the end
+    self._model_tags: tuple = ()
     self._closed = False
+    self._guard_name = f"o1jax-release-{job}"
+    self._guarded = False
+    self._guard()
+
+  @property
+  def model_tags(self) -> tuple:
+    """The shared models' tags: their files are removed in the workers at the job's end."""
+    return self._model_tags
+
+  @model_tags.setter
+  def model_tags(self, tags) -> None:
+    self._model_tags = tuple(tags)
+    self._guard()
+
+  def _guard(self) -> None:
+    """Registers (again, with the current tags) the scheduler plugin that releases this
+    job in the workers when this client leaves the scheduler: a launcher killed with
+    kill -9, or whose own release did not arrive (`dask_release`). A LocalCluster's
+    scheduler ends with this process, its workers with it: nothing to guard."""
+    if self.cluster is not None:
+      return
+    import cloudpickle
+    from distributed.protocol.pickle import dumps
+
+    from pipelines.beam import dask_release
+    cloudpickle.register_pickle_by_value(dask_release)  # (the scheduler needs no o1jax)
+    release = {"op": "run", "function": dumps(_release_job),
+               "args": dumps((self.job, self._model_tags)), "kwargs": dumps({}), "wait": True}
+    try:
+      if self._guarded:
+        self.client.unregister_scheduler_plugin(self._guard_name)
+      self.client.register_plugin(
+          dask_release.ReleaseWhenClientLeaves(self._guard_name, self.client.id, release),
+          name=self._guard_name)
+      self._guarded = True
+    except Exception as e:  # noqa: BLE001 - (a scheduler that refuses plugins: the end's release stays)
+      import logging
+      self._guarded = False
+      logging.getLogger(__name__).warning(
+          "the dask scheduler did not take the job's release plugin (%s: %s): a launcher "
+          "killed with kill -9 would leave the job's models in the workers", type(e).__name__, e)
+
+  def _unguard(self) -> None:
+    if self._guarded:
+      self._guarded = False
+      try:
+        self.client.unregister_scheduler_plugin(self._guard_name)
+      except Exception:  # noqa: BLE001 - (the scheduler is gone: so is the plugin)
+        pass
 
   def wait_until_finish(self, duration=None) -> str:
     """Waits for the job (at most `duration` ms: then RUNNING if it is not done)."""
@@ -300,6 +349,7 @@ class DaskRunnerResult(PipelineResult):
       self.client.run(_release_job, self.job, tuple(self.model_tags))
     except Exception:  # a worker gone with the job's failure: nothing of it to release
       pass
+    self._unguard()  # (released: the client's leaving need not release it again)
     self.client.close()
     if self.cluster is not None:
       self.cluster.close()

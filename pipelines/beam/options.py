@@ -225,6 +225,7 @@ def _check_known_flags(options: PipelineOptions, given: dict) -> None:
   runner = options.view_as(StandardOptions).runner
   if runner in DASK_NAMES:
     importlib.import_module("pipelines.beam.dask_runner")  # (defines its flags)
+    given = options.get_all_options(retain_unknown_options=True)  # (by their dests now)
   elif not is_direct(options):
     return
   unknown = sorted(set(given) - set(options.get_all_options()))

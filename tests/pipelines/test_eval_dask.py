@@ -94,6 +94,14 @@ def test_bad_runner_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match=message):
       run(cfg, str(tmp_path), progress=False, report=False)
   assert time.monotonic() - start < 25
+  # From the command line, in a process that has not imported the dask runner yet: its
+  # flags are Beam options (the check of flags after -- refused --dask_client_address).
+  cli = subprocess.run([sys.executable, "-m", "pipelines.eval", "--config=configs/gsm8k.py:smoke=True",
+                        "--config.model.predictor=fake", "--config.runner.name=dask",
+                        "--config.runner.address=tcp://127.0.0.1:9", f"--output_dir={tmp_path}/cli"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert cli.returncode == 2 and cli.stderr.startswith(
+      "error: dask scheduler tcp://127.0.0.1:9 cannot be reached: "), cli.stderr[-2000:]
 
 
 def test_a_peer_that_never_answers_the_handshake_is_one_line(tmp_path, monkeypatch):
@@ -315,6 +323,58 @@ def test_two_jobs_on_a_cluster_started_like_the_readme_says(tmp_path):
   direct = _without_timing(_lines(tmp_path / "direct" / "results.jsonl"))
   assert _without_timing(outputs[0]) == _without_timing(outputs[1]) == direct
   assert len(direct) == 10
+
+
+def test_a_launcher_killed_with_kill_9_leaves_no_job_in_a_long_lived_cluster(tmp_path):
+  """A launcher killed with kill -9 sends no release: the workers of a cluster that
+  outlives its jobs kept the job's DoFns (their models) and its shared-model files for
+  good. The scheduler sees the launcher's client go and sends the release
+  (pipelines/beam/dask_release.py, a plugin the job registers)."""
+  import signal
+  import time
+
+  from distributed import Client
+  from pipelines.beam.dask_runner import pooled_instances
+  address = f"tcp://127.0.0.1:{_free_port()}"
+  worker_tmp = tmp_path / "worker_tmp"
+  worker_tmp.mkdir()
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  started = []
+  try:
+    started.append(subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port",
+         address.rsplit(":", 1)[1], "--no-dashboard"], env=env, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    started.append(subprocess.Popen(
+        [sys.executable, "-m", "dask", "worker", address, "--nworkers", "1", "--nthreads", "1",
+         "--host", "127.0.0.1", "--no-dashboard"], env={**env, "TMPDIR": str(worker_tmp)},
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    cmd = kill_resume.command(tmp_path / "killed", "--config.runner.name=dask",
+                              f"--config.runner.address={address}", "--config.runner.partitions=8")
+    with Client(address, timeout=60) as client:
+      client.wait_for_workers(1, timeout=60)
+      launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+      started.append(launcher)
+      deadline = time.monotonic() + 120
+      while sum(client.run(pooled_instances).values()) < 1:  # a bundle done: its DoFns kept
+        assert launcher.poll() is None and time.monotonic() < deadline, "no bundle finished"
+        time.sleep(0.2)
+      assert list(worker_tmp.glob("o1jax-*"))  # the shared model's files
+      launcher.send_signal(signal.SIGKILL)
+      launcher.wait()
+      deadline = time.monotonic() + 60
+      while sum(client.run(pooled_instances).values()) or list(worker_tmp.glob("o1jax-*")):
+        assert time.monotonic() < deadline, (client.run(pooled_instances),
+                                             list(worker_tmp.glob("o1jax-*")))
+        time.sleep(0.2)
+      # The plugin went with its job.
+      plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+      assert not [p for p in plugins if p.startswith("o1jax-release-")], plugins
+  finally:
+    for p in reversed(started):
+      p.terminate()
+      p.wait(timeout=30)
 
 
 def test_another_beam_release_is_a_one_line_error():
