@@ -134,18 +134,15 @@ def load_config_file(path: str, arg: str = ""):
 
 
 def check_overrides(config, argv: Sequence[str]) -> None:
-  """Every `--config.a.b=v` must name an existing key; otherwise list the valid ones. A key
-  given twice is refused, as a variant is (the last value won without a word)."""
-  given = set()
+  """Every `--config.a.b=v` must name an existing key; otherwise list the valid ones. (A key
+  given twice takes its last value, as every absl flag does: a wrapper's defaults, then the
+  user's overrides.)"""
   for a in argv:
     if a == "--":
       return
     if not a.startswith("--config."):
       continue
     dotted = a[len("--config."):].split("=", 1)[0]
-    if dotted in given:
-      raise app.UsageError(f"--config.{dotted} is given twice: give it once")
-    given.add(dotted)
     node, walked = config, []
     for part in dotted.split("."):
       keys = sorted(node.keys()) if hasattr(node, "keys") else []

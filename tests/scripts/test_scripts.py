@@ -270,7 +270,7 @@ def test_gpu_engine_check_device_weights_int4_and_bf16():
 def test_calibrate_deepconf_prints_a_threshold_and_its_flag(capsys):
   calibrate = load("calibrate_deepconf")
   assert calibrate.main(["--problems", "1", "--n", "2", "--max-thinking", "6", "--max-answer", "3",
-                         "--max-rows", "2"]) == 0
+                         "--max-rows", "2", "--window", "4"]) == 0  # (a window that fits)
   out = capsys.readouterr().out.strip().splitlines()
   result = json.loads(out[0])
   assert result["problems"] == 1 and result["n"] == 2 and result["threshold"] > 0

@@ -338,7 +338,9 @@ def test_a_loop_state_larger_than_the_device_is_refused_before_allocating(world)
        r"64 rows for n=64, 2147483648 positions each"),
       ({"name": "self_consistency", "n": 64, "max_answer_tokens": 2**30},
        r"64 rows for n=64, 2147483648 positions each"),
-      ({"name": "deepconf", "n": 64, "warmup": 64, "window": 2**31 - 1}, r"conf_window 2147483647"),
+      # (a window no longer than the thinking it reads: a longer one is refused at once)
+      ({"name": "deepconf", "n": 64, "warmup": 64, "window": 2**30, "max_thinking_tokens": 2**30},
+       r"conf_window 1073741824"),
   ]:
     with pytest.raises(ValueError, match=what + r"needs [\d,.]+ GiB but the device has [\d,.]+ GiB: "
                                                 r"lower n, max_rows, the token budgets"):
