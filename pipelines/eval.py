@@ -519,34 +519,52 @@ def _check_dataset_is_not_a_result(plan, out: str) -> None:
   the run writes there is refused: the run deleted a results.jsonl given as its dataset
   before reading it, and a pattern such as OUT/*.jsonl read the run's own dead letters."""
   import fnmatch
+  import glob
 
   from pipelines.datasets import DatasetError
-  from pipelines.datasets.jsonl import dataset_files
+  from pipelines.datasets.jsonl import _literal_dirs_escaped, dataset_files
   path = (getattr(plan.task, "dataset", None) or {}).get("path")
   if not path or getattr(plan.task, "source", None) != path or re.match(
       r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) and not path.startswith("file://"):
     return
   path = os.path.abspath(path.removeprefix("file://"))
-  real_out = os.path.realpath(out)
   try:
     files = [os.path.realpath(f) for f in dataset_files(path)]
   except DatasetError:
     files = []
+  # The pattern as `dataset_files` reads it (directories that exist are literal: runs[1]/),
+  # as written and through links, against the run's files through links too.
+  patterns = {_literal_dirs_escaped(path)}
+  literal = pathlib.PurePath(path).parts
+  for i in range(len(literal) - 1, 0, -1):
+    if os.path.isdir(os.path.join(*literal[:i])):
+      patterns.add(os.path.join(glob.escape(os.path.realpath(os.path.join(*literal[:i]))),
+                                *literal[i:]))
+      break
+  outs = {os.path.abspath(out), os.path.realpath(out)}
   for name in _output_names():
-    ours = os.path.join(real_out, name)
-    if ours in files or fnmatch.fnmatchcase(os.path.join(os.path.abspath(out), name), path):
+    ours = os.path.join(os.path.realpath(out), name)
+    if ours in files or any(fnmatch.fnmatchcase(os.path.join(o, name), p)
+                            for o in outs for p in patterns):
       raise DatasetError(f"dataset.path={path} {'matches' if ours not in files else 'is'} "
                          f"this run's {name} in --output_dir {out}: the run writes (and "
                          f"replaces) it; keep the dataset out of the output directory")
 
 
 def _check_results_are_runs(out: str) -> None:
-  """Result files in a directory no run has used (no run lock: every run makes one before
-  it writes) are the user's: refused rather than replaced (a run deleted a report.md of
-  notes, a summary.json, the dataset it was given)."""
+  """Result files in a directory no run has used are the user's: refused rather than
+  replaced (a run deleted a report.md of notes, a summary.json, the dataset it was given).
+  A run's directory has its run lock (every run makes one before it writes), its store,
+  or a run's summary.json (a copy made with `cp -r run/* other/` has no lock)."""
   from pipelines.beam.store import OutputError
-  if os.path.lexists(f"{out}/{LOCK_NAME}"):
+  if os.path.lexists(f"{out}/{LOCK_NAME}") or os.path.isdir(f"{out}/store"):
     return
+  try:
+    summary = json.loads(pathlib.Path(out, "summary.json").read_text())
+    if isinstance(summary, dict) and {"task", "config", "run"} <= set(summary):
+      return
+  except (OSError, ValueError):
+    pass
   found = [n for n in RESULT_FILES if os.path.lexists(f"{out}/{n}")]
   if found:
     raise OutputError(f"--output_dir {out} holds {', '.join(found)}, which no run wrote (it has "

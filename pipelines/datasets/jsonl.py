@@ -151,6 +151,10 @@ class _Decompressed(io.RawIOBase):
         if self._fed:
           raise EOFError("the compressed file ends inside a stream (a cut or partial copy?)")
         return 0
+      if not self._fed and self._make is _DECOMPRESSORS[".xz"]:
+        chunk = chunk.lstrip(b"\0")  # (xz's stream padding, between and after streams)
+        if not chunk:
+          continue
       try:
         self._pending = self._decompressor.decompress(chunk)
       except Exception as e:  # zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError
@@ -567,7 +571,7 @@ def _with_step_limit(example: Example) -> Example:
   value = steps
   if isinstance(steps, float) and steps.is_integer():
     value = int(steps)
-  elif isinstance(steps, str) and steps.strip().isdigit():
+  elif isinstance(steps, str) and re.fullmatch(r"[0-9]+", steps.strip()):  # (not "²": isdigit)
     value = int(steps.strip())
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise RecordError(f"field 'max_steps' (the example's step limit) must be an int >= 1, got "

@@ -138,9 +138,9 @@ def rouge_l(prediction: str, reference: str) -> float:
 _NUMBER = re.compile(r"(?<![\d.,])(\d{1,3}(?:[,\s\u00a0\u202f]\d{3})+(?![\d])|\d+)(\.\d+)?"
                      r"(?!\d)(?![.,]\d)([\s\-\u2010\u2011\u2013\u2014]*(?:millions?|mln)\b)?",
                      re.IGNORECASE)
-# A minus sign: "-" or "\u2212" right before the number, not after a word or number (in
-# "1990-2000" the "-" is a range's).
-_MINUS = re.compile(r"(?:^|[^\w.,])[-\u2212]$")
+# A minus sign: one "-" or "\u2212" right before the number, at the start or after a space,
+# "(", "[" or "=" (in "1990-2000" the "-" is a range's, in "population--53,325" a dash).
+_MINUS = re.compile(r"(?:^|[\s(\[=])[-\u2212]$")
 _SEPARATORS = re.compile(r"[\s\u00a0\u202f\-\u2010\u2011\u2013]+")
 
 

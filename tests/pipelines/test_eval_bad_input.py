@@ -705,6 +705,23 @@ def test_files_no_run_wrote_and_datasets_among_the_results_are_left_alone(tmp_pa
     _run(_config(str(pattern / "*.jsonl")), pattern)
   _run(_config(str(pattern / "data.jsonl")), pattern)  # a dataset file of its own name: runs
   assert (pattern / "summary.json").exists()
+  # The same through a link to the output directory, and under a directory whose name
+  # reads as a pattern (both ran, then "dead_letters.jsonl changed while the job ran").
+  (tmp_path / "link").symlink_to(pattern)
+  with pytest.raises(DatasetError, match=r"(is|matches) this run's results.jsonl in --output_dir "):
+    _run(_config(str(pattern / "*.jsonl")), tmp_path / "link")
+  bracket = tmp_path / "runs[1]"
+  bracket.mkdir()
+  _write(bracket / "data.jsonl", _good_lines())
+  with pytest.raises(DatasetError, match=r"(is|matches) this run's results.jsonl in --output_dir "):
+    _run(_config(str(bracket / "*.jsonl")), bracket)
+  # A run's directory copied without its lock (cp -r run/* other/) resumes there.
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  for item in pattern.iterdir():
+    if item.name != ".o1jax-eval.lock" and item.is_file():
+      (copy / item.name).write_bytes(item.read_bytes())
+  _run(_config(str(pattern / "data.jsonl")), copy)
 
 
 @pytest.mark.parametrize("section, key, value, message", [

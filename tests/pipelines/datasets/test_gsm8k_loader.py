@@ -108,13 +108,13 @@ def test_an_examples_step_limit_is_checked_where_its_line_is_known(tmp_path):
   letters, named with no file or line. An integral float (a Parquet int column with
   nulls) and a CSV cell of digits are ints; null is no limit."""
   path = tmp_path / "steps.jsonl"
-  values = ["abc", 0, 2.0, "3", None, True, 2.5, 4]
+  values = ["abc", 0, 2.0, "3", None, True, 2.5, 4, "\u00b2"]  # ("²".isdigit(): int() raised)
   path.write_text("".join(json.dumps({"id": f"e{i}", "max_steps": v, **GOOD_1}) + "\n"
                           for i, v in enumerate(values)))
   out = list(gsm8k.read_gsm8k_jsonl(str(path)))
   bad = {d.line_number: d.reason for d in out if isinstance(d, DeadLetter)}
   assert bad == {n: f"field 'max_steps' (the example's step limit) must be an int >= 1, got {v!r}"
-                 for n, v in ((1, "abc"), (2, 0), (6, True), (7, 2.5))}
+                 for n, v in ((1, "abc"), (2, 0), (6, True), (7, 2.5), (9, "\u00b2"))}
   steps = [e.metadata["max_steps"] for e in out if isinstance(e, Example)]
   assert steps == [2, 3, None, 4] and type(steps[0]) is int
 

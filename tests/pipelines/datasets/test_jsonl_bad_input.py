@@ -111,6 +111,10 @@ def test_every_compression_cut_short_or_of_another_format_is_one_dataset_error(t
   other.write_bytes(b'{"question": "q", "answer": "#### 1"}\n')
   assert len(list(read_gsm8k_jsonl(str(whole)))) == 2000
   assert len(list(read_gsm8k_jsonl(str(twice)))) == 4000  # (duplicates: skipped later)
+  if ext == ".xz":  # (stream padding: zero bytes between and after streams, as xz allows)
+    padded = tmp_path / "padded.jsonl.xz"
+    padded.write_bytes(data + bytes(8) + data + bytes(1024))
+    assert len(list(read_gsm8k_jsonl(str(padded)))) == 4000
   for path in (cut, first_block):
     with pytest.raises(DatasetError, match=rf"^cannot read dataset file {path}( after line \d+)?: "
                                            r"the compressed file ends inside a stream"):

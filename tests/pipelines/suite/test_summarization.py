@@ -83,6 +83,8 @@ def test_a_key_number_inside_a_longer_number_is_not_found():
     ("Hector Navarro", "Mayor Hector Navarro's term", True),
     ("53,325", "a change of -53325", False),
     ("53,325", "from 1990-53,325", True),  # (a range's dash)
+    ("53,325", "the population--53,325--grew", True), ("53,325", "Population:-53,325", True),
+    ("12", "a change (-12)", False),
     ("2.6 million", "a 2.6\u2013million budget", True),
 ])
 def test_a_key_number_is_found_by_its_value_and_a_name_across_spaces_and_hyphens(value, text, found):
