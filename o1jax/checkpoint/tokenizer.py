@@ -13,6 +13,7 @@ import contextvars
 import datetime
 import json
 import logging
+import operator
 import os
 import pathlib
 import re
@@ -145,9 +146,10 @@ _FORMAT_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d*)"
                           r"(?:\.(?P<precision>\*|\d*))?[hlL]?(?P<conversion>.?)", re.S)
 
 
-# Loop turns and calls one render may make: Qwen 3's template takes 5 a message (SmolLM2's
-# 1), so 1 Mi is 200,000 messages; two nested loops of 100,000 turns writing nothing (10**10
-# turns, hours) stop after 0.1 s, a macro calling itself twice per level after ~3 s.
+# Steps one render may take (loop turns, calls, operators, comparisons, filters): a
+# Qwen 3-style template takes 13 a message (SmolLM2's 6), so 1 Mi is 80,000 messages; two
+# nested loops of 100,000 turns writing nothing (10**10 turns, hours) stop after 0.2 s, a
+# macro calling itself twice per level after ~4 s.
 _MAX_TEMPLATE_TURNS = 1 << 20
 _turns_left: contextvars.ContextVar[list | None] = contextvars.ContextVar("_turns_left",
                                                                         default=None)
@@ -220,16 +222,36 @@ def _checked_concat(parts) -> str:
   return "".join(texts)
 
 
+def _deep_size(value, limit: int = _MAX_TEMPLATE_VALUE) -> int:
+  """Characters and items of `value`, those of the strings and containers it holds too (a
+  list holding a list of 3 M items 3,000 times is 9 G: comparing it is that much work),
+  counted up to `limit` + 1."""
+  total, stack = 0, [value]
+  while stack and total <= limit:
+    x = stack.pop()
+    if isinstance(x, str):
+      total += len(x)
+    elif isinstance(x, (list, tuple, set, frozenset)):
+      total += len(x)
+      stack.extend(x)
+    elif isinstance(x, dict):
+      total += len(x)
+      stack.extend(x.keys())
+      stack.extend(x.values())
+  return min(total, limit + 1)
+
+
 def _check_binop(operator: str, left, right) -> None:
-  sized = lambda x: len(x) if isinstance(x, (str, list, tuple)) else None
+  sized = lambda x: isinstance(x, (str, list, tuple))
   whole = lambda x: isinstance(x, int) and not isinstance(x, bool)
   if operator == "*":
     for seq, times in ((left, right), (right, left)):
-      if sized(seq) is not None and whole(times) and sized(seq) * max(times, 0) > _MAX_TEMPLATE_VALUE:
+      if sized(seq) and whole(times) and times > 0 and (
+          _deep_size(seq, _MAX_TEMPLATE_VALUE // times) * times > _MAX_TEMPLATE_VALUE):
         _too_big("a repetition")
   elif operator == "+":
-    if sized(left) is not None and sized(right) is not None and (
-        sized(left) + sized(right) > _MAX_TEMPLATE_VALUE):
+    if sized(left) and sized(right) and (
+        _deep_size(left) + _deep_size(right) > _MAX_TEMPLATE_VALUE):
       _too_big("a concatenation")
   elif operator == "**":
     if whole(left) and whole(right) and abs(left) > 1 and (
@@ -237,6 +259,63 @@ def _check_binop(operator: str, left, right) -> None:
       raise jinja2.sandbox.SecurityError(f"a power of more than {_MAX_POWER_BITS:,} bits")
   elif operator == "%":
     _check_format(left, right)
+
+
+_COMPARE = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "gteq": operator.ge,
+            "lt": operator.lt, "lteq": operator.le, "in": lambda a, b: a in b,
+            "notin": lambda a, b: a not in b}
+
+
+def _compare_work(op: str, left, right) -> int:
+  """Items a comparison may read: `in` a list compares the needle with every item."""
+  if op in ("in", "notin"):
+    if isinstance(right, str):
+      return len(right) + _deep_size(left)
+    if isinstance(right, (list, tuple)):
+      return len(right) * (1 + _deep_size(left, _MAX_TEMPLATE_TURNS * _TURN_CHARS // max(1, len(right))))
+    return 1 + _deep_size(left)  # (a dict or set hashes the needle)
+  return _deep_size(right, _deep_size(left))
+
+
+def _checked_compare(left, *ops):
+  """A comparison (`ops`: op, operand, op, operand, ...), its work taken from the
+  render's steps first (`y in [z] * 3000` compared lists of 3 M items 3,000 times, one
+  step). Chained ones evaluate every operand (template expressions have no side effects)."""
+  result = True
+  for op, right in zip(ops[::2], ops[1::2]):
+    _take_turn(_compare_work(op, left, right))
+    result = _COMPARE[op](left, right)
+    if not result:
+      return result
+    left = right
+  return result
+
+
+def _check_str_method(method, args, kwargs) -> None:
+  """What a str method called in a template would make, bounded before it runs:
+  `'x'.ljust(4e8)`, `('\\t' * 16e6).expandtabs(64)` (1 G characters), `.replace`,
+  `'{:>400000000}'.format(1)`."""
+  method = getattr(method, "__wrapped__", method)  # (the sandbox wraps str.format)
+  text = getattr(method, "__self__", None)
+  if not isinstance(text, str):
+    return
+  name = getattr(method, "__name__", "")
+  arg = lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default)
+  size = 0
+  if name in ("ljust", "rjust", "center", "zfill"):
+    size = arg(0, "width", 0)
+  elif name == "expandtabs":
+    tab = arg(0, "tabsize", 8)
+    size = len(text) + text.count("\t") * tab if isinstance(tab, int) else 0
+  elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+    times = text.count(args[0]) if args[0] else len(text) + 1
+    size = len(text) + times * (len(args[1]) - len(args[0]))
+  elif name in ("format", "format_map"):  # (a width or precision in a field's spec)
+    numbers = [n for spec in re.findall(r"\{[^{}]*?:([^{}]*)\}", text)
+               for n in re.findall(r"\d+", spec)]
+    size = max((int(n) if len(n) <= 9 else _MAX_TEMPLATE_VALUE + 1 for n in numbers), default=0)
+  if isinstance(size, int) and not isinstance(size, bool) and size > _MAX_TEMPLATE_VALUE:
+    _too_big(f"str.{name}")
 
 
 def _render_time_filter(name: str, func):
@@ -279,12 +358,31 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
   """Jinja's code generator with `~` joined by `_checked_concat` (and never folded)."""
 
   def visit_For(self, node, frame):
-    """The loop's iterable read through `environment.counted_turns` (a turn an item)."""
+    """The loop's iterable read through `environment.counted_turns` (a turn an item), a
+    recursive loop's inner ones (`loop(x)`) too."""
     counted = jinja2.nodes.EnvironmentAttribute("counted_turns", lineno=node.iter.lineno)
     if not (isinstance(node.iter, jinja2.nodes.Call) and node.iter.node == counted):
       node.iter = jinja2.nodes.Call(counted, [node.iter], [], None, None,
                                     lineno=node.iter.lineno)
-    super().visit_For(node, frame)
+    outer, self._recursive_loop = getattr(self, "_recursive_loop", False), node.recursive
+    try:
+      super().visit_For(node, frame)
+    finally:
+      self._recursive_loop = outer
+
+  def write(self, x: str) -> None:
+    # Jinja writes a recursive loop's iterable as this one word (`visit_For`).
+    if x == "reciter" and getattr(self, "_recursive_loop", False):
+      x = "environment.counted_turns(reciter)"
+    super().write(x)
+
+  def visit_Compare(self, node, frame):
+    self.write("environment.checked_compare(")
+    self.visit(node.expr, frame)
+    for operand in node.ops:
+      self.write(f", {operand.op!r}, ")
+      self.visit(operand.expr, frame)
+    self.write(")")
 
   def visit_Concat(self, node, frame):
     self.write("environment.checked_concat((")
@@ -319,9 +417,10 @@ class _ChatTemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
   of a checkpoint's metadata) took 3 GB when the checkpoint was checked, and
   `'x'|center(300000000)` 300 MB. Operators are intercepted (Jinja folds none of those)
   and checked when they run, `~` too; filters run at render only, what center, indent,
-  format, join and replace make bounded; the rendered text is bounded, and so is one
-  render's work: loop turns, calls, operators and filters, each a turn and one more per
-  4096 characters it reads (`_MAX_TEMPLATE_TURNS`: a loop nested in a loop of 100,000
+  format, join and replace make bounded (str methods' ljust, center, zfill, expandtabs,
+  replace, format too); the rendered text is bounded, and so is one render's work: loop
+  turns, calls, operators, comparisons and filters, each a step and one more per 4096
+  characters or items it reads (`_MAX_TEMPLATE_TURNS`: a loop nested in a loop of 100,000
   turns each, writing nothing, ran for hours)."""
   intercepted_binops = frozenset({"*", "**", "+", "%"})
   code_generator_class = _BoundedCodeGenerator
@@ -331,10 +430,12 @@ class _ChatTemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     super().__init__(*args, **kwargs)
     self.checked_concat = _checked_concat
     self.counted_turns = _counted_turns
+    self.checked_compare = _checked_compare
 
   def call(__self, __context, __obj, *args, **kwargs):  # pylint: disable=no-self-argument
     # (a macro calling itself twice: 2**depth calls; a str method reads its str)
     _take_turn(_size(getattr(__obj, "__self__", None)) + sum(map(_size, args)))
+    _check_str_method(__obj, args, kwargs)
     return super().call(__context, __obj, *args, **kwargs)
 
   def call_binop(self, context, operator, left, right):

@@ -176,8 +176,8 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
   """Bounding what a template makes did not bound its time: two nested loops of 100,000
   turns writing nothing, a macro calling itself twice per level, a loop that copies or
   scans a 16 Mi-character text each turn ran for hours. Now a render has a budget of steps
-  (a turn, a call, an operator, a filter, and one more per 4096 characters each reads) and
-  a clock; real templates take ~6-10 steps a message."""
+  (a turn, a call, an operator, a comparison, a filter, and one more per 4096 characters
+  or items each reads) and a clock; real templates take ~6-13 steps a message."""
   import time
 
   from o1jax.checkpoint import tokenizer
@@ -202,12 +202,40 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
   with pytest.raises(ValueError, match=steps + "16,384 steps"):
     recursion.apply_chat_template(message)
   monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_SECONDS", 0.5)
-  scans = _tokenizer_with_template(  # (one step a turn: the clock stops it)
+  monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_TURNS", 1 << 40)  # (the clock alone)
+  scans = _tokenizer_with_template(
       "{% set s = 'x' * 16000000 %}{% for i in range(10000) %}{% set t = 'y' in s %}"
       "{% endfor %}")
   with pytest.raises(ValueError, match=r"^chat template failed to render these messages: "
                                        r"SecurityError: rendering took more than 0.5 s$"):
     scans.apply_chat_template(message)
+  # What one step did uncounted (session red-team): comparing lists of lists, a recursive
+  # loop's inner items, str methods making 0.4-1 G characters.
+  monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_TURNS", 1 << 20)
+  monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_SECONDS", 10.0)
+  start = time.perf_counter()
+  for bomb, what in (
+      ("{% set z = [0] * 3000000 %}{% set y = z[:-1] + [1] %}{{ y in [z] * 3000 }}",
+       "SecurityError: a repetition would make more than"),
+      ("{% set z = [0] * 3000000 %}{{ z[:-1] in [" + ", ".join(["z"] * 3000) + "] }}",
+       "SecurityError: more than 1,048,576 steps"),
+      ("{% set z = [0] * 16000000 %}{% for x in [z] recursive %}{% if x is iterable %}"
+       "{{ loop(x) }}{% endif %}{% endfor %}", "SecurityError: more than 1,048,576 steps"),
+      ("{{ ('\t' * 16000000).expandtabs(64) | length }}", "SecurityError: str.expandtabs would"),
+      ("{{ 'x'.ljust(400000000) | length }}", "SecurityError: str.ljust would make more than"),
+      ("{{ '{:>400000000}'.format(1) | length }}", "SecurityError: str.format would make"),
+      ("{{ '{:.400000000f}'.format(1.0) | length }}", "SecurityError: str.format would make")):
+    with pytest.raises(ValueError, match="^chat template failed to render these messages: " + what):
+      _tokenizer_with_template(bomb).apply_chat_template(message)
+  assert time.perf_counter() - start < 20
+  ordinary = _tokenizer_with_template(
+      "{% for m in messages %}{{ m.role == 'user' }}{{ 'h' in m.content }}{{ 1 < 2 < 3 }}"
+      "{{ m.role in ['user', 'system'] }}{{ 3 not in [1, 2] }}{% endfor %}|"
+      "{{ '{:>5}|{:.2f}'.format(1, 2.5) }}{{ 'ab'.ljust(4) }}|{{ 'a\tb'.expandtabs(4) }}|"
+      "{% for m in [[1, [2, 3]], 4] recursive %}{% if m is iterable %}[{{ loop(m) }}]"
+      "{% else %}{{ m }}{% endif %}{% endfor %}")
+  assert ordinary.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+      "TrueTrueTrueTrueTrue|    1|2.50ab  |a   b|[1[23]]4")
   # Loop variables, filtered and recursive loops, `else` read as before.
   loops = _tokenizer_with_template(
       "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '!' if loop.last }}"
