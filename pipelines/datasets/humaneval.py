@@ -41,55 +41,81 @@ def check_test_text(test: str, entry_point: str) -> None:
   except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte
     where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
     raise RecordError(f"field 'test' is not Python: {getattr(e, 'msg', e)}{where}") from None
-  # What `check` is when the harness calls it: its last binding at module level, in the
-  # blocks the module runs too (`if`, `try`, ...); not inside a function or class.
-  last = None
-  for node in _module_level_bindings(tree.body, "check"):
-    last = node
-  if last is None:
+  # What `check` is when the harness calls it: decided by its last binding that surely
+  # runs (module level, a `try`'s body, a `with`); a def that may run (in an `if`, a
+  # loop, an `except`) gives the benefit of the doubt, a binding that may run otherwise
+  # does not count.
+  verdict = None  # None: never bound; "" a function; else why not
+  for node, surely in _module_level_bindings(tree.body, "check"):
+    why = _not_a_check(node)
+    if surely or not why:
+      verdict = why
+  if verdict is None:
     raise RecordError("field 'test' defines no check(candidate) function")
-  line = f" (line {last.lineno})"
-  if isinstance(last, ast.FunctionDef):
-    if not (last.args.posonlyargs or last.args.args or last.args.vararg):
-      raise RecordError(f"field 'test': check(){line} takes no argument (the harness calls "
-                        f"check(candidate))")
-  elif isinstance(last, ast.AsyncFunctionDef):
-    raise RecordError(f"field 'test': check{line} is an async def (calling it runs no test)")
-  elif isinstance(last, ast.Delete):
-    raise RecordError(f"field 'test' deletes check{line}")
-  elif isinstance(last, (ast.Assign, ast.AnnAssign)) and isinstance(last.value, _NOT_CALLABLE):
-    raise RecordError(f"field 'test' binds check to a {type(last.value).__name__.lower()}"
-                      f"{line}, not a function")
+  if verdict:
+    raise RecordError(f"field 'test' {verdict}")
 
 
 # Values an assignment binds that no call can run (`check = 5`, `check = None`).
 _NOT_CALLABLE = (ast.Constant, ast.List, ast.Tuple, ast.Dict, ast.Set, ast.JoinedStr,
-                 ast.ListComp, ast.DictComp, ast.SetComp, ast.GeneratorExp)
+                 ast.ListComp, ast.DictComp, ast.SetComp, ast.GeneratorExp, ast.Compare)
 
 
-def _module_level_bindings(body: list, name: str) -> Iterator[ast.AST]:
-  """The statements that bind or delete `name`, in source order, in `body` and the blocks
-  it runs itself (if / for / while / with / try / match), not in function or class bodies."""
+def _no_function(value: ast.AST) -> bool:
+  return isinstance(value, _NOT_CALLABLE) or (  # (`check = -1`)
+      isinstance(value, ast.UnaryOp) and isinstance(value.operand, ast.Constant))
+
+
+def _not_a_check(node: ast.AST) -> str:
+  """Why `node`'s binding of check is no check(candidate) function, "" if it may be one."""
+  line = f" (line {node.lineno})"
+  if isinstance(node, (ast.FunctionDef, ast.Lambda)) or (
+      isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda)):
+    args = (node.value if isinstance(node, ast.Assign) else node).args
+    if not (args.posonlyargs or args.args or args.vararg):
+      return f"binds check{line} to a function that takes no argument (the harness calls " \
+             f"check(candidate))"
+    return ""
+  if isinstance(node, ast.AsyncFunctionDef):
+    return f"binds check{line} to an async def (calling it runs no test)"
+  if isinstance(node, ast.Delete):
+    return f"deletes check{line}"
+  direct = (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "check"
+                                                 for t in node.targets)
+            or isinstance(node, ast.AnnAssign))  # (not unpacking: check, n = f, 1)
+  if direct and _no_function(node.value):
+    return f"binds check to a {type(node.value).__name__.lower()}{line}, not a function"
+  return ""  # (a call's result, an import, a class, unpacking: may be callable)
+
+
+def _module_level_bindings(body: list, name: str, surely: bool = True
+                           ) -> Iterator[tuple[ast.AST, bool]]:
+  """(statement, whether it surely runs) for each statement that binds or deletes `name`,
+  in source order, in `body` and the blocks the module runs itself, not in function or
+  class bodies. `check: T` without a value binds nothing."""
   for node in body:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
       if node.name == name:
-        yield node
+        yield node, surely
       continue
     targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else
-               [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For,
-                                                  ast.AsyncFor)) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.For, ast.AsyncFor)) or (
+                   isinstance(node, ast.AnnAssign) and node.value is not None) else
                [item.optional_vars for item in node.items if item.optional_vars]
                if isinstance(node, (ast.With, ast.AsyncWith)) else [])
     if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
-      yield node
+      yield node, surely and not isinstance(node, (ast.For, ast.AsyncFor))
     if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
         (alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
-      yield node
+      yield node, surely
+    # A try's body and finally, a with's body run; if/else, loops, handlers, cases may not.
     for block in ("body", "handlers", "cases", "orelse", "finalbody"):
+      runs = surely and (block == "finalbody" or block == "body" and isinstance(
+          node, (ast.Try, ast.With, ast.AsyncWith) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())))
       for child in getattr(node, block, None) or ():
         yield from _module_level_bindings(
             child.body if isinstance(child, (ast.ExceptHandler, ast.match_case)) else [child],
-            name)
+            name, runs)
 
 
 def example_from_humaneval_record(obj: dict, *, dataset: str = DATASET) -> Example:

@@ -57,8 +57,20 @@ def test_records_the_sandbox_could_never_pass_are_dead_letters(tmp_path):
            ({"test": "def check(c):\n  pass\ncheck = None\n"},
             "field 'test' binds check to a constant (line 3), not a function"),
            ({"entry_point": "class"}, "field 'entry_point' must be a Python name, got 'class'"),
-           ({"test": "def check():\n  pass\n"}, "field 'test': check() (line 1) takes no "),
-           ({"test": "async def check(c):\n  pass\n"}, "field 'test': check (line 1) is an "),
+           ({"test": "def check():\n  pass\n"},
+            "field 'test' binds check (line 1) to a function that takes no argument"),
+           ({"test": "async def check(c):\n  pass\n"},
+            "field 'test' binds check (line 1) to an async def"),
+           # (session red-team) an annotation binds nothing; a lambda without a parameter,
+           # a negative number; a del that may not run, an if/else, unpacking are fine.
+           ({"test": "check: object\n"}, "field 'test' defines no check(candidate) function"),
+           ({"test": "check = lambda: None\n"}, "field 'test' binds check (line 1) to a "
+                                                 "function that takes no argument"),
+           ({"test": "check = -1\n"}, "field 'test' binds check to a unaryop (line 1)"),
+           ({"test": "def check(c):\n  pass\ntry:\n  pass\nexcept Exception:\n  del check\n"},
+            None),
+           ({"test": "if X:\n  def check(c):\n    pass\nelse:\n  check = None\n"}, None),
+           ({"test": "check, n = (lambda c: None), 1\n"}, None),
            ({"test": "def check(c):\n  pass\ndel check\n"}, "field 'test' deletes check (line 3)"),
            # Before: a dead letter, though the module defines check when it runs.
            ({"test": "if True:\n  def check(c):\n    assert c() == 1\n"}, None),
