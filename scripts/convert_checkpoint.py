@@ -3,49 +3,95 @@
   python scripts/convert_checkpoint.py embedded /tmp/smollm2-orbax
   python scripts/convert_checkpoint.py model.gguf out_dir --format=safetensors
 
-Prints how long loading the source and the result take, side by side.
+The copy is written beside the destination (a hidden `.NAME.converting-PID` directory)
+and renamed into place whole: a conversion stopped at any point leaves the destination as
+it was, never a copy that loads with part of its files (a missing tokenizer_config.json
+loaded as a tokenizer without BOS and chat template). Prints how long loading the source
+and the result take, side by side.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
+import signal
 import sys
-import time
 
-from o1jax.checkpoint import CheckpointError, load_checkpoint
-from o1jax.checkpoint.errors import new_checkpoint_dir
-from o1jax.checkpoint.orbax_io import save_orbax
-from o1jax.checkpoint.safetensors_loader import save_safetensors
+_CLEANUP: list = []  # what a stop removes: the partial copy, directories made for it
+
+if __name__ == "__main__":  # before the imports below (~2 s)
+  def _stopped(signum, frame):
+    # (a KeyboardInterrupt raised while JAX starts lands in one of its gc callbacks,
+    # where Python ignores it: the conversion went on and exited 0)
+    for remove in reversed(_CLEANUP):
+      remove()
+    print(f"\nstopped by {signal.Signals(signum).name}: the destination is as it was",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+  signal.signal(signal.SIGINT, _stopped)
+  signal.signal(signal.SIGTERM, _stopped)
+
+import argparse  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from o1jax.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from o1jax.checkpoint.errors import new_checkpoint_dir  # noqa: E402
+from o1jax.checkpoint.orbax_io import save_orbax  # noqa: E402
+from o1jax.checkpoint.safetensors_loader import save_safetensors  # noqa: E402
+
+
+def _first_missing(path: pathlib.Path) -> pathlib.Path | None:
+  """The outermost directory of `path` (itself included) that does not exist yet."""
+  missing = None
+  for p in (path, *path.parents):
+    if p.exists():
+      break
+    missing = p
+  return missing
 
 
 def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   if fmt not in ("orbax", "safetensors"):
     raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
-  existed = os.path.exists(dst)
+  made = _first_missing(pathlib.Path(str(dst)).expanduser().absolute()) if str(dst).strip() else None
   out = new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
+  staging = out.parent / f".{out.name}.converting-{os.getpid()}"
+
+  def remove() -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    if made is not None:  # (the directories made for it, not only the leaf)
+      shutil.rmtree(made, ignore_errors=True)
+    elif out.is_dir():
+      for child in out.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+  _CLEANUP.append(remove)
   try:
     t0 = time.perf_counter()
     ck = load_checkpoint(src)
     src_s = time.perf_counter() - t0
-    if fmt == "orbax":
-      save_orbax(dst, ck.config, ck.params, ck.tokenizer)
-    else:  # safetensors (the format was checked first)
-      save_safetensors(dst, ck.config, ck.params)
-      ck.tokenizer.save(dst)
+    try:
+      if fmt == "orbax":
+        save_orbax(staging, ck.config, ck.params, ck.tokenizer)
+      else:  # safetensors (the format was checked first)
+        save_safetensors(staging, ck.config, ck.params)
+        ck.tokenizer.save(staging)
+      os.replace(staging, out)  # (out is an empty directory: replaced whole)
+    except CheckpointError:
+      raise
+    except Exception as e:  # a full disk, a read-only place: the writers' own errors
+      raise CheckpointError(f"{out}: cannot write the checkpoint: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")) from e
     t0 = time.perf_counter()
-    load_checkpoint(dst)  # what was written loads (else it is removed: no broken copy stays)
+    load_checkpoint(out)  # what was written loads (else it is removed: no broken copy stays)
     dst_s = time.perf_counter() - t0
   except BaseException:
-    # The destination as it was (absent, or empty): a refused save left an empty directory
-    # and a copy that did not load stayed, refused by every later load and rerun.
-    if existed:
-      for child in out.iterdir():
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
-    else:
-      shutil.rmtree(out, ignore_errors=True)
+    remove()  # the destination as it was (absent, or empty)
     raise
+  finally:
+    _CLEANUP.remove(remove)
   return {"source_format": ck.format, "source_load_s": src_s, "converted_load_s": dst_s}
 
 

@@ -45,10 +45,14 @@ def save_orbax(directory: str | os.PathLike, config: ModelConfig, params: Params
   # Orbax treats dots in keys as nothing special, but keep keys path-safe anyway.
   with ocp.PyTreeCheckpointer() as ckpt:
     ckpt.save(directory / "params", {k.replace(".", "/"): v for k, v in arrays.items()})
+  tokenizer.save(directory / "tokenizer")
+  # The manifest last: it makes the directory a checkpoint (a save stopped before it left
+  # one that loaded without tokenizer_config.json: no BOS, the ChatML fallback template).
   manifest = {"config": json.loads(config.to_json()), "param_spec": spec,
               "checksums": {k: _checksum(v) for k, v in arrays.items()}}
-  (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-  tokenizer.save(directory / "tokenizer")
+  manifest_tmp = directory / (MANIFEST + ".tmp")
+  manifest_tmp.write_text(json.dumps(manifest, indent=2))
+  os.replace(manifest_tmp, directory / MANIFEST)
 
 
 def _read_manifest(directory: pathlib.Path) -> tuple[dict, ModelConfig]:

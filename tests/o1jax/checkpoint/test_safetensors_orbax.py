@@ -125,6 +125,56 @@ def test_a_conversion_that_fails_leaves_the_destination_as_it_was(tmp_path):
   assert convert.convert(str(gemma), str(tmp_path / "new"))["source_format"] == "gguf"
 
 
+def test_a_conversion_stopped_or_out_of_space_leaves_no_copy_that_loads(tmp_path, monkeypatch):
+  """A conversion killed between tokenizer.json and tokenizer_config.json left a copy that
+  loaded with no BOS and the ChatML fallback template (session red-team); a full disk was
+  a traceback; a failed conversion left the parent directories it made. The copy is now
+  written beside the destination and renamed into place; save_orbax writes its manifest
+  last."""
+  import errno
+  import importlib.util
+
+  from o1jax.checkpoint import orbax_io, tokenizer as tokenizer_module
+  spec = importlib.util.spec_from_file_location(
+      "convert_checkpoint", pathlib.Path(__file__).resolve().parents[3] / "scripts" / "convert_checkpoint.py")
+  convert = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(convert)
+  src = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(src, testing.tiny_config(), seed=3)
+  real_save = tokenizer_module.Tokenizer.save
+
+  def stopped_halfway(self, directory):
+    real_save(self, directory)
+    (pathlib.Path(directory) / "tokenizer_config.json").unlink()  # as if killed before it
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(tokenizer_module.Tokenizer, "save", stopped_halfway)
+  for fmt in ("orbax", "safetensors"):
+    with pytest.raises(KeyboardInterrupt):
+      convert.convert(str(src), str(tmp_path / "a" / "b" / fmt), fmt)
+    assert not (tmp_path / "a").exists()  # (the parents it made too)
+  # save_orbax itself: a stop in the tokenizer leaves no manifest, so no checkpoint.
+  ck = load_checkpoint(src)
+  with pytest.raises(KeyboardInterrupt):
+    orbax_io.save_orbax(tmp_path / "direct", ck.config, ck.params, ck.tokenizer)
+  with pytest.raises(CheckpointError, match="directory holds neither o1jax_model.json"):
+    load_checkpoint(tmp_path / "direct")
+  monkeypatch.setattr(tokenizer_module.Tokenizer, "save", real_save)
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(convert, "save_safetensors", full)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(CheckpointError, match=r"/empty: cannot write the checkpoint: OSError: "
+                                            r"\[Errno 28\] No space left on device$"):
+    convert.convert(str(src), str(tmp_path / "empty"), "safetensors")
+  assert list(tmp_path.glob(".*converting*")) == [] and not any((tmp_path / "empty").iterdir())
+  monkeypatch.undo()
+  assert convert.convert(str(src), str(tmp_path / "empty"), "safetensors")["source_format"] == "gguf"
+  assert load_checkpoint(tmp_path / "empty").tokenizer.bos_id == ck.tokenizer.bos_id
+
+
 def test_hf_errors_name_the_file(tmp_path):
   with pytest.raises(CheckpointError, match="neither o1jax_model.json"):
     load_checkpoint(tmp_path)
