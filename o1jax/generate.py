@@ -105,6 +105,13 @@ def main(argv=None) -> int:
     params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               seed=args.seed)  # (checked before the model loads)
+    if not args.prompt:  # (the chat template alone made a prompt: "]]]" came back)
+      raise ValueError("--prompt is empty: give the message to answer")
+    if not args.model.strip():  # (was "directory holds neither ...", naming ".")
+      raise ValueError("--model is empty: name a checkpoint ('embedded', a .gguf file, an "
+                       "HF or orbax directory)")
+    if sys.stdout is None:  # (closed: every token's write raised AttributeError)
+      raise ValueError("stdout is closed: the answer has nowhere to go")
     if args.raw and args.system is not None:  # (it was dropped without a word)
       raise ValueError("--system goes into the chat template, which --raw leaves out: put it "
                        "in the prompt, or drop --raw")
@@ -164,8 +171,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the answer so far stays, with its numbers
       stopped = "stopped by Ctrl-C"
     finally:
-      if restore is not None:
-        signal.signal(signal.SIGINT, restore)
+      if restore is not None:  # (after a stop, a second Ctrl-C printed the stop again)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if stopped else restore)
     t_end = time.perf_counter()
   except (CheckpointError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -175,13 +182,19 @@ def main(argv=None) -> int:
     return 130
   except BrokenPipeError:
     return _reader_gone()
+  except OSError as e:  # stdout on a full disk, /dev/full: one line, not a traceback
+    print(f"error: cannot write the answer to stdout: {e.strerror or e}", file=sys.stderr)
+    return 1
   try:
     print(flush=True)  # (before the numbers on stderr)
   except BrokenPipeError:
     return _reader_gone()
+  except OSError as e:
+    print(f"error: cannot write the answer to stdout: {e.strerror or e}", file=sys.stderr)
+    return 1
+  first = f"{times[0] - t_start:.2f}s (incl. compile)" if times else "none"
   print(f"[{len(prompt_ids)} prompt tokens, {len(times)} generated; load {load_s:.1f}s, "
-        f"first token {(times[0] if times else t_end) - t_start:.2f}s (incl. compile), "
-        f"{_decode_text(decode_rate(times, t_end))}]", file=sys.stderr)
+        f"first token {first}, {_decode_text(decode_rate(times, t_end))}]", file=sys.stderr)
   if stopped:
     print(f"[{stopped}]", file=sys.stderr)
     return 130

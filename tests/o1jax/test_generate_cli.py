@@ -1,5 +1,6 @@
 """`python -m o1jax.generate` when the user stops it, pipes it, or picks what cannot run here."""
 
+import os
 import re
 import signal
 import subprocess
@@ -112,3 +113,26 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads():
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == ["error: --prompt is not valid UTF-8 text"]
+
+
+@pytest.mark.parametrize("args, stdout, message", [
+    # Before: the chat template alone was the prompt ("]]]", exit 0); "directory holds
+    # neither ..." naming "."; AttributeError and OSError tracebacks (exit 1).
+    (["--prompt", ""], None, "error: --prompt is empty: give the message to answer"),
+    (["--prompt", "hi", "--model", ""], None, "error: --model is empty: name a checkpoint "),
+    (["--prompt", "hi", "--max_new_tokens", "2"], "closed", "error: stdout is closed: "),
+    (["--prompt", "hi", "--max_new_tokens", "2"], "/dev/full",
+     "error: cannot write the answer to stdout: No space left on device"),
+])
+def test_an_empty_prompt_or_model_and_a_stdout_that_cannot_be_written_are_one_line(
+    args, stdout, message):
+  if stdout == "/dev/full" and not os.path.exists("/dev/full"):
+    pytest.skip("needs /dev/full")
+  target = subprocess.DEVNULL if stdout is None else (
+      open("/dev/full", "w") if stdout == "/dev/full" else None)
+  run = dict(stdout=target) if stdout != "closed" else dict(
+      stdout=None, preexec_fn=lambda: os.close(1))
+  out = subprocess.run([sys.executable, "-m", "o1jax.generate", *args], stderr=subprocess.PIPE,
+                       text=True, timeout=300, **run)
+  assert out.returncode in (1, 2) and out.stderr.strip().splitlines()[-1].startswith(message), \
+      out.stderr[-2000:]
