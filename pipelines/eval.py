@@ -172,8 +172,22 @@ def validate_argv(argv: Sequence[str]) -> None:
 def check_unused_overrides(config, argv: Sequence[str]) -> None:
   """A `--config.sampling.max_new_tokens=` for a reasoning-controller policy: its traces
   are bounded by its own token limits, so the value was ignored (and, part of the content
-  key, every sample was computed again for nothing). A ValueError naming what to set."""
+  key, every sample was computed again for nothing); a `--config.budget.*` setting with a
+  fixed budget; a policy's own live budget beside the controller's (its SLO unused). A
+  ValueError naming what to set."""
   flags_part = argv[:list(argv).index("--")] if "--" in argv else argv
+  budget = config.get("budget") or {}
+  if budget.get("mode", "fixed") == "fixed":  # (an SLO given with a fixed budget: no effect)
+    for a in flags_part:
+      given = re.match(r"--config\.budget\.(\w+)(=|$)", a)
+      if given and given.group(1) != "mode":
+        raise ValueError(f"budget.{given.group(1)} is not used: budget.mode is fixed; add "
+                         f"--config.budget.mode=adaptive")
+  policy_cfg = config.get("policy") or {}
+  if budget.get("mode") == "adaptive" and policy_cfg.get("adaptive") is True:
+    raise ValueError(f"policy.adaptive=True runs the policy's own budget (policy.latency_slo_s), "
+                     f"and budget.mode=adaptive gives the controller one that takes its place: "
+                     f"set one of them")
   if not any(re.match(r"--config\.sampling\.max_new_tokens(=|$)", a) for a in flags_part):
     return
   from o1jax.controller.registry import policy_class

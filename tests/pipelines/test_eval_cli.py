@@ -333,3 +333,16 @@ def test_max_new_tokens_a_controller_policy_does_not_use_is_refused(tmp_path):
   from pipelines.eval import check_unused_overrides, load_config_file
   plain = load_config_file("configs/gsm8k.py", "smoke=True")  # (greedy: per sample, used)
   check_unused_overrides(plain, ["eval", "--config.sampling.max_new_tokens=4"])
+  # A budget setting with a fixed budget; a policy's own live budget beside the
+  # controller's (both ran without a word; the policy's SLO was in the content key).
+  with pytest.raises(ValueError, match=r"^budget.latency_slo_s is not used: budget.mode is "
+                                       r"fixed; add --config.budget.mode=adaptive$"):
+    check_unused_overrides(plain, ["eval", "--config.budget.latency_slo_s=0.001"])
+  tvb = load_config_file("configs/gsm8k.py", "policy=think_verify_backtrack,smoke=True")
+  tvb.policy.adaptive = True
+  tvb.budget.mode = "adaptive"
+  with pytest.raises(ValueError, match=r"^policy.adaptive=True runs the policy's own budget"):
+    check_unused_overrides(tvb, ["eval"])
+  tvb.policy.adaptive = False
+  check_unused_overrides(tvb, ["eval", "--config.budget.mode=adaptive",
+                               "--config.budget.latency_slo_s=2"])
