@@ -185,9 +185,9 @@ def check_unused_overrides(config, argv: Sequence[str]) -> None:
                          f"--config.budget.mode=adaptive")
   policy_cfg = config.get("policy") or {}
   if budget.get("mode") == "adaptive" and policy_cfg.get("adaptive") is True:
-    raise ValueError(f"policy.adaptive=True runs the policy's own budget (policy.latency_slo_s), "
-                     f"and budget.mode=adaptive gives the controller one that takes its place: "
-                     f"set one of them")
+    raise ValueError("policy.adaptive=True runs the policy's own budget (policy.latency_slo_s), "
+                     "and budget.mode=adaptive gives the controller one that takes its place: "
+                     "set one of them")
   if not any(re.match(r"--config\.sampling\.max_new_tokens(=|$)", a) for a in flags_part):
     return
   from o1jax.controller.registry import policy_class
