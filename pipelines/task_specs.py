@@ -97,6 +97,9 @@ def _system(name: str) -> Optional[str]:
   return SYSTEM_PROMPTS.get(name, name) or None
 
 
+GSM_PROMPT_STYLES = ("shortshot", "zero_shot", "fewshot", "fewshot_chat")
+
+
 @dataclasses.dataclass(frozen=True)
 class GSMTask:
   """GSM8K-style math: synthetic or GSM8K JSONL; strict + flexible exact match."""
@@ -129,7 +132,7 @@ class GSMTask:
       return fewshot_messages(example.question), ()
     if style == "fewshot":
       return fewshot_prompt(example.question), COMPLETION_STOP_SEQUENCES
-    raise ValueError(f"prompt.style={style!r}: expected shortshot, zero_shot, fewshot or fewshot_chat")
+    raise ValueError(f"prompt.style={style!r}: expected one of {list(GSM_PROMPT_STYLES)}")
 
   def scoring_identity(self) -> dict:
     """What, beside the output, decides a verdict (part of every sample's content key)."""

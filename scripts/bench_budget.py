@@ -37,11 +37,14 @@ from o1jax.checkpoint import load_checkpoint
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
 from o1jax.engine.budget import BudgetConfig, BudgetLoop
+from o1jax.engine.kv_cache import KV_DTYPES
 from o1jax.model import Llama
+from o1jax.model.layers import MATMUL_DTYPES
 from pipelines.datasets import Example
-from pipelines.task_specs import GSMTask
+from pipelines.task_specs import GSM_PROMPT_STYLES as PROMPT_STYLES, GSMTask
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from script_args import (count, non_negative, output_file, positive,  # noqa: E402
+                         positive_numbers, user_errors)
 
 
 def percentiles(values, qs=(5, 50, 95, 99)) -> dict:
@@ -68,22 +71,24 @@ def run_open_loop(engine: Engine, prompts, arrivals, params: GenerationParams):
   return results, latencies, time.perf_counter() - t0
 
 
+@user_errors
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
-  ap.add_argument("--requests", type=int, default=48, help="requests per run")
-  ap.add_argument("--loads", default="0.6,1.0,1.4", help="offered loads, multiples of capacity")
-  ap.add_argument("--slots", type=int, default=8)
-  ap.add_argument("--max-new-tokens", type=int, default=96)
+  ap.add_argument("--requests", type=count(1), default=48, help="requests per run")
+  ap.add_argument("--loads", type=positive_numbers, default="0.6,1.0,1.4",
+                  help="offered loads, multiples of capacity")
+  ap.add_argument("--slots", type=count(1), default=8)
+  ap.add_argument("--max-new-tokens", type=count(1), default=96)
   # zero_shot + tutor: the model reasons at length, so a token limit binds (with shortshot
   # it answers in ~30 tokens and no budget above ~40 steps changes anything).
-  ap.add_argument("--prompt-style", default="zero_shot")
+  ap.add_argument("--prompt-style", default="zero_shot", choices=PROMPT_STYLES)
   ap.add_argument("--system", default="tutor")
-  ap.add_argument("--matmul-dtype", default="int8")
-  ap.add_argument("--kv-dtype", default="bfloat16")
-  ap.add_argument("--slo", type=float, default=0.0, help="seconds; 0 = S x --slo-factor")
-  ap.add_argument("--slo-factor", type=float, default=1.5)
-  ap.add_argument("--interval-ms", type=float, default=200.0)
+  ap.add_argument("--matmul-dtype", default="int8", choices=MATMUL_DTYPES)
+  ap.add_argument("--kv-dtype", default="bfloat16", choices=tuple(KV_DTYPES))
+  ap.add_argument("--slo", type=non_negative, default=0.0, help="seconds; 0 = S x --slo-factor")
+  ap.add_argument("--slo-factor", type=positive, default=1.5)
+  ap.add_argument("--interval-ms", type=positive, default=200.0)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", type=output_file, default="")
   ap.add_argument("--png", type=output_file, default="")
@@ -117,7 +122,7 @@ def main(argv=None):
   rng = np.random.default_rng(args.seed)
   gaps = rng.exponential(1.0, size=len(prompts))  # unit-rate gaps, scaled per load
   runs = []
-  for load in [float(x) for x in args.loads.split(",")]:
+  for load in args.loads:
     arrivals = np.cumsum(gaps) / (load * capacity)
     arrivals -= arrivals[0]
     for mode in ("fixed", "adaptive"):
@@ -202,4 +207,5 @@ def plot(runs, slo, path):
 
 
 if __name__ == "__main__":
-  main()
+  result = main()
+  sys.exit(result if isinstance(result, int) else 0)  # (2: a checkpoint that does not load)

@@ -33,6 +33,52 @@ def numbers(text: str) -> list[float]:
   return values
 
 
+def positive(text: str) -> float:
+  """A finite number > 0 (`--interval-ms 0` or `nan` failed after the model loaded)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+  if not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+  return value
+
+
+def non_negative(text: str) -> float:
+  """A finite number >= 0 (0: the script's default rule)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not 0 <= value < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+  return value
+
+
+def positive_numbers(text: str) -> list[float]:
+  """Comma-separated finite numbers > 0 (`--loads 0` spun forever on NaN arrival times)."""
+  values = numbers(text)
+  if not all(0 < v < float("inf") for v in values):
+    raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}")
+  return values
+
+
+def counts(low: int = 1):
+  """Comma-separated ints >= low ("1,2,4")."""
+  one = count(low)
+
+  def parse(text: str) -> list[int]:
+    parts = [x for x in text.split(",") if x.strip()]
+    if not parts:
+      raise argparse.ArgumentTypeError(f"expected comma-separated ints >= {low}, got {text!r}")
+    try:
+      return [one(x.strip()) for x in parts]
+    except argparse.ArgumentTypeError:
+      raise argparse.ArgumentTypeError(f"expected comma-separated ints >= {low}, got "
+                                       f"{text!r}") from None
+  return parse
+
+
 def levels(text: str) -> list[int]:
   """Synthetic GSM difficulty levels ("1,2"), each one the generator has."""
   from pipelines.datasets.gsm_synthetic import LEVELS  # pylint: disable=g-import-not-at-top

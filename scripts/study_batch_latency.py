@@ -34,7 +34,9 @@ from o1jax.model import Llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_engine import chat_prompts  # noqa: E402
-from script_args import output_file  # noqa: E402
+from o1jax.engine.kv_cache import KV_DTYPES  # noqa: E402
+from o1jax.model.layers import MATMUL_DTYPES  # noqa: E402
+from script_args import count, counts, output_file, user_errors  # noqa: E402
 
 
 def peak_read_gb_s(mib: int = 512, repeats: int = 5) -> float:
@@ -62,13 +64,14 @@ def weight_bytes(model) -> int:
                  if not (untied and n.startswith("['embed']"))))
 
 
+@user_errors
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
-  ap.add_argument("--batches", default="1,2,4,8,16,32,64,128")
-  ap.add_argument("--new-tokens", type=int, default=48)
-  ap.add_argument("--matmul-dtype", default="int8")
-  ap.add_argument("--kv-dtype", default="bfloat16")
+  ap.add_argument("--batches", type=counts(1), default="1,2,4,8,16,32,64,128")
+  ap.add_argument("--new-tokens", type=count(1), default=48)
+  ap.add_argument("--matmul-dtype", default="int8", choices=MATMUL_DTYPES)
+  ap.add_argument("--kv-dtype", default="bfloat16", choices=tuple(KV_DTYPES))
   ap.add_argument("--json", type=output_file, default="")
   ap.add_argument("--png", type=output_file, default="")
   args = ap.parse_args(argv)
@@ -83,7 +86,7 @@ def main(argv=None):
   peak = peak_read_gb_s()
   print(f"weights {weights / 2**20:.1f} MiB; KV {kv_per_token} B per token; "
         f"measured peak read {peak:.1f} GB/s")
-  batches = [int(b) for b in args.batches.split(",")]
+  batches = args.batches
   prompts = chat_prompts(ck.tokenizer, max(batches))
   params = GenerationParams(max_new_tokens=args.new_tokens, ignore_eos=True)
   rows = []
@@ -148,4 +151,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  result = main()
+  sys.exit(result if isinstance(result, int) else 0)  # (2: a checkpoint that does not load)

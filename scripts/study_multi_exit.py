@@ -32,7 +32,9 @@ from o1jax.model import Llama
 from pipelines.datasets import Example
 from pipelines.task_specs import GSMTask
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from o1jax.engine.kv_cache import KV_DTYPES  # noqa: E402
+from o1jax.model.layers import MATMUL_DTYPES  # noqa: E402
+from script_args import count, counts, output_file, user_errors  # noqa: E402
 
 
 def truncated(ck, exit_layer: int, matmul_dtype: str) -> Llama:
@@ -45,27 +47,34 @@ def truncated(ck, exit_layer: int, matmul_dtype: str) -> Llama:
   return Llama(config, params, matmul_dtype=matmul_dtype)
 
 
+@user_errors
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
-  ap.add_argument("--exits", default="8,16,0", help="layers of each exit; 0 = full depth")
-  ap.add_argument("--problems", type=int, default=200)
-  ap.add_argument("--max-new-tokens", type=int, default=160)
-  ap.add_argument("--slots", type=int, default=32)
-  ap.add_argument("--matmul-dtype", default="int8")
-  ap.add_argument("--kv-dtype", default="bfloat16")
+  ap.add_argument("--exits", type=counts(0), default="8,16,0",
+                  help="layers of each exit; 0 = full depth")
+  ap.add_argument("--problems", type=count(1), default=200)
+  ap.add_argument("--max-new-tokens", type=count(1), default=160)
+  ap.add_argument("--slots", type=count(1), default=32)
+  ap.add_argument("--matmul-dtype", default="int8", choices=MATMUL_DTYPES)
+  ap.add_argument("--kv-dtype", default="bfloat16", choices=tuple(KV_DTYPES))
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", type=output_file, default="")
   args = ap.parse_args(argv)
 
   enable_compilation_cache()
   ck = load_checkpoint(args.source)
+  deeper = [e for e in args.exits if e > ck.config.n_layers]
+  if deeper:  # (it ran every layer and labelled the row with the number asked for)
+    print(f"error: --exits {deeper[0]}: the model has {ck.config.n_layers} layers",
+          file=sys.stderr)
+    return 2
   task = GSMTask(dataset={"name": "gsm_synthetic", "n": args.problems, "seed": args.seed,
                           "levels": (1, 2)},
                  prompt_cfg={"style": "zero_shot", "system": "tutor"})
   examples = [e for e in task.load() if isinstance(e, Example)]
   rows = []
-  for exit_layer in [int(x) for x in args.exits.split(",")]:
+  for exit_layer in args.exits:
     model = truncated(ck, exit_layer, args.matmul_dtype)
     engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=args.slots, kv_dtype=args.kv_dtype,
                                                       kv_cache_bytes=256 << 20,
@@ -107,4 +116,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  result = main()
+  sys.exit(result if isinstance(result, int) else 0)  # (2: a checkpoint that does not load)

@@ -3,6 +3,7 @@ the DeepConf threshold calibration, the sampling benchmark and bench_policies' s
 
 import importlib.util
 import json
+import re
 import pathlib
 
 import numpy as np
@@ -443,6 +444,31 @@ def test_study_multi_exit_runs_each_exit(tiny_gguf):
   assert [(r["exit_layer"], r["full_depth"]) for r in out["rows"]] == [(1, False), (2, True)]
   for r in out["rows"]:
     assert 0 <= r["accuracy"] <= 1 and 0 < r["mean_tokens"] <= 5 and r["decode_tok_s"] > 0
+  # An exit past the model's layers ran them all, labelled "layer 99".
+  assert load("study_multi_exit").main(["--source", tiny_gguf, "--exits", "99"]) == 2
+
+
+@pytest.mark.parametrize("script, flags", [
+    # Before: tracebacks after the model loaded, or (--loads 0) a loop on NaN arrivals.
+    ("bench_budget", ["--requests", "0"]), ("bench_budget", ["--loads", "0"]),
+    ("bench_budget", ["--loads", "abc"]), ("bench_budget", ["--interval-ms", "nan"]),
+    ("bench_budget", ["--slo", "-1"]), ("bench_budget", ["--kv-dtype", "foo"]),
+    ("bench_budget", ["--prompt-style", "foo"]),
+    ("study_batch_latency", ["--batches", "1,x"]), ("study_batch_latency", ["--new-tokens", "0"]),
+    ("study_multi_exit", ["--problems", "0"]), ("study_multi_exit", ["--exits", "-1"]),
+])
+def test_latency_scripts_refuse_bad_flags_before_any_work(script, flags, capsys):
+  with pytest.raises(SystemExit) as e:
+    load(script).main(flags)
+  assert e.value.code == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert re.search(r": error: argument --[\w-]+: (expected|invalid choice)", last), last
+
+
+def test_latency_scripts_name_a_checkpoint_that_does_not_load(tmp_path, capsys):
+  for script in ("bench_budget", "study_batch_latency", "study_multi_exit"):
+    assert load(script).main(["--source", str(tmp_path / "missing.gguf")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_bench_prefill_times_every_backend_and_chunk(tiny_gguf, capsys):
