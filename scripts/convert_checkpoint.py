@@ -4,9 +4,10 @@
   python scripts/convert_checkpoint.py model.gguf out_dir --format=safetensors
 
 The copy is written beside the destination (a hidden `.NAME.converting-PID` directory)
-and renamed into place whole: a conversion stopped at any point leaves the destination as
-it was, never a copy that loads with part of its files (a missing tokenizer_config.json
-loaded as a tokenizer without BOS and chat template). Prints how long loading the source
+and renamed into place whole (into an existing empty destination: written inside it and
+moved up, the file that makes it a checkpoint last): a conversion stopped at any point
+leaves no copy that loads with part of its files (a missing tokenizer_config.json loaded
+as a tokenizer without BOS and chat template). Prints how long loading the source
 and the result take, side by side.
 """
 
@@ -52,12 +53,29 @@ def _first_missing(path: pathlib.Path) -> pathlib.Path | None:
   return missing
 
 
+# The files that make a directory a checkpoint for the loader: moved last.
+_MARKERS = ("o1jax_model.json", "config.json")
+
+
+def _move_up(staging: pathlib.Path, out: pathlib.Path) -> None:
+  """Moves `staging`'s entries into `out` (its parent), the loader's marker file last: a
+  stop midway leaves no directory that loads."""
+  entries = sorted(staging.iterdir(), key=lambda p: p.name in _MARKERS)
+  for entry in entries:
+    os.replace(entry, out / entry.name)
+  staging.rmdir()
+
+
 def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   if fmt not in ("orbax", "safetensors"):
     raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
   made = _first_missing(pathlib.Path(str(dst)).expanduser().absolute()) if str(dst).strip() else None
   out = new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
-  staging = out.parent / f".{out.name}.converting-{os.getpid()}"
+  # A destination made here is written beside it and renamed whole; an existing (empty)
+  # one, perhaps a mount point, is written inside it and its files moved up, the file
+  # that makes the directory a checkpoint last (`_move_up`).
+  staging = (out.parent / f".{out.name}.converting-{os.getpid()}" if made is not None
+             else out / f".converting-{os.getpid()}")
 
   def remove() -> None:
     shutil.rmtree(staging, ignore_errors=True)
@@ -78,7 +96,10 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
       else:  # safetensors (the format was checked first)
         save_safetensors(staging, ck.config, ck.params)
         ck.tokenizer.save(staging)
-      os.replace(staging, out)  # (out is an empty directory: replaced whole)
+      if made is not None:
+        os.replace(staging, out)  # (out is an empty directory made here: replaced whole)
+      else:
+        _move_up(staging, out)
     except CheckpointError:
       raise
     except Exception as e:  # a full disk, a read-only place: the writers' own errors
