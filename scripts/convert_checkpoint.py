@@ -33,6 +33,7 @@ if __name__ == "__main__":  # before the imports below (~2 s)
   signal.signal(signal.SIGTERM, _stopped)
 
 import argparse  # noqa: E402
+import glob  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -66,9 +67,31 @@ def _move_up(staging: pathlib.Path, out: pathlib.Path) -> None:
   staging.rmdir()
 
 
+def _remove_abandoned_staging(dst: pathlib.Path) -> None:
+  """Staging directories of conversions killed with kill -9 (their process is gone): in
+  the destination they made it "not empty" for every later conversion."""
+  for staging in (*dst.parent.glob(f".{glob.escape(dst.name)}.converting-*"),
+                  *(dst.glob(".converting-*") if dst.is_dir() else ())):
+    pid = staging.name.rsplit("-", 1)[1]
+    if pid.isdigit() and not _alive(int(pid)):
+      shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # (someone else's)
+    return True
+  return True
+
+
 def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   if fmt not in ("orbax", "safetensors"):
     raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
+  if str(dst).strip():
+    _remove_abandoned_staging(pathlib.Path(str(dst)).expanduser().absolute())
   made = _first_missing(pathlib.Path(str(dst)).expanduser().absolute()) if str(dst).strip() else None
   out = new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
   # A destination made here is written beside it and renamed whole; an existing (empty)

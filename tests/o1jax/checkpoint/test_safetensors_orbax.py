@@ -171,6 +171,9 @@ def test_a_conversion_stopped_or_out_of_space_leaves_no_copy_that_loads(tmp_path
     convert.convert(str(src), str(tmp_path / "empty"), "safetensors")
   assert list(tmp_path.glob(".*converting*")) == [] and not any((tmp_path / "empty").iterdir())
   monkeypatch.undo()
+  # What a conversion killed with kill -9 left (pid 2**22 + 1: above Linux's pid_max, no
+  # process) does not make the destination "not empty".
+  (tmp_path / "empty" / f".converting-{2**22 + 1}" / "params").mkdir(parents=True)
   assert convert.convert(str(src), str(tmp_path / "empty"), "safetensors")["source_format"] == "gguf"
   assert load_checkpoint(tmp_path / "empty").tokenizer.bos_id == ck.tokenizer.bos_id
 
