@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               seed=args.seed)  # (checked before the model loads)
-    if not args.prompt:  # (the chat template alone made a prompt: "]]]" came back)
+    if not args.prompt.strip():  # (the chat template alone made a prompt: "]]]" came back)
       raise ValueError("--prompt is empty: give the message to answer")
     if not args.model.strip():  # (was "directory holds neither ...", naming ".")
       raise ValueError("--model is empty: name a checkpoint ('embedded', a .gguf file, an "

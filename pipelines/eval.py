@@ -85,6 +85,14 @@ def _verbose(argv: Sequence[str]) -> bool:
 
 # -- command line -------------------------------------------------------------------
 
+def double_dash_config_flags(argv: Sequence[str]) -> list[str]:
+  """`-config...` flags (absl reads one dash as two) spelled `--config...`, so every check
+  of the command line sees them (`-config.budget.latency_slo_s=2` ran unchecked)."""
+  end = list(argv).index("--") if "--" in argv else len(argv)
+  return [("-" + a if i < end and re.match(r"-config($|[.=])", a) else a)
+          for i, a in enumerate(argv)]
+
+
 def _config_path_and_arg(argv: Sequence[str]) -> tuple[str, str]:
   spec = DEFAULT_CONFIG
   for i, a in enumerate(argv):
@@ -1082,6 +1090,7 @@ if __name__ == "__main__":
   # This process launches: a launcher's pid inherited from one that started it (a run from
   # a worker, a test) would make it watch that process as its workers do.
   os.environ.pop("O1JAX_EVAL_LAUNCHER_PID", None)  # (pipelines.beam.worker.LAUNCHER_PID_ENV)
+  sys.argv = double_dash_config_flags(sys.argv)
   try:
     validate_argv(sys.argv)
   except app.UsageError as e:

@@ -119,6 +119,7 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads():
     # Before: the chat template alone was the prompt ("]]]", exit 0); "directory holds
     # neither ..." naming "."; AttributeError and OSError tracebacks (exit 1).
     (["--prompt", ""], None, "error: --prompt is empty: give the message to answer"),
+    (["--prompt", " \n"], None, "error: --prompt is empty: give the message to answer"),
     (["--prompt", "hi", "--model", ""], None, "error: --model is empty: name a checkpoint "),
     (["--prompt", "hi", "--max_new_tokens", "2"], "closed", "error: stdout is closed: "),
     (["--prompt", "hi", "--max_new_tokens", "2"], "/dev/full",

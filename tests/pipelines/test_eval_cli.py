@@ -346,3 +346,8 @@ def test_max_new_tokens_a_controller_policy_does_not_use_is_refused(tmp_path):
   tvb.policy.adaptive = False
   check_unused_overrides(tvb, ["eval", "--config.budget.mode=adaptive",
                                "--config.budget.latency_slo_s=2"])
+  # absl reads one dash as two: so do the checks (the budget setting ran unchecked).
+  proc = _cli("--config=configs/gsm8k.py:smoke=True", "-config.budget.latency_slo_s=2",
+              f"--output_dir={tmp_path}/one_dash")
+  _assert_one_error_line(proc, "budget.latency_slo_s is not used: budget.mode is fixed; add "
+                               "--config.budget.mode=adaptive")

@@ -236,6 +236,13 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
       "{% else %}{{ m }}{% endif %}{% endfor %}")
   assert ordinary.apply_chat_template([{"role": "user", "content": "hi"}]) == (
       "TrueTrueTrueTrueTrue|    1|2.50ab  |a   b|[1[23]]4")
+  # A chain stops at its first false comparison, as Python's (the later operands were
+  # all evaluated first: raise_exception and Undefined reads raised).
+  chains = _tokenizer_with_template(
+      '{% if 1 > 2 < raise_exception("evaluated") %}x{% endif %}'
+      '{% if messages|length > 5 > messages[5].content|length %}x{% endif %}'
+      '{% set x = 5 %}{{ 1 < x < 10 < 20 }}{{ 1 < x < 3 < 20 }}ok')
+  assert chains.apply_chat_template(message) == "TrueFalseok"
   # Loop variables, filtered and recursive loops, `else` read as before.
   loops = _tokenizer_with_template(
       "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '!' if loop.last }}"
