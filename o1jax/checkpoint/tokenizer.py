@@ -165,9 +165,17 @@ _TURN_CHARS = 4096
 _MAX_TEMPLATE_SECONDS = 10.0
 
 
+# What one step may read: the budget is checked before a step runs, not during it (a step
+# charged most of the budget would run for minutes in C).
+_MAX_STEP_SIZE = 4 * _MAX_TEMPLATE_VALUE
+
+
 def _take_turn(size: int = 0) -> None:
   left = _turns_left.get()
   if left is not None:
+    if size > _MAX_STEP_SIZE:
+      raise jinja2.sandbox.SecurityError(f"a step reading more than {_MAX_STEP_SIZE:,} "
+                                         f"characters or items")
     left[0] -= 1 + size // _TURN_CHARS
     if left[0] < 0:
       raise jinja2.sandbox.SecurityError(f"more than {_MAX_TEMPLATE_TURNS:,} steps (loop "
@@ -222,10 +230,23 @@ def _checked_concat(parts) -> str:
   return "".join(texts)
 
 
+_SCALARS = (int, float, bool, type(None))
+
+
 def _deep_size(value, limit: int = _MAX_TEMPLATE_VALUE) -> int:
   """Characters and items of `value`, those of the strings and containers it holds too (a
   list holding a list of 3 M items 3,000 times is 9 G: comparing it is that much work),
   counted up to `limit` + 1."""
+  if isinstance(value, str):
+    return min(len(value), limit + 1)
+  if isinstance(value, _SCALARS):
+    return 0
+  # Templates cannot change a list or dict (the immutable sandbox): a render remembers
+  # each container's size, so the charge of the next step that reads it is O(1).
+  left = _turns_left.get()
+  known = left[2] if left is not None else {}
+  if id(value) in known:
+    return min(known[id(value)][1], limit + 1)
   total, stack = 0, [value]
   while stack and total <= limit:
     x = stack.pop()
@@ -233,11 +254,13 @@ def _deep_size(value, limit: int = _MAX_TEMPLATE_VALUE) -> int:
       total += len(x)
     elif isinstance(x, (list, tuple, set, frozenset)):
       total += len(x)
-      stack.extend(x)
+      stack.extend(e for e in x if not isinstance(e, _SCALARS))  # (numbers: no more)
     elif isinstance(x, dict):
       total += len(x)
       stack.extend(x.keys())
       stack.extend(x.values())
+  if not stack and left is not None:  # (exact: counted to the end; the value is kept so
+    known[id(value)] = (value, total)  # its id stays its own during the render)
   return min(total, limit + 1)
 
 
@@ -284,15 +307,42 @@ def _checked_compare(left, op: str, right):
   return _COMPARE[op](left, right)
 
 
+def _format_size(text: str, args, kwargs) -> int:
+  """An upper bound of `text.format(*args, **kwargs)`'s length: each field at most the
+  widest value or width (a width or precision in a spec, or from an argument: `{:{}}`;
+  `'{0}' * 2000` repeats a value 2,000 times). Escaped braces are text."""
+  import string
+  try:
+    fields = [(spec or "") for _, field, spec, _ in string.Formatter().parse(text)
+              if field is not None]
+  except ValueError:  # (format raises the same)
+    return 0
+  values = [*args, *kwargs.values()]
+  if args and isinstance(args[0], dict):  # (format_map)
+    values += list(args[0].values())
+  widest = max((24 if isinstance(v, (int, float)) else _deep_size(v) for v in values), default=0)
+  for spec in fields:
+    for n in re.findall(r"\d+", spec):
+      widest = max(widest, int(n) if len(n) <= 9 else _MAX_TEMPLATE_VALUE + 1)
+    if "{" in spec:  # a width from an argument
+      widest = max([widest] + [v for v in values if isinstance(v, int) and not isinstance(v, bool)])
+  return len(text) + len(fields) * widest
+
+
 def _check_str_method(method, args, kwargs) -> None:
   """What a str method called in a template would make, bounded before it runs:
   `'x'.ljust(4e8)`, `('\\t' * 16e6).expandtabs(64)` (1 G characters), `.replace`,
   `'{:>400000000}'.format(1)`."""
   method = getattr(method, "__wrapped__", method)  # (the sandbox wraps str.format)
   text = getattr(method, "__self__", None)
+  name = getattr(method, "__name__", "")
+  if isinstance(text, (list, tuple)) and name in ("count", "index") and args:
+    # (compares every item with the argument: 30,000 lists of 1 M items, 20 s, one step)
+    _take_turn(len(text) * (1 + _deep_size(args[0], _MAX_TEMPLATE_TURNS * _TURN_CHARS
+                                           // max(1, len(text)))))
+    return
   if not isinstance(text, str):
     return
-  name = getattr(method, "__name__", "")
   arg = lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default)
   size = 0
   if name in ("ljust", "rjust", "center", "zfill"):
@@ -303,12 +353,35 @@ def _check_str_method(method, args, kwargs) -> None:
   elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
     times = text.count(args[0]) if args[0] else len(text) + 1
     size = len(text) + times * (len(args[1]) - len(args[0]))
-  elif name in ("format", "format_map"):  # (a width or precision in a field's spec)
-    numbers = [n for spec in re.findall(r"\{[^{}]*?:([^{}]*)\}", text)
-               for n in re.findall(r"\d+", spec)]
-    size = max((int(n) if len(n) <= 9 else _MAX_TEMPLATE_VALUE + 1 for n in numbers), default=0)
+  elif name == "join" and args and isinstance(args[0], (list, tuple)):
+    size = _deep_size(args[0]) + len(text) * len(args[0])
+  elif name in ("format", "format_map"):
+    size = _format_size(text, args, kwargs)
   if isinstance(size, int) and not isinstance(size, bool) and size > _MAX_TEMPLATE_VALUE:
     _too_big(f"str.{name}")
+
+
+# Jinja's comparison tests, as the operators `_checked_compare` weighs.
+_TEST_OPS = {"eq": "eq", "equalto": "eq", "==": "eq", "ne": "ne", "!=": "ne", "lt": "lt",
+             "lessthan": "lt", "<": "lt", "le": "lteq", "<=": "lteq", "gt": "gt",
+             "greaterthan": "gt", ">": "gt", "ge": "gteq", ">=": "gteq", "in": "in"}
+
+
+def _counted_test(name: str, func):
+  """A test whose work is a step of the render (`y is in(L)`, `select('eq', y)` compared
+  big lists in one step, as `in` did)."""
+  import functools
+
+  from jinja2.utils import _PassArg
+  lead = 1 if _PassArg.from_obj(func) is not None else 0  # (the environment or context)
+  op = _TEST_OPS.get(name)
+
+  @functools.wraps(func)  # (keeps how Jinja passes its first argument)
+  def run(*args, **kwargs):
+    rest = args[lead:]
+    _take_turn(_compare_work(op, rest[0], rest[1]) if op and len(rest) > 1 else 0)
+    return func(*args, **kwargs)
+  return run
 
 
 def _render_time_filter(name: str, func):
@@ -324,6 +397,27 @@ def _render_time_filter(name: str, func):
       width = args[0] if args else kwargs.get("width", 0)
       if isinstance(width, int) and width > _MAX_TEMPLATE_VALUE:
         _too_big(f"{name}({width})")
+      # (indent writes its width on every line: 1,000 lines x 1e6 made 1 G characters)
+      lines = str(value).count("\n") + 1 if name == "indent" else 1
+      per_line = width if isinstance(width, int) else len(str(width))
+      if name == "indent" and lines * max(per_line, 0) > _MAX_TEMPLATE_VALUE:
+        _too_big(f"indent({width}) of {lines} lines")
+    elif name == "wordwrap":
+      width = args[0] if args else kwargs.get("width", 79)
+      wrap = args[2] if len(args) > 2 else kwargs.get("wrapstring") or "\n"
+      pieces = len(str(value)) // max(width, 1) + 1 if isinstance(width, int) else 1
+      if len(str(value)) + pieces * len(str(wrap)) > _MAX_TEMPLATE_VALUE:
+        _too_big("a wordwrap")
+    elif name == "batch":  # (the last batch is filled to linecount: 1e8 items in one step)
+      count = args[0] if args else kwargs.get("linecount", 0)
+      if isinstance(count, int) and count > _MAX_TEMPLATE_VALUE:
+        _too_big(f"batch({count})")
+    elif name == "sum":  # (lists added one by one: quadratic, unbounded)
+      start = args[1] if len(args) > 1 else kwargs.get("start", 0)
+      if isinstance(start, (str, list, tuple)):
+        value = list(value)
+        if _deep_size(start) + sum(_deep_size(v) for v in value) > _MAX_TEMPLATE_VALUE:
+          _too_big("a sum")
     elif name == "format":
       _check_format(value, args)
     elif name == "join" and not kwargs.get("attribute") and not isinstance(value, str):
@@ -408,7 +502,8 @@ class _BoundedTemplate(jinja2.Template):
   def render(self, *args, **kwargs) -> str:
     context = self.new_context(dict(*args, **kwargs))
     pieces, size = [], 0
-    turns = _turns_left.set([_MAX_TEMPLATE_TURNS, time.monotonic() + _MAX_TEMPLATE_SECONDS])
+    turns = _turns_left.set([_MAX_TEMPLATE_TURNS, time.monotonic() + _MAX_TEMPLATE_SECONDS,
+                             {}])
     try:
       for piece in self.root_render_func(context):
         size += len(piece)
@@ -468,6 +563,7 @@ def compile_chat_template(text: str) -> jinja2.Template:
       extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
   env.filters["tojson"] = _tojson
   env.filters = {name: _render_time_filter(name, f) for name, f in env.filters.items()}
+  env.tests = {name: _counted_test(name, f) for name, f in env.tests.items()}
   env.globals["raise_exception"] = _raise_template_error
   env.globals["strftime_now"] = _strftime_now
   try:

@@ -1345,8 +1345,9 @@ class Controller:
           ttft[i] = t_call - entry[1] + per_token
       if budget is not None:  # a loop call lasts about the budget's interval
         budget.observe_step(dt / trips)
+        # (min before int: an interval of 1e308 ms made inf, an OverflowError per batch)
         per_call = min(self.iterations_per_call or NEVER,
-                       max(1, int(budget.interval_s / max(dt / trips, 1e-6))))
+                       max(1, int(min(budget.interval_s / max(dt / trips, 1e-6), NEVER))))
       finished = [g for g in sorted(in_slot) if done[g * n:(g + 1) * n].all()]
       if finished:
         host = jax.device_get(state.replace(cache=None, knobs=None))

@@ -213,18 +213,33 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
   # loop's inner items, str methods making 0.4-1 G characters.
   monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_TURNS", 1 << 20)
   monkeypatch.setattr(tokenizer, "_MAX_TEMPLATE_SECONDS", 10.0)
+  big = ("{% set z = ('x' * 1000000) | list %}{% set y = z[:-1] + ['y'] %}"
+         "{% set L = (range(1) | batch(3000, z) | first)[1:] %}")  # (2,999 lists of 1 M)
   start = time.perf_counter()
   for bomb, what in (
       ("{% set z = [0] * 3000000 %}{% set y = z[:-1] + [1] %}{{ y in [z] * 3000 }}",
        "SecurityError: a repetition would make more than"),
       ("{% set z = [0] * 3000000 %}{{ z[:-1] in [" + ", ".join(["z"] * 3000) + "] }}",
-       "SecurityError: more than 1,048,576 steps"),
+       "SecurityError: a step reading more than 67,108,864 characters or items"),
       ("{% set z = [0] * 16000000 %}{% for x in [z] recursive %}{% if x is iterable %}"
        "{{ loop(x) }}{% endif %}{% endfor %}", "SecurityError: more than 1,048,576 steps"),
       ("{{ ('\t' * 16000000).expandtabs(64) | length }}", "SecurityError: str.expandtabs would"),
       ("{{ 'x'.ljust(400000000) | length }}", "SecurityError: str.ljust would make more than"),
       ("{{ '{:>400000000}'.format(1) | length }}", "SecurityError: str.format would make"),
-      ("{{ '{:.400000000f}'.format(1.0) | length }}", "SecurityError: str.format would make")):
+      ("{{ '{:.400000000f}'.format(1.0) | length }}", "SecurityError: str.format would make"),
+      # (late red-team) tests, list methods, widths from arguments, repeated fields,
+      # str.join, filters that multiply their input.
+      (big + "{{ y is in(L) }}", "SecurityError: a step reading more than 67,108,864 "),
+      (big + "{{ L.count(y) }}", "SecurityError: a step reading more than 67,108,864 "),
+      (big + "{{ L | select('eq', y) | list | length }}", "SecurityError: more than 1,048,576 "),
+      ("{{ '{:{}}'.format('x', 300000000) | length }}", "SecurityError: str.format would make"),
+      ("{{ ('{0}' * 2000).format('x' * 500000) | length }}", "SecurityError: str.format would"),
+      ("{{ ('x' * 1000000).join(range(1000) | map('string') | list) | length }}",
+       "SecurityError: str.join would make"),
+      ("{{ ('\n' * 1000) | indent(1000000, blank=True) | length }}", "SecurityError: indent"),
+      ("{{ ('x ' * 100000) | wordwrap(1, wrapstring='y' * 5000) | length }}",
+       "SecurityError: a wordwrap would make"),
+      ("{{ range(1) | batch(100000000, 'x') | first | length }}", "SecurityError: batch[(]")):
     with pytest.raises(ValueError, match="^chat template failed to render these messages: " + what):
       _tokenizer_with_template(bomb).apply_chat_template(message)
   assert time.perf_counter() - start < 20
@@ -232,10 +247,11 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
       "{% for m in messages %}{{ m.role == 'user' }}{{ 'h' in m.content }}{{ 1 < 2 < 3 }}"
       "{{ m.role in ['user', 'system'] }}{{ 3 not in [1, 2] }}{% endfor %}|"
       "{{ '{:>5}|{:.2f}'.format(1, 2.5) }}{{ 'ab'.ljust(4) }}|{{ 'a\tb'.expandtabs(4) }}|"
+      "{{ '{{\"ts\": 1700000000}}'.format() }}|{{ [[1], [2]] | sum(start=[]) }}|"
       "{% for m in [[1, [2, 3]], 4] recursive %}{% if m is iterable %}[{{ loop(m) }}]"
       "{% else %}{{ m }}{% endif %}{% endfor %}")
   assert ordinary.apply_chat_template([{"role": "user", "content": "hi"}]) == (
-      "TrueTrueTrueTrueTrue|    1|2.50ab  |a   b|[1[23]]4")
+      "TrueTrueTrueTrueTrue|    1|2.50ab  |a   b|{\"ts\": 1700000000}|[1, 2]|[1[23]]4")
   # A chain stops at its first false comparison, as Python's (the later operands were
   # all evaluated first: raise_exception and Undefined reads raised).
   chains = _tokenizer_with_template(

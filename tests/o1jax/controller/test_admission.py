@@ -615,6 +615,10 @@ def test_the_live_budget_sees_the_wait_for_a_slot(monkeypatch):
   assert len(budget.decisions) == 1  # one decision (the interval is long), made first
   for r in results:
     assert r.info["budget"][0]["at_ms"] == 0.0 and all(e["at_ms"] >= 0 for e in r.info["budget"])
+  # An interval past what a float divides into: the loop calls' size overflowed to inf
+  # (OverflowError: the batch's samples went to dead letters).
+  longest = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5, interval_ms=1.7e308))
+  assert len(Controller(model, tok, max_rows=2, budget=longest).run(requests, policy)) == len(requests)
 
 
 def test_the_live_budget_sees_each_deepconf_request_once_end_to_end(monkeypatch):
