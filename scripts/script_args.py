@@ -33,26 +33,24 @@ def numbers(text: str) -> list[float]:
   return values
 
 
-def positive(text: str) -> float:
-  """A finite number > 0 (`--interval-ms 0` or `nan` failed after the model loaded)."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-  if not 0 < value < float("inf"):
-    raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-  return value
+def _number(low: float, inclusive: bool):
+  """A finite number above `low` (or at it, `inclusive`)."""
+  what = f"a finite number {'>=' if inclusive else '>'} {low:g}"
+
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not (value >= low if inclusive else value > low) or value == float("inf"):
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+    return value
+  return parse
 
 
-def non_negative(text: str) -> float:
-  """A finite number >= 0 (0: the script's default rule)."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-  if not 0 <= value < float("inf"):
-    raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-  return value
+# `--interval-ms 0` or `nan` failed after the model loaded; 0 as "the default rule".
+positive = _number(0, inclusive=False)
+non_negative = _number(0, inclusive=True)
 
 
 def positive_numbers(text: str) -> list[float]:

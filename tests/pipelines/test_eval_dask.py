@@ -274,25 +274,32 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _start_loopback_cluster(tmp_path, worker_tmp, nworkers: int) -> tuple[str, list]:
+  """`dask scheduler` + `dask worker` on the loopback address (a real cluster's commands):
+  its address and processes (the workers' temp directory is `worker_tmp`)."""
+  address = f"tcp://127.0.0.1:{_free_port()}"
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  started = [subprocess.Popen(
+      [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port",
+       address.rsplit(":", 1)[1], "--no-dashboard"], env=env, cwd=tmp_path,
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+  started.append(subprocess.Popen(
+      [sys.executable, "-m", "dask", "worker", address, "--nworkers", str(nworkers),
+       "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+      env={**env, "TMPDIR": str(worker_tmp)}, cwd=tmp_path, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL))
+  return address, started
+
+
 def test_two_jobs_on_a_cluster_started_like_the_readme_says(tmp_path):
   # `dask scheduler` + `dask worker` on the loopback address stand in for a real cluster; the
   # workers outlive the jobs, so each job's DoFns (and models) must be released at its end.
   from distributed import Client
   from pipelines.beam.dask_runner import pooled_instances
-  address = f"tcp://127.0.0.1:{_free_port()}"
   worker_tmp = tmp_path / "worker_tmp"  # the workers' temp directory (shared-model files)
   worker_tmp.mkdir()
-  env = {**os.environ, "PYTHONPATH": str(REPO)}
-  started = []
+  address, started = _start_loopback_cluster(tmp_path, worker_tmp, nworkers=2)
   try:
-    started.append(subprocess.Popen(
-        [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port",
-         address.rsplit(":", 1)[1], "--no-dashboard"], env=env, cwd=tmp_path,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    started.append(subprocess.Popen(
-        [sys.executable, "-m", "dask", "worker", address, "--nworkers", "2", "--nthreads", "1",
-         "--host", "127.0.0.1", "--no-dashboard"], env={**env, "TMPDIR": str(worker_tmp)},
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     outputs = []
     for job in ("a", "b"):
       cfg = gsm8k_config.get_config("smoke=True,policy=sample_n")
@@ -335,20 +342,10 @@ def test_a_launcher_killed_with_kill_9_leaves_no_job_in_a_long_lived_cluster(tmp
 
   from distributed import Client
   from pipelines.beam.dask_runner import pooled_instances
-  address = f"tcp://127.0.0.1:{_free_port()}"
   worker_tmp = tmp_path / "worker_tmp"
   worker_tmp.mkdir()
-  env = {**os.environ, "PYTHONPATH": str(REPO)}
-  started = []
+  address, started = _start_loopback_cluster(tmp_path, worker_tmp, nworkers=1)
   try:
-    started.append(subprocess.Popen(
-        [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port",
-         address.rsplit(":", 1)[1], "--no-dashboard"], env=env, cwd=tmp_path,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    started.append(subprocess.Popen(
-        [sys.executable, "-m", "dask", "worker", address, "--nworkers", "1", "--nthreads", "1",
-         "--host", "127.0.0.1", "--no-dashboard"], env={**env, "TMPDIR": str(worker_tmp)},
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     cmd = kill_resume.command(tmp_path / "killed", "--config.runner.name=dask",
                               f"--config.runner.address={address}", "--config.runner.partitions=8")
     with Client(address, timeout=60) as client:

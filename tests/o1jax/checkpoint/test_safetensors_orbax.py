@@ -105,14 +105,19 @@ def test_embedded_model_identical_logits_across_formats(tmp_path, embedded_check
   np.testing.assert_array_equal(_logits(load_checkpoint(tmp_path / "hf"), ids), ref)
 
 
-def test_a_conversion_that_fails_leaves_the_destination_as_it_was(tmp_path):
-  """A refused save (Gemma 3 as safetensors) left an empty directory, and a copy that did
-  not load stayed: every later load and rerun refused it."""
+def _convert_script():
   import importlib.util
   spec = importlib.util.spec_from_file_location(
       "convert_checkpoint", pathlib.Path(__file__).resolve().parents[3] / "scripts" / "convert_checkpoint.py")
   convert = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(convert)
+  return convert
+
+
+def test_a_conversion_that_fails_leaves_the_destination_as_it_was(tmp_path):
+  """A refused save (Gemma 3 as safetensors) left an empty directory, and a copy that did
+  not load stayed: every later load and rerun refused it."""
+  convert = _convert_script()
   gemma = tmp_path / "gemma.gguf"
   testing.write_gguf_checkpoint(gemma, testing.tiny_gemma3_config(), seed=2)
   with pytest.raises(CheckpointError, match="saving a 'gemma3' model as safetensors is not supported"):
@@ -132,13 +137,9 @@ def test_a_conversion_stopped_or_out_of_space_leaves_no_copy_that_loads(tmp_path
   written beside the destination and renamed into place; save_orbax writes its manifest
   last."""
   import errno
-  import importlib.util
 
   from o1jax.checkpoint import orbax_io, tokenizer as tokenizer_module
-  spec = importlib.util.spec_from_file_location(
-      "convert_checkpoint", pathlib.Path(__file__).resolve().parents[3] / "scripts" / "convert_checkpoint.py")
-  convert = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(convert)
+  convert = _convert_script()
   src = tmp_path / "tiny.gguf"
   testing.write_gguf_checkpoint(src, testing.tiny_config(), seed=3)
   real_save = tokenizer_module.Tokenizer.save
