@@ -67,6 +67,11 @@ def _reader_gone() -> int:
   return 141
 
 
+def _stdout_failed(e: OSError) -> int:
+  print(f"error: cannot write the answer to stdout: {e.strerror or e}", file=sys.stderr)
+  return 1
+
+
 def _decode_text(rate: float) -> str:
   if math.isfinite(rate):
     return f"decode {rate:.1f} tok/s"
@@ -183,15 +188,13 @@ def main(argv=None) -> int:
   except BrokenPipeError:
     return _reader_gone()
   except OSError as e:  # stdout on a full disk, /dev/full: one line, not a traceback
-    print(f"error: cannot write the answer to stdout: {e.strerror or e}", file=sys.stderr)
-    return 1
+    return _stdout_failed(e)
   try:
     print(flush=True)  # (before the numbers on stderr)
   except BrokenPipeError:
     return _reader_gone()
   except OSError as e:
-    print(f"error: cannot write the answer to stdout: {e.strerror or e}", file=sys.stderr)
-    return 1
+    return _stdout_failed(e)
   first = f"{times[0] - t_start:.2f}s (incl. compile)" if times else "none"
   print(f"[{len(prompt_ids)} prompt tokens, {len(times)} generated; load {load_s:.1f}s, "
         f"first token {first}, {_decode_text(decode_rate(times, t_end))}]", file=sys.stderr)

@@ -530,10 +530,9 @@ RESULT_FILES = ("results.jsonl", "dead_letters.jsonl", "summary.json", "report.m
                 "latency_histogram.png", "latency_heatmap.png", "reasoning.png")
 
 
-def _output_names() -> tuple[str, ...]:
-  """What a run writes in its output directory (a store record stands for every one)."""
-  return (*RESULT_FILES, LOG_NAME, LOG_NAME + PARTIAL_LOG_SUFFIX, LOCK_NAME,
-          f"store/{'0' * 64}.json")
+# What a run writes in its output directory (a store record stands for every one).
+OUTPUT_NAMES = (*RESULT_FILES, LOG_NAME, LOG_NAME + PARTIAL_LOG_SUFFIX, LOCK_NAME,
+                f"store/{'0' * 64}.json")
 
 
 def _check_dataset_is_not_a_result(plan, out: str) -> None:
@@ -541,13 +540,12 @@ def _check_dataset_is_not_a_result(plan, out: str) -> None:
   the run writes there is refused: the run deleted a results.jsonl given as its dataset
   before reading it, and a pattern such as OUT/*.jsonl read the run's own dead letters."""
   import fnmatch
-  import glob
 
+  from pipelines.beam.store import is_local
   from pipelines.datasets import DatasetError
   from pipelines.datasets.jsonl import _literal_dirs_escaped, dataset_files
   path = (getattr(plan.task, "dataset", None) or {}).get("path")
-  if not path or getattr(plan.task, "source", None) != path or re.match(
-      r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) and not path.startswith("file://"):
+  if not path or getattr(plan.task, "source", None) != path or not is_local(path):
     return
   path = os.path.abspath(path.removeprefix("file://"))
   try:
@@ -556,15 +554,9 @@ def _check_dataset_is_not_a_result(plan, out: str) -> None:
     files = []
   # The pattern as `dataset_files` reads it (directories that exist are literal: runs[1]/),
   # as written and through links, against the run's files through links too.
-  patterns = {_literal_dirs_escaped(path)}
-  literal = pathlib.PurePath(path).parts
-  for i in range(len(literal) - 1, 0, -1):
-    if os.path.isdir(os.path.join(*literal[:i])):
-      patterns.add(os.path.join(glob.escape(os.path.realpath(os.path.join(*literal[:i]))),
-                                *literal[i:]))
-      break
+  patterns = {_literal_dirs_escaped(path), _literal_dirs_escaped(path, resolve=True)}
   outs = {os.path.abspath(out), os.path.realpath(out)}
-  for name in _output_names():
+  for name in OUTPUT_NAMES:
     ours = os.path.join(os.path.realpath(out), name)
     if ours in files or any(fnmatch.fnmatchcase(os.path.join(o, name), p)
                             for o in outs for p in patterns):

@@ -44,7 +44,7 @@ from pipelines.datasets import Example
 from pipelines.task_specs import GSM_PROMPT_STYLES as PROMPT_STYLES, GSMTask
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
 from script_args import (count, non_negative, output_file, positive,  # noqa: E402
-                         positive_numbers, user_errors)
+                         positive_numbers, run_as_script, user_errors)
 
 
 def percentiles(values, qs=(5, 50, 95, 99)) -> dict:
@@ -207,5 +207,4 @@ def plot(runs, slo, path):
 
 
 if __name__ == "__main__":
-  result = main()
-  sys.exit(result if isinstance(result, int) else 0)  # (2: a checkpoint that does not load)
+  run_as_script(main)

@@ -3,11 +3,11 @@
   python scripts/convert_checkpoint.py embedded /tmp/smollm2-orbax
   python scripts/convert_checkpoint.py model.gguf out_dir --format=safetensors
 
-The copy is written beside the destination (a hidden `.NAME.converting-PID` directory)
-and renamed into place whole (into an existing empty destination: written inside it and
-moved up, the file that makes it a checkpoint last): a conversion stopped at any point
-leaves no copy that loads with part of its files (a missing tokenizer_config.json loaded
-as a tokenizer without BOS and chat template). Prints how long loading the source
+The copy is written into a hidden `.converting-PID` directory inside the destination and
+its files moved up, the one that makes it a checkpoint last: a conversion stopped at any
+point leaves no copy that loads with part of its files (a missing tokenizer_config.json
+loaded as a tokenizer without BOS and chat template); the next conversion there removes
+what a killed one staged. Prints how long loading the source
 and the result take, side by side.
 """
 
@@ -33,7 +33,6 @@ if __name__ == "__main__":  # before the imports below (~2 s)
   signal.signal(signal.SIGTERM, _stopped)
 
 import argparse  # noqa: E402
-import glob  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -70,8 +69,7 @@ def _move_up(staging: pathlib.Path, out: pathlib.Path) -> None:
 def _remove_abandoned_staging(dst: pathlib.Path) -> None:
   """Staging directories of conversions killed with kill -9 (their process is gone): in
   the destination they made it "not empty" for every later conversion."""
-  for staging in (*dst.parent.glob(f".{glob.escape(dst.name)}.converting-*"),
-                  *(dst.glob(".converting-*") if dst.is_dir() else ())):
+  for staging in (dst.glob(".converting-*") if dst.is_dir() else ()):
     pid = staging.name.rsplit("-", 1)[1]
     if pid.isdigit() and not _alive(int(pid)):
       shutil.rmtree(staging, ignore_errors=True)
@@ -90,19 +88,16 @@ def _alive(pid: int) -> bool:
 def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   if fmt not in ("orbax", "safetensors"):
     raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
-  if str(dst).strip():
-    _remove_abandoned_staging(pathlib.Path(str(dst)).expanduser().absolute())
-  made = _first_missing(pathlib.Path(str(dst)).expanduser().absolute()) if str(dst).strip() else None
+  target = pathlib.Path(str(dst)).expanduser().absolute() if str(dst).strip() else None
+  if target is not None:
+    _remove_abandoned_staging(target)
+  made = _first_missing(target) if target is not None else None
   out = new_checkpoint_dir(dst)  # its problems before the source is read (a large load)
-  # A destination made here is written beside it and renamed whole; an existing (empty)
-  # one, perhaps a mount point, is written inside it and its files moved up, the file
-  # that makes the directory a checkpoint last (`_move_up`).
-  staging = (out.parent / f".{out.name}.converting-{os.getpid()}" if made is not None
-             else out / f".converting-{os.getpid()}")
+  # (inside the destination: a mount point too, where a rename onto it fails)
+  staging = out / f".converting-{os.getpid()}"
 
-  def remove() -> None:
-    shutil.rmtree(staging, ignore_errors=True)
-    if made is not None:  # (the directories made for it, not only the leaf)
+  def remove() -> None:  # the destination as it was: absent (with the parents made), or empty
+    if made is not None:
       shutil.rmtree(made, ignore_errors=True)
     elif out.is_dir():
       for child in out.iterdir():
@@ -119,10 +114,7 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
       else:  # safetensors (the format was checked first)
         save_safetensors(staging, ck.config, ck.params)
         ck.tokenizer.save(staging)
-      if made is not None:
-        os.replace(staging, out)  # (out is an empty directory made here: replaced whole)
-      else:
-        _move_up(staging, out)
+      _move_up(staging, out)
     except CheckpointError:
       raise
     except Exception as e:  # a full disk, a read-only place: the writers' own errors
@@ -132,7 +124,7 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
     load_checkpoint(out)  # what was written loads (else it is removed: no broken copy stays)
     dst_s = time.perf_counter() - t0
   except BaseException:
-    remove()  # the destination as it was (absent, or empty)
+    remove()
     raise
   finally:
     _CLEANUP.remove(remove)

@@ -104,6 +104,12 @@ def output_file(text: str) -> str:
   return text
 
 
+def run_as_script(main) -> None:
+  """Exits with `main()`'s code: its int (2 from `user_errors`), else 0 (a result)."""
+  result = main()
+  sys.exit(result if isinstance(result, int) else 0)
+
+
 def user_errors(main):
   """`main`, with a checkpoint that cannot be loaded (a wrong --model / --source) printed as
   one `error:` line, exit code 2, instead of a traceback."""

@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_engine import chat_prompts  # noqa: E402
 from o1jax.engine.kv_cache import KV_DTYPES  # noqa: E402
 from o1jax.model.layers import MATMUL_DTYPES  # noqa: E402
-from script_args import count, counts, output_file, user_errors  # noqa: E402
+from script_args import count, counts, output_file, run_as_script, user_errors  # noqa: E402
 
 
 def peak_read_gb_s(mib: int = 512, repeats: int = 5) -> float:
@@ -151,5 +151,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  result = main()
-  sys.exit(result if isinstance(result, int) else 0)  # (2: a checkpoint that does not load)
+  run_as_script(main)

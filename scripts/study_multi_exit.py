@@ -34,7 +34,7 @@ from pipelines.task_specs import GSMTask
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
 from o1jax.engine.kv_cache import KV_DTYPES  # noqa: E402
 from o1jax.model.layers import MATMUL_DTYPES  # noqa: E402
-from script_args import count, counts, output_file, user_errors  # noqa: E402
+from script_args import count, counts, output_file, run_as_script, user_errors  # noqa: E402
 
 
 def truncated(ck, exit_layer: int, matmul_dtype: str) -> Llama:
@@ -116,5 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  result = main()
-  sys.exit(result if isinstance(result, int) else 0)  # (2: a checkpoint that does not load)
+  run_as_script(main)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import functools
 import json
 import logging
 import operator
@@ -224,8 +225,9 @@ def _size(value) -> int:
 def _checked_concat(parts) -> str:
   """The `~` operator's join (Jinja's str_join), bounded."""
   texts = [str(part) for part in parts]
-  _take_turn(sum(map(len, texts)))
-  if sum(map(len, texts)) > _MAX_TEMPLATE_VALUE:
+  size = sum(map(len, texts))
+  _take_turn(size)
+  if size > _MAX_TEMPLATE_VALUE:
     _too_big("a concatenation")
   return "".join(texts)
 
@@ -295,7 +297,7 @@ def _compare_work(op: str, left, right) -> int:
     if isinstance(right, str):
       return len(right) + _deep_size(left)
     if isinstance(right, (list, tuple)):
-      return len(right) * (1 + _deep_size(left, _MAX_TEMPLATE_TURNS * _TURN_CHARS // max(1, len(right))))
+      return len(right) * (1 + _deep_size(left, _MAX_STEP_SIZE // max(1, len(right))))
     return 1 + _deep_size(left)  # (a dict or set hashes the needle)
   return _deep_size(right, _deep_size(left))
 
@@ -305,6 +307,12 @@ def _checked_compare(left, op: str, right):
   compared lists of 3 M items 3,000 times, one step)."""
   _take_turn(_compare_work(op, left, right))
   return _COMPARE[op](left, right)
+
+
+def _replace_size(text: str, old: str, new: str) -> int:
+  """The length of `text.replace(old, new)` ("" is found between every character)."""
+  times = text.count(old) if old else len(text) + 1
+  return len(text) + times * (len(new) - len(old))
 
 
 def _format_size(text: str, args, kwargs) -> int:
@@ -338,8 +346,7 @@ def _check_str_method(method, args, kwargs) -> None:
   name = getattr(method, "__name__", "")
   if isinstance(text, (list, tuple)) and name in ("count", "index") and args:
     # (compares every item with the argument: 30,000 lists of 1 M items, 20 s, one step)
-    _take_turn(len(text) * (1 + _deep_size(args[0], _MAX_TEMPLATE_TURNS * _TURN_CHARS
-                                           // max(1, len(text)))))
+    _take_turn(len(text) * (1 + _deep_size(args[0], _MAX_STEP_SIZE // max(1, len(text)))))
     return
   if not isinstance(text, str):
     return
@@ -351,8 +358,7 @@ def _check_str_method(method, args, kwargs) -> None:
     tab = arg(0, "tabsize", 8)
     size = len(text) + text.count("\t") * tab if isinstance(tab, int) else 0
   elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-    times = text.count(args[0]) if args[0] else len(text) + 1
-    size = len(text) + times * (len(args[1]) - len(args[0]))
+    size = _replace_size(text, args[0], args[1])
   elif name == "join" and args and isinstance(args[0], (list, tuple)):
     size = _deep_size(args[0]) + len(text) * len(args[0])
   elif name in ("format", "format_map"):
@@ -370,8 +376,6 @@ _TEST_OPS = {"eq": "eq", "equalto": "eq", "==": "eq", "ne": "ne", "!=": "ne", "l
 def _counted_test(name: str, func):
   """A test whose work is a step of the render (`y is in(L)`, `select('eq', y)` compared
   big lists in one step, as `in` did)."""
-  import functools
-
   from jinja2.utils import _PassArg
   lead = 1 if _PassArg.from_obj(func) is not None else 0  # (the environment or context)
   op = _TEST_OPS.get(name)
@@ -430,9 +434,7 @@ def _render_time_filter(name: str, func):
         items.append(item)
       value = items
     elif name == "replace" and isinstance(value, str) and len(args) >= 2:
-      old, new = str(args[0]), str(args[1])
-      times = value.count(old) if old else len(value) + 1
-      if len(value) + times * (len(new) - len(old)) > _MAX_TEMPLATE_VALUE:
+      if _replace_size(value, str(args[0]), str(args[1])) > _MAX_TEMPLATE_VALUE:
         _too_big("a replace")
     lead = ((context,) if kind is _PassArg.context else
             (context.eval_ctx,) if kind is _PassArg.eval_context else
@@ -442,7 +444,10 @@ def _render_time_filter(name: str, func):
 
 
 class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
-  """Jinja's code generator with `~` joined by `_checked_concat` (and never folded)."""
+  """Jinja's code generator with `~` joined by `_checked_concat` (and never folded), loops
+  and comparisons counted as steps of the render."""
+
+  _recursive_loop = False  # (inside a recursive loop's header: `write`)
 
   def visit_For(self, node, frame):
     """The loop's iterable read through `environment.counted_turns` (a turn an item), a
@@ -451,7 +456,7 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
     if not (isinstance(node.iter, jinja2.nodes.Call) and node.iter.node == counted):
       node.iter = jinja2.nodes.Call(counted, [node.iter], [], None, None,
                                     lineno=node.iter.lineno)
-    outer, self._recursive_loop = getattr(self, "_recursive_loop", False), node.recursive
+    outer, self._recursive_loop = self._recursive_loop, node.recursive
     try:
       super().visit_For(node, frame)
     finally:
@@ -459,7 +464,7 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
 
   def write(self, x: str) -> None:
     # Jinja writes a recursive loop's iterable as this one word (`visit_For`).
-    if x == "reciter" and getattr(self, "_recursive_loop", False):
+    if x == "reciter" and self._recursive_loop:
       x = "environment.counted_turns(reciter)"
     super().write(x)
 

@@ -346,7 +346,7 @@ class DaskRunnerResult(PipelineResult):
       return
     self._closed = True
     try:
-      self.client.run(_release_job, self.job, tuple(self.model_tags))
+      self.release()
     except Exception:  # a worker gone with the job's failure: nothing of it to release
       pass
     self._unguard()  # (released: the client's leaving need not release it again)
@@ -357,7 +357,7 @@ class DaskRunnerResult(PipelineResult):
   def release(self) -> None:
     """Tears the job's DoFns down in the workers now, and makes a bundle of it still running
     tear its own down as it ends (a launcher that stops: its exit drops the job's tasks)."""
-    self.client.run(_release_job, self.job, tuple(self.model_tags))
+    self.client.run(_release_job, self.job, self.model_tags)
 
   def cancel(self) -> str:
     self.future.cancel()

@@ -111,7 +111,7 @@ def _module_level_bindings(body: list, name: str, surely: bool = True
     # A try's body and finally, a with's body run; if/else, loops, handlers, cases may not.
     for block in ("body", "handlers", "cases", "orelse", "finalbody"):
       runs = surely and (block == "finalbody" or block == "body" and isinstance(
-          node, (ast.Try, ast.With, ast.AsyncWith) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())))
+          node, (ast.Try, ast.TryStar, ast.With, ast.AsyncWith)))
       for child in getattr(node, block, None) or ():
         yield from _module_level_bindings(
             child.body if isinstance(child, (ast.ExceptHandler, ast.match_case)) else [child],

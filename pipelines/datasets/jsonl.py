@@ -85,14 +85,14 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
     elif FileSystems is not None:
       if not FileSystems.exists(path):  # object stores raise assorted errors for a missing key
         raise FileNotFoundError(path)
-      decompressor = _DECOMPRESSORS.get(_compression(path))
-      if decompressor is None:
+      ext = next((e for e in _DECOMPRESSORS if path.lower().endswith(e)), None)
+      if ext is None:
         f = FileSystems.open(path)
       else:  # (Beam's readers stop quietly where a cut archive ends, gzip's too)
         from apache_beam.io.filesystem import CompressionTypes  # pylint: disable=g-import-not-at-top
         f = io.BufferedReader(_Decompressed(
-            FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED),
-            decompressor), 1 << 16)
+            FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED), ext),
+            1 << 16)
     elif _SCHEME_RE.match(path) and not path.startswith("file://"):
       raise RuntimeError(f"reading {path!r} needs apache-beam with the scheme's extra")
     else:
@@ -119,20 +119,16 @@ _DECOMPRESSORS: dict[str, Callable[[], Any]] = {
     ".xz": lambda: lzma.LZMADecompressor(), ".lzma": lambda: lzma.LZMADecompressor()}
 
 
-def _compression(path: str) -> str:
-  return next((ext for ext in _DECOMPRESSORS if path.lower().endswith(ext)), "")
-
-
 class _Decompressed(io.RawIOBase):
   """The decompressed bytes of a raw stream, stream after stream (gzip members, bz2 and xz
   streams, zstd frames may follow each other); `EOFError` where the file ends inside one
   (Beam's reader stopped there without a word: a cut .bz2 or .xz dataset lost its tail),
   OSError for data that is not of the format."""
 
-  def __init__(self, raw: IO[bytes], make: Callable[[], Any]):
+  def __init__(self, raw: IO[bytes], ext: str):
     super().__init__()
-    self._raw, self._make = raw, make
-    self._decompressor, self._fed = make(), False
+    self._raw, self._ext, self._make = raw, ext, _DECOMPRESSORS[ext]
+    self._decompressor, self._fed = self._make(), False
     self._pending, self._at = b"", 0  # decompressed, not yet read from `_at` on
 
   def readable(self) -> bool:
@@ -151,14 +147,14 @@ class _Decompressed(io.RawIOBase):
         if self._fed:
           raise EOFError("the compressed file ends inside a stream (a cut or partial copy?)")
         return 0
-      if not self._fed and self._make is _DECOMPRESSORS[".xz"]:
+      if not self._fed and self._ext == ".xz":
         chunk = chunk.lstrip(b"\0")  # (xz's stream padding, between and after streams)
         if not chunk:
           continue
       try:
         self._pending = self._decompressor.decompress(chunk)
       except Exception as e:  # zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError
-        raise OSError(f"not {_compression_name(self._make)} data ({e})") from e
+        raise OSError(f"not {self._ext.lstrip('.')} data ({e})") from e
       self._fed = not self._decompressor.eof
     n = min(len(buffer), len(self._pending) - self._at)
     buffer[:n] = memoryview(self._pending)[self._at:self._at + n]
@@ -168,10 +164,6 @@ class _Decompressed(io.RawIOBase):
   def close(self) -> None:
     self._raw.close()
     super().close()
-
-
-def _compression_name(make) -> str:
-  return next((ext.lstrip(".") for ext, m in _DECOMPRESSORS.items() if m is make), "compressed")
 
 
 def _read_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
@@ -473,14 +465,14 @@ def _csv_records(path: str, delimiter: str) -> Iterator[Union[JsonLine, DeadLett
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
-def _literal_dirs_escaped(pattern: str) -> str:
+def _literal_dirs_escaped(pattern: str, resolve: bool = False) -> str:
   """`pattern` with its longest leading run of directories that exist as written escaped
-  for `glob`: only what follows them is a pattern."""
+  for `glob`: only what follows them is a pattern. `resolve`: that run through its links."""
   parts = pathlib.PurePath(pattern).parts
   for i in range(len(parts) - 1, 0, -1):
     head = os.path.join(*parts[:i])
     if os.path.isdir(head):
-      return os.path.join(glob.escape(head), *parts[i:])
+      return os.path.join(glob.escape(os.path.realpath(head) if resolve else head), *parts[i:])
   return pattern
 
 
@@ -557,7 +549,7 @@ def load_records(
                          f"example id {example.id!r} is already used by {at}", item.raw)
         continue
       yield example
-    offset += max(last, lines[0] or 0) if lines else last  # (a JSONL file: every line)
+    offset += max(last, lines[0] or 0)  # (a JSONL file: every line, blank ones at its end too)
 
 
 def _with_step_limit(example: Example) -> Example:

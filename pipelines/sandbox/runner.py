@@ -58,8 +58,9 @@ def _scratch_dir() -> str:
     _remove_abandoned_scratch()
     path = tempfile.mkdtemp(prefix=f'{_SCRATCH_PREFIX}{os.getpid()}-')
     taking = os.path.join(path, _SCRATCH_LOCK + '.new')
-    fd = os.open(taking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    fd = _try_lock(taking)  # (a new file: never taken)
+    if fd < 0:
+      raise OSError(f'cannot lock {taking}')
     os.rename(taking, os.path.join(path, _SCRATCH_LOCK))  # (held before a sweep can see it)
     atexit.register(shutil.rmtree, path, True)
     _scratch = (os.getpid(), path, fd)
