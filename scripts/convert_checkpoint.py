@@ -18,6 +18,7 @@ import signal
 import sys
 
 _CLEANUP: list = []  # what a stop removes: the partial copy, directories made for it
+_TERMINAL = None  # the real stderr once a writer failed (`_writers_log`)
 
 if __name__ == "__main__":  # before the imports below (~2 s)
   def _stopped(signum, frame):
@@ -33,6 +34,8 @@ if __name__ == "__main__":  # before the imports below (~2 s)
   signal.signal(signal.SIGTERM, _stopped)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -85,6 +88,26 @@ def _alive(pid: int) -> bool:
   return True
 
 
+@contextlib.contextmanager
+def _writers_log():
+  """Python's stderr into a buffer while a checkpoint is written. Orbax's threads log one
+  write error (a full disk) as ~240 lines of tracebacks, before it reaches here as an
+  exception and after, as they wind down. Written: the buffer goes to stderr. Failed:
+  stderr stays a sink to the end of the process (`main` prints the one-line error to
+  the real one)."""
+  sys.stderr.flush()
+  real, buffer = sys.stderr, io.StringIO()
+  sys.stderr = buffer
+  try:
+    yield
+  except BaseException:
+    global _TERMINAL
+    _TERMINAL, sys.stderr = real, open(os.devnull, "w")
+    raise
+  sys.stderr = real
+  real.write(buffer.getvalue())
+
+
 def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   if fmt not in ("orbax", "safetensors"):
     raise ValueError(f"--format={fmt!r}: expected orbax or safetensors")
@@ -96,12 +119,28 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
   # (inside the destination: a mount point too, where a rename onto it fails)
   staging = out / f".converting-{os.getpid()}"
 
-  def remove() -> None:  # the destination as it was: absent (with the parents made), or empty
+  def remove_once() -> bool:  # the destination as it was; whether anything was there
     if made is not None:
+      there = made.exists()
       shutil.rmtree(made, ignore_errors=True)
-    elif out.is_dir():
-      for child in out.iterdir():
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
+      return there
+    children = list(out.iterdir()) if out.is_dir() else []
+    for child in children:
+      if child.is_dir() and not child.is_symlink():
+        shutil.rmtree(child, ignore_errors=True)
+      else:
+        child.unlink(missing_ok=True)
+    return bool(children)
+
+  def remove() -> None:  # the destination as it was: absent (with the parents made), or empty
+    # Again until nothing comes back for a second (30 s at most): orbax's writes go on in
+    # tensorstore's threads after its save has raised (a full disk: at its first failed
+    # write) and made 20-odd files again after one removal.
+    deadline, quiet = time.monotonic() + 30.0, 0
+    while quiet < 4 and time.monotonic() < deadline:
+      quiet = 0 if remove_once() else quiet + 1
+      if quiet < 4:
+        time.sleep(0.25)
 
   _CLEANUP.append(remove)
   try:
@@ -109,11 +148,12 @@ def convert(src: str, dst: str, fmt: str = "orbax") -> dict:
     ck = load_checkpoint(src)
     src_s = time.perf_counter() - t0
     try:
-      if fmt == "orbax":
-        save_orbax(staging, ck.config, ck.params, ck.tokenizer)
-      else:  # safetensors (the format was checked first)
-        save_safetensors(staging, ck.config, ck.params)
-        ck.tokenizer.save(staging)
+      with _writers_log():
+        if fmt == "orbax":
+          save_orbax(staging, ck.config, ck.params, ck.tokenizer)
+        else:  # safetensors (the format was checked first)
+          save_safetensors(staging, ck.config, ck.params)
+          ck.tokenizer.save(staging)
       _move_up(staging, out)
     except CheckpointError:
       raise
@@ -140,7 +180,7 @@ def main(argv=None) -> int:
   try:
     r = convert(args.src, args.dst, args.format)
   except (CheckpointError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=_TERMINAL or sys.stderr)
     return 2
   print(f"load {r['source_format']} source: {r['source_load_s']:.2f} s; "
         f"load converted {args.format}: {r['converted_load_s']:.2f} s "

@@ -72,14 +72,17 @@ def check_slo(latency_slo_s, name: str = "latency_slo_s") -> None:
   overflowed `int` in `allocate_budget`; a str failed its comparison with a TypeError)."""
   if not is_real(latency_slo_s):
     raise ValueError(f"{name} must be a number, got {latency_slo_s!r}")
+  if not _finite(latency_slo_s):
+    raise ValueError(f"{name} must be finite, got {latency_slo_s}")
   if not latency_slo_s > 0:
     raise ValueError(f"{name} must be > 0, got {latency_slo_s}")
+
+
+def _finite(value) -> bool:
   try:
-    finite = math.isfinite(latency_slo_s)
+    return math.isfinite(value)
   except OverflowError:  # an int past float's range
-    finite = False
-  if not finite:
-    raise ValueError(f"{name} must be finite, got {latency_slo_s}")
+    return False
 
 
 def allocate_budget(latency_slo_s: float, load: float) -> int:
@@ -238,7 +241,9 @@ class BudgetLoop:
 
   def tick(self, busy: int, queued: int, slots: int, kv_use: float = 0.0) -> Optional[Decision]:
     now = self._now = self.clock()
-    if self.decisions and now - self.decisions[-1].at_s < self.interval_s:
+    # (a clock that went back past the last decision decides now: waiting for it to
+    # catch up froze the budget)
+    if self.decisions and 0 <= now - self.decisions[-1].at_s < self.interval_s:
       return None
     decision = self.decide(now, measured_load(busy, queued + self.queued_outside, slots), kv_use)
     self.decisions.append(decision)

@@ -1,9 +1,11 @@
 """HF safetensors import, orbax conversion, and identical logits across formats."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -177,6 +179,71 @@ def test_a_conversion_stopped_or_out_of_space_leaves_no_copy_that_loads(tmp_path
   (tmp_path / "empty" / f".converting-{2**22 + 1}" / "params").mkdir(parents=True)
   assert convert.convert(str(src), str(tmp_path / "empty"), "safetensors")["source_format"] == "gguf"
   assert load_checkpoint(tmp_path / "empty").tokenizer.bos_id == ck.tokenizer.bos_id
+
+
+_WRITER_NOISE_DRIVER = """
+import importlib.util, pathlib, sys, threading, time
+spec = importlib.util.spec_from_file_location("convert_checkpoint", sys.argv[1])
+convert = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convert)
+
+def failing_save(staging, *args):
+  # As orbax on a full disk: its threads print tracebacks before the error and after it,
+  # and write files after its save has raised.
+  def after():
+    time.sleep(0.3)
+    print("Traceback (most recent call last):\\nRuntimeError: Event loop is closed",
+          file=sys.stderr)
+    (staging / "late").mkdir(parents=True, exist_ok=True)
+    (staging / "late" / "chunk").write_bytes(b"x")
+  threading.Thread(target=after).start()
+  print("ERROR:absl:_SignalingThread.run() raised an exception", file=sys.stderr)
+  raise ValueError("RESOURCE_EXHAUSTED: Error writing: No space left on device\\nmore")
+
+convert.save_orbax = failing_save
+sys.exit(convert.main([sys.argv[2], sys.argv[3]]))
+"""
+
+
+def test_a_failed_orbax_write_is_one_line_and_leaves_nothing(tmp_path):
+  """On a full disk orbax's threads printed ~240 lines of tracebacks around the one-line
+  error, and went on writing after the save raised: the destination the conversion had
+  removed came back with 20-odd files (measured on a 600 KiB tmpfs)."""
+  src = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(src, testing.tiny_config(), seed=3)
+  script = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "convert_checkpoint.py"
+  driver = tmp_path / "driver.py"
+  driver.write_text(_WRITER_NOISE_DRIVER)
+  out = subprocess.run([sys.executable, str(driver), str(script), str(src), str(tmp_path / "a" / "out")],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2
+  assert out.stderr.splitlines() == [
+      f"error: {tmp_path / 'a' / 'out'}: cannot write the checkpoint: ValueError: "
+      f"RESOURCE_EXHAUSTED: Error writing: No space left on device"], out.stderr
+  assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="mounts a small tmpfs (root on Linux)")
+def test_a_conversion_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+  """The real case of the test above: the embedded model (100 MB) onto a 600 KiB tmpfs."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
+                    capture_output=True).returncode != 0:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    script = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "convert_checkpoint.py"
+    out = subprocess.run([sys.executable, str(script), "embedded", str(disk / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"error: {disk / 'out'}: cannot write the checkpoint: ")
+    assert "No space left on device" in out.stderr
+    time.sleep(1.0)  # (what orbax's threads wrote after the removal came within a second)
+    assert list(disk.iterdir()) == []
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_hf_errors_name_the_file(tmp_path):

@@ -111,6 +111,17 @@ def test_a_slow_start_stops_steering_the_budget_once_it_is_past():
   assert (d.steps, d.p95_request_s, d.prune) == (102, None, False)
 
 
+def test_a_clock_that_goes_back_does_not_freeze_the_budget():
+  """A custom clock stepped back (an NTP correction of a wall clock, a replayed trace):
+  the loop decides at once instead of waiting for the clock to pass its last decision."""
+  clock = iter([100.0, 5.0, 5.1, 5.3])
+  loop = BudgetLoop(BudgetConfig(mode="adaptive", interval_ms=200.0), clock=clock.__next__)
+  assert loop.tick(busy=4, queued=0, slots=8).steps == 102  # t=100: load 0.5
+  assert loop.tick(busy=8, queued=8, slots=8).steps == 32  # t=5: back 95 s; was None
+  assert loop.tick(busy=8, queued=8, slots=8) is None  # 100 ms after it: within the interval
+  assert loop.tick(busy=4, queued=0, slots=8).steps == 102  # 300 ms after it
+
+
 def _fake_clock(step_s=0.01):
   ticks = itertools.count()
   return lambda: next(ticks) * step_s
@@ -218,6 +229,7 @@ def test_budget_prunes_the_lowest_confidence_sample_of_an_n_sample_request(tiny,
 
 @pytest.mark.parametrize("slo, match", [
     (float("inf"), r"^latency_slo_s must be finite, got inf$"),  # was: OverflowError from int()
+    (float("nan"), r"^latency_slo_s must be finite, got nan$"),  # was: "must be > 0"
     ("0.5", r"^latency_slo_s must be a number, got '0.5'$"),  # was: TypeError from the comparison
 ])
 def test_allocate_budget_names_an_slo_that_is_no_finite_number(slo, match):
