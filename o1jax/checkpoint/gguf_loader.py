@@ -381,9 +381,11 @@ def _reader_metadata(reader, path) -> _Metadata:
 _REQUIRED_ARCH_KEYS = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
 _SIZE_KEYS = _REQUIRED_ARCH_KEYS + ("attention.head_count_kv", "attention.key_length", "context_length",
                                    "vocab_size")
-_TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                  "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",
-                  "tokenizer.ggml.padding_token_id")
+# The ids a model stops on (with the tokens named in tokenizer.END_OF_GENERATION_TEXTS).
+GGUF_END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                               "tokenizer.ggml.eom_token_id")
+_TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", *GGUF_END_OF_GENERATION_KEYS,
+                  "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id")
 _TOKENIZER_FLAG_KEYS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
 # The metadata `load_gguf` returns for Tokenizer.from_gguf_metadata.
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
@@ -443,13 +445,15 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
                           f"are not supported")
   n_layers = size["block_count"]
   rope_scaling = None
-  # As llama.cpp: the factor (or its old key, rope.scale_linear) divides the positions
-  # whatever the type says, "linear" when none is given; other types are refused.
+  # As llama.cpp: the factor (or its old key, rope.scale_linear) divides the positions,
+  # "linear" when no type is given; "none" never scales; other types are refused.
   scaling_type = meta.string(g("rope.scaling.type"))
   factor_key = g("rope.scaling.factor")
   factor_key = factor_key if factor_key in meta else g("rope.scale_linear")
   factor = meta.number(factor_key)
-  if scaling_type in (None, "none", "linear"):
+  if scaling_type == "none":
+    pass
+  elif scaling_type in (None, "linear"):
     if factor is not None and factor != 1.0:
       rope_scaling = {"rope_type": "linear", "factor": factor}
   else:
@@ -462,8 +466,7 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     rope_scaling = {"rope_type": "freq_factors", "factors": factors}
   n_tokens = tokens[1] if tokens else vocab
   token_id = lambda key: _token_id(meta, key, n_tokens)
-  eos_ids = tuple(sorted({i for i in (token_id("tokenizer.ggml.eos_token_id"),
-                                      token_id("tokenizer.ggml.eot_token_id")) if i is not None}))
+  eos_ids = tuple(sorted({i for i in map(token_id, GGUF_END_OF_GENERATION_KEYS) if i is not None}))
   bos = token_id("tokenizer.ggml.bos_token_id")
   switches = {}  # Gemma 3's or Phi-3's ModelConfig fields
   if arch == "gemma3":
@@ -744,6 +747,11 @@ def read_tokenizer_metadata(path: str | os.PathLike) -> dict:
   """The `tokenizer.*` metadata `Tokenizer.from_gguf_metadata` reads, without the tensors
   (the header only: ~1 s for Gemma 3's 262,144 tokens)."""
   meta = _open_fast_reader(pathlib.Path(path)).meta
+  # The checks `load_gguf` runs on these keys (a token id past the vocabulary, a per-token
+  # array of another length, a flag of another type loaded here without a word).
+  n = meta.array("tokenizer.ggml.tokens", (_STRING,), "strings")
+  vocab = meta.int(f"{meta.get('general.architecture')}.vocab_size") or n or 0
+  _check_tokenizer_metadata(meta, types.SimpleNamespace(vocab_size=vocab))
   return {key: meta.get(key) for key in _TOKENIZER_KEYS}
 
 

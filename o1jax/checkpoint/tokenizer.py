@@ -29,6 +29,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from o1jax.checkpoint.errors import CheckpointError, read_json_object
+from o1jax.checkpoint.gguf_loader import GGUF_END_OF_GENERATION_KEYS
 
 log = logging.getLogger(__name__)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -42,7 +43,27 @@ _CONTROL, _USER_DEFINED = 3, 4
 # Pre-tokenizers by llama.cpp's `tokenizer.ggml.pre` name. "smollm" (like the
 # StarCoder family) splits every digit on its own, then applies GPT-2's regex.
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r")
-_GPT2_PRE = ("gpt2", "default", "gpt-2", None)
+_GPT2_PRE = ("gpt2", "gpt-2")
+# llama.cpp's default byte-level pre-tokenizer ("default", or no tokenizer.ggml.pre: files
+# converted before the key existed): each regex splits the pieces the one before left,
+# punctuation runs first, then GPT-2's regex, then digit runs, cut into threes.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_DEFAULT_PRE = ("default", None)
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+# Tokens llama.cpp ends generation on by their text, whatever the metadata's eos/eot ids
+# say (a Gemma 3 GGUF names <eos>, and its chat turns end with <end_of_turn>).
+END_OF_GENERATION_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>"))
+
+
+def gguf_end_of_generation_ids(meta: dict) -> list[int]:
+  """The ids a GGUF's model stops on, as llama.cpp reads them: the metadata's eos, eot and
+  eom ids, and every token whose text is one of END_OF_GENERATION_TEXTS."""
+  ids = {int(meta[k]) for k in GGUF_END_OF_GENERATION_KEYS if meta.get(k) is not None}
+  tokens = meta.get("tokenizer.ggml.tokens") or ()
+  return sorted(ids | {i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS})
 
 # ChatML, used when a checkpoint has no template of its own.
 CHATML_TEMPLATE = (
@@ -99,11 +120,15 @@ def _byte_level_pre(pre_name: str | None, path) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
   if pre_name in _GPT2_PRE:
     return byte_level
+  if pre_name in _DEFAULT_PRE:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated") for r in _DEFAULT_SPLITS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   if pre_name in _REGEX_PRE:
     split = pre_tokenizers.Split(tokenizers.Regex(_REGEX_PRE[pre_name]), behavior="isolated")
     return pre_tokenizers.Sequence(
         [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-  supported = _DIGIT_SPLIT_PRE + _GPT2_PRE[:3] + tuple(_REGEX_PRE)
+  supported = _DIGIT_SPLIT_PRE + _GPT2_PRE + _DEFAULT_PRE[:1] + tuple(_REGEX_PRE)
   raise CheckpointError(f"{path}: tokenizer pre-tokenizer {pre_name!r} is not supported "
                         f"(supported: {', '.join(supported)})")
 
@@ -805,8 +830,7 @@ class Tokenizer:
     else:
       raise CheckpointError(f"{path}: tokenizer model {model!r} is not supported "
                             f"(supported: gpt2 BPE, llama SentencePiece)")
-    eos_ids = sorted({int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-                      if meta.get(k) is not None})
+    eos_ids = gguf_end_of_generation_ids(meta)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     try:
       return cls(backend, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
@@ -894,11 +918,14 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
 
 def _add_tokens(backend, tokens, types) -> None:
   """A GGUF vocabulary's control tokens as special tokens, its user-defined ones as added
-  tokens that decode as text (both matched whole in raw text)."""
+  tokens that decode as text (both matched whole in raw text). An end-of-generation text
+  is a control token whatever its type says (as llama.cpp overrides it)."""
+  control = lambda i, kind: int(kind) == _CONTROL or tokens[i] in END_OF_GENERATION_TEXTS
   backend.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                              for i, kind in enumerate(types) if int(kind) == _CONTROL])
+                              for i, kind in enumerate(types) if control(i, kind)])
   backend.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)
-                      for i, kind in enumerate(types) if int(kind) == _USER_DEFINED])
+                      for i, kind in enumerate(types)
+                      if int(kind) == _USER_DEFINED and not control(i, kind)])
 
 
 class _TemplateRefusal(ValueError):

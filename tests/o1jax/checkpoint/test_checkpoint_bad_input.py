@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from o1jax import testing
-from o1jax.checkpoint import CheckpointError, check_checkpoint, load_checkpoint
+from o1jax.checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_tokenizer
 from o1jax.checkpoint.gguf_loader import load_gguf
 from o1jax.checkpoint.orbax_io import MANIFEST
 
@@ -598,7 +598,12 @@ def test_gguf_header_mutants_are_one_line_errors_from_check_and_load(tiny_gguf, 
   g = _Gguf(tiny_gguf.read_bytes())
   p = tmp_path / f"{mutant}.gguf"
   p.write_bytes(edit(g) or g.bytes())
-  for read in (check_checkpoint, load_checkpoint):
+  # load_tokenizer reads only the tokenizer's keys, and checks them as a load does (it
+  # built a tokenizer with a BOS past the vocabulary, or raised the tokenizers library's
+  # multi-line TypeError for ids given as token texts).
+  tokenizer_keys = mutant in ("token_types_too_long", "tokens_not_strings", "eos_past_vocab",
+                              "bos_a_string", "chat_template_an_int")
+  for read in (check_checkpoint, load_checkpoint) + ((load_tokenizer,) if tokenizer_keys else ()):
     with pytest.raises(CheckpointError, match=rf"^{p}: {message}$"):
       read(p)
 
@@ -1119,13 +1124,15 @@ def _gguf_with(tiny_gguf, tmp_path, name, *edits):
 
 def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(tiny_gguf, tmp_path):
   """A factor without a type is linear, the old key rope.scale_linear too (the model ran
-  unscaled); a factor of 1 is no scaling; other types are refused."""
+  unscaled); a factor of 1 is no scaling, and so is the type "none" whatever the factor
+  (llama.cpp sets its freq scale to 1 there: it was read as linear); other types are
+  refused."""
   cases = {"no_type": ([_add("llama.rope.scaling.factor", _F32, 4.0)], 4.0),
            "old_key": ([_add("llama.rope.scale_linear", _F32, 2.0)], 2.0),
            "typed": ([_add("llama.rope.scaling.type", _STR, "linear"),
                       _add("llama.rope.scaling.factor", _F32, 8.0)], 8.0),
            "none_type": ([_add("llama.rope.scaling.type", _STR, "none"),
-                          _add("llama.rope.scaling.factor", _F32, 4.0)], 4.0),
+                          _add("llama.rope.scaling.factor", _F32, 4.0)], None),
            "factor_one": ([_add("llama.rope.scaling.factor", _F32, 1.0)], None)}
   for name, (edits, factor) in cases.items():
     p = _gguf_with(tiny_gguf, tmp_path, name, *edits)

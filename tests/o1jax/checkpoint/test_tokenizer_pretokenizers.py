@@ -114,3 +114,67 @@ def test_bos_default_follows_llama_cpp_where_the_gguf_has_no_add_bos_key(model, 
   if key is not None:
     meta["tokenizer.ggml.add_bos_token"] = key
   assert (Tokenizer.from_gguf_metadata(meta).encode("hi")[0] == 1) == bos
+
+
+def test_default_pre_tokenizer_splits_as_llama_cpp_by_hand():
+  """"default" (or no tokenizer.ggml.pre) is llama.cpp's four regexes in turn, not GPT-2's
+  alone (which kept " 1234567" and " ..." whole)."""
+  for pre in ("default", None):
+    got = [w for w, _ in _byte_level_pre(pre, "x").pre_tokenize_str("abc 1234567 ... x!!")]
+    assert got == ["abc", "Ġ", "123", "456", "7", "Ġ", "...", "Ġx", "!!"]
+
+
+def _split_in_turn(regex, patterns, text):
+  """llama.cpp's unicode_regex_split: each pattern splits every piece the one before left
+  into its matches and the text between them."""
+  pieces = [text]
+  for pattern in patterns:
+    out = []
+    for piece in pieces:
+      at = 0
+      for m in regex.finditer(pattern, piece):
+        out += [piece[at:m.start()]] if m.start() > at else []
+        out.append(m.group())
+        at = m.end()
+      out += [piece[at:]] if at < len(piece) else []
+    pieces = out
+  return pieces
+
+
+def test_default_pre_tokenizer_equals_python_regex_in_turn():
+  regex = pytest.importorskip("regex")
+  from tokenizers import pre_tokenizers
+  as_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  patterns = [r"[\p{P}\$\+<=>\^~\|]+",
+              r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+              r"\p{N}+", r"[0-9][0-9][0-9]"]
+  for text in TEXTS + ["$100 + <b>=>^~|x</b> 12,345,678.90 don't", "١٢٣٤ ½ 12345\t\t x"]:
+    want = [as_bytes.pre_tokenize_str(w)[0][0] for w in _split_in_turn(regex, patterns, text)]
+    assert [w for w, _ in _byte_level_pre("default", "x").pre_tokenize_str(text)] == want, text
+
+
+def test_end_of_generation_tokens_are_read_by_their_text_as_llama_cpp_does():
+  """Every token whose text is an end-of-turn marker stops generation, whatever the
+  metadata's eos id names (SmolLM2 names <|im_end|>; a base model writes <|endoftext|>;
+  Gemma 3 names <eos> and ends its turns with <end_of_turn>), and the eom id is read. Such
+  a token is a control token even when its type says otherwise (it is matched whole in
+  text and left out of text decoded without special tokens)."""
+  tokens = testing.byte_vocab() + ["<end_of_turn>", "<|eom_id|>", "<end_of_turn>x"]
+  n = len(tokens)
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+          "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [],
+          "tokenizer.ggml.token_type": [3] * len(testing.SPECIAL_TOKENS) + [1] * (n - len(testing.SPECIAL_TOKENS)),
+          "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eom_token_id": n - 1}
+  tok = Tokenizer.from_gguf_metadata(meta)
+  by_text = sorted(i for i, t in enumerate(tokens) if t in (
+      "<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eom_id|>"))
+  assert tok.eos_ids == tuple(sorted({1, n - 1, *by_text}))
+  assert tok.encode("hi<end_of_turn>", add_bos=False)[-1] == n - 3  # one token, not 13 bytes
+  assert tok.decode(tok.encode("hi<end_of_turn>", add_bos=False), skip_special=True) == "hi"
+
+
+def test_the_embedded_models_stop_on_every_end_of_turn_token():
+  from o1jax.checkpoint import load_checkpoint, load_tokenizer
+  smol = load_tokenizer("embedded")
+  assert smol.eos_ids == (0, 2)  # <|endoftext|>, <|im_end|> (the metadata names 2 only)
+  assert load_checkpoint("embedded").tokenizer.eos_ids == smol.eos_ids
