@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import sys
 import traceback
 from typing import Optional, Sequence
@@ -66,9 +67,13 @@ class ReportError(ValueError):
   """A run directory whose files cannot be read; the message names the file (and line)."""
 
 
+def _not_json(constant: str):
+  raise ValueError(f"{constant} is not JSON")  # (a run writes strict JSON: NaN was edited in)
+
+
 def _json(path: pathlib.Path, text: str, line: Optional[int] = None):
   try:
-    return json.loads(text)
+    return json.loads(text, parse_constant=_not_json)
   except ValueError as e:  # JSONDecodeError: an edited, cut or foreign file
     where = f" line {line}" if line else ""
     raise ReportError(f"{path}{where}: not valid JSON ({e})") from e
@@ -100,12 +105,16 @@ def _read(path: pathlib.Path) -> str:
     raise ReportError(f"cannot read {path}: {e.strerror or e}") from e
 
 
-def _per_token_ms(r: dict) -> float:
-  """Mean ms per generated token of one sample: the engine's real per-token times when present."""
+def _per_token_ms(r: dict) -> Optional[float]:
+  """Mean ms per generated token of one sample: the engine's real per-token times when
+  present; None for a sample that generated no token (as `per_token_latencies` leaves it
+  out: its whole latency is no token's time)."""
+  if int((r.get("tokens") or {}).get("completion", 0)) <= 0:
+    return None
   times = [v for v in (r["timing"].get("token_ms") or []) if is_time(v)]
   if times:
     return sum(times) / len(times)
-  return r["timing"]["latency_ms"] / max(int(r.get("tokens", {}).get("completion", 0)), 1)
+  return r["timing"]["latency_ms"] / int(r["tokens"]["completion"])
 
 
 def plot_latency(records: Sequence[dict], path: pathlib.Path) -> None:
@@ -142,8 +151,10 @@ def plot_heatmap(records: Sequence[dict], path: pathlib.Path) -> None:
   t1 = max((r["timing"]["end_ms"] for r in timed), default=1.0)
   width = max(t1 - t0, 1e-3) / HEATMAP_TIME_BINS
   for r in timed:
+    if (per_token := _per_token_ms(r)) is None:
+      continue
     col = min(int((r["timing"]["end_ms"] - t0) / width), HEATMAP_TIME_BINS - 1)
-    grid[bucket_index(_per_token_ms(r)), col] += 1
+    grid[bucket_index(per_token), col] += 1
   fig, ax = plt.subplots(figsize=(8, 3.6))
   im = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis",
                  extent=(0, (t1 - t0) / 1e3, -0.5, len(LATENCY_BUCKETS_MS) - 0.5))
@@ -346,10 +357,40 @@ def _stability_lines(summary: dict) -> list[str]:
       for rule, ok in st["pass"].items()]
 
 
+# What a record's text could do to report.md: end the line (any of Python's line breaks,
+# "\r" and U+2028 too, start blocks there), open HTML (a "<!--" hid the rest of the file),
+# a code span, a link, an entity, emphasis, a table cell.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>&|])")
+
+
+def md_text(value, limit: Optional[int] = None) -> str:
+  """`value` as inline markdown text that reads as it is: on one line, its markup escaped."""
+  text = " ".join(str(value).splitlines())
+  return _MD_SPECIAL.sub(r"\\\1", text[:limit] if limit else text)
+
+
+def md_code(value, limit: Optional[int] = None) -> str:
+  """`value` as an inline code span on one line (a fence longer than its backtick runs)."""
+  text = " ".join(str(value).splitlines())
+  text = text[:limit] if limit else text
+  fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+  pad = " " if text.startswith("`") or text.endswith("`") else ""
+  return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_block(value, lang: str = "", indent: str = "") -> str:
+  """`value` as a fenced code block (a fence longer than its backtick runs)."""
+  text = str(value).rstrip("\n")
+  fence = "`" * max(3, max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+  lines = [fence + lang, *text.split("\n"), fence]
+  return "\n".join(indent + line for line in lines)
+
+
 def markdown_table(rows: Sequence[Sequence], header: Sequence[str]) -> str:
-  """A markdown table (None shows as an empty cell)."""
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+  """A markdown table (None shows as an empty cell; a cell's text is one escaped line)."""
+  cell = lambda v: "" if v is None else str(v).replace("\n", " ").replace("|", "\\|")
+  lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
   return "\n".join(lines)
 
 
@@ -363,14 +404,16 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   table, num = markdown_table, fmt_number
   run_dir = pathlib.Path(run_dir)
   summary, records = load_run(run_dir)
+  # (a report that fails below leaves none, not the last one beside this time's plots)
+  (run_dir / "report.md").unlink(missing_ok=True)
   plot_latency(records, run_dir / "latency_histogram.png")
   plot_heatmap(records, run_dir / "latency_heatmap.png")
   has_reasoning = plot_reasoning(records, run_dir / "reasoning.png")
   cfg = summary.get("config") or {}
   model = summary.get("model") or {}
   out = [f"# Evaluation report: {summary['task']} / {summary.get('policy')}", ""]
-  out.append(f"Model `{model.get('source', '?')}` ({model.get('predictor', '?')}), dataset "
-             f"`{(cfg.get('dataset') or {}).get('name', '?')}`: {summary['examples']} examples, "
+  out.append(f"Model {md_code(model.get('source', '?'))} ({md_text(model.get('predictor', '?'))}), "
+             f"dataset {md_code((cfg.get('dataset') or {}).get('name', '?'))}: {summary['examples']} examples, "
              f"{summary['samples']} samples ({num(summary['samples_per_example'], 2)} per example).")
   out += ["", "## Accuracy", ""]
   ci = summary.get("accuracy_ci95") or {}
@@ -422,13 +465,14 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
       # The vote's key reads the number after the last answer prefix, the task's score its
       # own rule (GSM8K strict: the first): where they differ, the scored answer is shown.
       scored = rec.get("answer")
-      shown = (f"`{t.get('answer')}` (voted; scored `{scored}`, "
+      shown = (f"{md_code(t.get('answer'))} (voted; scored {md_code(scored)}, "
                if scored is not None and _answer_key(scored) != t.get("answer") else
-               f"`{t.get('answer')}` (")
-      out.append(f"- `{rec['example_id']}`: answer {shown}"
+               f"{md_code(t.get('answer'))} (")
+      out.append(f"- {md_code(rec['example_id'])}: answer {shown}"
                  f"{'correct' if rec['correct'] else 'wrong'}); {len(t.get('traces') or [])} traces, "
                  f"{t.get('steps')} steps, {t.get('backtracks')} backtracks, early exit "
-                 f"{bool(t.get('early_exit'))}; exits {t.get('exit_reasons')}; votes {t.get('votes')}")
+                 f"{bool(t.get('early_exit'))}; exits {t.get('exit_reasons')}; "
+                 f"votes {md_code(t.get('votes'))}")
   else:
     out.append("No step/backtrack/early-exit traces: plain sampling policies do not produce them "
                "(run a controller policy, e.g. policy=self_consistency or deepconf).")
@@ -442,16 +486,72 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
     for i, line in [(i, line) for i, line in enumerate(lines, 1) if line.strip()][:10]:
       d = _json(dl_path, line, i)
       where = f"{d.get('source')}:{d.get('line_number')}" if d.get("source") else f"{d.get('example_id')}#{d.get('sample_index')}"
-      out.append(f"- `{where}` ({d['stage']}): {d['reason'][:160]}")
+      out.append(f"- {md_code(where)} ({md_text(d['stage'])}): {md_text(d['reason'], 160)}")
   out += ["", "## Sample outputs", ""]
   for r in records[:3]:
-    text = r["output"].strip().replace("\n", " ")[:300]
-    out.append(f"- `{r['example_id']}` #{r['sample_index']}: answer `{r['answer']}` "
-               f"({'correct' if r['correct'] else 'wrong'}; reference `{r.get('reference')}`): {text}")
+    verdict = "correct" if r["correct"] else "wrong"
+    if r.get("reference") is not None:  # (HumanEval's records have none: the tests decide)
+      verdict += f"; reference {md_code(r['reference'], 300)}"
+    answer = "" if r["answer"] is None else str(r["answer"])
+    if "\n" in answer.strip():  # code: as a block inside the item, not the output again
+      out.append(f"- {md_code(r['example_id'])} #{r['sample_index']} ({verdict}): answer\n\n"
+                 + md_block(answer, "python" if summary["task"] == "humaneval" else "", "  "))
+      continue
+    out.append(f"- {md_code(r['example_id'])} #{r['sample_index']}: answer {md_code(answer)} "
+               f"({verdict}): {md_text(r['output'].strip(), 300)}")
   out += ["", "## Config", "", "```json", json.dumps(cfg, indent=2, default=list), "```", ""]
   path = run_dir / "report.md"
   path.write_text("\n".join(out), encoding="utf-8", errors="backslashreplace")  # even a lone surrogate
   return path
+
+
+def record_mismatches(summary: dict, records: Sequence[dict]) -> list[str]:
+  """What in results.jsonl does not belong to summary.json: records of another task or
+  policy, a sample recorded twice (the count alone let a swapped or doubled file pass)."""
+  out = []
+  for field in ("task", "policy"):
+    want = summary.get(field)
+    other = sorted({str(r[field]) for r in records if field in r and r[field] != want})
+    if want is not None and other:
+      out.append(f"records of {field} {', '.join(other)} where summary.json's is {want}")
+  seen, twice = set(), 0
+  for r in records:
+    key = r.get("key") or (r.get("example_id"), r.get("sample_index"))
+    twice += key in seen
+    seen.add(key)
+  if twice:
+    out.append(f"{twice} samples recorded twice")
+  return out
+
+
+def comparison_inputs(name: str, summary: dict) -> dict:
+  """One run's row of the comparison, its values checked: a summary.json of valid JSON
+  whose fields are of other types raises ValueError naming the field (the comparison
+  ended in a traceback)."""
+  try:
+    data = summary.get("data_sha256")
+    if data is not None and not isinstance(data, str):
+      raise ValueError(f"data_sha256 is {data!r}, not a string")
+    row = {"label": run_label(name, summary), "task": summary["task"],
+           "examples": summary["examples"], "samples": summary["samples"],
+           # examples with no scored sample (dead letters): the accuracy is over the others,
+           # so a run that lost its hard examples could stand above one that kept them
+           "unscored": int((summary.get("unscored") or {}).get("examples") or 0),
+           "accuracy": accuracy_value(summary), "interval": accuracy_interval(summary),
+           "tokens": summary["tokens"].get("completion_per_example") or 0,
+           "probe": probe_per_example(summary), "seconds": seconds_per_example(summary),
+           "p50": summary["latency_ms"].get("p50"),
+           "tok_s": summary["throughput"].get("completion_tokens_per_s")}
+    for key in ("examples", "samples", "accuracy", "tokens", "probe", "seconds", "p50", "tok_s"):
+      if row[key] is not None and (isinstance(row[key], bool) or not isinstance(row[key], (int, float))):
+        raise ValueError(f"its {key} is {row[key]!r}, not a number")
+    if row["interval"] is not None and not (
+        isinstance(row["interval"], list) and len(row["interval"]) == 2
+        and all(isinstance(x, (int, float)) for x in row["interval"])):
+      raise ValueError(f"its accuracy interval is {row['interval']!r}, not two numbers")
+    return row
+  except (KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"{type(e).__name__}: {e}") from e
 
 
 def probe_per_example(summary: dict) -> float | None:
@@ -467,40 +567,42 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   output_dir.mkdir(parents=True, exist_ok=True)
   dirs = dict.fromkeys(pathlib.Path(d).resolve() for d in run_dirs)  # a run named twice: once
   runs = [(d.name, load_run(d)[0]) for d in dirs]
+  values = [comparison_inputs(name, s) for name, s in runs]
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
-  seconds = [seconds_per_example(s) for _, s in runs]
-  tokens = [s["tokens"].get("completion_per_example") or 0 for _, s in runs]
   groups = comparison_groups([s for _, s in runs])
-  on_front = [front_members(cost, [accuracy_value(s) for _, s in runs], groups)
-              for cost in (tokens, seconds)]
+  accuracies = [v["accuracy"] for v in values]
+  on_front = [front_members([v[cost] for v in values], accuracies, groups)
+              for cost in ("tokens", "seconds")]
   # Runs of one task on different data are on frontiers of their own: number the data.
   data_sets = {}
   for task, data in groups:
     data_sets.setdefault(task, {}).setdefault(data, len(data_sets.get(task, {})) + 1)
-  task_label = lambda s, g: (f"{g[0]} [data {data_sets[g[0]][g[1]]}]" if len(data_sets[g[0]]) > 1
-                             else s["task"])
+  task_label = lambda v, g: (f"{g[0]} [data {data_sets[g[0]][g[1]]}]" if len(data_sets[g[0]]) > 1
+                             else v["task"])
   described = {}  # a group's data as its first run's config names it (and its hash)
   hashed = {s["data_sha256"] for _, s in runs if s.get("data_sha256")}
   for (_, s), g in zip(runs, groups):
     if g not in described:
       section = dataset_section(s)[1]
-      described[g] = ((f"`{section}`" if section else "no config in its summary")
+      described[g] = ((md_code(section) if section else "no config in its summary")
                       + (f", examples sha256 {g[1][:12]}" if g[1] in hashed else ""))
   legend = [f"- {task} [data {k}]: {described[(task, data)]}"
             for task, ds in data_sets.items() if len(ds) > 1 for data, k in ds.items()]
-  interval = lambda s: (f"{num(ci[0], 3)} .. {num(ci[1], 3)}"
-                        if (ci := accuracy_interval(s)) else "")
-  rows = [[run_label(name, s), task_label(s, groups[i]), s["examples"], s["samples"],
-           num(accuracy_value(s), 4), interval(s),
-           num(s["tokens"].get("completion_per_example")), num(probe_per_example(s)),
-           num(seconds[i], 2),
-           num(s["latency_ms"].get("p50")), num(s["throughput"].get("completion_tokens_per_s")),
+  interval = lambda v: (f"{num(v['interval'][0], 3)} .. {num(v['interval'][1], 3)}"
+                        if v["interval"] else "")
+  rows = [[v["label"], task_label(v, groups[i]), v["examples"], v["unscored"],
+           v["samples"], num(v["accuracy"], 4), interval(v),
+           num(runs[i][1]["tokens"].get("completion_per_example")), num(v["probe"]),
+           num(v["seconds"], 2), num(v["p50"]), num(v["tok_s"]),
            "/".join(k for k, f in zip(("tokens", "seconds"), on_front) if i in f)]
-          for i, (name, s) in enumerate(runs)]
+          for i, v in enumerate(values)]
   text = "\n".join(["# Run comparison", "",
-                    table(rows, ["run", "task", "examples", "samples", "accuracy", "95% interval",
+                    table(rows, ["run", "task", "examples", "unscored", "samples", "accuracy",
+                                  "95% interval",
                                   "tokens/example", "probe tokens/example", "s/example",
                                   "P50 ms", "tok/s", "Pareto"]), "",
+                    "Unscored: examples with no scored sample (dead letters), left out of "
+                    "that run's accuracy.", "",
                     "Pareto: the run is on its task's accuracy-vs-cost frontier by tokens "
                     "and/or by wall seconds per example (runs of a task on different data, "
                     "named below, are on frontiers of their own). Tokens are generated "
@@ -514,22 +616,36 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   return path
 
 
+def _unfinished_note(skipped: Sequence[str]) -> str:
+  """Why directories without summary.json have none: a run still going (its lock is held),
+  or one stopped before its end."""
+  unfinished = [d for d in skipped if (pathlib.Path(d) / "store").is_dir()]
+  if not unfinished:
+    return ""
+  from pipelines.eval import lock_held_elsewhere  # (absl and the configs: only here)
+  running = [d for d in unfinished if lock_held_elsewhere(d)]
+  return "".join([
+      f" ({', '.join(running)}: a run still going; report it when it ends)" if running else "",
+      " (a run stopped before its end: run pipelines.eval on it again to finish)"
+      if len(running) < len(unfinished) else ""])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("runs", nargs="+", help="run directories (each with summary.json)")
   parser.add_argument("--output_dir", default=None,
                       help="where comparison.md goes with several runs (default: the runs' common parent)")
   args = parser.parse_args(argv)
-  runs = [d for d in args.runs if (pathlib.Path(d) / "summary.json").exists()]
-  missing = sorted(d for d in set(args.runs) - set(runs) if not os.path.exists(d))
-  skipped = sorted(set(args.runs) - set(runs) - set(missing))
+  # A run named twice (`a a`, `a a/`, through a link) is reported once: two copies made a
+  # "comparison" of one run inside its own directory.
+  named = list({os.path.realpath(d): d for d in reversed(args.runs)}.values())[::-1]
+  runs = [d for d in named if (pathlib.Path(d) / "summary.json").exists()]
+  missing = sorted(d for d in set(named) - set(runs) if not os.path.exists(d))
+  skipped = sorted(set(named) - set(runs) - set(missing))
   if missing:
     print(f"skipping (not found): {missing}", file=sys.stderr)
   if skipped:
-    print(f"skipping (no summary.json): {skipped}"
-          + (" (a run stopped before its end: run pipelines.eval on it again to finish)"
-             if any((pathlib.Path(d) / "store").is_dir() for d in skipped) else ""),
-          file=sys.stderr)
+    print(f"skipping (no summary.json): {skipped}" + _unfinished_note(skipped), file=sys.stderr)
   for d in runs:  # (a summary.json that cannot be read is an error below)
     run_dir = pathlib.Path(d)
     if (run_dir / "summary.json").is_file() and not (run_dir / "results.jsonl").exists():
@@ -543,11 +659,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
       summary, records = load_run(d)
       counted = summary.get("samples")
-      if (run_dir := pathlib.Path(d) / "results.jsonl").exists() and isinstance(counted, int) \
-          and len(records) != counted:
-        print(f"warning: {run_dir} holds {len(records)} records where summary.json counts "
-              f"{summary.get('samples')}: the file was cut or changed since the run (pipelines.eval "
-              f"on the directory writes both again from its store)", file=sys.stderr)
+      if (run_dir := pathlib.Path(d) / "results.jsonl").exists():
+        problems = ([f"{len(records)} records where summary.json counts {counted}"]
+                    if isinstance(counted, int) and len(records) != counted else [])
+        problems += record_mismatches(summary, records)
+        if problems:
+          print(f"warning: {run_dir} holds {'; '.join(problems)}: the file was cut or changed "
+                f"since the run (pipelines.eval on the directory writes both again from its "
+                f"store)", file=sys.stderr)
       print(write_run_report(d))
     except ReportError as e:  # one bad run: the others are still reported
       print(f"error: {e}", file=sys.stderr)
@@ -563,6 +682,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"error: cannot write the report under {d}: {e.strerror or e}", file=sys.stderr)
       failed.append(d)
   runs = [d for d in runs if d not in failed]
+  for d in list(runs) if len(runs) > 1 else ():
+    try:
+      comparison_inputs(pathlib.Path(d).name, load_run(d)[0])
+    except ValueError as e:  # its report was written; the comparison leaves it out
+      print(f"error: {d}: cannot compare it ({e}): summary.json is not what a run wrote",
+            file=sys.stderr)
+      failed.append(d)
+      runs.remove(d)
   if len(runs) > 1:
     out = args.output_dir or os.path.commonpath([os.path.abspath(d) for d in runs])
     try:

@@ -3,7 +3,14 @@
 import json
 import re
 
+import pytest
+
+from pipelines import report
 from pipelines.report import main
+from pipelines.summary import summarize
+
+_MINIMAL_SUMMARY = {"task": "gsm8k", "examples": 0, "samples": 0, "tokens": {}, "latency_ms": {},
+                    "throughput": {}}
 
 
 def _run_dir(root, name, summary_text, results_lines=()):
@@ -51,7 +58,7 @@ def test_a_comparison_directory_that_cannot_be_written_is_one_line(tmp_path, cap
   # Before: FileExistsError's traceback (--output_dir naming a file).
   import pipelines.report as report
   monkeypatch.setattr(report, "write_run_report", lambda d: d)  # the runs' own reports: not here
-  runs = [str(_run_dir(tmp_path, name, "{}")) for name in ("a", "b")]
+  runs = [str(_run_dir(tmp_path, name, json.dumps(_MINIMAL_SUMMARY))) for name in ("a", "b")]
   blocker = tmp_path / "afile"
   blocker.write_text("")
   assert main([*runs, f"--output_dir={blocker}"]) == 2
@@ -87,3 +94,142 @@ def test_an_unfinished_run_and_a_cut_results_file_are_said(tmp_path, capsys, mon
           f"pipelines.eval on it again to finish)\n") in err
   assert (f"warning: {cut}/results.jsonl holds 1 records where summary.json counts 3: the file "
           f"was cut or changed since the run") in err
+
+
+def _record(i, output, answer="5", reference="5", **extra):
+  return {"key": f"k{i}", "example_id": f"e{i}", "example_index": i, "sample_index": 0,
+          "task": "gsm8k", "policy": "greedy", "reference": reference, "answer": answer,
+          "correct": answer == reference, "output": output, "finish_reason": "stop",
+          "score": {"strict_answer": answer, "flexible_answer": answer,
+                    "strict_correct": answer == reference, "flexible_correct": answer == reference},
+          "tokens": {"prompt": 10, "completion": 4}, "trace": {},
+          "timing": {"start_ms": 0.0, "end_ms": 10.0, "latency_ms": 10.0}, **extra}
+
+
+def _write_run(d, records, dead=(), task="gsm8k", **kwargs):
+  d.mkdir(parents=True)
+  summary = summarize(records, list(dead), task=task, config={"dataset": {"name": "x"}}, **kwargs)
+  (d / "summary.json").write_text(json.dumps(summary))
+  (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  if dead:
+    (d / "dead_letters.jsonl").write_text("".join(json.dumps(x) + "\n" for x in dead))
+  return d
+
+
+def _rendered(markdown_text):
+  """The report as a CommonMark renderer reads it (markdown-it, a dependency of rich)."""
+  markdown_it = pytest.importorskip("markdown_it")
+  return markdown_it.MarkdownIt("commonmark").render(markdown_text)
+
+
+def test_model_and_dead_letter_text_cannot_change_the_report(tmp_path):
+  """A bare CR then "<!--" in a model's output hid every section after it (the report
+  read on as one HTML comment); a dead letter's multi-line reason added a heading;
+  an example id was raw HTML. Each now reads as the text it is, on its line."""
+  records = [_record(0, "The answer is 5.\r<!-- model said this"),
+             _record(1, "x <img src=x onerror=alert(1)> `code` *a* [l](javascript:x) a|b\u2028# H"),
+             _record(2, "fine", **{"example_id": "<b>e2</b>"})]
+  dead = [{"stage": "inference", "reason": "boom\n# DL HEADING\n<!--", "example_id": "e9",
+           "sample_index": 0}]
+  path = report.write_run_report(_write_run(tmp_path / "run", records, dead))
+  html = _rendered(path.read_text())
+  assert "<h2>Config</h2>" in html and "<h2>Sample outputs</h2>" in html
+  assert "<h1>DL HEADING</h1>" not in html and "<h1>H</h1>" not in html
+  assert "<!--" not in html and "<img src=x" not in html and "<b>" not in html
+  assert 'href="javascript' not in html
+  assert "&lt;!-- model said this" in html and "&lt;b&gt;e2&lt;/b&gt;" in html
+
+
+def test_humaneval_code_is_a_block_and_no_reference_is_shown(tmp_path):
+  """A reply's code in single backticks broke at its first blank line (the list ended, a
+  stray code span followed), and every HumanEval sample read "reference `None`"."""
+  code = "def f(x):\n\n    return x  # `tick`\n"
+  rec = _record(0, "```python\n" + code + "```", answer=code, reference=None)
+  rec.update(task="humaneval", correct=True, score={"status": "passed", "passed": True})
+  d = _write_run(tmp_path / "he", [rec], task="humaneval")
+  text = report.write_run_report(d).read_text()
+  assert "reference" not in text.split("## Sample outputs")[1].split("## Config")[0]
+  html = _rendered(text)
+  assert "<code class=\"language-python\">def f(x):\n\n    return x  # `tick`\n</code>" in html
+
+
+def test_md_helpers_by_hand():
+  assert report.md_code("a`b``c") == "```a`b``c```"
+  assert report.md_code("`x") == "`` `x ``"
+  assert report.md_text("1\r2\u20283\x854 <a>") == "1 2 3 4 \\<a\\>"
+  assert report.md_block("a\n```\nb", "py", "  ") == "  ````py\n  a\n  ```\n  b\n  ````"
+  assert report.markdown_table([["a|b", None]], ["x", "y"]) == "| x | y |\n|---|---|\n| a\\|b |  |"
+
+
+def test_a_run_named_twice_is_reported_once_and_compared_with_nothing(tmp_path, capsys):
+  """`report a a` (or `a a/`) wrote a one-run comparison.md into the run's own directory."""
+  d = _write_run(tmp_path / "a", [_record(0, "The answer is 5.")])
+  assert main([str(d), str(d) + "/"]) == 0
+  out = capsys.readouterr().out
+  assert out.count("report.md") == 1
+  assert not (d / "comparison.md").exists() and not (d / "accuracy_vs_cost.png").exists()
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("data_sha256", ["x"], "data_sha256 is ['x'], not a string"),
+    ("config", {"speculative": "yes"}, "AttributeError"),
+    ("throughput", {"span_s": "abc", "samples_computed": 1}, "TypeError"),
+    ("examples", True, "its examples is True, not a number")])
+def test_a_summary_the_comparison_cannot_read_is_one_line_and_left_out(tmp_path, capsys, monkeypatch,
+                                                                        field, value, named):
+  """Each of these ended the comparison in a traceback (the run's own report was written)."""
+  monkeypatch.setattr(report, "write_run_report", lambda d: d)
+  good = [_write_run(tmp_path / n, [_record(0, "The answer is 5.")]) for n in ("g1", "g2")]
+  bad = _write_run(tmp_path / "bad", [_record(0, "The answer is 5.")])
+  summary = json.loads((bad / "summary.json").read_text())
+  summary[field] = value
+  (bad / "summary.json").write_text(json.dumps(summary))
+  assert main([*map(str, good), str(bad), f"--output_dir={tmp_path / 'cmp'}"]) == 2
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {bad}: cannot compare it (") and named in err[0]
+  assert "bad" not in (tmp_path / "cmp" / "comparison.md").read_text()
+
+
+def test_records_that_are_not_the_summarys_are_said(tmp_path, capsys, monkeypatch):
+  """Another run's records under this summary (same count), or one sample twice, passed
+  without a word: the report then showed the other run's paths under this one's title."""
+  monkeypatch.setattr(report, "write_run_report", lambda d: d)
+  d = _write_run(tmp_path / "a", [_record(0, "x"), _record(1, "y")])
+  foreign = [_record(0, "x", policy="self_consistency"), _record(0, "x", policy="self_consistency")]
+  (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in foreign))
+  assert main([str(d)]) == 0
+  assert capsys.readouterr().err == (
+      f"warning: {d}/results.jsonl holds records of policy self_consistency where summary.json's "
+      f"is greedy; 1 samples recorded twice: the file was cut or changed since the run "
+      f"(pipelines.eval on the directory writes both again from its store)\n")
+
+
+def test_non_finite_numbers_are_not_a_runs_json(tmp_path, capsys):
+  """A NaN accuracy stood on both Pareto frontiers (nothing beats NaN); a run writes strict
+  JSON, so NaN or Infinity is an edited or foreign file."""
+  d = _write_run(tmp_path / "a", [_record(0, "x")])
+  (d / "summary.json").write_text((d / "summary.json").read_text().replace('"span_s": 0.01', '"span_s": NaN'))
+  assert main([str(d)]) == 2
+  assert capsys.readouterr().err == f"error: {d}/summary.json: not valid JSON (NaN is not JSON)\n"
+
+
+def test_the_comparison_says_what_each_accuracy_leaves_out(tmp_path, capsys):
+  """A run that lost 5 of its 8 examples to dead letters stood above a full run with no
+  word of it but its example count."""
+  full = _write_run(tmp_path / "full", [_record(i, "x", answer="5" if i < 2 else "6") for i in range(8)])
+  dead = [{"stage": "inference", "reason": "x", "example_id": f"e{i}", "sample_index": 0} for i in range(3, 8)]
+  half = _write_run(tmp_path / "half", [_record(i, "x", answer="5" if i < 2 else "6") for i in range(3)], dead)
+  assert main([str(full), str(half)]) == 0
+  table = [line for line in (tmp_path / "comparison.md").read_text().splitlines() if line.startswith("|")]
+  assert table[0].startswith("| run | task | examples | unscored | samples | accuracy |")
+  rows = {line.split(" | ")[0]: line.split(" | ") for line in table[2:]}
+  assert rows["| greedy (full)"][3] == "0" and rows["| greedy (half)"][3] == "5"
+
+
+def test_a_failed_report_leaves_no_old_one(tmp_path, capsys):
+  d = _write_run(tmp_path / "a", [_record(0, "x")], [{"stage": "inference", "reason": "x",
+                                                      "example_id": "e1", "sample_index": 0}])
+  (d / "report.md").write_text("last time's report")
+  (d / "dead_letters.jsonl").write_text('{"stage": "infer')  # cut
+  assert main([str(d)]) == 2
+  assert not (d / "report.md").exists()
