@@ -233,3 +233,25 @@ def test_a_failed_report_leaves_no_old_one(tmp_path, capsys):
   (d / "dead_letters.jsonl").write_text('{"stage": "infer')  # cut
   assert main([str(d)]) == 2
   assert not (d / "report.md").exists()
+
+
+def test_a_run_still_going_is_not_called_stopped(tmp_path, capsys):
+  """A directory whose run holds its lock was "a run stopped before its end: run
+  pipelines.eval on it again", which that eval refuses as in use."""
+  import fcntl
+  import os
+
+  from pipelines.eval import LOCK_NAME
+  going, stopped = tmp_path / "going", tmp_path / "stopped"
+  for d in (going, stopped):
+    (d / "store").mkdir(parents=True)
+    (d / LOCK_NAME).write_text("")
+  fd = os.open(going / LOCK_NAME, os.O_RDWR)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (a probe from this process's other fd is refused too)
+    assert main([str(going), str(stopped)]) == 2
+  finally:
+    os.close(fd)
+  err = capsys.readouterr().err
+  assert f"{going}: a run still going; report it when it ends" in err
+  assert "a run stopped before its end" in err  # (the other one)
