@@ -72,6 +72,18 @@ def _stdout_failed(e: OSError) -> int:
   return 1
 
 
+def _check_stdout_encoding() -> None:
+  """A stdout that cannot write every character (PYTHONIOENCODING=ascii, a latin-1
+  terminal) failed at the answer's first such character, after the model had loaded,
+  with the codec's message naming neither stdout nor a way out."""
+  encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+  try:
+    "\u00e9\u4e2d\U0001f600".encode(encoding)
+  except (UnicodeEncodeError, LookupError):
+    raise ValueError(f"stdout's encoding is {encoding}, which cannot write every character "
+                     f"of an answer: set PYTHONIOENCODING=utf-8") from None
+
+
 def _decode_text(rate: float) -> str:
   if math.isfinite(rate):
     return f"decode {rate:.1f} tok/s"
@@ -104,6 +116,8 @@ def main(argv=None) -> int:
   parser.add_argument("--matmul_dtype", default="float32", choices=MATMUL_DTYPES,
                       help="float32 = exact; int8 = the fast CPU mode (see the README)")
   args = parser.parse_args(argv)
+  if sys.stderr is None:  # (closed: print(file=None) wrote the numbers and errors into the answer)
+    sys.stderr = open(os.devnull, "w")
 
   enable_compilation_cache()
   try:
@@ -117,6 +131,7 @@ def main(argv=None) -> int:
                        "HF or orbax directory)")
     if sys.stdout is None:  # (closed: every token's write raised AttributeError)
       raise ValueError("stdout is closed: the answer has nowhere to go")
+    _check_stdout_encoding()
     if args.raw and args.system is not None:  # (it was dropped without a word)
       raise ValueError("--system goes into the chat template, which --raw leaves out: put it "
                        "in the prompt, or drop --raw")
@@ -167,10 +182,11 @@ def main(argv=None) -> int:
       for event in engine.stream(request):
         if interrupted:
           raise KeyboardInterrupt
-        if event.token_id is None:  # the sample's closing event
-          continue
-        times.append(time.perf_counter())
-        if event.text:  # ("" while a multi-byte character is incomplete)
+        if event.token_id is not None:  # (not the sample's closing event: no token)
+          times.append(time.perf_counter())
+        # ("" while a multi-byte character is incomplete; the closing event carries what
+        # was held back: an unfinished character's U+FFFD)
+        if event.text:
           sys.stdout.write(event.text)
           sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C: the answer so far stays, with its numbers

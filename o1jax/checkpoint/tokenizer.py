@@ -25,6 +25,7 @@ import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
@@ -634,6 +635,7 @@ class Tokenizer:
     self.has_chat_template = bool(chat_template)
     self.chat_template = chat_template or CHATML_TEMPLATE
     self._template = compile_chat_template(self.chat_template)  # at load, not the first prompt
+    self._byte_values, self._byte_ids = _byte_fallback_tokens(backend)
 
   @property
   def vocab_size(self) -> int:
@@ -669,7 +671,42 @@ class Tokenizer:
     return ids
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-    return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+    """Text of `ids`. Bytes that are no UTF-8 read as U+FFFD, one per maximal invalid
+    part (as Python's errors="replace" and byte-level BPE decoders read them), also where
+    a SentencePiece vocabulary spells them with byte tokens (<0xF0>): the tokenizers
+    library's ByteFallback reads a whole run of byte tokens with one invalid byte as
+    U+FFFD per byte, so a character already read became U+FFFD when the next byte came
+    (streamed text differed from the final text; a window saw text the whole had not)."""
+    ids = list(ids)
+    if self._byte_values is not None and ids:
+      ids = self._respelled(ids)
+    return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+  def _respelled(self, ids: list[int]) -> list[int]:
+    """`ids` with each run of byte tokens that is not UTF-8 spelled as the UTF-8 bytes
+    of its errors="replace" reading (U+FFFD is EF BF BD): the library then reads it so."""
+    arr = np.asarray(ids, np.int64)
+    inside = (arr >= 0) & (arr < len(self._byte_values))
+    values = np.where(inside, self._byte_values[np.where(inside, arr, 0)], -1)
+    if not (values >= 0).any():
+      return ids
+    out, i, n = [], 0, len(ids)
+    while i < n:
+      if values[i] < 0:
+        out.append(ids[i])
+        i += 1
+        continue
+      j = i
+      while j < n and values[j] >= 0:
+        j += 1
+      run = bytes(values[i:j].tolist())
+      try:
+        run.decode("utf-8")
+        out += ids[i:j]
+      except UnicodeDecodeError:
+        out += [self._byte_ids[b] for b in run.decode("utf-8", "replace").encode("utf-8")]
+      i = j
+    return out
 
   def token_to_id(self, token: str) -> int | None:
     return self.backend.token_to_id(token)
@@ -914,6 +951,22 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
                                        decoders.Fuse()])
   _add_tokens(backend, tokens, types)
   return backend
+
+
+def _byte_fallback_tokens(backend) -> tuple:
+  """(byte value of each token id or -1, {byte value: its token id}) for a tokenizer whose
+  decoder reads byte tokens (<0xF0>) with ByteFallback and whose vocabulary has those of
+  U+FFFD's UTF-8 (EF BF BD: a respelled run's valid characters are bytes the run had);
+  (None, None) otherwise (byte-level BPE, a tokenizer without byte tokens)."""
+  decoder = backend.decoder
+  if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+    return None, None
+  ids = {b: i for b in range(256) if (i := backend.token_to_id(f"<0x{b:02X}>")) is not None}
+  if not all(b in ids for b in "\ufffd".encode("utf-8")):
+    return None, None
+  values = np.full(max(ids.values()) + 1, -1, np.int16)
+  values[list(ids.values())] = list(ids)
+  return values, ids
 
 
 def _add_tokens(backend, tokens, types) -> None:

@@ -42,6 +42,7 @@ import functools
 import logging
 import math
 import os
+import re
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -232,6 +233,25 @@ class EngineConfig:
       raise ValueError(f"prefix_caching={self.prefix_caching!r} must be a bool")
 
 
+MAX_STOP_CHARS = 4096  # a stop string's length (the stream scans its prefixes per token)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _stop_prefix_at_end(text: str, stop: str) -> int:
+  """The longest k < len(stop) with text ending in stop[:k] (0 if none): what the stream
+  holds back, since the next token may complete the stop string. Only k whose last
+  character is text's are compared (C-speed `find`), not every prefix."""
+  if not text:
+    return 0
+  last, k = text[-1], min(len(stop) - 1, len(text))
+  while k > 0:
+    k = stop.rfind(last, 0, k) + 1  # the longest prefix ending in `last`, at most k long
+    if k and text.endswith(stop[:k]):
+      return k
+    k -= 1
+  return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationParams(SamplingParams):
   """Sampling (temperature, top_k, top_p, min_p, seed: `SamplingParams`, checked there) and
@@ -261,12 +281,20 @@ class GenerationParams(SamplingParams):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-    if not isinstance(stop, collections.abc.Iterable) or isinstance(stop, bytes):
+    if (not isinstance(stop, collections.abc.Iterable) or isinstance(stop, bytes)
+        or isinstance(stop, collections.abc.Mapping)):  # (a dict gave its keys)
       raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
     stop = tuple(stop)
     bad = [s for s in stop if not isinstance(s, str) or not s]
     if bad:
       raise ValueError(f"stop strings must be non-empty str, got {bad[0]!r}")
+    # (text is decoded Unicode: a lone surrogate never matched; the stream's hold-back
+    # scans each stop string's prefixes per token: 200,000 characters took 0.4 s a token)
+    bad = [s for s in stop if _LONE_SURROGATE.search(s) or len(s) > MAX_STOP_CHARS]
+    if bad:
+      raise ValueError(f"stop string {bad[0][:40]!r}{'...' if len(bad[0]) > 40 else ''} "
+                       f"({len(bad[0])} characters) must be at most {MAX_STOP_CHARS} "
+                       f"characters of valid Unicode (no lone surrogate)")
     object.__setattr__(self, "stop", stop)
     ids = self.stop_token_ids
     if isinstance(ids, (str, bytes)) or not isinstance(ids, collections.abc.Iterable):
@@ -1642,8 +1670,7 @@ class Engine:
       # U+FFFD for now), and before it the start of a stop string (cut if it completes:
       # a stop string may go on through that character).
       text = text.rstrip("\ufffd")
-      hold = max((k for s in seq.group.params.stop for k in range(1, len(s))
-                  if text.endswith(s[:k])), default=0)
+      hold = max((_stop_prefix_at_end(text, s) for s in seq.group.params.stop), default=0)
       text = text[:len(text) - hold]
     delta, seq.text_len = text[seq.text_len:], max(len(text), seq.text_len)
     seq.group.events.append(StreamEvent(sample=seq.sample, token_id=token, text=delta,

@@ -124,6 +124,11 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads():
     (["--prompt", "hi", "--max_new_tokens", "2"], "closed", "error: stdout is closed: "),
     (["--prompt", "hi", "--max_new_tokens", "2"], "/dev/full",
      "error: cannot write the answer to stdout: No space left on device"),
+    # Before: the answer up to its first non-ASCII character, then the codec's message
+    # (exit 2 after the model had loaded); now before it loads.
+    (["--prompt", "Say café"], "ascii",
+     "error: stdout's encoding is ascii, which cannot write every character of an answer: "
+     "set PYTHONIOENCODING=utf-8"),
 ])
 def test_an_empty_prompt_or_model_and_a_stdout_that_cannot_be_written_are_one_line(
     args, stdout, message):
@@ -133,7 +138,50 @@ def test_an_empty_prompt_or_model_and_a_stdout_that_cannot_be_written_are_one_li
       open("/dev/full", "w") if stdout == "/dev/full" else None)
   run = dict(stdout=target) if stdout != "closed" else dict(
       stdout=None, preexec_fn=lambda: os.close(1))
+  if stdout == "ascii":
+    run = dict(stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONIOENCODING": "ascii"})
   out = subprocess.run([sys.executable, "-m", "o1jax.generate", *args], stderr=subprocess.PIPE,
                        text=True, timeout=300, **run)
   assert out.returncode in (1, 2) and out.stderr.strip().splitlines()[-1].startswith(message), \
       out.stderr[-2000:]
+
+
+def test_with_stderr_closed_the_answer_is_all_stdout_holds():
+  """print(file=sys.stderr) with fd 2 closed wrote to stdout: the numbers line (and any
+  error) came after the answer, in the answer's file."""
+  out = subprocess.run(COMMAND + ["--max_new_tokens", "4"], stdout=subprocess.PIPE, text=True,
+                       timeout=300, preexec_fn=lambda: os.close(2))
+  assert out.returncode == 0
+  assert "[" not in out.stdout and "prompt tokens" not in out.stdout and out.stdout.strip(), out.stdout
+
+
+def test_the_text_a_closing_event_carries_is_written(tmp_path, monkeypatch, capsys):
+  """The closing event (eos after an unfinished character) carries what was held back
+  (its U+FFFD); the CLI skipped every event without a token, so its stdout ended short of
+  the engine's text."""
+  import numpy as np
+
+  from o1jax import generate
+  from o1jax.checkpoint import load_checkpoint
+  from o1jax.engine import GenerationParams, Request
+  from o1jax.model import Llama
+  from o1jax.model.generation import encode_prompt
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+  write_hf_checkpoint(tmp_path / "tiny", tiny_config(max_context=256), seed=3)
+  ck = load_checkpoint(tmp_path / "tiny")
+  params = dict(ck.params)
+  params["embed"] = np.asarray(params["embed"]) * 0.05  # (spread-out logits: bytes get sampled)
+  model = Llama(ck.config, params)
+  monkeypatch.setattr(generate, "load_model", lambda *a, **k: (model, ck.tokenizer))
+  ids = encode_prompt(ck.tokenizer, "hello", model.config.vocab_size)
+  checked = 0
+  for seed in range(80, 120):
+    request = Request(ids, GenerationParams(max_new_tokens=30, temperature=5.0, seed=seed))
+    events = list(generate.chat_engine(model, ck.tokenizer, len(ids) + 30).stream(request))
+    if not any(e.token_id is None and e.text for e in events):
+      continue
+    assert generate.main(["--raw", "--prompt", "hello", "--temperature", "5", "--seed", str(seed),
+                          "--max_new_tokens", "30"]) == 0
+    assert capsys.readouterr().out == "".join(e.text for e in events) + "\n", seed
+    checked += 1
+  assert checked  # (seeds 90, 100 and 104 end with an unfinished character)

@@ -155,3 +155,42 @@ def test_gemma3_vocabulary_matches_llama_cpp_algorithm(gemma3_meta):
     assert ids == _llama_cpp_spm(text, *args), text
     assert tok.decode(ids) == text
   assert tok.encode("Hi")[0] == 2  # add_bos_token: <bos> first
+
+
+def test_byte_tokens_read_as_python_replace_reads_the_bytes_and_only_grow():
+  """The tokenizers library's ByteFallback read a run of byte tokens with one invalid byte
+  as U+FFFD per byte: "Hi 𠀋" then "Hi �����" once the next character's first byte came
+  (the engine had streamed the character; a stop window saw text the whole did not have).
+  Now a run reads as bytes.decode("utf-8", "replace") reads its bytes, so a prefix's text
+  (less a U+FFFD at its end, which a byte may still complete) begins every longer one's."""
+  tok = Tokenizer.from_gguf_metadata(_tiny_meta(False))
+  byte_id = lambda b: 6 + b  # <0x00> is token 6
+  rng = np.random.default_rng(0)
+  alphabet = [*"héllo wörld".encode(), *"𠀋😀".encode(), 0x80, 0xC3, 0xF0, 0xFF, 0xED, 0xA0]
+  for _ in range(300):
+    data = bytes(int(b) for b in rng.choice(alphabet, size=int(rng.integers(1, 20))))
+    ids = [byte_id(b) for b in data]
+    for k in range(1, len(ids) + 1):
+      assert tok.decode(ids[:k]) == data[:k].decode("utf-8", "replace"), data[:k]
+      longer = tok.decode(ids[:k + 1])
+      assert longer.startswith(tok.decode(ids[:k]).rstrip("\ufffd")), data[:k + 1]
+  # Pieces around the runs are read as before; a valid run is left to the library.
+  h, world = (_tiny_meta(False)["tokenizer.ggml.tokens"].index(p) for p in ("h", "\u2581world"))
+  assert tok.decode([h, byte_id(0xF0), byte_id(0x31), world]) == "h\ufffd1 world"
+  assert tok.decode([h, *map(byte_id, "é".encode()), world]) == "hé world"
+
+
+def test_an_hf_byte_fallback_tokenizer_reads_bytes_the_same_way(tmp_path):
+  """Llama-2 / Mistral tokenizer.json files decode with Replace, ByteFallback, Fuse, Strip."""
+  from tokenizers import Tokenizer as Backend, decoders, models
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+           "\u2581": 259, "a": 260}
+  backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  backend.save(str(tmp_path / "tokenizer.json"))
+  tok = Tokenizer.load(tmp_path)
+  ids = [259, 260, *(3 + b for b in "𠀋".encode()), 3 + 0xF0]
+  assert tok.decode(ids) == "a𠀋\ufffd"  # (the library alone: "a�����")
+  tok.save(tmp_path / "again")  # the backend is the library's own: it saves as before
+  assert Tokenizer.load(tmp_path / "again").decode(ids) == "a𠀋\ufffd"
