@@ -11,10 +11,14 @@ class CheckpointError(ValueError):
 def read_json_object(path: pathlib.Path) -> dict:
   """A checkpoint's JSON file (config.json, tokenizer_config.json) as a dict; a file that
   does not parse, or holds no object, raises `CheckpointError` naming it."""
+  if not path.is_file():  # (a directory raised IsADirectoryError; a FIFO blocked the read)
+    raise CheckpointError(f"{path}: not a regular file")
   try:
     value = json.loads(path.read_text())
   except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
     raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+  except OSError as e:  # unreadable
+    raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
   if not isinstance(value, dict):
     raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
   return value

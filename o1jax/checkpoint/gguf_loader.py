@@ -466,7 +466,7 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     rope_scaling = {"rope_type": "freq_factors", "factors": factors}
   n_tokens = tokens[1] if tokens else vocab
   token_id = lambda key: _token_id(meta, key, n_tokens)
-  eos_ids = tuple(sorted({i for i in map(token_id, GGUF_END_OF_GENERATION_KEYS) if i is not None}))
+  eos_ids = tuple(dict.fromkeys(i for i in map(token_id, GGUF_END_OF_GENERATION_KEYS) if i is not None))
   bos = token_id("tokenizer.ggml.bos_token_id")
   switches = {}  # Gemma 3's or Phi-3's ModelConfig fields
   if arch == "gemma3":

@@ -100,6 +100,10 @@ class ModelConfig:
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+    for name, ids in (("eos_ids", self.eos_ids), ("bos_id", () if self.bos_id is None else (self.bos_id,))):
+      bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+      if bad:  # (an eos id past the vocabulary failed the first request, in the loop)
+        raise ValueError(f"{name} {bad[0]} is not a token id (0..{self.vocab_size - 1})")
     if self.rotary_dim is not None and (
         isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, numbers.Integral)
         or self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):

@@ -68,6 +68,14 @@ def _read_manifest(directory: pathlib.Path) -> tuple[dict, ModelConfig]:
   return manifest, config
 
 
+def _check_tokenizer_files(directory: pathlib.Path) -> None:
+  # (save_orbax writes both: without the config a copy loaded with no BOS and the ChatML
+  # fallback template)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    if not (directory / "tokenizer" / name).is_file():
+      raise CheckpointError(f"{directory / 'tokenizer'}: {name} is missing")
+
+
 def check_orbax(directory: str | os.PathLike) -> ModelConfig:
   """Validates an orbax checkpoint's manifest, layout and array shapes (from orbax's
   metadata: ~10 ms) without restoring its arrays; returns the config."""
@@ -79,8 +87,7 @@ def check_orbax(directory: str | os.PathLike) -> ModelConfig:
   params = directory / "params"
   if not params.is_dir() or not any(params.iterdir()):
     raise CheckpointError(f"{params}: missing or empty (the parameter arrays)")
-  if not (directory / "tokenizer" / "tokenizer.json").is_file():
-    raise CheckpointError(f"{directory / 'tokenizer'}: tokenizer.json is missing")
+  _check_tokenizer_files(directory)
   try:
     with ocp.PyTreeCheckpointer() as ckpt:
       tree = ckpt.metadata(params).item_metadata
@@ -99,6 +106,7 @@ def load_orbax(directory: str | os.PathLike) -> tuple[ModelConfig, Params, Token
 
   directory = pathlib.Path(directory).absolute()
   manifest, config = _read_manifest(directory)
+  _check_tokenizer_files(directory)
   _drop_stray_read_callbacks()
   try:
     with ocp.PyTreeCheckpointer() as ckpt:

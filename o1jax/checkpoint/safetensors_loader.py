@@ -8,6 +8,8 @@ how `scripts/convert_checkpoint.py` exports GGUF models for HF tools.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -64,8 +66,10 @@ def _rope(hf: dict, path) -> tuple[float, dict | None]:
   one `rope_parameters` dict holding both (transformers 5)."""
   params = _object(hf, "rope_parameters", path)
   params = _object(params, "full_attention", path, params)  # Gemma 3 (transformers 5): per layer type
-  theta = _number(hf, "rope_theta", path, float,
-                  _number(params, "rope_theta", path, float, _default(hf, "rope_theta", 10000.0)))
+  # (both given: rope_parameters' value, as transformers 5 reads it; the top-level key is
+  # only its default there)
+  theta = _number(params, "rope_theta", path, float,
+                  _number(hf, "rope_theta", path, float, _default(hf, "rope_theta", 10000.0)))
   scaling = _object(hf, "rope_scaling", path) or {k: v for k, v in params.items() if k != "rope_theta"}
   if scaling.get("rope_type", scaling.get("type", "default")) == "default":
     return theta, None
@@ -276,7 +280,12 @@ def config_from_hf(hf: dict, path) -> ModelConfig:
 
 def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
   index = directory / "model.safetensors.index.json"
-  if index.is_file():
+  if (directory / "model.safetensors").is_file():
+    # As transformers: model.safetensors where there is one, the index's shards otherwise
+    # (a directory may also hold another layout's copy, e.g. Mistral's
+    # consolidated.safetensors, or an adapter's file)
+    files = [directory / "model.safetensors"]
+  elif index.is_file():
     weight_map = read_json_object(index).get("weight_map", {})
     if not isinstance(weight_map, dict):
       raise CheckpointError(f"{index}: weight_map is not an object")
@@ -285,11 +294,6 @@ def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
         raise CheckpointError(f"{index}: weight_map[{name!r}]={f!r} is not the name of a file "
                               f"beside it")
     files = sorted({directory / f for f in weight_map.values()})
-  elif (directory / "model.safetensors").is_file():
-    # As transformers: without an index, the weights are model.safetensors (a directory may
-    # also hold another layout's copy, e.g. Mistral's consolidated.safetensors, or an
-    # adapter's file)
-    files = [directory / "model.safetensors"]
   else:
     files = sorted(directory.glob("*.safetensors"))
   if not files:
@@ -304,7 +308,16 @@ def _read_config(directory: pathlib.Path) -> ModelConfig:
   cfg_file = directory / "config.json"
   if not cfg_file.is_file():
     raise CheckpointError(f"{directory}: config.json is missing")
-  return config_from_hf(read_json_object(cfg_file), cfg_file)
+  config = config_from_hf(read_json_object(cfg_file), cfg_file)
+  # transformers' generate also stops on generation_config.json's eos ids (Gemma 3's
+  # <end_of_turn>, Phi-3's <|end|>, Qwen's <|endoftext|>: not config.json's eos_token_id)
+  gen_file = directory / "generation_config.json"
+  if gen_file.exists():
+    more = _token_ids(read_json_object(gen_file), "eos_token_id", gen_file, config.vocab_size,
+                      many=True)
+    config = dataclasses.replace(
+        config, eos_ids=config.eos_ids + tuple(i for i in dict.fromkeys(more) if i not in config.eos_ids))
+  return config
 
 
 _HEADER_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}

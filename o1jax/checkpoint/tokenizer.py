@@ -61,10 +61,12 @@ END_OF_GENERATION_TEXTS = frozenset((
 
 def gguf_end_of_generation_ids(meta: dict) -> list[int]:
   """The ids a GGUF's model stops on, as llama.cpp reads them: the metadata's eos, eot and
-  eom ids, and every token whose text is one of END_OF_GENERATION_TEXTS."""
-  ids = {int(meta[k]) for k in GGUF_END_OF_GENERATION_KEYS if meta.get(k) is not None}
+  eom ids, and every token whose text is one of END_OF_GENERATION_TEXTS. The eos id
+  first: it is the tokenizer's `eos_token` (a template's {{ eos_token }}, the saved config)."""
+  ids = [int(meta[k]) for k in GGUF_END_OF_GENERATION_KEYS if meta.get(k) is not None]
   tokens = meta.get("tokenizer.ggml.tokens") or ()
-  return sorted(ids | {i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS})
+  by_text = [i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS]
+  return list(dict.fromkeys(ids[:1] + sorted(set(ids[1:]) | set(by_text))))
 
 # ChatML, used when a checkpoint has no template of its own.
 CHATML_TEMPLATE = (
@@ -788,7 +790,7 @@ class Tokenizer:
       raise CheckpointError(f"{tok_file}: cannot be parsed ({e})") from e
     cfg = {}
     cfg_file = directory / "tokenizer_config.json"
-    if cfg_file.is_file():
+    if os.path.lexists(cfg_file):  # (one that is no file is named, not passed over)
       cfg = read_json_object(cfg_file)
 
     def bad(key, expected):
@@ -800,7 +802,13 @@ class Tokenizer:
         entry = entry.get("content")
       if entry is not None and not isinstance(entry, str):
         raise bad(key, "a token (a string, or an object with a string content)")
-      return None if entry is None else backend.token_to_id(entry)
+      if entry is None:
+        return None
+      found = backend.token_to_id(entry)
+      if found is None:  # (was dropped: prompts went without their BOS, no eos stopped)
+        raise CheckpointError(f"{cfg_file}: {key}={entry!r} is not a token of "
+                              f"{directory / 'tokenizer.json'}")
+      return found
 
     eos_ids = cfg.get("o1jax_eos_token_ids")
     n = backend.get_vocab_size(with_added_tokens=True)
@@ -814,7 +822,12 @@ class Tokenizer:
     if isinstance(template, list):  # HF allows a list of named templates
       if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
         raise bad("chat_template", "a string or a list of {name, template} objects")
-      template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+      named = {t.get("name"): t["template"] for t in template}
+      if "default" not in named:  # (as transformers refuses it: ChatML was used silently)
+        raise CheckpointError(f"{cfg_file}: chat_template lists templates named "
+                              f"{sorted(map(str, named))} and none 'default': which one a chat "
+                              f"uses is not said")
+      template = named["default"]
     if template is not None and not isinstance(template, str):
       raise bad("chat_template", "a string or a list of {name, template} objects")
     template_file = cfg_file  # where the template came from, for its errors

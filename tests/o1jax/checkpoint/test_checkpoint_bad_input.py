@@ -1,6 +1,7 @@
 """`check_checkpoint`: the cheap header check a launcher runs before loading anything, and
 text the tokenizer cannot take as it is."""
 
+import dataclasses
 import json
 import time
 
@@ -356,7 +357,9 @@ def test_hf_config_and_tokenizer_files_that_are_not_what_they_should_be(tmp_path
     with pytest.raises(CheckpointError, match=rf"^{hf}/tokenizer_config.json: not valid JSON \("):
       read(hf)
   (hf / "tokenizer_config.json").unlink()
-  # A shard index that does not parse: named, not a bare JSONDecodeError.
+  # A shard index that does not parse: named, not a bare JSONDecodeError. (Beside a
+  # model.safetensors it is not read, as transformers reads that file first.)
+  (hf / "model.safetensors").rename(hf / "model-00001-of-00001.safetensors")
   (hf / "model.safetensors.index.json").write_text('{"weight_map": ')
   with pytest.raises(CheckpointError,
                      match=rf"^{hf}/model.safetensors.index.json: not valid JSON \("):
@@ -637,12 +640,19 @@ def _with_tensors(extra=(), shard2=False):
     tensors = load_file(str(d / "model.safetensors"))
     tensors.update({name: np.zeros(shape, np.float32) for name, shape in extra})
     save_file(tensors, str(d / "model.safetensors"))
-    if shard2:  # (an index lists both: without one, model.safetensors alone is read)
+    if shard2:  # (an index lists both: beside a model.safetensors, that file alone is read)
       shutil.copy(d / "model.safetensors", d / "model2.safetensors")
+      (d / "model.safetensors").rename(d / "model1.safetensors")
       (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-          name: ("model.safetensors" if i % 2 else "model2.safetensors")
+          name: ("model1.safetensors" if i % 2 else "model2.safetensors")
           for i, name in enumerate(sorted(tensors))}}))
   return edit
+
+
+def _sharded(d, index_text):
+  """An index beside the weights (a model.safetensors would be read instead of it)."""
+  (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+  (d / "model.safetensors.index.json").write_text(index_text)
 
 
 _CFG = "/config.json: "
@@ -683,11 +693,10 @@ _HF_MUTANTS = {
                     r"config.json describes \(attention_bias=False, model_type 'llama'\)"),
     "tensor_in_two_shards": (_with_tensors(shard2=True),
                              r": tensor 'lm_head.weight' is in both|: tensor '[a-z_.0-9]+' is in both "
-                             r"model.safetensors and model2.safetensors"),
-    "weight_map_a_list": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+                             r"model1.safetensors and model2.safetensors"),
+    "weight_map_a_list": (lambda d: _sharded(d, '{"weight_map": [1]}'),
                           r"/model.safetensors.index.json: weight_map is not an object"),
-    "weight_map_outside": (lambda d: (d / "model.safetensors.index.json").write_text(
-        '{"weight_map": {"a": "/etc/passwd"}}'),
+    "weight_map_outside": (lambda d: _sharded(d, '{"weight_map": {"a": "/etc/passwd"}}'),
                            r"/model.safetensors.index.json: weight_map\['a'\]='/etc/passwd' is not the name "
                            r"of a file beside it"),
     "eos_ids_not_a_list": (_edit_json("tokenizer_config.json", o1jax_eos_token_ids=5),
@@ -1348,3 +1357,84 @@ def test_orbax_param_spec_that_disagrees_with_its_arrays_is_named(tmp_path, muta
   for read in (check_checkpoint, load_checkpoint):
     with pytest.raises(CheckpointError, match=rf"param_spec does not match the arrays .*{message}"):
       read(d)
+
+
+def _hf_with_tokenizer(tmp_path, **config_changes):
+  hf = tmp_path / "hf"
+  testing.write_hf_checkpoint(hf, testing.tiny_config())
+  if config_changes:
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(config_changes)
+    (hf / "config.json").write_text(json.dumps(cfg))
+  return hf
+
+
+def test_hf_generation_config_eos_ids_stop_generation_too(tmp_path):
+  """transformers' generate stops on generation_config.json's eos ids as well (Gemma 3's
+  <end_of_turn>, Phi-3's <|end|>); they were not read: the model went on past its turn."""
+  hf = _hf_with_tokenizer(tmp_path)
+  base = load_checkpoint(hf).config.eos_ids
+  (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [base[0], 5, 7], "do_sample": True}))
+  assert check_checkpoint(hf).eos_ids == base + (5, 7)
+  assert load_checkpoint(hf).config.eos_ids == base + (5, 7)
+  (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
+  with pytest.raises(CheckpointError, match=rf"^{hf}/generation_config.json: eos_token_id=1000000 "
+                                            r"is not a token id"):
+    check_checkpoint(hf)
+  (hf / "generation_config.json").unlink()
+  (hf / "generation_config.json").mkdir()  # (not a file: named, not skipped or a traceback)
+  with pytest.raises(CheckpointError, match=rf"^{hf}/generation_config.json: not a regular file$"):
+    check_checkpoint(hf)
+
+
+def test_hf_tokenizer_config_that_names_what_the_vocabulary_lacks_is_refused(tmp_path):
+  """A bos_token not in tokenizer.json was dropped (prompts went without BOS although
+  add_bos_token said so); a list of chat templates without a 'default' fell back to
+  ChatML, which transformers refuses."""
+  hf = _hf_with_tokenizer(tmp_path)
+  cfg_file = hf / "tokenizer_config.json"
+  cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+  cfg_file.write_text(json.dumps({**cfg, "bos_token": "<s>", "add_bos_token": True}))
+  with pytest.raises(CheckpointError, match=rf"^{cfg_file}: bos_token='<s>' is not a token of "
+                                            rf"{hf}/tokenizer.json$"):
+    load_checkpoint(hf)
+  cfg_file.write_text(json.dumps({**cfg, "chat_template": [{"name": "tool_use", "template": "x"},
+                                                           {"name": "rag", "template": "y"}]}))
+  with pytest.raises(CheckpointError, match=rf"^{cfg_file}: chat_template lists templates named "
+                                            r"\['rag', 'tool_use'\] and none 'default'"):
+    load_checkpoint(hf)
+  cfg_file.unlink()
+  cfg_file.mkdir()
+  with pytest.raises(CheckpointError, match=rf"^{cfg_file}: not a regular file$"):
+    load_checkpoint(hf)
+
+
+def test_hf_rope_parameters_theta_wins_over_the_top_level_key(tmp_path):
+  """transformers 5 reads the top-level rope_theta only as rope_parameters' default."""
+  hf = _hf_with_tokenizer(tmp_path, rope_theta=10000.0,
+                          rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+  assert check_checkpoint(hf).rope_theta == 500.0
+
+
+def test_hf_model_safetensors_is_read_before_an_index(tmp_path):
+  """As transformers: model.safetensors where there is one (an index beside it named
+  shards of other weights, which were loaded)."""
+  hf = _hf_with_tokenizer(tmp_path)
+  want = load_checkpoint(hf).params["final_norm"]
+  other = tmp_path / "other"
+  testing.write_hf_checkpoint(other, testing.tiny_config(), seed=9)
+  (other / "model.safetensors").rename(hf / "model-00001-of-00001.safetensors")
+  from safetensors import safe_open
+  with safe_open(str(hf / "model-00001-of-00001.safetensors"), framework="numpy") as f:
+    weight_map = {k: "model-00001-of-00001.safetensors" for k in f.keys()}
+  (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  np.testing.assert_array_equal(load_checkpoint(hf).params["final_norm"], want)
+
+
+def test_model_config_refuses_token_ids_past_its_vocabulary():
+  """An orbax manifest's eos_ids [99999] loaded, and the controller's first request failed
+  with an IndexError."""
+  with pytest.raises(ValueError, match=r"^eos_ids 99999 is not a token id \(0\.\.258\)$"):
+    dataclasses.replace(testing.tiny_config(), eos_ids=(2, 99999))
+  with pytest.raises(ValueError, match=r"^bos_id -1 is not a token id"):
+    dataclasses.replace(testing.tiny_config(), bos_id=-1)

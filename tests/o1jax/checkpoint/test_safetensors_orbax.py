@@ -292,3 +292,18 @@ def test_saving_refuses_to_overwrite_and_names_the_destination(tmp_path, fmt):
     save(gguf_path / "sub", ck)
   with pytest.raises(CheckpointError, match=r"^destination is empty: name the directory"):
     save("", ck)
+
+
+def test_an_orbax_checkpoint_without_its_tokenizer_config_is_refused(tmp_path):
+  """Without tokenizer_config.json a copy loaded with no BOS and the ChatML fallback
+  template, which is what save_orbax writes its manifest last to prevent."""
+  src = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(src, testing.tiny_config(), seed=3)
+  ck = load_checkpoint(src)
+  save_orbax(tmp_path / "o", ck.config, ck.params, ck.tokenizer)
+  (tmp_path / "o" / "tokenizer" / "tokenizer_config.json").unlink()
+  from o1jax.checkpoint import check_checkpoint
+  for read in (check_checkpoint, load_checkpoint):
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'o' / 'tokenizer'}: "
+                                              r"tokenizer_config.json is missing$"):
+      read(tmp_path / "o")

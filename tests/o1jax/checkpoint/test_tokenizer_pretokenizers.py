@@ -168,7 +168,7 @@ def test_end_of_generation_tokens_are_read_by_their_text_as_llama_cpp_does():
   tok = Tokenizer.from_gguf_metadata(meta)
   by_text = sorted(i for i, t in enumerate(tokens) if t in (
       "<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eom_id|>"))
-  assert tok.eos_ids == tuple(sorted({1, n - 1, *by_text}))
+  assert tok.eos_ids == (1, *sorted({n - 1, *by_text}))  # (the eos id first: its eos_token)
   assert tok.encode("hi<end_of_turn>", add_bos=False)[-1] == n - 3  # one token, not 13 bytes
   assert tok.decode(tok.encode("hi<end_of_turn>", add_bos=False), skip_special=True) == "hi"
 
@@ -176,5 +176,7 @@ def test_end_of_generation_tokens_are_read_by_their_text_as_llama_cpp_does():
 def test_the_embedded_models_stop_on_every_end_of_turn_token():
   from o1jax.checkpoint import load_checkpoint, load_tokenizer
   smol = load_tokenizer("embedded")
-  assert smol.eos_ids == (0, 2)  # <|endoftext|>, <|im_end|> (the metadata names 2 only)
+  assert smol.eos_ids == (2, 0)  # <|im_end|> (what the metadata names), <|endoftext|>
+  # (a template's {{ eos_token }} is the metadata's, not the first by id)
+  assert smol.backend.id_to_token(smol.eos_ids[0]) == "<|im_end|>"
   assert load_checkpoint("embedded").tokenizer.eos_ids == smol.eos_ids
