@@ -39,6 +39,11 @@ SHORT_ANSWER_SYSTEM = (
     "Solve the math problem. Answer in one short sentence that ends with "
     "\"The answer is N.\" where N is a number.")
 SYSTEM_PROMPTS = {"short_answer": SHORT_ANSWER_SYSTEM, "tutor": None, "none": ""}
+# short_answer for the custom task's text answers (a reply is matched by its last line:
+# "The answer is Paris." never matched a gold "Paris").
+SHORT_TEXT_ANSWER_SYSTEM = (
+    "Answer the question. End your reply with a line that holds only the answer: a word or "
+    "a short phrase, with no sentence around it.")
 
 # "shortshot": four one-line worked examples (one per operation) as prior chat turns.
 # Written for this project; they show the model the length and the final sentence.
@@ -262,7 +267,10 @@ class CustomTask:
     if self.prompt_cfg["style"] == "completion":
       return template.format(question=example.question), stop_strings(self.prompt_cfg)
     user = template.format(question=example.question)
-    return zero_shot_messages(user, system=_system(self.prompt_cfg["system"])), stop_strings(self.prompt_cfg)
+    system = self.prompt_cfg["system"]
+    text = system == "short_answer" and self.dataset["answer_format"] == "text"
+    return (zero_shot_messages(user, system=SHORT_TEXT_ANSWER_SYSTEM if text else _system(system)),
+            stop_strings(self.prompt_cfg))
 
   def check_policy(self, policy) -> None:
     """Controller policies vote, stop and answer by the number after 'The answer is':
@@ -409,7 +417,14 @@ def check_custom_config(dataset: Mapping[str, Any], prompt_cfg: Mapping[str, Any
     reason = f"unknown field {e}" if isinstance(e, KeyError) else str(e)
     raise ValueError(f"prompt.template={template!r}: {reason} (the one field is {{question}}; "
                      f"a literal brace is written {{{{ or }}}})") from None
-  if "question" not in {field for _, field, _, _ in string.Formatter().parse(str(template))}:
+  fields = [(field, spec, conversion)
+            for _, field, spec, conversion in string.Formatter().parse(str(template)) if field]
+  if not any(field == "question" for field, _, _ in fields):
     raise ValueError(f"prompt.template={template!r} has no {{question}} field: every example "
                      f"would get the same prompt")
+  shaped = next((f for f in fields if f[1] or f[2]), None)
+  if shaped is not None:  # ({question:.0} gave every example the same prompt; :.20 cut them)
+    raise ValueError(f"prompt.template={template!r}: write the field as {{question}}, without "
+                     f"a format spec or conversion ({{question{'!' + shaped[2] if shaped[2] else ''}"
+                     f"{':' + shaped[1] if shaped[1] else ''}}} would cut or change the question)")
   stop_strings(prompt_cfg)

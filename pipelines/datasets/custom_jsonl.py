@@ -61,9 +61,24 @@ def _reference(answer: str, fmt: AnswerFormat) -> tuple[str, dict[str, Any]]:
   if fmt == "number":
     norm = normalize_answer(answer)
     if not is_number(norm):
-      raise RecordError(f"answer is not a number: {answer!r}")
+      raise RecordError(f"answer is not a number: {shown(answer)}")
     return norm, {}
-  return answer.strip(), {}
+  gold = answer.strip()
+  # Golds no reply could match (a reply is matched by its last line, normalized): were
+  # scored wrong for every sample, as if the model had failed them.
+  if "\n" in gold or "\r" in gold:
+    raise RecordError(f"answer has {len(gold.splitlines())} lines: a reply is matched by its "
+                      f"last line, so no reply could match it: {shown(answer)}")
+  if not normalize_answer(gold).strip():
+    raise RecordError(f"answer {shown(answer)} is nothing once normalized (commas, $, a "
+                      f"trailing period go): no reply could match it")
+  return gold, {}
+
+
+def shown(value: str, limit: int = 80) -> str:
+  """`value` for a one-line message: repr, cut to `limit` characters (a 200,000-character
+  answer made a 200 KB error line and dead letters)."""
+  return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
 
 
 def example_from_custom_record(obj: dict[str, Any], mapping: FieldMapping, *,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Optional, Sequence, TypedDict
 
 from pipelines.datasets.records import normalize_answer
@@ -31,7 +32,9 @@ def truncate_at_stop(text: str, stop_sequences: Sequence[str]) -> str:
 
 def text_answer_key(text: Optional[str]) -> Optional[str]:
   """What a free-text answer (custom task, answer_format=text) is matched and voted by:
-  the GSM8K normalization (commas, ``$``, one trailing period), case-folded; None when
-  nothing is left, so an empty reply is never an answer."""
-  key = normalize_answer(text).lower() if text is not None else ""
+  the GSM8K normalization (commas, ``$``, one trailing period), in Unicode's composed form
+  (NFC: "café" typed two ways is one answer), case-folded (str.casefold: "STRASSE" is
+  "straße", as lower() did not); None when nothing is left, so an empty reply is never an
+  answer."""
+  key = unicodedata.normalize("NFC", normalize_answer(text)).casefold() if text is not None else ""
   return key or None

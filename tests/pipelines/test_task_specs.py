@@ -260,3 +260,39 @@ def test_generator_settings_with_a_gsm8k_file_are_refused_not_ignored(key, value
     build_task(cfg)
   cfg.dataset.name, cfg.dataset.path = "gsm_synthetic", ""
   build_task(cfg)
+
+
+def test_text_answers_are_case_folded_and_composed():
+  """lower() left "STRASSE" and "straße", final sigma, ligatures apart, and NFC/NFD
+  spellings of one word were two answers."""
+  from pipelines.tasks.text import text_answer_key
+  for gold, reply in (("straße", "STRASSE"), ("ΟΔΟΣ", "οδος"), ("ﬁne", "FINE"),
+                      ("caf\u00e9", "cafe\u0301"), ("Paris.", "paris")):
+    assert text_answer_key(gold) == text_answer_key(reply), (gold, reply)
+  assert text_answer_key("Paris") != text_answer_key("Pari")
+
+
+def test_custom_text_answers_get_a_short_answer_prompt_of_their_own():
+  """short_answer asked for "The answer is N." where N is a number, which a text match
+  (the reply's last line) never accepts."""
+  from configs import custom
+  from pipelines.datasets.records import Example
+  from pipelines.task_specs import SHORT_ANSWER_SYSTEM, SHORT_TEXT_ANSWER_SYSTEM, build_task
+  example = Example(id="x/1", dataset="x", question="Capital of France?", reference="Paris", metadata={})
+  for fmt, system in (("text", SHORT_TEXT_ANSWER_SYSTEM), ("number", SHORT_ANSWER_SYSTEM)):
+    cfg = custom.get_config()
+    cfg.dataset.path, cfg.dataset.answer_format = "d.jsonl", fmt
+    messages, _ = build_task(cfg).prompt(example)
+    assert messages[0] == {"role": "system", "content": system}
+
+
+@pytest.mark.parametrize("template", ["{question:.0}", "{question!r}", "Q: {question:>40}"])
+def test_a_template_that_shapes_the_question_is_refused(template):
+  """{question:.0} passed the check and gave every example the same prompt."""
+  from configs import custom
+  from pipelines.task_specs import build_task
+  cfg = custom.get_config()
+  cfg.dataset.path = "d.jsonl"
+  cfg.prompt.template = template
+  with pytest.raises(ValueError, match=r"write the field as \{question\}, without a format spec"):
+    build_task(cfg)

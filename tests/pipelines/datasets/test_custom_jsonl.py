@@ -86,3 +86,25 @@ def test_gold_answers_written_as_json_numbers_with_exponents_are_numbers(tmp_pat
                   '{"question": "e", "answer": 0.1}\n')
   got = list(read_custom_jsonl(str(path), {}, answer_format="number"))
   assert [e.reference for e in got] == ["10000000000000000", "0.0000001", "0.000025", "12", "0.1"]
+
+
+def test_text_golds_no_reply_could_match_are_dead_letters(tmp_path):
+  """A gold of two lines (a reply is matched by its last line) or one that normalizes to
+  nothing ("$", ",,") was scored wrong for every sample, as the model's failure."""
+  path = _write(tmp_path, [{"q": "a", "a": "Paris\nFrance"}, {"q": "b", "a": ",,"},
+                           {"q": "c", "a": "$"}, {"q": "d", "a": "Paris"}])
+  got = list(read_custom_jsonl(path, {"question": "q", "answer": "a"}, dataset="t",
+                               answer_format="text"))
+  dead = [r for r in got if isinstance(r, DeadLetter)]
+  assert [r.reference for r in got if isinstance(r, Example)] == ["Paris"]
+  assert "answer has 2 lines: a reply is matched by its last line" in dead[0].reason
+  assert "is nothing once normalized" in dead[1].reason and "is nothing once normalized" in dead[2].reason
+
+
+def test_a_long_bad_gold_is_shown_cut(tmp_path):
+  """A 200,000-character non-number gold made a 200 KB dead letter (and launcher line)."""
+  path = _write(tmp_path, [{"q": "a", "a": "x" * 200_000}])
+  (dead,) = read_custom_jsonl(path, {"question": "q", "answer": "a"}, dataset="t",
+                              answer_format="number")
+  assert isinstance(dead, DeadLetter) and len(dead.reason) < 300
+  assert dead.reason.endswith("... (200000 characters)")

@@ -276,3 +276,23 @@ def test_a_double_star_reaches_any_depth(tmp_path):
   _write(tmp_path / "a" / "b" / "test-0.jsonl", "jsonl", GSM[:1])
   got = list(read_gsm8k_jsonl(str(tmp_path / "**" / "test-*.jsonl")))
   assert [e.question for e in got] == [r["question"] for r in GSM]  # a/b/test-0 sorts first
+
+
+def test_parquet_float32_and_decimal_golds_read_as_written(tmp_path):
+  """float32 0.1 became the gold "0.10000000149011612" (no reply of 0.1 matched it);
+  a decimal 0.0000001 became "1.000E-7" (a dead letter: not a number)."""
+  import decimal
+
+  import pyarrow as pa
+
+  from pipelines.datasets.custom_jsonl import read_custom_jsonl
+  table = pa.table({"q": ["a", "b", "c"],
+                    "f32": pa.array([0.1, 3.14, 1e-7], pa.float32()),
+                    "dec": pa.array([decimal.Decimal("0.0000001"), decimal.Decimal("12.50"),
+                                     decimal.Decimal("-3")], pa.decimal128(20, 10))})
+  pq.write_table(table, tmp_path / "d.parquet")
+  for field, want in (("f32", ["0.1", "3.14", "0.0000001"]),
+                      ("dec", ["0.0000001000", "12.5000000000", "-3.0000000000"])):
+    got = list(read_custom_jsonl(str(tmp_path / "d.parquet"), {"question": "q", "answer": field},
+                                 dataset="p", answer_format="number"))
+    assert [g.reference for g in got] == want, got
