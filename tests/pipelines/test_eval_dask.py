@@ -354,10 +354,13 @@ def test_a_launcher_killed_with_kill_9_leaves_no_job_in_a_long_lived_cluster(tmp
                                   stderr=subprocess.DEVNULL)
       started.append(launcher)
       deadline = time.monotonic() + 120
-      while sum(client.run(pooled_instances).values()) < 1:  # a bundle done: its DoFns kept
-        assert launcher.poll() is None and time.monotonic() < deadline, "no bundle finished"
+      # A bundle done (its DoFns kept) and the shared model's files written (on a loaded
+      # machine the files came a moment after the first pooled DoFn: the check failed once)
+      while (sum(client.run(pooled_instances).values()) < 1
+             or not list(worker_tmp.glob("o1jax-*"))):
+        assert launcher.poll() is None and time.monotonic() < deadline, (
+            "no bundle finished, or no shared model's files", list(worker_tmp.glob("*")))
         time.sleep(0.2)
-      assert list(worker_tmp.glob("o1jax-*"))  # the shared model's files
       launcher.send_signal(signal.SIGKILL)
       launcher.wait()
       deadline = time.monotonic() + 60

@@ -30,7 +30,7 @@ def reference_cut(tok, ref, stop=(), stop_ids=(), ignore_eos=True, max_new=N):
   stop rules (the eos / stop id that ends a sample was sampled: the metrics count it)."""
   out = []
   for t in ref[:max_new]:
-    if (t == EOS and not ignore_eos) or t in stop_ids:
+    if (t in tok.eos_ids and not ignore_eos) or t in stop_ids:  # (<|endoftext|> too)
       return out, visible(tok, out), "stop", len(out) + 1
     out.append(t)
     text = visible(tok, out)
