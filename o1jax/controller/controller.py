@@ -870,9 +870,17 @@ class Controller:
             + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text)))
 
   def max_generated(self, settings: LoopSettings) -> int:
-    """Tokens a row may append in all, discarded ones included (the loop ends it there)."""
+    """Tokens a row may append in all, discarded ones included (the loop ends it there):
+    what it keeps, a step per backtrack, and the answer prefixes it may write and lose: one
+    per "Wait" forced below min_thinking_tokens (each adds at least the Wait's tokens to the
+    thinking kept) and a verified last step's (budget_forcing's rolled-back prefixes ran a
+    trace into this limit with no answer)."""
     st = settings
-    return self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens + 8
+    prefix = len(self._end_of_thinking(st)[0])
+    wait = max(len(self.tokenizer.encode(st.wait_text)), 1)
+    early = -(-st.min_thinking_tokens // wait) + 1 if st.min_thinking_tokens > 0 else 0
+    return (self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens
+            + (early + 1) * prefix + 8)
 
   def _verify_probe(self, settings: LoopSettings) -> list[int]:
     """The self-verify probe's tokens ([] without a SelfVerify verifier)."""

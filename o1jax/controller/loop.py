@@ -499,11 +499,30 @@ class ReasoningLoop:
                     & (kept_think + k.wait_len <= k.max_think))
     model_answer = prefix_hit & ~prefix_early
     boundary = can_end & (delim | (step_len >= k.step_cap)) & ~prefix_hit
+    # The step the model ends by writing the answer prefix is a step like the others
+    # (docs/controller.md, step 3), where a rejection could still send it back: its prefix
+    # goes, the step is scored as it stood before it (a probe reads it there), an accepted
+    # step gets the answer prefix forced (as at the step limit) and a rejected one is
+    # backtracked. (It went to the answer unscored: on the embedded model 3 of 8 GSM
+    # traces verified no step at all.)
+    final = (model_answer & (k.bt_threshold > 0) & (s.step_bt < k.max_step_bt)
+             & (s.backtracks < k.max_bt))
+    model_answer = model_answer & ~final
+    final_prefix = jnp.where(final, prefix_n, 0)
+    lp_with_prefix = lp_total
+    length = length - final_prefix
+    think_tokens = think_tokens - final_prefix
+    lp_total, conf_sum, lowest_conf, conf_count, conf_ring, group_conf = _rolled_back(
+        final_prefix, length, s.prompt_len, conf_pos, lp_run, conf_run, low_run,
+        (lp_total, conf_sum, lowest_conf, conf_count, conf_ring, group_conf))
+    step_len = step_len - final_prefix
+    step_lp = step_lp - (lp_with_prefix - lp_total)
+    boundary = boundary | final
 
     p_yes = jnp.full((b,), jnp.nan)
     answer_conf = jnp.zeros((b,))
     probe_tokens = s.probe_tokens
-    probing = boundary & (s.step_index + 1 < k.max_steps)
+    probing = boundary & ~final & (s.step_index + 1 < k.max_steps)
     probed = jnp.zeros((), bool)
     if self.verifier.needs_probe:
       probed |= jnp.any(boundary)
@@ -544,14 +563,16 @@ class ReasoningLoop:
                  & (s.step_bt < k.max_step_bt)  # this step may still be retried
                  & (s.backtracks < k.max_bt))  # and the sequence's total allows it
     accept = boundary & ~backtrack
-    exit_early = accept & (answer_conf >= k.exit_tau)
+    # (only where the answer probe ran: with exit_tau <= 0 an unprobed step's 0 read as
+    # an early exit)
+    exit_early = accept & probing & (k.exit_tau <= 1.0) & (answer_conf >= k.exit_tau)
     out_of_steps = accept & ~exit_early & (s.step_index + 1 >= k.max_steps)
 
     # Backtrack: roll the row back to its step start; the attempt counter gives a fresh key.
     rollback = jnp.where(backtrack, step_len, 0) + jnp.where(prefix_early, prefix_n, 0)
     length = length - rollback
     think_tokens = think_tokens - rollback
-    discarded = s.discarded + rollback
+    discarded = s.discarded + rollback + final_prefix
     # The removed tokens leave the log p and the confidences too (they stayed in the
     # trace's mean log p and confidences, and a retried step was scored with the rejected
     # attempt's window).
@@ -599,7 +620,7 @@ class ReasoningLoop:
     thinking_now = active & (phase == S.THINK)  # (a window ending here is a thinking one)
     still_thinking = thinking_now & ~pending & ~prefix_early
     over_think = still_thinking & (think_tokens >= k.max_think) & ~exit_early & ~out_of_steps
-    force_answer = exit_early | out_of_steps | over_think
+    force_answer = exit_early | out_of_steps | over_think | (final & accept)
     _, force_buf, force_pos, force_len = start_forcing(
         force_answer, k.answer_ids, k.answer_len, tok, force_buf, force_pos, force_len, False,
         answer_skip(tokens, length))
@@ -642,7 +663,8 @@ class ReasoningLoop:
     for cond, code in ((finish_eos & think, S.END), (low_conf, S.LOW_CONF_STOP),
                        (consensus, S.CONSENSUS_STOP),
                        (over_think & ~boundary, S.THINK_BUDGET), (wait_now | prefix_early, S.WAIT),
-                       (model_answer, S.MODEL_ANSWER), (accept & over_think, S.THINK_BUDGET),
+                       (model_answer | (final & accept), S.MODEL_ANSWER),
+                       (accept & over_think, S.THINK_BUDGET),
                        (exit_early, S.EARLY_EXIT), (out_of_steps, S.ANSWER_STEPS),
                        (backtrack, S.BACKTRACK), (accept, S.CONTINUE)):
       action = jnp.where(cond & (action < 0), code, action)

@@ -457,7 +457,9 @@ class ThinkVerifyBacktrack(Policy):
   name: ClassVar[str] = "think_verify_backtrack"
   # 2 (2026-12-06): a rolled-back step's tokens leave the confidences (a retry was scored
   # with the rejected attempt's window) and the mean log p.
-  RULES: ClassVar[int] = 2
+  # 3 (2026-12-07): the step the model ends by writing the answer prefix is verified (and
+  # may be backtracked); an accepted one gets the prefix forced.
+  RULES: ClassVar[int] = 3
   verifier: str = "self_verify"
   backtrack_threshold: float = 0.5
   max_step_backtracks: int = 2

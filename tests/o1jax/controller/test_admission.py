@@ -152,10 +152,13 @@ def test_adaptive_budget_keeps_replanning_while_requests_stream():
   assert max(r.loop_invocations for r in results) > 1  # the budget had calls to act between
   assert len(budget.decisions) > len(requests)  # re-planned throughout, not once per request
   # Measured load: 7 requests on 2 slots start at (2 busy + 5 queued) / 2 = 3.5; each
-  # admission takes one off the queue (-0.5) until both slots hold the last two (1.0).
+  # admission takes one off the queue (-0.5; two finishing in one call, -1.0) until both
+  # slots hold the last two (1.0).
   loads = [d.load for d in budget.decisions]
   assert loads[0] == 3.5 and loads == sorted(loads, reverse=True)
-  assert {1.0, 1.5, 2.0, 2.5, 3.0} <= set(loads) and min(loads) <= 1.0
+  distinct = sorted(set(loads), reverse=True)
+  assert all((a - b) % 0.5 == 0 for a, b in zip(distinct, distinct[1:]))
+  assert len(distinct) >= 5 and min(loads) <= 1.0
   for r in results:
     assert r.info["budget"] and all(entry["steps"] >= 16 for entry in r.info["budget"])
 

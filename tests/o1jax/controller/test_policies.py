@@ -548,7 +548,7 @@ def test_content_keys_carry_the_rules_version_of_policies_whose_rules_changed():
   # are computed again, other policies' are kept.
   assert {name: get_policy(name).sample_identity().get("rules") for name in POLICY_NAMES} == {
       "greedy_cot": None, "self_consistency": None, "best_of_n": 2, "deepconf": 3,
-      "think_verify_backtrack": 2, "budget_forcing": 2}
+      "think_verify_backtrack": 3, "budget_forcing": 2}
 
 
 @pytest.mark.parametrize("answers, scores, chosen", [
@@ -560,3 +560,67 @@ def test_best_of_n_chooses_among_the_traces_that_answer(answers, scores, chosen)
   traces = [_trace(i, a, logprob=s) for i, (a, s) in enumerate(zip(answers, scores))]
   got = get_policy("best_of_n", n=len(scores)).run(_FakeCtl(traces), [ReasoningRequest("Q")])
   assert got[0][:2] == (chosen, answers[chosen])
+
+
+def _tvb(**overrides):
+  values = dict(verifier="mean_logprob", max_step_backtracks=2, max_backtracks=4, exit_tau=2.0,
+                temperature=0.0, temp_bump=0.5, max_steps=4, step_delimiter="\n\n",
+                step_max_tokens=8, max_thinking_tokens=16, max_answer_tokens=4)
+  return get_policy("think_verify_backtrack", **{**values, **overrides})
+
+
+def test_the_step_the_model_ends_by_writing_the_answer_prefix_is_verified():
+  """docs/controller.md, step 3: a step ends at a delimiter, the step cap, or the model
+  writing the answer prefix, and the verifier scores it. The last of these went to the
+  answer unscored (score NaN, never backtracked): on the embedded model 3 of 8 GSM traces
+  verified no step at all."""
+  from tests.o1jax.controller.conftest import MockWorld
+  world = MockWorld(edges=[("Q", " bad", 1.0), (" bad", "The answer is", 8.0),
+                           ("The answer is", " 7", 8.0), (" 7", "</s>", 8.0),
+                           ("\n\n", " A", 8.0), (" A", "\n\n", 8.0)])
+  ctl = world.controller()
+  # " bad" (P ~ 0.125) then the model's own prefix: below 0.9 it is backtracked.
+  (rejected,) = ctl.run([ReasoningRequest("Q", request_id=1, seed=0)], _tvb(backtrack_threshold=0.9))
+  t = rejected.traces[0]
+  first = t.steps[0]
+  assert (first.action, first.text) == ("backtrack", "") and 0.12 < first.score < 0.13
+  assert t.backtracks == 1 and not t.text.startswith(" bad")
+  # Above 0.05 it is accepted, scored, and the answer prefix is forced after it.
+  (accepted,) = ctl.run([ReasoningRequest("Q", request_id=1, seed=0)], _tvb(backtrack_threshold=0.05))
+  t = accepted.traces[0]
+  (step,) = t.steps
+  assert (step.action, step.text) == ("model_answer", " bad") and 0.12 < step.score < 0.13
+  assert t.text == " bad\n\nThe answer is 7" and t.answer == "7" and t.backtracks == 0
+  counts = t.tokens.to_dict()
+  assert counts["discarded"] == 1  # the model's own prefix token, replaced by the forced one
+  assert counts["generated"] == counts["thinking"] + counts["answer"] + counts["discarded"]
+
+
+def test_an_unprobed_last_step_is_no_early_exit():
+  """exit_tau <= 0: the last step (no answer probe runs there) read its confidence 0 as
+  >= tau and was labelled an early exit."""
+  from tests.o1jax.controller.conftest import MockWorld
+  world = MockWorld(edges=[("Q", " A", 8.0), (" A", "\n\n", 8.0), ("\n\n", " B", 8.0),
+                           (" B", "\n\n", 8.0), ("The answer is", " 7", 8.0), (" 7", "</s>", 8.0)])
+  (r,) = world.controller().run([ReasoningRequest("Q", request_id=1, seed=0)],
+                                _tvb(backtrack_threshold=0.0, exit_tau=0.0, max_steps=1))
+  t = r.traces[0]
+  assert not t.early_exit and [s.action for s in t.steps] == ["answer_steps"]
+  assert t.tokens.probe == 0
+
+
+def test_budget_forcing_ends_with_an_answer_however_often_the_prefix_comes_early():
+  """A model writing the answer prefix at once and after every "Wait": each early prefix
+  is rolled back (discarded), and those tokens ran the trace into max_generated, which
+  budgeted only backtracks: it ended "length" with no answer."""
+  from tests.o1jax.controller.conftest import MockWorld
+  world = MockWorld(edges=[("Q", "The answer is", 8.0), (" Wait", "The answer is", 8.0),
+                           ("The answer is", " 7", 8.0), (" 7", "</s>", 8.0)])
+  ctl = world.controller()
+  for low, high in ((8, 16), (40, 48)):
+    policy = get_policy("budget_forcing", min_thinking_tokens=low, max_thinking_tokens=high,
+                        max_answer_tokens=4, step_max_tokens=4)
+    (r,) = ctl.run([ReasoningRequest("Q", request_id=1, seed=0)], policy)
+    t = r.traces[0]
+    assert t.exit_reason == "answer_eos" and t.answer == "7", (low, t.tokens.to_dict())
+    assert t.tokens.thinking >= low
