@@ -263,7 +263,8 @@ class Controller:
     tokenizer: encode / encode_chat / decode / eos_ids / apply_chat_template.
     max_rows: most rows (request x sample) in one compiled batch.
     top_k: log-probs averaged into a DeepConf token confidence.
-    max_records: step records kept per trace.
+    max_records: step records kept per trace, at least (a call sizes them for its settings:
+      `record_capacity`).
     force_capacity / probe_capacity / pattern_capacity: array sizes of forced
       texts, probe texts and delimiter / prefix tokenizations (a call whose texts are
       longer runs with the next power of two: `capacities`).
@@ -882,6 +883,17 @@ class Controller:
     return (self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens
             + (early + 1) * prefix + 8)
 
+  def record_capacity(self, settings: LoopSettings) -> int:
+    """Step records a row of a call with `settings` may write (the controller's
+    `max_records` at least): one per step (a step has a token at least, and at most
+    max_steps are accepted), per backtrack and per "Wait", and its end events. A fixed 64
+    dropped the records past it: a 100-step trace reported 64 steps and lost its end."""
+    st = settings
+    wait = max(len(self.tokenizer.encode(st.wait_text)), 1) if st.wait_text else 1
+    waits = 2 * (-(-st.min_thinking_tokens // wait) + 1) if st.min_thinking_tokens > 0 else 0
+    need = min(st.max_steps, st.max_thinking_tokens + 1) + st.max_backtracks + waits + 4
+    return max(self.max_records, pow2_bucket(need))
+
   def _verify_probe(self, settings: LoopSettings) -> list[int]:
     """The self-verify probe's tokens ([] without a SelfVerify verifier)."""
     if not isinstance(settings.verifier, SelfVerify):
@@ -1070,7 +1082,7 @@ class Controller:
         slot=jnp.asarray(slot), slot_live=jnp.zeros((slots,), bool),
         return_on_free=jnp.asarray(False), knobs=knobs,
         cache=self.model.init_cache(b, length, plan),
-        **S.row_start_values(b, window=settings.conf_window, records=self.max_records,
+        **S.row_start_values(b, window=settings.conf_window, records=self.record_capacity(settings),
                              key_capacity=self.key_capacity,
                              force_capacity=self.capacities(settings)[0],
                              draft_capacity=self.draft_k))
@@ -1427,7 +1439,7 @@ class Controller:
     a0 = int(h.answer_start[row])
     a0 = ln if a0 < 0 else a0
     steps = []
-    for i in range(min(int(h.n_rec[row]), self.max_records)):
+    for i in range(min(int(h.n_rec[row]), h.rec_start.shape[1])):
       start, end = int(h.rec_start[row, i]), int(h.rec_end[row, i])
       action = S.ACTION_NAMES[int(h.rec_action[row, i])]
       text = "" if action == "backtrack" else dec(h.tokens[row, start:end])

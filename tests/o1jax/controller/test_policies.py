@@ -624,3 +624,15 @@ def test_budget_forcing_ends_with_an_answer_however_often_the_prefix_comes_early
     t = r.traces[0]
     assert t.exit_reason == "answer_eos" and t.answer == "7", (low, t.tokens.to_dict())
     assert t.tokens.thinking >= low
+
+
+def test_every_step_of_a_long_trace_is_recorded():
+  """A fixed 64 step records per trace: a 100-step trace reported 64 steps (n_steps and the
+  result's steps) and lost its last records, its answer event among them."""
+  from tests.o1jax.controller.conftest import MockWorld
+  world = MockWorld(edges=[("Q", " A", 8.0), (" A", "\n\n", 8.0), ("\n\n", " A", 8.0),
+                           ("The answer is", " 7", 8.0), (" 7", "</s>", 8.0)])
+  policy = _tvb(backtrack_threshold=0.0, max_steps=100, max_thinking_tokens=200)
+  (r,) = world.controller().run([ReasoningRequest("Q", request_id=1, seed=0)], policy)
+  t = r.traces[0]
+  assert t.n_steps == r.steps == 100 and t.steps[-1].action == "answer_steps"
