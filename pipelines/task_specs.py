@@ -17,6 +17,7 @@ Beam-free, so tests and tools can use it directly.
 from __future__ import annotations
 
 import dataclasses
+import re
 import string
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
@@ -346,7 +347,21 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
     check_custom_config(kwargs["dataset"], kwargs["prompt_cfg"])
   if name == "gsm8k":
     check_gsm_config(kwargs["dataset"])
+  if name in ("custom", "gsm8k"):
+    check_system_prompt(kwargs["prompt_cfg"].get("system"))
   return TASKS[name](**kwargs)
+
+
+def check_system_prompt(system) -> None:
+  """prompt.system is a named prompt or a literal text; a lone word that is no name
+  ("short_answers", "Tutor") was sent to the model as its whole system prompt."""
+  names = ("short_answer", "tutor", "none")
+  if system is None or (isinstance(system, str) and (system in names or " " in system.strip()
+                                                     or not system)):  # ("": none)
+    return
+  if not isinstance(system, str) or re.fullmatch(r"[A-Za-z_-]+", system.strip()):
+    raise ValueError(f"prompt.system={system!r} is not a named system prompt ({', '.join(names)}); "
+                     f"a literal system prompt is text of more than one word")
 
 
 # The generator makes ~40k problems/s here and holds them all (the launcher's scan): more

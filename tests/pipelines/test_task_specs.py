@@ -296,3 +296,15 @@ def test_a_template_that_shapes_the_question_is_refused(template):
   cfg.prompt.template = template
   with pytest.raises(ValueError, match=r"write the field as \{question\}, without a format spec"):
     build_task(cfg)
+
+
+@pytest.mark.parametrize("system", ["short_answers", "Tutor", "None"])
+def test_a_system_prompt_that_is_no_name_and_no_sentence_is_refused(system):
+  """A mistyped name was sent to the model as its whole system prompt."""
+  from configs import gsm8k
+  cfg = gsm8k.get_config()
+  cfg.prompt.system = system
+  with pytest.raises(ValueError, match=r"is not a named system prompt \(short_answer, tutor, none\)"):
+    build_task(cfg)
+  cfg.prompt.system = "Answer briefly."
+  build_task(cfg)  # (a literal prompt)
