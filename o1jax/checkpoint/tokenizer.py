@@ -690,25 +690,21 @@ class Tokenizer:
     arr = np.asarray(ids, np.int64)
     inside = (arr >= 0) & (arr < len(self._byte_values))
     values = np.where(inside, self._byte_values[np.where(inside, arr, 0)], -1)
-    if not (values >= 0).any():
+    is_byte = (values >= 0).astype(np.int8)
+    if not is_byte.any():
       return ids
-    out, i, n = [], 0, len(ids)
-    while i < n:
-      if values[i] < 0:
-        out.append(ids[i])
-        i += 1
-        continue
-      j = i
-      while j < n and values[j] >= 0:
-        j += 1
-      run = bytes(values[i:j].tolist())
+    # (by runs, not by token: decode reads a whole sequence at every token it streams)
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], is_byte, [0]))))
+    out, kept = [], 0
+    for start, end in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+      run = values[start:end].astype(np.uint8).tobytes()
       try:
         run.decode("utf-8")
-        out += ids[i:j]
       except UnicodeDecodeError:
+        out += ids[kept:start]
         out += [self._byte_ids[b] for b in run.decode("utf-8", "replace").encode("utf-8")]
-      i = j
-    return out
+        kept = end
+    return out + ids[kept:] if out else ids
 
   def token_to_id(self, token: str) -> int | None:
     return self.backend.token_to_id(token)
