@@ -380,9 +380,11 @@ def md_code(value, limit: Optional[int] = None) -> str:
 
 def md_block(value, lang: str = "", indent: str = "") -> str:
   """`value` as a fenced code block (a fence longer than its backtick runs)."""
-  text = str(value).rstrip("\n")
-  fence = "`" * max(3, max((len(run) for run in re.findall("`+", text)), default=0) + 1)
-  lines = [fence + lang, *text.split("\n"), fence]
+  lines = str(value).splitlines()  # (every line break: a bare CR ended the block too)
+  while lines and not lines[-1].strip():
+    lines.pop()
+  fence = "`" * max(3, max((len(run) for run in re.findall("`+", "\n".join(lines))), default=0) + 1)
+  lines = [fence + lang, *lines, fence]
   return "\n".join(indent + line for line in lines)
 
 

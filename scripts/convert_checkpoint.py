@@ -100,9 +100,12 @@ def _writers_log():
   sys.stderr = buffer
   try:
     yield
-  except BaseException:
+  except Exception:
     global _TERMINAL
     _TERMINAL, sys.stderr = real, open(os.devnull, "w")
+    raise
+  except BaseException:  # Ctrl-C, an exit: said on the real stderr (it went to the sink)
+    sys.stderr = real
     raise
   sys.stderr = real
   real.write(buffer.getvalue())

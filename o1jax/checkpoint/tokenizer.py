@@ -638,6 +638,9 @@ class Tokenizer:
     self.chat_template = chat_template or CHATML_TEMPLATE
     self._template = compile_chat_template(self.chat_template)  # at load, not the first prompt
     self._byte_values, self._byte_ids = _byte_fallback_tokens(backend)
+    self._special_ids = frozenset(  # (read by decode where byte tokens are respelled)
+        i for i, t in backend.get_added_tokens_decoder().items() if t.special
+    ) if self._byte_values is not None else frozenset()
 
   @property
   def vocab_size(self) -> int:
@@ -681,8 +684,11 @@ class Tokenizer:
     (streamed text differed from the final text; a window saw text the whole had not)."""
     ids = list(ids)
     if self._byte_values is not None and ids:
+      if skip_special:  # (first: a special token between two bytes splits no run)
+        ids = [i for i in ids if i not in self._special_ids]
       ids = self._respelled(ids)
     return self.backend.decode(ids, skip_special_tokens=skip_special)
+
 
   def _respelled(self, ids: list[int]) -> list[int]:
     """`ids` with each run of byte tokens that is not UTF-8 spelled as the UTF-8 bytes

@@ -878,10 +878,25 @@ class Controller:
     trace into this limit with no answer)."""
     st = settings
     prefix = len(self._end_of_thinking(st)[0])
-    wait = max(len(self.tokenizer.encode(st.wait_text)), 1)
-    early = -(-st.min_thinking_tokens // wait) + 1 if st.min_thinking_tokens > 0 else 0
-    return (self._kept_tokens(st) + (st.max_backtracks + 1) * st.step_max_tokens
-            + (early + 1) * prefix + 8)
+    return (self._kept_tokens(st) + (self._backtracks_bound(st) + 1) * st.step_max_tokens
+            + (self._early_waits(st) + 1) * prefix + 8)
+
+  @staticmethod
+  def _steps_bound(st: LoopSettings) -> int:
+    """Steps a row may take: max_steps, and one token each at least."""
+    return min(st.max_steps, st.max_thinking_tokens + 1)
+
+  def _backtracks_bound(self, st: LoopSettings) -> int:
+    """Backtracks a row may make: max_backtracks, and max_step_backtracks per step."""
+    return min(st.max_backtracks, self._steps_bound(st) * st.max_step_backtracks)
+
+  def _early_waits(self, st: LoopSettings) -> int:
+    """"Wait"s a row may be forced below min_thinking_tokens (each adds the Wait's tokens
+    to the thinking kept), one more for an end of sequence."""
+    if st.min_thinking_tokens <= 0:
+      return 0
+    wait = max(len(self.tokenizer.encode(st.wait_text)), 1) if st.wait_text else 1
+    return -(-st.min_thinking_tokens // wait) + 1
 
   def record_capacity(self, settings: LoopSettings) -> int:
     """Step records a row of a call with `settings` may write (the controller's
@@ -889,9 +904,8 @@ class Controller:
     max_steps are accepted), per backtrack and per "Wait", and its end events. A fixed 64
     dropped the records past it: a 100-step trace reported 64 steps and lost its end."""
     st = settings
-    wait = max(len(self.tokenizer.encode(st.wait_text)), 1) if st.wait_text else 1
-    waits = 2 * (-(-st.min_thinking_tokens // wait) + 1) if st.min_thinking_tokens > 0 else 0
-    need = min(st.max_steps, st.max_thinking_tokens + 1) + st.max_backtracks + waits + 4
+    need = (self._steps_bound(st) + self._backtracks_bound(st) + 2 * self._early_waits(st)
+            + 4)
     return max(self.max_records, pow2_bucket(need))
 
   def _verify_probe(self, settings: LoopSettings) -> list[int]:

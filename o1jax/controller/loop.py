@@ -505,8 +505,8 @@ class ReasoningLoop:
     # step gets the answer prefix forced (as at the step limit) and a rejected one is
     # backtracked. (It went to the answer unscored: on the embedded model 3 of 8 GSM
     # traces verified no step at all.)
-    final = (model_answer & (k.bt_threshold > 0) & (s.step_bt < k.max_step_bt)
-             & (s.backtracks < k.max_bt))
+    final = (model_answer & (step_len > prefix_n)  # (a step of its own before the prefix)
+             & (k.bt_threshold > 0) & (s.step_bt < k.max_step_bt) & (s.backtracks < k.max_bt))
     model_answer = model_answer & ~final
     final_prefix = jnp.where(final, prefix_n, 0)
     lp_with_prefix = lp_total

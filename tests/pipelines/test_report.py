@@ -144,6 +144,8 @@ def test_humaneval_code_is_a_block_and_no_reference_is_shown(tmp_path):
   """A reply's code in single backticks broke at its first blank line (the list ended, a
   stray code span followed), and every HumanEval sample read "reference `None`"."""
   code = "def f(x):\n\n    return x  # `tick`\n"
+  # (a CR inside the code hid every later section as one HTML comment)
+  sneaky = "line one\nline two\r<!-- hidden"
   rec = _record(0, "```python\n" + code + "```", answer=code, reference=None)
   rec.update(task="humaneval", correct=True, score={"status": "passed", "passed": True})
   d = _write_run(tmp_path / "he", [rec], task="humaneval")
@@ -151,6 +153,11 @@ def test_humaneval_code_is_a_block_and_no_reference_is_shown(tmp_path):
   assert "reference" not in text.split("## Sample outputs")[1].split("## Config")[0]
   html = _rendered(text)
   assert "<code class=\"language-python\">def f(x):\n\n    return x  # `tick`\n</code>" in html
+  rec2 = _record(1, "x", answer=sneaky, reference=None)
+  rec2.update(task="humaneval", correct=False, score={"status": "failed", "passed": False})
+  d2 = _write_run(tmp_path / "he2", [rec2], task="humaneval")
+  html = _rendered(report.write_run_report(d2).read_text())
+  assert "<h2>Config</h2>" in html and "<!--" not in html
 
 
 def test_md_helpers_by_hand():
@@ -158,6 +165,8 @@ def test_md_helpers_by_hand():
   assert report.md_code("`x") == "`` `x ``"
   assert report.md_text("1\r2\u20283\x854 <a>") == "1 2 3 4 \\<a\\>"
   assert report.md_block("a\n```\nb", "py", "  ") == "  ````py\n  a\n  ```\n  b\n  ````"
+  # (a bare CR ended the block's indented line: "<!--" then began a line of its own)
+  assert report.md_block("x\ry\u2028z\n\n", "", "  ") == "  ```\n  x\n  y\n  z\n  ```"
   assert report.markdown_table([["a|b", None]], ["x", "y"]) == "| x | y |\n|---|---|\n| a\\|b |  |"
 
 

@@ -307,3 +307,22 @@ def test_an_orbax_checkpoint_without_its_tokenizer_config_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'o' / 'tokenizer'}: "
                                               r"tokenizer_config.json is missing$"):
       read(tmp_path / "o")
+
+
+def test_ctrl_c_during_the_save_is_said_on_stderr(tmp_path, monkeypatch, capsys):
+  """The writers' stderr buffer became a sink for every BaseException out of the save: a
+  Ctrl-C there (KeyboardInterrupt) ended the run with nothing said."""
+  convert = _convert_script()
+  src = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(src, testing.tiny_config(), seed=3)
+
+  def interrupted(*args, **kwargs):
+    print("a writer's warning", file=sys.stderr)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(convert, "save_orbax", interrupted)
+  stderr = sys.stderr
+  with pytest.raises(KeyboardInterrupt):
+    convert.main([str(src), str(tmp_path / "out")])
+  assert sys.stderr is stderr  # (the real one again: the traceback reaches the user)
+  assert not (tmp_path / "out").exists()

@@ -194,3 +194,14 @@ def test_an_hf_byte_fallback_tokenizer_reads_bytes_the_same_way(tmp_path):
   assert tok.decode(ids) == "a𠀋\ufffd"  # (the library alone: "a�����")
   tok.save(tmp_path / "again")  # the backend is the library's own: it saves as before
   assert Tokenizer.load(tmp_path / "again").decode(ids) == "a𠀋\ufffd"
+
+
+def test_a_skipped_special_token_between_bytes_splits_no_run():
+  """[<0xE2>, <start>, <0x82>, <0xAC>] without special tokens reads "€" (the library's
+  reading); splitting the run at the special token read it as three U+FFFD."""
+  tok = Tokenizer.from_gguf_metadata(_tiny_meta(False))
+  byte_id = lambda b: 6 + b
+  start = _tiny_meta(False)["tokenizer.ggml.tokens"].index("<start>")
+  ids = [byte_id(0xE2), start, byte_id(0x82), byte_id(0xAC)]
+  assert tok.decode(ids, skip_special=True) == "€"
+  assert tok.decode(ids) == "\ufffd<start>\ufffd\ufffd"  # (kept: it splits the bytes)

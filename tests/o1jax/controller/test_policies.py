@@ -636,3 +636,29 @@ def test_every_step_of_a_long_trace_is_recorded():
   (r,) = world.controller().run([ReasoningRequest("Q", request_id=1, seed=0)], policy)
   t = r.traces[0]
   assert t.n_steps == r.steps == 100 and t.steps[-1].action == "answer_steps"
+
+
+def test_a_prefix_right_after_a_delimiter_is_no_step_of_its_own():
+  """"\n\nThe answer is": the step ends at the delimiter, and the prefix after it has no
+  step to verify (an empty one was probed on the same context and backtracked, or scored
+  1.0 by mean_logprob)."""
+  from tests.o1jax.controller.conftest import MockWorld
+  world = MockWorld(edges=[("Q", " A", 8.0), (" A", "\n\n", 8.0), ("\n\n", "The answer is", 8.0),
+                           ("The answer is", " 7", 8.0), (" 7", "</s>", 8.0)])
+  (r,) = world.controller().run([ReasoningRequest("Q", request_id=1, seed=0)],
+                                _tvb(backtrack_threshold=0.01))
+  t = r.traces[0]
+  assert [s.action for s in t.steps] == ["continue", "model_answer"]
+  assert math.isnan(t.steps[-1].score) and t.tokens.discarded == 0
+  assert t.text == " A\n\nThe answer is 7"
+
+
+def test_record_and_row_budgets_are_bounded_by_what_a_row_can_do():
+  """max_backtracks=10**6 made a million step records a row (and a row budget of 64 M
+  tokens): a row backtracks at most max_step_backtracks per step it can take."""
+  from tests.o1jax.controller.conftest import MockWorld
+  ctl = MockWorld(edges=[("Q", " A", 8.0)]).controller()
+  settings = _tvb(backtrack_threshold=0.5, max_backtracks=10**6, max_step_backtracks=2,
+                  max_steps=10).loop_settings()
+  assert ctl.record_capacity(settings) == 64  # 10 steps + 20 backtracks + 4, the floor 64
+  assert ctl.max_generated(settings) < 2_000

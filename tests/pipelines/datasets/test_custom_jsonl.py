@@ -92,13 +92,15 @@ def test_text_golds_no_reply_could_match_are_dead_letters(tmp_path):
   """A gold of two lines (a reply is matched by its last line) or one that normalizes to
   nothing ("$", ",,") was scored wrong for every sample, as the model's failure."""
   path = _write(tmp_path, [{"q": "a", "a": "Paris\nFrance"}, {"q": "b", "a": ",,"},
-                           {"q": "c", "a": "$"}, {"q": "d", "a": "Paris"}])
+                           {"q": "c", "a": "$"}, {"q": "d", "a": "Paris"},
+                           {"q": "e", "a": "Paris\u2028France"}])
   got = list(read_custom_jsonl(path, {"question": "q", "answer": "a"}, dataset="t",
                                answer_format="text"))
   dead = [r for r in got if isinstance(r, DeadLetter)]
   assert [r.reference for r in got if isinstance(r, Example)] == ["Paris"]
   assert "answer has 2 lines: a reply is matched by its last line" in dead[0].reason
   assert "is nothing once normalized" in dead[1].reason and "is nothing once normalized" in dead[2].reason
+  assert "answer has 2 lines" in dead[3].reason  # (U+2028 ends a line for the reply's last line)
 
 
 def test_a_long_bad_gold_is_shown_cut(tmp_path):
