@@ -466,14 +466,17 @@ def test_results_lines_are_strict_json_as_the_store_writes_them(tmp_path):
 
 
 def test_line_separators_inside_records_are_text_not_ends_of_lines(tmp_path):
-  # U+2028 / U+2029 / U+0085 in an answer (and so in the fake model's output) stay raw in
+  # U+2028 / U+2029 / U+0085 in an example's id (and so in its records) stay raw in
   # results.jsonl; the run read its records back with str.splitlines(), which ends a line
   # there: "Unterminated string" at the very end of every run of this dataset, and
-  # pipelines.report called the file not valid JSON.
+  # pipelines.report called the file not valid JSON. (A text gold holding one is a dead
+  # letter now: a reply's last line could never match it.)
   data = tmp_path / "q.jsonl"
-  data.write_text("".join(json.dumps({"question": f"Name {i}.", "answer": f"red{sep}blue"}) + "\n"
+  data.write_text("".join(json.dumps({"id": f"red{sep}blue", "question": f"Name {i}.",
+                                      "answer": "blue"}) + "\n"
                           for i, sep in enumerate(("\u2028", "\u2029", "\x85"))), encoding="utf-8")
   cfg = _config(data, policy="greedy", answer_format="text")
+  cfg.dataset.id_field = "id"
   out = tmp_path / "run"
   console = io.StringIO()
   summary = run(cfg, str(out), clock=FakeClock(), progress=False, report=True, console=console)

@@ -386,7 +386,9 @@ def test_token_budgets_past_the_loops_int32_counters_are_named(world):
                                        r"tokens \+ .*\), more than the loop's int32 counters hold"):
     ctl.run(["Q"], {"name": "greedy_cot", "step_max_tokens": 2**31 - 1})
   with pytest.raises(ValueError, match=r"^a trace may generate 5368709\d+ tokens"):
-    ctl.generate([ReasoningRequest("Q")], LoopSettings(step_max_tokens=2**30, max_backtracks=4), 1)
+    # (with max_step_backtracks 0 no step can be backtracked: the budget leaves them out)
+    ctl.generate([ReasoningRequest("Q")], LoopSettings(step_max_tokens=2**30, max_backtracks=4,
+                                                      max_step_backtracks=4), 1)
 
 
 def test_requests_and_policy_names_of_the_wrong_type_are_named(world):
