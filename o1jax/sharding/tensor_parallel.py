@@ -54,16 +54,16 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 def group_meshes(tp: int, devices=None, topology="auto") -> list[Mesh]:
   """(data=1, model=tp) meshes, one per tensor-parallel group that `make_mesh` places on
-  the best links among `devices` (default: all), best first. Groups are placed over the
-  largest multiple of tp devices (tp=3 on 8: two groups of 3); cutting the device list
-  to the groups wanted first could leave out a group's NVLink partners."""
+  the best links among `devices` (default: all), best first. The groups are chosen from
+  all the devices, the rest left out (tp=3 on 8: two groups of 3); cutting the device list
+  to a multiple of tp first put a group over SYS next to a free NVLink island."""
   from o1jax.sharding.topology import TopologyError, make_mesh
 
   devices = list(jax.devices() if devices is None else devices)
   if tp > len(devices):
     raise TopologyError(f"tensor_parallel={tp} needs {tp} devices; this process has "
                         f"{len(devices)}")
-  full = make_mesh(model=tp, devices=devices[:len(devices) // tp * tp], topology=topology)
+  full = make_mesh(model=tp, devices=devices, topology=topology, spare=True)
   return [Mesh(full.devices[i:i + 1], full.axis_names) for i in range(full.devices.shape[0])]
 
 

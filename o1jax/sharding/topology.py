@@ -155,11 +155,20 @@ def read_nvidia_smi_topo(timeout_s: float = 10.0) -> Optional[GpuTopology]:
   exe = shutil.which("nvidia-smi")
   if exe is None:
     return None
+  # (a failing or hanging tool fell back without a word, as a table it cannot read did not)
+  fallback = "placing devices by their JAX attributes instead"
   try:
     out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=timeout_s)
-  except (OSError, subprocess.TimeoutExpired):
+  except subprocess.TimeoutExpired:
+    warnings.warn(f"nvidia-smi topo -m gave no answer in {timeout_s:g} s; {fallback}")
+    return None
+  except OSError as e:
+    warnings.warn(f"nvidia-smi topo -m could not run ({e.strerror or e}); {fallback}")
     return None
   if out.returncode != 0:
+    said = (out.stderr or out.stdout or "").strip().splitlines()
+    warnings.warn(f"nvidia-smi topo -m exited {out.returncode}"
+                  f"{': ' + said[-1][:200] if said else ''}; {fallback}")
     return None
   try:
     return parse_nvidia_smi_topo(out.stdout)
@@ -227,29 +236,35 @@ def link_levels(devices: Sequence[Any], topology: Optional[GpuTopology] = None,
 
 # -- grouping ----------------------------------------------------------------------------
 
-def best_groups(levels: np.ndarray, size: int) -> list[tuple[int, ...]]:
-  """Partition range(n) into groups of `size` (see step 2 of the module docstring); ties
-  keep index order. Exact for n <= MAX_EXACT."""
+def best_groups(levels: np.ndarray, size: int, spare: int = 0) -> list[tuple[int, ...]]:
+  """Partition range(n) into groups of `size` (see step 2 of the module docstring),
+  leaving `spare` devices out (the groups chosen from all of them: tp=3 on two NVLink
+  islands of 4 takes 3 of each, where cutting the list to 6 first put a group over SYS);
+  ties keep index order. Exact for n <= MAX_EXACT."""
   n = len(levels)
-  if n % size:
-    raise TopologyError(f"{n} devices cannot be cut into groups of {size}")
+  if not isinstance(size, (int, np.integer)) or size < 1:
+    raise TopologyError(f"group size {size!r}: expected an int >= 1")
+  if not 0 <= spare < size or (n - spare) % size:
+    raise TopologyError(f"{n} devices cannot be cut into groups of {size}"
+                        + (f" leaving {spare} out" if spare else ""))
   if size == 1:
-    return [(i,) for i in range(n)]
+    return [(i,) for i in range(n - spare)]
   if n > MAX_EXACT:
-    return [tuple(range(s, s + size)) for s in range(0, n, size)]
-  cache: dict[tuple[int, int], Optional[tuple]] = {}
+    return [tuple(range(s, s + size)) for s in range(0, n - spare, size)]
+  cache: dict[tuple[int, int, int], Optional[tuple]] = {}
 
   def group_score(group):
     pairs = [int(levels[a, b]) for a, b in itertools.combinations(group, 2)]
     return min(pairs), sum(pairs)
 
-  def best(mask: int, floor: int):
+  def best(mask: int, floor: int, left_out: int):
     # The best (sum of weakest links, sum of links, groups) over the devices in `mask`,
-    # using only groups whose weakest link is >= floor; None if there is none.
+    # `left_out` of them in no group, using only groups whose weakest link is >= floor;
+    # None if there is none.
     if mask == 0:
-      return 0, 0, ()
-    if (mask, floor) in cache:
-      return cache[(mask, floor)]
+      return (0, 0, ()) if left_out == 0 else None
+    if (mask, floor, left_out) in cache:
+      return cache[(mask, floor, left_out)]
     members = [i for i in range(n) if mask >> i & 1]
     first, rest = members[0], members[1:]
     found = None
@@ -258,18 +273,22 @@ def best_groups(levels: np.ndarray, size: int) -> list[tuple[int, ...]]:
       weakest, total = group_score(group)
       if weakest < floor:
         continue
-      sub = best(mask & ~sum(1 << i for i in group), floor)
+      sub = best(mask & ~sum(1 << i for i in group), floor, left_out)
       if sub is None:
         continue
       candidate = (weakest + sub[0], total + sub[1], (group, *sub[2]))
       if found is None or candidate[:2] > found[:2]:
         found = candidate
-    cache[(mask, floor)] = found
+    if left_out:  # `first` in no group (only if strictly better: ties keep index order)
+      skip = best(mask & ~(1 << first), floor, left_out - 1)
+      if skip is not None and (found is None or skip[:2] > found[:2]):
+        found = skip
+    cache[(mask, floor, left_out)] = found
     return found
 
   full = (1 << n) - 1
   for floor in sorted({int(v) for v in levels.flat}, reverse=True):
-    result = best(full, floor)
+    result = best(full, floor, spare)
     if result is not None:
       return list(result[2])
   raise AssertionError("unreachable: the lowest floor admits every partition")
@@ -301,11 +320,17 @@ def _check_shape(n: int, model: int, data: Optional[int]) -> int:
 
 
 def tp_groups(devices: Sequence[Any], model: int, topology: Optional[GpuTopology] = None,
-              cuda_visible_devices: Optional[str] = None) -> list[list[Any]]:
-  """`devices` cut into tensor-parallel groups of `model` on the best links (the mesh's rows)."""
+              cuda_visible_devices: Optional[str] = None, spare: bool = False) -> list[list[Any]]:
+  """`devices` cut into tensor-parallel groups of `model` on the best links (the mesh's
+  rows); `spare`: the groups fit in one process, chosen from all its devices, the ones
+  that make no whole group left out."""
   devices = list(devices)
-  _check_shape(len(devices), model, None)
   processes = _by_process(devices)
+  if spare and len(processes) == 1 and model <= len(devices):
+    _check_shape(len(devices) // model * model, model, None)
+    levels = link_levels(devices, topology, cuda_visible_devices)
+    return [[devices[i] for i in g] for g in best_groups(levels, model, len(devices) % model)]
+  _check_shape(len(devices), model, None)
   sizes = {len(p) for p in processes}
   if len(sizes) != 1:
     raise TopologyError(f"processes hold different device counts {sorted(sizes)}: cannot build one mesh")
@@ -327,7 +352,8 @@ def tp_groups(devices: Sequence[Any], model: int, topology: Optional[GpuTopology
 
 
 def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequence[Any]] = None,
-              topology: Any = "auto", cuda_visible_devices: Optional[str] = None):
+              topology: Any = "auto", cuda_visible_devices: Optional[str] = None,
+              spare: bool = False):
   """A `jax.sharding.Mesh` of shape (data, model), axes ("data", "model"), placed by topology.
 
   Args:
@@ -337,12 +363,15 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
     topology: "auto" (GPUs: read `nvidia-smi topo -m` when present), a GpuTopology (e.g. a
       recorded one), or None (JAX device attributes only).
     cuda_visible_devices: default the environment's CUDA_VISIBLE_DEVICES (GPU topology only).
+    spare: devices // model groups chosen from all the devices of one process, the rest
+      left out (tp=3 on 8 GPUs), where model need not divide the device count.
   Raises TopologyError (a ValueError) with a one-line message for a shape that cannot be built.
   """
   import jax
   from jax.sharding import Mesh
   devices = list(jax.devices() if devices is None else devices)
-  rows = _check_shape(len(devices), model, data)
+  rows = _check_shape(len(devices) // model * model if spare and isinstance(model, int) and model >= 1
+                      else len(devices), model, data)
   if isinstance(topology, str):
     if topology != "auto":
       raise TopologyError(f"topology={topology!r}: expected 'auto', a GpuTopology or None")
@@ -353,10 +382,11 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
   if cuda_visible_devices is None:
     cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES") if topology is not None else None
   try:
-    groups = tp_groups(devices, model, topology if model > 1 else None, cuda_visible_devices)
+    groups = tp_groups(devices, model, topology if model > 1 else None, cuda_visible_devices,
+                       spare)
   except VisibleDevicesError as e:  # (was: no mesh at all on nodes that hand out GPU UUIDs)
     warnings.warn(f"{e}; placing devices by their JAX attributes instead")
-    groups = tp_groups(devices, model, None, None)
+    groups = tp_groups(devices, model, None, None, spare)
   return Mesh(np.array(groups, dtype=object).reshape(rows, model), AXES)
 
 

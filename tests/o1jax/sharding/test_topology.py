@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from o1jax.sharding import (GpuTopology, TopologyError, best_groups, describe,
@@ -230,3 +231,33 @@ def test_mesh_on_8_forced_cpu_devices():
       "CUDA_VISIBLE_DEVICES='GPU-1a2b,GPU-3c4d': only GPU indices can be matched to "
       "nvidia-smi's table (not UUIDs, MIG names or -1); placing devices by their JAX "
       "attributes instead"]
+
+
+def test_groups_that_leave_devices_out_are_chosen_from_all_of_them():
+  """tp=3 on two NVLink islands of 4: the list was cut to 6 devices first, and the second
+  group sat over SYS ([[0,1,2],[3,4,5]]) while 4, 5, 6 were free on NVLink."""
+  t = topo("islands_2x4")
+  groups = tp_groups(gpus(8), 3, t, spare=True)
+  assert ids(groups) == [[0, 1, 2], [4, 5, 6]]
+  assert all("SYS" not in line for line in describe(groups, t, "").splitlines())
+  # Ties keep index order; the whole partition when nothing is left out.
+  assert best_groups(np.full((4, 4), 5), 2, spare=0) == [(0, 1), (2, 3)]
+  assert best_groups(np.full((5, 5), 5), 2, spare=1) == [(0, 1), (2, 3)]
+  with pytest.raises(TopologyError, match="5 devices cannot be cut into groups of 2 leaving 2 out"):
+    best_groups(np.full((5, 5), 5), 2, spare=2)
+  with pytest.raises(TopologyError, match=r"group size 0: expected an int >= 1"):
+    best_groups(np.full((4, 4), 5), 0)
+
+
+@pytest.mark.parametrize("script, said", [
+    ("echo 'NVML: driver not loaded' >&2; exit 9", r"nvidia-smi topo -m exited 9: NVML: driver not loaded"),
+    ("sleep 5", r"nvidia-smi topo -m gave no answer in 0.5 s")])
+def test_an_nvidia_smi_that_fails_or_hangs_is_said(tmp_path, monkeypatch, script, said):
+  """It fell back to device order without a word (a table it could not read was said)."""
+  from o1jax.sharding import topology
+  tool = tmp_path / "nvidia-smi"
+  tool.write_text(f"#!/bin/sh\n{script}\n")
+  tool.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  with pytest.warns(UserWarning, match=said + r"; placing devices by their JAX attributes instead"):
+    assert topology.read_nvidia_smi_topo(timeout_s=0.5) is None
