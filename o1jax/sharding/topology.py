@@ -90,7 +90,7 @@ _ATTRIBUTES = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 def _link_level(token: str) -> int:
   if token == "X":
     return SAME_CHIP
-  if re.fullmatch(r"NV\d+", token):
+  if re.fullmatch(r"NV[1-9]\d*", token):  # (NV0 is no link: it ranked above PIX)
     return NVLINK + int(token[2:])
   if token in PCIE_LEVELS:
     return PCIE_LEVELS[token]
@@ -138,11 +138,19 @@ def parse_nvidia_smi_topo(text: str) -> GpuTopology:
     if len(cells) < len(columns):
       raise TopologyError(f"nvidia-smi topo -m: row {gpu} has {len(cells)} entries for "
                           f"{len(columns)} columns")
+    if len(cells) > len(columns) + len(attributes):  # (one more link shifted every
+      # attribute: the CPU affinity read "NV4")
+      raise TopologyError(f"nvidia-smi topo -m: row {gpu} has {len(cells)} entries for "
+                          f"{len(columns)} columns and {len(attributes)} attributes")
     row = tuple(cells[columns.index(g)] for g in gpus)
     for token in row:
       _link_level(token)  # unknown entries fail here, naming the entry
     if row[gpus.index(gpu)] != "X":
       raise TopologyError(f"nvidia-smi topo -m: row {gpu} does not have X on the diagonal")
+    elsewhere = [g for g, token in zip(gpus, row) if token == "X" and g != gpu]
+    if elsewhere:  # (read as the same chip)
+      raise TopologyError(f"nvidia-smi topo -m: row {gpu} has X in column {elsewhere[0]}: X "
+                          f"is the diagonal only")
     extra = dict(zip(attributes, cells[len(columns):]))
     links.append(row)
     cpu.append(extra.get("CPU Affinity", "N/A"))

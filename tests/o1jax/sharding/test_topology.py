@@ -261,3 +261,15 @@ def test_an_nvidia_smi_that_fails_or_hangs_is_said(tmp_path, monkeypatch, script
   monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
   with pytest.warns(UserWarning, match=said + r"; placing devices by their JAX attributes instead"):
     assert topology.read_nvidia_smi_topo(timeout_s=0.5) is None
+
+
+@pytest.mark.parametrize("table, said", [
+    ("GPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV4\tNV4\t0-31\t0\nGPU1\tNV4\t X \t0-31\t0\n",
+     r"row GPU0 has 5 entries for 2 columns and 2 attributes"),
+    ("GPU0\tGPU1\nGPU0\t X \t X \nGPU1\tNV4\t X \n", r"row GPU0 has X in column GPU1"),
+    ("GPU0\tGPU1\nGPU0\t X \tNV0\nGPU1\tNV0\t X \n", r"unknown link 'NV0'")])
+def test_malformed_tables_are_named_not_read_askew(table, said):
+  """A row one link too long shifted its attributes (the CPU affinity read "NV4"), X off
+  the diagonal read as the same chip, NV0 ranked above PCIe."""
+  with pytest.raises(TopologyError, match=said):
+    parse_nvidia_smi_topo(table)
