@@ -26,6 +26,7 @@ if __name__ == "__main__":  # before the imports below (~2 s): a Ctrl-C there is
   signal.signal(signal.SIGINT, _stopped_while_starting)
 
 from o1jax.checkpoint import EMBEDDED, CheckpointError, load_checkpoint
+from o1jax.checkpoint.tokenizer import LONE_SURROGATE
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
 from o1jax.model import Llama
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
                        "in the prompt, or drop --raw")
     for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
       # (bytes that are not UTF-8 reach Python as lone surrogates: read as U+FFFD)
-      if text is not None and any("\ud800" <= c <= "\udfff" for c in text):
+      if text is not None and LONE_SURROGATE.search(text):
         raise ValueError(f"{flag} is not valid UTF-8 text")
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.backend, matmul_dtype=args.matmul_dtype)

@@ -79,13 +79,19 @@ def _json(path: pathlib.Path, text: str, line: Optional[int] = None):
     raise ReportError(f"{path}{where}: not valid JSON ({e})") from e
 
 
-def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
-  """(summary.json, results.jsonl's records); `ReportError` names a file that is not theirs."""
-  run_dir = pathlib.Path(run_dir)
-  path = run_dir / "summary.json"
+def load_summary(run_dir: str | os.PathLike) -> dict:
+  """summary.json (what a comparison reads); `ReportError` names a file that is not one."""
+  path = pathlib.Path(run_dir) / "summary.json"
   summary = _json(path, _read(path))
   if not isinstance(summary, dict):
     raise ReportError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+  return summary
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+  """(summary.json, results.jsonl's records); `ReportError` names a file that is not theirs."""
+  run_dir = pathlib.Path(run_dir)
+  summary = load_summary(run_dir)
   records = []
   path = run_dir / "results.jsonl"
   if path.exists():
@@ -363,34 +369,42 @@ def _stability_lines(summary: dict) -> list[str]:
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]<>&|])")
 
 
+def _one_line(value, limit: Optional[int] = None) -> str:
+  """`value` on one line (every line break a space: "\\r" and U+2028 end lines too), cut."""
+  text = " ".join(str(value).splitlines())
+  return text[:limit] if limit else text
+
+
+def _fence(text: str, least: int) -> str:
+  """Backticks that no run of backticks in `text` closes early."""
+  return "`" * max(least, max(map(len, re.findall("`+", text)), default=0) + 1)
+
+
 def md_text(value, limit: Optional[int] = None) -> str:
   """`value` as inline markdown text that reads as it is: on one line, its markup escaped."""
-  text = " ".join(str(value).splitlines())
-  return _MD_SPECIAL.sub(r"\\\1", text[:limit] if limit else text)
+  return _MD_SPECIAL.sub(r"\\\1", _one_line(value, limit))
 
 
 def md_code(value, limit: Optional[int] = None) -> str:
-  """`value` as an inline code span on one line (a fence longer than its backtick runs)."""
-  text = " ".join(str(value).splitlines())
-  text = text[:limit] if limit else text
-  fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+  """`value` as an inline code span on one line."""
+  text = _one_line(value, limit)
+  fence = _fence(text, 1)
   pad = " " if text.startswith("`") or text.endswith("`") else ""
   return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def md_block(value, lang: str = "", indent: str = "") -> str:
-  """`value` as a fenced code block (a fence longer than its backtick runs)."""
+  """`value` as a fenced code block, each line indented by `indent`."""
   lines = str(value).splitlines()  # (every line break: a bare CR ended the block too)
   while lines and not lines[-1].strip():
     lines.pop()
-  fence = "`" * max(3, max((len(run) for run in re.findall("`+", "\n".join(lines))), default=0) + 1)
-  lines = [fence + lang, *lines, fence]
-  return "\n".join(indent + line for line in lines)
+  fence = _fence("\n".join(lines), 3)
+  return "\n".join(indent + line for line in [fence + lang, *lines, fence])
 
 
 def markdown_table(rows: Sequence[Sequence], header: Sequence[str]) -> str:
   """A markdown table (None shows as an empty cell; a cell's text is one escaped line)."""
-  cell = lambda v: "" if v is None else str(v).replace("\n", " ").replace("|", "\\|")
+  cell = lambda v: "" if v is None else _one_line(v).replace("|", "\\|")
   lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
   return "\n".join(lines)
@@ -568,7 +582,7 @@ def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os
   output_dir = pathlib.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   dirs = dict.fromkeys(pathlib.Path(d).resolve() for d in run_dirs)  # a run named twice: once
-  runs = [(d.name, load_run(d)[0]) for d in dirs]
+  runs = [(d.name, load_summary(d)) for d in dirs]
   values = [comparison_inputs(name, s) for name, s in runs]
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
   groups = comparison_groups([s for _, s in runs])
@@ -686,7 +700,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   runs = [d for d in runs if d not in failed]
   for d in list(runs) if len(runs) > 1 else ():
     try:
-      comparison_inputs(pathlib.Path(d).name, load_run(d)[0])
+      comparison_inputs(pathlib.Path(d).name, load_summary(d))
     except ValueError as e:  # its report was written; the comparison leaves it out
       print(f"error: {d}: cannot compare it ({e}): summary.json is not what a run wrote",
             file=sys.stderr)

@@ -355,7 +355,7 @@ def build_task(config) -> Union[GSMTask, HumanEvalTask, CustomTask, SuiteTask]:
 def check_system_prompt(system) -> None:
   """prompt.system is a named prompt or a literal text; a lone word that is no name
   ("short_answers", "Tutor") was sent to the model as its whole system prompt."""
-  names = ("short_answer", "tutor", "none")
+  names = tuple(SYSTEM_PROMPTS)
   if system is None or (isinstance(system, str) and (system in names or " " in system.strip()
                                                      or not system)):  # ("": none)
     return

@@ -197,7 +197,7 @@ def check_gguf(path: str | os.PathLike) -> ModelConfig:
   dims = {t.name: t.dims for t in tensors}
   config = _config_from_metadata(meta, path, dims)
   _check_tensors(path, config, dims, {t.name: t.qtype.name for t in tensors})
-  _check_tokenizer_metadata(meta, config)
+  _check_tokenizer_metadata(meta, config.vocab_size)
   return config
 
 
@@ -680,7 +680,7 @@ def _check_tensors(path, config: ModelConfig, dims: dict, type_names: dict) -> N
       ignored=_CONFIG_TENSORS, model=f"a {config.architecture!r} model")
 
 
-def _check_tokenizer_metadata(meta: _Metadata, config: ModelConfig) -> None:
+def _check_tokenizer_metadata(meta: _Metadata, vocab_size: int) -> None:
   """The `tokenizer.ggml.*` keys the tokenizer is built from, typed and consistent: a token
   list no longer than the embedding, per-token arrays of its length, ids inside it."""
   path = meta.path
@@ -691,9 +691,9 @@ def _check_tokenizer_metadata(meta: _Metadata, config: ModelConfig) -> None:
   n = meta.array("tokenizer.ggml.tokens", (_STRING,), "strings")
   if not n:
     raise CheckpointError(f"{path}: GGUF metadata key 'tokenizer.ggml.tokens' is missing or empty")
-  if n > config.vocab_size:  # ids past the embedding would read other memory, or clamp
+  if n > vocab_size:  # ids past the embedding would read other memory, or clamp
     raise CheckpointError(f"{path}: tokenizer.ggml.tokens has {n} tokens, more than the model's "
-                          f"vocab_size {config.vocab_size}")
+                          f"vocab_size {vocab_size}")
   for key, items, what in (("tokenizer.ggml.token_type", _INTS, "integers"),
                            ("tokenizer.ggml.scores", _FLOATS, "floats")):
     count = meta.array(key, items, what)
@@ -751,7 +751,7 @@ def read_tokenizer_metadata(path: str | os.PathLike) -> dict:
   # array of another length, a flag of another type loaded here without a word).
   n = meta.array("tokenizer.ggml.tokens", (_STRING,), "strings")
   vocab = meta.int(f"{meta.get('general.architecture')}.vocab_size") or n or 0
-  _check_tokenizer_metadata(meta, types.SimpleNamespace(vocab_size=vocab))
+  _check_tokenizer_metadata(meta, vocab)
   return {key: meta.get(key) for key in _TOKENIZER_KEYS}
 
 
@@ -793,7 +793,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
   dims = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
   config = _config_from_metadata(meta, path, dims, tensors)
   _check_tensors(path, config, dims, {t.name: t.tensor_type.name for t in reader.tensors})
-  _check_tokenizer_metadata(meta, config)
+  _check_tokenizer_metadata(meta, config.vocab_size)
 
   permuted = config.architecture not in _ROTATE_HALF_ARCHITECTURES
   if permuted and config.qk_norm:  # their weights would need a permutation within each head

@@ -315,8 +315,7 @@ def _read_config(directory: pathlib.Path) -> ModelConfig:
   if gen_file.exists():
     more = _token_ids(read_json_object(gen_file), "eos_token_id", gen_file, config.vocab_size,
                       many=True)
-    config = dataclasses.replace(
-        config, eos_ids=config.eos_ids + tuple(i for i in dict.fromkeys(more) if i not in config.eos_ids))
+    config = dataclasses.replace(config, eos_ids=tuple(dict.fromkeys(config.eos_ids + more)))
   return config
 
 

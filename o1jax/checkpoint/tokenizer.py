@@ -33,7 +33,7 @@ from o1jax.checkpoint.errors import CheckpointError, read_json_object
 from o1jax.checkpoint.gguf_loader import GGUF_END_OF_GENERATION_KEYS
 
 log = logging.getLogger(__name__)
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (text that is not valid Unicode)
 
 # llama.cpp token types (gguf TokenType): 3 = CONTROL (special: skipped when decoding
 # without specials), 4 = USER_DEFINED (a model's added tokens, e.g. Qwen's <think> and
@@ -654,7 +654,7 @@ class Tokenizer:
     try:
       ids = self.backend.encode(text, add_special_tokens=False).ids
     except (TypeError, UnicodeError):
-      well_formed = _LONE_SURROGATE.sub("\ufffd", text)
+      well_formed = LONE_SURROGATE.sub("\ufffd", text)
       if well_formed == text:
         raise
       ids = self.backend.encode(well_formed, add_special_tokens=False).ids

@@ -42,7 +42,6 @@ import functools
 import logging
 import math
 import os
-import re
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -55,6 +54,7 @@ from jax.sharding import Mesh
 from pallas_kernels import ops as kernel_ops
 
 from o1jax.checkpoint import load_checkpoint
+from o1jax.checkpoint.tokenizer import LONE_SURROGATE
 from o1jax import compilation_cache
 from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.engine import fields
@@ -234,7 +234,6 @@ class EngineConfig:
 
 
 MAX_STOP_CHARS = 4096  # a stop string's length (the stream scans its prefixes per token)
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _stop_prefix_at_end(text: str, stop: str) -> int:
@@ -290,7 +289,7 @@ class GenerationParams(SamplingParams):
       raise ValueError(f"stop strings must be non-empty str, got {bad[0]!r}")
     # (text is decoded Unicode: a lone surrogate never matched; the stream's hold-back
     # scans each stop string's prefixes per token: 200,000 characters took 0.4 s a token)
-    bad = [s for s in stop if _LONE_SURROGATE.search(s) or len(s) > MAX_STOP_CHARS]
+    bad = [s for s in stop if LONE_SURROGATE.search(s) or len(s) > MAX_STOP_CHARS]
     if bad:
       raise ValueError(f"stop string {bad[0][:40]!r}{'...' if len(bad[0]) > 40 else ''} "
                        f"({len(bad[0])} characters) must be at most {MAX_STOP_CHARS} "

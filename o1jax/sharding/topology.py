@@ -309,7 +309,8 @@ def _by_process(devices: Sequence[Any]) -> list[list[Any]]:
   return [keyed[k] for k in sorted(keyed)]
 
 
-def _check_shape(n: int, model: int, data: Optional[int]) -> int:
+def _check_shape(n: int, model: int, data: Optional[int], spare: bool = False) -> int:
+  """The mesh's rows (`data`) for n devices; `spare`: the n % model left over are left out."""
   for name, value in (("model", model), ("data", data)):
     if (value is not None or name == "model") and (
         isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -318,6 +319,8 @@ def _check_shape(n: int, model: int, data: Optional[int]) -> int:
     raise TopologyError(f"model={model}: the model axis needs at least 1 device")
   if model > n:
     raise TopologyError(f"model={model} needs {model} devices; there are {n}")
+  if spare:
+    n -= n % model
   if n % model:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     raise TopologyError(f"model={model} does not divide the {n} devices (model can be one of {divisors})")
@@ -335,7 +338,7 @@ def tp_groups(devices: Sequence[Any], model: int, topology: Optional[GpuTopology
   devices = list(devices)
   processes = _by_process(devices)
   if spare and len(processes) == 1 and model <= len(devices):
-    _check_shape(len(devices) // model * model, model, None)
+    _check_shape(len(devices), model, None, spare=True)
     levels = link_levels(devices, topology, cuda_visible_devices)
     return [[devices[i] for i in g] for g in best_groups(levels, model, len(devices) % model)]
   _check_shape(len(devices), model, None)
@@ -378,8 +381,7 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
   import jax
   from jax.sharding import Mesh
   devices = list(jax.devices() if devices is None else devices)
-  rows = _check_shape(len(devices) // model * model if spare and isinstance(model, int) and model >= 1
-                      else len(devices), model, data)
+  rows = _check_shape(len(devices), model, data, spare)
   if isinstance(topology, str):
     if topology != "auto":
       raise TopologyError(f"topology={topology!r}: expected 'auto', a GpuTopology or None")
