@@ -34,7 +34,7 @@ import numpy as np
 from pipelines.datasets.records import normalize_answer
 from pipelines.tasks import mean_pass_at_k
 from pipelines.tasks.gsm8k import answer_key, value_key
-from pipelines.tasks.text import text_answer_key
+from pipelines.datasets.records import text_answer_key
 
 LATENCY_BUCKETS_MS = (0, 10, 50, 100, 200, 500, 1000)  # lower edges; the last is open-ended
 PERCENTILES = (50, 90, 95, 99)

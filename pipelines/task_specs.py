@@ -31,7 +31,7 @@ from pipelines.suite.task import SuiteTask
 from pipelines.tasks import (COMPLETION_STOP_SEQUENCES, fewshot_messages, fewshot_prompt,
                              score_gsm8k, zero_shot_messages)
 from pipelines.tasks import humaneval
-from pipelines.tasks.text import text_answer_key
+from pipelines.datasets.records import text_answer_key
 
 Prompt = Union[str, list]  # completion text, or chat messages [{"role", "content"}]
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Literal, Mapping, Optional, get_args
 
 from pipelines.datasets.jsonl import JsonLine, load_records, require_str
 from pipelines.datasets.records import (Example, LoadResult, RecordError,
-                                        content_id, is_number, normalize_answer,
+                                        content_id, is_number, normalize_answer, text_answer_key,
                                         split_gsm8k_answer)
 
 AnswerFormat = Literal["number", "gsm8k", "text"]
@@ -69,7 +69,7 @@ def _reference(answer: str, fmt: AnswerFormat) -> tuple[str, dict[str, Any]]:
   if len(gold.splitlines()) > 1:  # (as a reply's last line is found: U+2028, \x85 too)
     raise RecordError(f"answer has {len(gold.splitlines())} lines: a reply is matched by its "
                       f"last line, so no reply could match it: {shown(answer)}")
-  if not normalize_answer(gold).strip():
+  if text_answer_key(gold) is None:
     raise RecordError(f"answer {shown(answer)} is nothing once normalized (commas, $, a "
                       f"trailing period go): no reply could match it")
   return gold, {}

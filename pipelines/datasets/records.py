@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import unicodedata
 from typing import Any, Optional, Union
 
 
@@ -170,6 +171,17 @@ def normalize_answer(text: str) -> str:
   for pat in _IGNORE_PATTERNS:
     s = pat.sub("", s)
   return s.strip()
+
+
+
+def text_answer_key(text: Optional[str]) -> Optional[str]:
+  """What a free-text answer (custom task, answer_format=text) is matched and voted by:
+  the GSM8K normalization (commas, ``$``, one trailing period), in Unicode's composed form
+  (NFC: "café" typed two ways is one answer), case-folded (str.casefold: "STRASSE" is
+  "straße", as lower() did not); None when nothing is left, so an empty reply is never an
+  answer."""
+  key = unicodedata.normalize("NFC", normalize_answer(text)).casefold() if text is not None else ""
+  return key or None
 
 
 def is_number(text: str) -> bool:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import unicodedata
-from typing import Optional, Sequence, TypedDict
+from typing import Sequence, TypedDict
 
-from pipelines.datasets.records import normalize_answer
 
 
 class ChatMessage(TypedDict):
@@ -28,13 +26,3 @@ def truncate_at_stop(text: str, stop_sequences: Sequence[str]) -> str:
     if 0 <= i < cut:
       cut = i
   return text[:cut]
-
-
-def text_answer_key(text: Optional[str]) -> Optional[str]:
-  """What a free-text answer (custom task, answer_format=text) is matched and voted by:
-  the GSM8K normalization (commas, ``$``, one trailing period), in Unicode's composed form
-  (NFC: "café" typed two ways is one answer), case-folded (str.casefold: "STRASSE" is
-  "straße", as lower() did not); None when nothing is left, so an empty reply is never an
-  answer."""
-  key = unicodedata.normalize("NFC", normalize_answer(text)).casefold() if text is not None else ""
-  return key or None

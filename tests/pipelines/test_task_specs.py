@@ -265,7 +265,7 @@ def test_generator_settings_with_a_gsm8k_file_are_refused_not_ignored(key, value
 def test_text_answers_are_case_folded_and_composed():
   """lower() left "STRASSE" and "straße", final sigma, ligatures apart, and NFC/NFD
   spellings of one word were two answers."""
-  from pipelines.tasks.text import text_answer_key
+  from pipelines.datasets.records import text_answer_key
   for gold, reply in (("straße", "STRASSE"), ("ΟΔΟΣ", "οδος"), ("ﬁne", "FINE"),
                       ("caf\u00e9", "cafe\u0301"), ("Paris.", "paris")):
     assert text_answer_key(gold) == text_answer_key(reply), (gold, reply)
