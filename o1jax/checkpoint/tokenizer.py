@@ -39,7 +39,7 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (text that is not valid Unicod
 # without specials), 4 = USER_DEFINED (a model's added tokens, e.g. Qwen's <think> and
 # <tool_call>: matched whole in raw text, decoded as text, as llama.cpp prints them and
 # transformers keeps its added tokens that are not special).
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
 # Pre-tokenizers by llama.cpp's `tokenizer.ggml.pre` name. "smollm" (like the
 # StarCoder family) splits every digit on its own, then applies GPT-2's regex.
@@ -946,7 +946,7 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
      special tokens, as llama.cpp prefixes each fragment after a special token;
   2. score-ranked merges (`_spm_merges`) over the characters;
   3. characters with no piece become their UTF-8 bytes' <0xXX> tokens (byte fallback).
-  Control tokens (type 3) are special; user-defined ones (type 4: Gemma's runs of
+  Control and unknown tokens (types 3, 2) are special; user-defined ones (type 4: Gemma's runs of
   newlines, tabs, spaces, HTML tags) are matched in raw text but decoded as text."""
   tokens = list(meta["tokenizer.ggml.tokens"])
   scores = meta.get("tokenizer.ggml.scores")
@@ -985,10 +985,12 @@ def _byte_fallback_tokens(backend) -> tuple:
 
 
 def _add_tokens(backend, tokens, types) -> None:
-  """A GGUF vocabulary's control tokens as special tokens, its user-defined ones as added
-  tokens that decode as text (both matched whole in raw text). An end-of-generation text
-  is a control token whatever its type says (as llama.cpp overrides it)."""
-  control = lambda i, kind: int(kind) == _CONTROL or tokens[i] in END_OF_GENERATION_TEXTS
+  """A GGUF vocabulary's control and unknown (<unk>) tokens as special tokens, its
+  user-defined ones as added tokens that decode as text (all matched whole in raw text, as
+  llama.cpp's special-token cache holds all three kinds). An end-of-generation text is a
+  control token whatever its type says (as llama.cpp overrides it)."""
+  control = lambda i, kind: (int(kind) in (_CONTROL, _UNKNOWN)
+                             or tokens[i] in END_OF_GENERATION_TEXTS)
   backend.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
                               for i, kind in enumerate(types) if control(i, kind)])
   backend.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)

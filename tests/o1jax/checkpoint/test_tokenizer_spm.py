@@ -21,14 +21,15 @@ TEXTS = ["Hello world", "The answer is 42.", "  two leading spaces", "tabs\tand\
 def _llama_cpp_spm(text: str, tokens, scores, types, add_space_prefix: bool) -> list[int]:
   """Token ids as llama.cpp computes them (parse_special on, no BOS):
 
-  1. split out control (type 3) and user-defined (type 4) tokens, longest first
+  1. split out unknown (type 2), control (type 3) and user-defined (type 4) tokens,
+     longest first
      (tokenizer_st_partition); 2. for each run of other text: prefix a space if
      add_space_prefix and the run is first or follows a special token; spaces -> U+2581;
   3. symbols = UTF-8 characters; a heap of adjacent pairs whose concatenation is a
      piece, best score first, then leftmost; merge while the pair is still intact;
   4. each final symbol -> its piece, or its bytes as <0xXX> tokens."""
   vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
-  special = sorted((t for t, k in zip(tokens, types) if k in (3, 4)), key=len, reverse=True)
+  special = sorted((t for t, k in zip(tokens, types) if k in (2, 3, 4)), key=len, reverse=True)
   fragments = [(text, False)]
   for tok in special:  # longest first, over every raw fragment
     out = []
@@ -113,7 +114,7 @@ def test_tiny_vocabulary_matches_llama_cpp_algorithm(add_space_prefix):
   meta = _tiny_meta(add_space_prefix)
   tok = Tokenizer.from_gguf_metadata(meta)
   rng = np.random.default_rng(0)
-  alphabet = list("helowrd ") + ["\n", "<start>", "é", "z"]
+  alphabet = list("helowrd ") + ["\n", "<start>", "<unk>", "é", "z"]
   texts = ["hello world", "hell", "<start>hello\nworld", "héllo wörld z"] + \
           ["".join(rng.choice(alphabet, size=int(rng.integers(1, 25)))) for _ in range(200)]
   args = (meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
