@@ -64,13 +64,18 @@ def code_prompt(example: Example, style: str = "chat"):
   return [{"role": "user", "content": content}], (CLOSING_FENCE,)
 
 
-# An opening fence with any info string (```python, ```bash, ```text) and the indentation
-# before it on its line (a fence inside a list item), its block, and the closing fence: on
-# its own line, at the end of the block's last line (`return x```), or the end of an
-# unfinished reply. Blocks are read in order, so the closing fence of a block is never
-# taken for the opening of the next.
-_FENCE = re.compile(r"(^[ \t]*)?```[ \t]*([^\s`]*)[^\n]*\n(.*?)"
-                    r"(?:\n[ \t]*```|```[ \t]*(?=\n|\Z)|\Z)", re.S | re.M)
+# Fenced blocks as Markdown (CommonMark) reads them: an opening fence of 3+ backticks or
+# tildes starts its line (after the indentation of a list item, which the block's lines
+# lose) with an info string or none (```python, ```bash, ~~~text); the closing fence is a
+# line of the same character, at least as long, and nothing else. (Any ``` was a fence: a
+# reply whose prose mentioned "```" before its code, or a code line ending in ```, had its
+# right answer scored failed.) Two things models write that Markdown does not read as
+# fences are read too: an opening fence with its tag ending a line of prose ("Sure!
+# ```python"), and the closing fence glued to the last code line (`return x```), taken
+# where no closing fence of its own line comes before the next tagged opening fence.
+_OPEN = re.compile(r"([ \t]*)(?:(`{3,})[ \t]*([^\s`]*)[^`]*|(~{3,})[ \t]*(\S*).*)")
+_PROSE_OPEN = re.compile(r"\S.*?(```)[ \t]*([\w.+#-]+)[ \t]*")
+_GLUED_CLOSE = re.compile(r"(.*\S)```[ \t]*")
 _PYTHON_TAGS = ("python", "python3", "py", "py3")
 
 
@@ -83,13 +88,54 @@ def _dedent(code: str, indent: str) -> str:
                    for line in code.split("\n"))
 
 
+def _opening(line: str):
+  """(indentation, fence, tag) of an opening fence on `line`, or None."""
+  if m := _OPEN.fullmatch(line):
+    return m.group(1), m.group(2) or m.group(4), m.group(3) if m.group(2) else m.group(5)
+  if m := _PROSE_OPEN.fullmatch(line):
+    return "", m.group(1), m.group(2)
+  return None
+
+
+def _block(lines: list[str], start: int, fence: str) -> tuple[list[str], int]:
+  """(the body's lines, the line after the block) of a block whose body starts at line
+  `start`: up to its closing fence, else (see above) its glued one, else the reply's end."""
+  glued = None  # the first body line ending in a glued ```
+  for i in range(start, len(lines)):
+    line = lines[i].strip(" \t")
+    if line and set(line) == {fence[0]} and len(line) >= len(fence):
+      if glued is None or not any((o := _opening(lines[j])) and o[2]
+                                  for j in range(glued + 1, i)):
+        return lines[start:i], i + 1
+      break
+    if glued is None and fence[0] == "`" and _GLUED_CLOSE.fullmatch(lines[i]):
+      glued = i
+  if glued is None:
+    return lines[start:], len(lines)
+  return lines[start:glued] + [_GLUED_CLOSE.fullmatch(lines[glued]).group(1)], glued + 1
+
+
+def _fenced_blocks(reply: str) -> list[tuple[str, str]]:
+  """(tag, lower case; code) of each fenced block of `reply`, in order."""
+  lines = reply.replace("\r\n", "\n").split("\n")
+  blocks, i = [], 0
+  while i < len(lines):
+    opening = _opening(lines[i])
+    if opening is None:
+      i += 1
+      continue
+    indent, fence, tag = opening
+    body, i = _block(lines, i + 1, fence)
+    blocks.append((tag.lower(), _dedent("\n".join(body), indent)))
+  return blocks
+
+
 def extract_code(reply: str) -> str:
   """The code of a chat reply: its first block fenced as Python, else its first untagged
   block (else its first block), or what follows an unclosed opening fence; a reply without
   a fence, whole. (A ```bash or ```text block before the code was taken for it; a fence
   indented in a list item kept its indentation on every line, an IndentationError.)"""
-  blocks = [(m.group(2).lower(), _dedent(m.group(3), m.group(1) or ""))
-            for m in _FENCE.finditer(reply.replace("\r\n", "\n"))]
+  blocks = _fenced_blocks(reply)
   for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
     for tag, code in blocks:
       if wanted(tag):

@@ -129,6 +129,20 @@ def test_real_problems_through_the_scoring_path(style):
     ("- code:\n  ```python\n  def f(x):\n      return x```", "def f(x):\n    return x"),
     ("```python\nprint('```')\n```", "print('```')"),  # a fence inside a string stays
     ("Sure! ```python\ndef f(x):\n    return x\n```", "def f(x):\n    return x"),
+    # Before: any ``` was a fence: prose that named one before the code opened an empty
+    # block (a right answer scored failed), a comment ending in ``` closed the block, code
+    # without a fence but with ``` in a string became '', ~~~ fences were no fences.
+    ("Sure! I'll wrap it in a ```python block as asked:\n\n```python\ndef f(x):\n    return x```",
+     "def f(x):\n    return x"),
+    ("Here is the code (between ``` markers):\n```python\ndef f(x):\n    return x\n```\n",
+     "def f(x):\n    return x"),
+    ("```python\ndef f(x):\n    # not ```\n    return x\n```\n", "def f(x):\n    # not ```\n    return x"),
+    ("def f(s):\n    return s.replace('```python', '')\n", "def f(s):\n    return s.replace('```python', '')\n"),
+    ("~~~python\ndef f(x):\n    return x\n~~~\n", "def f(x):\n    return x"),
+    ("````python\ndef f(x):\n    return '```'\n```\n````", "def f(x):\n    return '```'\n```"),
+    # A glued closing fence, then prose and another block: the first block ends there.
+    ("```python\ndef f(x):\n    return x```\nOr:\n```python\ndef g(x):\n    return x\n```",
+     "def f(x):\n    return x"),
 ])
 def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
   assert task.extract_code(reply) == want
