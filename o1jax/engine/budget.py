@@ -90,7 +90,9 @@ def allocate_budget(latency_slo_s: float, load: float) -> int:
   check_slo(latency_slo_s)
   if not is_real(load) or not load >= 0:
     raise ValueError(f"load must be >= 0, got {load!r}")
-  steps = BASE_STEPS * (latency_slo_s / BASE_SLO_S) / load_factor(load)
+  # (an int past float's range is an infinite load, not an OverflowError)
+  steps = BASE_STEPS * (latency_slo_s / BASE_SLO_S) / load_factor(
+      float(load) if _finite(load) else math.inf)
   # (clamped before `int`: an SLO past ~2.8e306 s makes the quotient inf)
   return max(MIN_STEPS, int(min(steps, MAX_STEPS)))
 
@@ -150,7 +152,8 @@ class BudgetConfig:
 
 class LatencyWindow:
   """The last `size` latencies (seconds), each stamped with when it was observed; the P95
-  of those no older than `max_age_s` at `now`."""
+  of those no older than `max_age_s` at `now`, and not stamped after it (a clock that went
+  back made them count until it caught up: an hour for a step back of an hour)."""
 
   def __init__(self, size: int, max_age_s: float = math.inf):
     self.values: collections.deque[tuple[float, float]] = collections.deque(maxlen=size)
@@ -161,7 +164,7 @@ class LatencyWindow:
       self.values.append((float(at), float(seconds)))
 
   def p95(self, now: float = 0.0) -> Optional[float]:
-    recent = [v for t, v in self.values if now - t <= self.max_age_s]
+    recent = [v for t, v in self.values if 0 <= now - t <= self.max_age_s]
     return float(np.percentile(recent, 95)) if recent else None
 
 

@@ -122,6 +122,22 @@ def test_a_clock_that_goes_back_does_not_freeze_the_budget():
   assert loop.tick(busy=4, queued=0, slots=8).steps == 102  # 300 ms after it
 
 
+def test_latencies_stamped_after_a_clock_went_back_stop_counting():
+  """A 20 s burst seen before the clock stepped back an hour no longer steers the budget
+  (it counted until the clock caught up with its stamps, an hour later)."""
+  t = [1000.0]
+  loop = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=1.0, window_s=10.0),
+                    clock=lambda: t[0])
+  loop.tick(busy=4, queued=0, slots=8)
+  for _ in range(64):
+    loop.observe_request(20.0)
+  t[0] += 0.3
+  assert loop.tick(busy=4, queued=0, slots=8).steps == 16  # P95 20 s over the 1 s SLO
+  t[0] -= 3600.0
+  d = loop.tick(busy=4, queued=0, slots=8)
+  assert d.p95_request_s is None and d.steps == allocate_budget(1.0, 0.5)
+
+
 def _fake_clock(step_s=0.01):
   ticks = itertools.count()
   return lambda: next(ticks) * step_s
@@ -240,6 +256,7 @@ def test_allocate_budget_names_an_slo_that_is_no_finite_number(slo, match):
   with pytest.raises(ValueError, match=r"^load must be >= 0, got '1'$"):
     allocate_budget(0.5, "1")
   assert allocate_budget(0.5, float("inf")) == 32  # an infinite load is a clamped factor of 2
+  assert allocate_budget(0.5, 10**400) == 32  # (an int past float's range: was OverflowError)
 
 
 def test_budget_interval_must_be_finite():
