@@ -395,8 +395,10 @@ class EnginePredictor:
     for result in results:
       sample, m = result.samples[0], result.metrics
       times = m.token_times[0] if m.token_times else []
-      # Every decode step counts, the one that sampled eos too: it is real work.
-      token_s = [t - prev for prev, t in zip([m.arrival] + times[:-1], times)]
+      # Each token's time after the first (whose time is ttft_ms: the summary's per-token
+      # latency is the time between tokens, not the prompt's prefill, which made it
+      # a P95 and a CV of prefill times); the step that sampled eos counts: real work.
+      token_s = [t - prev for prev, t in zip(times[:-1], times[1:])]
       metrics = {"latency_ms": _ms(m.e2e), "ttft_ms": _ms(m.ttft),
                  "token_ms": [_ms(x) for x in token_s],
                  "prompt_tokens_computed": int(m.prompt_tokens_computed)}
@@ -545,9 +547,10 @@ class ControllerPredictor:
       if policy_info:
         trace["policy_info"] = _finite(policy_info)
       # Per-token times as the host sees a device loop: each token's loop call's wall
-      # time / the iterations it ran (o1jax.controller.Batch); TTFT from its admission.
+      # time / the iterations it ran (o1jax.controller.Batch), after the first token
+      # (as the engine's); TTFT from its admission.
       metrics = {"latency_ms": _ms(result.wall_time_s), "ttft_ms": _ms(result.info.get("ttft_s")),
-                 "token_ms": [round(float(x), 3) for x in result.info.get("token_ms", [])]}
+                 "token_ms": [round(float(x), 3) for x in result.info.get("token_ms", [])[1:]]}
       if result.info.get("budget"):  # the step limits it ran under, and why they changed
         metrics["budget"] = result.info["budget"]
       spec = [t.pop("speculative", None) for t in trace["traces"]]  # timing, not content

@@ -113,13 +113,14 @@ def _read(path: pathlib.Path) -> str:
 
 def _per_token_ms(r: dict) -> Optional[float]:
   """Mean ms per generated token of one sample: the engine's real per-token times when
-  present; None for a sample that generated no token (as `per_token_latencies` leaves it
-  out: its whole latency is no token's time)."""
+  present (those after the first token); None for a sample that generated no token, or
+  whose times leave none (as `per_token_latencies` leaves it out: its whole latency, or
+  its TTFT, is no token's time)."""
   if int((r.get("tokens") or {}).get("completion", 0)) <= 0:
     return None
-  times = [v for v in (r["timing"].get("token_ms") or []) if is_time(v)]
-  if times:
-    return sum(times) / len(times)
+  if isinstance(r["timing"].get("token_ms"), list):
+    times = [v for v in r["timing"]["token_ms"] if is_time(v)]
+    return sum(times) / len(times) if times else None
   return r["timing"]["latency_ms"] / int(r["tokens"]["completion"])
 
 

@@ -12,8 +12,8 @@ every k <= n (a sample whose sandbox failed is left out, counted in `sandbox_err
 (`pipelines/suite/metrics.py`), its headline as `accuracy[category]`; 3. sum tokens by
 kind; 4. latency percentiles (P50/P90/P95/P99) and fixed-bucket histograms over request
 latency, time to first token and per-token latency — the engine's real per-token times
-(`timing.token_ms`, one value per generated token; the controller's as the host sees its
-device loop) where records carry them, else request latency / completion tokens (one value
+(`timing.token_ms`, one value per generated token after the first, whose time is the
+TTFT; the controller's as the host sees its device loop) where records carry them, else request latency / completion tokens (one value
 per sample) — and latency stability: per-token CV and first-token P95 against
 the reference thresholds (CV < 0.15, P95 < 320 ms), pass/fail; 5.
 throughput over the samples computed in this run; 6. dead letters by stage, and
@@ -245,13 +245,14 @@ def unscored(records: Sequence[dict], dead_letters: Sequence[dict]) -> dict[str,
 
 
 def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
-  """(values in ms, source): real per-token times when every timed record that generated
-  a token has them, else each such record's latency / its tokens. A record without a
-  token has no per-token time (it used to switch the whole run to the fallback, and to
-  count its whole latency as one token's)."""
+  """(values in ms, source): real per-token times (`timing.token_ms`: each token's after
+  the first, whose time is the TTFT) when every timed record that generated a token has
+  them, else each such record's latency / its tokens. A record without a token has no
+  per-token time (it used to switch the whole run to the fallback, and to count its
+  whole latency as one token's), nor has one with a single token measured per token."""
   timed = [r for r in records
            if r.get("timing") and int((r.get("tokens") or {}).get("completion", 0)) > 0]
-  if timed and all(r["timing"].get("token_ms") for r in timed):
+  if timed and all(isinstance(r["timing"].get("token_ms"), list) for r in timed):
     return [float(v) for r in timed for v in r["timing"]["token_ms"] if is_time(v)], "tokens"
   return [float(r["timing"]["latency_ms"]) / int(r["tokens"]["completion"])
           for r in timed if is_time(r["timing"].get("latency_ms"))], "request_latency/completion"

@@ -8,7 +8,7 @@ code's pass@k capped where an item kept fewer scored samples, `pass_at_k_capped`
 samples, completion tokens, time to first token P50/P95, per-token latency P50/P90/P95 with
 its coefficient of variation (population std / mean) and the fixed-bucket histogram
 (0/10/50/100/200/500/1000 ms). Per-token latency is the engine's measured per-token time
-(`timing.token_ms`) when the records carry it, else request latency / completion tokens.
+(`timing.token_ms`, after the first token: the TTFT is its own) when the records carry it, else request latency / completion tokens.
 """
 
 from __future__ import annotations

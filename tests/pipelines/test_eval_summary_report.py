@@ -445,6 +445,13 @@ def test_per_token_latency_ignores_samples_without_a_token():
   s = summarize(records + [empty], task="gsm8k")
   assert s["latency_ms_per_token"]["source"] == "tokens"
   assert s["latency_ms_per_token"]["count"] == 12 and s["latency_ms_per_token"]["max"] == 40.0
+  # A sample of one token has its TTFT and no time between tokens: it leaves the rest
+  # measured per token (its empty list switched the run to latency / tokens).
+  one = _rec(4, 0, "5", "5", "5", 700.0, 1)
+  one["timing"]["token_ms"] = []
+  s = summarize(records + [empty, one], task="gsm8k")
+  assert s["latency_ms_per_token"]["source"] == "tokens"
+  assert s["latency_ms_per_token"]["count"] == 12 and report._per_token_ms(one) is None
   del records[0]["timing"]["token_ms"]  # a sample with tokens but no times: the fallback
   s = summarize(records + [empty], task="gsm8k")
   assert s["latency_ms_per_token"]["source"] == "request_latency/completion"
