@@ -882,7 +882,10 @@ class Engine:
   def stream(self, request: Request | dict | str) -> Iterator[StreamEvent]:
     """Yields one StreamEvent per generated token (all samples), as they come.
 
-    Other queued requests keep running in the same batches."""
+    Other queued requests keep running in the same batches. A request without a
+    request_id is numbered 0, as `generate([request])` numbers it, so it streams the
+    tokens that call returns: two sampled streams of it draw the same tokens (give each
+    its own request_id for streams of their own)."""
     group = self.add_request(request, index=0)
     group.events = collections.deque()
     try:
