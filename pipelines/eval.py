@@ -319,7 +319,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   check_writable(out)
   lock = lock_output_dir(out) if is_local(out) else None  # one run at a time in a directory
   try:
-    _check_same_task(out, plan.task.name)
+    _check_same_task(out, plan.task.name, console)
     store = ResultStore(plan.store_dir)
     store.check_writable()
     model = _check_model(plan, direct)  # (config, tokenizer loader) where it is here
@@ -484,6 +484,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   now = _dataset_state(plan)
   if now != scan.data_state:
     from pipelines.datasets import DatasetError
+    remove_result_files(out)  # (the job's results.jsonl held the old version's records)
     changed = [a[0] for a in now if a not in scan.data_state] or [plan.task.source]
     raise DatasetError(f"dataset file {changed[0]} changed while the job ran (the launcher and "
                        f"the workers read different versions of it): rerun; every sample "
@@ -586,17 +587,28 @@ def _check_results_are_runs(out: str) -> None:
                       f"--output_dir")
 
 
-def _check_same_task(out: str, task: str) -> None:
+def _check_same_task(out: str, task: str, console) -> None:
   """An output directory holding another task's run (every config defaults to
   runs/default: a suite run replaced the default GSM8K run's results.jsonl, summary.json
-  and report.md) is refused; the same task's resumes there (its store serves it)."""
+  and report.md) is refused; the same task's resumes there (its store serves it). A
+  summary.json that cannot be read is said (the check passed over it without a word)."""
   from pipelines.beam.store import OutputError, is_local
   if not is_local(out):
     return
+  path = pathlib.Path(out, "summary.json")
   try:
-    held = json.loads(pathlib.Path(out, "summary.json").read_text()).get("task")
-  except (OSError, ValueError, AttributeError):  # none yet, or not ours to read
+    summary = json.loads(path.read_text(encoding="utf-8"))
+  except FileNotFoundError:  # none yet
     return
+  except (OSError, ValueError, RecursionError) as e:
+    summary = e
+  if not isinstance(summary, dict):
+    why = (f"{type(summary).__name__}: {summary}" if isinstance(summary, Exception)
+           else f"a JSON {type(summary).__name__}, not an object")
+    print(f"warning: {path} cannot be read ({why}): which run it held is not known; this "
+          f"run replaces it", file=console)
+    return
+  held = summary.get("task")
   if isinstance(held, str) and held != task:
     raise OutputError(f"{out} holds a {held} run (summary.json): give this {task} run its own "
                       f"--output_dir")
@@ -675,6 +687,12 @@ def clear_previous_results(config, out: str, console) -> None:
       shown = ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
       print(f"warning: {out}/summary.json is from a run with another config ({shown}); "
             f"this run replaces its results (their records stay in the store)", file=console)
+  remove_result_files(out)
+
+
+def remove_result_files(out: str) -> None:
+  """RESULT_FILES out of a local `out` (OutputError naming one that cannot go)."""
+  local = out.removeprefix("file://")
   for name in RESULT_FILES:
     try:
       os.remove(f"{local}/{name}")
@@ -980,6 +998,10 @@ def main(argv):
   def stop(signum: int):
     # Stored samples are complete files; the workers exit with this process (pipelines.beam.worker).
     release_dask_jobs()
+    # A worker still starting watches nothing yet. (Not imported here, in the signal's
+    # thread: workers exist only once mark_launcher has imported it.)
+    if (worker := sys.modules.get("pipelines.beam.worker")) is not None:
+      worker.stop_workers()
     for tag in list(_RUNNING_MODEL_TAGS):
       remove_shared_model_files(tag)
     kept = log.close(move_to=local_log, exiting=True) if log else None

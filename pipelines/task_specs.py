@@ -128,6 +128,20 @@ class GSMTask:
       raise ValueError("dataset.name=gsm8k_jsonl needs --config.dataset.path=FILE.jsonl")
     yield from _first_n(read_gsm8k_jsonl(ds["path"]), ds["n"])
 
+  def warnings(self, sampling) -> list[str]:
+    """A file cut at `dataset.n`, said: the config's n (48) is the generated set's size,
+    and the official test file's 1,319 problems were scored as their first 48 without a
+    word."""
+    del sampling
+    ds = self.dataset
+    if ds["name"] != "gsm8k_jsonl" or not ds["n"]:
+      return []
+    more = sum(isinstance(r, Example) for r in _first_n(read_gsm8k_jsonl(ds["path"]), ds["n"] + 1))
+    if more <= ds["n"]:
+      return []
+    return [f"dataset.n={ds['n']}: only the first {ds['n']} examples of {ds['path']} are scored "
+            f"(--config.dataset.n=0 scores them all)"]
+
   def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
     style = self.prompt_cfg["style"]
     if style == "shortshot":

@@ -2,6 +2,7 @@
 imported by every DirectRunner worker at start-up.
 
   launcher: mark_launcher()   # before pipeline.run(); its pid goes into the workers' environment
+            stop_workers()    # as it stops on a signal: the workers still starting go too
   workers:  --beam_plugins=pipelines.beam.worker (options.py adds it) imports this module first
 
 Why: the DirectRunner starts each worker through `/bin/sh -c`, so when the launcher is
@@ -33,6 +34,31 @@ def mark_launcher() -> None:
   pid = os.getpid()
   started = _start_time(pid)
   os.environ[LAUNCHER_PID_ENV] = f"{pid}:{started}" if started is not None else str(pid)
+
+
+def stop_workers() -> int:
+  """In the launcher as it stops: SIGKILL every process started with this launcher's mark
+  (its workers, and the `sh -c` around each); returns how many. A worker still starting
+  imports this module only after Beam's log handler connects to the launcher, which waits
+  up to 60 s: stopped then, its workers lived on for 45-90 s. None where /proc is not
+  there (the workers' own watch is all there is)."""
+  mark = os.environ.get(LAUNCHER_PID_ENV, "")
+  if mark.partition(":")[0] != str(os.getpid()) or not os.path.isdir("/proc"):
+    return 0
+  entry = f"{LAUNCHER_PID_ENV}={mark}".encode()
+  killed = 0
+  for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{name}/environ", "rb") as f:
+        marked = entry in f.read().split(b"\0")
+      if marked:
+        os.kill(int(name), signal.SIGKILL)
+        killed += 1
+    except OSError:  # gone meanwhile, or not ours to read
+      continue
+  return killed
 
 
 def _stat_fields(pid: int) -> Optional[list[bytes]]:

@@ -677,6 +677,12 @@ def test_an_output_dir_holding_another_tasks_run_is_refused(tmp_path):
   with pytest.raises(OutputError, match=rf"^{out} holds a gsm8k run \(summary.json\): give this "
                                         r"custom run its own --output_dir$"):
     _run(_config(data), out)
+  # A summary.json that cannot be read is said (the check passed over it without a word).
+  for garbled, why in (('{"task": ', "JSONDecodeError"), ("[1, 2]", "a JSON list, not an object")):
+    (out / "summary.json").write_text(garbled)
+    console = io.StringIO()
+    _run(_config(data), out, console=console)
+    assert f"warning: {out}/summary.json cannot be read ({why}" in console.getvalue()
 
 
 def test_files_no_run_wrote_and_datasets_among_the_results_are_left_alone(tmp_path):

@@ -558,6 +558,9 @@ def test_a_dataset_file_changed_while_the_job_runs_stops_the_run_in_one_line(tmp
                                          r"the store$"):
     run(cfg, str(out), clock=FakeClock(), progress=False, report=False, console=io.StringIO(),
         loader=editing_loader)
+  # The job's results of the old version are not left as a run's (the store keeps them).
+  assert not (out / "results.jsonl").exists() and not (out / "dead_letters.jsonl").exists()
+  assert list((out / "store").glob("*.json"))
   summary, _ = _run(cfg, out)  # the rerun reads one version
   assert summary["examples"] == 2 and summary["dead_letters"]["total"] == 0
 

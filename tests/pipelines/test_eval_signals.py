@@ -141,3 +141,27 @@ def test_a_worker_whose_launcher_is_gone_or_not_its_parent_follows_it():
   assert gone.wait(timeout=30) == -signal.SIGKILL
   reused = _worker_with_launcher(f"{os.getpid()}:1", seconds=1)
   assert reused.wait(timeout=30) == -signal.SIGKILL
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_stopping_launcher_kills_its_workers_that_are_still_starting():
+  # A worker still starting waits up to 60 s for Beam's log channel before it imports the
+  # watch: stopped then, the workers lived on for 45-90 s. The launcher now kills every
+  # process that carries its mark; a process of another launcher, or none, is left.
+  script = """
+import os, subprocess, sys, time
+from pipelines.beam import worker
+worker.mark_launcher()
+ours = [subprocess.Popen(["/bin/sh", "-c", "sleep 60"]) for _ in range(2)]
+other = subprocess.Popen(["sleep", "60"], env={**os.environ, worker.LAUNCHER_PID_ENV: "1:1"})
+time.sleep(0.5)
+print(worker.stop_workers(), flush=True)
+print([p.wait(timeout=10) for p in ours], other.poll(), flush=True)
+other.kill()
+"""
+  out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+  assert out.returncode == 0, out.stderr
+  killed, waited = out.stdout.splitlines()
+  assert int(killed) >= 2  # each `sh -c` (and its sleep where sh forks one)
+  assert waited == f"[{-signal.SIGKILL}, {-signal.SIGKILL}] None"

@@ -308,3 +308,22 @@ def test_a_system_prompt_that_is_no_name_and_no_sentence_is_refused(system):
     build_task(cfg)
   cfg.prompt.system = "Answer briefly."
   build_task(cfg)  # (a literal prompt)
+
+
+def test_a_gsm8k_file_cut_at_dataset_n_is_said(tmp_path):
+  # configs/gsm8k.py's n=48 is the generated set's size: the official test file's 1,319
+  # problems were scored as their first 48 without a word.
+  from configs import gsm8k as gsm8k_config
+  data = tmp_path / "test.jsonl"
+  data.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "#### {i + 1}"}}\n'
+                          for i in range(5)))
+  cfg = gsm8k_config.get_config()
+  cfg.dataset.name, cfg.dataset.path = "gsm8k_jsonl", str(data)
+  for n, said in ((3, True), (4, True), (5, False), (48, False), (0, False)):
+    cfg.dataset.n = n
+    task = build_task(cfg)
+    assert sum(isinstance(r, Example) for r in task.load()) == min(n or 5, 5)
+    assert task.warnings(None) == ([f"dataset.n={n}: only the first {n} examples of {data} are "
+                                    f"scored (--config.dataset.n=0 scores them all)"] if said else [])
+  cfg.dataset.name, cfg.dataset.path, cfg.dataset.n = "gsm_synthetic", "", 3
+  assert build_task(cfg).warnings(None) == []
