@@ -487,11 +487,13 @@ class Engine:
                        f"attention kernels")
     if mesh is None and config.tensor_parallel > 1:
       mesh = tensor_parallel.group_mesh(config.tensor_parallel)
-    elif mesh is not None and config.tensor_parallel > 1 and (
-        tensor_parallel.tensor_parallel_size(mesh) != config.tensor_parallel):
-      raise tensor_parallel.ShardingError(
-          f"tensor_parallel={config.tensor_parallel} but the given mesh's model axis has "
-          f"{tensor_parallel.tensor_parallel_size(mesh)} devices (give one of the two)")
+    elif mesh is not None:
+      tensor_parallel.check_mesh(mesh)
+      if config.tensor_parallel > 1 and (
+          tensor_parallel.tensor_parallel_size(mesh) != config.tensor_parallel):
+        raise tensor_parallel.ShardingError(
+            f"tensor_parallel={config.tensor_parallel} but the given mesh's model axis has "
+            f"{tensor_parallel.tensor_parallel_size(mesh)} devices (give one of the two)")
     self.mesh = mesh = None if mesh is None else tensor_parallel.auto_mesh(mesh)
     if mesh is not None:
       model = tensor_parallel.shard_model(model, mesh)

@@ -45,6 +45,9 @@ class EngineReplicas:
 
   def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *, devices=None,
                **engine_kwargs):
+    if engine_kwargs.get("mesh") is not None:  # (was a TypeError: mesh given twice)
+      raise ValueError(f"data_parallel={config.data_parallel} places a mesh per replica: give "
+                       f"devices=, not mesh=")
     if engine_kwargs.get("budget") is not None and config.data_parallel > 1:
       raise ValueError("a live budget with engine.data_parallel > 1 is not supported: each "
                        "replica would need its own (use budget.mode=fixed, or one replica)")

@@ -44,10 +44,34 @@ class ShardingError(ValueError):
   """A model, a mesh or a setting that tensor parallelism cannot split."""
 
 
+def check_mesh(mesh) -> None:
+  """A mesh one model runs on (a one-line ShardingError otherwise): a jax.sharding.Mesh of
+  distinct devices with a `model` axis and no other axis over more than one device. (A
+  make_mesh(model=2) of 8 devices, data=4, ran the model four times over, each copy on its
+  own devices, for nothing; a device listed twice failed in JAX with a bare AssertionError;
+  a str or a device list, with an AttributeError.)"""
+  if not isinstance(mesh, Mesh):
+    raise ShardingError(f"mesh must be a jax.sharding.Mesh with a {MODEL_AXIS!r} axis, got "
+                        f"{type(mesh).__name__}")
+  if MODEL_AXIS not in mesh.axis_names:
+    raise ShardingError(f"mesh axes {tuple(mesh.axis_names)} have no {MODEL_AXIS!r} axis")
+  others = [f"{a}={n}" for a, n in mesh.shape.items() if a != MODEL_AXIS and n > 1]
+  if others:
+    raise ShardingError(f"mesh has {', '.join(others)}: one model runs over the mesh's "
+                        f"{MODEL_AXIS!r} axis, and every other axis' devices would hold a copy "
+                        f"of it doing the same work; give one group (group_mesh(tp)), or "
+                        f"data_parallel=N for replicas (build_engine)")
+  devices = list(mesh.devices.flat)
+  twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
+  if twice is not None:
+    raise ShardingError(f"mesh lists device {twice} twice: each shard needs a device of its own")
+
+
 def auto_mesh(mesh: Mesh) -> Mesh:
-  """The mesh with every axis in Auto mode: XLA's partitioner propagates the weights'
-  and pools' shardings through the model (explicit axes would ask every op to say
-  how its output is split)."""
+  """The mesh (checked: `check_mesh`) with every axis in Auto mode: XLA's partitioner
+  propagates the weights' and pools' shardings through the model (explicit axes would
+  ask every op to say how its output is split)."""
+  check_mesh(mesh)
   auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
   return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
@@ -89,8 +113,7 @@ def check_heads_split(config, tp: int) -> None:
 def check_tensor_parallel(config, mesh: Mesh, group_size: int | None = None) -> int:
   """The model axis' size, after checking the model splits evenly over it (one-line
   ShardingError naming what does not)."""
-  if MODEL_AXIS not in mesh.axis_names:
-    raise ShardingError(f"mesh axes {tuple(mesh.axis_names)} have no {MODEL_AXIS!r} axis")
+  check_mesh(mesh)
   tp = tensor_parallel_size(mesh)
   check_heads_split(config, tp)
   if group_size:

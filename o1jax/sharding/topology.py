@@ -381,6 +381,9 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
   import jax
   from jax.sharding import Mesh
   devices = list(jax.devices() if devices is None else devices)
+  twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
+  if twice is not None:  # (a mesh of it failed in JAX with a bare AssertionError)
+    raise TopologyError(f"devices lists {twice} twice: each shard needs a device of its own")
   rows = _check_shape(len(devices), model, data, spare)
   if isinstance(topology, str):
     if topology != "auto":

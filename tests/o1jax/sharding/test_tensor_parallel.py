@@ -133,6 +133,16 @@ def test_settings_that_cannot_split_are_named_before_any_program(run):
   assert r["int8_unfused"].endswith(": int8 matmul tiles (matmul_dtype='int8') cannot be "
                                     "split by heads; use float32 or bfloat16 matmuls with a mesh")
   assert r["group_of_3"] == 3  # (refused: "model=3 does not divide the 8 devices")
+  assert r["data_axis"] == r["controller_data_axis"] == (
+      "mesh has data=2: one model runs over the mesh's 'model' axis, and every other axis' "
+      "devices would hold a copy of it doing the same work; give one group (group_mesh(tp)), "
+      "or data_parallel=N for replicas (build_engine)")
+  assert r["device_twice"] == ("mesh lists device cpu:0 twice: each shard needs a device "
+                               "of its own")
+  assert r["not_a_mesh"] == "mesh must be a jax.sharding.Mesh with a 'model' axis, got str"
+  assert r["make_mesh_twice"] == ("devices lists cpu:0 twice: each shard needs a device of "
+                                  "its own")
+  assert r["replicas_and_mesh"] == "data_parallel=2 places a mesh per replica: give devices=, not mesh="
   assert r["kernel_part"] == (
       "layers.0.wo: tensor parallelism 2: a device's part (32, 64) does not suit the Pallas "
       "kernel (4-bit K=32: K//2=16 must be a multiple of group_size=32 (a group may not "

@@ -272,7 +272,8 @@ def quantized_case(prompts) -> dict:
 def setting_errors(model, tok) -> dict:
   """Settings checked before any program is built: what each says (None: accepted)."""
   from o1jax.engine.speculative import SpeculativeConfig
-  from o1jax.sharding import group_mesh
+  from o1jax.engine import build_engine
+  from o1jax.sharding import group_mesh, make_mesh
 
   def said(make):
     try:
@@ -308,7 +309,18 @@ def setting_errors(model, tok) -> dict:
           Llama(ck.config, dict(ck.params), weight_mode="quantized", backend="pallas",
                 interpret=True), tensor_parallel.auto_mesh(mesh_of(2)))),
       # One group of 3 on 8 devices (two replicas of 3 ran; one was refused).
-      group_of_3=len(group_mesh(3).devices.flat))
+      group_of_3=len(group_mesh(3).devices.flat),
+      # A mesh one model cannot use: data=2 ran two copies doing the same work, a device
+      # twice failed in JAX with a bare AssertionError, a str with an AttributeError; a
+      # mesh beside data_parallel was a TypeError.
+      data_axis=said(lambda: Engine(model, tok, EngineConfig(num_blocks=32), mesh=mesh_of(2, 2))),
+      device_twice=said(lambda: Engine(model, tok, EngineConfig(num_blocks=32), mesh=jax.sharding.Mesh(
+          np.array([jax.devices()[0]] * 2).reshape(1, 2), ("data", "model")))),
+      not_a_mesh=said(lambda: Engine(model, tok, EngineConfig(num_blocks=32), mesh="model")),
+      controller_data_axis=said(lambda: tensor_parallel.auto_mesh(mesh_of(2, 2))),
+      make_mesh_twice=said(lambda: make_mesh(model=2, devices=[jax.devices()[0]] * 2)),
+      replicas_and_mesh=said(lambda: build_engine(model, tok, EngineConfig(
+          num_blocks=32, data_parallel=2), mesh=mesh_of(2))))
 
 
 if __name__ == "__main__":
