@@ -104,10 +104,9 @@ def _block(lines: list[str], start: int, fence: str) -> tuple[list[str], int]:
   for i in range(start, len(lines)):
     line = lines[i].strip(" \t")
     if line and set(line) == {fence[0]} and len(line) >= len(fence):
-      if glued is None or not any((o := _opening(lines[j])) and o[2]
-                                  for j in range(glued + 1, i)):
-        return lines[start:i], i + 1
-      break
+      return lines[start:i], i + 1
+    if glued is not None and (opening := _opening(lines[i])) and opening[2]:
+      break  # (the scan stops here: a reply of many glued blocks is read in linear time)
     if glued is None and fence[0] == "`" and _GLUED_CLOSE.fullmatch(lines[i]):
       glued = i
   if glued is None:

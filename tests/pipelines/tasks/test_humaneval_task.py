@@ -1,5 +1,7 @@
 """HumanEval task: stop-sequence truncation and the program text for the sandbox."""
 
+import time
+
 import pytest
 
 from pipelines.datasets.humaneval import humaneval_examples
@@ -146,3 +148,12 @@ def test_real_problems_through_the_scoring_path(style):
 ])
 def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
   assert task.extract_code(reply) == want
+
+
+def test_a_reply_of_many_glued_blocks_is_read_in_linear_time():
+  # Each glued block's search for a closing fence ran to the reply's end: quadratic.
+  reply = "```python\nx = 1```\n" * 4000
+  t0 = time.perf_counter()
+  blocks = task._fenced_blocks(reply)
+  assert time.perf_counter() - t0 < 2.0  # (linear: ~0.02 s; quadratic: ~5 s)
+  assert blocks == [("python", "x = 1")] * 4000
