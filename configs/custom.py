@@ -5,8 +5,8 @@
       --config.dataset.answer_format=number --output_dir=runs/custom
 
 answer_format: number (the gold answer a plain decimal, or a JSON number; the GSM8K
-strict/flexible extraction, compared by numeric value: "4", "4.0" and "$4.00" match a
-gold 4.0, "1000" matches "1,000.00", "4.01" does not match 4 (exact decimals, no rounding,
+strict/flexible extraction, compared by numeric value: "4", "4.0" and (flexible only: the
+strict patterns take no "$") "$4.00" match a gold 4.0, "1000" matches "1,000.00", "4.01" does not match 4 (exact decimals, no rounding,
 no tolerance); the majority vote counts "4" and "4.0" as one answer), gsm8k (worked
 solution ending "#### N", compared as lm-evaluation-harness does, as strings: "1234.0"
 does not match 1234), text (the reply's last line, matched after the GSM8K normalization - commas, $, one trailing period - in NFC, case-folded; prompt.system=short_answer then asks for a last line holding only the answer).

@@ -229,6 +229,8 @@ def check_override_values(argv: Sequence[str]) -> None:
 class Progress:
   """tqdm bar fed by counting the plan's keys in the local store (works across worker processes)."""
 
+  drawn = False  # a bar is on the terminal (a stop's message goes on a line of its own)
+
   def __init__(self, store, keys: set[str], interval_s: float = 1.0, file: Optional[IO[str]] = None):
     self.store, self.keys, self.interval_s = store, keys, interval_s
     self.file = file
@@ -242,6 +244,7 @@ class Progress:
     from tqdm import tqdm
     self.bar = tqdm(total=len(self.keys), initial=self.done(), unit="sample", file=self.file or sys.stderr,
                     desc="eval", dynamic_ncols=True, miniters=1, mininterval=1.0)
+    Progress.drawn = True
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
     return self
@@ -258,6 +261,7 @@ class Progress:
       self._thread.join()
     self.bar.update(self.done() - self.bar.n)
     self.bar.close()
+    Progress.drawn = False
     return False
 
 
@@ -1005,8 +1009,9 @@ def main(argv):
     for tag in list(_RUNNING_MODEL_TAGS):
       remove_shared_model_files(tag)
     kept = log.close(move_to=local_log, exiting=True) if log else None
-    message = (f"stopped by {signal.Signals(signum).name}: finished samples are kept in the "
-               f"store; rerun the same command to resume" + (f" (log: {kept})" if kept else ""))
+    message = ("\n" if Progress.drawn else "") + (  # (not after the bar on its line)
+        f"stopped by {signal.Signals(signum).name}: finished samples are kept in the store; "
+        f"rerun the same command to resume" + (f" (log: {kept})" if kept else ""))
     if log:
       log.to_terminal(message + "\n")
     else:
