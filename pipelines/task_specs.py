@@ -209,6 +209,9 @@ def sandbox_from_config(c: Mapping[str, Any]):
   return Sandbox(sandbox_config(c))
 
 
+_EVALPLUS_FIELDS = frozenset({"plus_input", "base_input", "atol", "contract"})
+
+
 @dataclasses.dataclass(frozen=True)
 class HumanEvalTask:
   """HumanEval: the problem's code, asked for in a chat turn (`prompt.style=chat`) or as a
@@ -233,6 +236,21 @@ class HumanEvalTask:
   def load(self) -> Iterator[Union[Example, DeadLetter]]:
     path = self.dataset["path"] or None
     yield from _first_n(load_humaneval(path), self.dataset["n"])
+
+  def warnings(self, sampling) -> list[str]:
+    """A HumanEval+ (EvalPlus) file, said: its records' extra inputs are not run, only
+    each record's `test` (it was scored as plain HumanEval under its name, without a word)."""
+    del sampling
+    path = self.dataset["path"]
+    if not path:
+      return []
+    from pipelines.datasets.jsonl import JsonLine, dataset_files, iter_records
+    first = next((r for r in iter_records(dataset_files(path)[0]) if isinstance(r, JsonLine)), None)
+    extra = sorted(set(getattr(first, "obj", {})) & _EVALPLUS_FIELDS)
+    if not extra:
+      return []
+    return [f"{path} holds EvalPlus fields ({', '.join(extra)}): only each record's `test` is "
+            f"run (HumanEval's own tests), not the HumanEval+ inputs"]
 
   def prompt(self, example: Example) -> tuple[Prompt, tuple[str, ...]]:
     return humaneval.code_prompt(example, self.style)

@@ -290,9 +290,21 @@ def dataset_format(path: str) -> str:
       head = b""
   if head.startswith(_PARQUET_MAGIC):
     return "parquet"
+  if name.endswith(".parquet"):  # (it was read as JSON Lines: a shard's rows, dead letters)
+    raise DatasetError(f"cannot read dataset file {path} as Parquet: it does not start with "
+                       f"{_PARQUET_MAGIC.decode()}{_not_parquet_hint(head)}")
   if head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
     return "json"
   return "jsonl"
+
+
+def _not_parquet_hint(head: bytes) -> str:
+  """What a file named .parquet holds instead, where it is a common mistake."""
+  if head.startswith(b"version https://git-lfs"):
+    return " (a Git LFS pointer: fetch the file itself, e.g. git lfs pull)"
+  if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"<":
+    return " (an HTML or XML page, e.g. a download's error page)"
+  return ""
 
 
 def iter_records(path: str) -> Iterator[Union[JsonLine, DeadLetter]]:

