@@ -192,7 +192,8 @@ def quantize_activations(x: jax.Array):
   step s / 127), xsum int32 [M, K/32] (sum of 127 xa + xr), fsum f32 [M, K/32]
   (sum of x)) with the kernel's f32 operations: s = max|x| / 127, xa = rint(x *
   (127 / max|x|)), xr = rint((x - xa s) * (127 * 127 / max|x|)) (zeros for a
-  zero block)."""
+  zero block); a block holding a NaN or an infinity has a NaN step (its row's outputs
+  are NaN)."""
   m, k = x.shape
   xb = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
   amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
@@ -202,8 +203,9 @@ def quantize_activations(x: jax.Array):
   xr = jnp.clip(jnp.round((xb - xa * step) * (inv * jnp.float32(127.0))), -127, 127)
   xa, xr = xa.astype(jnp.int32), xr.astype(jnp.int32)
   xsum = jnp.sum(127 * xa + xr, axis=-1)
-  return (xa.reshape(m, k), xr.reshape(m, k), (step / jnp.float32(127.0))[..., 0], xsum,
-          jnp.sum(xb, axis=-1))
+  finite = jnp.all(jnp.isfinite(xb), axis=-1)
+  xs = jnp.where(finite, (step / jnp.float32(127.0))[..., 0], jnp.nan)
+  return xa.reshape(m, k), xr.reshape(m, k), xs, xsum, jnp.sum(xb, axis=-1)
 
 
 def vnni_matmul_reference(x: jax.Array, w: VnniWeight) -> jax.Array:

@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -111,6 +112,15 @@ inline float SumBlock(const float* x) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// A block holding a NaN or an infinity gets a NaN step: its row's outputs are NaN, as
+// the reference's (max ignored a NaN and the int conversions wrapped an infinity: a
+// NaN row came out finite, an infinite one with wrong signs).
+inline float StepOrNan(const float* x, float step) {
+  bool finite = true;
+  for (int i = 0; i < kBlock; ++i) finite &= std::isfinite(x[i]);
+  return finite ? step : std::numeric_limits<float>::quiet_NaN();
+}
+
 #if O1JAX_INT8_MATMUL == 1
 
 inline void StoreInt8(const __m512i v, int8_t* dst) {
@@ -127,7 +137,7 @@ void QuantizeRow(const float* x, int64_t k, int8_t* xa, int8_t* xr, float* xs, i
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const float step = amax / 127.0f;
-    xs[b] = step / 127.0f;
+    xs[b] = StepOrNan(xb, step / 127.0f);
     fsum[b] = SumBlock(xb);
     __m512i total = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
@@ -368,7 +378,7 @@ void QuantizeRow(const float* x, int64_t k, int8_t* xa, int8_t* xr, float* xs, i
     for (int i = 1; i < 8; ++i) amax = std::max(amax, lanes[i]);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const float step = amax / 127.0f;
-    xs[b] = step / 127.0f;
+    xs[b] = StepOrNan(xb, step / 127.0f);
     fsum[b] = SumBlock(xb);
     __m256i total = _mm256_setzero_si256();
     for (int h = 0; h < 4; ++h) {

@@ -132,6 +132,21 @@ def test_native_row_does_not_depend_on_the_other_rows(fmt):
   np.testing.assert_array_equal(np.asarray(fn(x[np.array([9, 3, 9])])), full[[9, 3, 9]])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [6, 20])
+def test_nan_and_inf_activations_give_nan_rows_as_the_reference(fmt, m):
+  # Before: a NaN row came out finite (max ignored the NaN) and an infinite one with the
+  # wrong signs (the int conversion wrapped): a blow-up upstream left no trace.
+  _needs_native()
+  w = _packed(_weight(fmt, 576, 96))
+  x = jnp.asarray(_nonfinite(_activations(m, 576, seed=3)))
+  got = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w))(x))
+  want = np.asarray(jax.jit(lambda x: ops.int8_matmul(x, w, backend="reference"))(x))
+  assert np.isnan(got[:4]).all() and np.isnan(want[:4]).all()
+  assert np.isfinite(got[4:]).all()
+  np.testing.assert_allclose(got[4:], want[4:], rtol=0, atol=2e-5 * np.abs(want[4:]).max())
+
+
 @pytest.mark.parametrize("m", [1, 20])
 def test_concatenated_columns_compute_each_part_bit_for_bit(m):
   parts = [_packed(_weight("q4_1", 64, n, seed=n)) for n in (48, 16, 40)]
@@ -210,12 +225,22 @@ print(json.dumps(out))
 # as nibbles with a lut.
 _CROSS_BUILD_CASES = [(fmt, m, k, n) for fmt in [*FORMATS, "iq4", "iq4_min"]
                       for m, k, n in [(1, 576, 192), (3, 1536, 64), (6, 64, 40), (20, 576, 96)]]
+_CROSS_BUILD_CASES += [("q4_1_nonfinite", 6, 64, 40), ("q8_0_nonfinite", 20, 576, 96)]
+
+
+def _nonfinite(x):
+  """Rows 0-3 with a NaN, +inf, -inf, and a NaN in their last block."""
+  x = x.copy()
+  x[0, 5], x[1, 5], x[2, 5], x[3, -1] = np.nan, np.inf, -np.inf, np.nan
+  return x
 
 
 def _cross_build_case(fmt, m, k, n):
+  fmt, nonfinite = fmt.removesuffix("_nonfinite"), fmt.endswith("_nonfinite")
   weight = (_iq4_weight(k, n, seed=m + k, minimum=fmt == "iq4_min") if fmt.startswith("iq4")
             else _weight(fmt, k, n, seed=m + k))
-  return _packed(weight), jnp.asarray(_activations(m, k, seed=k))
+  x = _activations(m, k, seed=k)
+  return _packed(weight), jnp.asarray(_nonfinite(x) if nonfinite else x)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 builds")
