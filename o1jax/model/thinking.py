@@ -96,12 +96,16 @@ _CLOSE_WINDOW = 32
 class SpanReader:
   """Where one sample's answer begins in its generated tokens, read as they arrive.
 
-  `update(generated)` after each appended token; `answer_start` is the index just past
-  the close marker once the span closed, 0 when the sample did not think (it does not
+  `update(generated)` after each appended token; `answer_start` is the index of the
+  answer's first token once the span closed, 0 when the sample did not think (it does not
   begin with the open marker and its prompt is not inside the span), None while it is
   thinking or undecided (only whitespace or the start of the open marker so far). Markers
   are found in decoded text (special tokens kept), so a marker that is one added token
-  and one spelled in several tokens read alike.
+  and one spelled in several tokens read alike. A marker spelled in ordinary tokens may
+  end inside a token that also holds the answer's first characters (SmolLM2 writes
+  "</think>.5" as '</', 'think', '>.', '5'): that token is the answer's first, and
+  `answer_skip` the characters of it the marker takes (they were cut from the answer:
+  ".5" read "5", a minus sign could go).
   """
 
   def __init__(self, span: ThinkingSpan, decode: Callable[[Sequence[int]], str],
@@ -110,6 +114,8 @@ class SpanReader:
     self.decode = decode  # ids -> text with special tokens kept
     self.opened = prompt_inside(span, decode, prompt_ids)
     self.answer_start: int | None = None
+    self.answer_skip = 0  # characters of the answer's first token that the marker takes
+    self._closed_at: int | None = None  # tokens up to the one completing the close marker
 
   def update(self, generated: Sequence[int]) -> int | None:
     if self.answer_start is not None:
@@ -132,7 +138,12 @@ class SpanReader:
           b = mid
         else:
           a = mid + 1
-      self.answer_start = a
+      self._closed_at = self.answer_start = a
+      text = self.decode(list(generated[lo:a]))
+      after = text[text.find(self.span.close) + len(self.span.close):]  # in token a - 1
+      last = self.decode(list(generated[a - 1:a]))
+      if after and last.endswith(after) and "\ufffd" not in after:
+        self.answer_start, self.answer_skip = a - 1, len(last) - len(after)
     return self.answer_start
 
   def finish(self, generated: Sequence[int]) -> int | None:
@@ -143,7 +154,7 @@ class SpanReader:
     return self.answer_start
 
   def thinking_tokens(self, generated: Sequence[int]) -> int:
-    """Generated tokens up to the end of the span, markers included (all of them while
+    """Generated tokens before the answer's first, markers included (all of them while
     it is open; 0 when the sample did not think)."""
     if self.answer_start is None:
       return len(generated) if self.opened else 0
@@ -153,12 +164,12 @@ class SpanReader:
     """The thinking, markers removed ("" when the sample did not think)."""
     if not self.opened:
       return ""
-    end = len(generated) if self.answer_start is None else self.answer_start
+    end = len(generated) if self._closed_at is None else self._closed_at
     text = self.decode(list(generated[:end])).strip()
     if text.startswith(self.span.open):
       text = text[len(self.span.open):]
-    if text.endswith(self.span.close):
-      text = text[:-len(self.span.close)]
+    if self._closed_at is not None:  # (up to the marker: its token may hold answer text)
+      text = text[:text.rfind(self.span.close)] if self.span.close in text else text
     return text.strip()
 
 
@@ -178,7 +189,7 @@ def answer_text(reader: SpanReader | None, generated: Sequence[int],
   start = 0 if reader is None else reader.answer_start
   if start is None:
     return ""
-  text = decode_visible(list(generated[start:]))
+  text = decode_visible(list(generated[start:]))[reader.answer_skip if reader else 0:]
   return text.lstrip("\n") if start else text
 
 
@@ -220,6 +231,7 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
     lo = max(start, n - width)
     text = decode_visible(list(generated[lo:]))
     if lo == start:
+      text = text[reader.answer_skip if reader else 0:]
       text = text.lstrip("\n") if start else text
       break
     text = text[_FRONT:]

@@ -5,7 +5,7 @@ same generator without a span (the tokens are the same; only the split differs).
 from o1jax.model import Generator, SamplingParams, SpanReader, ThinkingSpan, thinking
 
 VOCAB = ["<think>", "</think>", "\n", "\n\n", " a", " b", "42", "</", "think", ">", "<", "Q:",
-         " ", "x"]
+         " ", "x", ">.", "5", " is", ">-", ">\n"]
 ID = {s: i for i, s in enumerate(VOCAB)}
 SPAN = ThinkingSpan()
 
@@ -54,6 +54,19 @@ def test_a_marker_spelled_in_several_tokens_ends_at_its_last_token():
   # The open marker in pieces at the start of a sample: undecided until it is whole.
   reader, starts = read(ids("Q:"), ids("<", "think", ">", " a", "</think>"))
   assert starts == [None, None, None, None, 5]
+
+
+def test_a_marker_that_ends_inside_a_token_of_the_answer_leaves_the_answer_whole():
+  # SmolLM2 spells "</think>.5" '</', 'think', '>.', '5': the answer read "5" (and
+  # "</think>-3" would read "3"), the thinking "a</think>.".
+  for last, answer in ((">.", ".5 is"), (">-", "-5 is"), (">\n", "5 is")):
+    gen = ids(" a", "</", "think", last, "5", " is")
+    reader, starts = read(ids("Q:", "<think>", "\n"), gen)
+    assert starts == [None, None, None, 3, 3, 3]  # the token holding the answer's start
+    assert thinking.answer_text(reader, gen, decode) == answer
+    assert reader.thinking_text(gen) == "a" and reader.thinking_tokens(gen) == 3
+    assert thinking.hits_stop(reader, gen, [answer[:3]], decode)
+    assert not thinking.hits_stop(reader, gen[:4], ["k>"], decode)  # the marker is no answer
 
 
 def test_a_sample_that_does_not_think_is_all_answer():
