@@ -171,6 +171,7 @@ def _strftime_now(fmt: str) -> str:
 # and the bits of an integer power.
 _MAX_TEMPLATE_VALUE = 1 << 24
 _MAX_POWER_BITS = 1 << 16
+_MAX_SLICES = 1 << 16  # lists the slice filter makes (a template splits a list in a few)
 _FORMAT_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d*)"
                           r"(?:\.(?P<precision>\*|\d*))?[hlL]?(?P<conversion>.?)", re.S)
 
@@ -246,8 +247,11 @@ def _check_format(spec, args) -> None:
     place += m.group("key") is None
 
 
+_TEXT = (str, bytes, bytearray)  # ('x'.encode() * 10**9 was a GB: bytes are text here)
+
+
 def _size(value) -> int:
-  return len(value) if isinstance(value, (str, list, tuple, dict)) else 0
+  return len(value) if isinstance(value, (*_TEXT, list, tuple, dict)) else 0
 
 
 def _checked_concat(parts) -> str:
@@ -267,7 +271,7 @@ def _deep_size(value, limit: int = _MAX_TEMPLATE_VALUE) -> int:
   """Characters and items of `value`, those of the strings and containers it holds too (a
   list holding a list of 3 M items 3,000 times is 9 G: comparing it is that much work),
   counted up to `limit` + 1."""
-  if isinstance(value, str):
+  if isinstance(value, _TEXT):
     return min(len(value), limit + 1)
   if isinstance(value, _SCALARS):
     return 0
@@ -280,7 +284,7 @@ def _deep_size(value, limit: int = _MAX_TEMPLATE_VALUE) -> int:
   total, stack = 0, [value]
   while stack and total <= limit:
     x = stack.pop()
-    if isinstance(x, str):
+    if isinstance(x, _TEXT):
       total += len(x)
     elif isinstance(x, (list, tuple, set, frozenset)):
       total += len(x)
@@ -295,9 +299,13 @@ def _deep_size(value, limit: int = _MAX_TEMPLATE_VALUE) -> int:
 
 
 def _check_binop(operator: str, left, right) -> None:
-  sized = lambda x: isinstance(x, (str, list, tuple))
+  sized = lambda x: isinstance(x, (*_TEXT, list, tuple))
   whole = lambda x: isinstance(x, int) and not isinstance(x, bool)
   if operator == "*":
+    if whole(left) and whole(right) and (
+        left.bit_length() + right.bit_length() > _MAX_POWER_BITS):
+      # (a namespace value squared 60 times: seconds a step, past the time limit)
+      raise jinja2.sandbox.SecurityError(f"a product of more than {_MAX_POWER_BITS:,} bits")
     for seq, times in ((left, right), (right, left)):
       if sized(seq) and whole(times) and times > 0 and (
           _deep_size(seq, _MAX_TEMPLATE_VALUE // times) * times > _MAX_TEMPLATE_VALUE):
@@ -376,7 +384,7 @@ def _check_str_method(method, args, kwargs) -> None:
     # (compares every item with the argument: 30,000 lists of 1 M items, 20 s, one step)
     _take_turn(len(text) * (1 + _deep_size(args[0], _MAX_STEP_SIZE // max(1, len(text)))))
     return
-  if not isinstance(text, str):
+  if not isinstance(text, _TEXT):
     return
   arg = lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default)
   size = 0
@@ -384,11 +392,17 @@ def _check_str_method(method, args, kwargs) -> None:
     size = arg(0, "width", 0)
   elif name == "expandtabs":
     tab = arg(0, "tabsize", 8)
-    size = len(text) + text.count("\t") * tab if isinstance(tab, int) else 0
-  elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+    tabs = text.count("\t" if isinstance(text, str) else b"\t")
+    size = len(text) + tabs * tab if isinstance(tab, int) else 0
+  elif (name == "replace" and len(args) >= 2 and isinstance(args[0], _TEXT)
+        and isinstance(args[1], _TEXT) and isinstance(args[0], str) == isinstance(text, str)):
     size = _replace_size(text, args[0], args[1])
   elif name == "join" and args and isinstance(args[0], (list, tuple)):
     size = _deep_size(args[0]) + len(text) * len(args[0])
+  elif name == "translate" and args and isinstance(args[0], dict):
+    # (each character may become its mapped text: 1e6 x 300 made 300 M characters)
+    longest = max((len(v) for v in args[0].values() if isinstance(v, _TEXT)), default=1)
+    size = len(text) * max(longest, 1)
   elif name in ("format", "format_map"):
     size = _format_size(text, args, kwargs)
   if isinstance(size, int) and not isinstance(size, bool) and size > _MAX_TEMPLATE_VALUE:
@@ -440,6 +454,11 @@ def _render_time_filter(name: str, func):
       pieces = len(str(value)) // max(width, 1) + 1 if isinstance(width, int) else 1
       if len(str(value)) + pieces * len(str(wrap)) > _MAX_TEMPLATE_VALUE:
         _too_big("a wordwrap")
+    elif name == "slice":  # (as many lists as asked for: 2e7 empty ones, 14 s and 1.5 GB)
+      count = args[0] if args else kwargs.get("slices", 0)
+      if isinstance(count, int) and count > _MAX_SLICES:
+        raise jinja2.sandbox.SecurityError(f"slice({count}) would make more than "
+                                           f"{_MAX_SLICES:,} lists")
     elif name == "batch":  # (the last batch is filled to linecount: 1e8 items in one step)
       count = args[0] if args else kwargs.get("linecount", 0)
       if isinstance(count, int) and count > _MAX_TEMPLATE_VALUE:
@@ -573,6 +592,18 @@ class _ChatTemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
   def call(__self, __context, __obj, *args, **kwargs):  # pylint: disable=no-self-argument
     # (a macro calling itself twice: 2**depth calls; a str method reads its str)
     _take_turn(_size(getattr(__obj, "__self__", None)) + sum(map(_size, args)))
+    if (getattr(__obj, "__name__", "") == "join" and isinstance(getattr(__obj, "__self__", None),
+                                                                 _TEXT)
+        and args and not isinstance(args[0], (list, tuple))):
+      # A generator joined (`'x' * 10000).join(range(10**5)|map('string'))`) was sized only
+      # once made (1 G characters): read here, counted as it is read.
+      glue, items, size = len(__obj.__self__), [], 0
+      for item in args[0]:
+        size += _size(item) + glue
+        if size > _MAX_TEMPLATE_VALUE:
+          _too_big("a join")
+        items.append(item)
+      args = (items, *args[1:])
     _check_str_method(__obj, args, kwargs)
     return super().call(__context, __obj, *args, **kwargs)
 
@@ -599,6 +630,8 @@ def compile_chat_template(text: str) -> jinja2.Template:
   env.tests = {name: _counted_test(name, f) for name, f in env.tests.items()}
   env.globals["raise_exception"] = _raise_template_error
   env.globals["strftime_now"] = _strftime_now
+  # (lipsum(150000, ...) wrote 66 M characters in one step; no chat template calls it)
+  del env.globals["lipsum"]
   try:
     return env.from_string(text)
   except jinja2.TemplateError as e:

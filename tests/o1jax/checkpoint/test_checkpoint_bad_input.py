@@ -240,7 +240,20 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
       ("{{ ('\n' * 1000) | indent(1000000, blank=True) | length }}", "SecurityError: indent"),
       ("{{ ('x ' * 100000) | wordwrap(1, wrapstring='y' * 5000) | length }}",
        "SecurityError: a wordwrap would make"),
-      ("{{ range(1) | batch(100000000, 'x') | first | length }}", "SecurityError: batch[(]")):
+      ("{{ range(1) | batch(100000000, 'x') | first | length }}", "SecurityError: batch[(]"),
+      # (2026-12-07 red-team) bytes, translate, a joined generator, slice, lipsum and
+      # integer growth made GBs or took seconds in one step.
+      ("{{ ('x'.encode() * 10**9) | length }}", "SecurityError: a repetition would make"),
+      ("{{ 'x'.encode().ljust(10**9) | length }}", "SecurityError: str.ljust would make"),
+      ("{{ ('x' * 1000000).translate({120: 'y' * 300}) | length }}",
+       "SecurityError: str.translate would make"),
+      ("{{ ('x' * 10000).join(range(100000) | map('string')) | length }}",
+       "SecurityError: a join would make"),
+      ("{{ [] | slice(10**8) | list | length }}", "SecurityError: slice[(]100000000[)] would "
+                                                   "make more than 65,536 lists"),
+      ("{{ lipsum(150000, false, 20, 100) | length }}", "UndefinedError: 'lipsum' is undefined"),
+      ("{% set ns = namespace(x=3) %}{% for i in range(60) %}{% set ns.x = ns.x * ns.x %}"
+       "{% endfor %}", "SecurityError: a product of more than 65,536 bits")):
     with pytest.raises(ValueError, match="^chat template failed to render these messages: " + what):
       _tokenizer_with_template(bomb).apply_chat_template(message)
   assert time.perf_counter() - start < 20
@@ -249,10 +262,13 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
       "{{ m.role in ['user', 'system'] }}{{ 3 not in [1, 2] }}{% endfor %}|"
       "{{ '{:>5}|{:.2f}'.format(1, 2.5) }}{{ 'ab'.ljust(4) }}|{{ 'a\tb'.expandtabs(4) }}|"
       "{{ '{{\"ts\": 1700000000}}'.format() }}|{{ [[1], [2]] | sum(start=[]) }}|"
+      "{{ ', '.join(messages | map(attribute='role')) }}{{ [1, 2, 3, 4] | slice(2) | list }}"
+      "{{ 'ab'.translate({97: 'xy'}) }}{{ 12345678 * 87654321 }}|"
       "{% for m in [[1, [2, 3]], 4] recursive %}{% if m is iterable %}[{{ loop(m) }}]"
       "{% else %}{{ m }}{% endif %}{% endfor %}")
   assert ordinary.apply_chat_template([{"role": "user", "content": "hi"}]) == (
-      "TrueTrueTrueTrueTrue|    1|2.50ab  |a   b|{\"ts\": 1700000000}|[1, 2]|[1[23]]4")
+      "TrueTrueTrueTrueTrue|    1|2.50ab  |a   b|{\"ts\": 1700000000}|[1, 2]|"
+      "user[[1, 2], [3, 4]]xyb1082152022374638|[1[23]]4")
   # A chain stops at its first false comparison, as Python's (the later operands were
   # all evaluated first: raise_exception and Undefined reads raised).
   chains = _tokenizer_with_template(
