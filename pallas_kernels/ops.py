@@ -411,8 +411,10 @@ def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, 
                      "max_blocks]")
   if not jnp.issubdtype(block_tables.dtype, jnp.integer):
     raise ValueError(f"{op}: block_tables.dtype={_dtype_name(block_tables.dtype)} must be int32")
-  if sliding_window is not None and sliding_window < 1:
-    raise ValueError(f"{op}: sliding_window={sliding_window} must be >= 1 or None")
+  if sliding_window is not None and (
+      not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool)
+      or sliding_window < 1):  # (2.5 read as 2 on XLA, a TypeError deep in Pallas)
+    raise ValueError(f"{op}: sliding_window={sliding_window!r} must be an int >= 1 or None")
   if pallas:
     if not pallas_block_size_ok(bs):
       raise ValueError(f"{op} (pallas): block_size={bs} (k_pages.shape={k_pages.shape}) must "

@@ -175,7 +175,9 @@ def _decode_kernel(*refs, block_size: int, num_blocks: int, max_blocks: int, blo
   if sliding_window is not None:
     lo = jnp.maximum(length - sliding_window, 0)
   start = jnp.maximum(lo, split * tokens_per_split)
-  end = jnp.minimum(length, (split + 1) * tokens_per_split)
+  # (keys past the table are none: a length beyond it re-read the last page's slots as
+  # new keys, where the reference and the native kernel stop at the table's end)
+  end = jnp.minimum(jnp.minimum(length, max_blocks * block_size), (split + 1) * tokens_per_split)
   n_steps = pl.cdiv(jnp.maximum(end - start, 0), block_kv)
   load = functools.partial(load_token_rows, block_size=block_size, num_blocks=num_blocks,
                            max_blocks=max_blocks)

@@ -105,8 +105,36 @@ class TestPagedDecodeKernel:
     assert rel_err(got, want) <= tol_for(dtype)
 
 
+  @pytest.mark.parametrize("window", [None, 4])
+  def test_lengths_past_the_table_stop_at_its_end_as_the_reference(self, window):
+    # A length beyond max_blocks * block_size re-read the last page's slots as new keys
+    # (up to 1.5 off the reference with a window); the reference and the native kernel
+    # stop at the table's end.
+    rng = np.random.default_rng(5)
+    kp, vp, bt, _, _ = make_paged_cache(rng, 2, 2, 16, 8, 2, [16, 16], jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2, 4, 16)), jnp.float32)
+    lengths = jnp.asarray([21, 16], jnp.int32)
+    got = ops.paged_decode_attention(q, kp, vp, bt, lengths, backend="pallas",
+                                     interpret=self.INTERPRET, block_kv=8, num_splits=2,
+                                     sliding_window=window)
+    want = ops.paged_decode_attention(q, kp, vp, bt, lengths, backend="reference",
+                                      sliding_window=window)
+    assert rel_err(got, want) <= tol_for(jnp.float32)
+
+
 class TestPagedDecodeKernelInterpret(TestPagedDecodeKernel):
   INTERPRET = True
+
+
+@pytest.mark.parametrize("window", [2.5, True, 0, "4"])
+def test_a_sliding_window_that_is_no_whole_number_is_one_line(window):
+  # 2.5 was read as 2 by XLA and failed deep inside Pallas; True was a window of 1.
+  k, v, bt = _hand_cache()
+  q = jnp.ones((2, 1, 2), jnp.float32)
+  for backend in ("reference", "pallas"):
+    with pytest.raises(ValueError, match=rf"sliding_window={window!r} must be an int >= 1 or None"):
+      ops.paged_decode_attention(q, k, v, bt, jnp.asarray([3, 0], jnp.int32),
+                                 sliding_window=window, backend=backend, interpret=True)
 
 
 @pytest.mark.parametrize("dtype,fp8,q_dtype", [(jnp.bfloat16, False, jnp.bfloat16),
