@@ -327,14 +327,18 @@ def engine_config(spec: PredictorSpec):
   return EngineConfig(**values)  # the model carries the backend (its ops pick by it)
 
 
-def _longest_prompt_tokens(tokenizer, prompts: Sequence[str], vocab_size: int) -> int:
-  """Tokens of the longest of these prompts (JSON); one the tokenizer refuses counts 0
-  (its request becomes a dead letter, not the whole worker)."""
+def _longest_prompt_tokens(tokenizer, prompts: Sequence[str], vocab_size: int,
+                           thinking: str) -> int:
+  """Tokens of the longest of these prompts (JSON), rendered as the engine renders them
+  under `thinking`; one the tokenizer refuses counts 0 (its request becomes a dead letter,
+  not the whole worker)."""
   from o1jax.model.generation import encode_prompt
+  from o1jax.model.thinking import template_kwargs
+  chat_kwargs = template_kwargs(thinking, tokenizer)
   longest = 0
   for p in prompts:
     try:
-      longest = max(longest, len(encode_prompt(tokenizer, json.loads(p), vocab_size)))
+      longest = max(longest, len(encode_prompt(tokenizer, json.loads(p), vocab_size, chat_kwargs)))
     except Exception:  # noqa: BLE001 - the request fails on its own later
       continue
   return longest
@@ -352,7 +356,7 @@ class EnginePredictor:
      idles the other slots, which the other batches' requests fill (continuous
      batching across Beam batches; a shared few-shot prefix is prefilled once);
   3. each result's own metrics become the prediction's `metrics`: end-to-end latency,
-     TTFT, and one latency per generated token (TTFT, then the gaps between tokens).
+     TTFT, and one latency per generated token after the first (the gaps between tokens).
   Engine replicas (engine.data_parallel > 1) run one batch at a time with `generate`.
   """
 
@@ -371,7 +375,8 @@ class EnginePredictor:
     config = engine_config(spec)
     if spec.longest_prompts and config.num_blocks is None:  # a fixed num_blocks stays
       config = dataclasses.replace(config, min_tokens_per_slot=_longest_prompt_tokens(
-          tokenizer, spec.longest_prompts, model.config.vocab_size) + spec.max_new_tokens)
+          tokenizer, spec.longest_prompts, model.config.vocab_size, spec.thinking)
+          + spec.max_new_tokens)
     # data_parallel > 1: replicas of the engine over this worker's devices (one batch dealt out)
     return cls(build_engine(model, tokenizer, config, budget=spec.budget_loop(),
                             speculative=spec.speculative_config(), thinking=spec.thinking))

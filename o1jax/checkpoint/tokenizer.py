@@ -695,15 +695,15 @@ class Tokenizer:
       ids = [self.bos_id] + ids
     return ids
 
-  def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True
-                  ) -> list[int]:
+  def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                  **template_kwargs) -> list[int]:
     """The token ids of the rendered chat (`apply_chat_template`). A template that writes
     the BOS token itself (`{{ bos_token }}`: Llama 3, Gemma, Mistral) gets that one BOS,
     not a second one for `add_bos` (transformers tokenizes a rendered chat without adding
     special tokens; llama.cpp warns of a doubled BOS); one that writes none gets the
     checkpoint's `add_bos`."""
-    ids = self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
-                      add_bos=False)
+    ids = self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               **template_kwargs), add_bos=False)
     if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
       ids = [self.bos_id] + ids
     return ids
@@ -757,8 +757,12 @@ class Tokenizer:
               "is not in its vocabulary")
     return None
 
-  def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-    """Renders chat messages ([{"role", "content"}]) with the checkpoint's template.
+  def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                          **template_kwargs) -> str:
+    """Renders chat messages ([{"role", "content"}]) with the checkpoint's template;
+    `template_kwargs` are more variables for it, as transformers passes them
+    (`enable_thinking=False` for Qwen3's: an empty thinking span, so the model answers
+    without thinking).
 
     A content given as a list of parts (the OpenAI style, [{"type": "text", "text": ...}])
     is its text parts joined: the models here read text only, and most templates
@@ -777,13 +781,17 @@ class Tokenizer:
     why = self.chat_unavailable()
     if why is not None:
       raise ValueError(f"{why}: give the prompt as plain text")
+    taken = sorted(set(template_kwargs) & {"bos_token", "eos_token"})
+    if taken:
+      raise ValueError(f"chat template variable(s) {taken} are set by apply_chat_template itself")
     bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
     eos = self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
     try:
       # (tools and documents: None, as transformers passes them when there are none)
-      return self._template.render(messages=list(messages),
+      return self._template.render(**{"tools": None, "documents": None, **template_kwargs},
+                                   messages=list(messages),
                                    add_generation_prompt=add_generation_prompt,
-                                   bos_token=bos, eos_token=eos, tools=None, documents=None)
+                                   bos_token=bos, eos_token=eos)
     except _TemplateRefusal:
       raise
     except jinja2.TemplateError as e:  # e.g. a variable or filter this renderer does not provide

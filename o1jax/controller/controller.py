@@ -390,6 +390,7 @@ class Controller:
     self._spaced: tuple[np.ndarray, np.ndarray] | None = None
     self._texts: dict[bool, list[str]] = {}
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
+    self._chat_kwargs = thinking_lib.template_kwargs(thinking, tokenizer)
     if self.thinking is not None:  # checked once, here, rather than at the first request
       for marker in (self.thinking.open, self.thinking.close):
         try:
@@ -547,7 +548,7 @@ class Controller:
   def encode(self, prompt) -> list[int]:
     """Text, chat messages [{"role", "content"}] or token ids -> token ids (checked), the
     thinking span opened when the prompt does not open it."""
-    ids = encode_prompt(self.tokenizer, prompt, self.model.vocab_size)
+    ids = encode_prompt(self.tokenizer, prompt, self.model.vocab_size, self._chat_kwargs)
     if self.thinking is not None and not self._opens_thinking(ids):
       ids = ids + self.tokenizer.encode(self.thinking.open + "\n")
     # A longer prompt ran silently past the context, as the engine and the Generator refuse to.

@@ -500,6 +500,7 @@ class Engine:
     self.model = model
     self.tokenizer = tokenizer
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
+    self._chat_kwargs = thinking_lib.template_kwargs(thinking, tokenizer)
     self.config = config
     # The latency-aware budget (engine/budget.py): it scales every request's token
     # limit, re-evaluated on its clock between device calls. None: max_new_tokens.
@@ -758,7 +759,7 @@ class Engine:
 
   def encode_prompt(self, prompt) -> list[int]:
     """Text, token ids, or chat messages -> token ids (chat template applied; checked)."""
-    return encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+    return encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size, self._chat_kwargs)
 
   def _make_group(self, request: Request | dict | str, index: int) -> _Group:
     if isinstance(request, str):

@@ -54,18 +54,19 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
 
 
 
-def encode_prompt(tokenizer, prompt, vocab_size: int) -> list[int]:
-  """Text, chat messages [{"role", "content"}] (the chat template applied) or token ids ->
-  token ids, checked: ints, not empty, inside the vocabulary (the embedding lookup would
-  clamp others to other tokens, silently). The one reading of a prompt for the
-  Generator, the engine, the controller and the pipelines."""
+def encode_prompt(tokenizer, prompt, vocab_size: int, chat_kwargs=None) -> list[int]:
+  """Text, chat messages [{"role", "content"}] (the chat template applied, with the
+  variables `chat_kwargs`: `thinking.template_kwargs`) or token ids -> token ids, checked:
+  ints, not empty, inside the vocabulary (the embedding lookup would clamp others to other
+  tokens, silently). The one reading of a prompt for the Generator, the engine, the
+  controller and the pipelines."""
   if isinstance(prompt, str):
     ids = tokenizer.encode(prompt)
   elif not isinstance(prompt, (list, tuple, np.ndarray)):  # bytes would read as token ids
     raise ValueError(f"prompt must be text, chat messages or token ids, got "
                      f"{type(prompt).__name__}")
   elif len(prompt) and isinstance(prompt[0], collections.abc.Mapping):
-    ids = tokenizer.encode_chat(list(prompt))
+    ids = tokenizer.encode_chat(list(prompt), **(chat_kwargs or {}))
   else:
     bad = [i for i in prompt if not is_int(i)]
     if bad:  # int() would cut 1.5 to 1 and read True as 1
@@ -133,6 +134,7 @@ class Generator:
     self.model = model
     self.tokenizer = tokenizer
     self.thinking = thinking_lib.resolve(thinking, tokenizer)
+    self._chat_kwargs = thinking_lib.template_kwargs(thinking, tokenizer)
     self.config = model.config
     graphdef, self._state = nnx.split(model)
     self._prefill, self._decode = _jitted_steps(graphdef)
@@ -142,7 +144,7 @@ class Generator:
   # -- helpers --------------------------------------------------------------------
 
   def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
-    return encode_prompt(self.tokenizer, prompt, self.config.vocab_size)
+    return encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self._chat_kwargs)
 
   def _check_call(self, ids, max_new_tokens, params, request_ids, stop) -> None:
     """Everything a call reads, before the prefill (one entry of params / request_ids per

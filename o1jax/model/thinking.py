@@ -15,8 +15,10 @@ through this module:
     "Wait", the forced close; see docs/controller.md).
 
 Settings (the `model.thinking` config value): "auto" (the markers found in the chat
-template, none if it has none), "off", "on" (as auto, but a template without known
-markers is an error), or the two markers separated by a space ("<think> </think>").
+template, none if it has none), "off" (no span; a template that can turn thinking off,
+Qwen3's `enable_thinking`, renders chat prompts with it off: `template_kwargs`), "on" (as
+auto, but a template without known markers is an error), or the two markers separated by
+a space ("<think> </think>").
 """
 
 from __future__ import annotations
@@ -87,6 +89,19 @@ def resolve(setting: str | ThinkingSpan | None, tokenizer) -> ThinkingSpan | Non
     raise ValueError("model.thinking='on' but the chat template names no known thinking "
                      f"markers ({known}): give the markers, e.g. '<think> </think>'")
   return found
+
+
+def template_kwargs(setting, tokenizer) -> dict:
+  """The chat template variables a thinking `setting` asks for: "off" with a template that
+  can turn thinking off (Qwen3's `enable_thinking`) renders it off, an empty span the model
+  answers after (it thought anyway, its span read as its answer); otherwise none (the
+  template's default)."""
+  if not (isinstance(setting, str) and setting.strip() == "off"):
+    return {}
+  template = getattr(tokenizer, "chat_template", None)
+  if not getattr(tokenizer, "has_chat_template", bool(template)) or not template:
+    return {}
+  return {"enable_thinking": False} if "enable_thinking" in template else {}
 
 
 # Tokens re-decoded to look for the close marker: more than any marker's token count.

@@ -161,14 +161,17 @@ def check_engine_pool(plan: EvalPlan, items: Sequence[WorkItem], model=None) -> 
   if model is None:
     return
   from o1jax.model.generation import encode_prompt
+  from o1jax.model.thinking import template_kwargs
   model_config, tokenizer = model[0], model[1]()
+  chat_kwargs = template_kwargs(plan.predictor.thinking, tokenizer)  # (as the engine renders)
   tokens = {}
   best = None  # (blocks, prompt tokens, max_new_tokens) of the request that needs fewest
   for item in items:
     text = json.dumps(item.prompt, sort_keys=True)
     if text not in tokens:
       try:
-        tokens[text] = len(encode_prompt(tokenizer, item.prompt, model_config.vocab_size))
+        tokens[text] = len(encode_prompt(tokenizer, item.prompt, model_config.vocab_size,
+                                         chat_kwargs))
       except ValueError:  # a prompt the engine refuses is that sample's dead letter
         continue
     worst = min(tokens[text] + int(item.sampling.max_new_tokens), model_config.max_context)

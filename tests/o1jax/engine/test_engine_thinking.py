@@ -3,6 +3,8 @@ the span, stop strings act in the answer only, streaming sends the answer; check
 random Qwen3-shaped GGUF against the same engine without a span (same tokens, sliced by
 hand)."""
 
+import pytest
+
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
 from o1jax.model import ThinkingSpan
 from tests.o1jax.model.test_thinking import pick_markers
@@ -59,3 +61,26 @@ def test_auto_reads_the_template_and_an_open_span_has_no_answer(tiny_qwen3):
   want = off.generate([request(closed)])[0].samples[0]
   got = engine.generate([request(closed)])[0].samples[0]
   assert (got.text, got.thinking, got.thinking_tokens) == (want.text, "", 0)
+
+
+def test_thinking_off_renders_a_template_that_can_turn_it_off_with_it_off(tiny_qwen3):
+  # Qwen3's template thinks unless enable_thinking is false: with thinking="off" the model
+  # still thought, and its whole <think>...</think> was read (and scored) as the answer.
+  from o1jax.controller import Controller, ContiguousLlama
+  from o1jax.model import Generator
+  from o1jax.model.thinking import template_kwargs
+  llama, tok = tiny_qwen3
+  chat = [{"role": "user", "content": "2+3?"}]
+  assert template_kwargs("off", tok) == {"enable_thinking": False}
+  assert template_kwargs("auto", tok) == template_kwargs(ThinkingSpan(), tok) == {}
+  closed = tok.encode_chat(chat, enable_thinking=False)
+  assert tok.decode(closed).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  assert tok.decode(tok.encode_chat(chat)).endswith("<|im_start|>assistant\n")
+  for make in (lambda t: Engine(llama, tok, CONFIG, thinking=t),
+               lambda t: Generator(llama, tok, thinking=t)):
+    assert make("off").encode_prompt(chat) == closed
+    assert make("auto").encode_prompt(chat) == tok.encode_chat(chat)
+  assert Controller(ContiguousLlama(llama), tok, thinking="off").encode(chat) == closed
+  with pytest.raises(ValueError, match=r"chat template variable\(s\) \['bos_token'\] are set by "
+                                       r"apply_chat_template itself"):
+    tok.apply_chat_template(chat, bos_token="<s>")
