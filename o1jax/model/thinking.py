@@ -155,11 +155,18 @@ class SpanReader:
           a = mid + 1
       self._closed_at = self.answer_start = a
       text = self.decode(list(generated[lo:a]))
-      after = text[text.find(self.span.close) + len(self.span.close):]  # in token a - 1
-      last = self.decode(list(generated[a - 1:a]))
-      if after and last.endswith(after) and "\ufffd" not in after:
-        self.answer_start, self.answer_skip = a - 1, len(last) - len(after)
+      end = text.find(self.span.close) + len(self.span.close)
+      if end < len(text):  # token a - 1 holds answer text too (a first byte of it at least)
+        skip = end - len(self.decode(list(generated[lo:a - 1])))  # the marker's part of it
+        if 0 < skip <= len(self.span.close) and self.decode(list(generated[a - 1:a])).startswith(
+            self.span.close[-skip:]):
+          self.answer_start, self.answer_skip = a - 1, skip
     return self.answer_start
+
+  @property
+  def closed(self) -> bool:
+    """The span closed: the answer follows it (its leading newlines dropped)."""
+    return self._closed_at is not None
 
   def finish(self, generated: Sequence[int]) -> int | None:
     """The answer's start once the sample ended: undecided (whitespace only) is no span."""
@@ -205,7 +212,7 @@ def answer_text(reader: SpanReader | None, generated: Sequence[int],
   if start is None:
     return ""
   text = decode_visible(list(generated[start:]))[reader.answer_skip if reader else 0:]
-  return text.lstrip("\n") if start else text
+  return text.lstrip("\n") if reader is not None and reader.closed else text
 
 
 # Leading characters of a decoded window that may differ from the full text's (a character
@@ -247,7 +254,7 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
     text = decode_visible(list(generated[lo:]))
     if lo == start:
       text = text[reader.answer_skip if reader else 0:]
-      text = text.lstrip("\n") if start else text
+      text = text.lstrip("\n") if reader is not None and reader.closed else text
       break
     text = text[_FRONT:]
     # (newlines at its front may lead the answer, which drops them: look further back)

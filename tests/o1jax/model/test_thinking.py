@@ -5,7 +5,7 @@ same generator without a span (the tokens are the same; only the split differs).
 from o1jax.model import Generator, SamplingParams, SpanReader, ThinkingSpan, thinking
 
 VOCAB = ["<think>", "</think>", "\n", "\n\n", " a", " b", "42", "</", "think", ">", "<", "Q:",
-         " ", "x", ">.", "5", " is", ">-", ">\n"]
+         " ", "x", ">.", "5", " is", ">-", ">\n", ">\xc3", "\xa9t\xc3\xa9", "</think>\n\n5"]
 ID = {s: i for i, s in enumerate(VOCAB)}
 SPAN = ThinkingSpan()
 
@@ -15,7 +15,9 @@ def ids(*pieces):
 
 
 def decode(token_ids):
-  return "".join(VOCAB[i] for i in token_ids)
+  """Tokens of bytes (written as latin-1 characters): a character split between two
+  tokens reads U+FFFD when one of them is decoded alone."""
+  return "".join(VOCAB[i] for i in token_ids).encode("latin-1").decode("utf-8", "replace")
 
 
 def read(prompt, generated, finish=True):
@@ -67,6 +69,15 @@ def test_a_marker_that_ends_inside_a_token_of_the_answer_leaves_the_answer_whole
     assert reader.thinking_text(gen) == "a" and reader.thinking_tokens(gen) == 3
     assert thinking.hits_stop(reader, gen, [answer[:3]], decode)
     assert not thinking.hits_stop(reader, gen[:4], ["k>"], decode)  # the marker is no answer
+  # A first character split between the marker's token and the next: read whole.
+  gen = ids(" a", "</", "think", ">\xc3", "\xa9t\xc3\xa9")
+  reader, _ = read(ids("Q:", "<think>", "\n"), gen)
+  assert thinking.answer_text(reader, gen, decode) == "été" and reader.thinking_text(gen) == "a"
+  # The marker and the answer in the first generated token: the leading newlines go too.
+  gen = ids("</think>\n\n5", " is")
+  reader, _ = read(ids("Q:", "<think>", "\n"), gen)
+  assert reader.answer_start == 0 and thinking.answer_text(reader, gen, decode) == "5 is"
+  assert thinking.hits_stop(reader, gen, ["5 i"], decode)
 
 
 def test_a_sample_that_does_not_think_is_all_answer():
