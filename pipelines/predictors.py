@@ -672,6 +672,8 @@ def model_fingerprint(spec: PredictorSpec) -> dict:
   if spec.thinking != "auto":
     # auto follows the checkpoint's template (hashed with it); anything else may change it.
     fp["thinking"] = spec.thinking
+  if spec.thinking == "off":  # (since 2026-12-07 a template's enable_thinking renders off:
+    fp["chat_template_thinking"] = "off"  # samples stored before thought, recomputed)
   from o1jax.checkpoint.embedded import resolve_source
   try:
     path = str(resolve_source(spec.source))

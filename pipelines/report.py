@@ -25,7 +25,8 @@ import traceback
 from typing import Optional, Sequence
 
 from pipelines.summary import (LATENCY_BUCKETS_MS, bucket_index, bucket_label, is_time,
-                               per_token_latencies, suite_missing_categories, timed_records)
+                               per_token_latencies, suite_missing_categories, timed_records,
+                               token_gaps_ms)
 
 HEATMAP_TIME_BINS = 20
 
@@ -119,7 +120,7 @@ def _per_token_ms(r: dict) -> Optional[float]:
   if int((r.get("tokens") or {}).get("completion", 0)) <= 0:
     return None
   if isinstance(r["timing"].get("token_ms"), list):
-    times = [v for v in r["timing"]["token_ms"] if is_time(v)]
+    times = [v for v in token_gaps_ms(r["timing"]) if is_time(v)]
     return sum(times) / len(times) if times else None
   return r["timing"]["latency_ms"] / int(r["tokens"]["completion"])
 

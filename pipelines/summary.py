@@ -244,6 +244,20 @@ def unscored(records: Sequence[dict], dead_letters: Sequence[dict]) -> dict[str,
           "unidentified": sum(d.get("example_id") is None for d in after_input)}
 
 
+def token_gaps_ms(timing: dict) -> Optional[list]:
+  """A record's per-token times after its first token (`timing.token_ms`), None where it
+  has none. The engine's records written before 2026-12-07 hold the TTFT first (equal to
+  their ttft_ms): it is left out, so a run resumed from them reads its old and new records
+  alike (the old ones brought their prefill times back into the per-token figures)."""
+  times = timing.get("token_ms")
+  if not isinstance(times, list):
+    return None
+  ttft = timing.get("ttft_ms")
+  if times and is_time(times[0]) and is_time(ttft) and abs(times[0] - ttft) <= 0.011:
+    return times[1:]
+  return times
+
+
 def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
   """(values in ms, source): real per-token times (`timing.token_ms`: each token's after
   the first, whose time is the TTFT) when every timed record that generated a token has
@@ -253,7 +267,7 @@ def per_token_latencies(records: Iterable[dict]) -> tuple[list[float], str]:
   timed = [r for r in records
            if r.get("timing") and int((r.get("tokens") or {}).get("completion", 0)) > 0]
   if timed and all(isinstance(r["timing"].get("token_ms"), list) for r in timed):
-    return [float(v) for r in timed for v in r["timing"]["token_ms"] if is_time(v)], "tokens"
+    return [float(v) for r in timed for v in token_gaps_ms(r["timing"]) if is_time(v)], "tokens"
   return [float(r["timing"]["latency_ms"]) / int(r["tokens"]["completion"])
           for r in timed if is_time(r["timing"].get("latency_ms"))], "request_latency/completion"
 

@@ -399,9 +399,15 @@ def _check_str_method(method, args, kwargs) -> None:
     size = _replace_size(text, args[0], args[1])
   elif name == "join" and args and isinstance(args[0], (list, tuple)):
     size = _deep_size(args[0]) + len(text) * len(args[0])
-  elif name == "translate" and args and isinstance(args[0], dict):
-    # (each character may become its mapped text: 1e6 x 300 made 300 M characters)
-    longest = max((len(v) for v in args[0].values() if isinstance(v, _TEXT)), default=1)
+  elif name == "translate" and args:
+    # (each character may become its mapped text: 1e6 x 300 made 300 M characters; a
+    # list or tuple is a table too, indexed by code point)
+    table = args[0]
+    values = (table.values() if isinstance(table, dict) else table
+              if isinstance(table, (list, tuple, *_TEXT)) else None)
+    if values is None:
+      raise jinja2.sandbox.SecurityError(f"str.translate with a {type(table).__name__} table")
+    longest = max((len(v) for v in values if isinstance(v, _TEXT)), default=1)
     size = len(text) * max(longest, 1)
   elif name in ("format", "format_map"):
     size = _format_size(text, args, kwargs)

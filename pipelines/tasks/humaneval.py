@@ -69,13 +69,17 @@ def code_prompt(example: Example, style: str = "chat"):
 # lose) with an info string or none (```python, ```bash, ~~~text); the closing fence is a
 # line of the same character, at least as long, and nothing else. (Any ``` was a fence: a
 # reply whose prose mentioned "```" before its code, or a code line ending in ```, had its
-# right answer scored failed.) Two things models write that Markdown does not read as
-# fences are read too: an opening fence with its tag ending a line of prose ("Sure!
-# ```python"), and the closing fence glued to the last code line (`return x```), taken
-# where no closing fence of its own line comes before the next tagged opening fence.
+# right answer scored failed.) What models write that Markdown does not read as fences is
+# read too: an opening fence ending a line of prose ("Sure! ```python", "Here it is:```"),
+# and a closing fence glued to the last code line (`return x```) or followed by prose on
+# its line ("```That's it."), or no closing before the next tagged opening fence of its
+# own line (```python: no code line starts so). Where such a closing comes before one of
+# its own line, the block ends where its code compiles, Markdown's reading first
+# ("return x```" then "Output:" and a fenced output: the code before the glued fence).
 _OPEN = re.compile(r"([ \t]*)(?:(`{3,})[ \t]*([^\s`]*)[^`]*|(~{3,})[ \t]*(\S*).*)")
-_PROSE_OPEN = re.compile(r"\S.*?(```)[ \t]*([\w.+#-]+)[ \t]*")
-_GLUED_CLOSE = re.compile(r"(.*\S)```[ \t]*")
+_PROSE_OPEN = re.compile(r"\S.*?(?:(```)[ \t]*([\w.+#-]+)|[:\s](```))[ \t]*")
+_GLUED_CLOSE = re.compile(r"(.*[^\s`])```[ \t]*")
+_PROSE_CLOSE = re.compile(r"[ \t]*`{3,}([^`\s][^`]*?)[ \t]*")
 _PYTHON_TAGS = ("python", "python3", "py", "py3")
 
 
@@ -93,25 +97,52 @@ def _opening(line: str):
   if m := _OPEN.fullmatch(line):
     return m.group(1), m.group(2) or m.group(4), m.group(3) if m.group(2) else m.group(5)
   if m := _PROSE_OPEN.fullmatch(line):
-    return "", m.group(1), m.group(2)
+    return "", "```", m.group(2) or ""
   return None
 
 
-def _block(lines: list[str], start: int, fence: str) -> tuple[list[str], int]:
+def _weak_close(line: str):
+  """The code a closing fence that Markdown does not read leaves on `line` ("" for a fence
+  followed by prose), or None."""
+  if m := _GLUED_CLOSE.fullmatch(line):
+    return m.group(1)
+  m = _PROSE_CLOSE.fullmatch(line)
+  if m and (" " in m.group(1) or m.group(1)[-1] in ".!?:,;"):  # (not a tag: ```python)
+    return ""
+  return None
+
+
+def _compiles(code: str) -> bool:
+  try:
+    compile(code, "<reply>", "exec")  # (compiled, never run)
+    return True
+  except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+    return False
+
+
+def _block(lines: list[str], start: int, fence: str, indent: str, python: bool
+           ) -> tuple[list[str], int]:
   """(the body's lines, the line after the block) of a block whose body starts at line
-  `start`: up to its closing fence, else (see above) its glued one, else the reply's end."""
-  glued = None  # the first body line ending in a glued ```
+  `start`: up to its closing fence, else (see above) its weak one, else the reply's end."""
+  weak = None  # (the line after the block, its body) at the first weak closing fence
   for i in range(start, len(lines)):
     line = lines[i].strip(" \t")
     if line and set(line) == {fence[0]} and len(line) >= len(fence):
+      if (weak is not None and python and not _compiles(_dedent("\n".join(lines[start:i]), indent))
+          and _compiles(_dedent("\n".join(weak[1]), indent))):
+        break
       return lines[start:i], i + 1
-    if glued is not None and (opening := _opening(lines[i])) and opening[2]:
-      break  # (the scan stops here: a reply of many glued blocks is read in linear time)
-    if glued is None and fence[0] == "`" and _GLUED_CLOSE.fullmatch(lines[i]):
-      glued = i
-  if glued is None:
+    opening = _OPEN.fullmatch(lines[i]) or _PROSE_OPEN.fullmatch(lines[i])
+    if weak is not None and opening:
+      break  # (another block opens: the weak fence closed this one; linear time)
+    if weak is None and fence[0] == "`":
+      if (code := _weak_close(lines[i])) is not None:
+        weak = (i + 1, lines[start:i] + ([code] if code else []))
+      elif opening and python and _opening(lines[i])[2] and not line.startswith("~"):
+        weak = (i, lines[start:i])  # (that opening starts the next block: read again)
+  if weak is None:
     return lines[start:], len(lines)
-  return lines[start:glued] + [_GLUED_CLOSE.fullmatch(lines[glued]).group(1)], glued + 1
+  return weak[1], weak[0]
 
 
 def _fenced_blocks(reply: str) -> list[tuple[str, str]]:
@@ -124,7 +155,7 @@ def _fenced_blocks(reply: str) -> list[tuple[str, str]]:
       i += 1
       continue
     indent, fence, tag = opening
-    body, i = _block(lines, i + 1, fence)
+    body, i = _block(lines, i + 1, fence, indent, tag.lower() in ("", *_PYTHON_TAGS))
     blocks.append((tag.lower(), _dedent("\n".join(body), indent)))
   return blocks
 
@@ -135,10 +166,12 @@ def extract_code(reply: str) -> str:
   a fence, whole. (A ```bash or ```text block before the code was taken for it; a fence
   indented in a list item kept its indentation on every line, an IndentationError.)"""
   blocks = _fenced_blocks(reply)
-  for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
-    for tag, code in blocks:
-      if wanted(tag):
-        return code
+  # A block with code before an empty one (an empty ```python after the code was taken).
+  for nonempty in (True, False):
+    for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag, lambda tag: True):
+      for tag, code in blocks:
+        if wanted(tag) and (bool(code.strip()) or not nonempty):
+          return code
   return reply
 
 

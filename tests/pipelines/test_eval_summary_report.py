@@ -452,6 +452,13 @@ def test_per_token_latency_ignores_samples_without_a_token():
   s = summarize(records + [empty, one], task="gsm8k")
   assert s["latency_ms_per_token"]["source"] == "tokens"
   assert s["latency_ms_per_token"]["count"] == 12 and report._per_token_ms(one) is None
+  # A record of the engine written before 2026-12-07 (its TTFT first): read without it,
+  # as the new ones (a resumed run brought its prefill time back into the figures).
+  old = _rec(5, 0, "5", "5", "5", 950.0, 3)
+  old["timing"].update(ttft_ms=900.0, token_ms=[900.0, 20.0, 30.0])
+  s = summarize(records + [empty, one, old], task="gsm8k")
+  assert s["latency_ms_per_token"]["count"] == 14 and s["latency_ms_per_token"]["max"] == 40.0
+  assert report._per_token_ms(old) == 25.0
   del records[0]["timing"]["token_ms"]  # a sample with tokens but no times: the fallback
   s = summarize(records + [empty], task="gsm8k")
   assert s["latency_ms_per_token"]["source"] == "request_latency/completion"

@@ -143,6 +143,12 @@ def test_model_thinking_flows_from_config_to_every_predictor_and_fingerprint(
   spec = build_plan(cfg, "unused_output_dir").predictor
   assert getattr(build_predictor(spec), attribute).thinking.close == "</think>"
   assert model_fingerprint(spec)["thinking"] == "<think> </think>"
+  assert "chat_template_thinking" not in model_fingerprint(spec)
+  # "off" renders a template's enable_thinking off since 2026-12-07: samples stored
+  # before (which thought) are not resumed as its.
+  cfg.model.thinking = "off"
+  spec = build_plan(cfg, "unused_output_dir").predictor
+  assert model_fingerprint(spec)["chat_template_thinking"] == "off"
   cfg.model.thinking = "sometimes"  # refused before any worker starts
   with pytest.raises(ValueError, match="model.thinking='sometimes'"):
     build_plan(cfg, "unused_output_dir")

@@ -247,6 +247,9 @@ def test_a_template_s_work_is_bounded_too(monkeypatch):
       ("{{ 'x'.encode().ljust(10**9) | length }}", "SecurityError: str.ljust would make"),
       ("{{ ('x' * 1000000).translate({120: 'y' * 300}) | length }}",
        "SecurityError: str.translate would make"),
+      ("{% set t = ['x' * 60000] * 128 %}{{ ('a' * 100000).translate(t) | length }}",
+       "SecurityError: str.translate would make"),
+      ("{{ 'a'.translate(namespace(x=1)) }}", "SecurityError: str.translate with a Namespace"),
       ("{{ ('x' * 10000).join(range(100000) | map('string')) | length }}",
        "SecurityError: a join would make"),
       ("{{ [] | slice(10**8) | list | length }}", "SecurityError: slice[(]100000000[)] would "

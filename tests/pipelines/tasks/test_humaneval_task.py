@@ -145,15 +145,25 @@ def test_real_problems_through_the_scoring_path(style):
     # A glued closing fence, then prose and another block: the first block ends there.
     ("```python\ndef f(x):\n    return x```\nOr:\n```python\ndef g(x):\n    return x\n```",
      "def f(x):\n    return x"),
+    # (the change's red-team) a glued fence, then an untagged block of output; an untagged
+    # fence ending prose; prose after a closing fence on its line.
+    ("```python\ndef f(x):\n    return x```\nOutput:\n```\n5\n```\n", "def f(x):\n    return x"),
+    ("```python\ndef f(x):\n    return x```\n\nExample:\n```\n>>> f(1)\n1\n```",
+     "def f(x):\n    return x"),
+    ("Here is the code:```\ndef f(x):\n    return x\n```\nThis function returns x.",
+     "def f(x):\n    return x"),
+    ("```python\ndef f(x):\n    return x\n```This is it.", "def f(x):\n    return x"),
 ])
 def test_the_code_is_the_python_block_whatever_fences_come_before_it(reply, want):
   assert task.extract_code(reply) == want
 
 
-def test_a_reply_of_many_glued_blocks_is_read_in_linear_time():
-  # Each glued block's search for a closing fence ran to the reply's end: quadratic.
-  reply = "```python\nx = 1```\n" * 4000
+@pytest.mark.parametrize("unit", ["```python\nx = 1```\n", "```\u00a0\nx = 1```\n",
+                                  "```\x0b\nx = 1```\n", "~~~\nx = 1```\n```\u00a0\n"])
+def test_a_reply_of_many_glued_blocks_is_read_in_linear_time(unit):
+  # Each glued block's search for a closing fence ran to the reply's end: quadratic
+  # (4.5 to 31 s for 4,000 blocks).
   t0 = time.perf_counter()
-  blocks = task._fenced_blocks(reply)
-  assert time.perf_counter() - t0 < 2.0  # (linear: ~0.02 s; quadratic: ~5 s)
-  assert blocks == [("python", "x = 1")] * 4000
+  blocks = task._fenced_blocks(unit * 4000)
+  assert time.perf_counter() - t0 < 2.0  # (linear: ~0.05 s)
+  assert len(blocks) >= 4000
