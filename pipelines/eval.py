@@ -814,6 +814,10 @@ def _check_model(plan, direct: bool):
         raise type(e)(f"engine.tensor_parallel={tp}: "
                       + (f"speculative.draft_source: {e}" if source != sources[0] else str(e))
                       ) from e
+  speculative = plan.predictor.speculative_config() if sources else None
+  if speculative is not None and speculative.drafter == "early_exit" and sources[0] in configs:
+    # (else a worker loaded the whole model first, then said so)
+    speculative.resolved_exit_layer(configs[sources[0]].n_layers)
   if len(sources) == 2 and set(sources) <= configs.keys():
     from o1jax.engine.speculative import check_draft_vocabulary
     model, draft = sources

@@ -171,9 +171,12 @@ class PredictorSpec:
 def speculative_config(section: dict):
   """`SpeculativeConfig` of an enabled `speculative` config section (None when it is off
   or absent); an unknown key or a bad value raises ValueError naming it."""
+  import numpy as np
   from o1jax.engine.speculative import SpeculativeConfig
   values = dict(section)
   enabled = values.pop("enabled", False)
+  if not isinstance(enabled, (bool, np.bool_)):  # (the str "false" was truthy: on)
+    raise ValueError(f"speculative.enabled must be a bool, got {enabled!r}")
   config = SpeculativeConfig.from_dict(values)  # (checked when off too: a typo stays one)
   return config if enabled else None
 

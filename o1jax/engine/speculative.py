@@ -76,6 +76,9 @@ class SpeculativeConfig:
         raise ValueError(f"speculative.{name} must be an int, got {getattr(self, name)!r}")
     if not isinstance(self.adaptive, (bool, np.bool_)):
       raise ValueError(f"speculative.adaptive must be a bool, got {self.adaptive!r}")
+    if not isinstance(self.draft_source, str):  # (None or 5 failed inside the loader)
+      raise ValueError(f"speculative.draft_source must be a path or a model name (a str), got "
+                       f"{self.draft_source!r}")
     if self.max_drafts < 1:
       raise ValueError(f"speculative.max_drafts={self.max_drafts} must be >= 1")
     if not 1 <= self.ngram_min <= self.ngram_max:

@@ -220,6 +220,13 @@ def test_speculative_draft_model_checkpoint_is_checked_by_the_launcher(tmp_path)
                                        r"vocab_size=49152 differs from the target's 259: it must "
                                        r"share the tokenizer$"):
     _run(cfg, tmp_path / "out")
+  # An early exit at or past the model's layers: said from the header (a worker loaded the
+  # whole model first, then said it).
+  cfg.speculative.update(drafter="early_exit", draft_source="", exit_layer=99)
+  with pytest.raises(ValueError, match=r"^speculative\.exit_layer=99 must be below the model's "
+                                       r"2 layers$"):
+    _run(cfg, tmp_path / "out")
+  assert _nothing_written(tmp_path / "out")
   assert _nothing_written(tmp_path / "out")
 
 # -- 7. config values out of range -------------------------------------------------------

@@ -532,3 +532,12 @@ def test_the_fingerprint_holds_only_the_numerics_the_predictor_reads():
   assert {"kv_dtype", "matmul_dtype"}.isdisjoint(model_fingerprint(spec("fake")))
   for name in ("engine", "controller"):
     assert model_fingerprint(spec(name))["kv_dtype"] == "bfloat16"
+
+
+def test_a_speculative_section_enabled_by_a_str_is_named():
+  # "false" turned speculation on (a str is truthy), changing keys where it is hashed.
+  from pipelines.predictors import speculative_config
+  with pytest.raises(ValueError, match=r"^speculative.enabled must be a bool, got 'false'$"):
+    speculative_config({"enabled": "false"})
+  assert speculative_config({"enabled": False}) is None
+  assert speculative_config({"enabled": True, "max_drafts": 3}).max_drafts == 3

@@ -559,6 +559,9 @@ def test_embedded_model_greedy_tokens_equal_plain_decoding(embedded_checkpoint, 
     (dict(exit_layer=None), r"^speculative.exit_layer must be an int, got None$"),
     # Before: accepted (a non-empty str is truthy).
     (dict(adaptive="no"), r"^speculative.adaptive must be a bool, got 'no'$"),
+    # Before: accepted, then failed inside the checkpoint loader.
+    (dict(drafter="draft_model", draft_source=5),
+     r"^speculative.draft_source must be a path or a model name \(a str\), got 5$"),
 ])
 def test_speculative_config_values_of_the_wrong_type_are_named(fields, match):
   with pytest.raises(ValueError, match=match):
