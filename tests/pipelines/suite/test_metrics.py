@@ -46,8 +46,10 @@ def test_code_leaves_sandbox_errors_out_and_math_votes_only_numbers():
 
 def test_latency_profile_percentiles_and_coefficient_of_variation():
   # Per-token times 10, 20, 30, 40 ms: mean 25, population std sqrt(125) = 11.18, CV 0.4472.
-  recs = [record("qa", 0, token_ms=[10.0, 20.0], ttft=10.0, metrics={"exact_match": 1.0, "f1": 1.0}),
-          record("qa", 1, token_ms=[30.0, 40.0], ttft=30.0, metrics={"exact_match": 0.0, "f1": 0.5})]
+  # (the times after each first token; a first value equal to the TTFT would read as a
+  # record written before 2026-12-07, whose token_ms began with it)
+  recs = [record("qa", 0, token_ms=[20.0, 10.0], ttft=10.0, metrics={"exact_match": 1.0, "f1": 1.0}),
+          record("qa", 1, token_ms=[40.0, 30.0], ttft=30.0, metrics={"exact_match": 0.0, "f1": 0.5})]
   qa = category_summaries(recs)["qa"]
   assert qa["accuracy"] == 0.5 and qa["metrics"] == {"exact_match": 0.5, "f1": 0.75}
   p = qa["per_token_ms"]
