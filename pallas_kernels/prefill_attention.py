@@ -115,6 +115,8 @@ def paged_prefill_attention_blocked(q, k_pages, v_pages, block_tables, starts, c
     v = jnp.transpose(gather_kv(v_pages, v_scale, ids), (0, 2, 1, 3))
     kpos = i * kb + jnp.arange(kb, dtype=jnp.int32)
     mask = (kpos[None, None, :] <= qpos[:, :, None]) & row_ok[:, :, None]  # [B, T*r, kb]
+    # (keys past the table are none, as the reference's: the padding read block 0)
+    mask &= (kpos < width * bs)[None, None, :]
     if sliding_window is not None:
       mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
     # Unread slots may hold anything (stale or non-finite bytes): zeroed, as the reference.
@@ -171,6 +173,8 @@ def _prefill_kernel(*refs, block_size: int, num_blocks: int, max_blocks: int, bl
   first_t = (tile * block_q) // group
   last_t = jnp.minimum(((tile + 1) * block_q - 1) // group, clen - 1)
   hi = jnp.where(first_t < clen, start + last_t + 1, 0)  # one past the last key needed
+  # (keys past the table are none, as the reference's: the last page was read again)
+  hi = jnp.minimum(hi, max_blocks * block_size)
   lo = jnp.int32(0)
   if sliding_window is not None:
     lo = jnp.maximum(start + first_t - sliding_window + 1, 0)

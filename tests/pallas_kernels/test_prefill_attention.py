@@ -131,6 +131,22 @@ def test_blocked_xla_path_matches_reference(case, key_block):
   assert_like_reference(got, args, kw, case, 1e-5 if case[8] == jnp.float32 else tol_for(case[8]))
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_queries_past_the_table_read_its_keys_only_as_the_reference(window):
+  # starts + chunk_lens past the table (the engine never asks this): the Pallas kernel
+  # re-read the last page's slots and the blocked path the padding's block 0 as keys past
+  # the table (up to 0.5 off the reference on those rows); every path now stops there.
+  rng = np.random.default_rng(7)
+  kp, vp, bt, _, _ = make_paged_cache(rng, 1, 2, 16, 8, 2, [16], jnp.float32)
+  q = jnp.asarray(rng.normal(size=(1, 4, 4, 16)), jnp.float32)
+  args = (q, kp, vp, bt, jnp.asarray([14], jnp.int32), jnp.asarray([4], jnp.int32))
+  want = ops.paged_prefill_attention(*args, backend="reference", sliding_window=window)
+  for got in (ops.paged_prefill_attention(*args, backend="pallas", interpret=True, block_q=16,
+                                          block_kv=8, sliding_window=window),
+              paged_prefill_attention_blocked(*args, sliding_window=window, key_block=8)):
+    assert rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype,fp8,q_dtype", [(jnp.bfloat16, False, jnp.bfloat16),
                                                (jnp.float32, False, jnp.float32),
                                                (jnp.bfloat16, True, jnp.bfloat16),
