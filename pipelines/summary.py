@@ -13,8 +13,9 @@ every k <= n (a sample whose sandbox failed is left out, counted in `sandbox_err
 kind; 4. latency percentiles (P50/P90/P95/P99) and fixed-bucket histograms over request
 latency, time to first token and per-token latency — the engine's real per-token times
 (`timing.token_ms`, one value per generated token after the first, whose time is the
-TTFT; the controller's as the host sees its device loop) where records carry them, else request latency / completion tokens (one value
-per sample) — and latency stability: per-token CV and first-token P95 against
+TTFT; the controller's as the host sees its device loop) where records carry them, else
+request latency / completion tokens (one value per sample) — and latency stability:
+per-token CV and first-token P95 against
 the reference thresholds (CV < 0.15, P95 < 320 ms), pass/fail; 5.
 throughput over the samples computed in this run; 6. dead letters by stage, and
 `unscored`: the samples (and examples with no sample left) that went to dead letters at

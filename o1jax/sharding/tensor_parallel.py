@@ -29,6 +29,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from o1jax.checkpoint.params import FUSED_PARTS
+from o1jax.sharding.topology import repeated_device
 
 MODEL_AXIS = "model"
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
@@ -61,9 +62,7 @@ def check_mesh(mesh) -> None:
                         f"{MODEL_AXIS!r} axis, and every other axis' devices would hold a copy "
                         f"of it doing the same work; give one group (group_mesh(tp)), or "
                         f"data_parallel=N for replicas (build_engine)")
-  devices = list(mesh.devices.flat)
-  twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
-  if twice is not None:
+  if (twice := repeated_device(mesh.devices.flat)) is not None:
     raise ShardingError(f"mesh lists device {twice} twice: each shard needs a device of its own")
 
 

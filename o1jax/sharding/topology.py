@@ -362,6 +362,16 @@ def tp_groups(devices: Sequence[Any], model: int, topology: Optional[GpuTopology
   return [[d for p in processes[s:s + span] for d in p] for s in range(0, len(processes), span)]
 
 
+def repeated_device(devices: Sequence[Any]) -> Optional[Any]:
+  """The first device `devices` lists a second time, or None."""
+  seen = set()
+  for d in devices:
+    if d in seen:
+      return d
+    seen.add(d)
+  return None
+
+
 def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequence[Any]] = None,
               topology: Any = "auto", cuda_visible_devices: Optional[str] = None,
               spare: bool = False):
@@ -381,8 +391,7 @@ def make_mesh(model: int = 1, data: Optional[int] = None, devices: Optional[Sequ
   import jax
   from jax.sharding import Mesh
   devices = list(jax.devices() if devices is None else devices)
-  twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
-  if twice is not None:  # (a mesh of it failed in JAX with a bare AssertionError)
+  if (twice := repeated_device(devices)) is not None:  # (JAX: a bare AssertionError)
     raise TopologyError(f"devices lists {twice} twice: each shard needs a device of its own")
   rows = _check_shape(len(devices), model, data, spare)
   if isinstance(topology, str):

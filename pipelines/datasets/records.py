@@ -173,7 +173,6 @@ def normalize_answer(text: str) -> str:
   return s.strip()
 
 
-
 def text_answer_key(text: Optional[str]) -> Optional[str]:
   """What a free-text answer (custom task, answer_format=text) is matched and voted by:
   the GSM8K normalization (commas, ``$``, one trailing period), in Unicode's composed form

@@ -132,13 +132,13 @@ def _block(lines: list[str], start: int, fence: str, indent: str, python: bool
           and _compiles(_dedent("\n".join(weak[1]), indent))):
         break
       return lines[start:i], i + 1
-    opening = _OPEN.fullmatch(lines[i]) or _PROSE_OPEN.fullmatch(lines[i])
+    opening = _opening(lines[i])
     if weak is not None and opening:
       break  # (another block opens: the weak fence closed this one; linear time)
     if weak is None and fence[0] == "`":
       if (code := _weak_close(lines[i])) is not None:
         weak = (i + 1, lines[start:i] + ([code] if code else []))
-      elif opening and python and _opening(lines[i])[2] and not line.startswith("~"):
+      elif opening and python and opening[2] and opening[1][0] == "`":
         weak = (i, lines[start:i])  # (that opening starts the next block: read again)
   if weak is None:
     return lines[start:], len(lines)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Sequence, TypedDict
 
 
-
 class ChatMessage(TypedDict):
   """One chat turn; the model layer renders a list of these with its chat template."""
   role: str  # "system" | "user" | "assistant"
