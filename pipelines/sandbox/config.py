@@ -136,6 +136,13 @@ class HumanEvalProgram:
   test: str
   entry_point: str
 
+  def __post_init__(self):
+    for field in dataclasses.fields(self):  # (an encode failure had become a sandbox error)
+      value = getattr(self, field.name)
+      if not isinstance(value, str):
+        raise TypeError(f'HumanEvalProgram.{field.name} must be a str, got '
+                        f'{type(value).__name__}')
+
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionResult:

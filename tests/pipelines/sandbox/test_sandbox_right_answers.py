@@ -27,6 +27,22 @@ CASES = {
         ADD, "    return a + b\n\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))\n",
         ADD_TEST, True),
     "doctest_imported_at_the_top_level": (ADD, "    return a + b\n\nimport doctest\n", ADD_TEST, True),
+    # doctest ends every run with sys.settrace(None) (before: "sys.settrace is disabled").
+    "doctest_run_at_the_top_level": (
+        ADD, "    return a + b\n\nimport doctest\ndoctest.testmod()\n", ADD_TEST, True),
+    "doctest_run_at_the_top_level_wrong_answer": (
+        ADD, "    return a - b\n\nimport doctest\ndoctest.testmod()\n", ADD_TEST, False),
+    "doctest_examples_run_in_the_function": (
+        ADD, "    import doctest\n    doctest.run_docstring_examples(add, {'add': lambda a, b: a + b})\n"
+             "    return a + b\n", ADD_TEST, True),
+    "trace_removed": (ADD, "    import sys\n    sys.settrace(None)\n    sys.setprofile(None)\n"
+                           "    return a + b\n", ADD_TEST, True),
+    "trace_set_after_none": (
+        ADD, "    import sys\n    sys.settrace(None)\n    sys.settrace(lambda f, e, a: None)\n"
+             "    return a + b\n", ADD_TEST, False),
+    "profile_set_after_none": (
+        ADD, "    import sys\n    sys.setprofile(None)\n    sys.setprofile(lambda f, e, a: None)\n"
+             "    return a + b\n", ADD_TEST, False),
     "unittest_case_beside_the_function": (
         ADD, "    return a + b\n\nimport unittest\n\nclass T(unittest.TestCase):\n"
              "    def test(self):\n        self.assertEqual(add(1, 2), 3)\n", ADD_TEST, True),
