@@ -60,20 +60,6 @@ def _check_extent(path, name: str, end: int, size: int) -> None:
         f"{path}: truncated GGUF file: tensor {name!r} ends at byte {end} but the file has {size}")
 
 
-def _open_reader(path: pathlib.Path):
-  import gguf  # local import: only GGUF loading needs it
-
-  _check_file(path)
-  try:
-    reader = gguf.GGUFReader(str(path), "r")
-  except Exception as e:  # the reader raises assorted errors on bad bytes
-    raise _corrupt(path, e) from e
-  size = os.path.getsize(path)
-  for t in reader.tensors:
-    _check_extent(path, t.name, int(t.data_offset) + int(t.n_bytes), size)
-  return reader
-
-
 # GGUF metadata value types (gguf.GGUFValueType) -> struct format of one value.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -444,6 +430,7 @@ def _config_from_metadata(meta: _Metadata, path, dims: dict, tensors=None) -> Mo
     raise CheckpointError(f"{path}: {g('expert_count')} is {experts}: mixture-of-experts models "
                           f"are not supported")
   n_layers = size["block_count"]
+  tensor_table.check_layer_count(path, n_layers, len(dims), g("block_count"))
   rope_scaling = None
   # As llama.cpp: the factor (or its old key, rope.scale_linear) divides the positions,
   # "linear" when no type is given; "none" never scales; other types are refused.
@@ -757,14 +744,18 @@ def read_tokenizer_metadata(path: str | os.PathLike) -> dict:
 
 def read_tensors(path: str | os.PathLike, names=None) -> dict:
   """Tensors of a GGUF file as stored (no Q/K un-permutation): 2-D weights as
-  [K, N] QuantizedTensor or dense array, 1-D tensors as f32 vectors."""
-  reader = _open_reader(pathlib.Path(path))
+  [K, N] QuantizedTensor or dense array, 1-D tensors as f32 vectors (copies: not views
+  of the mapped file)."""
+  reader = _open_fast_reader(pathlib.Path(path))
   out = {}
   for t in reader.tensors:
     if names is not None and t.name not in names:
       continue
     _check_type(t, path)
-    out[t.name] = _matrix(t) if len(t.shape) == 2 else np.asarray(_dense_from_gguf(t), np.float32)
+    if len(t.shape) not in (1, 2) or not t.n_elements:
+      raise CheckpointError(f"{path}: tensor {t.name!r} has dims {tuple(int(d) for d in t.shape)}"
+                            f": a vector or a matrix with elements is expected")
+    out[t.name] = _matrix(t) if len(t.shape) == 2 else np.array(_dense_from_gguf(t), np.float32)
   return out
 
 
@@ -802,7 +793,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params, dict]:
 
   def read(name, t: _Tensor):  # there: `_check_tensors` checked the same table
     w = tensors[name]
-    w = _matrix(w) if len(t.dims) == 2 else np.asarray(_dense_from_gguf(w), np.float32)
+    # (a vector copied: a view of the mapped file changed with the file, or ended the
+    # process with SIGBUS once the file was cut)
+    w = _matrix(w) if len(t.dims) == 2 else np.array(_dense_from_gguf(w), np.float32)
     if permuted and t.heads:  # Q/K weights and biases: rows back in HF's order
       w = unpermute_columns(w, getattr(config, t.heads), config.head_dim)
     return w

@@ -210,6 +210,10 @@ def _params_from(directory: pathlib.Path, manifest: dict, config: ModelConfig,
                  arrays: dict) -> Params:
   """The param tree of `arrays` (or of their shapes) as the manifest lays it out, checked
   against the manifest's config."""
+  from o1jax.checkpoint import tensor_table
+
+  tensor_table.check_layer_count(directory, config.n_layers, len(arrays),
+                                 f"{MANIFEST}'s n_layers")
   try:
     params = unflatten(arrays, manifest["param_spec"])
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # spec and arrays disagree

@@ -223,13 +223,18 @@ def _nope_layers(hf: dict, path, n_layers: int) -> tuple[int, ...]:
   return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
 
 
-def config_from_hf(hf: dict, path) -> ModelConfig:
+def config_from_hf(hf: dict, path, n_tensors: int | None = None) -> ModelConfig:
+  """The ModelConfig of a config.json; n_tensors: the checkpoint's tensor count, which
+  bounds num_hidden_layers."""
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
   try:
     num = lambda key, kind=int, default=_REQUIRED: _number(hf, key, path, kind, default)
+    if n_tensors is not None:
+      tensor_table.check_layer_count(path, num("num_hidden_layers"), n_tensors,
+                                     "num_hidden_layers")
     n_heads = num("num_attention_heads")
     d_model = num("hidden_size")
     vocab = num("vocab_size")
@@ -304,11 +309,14 @@ def _shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
   return files
 
 
-def _read_config(directory: pathlib.Path) -> ModelConfig:
+def _read_config(directory: pathlib.Path) -> tuple[ModelConfig, dict]:
+  """The config and the safetensors headers (`_read_headers`), which bound its layers."""
   cfg_file = directory / "config.json"
   if not cfg_file.is_file():
     raise CheckpointError(f"{directory}: config.json is missing")
-  config = config_from_hf(read_json_object(cfg_file), cfg_file)
+  hf = read_json_object(cfg_file)
+  headers = _read_headers(directory)
+  config = config_from_hf(hf, cfg_file, len(headers))
   # transformers' generate also stops on generation_config.json's eos ids (Gemma 3's
   # <end_of_turn>, Phi-3's <|end|>, Qwen's <|endoftext|>: not config.json's eos_token_id)
   gen_file = directory / "generation_config.json"
@@ -316,7 +324,7 @@ def _read_config(directory: pathlib.Path) -> ModelConfig:
     more = _token_ids(read_json_object(gen_file), "eos_token_id", gen_file, config.vocab_size,
                       many=True)
     config = dataclasses.replace(config, eos_ids=tuple(dict.fromkeys(config.eos_ids + more)))
-  return config
+  return config, headers
 
 
 _HEADER_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -392,8 +400,8 @@ def check_safetensors(directory: str | os.PathLike) -> ModelConfig:
   safetensors header, and each tensor's dtype and shape against the config. Returns the
   config."""
   directory = pathlib.Path(directory)
-  config = _read_config(directory)
-  _check_tensors(directory, config, _read_headers(directory))
+  config, headers = _read_config(directory)
+  _check_tensors(directory, config, headers)
   if not (directory / "tokenizer.json").is_file():
     raise CheckpointError(f"{directory}: tokenizer.json is missing")
   return config
@@ -404,8 +412,7 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[ModelConfig, Params]
   from safetensors import safe_open
 
   directory = pathlib.Path(directory)
-  config = _read_config(directory)
-  headers = _read_headers(directory)
+  config, headers = _read_config(directory)
   _check_tensors(directory, config, headers)  # before reading any weight
   tensors: dict[str, np.ndarray] = {}
   for shard in sorted({shard for shard, _ in headers.values()}):

@@ -545,6 +545,10 @@ _GGUF_MUTANTS = {
                                    r"llama.rope.dimension_count=16 differs from the head size 8 "
                                    r"\(llama.embedding_length / llama.attention.head_count\): "
                                    r"partial rotary is supported for phi3 only"),
+    # Before: 34 s and 3.5 GB (per-layer work before the tensor check), a MemoryError.
+    "block_count_huge": (_set("llama.block_count", _U32, 10**6),
+                         r"llama.block_count is 1000000, more layers than the checkpoint has "
+                         r"tensors \(\d+\)"),
     "block_count_too_small": (_set("llama.block_count", _U32, 1),
                               r"tensor 'blk.1.attn_q.weight' is past the model's 1 layers \(llama.block_count\)"),
     "vocab_size_disagrees": (_set("llama.vocab_size", _U32, 300),
@@ -704,6 +708,12 @@ _HF_MUTANTS = {
                                    r"\(64, 64\), expected \(128, 64\)"),
     "vocab_disagrees": (_edit_json("config.json", vocab_size=300),
                         r": tensor 'model.embed_tokens.weight' has shape \(259, 64\), expected \(300, 64\)"),
+    "layers_huge": (_edit_json("config.json", num_hidden_layers=10**9),
+                    _CFG + r"num_hidden_layers is 1000000000, more layers than the checkpoint has "
+                           r"tensors \(\d+\)"),
+    "layers_huge_gemma3": (_edit_json("config.json", model_type="gemma3_text", num_hidden_layers=10**9),
+                           _CFG + r"num_hidden_layers is 1000000000, more layers than the checkpoint "
+                                  r"has tensors \(\d+\)"),
     "layers_too_few": (_edit_json("config.json", num_hidden_layers=1),
                        r": tensor 'model.layers.1\.[a-z_.]+' is past the model's 1 layers "
                        r"\(config.json's num_hidden_layers\)"),
@@ -792,6 +802,8 @@ def tiny_orbax(tmp_path_factory):
 _ORBAX_CONFIG_MUTANTS = {
     # Before: each loaded, to fail (or compute a different model) at the model's first call.
     "more_layers": ({"n_layers": 3}, r"tensor 'layers.2.wq' is missing"),
+    "layers_huge": ({"n_layers": 10**6}, rf"{MANIFEST}'s n_layers is 1000000, more layers than the "
+                                         r"checkpoint has tensors \(\d+\)"),
     "fewer_layers": ({"n_layers": 1}, r"tensor 'layers.1.attn_norm' is past the model's 1 layers "
                                       rf"\({MANIFEST}'s n_layers\)"),
     "wider": ({"d_model": 128}, r"tensor 'layers.0.wq' has shape \(64, 64\), expected \(128, 64\)"),

@@ -129,3 +129,32 @@ def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
   _write_raw(p, {"blk.0.attn_q.weight": (raw, Q.TQ2_0)})
   with pytest.raises(CheckpointError, match=r"tensor 'blk.0.attn_q.weight' has type TQ2_0"):
     read_tensors(p)
+
+
+def test_read_tensors_names_a_tensor_that_is_no_vector_or_matrix(tmp_path):
+  """Before: numpy's reshape ValueError (a 3-D Q4_1 tensor)."""
+  p = tmp_path / "cube.gguf"
+  raw = np.zeros((1, 64, 2 * gguf.GGML_QUANT_SIZES[Q.Q4_1][1]), np.uint8)
+  _write_raw(p, {"blk.0.attn_q.weight": (raw, Q.Q4_1)})
+  with pytest.raises(CheckpointError, match=r"cube.gguf: tensor 'blk.0.attn_q.weight' has dims "
+                                            r"\(64, 64, 1\): a vector or a matrix with elements"):
+    read_tensors(p)
+
+
+def test_loaded_vectors_are_not_views_of_the_file(tmp_path):
+  """A norm read as a view of the mapped file changed when the file was edited in place
+  (and a read after the file was cut ended the process with SIGBUS)."""
+  p = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(p, testing.tiny_config())
+  ck = load_checkpoint(p)
+  norm = np.array(ck.params["final_norm"])
+  stored = read_tensors(p, {"output_norm.weight"})["output_norm.weight"]
+  np.testing.assert_array_equal(stored, norm)
+  raw = bytearray(p.read_bytes())
+  at = raw.index(norm.astype(np.float32).tobytes())
+  raw[at:at + 4 * norm.size] = np.full(norm.size, 7.0, np.float32).tobytes()
+  with open(p, "r+b") as f:  # in place, as an editor or a second download would
+    f.write(raw)
+  np.testing.assert_array_equal(ck.params["final_norm"], norm)
+  np.testing.assert_array_equal(stored, norm)
+  assert (read_tensors(p, {"output_norm.weight"})["output_norm.weight"] == 7.0).all()
