@@ -1006,11 +1006,14 @@ def _spm_backend(meta: dict, path) -> tokenizers.Tokenizer:
                    unk_token=None if unk is None else tokens[int(unk)], fuse_unk=True)
   backend = tokenizers.Tokenizer(bpe)
   steps = [normalizers.Replace(" ", "\u2581")]
+  decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
   if meta.get("tokenizer.ggml.add_space_prefix", True):
     steps.insert(0, normalizers.Prepend(" "))
+    # The prefix's space leaves a text's start when decoded, as in transformers (its Llama
+    # converter's Strip) and llama.cpp's detokenizer: every text read " " + text.
+    decode.append(decoders.Strip(" ", 1, 0))
   backend.normalizer = normalizers.Sequence(steps)
-  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                       decoders.Fuse()])
+  backend.decoder = decoders.Sequence(decode)
   _add_tokens(backend, tokens, types)
   return backend
 

@@ -129,8 +129,45 @@ def test_tiny_vocabulary_matches_llama_cpp_algorithm(add_space_prefix):
   first = "\u2581hel" if add_space_prefix else "hel"
   hel, lo = (meta["tokenizer.ggml.tokens"].index(p) for p in (first, "lo"))
   assert tok.encode("hello", add_bos=False)[-2:] == [hel, lo]
-  assert tok.decode(tok.encode("héllo wörld", add_bos=False)) == \
-      (" " if add_space_prefix else "") + "héllo wörld"
+  assert tok.decode(tok.encode("héllo wörld", add_bos=False)) == "héllo wörld"
+
+
+def test_decoding_drops_the_space_prefix_as_transformers_llama_tokenizer_does():
+  """A Llama-2 style vocabulary (add_space_prefix) against the `tokenizers` layout of
+  transformers' Llama converter (its decoder strips the prefix's space): every decoded
+  text started with a space that was never written (" hello" for "hello")."""
+  import tokenizers
+  from tokenizers import AddedToken, decoders, models, normalizers
+
+  meta = _tiny_meta(True)
+  tokens, scores, types = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = sorted(((a, p[len(a):], scores[i]) for i, p in enumerate(tokens) if types[i] == 1
+                   for a in (p[:k] for k in range(1, len(p))) if a in vocab and p[len(a):] in vocab),
+                  key=lambda m: -m[2])
+  ref = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges],
+                                        unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+  ref.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                         normalizers.Replace(" ", "\u2581")])
+  ref.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  ref.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t, k in zip(tokens, types) if k in (2, 3)])
+  ref.add_tokens([AddedToken(t, special=False, normalized=False)
+                  for t, k in zip(tokens, types) if k == 4])
+  tok = Tokenizer.from_gguf_metadata(meta)
+  rng = np.random.default_rng(1)
+  alphabet = list("helowrd ") + ["\n", "<start>", "é", "z", "  "]
+  texts = ["hello", "hello world", " x", "  two", "<start>hello"] + [
+      "".join(rng.choice(alphabet, size=int(rng.integers(1, 20)))) for _ in range(300)]
+  for text in texts:
+    ids = tok.encode(text, add_bos=False)
+    for skip in (False, True):
+      assert tok.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip), text
+      with_bos = [meta["tokenizer.ggml.bos_token_id"]] + ids
+      assert tok.decode(with_bos, skip_special=skip) == ref.decode(with_bos,
+                                                                   skip_special_tokens=skip), text
+  assert tok.decode(tok.encode("hello world", add_bos=False)) == "hello world"
 
 
 @pytest.fixture(scope="module")
