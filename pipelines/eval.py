@@ -487,10 +487,10 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   wall_s = time.perf_counter() - t0
   now = _dataset_state(plan)
   if now != scan.data_state:
-    from pipelines.datasets import DatasetError
+    from pipelines.datasets import DatasetChangedError
     remove_result_files(out)  # (the job's results.jsonl held the old version's records)
     changed = [a[0] for a in now if a not in scan.data_state] or [plan.task.source]
-    raise DatasetError(f"dataset file {changed[0]} changed while the job ran (the launcher and "
+    raise DatasetChangedError(f"dataset file {changed[0]} changed while the job ran (the launcher and "
                        f"the workers read different versions of it): rerun; every sample "
                        f"computed is in the store")
 
@@ -532,7 +532,8 @@ MAX_DAMAGED_SHOWN = 5  # damaged store records named one per warning line; the r
 LOCK_NAME = ".o1jax-eval.lock"
 # What a finished run writes next to the store: all made from the store's records.
 RESULT_FILES = ("results.jsonl", "dead_letters.jsonl", "summary.json", "report.md",
-                "latency_histogram.png", "latency_heatmap.png", "reasoning.png")
+                "latency_histogram.png", "latency_heatmap.png", "reasoning.png",
+                "suite_latency_heatmap.png")  # (pipelines.suite.report.HEATMAP_FILE)
 
 
 # What a run writes in its output directory (a store record stands for every one).
@@ -695,8 +696,21 @@ def clear_previous_results(config, out: str, console) -> None:
 
 
 def remove_result_files(out: str) -> None:
-  """RESULT_FILES out of a local `out` (OutputError naming one that cannot go)."""
+  """RESULT_FILES out of a local `out` (OutputError naming one that cannot go), and the
+  temporary files of their writes that never finished (`write_whole`'s
+  NAME.PID.XXXXXXXX.tmp: a launcher killed mid-write)."""
   local = out.removeprefix("file://")
+  try:
+    entries = os.listdir(local)
+  except OSError:
+    entries = []
+  temporary = re.compile(rf"(?:{'|'.join(map(re.escape, RESULT_FILES))})\.\d+\.[0-9a-f]{{8}}\.tmp")
+  for name in entries:
+    if temporary.fullmatch(name):
+      try:
+        os.remove(f"{local}/{name}")
+      except OSError:
+        pass
   for name in RESULT_FILES:
     try:
       os.remove(f"{local}/{name}")
@@ -1036,7 +1050,8 @@ def main(argv):
   except ValueError as e:  # bad input: config, output directory, checkpoint, dataset
     from pipelines.beam.handler import ModelLoadError
     from pipelines.beam.store import WriteError
-    if log and isinstance(e, (WriteError, ModelLoadError)):  # the job ran: its log is kept
+    from pipelines.datasets import DatasetChangedError
+    if log and isinstance(e, (WriteError, ModelLoadError, DatasetChangedError)):  # the job ran: its log is kept
       log.close(move_to=local_log)
     elif log:
       log.close(keep=False)

@@ -62,7 +62,9 @@ def batches_sharing_a_model(runner_cfg) -> int:
   many workers of a machine share it (a cluster) or each has its own model."""
   if (runner_name(runner_cfg.name) == "DirectRunner" and runner_cfg.get("share_model", True)
       and runner_cfg.get("direct_running_mode", "multi_processing") != "in_memory"):
-    return max(1, int(runner_cfg.get("direct_num_workers", 1)))
+    # 0 is Beam's "one per CPU" (multiprocessing.cpu_count(), as the runner counts them).
+    import multiprocessing
+    return max(1, int(runner_cfg.get("direct_num_workers", 1)) or multiprocessing.cpu_count())
   return 1
 
 

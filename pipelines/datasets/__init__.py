@@ -12,11 +12,11 @@ from pipelines.datasets.gsm8k import (DatasetUnavailableError, load_gsm8k_hf,
 from pipelines.datasets.gsm_synthetic import (SyntheticProblem, generate,
                                               synthetic_examples)
 from pipelines.datasets.humaneval import humaneval_examples, load_humaneval
-from pipelines.datasets.records import (DatasetError, DeadLetter, Duplicate, Example,
-                                        LoadResult, normalize_answer)
+from pipelines.datasets.records import (DatasetChangedError, DatasetError, DeadLetter, Duplicate,
+                                        Example, LoadResult, normalize_answer)
 
 __all__ = [
-    "DatasetError", "DatasetUnavailableError", "DeadLetter", "Duplicate", "Example", "FieldMapping",
+    "DatasetChangedError", "DatasetError", "DatasetUnavailableError", "DeadLetter", "Duplicate", "Example", "FieldMapping",
     "LoadResult", "SyntheticProblem", "generate", "humaneval_examples", "load_gsm8k_hf",
     "load_gsm8k_tfds", "load_humaneval", "normalize_answer", "read_custom_jsonl",
     "read_gsm8k_jsonl", "synthetic_examples",

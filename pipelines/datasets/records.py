@@ -97,6 +97,10 @@ class DatasetError(ValueError):
   stops before any work, with this one-line message."""
 
 
+class DatasetChangedError(DatasetError):
+  """A dataset file changed while a job read it: the job ran (its log is kept); rerun."""
+
+
 def text_bytes(text: str) -> bytes:
   """UTF-8 for hashing that never raises: a lone surrogate (which UTF-8 cannot encode)
   gets its own 3 bytes, which no valid text has, so distinct strings stay distinct."""

@@ -351,3 +351,29 @@ def test_max_new_tokens_a_controller_policy_does_not_use_is_refused(tmp_path):
               f"--output_dir={tmp_path}/one_dash")
   _assert_one_error_line(proc, "budget.latency_slo_s is not used: budget.mode is fixed; add "
                                "--config.budget.mode=adaptive")
+
+
+def test_a_run_stopped_by_its_dataset_changing_keeps_its_log(tmp_path):
+  """The job ran (its workers' log is evidence, as after a write error): the stop deleted
+  eval.log as a refused run's."""
+  import time
+  data = _data(tmp_path, n=4)
+  out = tmp_path / "out"
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "pipelines.eval", *FAKE, *IN_MEMORY, f"--config.dataset.path={data}",
+       "--config.model.fake_delay_s=1.0", "--config.runner.batch_size=1", f"--output_dir={out}"],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not list((out / "store").glob("*.json")) and proc.poll() is None:
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+    with open(data, "a") as f:  # the workers read it: the job is under way
+      f.write(json.dumps({"question": "What is 9 + 1?", "answer": "10"}) + "\n")
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 2, stderr[-2000:]
+  assert stderr.splitlines()[-1].startswith(f"error: dataset file {data} changed while the job ran")
+  assert (out / "eval.log").is_file()
+  assert not (out / "results.jsonl").exists()

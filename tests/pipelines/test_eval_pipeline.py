@@ -174,6 +174,16 @@ def test_runner_names_are_read_as_beam_reads_them(name, want):
     assert "--direct_num_workers=2" in beam_args(cfg) and batches_sharing_a_model(cfg) == 2
 
 
+def test_one_worker_per_cpu_sizes_the_shared_model_for_every_worker():
+  # direct_num_workers=0 is Beam's one per CPU (multiprocessing.cpu_count()): the engine
+  # was sized for one batch at a time, and the workers' batches queued on it.
+  import multiprocessing
+  from pipelines.beam.options import batches_sharing_a_model
+  cfg = fake_config().runner
+  cfg.direct_num_workers = 0
+  assert batches_sharing_a_model(cfg) == multiprocessing.cpu_count()
+
+
 @pytest.mark.parametrize("section, key, value, message", [
     # Settings of a section the run does not use, each accepted without a word before (a
     # typo stays one when the section is turned on later; an address meant a cluster).

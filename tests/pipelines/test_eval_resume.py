@@ -577,3 +577,23 @@ def test_a_dataset_file_only_touched_while_the_job_runs_is_the_same_dataset(tmp_
   summary = run(_config(data, policy="greedy"), str(tmp_path / "run"), clock=FakeClock(),
                 progress=False, report=False, console=io.StringIO(), loader=touching_loader)
   assert summary["samples"] == 1
+
+
+def test_a_new_run_removes_every_earlier_result_and_unfinished_writes_of_them(tmp_path):
+  """The suite's heatmap was no result file (an earlier run's stayed beside a killed
+  rerun's partial outputs); a launcher killed mid-write left NAME.PID.XXXXXXXX.tmp files
+  that no run removed. Files that are no result of a run stay."""
+  from pipelines.eval import RESULT_FILES, remove_result_files
+  from pipelines.suite.report import HEATMAP_FILE
+  assert HEATMAP_FILE in RESULT_FILES
+  out = tmp_path / "run"
+  (out / "store").mkdir(parents=True)
+  ours = [*RESULT_FILES, "summary.json.999.deadbeef.tmp", "results.jsonl.12.0123abcd.tmp",
+          f"{HEATMAP_FILE}.7.00ff00ff.tmp"]
+  theirs = ["notes.txt", "summary.json.bak", "summary.json.999.tmp", "other.json.1.deadbeef.tmp",
+            "store/x.json"]
+  for name in ours + theirs:
+    (out / name).write_text("x")
+  remove_result_files(str(out))
+  left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+  assert left == sorted(theirs)
