@@ -561,6 +561,10 @@ class Engine:
     # Queues, pools and programs are one thread's at a time: threads that share the engine
     # take turns per step (their requests still decode in the same batches).
     self._lock = threading.RLock()
+    # Cancels asked for inside a step (a stream garbage-collected mid-step closes itself
+    # there, in whichever thread steps: the RLock lets it in), applied when the step ends.
+    self._stepping = False
+    self._cancel_after_step: list[_Group] = []
     self._warned_nonfinite = False
     self._table_cap = pow2_bucket(math.ceil(self.max_context / config.block_size),
                                   config.min_table_blocks)
@@ -916,6 +920,9 @@ class Engine:
     request was already collected."""
     with self._lock:
       self._own(group)
+      if self._stepping:  # (removing its rows mid-step broke the step's own bookkeeping)
+        self._cancel_after_step.append(group)
+        return
       self._cancel(group)
 
   def _cancel(self, group: _Group) -> None:
@@ -955,6 +962,7 @@ class Engine:
   def _step(self) -> None:
     release_programs_near_map_limit()
     t0 = self.clock()
+    self._stepping = True
     try:
       self._apply_budget()
       self._admit()
@@ -963,6 +971,10 @@ class Engine:
     except BaseException:
       self._recover_pools()
       raise
+    finally:
+      self._stepping = False
+      while self._cancel_after_step:
+        self._cancel(self._cancel_after_step.pop(0))
     self.metrics.busy_seconds += self.clock() - t0
     self.metrics.set_blocks(self.allocator.num_used, self.num_blocks)
 

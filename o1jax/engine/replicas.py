@@ -15,6 +15,7 @@ seed and id, and every replica holds the same weights.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import dataclasses
 from typing import Sequence
@@ -69,6 +70,9 @@ class EngineReplicas:
     """Engine.generate over the replicas: every request checked before any work starts,
     one without request_id keyed by its position in `requests` (as Engine.generate),
     results in request order."""
+    if (isinstance(requests, collections.abc.Iterable)
+        and not isinstance(requests, (str, bytes, dict, Request))):  # (the check's errors)
+      requests = list(requests)  # once: the check read an iterator, and nothing ran
     self.engines[0].check_requests(requests)  # first: `_with_id` reads a Request's fields
     requests = [_with_id(r, i) for i, r in enumerate(requests)]
     n = len(self.engines)

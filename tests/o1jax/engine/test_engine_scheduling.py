@@ -518,6 +518,49 @@ def test_cancel_frees_a_request_and_the_others_run_as_alone(tiny, make_prompts):
   assert engine.allocator.num_used == 0 and not engine.has_work() and not engine._groups
 
 
+def test_a_stream_closed_by_the_garbage_collector_inside_a_step_breaks_no_step(tiny, make_prompts,
+                                                                             monkeypatch):
+  """An abandoned stream in a reference cycle is closed by the cycle collector at whatever
+  allocation runs it: inside another request's step, in the thread that steps (the lock
+  lets it in). Its cancel removed rows the step was decoding ("list.remove(x): x not in
+  list" from that caller's run_until_idle). The cancel now waits for the step's end."""
+  import gc
+  from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
+  prompts = make_prompts(2, seed=23, low=20, high=40)
+  params = GenerationParams(max_new_tokens=30, ignore_eos=True)
+  # (a pool of its own size: programs of its own, none that later tests count as theirs)
+  config = EngineConfig(max_slots=8, num_blocks=96, prefill_chunk=64)
+  alone = Engine(tiny.model, tiny.tokenizer, config).generate([Request(prompts[0], params)])[0]
+  engine = Engine(tiny.model, tiny.tokenizer, config)
+  keep = engine.add_request(Request(prompts[0], params))
+
+  class Holder:  # holder -> itself: only the cycle collector frees it
+    pass
+
+  def abandon():
+    holder = Holder()
+    holder.me = holder
+    holder.events = engine.stream(Request(prompts[1], GenerationParams(max_new_tokens=9,
+                                                                       ignore_eos=True)))
+    next(holder.events)  # its request runs beside `keep`
+  abandon()
+  real_append, collected = engine._append, []
+
+  def append(*args, **kwargs):  # the collector runs while the step decodes its rows
+    if not collected:
+      collected.append(gc.collect())
+    return real_append(*args, **kwargs)
+  gc.disable()
+  try:
+    monkeypatch.setattr(engine, "_append", append)
+    engine.run_until_idle()
+  finally:
+    gc.enable()
+  assert collected and collected[0] > 0
+  assert engine.result(keep).token_ids == alone.token_ids
+  assert engine.allocator.num_used == 0 and not engine.has_work() and not engine._groups
+
+
 def test_min_tokens_per_slot_sizes_the_pool_up_to_the_memory_limit(tiny, make_prompts, monkeypatch,
                                                                      caplog):
   """min_tokens_per_slot: the pool holds max_slots sequences of that many tokens (no

@@ -20,6 +20,11 @@ def test_one_replica_through_the_mesh_code_gives_the_engine_tokens(tiny, engine3
   want = [r.samples[0].token_ids for r in engine32.generate(requests)]
   assert got == want
   assert replicas.trace_counts == replicas.engines[0].trace_counts  # summed over replicas
+  # Any iterable, as Engine.generate (a generator gave [] here: the check had read it).
+  from_generator = replicas.generate(r for r in requests)
+  assert [r.samples[0].token_ids for r in from_generator] == want
+  with pytest.raises(ValueError, match="requests must be a list of requests, got one Request"):
+    replicas.generate(requests[0])
 
 
 def test_build_engine_and_one_line_errors(tiny):
