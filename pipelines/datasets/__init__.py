@@ -9,8 +9,6 @@ unreadable) raises `DatasetError`.
 from pipelines.datasets.custom_jsonl import FieldMapping, read_custom_jsonl
 from pipelines.datasets.gsm8k import (DatasetUnavailableError, load_gsm8k_hf,
                                       load_gsm8k_tfds, read_gsm8k_jsonl)
-from pipelines.datasets.gsm_synthetic import (SyntheticProblem, generate,
-                                              synthetic_examples)
 from pipelines.datasets.humaneval import humaneval_examples, load_humaneval
 from pipelines.datasets.records import (DatasetChangedError, DatasetError, DeadLetter, Duplicate,
                                         Example, LoadResult, normalize_answer)
@@ -21,3 +19,13 @@ __all__ = [
     "load_gsm8k_tfds", "load_humaneval", "normalize_answer", "read_custom_jsonl",
     "read_gsm8k_jsonl", "synthetic_examples",
 ]
+
+
+def __getattr__(name: str):
+  """The generator's names, imported when first asked for: imported here, the module was in
+  sys.modules before `python -m pipelines.datasets.gsm_synthetic` ran it (runpy's
+  RuntimeWarning on every run of the documented command)."""
+  if name in ("SyntheticProblem", "generate", "synthetic_examples"):
+    from pipelines.datasets import gsm_synthetic
+    return getattr(gsm_synthetic, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,9 @@ Records use GSM8K's own format: ``question`` and ``answer`` (a short worked
 solution with ``<<a+b=c>>`` calculator annotations, ending in ``#### N``),
 plus ``id``, ``level`` and ``template``.
 
-Determinism: problem i depends only on (seed, i, levels), through its own RNG,
-so the first n problems are the same whatever count is requested.
+Determinism: problem i depends only on (seed, i, levels), through its own RNG, and
+on the problems before it (a question already asked is drawn again), so the first n
+problems are the same whatever count is requested.
 
   python -m pipelines.datasets.gsm_synthetic --n 200 --seed 0 --out FILE.jsonl
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import numbers
+import os
 import random
 import sys
 from fractions import Fraction
@@ -157,8 +160,13 @@ def _calc(*tokens) -> tuple[int, str]:
   return r, f"{spaced} = <<{compact}={r}>>{r}"
 
 
+def _count(n: int, one: str, many: str) -> str:
+  """"1 mile", "3 miles": a count of something in a question's words."""
+  return f"{n} {one if n == 1 else many}"
+
+
 def _hours(h: int) -> str:
-  return f"{h} hour" if h == 1 else f"{h} hours"
+  return _count(h, "hour", "hours")
 
 
 Template = Callable[[_Ctx], tuple[str, list[str], int]]
@@ -425,8 +433,9 @@ def _three_days_walk(c: _Ctx):
   p = c.person()
   a, b, d = c.n(1, 9), c.n(1, 9), c.n(1, 9)
   what = c.pick(("walked", "cycled", "jogged"))
-  q = (f"{p.name} {what} {a} miles on Monday, {b} miles on Tuesday and {d} miles on "
-       f"Wednesday. How many miles did {p.he} cover in the three days?")
+  q = (f"{p.name} {what} {_count(a, 'mile', 'miles')} on Monday, {_count(b, 'mile', 'miles')} "
+       f"on Tuesday and {_count(d, 'mile', 'miles')} on Wednesday. How many miles did {p.he} "
+       f"cover in the three days?")
   t, s1 = _calc(a, "+", b)
   r, s2 = _calc(t, "+", d)
   return q, [f"On the first two days {p.he} covered {s1} miles.",
@@ -513,7 +522,8 @@ def _class_groups(c: _Ctx):
   boys = c.n(1, total - 1)
   girls = total - boys
   per, (_, items) = c.n(2, 6), c.pick(_ITEMS)
-  q = (f"A class has {boys} boys and {girls} girls. The teacher puts the children into "
+  q = (f"A class has {_count(boys, 'boy', 'boys')} and {_count(girls, 'girl', 'girls')}. "
+       f"The teacher puts the children into "
        f"groups of {k}, and gives each group {per} {items}. How many {items} does the "
        f"teacher give out?")
   t, s1 = _calc(boys, "+", girls)
@@ -737,11 +747,18 @@ def template_names(level: int) -> list[str]:
   return [name for name, _ in _TEMPLATES[level]]
 
 
-def generate_one(seed: int, index: int, level: int) -> SyntheticProblem:
-  """Problem `index` of the stream for `seed` at `level`; a pure function."""
-  if level not in _TEMPLATES:
-    raise ValueError(f"level must be one of {LEVELS}, got {level}")
-  rng = random.Random(f"{DATASET}:{seed}:{level}:{index}")
+def _check_level(level) -> int:
+  if isinstance(level, bool) or not isinstance(level, numbers.Integral) or level not in _TEMPLATES:
+    raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+  return int(level)
+
+
+def generate_one(seed: int, index: int, level: int, redraw: int = 0) -> SyntheticProblem:
+  """Problem `index` of the stream for `seed` at `level`; a pure function. redraw k > 0:
+  the k-th other draw for that place (`generate` takes it where the first repeats an
+  earlier problem's question)."""
+  level = _check_level(level)
+  rng = random.Random(f"{DATASET}:{seed}:{level}:{index}" + (f":{redraw}" if redraw else ""))
   for _ in range(1000):
     name, fn = rng.choice(_TEMPLATES[level])
     try:
@@ -758,14 +775,24 @@ def generate(n: int, seed: int = 0,
              levels: Sequence[int] = LEVELS) -> Iterator[SyntheticProblem]:
   """`n` problems; problem i has level ``levels[i % len(levels)]``.
 
-  Problem i depends only on (seed, i, levels), so asking for more problems
-  extends the list without changing its first part.
+  Problem i depends only on (seed, i, levels) and the problems before it, so asking for
+  more problems extends the list without changing its first part. A question already
+  asked is drawn again (`generate_one`'s redraw): a repeat counted twice in an accuracy
+  and its interval (level 1 repeated 10-19 of 1,000).
   """
-  levels = tuple(levels)
+  levels = tuple(_check_level(level) for level in levels)
   if not levels:
     raise ValueError("levels must not be empty")
+  asked: set[str] = set()
   for i in range(n):
-    yield generate_one(seed, i, levels[i % len(levels)])
+    for redraw in range(1000):
+      problem = generate_one(seed, i, levels[i % len(levels)], redraw)
+      if problem.question not in asked:
+        break
+    else:
+      raise RuntimeError(f"problem {i} of seed {seed} repeats an earlier one in 1000 draws")
+    asked.add(problem.question)
+    yield problem
 
 
 def synthetic_examples(n: int, seed: int = 0,
@@ -776,12 +803,19 @@ def synthetic_examples(n: int, seed: int = 0,
 
 
 def write_jsonl(path: str, problems: Iterator[SyntheticProblem]) -> int:
-  """Write problems as GSM8K-format JSONL; returns how many were written."""
+  """Write problems as GSM8K-format JSONL; returns how many were written. The file
+  appears whole (a temporary file renamed): a failure leaves an existing file as it was."""
+  tmp = f"{path}.{os.getpid()}.tmp"
   count = 0
-  with open(path, "w", encoding="utf-8") as f:
-    for prob in problems:
-      f.write(json.dumps(prob.to_record(), ensure_ascii=False) + "\n")
-      count += 1
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      for prob in problems:
+        f.write(json.dumps(prob.to_record(), ensure_ascii=False) + "\n")
+        count += 1
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   return count
 
 
@@ -793,7 +827,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="comma-separated levels, cycled over problem indices")
   parser.add_argument("--out", required=True, help="output JSONL path ('-' for stdout)")
   args = parser.parse_args(argv)
-  levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
+  try:  # (before the file is opened: a bad level had replaced it with a partial one)
+    levels = tuple(_check_level(int(x)) for x in args.levels.split(",") if x.strip())
+  except ValueError:
+    parser.error(f"--levels {args.levels!r}: expected comma-separated levels from {LEVELS}")
+  if not levels:
+    parser.error(f"--levels {args.levels!r}: expected comma-separated levels from {LEVELS}")
+  if args.n < 1:
+    parser.error(f"--n {args.n}: expected a count >= 1")
+  if args.out != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+    parser.error(f"--out {args.out}: its directory does not exist")
   problems = generate(args.n, args.seed, levels)
   if args.out == "-":
     for prob in problems:

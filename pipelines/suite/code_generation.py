@@ -10,7 +10,8 @@ Scoring is HumanEval's: prompt + code + test + `check(entry_point)` run in the s
 ran. The summary reports pass@1 (greedy) and pass@k for every k <= n (policy=sample_n).
 
 The generated tasks come from 12 templates, 3 instances each, with parameters drawn from a
-seeded RNG (`random.Random(f"suite/code:{seed}:{index}")`). The docstring shows two
+seeded RNG (`random.Random(f"suite/code:{seed}:{index}")`, drawn again where a function
+repeats an earlier one). The docstring shows two
 examples; the hidden test checks 6 other inputs, not all with one output (a constant
 answer never passes). Expected outputs are computed by running
 the template's own reference solution (project text, not model output) in this process.
@@ -163,9 +164,11 @@ def _reference_function(source: str, name: str):
   return namespace[name]
 
 
-def generated_task(seed: int, index: int) -> Example:
-  """Generated task `index` (0-based): template index % 12, its own RNG; a pure function."""
-  rng = random.Random(f"suite/code:{seed}:{index}")
+def generated_task(seed: int, index: int, redraw: int = 0) -> Example:
+  """Generated task `index` (0-based): template index % 12, its own RNG; a pure function.
+  redraw k > 0: the k-th other draw (`generate` takes it where the first repeats an
+  earlier task's function)."""
+  rng = random.Random(f"suite/code:{seed}:{index}" + (f":{redraw}" if redraw else ""))
   spec = TEMPLATES[index % len(TEMPLATES)](rng)
   name = spec["name"]
   fn = _reference_function(f"def {name}{spec['sig']}:\n{spec['body']}", name)
@@ -207,7 +210,14 @@ def generate(n: int, seed: int) -> list[Example]:
     out.append(Example(id=f"suite/code/{ex.id}", dataset="suite", question=ex.question,
                        reference=ex.reference,
                        metadata={**ex.metadata, "category": CATEGORY, "source": "humaneval"}))
-  out += [generated_task(seed, i) for i in range(max(n - len(out), 0))]
+  named: set[str] = set()
+  for i in range(max(n - len(out), 0)):
+    # A function asked for again (same name, same docstring) counted twice; drawn again
+    # while its template has parameters left (a template has 3 or more).
+    task = next((t for t in (generated_task(seed, i, k) for k in range(100))
+                 if t.metadata["entry_point"] not in named), None) or generated_task(seed, i)
+    named.add(task.metadata["entry_point"])
+    out.append(task)
   return out
 
 

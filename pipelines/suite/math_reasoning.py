@@ -9,7 +9,7 @@ normalization. The headline is strict; with a voting policy the summary also vot
 
 from __future__ import annotations
 
-from pipelines.datasets.gsm_synthetic import LEVELS, generate_one
+from pipelines.datasets import gsm_synthetic
 from pipelines.datasets.records import Example
 from pipelines.tasks import score_gsm8k
 
@@ -17,10 +17,10 @@ CATEGORY = "math"
 
 
 def generate(n: int, seed: int) -> list[Example]:
-  """Problem i has level LEVELS[i % 4]; the generator's own stream (seed, index, level)."""
+  """Problem i has level LEVELS[i % 4]; the generator's own stream (no question twice)."""
   out = []
-  for i in range(n):
-    ex = generate_one(seed, i, LEVELS[i % len(LEVELS)]).to_example()
+  for i, problem in enumerate(gsm_synthetic.generate(n, seed, gsm_synthetic.LEVELS)):
+    ex = problem.to_example()
     out.append(Example(id=f"suite/math/{i}", dataset="suite", question=ex.question,
                        reference=ex.reference, metadata={**ex.metadata, "category": CATEGORY}))
   return out

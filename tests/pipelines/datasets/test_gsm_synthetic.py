@@ -144,9 +144,54 @@ def test_cli_writes_readable_gsm8k_jsonl(tmp_path):
 
 def test_cli_as_module(tmp_path):
   out = tmp_path / "m.jsonl"
-  subprocess.run([sys.executable, "-m", "pipelines.datasets.gsm_synthetic", "--n", "5",
-                  "--seed", "2", "--levels", "1", "--out", str(out)], check=True,
-                 capture_output=True, timeout=120,
-                 cwd=pathlib.Path(__file__).resolve().parents[3])  # repo root
+  proc = subprocess.run([sys.executable, "-m", "pipelines.datasets.gsm_synthetic", "--n", "5",
+                         "--seed", "2", "--levels", "1", "--out", str(out)], check=True,
+                        capture_output=True, text=True, timeout=120,
+                        cwd=pathlib.Path(__file__).resolve().parents[3])  # repo root
   recs = [json.loads(l) for l in out.read_text().splitlines()]
   assert len(recs) == 5 and {r["level"] for r in recs} == {1}
+  # (runpy's "found in sys.modules after import of package" warning, every run before)
+  assert proc.stderr == f"wrote 5 problems to {out}\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--levels", "1,2,5"], r"--levels '1,2,5': expected comma-separated levels from \(1, 2, 3, 4\)"),
+    (["--levels", "1,x"], r"--levels '1,x': expected"),
+    (["--levels", ","], r"--levels ',': expected"),
+    (["--n", "-3"], r"--n -3: expected a count >= 1"),
+])
+def test_cli_bad_input_is_one_line_and_leaves_the_file(tmp_path, capsys, args, message):
+  """Before: a traceback after the file had been replaced by a partial one (--levels 5:
+  200 problems became 2), or 'wrote 0 problems' (--n -3)."""
+  out = tmp_path / "keep.jsonl"
+  out.write_text("the user's file\n")
+  with pytest.raises(SystemExit) as e:
+    gs.main([*args, "--out", str(out)])
+  assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
+  assert out.read_text() == "the user's file\n"
+  with pytest.raises(SystemExit):
+    gs.main(["--out", str(tmp_path / "nowhere" / "x.jsonl")])
+
+
+def test_no_question_is_asked_twice_and_more_problems_keep_the_first():
+  """Level 1 repeated 10-19 of 1,000 questions a seed (counted twice in an accuracy)."""
+  for seed in (0, 1):
+    problems = list(gs.generate(1000, seed, levels=(1,)))
+    assert len({p.question for p in problems}) == 1000
+    assert list(gs.generate(300, seed, levels=(1,))) == problems[:300]
+  assert gs.generate_one(0, 5, 1, redraw=1).question != gs.generate_one(0, 5, 1).question
+
+
+def test_a_count_of_one_reads_singular():
+  """'1 miles', '1 boys', '1 girls' in the questions (87 + 31 of 10,000)."""
+  questions = [p.question for seed in (0, 1) for p in gs.generate(2000, seed)]
+  assert not [q for q in questions if re.search(r"\b1 (miles|boys|girls|hours)\b", q)]
+  assert any(re.search(r"\b1 mile\b", q) for q in questions)
+  assert any(re.search(r"\b1 (boy|girl)\b", q) for q in questions)
+
+
+@pytest.mark.parametrize("level", [True, 1.0, "1", 0])
+def test_a_level_is_an_int_of_the_generator(level):
+  # Before: True and 1.0 were level 1, written into the records as true / 1.0.
+  with pytest.raises(ValueError, match=r"level must be one of \(1, 2, 3, 4\), got "):
+    list(gs.generate(2, 0, levels=(level,)))

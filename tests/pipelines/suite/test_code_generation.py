@@ -71,3 +71,17 @@ def test_no_generated_test_is_passed_by_a_constant():
       expected = {repr(ast.literal_eval(line.split(") == ", 1)[1]))
                   for line in test.splitlines() if ") == " in line}
       assert len(expected) > 1, (seed, index, test)
+
+
+def test_no_generated_function_is_asked_for_twice():
+  """Seed 0 asked for words_longer_than_4 and chunk_sums_of_3 twice each (34 distinct
+  tasks of 36); a template whose parameters run out (more tasks than specs) repeats."""
+  for seed in range(4):
+    generated = [e for e in code.generate(200, seed) if e.metadata["source"] == "generated"]
+    names = [e.metadata["entry_point"] for e in generated]
+    assert len(generated) == 36 and len(set(names)) == 36, seed
+    # A task drawn first is the pure function's; a redrawn one is its own draw.
+    assert all(e == code.generated_task(seed, i) for i, e in enumerate(generated)
+               if e.metadata["entry_point"] == code.generated_task(seed, i).metadata["entry_point"])
+  many = [e for e in code.generate(164 + 120, 0) if e.metadata["source"] == "generated"]
+  assert len(many) == 120 and len({e.metadata["entry_point"] for e in many}) < 120
