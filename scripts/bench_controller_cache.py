@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from script_args import output_file, run_as_script, user_errors  # noqa: E402
 
 QUESTION = ("Tom has 3 boxes with 12 apples each. He gives away 7 apples and buys 5 more. "
             "How many apples does he have now?")
@@ -78,6 +78,7 @@ def memory(ctl, request, settings, n: int) -> dict:
   return out
 
 
+@user_errors
 def main(argv=None) -> int:
   a = parse_args(argv)
   enable_compilation_cache()
@@ -135,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  run_as_script(main)

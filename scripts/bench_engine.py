@@ -31,6 +31,9 @@ import resource
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (sibling modules)
+from script_args import run_as_script, user_errors  # noqa: E402
+
 
 def peak_rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -243,6 +246,7 @@ def run_reference(which: str, args, gguf, prompts) -> dict | None:
 # --- main ------------------------------------------------------------------------------
 
 
+@user_errors
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="embedded",
@@ -250,7 +254,9 @@ def main(argv=None) -> int:
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--concurrency", default="1,8,32,64")
   ap.add_argument("--hf-batches", default="1,8,32")
-  ap.add_argument("--threads", type=int, default=os.cpu_count())
+  ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                  help="cores for every system: llama.cpp's and torch's thread count, and the "
+                       "CPUs this process (o1jax: XLA's threads, the native kernels) may run on")
   ap.add_argument("--matmul-dtypes", default="float32,bfloat16,int8",
                   help="o1jax rows for each Llama matmul_dtype (float32 = exact reference)")
   ap.add_argument("--kv-dtypes", default="float32",
@@ -272,6 +278,11 @@ def main(argv=None) -> int:
     ap.error("--temperature measures the engine's sampled decode alone: the references "
              "decode greedily; add --skip-llamacpp --skip-hf")
   hf_batches = [int(x) for x in args.hf_batches.split(",") if x]
+  cpus = sorted(os.sched_getaffinity(0))
+  if not 1 <= args.threads <= len(cpus):
+    ap.error(f"--threads {args.threads}: this process may run on {len(cpus)} CPUs")
+  if args.threads < len(cpus):  # (before JAX starts; o1jax had used every core regardless)
+    os.sched_setaffinity(0, cpus[:args.threads])
   if args.only:  # child process: no JAX here (see run_reference)
     import pathlib
 
@@ -349,4 +360,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  run_as_script(main)

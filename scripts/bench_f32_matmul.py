@@ -28,7 +28,7 @@ import numpy as np
 from pallas_kernels import f32_matmul as f32m
 from pallas_kernels import native, ops
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from script_args import count, counts, output_file  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
@@ -61,9 +61,9 @@ def program(matmul):
 def bench_args(argv, description: str, rows: str, layers: int) -> argparse.Namespace:
   """The flags of the matmul benches: row counts, rounds, layers, a JSON output."""
   ap = argparse.ArgumentParser(description=description.split("\n")[0])
-  ap.add_argument("--rows", default=rows)
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--layers", type=int, default=layers)
+  ap.add_argument("--rows", type=counts(1), default=rows)
+  ap.add_argument("--rounds", type=count(1), default=3)
+  ap.add_argument("--layers", type=count(1), default=layers)
   ap.add_argument("--json", type=output_file, default="")
   return ap.parse_args(argv)
 
@@ -88,7 +88,7 @@ def main(argv=None):
 
   xla = program(lambda x, w: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))
   kernel = program(ops.tiled_f32_matmul)
-  rows = [int(r) for r in args.rows.split(",")]
+  rows = args.rows
   results = []
   print(f"{'rows':>5} {'round':>5} {'xla ms':>8} {'native ms':>9} {'native/xla':>10}")
   for round_ in range(args.rounds):

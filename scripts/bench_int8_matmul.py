@@ -67,7 +67,7 @@ def main(argv=None):
   weights = {f: _weights(f, args.layers, rng) for f in formats}
 
   run = program(ops.int8_matmul)
-  rows = [int(r) for r in args.rows.split(",")]
+  rows = args.rows
   results = []
   print(f"build {native.int8_matmul_build()}")
   print(f"{'rows':>5} {'round':>5} " + " ".join(f"{f + ' ms':>12}" for f in formats)

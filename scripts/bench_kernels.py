@@ -360,6 +360,8 @@ def main(argv=None):
 
   CHECKPOINT = write if args.out else None
   only = set(args.only.split(","))
+  if not only <= {"qmm", "decode", "prefill"}:  # (a typo ran nothing and said 0)
+    p.error(f"--only {args.only!r}: expected comma-separated kernels of qmm, decode, prefill")
   formats = tuple(args.formats.split(","))
   for fmt in formats:
     if fmt not in FORMAT_NAMES:
@@ -378,7 +380,11 @@ def main(argv=None):
       except Exception as e:  # keep the other kernels' numbers when one fails
         print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
         rows.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
-  targets = check_targets(rows)
+  # The targets and the dispatch rule compare the Pallas kernels with XLA: off a GPU the
+  # op is XLA's on both sides (a "met" by construction).
+  targets = check_targets(rows) if backend == "pallas" else None
+  if targets is None:
+    print(f"targets and dispatch: not judged (op backend {backend}: the kernels run on a GPU)")
   if args.out:
     write(rows, targets)
   return 1 if any("error" in r for r in rows) else 0

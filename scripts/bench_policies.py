@@ -20,7 +20,8 @@ On the embedded SmolLM2-135M and `synthetic_examples` (levels 1-2 by default):
      rows named `<policy>+spec`, with drafts verified / accepted and verify calls;
   5. writes results.json, table.md and pareto.png (accuracy vs mean tokens and vs
      seconds per problem, Pareto frontiers marked; speculation moves only the
-     seconds) to --out.
+     seconds) to --out (default: bench_policies under the temporary directory, never
+     the working directory: a run from the repo's root wrote into the checkout).
 """
 
 from __future__ import annotations
@@ -30,42 +31,65 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
+from script_args import count, levels as level_list  # noqa: E402
+
+# What each policy row runs (`policy_params`); deepconf_calibrated is deepconf with a
+# calibrated threshold.
+POLICY_ROWS = ("greedy_cot", "self_consistency", "best_of_n", "deepconf", "deepconf_calibrated",
+               "think_verify_backtrack", "budget_forcing")
+
+
+def policy_list(text: str) -> list[str]:
+  """Comma-separated POLICY_ROWS (a typo ended the run when its turn came, the rows
+  before it unwritten)."""
+  names = [x.strip() for x in text.split(",") if x.strip()]
+  unknown = [x for x in names if x not in POLICY_ROWS]
+  if not names or unknown:
+    raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: expected "
+                                     f"comma-separated policies of {', '.join(POLICY_ROWS)}")
+  return names
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--problems", type=int, default=16)
-  p.add_argument("--levels", default="1,2")
+  p.add_argument("--problems", type=count(1), default=16)
+  p.add_argument("--levels", type=level_list, default=[1, 2])
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--n", type=int, default=8, help="samples for self_consistency / deepconf / best_of_n")
-  p.add_argument("--warmup", type=int, default=2, help="deepconf warm-up traces")
-  p.add_argument("--max-thinking", type=int, default=96)
-  p.add_argument("--max-answer", type=int, default=12)
-  p.add_argument("--max-rows", type=int, default=16)
+  p.add_argument("--n", type=count(1), default=8,
+                 help="samples for self_consistency / deepconf / best_of_n")
+  p.add_argument("--warmup", type=count(1), default=2, help="deepconf warm-up traces")
+  p.add_argument("--max-thinking", type=count(1), default=96)
+  p.add_argument("--max-answer", type=count(1), default=12)
+  p.add_argument("--max-rows", type=count(1), default=16)
   p.add_argument("--cache", default="contiguous", choices=("contiguous", "paged"),
                  help="the controller's KV cache (the README's tables used contiguous)")
   p.add_argument("--matmul-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
                  help="the model's matmul numerics (int8: the engine's fast CPU path)")
   p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
                  help="the controller's KV cache dtype")
-  p.add_argument("--bootstrap", type=int, default=10000,
+  p.add_argument("--bootstrap", type=count(1), default=10000,
                  help="paired bootstrap resamples for the accuracy-difference interval")
-  p.add_argument("--policies", default="greedy_cot,self_consistency,deepconf,deepconf_calibrated,"
-                                       "best_of_n,think_verify_backtrack,budget_forcing")
-  p.add_argument("--calibration-problems", type=int, default=8,
+  p.add_argument("--policies", type=policy_list,
+                 default="greedy_cot,self_consistency,deepconf,deepconf_calibrated,best_of_n,"
+                         "think_verify_backtrack,budget_forcing")
+  p.add_argument("--calibration-problems", type=count(1), default=8,
                  help="held-out problems (seed + 1000) that calibrate deepconf_calibrated")
-  p.add_argument("--overhead-tokens", type=int, default=64, help="0 skips the overhead row")
+  p.add_argument("--overhead-tokens", type=count(0), default=64, help="0 skips the overhead row")
   p.add_argument("--speculative", action="store_true",
                  help="also run every policy with prompt-lookup speculation in the loop")
-  p.add_argument("--max-drafts", type=int, default=7, help="drafts per verify call (--speculative)")
-  p.add_argument("--out", default="bench_policies_out")
+  p.add_argument("--max-drafts", type=count(1), default=7,
+                 help="drafts per verify call (--speculative)")
+  p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_policies"),
+                 help="directory of the results (default: %(default)s)")
   return p.parse_args(argv)
 
 
@@ -163,7 +187,7 @@ def main(argv=None) -> int:
   spec_ctl = (Controller(decode_model, ck.tokenizer, max_rows=a.max_rows,
                          speculative=SpeculativeConfig(max_drafts=a.max_drafts))
               if a.speculative else None)
-  levels = [int(x) for x in a.levels.split(",")]
+  levels = a.levels
   examples, requests = gsm_requests(a.problems, a.seed, levels)
   prompts = [r.prompt for r in requests]
 
@@ -179,9 +203,9 @@ def main(argv=None) -> int:
   rows = []
   correct_by = {}
   calibration = None
-  runs = [(name, False) for name in a.policies.split(",")]
+  runs = [(name, False) for name in a.policies]
   if a.speculative:
-    runs += [(name, True) for name in a.policies.split(",")]
+    runs += [(name, True) for name in a.policies]
   for name, speculate in runs:
     row_name = name + ("+spec" if speculate else "")
     ctl_used = spec_ctl if speculate else ctl
@@ -268,7 +292,7 @@ def main(argv=None) -> int:
     r["pareto_seconds"] = i in front_s
   (out / "results.json").write_text(json.dumps(summary, indent=1))
 
-  lines = [f"{len(examples)} synthetic GSM problems (levels {a.levels}), embedded SmolLM2-135M, "
+  lines = [f"{len(examples)} synthetic GSM problems (levels {','.join(map(str, a.levels))}), embedded SmolLM2-135M, "
            f"n={a.n}, max thinking {a.max_thinking} tokens, max answer {a.max_answer} tokens "
            f"after the prefix, {a.cache} KV cache ({a.kv_dtype}), {a.matmul_dtype} matmuls; "
            f"{summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "
@@ -333,6 +357,7 @@ def main(argv=None) -> int:
     ax.set_title(f"{len(examples)} synthetic GSM problems, SmolLM2-135M", fontsize=9)
   fig.tight_layout()
   fig.savefig(out / "pareto.png", dpi=120)
+  print(f"wrote results.json, table.md and pareto.png to {out}", flush=True)
   return 0
 
 

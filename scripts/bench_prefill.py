@@ -15,14 +15,19 @@ Prints prompt tok/s per run and the ratio of each row's mean to the first row's.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 
 from o1jax.checkpoint import load_checkpoint
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request
 from o1jax.model import Llama
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (sibling modules)
+from script_args import run_as_script, user_errors  # noqa: E402
 
 WORDS = ("the report says that the committee met on tuesday and agreed to fund the new bridge "
          "over the river while the council asked for a second study of traffic costs").split()
@@ -32,6 +37,7 @@ def prompts(rng: random.Random, count: int, words: int) -> list[str]:
   return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
 
 
+@user_errors
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
@@ -81,4 +87,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  run_as_script(main)

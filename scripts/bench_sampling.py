@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
 
 from o1jax.model.sampling import sample  # noqa: E402
+from script_args import count  # noqa: E402
 
 
 def sort_sample(logits, keys, temperature, top_k, top_p, min_p):
@@ -58,9 +60,9 @@ def time_call(f, args, repeats: int) -> float:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--rows", type=int, default=32)
-  p.add_argument("--vocab", type=int, default=49152)
-  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--rows", type=count(1), default=32)
+  p.add_argument("--vocab", type=count(2), default=49152)
+  p.add_argument("--repeats", type=count(1), default=10)
   a = p.parse_args(argv)
   rng = np.random.default_rng(0)
   base = -1.1 * np.log(np.arange(1, a.vocab + 1))

@@ -67,7 +67,7 @@ def main():
   plain_isolated = timed('unsandboxed: python -I -S -B file.py', args.workers,
                          lambda p: run_unsandboxed(base_python, ['-I', '-S', '-B'],
                                                    plain_program(p), 10), problems)
-  sandboxed = timed('sandboxed: Sandbox.run_many', args.workers,
+  sandboxed = timed('sandboxed: Sandbox.run', args.workers,
                     lambda p: sandbox.run(humaneval_program(p, p['canonical_solution'])).passed,
                     problems)
   print(f'overhead per execution: {plain / sandboxed:.2f}x vs `python file.py`, '

@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from script_args import output_file, run_as_script, user_errors  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,6 +55,7 @@ def questions(count: int) -> list[str]:
           f"cows. How many cows does he have left?" for i in range(count)]
 
 
+@user_errors
 def main(argv=None) -> dict:
   a = parse_args(argv)
   enable_compilation_cache()
@@ -114,4 +115,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_as_script(main)

@@ -55,7 +55,7 @@ from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
 from o1jax.model import Llama
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from script_args import output_file, run_as_script, user_errors  # noqa: E402
 
 
 def copy_prompts(n: int, seed: int = 0) -> list:
@@ -100,6 +100,28 @@ def code_prompts(n: int, seed: int = 0) -> list:
 
 
 TASKS = {"copy": copy_prompts, "gsm": gsm_prompts, "code": code_prompts}
+DRAFTER_KINDS = ("prompt_lookup", "early_exit", "draft_model")
+
+
+def task_list(text: str) -> list[str]:
+  names = [t for t in text.split(",") if t]
+  if not names or any(t not in TASKS for t in names):
+    raise argparse.ArgumentTypeError(f"expected comma-separated tasks of {', '.join(TASKS)}, "
+                                     f"got {text!r}")
+  return names
+
+
+def drafter_list(text: str) -> list[str]:
+  """prompt_lookup, early_exit:L (L >= 1), draft_model[:matmul dtype] (a typo failed after
+  the plain run)."""
+  names = [d for d in text.split(",") if d]
+  for name in names:
+    kind, _, arg = name.partition(":")
+    if kind not in DRAFTER_KINDS or (kind == "early_exit" and not (arg.isdigit() and int(arg))):
+      raise argparse.ArgumentTypeError(
+          f"{name!r}: expected drafters of prompt_lookup, early_exit:L (L >= 1), "
+          f"draft_model[:DTYPE]")
+  return names
 
 
 def drafter_config(name: str, args, ck, drafts: dict):
@@ -209,12 +231,14 @@ def controller_configs(model, ck, batch, args):
           ("plain (again)", make(None))]
 
 
+@user_errors
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
-  ap.add_argument("--tasks", default="copy,gsm,code")
+  ap.add_argument("--tasks", type=task_list, default="copy,gsm,code")
   ap.add_argument("--batches", default="1,8,32")
-  ap.add_argument("--drafters", default="prompt_lookup,early_exit:8,early_exit:16,draft_model:int8")
+  ap.add_argument("--drafters", type=drafter_list,
+                  default="prompt_lookup,early_exit:8,early_exit:16,draft_model:int8")
   ap.add_argument("--max-new-tokens", type=int, default=96)
   ap.add_argument("--max-drafts", type=int, default=7)
   ap.add_argument("--matmul-dtype", default="float32")
@@ -232,7 +256,11 @@ def main(argv=None):
   enable_compilation_cache()
   ck = load_checkpoint(args.source)
   model = Llama(ck.config, ck.params, matmul_dtype=args.matmul_dtype)
-  drafters = [d for d in args.drafters.split(",") if d]
+  drafters = args.drafters
+  for name in drafters if not args.controller else ():  # (before any run: the depth is known)
+    kind, _, arg = name.partition(":")
+    if kind == "early_exit" and int(arg) >= ck.config.n_layers:
+      ap.error(f"--drafters {name}: the model has {ck.config.n_layers} layers (exit below)")
   rows = []
   print(f"{'task':5} {'batch':>5} {'config':18} {'dec tok/s':>9} {'x plain':>7} {'e2e x':>6} "
         f"{'accept':>6} {'acc/verify':>10} {'verify%':>7} same compiled")
@@ -242,7 +270,7 @@ def main(argv=None):
       engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=batch, kv_cache_bytes=256 << 20,
                                                         kv_dtype=args.kv_dtype,
                                                         reuse_compiled_shapes=False))  # timed warm
-    for task in [t for t in args.tasks.split(",") if t]:
+    for task in args.tasks:
       prompts = TASKS[task](max(batch, 4))
       controllers = controller_configs(model, ck, batch, args) if args.controller else None
       for round_ in range(args.rounds):
@@ -306,4 +334,4 @@ def print_summary(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_as_script(main)

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file  # noqa: E402
+from script_args import output_file, run_as_script, user_errors  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,6 +40,7 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+@user_errors
 def main(argv=None):
   a = parse_args(argv)
   # Before jax is imported: the forced host devices.
@@ -123,4 +124,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  run_as_script(main)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from o1jax.compilation_cache import enable_compilation_cache  # noqa: E402
-from script_args import count, levels, user_errors  # noqa: E402
+from script_args import count, levels, percent, user_errors  # noqa: E402
 
 
 @user_errors
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=1000)
   p.add_argument("--levels", type=levels, default="1,2")
   p.add_argument("--n", type=count(1), default=8)
-  p.add_argument("--keep-percent", type=float, default=None,
+  p.add_argument("--keep-percent", type=percent, default=None,
                  help="default: deepconf's configured keep_percent")
   p.add_argument("--window", type=count(1), default=None, help="default: deepconf's configured window")
   p.add_argument("--max-thinking", type=count(0), default=96)

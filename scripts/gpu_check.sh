@@ -41,6 +41,7 @@
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage, and
 # gpu_check.tar.gz of all of them (or $GPU_CHECK_ARCHIVE), rewritten after each stage (a
 # device call brings back a few files only; a call cut at its limit keeps the archive).
+# Exit status: 2 without a GPU (nothing run), 1 when a stage failed (its rc is not 0), else 0.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]}
 STAGES=${2:-engine,speculative,bench}
@@ -64,6 +65,11 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/o1jax_gpu_che
   python -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__); print(jax.devices())" 2>&1
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
+# (each stage measures a GPU: on a CPU they failed one by one, and the script said 0)
+if ! python -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2> /dev/null; then
+  echo "gpu_check.sh: no GPU: jax's default backend is not gpu (see $OUT/env.txt)" >&2
+  exit 2
+fi
 
 pack() {  # the archive of OUTDIR, built beside the archive and renamed over it
   local archive=${GPU_CHECK_ARCHIVE:-$OUT/gpu_check.tar.gz} part
@@ -153,6 +159,12 @@ run_stage() {  # run_stage NAME
   esac
 }
 
+failed=()
 for name in ${STAGES//,/ }; do
   run_stage "$name"
+  [[ -f $OUT/$name.rc && $(cat "$OUT/$name.rc") != 0 ]] && failed+=("$name")
 done
+if ((${#failed[@]})); then
+  echo "gpu_check.sh: stages that failed: ${failed[*]} (their logs: $OUT)" >&2
+  exit 1
+fi

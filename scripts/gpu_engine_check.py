@@ -58,7 +58,8 @@ compares two backends on the same weights, which is what it needs.
       [--backends pallas] [--out F]
 
 On a CPU, correctness with --interpret runs the kernels in Pallas interpret
-mode (slow; use --layers 1); throughput runs the reference path only.
+mode (slow; use --layers 1); the other modes run with --backends reference only (the
+Pallas kernels compile for a GPU: refused in one line, not a traceback).
 """
 
 from __future__ import annotations
@@ -705,6 +706,13 @@ def main(argv=None) -> int:
   ap.add_argument("--out", type=output_file)
   args = ap.parse_args(argv)
   import jax
+
+  if jax.default_backend() != "gpu":  # (the Pallas kernels compile for a GPU only)
+    here = f"jax's backend here is {jax.default_backend()}"
+    if args.mode == "correctness" and not args.interpret:
+      ap.error(f"correctness compiles the Pallas kernels for a GPU ({here}): add --interpret")
+    if args.mode not in ("correctness", "hf") and "pallas" in args.backends.split(","):
+      ap.error(f"{args.mode} with backend pallas needs a GPU ({here}): pass --backends reference")
 
   global _listening
   if not _listening:  # once per process: a second main() would count every event twice

@@ -53,6 +53,14 @@ positive = _number(0, inclusive=False)
 non_negative = _number(0, inclusive=True)
 
 
+def percent(text: str) -> float:
+  """A percentage in (0, 100] (`--keep-percent 150` failed after the model loaded)."""
+  value = positive(text)
+  if value > 100:
+    raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text}")
+  return value
+
+
 def positive_numbers(text: str) -> list[float]:
   """Comma-separated finite numbers > 0 (`--loads 0` spun forever on NaN arrival times)."""
   values = numbers(text)

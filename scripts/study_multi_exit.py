@@ -49,7 +49,7 @@ def truncated(ck, exit_layer: int, matmul_dtype: str) -> Llama:
 
 @user_errors
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--source", default="embedded")
   ap.add_argument("--exits", type=counts(0), default="8,16,0",
                   help="layers of each exit; 0 = full depth")

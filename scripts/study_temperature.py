@@ -27,7 +27,7 @@ from o1jax.model import Llama
 from pipelines.datasets import Example
 from pipelines.task_specs import GSMTask
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import count, numbers, output_file, user_errors
+from script_args import count, numbers, output_file, run_as_script, user_errors
 
 
 @user_errors
@@ -68,7 +68,7 @@ def main(argv=None):
            "accuracy": float(np.mean([s["correct"] for s in scores])),
            "lengths": lengths.astype(int).tolist()}
     rows.append(row)
-    print(f"T={t:.1f}: {row['mean_tokens']:.1f} ± {row['std_tokens']:.1f} tokens, "
+    print(f"T={t:g}: {row['mean_tokens']:.1f} ± {row['std_tokens']:.1f} tokens, "
           f"> {args.long}: {row['long_share']:.0%}, at the limit: {row['limit_share']:.0%}, "
           f"accuracy {row['accuracy']:.2f}", flush=True)
   print()
@@ -76,7 +76,7 @@ def main(argv=None):
         f"{args.max_new_tokens}-token limit | accuracy |")
   print("|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['temperature']:.1f} | {r['mean_tokens']:.1f} ± {r['std_tokens']:.1f} | "
+    print(f"| {r['temperature']:g} | {r['mean_tokens']:.1f} ± {r['std_tokens']:.1f} | "
           f"{r['long_share']:.0%} | {r['limit_share']:.0%} | {r['accuracy']:.2f} |")
   out = {"args": vars(args), "rows": rows}
   if args.json:
@@ -88,7 +88,7 @@ def main(argv=None):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.boxplot([r["lengths"] for r in rows])
-    ax.set_xticks(range(1, len(rows) + 1), [f"T={r['temperature']:.1f}" for r in rows])
+    ax.set_xticks(range(1, len(rows) + 1), [f"T={r['temperature']:g}" for r in rows])
     ax.axhline(args.long, color="gray", lw=0.8)
     ax.set(ylabel="reasoning path (generated tokens)",
            title=f"path length by temperature ({len(examples)} problems; gray: {args.long})")
@@ -98,4 +98,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  run_as_script(main)

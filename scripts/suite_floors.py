@@ -19,6 +19,8 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
+from script_args import count, output_file  # noqa: E402
 from pipelines.suite import instructions, math_reasoning, multihop_qa, summarization  # noqa: E402
 
 
@@ -64,8 +66,9 @@ def floors(seed: int, n: int) -> list[dict]:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--n", type=int, default=200, help="items per category")
-  parser.add_argument("--out", help="also write the rows as JSON here")
+  parser.add_argument("--n", type=count(1), default=200, help="items per category")
+  parser.add_argument("--out", type=output_file, default="",
+                      help="also write the rows as JSON here")
   args = parser.parse_args()
   rows = floors(args.seed, args.n)
   print("| category | reply | metrics |\n|---|---|---|")

@@ -152,7 +152,8 @@ def main(argv=None) -> int:
     else:
       break
   if "gemv" in a.kernels and "dot" in a.kernels:
-    print(f"GEMV_MAX_ROWS supported by these rows: {gemv_max_rows}")
+    print(f"GEMV_MAX_ROWS supported by these rows: {gemv_max_rows}" + (
+        "" if on_gpu else " (interpret-mode times: a smoke test, no setting to take)"))
   if a.out:
     write(a.out, k, n, a.format, w0.group_size, gemv_max_rows, rows)
   return 0

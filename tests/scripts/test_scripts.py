@@ -3,8 +3,11 @@ the DeepConf threshold calibration, the sampling benchmark and bench_policies' s
 
 import importlib.util
 import json
+import os
 import re
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -605,3 +608,82 @@ def test_suite_floors_scores_replies_that_read_no_prompt():
   copied = by[("summarization", "the document, copied")]
   assert copied["key_fact_recall"] == 1.0 and copied["rouge_l"] < 0.1
   assert by[("qa", "the question, copied")]["exact_match"] == 0.0
+
+
+@pytest.mark.parametrize("kind, rel_rms", [("Q3_K", 0.17), ("Q6_K", 0.020)])
+def test_kquant_reencoding_takes_signed_scales_as_llama_cpp(kind, rel_rms):
+  """Q3_K / Q6_K scales are signed (llama.cpp's make_qx_quants): a group's largest value
+  takes the lowest code (-4 / -32) whatever its sign. Positive scales clipped a positive
+  peak at +3 / +31 steps (relative RMS error 0.182 / 0.0223 on a Gaussian matrix, where
+  the signed value set gives 0.155 / 0.0188)."""
+  from pallas_kernels.quantized_tensor import dequantize
+  acc = load("matmul_accuracy")
+  group, lo, hi, _, _ = acc.KQUANTS[kind]
+  w = np.random.default_rng(0).standard_normal((576, 64)).astype(np.float32)
+  qt = acc.kquantize(w, kind)
+  back = np.asarray(dequantize(qt), np.float32)
+  codes = np.asarray(qt.packed, np.int32)
+  assert codes.min() >= lo and codes.max() <= hi
+  assert np.sqrt(np.mean((back - w) ** 2) / np.mean(w ** 2)) < rel_rms
+  groups = w.reshape(-1, group, 64)
+  peak_at = np.abs(groups).argmax(axis=1)[:, None, :]
+  peak, peak_back = (np.take_along_axis(a.reshape(-1, group, 64), peak_at, axis=1)
+                     for a in (w, back))
+  step = np.abs(np.asarray(qt.scale)).reshape(-1, 1, 64)
+  assert (peak > 0).any() and (np.abs(peak - peak_back) <= 0.5 * step + 0.02 * np.abs(peak)).all()
+
+
+def test_bench_policies_checks_its_flags_before_the_model_and_writes_outside_the_checkout():
+  """A policy typo ended a 30-minute run at its turn (the rows before it unwritten);
+  --problems 0 divided by zero after the model loaded; the default --out was relative (a
+  run from the repo's root wrote into the checkout)."""
+  import tempfile
+  bench = load("bench_policies")
+  for argv in (["--policies", "greedy_cot,self_consistancy"], ["--problems", "0"],
+               ["--levels", "5"]):
+    with pytest.raises(SystemExit) as e:
+      bench.parse_args(argv)
+    assert e.value.code == 2
+  args = bench.parse_args([])
+  assert args.policies == list(bench.POLICY_ROWS[:1]) + ["self_consistency", "deepconf",
+                                                          "deepconf_calibrated", "best_of_n",
+                                                          "think_verify_backtrack",
+                                                          "budget_forcing"]
+  assert os.path.isabs(args.out) and args.out.startswith(tempfile.gettempdir())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["throughput", "--layers", "1"], "throughput with backend pallas needs a GPU"),
+    (["correctness", "--layers", "1"], "correctness compiles the Pallas kernels for a GPU"),
+])
+def test_gpu_engine_check_refuses_the_pallas_kernels_off_a_gpu_in_one_line(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    load("gpu_engine_check").main(argv)
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_gpu_check_sh_refuses_a_machine_without_a_gpu(tmp_path):
+  """Each stage failed with a traceback and the script said 0 (stage failures are exit 1)."""
+  env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+  proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(tmp_path / "gc"), "engine"],
+                        capture_output=True, text=True, timeout=120, env=env)
+  assert proc.returncode == 2 and "gpu_check.sh: no GPU" in proc.stderr
+  assert not (tmp_path / "gc" / "engine.log").exists()
+
+
+def test_bench_kernels_refuses_an_unknown_kernel_name(capsys):
+  with pytest.raises(SystemExit) as e:  # (--only qmmm ran nothing and said 0)
+    load("bench_kernels").main(["--only", "qmmm"])
+  assert e.value.code == 2 and "expected comma-separated kernels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, flag", [
+    ("bench_engine", "--model"), ("bench_prefill", "--source"), ("bench_speculative", "--source"),
+    ("bench_shared_prefix", "--model"), ("bench_tensor_parallel", "--model"),
+    ("bench_controller_cache", "--model"), ("study_temperature", "--source")])
+def test_a_missing_checkpoint_is_one_error_line_and_exit_2(name, flag, tmp_path, capsys):
+  missing = tmp_path / "nope.gguf"
+  assert load(name).main([flag, str(missing)]) == 2
+  assert capsys.readouterr().err == f"error: {missing}: no such file or directory\n"
+  text = (SCRIPTS / f"{name}.py").read_text()
+  assert 'if __name__ == "__main__":\n  run_as_script(main)' in text  # (its code is the exit's)
