@@ -314,6 +314,7 @@ def main(argv=None) -> int:
   kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
   step_counts = [int(x) for x in args.decode_steps.split(",") if x]
   ours = {}  # row label -> results; the label names the KV dtype when it is not f32
+  exact = None  # the first f32-matmul, f32-KV row: the others' tokens are compared with it
   for d in dtypes:
     for kv in kv_dtypes:
       for k in step_counts:
@@ -321,6 +322,8 @@ def main(argv=None) -> int:
         label += f", {k} steps/call" if len(step_counts) > 1 else ""
         ours[label] = bench_o1jax(ck, prompts, concurrency, args.new_tokens, d, kv, k,
                                   args.temperature, args.top_p)
+        if exact is None and d == kv == "float32":
+          exact = label
 
   print("\n| system | matmuls | concurrency | gen tok/s | prompt tok/s | peak RSS MiB | x llama.cpp "
         "| x transformers |")
@@ -344,12 +347,13 @@ def main(argv=None) -> int:
     for d, rows in ours.items():
       print(f"  {d}: " + ", ".join(f"c={c}: {r['ms_per_step']:.2f} ms ({r['decode_calls']} calls)"
                                    for c, r in rows.items()))
-  if "float32" in ours:
+  if exact is not None:  # (named "float32" only with one steps/call value and f32 KV)
     for d, rows in ours.items():
-      if d != "float32":
-        print(f"{'sampled' if args.temperature > 0 else 'greedy'} tokens of {d} equal to float32 (share of each sequence before the first "
-              f"difference, mean over requests): "
-              f"{ {c: round(agreement(r['token_ids'], ours['float32'][c]['token_ids']), 3) for c, r in rows.items()} }")
+      if d != exact:
+        print(f"{'sampled' if args.temperature > 0 else 'greedy'} tokens of {d} equal to "
+              f"{exact} (share of each sequence before the first difference, mean over "
+              f"requests): "
+              f"{ {c: round(agreement(r['token_ids'], ours[exact][c]['token_ids']), 3) for c, r in rows.items()} }")
 
   if not args.skip_prefix:
     n_prefix, rows = bench_prefix(ck)
