@@ -754,6 +754,38 @@ class Tokenizer:
   def token_to_id(self, token: str) -> int | None:
     return self.backend.token_to_id(token)
 
+  @functools.cached_property
+  def drops_text_start(self) -> bool:
+    """Whether decoding drops a space a text starts with (SentencePiece's Strip, a
+    Metaspace decoder that prepends one: Llama-2 style vocabularies): a piece "▁x" reads
+    "x" alone and " x" after a letter."""
+    space = self.backend.token_to_id("\u2581")
+    if space is None:
+      space = next((i for t, i in self.backend.get_vocab().items() if t.startswith("\u2581")),
+                   None)
+    letter = next((i for t in ("a", "e", "x", "n", "t", "<0x61>")
+                   if (i := self.backend.token_to_id(t)) is not None), None)
+    if space is None or letter is None:
+      return False
+    alone, after = self.decode([space]), self.decode([letter, space])
+    return after[len(self.decode([letter])):] != alone
+
+  def continuation(self, ids: Iterable[int], before: int | None, *,
+                   skip_special: bool = False) -> str:
+    """The text `ids` add to a text whose last token is `before` (a prompt's last), as
+    decoding the whole and taking its start off reads it: a decoder that drops a text's
+    first space (`drops_text_start`) drops it at the text's real start only (a code
+    completion's first line lost a space of its indentation; after a special token
+    skipped from the text the space stays dropped, as SentencePiece prefixes one there)."""
+    ids = list(ids)
+    if before is None or not self.drops_text_start:
+      return self.decode(ids, skip_special=skip_special)
+    head = self.decode([before], skip_special=skip_special)
+    whole = self.decode([before] + ids, skip_special=skip_special)
+    # (not a prefix: a character the two share, read as U+FFFD in the head alone)
+    return whole[len(head):] if whole.startswith(head) else self.decode(ids,
+                                                                       skip_special=skip_special)
+
   def chat_unavailable(self) -> str | None:
     """Why chat messages cannot be rendered, or None: a checkpoint without a chat template
     whose vocabulary lacks the ChatML fallback's tokens (a base model such as Gemma 3 270M:
@@ -1054,6 +1086,14 @@ class _TemplateRefusal(ValueError):
 
 def _raise_template_error(message):
   raise _TemplateRefusal(f"chat template: {message}")
+
+
+def continuation_text(tokenizer, ids: Iterable[int], before: int | None, *,
+                      skip_special: bool = False) -> str:
+  """`Tokenizer.continuation` for any tokenizer (one with only `decode` decodes `ids`)."""
+  if hasattr(tokenizer, "continuation"):
+    return tokenizer.continuation(ids, before, skip_special=skip_special)
+  return tokenizer.decode(list(ids), skip_special=skip_special)
 
 
 def token_texts(tokenizer, *, skip_special: bool = False) -> list[str]:

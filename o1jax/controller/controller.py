@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from o1jax.checkpoint.tokenizer import token_texts
+from o1jax.checkpoint.tokenizer import continuation_text, token_texts
 from o1jax import compilation_cache
 from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.controller import answers
@@ -1448,7 +1448,12 @@ class Controller:
     return state.replace(phase=jnp.asarray(phase), exit_reason=jnp.asarray(exit_reason))
 
   def _trace(self, h: ReasoningState, row: int, sample_index: int, settings: LoopSettings) -> Trace:
-    dec = lambda ids: self.tokenizer.decode([int(i) for i in ids], skip_special=True)
+    row_tokens = np.asarray(h.tokens[row])
+
+    def dec(lo: int, hi: int) -> str:  # what tokens lo..hi add to the text before them
+      before = int(row_tokens[lo - 1]) if lo > 0 else None
+      return continuation_text(self.tokenizer, [int(i) for i in row_tokens[lo:hi]], before,
+                               skip_special=True)
     pl, ln = int(h.prompt_len[row]), int(h.length[row])
     gen = h.tokens[row, pl:ln]
     a0 = int(h.answer_start[row])
@@ -1457,7 +1462,7 @@ class Controller:
     for i in range(min(int(h.n_rec[row]), h.rec_start.shape[1])):
       start, end = int(h.rec_start[row, i]), int(h.rec_end[row, i])
       action = S.ACTION_NAMES[int(h.rec_action[row, i])]
-      text = "" if action == "backtrack" else dec(h.tokens[row, start:end])
+      text = "" if action == "backtrack" else dec(start, end)
       steps.append(StepRecord(start=start - pl, end=end - pl, score=float(h.rec_score[row, i]),
                               action=action, text=text))
     kept = int(h.think_tokens[row]) + int(h.answer_tokens[row])
@@ -1465,8 +1470,8 @@ class Controller:
     nw = min(int(h.conf_count[row]), w)
     tail = float(h.conf_ring[row].sum() / nw) if nw else math.inf
     lowest = float(h.lowest_conf[row])
-    text = dec(gen)
-    thinking_text, answer_text = dec(h.tokens[row, pl:a0]), dec(h.tokens[row, a0:ln])
+    text = dec(pl, ln)
+    thinking_text, answer_text = dec(pl, a0), dec(a0, ln)
     if self.thinking is not None:  # the answer is what follows the close marker
       close = answer_text.find(self.thinking.close)
       answer_text = answer_text[close + len(self.thinking.close):] if close >= 0 else answer_text

@@ -54,7 +54,7 @@ from jax.sharding import Mesh
 from pallas_kernels import ops as kernel_ops
 
 from o1jax.checkpoint import load_checkpoint
-from o1jax.checkpoint.tokenizer import LONE_SURROGATE
+from o1jax.checkpoint.tokenizer import LONE_SURROGATE, continuation_text
 from o1jax import compilation_cache
 from o1jax.compilation_cache import release_programs_near_map_limit
 from o1jax.engine import fields
@@ -1672,11 +1672,17 @@ class Engine:
     return thinking_lib.hits_stop(seq.span, seq.generated, seq.group.params.stop,
                                   self._visible, self.tokenizer.decode)
 
-  def _visible(self, ids: Sequence[int]) -> str:
+  def _visible(self, ids: Sequence[int], before: int | None = None) -> str:
+    """Text of `ids` without special tokens; with `before`, as the continuation of that
+    token (`Tokenizer.continuation`)."""
+    if before is not None:
+      return continuation_text(self.tokenizer, ids, before, skip_special=True)
     return self.tokenizer.decode(ids, skip_special=True)
 
   def _text(self, seq: _Seq) -> str:
-    text = thinking_lib.answer_text(seq.span, seq.generated, self._visible)
+    prompt = seq.group.prompt_ids
+    text = thinking_lib.answer_text(seq.span, seq.generated, self._visible,
+                                    before=prompt[-1] if prompt else None)
     cuts = [text.find(s) for s in seq.group.params.stop if s in text]
     return text[:min(cuts)] if cuts else text
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from o1jax import compilation_cache
-from o1jax.checkpoint.tokenizer import Tokenizer
+from o1jax.checkpoint.tokenizer import Tokenizer, continuation_text
 from o1jax.model.llama import KVCache, Llama, check_llama
 from o1jax.model.sampling import (SamplingParams, check_int, check_key_id, is_int, sample,
                                   sequence_key, token_logprobs)
@@ -211,13 +211,15 @@ class Generator:
     tokens, reasons, spans = next(self._run(ids, max_new_tokens, params, request_ids, stop,
                                             stream=False))
     elapsed = time.perf_counter() - t0
-    visible = lambda t: self.tokenizer.decode(t, skip_special=True)
+    visible = lambda t, before=None: continuation_text(self.tokenizer, t, before,
+                                                       skip_special=True)
     outputs = []
     for t, r, p, span in zip(tokens, reasons, ids, spans):
       if span is not None:
         span.finish(t)
+      text = thinking_lib.answer_text(span, t, visible, before=p[-1] if len(p) else None)
       outputs.append(GenerationOutput(
-          token_ids=t, text=_cut_at_stop(thinking_lib.answer_text(span, t, visible), stop),
+          token_ids=t, text=_cut_at_stop(text, stop),
           finish_reason=r, prompt_tokens=len(p), seconds=elapsed,
           thinking=None if span is None else span.thinking_text(t),
           thinking_tokens=0 if span is None else span.thinking_tokens(t)))

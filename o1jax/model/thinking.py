@@ -204,14 +204,20 @@ def prompt_inside(span: ThinkingSpan, decode: Callable[[Sequence[int]], str],
 
 
 def answer_text(reader: SpanReader | None, generated: Sequence[int],
-                decode_visible: Callable[[Sequence[int]], str]) -> str:
+                decode_visible: Callable[..., str], before: int | None = None) -> str:
   """A sample's text: all of it without a span; with one, the answer after the close
   (its leading newlines dropped), "" while thinking or when the span never closed.
-  decode_visible: ids -> text without special tokens."""
+  decode_visible: ids -> text without special tokens; a text from the sample's start is
+  decoded as the continuation of `before` (the prompt's last token: `decode_visible(ids,
+  before)`, `Tokenizer.continuation`) where that is given."""
   start = 0 if reader is None else reader.answer_start
   if start is None:
     return ""
-  text = decode_visible(list(generated[start:]))[reader.answer_skip if reader else 0:]
+  ids = list(generated[start:])
+  if start == 0 and before is not None and not (reader and reader.answer_skip):
+    text = decode_visible(ids, before)
+  else:
+    text = decode_visible(ids)[reader.answer_skip if reader else 0:]
   return text.lstrip("\n") if reader is not None and reader.closed else text
 
 

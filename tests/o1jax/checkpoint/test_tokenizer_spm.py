@@ -243,3 +243,32 @@ def test_a_skipped_special_token_between_bytes_splits_no_run():
   ids = [byte_id(0xE2), start, byte_id(0x82), byte_id(0xAC)]
   assert tok.decode(ids, skip_special=True) == "€"
   assert tok.decode(ids) == "\ufffd<start>\ufffd\ufffd"  # (kept: it splits the bytes)
+
+
+@pytest.mark.parametrize("add_space_prefix", [False, True])
+def test_a_continuation_is_the_text_its_tokens_add_to_the_text_before(add_space_prefix):
+  """Generated tokens decoded alone lose the first space under the prefix's Strip (a code
+  completion's first line was one space short of its indentation): `continuation` reads
+  them as decoding prompt + generation and taking the prompt's text off; after a special
+  token skipped from the text the space stays dropped (the prefix SentencePiece puts
+  after special tokens)."""
+  meta = _tiny_meta(add_space_prefix)
+  tok = Tokenizer.from_gguf_metadata(meta)
+  assert tok.drops_text_start is add_space_prefix
+  tokens = meta["tokenizer.ggml.tokens"]
+  pieces = [i for i, k in enumerate(meta["tokenizer.ggml.token_type"]) if k in (1, 4)]
+  rng = np.random.default_rng(3)
+  checked = 0
+  for _ in range(300):
+    prompt = [int(i) for i in rng.choice(pieces, size=int(rng.integers(1, 6)))]
+    gen = [int(i) for i in rng.choice(pieces, size=int(rng.integers(1, 6)))]
+    head, whole = tok.decode(prompt), tok.decode(prompt + gen)
+    if whole.startswith(head):
+      assert tok.continuation(gen, prompt[-1]) == whole[len(head):]
+      checked += 1
+    assert tok.continuation(gen, None) == tok.decode(gen)
+  assert checked > 250
+  space, start = tokens.index("\u2581hel"), tokens.index("<start>")
+  assert tok.continuation([space], tokens.index("d")) == " hel"
+  assert tok.continuation([space], start, skip_special=True) == ("hel" if add_space_prefix
+                                                                  else " hel")

@@ -665,3 +665,38 @@ def test_forced_and_probe_texts_longer_than_the_default_capacities_run(tiny_llam
   assert ctl.capacities(policy.loop_settings()) == (64, 64)
   assert (ctl.force_capacity, ctl.probe_capacity) == (20, 16)
   assert prefix in tok.decode(trace.token_ids) and result.tokens.probe > 0
+
+
+def test_trace_texts_are_what_their_tokens_add_to_the_prompt(tmp_path):
+  """A Llama-2 style vocabulary drops a text's first space when decoding (the prefix's
+  Strip): a trace decoded alone lost the space its first token spells. Its text is what
+  its tokens add to the prompt's text (decoding the whole, taking the prompt off)."""
+  import string
+
+  from o1jax.checkpoint import Tokenizer, load_checkpoint
+  from o1jax.model import Llama
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+  write_hf_checkpoint(tmp_path, tiny_config(vocab_size=320, max_context=128), seed=5)
+  ck = load_checkpoint(tmp_path)
+  model = Llama(ck.config, dict(ck.params, embed=np.asarray(ck.params["embed"]) * 0.05))
+  words = ["\u2581" + c for c in string.ascii_lowercase] + list(string.ascii_lowercase)
+  tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+  spm = Tokenizer.from_gguf_metadata({
+      "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+      "tokenizer.ggml.scores": [0.0] * len(tokens),
+      "tokenizer.ggml.token_type": [3, 3, 3, 2] + [6] * 256 + [1] * len(words),
+      "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1})
+  assert spm.drops_text_start
+  rng = np.random.default_rng(4)
+  prompts = [[int(i) for i in rng.integers(260, len(tokens), 6)] for _ in range(64)]
+  results = Controller(ContiguousLlama(model), spm).run(
+      prompts, {"name": "self_consistency", "n": 2, "temperature": 3.0,
+                "max_thinking_tokens": 5, "max_answer_tokens": 2})
+  differs = 0
+  for prompt, result in zip(prompts, results):
+    head = spm.decode(prompt, skip_special=True)
+    for trace in result.traces:
+      whole = spm.decode(prompt + trace.token_ids, skip_special=True)
+      assert whole.startswith(head) and trace.text == whole[len(head):]
+      differs += trace.text != spm.decode(trace.token_ids, skip_special=True)
+  assert differs  # (the case is exercised)

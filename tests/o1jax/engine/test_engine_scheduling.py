@@ -831,6 +831,47 @@ def test_a_byte_fallback_tokenizers_stream_is_its_text(tiny, make_prompts):
   assert differed  # (the sampled bytes include invalid runs: the case is exercised)
 
 
+def test_a_sentencepiece_continuation_keeps_the_space_its_first_token_spells(tmp_path):
+  """Llama-2 style vocabularies drop a text's first space when decoding (the prefix's
+  Strip): decoded alone, the generated tokens lost it, so a completion's first line was
+  one space short of its indentation. The engine's and the Generator's text is what the
+  tokens add to the prompt's text, as decoding the whole and taking the prompt off reads
+  it; the stream is the same text."""
+  from o1jax.checkpoint import Tokenizer, load_checkpoint
+  from o1jax.model import Generator, Llama, SamplingParams
+  from o1jax.testing import tiny_config, write_hf_checkpoint
+  from tests.o1jax.checkpoint.test_tokenizer_spm import _tiny_meta
+
+  write_hf_checkpoint(tmp_path, tiny_config(vocab_size=300, max_context=128), seed=5)
+  ck = load_checkpoint(tmp_path)
+  model = Llama(ck.config, dict(ck.params, embed=np.asarray(ck.params["embed"]) * 0.05))
+  meta = _tiny_meta(True)
+  spm = Tokenizer.from_gguf_metadata(meta)
+  pieces = [i for i, k in enumerate(meta["tokenizer.ggml.token_type"]) if k == 1]
+  engine = Engine(model, spm, EngineConfig(max_slots=64, num_blocks=256, prefill_chunk=64))
+  rng = np.random.default_rng(7)
+  prompts = [[int(i) for i in rng.choice(pieces, size=8)] for _ in range(96)]
+  params = GenerationParams(max_new_tokens=4, temperature=3.0, ignore_eos=True)
+  results = engine.generate([Request(p, params, request_id=i) for i, p in enumerate(prompts)])
+  spaced = []
+  for i, (prompt, result) in enumerate(zip(prompts, results)):
+    head = spm.decode(prompt, skip_special=True)
+    whole = spm.decode(prompt + result.token_ids, skip_special=True)
+    assert whole.startswith(head) and result.text == whole[len(head):], i
+    if result.text != spm.decode(result.token_ids, skip_special=True):
+      spaced.append(i)  # its first token spells a space, which decoding alone dropped
+  assert spaced  # (the case is exercised)
+  for i in spaced[:3]:
+    events = engine.stream(Request(prompts[i], params, request_id=i))
+    assert "".join(e.text for e in events) == results[i].text
+  generator = Generator(model, spm)
+  outs = generator.generate([prompts[i] for i in spaced[:3]], max_new_tokens=4,
+                            params=SamplingParams(temperature=3.0), request_ids=spaced[:3])
+  for i, out in zip(spaced[:3], outs):
+    head = spm.decode(prompts[i], skip_special=True)
+    assert out.text == spm.decode(prompts[i] + out.token_ids, skip_special=True)[len(head):]
+
+
 def test_stop_strings_the_stream_cannot_hold_are_refused():
   """A dict gave its keys; a lone surrogate never matched decoded text; a 200,000-character
   stop string took 0.4 s a token in the stream's hold-back scan (under the engine lock)."""
