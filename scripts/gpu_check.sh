@@ -41,7 +41,8 @@
 # OUTDIR gets env.txt and STAGE.log + STAGE.rc (+ STAGE.json) per stage, and
 # gpu_check.tar.gz of all of them (or $GPU_CHECK_ARCHIVE), rewritten after each stage (a
 # device call brings back a few files only; a call cut at its limit keeps the archive).
-# Exit status: 2 without a GPU (nothing run), 1 when a stage failed (its rc is not 0), else 0.
+# Exit status: 2 without a GPU (nothing run), 1 when a stage failed or was skipped at the
+# deadline (its rc is not 0), else 0.
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGES] [SECONDS]}
 STAGES=${2:-engine,speculative,bench}
@@ -85,9 +86,11 @@ pack() {  # the archive of OUTDIR, built beside the archive and renamed over it
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
+  rm -f "$OUT/$name.rc" "$OUT/$name.json" "$OUT/$name"_*.json  # (an earlier run's in OUTDIR)
   local left=$((DEADLINE - SECONDS - 15))  # 15 s for the log's tail and the archive
   if ((left < 20)); then
     echo "== $name: skipped, $left s left of the deadline" | tee "$OUT/$name.log"
+    echo skipped > "$OUT/$name.rc"
     pack
     return 0
   fi
@@ -165,6 +168,6 @@ for name in ${STAGES//,/ }; do
   [[ -f $OUT/$name.rc && $(cat "$OUT/$name.rc") != 0 ]] && failed+=("$name")
 done
 if ((${#failed[@]})); then
-  echo "gpu_check.sh: stages that failed: ${failed[*]} (their logs: $OUT)" >&2
+  echo "gpu_check.sh: stages that failed or were skipped: ${failed[*]} (their logs: $OUT)" >&2
   exit 1
 fi

@@ -175,7 +175,8 @@ def kquantize(w: np.ndarray, kind: str):
   error-minimising search: the weights differ, the value set does not. The symmetric
   formats' scales are signed, as llama.cpp's make_qx_quants sets them: a group's value
   of largest magnitude takes the lowest code (-4 in Q3_K, -32 in Q6_K) whatever its sign
-  (positive scales clipped a positive peak at +3 / +31 steps: 15-20% more error)."""
+  (positive scales clipped a positive peak at +3 / +31 steps: 15-20% more error), and
+  the super-block's scale of largest magnitude the lowest scale code (-32 / -128)."""
   from pallas_kernels.quantized_tensor import QuantizedTensor, pack_int4
 
   group, lo, hi, sc_max, m_max = KQUANTS[kind]
@@ -184,11 +185,13 @@ def kquantize(w: np.ndarray, kind: str):
   wg = w.astype(np.float32).reshape(k // sb, sb // group, group, n)
   f16 = lambda a: a.astype(np.float16).astype(np.float32)
   safe = lambda a: np.where(a != 0, a, 1)
-  if m_max is None:  # symmetric: w = d sc q, sc signed
+  if m_max is None:  # symmetric: w = d sc q, d and sc signed
     peak = np.take_along_axis(wg, np.abs(wg).argmax(axis=2)[:, :, None], axis=2)[:, :, 0]
     s = peak / lo  # the peak is code `lo`
-    d = f16(np.abs(s).max(axis=1, keepdims=True) / sc_max)
-    scale = d * np.clip(np.round(s / safe(d)), -sc_max, sc_max)
+    # The same one level up: the scale of largest magnitude is scale code -(sc_max + 1).
+    top = np.take_along_axis(s, np.abs(s).argmax(axis=1)[:, None], axis=1)
+    d = f16(top / -(sc_max + 1))
+    scale = d * np.clip(np.round(s / safe(d)), -(sc_max + 1), sc_max)
     minimum = None
     q = np.clip(np.round(wg / safe(scale)[:, :, None]), lo, hi)
   else:  # w = d sc q - dmin m, with the min the group's lowest value (or 0)

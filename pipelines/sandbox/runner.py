@@ -442,10 +442,15 @@ class Sandbox:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _is_memory_error(line: str) -> bool:
+  """Whether an error line ("Type: message") names a MemoryError (not MemoryErrorLike)."""
+  return line == 'MemoryError' or line.startswith('MemoryError:')
+
+
 def _ends_in_memory_error(stderr: str) -> bool:
   """Whether stderr's last line is a traceback's MemoryError (no error line came back)."""
   lines = stderr.strip().splitlines()
-  return bool(lines) and lines[-1].startswith('MemoryError')
+  return bool(lines) and _is_memory_error(lines[-1])
 
 
 # Characters of an error's detail a result keeps (the harness's own are capped so too).
@@ -629,7 +634,7 @@ class _Watch:
     if ending == 'exit 0' and b'pass ' + sentinel in result_lines:
       return made(Status.PASSED)
     # The exception's type, not a message or output that names it.
-    if error.startswith('MemoryError') or (not error and _ends_in_memory_error(stderr)):
+    if _is_memory_error(error) or (not error and _ends_in_memory_error(stderr)):
       return made(Status.MEMORY_EXCEEDED, error or 'MemoryError')
     if ending.startswith('signal '):
       try:

@@ -687,3 +687,23 @@ def test_a_missing_checkpoint_is_one_error_line_and_exit_2(name, flag, tmp_path,
   assert capsys.readouterr().err == f"error: {missing}: no such file or directory\n"
   text = (SCRIPTS / f"{name}.py").read_text()
   assert 'if __name__ == "__main__":\n  run_as_script(main)' in text  # (its code is the exit's)
+
+
+def test_gpu_check_sh_exit_status_names_failed_and_skipped_stages_of_this_run(tmp_path):
+  """A stage skipped at the deadline left an earlier run's rc in OUTDIR, read as this run's
+  (a failure that never ran); a run whose stages were all skipped said 0."""
+  fake = tmp_path / "bin" / "python"  # a GPU machine whose bench stage fails
+  fake.parent.mkdir()
+  fake.write_text('#!/bin/bash\ncase "$*" in *bench_kernels.py*) exit 3;; esac\nexit 0\n')
+  fake.chmod(0o755)
+  env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
+  out = tmp_path / "gc"
+  run = lambda *args: subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(out), *args],
+                                     capture_output=True, text=True, timeout=120, env=env)
+  proc = run("engine,bench")
+  assert proc.returncode == 1 and "stages that failed or were skipped: bench (" in proc.stderr
+  assert (out / "engine.rc").read_text() == "0\n" and (out / "bench.rc").read_text() == "3\n"
+  proc = run("engine,bench", "10")  # no time left: both skipped
+  assert proc.returncode == 1 and "stages that failed or were skipped: engine bench (" in proc.stderr
+  assert (out / "bench.rc").read_text() == "skipped\n"
+  assert run("engine").returncode == 0

@@ -465,6 +465,8 @@ def test_only_a_memory_error_is_memory_exceeded(sandbox):
   """An exception or output that names MemoryError is an ordinary failure."""
   result = sandbox.run("raise ValueError('MemoryError')")
   assert result.status is Status.FAILED and result.detail == 'ValueError: MemoryError'
+  result = sandbox.run("class MemoryErrorLike(Exception): pass\nraise MemoryErrorLike('x')\n")
+  assert result.status is Status.FAILED and result.detail == 'MemoryErrorLike: x'
   result = sandbox.run("import sys, os\nsys.stderr.write('a MemoryError above\\n')\n"
                        "sys.stderr.flush()\nos._exit(3)\n")
   assert result.status is Status.FAILED, (result.status, result.detail)
