@@ -490,9 +490,9 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     from pipelines.datasets import DatasetChangedError
     remove_result_files(out)  # (the job's results.jsonl held the old version's records)
     changed = [a[0] for a in now if a not in scan.data_state] or [plan.task.source]
-    raise DatasetChangedError(f"dataset file {changed[0]} changed while the job ran (the launcher and "
-                       f"the workers read different versions of it): rerun; every sample "
-                       f"computed is in the store")
+    raise DatasetChangedError(f"dataset file {changed[0]} changed while the job ran (the "
+                              f"launcher and the workers read different versions of it): "
+                              f"rerun; every sample computed is in the store")
 
   records, restored, repeated = reconcile_with_store(
       _read_jsonl(f"{out}/results.jsonl"), scan.items, store, f"{out}/results.jsonl")
@@ -1051,7 +1051,8 @@ def main(argv):
     from pipelines.beam.handler import ModelLoadError
     from pipelines.beam.store import WriteError
     from pipelines.datasets import DatasetChangedError
-    if log and isinstance(e, (WriteError, ModelLoadError, DatasetChangedError)):  # the job ran: its log is kept
+    # The job ran (a write failed, a model did not load, the data changed): its log is kept.
+    if log and isinstance(e, (WriteError, ModelLoadError, DatasetChangedError)):
       log.close(move_to=local_log)
     elif log:
       log.close(keep=False)

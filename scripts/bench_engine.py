@@ -350,10 +350,11 @@ def main(argv=None) -> int:
   if exact is not None:  # (named "float32" only with one steps/call value and f32 KV)
     for d, rows in ours.items():
       if d != exact:
+        shares = {c: round(agreement(r["token_ids"], ours[exact][c]["token_ids"]), 3)
+                  for c, r in rows.items()}
         print(f"{'sampled' if args.temperature > 0 else 'greedy'} tokens of {d} equal to "
               f"{exact} (share of each sequence before the first difference, mean over "
-              f"requests): "
-              f"{ {c: round(agreement(r['token_ids'], ours[exact][c]['token_ids']), 3) for c, r in rows.items()} }")
+              f"requests): {shares}")
 
   if not args.skip_prefix:
     n_prefix, rows = bench_prefix(ck)

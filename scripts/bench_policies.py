@@ -292,7 +292,8 @@ def main(argv=None) -> int:
     r["pareto_seconds"] = i in front_s
   (out / "results.json").write_text(json.dumps(summary, indent=1))
 
-  lines = [f"{len(examples)} synthetic GSM problems (levels {','.join(map(str, a.levels))}), embedded SmolLM2-135M, "
+  levels_text = ",".join(map(str, a.levels))
+  lines = [f"{len(examples)} synthetic GSM problems (levels {levels_text}), embedded SmolLM2-135M, "
            f"n={a.n}, max thinking {a.max_thinking} tokens, max answer {a.max_answer} tokens "
            f"after the prefix, {a.cache} KV cache ({a.kv_dtype}), {a.matmul_dtype} matmuls; "
            f"{summary['total_s'] / 60:.0f} min on {os.cpu_count()} CPUs, "

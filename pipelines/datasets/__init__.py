@@ -14,8 +14,8 @@ from pipelines.datasets.records import (DatasetChangedError, DatasetError, DeadL
                                         Example, LoadResult, normalize_answer)
 
 __all__ = [
-    "DatasetChangedError", "DatasetError", "DatasetUnavailableError", "DeadLetter", "Duplicate", "Example", "FieldMapping",
-    "LoadResult", "SyntheticProblem", "generate", "humaneval_examples", "load_gsm8k_hf",
+    "DatasetChangedError", "DatasetError", "DatasetUnavailableError", "DeadLetter", "Duplicate",
+    "Example", "FieldMapping", "LoadResult", "SyntheticProblem", "generate", "humaneval_examples", "load_gsm8k_hf",
     "load_gsm8k_tfds", "load_humaneval", "normalize_answer", "read_custom_jsonl",
     "read_gsm8k_jsonl", "synthetic_examples",
 ]
