@@ -1669,8 +1669,10 @@ class Engine:
 
   def _hits_stop(self, seq: _Seq) -> bool:
     """The last token completes a stop string in the sample's text (`_text`'s text)."""
+    prompt = seq.group.prompt_ids
     return thinking_lib.hits_stop(seq.span, seq.generated, seq.group.params.stop,
-                                  self._visible, self.tokenizer.decode)
+                                  self._visible, self.tokenizer.decode,
+                                  before=prompt[-1] if prompt else None)
 
   def _visible(self, ids: Sequence[int], before: int | None = None) -> str:
     """Text of `ids` without special tokens; with `before`, as the continuation of that

@@ -259,7 +259,8 @@ class Generator:
     done = np.zeros(n, bool)
     positions = lengths.copy()
     # Stop strings are looked for in the text the output shows (`generate`'s `text`).
-    visible = lambda t: self.tokenizer.decode(t, skip_special=True)
+    visible = lambda t, before=None: continuation_text(self.tokenizer, t, before,
+                                                       skip_special=True)
     for step in range(max_new_tokens):
       host_ids, host_finite = np.asarray(next_ids), np.asarray(finite)
       for i in range(n):
@@ -284,7 +285,8 @@ class Generator:
         if spans[i] is not None:
           spans[i].update(out[i])
         if stop and thinking_lib.hits_stop(spans[i], out[i], stop, visible,
-                                           self.tokenizer.decode):
+                                           self.tokenizer.decode,
+                                           before=ids[i][-1] if len(ids[i]) else None):
           done[i], reasons[i] = True, "stop"
         elif len(out[i]) >= room[i]:
           done[i] = True  # (reason "length")

@@ -228,8 +228,9 @@ _FRONT = 8
 
 
 def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequence[str],
-              decode_visible: Callable[[Sequence[int]], str],
-              decode: Callable[[Sequence[int]], str] | None = None) -> bool:
+              decode_visible: Callable[..., str],
+              decode: Callable[[Sequence[int]], str] | None = None,
+              before: int | None = None) -> bool:
   """Whether the last generated token completes a stop string in the sample's text: its
   answer, as `answer_text` reads it (special tokens skipped, the newlines that lead the
   answer dropped; nothing while thinking), so the text is cut where the sample stopped.
@@ -243,7 +244,8 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
   holds any stop string the last token can complete (of any length: a stop string
   spanning more tokens than a fixed window is still seen). Earlier tokens were checked
   when they were appended, so only this one's matches count. An unfinished UTF-8
-  character reads as U+FFFD, as in the text."""
+  character reads as U+FFFD, as in the text. before: as `answer_text`'s (a window from
+  the text's start reads as the text does: a stop string its first space begins)."""
   start = 0 if reader is None else reader.answer_start
   if start is None or not stop or not generated:
     return False
@@ -257,7 +259,10 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
   width = 2 * need + _FRONT
   while True:
     lo = max(start, n - width)
-    text = decode_visible(list(generated[lo:]))
+    if lo == 0 and before is not None and not (reader and reader.answer_skip):
+      text = decode_visible(list(generated), before)
+    else:
+      text = decode_visible(list(generated[lo:]))
     if lo == start:
       text = text[reader.answer_skip if reader else 0:]
       text = text.lstrip("\n") if reader is not None and reader.closed else text

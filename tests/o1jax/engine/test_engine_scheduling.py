@@ -870,6 +870,18 @@ def test_a_sentencepiece_continuation_keeps_the_space_its_first_token_spells(tmp
   for i, out in zip(spaced[:3], outs):
     head = spm.decode(prompts[i], skip_special=True)
     assert out.text == spm.decode(prompts[i] + out.token_ids, skip_special=True)[len(head):]
+  # A stop string the first visible token's space begins ends the sample at that token
+  # (the stop check read the tokens alone: the sample ran to max_new_tokens, its text
+  # cut to "").
+  stop = GenerationParams(max_new_tokens=4, temperature=3.0, ignore_eos=True, stop=(" ",))
+  ended_at_first = lambda o: (o.finish_reason == "stop" and o.text == ""
+                              and spm.decode(o.token_ids[:-1], skip_special=True) == "")
+  for i in spaced[:3]:
+    assert ended_at_first(engine.generate([Request(prompts[i], stop, request_id=i)])[0])
+  outs = generator.generate([prompts[i] for i in spaced[:3]], max_new_tokens=4,
+                            params=SamplingParams(temperature=3.0), request_ids=spaced[:3],
+                            stop=(" ",))
+  assert all(ended_at_first(o) for o in outs)
 
 
 def test_stop_strings_the_stream_cannot_hold_are_refused():
