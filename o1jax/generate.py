@@ -85,9 +85,11 @@ def _check_stdout_encoding() -> None:
                      f"of an answer: set PYTHONIOENCODING=utf-8") from None
 
 
-def _decode_text(rate: float) -> str:
+def _decode_text(rate: float, tokens: int) -> str:
   if math.isfinite(rate):
     return f"decode {rate:.1f} tok/s"
+  if not tokens:  # (stopped before the first token)
+    return "decode tok/s: n/a (no tokens)"
   return "decode tok/s: n/a (every token came with the first call)"
 
 
@@ -213,12 +215,15 @@ def main(argv=None) -> int:
   except OSError as e:
     return _stdout_failed(e)
   first = f"{times[0] - t_start:.2f}s (incl. compile)" if times else "none"
-  print(f"[{len(prompt_ids)} prompt tokens, {len(times)} generated; load {load_s:.1f}s, "
-        f"first token {first}, {_decode_text(decode_rate(times, t_end))}]", file=sys.stderr)
-  if stopped:
-    print(f"[{stopped}]", file=sys.stderr)
-    return 130
-  return 0
+  try:  # (the answer is written: a stderr that cannot take the numbers changes no exit code)
+    print(f"[{len(prompt_ids)} prompt tokens, {len(times)} generated; load {load_s:.1f}s, "
+          f"first token {first}, {_decode_text(decode_rate(times, t_end), len(times))}]",
+          file=sys.stderr)
+    if stopped:
+      print(f"[{stopped}]", file=sys.stderr)
+  except OSError:
+    pass
+  return 130 if stopped else 0
 
 
 if __name__ == "__main__":

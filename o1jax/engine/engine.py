@@ -1013,9 +1013,11 @@ class Engine:
     for group in {id(s.group): s.group for s in self._waiting + self._prefilling + self._running
                   }.values():
       self._set_limit(group, decision.steps, decision.why)
-    for seq in list(self._running):
-      if seq.remaining_budget <= 0:
-        self._stop(seq, "length")
+    # Running samples, and preempted ones waiting to be recomputed (which were recomputed,
+    # then given a token past the new limit).
+    for seq in [s for s in self._running + self._prefilling + self._waiting
+                if s.generated and s.remaining_budget <= 0]:
+      self._stop(seq, "length")
     if decision.prune:
       self._prune()
 
@@ -1709,7 +1711,9 @@ class Engine:
     seq.finish_reason = reason
     if self.thinking is not None:
       self._span(seq).finish(seq.generated)
-    self._running.remove(seq)
+    queue = next(q for q in (self._running, self._prefilling, self._waiting)
+                 if any(s is seq for s in q))  # (a preempted sample waits: `_apply_budget`)
+    del queue[next(i for i, s in enumerate(queue) if s is seq)]
     self.allocator.free_all(seq.blocks)
     seq.blocks = []
     group = seq.group

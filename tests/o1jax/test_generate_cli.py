@@ -96,6 +96,10 @@ def test_the_decode_rate_leaves_out_the_tokens_of_the_first_call():
   assert abs(decode_rate([10.0, 10.0002, 10.5, 11.0], 11.0) - 2 / 0.9998) < 1e-9
   assert decode_rate([10.0, 10.0002], 10.5) != decode_rate([10.0, 10.0002], 10.5)  # NaN: no rate
   assert decode_rate([], 1.0) != decode_rate([], 1.0)
+  from o1jax.generate import _decode_text
+  # (stopped before the first token: "every token came with the first call" was said)
+  assert _decode_text(decode_rate([], 1.0), 0) == "decode tok/s: n/a (no tokens)"
+  assert "first call" in _decode_text(decode_rate([10.0, 10.0002], 10.5), 2)
 
 
 def test_a_system_message_with_raw_is_refused():
@@ -185,3 +189,11 @@ def test_the_text_a_closing_event_carries_is_written(tmp_path, monkeypatch, caps
     assert capsys.readouterr().out == "".join(e.text for e in events) + "\n", seed
     checked += 1
   assert checked  # (seeds 90, 100 and 104 end with an unfinished character)
+
+
+def test_a_stderr_that_cannot_take_the_numbers_does_not_fail_a_written_answer():
+  # Before: the answer written, then an OSError from the numbers' line and exit code 1.
+  with open("/dev/full", "w") as full:
+    proc = subprocess.run(COMMAND + ["--max_new_tokens", "4"], stdout=subprocess.PIPE,
+                          stderr=full, text=True, timeout=300)
+  assert proc.returncode == 0 and proc.stdout.strip()

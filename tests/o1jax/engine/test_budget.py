@@ -193,6 +193,43 @@ def test_budget_stops_a_request_already_past_its_new_limit(tiny, make_prompts):
   assert "P95 5.000 s > SLO 0.5 s" in group.metrics.budget[-1]["why"]
 
 
+def test_budget_stops_a_preempted_request_past_its_new_limit_without_recomputing(tiny,
+                                                                                 make_prompts):
+  """A sample preempted for memory waits with its tokens; a limit lowered below them
+  stopped only running samples, so it was admitted, its prompt and tokens prefilled
+  again, and given one token more than the limit."""
+  clock = _fake_clock()
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=1.0, interval_ms=10_000),
+                      clock=clock)
+  engine = Engine(tiny.model, tiny.tokenizer,
+                  EngineConfig(max_slots=2, block_size=4, num_blocks=16, decode_steps=1,
+                               prefix_caching=False), clock=clock, budget=budget)
+  params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+  handles = [engine.add_request(Request(p, params))
+             for p in make_prompts(2, seed=13, low=15, high=16)]
+  for _ in range(200):
+    engine.step()
+    waiting = [s for s in engine._waiting if s.generated]
+    if waiting:
+      break
+  seq = waiting[0]
+  assert len(seq.generated) > token_limit(40, 16) and seq.preemptions == 1
+  budget.observe_request(50.0)  # P95 50x the SLO: the next decision shrinks to 16 steps
+  budget.decisions[-1] = budget.decisions[-1].__class__(**{**budget.decisions[-1].__dict__,
+                                                           "at_s": -1e9})  # interval passed
+  tokens = len(seq.generated)
+  engine.step()
+  assert seq.finish_reason == "length" and not any(s is seq for s in engine._waiting)
+  engine.run_until_idle()
+  result = engine.result(seq.group)
+  assert (len(result.token_ids), result.finish_reason) == (tokens, "length")  # none added
+  assert result.metrics.recomputed_tokens == 0  # its prompt and tokens not prefilled again
+  for other in handles:
+    if other is not seq.group:
+      engine.result(other)
+  assert engine.allocator.num_used == 0 and not engine.has_work()
+
+
 @pytest.mark.parametrize("policy, preempted", [("fifo", "short"), ("shortest_budget", "long")])
 def test_remaining_steps_priority_preempts_the_longest_remaining(tiny, make_prompts, policy,
                                                                   preempted):
