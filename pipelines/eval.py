@@ -494,6 +494,12 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
                               f"launcher and the workers read different versions of it): "
                               f"rerun; every sample computed is in the store")
 
+  if local and not os.path.exists(f"{out.removeprefix('file://')}/results.jsonl"):
+    # (the workers wrote it where `out` leads from their working directory or machine: a
+    # relative path on a cluster's workers; it read "dataset file not found")
+    raise OutputError(f"{out}/results.jsonl is not here after the job: its workers wrote "
+                      f"their output elsewhere; output_dir must be storage the launcher and "
+                      f"every worker see at the same path (an absolute path, or gs://...)")
   records, restored, repeated = reconcile_with_store(
       _read_jsonl(f"{out}/results.jsonl"), scan.items, store, f"{out}/results.jsonl")
   if restored or repeated:
@@ -770,6 +776,16 @@ def worker_lost_error(e: BaseException):
   """A `WorkerLostError` when the job failed because a worker process went away, else None
   (it was Beam's traceback of ~80 lines on the console)."""
   for link in _chain(e):
+    kind = type(link).__name__
+    if kind in ("FutureCancelledError", "CommClosedError") and (
+        kind == "CommClosedError" or "scheduler-connection-lost" in str(link)):
+      return WorkerLostError(  # (distributed's exceptions, by name: no import of dask here)
+          "the dask scheduler's connection was lost during the run; the finished samples are "
+          "stored: rerun the same command to resume once a scheduler runs")
+    if kind == "KilledWorker":  # a task whose workers died running it more than allowed
+      return WorkerLostError(
+          "dask gave up on a task whose worker processes died while running it (killed, or "
+          "out of memory?); the finished samples are stored: rerun the same command to resume")
     found = _WORKER_LOST.search(str(link))
     # A worker whose shared-model proxy lost the process serving the model (Dask with
     # runner.share_model: the worker that served it was killed) reads EOF from the proxy's

@@ -597,3 +597,49 @@ def test_a_new_run_removes_every_earlier_result_and_unfinished_writes_of_them(tm
   remove_result_files(str(out))
   left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
   assert left == sorted(theirs)
+
+
+def test_results_the_workers_wrote_elsewhere_are_one_line_naming_output_dir(tmp_path,
+                                                                            monkeypatch):
+  """A relative output_dir on an external cluster: the workers wrote results.jsonl under
+  their own working directory, and the launcher said "dataset file not found:
+  out/results.jsonl" (the store's samples it could not see either)."""
+  from pipelines.beam import pipeline as beam_pipeline
+  real = beam_pipeline._write_jsonl
+
+  def elsewhere(records, path, key):  # a worker whose `out` leads somewhere else
+    if path.endswith("/results.jsonl"):
+      path = str(tmp_path / "worker_cwd" / "results.jsonl")
+    return real(records, path, key)
+  monkeypatch.setattr(beam_pipeline, "_write_jsonl", elsewhere)
+  data = tmp_path / "q.jsonl"
+  data.write_text(ADDED + "\n")
+  out = tmp_path / "run"
+  with pytest.raises(OutputError, match=rf"^{re.escape(str(out))}/results.jsonl is not here "
+                                        r"after the job: its workers wrote their output "
+                                        r"elsewhere; output_dir must be storage the launcher "
+                                        r"and every worker see at the same path"):
+    _run(_config(data, policy="greedy"), out)
+
+
+def test_dask_losing_its_scheduler_or_giving_up_on_a_task_is_one_line():
+  """distributed's FutureCancelledError (scheduler-connection-lost) and KilledWorker (a
+  task whose workers died more than allowed) were ~30 lines of traceback."""
+  from distributed.client import FutureCancelledError
+  from distributed.scheduler import KilledWorker
+  from pipelines.eval import WorkerLostError, worker_lost_error
+  for cause, words in ((FutureCancelledError("finalize-1", reason="scheduler-connection-lost"),
+                        "the dask scheduler's connection was lost during the run"),
+                       (KilledWorker("shuffle-join-1", None, 3),
+                        "dask gave up on a task whose worker processes died while running it")):
+    try:
+      try:
+        raise cause
+      except Exception as inner:
+        raise RuntimeError("the job failed") from inner
+    except RuntimeError as e:
+      error = worker_lost_error(e)
+    assert isinstance(error, WorkerLostError) and str(error).startswith(words)
+    assert str(error).endswith("rerun the same command to resume" + (
+        " once a scheduler runs" if "scheduler" in words else ""))
+  assert worker_lost_error(FutureCancelledError("k", reason="cancelled by the user")) is None
