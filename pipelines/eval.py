@@ -705,12 +705,13 @@ def remove_result_files(out: str) -> None:
   """RESULT_FILES out of a local `out` (OutputError naming one that cannot go), and the
   temporary files of their writes that never finished (`write_whole`'s
   NAME.PID.XXXXXXXX.tmp: a launcher killed mid-write)."""
+  from pipelines.beam.store import TEMPORARY_SUFFIX
   local = out.removeprefix("file://")
   try:
     entries = os.listdir(local)
   except OSError:
     entries = []
-  temporary = re.compile(rf"(?:{'|'.join(map(re.escape, RESULT_FILES))})\.\d+\.[0-9a-f]{{8}}\.tmp")
+  temporary = re.compile(f"(?:{'|'.join(map(re.escape, RESULT_FILES))}){TEMPORARY_SUFFIX}")
   for name in entries:
     if temporary.fullmatch(name):
       try:

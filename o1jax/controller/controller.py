@@ -1455,7 +1455,7 @@ class Controller:
       return continuation_text(self.tokenizer, [int(i) for i in row_tokens[lo:hi]], before,
                                skip_special=True)
     pl, ln = int(h.prompt_len[row]), int(h.length[row])
-    gen = h.tokens[row, pl:ln]
+    gen = row_tokens[pl:ln]
     a0 = int(h.answer_start[row])
     a0 = ln if a0 < 0 else a0
     steps = []

@@ -1671,22 +1671,18 @@ class Engine:
 
   def _hits_stop(self, seq: _Seq) -> bool:
     """The last token completes a stop string in the sample's text (`_text`'s text)."""
-    prompt = seq.group.prompt_ids
     return thinking_lib.hits_stop(seq.span, seq.generated, seq.group.params.stop,
                                   self._visible, self.tokenizer.decode,
-                                  before=prompt[-1] if prompt else None)
+                                  before=seq.group.prompt_ids[-1])
 
   def _visible(self, ids: Sequence[int], before: int | None = None) -> str:
     """Text of `ids` without special tokens; with `before`, as the continuation of that
     token (`Tokenizer.continuation`)."""
-    if before is not None:
-      return continuation_text(self.tokenizer, ids, before, skip_special=True)
-    return self.tokenizer.decode(ids, skip_special=True)
+    return continuation_text(self.tokenizer, ids, before, skip_special=True)
 
   def _text(self, seq: _Seq) -> str:
-    prompt = seq.group.prompt_ids
     text = thinking_lib.answer_text(seq.span, seq.generated, self._visible,
-                                    before=prompt[-1] if prompt else None)
+                                    before=seq.group.prompt_ids[-1])
     cuts = [text.find(s) for s in seq.group.params.stop if s in text]
     return text[:min(cuts)] if cuts else text
 
@@ -1711,9 +1707,8 @@ class Engine:
     seq.finish_reason = reason
     if self.thinking is not None:
       self._span(seq).finish(seq.generated)
-    queue = next(q for q in (self._running, self._prefilling, self._waiting)
-                 if any(s is seq for s in q))  # (a preempted sample waits: `_apply_budget`)
-    del queue[next(i for i, s in enumerate(queue) if s is seq)]
+    # (a preempted sample waits: `_apply_budget` stops it there; _Seq compares by identity)
+    next(q for q in (self._running, self._prefilling, self._waiting) if seq in q).remove(seq)
     self.allocator.free_all(seq.blocks)
     seq.blocks = []
     group = seq.group

@@ -146,6 +146,11 @@ class Generator:
   def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
     return encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self._chat_kwargs)
 
+  def _visible(self, ids: Sequence[int], before: int | None = None) -> str:
+    """Text of `ids` without special tokens (stop strings are looked for in it); with
+    `before`, as the continuation of that token (`Tokenizer.continuation`)."""
+    return continuation_text(self.tokenizer, ids, before, skip_special=True)
+
   def _check_call(self, ids, max_new_tokens, params, request_ids, stop) -> None:
     """Everything a call reads, before the prefill (one entry of params / request_ids per
     prompt: a short list would be broadcast over the batch)."""
@@ -211,13 +216,11 @@ class Generator:
     tokens, reasons, spans = next(self._run(ids, max_new_tokens, params, request_ids, stop,
                                             stream=False))
     elapsed = time.perf_counter() - t0
-    visible = lambda t, before=None: continuation_text(self.tokenizer, t, before,
-                                                       skip_special=True)
     outputs = []
     for t, r, p, span in zip(tokens, reasons, ids, spans):
       if span is not None:
         span.finish(t)
-      text = thinking_lib.answer_text(span, t, visible, before=p[-1] if len(p) else None)
+      text = thinking_lib.answer_text(span, t, self._visible, before=p[-1])
       outputs.append(GenerationOutput(
           token_ids=t, text=_cut_at_stop(text, stop),
           finish_reason=r, prompt_tokens=len(p), seconds=elapsed,
@@ -259,8 +262,6 @@ class Generator:
     done = np.zeros(n, bool)
     positions = lengths.copy()
     # Stop strings are looked for in the text the output shows (`generate`'s `text`).
-    visible = lambda t, before=None: continuation_text(self.tokenizer, t, before,
-                                                       skip_special=True)
     for step in range(max_new_tokens):
       host_ids, host_finite = np.asarray(next_ids), np.asarray(finite)
       for i in range(n):
@@ -284,9 +285,8 @@ class Generator:
           yield tok
         if spans[i] is not None:
           spans[i].update(out[i])
-        if stop and thinking_lib.hits_stop(spans[i], out[i], stop, visible,
-                                           self.tokenizer.decode,
-                                           before=ids[i][-1] if len(ids[i]) else None):
+        if stop and thinking_lib.hits_stop(spans[i], out[i], stop, self._visible,
+                                           self.tokenizer.decode, before=ids[i][-1]):
           done[i], reasons[i] = True, "stop"
         elif len(out[i]) >= room[i]:
           done[i] = True  # (reason "length")

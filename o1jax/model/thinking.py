@@ -213,12 +213,21 @@ def answer_text(reader: SpanReader | None, generated: Sequence[int],
   start = 0 if reader is None else reader.answer_start
   if start is None:
     return ""
-  ids = list(generated[start:])
-  if start == 0 and before is not None and not (reader and reader.answer_skip):
-    text = decode_visible(ids, before)
+  return _visible_from(reader, generated, start, decode_visible, before)
+
+
+def _visible_from(reader: SpanReader | None, generated: Sequence[int], lo: int,
+                  decode_visible: Callable[..., str], before: int | None) -> str:
+  """The text of generated[lo:]; from the answer's start (`reader.answer_start`) the
+  answer's own (the marker's characters and, after a closed span, the leading newlines
+  off), and from the sample's first token the continuation of `before` where given."""
+  start = 0 if reader is None else reader.answer_start
+  if lo == 0 and before is not None and not (reader and reader.answer_skip):
+    text = decode_visible(list(generated), before)
   else:
-    text = decode_visible(ids)[reader.answer_skip if reader else 0:]
-  return text.lstrip("\n") if reader is not None and reader.closed else text
+    text = decode_visible(list(generated[lo:]))
+    text = text[reader.answer_skip:] if reader is not None and lo == start else text
+  return text.lstrip("\n") if lo == start and reader is not None and reader.closed else text
 
 
 # Leading characters of a decoded window that may differ from the full text's (a character
@@ -259,13 +268,8 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
   width = 2 * need + _FRONT
   while True:
     lo = max(start, n - width)
-    if lo == 0 and before is not None and not (reader and reader.answer_skip):
-      text = decode_visible(list(generated), before)
-    else:
-      text = decode_visible(list(generated[lo:]))
+    text = _visible_from(reader, generated, lo, decode_visible, before)
     if lo == start:
-      text = text[reader.answer_skip if reader else 0:]
-      text = text.lstrip("\n") if reader is not None and reader.closed else text
       break
     text = text[_FRONT:]
     # (newlines at its front may lead the answer, which drops them: look further back)

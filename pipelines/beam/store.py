@@ -116,7 +116,9 @@ def check_writable(directory: str) -> None:
 # refuses the run (the sample could be computed but never stored).
 IS_A_DIRECTORY = "is a directory"
 NOT_A_FILE = "is not a regular file (a FIFO, a socket or a device)"
-_TEMPORARY = re.compile(r"[0-9a-f]{16,64}\.json\.\d+\.[0-9a-f]{8}\.tmp")
+# What `write_whole` appends to a local file's name while it writes: NAME.PID.XXXXXXXX.tmp.
+TEMPORARY_SUFFIX = r"\.\d+\.[0-9a-f]{8}\.tmp"
+_TEMPORARY = re.compile(r"[0-9a-f]{16,64}\.json" + TEMPORARY_SUFFIX)
 
 
 # Each stored record carries the sha256 of its content: a record still valid JSON after an
