@@ -276,7 +276,11 @@ def _free_port() -> int:
 
 def _start_loopback_cluster(tmp_path, worker_tmp, nworkers: int) -> tuple[str, list]:
   """`dask scheduler` + `dask worker` on the loopback address (a real cluster's commands):
-  its address and processes (the workers' temp directory is `worker_tmp`)."""
+  its address and processes (the workers' temp directory is `worker_tmp`), once the
+  scheduler answers and the workers joined, as a cluster is before a job is sent to it (a
+  job sent while the scheduler still started was refused at once, as the launcher refuses
+  a port nothing listens on)."""
+  from distributed import Client
   address = f"tcp://127.0.0.1:{_free_port()}"
   env = {**os.environ, "PYTHONPATH": str(REPO)}
   started = [subprocess.Popen(
@@ -288,6 +292,13 @@ def _start_loopback_cluster(tmp_path, worker_tmp, nworkers: int) -> tuple[str, l
        "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
       env={**env, "TMPDIR": str(worker_tmp)}, cwd=tmp_path, stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL))
+  try:
+    with Client(address, timeout=60) as client:
+      client.wait_for_workers(nworkers, timeout=60)
+  except BaseException:
+    for p in reversed(started):
+      p.kill()
+    raise
   return address, started
 
 
