@@ -720,13 +720,19 @@ class Tokenizer:
     a SentencePiece vocabulary spells them with byte tokens (<0xF0>): the tokenizers
     library's ByteFallback reads a whole run of byte tokens with one invalid byte as
     U+FFFD per byte, so a character already read became U+FFFD when the next byte came
-    (streamed text differed from the final text; a window saw text the whole had not)."""
+    (streamed text differed from the final text; a window saw text the whole had not).
+    An id past the vocabulary reads as no text, as the library reads it; a negative one
+    (or one past 32 bits) is a ValueError naming it."""
     ids = list(ids)
-    if self._byte_values is not None and ids:
-      if skip_special:  # (first: a special token between two bytes splits no run)
-        ids = [i for i in ids if i not in self._special_ids]
-      ids = self._respelled(ids)
-    return self.backend.decode(ids, skip_special_tokens=skip_special)
+    try:
+      if self._byte_values is not None and ids:
+        if skip_special:  # (first: a special token between two bytes splits no run)
+          ids = [i for i in ids if i not in self._special_ids]
+        ids = self._respelled(ids)
+      return self.backend.decode(ids, skip_special_tokens=skip_special)
+    except OverflowError:
+      bad = next(i for i in ids if not 0 <= i < 2**32)  # (the library's ids are u32)
+      raise ValueError(f"{bad} is not a token id (ids are 0..{self.vocab_size - 1})") from None
 
 
   def _respelled(self, ids: list[int]) -> list[int]:

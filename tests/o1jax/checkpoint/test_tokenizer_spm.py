@@ -245,6 +245,17 @@ def test_a_skipped_special_token_between_bytes_splits_no_run():
   assert tok.decode(ids) == "\ufffd<start>\ufffd\ufffd"  # (kept: it splits the bytes)
 
 
+def test_an_id_that_is_no_token_id_is_one_line_naming_it():
+  """A negative id (or one past 32 bits) was the library's "OverflowError: number too small
+  to fit in target type"; an id past the vocabulary reads as no text, as the library's."""
+  tok = Tokenizer.from_gguf_metadata(_tiny_meta(False))
+  h = _tiny_meta(False)["tokenizer.ggml.tokens"].index("h")
+  for bad in (-1, 2**32, 2**64):
+    with pytest.raises(ValueError, match=f"^{bad} is not a token id"):
+      tok.decode([h, bad])
+  assert tok.decode([h, tok.vocab_size]) == "h"
+
+
 @pytest.mark.parametrize("add_space_prefix", [False, True])
 def test_a_continuation_is_the_text_its_tokens_add_to_the_text_before(add_space_prefix):
   """Generated tokens decoded alone lose the first space under the prefix's Strip (a code
