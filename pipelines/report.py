@@ -323,7 +323,8 @@ def plot_accuracy_vs_cost(runs: Sequence[tuple[str, dict]], path: pathlib.Path) 
   tokens: its runs stand apart in the second panel only."""
   plt = _plt()
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  costs = ((lambda s: s["tokens"].get("completion_per_example") or 0, "completion tokens per example"),
+  # (a run without its token count is off the frontier, not one of no cost)
+  costs = ((lambda s: s["tokens"].get("completion_per_example"), "completion tokens per example"),
            (seconds_per_example, "wall seconds per example"))
   accuracies = [accuracy_value(s) for _, s in runs]
   tasks = comparison_groups([s for _, s in runs])  # (task, data)
@@ -556,7 +557,7 @@ def comparison_inputs(name: str, summary: dict) -> dict:
            # so a run that lost its hard examples could stand above one that kept them
            "unscored": int((summary.get("unscored") or {}).get("examples") or 0),
            "accuracy": accuracy_value(summary), "interval": accuracy_interval(summary),
-           "tokens": summary["tokens"].get("completion_per_example") or 0,
+           "tokens": summary["tokens"].get("completion_per_example"),
            "probe": probe_per_example(summary), "seconds": seconds_per_example(summary),
            "p50": summary["latency_ms"].get("p50"),
            "tok_s": summary["throughput"].get("completion_tokens_per_s")}

@@ -138,6 +138,14 @@ def test_comparison_marks_pareto_runs_by_tokens_and_by_seconds(tmp_path):
   # cheaper, more accurate GSM8K run took every HumanEval run off the frontier).
   assert report.front_members([10, 40, 50], [0.5, 0.1, 0.05], ["gsm8k", "humaneval", "humaneval"]) == {0, 1}
   assert report.front_members([10, 40, 50], [0.5, 0.1, 0.05]) == {0}
+  # A run without its token count (a summary from elsewhere) is off the tokens frontier:
+  # it counted as costing 0 tokens and took the plain run off it.
+  del runs["sc"]["tokens"]["completion_per_example"]
+  (tmp_path / "sc" / "summary.json").write_text(json.dumps(runs["sc"]))
+  md = report.write_comparison([tmp_path / n for n in runs], tmp_path).read_text()
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if " (" in line}
+  assert rows["self_consistency (sc)"].endswith("| seconds |") and "| n/a |" in rows["self_consistency (sc)"]
+  assert rows["greedy_cot (plain)"].endswith("| tokens |")
 
 
 @pytest.mark.parametrize("task, accuracy, want", [
