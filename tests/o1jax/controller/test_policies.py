@@ -483,10 +483,13 @@ class _FakeCtl:
   def observe_finished(self, count=1):  # (no live budget)
     pass
 
+  def final_text(self, trace):
+    return trace.text
 
-def _trace(i, answer, conf=1.0, logprob=-1.0, stopped=False, token_ids=(5,)):
+
+def _trace(i, answer, conf=1.0, logprob=-1.0, stopped=False, token_ids=(5,), text=""):
   from o1jax.controller.results import TokenCounts, Trace
-  return Trace(sample_index=i, token_ids=list(token_ids), text="", thinking_text="", answer_text="",
+  return Trace(sample_index=i, token_ids=list(token_ids), text=text, thinking_text="", answer_text="",
                answer=answer, steps=[], tokens=TokenCounts(), backtracks=0, early_exit=False,
                exit_reason="eos", mean_logprob=logprob, mean_confidence=conf,
                lowest_group_confidence=conf, tail_confidence=conf,
@@ -543,11 +546,33 @@ def test_deepconf_vote_with_an_infinite_warmup_confidence():
   assert (chosen, answer) == (1, "8")
 
 
+@pytest.mark.parametrize("texts, chosen", [
+    # The first winner stated an answer before its last: GSM8K's strict rule reads 5.
+    (["The answer is 5. No: The answer is 7.", "The answer is 7.", "The answer is 6."], 1),
+    # The winners' value spelled otherwise: a string match reads "18.00", not "18".
+    (["The answer is 18.00.", "The answer is 20.", "The answer is 18 apples.",
+      "The answer is 20."], 2),
+    (["The answer is $1,200.", "The answer is 1200.00."], 0),  # commas and "$" aside
+    (["The answer is 7. Check: 2 + 5 = 7 and 3."], 0),  # none plain: the first winner
+    (["The answer is 7, 3 more than 4.", "The answer is 7."], 1),  # its last number is 4
+])
+def test_the_chosen_trace_states_the_voted_answer_plainly_where_one_does(texts, chosen):
+  """A task scores the chosen trace's text by its own rule (GSM8K strict: the first
+  statement, as spelled; flexible: the last number): the first trace carrying the voted
+  value was chosen, and scored wrong where the vote was right."""
+  traces = [_trace(i, extract_number(t), text=t) for i, t in enumerate(texts)]
+  winner = majority_vote([t.answer for t in traces])[0]
+  for policy in (get_policy("self_consistency", n=len(texts)),
+                 get_policy("deepconf", n=len(texts), warmup=len(texts), keep_percent=100.0)):
+    got = policy.run(_FakeCtl(traces), [ReasoningRequest("Q")])[0]
+    assert got[:2] == (chosen, winner), policy.name
+
+
 def test_content_keys_carry_the_rules_version_of_policies_whose_rules_changed():
   # Their rules changed what a sample computes (2026-12-06): stores of the earlier rules
   # are computed again, other policies' are kept.
   assert {name: get_policy(name).sample_identity().get("rules") for name in POLICY_NAMES} == {
-      "greedy_cot": None, "self_consistency": None, "best_of_n": 2, "deepconf": 3,
+      "greedy_cot": None, "self_consistency": 2, "best_of_n": 2, "deepconf": 4,
       "think_verify_backtrack": 3, "budget_forcing": 2}
 
 
