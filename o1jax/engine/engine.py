@@ -1536,17 +1536,22 @@ class Engine:
     self.metrics.spec_calls += 1
     for i, s in enumerate(seqs):
       count, drafted, last = int(out.counts[i]), int(num_drafts[i]), len(s.tokens) - 1
+      # (the planner learns the drafter's matches; a stop ending the sample is no miss)
       self._planner.record(s.acceptance, drafted, count - 1)
-      self.metrics.spec_drafted += drafted
-      self.metrics.spec_accepted += count - 1
-      s.group.metrics.spec_drafted += drafted
-      s.group.metrics.spec_accepted += count - 1
+      kept = 0
       for j in range(count):
         s.n_computed = len(s.tokens)
         self._append(s, int(out.tokens[i, j]), float(out.logprobs[i, j]), out.top_ids[i, j],
                      out.top_logprobs[i, j], start + (end - start) * (j + 1) / count)
+        kept += 1
         if s.finish_reason is not None:
           break
+      # Accepted: the drafts the sample kept (matched drafts past its stop are not in it).
+      accepted = min(count - 1, kept)
+      self.metrics.spec_drafted += drafted
+      self.metrics.spec_accepted += accepted
+      s.group.metrics.spec_drafted += drafted
+      s.group.metrics.spec_accepted += accepted
       if s.finish_reason is None:
         keep = math.ceil(len(s.tokens) / self.config.block_size)
         self.allocator.free_all(s.blocks[keep:])

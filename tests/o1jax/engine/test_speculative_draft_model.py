@@ -84,6 +84,24 @@ def test_target_as_its_own_draft_accepts_every_greedy_draft(tiny, plain, make_pr
   assert 0 < _speculative(spec)["acceptance_rate"] < 1.0
 
 
+def test_drafts_past_a_stop_are_not_counted_accepted(tiny, plain, make_prompts):
+  """A verify call whose drafts all match but whose sample stops inside them counted every
+  match as accepted: a record showed 7 drafts accepted for 3 tokens generated."""
+  spec = Engine(tiny.model, tiny.tokenizer, CONFIG, draft_model=tiny.model,
+                speculative=dataclasses.replace(SPEC, max_drafts=7))
+  prompt = make_prompts(1, seed=57, low=20, high=21)[0]
+  free = plain.generate([Request(prompt, GREEDY)])[0].samples[0].token_ids
+  stop = free[2]
+  params = dataclasses.replace(GREEDY, stop_token_ids=(stop,))
+  want = plain.generate([Request(prompt, params)])
+  got = spec.generate([Request(prompt, params)])
+  _same(want, got)
+  assert got[0].samples[0].finish_reason == "stop"
+  m = got[0].metrics  # generated_tokens: the stop token too
+  assert 0 < m.spec_accepted <= m.generated_tokens <= 3 < m.spec_drafted
+  assert _speculative(spec)["accepted"] == m.spec_accepted
+
+
 def test_draft_model_must_share_the_vocabulary_and_be_given(tiny, tmp_path):
   other = _load(_write_draft(tmp_path, vocab_size=tiny.config.vocab_size + 8))
   with pytest.raises(ValueError, match="vocab_size"):
