@@ -27,7 +27,8 @@ from o1jax.controller.cache_config import build_decode_model
 from o1jax.controller.decode_model import CacheConfig, CachePlan, ContiguousLlama, DecodeModel
 from o1jax.controller.loop import ReasoningLoop
 from o1jax.controller.paged_model import PagedCache, PagedCacheOverflow, PagedLlama
-from o1jax.controller.policies import Policy
+from o1jax.controller.policies import (BestOfN, BudgetForcing, DeepConf, GreedyCoT, Policy,
+                                       SelfConsistency, ThinkVerifyBacktrack)
 from o1jax.controller.registry import (POLICIES, BasePolicy, build_policy, get_policy, policy_class,
                                        policy_defaults, policy_names, register)
 from o1jax.controller.results import (ReasoningRequest, ReasoningResult, StepRecord, TokenCounts,

@@ -430,7 +430,7 @@ class Controller:
                        f"{type(requests).__name__}")
     reqs = [r if isinstance(r, ReasoningRequest) else ReasoningRequest(prompt=r, request_id=i)
             for i, r in enumerate(requests)]
-    twice = sorted(i for i, k in collections.Counter(r.request_id for r in reqs).items() if k > 1)
+    twice = [i for i, k in collections.Counter(r.request_id for r in reqs).items() if k > 1]
     if twice:  # an id keys its request's sampling stream, and its logs until `result`
       raise ValueError(f"request ids must be unique in one run, got {twice[:5]} more than once "
                        f"(a prompt given bare takes its position in the list as id, and a "

@@ -15,19 +15,25 @@ class ReasoningRequest:
   """One problem. prompt: text, chat messages [{"role", "content"}] or token ids.
 
   request_id and seed fix every random draw: sample j of this request uses
-  sequence_key(seed, request_id, j), then the attempt and the position.
+  sequence_key(seed, request_id, j), then the attempt and the position. request_id: an
+  int in [0, 2**64) or a str (64 bits of its sha256, as the engine's `Request` takes it).
   max_steps: this request's own step limit (None: the policy's); a trace runs
   min(it, the policy's, a live budget's) steps. The controller's `shortest_budget`
   admission admits the request with the fewest steps first."""
 
   prompt: Any
-  request_id: int = 0
+  request_id: int | str = 0
   seed: int = 0
   max_steps: Optional[int] = None
 
   def __post_init__(self):
     # Both fix the sampling keys (`sequence_key`): checked here, not inside the first call.
-    check_key_id(self.request_id)
+    if not isinstance(self.request_id, str):  # (the engine's ids: a str was refused here)
+      try:
+        check_key_id(self.request_id)
+      except ValueError:
+        raise ValueError(f"request_id must be an int in [0, 2**64) or a str, got "
+                         f"{self.request_id!r}") from None
     check_seed(self.seed, f"request {self.request_id}: seed")
     if self.max_steps is None:
       return

@@ -262,9 +262,9 @@ def test_request_max_steps_is_checked(bad):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(request_id=-1), r"^request_id must be an int in \[0, 2\*\*64\), got -1$"),  # was: crash
+    (dict(request_id=-1), r"^request_id must be an int in \[0, 2\*\*64\) or a str, got -1$"),
     (dict(request_id=2**64), r"^request_id must be an int in \[0, 2\*\*64\)"),
-    (dict(request_id="a"), r"^request_id must be an int in \[0, 2\*\*64\), got 'a'$"),
+    (dict(request_id=b"a"), r"^request_id must be an int in \[0, 2\*\*64\) or a str, got b'a'$"),
     (dict(request_id=1.5), r"^request_id must be an int"),  # was: read as 1
     (dict(request_id=True), r"^request_id must be an int"),
     (dict(seed=2**63), r"^request 0: seed must be an int in \[-2\*\*63, 2\*\*63\)"),
@@ -299,12 +299,21 @@ def test_bad_requests_and_prompts_are_refused_before_the_loop(world):
        r"^request ids must be unique in one run, got \[0\] more than once \(a prompt given bare "
        r"takes its position in the list as id, and a ReasoningRequest's request_id defaults to 0\)$"),
       (["Q", "Q ", [13, 999]], r"^request 2 \(request_id=2\): prompt has token ids outside the "),
+      ([ReasoningRequest("Q", request_id="a"), ReasoningRequest("Q", request_id=1),
+        ReasoningRequest("R", request_id="a")],
+       r"^request ids must be unique in one run, got \['a'\] more than once"),
   ]:
     with pytest.raises(ValueError, match=match):
       ctl.run(requests, policy)
   assert ctl.run([], policy) == []
   again, = ctl.run(["Q"], policy)
   assert again.traces[0].token_ids == ok.traces[0].token_ids
+  # A str id (the engine's Request takes one) keys its samples as the engine hashes it.
+  sampled = {"name": "self_consistency", "n": 3, "max_thinking_tokens": 4, "temperature": 1.0}
+  named = ReasoningRequest("Q", request_id="item-7", seed=5)
+  first, other = ctl.run([named, ReasoningRequest("Q", request_id="item-8", seed=5)], sampled)
+  assert first.request_id == "item-7"
+  assert [t.token_ids for t in ctl.run([named], sampled)[0].traces] == [t.token_ids for t in first.traces]
   with pytest.raises(ValueError, match=r"^n must be an int >= 1, got 2.5$"):
     ctl.generate([ReasoningRequest("Q")], LoopSettings(), 2.5)
   with pytest.raises(ValueError, match=r"^conf_stop has 2 entries for 1 requests$"):

@@ -43,6 +43,16 @@ def test_registry_and_configs():
   assert build_policy({"name": "deepconf", "n": 16, "warmup": 4}).n == 16
 
 
+def test_the_policy_classes_are_public():
+  """docs/controller.md names `DeepConf(threshold=s)` and `DeepConf.calibrate`: the
+  classes were importable from o1jax.controller.policies only."""
+  import o1jax.controller
+  from o1jax.controller import policy_class
+  for name in POLICY_NAMES:
+    cls = policy_class(name)
+    assert getattr(o1jax.controller, cls.__name__) is cls
+
+
 def test_plain_sampling_policies_share_the_namespace():
   assert policy_names(controller=False) == ["greedy", "sample_n"]
   assert set(POLICY_NAMES) <= set(policy_names(controller=True))  # + any a test registered
