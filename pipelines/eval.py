@@ -445,6 +445,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     if len(damaged) > MAX_DAMAGED_SHOWN:
       print(f"warning: {len(damaged) - MAX_DAMAGED_SHOWN} more damaged store records under "
             f"{plan.store_dir} are recomputed", file=console)
+  earlier = _earlier_throughput(out) if is_local(out) else None  # (before it is cleared)
   if is_local(out):  # after the checks above: a refused run leaves the earlier results
     clear_previous_results(config, out, console)
   show = config.runner.progress if progress is None else progress
@@ -519,6 +520,11 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   summary["data_sha256"] = examples_sha256(i.example for i in scan.items if i.sample_index == 0)
   if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
     summary["data"] = plan.task.data_info()
+  if (not summary["throughput"]["samples_computed"] and earlier is not None
+      and earlier[0] == (summary["data_sha256"], summary["samples"])):
+    # A rerun that computed nothing (every sample resumed) keeps the throughput of the run
+    # that computed them: its rewrite of summary.json erased it (n/a seconds in reports).
+    summary["throughput"] = earlier[1]
   # Strict JSON (Python writes Infinity, which jq and JavaScript refuse): a config's inf
   # is the string "inf" (clear_previous_results compares configs so written).
   from pipelines.beam.store import strict_json
@@ -575,6 +581,21 @@ def _check_dataset_is_not_a_result(plan, out: str) -> None:
       raise DatasetError(f"dataset.path={path} {'matches' if ours not in files else 'is'} "
                          f"this run's {name} in --output_dir {out}: the run writes (and "
                          f"replaces) it; keep the dataset out of the output directory")
+
+
+def _earlier_throughput(out: str) -> Optional[tuple[tuple, dict]]:
+  """((data_sha256, samples), throughput) of the summary.json in `out` where its run
+  computed samples, its throughput marked with the run's start (`measured_in_run_started_ms`);
+  None otherwise."""
+  try:
+    summary = json.loads(pathlib.Path(out, "summary.json").read_text(encoding="utf-8"))
+    thr, started = summary["throughput"], summary["run"].get("started_ms")
+    thr = {**thr, "measured_in_run_started_ms": thr.get("measured_in_run_started_ms", started)}
+    if isinstance(thr["samples_computed"], int) and thr["samples_computed"] > 0:
+      return (summary.get("data_sha256"), summary.get("samples")), thr
+  except (OSError, ValueError, RecursionError, TypeError, KeyError, AttributeError):
+    pass  # (none, or unreadable: _check_same_task says so)
+  return None
 
 
 def _check_results_are_runs(out: str) -> None:

@@ -457,14 +457,19 @@ def write_run_report(run_dir: str | os.PathLike) -> pathlib.Path:
   tok = summary["tokens"]
   out += ["", "## Tokens", "", table([[k, v] for k, v in tok.items()], ["kind", "value"])]
   lat, ptl, thr = summary["latency_ms"], summary["latency_ms_per_token"], summary["throughput"]
+  # (a rerun that resumed every sample keeps the throughput of the run that computed them)
+  computed = (f"Computed this run: {thr['samples_computed']} samples in {num(thr['span_s'])} s ("
+              if "measured_in_run_started_ms" not in thr else
+              f"Computed this run: 0 samples (an earlier run computed {thr['samples_computed']} in "
+              f"{num(thr['span_s'])} s: ")
   out += ["", "## Latency and throughput", "",
           table([[name, *(num(d.get(f"p{p}")) for p in (50, 90, 95, 99)), num(d.get("mean")), num(d.get("max"))]
                   for name, d in (("request (ms)", lat), ("per token (ms)", ptl),
                                   *((("time to first token (ms)", summary["ttft_ms"]),)
                                     if summary.get("ttft_ms") else ()))],
                  ["", "P50", "P90", "P95", "P99", "mean", "max"]), "",
-          f"Computed this run: {thr['samples_computed']} samples in {num(thr['span_s'])} s "
-          f"({num(thr['samples_per_s'], 3)} samples/s, {num(thr['completion_tokens_per_s'])} completion tok/s); "
+          computed + f"{num(thr['samples_per_s'], 3)} samples/s, "
+          f"{num(thr['completion_tokens_per_s'])} completion tok/s); "
           f"resumed from the store: {num((summary.get('run') or {}).get('resumed'))}; "
           f"wall time {num((summary.get('run') or {}).get('wall_s'))} s."
           + "".join(f" {line}." for line in [recomputed_line(summary)] if line), "",

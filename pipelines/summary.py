@@ -17,7 +17,8 @@ TTFT; the controller's as the host sees its device loop) where records carry the
 request latency / completion tokens (one value per sample) — and latency stability:
 per-token CV and first-token P95 against
 the reference thresholds (CV < 0.15, P95 < 320 ms), pass/fail; 5.
-throughput over the samples computed in this run; 6. dead letters by stage, and
+throughput over the samples computed in this run (a rerun that computed none: the eval
+job keeps the earlier run's, `measured_in_run_started_ms`); 6. dead letters by stage, and
 `unscored`: the samples (and examples with no sample left) that went to dead letters at
 inference or scoring — accuracy is over the scored ones, they do not count as wrong;
 7. reasoning-path statistics when traces carry them (absent until the controller).

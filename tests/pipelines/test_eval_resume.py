@@ -166,6 +166,31 @@ def test_temporary_files_of_killed_writes_are_removed_by_the_next_run(finished, 
   assert not stale.exists() and other.read_text() == "mine\n"
 
 
+def test_a_rerun_that_computes_nothing_keeps_the_measured_throughput(finished, tmp_path):
+  """A rerun of a finished run rewrote summary.json with "0 samples in 0.0 s": the run's
+  seconds per example (the report's cost axis) were gone; now it keeps the measurement of
+  the run that computed them, marked so, and the report says which."""
+  out, _ = _copy(finished, tmp_path / "again")
+  before = json.loads((out / "summary.json").read_text())
+  assert before["throughput"]["samples_computed"] == 6 and before["throughput"]["span_s"] > 0
+  rerun = lambda: run(_config(finished[0]), str(out), clock=FakeClock(start_ms=9e6),
+                      progress=False, report=False, console=io.StringIO())  # (a later time)
+  summary = rerun()
+  assert summary["run"]["computed"] == 0
+  assert summary["throughput"] == {**before["throughput"],
+                                   "measured_in_run_started_ms": before["run"]["started_ms"]}
+  from pipelines.report import write_run_report
+  write_run_report(out)
+  assert "Computed this run: 0 samples (an earlier run computed 6 in " in (out / "report.md").read_text()
+  summary = rerun()  # and again: still the first run's measurement
+  assert summary["throughput"]["measured_in_run_started_ms"] == before["run"]["started_ms"]
+  # A run that computes something measures itself.
+  lines = (finished[0]).read_text() + ADDED + "\n"
+  (tmp_path / "more.jsonl").write_text(lines)
+  summary, _ = _run(_config(tmp_path / "more.jsonl"), tmp_path / "more")
+  assert "measured_in_run_started_ms" not in summary["throughput"]
+
+
 def test_greedy_records_stored_with_the_31_bit_request_ids_are_resumed(finished, tmp_path):
   """The request ids became 64 bits (2026-12-07): a greedy sample draws nothing from its
   stream, so its key stayed, but its stored record named the 31-bit id and every one was
