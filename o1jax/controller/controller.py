@@ -1280,7 +1280,10 @@ class Controller:
     b, length, plan = self._loop_shape(settings, n, slots, longest)
     per_slot = max([1] + [len(p) for p in prior_votes])
     state = self.empty_state(settings, n, slots, length, plan, per_slot)
-    limits = [self.step_limit(settings, q) for q in requests]
+    # A live budget's limit replaces the policy's (`_apply_budget`): the order is by the
+    # limits the rows run under (with the policy's, requests between the two tied in FIFO).
+    limits = [self.step_limit(settings, q) if budget is None else
+              min(budget.steps, q.max_steps or NEVER) for q in requests]
     # Every request is known up front, so the priority order is fixed: one sort.
     order = range(r) if self.admission == "fifo" else sorted(range(r), key=lambda i: (limits[i], i))
     waiting = collections.deque(order)

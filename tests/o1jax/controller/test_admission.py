@@ -232,6 +232,20 @@ def test_shortest_budget_admits_the_fewest_remaining_steps_first(world):
     _same(a[0], b[0])
   with pytest.raises(ValueError, match="admission='length_groups'"):
     world(CHAIN).controller(admission="length_groups")
+  # Under a live budget (its floor: 16 steps) the rows run min(budget, own): the order is
+  # by those, not by the policy's 3 (which tied every request limited above it: FIFO).
+  import itertools
+  from o1jax.engine.budget import BudgetConfig, BudgetLoop
+  budget = BudgetLoop(BudgetConfig(mode="adaptive", latency_slo_s=0.5),
+                      clock=itertools.count(0.0, 0.25).__next__)
+  c = _RecordingController(world(CHAIN).model(), MockTokenizer(world(CHAIN).vocab), max_rows=1,
+                           admission="shortest_budget", budget=budget)
+  requests = [ReasoningRequest(prompt="Q", request_id=i, max_steps=s)
+              for i, s in enumerate([10, 5, None, 4])]
+  batch = c.generate(requests, settings, 1)
+  steps = [len(ts[0].steps) for ts in batch.traces]
+  assert steps[:2] + steps[3:] == [10, 5, 4] and steps[2] >= 16
+  assert c.admitted == [3, 1, 0, 2]
 
 
 @pytest.mark.parametrize("fields, match", [
