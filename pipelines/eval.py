@@ -520,15 +520,16 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   summary["data_sha256"] = examples_sha256(i.example for i in scan.items if i.sample_index == 0)
   if hasattr(plan.task, "data_info"):  # generated data: which items, by content hash
     summary["data"] = plan.task.data_info()
-  if (not summary["throughput"]["samples_computed"] and earlier is not None
-      and earlier[0] == (summary["data_sha256"], summary["samples"])):
-    # A rerun that computed nothing (every sample resumed) keeps the throughput of the run
-    # that computed them: its rewrite of summary.json erased it (n/a seconds in reports).
-    summary["throughput"] = earlier[1]
   # Strict JSON (Python writes Infinity, which jq and JavaScript refuse): a config's inf
   # is the string "inf" (clear_previous_results compares configs so written).
   from pipelines.beam.store import strict_json
   written = strict_json(json.loads(json.dumps(summary, default=list)), named=True)
+  if (not written["throughput"]["samples_computed"] and earlier is not None
+      and earlier[0] == (written["data_sha256"], written["samples"], written["config"])):
+    # A rerun of the same config that computed nothing (every sample resumed) keeps the
+    # throughput of the run that computed them: its rewrite of summary.json erased it (n/a
+    # seconds in reports). (Another config's measurement is not this config's.)
+    summary["throughput"] = written["throughput"] = earlier[1]
   write_text(f"{out}/summary.json", json.dumps(written, indent=2, allow_nan=False) + "\n")
   if report and is_local(output_dir):
     from pipelines.beam.store import WriteError, os_reason
@@ -584,15 +585,15 @@ def _check_dataset_is_not_a_result(plan, out: str) -> None:
 
 
 def _earlier_throughput(out: str) -> Optional[tuple[tuple, dict]]:
-  """((data_sha256, samples), throughput) of the summary.json in `out` where its run
-  computed samples, its throughput marked with the run's start (`measured_in_run_started_ms`);
-  None otherwise."""
+  """((data_sha256, samples, config), throughput) of the summary.json in `out` where its
+  run computed samples, its throughput marked with the run's start
+  (`measured_in_run_started_ms`); None otherwise."""
   try:
     summary = json.loads(pathlib.Path(out, "summary.json").read_text(encoding="utf-8"))
     thr, started = summary["throughput"], summary["run"].get("started_ms")
     thr = {**thr, "measured_in_run_started_ms": thr.get("measured_in_run_started_ms", started)}
     if isinstance(thr["samples_computed"], int) and thr["samples_computed"] > 0:
-      return (summary.get("data_sha256"), summary.get("samples")), thr
+      return (summary.get("data_sha256"), summary.get("samples"), summary.get("config")), thr
   except (OSError, ValueError, RecursionError, TypeError, KeyError, AttributeError):
     pass  # (none, or unreadable: _check_same_task says so)
   return None

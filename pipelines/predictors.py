@@ -504,7 +504,8 @@ class ControllerPredictor:
     from o1jax.sharding import group_mesh
     tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
     decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
-    controller = Controller(decode_model, tokenizer, max_rows=max(rows, 1),
+    from pipelines.tasks.gsm8k import reads_as  # (controller policies run GSM-style tasks only)
+    controller = Controller(decode_model, tokenizer, max_rows=max(rows, 1), reads_as=reads_as,
                             budget=spec.budget_loop(), thinking=spec.thinking,
                             admission=str(engine.get("policy", "fifo")),
                             speculative=spec.speculative_config())

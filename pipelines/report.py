@@ -33,8 +33,12 @@ HEATMAP_TIME_BINS = 20
 
 
 def recomputed_line(summary: dict) -> str:
-  """The work the engine lost to preemptions this run ('' when none)."""
-  n = int((summary.get("throughput") or {}).get("recomputed_tokens") or 0)
+  """The work the engine lost to preemptions this run ('' when none, or when the run
+  computed nothing and its throughput is an earlier run's)."""
+  throughput = summary.get("throughput") or {}
+  if "measured_in_run_started_ms" in throughput:
+    return ""
+  n = int(throughput.get("recomputed_tokens") or 0)
   return (f"The engine recomputed {n} tokens of preempted sequences: its KV pool was too small "
           f"for the running sequences (raise engine.kv_cache_bytes or engine.num_blocks)") if n else ""
 

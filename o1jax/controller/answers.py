@@ -59,19 +59,6 @@ def extract_number(text: str, prefix: str = "The answer is") -> Optional[str]:
   return normalize_number(found[-1]) if found else None
 
 
-def states_answer(text: str, key: str, prefix: str = "The answer is") -> bool:
-  """Whether `text` gives `key` as written after every `prefix` in it and as its last
-  number: a reader taking the first statement ("The answer is 5. ... The answer is 7."
-  reads 5), the number as spelled ("18.00" is no "18" to a string match), or the last
-  number reads the key too. Commas, "$" and U+2212 aside."""
-  spelled = lambda raw: raw.replace(",", "").replace("$", "").replace("\u2212", "-") == key
-  statements = text.split(prefix)[1:] if prefix else []
-  found = [_NUMBER.search(part) for part in statements]
-  last = _NUMBER.findall(text)
-  return (bool(found) and all(m is not None and spelled(m.group()) for m in found)
-          and bool(last) and spelled(last[-1]))
-
-
 def weighted_vote(answers: Sequence[Optional[str]],
                   weights: Sequence[float] | None = None) -> tuple[Optional[str], dict[str, float]]:
   """Answer with the largest total weight (ties: the one seen first); None answers abstain.

@@ -274,6 +274,12 @@ class Controller:
       clock between loop calls (each call then lasts about its interval), and
       it prunes traces when latency or KV use is over its limits.
     extract_answer: text -> answer string (GSM-style number by default).
+    reads_as: (final text, voted answer) -> whether the task that scores a trace reads
+      that answer in its text; a vote's chosen trace (whose text a task scores) is the
+      first of the voted answer's traces it accepts, else the first of them. The eval job
+      gives the GSM harness's readings (`pipelines.tasks.gsm8k.reads_as`): a first trace
+      writing "The answer is 5. ... The answer is 7." or "18.00" was scored wrong where
+      the vote (7, 18) was right. None: the first of them.
     python_twin: run the debugging twin (one jitted `_step` per host call)
       instead of the while_loop; results must be identical.
     key_capacity / key_classes: answer-key characters kept per row, and
@@ -301,6 +307,7 @@ class Controller:
                max_records: int = 64, force_capacity: int = 20, probe_capacity: int = 16,
                pattern_capacity: int = 8, iterations_per_call: int = 0,
                extract_answer: Callable[[str], Optional[str]] | None = None,
+               reads_as: Callable[[str, str], bool] | None = None,
                python_twin: bool = False, key_capacity: int = 24, key_classes: int = 8,
                budget: BudgetLoop | None = None,
                thinking: str | ThinkingSpan | None = "auto", admission: str = "fifo",
@@ -329,6 +336,8 @@ class Controller:
         raise ValueError(f"{name} must be a bool, got {value!r}")
     if extract_answer is not None and not callable(extract_answer):
       raise ValueError(f"extract_answer must be a function of the text, got {extract_answer!r}")
+    if reads_as is not None and not callable(reads_as):
+      raise ValueError(f"reads_as must be a function of (text, answer), got {reads_as!r}")
     if budget is not None and not isinstance(budget, BudgetLoop):
       raise ValueError(f"budget must be a BudgetLoop or None, got {type(budget).__name__}")
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -378,6 +387,7 @@ class Controller:
     self.pattern_capacity = pattern_capacity
     self.iterations_per_call = iterations_per_call
     self.extract_answer = extract_answer
+    self.reads_as = reads_as
     self.python_twin = python_twin
     self.share_prefixes = bool(share_prefixes)
     self.key_capacity = key_capacity

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from o1jax.controller.answers import best_index, states_answer, weighted_vote
+from o1jax.controller.answers import best_index, weighted_vote
 from o1jax.controller.controller import CONFIDENCE_TOP_K, Controller, LoopSettings
 from o1jax.controller.registry import BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
@@ -128,18 +128,15 @@ def _check_flags(policy, *names: str) -> None:
       raise ValueError(f"{name} must be a bool, got {getattr(policy, name)!r}")
 
 
-def _first(ctl, policy, traces: list[Trace], among: list[Trace], answer) -> int | None:
+def _first(ctl, traces: list[Trace], among: list[Trace], answer) -> int | None:
   """Index of the trace in `among` that stands for the voted `answer`: the first whose
-  answer is `answer` and whose text states it plainly (`states_answer`), else the first
-  whose answer is `answer`. A task scores the chosen trace's text with its own rule (GSM8K
-  strict: the first statement, compared as spelled): a winner that wrote "The answer is 5.
-  ... The answer is 7." or "18.00" was scored wrong where the vote was right."""
+  answer is `answer` and whose text the scoring task reads as it (`Controller.reads_as`),
+  else the first whose answer is `answer`."""
   ids = {id(t) for t in among}
   winners = [j for j, t in enumerate(traces) if id(t) in ids and t.answer == answer]
-  if answer is not None and ctl.extract_answer is None:  # (a custom reading: its own rule)
-    prefix = policy.answer_prefix.strip()
-    plain = [j for j in winners if states_answer(ctl.final_text(traces[j]), answer, prefix)]
-    winners = plain or winners
+  reads_as = getattr(ctl, "reads_as", None)
+  if answer is not None and reads_as is not None:
+    winners = [j for j in winners if reads_as(ctl.final_text(traces[j]), answer)] or winners
   return winners[0] if winners else None
 
 
@@ -151,7 +148,7 @@ def _vote_results(ctl, policy, requests, batch, settings, weights_fn=None, keep_
     keep = [t for t in traces if keep_fn is None or keep_fn(t)] or traces
     weights = None if weights_fn is None else [weights_fn(t) for t in keep]
     winner, votes = weighted_vote([t.answer for t in keep], weights)
-    chosen = _first(ctl, policy, traces, keep, winner)
+    chosen = _first(ctl, traces, keep, winner)
     out.append(ctl.result(req, policy.name, traces, chosen, winner, batch.wall_time_s[i],
                           batch.invocations[i], votes))
   return out
@@ -176,7 +173,7 @@ class SelfConsistency(Policy):
   """n sampled traces sharing the prompt's cache; majority vote (Wang et al., 2022)."""
 
   name: ClassVar[str] = "self_consistency"
-  # 2 (2026-12-07): the chosen trace states the voted answer plainly where one does (`_first`).
+  # 2 (2026-12-07): the chosen trace is the first winner the task reads as the vote (`_first`).
   RULES: ClassVar[int] = 2
   n: int = 8
   temperature: float = 0.7
@@ -276,7 +273,7 @@ class DeepConf(Policy):
   # 2 (2026-12-06): the loop votes as the host does (no-token and error traces abstain,
   # warm-up priors are the host's answers); thresholds over the traces that kept a token.
   # 3 (2026-12-06): the window ending at the last thinking token can stop a trace.
-  # 4 (2026-12-07): the chosen trace states the voted answer plainly where one does.
+  # 4 (2026-12-07): the chosen trace is the first winner the task reads as the vote.
   RULES: ClassVar[int] = 4
   n: int = 8
   warmup: int = 2
@@ -416,7 +413,7 @@ class DeepConf(Policy):
     # Voters whose loop-read answer differs from the host's extraction (expected 0):
     # the consensus stop is exact only when they agree.
     mismatched = sum(t.answer_key is not None and t.answer_key != t.answer for t in voters)
-    return ctl.result(req, self.name, traces, _first(ctl, self, traces, voters, winner), winner,
+    return ctl.result(req, self.name, traces, _first(ctl, traces, voters, winner), winner,
                       wall, calls, votes, threshold=s,
                       stopped=sum(t.stopped_low_confidence for t in traces),
                       consensus_stopped=sum(t.stopped_consensus for t in traces),

@@ -256,6 +256,13 @@ def values_match(predicted: Optional[str], reference: str) -> bool:
   return key is not None and key == value_key(reference)
 
 
+def reads_as(text: str, key: str) -> bool:
+  """Whether both harness readings of `text` (strict and flexible, normalized as scored)
+  give the controller's vote key `key` as it spells it: which of a vote's traces stands
+  for it (`o1jax.controller.Controller.reads_as`). Reads the text only, never a reference."""
+  return answer_key(extract_strict(text)) == key and answer_key(extract_flexible(text)) == key
+
+
 def score_gsm8k(completion: str, reference: str,
                 stop_sequences: tuple[str, ...] = (), by_value: bool = False) -> GSM8KScore:
   """Score a completion against a gold answer (number string or ``... #### N``).

@@ -184,6 +184,16 @@ def test_a_rerun_that_computes_nothing_keeps_the_measured_throughput(finished, t
   assert "Computed this run: 0 samples (an earlier run computed 6 in " in (out / "report.md").read_text()
   summary = rerun()  # and again: still the first run's measurement
   assert summary["throughput"]["measured_in_run_started_ms"] == before["run"]["started_ms"]
+  from pipelines.report import recomputed_line
+  assert recomputed_line({"throughput": {**summary["throughput"], "recomputed_tokens": 50}}) == ""
+  # Another config resumed from the same store (a setting outside the samples' keys) is
+  # not the measured config: no carry-over (it took another config's seconds).
+  other = _config(finished[0])
+  other.runner.batch_size = 3
+  summary = run(other, str(out), clock=FakeClock(start_ms=9e6), progress=False, report=False,
+                console=io.StringIO())
+  assert summary["run"]["computed"] == 0 and summary["throughput"]["samples_computed"] == 0
+  assert "measured_in_run_started_ms" not in summary["throughput"]
   # A run that computes something measures itself.
   lines = (finished[0]).read_text() + ADDED + "\n"
   (tmp_path / "more.jsonl").write_text(lines)

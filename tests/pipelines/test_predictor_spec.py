@@ -356,6 +356,8 @@ def test_engine_policy_reaches_the_controller_admission_and_is_checked_at_plan_t
   cfg.engine.policy = "shortest_budget"
   predictor = build_predictor(build_plan(cfg, "unused").predictor)
   assert predictor.controller.admission == "shortest_budget"
+  from pipelines.tasks.gsm8k import reads_as  # a vote's chosen trace: one the task reads so
+  assert predictor.controller.reads_as is reads_as
   cfg.engine.policy = "length_groups"  # the engine's, not the controller's
   with pytest.raises(ValueError, match="engine.policy='length_groups': a controller policy"):
     build_plan(cfg, "unused")

@@ -556,26 +556,21 @@ def test_deepconf_vote_with_an_infinite_warmup_confidence():
   assert (chosen, answer) == (1, "8")
 
 
-@pytest.mark.parametrize("texts, chosen", [
-    # The first winner stated an answer before its last: GSM8K's strict rule reads 5.
-    (["The answer is 5. No: The answer is 7.", "The answer is 7.", "The answer is 6."], 1),
-    # The winners' value spelled otherwise: a string match reads "18.00", not "18".
-    (["The answer is 18.00.", "The answer is 20.", "The answer is 18 apples.",
-      "The answer is 20."], 2),
-    (["The answer is $1,200.", "The answer is 1200.00."], 0),  # commas and "$" aside
-    (["The answer is 7. Check: 2 + 5 = 7 and 3."], 0),  # none plain: the first winner
-    (["The answer is 7, 3 more than 4.", "The answer is 7."], 1),  # its last number is 4
-])
-def test_the_chosen_trace_states_the_voted_answer_plainly_where_one_does(texts, chosen):
-  """A task scores the chosen trace's text by its own rule (GSM8K strict: the first
-  statement, as spelled; flexible: the last number): the first trace carrying the voted
-  value was chosen, and scored wrong where the vote was right."""
+def test_the_chosen_trace_is_the_first_winner_the_task_reads_as_the_vote():
+  """A task scores the chosen trace's text by its own reading (`Controller.reads_as`): the
+  first trace carrying the voted value was chosen, and scored wrong where the vote was
+  right. Without a reading, or where it accepts no winner: the first winner."""
+  texts = ["The answer is 18.00.", "The answer is 20.", "The answer is 18.", "The answer is 20.",
+           "The answer is 18."]
   traces = [_trace(i, extract_number(t), text=t) for i, t in enumerate(texts)]
-  winner = majority_vote([t.answer for t in traces])[0]
-  for policy in (get_policy("self_consistency", n=len(texts)),
-                 get_policy("deepconf", n=len(texts), warmup=len(texts), keep_percent=100.0)):
-    got = policy.run(_FakeCtl(traces), [ReasoningRequest("Q")])[0]
-    assert got[:2] == (chosen, winner), policy.name
+  policies = (get_policy("self_consistency", n=5),
+              get_policy("deepconf", n=5, warmup=5, keep_percent=100.0))
+  for reads_as, chosen in ((None, 0), (lambda text, key: text == f"The answer is {key}.", 2),
+                           (lambda text, key: False, 0)):
+    ctl = _FakeCtl(traces, traces)
+    ctl.reads_as = reads_as
+    for policy in policies:
+      assert policy.run(ctl, [ReasoningRequest("Q")])[0][:2] == (chosen, "18"), policy.name
 
 
 def test_content_keys_carry_the_rules_version_of_policies_whose_rules_changed():

@@ -187,3 +187,25 @@ def test_the_harness_match_stays_a_string_match():
   assert not answers_match("1234.0", "1234") and not answers_match("4", "4.0")
   s = score_gsm8k("The answer is 1234.0.", "1234")
   assert not s.strict_correct and not s.flexible_correct
+
+
+@pytest.mark.parametrize("text, key, reads", [
+    ("The answer is 18.", "18", True),
+    ("The answer is 1,200.", "1200", True),  # the harness drops commas
+    ("The answer is -5.", "-5", True),
+    ("The answer is 0.5.", "0.5", True),
+    ("The answer is 18.00.", "18", False),  # a string match reads "18.00"
+    ("The answer is 5. No: The answer is 7.", "7", False),  # strict reads the first: 5
+    ("The answer is 18", "18", False),  # at the end strict's "." eats the 8: "1"
+    ("The answer is $18.", "18", False),  # strict allows no "$"
+    ("The answer is: 18.", "18", False),
+    ("#### 3\nThe answer is 18.", "18", False),  # "####" is read first
+    ("#### 18", "18", True),
+    ("The answer is below.\nThe answer is 18.", "18", True),
+    ("The answer is 7, 3 more than 4.", "7", False),  # flexible reads the last number: 4.
+])
+def test_reads_as_is_both_harness_readings_of_the_vote_key(text, key, reads):
+  """Which of a vote's traces the eval job scores (`o1jax.controller.Controller.reads_as`):
+  one whose strict and flexible readings both give the voted key, from its text alone."""
+  from pipelines.tasks.gsm8k import reads_as
+  assert reads_as(text, key) is reads
