@@ -53,9 +53,11 @@ import time
 
 from o1jax.compilation_cache import enable_compilation_cache
 from o1jax.engine import Engine, EngineConfig, GenerationParams, Request, SpeculativeConfig
+from o1jax.engine.kv_cache import KV_DTYPES
 from o1jax.model import Llama
+from o1jax.model.layers import MATMUL_DTYPES
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (sibling modules)
-from script_args import output_file, run_as_script, user_errors  # noqa: E402
+from script_args import count, counts, output_file, run_as_script, user_errors  # noqa: E402
 
 
 def copy_prompts(n: int, seed: int = 0) -> list:
@@ -236,20 +238,25 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", default="embedded")
   ap.add_argument("--tasks", type=task_list, default="copy,gsm,code")
-  ap.add_argument("--batches", default="1,8,32")
-  ap.add_argument("--drafters", type=drafter_list,
-                  default="prompt_lookup,early_exit:8,early_exit:16,draft_model:int8")
+  ap.add_argument("--batches", type=counts(1), default="1,8,32")
+  ap.add_argument("--drafters", type=drafter_list, default=None,
+                  help="the engine's drafters (default prompt_lookup,early_exit:8,early_exit:16,"
+                       "draft_model:int8); --controller drafts by prompt lookup only")
   ap.add_argument("--max-new-tokens", type=int, default=96)
-  ap.add_argument("--max-drafts", type=int, default=7)
-  ap.add_argument("--matmul-dtype", default="float32")
-  ap.add_argument("--kv-dtype", default="float32")
+  ap.add_argument("--max-drafts", type=count(1), default=7)
+  ap.add_argument("--matmul-dtype", default="float32", choices=MATMUL_DTYPES)
+  ap.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES))
   ap.add_argument("--controller", action="store_true",
                   help="speculation in the reasoning controller's loop instead of the engine")
-  ap.add_argument("--rounds", type=int, default=1,
+  ap.add_argument("--rounds", type=count(1), default=1,
                   help="measure every configuration this many times, in rounds (each with "
                        "its own plain baseline); the summary gives the median ratio and range")
   ap.add_argument("--json", type=output_file, default="")
   args = ap.parse_args(argv)
+  if args.controller and args.drafters is not None:  # (it was ignored without a word)
+    ap.error("--drafters: the controller's loop drafts by prompt lookup only (leave it out)")
+  if args.drafters is None:
+    args.drafters = drafter_list("prompt_lookup,early_exit:8,early_exit:16,draft_model:int8")
 
   from o1jax.checkpoint import load_checkpoint
 
@@ -265,7 +272,7 @@ def main(argv=None):
   print(f"{'task':5} {'batch':>5} {'config':18} {'dec tok/s':>9} {'x plain':>7} {'e2e x':>6} "
         f"{'accept':>6} {'acc/verify':>10} {'verify%':>7} same compiled")
   drafts = {}
-  for batch in [int(b) for b in args.batches.split(",") if b]:
+  for batch in args.batches:
     if not args.controller:
       engine = Engine(model, ck.tokenizer, EngineConfig(max_slots=batch, kv_cache_bytes=256 << 20,
                                                         kv_dtype=args.kv_dtype,

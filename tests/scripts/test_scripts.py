@@ -440,6 +440,13 @@ def test_bench_speculative_controller_mode(tiny_gguf):
     assert rows[first]["verify_calls"] == rows[first + 3]["verify_calls"] == 0
 
 
+def test_bench_speculative_refuses_drafters_the_controller_would_ignore(capsys):
+  with pytest.raises(SystemExit) as e:
+    load("bench_speculative").main(["--controller", "--drafters", "early_exit:8"])
+  assert e.value.code == 2
+  assert "--drafters: the controller's loop drafts by prompt lookup only" in capsys.readouterr().err
+
+
 def test_study_multi_exit_runs_each_exit(tiny_gguf):
   out = load("study_multi_exit").main(
       ["--source", tiny_gguf, "--exits", "1,0", "--problems", "3", "--max-new-tokens", "5",
@@ -459,6 +466,10 @@ def test_study_multi_exit_runs_each_exit(tiny_gguf):
     ("bench_budget", ["--prompt-style", "foo"]),
     ("study_batch_latency", ["--batches", "1,x"]), ("study_batch_latency", ["--new-tokens", "0"]),
     ("study_multi_exit", ["--problems", "0"]), ("study_multi_exit", ["--exits", "-1"]),
+    # (tracebacks after the model loaded; --rounds 0 measured nothing and exited 0)
+    ("bench_speculative", ["--batches", "0"]), ("bench_speculative", ["--batches", "x"]),
+    ("bench_speculative", ["--max-drafts", "0"]), ("bench_speculative", ["--matmul-dtype", "foo"]),
+    ("bench_speculative", ["--kv-dtype", "foo"]), ("bench_speculative", ["--rounds", "0"]),
 ])
 def test_latency_scripts_refuse_bad_flags_before_any_work(script, flags, capsys):
   with pytest.raises(SystemExit) as e:
