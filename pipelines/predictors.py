@@ -25,6 +25,7 @@ Implementations (registry `PREDICTORS`, chosen by `model.predictor`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import itertools
@@ -504,8 +505,7 @@ class ControllerPredictor:
     from o1jax.sharding import group_mesh
     tp = int(engine.get("tensor_parallel", 1) or 1)  # the loop split over tp devices by heads
     decode_model = build_decode_model(model, section, mesh=group_mesh(tp) if tp > 1 else None)
-    from pipelines.tasks.gsm8k import reads_as  # (controller policies run GSM-style tasks only)
-    controller = Controller(decode_model, tokenizer, max_rows=max(rows, 1), reads_as=reads_as,
+    controller = Controller(decode_model, tokenizer, max_rows=max(rows, 1),
                             budget=spec.budget_loop(), thinking=spec.thinking,
                             admission=str(engine.get("policy", "fifo")),
                             speculative=spec.speculative_config())
@@ -526,8 +526,14 @@ class ControllerPredictor:
         raise ValueError(f"example {i.example.get('id')!r}: metadata max_steps={steps!r} is not "
                          f"an int >= 1") from None
     self._queue.add(len(items))
+    # A vote's chosen trace: one whose text the task reads as the voted answer, cut at the
+    # items' stop sequences as the score cuts it (controller policies run GSM-style tasks).
+    from pipelines.tasks.gsm8k import reads_as
+    stops = {tuple(i.stop) for i in items}
     with self._lock:
       self._queue.add(-len(items))
+      self.controller.reads_as = (functools.partial(reads_as, stop_sequences=stops.pop())
+                                  if len(stops) == 1 else None)
       results = self.controller.run(requests, self.policy)
     out = []
     for item, result in zip(items, results):

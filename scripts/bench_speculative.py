@@ -119,10 +119,12 @@ def drafter_list(text: str) -> list[str]:
   names = [d for d in text.split(",") if d]
   for name in names:
     kind, _, arg = name.partition(":")
-    if kind not in DRAFTER_KINDS or (kind == "early_exit" and not (arg.isdigit() and int(arg))):
+    if (kind not in DRAFTER_KINDS or (kind == "early_exit" and not (arg.isdigit() and int(arg)))
+        or (kind == "draft_model" and arg and arg not in MATMUL_DTYPES)
+        or (kind == "prompt_lookup" and arg)):
       raise argparse.ArgumentTypeError(
-          f"{name!r}: expected drafters of prompt_lookup, early_exit:L (L >= 1), "
-          f"draft_model[:DTYPE]")
+          f"expected drafters of prompt_lookup, early_exit:L (L >= 1), draft_model[:DTYPE] "
+          f"(DTYPE one of {', '.join(MATMUL_DTYPES)}), got {name!r}")
   return names
 
 
@@ -242,7 +244,7 @@ def main(argv=None):
   ap.add_argument("--drafters", type=drafter_list, default=None,
                   help="the engine's drafters (default prompt_lookup,early_exit:8,early_exit:16,"
                        "draft_model:int8); --controller drafts by prompt lookup only")
-  ap.add_argument("--max-new-tokens", type=int, default=96)
+  ap.add_argument("--max-new-tokens", type=count(1), default=96)
   ap.add_argument("--max-drafts", type=count(1), default=7)
   ap.add_argument("--matmul-dtype", default="float32", choices=MATMUL_DTYPES)
   ap.add_argument("--kv-dtype", default="float32", choices=tuple(KV_DTYPES))

@@ -277,9 +277,9 @@ class Controller:
     reads_as: (final text, voted answer) -> whether the task that scores a trace reads
       that answer in its text; a vote's chosen trace (whose text a task scores) is the
       first of the voted answer's traces it accepts, else the first of them. The eval job
-      gives the GSM harness's readings (`pipelines.tasks.gsm8k.reads_as`): a first trace
-      writing "The answer is 5. ... The answer is 7." or "18.00" was scored wrong where
-      the vote (7, 18) was right. None: the first of them.
+      sets the GSM harness's readings per batch (`pipelines.tasks.gsm8k.reads_as`): a first
+      trace writing "The answer is 5. ... The answer is 7." was scored wrong (strict reads
+      the first statement) where the vote (7) was right. None: the first of them.
     python_twin: run the debugging twin (one jitted `_step` per host call)
       instead of the while_loop; results must be identical.
     key_capacity / key_classes: answer-key characters kept per row, and

@@ -18,7 +18,8 @@ class ReasoningRequest:
   sequence_key(seed, request_id, j), then the attempt and the position. request_id: an
   int in [0, 2**64) or a str (64 bits of its sha256, as the engine's `Request` takes it).
   max_steps: this request's own step limit (None: the policy's); a trace runs
-  min(it, the policy's, a live budget's) steps. The controller's `shortest_budget`
+  min(it, the policy's) steps, or under a live budget min(it, the budget's) (the budget's
+  replaces the policy's). The controller's `shortest_budget`
   admission admits the request with the fewest steps first."""
 
   prompt: Any
@@ -137,7 +138,7 @@ class Trace:
 class ReasoningResult:
   """What `Controller.run` returns per request (the "reasoning path trace")."""
 
-  request_id: int
+  request_id: int | str
   policy: str
   answer_text: str  # final text of the chosen trace (or the winning answer's first trace)
   answer: Optional[str]  # extracted final answer

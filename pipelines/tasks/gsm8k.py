@@ -256,11 +256,14 @@ def values_match(predicted: Optional[str], reference: str) -> bool:
   return key is not None and key == value_key(reference)
 
 
-def reads_as(text: str, key: str) -> bool:
-  """Whether both harness readings of `text` (strict and flexible, normalized as scored)
-  give the controller's vote key `key` as it spells it: which of a vote's traces stands
-  for it (`o1jax.controller.Controller.reads_as`). Reads the text only, never a reference."""
-  return answer_key(extract_strict(text)) == key and answer_key(extract_flexible(text)) == key
+def reads_as(text: str, key: str, stop_sequences: tuple[str, ...] = ()) -> bool:
+  """Whether both harness readings of `text` cut at `stop_sequences` (strict and flexible,
+  as a score reads them) give the controller's vote key `key` by value: which of a vote's
+  traces stands for it (`o1jax.controller.Controller.reads_as`). By value, not spelling:
+  "3.50" is right for a reference "3.50" and "3.5" for "3.5", and the reference is not read
+  (only the text is)."""
+  text = truncate_at_stop(text, stop_sequences) if stop_sequences else text
+  return value_key(extract_strict(text)) == key and value_key(extract_flexible(text)) == key
 
 
 def score_gsm8k(completion: str, reference: str,

@@ -356,8 +356,6 @@ def test_engine_policy_reaches_the_controller_admission_and_is_checked_at_plan_t
   cfg.engine.policy = "shortest_budget"
   predictor = build_predictor(build_plan(cfg, "unused").predictor)
   assert predictor.controller.admission == "shortest_budget"
-  from pipelines.tasks.gsm8k import reads_as  # a vote's chosen trace: one the task reads so
-  assert predictor.controller.reads_as is reads_as
   cfg.engine.policy = "length_groups"  # the engine's, not the controller's
   with pytest.raises(ValueError, match="engine.policy='length_groups': a controller policy"):
     build_plan(cfg, "unused")
@@ -377,14 +375,21 @@ def test_engine_policy_reaches_the_controller_admission_and_is_checked_at_plan_t
       seen.extend(requests)
       raise RuntimeError("recorded")
 
-  def item(i, metadata):
+  def item(i, metadata, stop=()):
     return WorkItem(key=str(i), example={"id": f"ex{i}", "metadata": metadata}, example_index=i,
-                    sample_index=0, prompt="Q", stop=(), sampling=SamplingSpec(), request_id=i)
+                    sample_index=0, prompt="Q", stop=stop, sampling=SamplingSpec(), request_id=i)
 
   recorder = ControllerPredictor(Recorder(), {"name": "greedy_cot"})
   with pytest.raises(RuntimeError, match="recorded"):
     recorder.predict([item(0, {"max_steps": 3}), item(1, {})])
   assert [r.max_steps for r in seen] == [3, None]
+  # A vote's chosen trace is one the task reads as the vote, cut at the items' stops as
+  # the score cuts it (uncut, a few-shot trace's next "Q: ..." numbers were read).
+  with pytest.raises(RuntimeError, match="recorded"):
+    recorder.predict([item(0, {}, stop=("\n\nQ:",)), item(1, {}, stop=("\n\nQ:",))])
+  reads = recorder.controller.reads_as
+  assert reads("The answer is 7.\n\nQ: Tom has 12 apples.", "7")
+  assert not reads("The answer is 7. Tom has 12 apples.", "7")
   with pytest.raises(ValueError, match="example 'ex1': metadata max_steps='many' is not an int"):
     recorder.predict([item(0, {}), item(1, {"max_steps": "many"})])
 

@@ -470,6 +470,8 @@ def test_study_multi_exit_runs_each_exit(tiny_gguf):
     ("bench_speculative", ["--batches", "0"]), ("bench_speculative", ["--batches", "x"]),
     ("bench_speculative", ["--max-drafts", "0"]), ("bench_speculative", ["--matmul-dtype", "foo"]),
     ("bench_speculative", ["--kv-dtype", "foo"]), ("bench_speculative", ["--rounds", "0"]),
+    ("bench_speculative", ["--max-new-tokens", "0"]),
+    ("bench_speculative", ["--drafters", "draft_model:int4x"]),
 ])
 def test_latency_scripts_refuse_bad_flags_before_any_work(script, flags, capsys):
   with pytest.raises(SystemExit) as e:

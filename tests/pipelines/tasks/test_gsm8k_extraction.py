@@ -194,7 +194,8 @@ def test_the_harness_match_stays_a_string_match():
     ("The answer is 1,200.", "1200", True),  # the harness drops commas
     ("The answer is -5.", "-5", True),
     ("The answer is 0.5.", "0.5", True),
-    ("The answer is 18.00.", "18", False),  # a string match reads "18.00"
+    ("The answer is 18.00.", "18", True),  # by value: the reference may be "18.00"
+    ("The answer is 3.50.", "3.5", True),
     ("The answer is 5. No: The answer is 7.", "7", False),  # strict reads the first: 5
     ("The answer is 18", "18", False),  # at the end strict's "." eats the 8: "1"
     ("The answer is $18.", "18", False),  # strict allows no "$"
@@ -206,6 +207,8 @@ def test_the_harness_match_stays_a_string_match():
 ])
 def test_reads_as_is_both_harness_readings_of_the_vote_key(text, key, reads):
   """Which of a vote's traces the eval job scores (`o1jax.controller.Controller.reads_as`):
-  one whose strict and flexible readings both give the voted key, from its text alone."""
+  one whose strict and flexible readings both give the voted key's value, from its text
+  alone; cut at the stop sequences first, as the score cuts it."""
   from pipelines.tasks.gsm8k import reads_as
   assert reads_as(text, key) is reads
+  assert reads_as(text + "\n\nQ: Tom has 12 apples.", key, COMPLETION_STOP_SEQUENCES) is reads
