@@ -134,9 +134,8 @@ def _first(ctl, traces: list[Trace], among: list[Trace], answer) -> int | None:
   else the first whose answer is `answer`."""
   ids = {id(t) for t in among}
   winners = [j for j, t in enumerate(traces) if id(t) in ids and t.answer == answer]
-  reads_as = getattr(ctl, "reads_as", None)
-  if answer is not None and reads_as is not None:
-    winners = [j for j in winners if reads_as(ctl.final_text(traces[j]), answer)] or winners
+  if answer is not None and ctl.reads_as is not None:
+    winners = [j for j in winners if ctl.reads_as(ctl.final_text(traces[j]), answer)] or winners
   return winners[0] if winners else None
 
 

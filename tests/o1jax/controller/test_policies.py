@@ -475,6 +475,7 @@ def test_weighted_vote_edge_weights(answers, weights, winner):
 class _FakeCtl:
   """generate() hands out prepared traces; result() returns what the policy chose."""
   extract_answer = None
+  reads_as = None
   budget = None
   key_capacity = 24
 
