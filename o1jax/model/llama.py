@@ -263,7 +263,8 @@ class Llama(nnx.Module):
     ones are quantized to Q8_0) and each matmul quantizes its input rows per
     block of 32 to two int8 levels (~15 bits); the native VNNI/AMX kernel reads
     ~1/4 of the f32 weight bytes (~4x faster batch-1 decoding here), with an
-    XLA fallback elsewhere. Logits move ~100x less than bf16's (in KL); q/k/v
+    XLA fallback elsewhere. Logits move ~100x less than bf16's (in KL) on Q4_0/Q8_0
+    weights (K-quants are re-encoded for it and move more: README); q/k/v
     and gate/up are fused into one matrix each (FUSED_PARTS).
     "float8" (`pallas_kernels.fp8_activations`): the decoder layers' matmuls round
     their input rows to float8_e4m3fn, each row under its own scale (its largest
