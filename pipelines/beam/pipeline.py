@@ -334,8 +334,11 @@ def scoring_identity(task, example: Example) -> dict:
 def work_items(plan: EvalPlan, example: Example, example_index: int) -> list[WorkItem]:
   """The work of one example: one item per sample index, each keyed by content hash."""
   prompt, stop = plan.task.prompt(example)
-  # A task may set a per-example token budget (the suite: per category).
-  base = plan.task.sampling_for(example, plan.sampling) if hasattr(plan.task, "sampling_for") else plan.sampling
+  # A task may set a per-example token budget (the suite: per category); a controller
+  # policy's budgets are its own (it never reads max_new_tokens: in the key, a change of
+  # the category's budget recomputed samples to the same outputs).
+  base = (plan.task.sampling_for(example, plan.sampling)
+          if hasattr(plan.task, "sampling_for") and not plan.policy.controller else plan.sampling)
   items = []
   scoring = scoring_identity(plan.task, example)
   for i in range(plan.policy.num_samples):
@@ -469,6 +472,11 @@ def stored_record(store: ResultStore, item: WorkItem) -> tuple[dict | None, str 
     record = {**record, "example_index": item.example_index}
   if record["trace"].get("request_id") != item.request_id:  # a greedy record's older id
     record = {**record, "trace": {**record["trace"], "request_id": item.request_id}}
+  sampling = item.sampling.to_dict()
+  if record["trace"].get("sampling") != sampling:
+    # Settings outside the key (a greedy sample's seed, top_k, top_p) as this run has them:
+    # a fresh run's record of the same config (the record showed the computing run's).
+    record = {**record, "trace": {**record["trace"], "sampling": sampling}}
   return record, None
 
 

@@ -549,6 +549,11 @@ def test_a_greedy_runs_seed_or_filters_changed_resume_every_sample_as_it_is(tmp_
   summary, console = _run(cfg, out)
   assert summary["run"]["resumed"] == 2 and summary["run"]["computed"] == 0, console
   assert "another sample" not in console
+  # The resumed records are a fresh run's of this config (their trace showed the seed and
+  # filters of the run that computed them).
+  _run(cfg, tmp_path / "fresh")
+  assert _same(out, tmp_path / "fresh")
+  assert {r["trace"]["sampling"]["seed"] for r in _records(out)} == {7}
 
 
 def test_a_sample_the_sandbox_could_not_judge_is_scored_again_on_a_rerun(tmp_path, monkeypatch):

@@ -90,6 +90,18 @@ def test_controller_policies_only_with_category_math(suite_cache_dir, tmp_path):
   assert plan.predictor.name == "fake" and len(plan_items(plan)[0]) == 3
   plan = build_plan(fake_config(suite_cache_dir, "smoke=True,category=qa,policy=sample_n"), str(tmp_path))
   assert len(plan_items(plan)[0]) == 3 * plan.policy.num_samples
+  # A controller policy's token budgets are its own: the math category's budget, which it
+  # never reads, is not in its samples' keys (a change of it recomputed every sample).
+  keys = []
+  for budget in (64, 16):
+    cfg = fake_config(suite_cache_dir, "smoke=True,category=math,policy=self_consistency")
+    cfg.dataset.max_new_tokens.math = budget
+    keys.append([i.key for i in plan_items(build_plan(cfg, str(tmp_path)))[0]])
+  assert keys[0] == keys[1]
+  cfg = fake_config(suite_cache_dir, "smoke=True,category=math,policy=sample_n")
+  keys.append([i.key for i in plan_items(build_plan(cfg, str(tmp_path)))[0]])
+  cfg.dataset.max_new_tokens.math = 16  # (plain sampling reads it: other keys)
+  assert not set(keys[2]) & {i.key for i in plan_items(build_plan(cfg, str(tmp_path)))[0]}
 
 
 @pytest.mark.parametrize("key, value, message", [
