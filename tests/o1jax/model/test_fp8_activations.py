@@ -52,17 +52,41 @@ def test_layer_matrices_take_fp8_rows_and_the_head_does_not(tiny_path):
   assert layer.attn_norm.get_value().dtype == jnp.float32
 
 
+def _tie_distance(a) -> np.ndarray:
+  """Per row: the smallest distance of a scaled entry to an e4m3 rounding midpoint,
+  relative to the entry. Two f32 computations of one row differ by ~1e-6 relative (their
+  summation orders): an entry that close to a midpoint may round either way in either."""
+  values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  values = np.unique(values[np.isfinite(values)])
+  mids = (values[1:] + values[:-1]) / 2
+  a = np.asarray(a, np.float32)
+  amax = np.abs(a).max(axis=-1, keepdims=True)
+  y = np.clip(a / np.where(amax > 0, amax * np.float32(1 / FP8_MAX), 1), -FP8_MAX, FP8_MAX)
+  i = np.clip(np.searchsorted(mids, y), 1, len(mids) - 1)
+  near = np.minimum(np.abs(y - mids[i - 1]), np.abs(y - mids[i]))
+  return (near / np.maximum(np.abs(y), 1e-30)).min(axis=-1)
+
+
 @pytest.mark.parametrize("weight_mode", ["dense", "quantized"])
 def test_matches_numpy_reference_with_fp8_rows(tiny_path, weight_mode):
   ck = load_checkpoint(tiny_path)
   got = _logits(Llama(ck.config, ck.params, matmul_dtype="float8", weight_mode=weight_mode),
                 ck.config)
   exact = _logits(Llama(ck.config, ck.params), ck.config)
-  want = numpy_reference.gguf_forward(tiny_path, TOKENS, layer_inputs=_fp8_rows)
+  ties = []
+  want = numpy_reference.gguf_forward(
+      tiny_path, TOKENS, layer_inputs=lambda a: (ties.append(_tie_distance(a)), _fp8_rows(a))[1])
+  # Compared up to the first position where a layer input sits within 1e-5 of a rounding
+  # midpoint: there the two f32 computations may round it apart (seen: 1.4e-6 at
+  # position 4, and every later position moved by ~0.3 through attention); a causal
+  # model's earlier positions do not see it.
+  tied = np.flatnonzero(np.min(ties, axis=0) < 1e-5)
+  upto = int(tied[0]) if len(tied) else len(TOKENS)
+  assert upto >= 3, upto
+  got, exact, want = got[:upto], exact[:upto], want[:upto]
   fp8_effect = np.abs(exact - want).max()
-  # The rounding moves the logits (e4m3: 3 mantissa bits; 1.8 of 55 here) and the model
-  # moves them as the reference does, up to f32 summation order (1.5e-5 here, as f32 vs
-  # the f32 reference).
+  # The rounding moves the logits (e4m3: 3 mantissa bits) and the model moves them as the
+  # reference does, up to f32 summation order (~1e-5, as f32 vs the f32 reference).
   assert fp8_effect > 1e-2 * np.abs(want).max()
   assert np.abs(got - want).max() < 1e-3 * fp8_effect, (np.abs(got - want).max(), fp8_effect)
 
