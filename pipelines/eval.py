@@ -799,10 +799,10 @@ def worker_lost_error(e: BaseException):
   """A `WorkerLostError` when the job failed because a worker process went away, else None
   (it was Beam's traceback of ~80 lines on the console)."""
   for link in _chain(e):
-    kind = type(link).__name__
-    if kind in ("FutureCancelledError", "CommClosedError") and (
-        kind == "CommClosedError" or "scheduler-connection-lost" in str(link)):
-      return WorkerLostError(  # (distributed's exceptions, by name: no import of dask here)
+    kind = type(link).__name__  # (distributed's exceptions, by name: no import of dask here)
+    if kind == "CommClosedError" or (kind == "FutureCancelledError"
+                                     and "scheduler-connection-lost" in str(link)):
+      return WorkerLostError(
           "the dask scheduler's connection was lost during the run; the finished samples are "
           "stored: rerun the same command to resume once a scheduler runs")
     if kind == "KilledWorker":  # a task whose workers died running it more than allowed

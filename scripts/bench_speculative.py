@@ -103,6 +103,7 @@ def code_prompts(n: int, seed: int = 0) -> list:
 
 TASKS = {"copy": copy_prompts, "gsm": gsm_prompts, "code": code_prompts}
 DRAFTER_KINDS = ("prompt_lookup", "early_exit", "draft_model")
+DEFAULT_DRAFTERS = "prompt_lookup,early_exit:8,early_exit:16,draft_model:int8"
 
 
 def task_list(text: str) -> list[str]:
@@ -242,8 +243,8 @@ def main(argv=None):
   ap.add_argument("--tasks", type=task_list, default="copy,gsm,code")
   ap.add_argument("--batches", type=counts(1), default="1,8,32")
   ap.add_argument("--drafters", type=drafter_list, default=None,
-                  help="the engine's drafters (default prompt_lookup,early_exit:8,early_exit:16,"
-                       "draft_model:int8); --controller drafts by prompt lookup only")
+                  help=f"the engine's drafters (default {DEFAULT_DRAFTERS}); --controller "
+                       f"drafts by prompt lookup only")
   ap.add_argument("--max-new-tokens", type=count(1), default=96)
   ap.add_argument("--max-drafts", type=count(1), default=7)
   ap.add_argument("--matmul-dtype", default="float32", choices=MATMUL_DTYPES)
@@ -258,7 +259,7 @@ def main(argv=None):
   if args.controller and args.drafters is not None:  # (it was ignored without a word)
     ap.error("--drafters: the controller's loop drafts by prompt lookup only (leave it out)")
   if args.drafters is None:
-    args.drafters = drafter_list("prompt_lookup,early_exit:8,early_exit:16,draft_model:int8")
+    args.drafters = drafter_list(DEFAULT_DRAFTERS)
 
   from o1jax.checkpoint import load_checkpoint
 

@@ -31,13 +31,18 @@ def _logits(model, config):
   return np.asarray(out[0])
 
 
-def _fp8_rows(a):
-  """Each row rounded to e4m3 under scale = row amax / 448 (ml_dtypes' rounding)."""
+def _scaled_rows(a):
+  """(each row / its scale, clipped to e4m3's range; the scales: row amax / 448)."""
   a = np.asarray(a, np.float32)
   amax = np.abs(a).max(axis=-1, keepdims=True)
   scale = np.where(amax > 0, amax * np.float32(1 / FP8_MAX), 1).astype(np.float32)
-  q = np.clip(a / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-  return q.astype(np.float32) * scale
+  return np.clip(a / scale, -FP8_MAX, FP8_MAX), scale
+
+
+def _fp8_rows(a):
+  """Each row rounded to e4m3 under scale = row amax / 448 (ml_dtypes' rounding)."""
+  y, scale = _scaled_rows(a)
+  return y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
 
 
 def test_layer_matrices_take_fp8_rows_and_the_head_does_not(tiny_path):
@@ -59,9 +64,7 @@ def _tie_distance(a) -> np.ndarray:
   values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
   values = np.unique(values[np.isfinite(values)])
   mids = (values[1:] + values[:-1]) / 2
-  a = np.asarray(a, np.float32)
-  amax = np.abs(a).max(axis=-1, keepdims=True)
-  y = np.clip(a / np.where(amax > 0, amax * np.float32(1 / FP8_MAX), 1), -FP8_MAX, FP8_MAX)
+  y, _ = _scaled_rows(a)
   i = np.clip(np.searchsorted(mids, y), 1, len(mids) - 1)
   near = np.minimum(np.abs(y - mids[i - 1]), np.abs(y - mids[i]))
   return (near / np.maximum(np.abs(y), 1e-30)).min(axis=-1)
