@@ -11,8 +11,8 @@ Scoring: ROUGE-L F1 against the reference (Google's `rouge-score` package,
 `RougeScorer(["rougeL"], use_stemmer=True)`: its own tokenizer and the Porter stemmer,
 no downloaded data) and key-fact recall: the share of facts whose key value appears in
 the summary: a number by its value, written with or without thousands separators (commas
-or spaces) and "million" or not (5.0 million = 5 million = 5,000,000; not inside a longer
-number), a name case-insensitively, spaces and hyphens alike. Headline: key-fact recall.
+or spaces) and multiplier words or not (5.0 million = 5 million = 5,000,000 = 5,000 thousand;
+58,117 billion is not 58,117; not inside a longer number), a name case-insensitively, spaces and hyphens alike. Headline: key-fact recall.
 """
 
 from __future__ import annotations
@@ -133,11 +133,17 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 # A number as a whole (not inside a longer one: 4.2 million is not 14.2 million, nor 48,213
-# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and a following "million"
-# ("4.2-million", "millions"; not a bare "m": metres).
+# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and the multiplier words
+# after it ("4.2-million", "millions", "2,900 thousand", "3 bn"; not a bare "m": metres;
+# "58,117 billion" is not 58,117)
+_MULTIPLIERS = {"hundred": 10**2, "thousand": 10**3, "million": 10**6, "mln": 10**6,
+                "billion": 10**9, "bn": 10**9, "trillion": 10**12}
+# (plural "hundreds"/"thousands" after a number start a new phrase: "in 2035 thousands
+# came" is the year 2035)
+_MULTIPLIER = (r"[\s\-\u2010\u2011\u2013\u2014]*(?:hundred|thousand|mln|bn|"
+               r"(?:million|billion|trillion)s?)\b")
 _NUMBER = re.compile(r"(?<![\d.,])(\d{1,3}(?:[,\s\u00a0\u202f]\d{3})+(?![\d])|\d+)(\.\d+)?"
-                     r"(?!\d)(?![.,]\d)([\s\-\u2010\u2011\u2013\u2014]*(?:millions?|mln)\b)?",
-                     re.IGNORECASE)
+                     rf"(?!\d)(?![.,]\d)((?:{_MULTIPLIER})*)", re.IGNORECASE)
 # A minus sign: one "-" or "\u2212" right before the number, at the start or after a space,
 # "(", "[" or "=" (in "1990-2000" the "-" is a range's, in "population--53,325" a dash).
 _MINUS = re.compile(r"(?:^|[\s(\[=])[-\u2212]$")
@@ -145,13 +151,14 @@ _SEPARATORS = re.compile(r"[\s\u00a0\u202f\-\u2010\u2011\u2013]+")
 
 
 def _values(text: str) -> set[decimal.Decimal]:
-  """The values of the numbers written in `text` ("5 million", "5.0 million" and
-  "5,000,000" are one value)."""
+  """The values of the numbers written in `text` ("5 million", "5.0 million",
+  "5,000 thousand" and "5,000,000" are one value)."""
   out = set()
   for m in _NUMBER.finditer(text):
-    whole, fraction, million = m.groups()
+    whole, fraction, words = m.groups()
     value = decimal.Decimal(re.sub(r"\D", "", whole) + (fraction or ""))
-    value = value * 1_000_000 if million else value
+    for word in re.findall(r"[a-z]+", words.lower()):  # ("2.9 thousand million": 2.9e9)
+      value *= _MULTIPLIERS[word.removesuffix("s")]
     # (-53325 is not a population of 53,325)
     out.add(-value if _MINUS.search(text[max(0, m.start() - 2):m.start()]) else value)
   return out

@@ -86,6 +86,14 @@ def test_a_key_number_inside_a_longer_number_is_not_found():
     ("53,325", "the population--53,325--grew", True), ("53,325", "Population:-53,325", True),
     ("12", "a change (-12)", False),
     ("2.6 million", "a 2.6\u2013million budget", True),
+    # Before: a multiplier word other than "million" was not read ("58,117 billion" counted
+    # as 58,117, "2,900 thousand" missed 2.9 million).
+    ("58,117", "58,117 thousand residents, 58,117 billion, 58,117 hundred", False),
+    ("2035", "opened in 2035 thousand", False),
+    ("2.9 million", "a budget of 2,900 thousand crowns", True),
+    ("2.9 million", "0.0029 billion", True), ("2.9 million", "2.9 thousand thousand", True),
+    ("3000", "3 thousand", True), ("2.9 million", "2.9 billion, 2.9 bn", False),
+    ("2035", "in 2035 thousands of people came", True),  # (a plural starts a phrase)
 ])
 def test_a_key_number_is_found_by_its_value_and_a_name_across_spaces_and_hyphens(value, text, found):
   assert summ.key_fact_recall(text, [{"name": "x", "value": value}]) == float(found)
