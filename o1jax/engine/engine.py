@@ -1180,6 +1180,11 @@ class Engine:
     """Copy-on-write of blocks (src, dst), in the draft model's pool too."""
     if not copies:
       return
+    # One copy per destination, the last planned: a row whose copy was planned can be
+    # preempted by a later row's allocation in the same call, and its destination handed
+    # out again (as that row's copy destination); a scatter's order over duplicate
+    # indices is undefined (on a GPU the stale copy could win).
+    copies = list({b: (a, b) for a, b in copies}.values())
     n = pow2_bucket(len(copies), 8)
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.num_blocks, np.int32)
