@@ -178,11 +178,14 @@ def validate_argv(argv: Sequence[str]) -> None:
 
 
 def check_unused_overrides(config, argv: Sequence[str]) -> None:
-  """A `--config.sampling.max_new_tokens=` for a reasoning-controller policy: its traces
-  are bounded by its own token limits, so the value was ignored (and, part of the content
-  key, every sample was computed again for nothing); a `--config.budget.*` setting with a
-  fixed budget; a policy's own live budget beside the controller's (its SLO unused). A
-  ValueError naming what to set."""
+  """A setting given on the command line that the run would not read, a ValueError naming
+  what to set: `--config.sampling.max_new_tokens=` for a reasoning-controller policy (its
+  traces are bounded by its own token limits; part of the content key, every sample was
+  computed again for nothing); `--config.budget.*` with a fixed budget; a policy's own live
+  budget beside the controller's (its SLO unused); `--config.speculative.*` without
+  speculative.enabled; `--config.controller.*` for a policy without the controller;
+  `sampling.top_p/top_k/seed` for greedy decoding; `model.fake_delay_s` for a real model.
+  (The summary showed them as if they had applied.)"""
   flags_part = argv[:list(argv).index("--")] if "--" in argv else argv
   budget = config.get("budget") or {}
   if budget.get("mode", "fixed") == "fixed":  # (an SLO given with a fixed budget: no effect)
@@ -196,12 +199,32 @@ def check_unused_overrides(config, argv: Sequence[str]) -> None:
     raise ValueError("policy.adaptive=True runs the policy's own budget (policy.latency_slo_s), "
                      "and budget.mode=adaptive gives the controller one that takes its place: "
                      "set one of them")
-  if not any(re.match(r"--config\.sampling\.max_new_tokens(=|$)", a) for a in flags_part):
-    return
+  given = lambda section: [m.group(1) for a in flags_part
+                           if (m := re.match(rf"--config\.{section}\.(\w+)(?:=|$)", a))]
+  speculative = config.get("speculative") or {}
+  for key in given("speculative"):
+    if key != "enabled" and speculative.get("enabled") is not True:
+      raise ValueError(f"speculative.{key} is not used: speculative.enabled is False; add "
+                       f"--config.speculative.enabled=True")
+  model = config.get("model") or {}
+  if "fake_delay_s" in given("model") and model.get("predictor") != "fake":
+    raise ValueError(f"model.fake_delay_s is not used: model.predictor is "
+                     f"{model.get('predictor')!r} (it delays predictor=fake's batches)")
   from o1jax.controller.registry import policy_class
   try:
     policy = policy_class(config.policy.name)
   except (ValueError, AttributeError):  # named by build_plan, with the valid ones
+    return
+  if given("controller") and not policy.controller:
+    raise ValueError(f"controller.{given('controller')[0]} is not used: policy "
+                     f"{config.policy.name} does not run the reasoning controller")
+  sampling = config.get("sampling") or {}
+  if "temperature" not in policy.own_sampling and sampling.get("temperature") == 0:
+    for key in given("sampling"):  # (greedy decoding draws nothing)
+      if key in ("top_p", "top_k", "seed"):
+        raise ValueError(f"sampling.{key} is not used: sampling.temperature is 0 (greedy "
+                         f"decoding); set sampling.temperature > 0 to sample")
+  if "max_new_tokens" not in given("sampling"):
     return
   if policy.controller:
     raise ValueError(

@@ -28,7 +28,7 @@ import numpy as np
 
 from o1jax.controller.answers import best_index, weighted_vote
 from o1jax.controller.controller import CONFIDENCE_TOP_K, Controller, LoopSettings
-from o1jax.controller.registry import BasePolicy, register
+from o1jax.controller.registry import MAX_SAMPLES, BasePolicy, register
 from o1jax.controller.results import ReasoningRequest, ReasoningResult, Trace
 from o1jax.controller.verifiers import (SCORERS, Verifier, check_backtrack_threshold,
                                        get_verifier)
@@ -114,7 +114,7 @@ def _check_count(policy, name: str, low: int = 1) -> None:
 def _check_sampled(policy) -> None:
   """n traces at temperature 0 would be n copies of one greedy trace (sample_n refuses
   the same)."""
-  _check_count(policy, "n")
+  check_int(policy.n, "n", 1, MAX_SAMPLES)  # (n=1e8 was found too big only by a worker)
   if policy.n > 1 and not policy.temperature > 0:
     raise ValueError(f"n={policy.n} traces need temperature > 0, got {policy.temperature!r}")
   if policy.n > 1 and policy.top_k == 1:  # (the argmax alone: greedy too)

@@ -25,6 +25,10 @@ from typing import Any, ClassVar, Mapping, Optional
 
 from o1jax.registry import Registry
 
+# Samples (traces) per example a policy takes (pass@k studies use up to ~1,000; a
+# million took the launcher minutes to plan, or a worker to find the loop cannot hold it).
+MAX_SAMPLES = 100_000
+
 
 class BasePolicy(abc.ABC):
   """What the pipeline asks every policy: how many work items an example gets, each

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from o1jax.controller.registry import BasePolicy, register
+from o1jax.controller.registry import MAX_SAMPLES, BasePolicy, register
 from o1jax.model.sampling import Sampling, SamplingParams, check_int
 
 
@@ -59,10 +59,6 @@ class Greedy(BasePolicy):
   @property
   def num_samples(self) -> int:
     return 1
-
-
-# Samples per example sample_n takes (pass@k studies use up to ~1,000).
-MAX_SAMPLES = 100_000
 
 
 @register

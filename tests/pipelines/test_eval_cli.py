@@ -353,6 +353,54 @@ def test_max_new_tokens_a_controller_policy_does_not_use_is_refused(tmp_path):
                                "--config.budget.mode=adaptive")
 
 
+@pytest.mark.parametrize("variant, flag, message", [
+    ("smoke=True", "--config.speculative.max_drafts=2",
+     "speculative.max_drafts is not used: speculative.enabled is False; add "
+     "--config.speculative.enabled=True"),
+    ("smoke=True", "--config.controller.cache=contiguous",
+     "controller.cache is not used: policy greedy does not run the reasoning controller"),
+    ("smoke=True", "--config.sampling.top_k=5",
+     "sampling.top_k is not used: sampling.temperature is 0 (greedy decoding); set "
+     "sampling.temperature > 0 to sample"),
+    ("smoke=True", "--config.sampling.seed=7", "sampling.seed is not used: sampling.temperature is 0"),
+    ("smoke=True", "--config.model.fake_delay_s=1.0",
+     "model.fake_delay_s is not used: model.predictor is 'engine' (it delays predictor=fake's "
+     "batches)"),
+])
+def test_a_setting_the_run_would_not_read_is_refused(variant, flag, message):
+  # Before: accepted without a word; the summary showed top_k: 5 / max_drafts: 2 for a
+  # plain greedy run, and a rerun of the same overrides warned of another config.
+  from pipelines.eval import check_unused_overrides, load_config_file
+  config = load_config_file("configs/gsm8k.py", variant)
+  with pytest.raises(ValueError, match="^" + re.escape(message)):
+    check_unused_overrides(config, ["eval", flag])
+
+
+def test_settings_the_run_reads_pass_the_unused_check():
+  from pipelines.eval import check_unused_overrides, load_config_file
+  greedy = load_config_file("configs/gsm8k.py", "smoke=True")
+  greedy.sampling.temperature = 0.7  # (sampling: its seed and filters are read)
+  check_unused_overrides(greedy, ["eval", "--config.sampling.temperature=0.7",
+                                  "--config.sampling.seed=7", "--config.sampling.top_k=5"])
+  greedy.speculative.enabled = True
+  check_unused_overrides(greedy, ["eval", "--config.speculative.enabled=True",
+                                  "--config.speculative.max_drafts=2"])
+  voting = load_config_file("configs/gsm8k.py", "policy=self_consistency,smoke=True")
+  check_unused_overrides(voting, ["eval", "--config.controller.cache=contiguous",
+                                  "--config.sampling.seed=7"])  # (its traces sample)
+  voting.model.predictor = "fake"
+  check_unused_overrides(voting, ["eval", "--config.model.fake_delay_s=1"])
+
+
+def test_a_huge_trace_count_is_refused_before_the_model_loads(tmp_path):
+  # Before: n=100,000,000 passed the plan; a worker found the loop's memory too big ~30 s later.
+  proc = _cli("--config=configs/gsm8k.py:policy=self_consistency,smoke=True",
+              "--config.policy.n=100000000", f"--output_dir={tmp_path}/out")
+  assert proc.returncode == 2 and "n must be an int in [1, 100000], got 100000000" in proc.stderr
+  assert "model" not in proc.stderr.split("n must be")[1]
+  assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_a_run_stopped_by_its_dataset_changing_keeps_its_log(tmp_path):
   """The job ran (its workers' log is evidence, as after a write error): the stop deleted
   eval.log as a refused run's."""

@@ -358,7 +358,8 @@ def test_a_loop_state_larger_than_the_device_is_refused_before_allocating(world)
   ctl = world(CHAIN).controller(max_rows=8)
   what = r"^(deepconf: )?the reasoning loop \(\d+ rows for n=\d+, \d+ positions each, conf_window \d+\) "
   for policy, detail in [
-      ({"name": "self_consistency", "n": 2**31}, r"2147483648 rows for n=2147483648"),
+      ({"name": "self_consistency", "n": 100_000, "max_thinking_tokens": 2**20},
+       r"131072 rows for n=100000, \d+ positions each"),  # (rows: a bucket)
       # (each fits the loop's int32 counters; 64 rows of them do not fit a device)
       ({"name": "self_consistency", "n": 64, "max_thinking_tokens": 2**30},
        r"64 rows for n=64, 2147483648 positions each"),
@@ -375,6 +376,9 @@ def test_a_loop_state_larger_than_the_device_is_refused_before_allocating(world)
       ctl.run(["Q"], policy)
     with pytest.raises(ValueError, match=detail):  # what a pipeline worker checks at load
       ctl.check_policy_fits(build_policy(policy))
+  with pytest.raises(ValueError, match=r"^self_consistency: n must be an int in \[1, 100000\], "
+                                       r"got 2147483648$"):  # (a count past any study's)
+    ctl.run(["Q"], {"name": "self_consistency", "n": 2**31})
   assert ctl.run(["Q"], {"name": "self_consistency", "n": 9})[0].answer is not None  # n > max_rows
   for policy in ({"name": "self_consistency", "n": 9}, {"name": "deepconf", "n": 64},
                  {"name": "think_verify_backtrack"}, {"name": "budget_forcing"}):

@@ -356,10 +356,10 @@ NAN = float("nan")
     ({"name": "greedy_cot", "step_delimiter": None}, r"^greedy_cot: step_delimiter must be a str"),
     ({"name": "greedy_cot", "answer_on_eos": "no"}, r"^greedy_cot: answer_on_eos must be a bool"),
     # Their own params.
-    ({"name": "self_consistency", "n": 0}, r"^self_consistency: n must be an int >= 1, got 0$"),
-    ({"name": "self_consistency", "n": 2.5}, r"^self_consistency: n must be an int >= 1"),
-    ({"name": "self_consistency", "n": True}, r"^self_consistency: n must be an int >= 1"),
-    ({"name": "best_of_n", "n": 0}, r"^best_of_n: n must be an int >= 1, got 0$"),
+    ({"name": "self_consistency", "n": 0}, r"^self_consistency: n must be an int in \[1, 100000\], got 0$"),
+    ({"name": "self_consistency", "n": 2.5}, r"^self_consistency: n must be an int in \[1, 100000\]"),
+    ({"name": "self_consistency", "n": True}, r"^self_consistency: n must be an int in \[1, 100000\]"),
+    ({"name": "best_of_n", "n": 0}, r"^best_of_n: n must be an int in \[1, 100000\], got 0$"),
     # (a million: the launcher planned work items for minutes without a word)
     ({"name": "sample_n", "n": 10**6},
      r"^policy sample_n: n must be an int in \[1, 100000\], got 1000000$"),
