@@ -97,8 +97,14 @@ def _with_id(request: Request | dict | str, index: int) -> Request | dict:
   return request
 
 
-def build_engine(model, tokenizer, config: EngineConfig = EngineConfig(), **engine_kwargs):
-  """An `Engine`, or `EngineReplicas` when config.data_parallel > 1."""
+def build_engine(model, tokenizer, config: EngineConfig = EngineConfig(), *, devices=None,
+                 **engine_kwargs):
+  """An `Engine`, or `EngineReplicas` when config.data_parallel > 1; `devices`: the
+  devices to place the replicas (or the one engine's tensor-parallel group) on."""
   if config.data_parallel > 1:
-    return EngineReplicas(model, tokenizer, config, **engine_kwargs)
+    return EngineReplicas(model, tokenizer, config, devices=devices, **engine_kwargs)
+  if devices is not None:  # (Engine takes no devices=: a TypeError when data_parallel was 1)
+    if engine_kwargs.get("mesh") is not None:
+      raise ValueError("give devices= or mesh=, not both")
+    engine_kwargs["mesh"] = replica_meshes(1, config.tensor_parallel, devices)[0]
   return Engine(model, tokenizer, config, **engine_kwargs)

@@ -91,7 +91,8 @@ def _link_level(token: str) -> int:
   if token == "X":
     return SAME_CHIP
   if re.fullmatch(r"NV[1-9]\d*", token):  # (NV0 is no link: it ranked above PIX)
-    return NVLINK + int(token[2:])
+    # below the same chip however many links (NV90 ranked as one chip; NV10**20 overflowed)
+    return min(NVLINK + int(token[2:]), SAME_CHIP - 1)
   if token in PCIE_LEVELS:
     return PCIE_LEVELS[token]
   raise TopologyError(f"nvidia-smi topo -m: unknown link {token!r} (expected {_LINK_NAMES})")

@@ -38,6 +38,12 @@ def test_build_engine_and_one_line_errors(tiny):
     build_engine(tiny.model, tiny.tokenizer, two)
   with pytest.raises(ValueError, match="data_parallel must be an int >= 1, got 0"):
     EngineConfig(data_parallel=0)
+  # devices= with one replica: its engine on them (before: a TypeError from Engine).
+  import jax
+  placed = build_engine(tiny.model, tiny.tokenizer, cfg, devices=jax.devices()[:1])
+  assert type(placed) is Engine and placed.mesh.devices.ravel().tolist() == jax.devices()[:1]
+  with pytest.raises(ValueError, match="^give devices= or mesh=, not both$"):
+    build_engine(tiny.model, tiny.tokenizer, cfg, devices=jax.devices(), mesh=placed.mesh)
   with pytest.raises(ValueError, match="a live budget with engine.data_parallel > 1"):
     EngineReplicas(tiny.model, tiny.tokenizer, two,
                    budget=BudgetLoop(BudgetConfig(mode="adaptive")))

@@ -81,6 +81,12 @@ def test_engine_replicas_give_the_one_engine_tokens_each_on_its_own_devices(run,
   assert r["requests_per_replica"] == [8, 8]  # 16 requests dealt out in turn
 
 
+def test_build_engine_places_one_engine_on_the_devices_given(run):
+  r = run["replicas"]["build_engine_tp2_devices"]
+  assert r["same_tokens"]
+  assert len(r["devices"]) == 2 and set(r["devices"]) <= {4, 5, 6, 7}
+
+
 def test_sampling_on_vocabulary_split_logits_gives_the_one_device_tokens(run):
   """Every path of `sample` (candidates, the whole-row search, top-k, unfiltered, greedy)
   on logits split over the mesh's model axis."""

@@ -54,6 +54,17 @@ def test_parse_reads_links_and_affinity_from_the_real_layout():
   assert t.level(0, 1) > pcie.level(0, 1) and t.level(0, 1) > topo("islands_2x4").level(0, 1)
 
 
+def test_any_nvlink_count_ranks_below_the_same_chip():
+  # Before: NV90 ranked as the same chip ("weakest link same chip" for two GPUs), and
+  # NV10**20 overflowed the level array (a traceback from tp_groups).
+  for count in (90, 10**20):
+    t = parse_nvidia_smi_topo(f"\tGPU0\tGPU1\tGPU2\nGPU0\t X \tNV{count}\tNV2\n"
+                              f"GPU1\tNV{count}\t X \tNV2\nGPU2\tNV2\tNV2\t X \n")
+    assert t.level(0, 0) > t.level(0, 1) > t.level(0, 2)
+    assert ids(tp_groups(gpus(3), 2, t, spare=True)) == [[0, 1]]
+    assert "same chip" not in describe([gpus(3)[:2]], t, cuda_visible_devices="")
+
+
 def test_nic_columns_of_older_drivers_are_read_as_nics():
   # Before: "row 'mlx5_bond_0' is not a column of the header", and placement by device order.
   text = ("\tGPU0\tGPU1\tmlx5_bond_0\thfi1_0\tCPU Affinity\tNUMA Affinity\n"

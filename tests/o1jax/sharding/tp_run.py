@@ -109,6 +109,15 @@ def replica_cases(prompts):
     out[f"dp2_tp{tp}"] = dict(same_tokens=got == want, devices=devices,
                               requests_per_replica=[e.metrics.summary()["requests"]
                                                     for e in engines.engines])
+  # One engine's TP group on devices the caller picks (build_engine's devices= with
+  # data_parallel=1 was a TypeError).
+  from o1jax.engine import build_engine
+  placed = build_engine(model, tok, EngineConfig(max_slots=8, num_blocks=96, prefill_chunk=32,
+                                                 tensor_parallel=2), devices=jax.devices()[4:])
+  got = [r.samples[0].token_ids for r in placed.generate(requests)]
+  out["build_engine_tp2_devices"] = dict(
+      same_tokens=got == want,
+      devices=sorted(d.id for d in placed.cache.k_pages[0].sharding.device_set))
   return out
 
 
