@@ -1280,6 +1280,9 @@ class Controller:
       try:
         prompts.append(self.encode(request.prompt))
         self.check_prompt_fits(settings, len(prompts[-1]))
+        if getattr(self.model, "num_blocks", None) is not None:  # (a fixed paged pool)
+          check_pool_holds_request(self.model.num_blocks, n, prompt_blocks=-(
+              -len(prompts[-1]) // self.model.block_size))
       except ValueError as e:
         if len(requests) == 1:
           raise

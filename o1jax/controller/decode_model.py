@@ -109,15 +109,18 @@ class CacheConfig:
     return dataclasses.asdict(self)
 
 
-def check_pool_holds_request(num_blocks: int | None, traces: int, key: str = "num_blocks") -> None:
-  """A fixed paged pool smaller than any request of `traces` traces needs, refused before
-  it runs (every request overflowed): each trace writes a block of its own (its copy of
+def check_pool_holds_request(num_blocks: int | None, traces: int, key: str = "num_blocks",
+                             prompt_blocks: int = 1) -> None:
+  """A fixed paged pool smaller than a request of `traces` traces and a prompt of
+  `prompt_blocks` blocks needs, refused before it runs (it overflowed after the batch's
+  work, every request's traces lost): each trace writes a block of its own (its copy of
   the prompt's last block) beside the prompt's. None: sized from the plan."""
-  need = traces + 1
+  need = traces + prompt_blocks
   if num_blocks is not None and num_blocks < need:
+    prompt = "the prompt's" if prompt_blocks == 1 else f"the prompt's {prompt_blocks}"
     raise ValueError(f"{key}={num_blocks}: a request of {traces} trace(s) needs at least "
-                     f"{need} blocks (each trace writes a block of its own beside the "
-                     f"prompt's); raise it, or 0 sizes the pool from the plan")
+                     f"{need} blocks (each trace writes a block of its own beside {prompt}); "
+                     f"raise it, or 0 sizes the pool from the plan")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -209,6 +209,23 @@ def test_a_fixed_pool_no_request_fits_is_found_before_any_request(models):
     small.check_policy_fits(get_policy("self_consistency", n=3))
 
 
+def test_a_prompt_a_fixed_pool_cannot_hold_is_named_before_any_request_runs(models):
+  """Before: the batch ran, then overflowed with no request named and every request's
+  traces lost (the short ones fit)."""
+  _, paged, tok = models
+  ctl = Controller(PagedLlama(nnx.merge(paged.graphdef, paged.params), block_size=BS,
+                              num_blocks=6), tok)
+  policy = get_policy("greedy_cot", max_thinking_tokens=4, max_answer_tokens=2)
+  ctl.check_policy_fits(policy)
+  long = ReasoningRequest("y" * (5 * BS + 1), request_id="long")  # 6 prompt blocks
+  with pytest.raises(ValueError, match=r"^request 1 \(request_id='long'\): num_blocks=6: a "
+                                       r"request of 1 trace\(s\) needs at least 7 blocks "
+                                       r"\(each trace writes a block of its own beside the "
+                                       r"prompt's 6\)"):
+    ctl.run([ReasoningRequest("hi", request_id="a"), long], policy)
+  assert ctl.run([ReasoningRequest("hi", request_id="a")], policy)[0].traces[0].token_ids
+
+
 class _OutOfBlocks(MockDecodeModel):
   def check(self, cache):
     raise PagedCacheOverflow("the paged KV cache ran out of blocks")
