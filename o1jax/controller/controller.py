@@ -404,7 +404,7 @@ class Controller:
     if self.thinking is not None:  # checked once, here, rather than at the first request
       for marker in (self.thinking.open, self.thinking.close):
         try:
-          n = len(tokenizer.encode(marker))
+          n = len(tokenizer.encode(marker, add_bos=False))
         except ValueError as e:
           raise ValueError(f"thinking marker {marker!r} cannot be encoded: {e}") from None
         if not 0 < n <= pattern_capacity:
@@ -560,12 +560,18 @@ class Controller:
     thinking span opened when the prompt does not open it."""
     ids = encode_prompt(self.tokenizer, prompt, self.model.vocab_size, self._chat_kwargs)
     if self.thinking is not None and not self._opens_thinking(ids):
-      ids = ids + self.tokenizer.encode(self.thinking.open + "\n")
+      ids = ids + self._ids(self.thinking.open + "\n")
     # A longer prompt ran silently past the context, as the engine and the Generator refuse to.
     limit = self._context()
     if limit is not None and len(ids) >= limit:
       raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {limit} tokens")
     return ids
+
+  def _ids(self, text: str) -> list[int]:
+    """The ids of text written mid-sequence (forced text, probes, markers, patterns): no
+    BOS, which a tokenizer that adds one to a prompt (Gemma 3, Llama 3) put before each
+    forced "Wait" and answer prefix, and before every step pattern (never matched)."""
+    return self.tokenizer.encode(text, add_bos=False)
 
   def _context(self) -> int | None:
     """The model's context (a Llama's config; a DecodeModel without one has none)."""
@@ -589,7 +595,7 @@ class Controller:
       # it) and its verdict read there: inside the context too (it was read past it).
       # Without room for one, the trace thinks no step and answers. (The answer probe
       # reads the forced end of thinking, which the room above holds.)
-      wait = self.tokenizer.encode(settings.wait_text)
+      wait = self._ids(settings.wait_text)
       room = max(0, min(room, limit - prompt_tokens - len(probe) - len(wait)))
     return room
 
@@ -650,11 +656,11 @@ class Controller:
     out = []
     for cand in (text, " " + text if not text.startswith(" ") else text.lstrip()):
       try:
-        out.append(self.tokenizer.encode(cand))
+        out.append(self._ids(cand))
       except ValueError:
         pass
     try:  # character by character (e.g. "\n\n" as two "\n" tokens)
-      out.append([i for c in text for i in self.tokenizer.encode(c)])
+      out.append([i for c in text for i in self._ids(c)])
     except ValueError:
       pass
     seen, uniq = set(), []
@@ -733,12 +739,12 @@ class Controller:
     eos = np.zeros(v, bool)
     eos[list(self.eos_ids)] = True
     answer, separator_len, after_close = self._end_of_thinking(st)
-    wait = self.tokenizer.encode(st.wait_text)
+    wait = self._ids(st.wait_text)
     force_capacity, probe_capacity = self.capacities(st)
     probe = yes = no = [0]
     if isinstance(st.verifier, SelfVerify):
       probe = self._verify_probe(st)
-      yes, no = self.tokenizer.encode(st.verifier.yes), self.tokenizer.encode(st.verifier.no)
+      yes, no = self._ids(st.verifier.yes), self._ids(st.verifier.no)
     delim_seqs, delim_lens = self._patterns(st.step_delimiter)
     restart_seqs, restart_lens = self._patterns(st.answer_prefix.strip())
     prefix_seqs, prefix_lens = (restart_seqs, restart_lens) if self.thinking is None else (
@@ -797,15 +803,15 @@ class Controller:
       raise ValueError(f"answer_prefix={prefix!r}: without a thinking span the answer is read "
                        f"after the answer prefix; give one (e.g. 'The answer is')")
     if self.thinking is None:
-      plain = self.tokenizer.encode(prefix)
+      plain = self._ids(prefix)
       if not prefix[:1].isalnum():
         return plain, 0, []
-      full = self.tokenizer.encode("\n\n" + prefix)  # "\n\n" reads as 2 tokens on SmolLM2
+      full = self._ids("\n\n" + prefix)  # "\n\n" reads as 2 tokens on SmolLM2
       if full[len(full) - len(plain):] != plain:  # merged across the seam: keep them apart
-        full = self.tokenizer.encode("\n\n") + plain
+        full = self._ids("\n\n") + plain
       return full, len(full) - len(plain), []
-    after = self.tokenizer.encode("\n\n" + prefix)
-    return self.tokenizer.encode(self.thinking.close) + after, 0, after if prefix.strip() else []
+    after = self._ids("\n\n" + prefix)
+    return self._ids(self.thinking.close) + after, 0, after if prefix.strip() else []
 
   def key_codes(self, answer: Optional[str]) -> Optional[list[int]]:
     """The loop's key codes of an answer, None where it cannot hold them (no number, or
@@ -879,7 +885,7 @@ class Controller:
     answer, and a "Wait" that may be forced at the thinking budget."""
     st = settings
     return (st.max_thinking_tokens + len(self._end_of_thinking(st)[0])
-            + st.max_answer_tokens + len(self.tokenizer.encode(st.wait_text)))
+            + st.max_answer_tokens + len(self._ids(st.wait_text)))
 
   def max_generated(self, settings: LoopSettings) -> int:
     """Tokens a row may append in all, discarded ones included (the loop ends it there):
@@ -906,7 +912,7 @@ class Controller:
     to the thinking kept), one more for an end of sequence."""
     if st.min_thinking_tokens <= 0:
       return 0
-    wait = max(len(self.tokenizer.encode(st.wait_text)), 1) if st.wait_text else 1
+    wait = max(len(self._ids(st.wait_text)), 1) if st.wait_text else 1
     return -(-st.min_thinking_tokens // wait) + 1
 
   def record_capacity(self, settings: LoopSettings) -> int:
@@ -923,7 +929,7 @@ class Controller:
     """The self-verify probe's tokens ([] without a SelfVerify verifier)."""
     if not isinstance(settings.verifier, SelfVerify):
       return []
-    return self.tokenizer.encode(settings.verifier.probe)
+    return self._ids(settings.verifier.probe)
 
   def capacities(self, settings: LoopSettings) -> tuple[int, int]:
     """(force, probe) array sizes for a call with `settings`: the controller's, or the
@@ -939,7 +945,7 @@ class Controller:
 
     answer, _, after_close = self._end_of_thinking(settings)
     forced = max(len(answer), len(after_close),
-                 tokens(lambda: self.tokenizer.encode(settings.wait_text)))
+                 tokens(lambda: self._ids(settings.wait_text)))
     probed = max(len(answer), tokens(lambda: self._verify_probe(settings)))
     fit = lambda need, size: size if need <= size else pow2_bucket(need)
     return fit(forced, self.force_capacity), fit(probed, self.probe_capacity)

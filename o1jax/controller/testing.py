@@ -97,12 +97,15 @@ class MockDecodeModel:
 
 
 class MockTokenizer:
-  """Fixed vocabulary of strings; id 2 is the end of sequence by default."""
+  """Fixed vocabulary of strings; id 2 is the end of sequence by default; `add_bos`: encode
+  puts `bos_id` first unless told not to (as a Gemma 3 or Llama 3 tokenizer does)."""
 
-  def __init__(self, vocab: Sequence[str], eos_ids=(2,), bos_id: int | None = None):
+  def __init__(self, vocab: Sequence[str], eos_ids=(2,), bos_id: int | None = None,
+               add_bos: bool = False):
     self.vocab = list(vocab)
     self.eos_ids = tuple(eos_ids)
     self.bos_id = bos_id
+    self.add_bos = add_bos
     self._by_len = sorted(((s, i) for i, s in enumerate(self.vocab) if s), key=lambda x: -len(x[0]))
 
   @property
@@ -119,6 +122,8 @@ class MockTokenizer:
           break
       else:
         raise ValueError(f"mock tokenizer cannot encode {text[i:]!r}")
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+      ids = [self.bos_id] + ids
     return ids
 
   def decode(self, ids, *, skip_special: bool = False) -> str:

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from o1jax.controller import LoopSettings, ReasoningRequest, SelfVerify
-from tests.o1jax.controller.conftest import MockWorld, p_edge
+from o1jax.controller import Controller, LoopSettings, ReasoningRequest, SelfVerify
+from o1jax.controller.testing import MockTokenizer
+from tests.o1jax.controller.conftest import ID, VOCAB, MockWorld, p_edge
 
 CHAIN = [("Q", " A", 5), (" A", " B", 5), (" B", "\n\n", 5), ("\n\n", " C", 5), (" C", " D", 5),
          (" D", "\n\n", 5), ("The answer is", " 7", 5), (" 7", "</s>", 5)]
@@ -172,3 +173,30 @@ def test_deepconf_confidence_and_stop():
   assert stopped.steps[-1].action == "low_conf_stop"
   kept, = one(MockWorld(CHAIN), LoopSettings(max_steps=3, conf_window=4), conf_stop=[conf - 1e-3])
   assert not kept.stopped_low_confidence and kept.token_ids == t.token_ids
+
+
+@pytest.mark.parametrize("case", ["verify_probe", "budget_forcing", "answer_probe", "budgets"])
+def test_a_tokenizer_that_adds_bos_to_prompts_adds_none_mid_sequence(case):
+  """Gemma 3's and Llama 3's tokenizers put BOS before a prompt: the controller's forced
+  text (the answer prefix, "Wait", a verify probe) and its step patterns were encoded with
+  it (a BOS fed to the model before each, and step patterns starting with BOS that the
+  text never matched). The same traces as a tokenizer without BOS, no BOS among them."""
+  world, st = {
+      "verify_probe": (MockWorld(BAD, triggers=[(" bad", {" No": 3.0})]), LoopSettings(
+          max_steps=4, verifier=SelfVerify(probe=" check:", yes=" Yes", no=" No"),
+          backtrack_threshold=0.5, max_step_backtracks=2, max_backtracks=3)),
+      "budget_forcing": (MockWorld(WAITING), LoopSettings(
+          min_thinking_tokens=7, max_thinking_tokens=40, answer_on_eos=True)),
+      "answer_probe": (MockWorld([(a, b, 8.0) for a, b, _ in CHAIN if a != "The answer is"],
+                                 triggers=[("\n\n", {" 7": 1.0})]),
+                       LoopSettings(exit_tau=0.85, answer_probe=True)),
+      "budgets": (MockWorld(CHAIN[:-1] + [(" 7", " 3", 5), (" 3", " 7", 5)]),
+                  LoopSettings(max_thinking_tokens=10, max_answer_tokens=3)),
+  }[case]
+  plain, = Controller(world.model(), MockTokenizer(VOCAB)).generate(REQ, st, 1).traces[0]
+  bos = MockTokenizer(VOCAB, bos_id=ID["<s>"], add_bos=True)
+  assert bos.encode("Q") == [ID["<s>"], ID["Q"]]
+  t, = Controller(world.model(), bos).generate(REQ, st, 1).traces[0]
+  assert ID["<s>"] not in t.token_ids
+  assert (t.token_ids, t.text, [s.action for s in t.steps], t.answer, t.tokens) == (
+      plain.token_ids, plain.text, [s.action for s in plain.steps], plain.answer, plain.tokens)
