@@ -64,6 +64,19 @@ def _on_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
 
+def _attention_backend(requested: str, k_pages) -> str:
+  """The attention backend: 'auto' takes XLA's attention where the Pallas kernels cannot
+  tile the pool (a head_dim that is not a power of two >= 16: Phi-3's 96, 80; a block size
+  outside [8, 128]), as `quantized_matmul` takes XLA's product for weights its kernel
+  cannot tile (on a GPU every such model failed at its first prefill)."""
+  backend = resolve_backend(requested)
+  if requested == "auto" and backend == "pallas" and getattr(k_pages, "ndim", 0) == 4:
+    _, bs, _, d = k_pages.shape
+    if not (pallas_block_size_ok(bs) and d >= 16 and not d & (d - 1)):
+      return "reference"
+  return backend
+
+
 # The mesh axis tensor parallelism splits heads over (o1jax/sharding/tensor_parallel.py).
 MODEL_AXIS = "model"
 
@@ -457,10 +470,12 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if q.ndim != 3:
     raise ValueError(f"{op}: q.shape={q.shape} must be [batch, heads, head_dim]")
   b, h, d = q.shape
-  requested, backend = backend, resolve_backend(backend)
+  requested, backend = backend, _attention_backend(backend, k_pages)
   ks, vs = _check_cache(op, q.dtype, h, d, k_pages, v_pages, block_tables, b, k_scale, v_scale,
                         sliding_window, backend == "pallas")
   _check_per_seq(op, "lengths", lengths, b)
+  block_kv = qmm._tiling(op, "block_kv", block_kv, None, block=True, minimum=8)
+  num_splits = qmm._tiling(op, "num_splits", num_splits, None)
   if (requested == "auto" and backend == "reference" and _on_cpu() and ks is None
       and sm_scale is None and k_pages.dtype in native.POOL_DTYPES and native.available()):
     # The native kernel reads the pages in place (the reference gathers them first).
@@ -496,11 +511,13 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
   if q.ndim != 4:
     raise ValueError(f"{op}: q.shape={q.shape} must be [batch, chunk, heads, head_dim]")
   b, _, h, d = q.shape
-  requested, backend = backend, resolve_backend(backend)
+  requested, backend = backend, _attention_backend(backend, k_pages)
   ks, vs = _check_cache(op, q.dtype, h, d, k_pages, v_pages, block_tables, b, k_scale, v_scale,
                         sliding_window, backend == "pallas")
   _check_per_seq(op, "starts", starts, b)
   _check_per_seq(op, "chunk_lens", chunk_lens, b)
+  block_q = qmm._tiling(op, "block_q", block_q, None, block=True, minimum=8)
+  block_kv = qmm._tiling(op, "block_kv", block_kv, None, block=True, minimum=8)
   if backend == "reference":
     # auto on a CPU: key blocks up to the chunk's last key, online softmax (1.3-1.5x the
     # engine's prefill of ~1,400-token prompts: docs/measurements/*_prefill_attention.md).

@@ -85,7 +85,7 @@ def _dot_codes(x: jax.Array, codes: jax.Array, compute_dtype) -> jax.Array:
                    preferred_element_type=jnp.float32)
   c = codes.astype(jnp.bfloat16)
   hi = x.astype(jnp.bfloat16)
-  rest = x - hi.astype(jnp.float32)
+  rest = jnp.where(jnp.isfinite(x), x - hi.astype(jnp.float32), 0.0)  # (inf - inf: NaN)
   mid = rest.astype(jnp.bfloat16)
   lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
   dot = lambda part: jnp.dot(part, c, preferred_element_type=jnp.float32)
@@ -212,14 +212,15 @@ def _split_k(programs: int, loop_iters: int, target_programs: int, most: int) ->
   return k_splits
 
 
-def _tiling(kernel: str, name: str, value, default: int, *, block: bool = False) -> int:
+def _tiling(kernel: str, name: str, value, default: int | None, *, block: bool = False,
+            minimum: int = 16) -> int | None:
   """A tiling override (None: `default`): an int >= 1; a block size also a power of two of
-  at least 16 (Triton's tiles), named in one line where it is not."""
+  at least `minimum` (Triton's tiles), named in one line where it is not."""
   if value is None:
     return default
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 or (
-      block and (value < 16 or value & (value - 1))):
-    want = "a power of two >= 16" if block else "an int >= 1"
+      block and (value < minimum or value & (value - 1))):
+    want = f"a power of two >= {minimum}" if block else "an int >= 1"
     raise ValueError(f"{kernel}: {name}={value!r} must be {want}")
   return int(value)
 

@@ -210,3 +210,43 @@ class TestValidation:
     kp = jnp.zeros((5, 12, 2, 16), jnp.float32)
     with pytest.raises(ValueError, match=r"block_size=12"):
       ops.paged_decode_attention(q, kp, kp, bt, n, backend="pallas", interpret=True)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_auto_on_a_gpu_takes_xla_attention_for_a_head_dim_the_kernels_cannot_tile(head_dim):
+  """Phi-3 (96) and 80-wide heads: 'auto' on a GPU picked the Pallas kernels, which refuse
+  them, so such a model failed at its first prefill; it takes XLA's attention, as
+  quantized_matmul takes XLA's product for weights its kernel cannot tile."""
+  from o1jax.testing import as_if_on_gpu
+  rng = np.random.default_rng(7)
+  kp, vp, bt, _, _ = make_paged_cache(rng, 2, 2, head_dim, 16, 2, [20, 5], jnp.float32)
+  q = jnp.asarray(rng.normal(size=(2, 4, head_dim)), jnp.float32)
+  lengths = jnp.asarray([20, 5], jnp.int32)
+  chunk = jnp.asarray(rng.normal(size=(2, 3, 4, head_dim)), jnp.float32)
+  starts, lens = jnp.asarray([17, 2], jnp.int32), jnp.asarray([3, 3], jnp.int32)
+  want = ops.paged_decode_attention(q, kp, vp, bt, lengths, backend="reference")
+  want_prefill = ops.paged_prefill_attention(chunk, kp, vp, bt, starts, lens, backend="reference")
+  with as_if_on_gpu():
+    got = ops.paged_decode_attention(q, kp, vp, bt, lengths, backend="auto")
+    got_prefill = ops.paged_prefill_attention(chunk, kp, vp, bt, starts, lens, backend="auto")
+    with pytest.raises(ValueError, match=rf"head_dim={head_dim} .* must be a power of two"):
+      ops.paged_decode_attention(q, kp, vp, bt, lengths, backend="pallas")  # (asked for)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_prefill), np.asarray(want_prefill))
+
+
+@pytest.mark.parametrize("name, value, want", [
+    ("block_kv", 24, "a power of two >= 8"), ("block_kv", -16, "a power of two >= 8"),
+    ("block_kv", 4, "a power of two >= 8"), ("num_splits", 0, "an int >= 1"),
+    ("num_splits", -1, "an int >= 1"), ("num_splits", 2.0, "an int >= 1")])
+def test_a_bad_decode_tiling_is_one_line_on_every_backend(name, value, want):
+  # Before: 24 ran interpreted and failed only in CUDA lowering; -16 and -1 failed deep in
+  # Pallas or XLA.
+  k, v, bt, _, _ = make_paged_cache(np.random.default_rng(2), 2, 2, 16, 8, 2, [16, 3],
+                                    jnp.float32)
+  q = jnp.ones((2, 4, 16), jnp.float32)
+  for backend in ("reference", "pallas"):
+    with pytest.raises(ValueError, match=rf"^paged_decode_attention: {name}={value!r} must be "
+                                         rf"{want}$"):
+      ops.paged_decode_attention(q, k, v, bt, jnp.asarray([16, 3], jnp.int32), backend=backend,
+                                 interpret=True, **{name: value})

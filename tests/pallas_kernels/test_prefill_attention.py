@@ -194,3 +194,17 @@ class TestValidation:
     with pytest.raises(ValueError, match=r"head_dim=24"):
       ops.paged_prefill_attention(jnp.zeros((2, 3, 4, 24)), kp, kp, bt, s, c, backend="pallas",
                                   interpret=True)
+
+
+@pytest.mark.parametrize("name, value", [("block_q", 24), ("block_kv", 12), ("block_q", 0),
+                                         ("block_kv", True)])
+def test_a_bad_prefill_tiling_is_one_line(name, value):
+  # Before: 24 and 12 ran interpreted and failed only in CUDA lowering.
+  rng = np.random.default_rng(2)
+  kp, vp, bt, _, _ = make_paged_cache(rng, 2, 2, 16, 8, 2, [16, 16], jnp.float32)
+  q = jnp.ones((2, 4, 4, 16), jnp.float32)
+  with pytest.raises(ValueError, match=rf"^paged_prefill_attention: {name}={value!r} must be a "
+                                       rf"power of two >= 8$"):
+    ops.paged_prefill_attention(q, kp, vp, bt, jnp.zeros(2, jnp.int32),
+                                jnp.asarray([4, 4], jnp.int32), backend="pallas",
+                                interpret=True, **{name: value})

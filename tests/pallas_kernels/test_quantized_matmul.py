@@ -522,3 +522,18 @@ class TestValidation:
     w = as_jax(quantize(np.ones((64, 16), np.float32)))
     with pytest.raises(ValueError, match="backend"):
       ops.quantized_matmul(jnp.ones((1, 64)), w, backend="cuda")
+
+
+@pytest.mark.parametrize("kernel", ["dot", "gemv"])
+def test_an_infinite_activation_gives_an_infinite_row_not_nan(kernel):
+  # The dot kernel splits f32 activations into bf16 parts (x - hi): inf - inf made the row
+  # NaN where the reference, the gemv kernel and numpy give inf.
+  k, n = 64, 16
+  w = QuantizedTensor(packed=jnp.asarray(pack_int4(np.full((k, n), 12, np.uint8))),
+                      scale=jnp.ones((2, n), jnp.float16), minimum=None, bits=4, group_size=32)
+  x = np.ones((2, k), np.float32)
+  x[1, 5] = np.inf
+  got = np.asarray(ops.quantized_matmul(jnp.asarray(x), w, backend="pallas", interpret=True,
+                                        kernel=kernel))
+  np.testing.assert_array_equal(got[0], 4.0 * k)
+  np.testing.assert_array_equal(got[1], np.inf)
