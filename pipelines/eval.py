@@ -177,16 +177,17 @@ def validate_argv(argv: Sequence[str]) -> None:
   check_override_values(argv)
 
 
+def _flags_part(argv: Sequence[str]) -> list[str]:
+  return list(argv[:list(argv).index("--")] if "--" in argv else argv)
+
+
 def check_unused_overrides(config, argv: Sequence[str]) -> None:
-  """A setting given on the command line that the run would not read, a ValueError naming
-  what to set: `--config.sampling.max_new_tokens=` for a reasoning-controller policy (its
-  traces are bounded by its own token limits; part of the content key, every sample was
-  computed again for nothing); `--config.budget.*` with a fixed budget; a policy's own live
-  budget beside the controller's (its SLO unused); `--config.speculative.*` without
-  speculative.enabled; `--config.controller.*` for a policy without the controller;
-  `sampling.top_p/top_k/seed` for greedy decoding; `model.fake_delay_s` for a real model.
-  (The summary showed them as if they had applied.)"""
-  flags_part = argv[:list(argv).index("--")] if "--" in argv else argv
+  """A `--config.sampling.max_new_tokens=` for a reasoning-controller policy: its traces
+  are bounded by its own token limits, so the value was ignored (and, part of the content
+  key, every sample was computed again for nothing); a `--config.budget.*` setting with a
+  fixed budget; a policy's own live budget beside the controller's (its SLO unused). A
+  ValueError naming what to set."""
+  flags_part = _flags_part(argv)
   budget = config.get("budget") or {}
   if budget.get("mode", "fixed") == "fixed":  # (an SLO given with a fixed budget: no effect)
     for a in flags_part:
@@ -199,38 +200,55 @@ def check_unused_overrides(config, argv: Sequence[str]) -> None:
     raise ValueError("policy.adaptive=True runs the policy's own budget (policy.latency_slo_s), "
                      "and budget.mode=adaptive gives the controller one that takes its place: "
                      "set one of them")
-  given = lambda section: [m.group(1) for a in flags_part
-                           if (m := re.match(rf"--config\.{section}\.(\w+)(?:=|$)", a))]
-  speculative = config.get("speculative") or {}
-  for key in given("speculative"):
-    if key != "enabled" and speculative.get("enabled") is not True:
-      raise ValueError(f"speculative.{key} is not used: speculative.enabled is False; add "
-                       f"--config.speculative.enabled=True")
-  model = config.get("model") or {}
-  if "fake_delay_s" in given("model") and model.get("predictor") != "fake":
-    raise ValueError(f"model.fake_delay_s is not used: model.predictor is "
-                     f"{model.get('predictor')!r} (it delays predictor=fake's batches)")
+  if not any(re.match(r"--config\.sampling\.max_new_tokens(=|$)", a) for a in flags_part):
+    return
   from o1jax.controller.registry import policy_class
   try:
     policy = policy_class(config.policy.name)
   except (ValueError, AttributeError):  # named by build_plan, with the valid ones
-    return
-  if given("controller") and not policy.controller:
-    raise ValueError(f"controller.{given('controller')[0]} is not used: policy "
-                     f"{config.policy.name} does not run the reasoning controller")
-  sampling = config.get("sampling") or {}
-  if "temperature" not in policy.own_sampling and sampling.get("temperature") == 0:
-    for key in given("sampling"):  # (greedy decoding draws nothing)
-      if key in ("top_p", "top_k", "seed"):
-        raise ValueError(f"sampling.{key} is not used: sampling.temperature is 0 (greedy "
-                         f"decoding); set sampling.temperature > 0 to sample")
-  if "max_new_tokens" not in given("sampling"):
     return
   if policy.controller:
     raise ValueError(
         f"sampling.max_new_tokens={config.sampling.max_new_tokens!r} is not used: policy "
         f"{config.policy.name} bounds each trace by its own max_thinking_tokens and "
         f"max_answer_tokens; set policy.max_thinking_tokens instead")
+
+
+def unused_override_warnings(config, argv: Sequence[str]) -> list[str]:
+  """Settings given on the command line, away from their defaults, that this run does not
+  read (the summary showed them as if they had applied): `speculative.*` without
+  speculative.enabled, `controller.*` for a policy without the controller,
+  `sampling.top_p/top_k` under greedy decoding, `model.fake_delay_s` for a real model.
+  Warnings, not errors: a sweep passes them to every run of a grid (top_p=0.95 at each
+  temperature, 0 included)."""
+  from configs import common
+  flags_part = _flags_part(argv)
+  given = lambda name: [m.group(1) for a in flags_part
+                        if (m := re.match(rf"--config\.{name}\.(\w+)(?:=|$)", a))]
+  section = lambda name: config.get(name) or {}
+  changed = lambda name, key, default: key in default and section(name).get(key) != default[key]
+  out = []
+  if section("speculative").get("enabled") is not True:
+    out += [f"speculative.{k} is not used: speculative.enabled is False" for k in given(
+        "speculative") if changed("speculative", k, common.speculative_section())]
+  if ("fake_delay_s" in given("model") and section("model").get("fake_delay_s") != 0.0
+      and section("model").get("predictor") != "fake"):
+    out.append(f"model.fake_delay_s is not used: model.predictor is "
+               f"{section('model').get('predictor')!r}")
+  from o1jax.controller.registry import policy_class
+  try:
+    policy = policy_class(config.policy.name)
+  except (ValueError, AttributeError):  # named by build_plan, with the valid ones
+    return out
+  if not policy.controller:
+    out += [f"controller.{k} is not used: policy {config.policy.name} does not run the "
+            f"reasoning controller" for k in given("controller")
+            if changed("controller", k, common.controller_section())]
+  if "temperature" not in policy.own_sampling and section("sampling").get("temperature") == 0:
+    neutral = common.sampling_section(1)  # (a seed is harmless: sweeps keep one throughout)
+    out += [f"sampling.{k} is not used: sampling.temperature is 0 (greedy decoding)"
+            for k in given("sampling") if k in ("top_p", "top_k") and changed("sampling", k, neutral)]
+  return out
 
 
 def check_override_values(argv: Sequence[str]) -> None:
@@ -1102,6 +1120,8 @@ def main(argv):
   _exit_on_signals(stop)
   try:
     check_unused_overrides(_FLAGS["config"].value, sys.argv)
+    for line in unused_override_warnings(_FLAGS["config"].value, sys.argv):
+      print(f"warning: {line}", file=console)
     summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
   except WorkerLostError as e:  # not bad input: the run stopped, its log is kept
     kept = log.close(move_to=local_log) if log else None

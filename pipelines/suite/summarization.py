@@ -133,17 +133,16 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 # A number as a whole (not inside a longer one: 4.2 million is not 14.2 million, nor 48,213
-# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and the multiplier words
-# after it ("4.2-million", "millions", "2,900 thousand", "3 bn"; not a bare "m": metres;
-# "58,117 billion" is not 58,117)
-_MULTIPLIERS = {"hundred": 10**2, "thousand": 10**3, "million": 10**6, "mln": 10**6,
-                "billion": 10**9, "bn": 10**9, "trillion": 10**12}
-# (plural "hundreds"/"thousands" after a number start a new phrase: "in 2035 thousands
-# came" is the year 2035)
-_MULTIPLIER = (r"[\s\-\u2010\u2011\u2013\u2014]*(?:hundred|thousand|mln|bn|"
-               r"(?:million|billion|trillion)s?)\b")
+# 148,213 or 48,213.5), its thousands grouped by commas or spaces, and one multiplier word
+# after it, joined by spaces on its line or by one dash ("4.2-million", "4.2 millions",
+# "2,900 thousand", "35bn"; not a bare "m": metres; "58,117 billion" is not 58,117; the
+# plurals "hundreds"/"thousands"/"billions" start a new phrase: "in 2035 thousands came" is
+# the year 2035, as is "2035\n- Hundred benches").
+_MULTIPLIERS = {"hundred": 10**2, "thousand": 10**3, "million": 10**6, "millions": 10**6,
+                "mln": 10**6, "billion": 10**9, "bn": 10**9, "trillion": 10**12}
 _NUMBER = re.compile(r"(?<![\d.,])(\d{1,3}(?:[,\s\u00a0\u202f]\d{3})+(?![\d])|\d+)(\.\d+)?"
-                     rf"(?!\d)(?![.,]\d)((?:{_MULTIPLIER})*)", re.IGNORECASE)
+                     r"(?!\d)(?![.,]\d)(?:(?:[ \t\u00a0\u202f]+|[\-\u2010\u2011\u2013\u2014])?"
+                     r"(hundred|thousand|millions?|mln|billion|bn|trillion)\b)?", re.IGNORECASE)
 # A minus sign: one "-" or "\u2212" right before the number, at the start or after a space,
 # "(", "[" or "=" (in "1990-2000" the "-" is a range's, in "population--53,325" a dash).
 _MINUS = re.compile(r"(?:^|[\s(\[=])[-\u2212]$")
@@ -152,13 +151,12 @@ _SEPARATORS = re.compile(r"[\s\u00a0\u202f\-\u2010\u2011\u2013]+")
 
 def _values(text: str) -> set[decimal.Decimal]:
   """The values of the numbers written in `text` ("5 million", "5.0 million",
-  "5,000 thousand" and "5,000,000" are one value)."""
+  "5,000 thousand" and "5,000,000" are one value; "4.2 million million" is 4.2 million)."""
   out = set()
   for m in _NUMBER.finditer(text):
-    whole, fraction, words = m.groups()
+    whole, fraction, word = m.groups()
     value = decimal.Decimal(re.sub(r"\D", "", whole) + (fraction or ""))
-    for word in re.findall(r"[a-z]+", words.lower()):  # ("2.9 thousand million": 2.9e9)
-      value *= _MULTIPLIERS[word.removesuffix("s")]
+    value *= _MULTIPLIERS[word.lower()] if word else 1
     # (-53325 is not a population of 53,325)
     out.add(-value if _MINUS.search(text[max(0, m.start() - 2):m.start()]) else value)
   return out

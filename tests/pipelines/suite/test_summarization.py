@@ -91,9 +91,15 @@ def test_a_key_number_inside_a_longer_number_is_not_found():
     ("58,117", "58,117 thousand residents, 58,117 billion, 58,117 hundred", False),
     ("2035", "opened in 2035 thousand", False),
     ("2.9 million", "a budget of 2,900 thousand crowns", True),
-    ("2.9 million", "0.0029 billion", True), ("2.9 million", "2.9 thousand thousand", True),
-    ("3000", "3 thousand", True), ("2.9 million", "2.9 billion, 2.9 bn", False),
-    ("2035", "in 2035 thousands of people came", True),  # (a plural starts a phrase)
+    ("2.9 million", "0.0029 billion", True), ("3000", "3 thousand", True),
+    ("2.9 million", "2.9 billion, 2.9 bn", False), ("35,000,000,000", "35bn", True),
+    # A plural starts a new phrase; a multiplier on the next line or after a spaced dash
+    # is not the number's; a stutter reads the first word.
+    ("2035", "in 2035 thousands of people came, 2040 billions of crowns later", True),
+    ("2040", "in 2040 billions of crowns later", True),
+    ("2040", "- Bridge: opened 2040\n- Hundred new benches", True),
+    ("2040", "opened 2040 \u2014 hundred visitors", True),
+    ("4.2 million", "a budget of 4.2 million million crowns", True),
 ])
 def test_a_key_number_is_found_by_its_value_and_a_name_across_spaces_and_hyphens(value, text, found):
   assert summ.key_fact_recall(text, [{"name": "x", "value": value}]) == float(found)
