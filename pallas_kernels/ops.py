@@ -60,6 +60,12 @@ def pallas_block_size_ok(block_size: int) -> bool:
   return not block_size & (block_size - 1) and 8 <= block_size <= 128
 
 
+def pallas_head_dim_ok(head_dim: int) -> bool:
+  """Whether the Pallas attention kernels take heads of `head_dim` (a power of two >= 16:
+  Triton's tiles)."""
+  return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def _on_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
@@ -72,7 +78,7 @@ def _attention_backend(requested: str, k_pages) -> str:
   backend = resolve_backend(requested)
   if requested == "auto" and backend == "pallas" and getattr(k_pages, "ndim", 0) == 4:
     _, bs, _, d = k_pages.shape
-    if not (pallas_block_size_ok(bs) and d >= 16 and not d & (d - 1)):
+    if not (pallas_block_size_ok(bs) and pallas_head_dim_ok(d)):
       return "reference"
   return backend
 
@@ -432,7 +438,7 @@ def _check_cache(op: str, q_dtype, heads: int, head_dim: int, k_pages, v_pages, 
     if not pallas_block_size_ok(bs):
       raise ValueError(f"{op} (pallas): block_size={bs} (k_pages.shape={k_pages.shape}) must "
                        "be a power of two in [8, 128]")
-    if d & (d - 1) or d < 16:
+    if not pallas_head_dim_ok(d):
       raise ValueError(f"{op} (pallas): head_dim={d} (k_pages.shape={k_pages.shape}) must be a "
                        "power of two >= 16")
   ks = _check_scale("k_scale", k_scale, nb, bs, kvh)

@@ -481,7 +481,8 @@ class Engine:
       raise ValueError(f"max_top_logprobs={config.max_top_logprobs} exceeds the model's "
                        f"vocabulary of {vocab} tokens")
     bs = config.block_size
-    if (kernel_ops.resolve_backend(getattr(model, "backend", "reference")) == "pallas"
+    # (asked for by name: 'auto' takes XLA's attention for pages the kernels cannot tile)
+    if (getattr(model, "backend", "reference") == "pallas"
         and not kernel_ops.pallas_block_size_ok(bs)):
       raise ValueError(f"block_size={bs} must be a power of two in [8, 128] for the Pallas "
                        f"attention kernels")

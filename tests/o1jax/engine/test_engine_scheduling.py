@@ -295,6 +295,11 @@ def test_engine_config_edge_values(tiny):
   pallas = Llama(tiny.config, tiny.params, backend="pallas")
   with pytest.raises(ValueError, match=r"^block_size=12 must be a power of two in \[8, 128\]"):
     Engine(pallas, tiny.tokenizer, EngineConfig(block_size=12, num_blocks=8))
+  # 'auto' on a GPU takes XLA's attention for such pages (it was refused there).
+  from o1jax.testing import as_if_on_gpu
+  assert tiny.model.backend == "auto"
+  with as_if_on_gpu():
+    Engine(tiny.model, tiny.tokenizer, EngineConfig(block_size=12, num_blocks=8))
 
 
 def test_refused_requests_leave_the_engine_serving(engine32):
