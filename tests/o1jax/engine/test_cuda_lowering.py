@@ -53,6 +53,8 @@ CASES = {
     "gemma3_sliding_window": (tiny_gemma3_config(max_context=256), "Q4_0", {}, {}, None),
     "llama_speculative": (tiny_config(max_context=256), "Q4_1", {}, {},
                           SpeculativeConfig(max_drafts=4)),
+    # Pages the Pallas kernels cannot tile: 'auto' takes XLA's attention (was refused).
+    "llama_block_size_12": (tiny_config(max_context=256), "Q4_1", {}, {"block_size": 12}, None),
 }
 
 
