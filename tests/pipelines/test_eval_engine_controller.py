@@ -311,9 +311,10 @@ def test_a_reasoning_loop_larger_than_the_device_stops_the_run_at_load(tiny, tmp
   dead letter per request."""
   from pipelines.beam.handler import ModelLoadError
   cfg = _config(tiny, policy="self_consistency")
-  cfg.policy.n = 2**24
+  cfg.policy.n = 100_000  # (the most policies take) with a thinking budget past any device
+  cfg.policy.max_thinking_tokens = 2**20
   with pytest.raises(ModelLoadError, match=r"^a worker could not load the model: the reasoning "
-                                           r"loop \(16777216 rows for n=16777216, \d+ positions "
+                                           r"loop \(131072 rows for n=100000, \d+ positions "
                                            r"each, conf_window \d+\) needs [\d,.]+ GiB but the "
                                            r"device has [\d,.]+ GiB: lower n, max_rows"):
     run(cfg, str(tmp_path / "out"), progress=False, report=False)
