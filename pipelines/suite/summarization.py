@@ -11,8 +11,9 @@ Scoring: ROUGE-L F1 against the reference (Google's `rouge-score` package,
 `RougeScorer(["rougeL"], use_stemmer=True)`: its own tokenizer and the Porter stemmer,
 no downloaded data) and key-fact recall: the share of facts whose key value appears in
 the summary: a number by its value, written with or without thousands separators (commas
-or spaces) and multiplier words or not (5.0 million = 5 million = 5,000,000 = 5,000 thousand;
-58,117 billion is not 58,117; not inside a longer number), a name case-insensitively, spaces and hyphens alike. Headline: key-fact recall.
+or spaces) and a multiplier word or not (5.0 million = 5 million = 5,000,000 = 5,000
+thousand; 58,117 billion is not 58,117; not inside a longer number), a name
+case-insensitively, spaces and hyphens alike. Headline: key-fact recall.
 """
 
 from __future__ import annotations
