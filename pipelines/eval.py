@@ -76,9 +76,14 @@ def define_flags() -> None:
       f"goes to OUTPUT_DIR/{LOG_NAME}) and the traceback of an error")
 
 
+def _flags_part(argv: Sequence[str]) -> list[str]:
+  """The flags before a `--` (after it: Beam's)."""
+  return list(argv[:list(argv).index("--")] if "--" in argv else argv)
+
+
 def _verbose(argv: Sequence[str]) -> bool:
   """--verbose as absl will parse it, for errors found before absl runs."""
-  flags_part = list(argv[:list(argv).index("--")] if "--" in argv else argv)
+  flags_part = _flags_part(argv)
   on = [a for a in flags_part if a in ("--verbose", "--noverbose") or a.startswith("--verbose=")]
   return bool(on) and on[-1] != "--noverbose" and on[-1].split("=", 1)[-1].lower() not in ("false", "0")
 
@@ -177,8 +182,20 @@ def validate_argv(argv: Sequence[str]) -> None:
   check_override_values(argv)
 
 
-def _flags_part(argv: Sequence[str]) -> list[str]:
-  return list(argv[:list(argv).index("--")] if "--" in argv else argv)
+def _given(flags_part: Sequence[str], section: str) -> list[str]:
+  """The keys of `section` the command line sets (`--config.section.key[=...]`)."""
+  return [m.group(1) for a in flags_part
+          if (m := re.match(rf"--config\.{section}\.(\w+)(?:=|$)", a))]
+
+
+def _policy_class(config):
+  """The config's policy class; None where the name is unknown (build_plan names it,
+  with the valid ones)."""
+  from o1jax.controller.registry import policy_class
+  try:
+    return policy_class(config.policy.name)
+  except (ValueError, AttributeError):
+    return None
 
 
 def check_unused_overrides(config, argv: Sequence[str]) -> None:
@@ -190,24 +207,19 @@ def check_unused_overrides(config, argv: Sequence[str]) -> None:
   flags_part = _flags_part(argv)
   budget = config.get("budget") or {}
   if budget.get("mode", "fixed") == "fixed":  # (an SLO given with a fixed budget: no effect)
-    for a in flags_part:
-      given = re.match(r"--config\.budget\.(\w+)(=|$)", a)
-      if given and given.group(1) != "mode":
-        raise ValueError(f"budget.{given.group(1)} is not used: budget.mode is fixed; add "
+    for key in _given(flags_part, "budget"):
+      if key != "mode":
+        raise ValueError(f"budget.{key} is not used: budget.mode is fixed; add "
                          f"--config.budget.mode=adaptive")
   policy_cfg = config.get("policy") or {}
   if budget.get("mode") == "adaptive" and policy_cfg.get("adaptive") is True:
     raise ValueError("policy.adaptive=True runs the policy's own budget (policy.latency_slo_s), "
                      "and budget.mode=adaptive gives the controller one that takes its place: "
                      "set one of them")
-  if not any(re.match(r"--config\.sampling\.max_new_tokens(=|$)", a) for a in flags_part):
+  if "max_new_tokens" not in _given(flags_part, "sampling"):
     return
-  from o1jax.controller.registry import policy_class
-  try:
-    policy = policy_class(config.policy.name)
-  except (ValueError, AttributeError):  # named by build_plan, with the valid ones
-    return
-  if policy.controller:
+  policy = _policy_class(config)
+  if policy is not None and policy.controller:
     raise ValueError(
         f"sampling.max_new_tokens={config.sampling.max_new_tokens!r} is not used: policy "
         f"{config.policy.name} bounds each trace by its own max_thinking_tokens and "
@@ -217,45 +229,39 @@ def check_unused_overrides(config, argv: Sequence[str]) -> None:
 def unused_override_warnings(config, argv: Sequence[str]) -> list[str]:
   """Settings given on the command line, away from their defaults, that this run does not
   read (the summary showed them as if they had applied): `speculative.*` without
-  speculative.enabled, `controller.*` for a policy without the controller,
-  `sampling.top_p/top_k` under greedy decoding, `model.fake_delay_s` for a real model.
-  Warnings, not errors: a sweep passes them to every run of a grid (top_p=0.95 at each
-  temperature, 0 included)."""
+  speculative.enabled, `model.fake_delay_s` for a real model, `controller.*` for a policy
+  without the controller, `sampling.top_p/top_k` under greedy decoding (a seed is
+  harmless there: sweeps keep one throughout). Warnings, not errors: a sweep passes them
+  to every run of a grid (top_p=0.95 at each temperature, 0 included)."""
   from configs import common
-  flags_part = _flags_part(argv)
-  given = lambda name: [m.group(1) for a in flags_part
-                        if (m := re.match(rf"--config\.{name}\.(\w+)(?:=|$)", a))]
   section = lambda name: config.get(name) or {}
-  changed = lambda name, key, default: key in default and section(name).get(key) != default[key]
-  out = []
+  policy = _policy_class(config)
+  unread = []  # (section, why its keys are not read, their defaults, the keys concerned)
   if section("speculative").get("enabled") is not True:
-    out += [f"speculative.{k} is not used: speculative.enabled is False" for k in given(
-        "speculative") if changed("speculative", k, common.speculative_section())]
-  if ("fake_delay_s" in given("model") and section("model").get("fake_delay_s") != 0.0
-      and section("model").get("predictor") != "fake"):
-    out.append(f"model.fake_delay_s is not used: model.predictor is "
-               f"{section('model').get('predictor')!r}")
-  from o1jax.controller.registry import policy_class
-  try:
-    policy = policy_class(config.policy.name)
-  except (ValueError, AttributeError):  # named by build_plan, with the valid ones
-    return out
-  if not policy.controller:
-    out += [f"controller.{k} is not used: policy {config.policy.name} does not run the "
-            f"reasoning controller" for k in given("controller")
-            if changed("controller", k, common.controller_section())]
-  if "temperature" not in policy.own_sampling and section("sampling").get("temperature") == 0:
-    neutral = common.sampling_section(1)  # (a seed is harmless: sweeps keep one throughout)
-    out += [f"sampling.{k} is not used: sampling.temperature is 0 (greedy decoding)"
-            for k in given("sampling") if k in ("top_p", "top_k") and changed("sampling", k, neutral)]
-  return out
+    unread.append(("speculative", "speculative.enabled is False",
+                   common.speculative_section(), None))
+  if section("model").get("predictor") != "fake":
+    unread.append(("model", f"model.predictor is {section('model').get('predictor')!r}",
+                   common.model_section(), ("fake_delay_s",)))
+  if policy is not None and not policy.controller:
+    unread.append(("controller", f"policy {config.policy.name} does not run the reasoning "
+                   f"controller", common.controller_section(), None))
+  if (policy is not None and "temperature" not in policy.own_sampling
+      and section("sampling").get("temperature") == 0):
+    unread.append(("sampling", "sampling.temperature is 0 (greedy decoding)",
+                   common.sampling_section(1), ("top_p", "top_k")))
+  flags_part = _flags_part(argv)
+  return [f"{name}.{key} is not used: {why}"
+          for name, why, defaults, keys in unread for key in _given(flags_part, name)
+          if (keys is None or key in keys) and key in defaults
+          and section(name).get(key) != defaults[key]]
 
 
 def check_override_values(argv: Sequence[str]) -> None:
   """Parses the `--config*` flags as ml_collections will, on flags of their own: a value of
   the wrong type (`--config.sampling.top_k=abc`) or an override before `--config=` is a
   UsageError naming the flag, not absl's `FATAL Flags parsing error` with exit code 1."""
-  flags_part = list(argv[:list(argv).index("--")] if "--" in argv else argv)
+  flags_part = _flags_part(argv)
   trial = flags.FlagValues()
   config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "", flag_values=trial,
                                   lock_config=True, sys_argv=flags_part)
