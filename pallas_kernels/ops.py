@@ -480,8 +480,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   ks, vs = _check_cache(op, q.dtype, h, d, k_pages, v_pages, block_tables, b, k_scale, v_scale,
                         sliding_window, backend == "pallas")
   _check_per_seq(op, "lengths", lengths, b)
-  block_kv = qmm._tiling(op, "block_kv", block_kv, None, block=True, minimum=8)
-  num_splits = qmm._tiling(op, "num_splits", num_splits, None)
+  block_kv = qmm.check_tiling(op, "block_kv", block_kv, None, block=True, minimum=8)
+  num_splits = qmm.check_tiling(op, "num_splits", num_splits, None)
   if (requested == "auto" and backend == "reference" and _on_cpu() and ks is None
       and sm_scale is None and k_pages.dtype in native.POOL_DTYPES and native.available()):
     # The native kernel reads the pages in place (the reference gathers them first).
@@ -522,8 +522,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                         sliding_window, backend == "pallas")
   _check_per_seq(op, "starts", starts, b)
   _check_per_seq(op, "chunk_lens", chunk_lens, b)
-  block_q = qmm._tiling(op, "block_q", block_q, None, block=True, minimum=8)
-  block_kv = qmm._tiling(op, "block_kv", block_kv, None, block=True, minimum=8)
+  block_q = qmm.check_tiling(op, "block_q", block_q, None, block=True, minimum=8)
+  block_kv = qmm.check_tiling(op, "block_kv", block_kv, None, block=True, minimum=8)
   if backend == "reference":
     # auto on a CPU: key blocks up to the chunk's last key, online softmax (1.3-1.5x the
     # engine's prefill of ~1,400-token prompts: docs/measurements/*_prefill_attention.md).

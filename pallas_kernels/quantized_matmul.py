@@ -213,7 +213,7 @@ def _split_k(programs: int, loop_iters: int, target_programs: int, most: int) ->
   return k_splits
 
 
-def _tiling(kernel: str, name: str, value, default: int | None, *, block: bool = False,
+def check_tiling(kernel: str, name: str, value, default: int | None, *, block: bool = False,
             minimum: int = 16) -> int | None:
   """A tiling override (None: `default`): an int >= 1; a block size also a power of two of
   at least `minimum` (Triton's tiles), named in one line where it is not."""
@@ -239,9 +239,9 @@ def quantized_matmul_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array
   if out_dtype is None:
     out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
   bm, bn, ks = choose_config(m, k, n, w)
-  bm = _tiling("quantized_matmul", "block_m", block_m, bm, block=True)
-  bn = _tiling("quantized_matmul", "block_n", block_n, bn, block=True)
-  ks = _tiling("quantized_matmul", "k_splits", k_splits, ks)
+  bm = check_tiling("quantized_matmul", "block_m", block_m, bm, block=True)
+  bn = check_tiling("quantized_matmul", "block_n", block_n, bn, block=True)
+  ks = check_tiling("quantized_matmul", "k_splits", k_splits, ks)
   g = w.group_size
   loop_groups = (k // 2 if w.bits == 4 else k) // g
   if loop_groups % ks:
@@ -401,9 +401,9 @@ def quantized_gemv_pallas(x: jax.Array, w: QuantizedTensor, x_scale: jax.Array |
   if out_dtype is None:
     out_dtype = jnp.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
   bn, gpi, ks = choose_gemv_config(k, n, w)
-  bn = _tiling("quantized_gemv", "block_n", block_n, bn, block=True)
-  ks = _tiling("quantized_gemv", "k_splits", k_splits, ks)
-  gpi = _tiling("quantized_gemv", "groups_per_iter", groups_per_iter, gpi)
+  bn = check_tiling("quantized_gemv", "block_n", block_n, bn, block=True)
+  ks = check_tiling("quantized_gemv", "k_splits", k_splits, ks)
+  gpi = check_tiling("quantized_gemv", "groups_per_iter", groups_per_iter, gpi)
   g = w.group_size
   loop_groups = (k // 2 if w.bits == 4 else k) // g
   if loop_groups % (gpi * ks):
