@@ -327,7 +327,8 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, loader=None,
-        progress: Optional[bool] = None, report: bool = True, console: Optional[IO[str]] = None) -> dict:
+        progress: Optional[bool] = None, report: bool = True, console: Optional[IO[str]] = None,
+        n_given: bool = False) -> dict:
   """Runs the whole evaluation; returns summary.json's content.
 
   Before any work it checks, in this order, and raises a ValueError subclass with a
@@ -338,7 +339,8 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   store record or result file that cannot be written stops the run with a `WriteError`
   naming it (what was stored stays valid for the rerun). Damaged store files are named in
   warnings and recomputed. `clock` and `loader` are passed to the pipeline (tests inject
-  fakes); `console` gets the progress bar and warnings (default stderr).
+  fakes); `console` gets the progress bar and warnings (default stderr). `n_given`: the
+  command line set dataset.n (a dataset holding fewer examples is then said).
   """
   from pipelines.beam import ResultStore, build_plan, pipeline_options
   from pipelines.beam.pipeline import check_engine_pool
@@ -375,7 +377,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
     store.check_writable()
     model = _check_model(plan, direct)  # (config, tokenizer loader) where it is here
     data_state = _dataset_state(plan)  # (before the launcher's read of the files)
-    scan = _scan(plan, out, console)
+    scan = _scan(plan, out, console, n_given)
     scan.data_state = data_state
     check_engine_pool(plan, scan.items, model)
     _check_chat(plan, scan.items, model)
@@ -445,13 +447,19 @@ def _dataset_state(plan) -> list[tuple]:
     return []
 
 
-def _scan(plan, out: str, console):
+def _scan(plan, out: str, console, n_given: bool = False):
   """The dataset read once here: `DatasetError` for a missing, unreadable or example-less
-  file; a warning per file with duplicate lines."""
+  file; a warning per file with duplicate lines, and one for a dataset.n given on the
+  command line past the dataset's examples (not for a config's own n: smoke's 8 is a cap)."""
   from pipelines.beam.pipeline import scan_dataset
   scan = scan_dataset(plan)  # DatasetError: missing or unreadable file
   if not scan.examples:
     raise _no_examples(plan, scan, out)
+  n = int((getattr(plan.task, "dataset", None) or {}).get("n") or 0) if n_given else 0
+  if scan.examples < n:  # (a run asked for 500 scored a file's 100 without a word)
+    print(f"warning: dataset.n={n}: {plan.task.source} holds {scan.examples} examples"
+          f"{f' and {len(scan.dead)} bad records' if scan.dead else ''}; all are scored",
+          file=console)
   for source, count in sorted(scan.duplicates.items()):
     print(f"warning: {source}: {count} duplicate line{'s' if count > 1 else ''} skipped "
           f"(the first line of each example is kept)", file=console)
@@ -1128,7 +1136,8 @@ def main(argv):
     check_unused_overrides(_FLAGS["config"].value, sys.argv)
     for line in unused_override_warnings(_FLAGS["config"].value, sys.argv):
       print(f"warning: {line}", file=console)
-    summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console)
+    summary = run(_FLAGS["config"].value, output_dir, beam_flags, console=console,
+                  n_given="n" in _given(_flags_part(sys.argv), "dataset"))
   except WorkerLostError as e:  # not bad input: the run stopped, its log is kept
     kept = log.close(move_to=local_log) if log else None
     if verbose:

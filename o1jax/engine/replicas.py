@@ -30,6 +30,8 @@ from o1jax.sharding import tensor_parallel, topology
 def replica_meshes(replicas: int, tp: int = 1, devices=None, topo="auto") -> list[Mesh]:
   """One (data=1, model=tp) mesh per replica, the groups placed by topology (`topo`: as
   `topology.make_mesh` takes it)."""
+  if isinstance(devices, jax.Device):  # one device given bare (list() of it: a TypeError)
+    devices = [devices]
   devices = list(jax.devices() if devices is None else devices)
   if replicas * tp > len(devices):
     raise topology.TopologyError(f"data_parallel={replicas} x tensor_parallel={tp} needs "

@@ -95,6 +95,23 @@ def test_duplicate_lines_run_once_with_one_warning(tmp_path):
   assert summary["dead_letters"]["total"] == 0
 
 
+def test_dataset_n_past_the_file_is_said_when_the_command_line_asked_for_it(tmp_path):
+  # Before: n=500 on a file of 100 scored the 100 without a word. smoke's own n=8 is a
+  # cap, not a request: said only when the command line set it (main passes n_given).
+  data = _write(tmp_path / "short.jsonl", _good_lines() + ["{not json"])
+  cfg = _config(data)
+  cfg.dataset.n = 500
+  console = io.StringIO()
+  summary = run(cfg, str(tmp_path / "out"), clock=FakeClock(), progress=False, report=False,
+                console=console, n_given=True)
+  assert console.getvalue() == (f"warning: dataset.n=500: {data} holds 3 examples and 1 bad "
+                                f"records; all are scored\n")
+  assert summary["examples"] == 3
+  quiet = io.StringIO()
+  _run(_config(data), tmp_path / "out2", console=quiet)  # smoke's n=8, from the config
+  assert quiet.getvalue() == ""
+
+
 # -- 3. lone surrogates ----------------------------------------------------------------
 
 def test_lone_surrogate_line_is_a_dead_letter_and_the_job_goes_on(tmp_path):

@@ -42,6 +42,8 @@ def test_build_engine_and_one_line_errors(tiny):
   import jax
   placed = build_engine(tiny.model, tiny.tokenizer, cfg, devices=jax.devices()[:1])
   assert type(placed) is Engine and placed.mesh.devices.ravel().tolist() == jax.devices()[:1]
+  one = build_engine(tiny.model, tiny.tokenizer, cfg, devices=jax.devices()[0])  # a bare Device
+  assert one.mesh.devices.ravel().tolist() == jax.devices()[:1]
   with pytest.raises(ValueError, match="^give devices= or mesh=, not both$"):
     build_engine(tiny.model, tiny.tokenizer, cfg, devices=jax.devices(), mesh=placed.mesh)
   with pytest.raises(ValueError, match="a live budget with engine.data_parallel > 1"):
