@@ -52,7 +52,8 @@ if __name__ == "__main__":  # before the imports below (~1.5 s): a Ctrl-C there 
           file=sys.stderr)
     os._exit(128 + signum)
 
-  signal.signal(signal.SIGINT, _stopped_while_starting)
+  for _sig in (signal.SIGINT, signal.SIGTERM):  # (SIGTERM there ended it without a word)
+    signal.signal(_sig, _stopped_while_starting)
 
 from absl import app, flags
 from ml_collections import config_flags

@@ -432,3 +432,28 @@ def test_a_run_stopped_by_its_dataset_changing_keeps_its_log(tmp_path):
   assert stderr.splitlines()[-1].startswith(f"error: dataset file {data} changed while the job ran")
   assert (out / "eval.log").is_file()
   assert not (out / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_starting_is_one_line(tmp_path, sig):
+  """Sent once the launcher catches SIGTERM (its first act, with SIGINT, before the ~1.5 s
+  of imports): the same one line for SIGTERM as for Ctrl-C (SIGTERM there ended it with no
+  word, exit 143; Python catches SIGINT from its start)."""
+  import signal
+  import time
+  proc = subprocess.Popen([sys.executable, "-m", "pipelines.eval", *FAKE,
+                           f"--output_dir={tmp_path}/out"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 60
+    caught = 0
+    while not caught >> (signal.SIGTERM - 1) & 1:  # /proc's SigCgt: the signals it catches
+      assert time.monotonic() < deadline and proc.poll() is None
+      status = pathlib.Path(f"/proc/{proc.pid}/status").read_text()
+      caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    proc.send_signal(getattr(signal, sig))
+    _, stderr = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + getattr(signal, sig)
+  assert stderr == f"stopped by {sig} while starting: nothing was computed\n"
