@@ -470,8 +470,13 @@ def save_safetensors(directory: str | os.PathLike, config: ModelConfig, params: 
   for i, layer in enumerate(params["layers"]):
     for ours, w in layer.items():
       out[f"model.layers.{i}.{_LAYER_NAMES[ours]}"] = _dense(w).T if ours.startswith("w") else _dense(w)
-  save_file({k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()},
-            str(directory / "model.safetensors"))
+  weights = directory / "model.safetensors"
+  save_file({k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}, str(weights))
+  # safetensors writes its file 0600 (a temporary file, renamed): other users of a shared
+  # model folder (a cluster's workers) could read config.json but not the weights.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(weights, 0o666 & ~umask)
   hf = {
       "model_type": config.architecture if config.architecture in SUPPORTED_MODEL_TYPES else "llama",
       "vocab_size": config.vocab_size, "hidden_size": config.d_model,

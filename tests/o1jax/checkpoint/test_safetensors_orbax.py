@@ -326,3 +326,25 @@ def test_ctrl_c_during_the_save_is_said_on_stderr(tmp_path, monkeypatch, capsys)
     convert.main([str(src), str(tmp_path / "out")])
   assert sys.stderr is stderr  # (the real one again: the traceback reaches the user)
   assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "safetensors"])
+def test_a_saved_checkpoint_is_readable_as_the_umask_allows(tmp_path, fmt):
+  # Before: safetensors wrote model.safetensors 0600 beside a 0644 config.json, so the
+  # other users of a shared model folder (a cluster's workers) could not read the weights.
+  import os
+  import stat
+  gguf_path = tmp_path / "tiny.gguf"
+  testing.write_gguf_checkpoint(gguf_path, testing.tiny_config())
+  ck = load_checkpoint(gguf_path)
+  old = os.umask(0o022)
+  try:
+    if fmt == "orbax":
+      save_orbax(tmp_path / "out", ck.config, ck.params, ck.tokenizer)
+    else:
+      save_safetensors(tmp_path / "out", ck.config, ck.params)
+  finally:
+    os.umask(old)
+  modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode)
+           for p in (tmp_path / "out").rglob("*") if p.is_file()}
+  assert modes and all(m & 0o044 == 0o044 for m in modes.values()), modes
