@@ -588,13 +588,26 @@ def probe_per_example(summary: dict) -> float | None:
   return (int(summary["tokens"].get("probe", 0)) / examples) if examples else None
 
 
+def distinct_names(dirs: Sequence[pathlib.Path]) -> list[str]:
+  """Each directory by its shortest trailing path that no other one ends with: `a/g1` and
+  `b/g1` (both labelled "g1" before: two points, one label) are told apart."""
+  names = []
+  for d in dirs:
+    parts = d.parts
+    k = 1
+    while k < len(parts) and any(o != d and o.parts[-k:] == parts[-k:] for o in dirs):
+      k += 1
+    names.append("/".join(parts[-k:]))
+  return names
+
+
 def write_comparison(run_dirs: Sequence[str | os.PathLike], output_dir: str | os.PathLike) -> pathlib.Path:
   """comparison.md + accuracy_vs_cost.png over several runs."""
   table, num = markdown_table, fmt_number
   output_dir = pathlib.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   dirs = dict.fromkeys(pathlib.Path(d).resolve() for d in run_dirs)  # a run named twice: once
-  runs = [(d.name, load_summary(d)) for d in dirs]
+  runs = [(name, load_summary(d)) for name, d in zip(distinct_names(list(dirs)), dirs)]
   values = [comparison_inputs(name, s) for name, s in runs]
   plot_accuracy_vs_cost(runs, output_dir / "accuracy_vs_cost.png")
   groups = comparison_groups([s for _, s in runs])

@@ -1,6 +1,7 @@
 """Metrics by hand, the report files and the config files."""
 
 import json
+import pathlib
 
 import pytest
 from absl import app
@@ -492,6 +493,22 @@ def _custom_summary(path, acc, tokens, data=None):
           "throughput": {"samples_computed": 4, "span_s": 4.0, "completion_tokens_per_s": 1.0},
           "config": {"dataset": {"name": "custom", "path": path}},
           **({"data_sha256": data} if data else {})}
+
+
+def test_runs_of_one_directory_name_are_told_apart(tmp_path):
+  # Before: a/g1 and b/g1 were both labelled "(g1)": two points, one label.
+  P = pathlib.Path
+  assert report.distinct_names([P("/r/a/g1"), P("/r/b/g1"), P("/r/c/g2")]) == ["a/g1", "b/g1", "g2"]
+  assert report.distinct_names([P("/x/a/g1"), P("/y/a/g1")]) == ["x/a/g1", "y/a/g1"]
+  summary = {"task": "gsm8k", "policy": "greedy", "examples": 1, "samples": 1,
+             "samples_per_example": 1, "accuracy": {"strict": 0.5, "flexible": 0.5},
+             "tokens": {"completion_per_example": 3}, "latency_ms": {"p50": 1.0},
+             "throughput": {"samples_computed": 1, "span_s": 1.0}}
+  for d in ("a/g1", "b/g1"):
+    (tmp_path / d).mkdir(parents=True)
+    (tmp_path / d / "summary.json").write_text(json.dumps(summary))
+  md = report.write_comparison([tmp_path / "a/g1", tmp_path / "b/g1"], tmp_path).read_text()
+  assert "| greedy (a/g1) |" in md and "| greedy (b/g1) |" in md
 
 
 def test_comparison_keeps_one_frontier_per_dataset(tmp_path):
