@@ -1694,8 +1694,7 @@ class Engine:
   def _text(self, seq: _Seq) -> str:
     text = thinking_lib.answer_text(seq.span, seq.generated, self._visible,
                                     before=seq.group.prompt_ids[-1])
-    cuts = [text.find(s) for s in seq.group.params.stop if s in text]
-    return text[:min(cuts)] if cuts else text
+    return thinking_lib.cut_at_stop(text, seq.group.params.stop)
 
   def _emit(self, seq: _Seq, token: int | None, logprob: float, reason: str | None) -> None:
     text = self._text(seq)

@@ -47,13 +47,6 @@ class GenerationOutput:
   thinking_tokens: int = 0
 
 
-def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
-  """Text up to (not including) the earliest stop string."""
-  cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=len(text))
-  return text[:cut]
-
-
-
 def encode_prompt(tokenizer, prompt, vocab_size: int, chat_kwargs=None) -> list[int]:
   """Text, chat messages [{"role", "content"}] (the chat template applied, with the
   variables `chat_kwargs`: `thinking.template_kwargs`) or token ids -> token ids, checked:
@@ -222,7 +215,7 @@ class Generator:
         span.finish(t)
       text = thinking_lib.answer_text(span, t, self._visible, before=p[-1])
       outputs.append(GenerationOutput(
-          token_ids=t, text=_cut_at_stop(text, stop),
+          token_ids=t, text=thinking_lib.cut_at_stop(text, stop),
           finish_reason=r, prompt_tokens=len(p), seconds=elapsed,
           thinking=None if span is None else span.thinking_text(t),
           thinking_tokens=0 if span is None else span.thinking_tokens(t)))

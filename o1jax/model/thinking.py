@@ -236,6 +236,13 @@ def _visible_from(reader: SpanReader | None, generated: Sequence[int], lo: int,
 _FRONT = 8
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+  """`text` up to (not including) the earliest stop string in it; a character still
+  unfinished at its end (U+FFFD) is no text a stop string can end in, as in `hits_stop`."""
+  seen = text.rstrip("\ufffd")
+  return text[:min((i for i in (seen.find(s) for s in stop if s) if i >= 0), default=len(text))]
+
+
 def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequence[str],
               decode_visible: Callable[..., str],
               decode: Callable[[Sequence[int]], str] | None = None,
@@ -253,7 +260,7 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
   holds any stop string the last token can complete (of any length: a stop string
   spanning more tokens than a fixed window is still seen). Earlier tokens were checked
   when they were appended, so only this one's matches count. An unfinished UTF-8
-  character reads as U+FFFD, as in the text. before: as `answer_text`'s (a window from
+  character reads as U+FFFD, as in the text; at the text's end it matches nothing yet. before: as `answer_text`'s (a window from
   the text's start reads as the text does: a stop string its first space begins)."""
   start = 0 if reader is None else reader.answer_start
   if start is None or not stop or not generated:
@@ -276,4 +283,7 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
     if len(text) >= need and not text.startswith("\n"):
       break
     width *= 2
-  return any(s in text for s in stop)
+  # A character still unfinished at the end reads U+FFFD: not text yet (a stop "\ufffd",
+  # meant for bad bytes, cut every sample at the first byte of its first CJK character or
+  # emoji). A real U+FFFD there is seen with the next token.
+  return any(s in text.rstrip("\ufffd") for s in stop)

@@ -6,7 +6,8 @@ The reference (`reference_cut`): eos (unless ignore_eos) or a stop id ends the o
 that token (neither is in token_ids nor in the text); a stop string ends it at the token that
 completes it in the decoded text of the generated tokens (special tokens skipped, as in
 `text`): token_ids keep that token, the text is cut before the stop string's first
-occurrence; else max_new_tokens ends it ("length"). The tiny byte-level tokenizer makes one
+occurrence (a character still unfinished at the text's end, U+FFFD, completes none);
+else max_new_tokens ends it ("length"). The tiny byte-level tokenizer makes one
 token per byte, so flat sampling writes partial UTF-8 characters (decoded as U+FFFD) and
 the eos token (ignore_eos: it stays in token_ids but not in the text)."""
 
@@ -34,7 +35,8 @@ def reference_cut(tok, ref, stop=(), stop_ids=(), ignore_eos=True, max_new=N):
       return out, visible(tok, out), "stop", len(out) + 1
     out.append(t)
     text = visible(tok, out)
-    hits = [text.find(s) for s in stop if s in text]
+    seen = text.rstrip("\ufffd")  # a character still unfinished at the end is no text yet
+    hits = [seen.find(s) for s in stop if s in seen]
     if hits or (t == EOS and tok.decode([t]) in stop):  # a special token's spelling
       return out, text[:min(hits, default=len(text))], "stop", len(out)
   return out, visible(tok, out), "length", len(out)
@@ -181,7 +183,9 @@ def _first_hit(tok, ids, stop, reader=None):
     ("ab<|im_end|>cd", ("i",), None),  # nor a part of it (was: 3, at the special token)
     ("ab<|im_end|>cd", ("im_end",), None),
     ("xa\u00e9!", ("a\u00e9",), 4),  # through a character split over two tokens
-    ("xa\u00e9!", ("a\ufffd",), 3),  # its first byte alone reads as U+FFFD
+    # Its first byte alone reads as U+FFFD, which is no text yet (was: 3, a stop "\ufffd"
+    # cut every sample at its first multi-byte character).
+    ("xa\u00e9!", ("a\ufffd",), None),
     ("a\n\nb", ("\nb",), 4),
 ])
 def test_hits_stop_reads_the_visible_text(tiny, text, stop, want):

@@ -89,13 +89,15 @@ def test_stop_string_cuts_text(tiny):
 
 def _reference_cut(tok, free, stop, max_new):
   """(token_ids, text, finish_reason) of the free run `free` (no stop strings) cut at the
-  first token that completes a stop string in the decoded text (special tokens skipped)."""
+  first token that completes a stop string in the decoded text (special tokens skipped; a
+  character still unfinished at its end, U+FFFD, completes none)."""
   visible = lambda ids: tok.decode(ids, skip_special=True)
   out = []
   for t in free.token_ids[:max_new]:
     out.append(t)
     text = visible(out)
-    hits = [text.find(s) for s in stop if s in text]
+    seen = text.rstrip("\ufffd")  # a character still unfinished at the end is no text yet
+    hits = [seen.find(s) for s in stop if s in seen]
     if hits:
       return out, text[:min(hits)], "stop"
   done = len(out) == len(free.token_ids)  # (an eos after them ended the free run)

@@ -5,7 +5,7 @@ same generator without a span (the tokens are the same; only the split differs).
 from o1jax.model import Generator, SamplingParams, SpanReader, ThinkingSpan, thinking
 
 VOCAB = ["<think>", "</think>", "\n", "\n\n", " a", " b", "42", "</", "think", ">", "<", "Q:",
-         " ", "x", ">.", "5", " is", ">-", ">\n", ">\xc3", "\xa9t\xc3\xa9", "</think>\n\n5"]
+         " ", "x", ">.", "5", " is", ">-", ">\n", ">\xc3", "\xa9t\xc3\xa9", "</think>\n\n5", "\xff"]
 ID = {s: i for i, s in enumerate(VOCAB)}
 SPAN = ThinkingSpan()
 
@@ -78,6 +78,18 @@ def test_a_marker_that_ends_inside_a_token_of_the_answer_leaves_the_answer_whole
   reader, _ = read(ids("Q:", "<think>", "\n"), gen)
   assert reader.answer_start == 0 and thinking.answer_text(reader, gen, decode) == "5 is"
   assert thinking.hits_stop(reader, gen, ["5 i"], decode)
+
+
+def test_a_character_still_unfinished_completes_no_stop():
+  # The first byte of "é" reads U+FFFD alone: a stop "\ufffd" (for bad bytes) ended the
+  # sample there, at the first byte of every multi-byte character.
+  assert not thinking.hits_stop(None, ids(" a", ">\xc3"), ["\ufffd"], decode)
+  assert not thinking.hits_stop(None, ids(" a", ">\xc3", "\xa9t\xc3\xa9"), ["\ufffd"], decode)
+  assert thinking.hits_stop(None, ids(" a", ">\xc3"), [" a>"], decode)  # the text before it
+  # A byte that starts no character is a real U+FFFD: seen with the next token.
+  assert not thinking.hits_stop(None, ids(" a", "\xff"), ["\ufffd"], decode)
+  assert thinking.hits_stop(None, ids(" a", "\xff", " b"), ["\ufffd"], decode)
+  assert thinking.hits_stop(None, ids(" a", "\xff", " b"), ["\ufffd b"], decode)
 
 
 def test_a_sample_that_does_not_think_is_all_answer():
@@ -154,3 +166,12 @@ def test_generator_splits_at_the_close_and_stops_only_in_the_answer(tiny_qwen3):
   # auto: the template names <think>/</think>; greedy, this model never writes </think>.
   auto = Generator(llama, tok).generate([prompt], 8, SamplingParams())[0]
   assert auto.text == "" and auto.thinking_tokens == 8 and auto.finish_reason == "length"
+
+
+def test_cut_at_stop_ends_before_the_earliest_stop_in_the_text():
+  assert thinking.cut_at_stop("ab cd ab", [" a", "cd"]) == "ab "  # the earliest, not the first listed
+  assert thinking.cut_at_stop("abc", ["x"]) == "abc"
+  # An unfinished character at the end is no text: the text keeps it (a sample that ended
+  # on it by its length), but a real U+FFFD before the end cuts.
+  assert thinking.cut_at_stop("ab\ufffd", ["\ufffd"]) == "ab\ufffd"
+  assert thinking.cut_at_stop("a\ufffdb\ufffd", ["\ufffd"]) == "a"
