@@ -153,6 +153,14 @@ def _vote_results(ctl, policy, requests, batch, settings, weights_fn=None, keep_
   return out
 
 
+def _one_trace(policy: Policy, ctl, requests):
+  """One trace per request under the policy's loop settings; its answer is the result's."""
+  batch = ctl.generate(requests, policy.loop_settings(), 1)
+  return [ctl.result(r, policy.name, batch.traces[i], 0, batch.traces[i][0].answer,
+                     batch.wall_time_s[i], batch.invocations[i])
+          for i, r in enumerate(requests)]
+
+
 @dataclasses.dataclass(frozen=True)
 class GreedyCoT(Policy):
   """One greedy chain of thought, then the answer."""
@@ -160,11 +168,7 @@ class GreedyCoT(Policy):
   name: ClassVar[str] = "greedy_cot"
 
   def run(self, ctl, requests):
-    st = self.loop_settings()
-    batch = ctl.generate(requests, st, 1)
-    return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
-                       batch.wall_time_s[i], batch.invocations[i])
-            for i, r in enumerate(requests)]
+    return _one_trace(self, ctl, requests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,11 +548,7 @@ class BudgetForcing(Policy):
     return self.settings(min_thinking_tokens=self.min_thinking_tokens, wait_text=self.wait_text)
 
   def run(self, ctl, requests):
-    st = self.loop_settings()
-    batch = ctl.generate(requests, st, 1)
-    return [ctl.result(r, self.name, batch.traces[i], 0, batch.traces[i][0].answer,
-                       batch.wall_time_s[i], batch.invocations[i])
-            for i, r in enumerate(requests)]
+    return _one_trace(self, ctl, requests)
 
 
 for _cls in (GreedyCoT, SelfConsistency, BestOfN, DeepConf, ThinkVerifyBacktrack, BudgetForcing):

@@ -424,10 +424,6 @@ class _Seq:
     self.span: SpanReader | None = None  # where its answer begins (a thinking span only)
 
   @property
-  def n_prompt(self) -> int:
-    return len(self.group.prompt_ids)
-
-  @property
   def prefill_target(self) -> int:
     return len(self.tokens) - 1  # the last token is fed by the decode step
 

@@ -100,14 +100,17 @@ class LatencyHistogram:
 
 
 def summarize(values: Iterable[float]) -> dict:
-  """P50/P90/P95/P99 (linear interpolation), mean and coefficient of variation."""
+  """P50/P90/P95/P99 (linear interpolation), mean and coefficient of variation (population
+  std / mean; None for a mean of 0, as the run summary's) of the finite values (a NaN
+  made every statistic NaN)."""
   arr = np.asarray([v for v in values if v is not None], np.float64)
+  arr = arr[np.isfinite(arr)]
   if arr.size == 0:
     return {"count": 0}
   out = {"count": int(arr.size), "mean": float(arr.mean())}
   for p in PERCENTILES:
     out[f"p{p}"] = float(np.percentile(arr, p))
-  out["cv"] = float(arr.std() / arr.mean()) if arr.mean() else 0.0
+  out["cv"] = float(arr.std() / arr.mean()) if arr.mean() > 0 else None
   return out
 
 

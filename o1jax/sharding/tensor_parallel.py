@@ -30,8 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from o1jax.checkpoint.params import FUSED_PARTS
 from o1jax.sharding.topology import repeated_device
+from pallas_kernels.ops import MODEL_AXIS  # (the kernels' shard_map splits heads over it)
 
-MODEL_AXIS = "model"
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
 COLUMN_BIAS = ("bq", "bk", "bv")
 ROW = ("wo", "w_down")

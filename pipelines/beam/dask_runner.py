@@ -51,7 +51,8 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 from distributed import WorkerPlugin
 
-RUNNER = "pipelines.beam.dask_runner.DaskRunner"
+from pipelines.beam.options import DASK_RUNNER as RUNNER
+
 _GLOBAL = (GlobalWindow(),)  # the only window translated
 
 

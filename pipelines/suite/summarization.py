@@ -179,14 +179,16 @@ def facts_found(prediction: str, facts: list[dict]) -> list[str]:
   return [f["name"] for f in facts if _fact_found(f["value"], prediction)]
 
 
-def key_fact_recall(prediction: str, facts: list[dict]) -> float:
-  return len(facts_found(prediction, facts)) / len(facts) if facts else 0.0
+def key_fact_recall(prediction: str, facts: list[dict], found: list[str] | None = None) -> float:
+  """The share of `facts` the prediction holds (`found`: `facts_found`'s answer, if known)."""
+  found = facts_found(prediction, facts) if found is None else found
+  return len(found) / len(facts) if facts else 0.0
 
 
 def score(example: Example, text: str, stop: tuple[str, ...] = ()) -> dict:
   facts = example.metadata["key_facts"]
   found = facts_found(text, facts)
-  recall = len(found) / len(facts) if facts else 0.0
+  recall = key_fact_recall(text, facts, found)
   rouge = rouge_l(text, example.reference)
   return {"answer": None, "correct": recall == 1.0, "facts_found": found,
           "rouge_l": round(rouge, 4), "key_fact_recall": round(recall, 4),

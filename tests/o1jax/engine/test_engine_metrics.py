@@ -31,6 +31,10 @@ def test_summary_percentiles_and_cv_by_hand():
   # population std of 1..4 = sqrt(1.25); mean 2.5
   assert s["cv"] == pytest.approx(math.sqrt(1.25) / 2.5)
   assert summarize([]) == {"count": 0}
+  # A time that is not finite is no measurement (it made every statistic NaN); a mean of
+  # 0 has no CV (the run summary's rule; it was 0.0 here).
+  assert summarize([1.0, 2.0, 3.0, 4.0, math.nan, math.inf]) == s
+  assert summarize([0.0, 0.0])["cv"] is None
 
 
 def test_histogram_buckets_and_merge():
