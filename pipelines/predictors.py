@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from o1jax.controller.sampling_policies import SamplingSpec
 from o1jax.model.sampling import SamplingParams
+from o1jax.model.thinking import cut_at_stop
 from pipelines.config_imports import import_modules
 from pipelines.datasets.records import text_bytes
 
@@ -543,6 +544,9 @@ class ControllerPredictor:
         continue
       text = result.answer_text or (self.controller.final_text(result.traces[0])
                                     if result.traces else "")
+      # Cut at the item's stop sequences, as the engine's text is: the loop does not stop at
+      # them (a few-shot trace wrote the next "Question:" on into the record).
+      text = cut_at_stop(text, tuple(item.stop))
       counts = result.tokens.to_dict()
       tokens = {"prompt": len(self.controller.encode(item.prompt)), "completion": counts.pop("generated"),
                 **counts}

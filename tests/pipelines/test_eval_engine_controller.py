@@ -100,7 +100,7 @@ def test_controller_policy_records_traces_token_kinds_and_report(tiny, tmp_path)
     kinds = r["tokens"]
     assert kinds["thinking"] + kinds["answer"] + kinds["discarded"] == kinds["completion"] > 0
     assert kinds["thinking"] <= 2 * 6 and kinds["prompt"] > 0
-    assert r["output"] in [x["text"] for x in t["traces"]]
+    assert r["output"] in [x["text"] for x in t["traces"]]  # (no stop sequences here)
   assert summary["tokens"]["thinking"] == sum(r["tokens"]["thinking"] for r in records)
   assert summary["reasoning"]["samples_with_traces"] == 3
   for r in records:  # host-side token times of the device loop: one per token after the first
@@ -120,6 +120,25 @@ def test_controller_policy_records_traces_token_kinds_and_report(tiny, tmp_path)
   again.policy.update(n=2, max_thinking_tokens=6, max_answer_tokens=4, temperature=5.0, top_p=1.0)
   run(again, str(tmp_path / "sc1"), progress=False, report=False)
   assert _stable(_records(tmp_path / "sc1")) == _stable(records)
+
+
+def test_a_controller_record_is_cut_at_the_stop_sequences(tiny, tmp_path):
+  # Before: the loop does not stop at them and the record kept the text past them (a
+  # few-shot trace's next "Question:"), where the engine's record is cut.
+  cfg = _config(tiny, policy="greedy_cot", batch=3)
+  cfg.policy.update(max_thinking_tokens=12, max_answer_tokens=4)
+  run(cfg, str(tmp_path / "free"), progress=False, report=False)
+  free = _records(tmp_path / "free")
+  text = next(r["output"] for r in free if len(r["output"].strip()) >= 6)
+  stop = text.strip()[3:5]
+  cfg.prompt.stop = (stop,)
+  run(cfg, str(tmp_path / "cut"), progress=False, report=False)
+  cut = _records(tmp_path / "cut")
+  for a, b in zip(free, cut, strict=True):
+    assert b["trace"]["traces"] == a["trace"]["traces"]  # the same traces, the record cut
+    want = a["output"][:a["output"].find(stop)] if stop in a["output"] else a["output"]
+    assert b["output"] == want
+  assert any(stop in r["output"] for r in free) and not any(stop in r["output"] for r in cut)
 
 
 @pytest.mark.parametrize("policy", ["greedy", "self_consistency"])
