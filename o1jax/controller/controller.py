@@ -1486,7 +1486,8 @@ class Controller:
       action = S.ACTION_NAMES[int(h.rec_action[row, i])]
       text = "" if action == "backtrack" else dec(start, end)
       steps.append(StepRecord(start=start - pl, end=end - pl, score=float(h.rec_score[row, i]),
-                              action=action, text=text))
+                              action=action, text=text,
+                              answer_confidence=float(h.rec_conf[row, i])))
     kept = int(h.think_tokens[row]) + int(h.answer_tokens[row])
     w = h.conf_ring.shape[1]
     nw = min(int(h.conf_count[row]), w)

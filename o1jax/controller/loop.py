@@ -521,6 +521,7 @@ class ReasoningLoop:
 
     p_yes = jnp.full((b,), jnp.nan)
     answer_conf = jnp.zeros((b,))
+    probed_conf = jnp.full((b,), jnp.nan)  # recorded with the step: what an early exit read
     probe_tokens = s.probe_tokens
     probing = boundary & ~final & (s.step_index + 1 < k.max_steps)
     probed = jnp.zeros((), bool)
@@ -553,6 +554,7 @@ class ReasoningLoop:
       answer_conf, blank, cache = jax.lax.cond(
           jnp.any(wants), confidence, lambda c: (answer_conf, jnp.zeros((b,), bool), c), cache)
       answer_conf = jnp.where(wants, answer_conf, 0.0)
+      probed_conf = jnp.where(wants, answer_conf, jnp.nan)
       probe_tokens += jnp.where(wants, k.answer_probe_len - skip + blank, 0)
     score = self.verifier.score(StepStats(lp_sum=step_lp, n_tokens=step_len, group_conf=group_conf,
                                           lowest_conf=lowest_conf, p_yes=p_yes))
@@ -685,6 +687,7 @@ class ReasoningLoop:
         rec_start=_set_row(s.rec_start, s.n_rec, rec_start_val, record),
         rec_end=_set_row(s.rec_end, s.n_rec, rec_end_val, record),
         rec_score=_set_row(s.rec_score, s.n_rec, jnp.where(scored, score, jnp.nan), record),
+        rec_conf=_set_row(s.rec_conf, s.n_rec, probed_conf, record),
         rec_action=_set_row(s.rec_action, s.n_rec, action, record),
         n_rec=s.n_rec + record, cache=cache, **key_fields), probed
 

@@ -48,13 +48,16 @@ class ReasoningRequest:
 @dataclasses.dataclass
 class StepRecord:
   """One event of a trace: token span [start, end) relative to the first
-  generated token, the verifier score (nan if not scored) and the action."""
+  generated token, the verifier score (nan if not scored) and the action;
+  answer_confidence: the answer-confidence probe's value at this step boundary (an
+  early exit when >= exit_tau; nan where the probe did not run)."""
 
   start: int
   end: int
   score: float
   action: str
   text: str = ""
+  answer_confidence: float = math.nan
 
 
 @dataclasses.dataclass

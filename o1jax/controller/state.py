@@ -160,6 +160,7 @@ class ReasoningState:
   rec_start: jax.Array  # [B, R] i32 step records: token span [start, end)
   rec_end: jax.Array  # [B, R] i32
   rec_score: jax.Array  # [B, R] f32 (nan = not scored)
+  rec_conf: jax.Array  # [B, R] f32 the answer-confidence probe's value (nan = not probed)
   rec_action: jax.Array  # [B, R] i32
   n_rec: jax.Array  # [B] i32 records written (may exceed R; extra ones are dropped)
   keys: jax.Array  # [B, 2] u32 base key of each sample: sequence_key(seed, request, sample)
@@ -227,6 +228,7 @@ def row_start_values(rows: int, *, window: int, records: int, key_capacity: int,
       rec_start=jnp.zeros((rows, records), jnp.int32),
       rec_end=jnp.zeros((rows, records), jnp.int32),
       rec_score=jnp.full((rows, records), jnp.nan),
+      rec_conf=jnp.full((rows, records), jnp.nan),
       rec_action=jnp.zeros((rows, records), jnp.int32), n_rec=zi(),
       spec_acc=zf(), spec_calls_row=zf(),
       shadow_draft=jnp.zeros((rows, max(1, draft_capacity)), jnp.int32), shadow_len=zi(),

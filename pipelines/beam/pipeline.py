@@ -80,15 +80,18 @@ class EvalPlan:
   def speculation_changes_outputs(self) -> bool:
     """Speculation is in the content hash only where it can change outputs: in the
     controller's loop under a policy whose traces stop each other (they advance at
-    different rates inside a verify call), and with bf16 matmuls, whose CPU dot sums a row
+    different rates inside a verify call), with bf16 matmuls, whose CPU dot sums a row
     otherwise at some row counts (a verify call runs B x (K + 1) rows: log p moved up to
-    2e-3 on the tiny test model, so a near-tie may fork). Elsewhere rows get plain
-    decoding's tokens and bits."""
+    2e-3 on the tiny test model, so a near-tie may fork), and with float8 ones, whose
+    products run in XLA's dot wherever the native f32 kernel does not (backend=reference,
+    a GPU, no native build): rounding to e4m3 turns its batch-dependent sums into whole
+    steps (5 of 16 greedy GSM answers of the embedded model changed with speculation on,
+    under keys that did not). Elsewhere rows get plain decoding's tokens and bits."""
     if self.predictor.speculative_config() is None:
       return False
     return ((self.predictor.name == "controller" and self.policy.cross_row_stops)
             or (self.predictor.name in ("engine", "controller")
-                and self.predictor.matmul_dtype == "bfloat16"))
+                and self.predictor.matmul_dtype in ("bfloat16", "float8")))
 
 
 def resolve_predictor(name: str, policy: BasePolicy) -> str:

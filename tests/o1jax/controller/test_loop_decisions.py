@@ -99,6 +99,11 @@ def test_early_exit_at_tau():
   assert t.early_exit
   assert t.tokens.probe == 5  # the 1-token answer prefix, once per boundary
   assert t.answer == "7"
+  # Each step records the confidence it read (an early exit's was not in the record).
+  conf = [math.exp(k) / (math.exp(k) + 19) for k in range(1, 6)]
+  assert [s.answer_confidence for s in t.steps] == pytest.approx(conf, rel=1e-4)
+  plain, = one(world, LoopSettings(max_steps=4))  # no probe: nothing read
+  assert all(math.isnan(s.answer_confidence) for s in plain.steps)
   # tau 0.89 sits between k=5 (0.8865) and k=6 (0.9550): one more step.
   t_hi, = one(world, LoopSettings(exit_tau=0.89, answer_probe=True))
   assert [s.action for s in t_hi.steps] == ["continue"] * 5 + ["early_exit"]
