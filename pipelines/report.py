@@ -597,7 +597,7 @@ def distinct_names(dirs: Sequence[pathlib.Path]) -> list[str]:
     k = 1
     while k < len(parts) and any(o != d and o.parts[-k:] == parts[-k:] for o in dirs):
       k += 1
-    names.append("/".join(parts[-k:]))
+    names.append(str(pathlib.PurePath(*parts[-k:])))  # ("/", "g1"): "/g1", not "//g1"
   return names
 
 

@@ -134,6 +134,10 @@ class Trace:
     for key in ("mean_logprob", "mean_confidence", "lowest_group_confidence", "tail_confidence"):
       if not math.isfinite(d[key]):
         d[key] = None
+    for step in d["steps"]:  # (not scored / not probed: NaN, which strict JSON has no word for)
+      for key in ("score", "answer_confidence"):
+        if not math.isfinite(step[key]):
+          step[key] = None
     return d
 
 

@@ -1687,13 +1687,13 @@ class Engine:
     token (`Tokenizer.continuation`)."""
     return continuation_text(self.tokenizer, ids, before, skip_special=True)
 
-  def _text(self, seq: _Seq) -> str:
+  def _text(self, seq: _Seq, final: bool = True) -> str:
     text = thinking_lib.answer_text(seq.span, seq.generated, self._visible,
                                     before=seq.group.prompt_ids[-1])
-    return thinking_lib.cut_at_stop(text, seq.group.params.stop)
+    return thinking_lib.cut_at_stop(text, seq.group.params.stop, final)
 
   def _emit(self, seq: _Seq, token: int | None, logprob: float, reason: str | None) -> None:
-    text = self._text(seq)
+    text = self._text(seq, final=reason is not None)
     if reason is None:
       # Hold back what may still change: an unfinished UTF-8 character (decoded as
       # U+FFFD for now), and before it the start of a stop string (cut if it completes:

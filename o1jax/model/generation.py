@@ -215,7 +215,7 @@ class Generator:
         span.finish(t)
       text = thinking_lib.answer_text(span, t, self._visible, before=p[-1])
       outputs.append(GenerationOutput(
-          token_ids=t, text=thinking_lib.cut_at_stop(text, stop),
+          token_ids=t, text=thinking_lib.cut_at_stop(text, stop, final=True),
           finish_reason=r, prompt_tokens=len(p), seconds=elapsed,
           thinking=None if span is None else span.thinking_text(t),
           thinking_tokens=0 if span is None else span.thinking_tokens(t)))

@@ -236,10 +236,11 @@ def _visible_from(reader: SpanReader | None, generated: Sequence[int], lo: int,
 _FRONT = 8
 
 
-def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-  """`text` up to (not including) the earliest stop string in it; a character still
-  unfinished at its end (U+FFFD) is no text a stop string can end in, as in `hits_stop`."""
-  seen = text.rstrip("\ufffd")
+def cut_at_stop(text: str, stop: Sequence[str], final: bool = False) -> str:
+  """`text` up to (not including) the earliest stop string in it. While the sample runs,
+  a character still unfinished at its end (U+FFFD) is no text a stop string can end in, as
+  in `hits_stop`; once it has finished (`final`), what it ended on is its text."""
+  seen = text if final else text.rstrip("\ufffd")
   return text[:min((i for i in (seen.find(s) for s in stop if s) if i >= 0), default=len(text))]
 
 

@@ -500,6 +500,7 @@ def test_runs_of_one_directory_name_are_told_apart(tmp_path):
   P = pathlib.Path
   assert report.distinct_names([P("/r/a/g1"), P("/r/b/g1"), P("/r/c/g2")]) == ["a/g1", "b/g1", "g2"]
   assert report.distinct_names([P("/x/a/g1"), P("/y/a/g1")]) == ["x/a/g1", "y/a/g1"]
+  assert report.distinct_names([P("/g1"), P("/a/g1")]) == ["/g1", "a/g1"]
   summary = {"task": "gsm8k", "policy": "greedy", "examples": 1, "samples": 1,
              "samples_per_example": 1, "accuracy": {"strict": 0.5, "flexible": 0.5},
              "tokens": {"completion_per_example": 3}, "latency_ms": {"p50": 1.0},

@@ -104,6 +104,11 @@ def test_early_exit_at_tau():
   assert [s.answer_confidence for s in t.steps] == pytest.approx(conf, rel=1e-4)
   plain, = one(world, LoopSettings(max_steps=4))  # no probe: nothing read
   assert all(math.isnan(s.answer_confidence) for s in plain.steps)
+  # As JSON: null, not NaN (a trace's dict is written to JSON lines by the benchmarks).
+  import json
+  steps = json.loads(json.dumps(plain.to_dict(), allow_nan=False))["steps"]
+  assert [s["answer_confidence"] for s in steps] == [None] * len(plain.steps)
+  assert [s["answer_confidence"] for s in t.to_dict()["steps"]] == pytest.approx(conf, rel=1e-4)
   # tau 0.89 sits between k=5 (0.8865) and k=6 (0.9550): one more step.
   t_hi, = one(world, LoopSettings(exit_tau=0.89, answer_probe=True))
   assert [s.action for s in t_hi.steps] == ["continue"] * 5 + ["early_exit"]

@@ -101,7 +101,9 @@ def _reference_cut(tok, free, stop, max_new):
     if hits:
       return out, text[:min(hits)], "stop"
   done = len(out) == len(free.token_ids)  # (an eos after them ended the free run)
-  return out, visible(out), free.finish_reason if done else "length"
+  text = visible(out)  # finished: what it ended on is text (a U+FFFD too)
+  text = text[:min([text.find(s) for s in stop if s in text], default=len(text))]
+  return out, text, free.finish_reason if done else "length"
 
 
 def _partial_char_pair(text_of, ids):

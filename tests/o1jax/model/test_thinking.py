@@ -171,7 +171,9 @@ def test_generator_splits_at_the_close_and_stops_only_in_the_answer(tiny_qwen3):
 def test_cut_at_stop_ends_before_the_earliest_stop_in_the_text():
   assert thinking.cut_at_stop("ab cd ab", [" a", "cd"]) == "ab "  # the earliest, not the first listed
   assert thinking.cut_at_stop("abc", ["x"]) == "abc"
-  # An unfinished character at the end is no text: the text keeps it (a sample that ended
-  # on it by its length), but a real U+FFFD before the end cuts.
+  # While the sample runs an unfinished character at the end is no text yet; once it has
+  # finished, what it ended on is (a stop "\ufffd" kept it in the final text), and a real
+  # U+FFFD before the end cuts either way.
   assert thinking.cut_at_stop("ab\ufffd", ["\ufffd"]) == "ab\ufffd"
+  assert thinking.cut_at_stop("ab\ufffd", ["\ufffd"], final=True) == "ab"
   assert thinking.cut_at_stop("a\ufffdb\ufffd", ["\ufffd"]) == "a"
