@@ -546,12 +546,14 @@ class ControllerPredictor:
                                     if result.traces else "")
       # Cut at the item's stop sequences, as the engine's text is: the loop does not stop at
       # them (a few-shot trace wrote the next "Question:" on into the record).
-      text = cut_at_stop(text, tuple(item.stop))
+      whole = text
+      text = cut_at_stop(text, tuple(item.stop), final=True)
       counts = result.tokens.to_dict()
       tokens = {"prompt": len(self.controller.encode(item.prompt)), "completion": counts.pop("generated"),
                 **counts}
       chosen = result.traces[result.chosen] if result.chosen is not None else None
-      finish = "stop" if chosen is None or chosen.exit_reason != "length" else "length"
+      finish = ("stop" if chosen is None or chosen.exit_reason != "length" or text != whole
+                else "length")
       trace = _finite({"answer": result.answer, "chosen": result.chosen, "votes": result.votes,
                        "steps": result.steps, "backtracks": result.backtracks,
                        "early_exit": result.early_exit, "loop_invocations": result.loop_invocations,

@@ -138,6 +138,7 @@ def test_a_controller_record_is_cut_at_the_stop_sequences(tiny, tmp_path):
     assert b["trace"]["traces"] == a["trace"]["traces"]  # the same traces, the record cut
     want = a["output"][:a["output"].find(stop)] if stop in a["output"] else a["output"]
     assert b["output"] == want
+    assert b["finish_reason"] == ("stop" if stop in a["output"] else a["finish_reason"])
   assert any(stop in r["output"] for r in free) and not any(stop in r["output"] for r in cut)
 
 
