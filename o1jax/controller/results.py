@@ -70,7 +70,10 @@ class TokenCounts:
   answer: int = 0  # kept answer-phase tokens: the answer prefix + what follows it
   prefix: int = 0  # of `answer`: the answer prefix; answer - prefix <= max_answer_tokens
   probe: int = 0  # tokens run through verification / answer-confidence probes
-  discarded: int = 0  # generated, then rolled back by backtracking
+  # generated, then rolled back: backtracked steps (their `backtrack` records span them) and
+  # answer prefixes the model wrote too early (budget forcing's "Wait", a step scored before
+  # its prefix: no record spans those)
+  discarded: int = 0
   waits: int = 0  # "Wait" insertions (budget forcing)
 
   @property
