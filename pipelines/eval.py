@@ -31,6 +31,8 @@ prints tracebacks).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 import os
@@ -361,7 +363,7 @@ def run(config, output_dir: str, beam_flags: Sequence[str] = (), *, clock=time, 
   # computed every sample, then could not read its own results back).
   output_dir = str(output_dir).removeprefix("file://")
   config = _with_flag_runner(config, beam_flags)
-  plan = build_plan(config, output_dir)  # imports the config's modules first
+  plan = _absolute_local_paths(build_plan(config, output_dir))  # imports the config's modules first
   options = pipeline_options(config.runner, beam_flags, plan.imports)
   direct = runs_here(options)  # the DirectRunner, or a dask LocalCluster started here
   local = is_local(output_dir) and direct
@@ -402,6 +404,23 @@ def remove_shared_model_files(model_tag: str) -> None:
   from pipelines.beam.handler import remove_shared_model_files as remove
   _RUNNING_MODEL_TAGS.discard(model_tag)
   remove(model_tag)
+
+
+def _absolute_local_paths(plan):
+  """The plan with a local dataset.path and output directory given relative to the
+  launcher's directory made absolute: a cluster's workers resolved them from their own
+  (each read another file of that name, or none, and wrote the results there). The
+  config and what the launcher prints keep the names as given."""
+  from pipelines.beam.store import is_local
+  absolute = lambda p: os.path.abspath(p) if p and is_local(p) and "://" not in p else p
+  dataset = getattr(plan.task, "dataset", None)
+  if isinstance(dataset, dict) and dataset.get("path") and dataclasses.is_dataclass(plan.task):
+    path = str(dataset["path"])
+    if absolute(path) != path:
+      moved = copy.copy(dataset)  # (a ConfigSection keeps its name)
+      moved["path"] = absolute(path)
+      plan = dataclasses.replace(plan, task=dataclasses.replace(plan.task, dataset=moved))
+  return dataclasses.replace(plan, output_dir=absolute(plan.output_dir))
 
 
 def _with_flag_runner(config, beam_flags: Sequence[str]):
@@ -534,6 +553,9 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
     else:
       run_job()
   except Exception as e:  # a file that cannot be written, a model no worker loads: one line
+    from pipelines.beam.options import SchedulerUnreachableError
+    if isinstance(e, SchedulerUnreachableError):  # (its cause's lost connection: none was made)
+      raise
     error = worker_error(e) or runner_start_error(e, options) or worker_lost_error(e)
     if error is None:
       raise
@@ -551,7 +573,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
                               f"launcher and the workers read different versions of it): "
                               f"rerun; every sample computed is in the store")
 
-  if local and not os.path.exists(f"{out.removeprefix('file://')}/results.jsonl"):
+  if is_local(out) and not os.path.exists(f"{out.removeprefix('file://')}/results.jsonl"):
     # (the workers wrote it where `out` leads from their working directory or machine: a
     # relative path on a cluster's workers; it read "dataset file not found")
     raise OutputError(f"{out}/results.jsonl is not here after the job: its workers wrote "

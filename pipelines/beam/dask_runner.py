@@ -51,7 +51,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 from distributed import WorkerPlugin
 
-from pipelines.beam.options import DASK_RUNNER as RUNNER
+from pipelines.beam.options import DASK_RUNNER as RUNNER, SchedulerUnreachableError
 
 _GLOBAL = (GlobalWindow(),)  # the only window translated
 
@@ -413,13 +413,14 @@ def _connect(ddist, beams: dict, remote: bool):
 
 
 def _reachable(address) -> None:
-  """Raises OSError at once for a tcp:// scheduler address whose host does not resolve or
-  whose port refuses the connection (dask's client retried those for its whole 30 s
-  timeout); anything else is left to the client."""
-  if not isinstance(address, str) or not address.startswith("tcp://"):
+  """Raises OSError at once for a tcp:// scheduler address (or one without a scheme, which
+  dask reads as tcp) whose host does not resolve or whose port refuses the connection
+  (dask's client retried those for its whole 30 s timeout); anything else is left to the
+  client."""
+  if not isinstance(address, str) or not (address.startswith("tcp://") or "://" not in address):
     return
   from distributed.comm.addressing import parse_host_port
-  host, port = parse_host_port(address[len("tcp://"):])
+  host, port = parse_host_port(address.removeprefix("tcp://"))
   try:
     socket.create_connection((host, port), timeout=5).close()
   except (socket.gaierror, ConnectionRefusedError) as e:
@@ -450,7 +451,7 @@ class DaskRunner(_BeamDaskRunner):
       if cluster is not None:
         cluster.close()
       where = beams.get("address") or beams.get("scheduler_file")
-      raise ValueError(f"dask scheduler {where} cannot be reached: "
+      raise SchedulerUnreachableError(f"dask scheduler {where} cannot be reached: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     try:
       if cluster is None:  # a cluster being started may not have its workers yet

@@ -24,6 +24,12 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 WORKER_PLUGIN = "pipelines.beam.worker"  # imported by each worker process at start-up
 DASK_RUNNER = "pipelines.beam.dask_runner.DaskRunner"
+
+
+class SchedulerUnreachableError(ValueError):
+  """The Dask scheduler a job was given could not be reached: nothing ran (bad input, not a
+  connection lost during the run)."""
+
 # (Beam's own Dask runner by its path means ours too: its translation drops a DoFn's
 # finish_bundle outputs and ends this job in a TypeError)
 DASK_NAMES = ("dask", "DaskRunner", DASK_RUNNER, "apache_beam.runners.dask.dask_runner.DaskRunner")

@@ -684,6 +684,14 @@ def reconcile_with_store(records: list[dict], items: Sequence[WorkItem], store: 
   unique: dict[str, dict] = {}
   for record in records:
     unique.setdefault(record.get("key"), record)
+  keys = {item.key for item in items}
+  foreign = [k for k in unique if k not in keys]
+  if foreign:  # (their records would be scored and summed as this dataset's)
+    from pipelines.datasets import DatasetChangedError
+    raise DatasetChangedError(
+        f"{path}: {len(foreign)} of the job's records are of examples the launcher did not "
+        f"read: its workers read another dataset (a file of the same name where they run?); "
+        f"give dataset.path as storage every worker sees at the same path")
   repeated = len(records) - len(unique)
   restored = 0
   missing = [item for item in items if item.key not in unique]

@@ -86,6 +86,9 @@ def test_bad_runner_settings_are_one_line_errors(tmp_path):
   for address, message in (
       ("tcp://127.0.0.1:9", r"^dask scheduler tcp://127.0.0.1:9 cannot be reached: 127.0.0.1:9: "
                             r"Connection refused$"),
+      # No scheme (dask reads tcp): it waited 30 s, then read as a connection lost in a run.
+      ("127.0.0.1:9", r"^dask scheduler 127.0.0.1:9 cannot be reached: 127.0.0.1:9: "
+                      r"Connection refused$"),
       ("tcp://no-such-host.invalid:8786", r"^dask scheduler tcp://no-such-host.invalid:8786 "
                                           r"cannot be reached: no-such-host.invalid:8786: "),
       ("tcp://127.0.0.1:99999", r"^runner.address='tcp://127.0.0.1:99999': port 99999 is not in "
@@ -322,6 +325,27 @@ def test_two_jobs_on_a_cluster_started_like_the_readme_says(tmp_path):
       summary = run(cfg, str(tmp_path / job), progress=False, report=False)
       assert summary["run"]["resumed"] is None  # the workers are not known to see local paths
       outputs.append(_lines(tmp_path / job / "results.jsonl"))
+    # Relative paths, the launcher elsewhere than the workers: they read the workers' own
+    # file of that name (its records scored, exit 0) and wrote the results there.
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    theirs = [{"question": f"What is {i} + 50?", "answer": f"#### {i + 50}"} for i in range(3)]
+    ours = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(3)]
+    for where, rows in ((tmp_path, theirs), (launch, ours)):
+      (where / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = gsm8k_config.get_config("smoke=True")
+    cfg.model.predictor = "fake"
+    cfg.dataset.update(name="gsm8k_jsonl", path="data.jsonl", n=0)
+    cfg.runner.update(name="dask", address=address)
+    cwd = os.getcwd()
+    os.chdir(launch)
+    try:
+      run(cfg, "out_rel", progress=False, report=False)
+    finally:
+      os.chdir(cwd)
+    references = [r["reference"] for r in _lines(launch / "out_rel" / "results.jsonl")]
+    assert references == ["1", "2", "3"]  # ours (theirs: 50, 51, 52)
+    assert not (tmp_path / "out_rel").exists()
     with Client(address, timeout=30) as client:
       assert set(client.run(pooled_instances).values()) == {0}
       assert len(client.nthreads()) == 2

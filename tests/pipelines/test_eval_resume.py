@@ -435,6 +435,21 @@ def test_reconciling_complete_results_reads_no_store_record(finished, tmp_path):
   assert (got, restored, repeated) == (records, 0, 0) and not (tmp_path / "r.jsonl").exists()
 
 
+def test_records_of_examples_the_launcher_did_not_read_stop_the_run(finished, tmp_path):
+  # A cluster's workers that read another dataset (a relative path, a machine-local copy):
+  # their records were scored and summed as this dataset's, exit 0.
+  from pipelines.beam.pipeline import plan_items, build_plan, reconcile_with_store
+  from pipelines.beam import ResultStore
+  from pipelines.datasets import DatasetChangedError
+  records = _records(finished[1])
+  items, _ = plan_items(build_plan(_config(finished[0]), str(tmp_path / "x")))
+  stranger = {**records[0], "key": "f" * 64}
+  with pytest.raises(DatasetChangedError, match=r"r\.jsonl: 1 of the job's records are of "
+                                                r"examples the launcher did not read"):
+    reconcile_with_store(records + [stranger], items, ResultStore(str(finished[1] / "store")),
+                         str(tmp_path / "r.jsonl"))
+
+
 def test_reconciling_reads_only_records_the_store_lists(finished, tmp_path):
   # The items without a record are mostly dead letters: each took a store read (on a
   # remote store, an exists and an open request per item). Now one listing, and a read
