@@ -412,7 +412,10 @@ def _absolute_local_paths(plan):
   (each read another file of that name, or none, and wrote the results there). The
   config and what the launcher prints keep the names as given."""
   from pipelines.beam.store import is_local
-  absolute = lambda p: os.path.abspath(p) if p and is_local(p) and "://" not in p else p
+  # Joined, not normalized: "link/../data.jsonl" names what the OS resolves (abspath's
+  # lexical ".." dropped the link and named another file).
+  absolute = (lambda p: os.path.join(os.getcwd(), p)
+              if p and is_local(p) and "://" not in p and not os.path.isabs(p) else p)
   dataset = getattr(plan.task, "dataset", None)
   if isinstance(dataset, dict) and dataset.get("path") and dataclasses.is_dataclass(plan.task):
     path = str(dataset["path"])

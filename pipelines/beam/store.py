@@ -63,7 +63,8 @@ def write_whole(path: str, data: bytes, what: str = "") -> None:
   try:
     if is_local(path):
       final = _local(path)
-      os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+      # (as the OS resolves it: abspath's lexical ".." made a stray "link/../" directory)
+      os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
       tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
       with open(tmp, "wb") as f:
         f.write(data)

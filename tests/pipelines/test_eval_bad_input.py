@@ -785,3 +785,20 @@ def test_an_output_dir_with_white_space_at_an_end_is_refused(tmp_path):
   with pytest.raises(OutputError, match=r"starts or ends with white space"):
     _run(_config(data), f"{tmp_path}/out ")
   assert not list(tmp_path.glob("out*"))
+
+
+def test_relative_paths_through_a_link_and_dotdot_name_what_the_os_resolves(tmp_path, monkeypatch):
+  # The launcher makes relative paths absolute for a cluster's workers: abspath dropped
+  # "link/.." lexically and named another file (a decoy of the same name here) and left a
+  # stray store directory where "link/../out" does not lead.
+  (tmp_path / "elsewhere" / "sub").mkdir(parents=True)
+  (tmp_path / "cwd").mkdir()
+  (tmp_path / "cwd" / "lnk").symlink_to(tmp_path / "elsewhere" / "sub")
+  _write(tmp_path / "elsewhere" / "data.jsonl", _good_lines())
+  _write(tmp_path / "cwd" / "data.jsonl", [json.dumps({"question": "decoy?", "answer": "99"})])
+  monkeypatch.chdir(tmp_path / "cwd")
+  summary = _run(_config("lnk/../data.jsonl"), "lnk/../out")
+  assert summary["examples"] == 3
+  records = [json.loads(l) for l in (tmp_path / "elsewhere" / "out" / "results.jsonl").read_text().splitlines()]
+  assert [r["reference"] for r in records] == [a for _, a in Q]
+  assert not (tmp_path / "cwd" / "out").exists()
