@@ -410,12 +410,16 @@ def _absolute_local_paths(plan):
   """The plan with a local dataset.path and output directory given relative to the
   launcher's directory made absolute: a cluster's workers resolved them from their own
   (each read another file of that name, or none, and wrote the results there). The
-  config and what the launcher prints keep the names as given."""
+  config (and summary.json's copy) keeps the names as given; messages and dead letters
+  name the absolute path. A task that is not a dataclass keeps its path as given."""
   from pipelines.beam.store import is_local
   # Joined, not normalized: "link/../data.jsonl" names what the OS resolves (abspath's
   # lexical ".." dropped the link and named another file).
-  absolute = (lambda p: os.path.join(os.getcwd(), p)
-              if p and is_local(p) and "://" not in p and not os.path.isabs(p) else p)
+  def absolute(p: str) -> str:
+    if not p or not is_local(p):
+      return p
+    p = p.removeprefix("file://")
+    return p if os.path.isabs(p) else os.path.join(os.getcwd(), p)
   dataset = getattr(plan.task, "dataset", None)
   if isinstance(dataset, dict) and dataset.get("path") and dataclasses.is_dataclass(plan.task):
     path = str(dataset["path"])
@@ -497,7 +501,8 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
   import apache_beam as beam
 
   from pipelines.beam import build_pipeline
-  from pipelines.beam.pipeline import reconcile_with_store, sized_for, stored_record, write_text
+  from pipelines.beam.pipeline import (check_every_item_accounted, reconcile_with_store,
+                                       sized_for, stored_record, write_text)
   from pipelines.beam.store import IS_A_DIRECTORY, OutputError, is_local
   from pipelines.beam.worker import mark_launcher
   from pipelines.datasets.records import examples_sha256
@@ -589,6 +594,7 @@ def _run_locked(config, plan, options, scan, store, out: str, beam_flags, *, loc
           f"record{'s' * (restored != 1)} and listed {repeated} twice (a worker lost and its "
           f"work recomputed?); rewritten from the store", file=console)
   dead = _read_jsonl(f"{out}/dead_letters.jsonl")
+  check_every_item_accounted(records, dead, scan.items, f"{out}/results.jsonl")
   run_info = {"started_ms": started_ms, "wall_s": round(wall_s, 2),
               "resumed": resumed_before, "computed": (len(records) - resumed_before)
               if resumed_before is not None else None,

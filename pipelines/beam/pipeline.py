@@ -711,6 +711,24 @@ def reconcile_with_store(records: list[dict], items: Sequence[WorkItem], store: 
   return records, restored, repeated
 
 
+def check_every_item_accounted(records: list[dict], dead: list[dict], items: Sequence[WorkItem],
+                               path: str) -> None:
+  """Every planned sample has a record or a dead letter, else `DatasetChangedError`: a
+  cluster's workers that read fewer examples than the launcher (an older copy whose first
+  lines are the same) left samples out of the summary, exit 0. (A dead letter without a key,
+  a failure no item could be named for, leaves the count unknown: no check.)"""
+  if any("key" not in d for d in dead if d.get("stage") != "input"):
+    return
+  missing = {item.key for item in items} - {r.get("key") for r in records} - {
+      d.get("key") for d in dead}
+  if missing:
+    from pipelines.datasets import DatasetChangedError
+    raise DatasetChangedError(
+        f"{path}: {len(missing)} planned samples have no record and no dead letter: the "
+        f"workers read fewer examples than the launcher (another version of the dataset "
+        f"where they run?); give dataset.path as storage every worker sees at the same path")
+
+
 def write_dead_letters(dead: list[dict], path: str) -> int:
   """dead_letters.jsonl: one line per dead letter, by stage, source, line, example."""
   return _write_jsonl(dead, path, _dead_order)

@@ -86,15 +86,16 @@ def open_binary(path: str) -> Iterator[IO[bytes]]:
       # name (data.jsonl) is read too, not turned into a dead letter per line of bad UTF-8.
       f = gzip.open(local, "rb")
     elif FileSystems is not None:
-      if not FileSystems.exists(path):  # object stores raise assorted errors for a missing key
+      where = path if local is None else local  # (Beam knows no "file" scheme)
+      if not FileSystems.exists(where):  # object stores raise assorted errors for a missing key
         raise FileNotFoundError(path)
       ext = next((e for e in _DECOMPRESSORS if path.lower().endswith(e)), None)
       if ext is None:
-        f = FileSystems.open(path)
+        f = FileSystems.open(where)
       else:  # (Beam's readers stop quietly where a cut archive ends, gzip's too)
         from apache_beam.io.filesystem import CompressionTypes  # pylint: disable=g-import-not-at-top
         f = io.BufferedReader(_Decompressed(
-            FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED), ext),
+            FileSystems.open(where, compression_type=CompressionTypes.UNCOMPRESSED), ext),
             1 << 16)
     elif _SCHEME_RE.match(path) and not path.startswith("file://"):
       raise RuntimeError(f"reading {path!r} needs apache-beam with the scheme's extra")

@@ -799,6 +799,10 @@ def test_relative_paths_through_a_link_and_dotdot_name_what_the_os_resolves(tmp_
   monkeypatch.chdir(tmp_path / "cwd")
   summary = _run(_config("lnk/../data.jsonl"), "lnk/../out")
   assert summary["examples"] == 3
+  # A file:// URL is the local path (it failed in Beam's file systems, which know no "file"
+  # scheme: "pip install apache-beam[gcp]"), relative ones from here too.
+  for url in ("file://lnk/../data.jsonl", f"file://{tmp_path}/elsewhere/data.jsonl"):
+    assert _run(_config(url), tmp_path / "url")["examples"] == 3
   records = [json.loads(l) for l in (tmp_path / "elsewhere" / "out" / "results.jsonl").read_text().splitlines()]
   assert [r["reference"] for r in records] == [a for _, a in Q]
   assert not (tmp_path / "cwd" / "out").exists()

@@ -450,6 +450,25 @@ def test_records_of_examples_the_launcher_did_not_read_stop_the_run(finished, tm
                          str(tmp_path / "r.jsonl"))
 
 
+def test_planned_samples_without_a_record_or_dead_letter_stop_the_run(finished, tmp_path):
+  # A cluster's workers that read fewer examples (an older copy, the same first lines): the
+  # missing samples were left out of the summary, exit 0.
+  from pipelines.beam.pipeline import plan_items, build_plan, check_every_item_accounted
+  from pipelines.datasets import DatasetChangedError
+  records = _records(finished[1])
+  items, _ = plan_items(build_plan(_config(finished[0]), str(tmp_path / "x")))
+  check_every_item_accounted(records, [], items, "r.jsonl")  # all there
+  gone = records[-1]
+  dead = [{"stage": "inference", "reason": "too long", "key": gone["key"]},
+          {"stage": "input", "reason": "bad line"}]
+  check_every_item_accounted(records[:-1], dead, items, "r.jsonl")  # a dead letter names it
+  with pytest.raises(DatasetChangedError, match=r"^r\.jsonl: 1 planned samples have no record "
+                                                r"and no dead letter: "):
+    check_every_item_accounted(records[:-1], dead[1:], items, "r.jsonl")
+  # A failure no item could be named for: the count is unknown, nothing refused.
+  check_every_item_accounted(records[:-1], [{"stage": "scoring", "reason": "?"}], items, "r")
+
+
 def test_reconciling_reads_only_records_the_store_lists(finished, tmp_path):
   # The items without a record are mostly dead letters: each took a store read (on a
   # remote store, an exists and an open request per item). Now one listing, and a read

@@ -49,6 +49,13 @@ def test_good_lines_become_examples(gsm_file):
   assert second.reference == "1235"  # comma stripped
 
 
+def test_a_file_url_is_the_local_file(gsm_file):
+  # It failed in Beam's file systems, which know no "file" scheme ("pip install
+  # apache-beam[gcp]"), where the output directory's file:// was read as the local path.
+  ids = lambda path: [r.id for r in gsm8k.read_gsm8k_jsonl(path) if isinstance(r, Example)]
+  assert ids(f"file://{gsm_file}") == ids(gsm_file) == ["gsm8k/test/0", "gsm8k/test/7"]
+
+
 def test_malformed_lines_become_dead_letters_with_line_numbers(gsm_file):
   out = list(gsm8k.read_gsm8k_jsonl(gsm_file))
   dead = [r for r in out if isinstance(r, DeadLetter)]
