@@ -214,7 +214,7 @@ def _split_k(programs: int, loop_iters: int, target_programs: int, most: int) ->
 
 
 def check_tiling(kernel: str, name: str, value, default: int | None, *, block: bool = False,
-            minimum: int = 16) -> int | None:
+                 minimum: int = 16) -> int | None:
   """A tiling override (None: `default`): an int >= 1; a block size also a power of two of
   at least `minimum` (Triton's tiles), named in one line where it is not."""
   if value is None:

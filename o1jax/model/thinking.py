@@ -286,5 +286,5 @@ def hits_stop(reader: SpanReader | None, generated: Sequence[int], stop: Sequenc
     width *= 2
   # A character still unfinished at the end reads U+FFFD: not text yet (a stop "\ufffd",
   # meant for bad bytes, cut every sample at the first byte of its first CJK character or
-  # emoji). A real U+FFFD there is seen with the next token.
-  return any(s in text.rstrip("\ufffd") for s in stop)
+  # emoji). A real U+FFFD there is seen with the next token. (`cut_at_stop`'s rule.)
+  return len(cut_at_stop(text, stop)) < len(text)

@@ -451,8 +451,9 @@ class DaskRunner(_BeamDaskRunner):
       if cluster is not None:
         cluster.close()
       where = beams.get("address") or beams.get("scheduler_file")
-      raise SchedulerUnreachableError(f"dask scheduler {where} cannot be reached: "
-                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+      raise SchedulerUnreachableError(
+          f"dask scheduler {where} cannot be reached: "
+          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     try:
       if cluster is None:  # a cluster being started may not have its workers yet
         wait_s = beams.get("timeout") if isinstance(beams.get("timeout"), int) else 60

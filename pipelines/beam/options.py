@@ -24,17 +24,16 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 WORKER_PLUGIN = "pipelines.beam.worker"  # imported by each worker process at start-up
 DASK_RUNNER = "pipelines.beam.dask_runner.DaskRunner"
-
-
-class SchedulerUnreachableError(ValueError):
-  """The Dask scheduler a job was given could not be reached: nothing ran (bad input, not a
-  connection lost during the run)."""
-
 # (Beam's own Dask runner by its path means ours too: its translation drops a DoFn's
 # finish_bundle outputs and ends this job in a TypeError)
 DASK_NAMES = ("dask", "DaskRunner", DASK_RUNNER, "apache_beam.runners.dask.dask_runner.DaskRunner")
 RUNNERS = ("DirectRunner", "dask", "DataflowRunner", "FlinkRunner", "SparkRunner", "PrismRunner",
            "PortableRunner")
+
+
+class SchedulerUnreachableError(ValueError):
+  """The Dask scheduler a job was given could not be reached: nothing ran (bad input, not a
+  connection lost during the run)."""
 
 
 def runner_name(name, key: str = "runner.name") -> str:
